@@ -1,0 +1,204 @@
+//! Starting and stopping levee: listeners, watcher, signals, drain.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+
+use crate::config::{Diagnostics, PolicyStore, ReloadTrigger};
+use crate::metrics::Metrics;
+use crate::proxy::{self, server, Shared};
+
+/// How to run levee.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Directory of `*.toml` policy files. Default `policies`.
+    pub policies: PathBuf,
+    /// Reload when files in the directory change. Default true.
+    pub watch: bool,
+    /// Quiet time before a file change is reloaded. Default 200ms.
+    pub debounce: Duration,
+}
+
+impl Options {
+    pub fn new(policies: impl Into<PathBuf>) -> Options {
+        Options {
+            policies: policies.into(),
+            watch: true,
+            debounce: crate::config::watch::DEFAULT_DEBOUNCE,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("the policy has errors:\n{0}")]
+    Policy(Diagnostics),
+    #[error("cannot listen on {addr} ({which}): {source}")]
+    Listen {
+        which: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// A running levee. Dropping it does not stop it; call [`Running::shutdown`] and
+/// [`Running::wait`].
+pub struct Running {
+    pub public_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub shared: Arc<Shared>,
+    shutdown: watch::Sender<bool>,
+    done: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Starts the drain: `/readyz` turns 503 at once, the listeners close after `drain`,
+    /// in-flight requests get up to `shutdown_timeout` to finish. Same as SIGTERM.
+    pub fn shutdown(&self) {
+        let _ = self.shutdown.send(true);
+    }
+
+    pub fn store(&self) -> &Arc<PolicyStore> {
+        &self.shared.store
+    }
+
+    /// Waits until levee has stopped.
+    pub async fn wait(self) {
+        let _ = self.done.await;
+    }
+}
+
+/// Loads the policy, binds both listeners and starts serving.
+pub async fn start(options: Options) -> Result<Running, StartError> {
+    let metrics = Arc::new(Metrics::new());
+    let store = Arc::new(
+        PolicyStore::open(&options.policies, metrics.clone()).map_err(StartError::Policy)?,
+    );
+    let policy = store.load();
+    let bind = |which: &'static str, addr: SocketAddr| async move {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Listen {
+                which,
+                addr,
+                source,
+            })
+    };
+    let public = bind("server.listen", policy.server.listen).await?;
+    let admin = bind("admin.listen", policy.admin.listen).await?;
+    let public_addr = public.local_addr().map_err(|source| StartError::Listen {
+        which: "server.listen",
+        addr: policy.server.listen,
+        source,
+    })?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Listen {
+        which: "admin.listen",
+        addr: policy.admin.listen,
+        source,
+    })?;
+
+    let shared = Arc::new(Shared {
+        store: store.clone(),
+        metrics,
+        draining: AtomicBool::new(false),
+    });
+    let (stop_accepting, stop) = watch::channel(false);
+    let (alive, mut all_closed) = mpsc::channel::<()>(1);
+
+    let public_shared = shared.clone();
+    let public_task = tokio::spawn(server::serve(
+        public,
+        store.clone(),
+        move |peer, request| proxy::handle(public_shared.clone(), peer, request),
+        stop.clone(),
+        alive.clone(),
+    ));
+    let admin_shared = shared.clone();
+    let admin_task = tokio::spawn(server::serve(
+        admin,
+        store.clone(),
+        move |_peer, request| crate::admin::handle(admin_shared.clone(), request),
+        stop.clone(),
+        alive,
+    ));
+    if options.watch {
+        crate::config::watch::spawn_watcher(store.clone(), options.debounce, stop.clone());
+    }
+    tracing::info!(
+        public = %public_addr,
+        admin = %admin_addr,
+        policies = %options.policies.display(),
+        generation = policy.generation,
+        hash = %policy.hash,
+        routes = policy.routes.routes.len(),
+        upstreams = policy.upstreams.len(),
+        "levee is listening"
+    );
+
+    let (shutdown, mut shutdown_requested) = watch::channel(false);
+    let lifecycle_shared = shared.clone();
+    let done = tokio::spawn(async move {
+        let _ = shutdown_requested.wait_for(|requested| *requested).await;
+        let settings = lifecycle_shared.store.load().server.clone();
+        lifecycle_shared.draining.store(true, Ordering::Relaxed);
+        tracing::info!(drain = ?settings.drain, "shutting down: /readyz now answers 503, still serving");
+        tokio::time::sleep(settings.drain).await;
+        tracing::info!("drain over: no longer accepting connections");
+        let _ = stop_accepting.send(true);
+        let _ = public_task.await;
+        let _ = admin_task.await;
+        // `recv` yields None once every connection task has dropped its sender.
+        if tokio::time::timeout(settings.shutdown_timeout, all_closed.recv())
+            .await
+            .is_err()
+        {
+            tracing::warn!(timeout = ?settings.shutdown_timeout, "in-flight requests did not finish in time; stopping anyway");
+        }
+        tracing::info!("levee stopped");
+    });
+
+    Ok(Running {
+        public_addr,
+        admin_addr,
+        shared,
+        shutdown,
+        done,
+    })
+}
+
+/// Runs until SIGTERM or SIGINT, reloading on SIGHUP.
+pub async fn run(options: Options) -> Result<(), StartError> {
+    let running = start(options).await?;
+    let store = running.store().clone();
+    tokio::spawn(async move {
+        let Ok(mut hangups) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        else {
+            tracing::warn!("cannot listen for SIGHUP; reload with the watcher or POST /reload");
+            return;
+        };
+        while hangups.recv().await.is_some() {
+            let _ = store.reload(ReloadTrigger::Sighup).await;
+        }
+    });
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = terminate => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    }
+    running.shutdown();
+    running.wait().await;
+    Ok(())
+}

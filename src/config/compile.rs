@@ -1,0 +1,893 @@
+//! Compiling policy files: read → parse into specs → validate and build a [`Policy`].
+//!
+//! Compilation never stops at the first problem: every error of every file is collected with
+//! its `file:line:col`, so an operator fixes them all in one round, like `nginx -t`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::uri::Scheme;
+use http::{HeaderValue, Method};
+use ipnet::IpNet;
+use sha2::{Digest, Sha256};
+use toml::Spanned;
+
+use super::diag::{Diagnostic, Diagnostics, SourceFile};
+use super::policy::{AdminSettings, Policy, ServerSettings};
+use super::spec::{FileSpec, MatchSpec, RouteSpec, ServerSpec, SizeSpec, UpstreamSpec};
+use super::units::{parse_duration, parse_size};
+use crate::proxy::header::TrustedProxies;
+use crate::proxy::path;
+use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable};
+use crate::proxy::upstream::{Upstream, UpstreamSettings};
+
+/// Name of the implicit route that catches requests no route matches.
+pub const DEFAULT_ROUTE: &str = "default";
+
+/// Reads every `*.toml` file of `dir`, in file-name order.
+pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
+    let entries = std::fs::read_dir(dir).map_err(|error| {
+        Diagnostics(vec![Diagnostic::whole(
+            dir,
+            format!("cannot read policy directory: {error}"),
+        )
+        .hint(
+            "pass the directory that holds the *.toml policy files with --policies DIR",
+        )])
+    })?;
+    let mut paths: Vec<_> = entries
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path.extension().is_some_and(|ext| ext == "toml")
+                && path
+                    .file_name()
+                    .and_then(|name| name.to_str())
+                    .is_some_and(|name| !name.starts_with('.'))
+        })
+        .collect();
+    paths.sort();
+    let mut files = Vec::with_capacity(paths.len());
+    let mut errors = Vec::new();
+    for path in paths {
+        match std::fs::read_to_string(&path) {
+            Ok(text) => files.push(SourceFile { path, text }),
+            Err(error) => errors.push(Diagnostic::whole(&path, format!("cannot read: {error}"))),
+        }
+    }
+    if files.is_empty() && errors.is_empty() {
+        errors.push(
+            Diagnostic::whole(dir, "no *.toml policy files in this directory")
+                .hint("levee needs at least one policy file; see docs/policy.md"),
+        );
+    }
+    if errors.is_empty() {
+        Ok(files)
+    } else {
+        Err(Diagnostics(errors))
+    }
+}
+
+/// Reads and compiles a policy directory. `previous` lets unchanged upstreams keep their
+/// connection pools across a reload.
+pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnostics> {
+    let files = read_dir(dir)?;
+    compile(&files, previous)
+}
+
+/// Hash of file names and contents, shown by `/status` to tell which files are active.
+pub fn policy_hash(files: &[SourceFile]) -> String {
+    let mut hasher = Sha256::new();
+    for file in files {
+        let name = file
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default();
+        hasher.update(name.as_bytes());
+        hasher.update([0]);
+        hasher.update(file.text.as_bytes());
+        hasher.update([0]);
+    }
+    let digest = hasher.finalize();
+    digest
+        .iter()
+        .take(8)
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+/// Collects diagnostics while compiling.
+struct Compiler<'a> {
+    files: &'a [SourceFile],
+    errors: Vec<Diagnostic>,
+}
+
+impl<'a> Compiler<'a> {
+    fn error(
+        &mut self,
+        file: usize,
+        span: Range<usize>,
+        message: impl Into<String>,
+    ) -> &mut Diagnostic {
+        self.errors
+            .push(Diagnostic::at(&self.files[file], span, message));
+        let last = self.errors.len() - 1;
+        &mut self.errors[last]
+    }
+
+    fn error_hint(
+        &mut self,
+        file: usize,
+        span: Range<usize>,
+        message: impl Into<String>,
+        hint: impl Into<String>,
+    ) {
+        let diagnostic = self.error(file, span, message);
+        diagnostic.hint = Some(hint.into());
+    }
+
+    fn location(&self, file: usize, span: &Range<usize>) -> String {
+        Diagnostic::at(&self.files[file], span.clone(), "").location()
+    }
+
+    fn duration(
+        &mut self,
+        file: usize,
+        value: &Option<Spanned<String>>,
+        default: Duration,
+    ) -> Duration {
+        let Some(value) = value else { return default };
+        match parse_duration(value.get_ref()) {
+            Ok(duration) => duration,
+            Err(message) => {
+                self.error_hint(
+                    file,
+                    value.span(),
+                    message,
+                    "write a number with a unit: \"250ms\", \"10s\", \"5m\", \"1h\"",
+                );
+                default
+            }
+        }
+    }
+
+    fn size(&mut self, file: usize, value: &Option<Spanned<SizeSpec>>, default: u64) -> u64 {
+        let Some(value) = value else { return default };
+        match parse_size(value.get_ref()) {
+            Ok(size) => size,
+            Err(message) => {
+                self.error_hint(
+                    file,
+                    value.span(),
+                    message,
+                    "write bytes as a number or with a unit: \"16KiB\", \"10MB\"",
+                );
+                default
+            }
+        }
+    }
+
+    fn socket_addr(
+        &mut self,
+        file: usize,
+        value: &Option<Spanned<String>>,
+        default: SocketAddr,
+    ) -> SocketAddr {
+        let Some(value) = value else { return default };
+        match value.get_ref().parse() {
+            Ok(addr) => addr,
+            Err(_) => {
+                self.error_hint(
+                    file,
+                    value.span(),
+                    format!("`{}` is not an address and port", value.get_ref()),
+                    "write it as \"127.0.0.1:8080\" or \"[::1]:8080\"",
+                );
+                default
+            }
+        }
+    }
+}
+
+/// Compiles parsed files into a policy, or returns every error found.
+pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy, Diagnostics> {
+    let mut compiler = Compiler {
+        files,
+        errors: Vec::new(),
+    };
+
+    // Parse every file; a file that does not parse still lets the others be checked.
+    let mut specs: Vec<(usize, FileSpec)> = Vec::new();
+    for (index, file) in files.iter().enumerate() {
+        match toml::from_str::<FileSpec>(&file.text) {
+            Ok(spec) => specs.push((index, spec)),
+            Err(error) => {
+                let span = error.span().unwrap_or(0..0);
+                let message = error.message().trim().to_string();
+                let hint = if message.contains("unknown field") {
+                    "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing"
+                } else {
+                    "this is not valid TOML for a levee policy; see docs/policy.md"
+                };
+                compiler.error_hint(index, span, message, hint);
+            }
+        }
+    }
+
+    // Merge files: sections that may appear once, names that must be unique.
+    let mut server: Option<(usize, Spanned<ServerSpec>)> = None;
+    let mut admin: Option<(usize, Spanned<super::spec::AdminSpec>)> = None;
+    let mut upstream_specs: BTreeMap<String, (usize, Spanned<UpstreamSpec>)> = BTreeMap::new();
+    let mut route_specs: Vec<(usize, Spanned<RouteSpec>)> = Vec::new();
+    for (index, spec) in specs {
+        if let Some(section) = spec.server {
+            if let Some((first, first_spec)) = &server {
+                let other = compiler.location(*first, &first_spec.span());
+                compiler.error_hint(
+                    index,
+                    section.span(),
+                    "[server] is defined twice",
+                    format!("the first one is at {other}; keep one"),
+                );
+            } else {
+                server = Some((index, section));
+            }
+        }
+        if let Some(section) = spec.admin {
+            if let Some((first, first_spec)) = &admin {
+                let other = compiler.location(*first, &first_spec.span());
+                compiler.error_hint(
+                    index,
+                    section.span(),
+                    "[admin] is defined twice",
+                    format!("the first one is at {other}; keep one"),
+                );
+            } else {
+                admin = Some((index, section));
+            }
+        }
+        for (name, upstream) in spec.upstream {
+            if let Some((first, first_spec)) = upstream_specs.get(&name) {
+                let other = compiler.location(*first, &first_spec.span());
+                compiler.error_hint(
+                    index,
+                    upstream.span(),
+                    format!("upstream `{name}` is defined twice"),
+                    format!("the first one is at {other}; rename or remove one"),
+                );
+            } else {
+                upstream_specs.insert(name, (index, upstream));
+            }
+        }
+        route_specs.extend(spec.route.into_iter().map(|route| (index, route)));
+    }
+
+    let server_settings = match &server {
+        Some((file, spec)) => compile_server(&mut compiler, *file, spec.get_ref()),
+        None => ServerSettings::default(),
+    };
+    let admin_settings = match &admin {
+        Some((file, spec)) => AdminSettings {
+            listen: compiler.socket_addr(
+                *file,
+                &spec.get_ref().listen,
+                AdminSettings::default().listen,
+            ),
+        },
+        None => AdminSettings::default(),
+    };
+    if admin_settings.listen == server_settings.listen && admin_settings.listen.port() != 0 {
+        let (file, span) = admin
+            .as_ref()
+            .map(|(file, spec)| (*file, spec.span()))
+            .unwrap_or((0, 0..0));
+        compiler.error_hint(
+            file,
+            span,
+            "the admin listener uses the same address as the public one",
+            "give [admin] listen its own port; admin must never be on the public listener",
+        );
+    }
+
+    let mut upstreams: BTreeMap<String, Arc<Upstream>> = BTreeMap::new();
+    for (name, (file, spec)) in &upstream_specs {
+        if let Some(settings) = compile_upstream(&mut compiler, *file, name, spec) {
+            // Keep the running upstream (and its warm pool) when nothing about it changed.
+            let reused = previous
+                .and_then(|policy| policy.upstreams.get(name))
+                .filter(|old| old.settings == settings)
+                .cloned();
+            let upstream =
+                reused.unwrap_or_else(|| Arc::new(Upstream::new(name.clone(), settings)));
+            upstreams.insert(name.clone(), upstream);
+        }
+    }
+
+    let default_upstream = match server.as_ref().and_then(|(file, spec)| {
+        spec.get_ref()
+            .default_upstream
+            .as_ref()
+            .map(|name| (*file, name))
+    }) {
+        Some((file, name)) => {
+            if !upstream_specs.contains_key(name.get_ref()) {
+                let known = known_names(&upstream_specs);
+                compiler.error_hint(
+                    file,
+                    name.span(),
+                    format!("default_upstream `{}` is not defined", name.get_ref()),
+                    format!("defined upstreams: {known}"),
+                );
+            }
+            Some(name.get_ref().clone())
+        }
+        None if upstream_specs.len() == 1 => upstream_specs.keys().next().cloned(),
+        None => None,
+    };
+
+    let mut routes = Vec::with_capacity(route_specs.len());
+    let mut route_names: BTreeMap<String, (usize, Range<usize>)> = BTreeMap::new();
+    for (file, spec) in &route_specs {
+        let route = compile_route(
+            &mut compiler,
+            *file,
+            spec,
+            &server_settings,
+            &upstreams,
+            &upstream_specs,
+            default_upstream.as_deref(),
+            &mut route_names,
+        );
+        if let Some(route) = route {
+            routes.push(Arc::new(route));
+        }
+    }
+    let fallback = default_upstream
+        .as_ref()
+        .and_then(|name| upstreams.get(name))
+        .map(|upstream| {
+            Arc::new(Route {
+                name: RouteName(Arc::from(DEFAULT_ROUTE)),
+                hosts: Vec::new(),
+                methods: Vec::new(),
+                path: PathMatch::Any,
+                upstream: upstream.clone(),
+                max_body: server_settings.max_body,
+            })
+        });
+
+    if !compiler.errors.is_empty() {
+        return Err(Diagnostics(compiler.errors));
+    }
+    Ok(Policy {
+        generation: 0,
+        hash: policy_hash(files),
+        files: files.iter().map(|file| file.path.clone()).collect(),
+        server: server_settings,
+        admin: admin_settings,
+        upstreams,
+        default_upstream,
+        routes: RouteTable { routes, fallback },
+    })
+}
+
+fn known_names<T>(map: &BTreeMap<String, T>) -> String {
+    if map.is_empty() {
+        "none (add an [upstream.NAME] section)".to_string()
+    } else {
+        map.keys()
+            .map(|name| format!("`{name}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -> ServerSettings {
+    let defaults = ServerSettings::default();
+    let trusted_proxies = match &spec.trusted_proxies {
+        None => defaults.trusted_proxies.clone(),
+        Some(list) => {
+            let mut nets = Vec::with_capacity(list.len());
+            for entry in list {
+                let text = entry.get_ref().trim();
+                let parsed = text
+                    .parse::<IpNet>()
+                    .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
+                match parsed {
+                    Ok(net) => nets.push(net),
+                    Err(_) => compiler.error_hint(
+                        file,
+                        entry.span(),
+                        format!("`{text}` is not an IP address or CIDR range"),
+                        "write \"127.0.0.1/32\", \"10.0.0.0/8\" or \"::1/128\"",
+                    ),
+                }
+            }
+            TrustedProxies(nets)
+        }
+    };
+    let max_header_bytes = compiler.size(
+        file,
+        &spec.max_header_bytes,
+        defaults.max_header_bytes as u64,
+    );
+    let max_header_bytes = usize::try_from(max_header_bytes).unwrap_or(usize::MAX);
+    if let Some(value) = &spec.max_header_bytes {
+        if !(1024..=1024 * 1024).contains(&max_header_bytes) {
+            compiler.error_hint(
+                file,
+                value.span(),
+                "max_header_bytes must be between 1KiB and 1MiB",
+                "the default, 16KiB, suits almost every site",
+            );
+        }
+    }
+    let mut path_setting = |value: &Option<Spanned<String>>, default: &str| -> String {
+        match value {
+            None => default.to_string(),
+            Some(path) if path.get_ref().starts_with('/') => path.get_ref().clone(),
+            Some(path) => {
+                compiler.error_hint(
+                    file,
+                    path.span(),
+                    format!("`{}` is not a path", path.get_ref()),
+                    "health paths start with '/', like \"/livez\"",
+                );
+                default.to_string()
+            }
+        }
+    };
+    let livez_path = path_setting(&spec.livez_path, &defaults.livez_path);
+    let readyz_path = path_setting(&spec.readyz_path, &defaults.readyz_path);
+    ServerSettings {
+        listen: compiler.socket_addr(file, &spec.listen, defaults.listen),
+        trusted_proxies,
+        header_read_timeout: compiler.duration(
+            file,
+            &spec.header_read_timeout,
+            defaults.header_read_timeout,
+        ),
+        max_header_bytes,
+        max_body: compiler.size(file, &spec.max_body, defaults.max_body),
+        client_body_timeout: compiler.duration(
+            file,
+            &spec.client_body_timeout,
+            defaults.client_body_timeout,
+        ),
+        drain: compiler.duration(file, &spec.drain, defaults.drain),
+        shutdown_timeout: compiler.duration(
+            file,
+            &spec.shutdown_timeout,
+            defaults.shutdown_timeout,
+        ),
+        livez_path,
+        readyz_path,
+        access_log: spec.access_log.unwrap_or(defaults.access_log),
+    }
+}
+
+fn compile_upstream(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    name: &str,
+    spec: &Spanned<UpstreamSpec>,
+) -> Option<UpstreamSettings> {
+    let inner = spec.get_ref();
+    let Some(url) = &inner.url else {
+        compiler.error_hint(
+            file,
+            spec.span(),
+            format!("upstream `{name}` has no url"),
+            "add url = \"http://127.0.0.1:8081\"",
+        );
+        return None;
+    };
+    let uri: http::Uri = match url.get_ref().parse() {
+        Ok(uri) => uri,
+        Err(error) => {
+            compiler.error_hint(
+                file,
+                url.span(),
+                format!("`{}` is not a URL: {error}", url.get_ref()),
+                "write it as \"http://127.0.0.1:8081\"",
+            );
+            return None;
+        }
+    };
+    let (Some(scheme), Some(authority)) = (uri.scheme().cloned(), uri.authority().cloned()) else {
+        compiler.error_hint(
+            file,
+            url.span(),
+            format!("`{}` needs a scheme and a host", url.get_ref()),
+            "write it as \"http://127.0.0.1:8081\"",
+        );
+        return None;
+    };
+    if scheme != Scheme::HTTP {
+        compiler.error_hint(
+            file,
+            url.span(),
+            format!("upstream scheme `{scheme}` is not supported yet"),
+            "use an http:// URL",
+        );
+        return None;
+    }
+    if uri.path_and_query().is_some_and(|pq| pq.as_str() != "/") {
+        compiler.error_hint(
+            file,
+            url.span(),
+            "an upstream URL cannot have a path or query",
+            "levee forwards the client's own path; write only scheme, host and port",
+        );
+        return None;
+    }
+    let host = match &inner.host {
+        None => None,
+        Some(host) => match HeaderValue::from_str(host.get_ref()) {
+            Ok(value) if !host.get_ref().is_empty() => Some(value),
+            _ => {
+                compiler.error(
+                    file,
+                    host.span(),
+                    format!("`{}` is not a valid Host header value", host.get_ref()),
+                );
+                None
+            }
+        },
+    };
+    let pool_max_idle = inner
+        .pool_max_idle
+        .as_ref()
+        .map_or(256, |value| *value.get_ref() as usize);
+    Some(UpstreamSettings {
+        scheme,
+        authority,
+        host,
+        connect_timeout: compiler.duration(file, &inner.connect_timeout, Duration::from_secs(2)),
+        response_timeout: compiler.duration(file, &inner.response_timeout, Duration::from_secs(30)),
+        idle_body_timeout: compiler.duration(
+            file,
+            &inner.idle_body_timeout,
+            Duration::from_secs(30),
+        ),
+        pool_idle_timeout: compiler.duration(
+            file,
+            &inner.pool_idle_timeout,
+            Duration::from_secs(90),
+        ),
+        pool_max_idle,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn compile_route(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Spanned<RouteSpec>,
+    server: &ServerSettings,
+    upstreams: &BTreeMap<String, Arc<Upstream>>,
+    upstream_specs: &BTreeMap<String, (usize, Spanned<UpstreamSpec>)>,
+    default_upstream: Option<&str>,
+    names: &mut BTreeMap<String, (usize, Range<usize>)>,
+) -> Option<Route> {
+    let inner = spec.get_ref();
+    let name = match &inner.name {
+        None => {
+            compiler.error_hint(
+                file,
+                spec.span(),
+                "route has no name",
+                "add name = \"...\"; names appear in logs, metrics and /status",
+            );
+            return None;
+        }
+        Some(name) => name,
+    };
+    if name.get_ref() == DEFAULT_ROUTE {
+        compiler.error_hint(
+            file,
+            name.span(),
+            "route name `default` is reserved",
+            "it names the route of requests no route matches; pick another name",
+        );
+    } else if name.get_ref().is_empty() {
+        compiler.error(file, name.span(), "route name is empty");
+    }
+    if let Some((first_file, first_span)) = names.get(name.get_ref()) {
+        let other = compiler.location(*first_file, first_span);
+        compiler.error_hint(
+            file,
+            name.span(),
+            format!("route `{}` is defined twice", name.get_ref()),
+            format!("the first one is at {other}; route names must be unique"),
+        );
+    } else {
+        names.insert(name.get_ref().clone(), (file, name.span()));
+    }
+
+    let (hosts, methods, path) = match &inner.matcher {
+        None => (Vec::new(), Vec::new(), PathMatch::Any),
+        Some(matcher) => compile_match(compiler, file, matcher)?,
+    };
+
+    let upstream_name = match &inner.upstream {
+        Some(upstream) => {
+            if !upstream_specs.contains_key(upstream.get_ref()) {
+                let known = known_names(upstream_specs);
+                compiler.error_hint(
+                    file,
+                    upstream.span(),
+                    format!("upstream `{}` is not defined", upstream.get_ref()),
+                    format!("defined upstreams: {known}"),
+                );
+                return None;
+            }
+            upstream.get_ref().as_str()
+        }
+        None => match default_upstream {
+            Some(name) => name,
+            None => {
+                compiler.error_hint(
+                    file,
+                    spec.span(),
+                    format!(
+                        "route `{}` has no upstream and there is no default",
+                        name.get_ref()
+                    ),
+                    "add upstream = \"NAME\", or set [server] default_upstream",
+                );
+                return None;
+            }
+        },
+    };
+    // A defined upstream that failed to compile has already been reported.
+    let upstream = upstreams.get(upstream_name)?.clone();
+    Some(Route {
+        name: RouteName(Arc::from(name.get_ref().as_str())),
+        hosts,
+        methods,
+        path,
+        upstream,
+        max_body: compiler.size(file, &inner.max_body, server.max_body),
+    })
+}
+
+fn compile_match(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    matcher: &Spanned<MatchSpec>,
+) -> Option<(Vec<HostMatch>, Vec<Method>, PathMatch)> {
+    let spec = matcher.get_ref();
+    let hosts = spec
+        .host
+        .as_ref()
+        .map(|hosts| {
+            hosts
+                .get_ref()
+                .clone()
+                .into_vec()
+                .iter()
+                .map(|host| HostMatch::parse(host))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut methods = Vec::new();
+    if let Some(list) = &spec.method {
+        for method in list.get_ref().clone().into_vec() {
+            match Method::from_bytes(method.to_ascii_uppercase().as_bytes()) {
+                Ok(parsed) => methods.push(parsed),
+                Err(_) => {
+                    compiler.error(
+                        file,
+                        list.span(),
+                        format!("`{method}` is not an HTTP method"),
+                    );
+                }
+            }
+        }
+    }
+    let given = [
+        spec.path.is_some(),
+        spec.path_prefix.is_some(),
+        spec.path_regex.is_some(),
+    ]
+    .iter()
+    .filter(|given| **given)
+    .count();
+    if given > 1 {
+        compiler.error_hint(
+            file,
+            matcher.span(),
+            "a route matches on at most one of path, path_prefix, path_regex",
+            "split it into two routes, or use path_regex",
+        );
+        return None;
+    }
+    let path = if let Some(exact) = &spec.path {
+        PathMatch::Exact(compile_literal_path(compiler, file, exact)?)
+    } else if let Some(prefix) = &spec.path_prefix {
+        PathMatch::Prefix(compile_literal_path(compiler, file, prefix)?)
+    } else if let Some(pattern) = &spec.path_regex {
+        match regex::Regex::new(pattern.get_ref()) {
+            Ok(regex) => PathMatch::Regex(regex),
+            Err(error) => {
+                let first_line = error
+                    .to_string()
+                    .lines()
+                    .last()
+                    .unwrap_or("invalid")
+                    .trim()
+                    .to_string();
+                compiler.error_hint(
+                    file,
+                    pattern.span(),
+                    format!("invalid path_regex: {first_line}"),
+                    "the regex is matched against the normalised path, e.g. \"^/user/[0-9]+$\"",
+                );
+                return None;
+            }
+        }
+    } else {
+        PathMatch::Any
+    };
+    Some((hosts, methods, path))
+}
+
+/// Route paths are normalised like request paths, so they match what the backend sees.
+fn compile_literal_path(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    value: &Spanned<String>,
+) -> Option<String> {
+    match path::normalise(value.get_ref()) {
+        Ok(normal) => Some(normal.into_owned()),
+        Err(error) => {
+            compiler.error_hint(
+                file,
+                value.span(),
+                format!("`{}`: {error}", value.get_ref()),
+                "route paths start with '/', like \"/post.php\"",
+            );
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files(sources: &[(&str, &str)]) -> Vec<SourceFile> {
+        sources
+            .iter()
+            .map(|(name, text)| SourceFile {
+                path: (*name).into(),
+                text: (*text).into(),
+            })
+            .collect()
+    }
+
+    fn errors(sources: &[(&str, &str)]) -> Vec<String> {
+        match compile(&files(sources), None) {
+            Ok(_) => Vec::new(),
+            Err(diagnostics) => diagnostics.0.iter().map(|d| d.to_string()).collect(),
+        }
+    }
+
+    const APP: &str = "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n";
+
+    #[test]
+    fn minimal_policy_compiles_with_defaults() {
+        let policy = compile(&files(&[("a.toml", APP)]), None).expect("compiles");
+        assert_eq!(policy.default_upstream.as_deref(), Some("app"));
+        assert_eq!(policy.server.max_header_bytes, 16 * 1024);
+        assert!(policy.routes.fallback.is_some());
+        assert_eq!(policy.hash.len(), 16);
+    }
+
+    #[test]
+    fn unknown_keys_point_at_their_line() {
+        let errors = errors(&[("a.toml", "[server]\nlisten = \"127.0.0.1:1\"\nlistn = 3\n")]);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with("a.toml:3:1: error: unknown field `listn`"),
+            "{}",
+            errors[0]
+        );
+    }
+
+    #[test]
+    fn all_errors_are_collected_across_files() {
+        let errors = errors(&[
+            ("a.toml", "[[route]]\nname = \"x\"\nupstream = \"nope\"\n"),
+            ("b.toml", "[server]\nheader_read_timeout = \"10 parsecs\"\n"),
+            ("c.toml", "this is not toml"),
+        ]);
+        assert_eq!(errors.len(), 3, "{errors:?}");
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.starts_with("a.toml:3:12: error: upstream `nope` is not defined")),
+            "{errors:?}"
+        );
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.starts_with("b.toml:2:23: error: unknown duration unit")),
+            "{errors:?}"
+        );
+        assert!(
+            errors.iter().any(|e| e.starts_with("c.toml:1:")),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn duplicate_names_name_both_places() {
+        let route = "[[route]]\nname = \"home\"\nmatch = { path = \"/\" }\n";
+        let errors = errors(&[
+            ("a.toml", &format!("{APP}{route}")),
+            ("b.toml", route),
+            ("c.toml", APP),
+        ]);
+        assert!(
+            errors.iter().any(
+                |e| e.contains("b.toml:2:8: error: route `home` is defined twice")
+                    && e.contains("a.toml:4:8")
+            ),
+            "{errors:?}"
+        );
+        assert!(
+            errors.iter().any(
+                |e| e.contains("c.toml:1:1: error: upstream `app` is defined twice")
+                    && e.contains("a.toml")
+            ),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn route_matching_uses_order_and_normalised_paths() {
+        let policy = compile(
+            &files(&[(
+                "a.toml",
+                &format!("{APP}[[route]]\nname = \"rank\"\nmatch = {{ path_prefix = \"/ranking\" }}\n[[route]]\nname = \"post\"\nmatch = {{ method = [\"post\"], path = \"/post.php\" }}\n"),
+            )]),
+            None,
+        )
+        .expect("compiles");
+        let find = |method: Method, path: &str| {
+            policy
+                .routes
+                .find(None, &method, path)
+                .map(|r| r.name.to_string())
+        };
+        assert_eq!(find(Method::GET, "/ranking/week").as_deref(), Some("rank"));
+        assert_eq!(find(Method::POST, "/post.php").as_deref(), Some("post"));
+        assert_eq!(
+            find(Method::GET, "/post.php").as_deref(),
+            Some(DEFAULT_ROUTE)
+        );
+    }
+
+    #[test]
+    fn unchanged_upstreams_are_reused_across_reloads() {
+        let first = compile(&files(&[("a.toml", APP)]), None).expect("compiles");
+        let second = compile(&files(&[("a.toml", APP)]), Some(&first)).expect("compiles");
+        assert!(Arc::ptr_eq(
+            &first.upstreams["app"],
+            &second.upstreams["app"]
+        ));
+        let changed = format!("{APP}connect_timeout = \"1s\"\n");
+        let third = compile(&files(&[("a.toml", &changed)]), Some(&second)).expect("compiles");
+        assert!(!Arc::ptr_eq(
+            &second.upstreams["app"],
+            &third.upstreams["app"]
+        ));
+    }
+}

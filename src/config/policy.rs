@@ -1,0 +1,86 @@
+//! The compiled, immutable policy. One `Arc<Policy>` is loaded per request and kept to its end.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::proxy::header::TrustedProxies;
+use crate::proxy::route::RouteTable;
+use crate::proxy::upstream::Upstream;
+
+/// A compiled policy snapshot. Never mutated after it is swapped in.
+#[derive(Debug)]
+pub struct Policy {
+    /// Counts successful loads since start; 1 is the policy levee started with.
+    pub generation: u64,
+    /// Short hash of the policy files' names and contents.
+    pub hash: String,
+    pub files: Vec<PathBuf>,
+    pub server: ServerSettings,
+    pub admin: AdminSettings,
+    pub upstreams: BTreeMap<String, Arc<Upstream>>,
+    pub default_upstream: Option<String>,
+    pub routes: RouteTable,
+}
+
+/// `[server]`, with defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerSettings {
+    /// Default `127.0.0.1:8080`. Read at start; a change needs a restart.
+    pub listen: SocketAddr,
+    /// Default loopback only.
+    pub trusted_proxies: TrustedProxies,
+    /// Time a client has to send its whole request head. Default 10s.
+    pub header_read_timeout: Duration,
+    /// Total request header bytes accepted (431 above). Default 16 KiB.
+    pub max_header_bytes: usize,
+    /// Default body limit of routes that set none (413 above). Default 10 MiB.
+    pub max_body: u64,
+    /// Longest pause inside a request body. Default 30s.
+    pub client_body_timeout: Duration,
+    /// How long `/readyz` says 503 before levee stops accepting. Default 5s.
+    pub drain: Duration,
+    /// Longest wait for in-flight requests after drain. Default 30s.
+    pub shutdown_timeout: Duration,
+    /// Default `/livez`.
+    pub livez_path: String,
+    /// Default `/readyz`.
+    pub readyz_path: String,
+    /// One log line per request. Default true.
+    pub access_log: bool,
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        ServerSettings {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            trusted_proxies: TrustedProxies::default(),
+            header_read_timeout: Duration::from_secs(10),
+            max_header_bytes: 16 * 1024,
+            max_body: 10 * 1024 * 1024,
+            client_body_timeout: Duration::from_secs(30),
+            drain: Duration::from_secs(5),
+            shutdown_timeout: Duration::from_secs(30),
+            livez_path: "/livez".into(),
+            readyz_path: "/readyz".into(),
+            access_log: true,
+        }
+    }
+}
+
+/// `[admin]`, with defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdminSettings {
+    /// Default `127.0.0.1:9901`. Read at start; a change needs a restart.
+    pub listen: SocketAddr,
+}
+
+impl Default for AdminSettings {
+    fn default() -> Self {
+        AdminSettings {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9901)),
+        }
+    }
+}

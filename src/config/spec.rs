@@ -1,0 +1,108 @@
+//! Raw policy file types, exactly as operators write them in TOML.
+//!
+//! Every type here is a `…Spec`: it only describes what the file says. Validation, defaults
+//! and cross-references happen in [`super::compile`], which turns specs into a [`super::Policy`].
+//! Unknown keys are errors (`deny_unknown_fields`), so a typo never silently does nothing.
+//! Scalars are wrapped in [`Spanned`] so that compile errors can point at `file:line:col`.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+/// One `*.toml` file of the policy directory.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileSpec {
+    pub server: Option<Spanned<ServerSpec>>,
+    pub admin: Option<Spanned<AdminSpec>>,
+    #[serde(default)]
+    pub upstream: BTreeMap<String, Spanned<UpstreamSpec>>,
+    #[serde(default)]
+    pub route: Vec<Spanned<RouteSpec>>,
+}
+
+/// `[server]`: the public listener and what it accepts.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSpec {
+    pub listen: Option<Spanned<String>>,
+    pub trusted_proxies: Option<Vec<Spanned<String>>>,
+    pub default_upstream: Option<Spanned<String>>,
+    pub header_read_timeout: Option<Spanned<String>>,
+    pub max_header_bytes: Option<Spanned<SizeSpec>>,
+    pub max_body: Option<Spanned<SizeSpec>>,
+    pub client_body_timeout: Option<Spanned<String>>,
+    pub drain: Option<Spanned<String>>,
+    pub shutdown_timeout: Option<Spanned<String>>,
+    pub livez_path: Option<Spanned<String>>,
+    pub readyz_path: Option<Spanned<String>>,
+    pub access_log: Option<bool>,
+}
+
+/// `[admin]`: the operator listener, never the public one.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminSpec {
+    pub listen: Option<Spanned<String>>,
+}
+
+/// `[upstream.NAME]`: a dependency levee forwards to.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamSpec {
+    pub url: Option<Spanned<String>>,
+    pub host: Option<Spanned<String>>,
+    pub connect_timeout: Option<Spanned<String>>,
+    pub response_timeout: Option<Spanned<String>>,
+    pub idle_body_timeout: Option<Spanned<String>>,
+    pub pool_idle_timeout: Option<Spanned<String>>,
+    pub pool_max_idle: Option<Spanned<u32>>,
+}
+
+/// `[[route]]`: which requests go where, first match wins.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteSpec {
+    pub name: Option<Spanned<String>>,
+    #[serde(rename = "match", default)]
+    pub matcher: Option<Spanned<MatchSpec>>,
+    pub upstream: Option<Spanned<String>>,
+    pub max_body: Option<Spanned<SizeSpec>>,
+}
+
+/// `match = { … }` of a route. All given conditions must hold.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MatchSpec {
+    pub host: Option<Spanned<OneOrMany>>,
+    pub method: Option<Spanned<OneOrMany>>,
+    pub path: Option<Spanned<String>>,
+    pub path_prefix: Option<Spanned<String>>,
+    pub path_regex: Option<Spanned<String>>,
+}
+
+/// A value that may be written as one string or a list of strings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(one) => vec![one],
+            OneOrMany::Many(many) => many,
+        }
+    }
+}
+
+/// A byte size: a plain integer, or a string such as `"16KiB"`, `"10MB"`, `"1GiB"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum SizeSpec {
+    Bytes(u64),
+    Text(String),
+}

@@ -1,0 +1,178 @@
+//! The policy store: the one swappable snapshot, and the reload pipeline that replaces it.
+//!
+//! Reload is read → parse → compile (all errors) → swap. On any error the running policy
+//! stays, and the failure is logged, counted and kept for `/status`.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use arc_swap::ArcSwap;
+
+use super::compile::load_dir;
+use super::diag::{Diagnostic, Diagnostics};
+use super::policy::Policy;
+use crate::metrics::Metrics;
+
+/// What asked for a reload; shown in logs and `/status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReloadTrigger {
+    Start,
+    Watch,
+    Sighup,
+    Admin,
+}
+
+/// The last refused reload, for `/status`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReloadFailure {
+    pub at_unix: u64,
+    pub trigger: ReloadTrigger,
+    pub errors: Vec<Diagnostic>,
+}
+
+/// Result of one reload that did not fail.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReloadOutcome {
+    pub generation: u64,
+    pub hash: String,
+    /// False when the files were byte-identical to the active policy (nothing swapped).
+    pub changed: bool,
+}
+
+#[derive(Debug, Default)]
+struct ReloadRecord {
+    last_failure: Option<ReloadFailure>,
+    last_success_unix: Option<u64>,
+}
+
+pub struct PolicyStore {
+    dir: PathBuf,
+    current: ArcSwap<Policy>,
+    /// Serialises reloads so generations are handed out in order.
+    reloading: tokio::sync::Mutex<()>,
+    record: Mutex<ReloadRecord>,
+    metrics: Arc<Metrics>,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs())
+}
+
+impl PolicyStore {
+    /// Loads the policy directory for the first time (generation 1).
+    pub fn open(dir: &Path, metrics: Arc<Metrics>) -> Result<PolicyStore, Diagnostics> {
+        let mut policy = load_dir(dir, None)?;
+        policy.generation = 1;
+        metrics.policy_generation.set(1);
+        Ok(PolicyStore {
+            dir: dir.to_path_buf(),
+            current: ArcSwap::from_pointee(policy),
+            reloading: tokio::sync::Mutex::new(()),
+            record: Mutex::new(ReloadRecord {
+                last_failure: None,
+                last_success_unix: Some(now_unix()),
+            }),
+            metrics,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The active snapshot. Load it once per request and keep it.
+    pub fn load(&self) -> Arc<Policy> {
+        self.current.load_full()
+    }
+
+    pub fn last_failure(&self) -> Option<ReloadFailure> {
+        self.record
+            .lock()
+            .ok()
+            .and_then(|record| record.last_failure.clone())
+    }
+
+    pub fn last_success_unix(&self) -> Option<u64> {
+        self.record
+            .lock()
+            .ok()
+            .and_then(|record| record.last_success_unix)
+    }
+
+    /// Re-reads the directory and swaps in the new policy if it compiles.
+    pub async fn reload(&self, trigger: ReloadTrigger) -> Result<ReloadOutcome, Diagnostics> {
+        let _serialised = self.reloading.lock().await;
+        let previous = self.load();
+        let dir = self.dir.clone();
+        let previous_for_compile = previous.clone();
+        // Reading files and compiling regexes is blocking work; keep it off the request workers.
+        let compiled =
+            tokio::task::spawn_blocking(move || load_dir(&dir, Some(&previous_for_compile)))
+                .await
+                .unwrap_or_else(|join_error| {
+                    Err(Diagnostics(vec![Diagnostic::whole(
+                        &self.dir,
+                        format!("policy compile task failed: {join_error}"),
+                    )]))
+                });
+        match compiled {
+            Ok(mut policy) => {
+                if let Ok(mut record) = self.record.lock() {
+                    record.last_failure = None;
+                    record.last_success_unix = Some(now_unix());
+                }
+                if policy.hash == previous.hash {
+                    tracing::debug!(
+                        ?trigger,
+                        generation = previous.generation,
+                        "policy files unchanged"
+                    );
+                    return Ok(ReloadOutcome {
+                        generation: previous.generation,
+                        hash: previous.hash.clone(),
+                        changed: false,
+                    });
+                }
+                if policy.server.listen != previous.server.listen || policy.admin != previous.admin
+                {
+                    tracing::warn!(
+                        "listen addresses changed in the policy; they take effect after a restart"
+                    );
+                }
+                policy.generation = previous.generation + 1;
+                let outcome = ReloadOutcome {
+                    generation: policy.generation,
+                    hash: policy.hash.clone(),
+                    changed: true,
+                };
+                self.current.store(Arc::new(policy));
+                self.metrics.policy_reloads.inc();
+                self.metrics
+                    .policy_generation
+                    .set(outcome.generation as i64);
+                tracing::info!(?trigger, generation = outcome.generation, hash = %outcome.hash, "policy reloaded");
+                Ok(outcome)
+            }
+            Err(diagnostics) => {
+                self.metrics.policy_reload_failures.inc();
+                tracing::error!(
+                    ?trigger,
+                    active_generation = previous.generation,
+                    "policy reload refused, keeping the active policy:\n{diagnostics}"
+                );
+                if let Ok(mut record) = self.record.lock() {
+                    record.last_failure = Some(ReloadFailure {
+                        at_unix: now_unix(),
+                        trigger,
+                        errors: diagnostics.0.clone(),
+                    });
+                }
+                Err(diagnostics)
+            }
+        }
+    }
+}

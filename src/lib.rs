@@ -1,0 +1,16 @@
+//! levee: a resilience sidecar for legacy PHP sites.
+//!
+//! It sits between the front nginx and the PHP application and keeps the site answering
+//! when traffic grows: shared rate limits, per-dependency circuit breakers, tiered
+//! degradation and safely reloaded policy files. See `README.md` and `docs/`.
+
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod app;
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod proxy;
+
+pub use app::{run, start, Options, Running};

@@ -1,0 +1,118 @@
+//! Prometheus metrics, served as text by the admin listener at `GET /metrics`.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::proxy::route::RouteName;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteStatusLabels {
+    pub route: RouteName,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub route: RouteName,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamErrorLabels {
+    pub upstream: String,
+    pub kind: &'static str,
+}
+
+/// All of levee's metrics. Handles are cheap clones of shared atomics.
+pub struct Metrics {
+    pub registry: Registry,
+    pub requests: Family<RouteStatusLabels, Counter>,
+    pub request_duration: Family<RouteLabels, Histogram>,
+    pub upstream_errors: Family<UpstreamErrorLabels, Counter>,
+    pub inflight: Gauge,
+    pub policy_reloads: Counter,
+    pub policy_reload_failures: Counter,
+    pub policy_generation: Gauge,
+}
+
+fn duration_histogram() -> Histogram {
+    Histogram::new([
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    ])
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("levee");
+        let requests = Family::<RouteStatusLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests answered, by route and status",
+            requests.clone(),
+        );
+        let request_duration = Family::<RouteLabels, Histogram>::new_with_constructor(
+            duration_histogram as fn() -> Histogram,
+        );
+        registry.register(
+            "request_duration_seconds",
+            "Time from request head to the end of the response body, by route",
+            request_duration.clone(),
+        );
+        let upstream_errors = Family::<UpstreamErrorLabels, Counter>::default();
+        registry.register(
+            "upstream_errors",
+            "Failed upstream calls, by upstream and kind (connect, timeout, failed)",
+            upstream_errors.clone(),
+        );
+        let inflight = Gauge::default();
+        registry.register(
+            "inflight_requests",
+            "Requests being handled right now",
+            inflight.clone(),
+        );
+        let policy_reloads = Counter::default();
+        registry.register(
+            "policy_reloads",
+            "Policy reloads that compiled and were swapped in",
+            policy_reloads.clone(),
+        );
+        let policy_reload_failures = Counter::default();
+        registry.register(
+            "policy_reload_failures",
+            "Policy reloads refused because the new files had errors",
+            policy_reload_failures.clone(),
+        );
+        let policy_generation = Gauge::default();
+        registry.register(
+            "policy_generation",
+            "Generation number of the active policy",
+            policy_generation.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            request_duration,
+            upstream_errors,
+            inflight,
+            policy_reloads,
+            policy_reload_failures,
+            policy_generation,
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,177 @@
+//! Body wrappers on the request path: idle timeouts and completion accounting.
+//! All of them stream frame by frame and keep the inner body's size hint, so framing
+//! (`Content-Length` vs chunked) is preserved end to end.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::UnsyncBoxBody;
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+
+use crate::error::BoxError;
+
+/// Body type of every response levee sends to clients.
+pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// A body stalled for longer than its idle timeout.
+#[derive(Debug, thiserror::Error)]
+#[error("{side} body idle for more than {after:?}")]
+pub struct BodyIdleTimeout {
+    pub side: &'static str,
+    pub after: Duration,
+}
+
+pin_project! {
+    /// Fails the body when no frame arrives for `timeout` (slow or stalled peers).
+    pub struct IdleTimeout<B> {
+        #[pin]
+        inner: B,
+        #[pin]
+        sleep: Sleep,
+        timeout: Duration,
+        side: &'static str,
+    }
+}
+
+impl<B> IdleTimeout<B> {
+    pub fn new(inner: B, timeout: Duration, side: &'static str) -> Self {
+        IdleTimeout {
+            inner,
+            sleep: tokio::time::sleep(timeout),
+            timeout,
+            side,
+        }
+    }
+}
+
+impl<B> Body for IdleTimeout<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.sleep.as_mut().reset(Instant::now() + *this.timeout);
+                Poll::Ready(frame.map(|result| result.map_err(Into::into)))
+            }
+            Poll::Pending => match this.sleep.poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyIdleTimeout {
+                    side: this.side,
+                    after: *this.timeout,
+                })))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Called once when a response body is finished or dropped, with the bytes sent and
+/// whether the body reached its end.
+pub trait OnBodyEnd: Send + 'static {
+    fn on_body_end(self, bytes: u64, complete: bool);
+}
+
+pin_project! {
+    /// Counts response bytes and reports when the body is done, so the access log and the
+    /// latency metric cover the whole transfer, not just the head.
+    pub struct Observed<B, F: OnBodyEnd> {
+        #[pin]
+        inner: B,
+        bytes: u64,
+        complete: bool,
+        on_end: Option<F>,
+    }
+
+    impl<B, F: OnBodyEnd> PinnedDrop for Observed<B, F> {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if let Some(on_end) = this.on_end.take() {
+                on_end.on_body_end(*this.bytes, *this.complete);
+            }
+        }
+    }
+}
+
+impl<B: Body, F: OnBodyEnd> Observed<B, F> {
+    pub fn new(inner: B, on_end: F) -> Self {
+        Observed {
+            // A body that is empty from the start (204, 304, HEAD) is never polled.
+            complete: inner.is_end_stream(),
+            inner,
+            bytes: 0,
+            on_end: Some(on_end),
+        }
+    }
+}
+
+impl<B, F> Body for Observed<B, F>
+where
+    B: Body<Data = Bytes>,
+    F: OnBodyEnd,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let mut this = self.project();
+        let polled = this.inner.as_mut().poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    *this.bytes += data.len() as u64;
+                }
+                // hyper stops polling a sized body once it reports its end.
+                *this.complete = this.inner.is_end_stream();
+            }
+            Poll::Ready(None) => *this.complete = true,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Walks an error's source chain looking for a `T` (hyper wraps body errors a few levels deep).
+pub fn find_cause<'a, T: std::error::Error + 'static>(
+    error: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a T> {
+    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(error) = current {
+        if let Some(found) = error.downcast_ref::<T>() {
+            return Some(found);
+        }
+        current = error.source();
+    }
+    None
+}

@@ -1,0 +1,277 @@
+//! Client identity and the headers levee removes or sets on the way through.
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use ipnet::IpNet;
+
+/// Peers whose `X-Forwarded-For` / `X-Real-IP` / `X-Forwarded-Proto` levee believes.
+/// Default: loopback only (the front nginx on the same machine).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrustedProxies(pub Vec<IpNet>);
+
+impl Default for TrustedProxies {
+    fn default() -> Self {
+        TrustedProxies(vec![
+            "127.0.0.0/8".parse().expect("static CIDR"),
+            "::1/128".parse().expect("static CIDR"),
+        ])
+    }
+}
+
+impl TrustedProxies {
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = canonical(ip);
+        self.0.iter().any(|net| net.contains(&ip))
+    }
+}
+
+/// IPv4-mapped IPv6 peers (`::ffff:1.2.3.4`) are treated as the IPv4 address they carry.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+/// The client's address as levee resolves it.
+///
+/// The TCP peer, unless the peer is a trusted proxy: then the right-most address of
+/// `X-Forwarded-For` that is not itself trusted (a chain of trusted proxies is walked back),
+/// or `X-Real-IP` when there is no `X-Forwarded-For`. An untrusted peer cannot choose its IP.
+pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &TrustedProxies) -> IpAddr {
+    let peer = canonical(peer);
+    if !trusted.contains(peer) {
+        return peer;
+    }
+    let mut forwarded = headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(str::trim)
+        .filter(|part| !part.is_empty())
+        .collect::<Vec<_>>();
+    if !forwarded.is_empty() {
+        let mut leftmost = peer;
+        while let Some(part) = forwarded.pop() {
+            let Some(ip) = parse_forwarded_ip(part) else {
+                // Garbage in the chain: stop believing anything left of it.
+                return leftmost;
+            };
+            if !trusted.contains(ip) {
+                return ip;
+            }
+            leftmost = ip;
+        }
+        return leftmost;
+    }
+    headers
+        .get(&X_REAL_IP)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| parse_forwarded_ip(value.trim()))
+        .unwrap_or(peer)
+}
+
+/// Accepts `1.2.3.4`, `1.2.3.4:567`, `::1`, `[::1]:567`.
+fn parse_forwarded_ip(text: &str) -> Option<IpAddr> {
+    if let Ok(ip) = text.parse::<IpAddr>() {
+        return Some(canonical(ip));
+    }
+    if let Ok(addr) = text.parse::<std::net::SocketAddr>() {
+        return Some(canonical(addr.ip()));
+    }
+    let v4 = text.split_once(':').map(|(host, _)| host)?;
+    v4.parse::<std::net::Ipv4Addr>().ok().map(IpAddr::V4)
+}
+
+/// Is this a protocol upgrade (`Connection: upgrade` with an `Upgrade` header)?
+pub fn is_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE) && connection_has(headers, "upgrade")
+}
+
+fn connection_has(headers: &HeaderMap, token: &str) -> bool {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .any(|part| part.trim().eq_ignore_ascii_case(token))
+}
+
+/// Removes hop-by-hop headers (RFC 9110 7.6.1): `Connection` and every header it names,
+/// `Proxy-Connection`, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`.
+/// Framing is redone by levee's own HTTP stack on each side.
+///
+/// For an upgrade that is being passed through, `Connection: upgrade` and `Upgrade` are
+/// put back, because they are what asks the next hop to switch protocols.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    let upgrade = if keep_upgrade {
+        headers.get(header::UPGRADE).cloned()
+    } else {
+        None
+    };
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|value| value.to_str().ok())
+            .flat_map(|value| value.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
+        headers.remove(header::CONNECTION);
+    }
+    for name in [
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &header::TE,
+        &header::TRAILER,
+        &header::TRANSFER_ENCODING,
+        &header::UPGRADE,
+    ] {
+        headers.remove(name);
+    }
+    if let Some(upgrade) = upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        headers.insert(header::UPGRADE, upgrade);
+    }
+}
+
+/// Sets the forwarding headers the app relies on:
+/// - `X-Forwarded-For`: from a trusted peer, its chain with the peer appended; from anyone
+///   else, just the peer (an untrusted chain is dropped, not passed on to fool the app).
+/// - `X-Real-IP`: the resolved client IP.
+/// - `X-Forwarded-Proto`: kept from a trusted peer, otherwise levee's listener scheme.
+pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, client: IpAddr) {
+    let peer = canonical(peer);
+    let chain = if peer_trusted {
+        let existing: Vec<&str> = headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .filter_map(|value| value.to_str().ok())
+            .collect();
+        if existing.is_empty() {
+            peer.to_string()
+        } else {
+            format!("{}, {peer}", existing.join(", "))
+        }
+    } else {
+        peer.to_string()
+    };
+    // Addresses formatted by levee are always valid header values.
+    if let Ok(value) = HeaderValue::from_str(&chain) {
+        headers.insert(X_FORWARDED_FOR.clone(), value);
+    }
+    if let Ok(value) = HeaderValue::from_str(&client.to_string()) {
+        headers.insert(X_REAL_IP.clone(), value);
+    }
+    if !(peer_trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
+        headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    }
+}
+
+/// Bytes of all request header names and values, as counted against `max_header_bytes`.
+pub fn header_bytes(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(
+                HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                HeaderValue::from_str(value).expect("value"),
+            );
+        }
+        map
+    }
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().expect("ip")
+    }
+
+    #[test]
+    fn untrusted_peer_cannot_choose_its_ip() {
+        let trusted = TrustedProxies::default();
+        let spoof = headers(&[("x-forwarded-for", "1.1.1.1"), ("x-real-ip", "2.2.2.2")]);
+        assert_eq!(
+            client_ip(ip("203.0.113.9"), &spoof, &trusted),
+            ip("203.0.113.9")
+        );
+    }
+
+    #[test]
+    fn trusted_peer_gives_rightmost_untrusted() {
+        let trusted = TrustedProxies::default();
+        let chain = headers(&[("x-forwarded-for", "6.6.6.6, 203.0.113.9, 127.0.0.2")]);
+        assert_eq!(
+            client_ip(ip("127.0.0.1"), &chain, &trusted),
+            ip("203.0.113.9")
+        );
+        let real = headers(&[("x-real-ip", "203.0.113.10")]);
+        assert_eq!(
+            client_ip(ip("127.0.0.1"), &real, &trusted),
+            ip("203.0.113.10")
+        );
+        let mapped = ip("::ffff:127.0.0.1");
+        assert_eq!(client_ip(mapped, &real, &trusted), ip("203.0.113.10"));
+        let garbage = headers(&[("x-forwarded-for", "nonsense")]);
+        assert_eq!(
+            client_ip(ip("127.0.0.1"), &garbage, &trusted),
+            ip("127.0.0.1")
+        );
+    }
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_go() {
+        let mut map = headers(&[
+            ("connection", "keep-alive, x-secret"),
+            ("x-secret", "1"),
+            ("keep-alive", "timeout=5"),
+            ("te", "trailers"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "websocket"),
+            ("cookie", "a=1"),
+        ]);
+        strip_hop_by_hop(&mut map, false);
+        assert_eq!(map.len(), 1, "{map:?}");
+        assert_eq!(map["cookie"], "a=1");
+    }
+
+    #[test]
+    fn forwarded_headers_from_untrusted_peer_are_replaced() {
+        let mut map = headers(&[
+            ("x-forwarded-for", "1.1.1.1"),
+            ("x-forwarded-proto", "https"),
+        ]);
+        set_forwarded(&mut map, ip("203.0.113.9"), false, ip("203.0.113.9"));
+        assert_eq!(map["x-forwarded-for"], "203.0.113.9");
+        assert_eq!(map["x-real-ip"], "203.0.113.9");
+        assert_eq!(map["x-forwarded-proto"], "http");
+
+        let mut map = headers(&[
+            ("x-forwarded-for", "1.1.1.1"),
+            ("x-forwarded-proto", "https"),
+        ]);
+        set_forwarded(&mut map, ip("127.0.0.1"), true, ip("1.1.1.1"));
+        assert_eq!(map["x-forwarded-for"], "1.1.1.1, 127.0.0.1");
+        assert_eq!(map["x-real-ip"], "1.1.1.1");
+        assert_eq!(map["x-forwarded-proto"], "https");
+    }
+}

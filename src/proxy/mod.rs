@@ -1,0 +1,322 @@
+//! The request path: one request, one policy snapshot, stages in a fixed order.
+//!
+//! ```text
+//! accept (server.rs) → health paths → client identity → route → [degrade] → [rate limit]
+//!   → [breaker + bulkhead] → forward → record → respond
+//! ```
+//! Stages in brackets come with their own modules; each slots in where marked in
+//! [`forward`]. Errors from any stage travel up as [`ProxyError`] and become responses in
+//! [`ProxyError::to_response`] only.
+
+pub mod body;
+pub mod header;
+pub mod path;
+pub mod route;
+pub mod server;
+pub mod upgrade;
+pub mod upstream;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use http::{header as h, Method, Request, Response, StatusCode, Uri, Version};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+use crate::config::{Policy, PolicyStore};
+use crate::error::{text_response, ErrorSide, ProxyError};
+use crate::metrics::{Metrics, RouteLabels, RouteStatusLabels, UpstreamErrorLabels};
+use body::{find_cause, BodyIdleTimeout, IdleTimeout, Observed, OnBodyEnd, ResponseBody};
+use route::{Route, RouteName};
+
+/// State shared by every connection of the public listener.
+pub struct Shared {
+    pub store: Arc<PolicyStore>,
+    pub metrics: Arc<Metrics>,
+    /// Set on SIGTERM: `/readyz` answers 503 while traffic still flows.
+    pub draining: AtomicBool,
+}
+
+/// Handles one request from accept to response head. Never fails: errors become responses.
+pub async fn handle(
+    shared: Arc<Shared>,
+    peer: SocketAddr,
+    request: Request<Incoming>,
+) -> Response<ResponseBody> {
+    // One snapshot for the whole request, even if a reload swaps the policy meanwhile.
+    let policy = shared.store.load();
+
+    // Health paths are levee's own and never proxied; checked before routing so a broken
+    // route table or a down backend cannot make levee look dead.
+    let raw_path = request.uri().path();
+    if raw_path == policy.server.livez_path {
+        return text_response(StatusCode::OK, "ok\n");
+    }
+    if raw_path == policy.server.readyz_path {
+        return if shared.draining.load(Ordering::Relaxed) {
+            text_response(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
+        } else {
+            text_response(StatusCode::OK, "ready\n")
+        };
+    }
+
+    shared.metrics.inflight.inc();
+    let mut exchange = Exchange {
+        shared: shared.clone(),
+        started: Instant::now(),
+        method: request.method().clone(),
+        uri: request.uri().clone(),
+        client_ip: peer.ip(),
+        route: None,
+        status: StatusCode::OK,
+        error: None,
+        access_log: policy.server.access_log,
+    };
+    let response = match forward(&policy, peer, request, &mut exchange).await {
+        Ok(response) => response,
+        Err(error) => rescue(&shared, &mut exchange, error),
+    };
+    exchange.status = response.status();
+    let (parts, body) = response.into_parts();
+    Response::from_parts(parts, Observed::new(body, exchange).boxed_unsync())
+}
+
+/// Everything between routing and the upstream's response head.
+async fn forward(
+    policy: &Policy,
+    peer: SocketAddr,
+    mut request: Request<Incoming>,
+    exchange: &mut Exchange,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let server = &policy.server;
+
+    // Limits on what the client sent. hyper bounds the head while parsing (431); this is
+    // the operator's own, usually lower, limit.
+    let header_size = header::header_bytes(request.headers());
+    if header_size > server.max_header_bytes {
+        return Err(ProxyError::HeadersTooLarge {
+            size: header_size,
+            limit: server.max_header_bytes,
+        });
+    }
+
+    // Client identity: forwarded headers count only from trusted proxies.
+    let peer_trusted = server.trusted_proxies.contains(peer.ip());
+    let client_ip = header::client_ip(peer.ip(), request.headers(), &server.trusted_proxies);
+    exchange.client_ip = client_ip;
+
+    // Route on the normalised path; the upstream still gets the original target.
+    let normal_path = path::normalise(request.uri().path())
+        .map_err(|error| ProxyError::BadRequest(error.to_string()))?;
+    let host = route::request_host(request.uri(), request.headers());
+    let route = policy
+        .routes
+        .find(host, request.method(), &normal_path)
+        .ok_or(ProxyError::NoRoute)?
+        .clone();
+    exchange.route = Some(route.clone());
+
+    // Degrade, rate limit, breaker and bulkhead stages slot in here, in that order.
+
+    if let Some(length) = content_length(request.headers()) {
+        if length > route.max_body {
+            return Err(ProxyError::BodyTooLarge {
+                limit: route.max_body,
+            });
+        }
+    }
+
+    let upgrading = header::is_upgrade(request.headers());
+    let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
+    let upstream = &route.upstream;
+    let (mut parts, body) = request.into_parts();
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |path_and_query| path_and_query.as_str());
+    parts.uri = upstream
+        .uri_for(target)
+        .map_err(|error| ProxyError::BadRequest(format!("request target: {error}")))?;
+    parts.version = Version::HTTP_11;
+    header::strip_hop_by_hop(&mut parts.headers, upgrading);
+    header::set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, client_ip);
+    if let Some(host) = &upstream.settings.host {
+        parts.headers.insert(h::HOST, host.clone());
+    }
+    let body = Limited::new(
+        IdleTimeout::new(body, server.client_body_timeout, "client"),
+        usize::try_from(route.max_body).unwrap_or(usize::MAX),
+    )
+    .boxed_unsync();
+
+    let sent = upstream.client.request(Request::from_parts(parts, body));
+    let mut response = match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
+        Err(_elapsed) => {
+            return Err(ProxyError::UpstreamTimeout {
+                upstream: upstream.name.clone(),
+                after: upstream.settings.response_timeout,
+            })
+        }
+        Ok(Err(error)) => {
+            return Err(classify_client_error(
+                &route,
+                server.client_body_timeout,
+                &error,
+            ))
+        }
+        Ok(Ok(response)) => response,
+    };
+
+    if let Some(client_upgrade) = client_upgrade {
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+            return Ok(upgrade::pass_through(client_upgrade, &mut response, &route));
+        }
+    }
+
+    let (mut parts, body) = response.into_parts();
+    header::strip_hop_by_hop(&mut parts.headers, false);
+    let body =
+        IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream").boxed_unsync();
+    Ok(Response::from_parts(parts, body))
+}
+
+/// Sorts a failed upstream call into the client's fault or the upstream's.
+fn classify_client_error(
+    route: &Route,
+    client_body_timeout: std::time::Duration,
+    error: &hyper_util::client::legacy::Error,
+) -> ProxyError {
+    let upstream = route.upstream.name.clone();
+    if find_cause::<LengthLimitError>(error).is_some() {
+        return ProxyError::BodyTooLarge {
+            limit: route.max_body,
+        };
+    }
+    if let Some(idle) = find_cause::<BodyIdleTimeout>(error) {
+        if idle.side == "client" {
+            return ProxyError::ClientBodyTimeout {
+                after: client_body_timeout,
+            };
+        }
+    }
+    let reason = error_chain(error);
+    if error.is_connect() {
+        let timed_out = find_cause::<std::io::Error>(error)
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+            || reason.contains("timed out");
+        if timed_out {
+            return ProxyError::UpstreamTimeout {
+                upstream,
+                after: route.upstream.settings.connect_timeout,
+            };
+        }
+        return ProxyError::UpstreamConnect { upstream, reason };
+    }
+    ProxyError::UpstreamFailed { upstream, reason }
+}
+
+/// `outer: inner: innermost`, for one-line logs.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(inner) = source {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    text
+}
+
+fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(h::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse().ok())
+}
+
+/// The one place a request-path error is logged, counted and turned into a response.
+fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Response<ResponseBody> {
+    exchange.error = Some(error.kind());
+    match error.side() {
+        ErrorSide::Upstream => {
+            if let Some(route) = &exchange.route {
+                shared
+                    .metrics
+                    .upstream_errors
+                    .get_or_create(&UpstreamErrorLabels {
+                        upstream: route.upstream.name.clone(),
+                        kind: error.kind(),
+                    })
+                    .inc();
+            }
+            tracing::warn!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");
+        }
+        ErrorSide::Client => {
+            tracing::info!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "refused: {error}");
+        }
+        ErrorSide::Internal => {
+            tracing::error!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");
+        }
+    }
+    error.to_response()
+}
+
+/// What the access log and metrics need to know about one request; reported when the
+/// response body ends, so duration and bytes cover the whole transfer.
+struct Exchange {
+    shared: Arc<Shared>,
+    started: Instant,
+    method: Method,
+    uri: Uri,
+    client_ip: IpAddr,
+    route: Option<Arc<Route>>,
+    status: StatusCode,
+    error: Option<&'static str>,
+    access_log: bool,
+}
+
+impl OnBodyEnd for Exchange {
+    fn on_body_end(self, bytes: u64, complete: bool) {
+        let metrics = &self.shared.metrics;
+        metrics.inflight.dec();
+        let elapsed = self.started.elapsed();
+        let route_name = self
+            .route
+            .as_ref()
+            .map_or_else(|| RouteName(Arc::from("-")), |route| route.name.clone());
+        metrics
+            .requests
+            .get_or_create(&RouteStatusLabels {
+                route: route_name.clone(),
+                status: self.status.as_u16(),
+            })
+            .inc();
+        metrics
+            .request_duration
+            .get_or_create(&RouteLabels {
+                route: route_name.clone(),
+            })
+            .observe(elapsed.as_secs_f64());
+        if self.access_log {
+            let upstream = self
+                .route
+                .as_ref()
+                .map_or("-", |route| route.upstream.name.as_str());
+            tracing::info!(
+                target: "levee::access",
+                client = %self.client_ip,
+                method = %self.method,
+                path = %self.uri,
+                route = %route_name,
+                upstream,
+                status = self.status.as_u16(),
+                duration_ms = elapsed.as_secs_f64() * 1000.0,
+                bytes,
+                complete,
+                error = self.error.unwrap_or("-"),
+            );
+        }
+    }
+}

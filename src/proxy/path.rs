@@ -1,0 +1,158 @@
+//! Path normalisation before routing.
+//!
+//! Routes match the path the backend will act on, not the spelling the client chose, so
+//! `/ranking`, `/./ranking`, `//ranking` and `/%72anking` all land on the same route. The
+//! backend still receives the original request target: normalising is for matching only.
+
+use std::borrow::Cow;
+
+/// Why a path could not be normalised. Answered with 400.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PathError {
+    #[error("invalid percent-encoding in path")]
+    BadPercentEncoding,
+    #[error("path does not start with '/'")]
+    NotAbsolute,
+}
+
+/// Normalises a request path (without query) for matching:
+/// percent-decodes unreserved characters (RFC 3986 2.3), upper-cases the hex digits of the
+/// escapes it keeps, collapses repeated slashes and resolves `.` and `..` segments
+/// (RFC 3986 5.2.4; `..` never climbs above the root).
+///
+/// Returns the input unchanged (borrowed) in the common case where nothing needs doing.
+pub fn normalise(path: &str) -> Result<Cow<'_, str>, PathError> {
+    if !path.starts_with('/') {
+        // `OPTIONS *` and absolute-form targets are handled by the caller.
+        return Err(PathError::NotAbsolute);
+    }
+    if is_already_normal(path) {
+        return Ok(Cow::Borrowed(path));
+    }
+    let decoded = decode_unreserved(path)?;
+    let mut segments: Vec<&str> = Vec::new();
+    let trailing_slash =
+        decoded.ends_with('/') || decoded.ends_with("/.") || decoded.ends_with("/..");
+    for segment in decoded.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            other => segments.push(other),
+        }
+    }
+    let mut out = String::with_capacity(decoded.len());
+    for segment in &segments {
+        out.push('/');
+        out.push_str(segment);
+    }
+    if out.is_empty() || trailing_slash {
+        out.push('/');
+    }
+    Ok(Cow::Owned(out))
+}
+
+/// Fast path: no escapes, no empty or dot segments.
+fn is_already_normal(path: &str) -> bool {
+    let bytes = path.as_bytes();
+    if bytes.contains(&b'%') {
+        return false;
+    }
+    !path.contains("//")
+        && !path.contains("/./")
+        && !path.contains("/../")
+        && !path.ends_with("/.")
+        && !path.ends_with("/..")
+}
+
+fn decode_unreserved(path: &str) -> Result<String, PathError> {
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let byte = bytes[i];
+        if byte != b'%' {
+            out.push(byte as char);
+            i += 1;
+            continue;
+        }
+        let hi = bytes.get(i + 1).and_then(|b| hex(*b));
+        let lo = bytes.get(i + 2).and_then(|b| hex(*b));
+        let (Some(hi), Some(lo)) = (hi, lo) else {
+            return Err(PathError::BadPercentEncoding);
+        };
+        let decoded = hi * 16 + lo;
+        if decoded.is_ascii_alphanumeric() || matches!(decoded, b'-' | b'.' | b'_' | b'~') {
+            out.push(decoded as char);
+        } else {
+            out.push('%');
+            out.push(char::from(b"0123456789ABCDEF"[usize::from(hi)]));
+            out.push(char::from(b"0123456789ABCDEF"[usize::from(lo)]));
+        }
+        i += 3;
+    }
+    Ok(out)
+}
+
+fn hex(byte: u8) -> Option<u8> {
+    match byte {
+        b'0'..=b'9' => Some(byte - b'0'),
+        b'a'..=b'f' => Some(byte - b'a' + 10),
+        b'A'..=b'F' => Some(byte - b'A' + 10),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn norm(path: &str) -> String {
+        normalise(path).expect("valid path").into_owned()
+    }
+
+    #[test]
+    fn common_paths_are_borrowed_unchanged() {
+        assert!(matches!(
+            normalise("/index.php"),
+            Ok(Cow::Borrowed("/index.php"))
+        ));
+        assert!(matches!(normalise("/"), Ok(Cow::Borrowed("/"))));
+    }
+
+    #[test]
+    fn dodges_land_on_the_same_path() {
+        for dodge in [
+            "/ranking",
+            "/./ranking",
+            "//ranking",
+            "/%72anking",
+            "/a/../ranking",
+            "/%2E/ranking",
+        ] {
+            assert_eq!(norm(dodge), "/ranking", "{dodge}");
+        }
+    }
+
+    #[test]
+    fn reserved_escapes_stay_encoded() {
+        assert_eq!(norm("/a%2fb"), "/a%2Fb");
+        assert_eq!(norm("/a%20b"), "/a%20b");
+    }
+
+    #[test]
+    fn dot_dot_never_climbs_above_root() {
+        assert_eq!(norm("/../../etc/passwd"), "/etc/passwd");
+        assert_eq!(norm("/a/b/.."), "/a/");
+        assert_eq!(norm("/a/."), "/a/");
+        assert_eq!(norm("/.."), "/");
+    }
+
+    #[test]
+    fn bad_escapes_are_errors() {
+        assert_eq!(normalise("/a%zz"), Err(PathError::BadPercentEncoding));
+        assert_eq!(normalise("/a%2"), Err(PathError::BadPercentEncoding));
+        assert_eq!(normalise("*"), Err(PathError::NotAbsolute));
+    }
+}

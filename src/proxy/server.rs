@@ -1,0 +1,105 @@
+//! Accepting connections and serving HTTP/1.1 on them, with graceful shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+
+use super::body::ResponseBody;
+use crate::config::PolicyStore;
+
+/// Per-connection limits, read from the active policy when the connection is accepted.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    pub header_read_timeout: Duration,
+    pub max_header_bytes: usize,
+}
+
+impl ConnectionLimits {
+    pub fn from_store(store: &PolicyStore) -> ConnectionLimits {
+        let policy = store.load();
+        ConnectionLimits {
+            header_read_timeout: policy.server.header_read_timeout,
+            max_header_bytes: policy.server.max_header_bytes,
+        }
+    }
+}
+
+/// Accepts connections until `stop` turns true, serving each with `handler`.
+///
+/// Every connection task holds a clone of `alive`; the caller learns that all connections
+/// have finished when the receiving side sees the channel close. On stop, idle keep-alive
+/// connections are closed and busy ones finish their current request first.
+pub async fn serve<H, F>(
+    listener: TcpListener,
+    store: Arc<PolicyStore>,
+    handler: H,
+    mut stop: watch::Receiver<bool>,
+    alive: mpsc::Sender<()>,
+) where
+    H: Fn(SocketAddr, Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+{
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|stopped| *stopped) => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Usually out of file descriptors: back off instead of spinning.
+                tracing::warn!("accept failed: {error}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let limits = ConnectionLimits::from_store(&store);
+        let handler = handler.clone();
+        let mut stop = stop.clone();
+        let alive = alive.clone();
+        tokio::spawn(async move {
+            let _alive = alive;
+            let service = service_fn(move |request| {
+                let response = handler(peer, request);
+                async move { Ok::<_, Infallible>(response.await) }
+            });
+            let mut builder = http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                // hyper answers 431 itself past this; levee's own (smaller) limit is checked
+                // per request so the client gets a reason.
+                .max_buf_size((limits.max_header_bytes + 8192).max(64 * 1024))
+                .keep_alive(true);
+            let connection = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades();
+            tokio::pin!(connection);
+            let finished = tokio::select! {
+                result = connection.as_mut() => Some(result),
+                _ = stop.wait_for(|stopped| *stopped) => None,
+            };
+            let result = match finished {
+                Some(result) => result,
+                None => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(error) = result {
+                tracing::debug!(%peer, "connection ended: {error}");
+            }
+        });
+    }
+}

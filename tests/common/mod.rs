@@ -1,0 +1,436 @@
+//! Test harness: levee in-process, counting in-process backends, and real nginx / php-fpm
+//! processes on free loopback ports inside a temp dir, stopped by their own pid.
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type TestBody = UnsyncBoxBody<Bytes, BoxError>;
+
+pub fn full(body: impl Into<Bytes>) -> TestBody {
+    Full::new(body.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+/// A port that was free a moment ago (bound then released).
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free loopback port")
+}
+
+/// Polls `check` until it is true or `within` has passed.
+pub async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until something accepts TCP connections on `addr`.
+pub async fn wait_for_port(addr: SocketAddr, what: &str) {
+    eventually(Duration::from_secs(10), what, || async move {
+        tokio::net::TcpStream::connect(addr).await.is_ok()
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------------------
+// levee in-process
+
+pub struct Levee {
+    pub dir: tempfile::TempDir,
+    pub running: Option<levee::Running>,
+    pub public: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl Levee {
+    /// Starts levee on a policy text; `listen` and admin `listen` should be `127.0.0.1:0`.
+    pub async fn start(policy: &str) -> Levee {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::write(dir.path().join("levee.toml"), policy).expect("write policy");
+        let running = levee::start(levee::Options::new(dir.path()))
+            .await
+            .expect("levee starts");
+        Levee {
+            public: running.public_addr,
+            admin: running.admin_addr,
+            running: Some(running),
+            dir,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.public, path)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+
+    pub fn policy_file(&self) -> PathBuf {
+        self.dir.path().join("levee.toml")
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.running
+            .as_ref()
+            .expect("running")
+            .store()
+            .load()
+            .generation
+    }
+}
+
+/// Minimal policy: public and admin on free ports, one upstream `app`.
+pub fn policy_for(upstream: SocketAddr, extra_server: &str, rest: &str) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n{extra_server}\n[admin]\nlisten = \"127.0.0.1:0\"\n\n[upstream.app]\nurl = \"http://{upstream}\"\n{rest}\n"
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// HTTP client
+
+pub fn client() -> Client<HttpConnector, TestBody> {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+pub struct Answer {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("json body ({e}): {}", self.text()))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+pub async fn send(request: Request<TestBody>) -> Answer {
+    let response = client().request(request).await.expect("request sent");
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("body read").to_bytes();
+    Answer {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body,
+    }
+}
+
+pub async fn get(url: &str) -> Answer {
+    send(Request::get(url).body(full(Bytes::new())).expect("request")).await
+}
+
+pub async fn post(url: &str, body: &str) -> Answer {
+    send(
+        Request::post(url)
+            .body(full(body.to_string()))
+            .expect("request"),
+    )
+    .await
+}
+
+/// Sends raw bytes and reads until the peer closes or `within` passes.
+pub async fn raw_exchange(addr: SocketAddr, request: &[u8], within: Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(request).await.expect("write");
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(within, stream.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+// ---------------------------------------------------------------------------------------
+// In-process backends
+
+/// An in-process HTTP/1.1 backend that counts the requests it gets.
+pub struct Backend {
+    pub addr: SocketAddr,
+    pub hits: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Backend {
+    pub async fn start<H, F>(handler: H) -> Backend
+    where
+        H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+        F: Future<Output = Response<TestBody>> + Send + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind backend");
+        let addr = listener.local_addr().expect("addr");
+        let hits = Arc::new(AtomicUsize::new(0));
+        let counter = hits.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let handler = handler.clone();
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |request| {
+                        counter.fetch_add(1, Ordering::SeqCst);
+                        let response = handler(request);
+                        async move { Ok::<_, Infallible>(response.await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .with_upgrades()
+                        .await;
+                });
+            }
+        });
+        Backend { addr, hits, task }
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A backend that answers every request with a JSON echo of what it received:
+/// method, target, version, headers (in order, repeated ones kept) and the body.
+pub async fn echo_backend() -> Backend {
+    Backend::start(|request: Request<Incoming>| async move {
+        let (parts, body) = request.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let headers: Vec<(String, String)> = parts
+            .headers
+            .iter()
+            .map(|(name, value)| {
+                (
+                    name.to_string(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )
+            })
+            .collect();
+        let echo = serde_json::json!({
+            "method": parts.method.as_str(),
+            "target": parts.uri.to_string(),
+            "headers": headers,
+            "body": String::from_utf8_lossy(&body),
+            "body_len": body.len(),
+        });
+        Response::builder()
+            .header("content-type", "application/json")
+            .body(full(echo.to_string()))
+            .expect("response")
+    })
+    .await
+}
+
+/// All values of header `name` in an echo, in order.
+pub fn echoed_header(echo: &serde_json::Value, name: &str) -> Vec<String> {
+    echo["headers"]
+        .as_array()
+        .expect("headers")
+        .iter()
+        .filter(|pair| pair[0].as_str() == Some(name))
+        .map(|pair| pair[1].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Real processes
+
+/// A child process killed (by its own pid) and reaped when dropped.
+pub struct ChildGuard {
+    pub child: Child,
+    pub name: &'static str,
+}
+
+impl ChildGuard {
+    pub fn spawn(name: &'static str, command: &mut Command) -> ChildGuard {
+        let child = command
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e} (is it installed? see .ci/run)"));
+        ChildGuard { child, name }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn find_binary(candidates: &[&str]) -> String {
+    for candidate in candidates {
+        if Path::new(candidate).exists() {
+            return (*candidate).to_string();
+        }
+        if let Ok(output) = Command::new("sh")
+            .arg("-c")
+            .arg(format!("command -v {candidate}"))
+            .output()
+        {
+            let found = String::from_utf8_lossy(&output.stdout).trim().to_string();
+            if !found.is_empty() {
+                return found;
+            }
+        }
+    }
+    panic!("none of {candidates:?} is installed; run .ci/run or install the Debian packages");
+}
+
+/// php-fpm (PHP 8.2) serving `docroot`, on a free loopback port.
+pub struct PhpFpm {
+    pub port: u16,
+    _guard: ChildGuard,
+}
+
+impl PhpFpm {
+    pub async fn start(dir: &Path) -> PhpFpm {
+        let port = free_port();
+        let config = dir.join("php-fpm.conf");
+        let is_root = Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| o.stdout.starts_with(b"0"))
+            .unwrap_or(false);
+        let user = if is_root {
+            "user = www-data\ngroup = www-data\n"
+        } else {
+            ""
+        };
+        std::fs::write(
+            &config,
+            format!(
+                "[global]\npid = {dir}/php-fpm.pid\nerror_log = {dir}/php-fpm.log\ndaemonize = no\n\n[app]\n{user}listen = 127.0.0.1:{port}\npm = static\npm.max_children = 4\nclear_env = no\ncatch_workers_output = yes\n",
+                dir = dir.display()
+            ),
+        )
+        .expect("write php-fpm.conf");
+        let binary = find_binary(&["php-fpm8.2", "/usr/sbin/php-fpm8.2", "php-fpm"]);
+        let guard = ChildGuard::spawn(
+            "php-fpm",
+            Command::new(binary).arg("-F").arg("-y").arg(&config),
+        );
+        wait_for_port(
+            SocketAddr::from(([127, 0, 0, 1], port)),
+            "php-fpm to listen",
+        )
+        .await;
+        PhpFpm {
+            port,
+            _guard: guard,
+        }
+    }
+}
+
+/// nginx with `server_block` (which may use `{port}`) inside an http block whose pid, logs
+/// and temp paths all live in `dir`.
+pub struct Nginx {
+    pub port: u16,
+    pub guard: ChildGuard,
+}
+
+impl Nginx {
+    pub async fn start(dir: &Path, server_block: &str) -> Nginx {
+        let port = free_port();
+        let d = dir.display();
+        let user = if Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| o.stdout.starts_with(b"0"))
+            .unwrap_or(false)
+        {
+            "user www-data;"
+        } else {
+            ""
+        };
+        let config = format!(
+            "{user}\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\nevents {{ worker_connections 1024; }}\nhttp {{\n  access_log {d}/nginx-access.log;\n  client_body_temp_path {d}/client_body;\n  proxy_temp_path {d}/proxy;\n  fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n  {block}\n}}\n",
+            block = server_block.replace("{port}", &port.to_string()),
+        );
+        let path = dir.join("nginx.conf");
+        std::fs::write(&path, config).expect("write nginx.conf");
+        let binary = find_binary(&["nginx", "/usr/sbin/nginx"]);
+        let guard = ChildGuard::spawn(
+            "nginx",
+            Command::new(binary)
+                .arg("-c")
+                .arg(&path)
+                .arg("-p")
+                .arg(dir)
+                .arg("-e")
+                .arg(dir.join("nginx-error.log"))
+                .arg("-g")
+                .arg("daemon off;"),
+        );
+        wait_for_port(SocketAddr::from(([127, 0, 0, 1], port)), "nginx to listen").await;
+        Nginx { port, guard }
+    }
+}
+
+/// Makes `dir` and its parents readable by php-fpm's and nginx's unprivileged workers.
+pub fn open_up(dir: &Path) {
+    let mut current = Some(dir);
+    while let Some(path) = current {
+        let _ = Command::new("chmod").arg("a+rx").arg(path).status();
+        current = path.parent();
+        if current == Some(Path::new("/")) {
+            break;
+        }
+    }
+}

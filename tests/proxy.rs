@@ -1,0 +1,503 @@
+//! The proxy path against in-process backends: fidelity, limits, timeouts, upgrades.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use futures_util::{SinkExt, StreamExt};
+use http::{Request, Response};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+
+#[tokio::test]
+async fn requests_reach_the_app_as_the_client_sent_them() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+
+    for method in ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"] {
+        let request = Request::builder()
+            .method(method)
+            .uri(levee.url("/forum/view.php?id=7&sort=new&q=%E4%B8%AD"))
+            .header("host", "forum.example.com")
+            .header("cookie", "PHPSESSID=abc; lang=zh")
+            .header("user-agent", "Mozilla/5.0 (levee test)")
+            .header("accept", "text/html")
+            .header("accept-language", "zh-CN,zh;q=0.9")
+            .header("x-custom", "one")
+            .header("x-custom", "two")
+            .body(full(format!("body of {method}")))
+            .expect("request");
+        let answer = send(request).await;
+        assert_eq!(answer.status, 200);
+        let echo = answer.json();
+        assert_eq!(echo["method"], method);
+        assert_eq!(echo["target"], "/forum/view.php?id=7&sort=new&q=%E4%B8%AD");
+        assert_eq!(echoed_header(&echo, "host"), ["forum.example.com"]);
+        assert_eq!(echoed_header(&echo, "cookie"), ["PHPSESSID=abc; lang=zh"]);
+        assert_eq!(
+            echoed_header(&echo, "user-agent"),
+            ["Mozilla/5.0 (levee test)"]
+        );
+        assert_eq!(echoed_header(&echo, "accept-language"), ["zh-CN,zh;q=0.9"]);
+        assert_eq!(echoed_header(&echo, "x-custom"), ["one", "two"]);
+        assert_eq!(echo["body"], format!("body of {method}"));
+        assert_eq!(echoed_header(&echo, "x-real-ip"), ["127.0.0.1"]);
+        assert_eq!(echoed_header(&echo, "x-forwarded-for"), ["127.0.0.1"]);
+        assert_eq!(echoed_header(&echo, "x-forwarded-proto"), ["http"]);
+    }
+    assert_eq!(backend.hits(), 6);
+}
+
+#[tokio::test]
+async fn chunked_request_bodies_stream_through() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    let chunks = vec![
+        Ok::<_, BoxError>(Frame::data(Bytes::from("hello "))),
+        Ok(Frame::data(Bytes::from("world"))),
+    ];
+    let body = StreamBody::new(futures_util::stream::iter(chunks)).boxed_unsync();
+    let answer = send(
+        Request::post(levee.url("/chunked"))
+            .body(body)
+            .expect("request"),
+    )
+    .await;
+    let echo = answer.json();
+    assert_eq!(echo["body"], "hello world");
+    assert_eq!(echoed_header(&echo, "transfer-encoding"), ["chunked"]);
+    assert!(echoed_header(&echo, "content-length").is_empty());
+}
+
+#[tokio::test]
+async fn responses_come_back_unchanged() {
+    let backend = Backend::start(|request: Request<Incoming>| async move {
+        let path = request.uri().path().to_string();
+        let mut builder = Response::builder();
+        let body = match path.as_str() {
+            "/login" => {
+                builder = builder
+                    .status(302)
+                    .header("location", "http://forum.example.com/home.php")
+                    .header("set-cookie", "PHPSESSID=s1; path=/; HttpOnly")
+                    .header("set-cookie", "remember=1; Secure")
+                    .header("cache-control", "private, max-age=0")
+                    .header("etag", "\"v1\"");
+                ""
+            }
+            "/empty" => {
+                builder = builder.status(204);
+                ""
+            }
+            "/cached" => {
+                builder = builder.status(304).header("etag", "\"v1\"");
+                ""
+            }
+            _ => "plain",
+        };
+        builder.body(full(body)).expect("response")
+    })
+    .await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+
+    let login = get(&levee.url("/login")).await;
+    assert_eq!(login.status, 302);
+    assert_eq!(
+        login.header("location"),
+        Some("http://forum.example.com/home.php")
+    );
+    let cookies: Vec<_> = login
+        .headers
+        .get_all("set-cookie")
+        .iter()
+        .map(|v| v.to_str().expect("ascii"))
+        .collect();
+    assert_eq!(
+        cookies,
+        ["PHPSESSID=s1; path=/; HttpOnly", "remember=1; Secure"]
+    );
+    assert_eq!(login.header("cache-control"), Some("private, max-age=0"));
+    assert_eq!(login.header("etag"), Some("\"v1\""));
+
+    let empty = get(&levee.url("/empty")).await;
+    assert_eq!(empty.status, 204);
+    assert!(empty.body.is_empty());
+    let cached = get(&levee.url("/cached")).await;
+    assert_eq!(cached.status, 304);
+    assert!(cached.body.is_empty());
+    assert_eq!(cached.header("etag"), Some("\"v1\""));
+}
+
+#[tokio::test]
+async fn hop_by_hop_headers_are_removed_both_ways() {
+    let backend = Backend::start(|request: Request<Incoming>| async move {
+        let seen: Vec<String> = request.headers().keys().map(|k| k.to_string()).collect();
+        Response::builder()
+            .header("connection", "x-upstream-secret")
+            .header("x-upstream-secret", "1")
+            .header("keep-alive", "timeout=5")
+            .header("x-seen", seen.join(","))
+            .body(full("ok"))
+            .expect("response")
+    })
+    .await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    let raw = raw_exchange(
+        levee.public,
+        b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close, x-client-secret\r\nX-Client-Secret: 1\r\nKeep-Alive: 300\r\nTE: trailers\r\nProxy-Connection: keep-alive\r\nX-Kept: yes\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    let lower = raw.to_ascii_lowercase();
+    let seen = lower
+        .lines()
+        .find(|l| l.starts_with("x-seen:"))
+        .expect("x-seen header")
+        .to_string();
+    for gone in ["x-client-secret", "keep-alive", "te", "proxy-connection"] {
+        assert!(
+            !seen.split([':', ',', ' ']).any(|h| h == gone),
+            "{gone} was forwarded: {seen}"
+        );
+    }
+    assert!(seen.contains("x-kept"), "{seen}");
+    assert!(!lower.contains("x-upstream-secret"), "{raw}");
+    assert!(!lower.contains("keep-alive: timeout"), "{raw}");
+}
+
+#[tokio::test]
+async fn spoofed_forwarded_headers_from_untrusted_peers_are_ignored() {
+    let backend = echo_backend().await;
+    // Nobody is trusted: the test client on loopback is an ordinary client here.
+    let levee = Levee::start(&policy_for(backend.addr, "trusted_proxies = []", "")).await;
+    let request = Request::get(levee.url("/"))
+        .header("x-forwarded-for", "6.6.6.6")
+        .header("x-real-ip", "6.6.6.6")
+        .header("x-forwarded-proto", "https")
+        .body(full(""))
+        .expect("request");
+    let echo = send(request).await.json();
+    assert_eq!(echoed_header(&echo, "x-real-ip"), ["127.0.0.1"]);
+    assert_eq!(echoed_header(&echo, "x-forwarded-for"), ["127.0.0.1"]);
+    assert_eq!(echoed_header(&echo, "x-forwarded-proto"), ["http"]);
+
+    // From a trusted front, the chain is believed and appended to.
+    let trusted = Levee::start(&policy_for(backend.addr, "", "")).await;
+    let request = Request::get(trusted.url("/"))
+        .header("x-forwarded-for", "203.0.113.7")
+        .header("x-forwarded-proto", "https")
+        .body(full(""))
+        .expect("request");
+    let echo = send(request).await.json();
+    assert_eq!(echoed_header(&echo, "x-real-ip"), ["203.0.113.7"]);
+    assert_eq!(
+        echoed_header(&echo, "x-forwarded-for"),
+        ["203.0.113.7, 127.0.0.1"]
+    );
+    assert_eq!(echoed_header(&echo, "x-forwarded-proto"), ["https"]);
+}
+
+#[tokio::test]
+async fn upstream_host_override_replaces_the_client_host() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "host = \"internal.example\"")).await;
+    let echo = get(&levee.url("/")).await.json();
+    assert_eq!(echoed_header(&echo, "host"), ["internal.example"]);
+}
+
+#[tokio::test]
+async fn oversized_headers_get_431() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "max_header_bytes = \"2KiB\"", "")).await;
+    let request = Request::get(levee.url("/"))
+        .header("x-big", "a".repeat(3000))
+        .body(full(""))
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 431);
+    assert!(
+        answer.text().contains("over the limit of 2048"),
+        "{}",
+        answer.text()
+    );
+    // Far over hyper's own buffer: refused while parsing, never reaches the app.
+    let huge = format!(
+        "GET / HTTP/1.1\r\nHost: a\r\nX-Huge: {}\r\n\r\n",
+        "b".repeat(200_000)
+    );
+    let raw = raw_exchange(levee.public, huge.as_bytes(), Duration::from_secs(5)).await;
+    assert!(
+        raw.starts_with("HTTP/1.1 431"),
+        "{}",
+        &raw[..raw.len().min(200)]
+    );
+    assert_eq!(backend.hits(), 0);
+}
+
+#[tokio::test]
+async fn bodies_over_the_route_limit_get_413() {
+    let backend = echo_backend().await;
+    let routes = "[[route]]\nname = \"upload\"\nmatch = { path = \"/upload\" }\nmax_body = 1000\n";
+    let levee = Levee::start(&policy_for(backend.addr, "", routes)).await;
+
+    let answer = post(&levee.url("/upload"), &"x".repeat(1001)).await;
+    assert_eq!(answer.status, 413);
+    assert!(answer.text().contains("1000 bytes"), "{}", answer.text());
+    assert_eq!(
+        backend.hits(),
+        0,
+        "a body with a too-large Content-Length is refused before forwarding"
+    );
+
+    // Chunked: the size is only known while streaming.
+    let chunks: Vec<Result<Frame<Bytes>, BoxError>> = (0..20)
+        .map(|_| Ok(Frame::data(Bytes::from(vec![b'y'; 100]))))
+        .collect();
+    let body = StreamBody::new(futures_util::stream::iter(chunks)).boxed_unsync();
+    let answer = send(
+        Request::post(levee.url("/upload"))
+            .body(body)
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(answer.status, 413);
+
+    let fits = post(&levee.url("/upload"), &"x".repeat(1000)).await;
+    assert_eq!(fits.status, 200);
+    // Other routes keep the server default.
+    assert_eq!(
+        post(&levee.url("/other"), &"x".repeat(5000)).await.status,
+        200
+    );
+}
+
+#[tokio::test]
+async fn refused_upstream_is_502_and_slow_upstream_is_504() {
+    let dead = free_port();
+    let policy = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.dead]\nurl = \"http://127.0.0.1:{dead}\"\n[upstream.slow]\nurl = \"http://SLOW\"\nresponse_timeout = \"300ms\"\n[[route]]\nname = \"slow\"\nmatch = {{ path_prefix = \"/slow\" }}\nupstream = \"slow\"\n[[route]]\nname = \"dead\"\nmatch = {{ path_prefix = \"/\" }}\nupstream = \"dead\"\n"
+    );
+    let slow = Backend::start(|_request: Request<Incoming>| async move {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        Response::new(full("too late"))
+    })
+    .await;
+    let levee = Levee::start(&policy.replace("SLOW", &slow.addr.to_string())).await;
+
+    let refused = get(&levee.url("/anything")).await;
+    assert_eq!(refused.status, 502);
+    assert!(
+        refused
+            .text()
+            .contains("upstream `dead` could not be reached"),
+        "{}",
+        refused.text()
+    );
+
+    let started = std::time::Instant::now();
+    let slow_answer = get(&levee.url("/slow")).await;
+    assert_eq!(slow_answer.status, 504);
+    assert!(
+        slow_answer
+            .text()
+            .contains("upstream `slow` did not answer"),
+        "{}",
+        slow_answer.text()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the client was held past the timeout"
+    );
+
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        metrics.contains("levee_upstream_errors_total{upstream=\"dead\",kind=\"connect\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("levee_upstream_errors_total{upstream=\"slow\",kind=\"timeout\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("levee_requests_total{route=\"dead\",status=\"502\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn slowloris_clients_are_cut_off_by_the_header_timeout() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "header_read_timeout = \"300ms\"",
+        "",
+    ))
+    .await;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+        .await
+        .expect("write");
+    let started = std::time::Instant::now();
+    let mut buffer = Vec::new();
+    // The server must close the connection on its own, well before this deadline.
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut buffer)).await;
+    assert!(read.is_ok(), "levee kept a slowloris connection open");
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    assert_eq!(backend.hits(), 0);
+}
+
+#[tokio::test]
+async fn health_endpoints_are_answered_by_levee_itself() {
+    let dead = free_port();
+    let levee = Levee::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nreadyz_path = \"/-/ready\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.app]\nurl = \"http://127.0.0.1:{dead}\"\n"
+    ))
+    .await;
+    let live = get(&levee.url("/livez")).await;
+    assert_eq!((live.status, live.text().as_str()), (200, "ok\n"));
+    let ready = get(&levee.url("/-/ready")).await;
+    assert_eq!((ready.status, ready.text().as_str()), (200, "ready\n"));
+    // The old default path is now an ordinary (proxied, here failing) path.
+    assert_eq!(get(&levee.url("/readyz")).await.status, 502);
+}
+
+#[tokio::test]
+async fn bad_paths_get_400_and_dodges_land_on_the_same_route() {
+    let backend = echo_backend().await;
+    let other = echo_backend().await;
+    let routes = format!(
+        "[upstream.other]\nurl = \"http://{}\"\n[[route]]\nname = \"ranking\"\nmatch = {{ path_prefix = \"/ranking\" }}\nupstream = \"other\"\n[server2]",
+        other.addr
+    )
+    .replace("[server2]", "");
+    let policy = policy_for(backend.addr, "default_upstream = \"app\"", &routes);
+    let levee = Levee::start(&policy).await;
+    for dodge in [
+        "/ranking",
+        "/./ranking",
+        "//ranking",
+        "/%72anking",
+        "/x/../ranking",
+    ] {
+        let answer = get(&levee.url(dodge)).await;
+        assert_eq!(answer.status, 200, "{dodge}");
+        // The app still gets the target exactly as sent.
+        assert_eq!(answer.json()["target"], dodge);
+    }
+    assert_eq!(other.hits(), 5);
+    assert_eq!(backend.hits(), 0);
+    let raw = raw_exchange(
+        levee.public,
+        b"GET /a%zz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(raw.starts_with("HTTP/1.1 400"), "{raw}");
+    assert!(raw.contains("invalid percent-encoding"), "{raw}");
+}
+
+#[tokio::test]
+async fn websocket_echo_passes_through() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let ws_addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(mut socket) = tokio_tungstenite::accept_async(stream).await else {
+                    return;
+                };
+                while let Some(Ok(message)) = socket.next().await {
+                    if message.is_text() || message.is_binary() {
+                        let _ = socket.send(message).await;
+                    }
+                }
+            });
+        }
+    });
+    let levee = Levee::start(&policy_for(ws_addr, "", "")).await;
+    let (mut socket, response) =
+        tokio_tungstenite::connect_async(format!("ws://{}/chat", levee.public))
+            .await
+            .expect("websocket handshake through levee");
+    assert_eq!(response.status(), 101);
+    for text in ["hello", "你好", "third"] {
+        socket
+            .send(tokio_tungstenite::tungstenite::Message::text(text))
+            .await
+            .expect("send");
+        let echoed = socket.next().await.expect("a message").expect("no error");
+        assert_eq!(echoed.into_text().expect("text").as_str(), text);
+    }
+    socket.close(None).await.expect("close");
+}
+
+/// Resident memory of this test process, in bytes.
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("proc status");
+    let kb: u64 = status
+        .lines()
+        .find(|line| line.starts_with("VmRSS:"))
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse().ok())
+        .expect("VmRSS");
+    kb * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_100_mb_body_streams_both_ways_in_flat_memory() {
+    const TOTAL: usize = 100 * 1024 * 1024;
+    const CHUNK: usize = 64 * 1024;
+    // The backend counts the upload without keeping it, then streams 100 MB back.
+    let backend = Backend::start(|request: Request<Incoming>| async move {
+        let mut body = request.into_body();
+        let mut received = 0usize;
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.expect("upload frame").into_data() {
+                received += data.len();
+            }
+        }
+        let chunks = (0..TOTAL / CHUNK)
+            .map(|_| Ok::<_, BoxError>(Frame::data(Bytes::from(vec![b'd'; CHUNK]))));
+        Response::builder()
+            .header("x-received", received.to_string())
+            .header("content-length", TOTAL.to_string())
+            .body(StreamBody::new(futures_util::stream::iter(chunks)).boxed_unsync())
+            .expect("response")
+    })
+    .await;
+    let levee = Levee::start(&policy_for(backend.addr, "max_body = \"200MiB\"", "")).await;
+    let baseline = rss_bytes();
+    let upload =
+        (0..TOTAL / CHUNK).map(|_| Ok::<_, BoxError>(Frame::data(Bytes::from(vec![b'u'; CHUNK]))));
+    let request = Request::post(levee.url("/upload"))
+        .header("content-length", TOTAL.to_string())
+        .body(StreamBody::new(futures_util::stream::iter(upload)).boxed_unsync())
+        .expect("request");
+    let response = client().request(request).await.expect("response");
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-received"], TOTAL.to_string().as_str());
+    let mut body = response.into_body();
+    let mut downloaded = 0usize;
+    let mut peak = baseline;
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.expect("download frame").into_data() {
+            downloaded += data.len();
+        }
+        peak = peak.max(rss_bytes());
+    }
+    assert_eq!(downloaded, TOTAL);
+    let growth = peak.saturating_sub(baseline);
+    assert!(
+        growth < 40 * 1024 * 1024,
+        "memory grew by {} MiB while streaming 100 MiB",
+        growth / (1024 * 1024)
+    );
+}
