@@ -362,7 +362,9 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         });
 
     if !compiler.errors.is_empty() {
-        return Err(Diagnostics(compiler.errors));
+        let mut errors = compiler.errors;
+        errors.sort_by(|a, b| (&a.file, a.line, a.col).cmp(&(&b.file, b.line, b.col)));
+        return Err(Diagnostics(errors));
     }
     Ok(Policy {
         generation: 0,
@@ -610,9 +612,11 @@ fn compile_route(
         names.insert(name.get_ref().clone(), (file, name.span()));
     }
 
-    let (hosts, methods, path) = match &inner.matcher {
-        None => (Vec::new(), Vec::new(), PathMatch::Any),
-        Some(matcher) => compile_match(compiler, file, matcher)?,
+    // Both the match and the upstream are checked even when one of them is wrong, so
+    // every error of the route is reported at once.
+    let matched = match &inner.matcher {
+        None => Some((Vec::new(), Vec::new(), PathMatch::Any)),
+        Some(matcher) => compile_match(compiler, file, matcher),
     };
 
     let upstream_name = match &inner.upstream {
@@ -647,6 +651,7 @@ fn compile_route(
     };
     // A defined upstream that failed to compile has already been reported.
     let upstream = upstreams.get(upstream_name)?.clone();
+    let (hosts, methods, path) = matched?;
     Some(Route {
         name: RouteName(Arc::from(name.get_ref().as_str())),
         hosts,

@@ -297,6 +297,7 @@ impl ChildGuard {
     pub fn spawn(name: &'static str, command: &mut Command) -> ChildGuard {
         let child = command
             .stdin(Stdio::null())
+            .stdout(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e} (is it installed? see .ci/run)"));
         ChildGuard { child, name }
@@ -307,10 +308,29 @@ impl ChildGuard {
     }
 }
 
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
+impl ChildGuard {
+    /// SIGTERM first so nginx and php-fpm masters take their workers down with them
+    /// (SIGKILL would orphan the workers), then SIGKILL if it has not exited in 5 s.
+    pub fn stop(&mut self) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 

@@ -1,0 +1,161 @@
+//! Start, drain and stop: in-process and as the real binary with real signals.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use http::{Request, Response};
+use hyper::body::Incoming;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_answers_readyz_503_while_traffic_still_flows_then_stops() {
+    let backend = Backend::start(|request: Request<Incoming>| async move {
+        if request.uri().path() == "/slow" {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+        }
+        Response::new(full("done"))
+    })
+    .await;
+    let mut levee = Levee::start(&policy_for(
+        backend.addr,
+        "drain = \"1s\"\nshutdown_timeout = \"5s\"",
+        "",
+    ))
+    .await;
+    assert_eq!(get(&levee.url("/readyz")).await.status, 200);
+
+    let in_flight = tokio::spawn(get_owned(levee.url("/slow")));
+    eventually(
+        Duration::from_secs(5),
+        "the slow request to reach the backend",
+        || async { backend.hits() >= 1 },
+    )
+    .await;
+
+    let running = levee.running.take().expect("running");
+    running.shutdown();
+    let ready = get(&levee.url("/readyz")).await;
+    assert_eq!((ready.status, ready.text().as_str()), (503, "draining\n"));
+    assert_eq!(
+        get(&levee.url("/livez")).await.status,
+        200,
+        "draining is not dead"
+    );
+    let during = get(&levee.url("/new")).await;
+    assert_eq!(
+        (during.status, during.text().as_str()),
+        (200, "done"),
+        "new requests are served during drain"
+    );
+
+    tokio::time::timeout(Duration::from_secs(10), running.wait())
+        .await
+        .expect("levee stops after drain");
+    let finished = in_flight.await.expect("in-flight task");
+    assert_eq!(
+        (finished.status, finished.text().as_str()),
+        (200, "done"),
+        "in-flight request finished"
+    );
+    assert!(
+        tokio::net::TcpStream::connect(levee.public).await.is_err(),
+        "no longer accepting"
+    );
+}
+
+async fn get_owned(url: String) -> Answer {
+    get(&url).await
+}
+
+fn binary_policy(
+    dir: &std::path::Path,
+    public: u16,
+    admin: u16,
+    upstream: std::net::SocketAddr,
+    route_path: &str,
+) {
+    std::fs::write(
+        dir.join("levee.toml"),
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{public}\"\ndrain = \"200ms\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n[upstream.app]\nurl = \"http://{upstream}\"\n[[route]]\nname = \"r\"\nmatch = {{ path = \"{route_path}\" }}\n"
+        ),
+    )
+    .expect("write policy");
+}
+
+fn signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_reloads_on_sighup_and_exits_0_on_sigterm() {
+    let backend = echo_backend().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (public, admin) = (free_port(), free_port());
+    binary_policy(dir.path(), public, admin, backend.addr, "/first");
+    let mut levee = ChildGuard::spawn(
+        "levee",
+        Command::new(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(dir.path())
+            .arg("--no-watch")
+            .arg("--log-format")
+            .arg("json")
+            .env("LEVEE_LOG", "warn"),
+    );
+    let public_addr = std::net::SocketAddr::from(([127, 0, 0, 1], public));
+    wait_for_port(public_addr, "levee to listen").await;
+    let status_url = format!("http://127.0.0.1:{admin}/status");
+    assert_eq!(get(&status_url).await.json()["policy"]["generation"], 1);
+    assert_eq!(get(&format!("http://{public_addr}/x")).await.status, 200);
+
+    binary_policy(dir.path(), public, admin, backend.addr, "/second");
+    signal(levee.pid(), "HUP");
+    eventually(
+        Duration::from_secs(10),
+        "SIGHUP to reload the policy",
+        || async { get(&status_url).await.json()["policy"]["generation"] == 2 },
+    )
+    .await;
+    assert_eq!(
+        get(&status_url).await.json()["routes"][0]["match"]["path"],
+        "/second"
+    );
+
+    signal(levee.pid(), "TERM");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let exit = loop {
+        if let Some(status) = levee.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "levee did not exit after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(exit.success(), "exit status {exit:?}");
+}
+
+#[test]
+fn the_binary_refuses_to_start_on_a_broken_policy() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("levee.toml"), "[server]\nlisten = 8080\n").expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .arg("run")
+        .arg("--policies")
+        .arg(dir.path())
+        .output()
+        .expect("run levee");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("levee.toml:2:10"), "{stderr}");
+}

@@ -1,0 +1,297 @@
+//! Policy files: `levee check`, hot reload under load, admin reload and status.
+
+mod common;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use http::{Request, Response};
+use hyper::body::Incoming;
+
+fn levee_check(dir: &std::path::Path) -> (bool, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .arg("check")
+        .arg("--policies")
+        .arg(dir)
+        .output()
+        .expect("run levee check");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_accepts_the_shipped_default_policy() {
+    let (ok, stdout, stderr) = levee_check(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/policies"
+    )));
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("is valid"), "{stdout}");
+}
+
+#[test]
+fn check_reports_every_error_with_file_line_col_and_fails() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("10-main.toml"),
+        "[server]\nlisten = \"127.0.0.1:8080\"\ndrain = \"5 fortnights\"\n\n[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n\n[[route]]\nname = \"home\"\nmatch = { path = \"/\" }\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.path().join("20-extra.toml"),
+        "[[route]]\nname = \"home\"\nmatch = { path = \"/index.php\" }\n\n[[route]]\nname = \"ai\"\nupstream = \"ai\"\nmatch = { path_regex = \"[unclosed\" }\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.path().join("30-typo.toml"),
+        "[upstream.search]\nurl = \"http://127.0.0.1:9\"\ntimeout = \"1s\"\n",
+    )
+    .expect("write");
+    let (ok, _stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "check must fail");
+    let file = |name: &str| dir.path().join(name).display().to_string();
+    for expected in [
+        format!("{}:3:9: error: unknown duration unit", file("10-main.toml")),
+        format!(
+            "{}:2:8: error: route `home` is defined twice",
+            file("20-extra.toml")
+        ),
+        format!(
+            "{}:7:12: error: upstream `ai` is not defined",
+            file("20-extra.toml")
+        ),
+        format!(
+            "{}:3:1: error: unknown field `timeout`",
+            file("30-typo.toml")
+        ),
+    ] {
+        assert!(
+            stderr.contains(&expected),
+            "missing `{expected}` in:\n{stderr}"
+        );
+    }
+    assert!(stderr.contains("hint:"), "{stderr}");
+    assert!(stderr.contains("has 5 error(s)"), "{stderr}");
+    assert!(
+        stderr.contains("20-extra.toml:8:24: error: invalid path_regex"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_fails_on_a_missing_or_empty_directory() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (ok, _, stderr) = levee_check(dir.path());
+    assert!(!ok);
+    assert!(stderr.contains("no *.toml policy files"), "{stderr}");
+    let (ok, _, stderr) = levee_check(&dir.path().join("missing"));
+    assert!(!ok);
+    assert!(stderr.contains("cannot read policy directory"), "{stderr}");
+}
+
+/// A backend that answers with its own name, so a test can see where a route points.
+async fn named_backend(name: &'static str) -> Backend {
+    Backend::start(move |_request: Request<Incoming>| async move { Response::new(full(name)) })
+        .await
+}
+
+fn two_upstream_policy(a: &Backend, b: &Backend, target: &str) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\naccess_log = false\ndefault_upstream = \"a\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.a]\nurl = \"http://{}\"\n[upstream.b]\nurl = \"http://{}\"\n[[route]]\nname = \"switching\"\nmatch = {{ path_prefix = \"/\" }}\nupstream = \"{target}\"\n",
+        a.addr, b.addr
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_under_load_loses_no_request() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let levee = Levee::start(&two_upstream_policy(&a, &b, "a")).await;
+    let file = levee.policy_file();
+
+    // Clients hammer levee for the whole test; every answer must be a 200 from a backend.
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let (stop, sent, url) = (stop.clone(), sent.clone(), levee.url("/page"));
+        clients.push(tokio::spawn(async move {
+            let client = client();
+            let mut failures = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let request = Request::get(url.as_str()).body(full("")).expect("request");
+                match client.request(request).await {
+                    Ok(response) if response.status() == 200 => {}
+                    Ok(response) => failures.push(format!("status {}", response.status())),
+                    Err(error) => failures.push(format!("error {error}")),
+                }
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+            failures
+        }));
+    }
+
+    let broken_versions = [
+        "[server\nlisten = ".to_string(), // syntax error
+        two_upstream_policy(&a, &b, "a").replace(
+            "name = \"switching\"",
+            "name = \"switching\"\nname = \"twice\"",
+        ), // duplicate key
+        two_upstream_policy(&a, &b, "nowhere"), // unknown upstream
+    ];
+    let mut good_changes = 0;
+    let mut bad_changes = 0;
+    for change in 0..20 {
+        let generation = levee.generation();
+        let failures_before = metric(&levee, "levee_policy_reload_failures_total").await;
+        if change % 3 == 2 {
+            let broken = &broken_versions[(change / 3) % broken_versions.len()];
+            std::fs::write(&file, broken).expect("write broken policy");
+            eventually(
+                Duration::from_secs(10),
+                "the broken policy to be refused",
+                || async {
+                    metric(&levee, "levee_policy_reload_failures_total").await > failures_before
+                },
+            )
+            .await;
+            assert_eq!(
+                levee.generation(),
+                generation,
+                "a broken policy must not be swapped in"
+            );
+            let status = get(&levee.admin_url("/status")).await.json();
+            let location = status["policy"]["last_reload_error"]["errors"][0]["file"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            assert!(location.ends_with("levee.toml"), "{status}");
+            assert!(
+                status["policy"]["last_reload_error"]["errors"][0]["line"]
+                    .as_u64()
+                    .unwrap_or(0)
+                    >= 1,
+                "{status}"
+            );
+            bad_changes += 1;
+        } else {
+            let target = if change % 2 == 0 { "b" } else { "a" };
+            let text = two_upstream_policy(&a, &b, target) + &format!("# change {change}\n");
+            if change % 2 == 0 {
+                // Editors often write a temp file and rename it over the original.
+                let temp = file.with_extension("toml.tmp");
+                std::fs::write(&temp, &text).expect("write temp");
+                std::fs::rename(&temp, &file).expect("rename");
+            } else {
+                std::fs::write(&file, &text).expect("write policy");
+            }
+            eventually(
+                Duration::from_secs(10),
+                "the good policy to take effect",
+                || async {
+                    levee.generation() > generation
+                        && get(&levee.url("/check")).await.text() == target
+                },
+            )
+            .await;
+            good_changes += 1;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut failures = Vec::new();
+    for client in clients {
+        failures.extend(client.await.expect("client task"));
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failed requests: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    assert!(
+        sent.load(Ordering::Relaxed) > 100,
+        "the load was too light to prove anything"
+    );
+    assert_eq!((good_changes, bad_changes), (14, 6));
+    assert!(metric(&levee, "levee_policy_reload_failures_total").await >= 6.0);
+}
+
+async fn metric(levee: &Levee, name: &str) -> f64 {
+    let text = get(&levee.admin_url("/metrics")).await.text();
+    text.lines()
+        .find(|line| line.starts_with(name) && line[name.len()..].starts_with(' '))
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn admin_reload_answers_with_the_errors_or_the_new_generation() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        two_upstream_policy(&a, &b, "a"),
+    )
+    .expect("write");
+    let mut options = levee::Options::new(dir.path());
+    options.watch = false;
+    let running = levee::start(options).await.expect("start");
+    let admin = format!("http://{}", running.admin_addr);
+    let public = format!("http://{}", running.public_addr);
+
+    // Unchanged files: nothing swapped.
+    let same = post(&format!("{admin}/reload"), "").await;
+    assert_eq!(same.status, 200);
+    assert_eq!(same.json()["changed"], false);
+
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        two_upstream_policy(&a, &b, "missing"),
+    )
+    .expect("write");
+    let refused = post(&format!("{admin}/reload"), "").await;
+    assert_eq!(refused.status, 422);
+    let body = refused.json();
+    assert_eq!(body["active_generation"], 1);
+    assert!(
+        body["errors"][0]["location"]
+            .as_str()
+            .unwrap_or_default()
+            .ends_with("levee.toml:14:12"),
+        "{body}"
+    );
+    assert_eq!(
+        get(&format!("{public}/")).await.text(),
+        "a",
+        "the old policy keeps serving"
+    );
+
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        two_upstream_policy(&a, &b, "b"),
+    )
+    .expect("write");
+    let accepted = post(&format!("{admin}/reload"), "").await;
+    assert_eq!(accepted.status, 200);
+    assert_eq!(accepted.json()["generation"], 2);
+    assert_eq!(get(&format!("{public}/")).await.text(), "b");
+
+    let status = get(&format!("{admin}/status")).await.json();
+    assert_eq!(status["policy"]["generation"], 2);
+    assert!(status["policy"]["last_reload_error"].is_null(), "{status}");
+    assert_eq!(status["policy"]["hash"].as_str().map(str::len), Some(16));
+    assert_eq!(status["routes"][0]["name"], "switching");
+    assert_eq!(status["routes"][0]["upstream"], "b");
+    assert_eq!(get(&format!("{admin}/reload")).await.status, 405);
+    assert_eq!(get(&format!("{admin}/nope")).await.status, 404);
+    // The admin API is not reachable through the public listener.
+    assert_eq!(get(&format!("{public}/status")).await.text(), "b");
+}
