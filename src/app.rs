@@ -102,9 +102,11 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         source,
     })?;
 
+    let limiter = Arc::new(crate::limit::Limiter::new(metrics.clone()));
     let shared = Arc::new(Shared {
         store: store.clone(),
         metrics,
+        limiter: limiter.clone(),
         draining: AtomicBool::new(false),
     });
     let (stop_accepting, stop) = watch::channel(false);
@@ -126,6 +128,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         stop.clone(),
         alive,
     ));
+    crate::limit::spawn_sweeper(limiter, Duration::from_secs(10), stop.clone());
     if options.watch {
         crate::config::watch::spawn_watcher(store.clone(), options.debounce, stop.clone());
     }

@@ -6,6 +6,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 
+use crate::limit::{policy_field, state_field, Denial};
 use crate::proxy::body::ResponseBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -38,6 +39,8 @@ pub enum ProxyError {
     UpstreamTimeout { upstream: String, after: Duration },
     #[error("upstream `{upstream}` failed: {reason}")]
     UpstreamFailed { upstream: String, reason: String },
+    #[error("rate limited by rule `{}`; retry after {:?}", .0.rule.name, .0.retry_after)]
+    RateLimited(Box<Denial>),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -54,6 +57,7 @@ impl ProxyError {
                 StatusCode::BAD_GATEWAY
             }
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::RateLimited(denial) => denial.rule.status,
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -69,6 +73,7 @@ impl ProxyError {
             ProxyError::UpstreamConnect { .. } => "connect",
             ProxyError::UpstreamTimeout { .. } => "timeout",
             ProxyError::UpstreamFailed { .. } => "failed",
+            ProxyError::RateLimited(_) => "rate_limited",
             ProxyError::Internal(_) => "internal",
         }
     }
@@ -79,7 +84,8 @@ impl ProxyError {
             | ProxyError::HeadersTooLarge { .. }
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::ClientBodyTimeout { .. }
-            | ProxyError::NoRoute => ErrorSide::Client,
+            | ProxyError::NoRoute
+            | ProxyError::RateLimited(_) => ErrorSide::Client,
             ProxyError::UpstreamConnect { .. }
             | ProxyError::UpstreamTimeout { .. }
             | ProxyError::UpstreamFailed { .. } => ErrorSide::Upstream,
@@ -90,6 +96,9 @@ impl ProxyError {
     /// The rescue: the only place a request-path error becomes a response. The body is one
     /// plain-text line that says what happened; internal details stay in the log.
     pub fn to_response(&self) -> Response<ResponseBody> {
+        if let ProxyError::RateLimited(denial) = self {
+            return rate_limited_response(denial);
+        }
         let status = self.status();
         let reason = match self {
             ProxyError::Internal(_) => "internal error in levee".to_string(),
@@ -123,4 +132,47 @@ pub fn full_body(body: impl Into<Bytes>) -> ResponseBody {
     Full::new(body.into())
         .map_err(|never| match never {})
         .boxed_unsync()
+}
+
+const DEFAULT_LIMIT_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Too many requests</title></head>\n<body><h1>Too many requests</h1><p>Please wait {retry_after} seconds and try again.</p></body></html>\n";
+const DEFAULT_LIMIT_JSON: &str =
+    "{\"error\":\"rate_limited\",\"rule\":\"{rule}\",\"retry_after\":{retry_after}}\n";
+
+/// A refusal by a rate-limit rule: the rule's template (HTML or JSON by `Accept`),
+/// `Retry-After`, and the IETF `RateLimit-Policy` / `RateLimit` fields unless the rule hides them.
+fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
+    let rule = &denial.rule;
+    let retry_after = denial.retry_after.as_secs_f64().ceil().max(1.0) as u64;
+    let (template, content_type) = if denial.wants_json {
+        (
+            rule.body_json.as_deref().unwrap_or(DEFAULT_LIMIT_JSON),
+            "application/json; charset=utf-8",
+        )
+    } else {
+        (
+            rule.body_html.as_deref().unwrap_or(DEFAULT_LIMIT_HTML),
+            "text/html; charset=utf-8",
+        )
+    };
+    // Placeholders are filled with numbers and the rule's own name only: nothing the
+    // client sent reaches the body.
+    let body = template
+        .replace("{retry_after}", &retry_after.to_string())
+        .replace("{rule}", &rule.name);
+    let mut response = Response::new(full_body(body));
+    *response.status_mut() = rule.status;
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
+    if rule.headers {
+        if let Ok(value) = HeaderValue::from_str(&policy_field(rule)) {
+            headers.insert("ratelimit-policy", value);
+        }
+        let reset = denial.reset.max(denial.retry_after);
+        if let Ok(value) = HeaderValue::from_str(&state_field(rule, 0, reset)) {
+            headers.insert("ratelimit", value);
+        }
+    }
+    response
 }

@@ -10,6 +10,7 @@ pub mod admin;
 pub mod app;
 pub mod config;
 pub mod error;
+pub mod limit;
 pub mod metrics;
 pub mod proxy;
 

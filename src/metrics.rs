@@ -26,6 +26,20 @@ pub struct UpstreamErrorLabels {
     pub kind: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    pub rule: RouteName,
+    /// allowed, limited, dry_run_limited
+    pub result: &'static str,
+    /// redis, local (embedded default), fallback (redis unavailable), cache (known refused)
+    pub source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RedisStateLabels {
+    pub to: &'static str,
+}
+
 /// All of levee's metrics. Handles are cheap clones of shared atomics.
 pub struct Metrics {
     pub registry: Registry,
@@ -36,6 +50,10 @@ pub struct Metrics {
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
     pub policy_generation: Gauge,
+    pub ratelimit_decisions: Family<DecisionLabels, Counter>,
+    pub redis_latency: Histogram,
+    pub redis_up: Gauge,
+    pub redis_transitions: Family<RedisStateLabels, Counter>,
 }
 
 fn duration_histogram() -> Histogram {
@@ -97,8 +115,38 @@ impl Metrics {
             "Generation number of the active policy",
             policy_generation.clone(),
         );
+        let ratelimit_decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "ratelimit_decisions",
+            "Rate-limit decisions by rule, result and where they were made",
+            ratelimit_decisions.clone(),
+        );
+        let redis_latency =
+            Histogram::new([0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1]);
+        registry.register(
+            "redis_latency_seconds",
+            "Time of rate-limit calls to Redis, including timeouts",
+            redis_latency.clone(),
+        );
+        let redis_up = Gauge::default();
+        redis_up.set(1);
+        registry.register(
+            "redis_up",
+            "1 while Redis is used for shared limits, 0 while its health breaker is open",
+            redis_up.clone(),
+        );
+        let redis_transitions = Family::<RedisStateLabels, Counter>::default();
+        registry.register(
+            "redis_transitions",
+            "Switches between Redis and the fallback (to=down / to=up)",
+            redis_transitions.clone(),
+        );
         Metrics {
             registry,
+            ratelimit_decisions,
+            redis_latency,
+            redis_up,
+            redis_transitions,
             requests,
             request_duration,
             upstream_errors,

@@ -18,8 +18,14 @@ use toml::Spanned;
 
 use super::diag::{Diagnostic, Diagnostics, SourceFile};
 use super::policy::{AdminSettings, Policy, ServerSettings};
-use super::spec::{FileSpec, MatchSpec, RouteSpec, ServerSpec, SizeSpec, UpstreamSpec};
+use super::spec::{
+    FileSpec, IdentitySpec, LimitSpec, MatchSpec, OneOrMany, RedisSpec, RouteSpec, ServerSpec,
+    SizeSpec, UpstreamSpec,
+};
 use super::units::{parse_duration, parse_size};
+use crate::limit::key::{Identity, KeyPart, Source};
+use crate::limit::redis::{RedisSettings, RedisStore, RedisTarget};
+use crate::limit::{gcra::Rate, parse_rate, LimitRule, OnRedisError};
 use crate::proxy::header::TrustedProxies;
 use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable};
@@ -131,6 +137,51 @@ impl<'a> Compiler<'a> {
         diagnostic.hint = Some(hint.into());
     }
 
+    /// Keeps the first occurrence of a section that may appear once across all files.
+    fn take_once<T>(
+        &mut self,
+        what: &str,
+        slot: &mut Option<(usize, Spanned<T>)>,
+        file: usize,
+        section: Option<Spanned<T>>,
+    ) {
+        let Some(section) = section else { return };
+        if let Some((first, first_spec)) = slot {
+            let other = self.location(*first, &first_spec.span());
+            self.error_hint(
+                file,
+                section.span(),
+                format!("{what} is defined twice"),
+                format!("the first one is at {other}; keep one"),
+            );
+        } else {
+            *slot = Some((file, section));
+        }
+    }
+
+    /// Adds named sections (`[upstream.NAME]`, `[limit.NAME]`), reporting duplicates at both places.
+    fn merge_named<T>(
+        &mut self,
+        what: &str,
+        into: &mut BTreeMap<String, (usize, Spanned<T>)>,
+        file: usize,
+        sections: BTreeMap<String, Spanned<T>>,
+    ) {
+        for (name, section) in sections {
+            if let Some((first, first_spec)) = into.get(&name) {
+                let other = self.location(*first, &first_spec.span());
+                self.error_hint(
+                    file,
+                    section.span(),
+                    format!("{what} `{name}` is defined twice"),
+                    format!("the first one is at {other}; rename or remove one"),
+                );
+            } else {
+                into.insert(name, (file, section));
+            }
+        }
+    }
+
     fn location(&self, file: usize, span: &Range<usize>) -> String {
         Diagnostic::at(&self.files[file], span.clone(), "").location()
     }
@@ -222,48 +273,18 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     // Merge files: sections that may appear once, names that must be unique.
     let mut server: Option<(usize, Spanned<ServerSpec>)> = None;
     let mut admin: Option<(usize, Spanned<super::spec::AdminSpec>)> = None;
+    let mut redis: Option<(usize, Spanned<RedisSpec>)> = None;
+    let mut identity: Option<(usize, Spanned<IdentitySpec>)> = None;
     let mut upstream_specs: BTreeMap<String, (usize, Spanned<UpstreamSpec>)> = BTreeMap::new();
+    let mut limit_specs: BTreeMap<String, (usize, Spanned<LimitSpec>)> = BTreeMap::new();
     let mut route_specs: Vec<(usize, Spanned<RouteSpec>)> = Vec::new();
     for (index, spec) in specs {
-        if let Some(section) = spec.server {
-            if let Some((first, first_spec)) = &server {
-                let other = compiler.location(*first, &first_spec.span());
-                compiler.error_hint(
-                    index,
-                    section.span(),
-                    "[server] is defined twice",
-                    format!("the first one is at {other}; keep one"),
-                );
-            } else {
-                server = Some((index, section));
-            }
-        }
-        if let Some(section) = spec.admin {
-            if let Some((first, first_spec)) = &admin {
-                let other = compiler.location(*first, &first_spec.span());
-                compiler.error_hint(
-                    index,
-                    section.span(),
-                    "[admin] is defined twice",
-                    format!("the first one is at {other}; keep one"),
-                );
-            } else {
-                admin = Some((index, section));
-            }
-        }
-        for (name, upstream) in spec.upstream {
-            if let Some((first, first_spec)) = upstream_specs.get(&name) {
-                let other = compiler.location(*first, &first_spec.span());
-                compiler.error_hint(
-                    index,
-                    upstream.span(),
-                    format!("upstream `{name}` is defined twice"),
-                    format!("the first one is at {other}; rename or remove one"),
-                );
-            } else {
-                upstream_specs.insert(name, (index, upstream));
-            }
-        }
+        compiler.take_once("[server]", &mut server, index, spec.server);
+        compiler.take_once("[admin]", &mut admin, index, spec.admin);
+        compiler.take_once("[redis]", &mut redis, index, spec.redis);
+        compiler.take_once("[identity]", &mut identity, index, spec.identity);
+        compiler.merge_named("upstream", &mut upstream_specs, index, spec.upstream);
+        compiler.merge_named("limit", &mut limit_specs, index, spec.limit);
         route_specs.extend(spec.route.into_iter().map(|route| (index, route)));
     }
 
@@ -316,7 +337,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     }) {
         Some((file, name)) => {
             if !upstream_specs.contains_key(name.get_ref()) {
-                let known = known_names(&upstream_specs);
+                let known = known_names("upstream", &upstream_specs);
                 compiler.error_hint(
                     file,
                     name.span(),
@@ -330,20 +351,38 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         None => None,
     };
 
+    let redis_store = redis.as_ref().and_then(|(file, spec)| {
+        let settings = compile_redis(&mut compiler, *file, spec)?;
+        // Keep the running connection when nothing about Redis changed.
+        let reused = previous
+            .and_then(|policy| policy.redis.as_ref())
+            .filter(|old| old.settings == settings)
+            .cloned();
+        Some(reused.unwrap_or_else(|| Arc::new(RedisStore::new(settings))))
+    });
+    let identity_settings = match &identity {
+        Some((file, spec)) => compile_identity(&mut compiler, *file, spec.get_ref()),
+        None => Identity::default(),
+    };
+    let mut limits: BTreeMap<String, Arc<LimitRule>> = BTreeMap::new();
+    for (name, (file, spec)) in &limit_specs {
+        if let Some(rule) = compile_limit(&mut compiler, *file, name, spec, &identity_settings) {
+            limits.insert(name.clone(), Arc::new(rule));
+        }
+    }
+
+    let context = RouteContext {
+        server: &server_settings,
+        upstreams: &upstreams,
+        upstream_specs: &upstream_specs,
+        default_upstream: default_upstream.as_deref(),
+        limits: &limits,
+        limit_specs: &limit_specs,
+    };
     let mut routes = Vec::with_capacity(route_specs.len());
     let mut route_names: BTreeMap<String, (usize, Range<usize>)> = BTreeMap::new();
     for (file, spec) in &route_specs {
-        let route = compile_route(
-            &mut compiler,
-            *file,
-            spec,
-            &server_settings,
-            &upstreams,
-            &upstream_specs,
-            default_upstream.as_deref(),
-            &mut route_names,
-        );
-        if let Some(route) = route {
+        if let Some(route) = compile_route(&mut compiler, *file, spec, &context, &mut route_names) {
             routes.push(Arc::new(route));
         }
     }
@@ -358,6 +397,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 path: PathMatch::Any,
                 upstream: upstream.clone(),
                 max_body: server_settings.max_body,
+                limits: Vec::new(),
             })
         });
 
@@ -375,12 +415,243 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         upstreams,
         default_upstream,
         routes: RouteTable { routes, fallback },
+        redis: redis_store,
+        identity: identity_settings,
+        limits,
     })
 }
 
-fn known_names<T>(map: &BTreeMap<String, T>) -> String {
+fn compile_redis(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Spanned<RedisSpec>,
+) -> Option<RedisSettings> {
+    let inner = spec.get_ref();
+    let target = match (&inner.url, &inner.cluster) {
+        (Some(url), None) => {
+            check_redis_url(compiler, file, url.get_ref(), url.span());
+            RedisTarget::Single(url.get_ref().clone())
+        }
+        (None, Some(nodes)) if !nodes.get_ref().is_empty() => {
+            for node in nodes.get_ref() {
+                check_redis_url(compiler, file, node, nodes.span());
+            }
+            RedisTarget::Cluster(nodes.get_ref().clone())
+        }
+        (Some(_), Some(_)) => {
+            compiler.error_hint(
+                file,
+                spec.span(),
+                "[redis] has both url and cluster",
+                "use url for one Redis server, cluster for the nodes of a Redis Cluster",
+            );
+            return None;
+        }
+        _ => {
+            compiler.error_hint(file, spec.span(), "[redis] needs url or cluster", "url = \"redis://127.0.0.1:6379/0\", or remove [redis] to run on the embedded default");
+            return None;
+        }
+    };
+    let positive = |compiler: &mut Compiler<'_>,
+                    value: &Option<Spanned<u32>>,
+                    default: u32,
+                    what: &str|
+     -> u32 {
+        match value {
+            Some(value) if *value.get_ref() == 0 => {
+                compiler.error(file, value.span(), format!("{what} must be at least 1"));
+                default
+            }
+            Some(value) => *value.get_ref(),
+            None => default,
+        }
+    };
+    Some(RedisSettings {
+        target,
+        timeout: compiler.duration(file, &inner.timeout, Duration::from_millis(25)),
+        failures_to_open: positive(compiler, &inner.failures_to_open, 3, "failures_to_open"),
+        cooldown: compiler.duration(file, &inner.cooldown, Duration::from_secs(1)),
+        key_prefix: inner
+            .key_prefix
+            .as_ref()
+            .map_or_else(|| "levee:".to_string(), |prefix| prefix.get_ref().clone()),
+        instances: positive(compiler, &inner.instances, 1, "instances"),
+    })
+}
+
+fn check_redis_url(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Range<usize>) {
+    if let Err(error) = redis::Client::open(url) {
+        compiler.error_hint(
+            file,
+            span,
+            format!("`{url}` is not a Redis URL: {error}"),
+            "write it as \"redis://127.0.0.1:6379/0\"",
+        );
+    }
+}
+
+fn compile_sources(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    value: &Option<Spanned<OneOrMany>>,
+) -> Vec<Source> {
+    let Some(value) = value else {
+        return Vec::new();
+    };
+    let mut sources = Vec::new();
+    for text in value.get_ref().clone().into_vec() {
+        match Source::parse(&text) {
+            Ok(source) => sources.push(source),
+            Err(message) => compiler.error_hint(
+                file,
+                value.span(),
+                message,
+                "write \"header:X-User-Id\", \"cookie:uid\" or \"query:api_key\"",
+            ),
+        }
+    }
+    sources
+}
+
+fn compile_identity(compiler: &mut Compiler<'_>, file: usize, spec: &IdentitySpec) -> Identity {
+    Identity {
+        user: compile_sources(compiler, file, &spec.user),
+        api_key: compile_sources(compiler, file, &spec.api_key),
+    }
+}
+
+fn compile_limit(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    name: &str,
+    spec: &Spanned<LimitSpec>,
+    identity: &Identity,
+) -> Option<LimitRule> {
+    let inner = spec.get_ref();
+    let mut parts = Vec::new();
+    match &inner.key {
+        None => compiler.error_hint(file, spec.span(), format!("limit `{name}` has no key"), "add key = [\"ip\"] (or user, api_key, route, method, header:NAME, cookie:NAME, query:NAME)"),
+        Some(key) => {
+            for text in key.get_ref().clone().into_vec() {
+                match KeyPart::parse(&text) {
+                    Ok(KeyPart::User) if identity.user.is_empty() => compiler.error_hint(file, key.span(), "key part `user` needs [identity] user", "add [identity] user = [\"header:X-User-Id\"] (a header your front nginx or app sets), or a cookie"),
+                    Ok(KeyPart::ApiKey) if identity.api_key.is_empty() => compiler.error_hint(file, key.span(), "key part `api_key` needs [identity] api_key", "add [identity] api_key = [\"header:X-Api-Key\", \"query:api_key\"]"),
+                    Ok(part) => parts.push(part),
+                    Err(message) => compiler.error(file, key.span(), message).hint = None,
+                }
+            }
+        }
+    }
+    let (per_second, interval_us) = match &inner.rate {
+        None => {
+            compiler.error_hint(
+                file,
+                spec.span(),
+                format!("limit `{name}` has no rate"),
+                "add rate = \"3/min\" (or N/s, N/h; fractions like \"0.05/s\" work)",
+            );
+            return None;
+        }
+        Some(rate) => match parse_rate(rate.get_ref()) {
+            Ok(parsed) => parsed,
+            Err(message) => {
+                compiler.error_hint(
+                    file,
+                    rate.span(),
+                    message,
+                    "write it as \"3/min\", \"10/s\" or \"0.05/s\"",
+                );
+                return None;
+            }
+        },
+    };
+    let burst = match &inner.burst {
+        Some(burst) if *burst.get_ref() == 0 => {
+            compiler.error_hint(
+                file,
+                burst.span(),
+                "burst must be at least 1",
+                "burst is how many requests may come at once before the rate applies",
+            );
+            1
+        }
+        Some(burst) => *burst.get_ref(),
+        // One second's worth of requests, at least one.
+        None => per_second.round().max(1.0) as u32,
+    };
+    let missing_uses_ip = match inner
+        .missing
+        .as_ref()
+        .map(|m| (m.get_ref().as_str(), m.span()))
+    {
+        None | Some(("skip", _)) => false,
+        Some(("ip", _)) => true,
+        Some((other, span)) => {
+            compiler.error_hint(
+                file,
+                span,
+                format!("missing = `{other}` is not known"),
+                "use \"skip\" (the rule does not apply) or \"ip\" (key by client IP instead)",
+            );
+            false
+        }
+    };
+    let on_redis_error = match inner
+        .on_redis_error
+        .as_ref()
+        .map(|m| (m.get_ref().as_str(), m.span()))
+    {
+        None | Some(("local", _)) => OnRedisError::Local,
+        Some(("allow", _)) => OnRedisError::Allow,
+        Some(("deny", _)) => OnRedisError::Deny,
+        Some((other, span)) => {
+            compiler.error_hint(
+                file,
+                span,
+                format!("on_redis_error = `{other}` is not known"),
+                "use \"local\", \"allow\" or \"deny\"",
+            );
+            OnRedisError::Local
+        }
+    };
+    let status = match &inner.status {
+        None => http::StatusCode::TOO_MANY_REQUESTS,
+        Some(status) => match http::StatusCode::from_u16(*status.get_ref()) {
+            Ok(code) if code.is_client_error() || code.is_server_error() => code,
+            _ => {
+                compiler.error_hint(
+                    file,
+                    status.span(),
+                    format!("status {} is not an error status", status.get_ref()),
+                    "use 429 (or another 4xx/5xx)",
+                );
+                http::StatusCode::TOO_MANY_REQUESTS
+            }
+        },
+    };
+    Some(LimitRule {
+        name: Arc::from(name),
+        parts,
+        rate: Rate { interval_us, burst },
+        rate_text: inner
+            .rate
+            .as_ref()
+            .map(|r| r.get_ref().clone())
+            .unwrap_or_default(),
+        missing_uses_ip,
+        dry_run: inner.dry_run.unwrap_or(false),
+        on_redis_error,
+        headers: inner.headers.unwrap_or(true),
+        headers_on_allow: inner.headers_on_allow.unwrap_or(false),
+        status,
+        body_html: inner.body_html.as_deref().map(Arc::from),
+        body_json: inner.body_json.as_deref().map(Arc::from),
+    })
+}
+
+fn known_names<T>(what: &str, map: &BTreeMap<String, T>) -> String {
     if map.is_empty() {
-        "none (add an [upstream.NAME] section)".to_string()
+        format!("none (add a [{what}.NAME] section)")
     } else {
         map.keys()
             .map(|name| format!("`{name}`"))
@@ -566,15 +837,21 @@ fn compile_upstream(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What routes may refer to.
+struct RouteContext<'a> {
+    server: &'a ServerSettings,
+    upstreams: &'a BTreeMap<String, Arc<Upstream>>,
+    upstream_specs: &'a BTreeMap<String, (usize, Spanned<UpstreamSpec>)>,
+    default_upstream: Option<&'a str>,
+    limits: &'a BTreeMap<String, Arc<LimitRule>>,
+    limit_specs: &'a BTreeMap<String, (usize, Spanned<LimitSpec>)>,
+}
+
 fn compile_route(
     compiler: &mut Compiler<'_>,
     file: usize,
     spec: &Spanned<RouteSpec>,
-    server: &ServerSettings,
-    upstreams: &BTreeMap<String, Arc<Upstream>>,
-    upstream_specs: &BTreeMap<String, (usize, Spanned<UpstreamSpec>)>,
-    default_upstream: Option<&str>,
+    context: &RouteContext<'_>,
     names: &mut BTreeMap<String, (usize, Range<usize>)>,
 ) -> Option<Route> {
     let inner = spec.get_ref();
@@ -621,8 +898,8 @@ fn compile_route(
 
     let upstream_name = match &inner.upstream {
         Some(upstream) => {
-            if !upstream_specs.contains_key(upstream.get_ref()) {
-                let known = known_names(upstream_specs);
+            if !context.upstream_specs.contains_key(upstream.get_ref()) {
+                let known = known_names("upstream", context.upstream_specs);
                 compiler.error_hint(
                     file,
                     upstream.span(),
@@ -633,7 +910,7 @@ fn compile_route(
             }
             upstream.get_ref().as_str()
         }
-        None => match default_upstream {
+        None => match context.default_upstream {
             Some(name) => name,
             None => {
                 compiler.error_hint(
@@ -650,7 +927,24 @@ fn compile_route(
         },
     };
     // A defined upstream that failed to compile has already been reported.
-    let upstream = upstreams.get(upstream_name)?.clone();
+    let mut limits = Vec::new();
+    for name in inner.limits.iter().flatten() {
+        match context.limits.get(name.get_ref()) {
+            Some(rule) => limits.push(rule.clone()),
+            // Defined but broken: already reported where it is defined.
+            None if context.limit_specs.contains_key(name.get_ref()) => {}
+            None => compiler.error_hint(
+                file,
+                name.span(),
+                format!("limit `{}` is not defined", name.get_ref()),
+                format!(
+                    "defined limits: {}",
+                    known_names("limit", context.limit_specs)
+                ),
+            ),
+        }
+    }
+    let upstream = context.upstreams.get(upstream_name)?.clone();
     let (hosts, methods, path) = matched?;
     Some(Route {
         name: RouteName(Arc::from(name.get_ref().as_str())),
@@ -658,7 +952,8 @@ fn compile_route(
         methods,
         path,
         upstream,
-        max_body: compiler.size(file, &inner.max_body, server.max_body),
+        max_body: compiler.size(file, &inner.max_body, context.server.max_body),
+        limits,
     })
 }
 

@@ -6,6 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::limit::key::Identity;
+use crate::limit::redis::RedisStore;
+use crate::limit::LimitRule;
 use crate::proxy::header::TrustedProxies;
 use crate::proxy::route::RouteTable;
 use crate::proxy::upstream::Upstream;
@@ -23,6 +26,19 @@ pub struct Policy {
     pub upstreams: BTreeMap<String, Arc<Upstream>>,
     pub default_upstream: Option<String>,
     pub routes: RouteTable,
+    /// Shared state; `None` runs everything in-process (the embedded default).
+    pub redis: Option<Arc<RedisStore>>,
+    pub identity: Identity,
+    pub limits: BTreeMap<String, Arc<LimitRule>>,
+}
+
+impl Policy {
+    /// Prefix of every Redis key levee writes (`[redis] key_prefix`, default `levee:`).
+    pub fn key_prefix(&self) -> &str {
+        self.redis
+            .as_ref()
+            .map_or("levee:", |redis| redis.settings.key_prefix.as_str())
+    }
 }
 
 /// `[server]`, with defaults applied.

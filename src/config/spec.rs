@@ -16,10 +16,52 @@ use toml::Spanned;
 pub struct FileSpec {
     pub server: Option<Spanned<ServerSpec>>,
     pub admin: Option<Spanned<AdminSpec>>,
+    pub redis: Option<Spanned<RedisSpec>>,
+    pub identity: Option<Spanned<IdentitySpec>>,
     #[serde(default)]
     pub upstream: BTreeMap<String, Spanned<UpstreamSpec>>,
     #[serde(default)]
+    pub limit: BTreeMap<String, Spanned<LimitSpec>>,
+    #[serde(default)]
     pub route: Vec<Spanned<RouteSpec>>,
+}
+
+/// `[redis]`: shared state. Without it levee runs on its embedded default.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisSpec {
+    pub url: Option<Spanned<String>>,
+    pub cluster: Option<Spanned<Vec<String>>>,
+    pub timeout: Option<Spanned<String>>,
+    pub failures_to_open: Option<Spanned<u32>>,
+    pub cooldown: Option<Spanned<String>>,
+    pub key_prefix: Option<Spanned<String>>,
+    pub instances: Option<Spanned<u32>>,
+}
+
+/// `[identity]`: where the user id and API key of a request are read from.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdentitySpec {
+    pub user: Option<Spanned<OneOrMany>>,
+    pub api_key: Option<Spanned<OneOrMany>>,
+}
+
+/// `[limit.NAME]`: a rate-limit rule that routes refer to.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSpec {
+    pub key: Option<Spanned<OneOrMany>>,
+    pub rate: Option<Spanned<String>>,
+    pub burst: Option<Spanned<u32>>,
+    pub missing: Option<Spanned<String>>,
+    pub dry_run: Option<bool>,
+    pub on_redis_error: Option<Spanned<String>>,
+    pub headers: Option<bool>,
+    pub headers_on_allow: Option<bool>,
+    pub status: Option<Spanned<u16>>,
+    pub body_html: Option<String>,
+    pub body_json: Option<String>,
 }
 
 /// `[server]`: the public listener and what it accepts.
@@ -69,6 +111,7 @@ pub struct RouteSpec {
     pub matcher: Option<Spanned<MatchSpec>>,
     pub upstream: Option<Spanned<String>>,
     pub max_body: Option<Spanned<SizeSpec>>,
+    pub limits: Option<Vec<Spanned<String>>>,
 }
 
 /// `match = { … }` of a route. All given conditions must hold.

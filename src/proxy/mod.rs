@@ -27,6 +27,7 @@ use tokio::time::Instant;
 
 use crate::config::{Policy, PolicyStore};
 use crate::error::{text_response, ErrorSide, ProxyError};
+use crate::limit::key::RequestFacts;
 use crate::metrics::{Metrics, RouteLabels, RouteStatusLabels, UpstreamErrorLabels};
 use body::{find_cause, BodyIdleTimeout, IdleTimeout, Observed, OnBodyEnd, ResponseBody};
 use route::{Route, RouteName};
@@ -35,6 +36,8 @@ use route::{Route, RouteName};
 pub struct Shared {
     pub store: Arc<PolicyStore>,
     pub metrics: Arc<Metrics>,
+    /// Rate-limit state that outlives policy reloads.
+    pub limiter: Arc<crate::limit::Limiter>,
     /// Set on SIGTERM: `/readyz` answers 503 while traffic still flows.
     pub draining: AtomicBool,
 }
@@ -74,7 +77,7 @@ pub async fn handle(
         error: None,
         access_log: policy.server.access_log,
     };
-    let response = match forward(&policy, peer, request, &mut exchange).await {
+    let response = match forward(&shared, &policy, peer, request, &mut exchange).await {
         Ok(response) => response,
         Err(error) => rescue(&shared, &mut exchange, error),
     };
@@ -85,6 +88,7 @@ pub async fn handle(
 
 /// Everything between routing and the upstream's response head.
 async fn forward(
+    shared: &Shared,
     policy: &Policy,
     peer: SocketAddr,
     mut request: Request<Incoming>,
@@ -118,7 +122,33 @@ async fn forward(
         .clone();
     exchange.route = Some(route.clone());
 
-    // Degrade, rate limit, breaker and bulkhead stages slot in here, in that order.
+    // Degrade slots in here, before the rate limit.
+
+    // Rate limit: every rule of the route in one decision (one Redis round trip).
+    let mut allowed_headers = None;
+    if !route.limits.is_empty() {
+        let facts = RequestFacts {
+            client_ip,
+            route: &route.name.0,
+            method: request.method(),
+            headers: request.headers(),
+            query: request.uri().query(),
+            identity: &policy.identity,
+        };
+        let wants_json = wants_json(request.headers());
+        allowed_headers = shared
+            .limiter
+            .check(
+                &route.limits,
+                policy.redis.as_deref(),
+                policy.key_prefix(),
+                &facts,
+                wants_json,
+            )
+            .await?;
+    }
+
+    // Breaker and bulkhead slot in here.
 
     if let Some(length) = content_length(request.headers()) {
         if length > route.max_body {
@@ -177,6 +207,10 @@ async fn forward(
 
     let (mut parts, body) = response.into_parts();
     header::strip_hop_by_hop(&mut parts.headers, false);
+    if let Some(limit) = allowed_headers {
+        parts.headers.insert("ratelimit-policy", limit.policy);
+        parts.headers.insert("ratelimit", limit.state);
+    }
     let body =
         IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream").boxed_unsync();
     Ok(Response::from_parts(parts, body))
@@ -227,6 +261,21 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
         source = inner.source();
     }
     text
+}
+
+/// Does the client prefer JSON (an API client) over HTML (a browser)?
+fn wants_json(headers: &http::HeaderMap) -> bool {
+    let accept = headers
+        .get(h::ACCEPT)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or("");
+    let json = accept.find("json");
+    let html = accept.find("html");
+    match (json, html) {
+        (Some(json), Some(html)) => json < html,
+        (Some(_), None) => true,
+        _ => false,
+    }
 }
 
 fn content_length(headers: &http::HeaderMap) -> Option<u64> {

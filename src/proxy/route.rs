@@ -92,6 +92,8 @@ pub struct Route {
     pub upstream: Arc<Upstream>,
     /// Largest request body accepted, in bytes (413 above it).
     pub max_body: u64,
+    /// Rate-limit rules, all decided together.
+    pub limits: Vec<Arc<crate::limit::LimitRule>>,
 }
 
 impl Route {

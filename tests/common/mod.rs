@@ -312,6 +312,9 @@ impl ChildGuard {
     /// SIGTERM first so nginx and php-fpm masters take their workers down with them
     /// (SIGKILL would orphan the workers), then SIGKILL if it has not exited in 5 s.
     pub fn stop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
         let _ = Command::new("kill")
             .arg("-TERM")
             .arg(self.child.id().to_string())
@@ -453,4 +456,169 @@ pub fn open_up(dir: &Path) {
             break;
         }
     }
+}
+
+/// A redis-server of the test's own, on a free port, without persistence.
+pub struct RedisServer {
+    pub port: u16,
+    pub guard: ChildGuard,
+}
+
+impl RedisServer {
+    pub async fn start(dir: &Path) -> RedisServer {
+        let port = free_port();
+        RedisServer::start_on(dir, port).await
+    }
+
+    pub async fn start_on(dir: &Path, port: u16) -> RedisServer {
+        let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
+        let guard = ChildGuard::spawn(
+            "redis-server",
+            Command::new(binary)
+                .args([
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    &port.to_string(),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .arg("--dir")
+                .arg(dir)
+                .args(["--daemonize", "no"]),
+        );
+        wait_for_port(
+            SocketAddr::from(([127, 0, 0, 1], port)),
+            "redis-server to listen",
+        )
+        .await;
+        RedisServer { port, guard }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the server: connections stay open, answers stop.
+    pub fn pause(&self, paused: bool) {
+        let signal = if paused { "-STOP" } else { "-CONT" };
+        let _ = Command::new("kill")
+            .arg(signal)
+            .arg(self.guard.pid().to_string())
+            .status();
+    }
+}
+
+/// A 3-node Redis Cluster (no replicas) on free ports whose bus ports (+10000) are free too.
+pub struct RedisCluster {
+    pub ports: Vec<u16>,
+    _nodes: Vec<ChildGuard>,
+}
+
+fn port_pair_free(port: u16) -> bool {
+    port < 55_000
+        && StdListener::bind(("127.0.0.1", port)).is_ok()
+        && StdListener::bind(("127.0.0.1", port + 10_000)).is_ok()
+}
+
+impl RedisCluster {
+    pub async fn start(dir: &Path) -> RedisCluster {
+        let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
+        let mut ports = Vec::new();
+        while ports.len() < 3 {
+            let port = free_port();
+            if port_pair_free(port) && !ports.contains(&port) {
+                ports.push(port);
+            }
+        }
+        let mut nodes = Vec::new();
+        for port in &ports {
+            let node_dir = dir.join(port.to_string());
+            std::fs::create_dir_all(&node_dir).expect("node dir");
+            nodes.push(ChildGuard::spawn(
+                "redis-server (cluster)",
+                Command::new(&binary)
+                    .args([
+                        "--bind",
+                        "127.0.0.1",
+                        "--port",
+                        &port.to_string(),
+                        "--cluster-enabled",
+                        "yes",
+                    ])
+                    .arg("--cluster-config-file")
+                    .arg(node_dir.join("nodes.conf"))
+                    .args([
+                        "--cluster-node-timeout",
+                        "5000",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                    ])
+                    .arg("--dir")
+                    .arg(&node_dir),
+            ));
+        }
+        for port in &ports {
+            wait_for_port(
+                SocketAddr::from(([127, 0, 0, 1], *port)),
+                "cluster node to listen",
+            )
+            .await;
+        }
+        let cli = find_binary(&["redis-cli", "/usr/bin/redis-cli"]);
+        let status = Command::new(cli)
+            .args(["--cluster", "create"])
+            .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .status()
+            .expect("redis-cli --cluster create");
+        assert!(status.success(), "cluster create failed");
+        // The cluster is usable once every node reports cluster_state:ok.
+        let cli = find_binary(&["redis-cli", "/usr/bin/redis-cli"]);
+        for port in &ports {
+            let cli = cli.clone();
+            let port = *port;
+            eventually(Duration::from_secs(20), "cluster_state:ok", move || {
+                let cli = cli.clone();
+                async move {
+                    Command::new(&cli)
+                        .args(["-p", &port.to_string(), "cluster", "info"])
+                        .output()
+                        .map(|out| {
+                            String::from_utf8_lossy(&out.stdout).contains("cluster_state:ok")
+                        })
+                        .unwrap_or(false)
+                }
+            })
+            .await;
+        }
+        RedisCluster {
+            ports,
+            _nodes: nodes,
+        }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+}
+
+/// The value of one exact series (`name` or `name{labels}`) in Prometheus text, 0 if absent.
+pub fn metric_value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            line.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0.0)
 }

@@ -1,0 +1,331 @@
+//! What a rate-limit bucket is keyed by, and how the parts are read from a request.
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use http::{HeaderMap, HeaderName, Method};
+use sha2::{Digest, Sha256};
+
+/// Where an identity (user id, API key) or a key part is read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Header(HeaderName),
+    Cookie(String),
+    Query(String),
+}
+
+impl Source {
+    /// Parses `header:NAME`, `cookie:NAME`, `query:NAME`.
+    pub fn parse(text: &str) -> Result<Source, String> {
+        let (kind, name) = text.split_once(':').ok_or_else(|| {
+            format!("`{text}` is not `header:NAME`, `cookie:NAME` or `query:NAME`")
+        })?;
+        if name.is_empty() {
+            return Err(format!("`{text}` names nothing after `{kind}:`"));
+        }
+        match kind {
+            "header" => HeaderName::from_bytes(name.as_bytes())
+                .map(Source::Header)
+                .map_err(|_| format!("`{name}` is not a header name")),
+            "cookie" => Ok(Source::Cookie(name.to_string())),
+            "query" => Ok(Source::Query(name.to_string())),
+            other => Err(format!(
+                "unknown source `{other}`; use header:, cookie: or query:"
+            )),
+        }
+    }
+
+    pub fn read<'a>(&self, headers: &'a HeaderMap, query: Option<&'a str>) -> Option<Cow<'a, str>> {
+        let value = match self {
+            Source::Header(name) => headers
+                .get(name)
+                .and_then(|value| value.to_str().ok())
+                .map(|value| Cow::Borrowed(value.trim())),
+            Source::Cookie(name) => cookie(headers, name).map(Cow::Borrowed),
+            Source::Query(name) => query.and_then(|query| query_param(query, name)),
+        };
+        value.filter(|value| !value.is_empty())
+    }
+}
+
+/// Where levee finds who the user is and which API key a request uses. Each list is tried in
+/// order; the first source present wins. Default: none (rules keyed by `user` or `api_key`
+/// then treat every request as missing that part).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Identity {
+    pub user: Vec<Source>,
+    pub api_key: Vec<Source>,
+}
+
+/// One part of a rule's key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPart {
+    Ip,
+    User,
+    ApiKey,
+    Route,
+    Method,
+    Field(Source),
+}
+
+impl KeyPart {
+    /// Parses `ip`, `user`, `api_key`, `route`, `method`, `header:NAME`, `cookie:NAME`, `query:NAME`.
+    pub fn parse(text: &str) -> Result<KeyPart, String> {
+        match text {
+            "ip" => Ok(KeyPart::Ip),
+            "user" => Ok(KeyPart::User),
+            "api_key" => Ok(KeyPart::ApiKey),
+            "route" => Ok(KeyPart::Route),
+            "method" => Ok(KeyPart::Method),
+            other if other.contains(':') => Source::parse(other).map(KeyPart::Field),
+            other => Err(format!(
+                "unknown key part `{other}`; use ip, user, api_key, route, method, header:NAME, cookie:NAME or query:NAME"
+            )),
+        }
+    }
+
+    /// How specific a part is to one client: the most specific part of a key becomes its
+    /// Redis Cluster hash tag, so one client's buckets share a slot and clients spread out.
+    fn specificity(&self) -> u8 {
+        match self {
+            KeyPart::User => 6,
+            KeyPart::ApiKey => 5,
+            KeyPart::Ip => 4,
+            KeyPart::Field(_) => 3,
+            KeyPart::Route => 2,
+            KeyPart::Method => 1,
+        }
+    }
+}
+
+/// The facts about one request that keys are built from.
+pub struct RequestFacts<'a> {
+    pub client_ip: IpAddr,
+    pub route: &'a str,
+    pub method: &'a Method,
+    pub headers: &'a HeaderMap,
+    pub query: Option<&'a str>,
+    pub identity: &'a Identity,
+}
+
+impl RequestFacts<'_> {
+    fn part(&self, part: &KeyPart) -> Option<Cow<'_, str>> {
+        match part {
+            KeyPart::Ip => Some(Cow::Owned(self.client_ip.to_string())),
+            KeyPart::Route => Some(Cow::Borrowed(self.route)),
+            KeyPart::Method => Some(Cow::Borrowed(self.method.as_str())),
+            KeyPart::User => first_present(&self.identity.user, self.headers, self.query),
+            KeyPart::ApiKey => first_present(&self.identity.api_key, self.headers, self.query),
+            KeyPart::Field(source) => source.read(self.headers, self.query),
+        }
+    }
+}
+
+fn first_present<'a>(
+    sources: &[Source],
+    headers: &'a HeaderMap,
+    query: Option<&'a str>,
+) -> Option<Cow<'a, str>> {
+    sources
+        .iter()
+        .find_map(|source| source.read(headers, query))
+}
+
+/// Builds the bucket key of `rule` for a request: `{prefix}rl:{tag}:{rule}:{part|part…}`.
+/// Returns `None` when a part is missing; `fallback_ip` then keys by client IP instead.
+pub fn bucket_key(
+    prefix: &str,
+    rule: &str,
+    parts: &[KeyPart],
+    facts: &RequestFacts<'_>,
+    fallback_ip: bool,
+) -> Option<BucketKey> {
+    let mut values = Vec::with_capacity(parts.len());
+    let mut tag: Option<(u8, String)> = None;
+    for part in parts {
+        let (part, value) = match facts.part(part) {
+            Some(value) => (part, value),
+            None if fallback_ip => (&KeyPart::Ip, Cow::Owned(facts.client_ip.to_string())),
+            None => return None,
+        };
+        let value = safe_value(&value);
+        if tag
+            .as_ref()
+            .is_none_or(|(specificity, _)| part.specificity() > *specificity)
+        {
+            tag = Some((part.specificity(), value.clone()));
+        }
+        values.push(value);
+    }
+    let tag = tag.map(|(_, value)| value).unwrap_or_default();
+    let mut key = String::with_capacity(prefix.len() + rule.len() + tag.len() + 32);
+    let _ = write!(key, "{prefix}rl:{{{tag}}}:{rule}:{}", values.join("|"));
+    Some(BucketKey { key, tag })
+}
+
+/// A bucket's Redis key and its hash tag (keys with the same tag share a cluster slot).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BucketKey {
+    pub key: String,
+    pub tag: String,
+}
+
+/// Key parts come from clients: long values, braces (which would break hash tags), separators
+/// and control bytes are replaced by a hash, so a client cannot forge another key.
+fn safe_value(value: &str) -> String {
+    let plain = value.len() <= 64
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'|' | b':'));
+    if plain {
+        return value.to_string();
+    }
+    let digest = Sha256::digest(value.as_bytes());
+    let mut out = String::from("#");
+    for byte in digest.iter().take(12) {
+        let _ = write!(out, "{byte:02x}");
+    }
+    out
+}
+
+fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get_all(http::header::COOKIE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(key, _)| *key == name)
+        .map(|(_, value)| value.trim())
+}
+
+fn query_param<'a>(query: &'a str, name: &str) -> Option<Cow<'a, str>> {
+    query
+        .split('&')
+        .filter_map(|pair| pair.split_once('=').or(Some((pair, ""))))
+        .find(|(key, _)| percent_decode(key) == name)
+        .map(|(_, value)| percent_decode(value))
+}
+
+/// Decodes `%XX` and `+` the way PHP fills `$_GET`, so `?key=a%62c` and `?key=abc` are one key.
+fn percent_decode(text: &str) -> Cow<'_, str> {
+    if !text.contains(['%', '+']) {
+        return Cow::Borrowed(text);
+    }
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                match u8::from_str_radix(text.get(i + 1..i + 3).unwrap_or(""), 16) {
+                    Ok(byte) => {
+                        out.push(byte);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            other => out.push(other),
+        }
+        i += 1;
+    }
+    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn facts<'a>(
+        headers: &'a HeaderMap,
+        query: Option<&'a str>,
+        identity: &'a Identity,
+    ) -> RequestFacts<'a> {
+        RequestFacts {
+            client_ip: "203.0.113.9".parse().expect("ip"),
+            route: "post",
+            method: &Method::POST,
+            headers,
+            query,
+            identity,
+        }
+    }
+
+    #[test]
+    fn keys_use_the_most_specific_part_as_hash_tag() {
+        let mut headers = HeaderMap::new();
+        headers.insert("cookie", HeaderValue::from_static("a=1; uid=42"));
+        let identity = Identity {
+            user: vec![Source::parse("cookie:uid").expect("source")],
+            api_key: vec![],
+        };
+        let facts = facts(&headers, None, &identity);
+        let key = bucket_key(
+            "levee:",
+            "post_per_user",
+            &[KeyPart::Route, KeyPart::User],
+            &facts,
+            false,
+        )
+        .expect("key");
+        assert_eq!(key.key, "levee:rl:{42}:post_per_user:post|42");
+        let key = bucket_key("levee:", "login", &[KeyPart::Ip], &facts, false).expect("key");
+        assert_eq!(key.key, "levee:rl:{203.0.113.9}:login:203.0.113.9");
+    }
+
+    #[test]
+    fn missing_parts_skip_or_fall_back_to_ip() {
+        let headers = HeaderMap::new();
+        let identity = Identity::default();
+        let facts = facts(&headers, None, &identity);
+        assert!(bucket_key("", "r", &[KeyPart::User], &facts, false).is_none());
+        let key = bucket_key("", "r", &[KeyPart::User], &facts, true).expect("key");
+        assert_eq!(key.tag, "203.0.113.9");
+    }
+
+    #[test]
+    fn client_values_cannot_break_the_key() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-api-key", HeaderValue::from_static("abc}|{evil"));
+        let identity = Identity::default();
+        let facts = facts(&headers, Some("key=a%62c&x"), &identity);
+        let key = bucket_key(
+            "",
+            "r",
+            &[KeyPart::Field(
+                Source::parse("header:x-api-key").expect("s"),
+            )],
+            &facts,
+            false,
+        )
+        .expect("key");
+        assert!(
+            key.tag.starts_with('#') && !key.key.contains("evil"),
+            "{key:?}"
+        );
+        let key = bucket_key(
+            "",
+            "r",
+            &[KeyPart::Field(Source::parse("query:key").expect("s"))],
+            &facts,
+            false,
+        )
+        .expect("key");
+        assert_eq!(key.tag, "abc");
+    }
+
+    #[test]
+    fn parts_parse_with_clear_errors() {
+        assert_eq!(KeyPart::parse("ip"), Ok(KeyPart::Ip));
+        assert!(KeyPart::parse("header:X-Api-Key").is_ok());
+        assert!(KeyPart::parse("usr")
+            .unwrap_err()
+            .contains("unknown key part"));
+        assert!(KeyPart::parse("cookie:").is_err());
+        assert!(KeyPart::parse("body:x").is_err());
+    }
+}

@@ -1,0 +1,287 @@
+//! In-process buckets: the embedded default (no `[redis]`) and the `local` fallback while
+//! Redis is down. Memory is bounded: idle buckets (already full again) are swept, and a shard
+//! that still grows past its share of `max_keys` is cleared rather than growing without end.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::gcra::{decide, Rate, Verdict};
+
+const SHARDS: usize = 16;
+
+/// One bucket to decide: its key, its rate, and whether it is a dry run.
+pub struct Ask<'a> {
+    pub key: &'a str,
+    pub rate: Rate,
+    pub dry_run: bool,
+}
+
+pub struct LocalStore {
+    shards: Vec<Mutex<HashMap<String, u64>>>,
+    max_keys_per_shard: usize,
+}
+
+impl LocalStore {
+    /// `max_keys`: the most buckets kept in memory (default 100,000, about 10 MB).
+    pub fn new(max_keys: usize) -> LocalStore {
+        LocalStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            max_keys_per_shard: (max_keys / SHARDS).max(16),
+        }
+    }
+
+    fn shard_of(key: &str) -> usize {
+        // FNV-1a: cheap and stable; the shard only spreads lock contention.
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in key.bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        (hash % SHARDS as u64) as usize
+    }
+
+    /// Decides all asks at `now` (µs), all or nothing: when a non-dry-run ask is refused,
+    /// no bucket is charged.
+    pub fn decide_all(&self, asks: &[Ask<'_>], now: u64) -> Vec<Verdict> {
+        // Lock the shards involved in index order, so two requests never deadlock.
+        let mut shard_ids: Vec<usize> = asks.iter().map(|ask| Self::shard_of(ask.key)).collect();
+        shard_ids.sort_unstable();
+        shard_ids.dedup();
+        let mut guards: Vec<(usize, std::sync::MutexGuard<'_, HashMap<String, u64>>)> = shard_ids
+            .iter()
+            .map(|&id| {
+                (
+                    id,
+                    self.shards[id]
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner()),
+                )
+            })
+            .collect();
+        let verdicts: Vec<Verdict> = asks
+            .iter()
+            .map(|ask| {
+                let shard = Self::shard_of(ask.key);
+                let tat = guards
+                    .iter()
+                    .find(|(id, _)| *id == shard)
+                    .and_then(|(_, map)| map.get(ask.key).copied());
+                decide(tat, now, ask.rate)
+            })
+            .collect();
+        let blocked = asks
+            .iter()
+            .zip(&verdicts)
+            .any(|(ask, verdict)| !ask.dry_run && !verdict.allowed());
+        if !blocked {
+            for (ask, verdict) in asks.iter().zip(&verdicts) {
+                if let Verdict::Allow { new_tat, .. } = verdict {
+                    let shard = Self::shard_of(ask.key);
+                    if let Some((_, map)) = guards.iter_mut().find(|(id, _)| *id == shard) {
+                        if map.len() >= self.max_keys_per_shard && !map.contains_key(ask.key) {
+                            map.retain(|_, tat| *tat > now);
+                            if map.len() >= self.max_keys_per_shard {
+                                tracing::warn!(
+                                    "in-process rate-limit store is full; clearing one shard"
+                                );
+                                map.clear();
+                            }
+                        }
+                        map.insert(ask.key.to_string(), *new_tat);
+                    }
+                }
+            }
+        }
+        verdicts
+    }
+
+    /// Drops buckets that are full again (their TAT has passed): they mean the same as absent.
+    pub fn sweep(&self, now: u64) {
+        for shard in &self.shards {
+            let mut map = shard
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            map.retain(|_, tat| *tat > now);
+            if map.capacity() > 4 * map.len().max(64) {
+                map.shrink_to_fit();
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|shard| shard.lock().map(|map| map.len()).unwrap_or(0))
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Keys known to be over their limit until a time: refused without asking Redis, so a flood
+/// from one key does not become a flood on Redis. Bounded to `max` entries.
+pub struct DenyCache {
+    entries: Mutex<HashMap<String, u64>>,
+    max: usize,
+}
+
+impl DenyCache {
+    pub fn new(max: usize) -> DenyCache {
+        DenyCache {
+            entries: Mutex::new(HashMap::new()),
+            max,
+        }
+    }
+
+    /// Remembers that `key` is refused until `until` (µs, levee's clock).
+    pub fn insert(&self, key: &str, until: u64, now: u64) {
+        let mut entries = self
+            .entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if entries.len() >= self.max {
+            entries.retain(|_, until| *until > now);
+            if entries.len() >= self.max {
+                return;
+            }
+        }
+        entries.insert(key.to_string(), until);
+    }
+
+    /// Until when `key` is known to be refused, if it still is at `now`.
+    pub fn refused_until(&self, key: &str, now: u64) -> Option<u64> {
+        let entries = self
+            .entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        entries.get(key).copied().filter(|until| *until > now)
+    }
+
+    pub fn sweep(&self, now: u64) {
+        let mut entries = self
+            .entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        entries.retain(|_, until| *until > now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: u64 = 1_000_000;
+
+    #[test]
+    fn a_refused_rule_charges_no_other_rule() {
+        let store = LocalStore::new(1000);
+        let per_ip = Rate {
+            interval_us: SECOND,
+            burst: 10,
+        };
+        let per_user = Rate {
+            interval_us: SECOND,
+            burst: 1,
+        };
+        let asks = |user: &'static str| {
+            vec![
+                Ask {
+                    key: "ip",
+                    rate: per_ip,
+                    dry_run: false,
+                },
+                Ask {
+                    key: user,
+                    rate: per_user,
+                    dry_run: false,
+                },
+            ]
+        };
+        let now = 100 * SECOND;
+        assert!(store
+            .decide_all(&asks("u1"), now)
+            .iter()
+            .all(Verdict::allowed));
+        // u1 is over its limit 5 times; the IP keeps its remaining 9 tokens.
+        for _ in 0..5 {
+            assert!(!store.decide_all(&asks("u1"), now)[1].allowed());
+        }
+        let verdicts = store.decide_all(&asks("u2"), now);
+        assert!(
+            matches!(verdicts[0], Verdict::Allow { remaining: 8, .. }),
+            "{verdicts:?}"
+        );
+    }
+
+    #[test]
+    fn dry_run_rules_never_block_and_are_not_charged_when_over() {
+        let store = LocalStore::new(1000);
+        let one = Rate {
+            interval_us: SECOND,
+            burst: 1,
+        };
+        let asks = [
+            Ask {
+                key: "dry",
+                rate: one,
+                dry_run: true,
+            },
+            Ask {
+                key: "real",
+                rate: Rate {
+                    interval_us: SECOND,
+                    burst: 5,
+                },
+                dry_run: false,
+            },
+        ];
+        let now = 100 * SECOND;
+        for round in 0..3 {
+            let verdicts = store.decide_all(&asks, now);
+            assert_eq!(verdicts[0].allowed(), round == 0);
+            assert!(verdicts[1].allowed());
+        }
+    }
+
+    #[test]
+    fn memory_stays_bounded() {
+        let store = LocalStore::new(16 * 16);
+        let rate = Rate {
+            interval_us: SECOND,
+            burst: 1,
+        };
+        for i in 0..10_000 {
+            let key = format!("client-{i}");
+            store.decide_all(
+                &[Ask {
+                    key: &key,
+                    rate,
+                    dry_run: false,
+                }],
+                100 * SECOND,
+            );
+        }
+        assert!(store.len() <= 16 * 16, "{}", store.len());
+        store.sweep(200 * SECOND);
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn deny_cache_expires_and_is_bounded() {
+        let cache = DenyCache::new(2);
+        cache.insert("a", 10, 0);
+        cache.insert("b", 20, 0);
+        cache.insert("c", 20, 0);
+        assert_eq!(cache.refused_until("a", 5), Some(10));
+        assert_eq!(cache.refused_until("a", 10), None);
+        assert_eq!(
+            cache.refused_until("c", 5),
+            None,
+            "full cache takes no more"
+        );
+        cache.insert("c", 30, 15);
+        assert_eq!(cache.refused_until("c", 15), Some(30));
+    }
+}

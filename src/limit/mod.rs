@@ -1,0 +1,470 @@
+//! Rate limits: GCRA per IP / user / route / API key / header / cookie / query, shared
+//! through Redis (one round trip per request) or in-process without Redis.
+//!
+//! Order of a decision:
+//! 1. build each rule's bucket key (a rule whose key part is missing is skipped, or keyed by
+//!    IP when the rule says `missing = "ip"`);
+//! 2. keys already known to be refused (deny cache) are refused without asking anyone;
+//! 3. with Redis: one script decides all rules at once, all or nothing; without Redis (or
+//!    while its health breaker is open), each rule's `on_redis_error` decides: an in-process
+//!    share, allow or deny;
+//! 4. dry-run rules are counted and logged, never enforced.
+
+pub mod gcra;
+pub mod key;
+pub mod local;
+pub mod redis;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderValue, StatusCode};
+use tokio::time::Instant;
+
+use crate::error::ProxyError;
+use crate::metrics::{DecisionLabels, Metrics};
+use gcra::{Rate, Verdict};
+use key::{bucket_key, KeyPart, RequestFacts};
+use local::{Ask, DenyCache, LocalStore};
+use redis::{RedisAsk, RedisStore};
+
+/// What a rule does while Redis cannot be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnRedisError {
+    /// Apply `rate / instances` in-process (default).
+    Local,
+    /// Let every request through.
+    Allow,
+    /// Refuse every request (429).
+    Deny,
+}
+
+/// A compiled `[limit.NAME]` rule.
+#[derive(Debug)]
+pub struct LimitRule {
+    pub name: Arc<str>,
+    pub parts: Vec<KeyPart>,
+    pub rate: Rate,
+    /// As written in the policy, for headers and `/status`.
+    pub rate_text: String,
+    /// A request without a key part is keyed by client IP instead of skipping the rule.
+    pub missing_uses_ip: bool,
+    pub dry_run: bool,
+    pub on_redis_error: OnRedisError,
+    /// `RateLimit-Policy` / `RateLimit` on 429 answers. Default true.
+    pub headers: bool,
+    /// `RateLimit-Policy` / `RateLimit` on admitted answers too. Default false.
+    pub headers_on_allow: bool,
+    /// Status of a refusal. Default 429.
+    pub status: StatusCode,
+    pub body_html: Option<Arc<str>>,
+    pub body_json: Option<Arc<str>>,
+}
+
+/// A refusal, turned into a response by [`ProxyError::to_response`].
+#[derive(Debug)]
+pub struct Denial {
+    pub rule: Arc<LimitRule>,
+    pub retry_after: Duration,
+    pub reset: Duration,
+    pub wants_json: bool,
+}
+
+/// Header values for an admitted request whose rules ask for them.
+#[derive(Debug, Clone)]
+pub struct RateLimitHeaders {
+    pub policy: HeaderValue,
+    pub state: HeaderValue,
+}
+
+/// `"name";q=BURST;w=SECONDS` — the quota of the IETF `RateLimit-Policy` field.
+pub fn policy_field(rule: &LimitRule) -> String {
+    let window = Duration::from_micros(rule.rate.capacity_us())
+        .as_secs_f64()
+        .ceil()
+        .max(1.0);
+    format!(
+        "\"{}\";q={};w={}",
+        rule.name, rule.rate.burst, window as u64
+    )
+}
+
+/// `"name";r=REMAINING;t=SECONDS` — the IETF `RateLimit` field.
+pub fn state_field(rule: &LimitRule, remaining: u32, reset: Duration) -> String {
+    format!(
+        "\"{}\";r={};t={}",
+        rule.name,
+        remaining,
+        reset.as_secs_f64().ceil() as u64
+    )
+}
+
+/// Process-wide limiter state. It outlives policy reloads, so buckets survive them.
+pub struct Limiter {
+    local: LocalStore,
+    fallback: LocalStore,
+    denied: DenyCache,
+    epoch: Instant,
+    metrics: Arc<Metrics>,
+}
+
+/// Default bound on in-process buckets (each store) and on the deny cache.
+pub const MAX_LOCAL_KEYS: usize = 100_000;
+
+struct Planned<'a> {
+    rule: &'a Arc<LimitRule>,
+    key: key::BucketKey,
+}
+
+/// Per rule: allowed?, remaining, reset, retry-after, and where the decision came from.
+struct Decided {
+    allowed: bool,
+    remaining: u32,
+    reset: Duration,
+    retry_after: Duration,
+    source: &'static str,
+}
+
+impl Limiter {
+    pub fn new(metrics: Arc<Metrics>) -> Limiter {
+        Limiter {
+            local: LocalStore::new(MAX_LOCAL_KEYS),
+            fallback: LocalStore::new(MAX_LOCAL_KEYS),
+            denied: DenyCache::new(MAX_LOCAL_KEYS),
+            epoch: Instant::now(),
+            metrics,
+        }
+    }
+
+    /// levee's clock in µs (tokio's, so tests can pause and advance it).
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1)
+    }
+
+    /// Drops idle buckets and expired deny-cache entries. Called periodically.
+    pub fn sweep(&self) {
+        let now = self.now_us();
+        self.local.sweep(now);
+        self.fallback.sweep(now);
+        self.denied.sweep(now);
+    }
+
+    /// Decides a request against `rules`. `Ok(headers)` admits it (with `RateLimit` headers
+    /// when a rule asks for them on admitted answers); `Err` is the 429.
+    pub async fn check(
+        &self,
+        rules: &[Arc<LimitRule>],
+        redis: Option<&RedisStore>,
+        prefix: &str,
+        facts: &RequestFacts<'_>,
+        wants_json: bool,
+    ) -> Result<Option<RateLimitHeaders>, ProxyError> {
+        let planned: Vec<Planned<'_>> = rules
+            .iter()
+            .filter_map(|rule| {
+                bucket_key(prefix, &rule.name, &rule.parts, facts, rule.missing_uses_ip)
+                    .map(|key| Planned { rule, key })
+            })
+            .collect();
+        if planned.is_empty() {
+            return Ok(None);
+        }
+        let now = self.now_us();
+
+        // Keys that Redis already refused until a known time: refuse without a round trip.
+        if redis.is_some() {
+            let cached = planned.iter().find_map(|plan| {
+                if plan.rule.dry_run {
+                    return None;
+                }
+                self.denied
+                    .refused_until(&plan.key.key, now)
+                    .map(|until| (plan, until))
+            });
+            if let Some((plan, until)) = cached {
+                let wait = Duration::from_micros(until - now);
+                self.count(&plan.rule.name, "limited", "cache");
+                return Err(self.deny(plan.rule, wait, wait, wants_json));
+            }
+        }
+
+        let decided = match redis {
+            Some(redis) => self.decide_with_redis(&planned, redis, now).await,
+            None => self.decide_locally(&planned, now, false, 1),
+        };
+
+        let mut refusal: Option<(&Planned<'_>, &Decided)> = None;
+        let mut tightest: Option<(&Planned<'_>, &Decided)> = None;
+        for (plan, decision) in planned.iter().zip(&decided) {
+            let result = match (decision.allowed, plan.rule.dry_run) {
+                (true, _) => "allowed",
+                (false, true) => "dry_run_limited",
+                (false, false) => "limited",
+            };
+            self.count(&plan.rule.name, result, decision.source);
+            if !decision.allowed && plan.rule.dry_run {
+                tracing::info!(rule = %plan.rule.name, key = %plan.key.key, "dry run: this request would have been rate limited");
+            }
+            if !decision.allowed && !plan.rule.dry_run {
+                if redis.is_some() && decision.source == "redis" {
+                    let until = now + u64::try_from(decision.retry_after.as_micros()).unwrap_or(0);
+                    self.denied.insert(&plan.key.key, until, now);
+                }
+                if refusal.is_none_or(|(_, worst)| decision.retry_after > worst.retry_after) {
+                    refusal = Some((plan, decision));
+                }
+            }
+            if decision.allowed
+                && plan.rule.headers_on_allow
+                && tightest.is_none_or(|(_, t)| decision.remaining < t.remaining)
+            {
+                tightest = Some((plan, decision));
+            }
+        }
+        if let Some((plan, decision)) = refusal {
+            return Err(self.deny(plan.rule, decision.retry_after, decision.reset, wants_json));
+        }
+        Ok(tightest.and_then(|(plan, decision)| {
+            let policy = HeaderValue::from_str(&policy_field(plan.rule)).ok()?;
+            let state =
+                HeaderValue::from_str(&state_field(plan.rule, decision.remaining, decision.reset))
+                    .ok()?;
+            Some(RateLimitHeaders { policy, state })
+        }))
+    }
+
+    async fn decide_with_redis(
+        &self,
+        planned: &[Planned<'_>],
+        redis: &RedisStore,
+        now: u64,
+    ) -> Vec<Decided> {
+        let asks: Vec<RedisAsk<'_>> = planned
+            .iter()
+            .map(|plan| RedisAsk {
+                key: &plan.key.key,
+                tag: &plan.key.tag,
+                interval_us: plan.rule.rate.interval_us,
+                burst: plan.rule.rate.burst,
+                dry_run: plan.rule.dry_run,
+            })
+            .collect();
+        match redis.decide_all(&asks, &self.metrics).await {
+            Ok(verdicts) => verdicts
+                .into_iter()
+                .map(|verdict| Decided {
+                    allowed: verdict.allowed,
+                    remaining: verdict.remaining,
+                    reset: Duration::from_millis(verdict.reset_ms),
+                    retry_after: Duration::from_millis(verdict.retry_after_ms),
+                    source: "redis",
+                })
+                .collect(),
+            Err(failure) => {
+                tracing::debug!("rate limit falls back: {failure}");
+                self.decide_locally(planned, now, true, redis.settings.instances)
+                    .into_iter()
+                    .zip(planned)
+                    .map(|(mut decision, plan)| {
+                        if plan.rule.on_redis_error == OnRedisError::Deny {
+                            decision.retry_after = redis.settings.cooldown;
+                        }
+                        decision
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// In-process decisions. As a Redis fallback (`fallback`), each rule follows its
+    /// `on_redis_error`, and `local` rules get `rate / instances`.
+    fn decide_locally(
+        &self,
+        planned: &[Planned<'_>],
+        now: u64,
+        fallback: bool,
+        instances: u32,
+    ) -> Vec<Decided> {
+        let store = if fallback {
+            &self.fallback
+        } else {
+            &self.local
+        };
+        let uses_store =
+            |plan: &Planned<'_>| !fallback || plan.rule.on_redis_error == OnRedisError::Local;
+        let asks: Vec<Ask<'_>> = planned
+            .iter()
+            .filter(|plan| uses_store(plan))
+            .map(|plan| Ask {
+                key: &plan.key.key,
+                rate: if fallback {
+                    plan.rule.rate.share(instances)
+                } else {
+                    plan.rule.rate
+                },
+                dry_run: plan.rule.dry_run,
+            })
+            .collect();
+        let mut verdicts = store.decide_all(&asks, now).into_iter();
+        let source = if fallback { "fallback" } else { "local" };
+        planned
+            .iter()
+            .map(|plan| {
+                if !uses_store(plan) {
+                    let allowed = plan.rule.on_redis_error == OnRedisError::Allow;
+                    return Decided {
+                        allowed,
+                        remaining: 0,
+                        reset: Duration::ZERO,
+                        retry_after: Duration::ZERO,
+                        source,
+                    };
+                }
+                match verdicts.next() {
+                    Some(Verdict::Allow {
+                        remaining,
+                        reset_us,
+                        ..
+                    }) => Decided {
+                        allowed: true,
+                        remaining,
+                        reset: Duration::from_micros(reset_us),
+                        retry_after: Duration::ZERO,
+                        source,
+                    },
+                    Some(Verdict::Deny {
+                        retry_after_us,
+                        reset_us,
+                    }) => Decided {
+                        allowed: false,
+                        remaining: 0,
+                        reset: Duration::from_micros(reset_us),
+                        retry_after: Duration::from_micros(retry_after_us),
+                        source,
+                    },
+                    None => Decided {
+                        allowed: true,
+                        remaining: 0,
+                        reset: Duration::ZERO,
+                        retry_after: Duration::ZERO,
+                        source,
+                    },
+                }
+            })
+            .collect()
+    }
+
+    fn count(&self, rule: &Arc<str>, result: &'static str, source: &'static str) {
+        self.metrics
+            .ratelimit_decisions
+            .get_or_create(&DecisionLabels {
+                rule: crate::proxy::route::RouteName(rule.clone()),
+                result,
+                source,
+            })
+            .inc();
+    }
+
+    fn deny(
+        &self,
+        rule: &Arc<LimitRule>,
+        retry_after: Duration,
+        reset: Duration,
+        wants_json: bool,
+    ) -> ProxyError {
+        ProxyError::RateLimited(Box::new(Denial {
+            rule: rule.clone(),
+            retry_after,
+            reset,
+            wants_json,
+        }))
+    }
+}
+
+/// Starts the periodic sweep of idle buckets; it lasts until `stop` turns true.
+pub fn spawn_sweeper(
+    limiter: Arc<Limiter>,
+    every: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => limiter.sweep(),
+                _ = stop.wait_for(|stopped| *stopped) => return,
+            }
+        }
+    });
+}
+
+/// Parses `"3/min"`, `"0.05/s"`, `"100/h"` into a GCRA interval.
+pub fn parse_rate(text: &str) -> Result<(f64, u64), String> {
+    let (count, unit) = text
+        .split_once('/')
+        .ok_or_else(|| format!("rate `{text}` is not written as N/s, N/min or N/h"))?;
+    let count: f64 = count
+        .trim()
+        .parse()
+        .map_err(|_| format!("rate `{text}` does not start with a number"))?;
+    let seconds = match unit.trim() {
+        "s" | "sec" | "second" => 1.0,
+        "m" | "min" | "minute" => 60.0,
+        "h" | "hour" => 3600.0,
+        "d" | "day" => 86_400.0,
+        other => return Err(format!("unknown rate unit `{other}`; use s, min, h or day")),
+    };
+    if !(count.is_finite() && count > 0.0) {
+        return Err(format!("rate `{text}` must be above zero"));
+    }
+    let per_second = count / seconds;
+    let interval_us = (1_000_000.0 / per_second).round();
+    if !(1.0..=1e13).contains(&interval_us) {
+        return Err(format!("rate `{text}` is out of range"));
+    }
+    Ok((per_second, interval_us as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_parse() {
+        assert_eq!(parse_rate("3/min"), Ok((0.05, 20_000_000)));
+        assert_eq!(parse_rate("0.05/s"), Ok((0.05, 20_000_000)));
+        assert_eq!(parse_rate("10/s").map(|r| r.1), Ok(100_000));
+        assert_eq!(parse_rate("3600/h").map(|r| r.1), Ok(1_000_000));
+        assert!(parse_rate("3 per minute").is_err());
+        assert!(parse_rate("0/s").is_err());
+        assert!(parse_rate("5/fortnight").is_err());
+    }
+
+    #[test]
+    fn ietf_fields() {
+        let rule = LimitRule {
+            name: Arc::from("post_per_user"),
+            parts: vec![KeyPart::User],
+            rate: Rate {
+                interval_us: 20_000_000,
+                burst: 3,
+            },
+            rate_text: "3/min".into(),
+            missing_uses_ip: false,
+            dry_run: false,
+            on_redis_error: OnRedisError::Local,
+            headers: true,
+            headers_on_allow: false,
+            status: StatusCode::TOO_MANY_REQUESTS,
+            body_html: None,
+            body_json: None,
+        };
+        assert_eq!(policy_field(&rule), "\"post_per_user\";q=3;w=60");
+        assert_eq!(
+            state_field(&rule, 0, Duration::from_millis(19_500)),
+            "\"post_per_user\";r=0;t=20"
+        );
+    }
+}

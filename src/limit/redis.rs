@@ -1,0 +1,354 @@
+//! Rate-limit decisions in Redis: one Lua script per request (per slot group in a cluster),
+//! on the Redis server clock, behind a short timeout and a health breaker.
+//!
+//! Redis is advisory on the request path. Every call is bounded by `timeout`; after
+//! `failures_to_open` consecutive failures the health breaker opens and requests stop calling
+//! Redis for `cooldown`; then a single probe goes through, and Redis is used again as soon
+//! as it answers.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+
+use crate::metrics::Metrics;
+
+/// `[redis]`, compiled. A reload with equal settings keeps the connection.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RedisSettings {
+    pub target: RedisTarget,
+    /// Bound on every call. Default 25ms.
+    pub timeout: Duration,
+    /// Consecutive failures that open the health breaker. Default 3.
+    pub failures_to_open: u32,
+    /// How long Redis is left alone once the breaker opened. Default 1s.
+    pub cooldown: Duration,
+    /// Prefix of every key levee writes. Default `levee:`.
+    pub key_prefix: String,
+    /// levee instances sharing these limits; the `local` fallback admits `rate / instances`.
+    /// Default 1.
+    pub instances: u32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RedisTarget {
+    Single(String),
+    Cluster(Vec<String>),
+}
+
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// Why a Redis call did not give a decision.
+#[derive(Debug, thiserror::Error)]
+pub enum RedisFailure {
+    #[error("redis did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("redis error: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("redis answered something unexpected: {0}")]
+    BadReply(String),
+    #[error("redis is marked down; not calling it until the cool-down ends")]
+    Down,
+}
+
+/// One bucket to decide in Redis.
+pub struct RedisAsk<'a> {
+    pub key: &'a str,
+    pub tag: &'a str,
+    pub interval_us: u64,
+    pub burst: u32,
+    pub dry_run: bool,
+}
+
+/// Redis's answer for one bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteVerdict {
+    pub allowed: bool,
+    pub remaining: u32,
+    pub reset_ms: u64,
+    pub retry_after_ms: u64,
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    consecutive_failures: u32,
+    open_until: Option<Instant>,
+    probing: bool,
+}
+
+enum Permit {
+    Call,
+    Probe,
+}
+
+pub struct RedisStore {
+    pub settings: RedisSettings,
+    connection: OnceCell<Connection>,
+    health: Mutex<Health>,
+    script: redis::Script,
+    refund: redis::Script,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("settings", &self.settings)
+            .finish()
+    }
+}
+
+impl RedisStore {
+    pub fn new(settings: RedisSettings) -> RedisStore {
+        RedisStore {
+            settings,
+            connection: OnceCell::new(),
+            health: Mutex::new(Health::default()),
+            script: redis::Script::new(include_str!("script.lua")),
+            refund: redis::Script::new(include_str!("refund.lua")),
+        }
+    }
+
+    /// True while the health breaker is closed (Redis is being used).
+    pub fn is_up(&self) -> bool {
+        self.health
+            .lock()
+            .map(|health| health.open_until.is_none())
+            .unwrap_or(true)
+    }
+
+    async fn connect(&self) -> Result<Connection, RedisFailure> {
+        let timeout = self.settings.timeout;
+        let connection = self
+            .connection
+            .get_or_try_init(|| async {
+                match &self.settings.target {
+                    RedisTarget::Single(url) => {
+                        let client = redis::Client::open(url.as_str())?;
+                        let config = redis::aio::ConnectionManagerConfig::new()
+                            .set_connection_timeout(Some(timeout.max(Duration::from_millis(200))))
+                            .set_response_timeout(Some(timeout))
+                            .set_number_of_retries(2);
+                        let manager = ConnectionManager::new_with_config(client, config).await?;
+                        Ok::<_, RedisFailure>(Connection::Single(manager))
+                    }
+                    RedisTarget::Cluster(nodes) => {
+                        let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                            .connection_timeout(timeout.max(Duration::from_millis(200)))
+                            .response_timeout(timeout)
+                            .retries(1)
+                            .build()?;
+                        Ok(Connection::Cluster(client.get_async_connection().await?))
+                    }
+                }
+            })
+            .await?;
+        Ok(connection.clone())
+    }
+
+    fn permit(&self) -> Option<Permit> {
+        let mut health = self
+            .health
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        match health.open_until {
+            None => Some(Permit::Call),
+            Some(until) if Instant::now() < until || health.probing => None,
+            Some(_) => {
+                health.probing = true;
+                Some(Permit::Probe)
+            }
+        }
+    }
+
+    fn record(&self, permit: &Permit, ok: bool, metrics: &Metrics) {
+        let mut health = self
+            .health
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if matches!(permit, Permit::Probe) {
+            health.probing = false;
+        }
+        if ok {
+            health.consecutive_failures = 0;
+            if health.open_until.take().is_some() {
+                tracing::info!("redis answers again: rate limits are shared through redis");
+                metrics.redis_up.set(1);
+                metrics
+                    .redis_transitions
+                    .get_or_create(&crate::metrics::RedisStateLabels { to: "up" })
+                    .inc();
+            }
+            return;
+        }
+        health.consecutive_failures += 1;
+        let was_open = health.open_until.is_some();
+        if was_open || health.consecutive_failures >= self.settings.failures_to_open {
+            health.open_until = Some(Instant::now() + self.settings.cooldown);
+            if !was_open {
+                tracing::warn!(
+                    failures = health.consecutive_failures,
+                    cooldown = ?self.settings.cooldown,
+                    "redis is failing: rate limits use each rule's on_redis_error fallback"
+                );
+                metrics.redis_up.set(0);
+                metrics
+                    .redis_transitions
+                    .get_or_create(&crate::metrics::RedisStateLabels { to: "down" })
+                    .inc();
+            }
+        }
+    }
+
+    /// Decides every ask. In a cluster, asks are grouped by hash tag (one slot each) and the
+    /// groups run concurrently; if any group refuses, the groups that admitted are refunded
+    /// so a denied request still consumes nothing.
+    pub async fn decide_all(
+        &self,
+        asks: &[RedisAsk<'_>],
+        metrics: &Metrics,
+    ) -> Result<Vec<RemoteVerdict>, RedisFailure> {
+        let permit = self.permit().ok_or(RedisFailure::Down)?;
+        let started = Instant::now();
+        let result = tokio::time::timeout(self.settings.timeout, self.run(asks)).await;
+        let result = match result {
+            Ok(result) => result,
+            Err(_elapsed) => Err(RedisFailure::Timeout(self.settings.timeout)),
+        };
+        metrics
+            .redis_latency
+            .observe(started.elapsed().as_secs_f64());
+        self.record(&permit, result.is_ok(), metrics);
+        result
+    }
+
+    async fn run(&self, asks: &[RedisAsk<'_>]) -> Result<Vec<RemoteVerdict>, RedisFailure> {
+        let connection = self.connect().await?;
+        let single_slot = asks.windows(2).all(|pair| pair[0].tag == pair[1].tag);
+        if matches!(connection, Connection::Single(_)) || single_slot {
+            let (_, verdicts) = self.invoke(&connection, asks.iter().collect()).await?;
+            return Ok(verdicts);
+        }
+        // Cluster with several slots: one script per tag group.
+        let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (index, ask) in asks.iter().enumerate() {
+            match groups.iter_mut().find(|(tag, _)| *tag == ask.tag) {
+                Some((_, members)) => members.push(index),
+                None => groups.push((ask.tag, vec![index])),
+            }
+        }
+        let calls = groups.iter().map(|(_, members)| {
+            let group: Vec<&RedisAsk<'_>> = members.iter().map(|&i| &asks[i]).collect();
+            self.invoke(&connection, group)
+        });
+        let answers = futures_util::future::join_all(calls).await;
+        let mut verdicts = vec![
+            RemoteVerdict {
+                allowed: true,
+                remaining: 0,
+                reset_ms: 0,
+                retry_after_ms: 0
+            };
+            asks.len()
+        ];
+        let mut any_blocked = false;
+        let mut answered = Vec::with_capacity(groups.len());
+        for ((_, members), answer) in groups.iter().zip(answers) {
+            let (blocked, group_verdicts) = answer?;
+            any_blocked |= blocked;
+            for (&index, verdict) in members.iter().zip(group_verdicts) {
+                verdicts[index] = verdict;
+            }
+            answered.push((members, blocked));
+        }
+        if any_blocked {
+            let refund: Vec<&RedisAsk<'_>> = answered
+                .iter()
+                .filter(|(_, blocked)| !blocked)
+                .flat_map(|(members, _)| members.iter())
+                .filter(|&&index| verdicts[index].allowed)
+                .map(|&index| &asks[index])
+                .collect();
+            self.give_back(&connection, &refund).await;
+        }
+        Ok(verdicts)
+    }
+
+    async fn invoke(
+        &self,
+        connection: &Connection,
+        asks: Vec<&RedisAsk<'_>>,
+    ) -> Result<(bool, Vec<RemoteVerdict>), RedisFailure> {
+        let mut invocation = self.script.prepare_invoke();
+        for ask in &asks {
+            invocation.key(ask.key);
+        }
+        for ask in &asks {
+            invocation
+                .arg(ask.interval_us)
+                .arg(ask.burst)
+                .arg(if ask.dry_run { "1" } else { "0" });
+        }
+        let reply: Vec<i64> = match connection.clone() {
+            Connection::Single(mut connection) => invocation.invoke_async(&mut connection).await?,
+            Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await?,
+        };
+        parse_reply(&reply, asks.len())
+    }
+
+    async fn give_back(&self, connection: &Connection, asks: &[&RedisAsk<'_>]) {
+        let mut by_tag: Vec<(&str, Vec<&RedisAsk<'_>>)> = Vec::new();
+        for ask in asks {
+            match by_tag.iter_mut().find(|(tag, _)| *tag == ask.tag) {
+                Some((_, members)) => members.push(ask),
+                None => by_tag.push((ask.tag, vec![ask])),
+            }
+        }
+        for (_, members) in by_tag {
+            let mut invocation = self.refund.prepare_invoke();
+            for ask in &members {
+                invocation.key(ask.key).arg(ask.interval_us);
+            }
+            let result: Result<i64, _> = match connection.clone() {
+                Connection::Single(mut connection) => {
+                    invocation.invoke_async(&mut connection).await
+                }
+                Connection::Cluster(mut connection) => {
+                    invocation.invoke_async(&mut connection).await
+                }
+            };
+            if let Err(error) = result {
+                tracing::debug!("rate-limit refund failed: {error}");
+            }
+        }
+    }
+}
+
+fn parse_reply(reply: &[i64], count: usize) -> Result<(bool, Vec<RemoteVerdict>), RedisFailure> {
+    if reply.len() != 1 + 4 * count {
+        return Err(RedisFailure::BadReply(format!(
+            "{} values for {count} rules",
+            reply.len()
+        )));
+    }
+    let to_u64 = |value: i64| u64::try_from(value).unwrap_or(0);
+    let verdicts = reply[1..]
+        .chunks_exact(4)
+        .map(|chunk| RemoteVerdict {
+            allowed: chunk[0] == 1,
+            remaining: u32::try_from(chunk[1]).unwrap_or(0),
+            reset_ms: to_u64(chunk[2]),
+            retry_after_ms: to_u64(chunk[3]),
+        })
+        .collect();
+    Ok((reply[0] == 1, verdicts))
+}
+
+/// Keeps the store alive in `Arc`s shared by policy generations.
+pub type SharedRedis = Arc<RedisStore>;

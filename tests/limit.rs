@@ -1,0 +1,445 @@
+//! Rate limits against a real redis-server (and a real 3-node Redis Cluster) and in-process.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use http::Request;
+
+/// Policy: `[redis]` section (or none), limit rules, one route `/limited` using `rules`.
+fn limited_policy(
+    backend: &Backend,
+    server: &str,
+    redis: &str,
+    limits: &str,
+    rules: &str,
+) -> String {
+    policy_for(
+        backend.addr,
+        &format!("access_log = false\n{server}"),
+        &format!("{redis}\n[identity]\nuser = [\"header:x-user\"]\n{limits}\n[[route]]\nname = \"limited\"\nmatch = {{ path_prefix = \"/limited\" }}\nlimits = [{rules}]\n"),
+    )
+}
+
+fn redis_section(url: &str, extra: &str) -> String {
+    format!("[redis]\nurl = \"{url}\"\ntimeout = \"500ms\"\n{extra}")
+}
+
+async fn send_as(levee: &Levee, user: Option<&str>, xff: Option<&str>) -> Answer {
+    let mut request = Request::get(levee.url("/limited"));
+    if let Some(user) = user {
+        request = request.header("x-user", user);
+    }
+    if let Some(xff) = xff {
+        request = request.header("x-forwarded-for", xff);
+    }
+    send(request.body(full("")).expect("request")).await
+}
+
+/// Hammers `/limited` for `seconds` and checks admitted = burst + rate × elapsed, ±1.
+async fn check_accuracy(levee: &Levee, rate: f64, burst: f64, seconds: f64) {
+    let started = Instant::now();
+    let mut admitted = 0u32;
+    let mut refused = 0u32;
+    let mut last = started;
+    while started.elapsed().as_secs_f64() < seconds {
+        let answer = send_as(levee, None, None).await;
+        last = Instant::now();
+        match answer.status {
+            200 => admitted += 1,
+            429 => refused += 1,
+            other => panic!("unexpected status {other}: {}", answer.text()),
+        }
+    }
+    let elapsed = (last - started).as_secs_f64();
+    let expected = burst + rate * elapsed;
+    assert!(refused > 0, "the traffic was not over the limit");
+    assert!(
+        (f64::from(admitted) - expected).abs() <= 1.0 + rate * 0.01,
+        "admitted {admitted}, expected {expected:.2} (burst {burst} + {rate}/s over {elapsed:.3}s)"
+    );
+}
+
+const TEN_PER_SECOND: &str = "[limit.steady]\nkey = [\"route\"]\nrate = \"10/s\"\nburst = 5\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accuracy_in_process() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        "",
+        TEN_PER_SECOND,
+        "\"steady\"",
+    ))
+    .await;
+    check_accuracy(&levee, 10.0, 5.0, 1.5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accuracy_on_redis() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis_section(&redis.url(), ""),
+        TEN_PER_SECOND,
+        "\"steady\"",
+    ))
+    .await;
+    check_accuracy(&levee, 10.0, 5.0, 1.5).await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        metrics.contains(
+            "levee_ratelimit_decisions_total{rule=\"steady\",result=\"limited\",source=\"redis\"}"
+        ),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accuracy_on_a_redis_cluster() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cluster = RedisCluster::start(dir.path()).await;
+    let nodes = cluster
+        .urls()
+        .iter()
+        .map(|u| format!("\"{u}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let redis = format!("[redis]\ncluster = [{nodes}]\ntimeout = \"500ms\"\n");
+    let backend = echo_backend().await;
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis,
+        TEN_PER_SECOND,
+        "\"steady\"",
+    ))
+    .await;
+    check_accuracy(&levee, 10.0, 5.0, 1.5).await;
+
+    // Rules keyed by different identities live in different slots; a refusal by one still
+    // leaves the other's tokens alone (refunded).
+    let two_rules = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 2\n[limit.per_ip]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 5\n";
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis.replace("levee:", "x"),
+        two_rules,
+        "\"per_user\", \"per_ip\"",
+    ))
+    .await;
+    denied_rule_consumes_nothing_else(&levee).await;
+}
+
+async fn denied_rule_consumes_nothing_else(levee: &Levee) {
+    let statuses: Vec<u16> =
+        futures_util::future::join_all((0..2).map(|_| send_as(levee, Some("alice"), None)))
+            .await
+            .iter()
+            .map(|a| a.status)
+            .collect();
+    assert_eq!(statuses, [200, 200]);
+    for _ in 0..8 {
+        let answer = send_as(levee, Some("alice"), None).await;
+        assert_eq!(answer.status, 429);
+        assert!(
+            answer
+                .header("ratelimit")
+                .is_some_and(|v| v.starts_with("\"per_user\"")),
+            "{:?}",
+            answer.headers
+        );
+    }
+    // The IP used 2 of its 5 tokens (alice's refusals took none): bob and carol get 3 more.
+    let mut others = Vec::new();
+    for user in ["bob", "bob", "carol", "carol"] {
+        let answer = send_as(levee, Some(user), None).await;
+        others.push((
+            answer.status,
+            answer
+                .header("ratelimit")
+                .unwrap_or("")
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .to_string(),
+        ));
+    }
+    let statuses: Vec<u16> = others.iter().map(|(status, _)| *status).collect();
+    assert_eq!(statuses, [200, 200, 200, 429]);
+    assert_eq!(others[3].1, "\"per_ip\"", "the last refusal is the IP's");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_by_one_rule_consumes_no_tokens_of_the_others() {
+    let two_rules = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 2\n[limit.per_ip]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 5\n";
+    let backend = echo_backend().await;
+    let in_process = Levee::start(&limited_policy(
+        &backend,
+        "",
+        "",
+        two_rules,
+        "\"per_user\", \"per_ip\"",
+    ))
+    .await;
+    denied_rule_consumes_nothing_else(&in_process).await;
+
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let on_redis = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis_section(&redis.url(), ""),
+        two_rules,
+        "\"per_user\", \"per_ip\"",
+    ))
+    .await;
+    denied_rule_consumes_nothing_else(&on_redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_share_one_limit_through_redis() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let rule = "[limit.shared]\nkey = [\"route\"]\nrate = \"1/min\"\nburst = 10\n";
+    let policy = limited_policy(
+        &backend,
+        "",
+        &redis_section(&redis.url(), ""),
+        rule,
+        "\"shared\"",
+    );
+    let first = Levee::start(&policy).await;
+    let second = Levee::start(&policy).await;
+    let mut admitted = 0;
+    for i in 0..30 {
+        let levee = if i % 2 == 0 { &first } else { &second };
+        if send_as(levee, None, None).await.status == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 10, "two instances must share one bucket of 10");
+    assert_eq!(backend.hits(), 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_carry_retry_after_and_ietf_ratelimit_fields() {
+    let backend = echo_backend().await;
+    let rules = "[limit.login]\nkey = [\"ip\"]\nrate = \"0.2/s\"\nburst = 2\nheaders_on_allow = true\nbody_html = \"<p>请稍候 {retry_after} 秒</p>\"\n";
+    let levee = Levee::start(&limited_policy(&backend, "", "", rules, "\"login\"")).await;
+    let first = send_as(&levee, None, None).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("ratelimit-policy"), Some("\"login\";q=2;w=10"));
+    assert_eq!(first.header("ratelimit"), Some("\"login\";r=1;t=5"));
+    assert_eq!(send_as(&levee, None, None).await.status, 200);
+
+    let html = send_as(&levee, None, None).await;
+    assert_eq!(html.status, 429);
+    assert_eq!(html.header("retry-after"), Some("5"));
+    assert_eq!(html.header("ratelimit-policy"), Some("\"login\";q=2;w=10"));
+    assert_eq!(html.header("ratelimit"), Some("\"login\";r=0;t=10"));
+    assert_eq!(
+        html.header("content-type"),
+        Some("text/html; charset=utf-8")
+    );
+    assert_eq!(html.text(), "<p>请稍候 5 秒</p>");
+
+    let request = Request::get(levee.url("/limited"))
+        .header("accept", "application/json")
+        .body(full(""))
+        .expect("request");
+    let json = send(request).await;
+    assert_eq!(json.status, 429);
+    assert_eq!(json.json()["rule"], "login");
+    assert_eq!(json.json()["retry_after"], 5);
+    assert_eq!(backend.hits(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dry_run_rules_never_block_but_are_counted() {
+    let backend = echo_backend().await;
+    let rules = "[limit.trial]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 1\ndry_run = true\n";
+    let levee = Levee::start(&limited_policy(&backend, "", "", rules, "\"trial\"")).await;
+    for _ in 0..5 {
+        assert_eq!(send_as(&levee, None, None).await.status, 200);
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(metrics.contains("levee_ratelimit_decisions_total{rule=\"trial\",result=\"dry_run_limited\",source=\"local\"} 4"), "{metrics}");
+    assert!(
+        metrics.contains(
+            "levee_ratelimit_decisions_total{rule=\"trial\",result=\"allowed\",source=\"local\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spoofed_client_ips_cannot_dodge_a_per_ip_limit() {
+    let backend = echo_backend().await;
+    let rules = "[limit.per_ip]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 3\n";
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "trusted_proxies = []",
+        "",
+        rules,
+        "\"per_ip\"",
+    ))
+    .await;
+    let mut statuses = Vec::new();
+    for i in 0..6 {
+        statuses.push(
+            send_as(&levee, None, Some(&format!("198.51.100.{i}")))
+                .await
+                .status,
+        );
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 429]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_without_the_key_part_skip_the_rule_or_use_the_ip() {
+    let backend = echo_backend().await;
+    let rules = "[limit.skip]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 1\n[limit.by_ip]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 2\nmissing = \"ip\"\n";
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        "",
+        rules,
+        "\"skip\", \"by_ip\"",
+    ))
+    .await;
+    // No user: `skip` does not apply, `by_ip` keys by IP (2 allowed).
+    let anonymous: Vec<u16> = [(); 3].iter().map(|_| 0).collect();
+    let mut statuses = Vec::new();
+    for _ in anonymous {
+        statuses.push(send_as(&levee, None, None).await.status);
+    }
+    assert_eq!(statuses, [200, 200, 429]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_paused_then_back_local_fallback_never_waits_past_the_timeout() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    // Fleet of 2: while Redis is away each instance admits half of the burst (5 of 10).
+    let section = format!("[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\nfailures_to_open = 2\ncooldown = \"1s\"\ninstances = 2\n", redis.url());
+    let rule = "[limit.shared]\nkey = [\"route\"]\nrate = \"1/min\"\nburst = 10\n";
+    let levee = Levee::start(&limited_policy(&backend, "", &section, rule, "\"shared\"")).await;
+    assert_eq!(
+        send_as(&levee, None, None).await.status,
+        200,
+        "warm up the connection"
+    );
+
+    redis.pause(true);
+    let mut admitted = 0;
+    let mut slow = Vec::new();
+    for i in 0..20 {
+        let started = Instant::now();
+        let answer = send_as(&levee, None, None).await;
+        let took = started.elapsed();
+        if answer.status == 200 {
+            admitted += 1;
+        }
+        // The first two calls pay the timeout and open the health breaker; none after that.
+        if i >= 2 && took >= Duration::from_millis(100) {
+            slow.push((i, took));
+        }
+    }
+    redis.pause(false);
+    assert!(
+        slow.is_empty(),
+        "requests waited on a known-down Redis: {slow:?}"
+    );
+    assert_eq!(admitted, 5, "the local share is rate / instances");
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(metric_value(&metrics, "levee_redis_up"), 0.0, "{metrics}");
+    assert_eq!(
+        metric_value(&metrics, "levee_redis_transitions_total{to=\"down\"}"),
+        1.0,
+        "{metrics}"
+    );
+
+    // Redis is back: after the cool-down a probe succeeds and decisions are shared again.
+    eventually(
+        Duration::from_secs(10),
+        "levee to return to Redis",
+        || async {
+            send_as(&levee, None, None).await;
+            metric_value(
+                &get(&levee.admin_url("/metrics")).await.text(),
+                "levee_redis_up",
+            ) == 1.0
+        },
+    )
+    .await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_redis_transitions_total{to=\"up\"}"),
+        1.0,
+        "{metrics}"
+    );
+    let from_redis = metric_value(
+        &metrics,
+        "levee_ratelimit_decisions_total{rule=\"shared\",result=\"allowed\",source=\"redis\"}",
+    ) + metric_value(
+        &metrics,
+        "levee_ratelimit_decisions_total{rule=\"shared\",result=\"limited\",source=\"redis\"}",
+    );
+    assert!(
+        from_redis >= 2.0,
+        "decisions are made in Redis again: {metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_allow_and_deny_rules_behave_as_named() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let port = redis.port;
+    let rules = "[limit.open]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 1\non_redis_error = \"allow\"\n[limit.closed]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 100\non_redis_error = \"deny\"\n";
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\ncooldown = \"5s\"\n{rules}\n[[route]]\nname = \"open\"\nmatch = {{ path = \"/open\" }}\nlimits = [\"open\"]\n[[route]]\nname = \"closed\"\nmatch = {{ path = \"/closed\" }}\nlimits = [\"closed\"]\n",
+            redis.url()
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    assert_eq!(
+        get(&levee.url("/open")).await.status,
+        200,
+        "burst 1: the next one would be refused by Redis"
+    );
+    assert_eq!(get(&levee.url("/closed")).await.status, 200);
+
+    redis.guard.stop();
+    for _ in 0..5 {
+        assert_eq!(
+            get(&levee.url("/open")).await.status,
+            200,
+            "allow: open while Redis is down"
+        );
+        let closed = get(&levee.url("/closed")).await;
+        assert_eq!(closed.status, 429, "deny: closed while Redis is down");
+        assert!(closed.header("retry-after").is_some());
+    }
+
+    // Restarted on the same port: shared limits come back.
+    let _redis = RedisServer::start_on(dir.path(), port).await;
+    eventually(
+        Duration::from_secs(15),
+        "limits to be shared again",
+        || async { get(&levee.url("/closed")).await.status == 200 },
+    )
+    .await;
+}
