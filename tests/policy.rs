@@ -36,6 +36,16 @@ fn check_accepts_the_shipped_default_policy() {
 }
 
 #[test]
+fn check_accepts_the_example_policies() {
+    let (ok, stdout, stderr) = levee_check(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/forum/policies"
+    )));
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("5 route(s)"), "{stdout}");
+}
+
+#[test]
 fn check_reports_every_error_with_file_line_col_and_fails() {
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::write(

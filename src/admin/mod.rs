@@ -72,6 +72,7 @@ fn status(shared: &Shared) -> serde_json::Value {
                 "methods": route.methods.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
                 "match": path,
                 "max_body": route.max_body,
+                "limits": route.limits.iter().map(|rule| rule.name.to_string()).collect::<Vec<_>>(),
             })
         })
         .collect();
@@ -85,6 +86,28 @@ fn status(shared: &Shared) -> serde_json::Value {
             })
         })
         .collect();
+    let limits: Vec<_> = policy
+        .limits
+        .values()
+        .map(|rule| {
+            json!({
+                "name": rule.name.to_string(),
+                "rate": rule.rate_text,
+                "burst": rule.rate.burst,
+                "dry_run": rule.dry_run,
+                "on_redis_error": format!("{:?}", rule.on_redis_error).to_lowercase(),
+            })
+        })
+        .collect();
+    let redis = policy.redis.as_ref().map(|redis| {
+        json!({
+            "target": match &redis.settings.target {
+                crate::limit::redis::RedisTarget::Single(url) => json!(redact(url)),
+                crate::limit::redis::RedisTarget::Cluster(nodes) => json!(nodes.iter().map(|n| redact(n)).collect::<Vec<_>>()),
+            },
+            "up": redis.is_up(),
+        })
+    });
     json!({
         "version": env!("CARGO_PKG_VERSION"),
         "draining": shared.draining.load(Ordering::Relaxed),
@@ -98,7 +121,19 @@ fn status(shared: &Shared) -> serde_json::Value {
         },
         "routes": routes,
         "upstreams": upstreams,
+        "limits": limits,
+        "redis": redis,
     })
+}
+
+/// Hides a password in a Redis URL (`redis://:secret@host` → `redis://:***@host`).
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            format!("{}***{}", &url[..scheme_end + 3], &url[at..])
+        }
+        _ => url.to_string(),
+    }
 }
 
 fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<ResponseBody> {
