@@ -1,5 +1,6 @@
 //! Request-path errors and the one place they become HTTP responses.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -8,6 +9,7 @@ use http_body_util::{BodyExt, Full};
 
 use crate::limit::{policy_field, state_field, Denial};
 use crate::proxy::body::ResponseBody;
+use crate::proxy::route::StaticResponse;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -17,6 +19,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub enum ErrorSide {
     Client,
     Upstream,
+    /// Refused on purpose by one of levee's defences (rate limit, open breaker, degrade).
+    Defence,
     Internal,
 }
 
@@ -39,6 +43,12 @@ pub enum ProxyError {
     UpstreamTimeout { upstream: String, after: Duration },
     #[error("upstream `{upstream}` failed: {reason}")]
     UpstreamFailed { upstream: String, reason: String },
+    #[error("upstream `{upstream}` is cut off by its open breaker; retry after {retry_after:?}")]
+    BreakerOpen {
+        upstream: String,
+        retry_after: Duration,
+        fallback: Option<Arc<StaticResponse>>,
+    },
     #[error("rate limited by rule `{}`; retry after {:?}", .0.rule.name, .0.retry_after)]
     RateLimited(Box<Denial>),
     #[error("internal error: {0}")]
@@ -58,6 +68,9 @@ impl ProxyError {
             }
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RateLimited(denial) => denial.rule.status,
+            ProxyError::BreakerOpen { fallback, .. } => fallback
+                .as_ref()
+                .map_or(StatusCode::SERVICE_UNAVAILABLE, |fallback| fallback.status),
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -74,6 +87,7 @@ impl ProxyError {
             ProxyError::UpstreamTimeout { .. } => "timeout",
             ProxyError::UpstreamFailed { .. } => "failed",
             ProxyError::RateLimited(_) => "rate_limited",
+            ProxyError::BreakerOpen { .. } => "breaker_open",
             ProxyError::Internal(_) => "internal",
         }
     }
@@ -84,11 +98,11 @@ impl ProxyError {
             | ProxyError::HeadersTooLarge { .. }
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::ClientBodyTimeout { .. }
-            | ProxyError::NoRoute
-            | ProxyError::RateLimited(_) => ErrorSide::Client,
+            | ProxyError::NoRoute => ErrorSide::Client,
             ProxyError::UpstreamConnect { .. }
             | ProxyError::UpstreamTimeout { .. }
             | ProxyError::UpstreamFailed { .. } => ErrorSide::Upstream,
+            ProxyError::RateLimited(_) | ProxyError::BreakerOpen { .. } => ErrorSide::Defence,
             ProxyError::Internal(_) => ErrorSide::Internal,
         }
     }
@@ -96,8 +110,15 @@ impl ProxyError {
     /// The rescue: the only place a request-path error becomes a response. The body is one
     /// plain-text line that says what happened; internal details stay in the log.
     pub fn to_response(&self) -> Response<ResponseBody> {
-        if let ProxyError::RateLimited(denial) = self {
-            return rate_limited_response(denial);
+        match self {
+            ProxyError::RateLimited(denial) => return rate_limited_response(denial),
+            ProxyError::BreakerOpen {
+                fallback: Some(fallback),
+                ..
+            } => {
+                return static_response(fallback);
+            }
+            _ => {}
         }
         let status = self.status();
         let reason = match self {
@@ -105,6 +126,12 @@ impl ProxyError {
             other => other.to_string(),
         };
         let mut response = text_response(status, format!("{} {}\n", status.as_u16(), reason));
+        if let ProxyError::BreakerOpen { retry_after, .. } = self {
+            let seconds = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
         if matches!(self, ProxyError::ClientBodyTimeout { .. }) {
             response
                 .headers_mut()
@@ -112,6 +139,19 @@ impl ProxyError {
         }
         response
     }
+}
+
+/// A response written in the policy (a friendly page or a JSON error).
+pub fn static_response(fallback: &StaticResponse) -> Response<ResponseBody> {
+    let mut response = Response::new(full_body(fallback.body.clone()));
+    *response.status_mut() = fallback.status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, fallback.content_type.clone());
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
 }
 
 /// A small plain-text response answered by levee itself.

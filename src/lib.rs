@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod breaker;
 pub mod config;
 pub mod error;
 pub mod limit;

@@ -40,6 +40,25 @@ pub struct RedisStateLabels {
     pub to: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BreakerLabels {
+    pub upstream: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BreakerTransitionLabels {
+    pub upstream: String,
+    /// open, half_open, closed
+    pub to: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BreakerProbeLabels {
+    pub upstream: String,
+    /// success, failure
+    pub result: &'static str,
+}
+
 /// All of levee's metrics. Handles are cheap clones of shared atomics.
 pub struct Metrics {
     pub registry: Registry,
@@ -54,6 +73,10 @@ pub struct Metrics {
     pub redis_latency: Histogram,
     pub redis_up: Gauge,
     pub redis_transitions: Family<RedisStateLabels, Counter>,
+    pub breaker_state: Family<BreakerLabels, Gauge>,
+    pub breaker_transitions: Family<BreakerTransitionLabels, Counter>,
+    pub breaker_rejected: Family<BreakerLabels, Counter>,
+    pub breaker_probes: Family<BreakerProbeLabels, Counter>,
 }
 
 fn duration_histogram() -> Histogram {
@@ -141,8 +164,36 @@ impl Metrics {
             "Switches between Redis and the fallback (to=down / to=up)",
             redis_transitions.clone(),
         );
+        let breaker_state = Family::<BreakerLabels, Gauge>::default();
+        registry.register(
+            "breaker_state",
+            "Breaker state per upstream: 0 closed, 1 open, 2 half-open",
+            breaker_state.clone(),
+        );
+        let breaker_transitions = Family::<BreakerTransitionLabels, Counter>::default();
+        registry.register(
+            "breaker_transitions",
+            "Breaker state changes per upstream (to=open counts the opens)",
+            breaker_transitions.clone(),
+        );
+        let breaker_rejected = Family::<BreakerLabels, Counter>::default();
+        registry.register(
+            "breaker_rejected",
+            "Requests answered with the fallback because the upstream's breaker was open",
+            breaker_rejected.clone(),
+        );
+        let breaker_probes = Family::<BreakerProbeLabels, Counter>::default();
+        registry.register(
+            "breaker_probes",
+            "Half-open probes and their outcome",
+            breaker_probes.clone(),
+        );
         Metrics {
             registry,
+            breaker_state,
+            breaker_transitions,
+            breaker_rejected,
+            breaker_probes,
             ratelimit_decisions,
             redis_latency,
             redis_up,

@@ -8,6 +8,9 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 
+use http_body_util::BodyExt;
+
+use crate::breaker::Force;
 use crate::config::ReloadTrigger;
 use crate::error::{full_body, text_response};
 use crate::proxy::body::ResponseBody;
@@ -42,14 +45,80 @@ pub async fn handle(shared: Arc<Shared>, request: Request<Incoming>) -> Response
                 }),
             ),
         },
+        (&Method::POST, path) if path.starts_with("/breakers/") => {
+            let name = path.trim_start_matches("/breakers/").to_string();
+            set_breaker(&shared, &name, request).await
+        }
         (_, "/status" | "/metrics" | "/reload") => {
             text_response(StatusCode::METHOD_NOT_ALLOWED, "405 method not allowed\n")
         }
         _ => text_response(
             StatusCode::NOT_FOUND,
-            "404 not found; admin paths: GET /status, GET /metrics, POST /reload\n",
+            "404 not found; admin paths: GET /status, GET /metrics, POST /reload, POST /breakers/NAME\n",
         ),
     }
+}
+
+/// `POST /breakers/NAME` with `open`, `closed` or `auto` as the body (or `?force=`).
+async fn set_breaker(
+    shared: &Shared,
+    name: &str,
+    request: Request<Incoming>,
+) -> Response<ResponseBody> {
+    let from_query = request
+        .uri()
+        .query()
+        .and_then(|query| {
+            query
+                .split('&')
+                .find_map(|pair| pair.strip_prefix("force="))
+        })
+        .map(str::to_string);
+    let body = match http_body_util::Limited::new(request.into_body(), 1024)
+        .collect()
+        .await
+    {
+        Ok(body) => String::from_utf8_lossy(&body.to_bytes()).trim().to_string(),
+        Err(_) => {
+            return text_response(
+                StatusCode::BAD_REQUEST,
+                "400 body too large or unreadable\n",
+            )
+        }
+    };
+    let wanted = from_query.unwrap_or(body);
+    let wanted = wanted.trim_matches('"');
+    let force = match wanted {
+        "open" => Some(Force::Open),
+        "closed" => Some(Force::Closed),
+        "auto" => None,
+        other => {
+            return text_response(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "400 unknown breaker state `{}`; send open, closed or auto\n",
+                    other.escape_debug()
+                ),
+            )
+        }
+    };
+    let policy = shared.store.load();
+    let Some(upstream) = policy.upstreams.get(name) else {
+        let known: Vec<&str> = policy.upstreams.keys().map(String::as_str).collect();
+        return text_response(
+            StatusCode::NOT_FOUND,
+            format!(
+                "404 no upstream named `{}`; upstreams: {}\n",
+                name.escape_debug(),
+                known.join(", ")
+            ),
+        );
+    };
+    upstream.breaker.set_runtime_force(force, &shared.metrics);
+    json_response(
+        StatusCode::OK,
+        &json!({ "ok": true, "upstream": name, "breaker": upstream.breaker.status() }),
+    )
 }
 
 fn status(shared: &Shared) -> serde_json::Value {
@@ -83,6 +152,7 @@ fn status(shared: &Shared) -> serde_json::Value {
             json!({
                 "name": upstream.name,
                 "url": format!("{}://{}", upstream.settings.scheme, upstream.settings.authority),
+                "breaker": upstream.breaker.status(),
             })
         })
         .collect();

@@ -19,16 +19,17 @@ use toml::Spanned;
 use super::diag::{Diagnostic, Diagnostics, SourceFile};
 use super::policy::{AdminSettings, Policy, ServerSettings};
 use super::spec::{
-    FileSpec, IdentitySpec, LimitSpec, MatchSpec, OneOrMany, RedisSpec, RouteSpec, ServerSpec,
-    SizeSpec, UpstreamSpec,
+    BreakerSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, OneOrMany, RedisSpec, RouteSpec,
+    ServerSpec, SizeSpec, StaticResponseSpec, UpstreamSpec,
 };
 use super::units::{parse_duration, parse_size};
+use crate::breaker::{Breaker, BreakerSettings, Force};
 use crate::limit::key::{Identity, KeyPart, Source};
 use crate::limit::redis::{RedisSettings, RedisStore, RedisTarget};
 use crate::limit::{gcra::Rate, parse_rate, LimitRule, OnRedisError};
 use crate::proxy::header::TrustedProxies;
 use crate::proxy::path;
-use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable};
+use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
 use crate::proxy::upstream::{Upstream, UpstreamSettings};
 
 /// Name of the implicit route that catches requests no route matches.
@@ -317,14 +318,21 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
 
     let mut upstreams: BTreeMap<String, Arc<Upstream>> = BTreeMap::new();
     for (name, (file, spec)) in &upstream_specs {
+        let breaker_settings = compile_breaker(&mut compiler, *file, &spec.get_ref().breaker);
         if let Some(settings) = compile_upstream(&mut compiler, *file, name, spec) {
+            let old = previous.and_then(|policy| policy.upstreams.get(name));
+            // The breaker keeps its state (an open breaker stays open) when its settings are
+            // unchanged; changed settings start it fresh.
+            let breaker = old
+                .map(|old| &old.breaker)
+                .filter(|breaker| breaker.settings() == breaker_settings)
+                .cloned()
+                .unwrap_or_else(|| Arc::new(Breaker::new(name, breaker_settings)));
             // Keep the running upstream (and its warm pool) when nothing about it changed.
-            let reused = previous
-                .and_then(|policy| policy.upstreams.get(name))
-                .filter(|old| old.settings == settings)
-                .cloned();
-            let upstream =
-                reused.unwrap_or_else(|| Arc::new(Upstream::new(name.clone(), settings)));
+            let upstream = old
+                .filter(|old| old.settings == settings && Arc::ptr_eq(&old.breaker, &breaker))
+                .cloned()
+                .unwrap_or_else(|| Arc::new(Upstream::new(name.clone(), settings, breaker)));
             upstreams.insert(name.clone(), upstream);
         }
     }
@@ -398,6 +406,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 upstream: upstream.clone(),
                 max_body: server_settings.max_body,
                 limits: Vec::new(),
+                fallback: None,
             })
         });
 
@@ -418,6 +427,150 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         redis: redis_store,
         identity: identity_settings,
         limits,
+    })
+}
+
+fn compile_breaker(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Option<Spanned<BreakerSpec>>,
+) -> BreakerSettings {
+    let defaults = BreakerSettings::default();
+    let Some(spec) = spec else { return defaults };
+    let inner = spec.get_ref();
+    let mut ratio = |value: &Option<Spanned<f64>>, default: f64, what: &str| -> f64 {
+        match value {
+            Some(value) if !(0.0 < *value.get_ref() && *value.get_ref() <= 1.0) => {
+                compiler.error_hint(
+                    file,
+                    value.span(),
+                    format!("{what} must be above 0 and at most 1"),
+                    "a share of calls, e.g. 0.5 for half",
+                );
+                default
+            }
+            Some(value) => *value.get_ref(),
+            None => default,
+        }
+    };
+    let failure_ratio = ratio(
+        &inner.failure_ratio,
+        defaults.failure_ratio,
+        "failure_ratio",
+    );
+    let slow_ratio = ratio(&inner.slow_ratio, defaults.slow_ratio, "slow_ratio");
+    let half_open_probes = match &inner.half_open_probes {
+        Some(value) if *value.get_ref() == 0 => {
+            compiler.error_hint(
+                file,
+                value.span(),
+                "half_open_probes must be at least 1",
+                "probes are how a half-open breaker learns that the dependency recovered",
+            );
+            defaults.half_open_probes
+        }
+        Some(value) => *value.get_ref(),
+        None => defaults.half_open_probes,
+    };
+    let failure_statuses = match &inner.failure_statuses {
+        Some(list) => {
+            if list
+                .get_ref()
+                .iter()
+                .any(|status| !(100..=599).contains(status))
+            {
+                compiler.error(
+                    file,
+                    list.span(),
+                    "failure_statuses must be HTTP statuses (100-599)",
+                );
+            }
+            list.get_ref().clone()
+        }
+        None => defaults.failure_statuses.clone(),
+    };
+    let force = match inner
+        .force
+        .as_ref()
+        .map(|force| (force.get_ref().as_str(), force.span()))
+    {
+        None | Some(("auto", _)) => None,
+        Some(("open", _)) => Some(Force::Open),
+        Some(("closed", _)) => Some(Force::Closed),
+        Some((other, span)) => {
+            compiler.error_hint(
+                file,
+                span,
+                format!("force = `{other}` is not known"),
+                "use \"open\", \"closed\" or \"auto\"",
+            );
+            None
+        }
+    };
+    let open_for = compiler.duration(file, &inner.open_for, defaults.open_for);
+    BreakerSettings {
+        consecutive_failures: inner
+            .consecutive_failures
+            .unwrap_or(defaults.consecutive_failures),
+        failure_ratio,
+        window: compiler.duration(file, &inner.window, defaults.window),
+        min_requests: inner.min_requests.unwrap_or(defaults.min_requests),
+        slow_call: inner
+            .slow_call
+            .as_ref()
+            .map(|_| compiler.duration(file, &inner.slow_call, Duration::from_secs(2))),
+        slow_ratio,
+        open_for,
+        max_open_for: compiler
+            .duration(file, &inner.max_open_for, defaults.max_open_for)
+            .max(open_for),
+        half_open_probes,
+        failure_statuses,
+        force,
+    }
+}
+
+/// A response written in the policy; `what` names the key in errors.
+fn compile_static_response(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Spanned<StaticResponseSpec>,
+    default_status: u16,
+) -> Option<StaticResponse> {
+    let inner = spec.get_ref();
+    let status = match &inner.status {
+        None => http::StatusCode::from_u16(default_status).ok()?,
+        Some(status) => match http::StatusCode::from_u16(*status.get_ref()) {
+            Ok(code) if code.as_u16() >= 200 => code,
+            _ => {
+                compiler.error_hint(
+                    file,
+                    status.span(),
+                    format!("{} is not a status levee can answer with", status.get_ref()),
+                    "use a status from 200 to 599",
+                );
+                return None;
+            }
+        },
+    };
+    let content_type = match &inner.content_type {
+        None => HeaderValue::from_static("text/html; charset=utf-8"),
+        Some(value) => match HeaderValue::from_str(value.get_ref()) {
+            Ok(header) => header,
+            Err(_) => {
+                compiler.error(
+                    file,
+                    value.span(),
+                    format!("`{}` is not a valid Content-Type", value.get_ref()),
+                );
+                return None;
+            }
+        },
+    };
+    Some(StaticResponse {
+        status,
+        content_type,
+        body: bytes::Bytes::from(inner.body.clone().unwrap_or_default()),
     })
 }
 
@@ -944,6 +1097,11 @@ fn compile_route(
             ),
         }
     }
+    let fallback = inner
+        .fallback
+        .as_ref()
+        .and_then(|spec| compile_static_response(compiler, file, spec, 503))
+        .map(Arc::new);
     let upstream = context.upstreams.get(upstream_name)?.clone();
     let (hosts, methods, path) = matched?;
     Some(Route {
@@ -954,6 +1112,7 @@ fn compile_route(
         upstream,
         max_body: compiler.size(file, &inner.max_body, context.server.max_body),
         limits,
+        fallback,
     })
 }
 

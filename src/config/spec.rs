@@ -100,6 +100,33 @@ pub struct UpstreamSpec {
     pub idle_body_timeout: Option<Spanned<String>>,
     pub pool_idle_timeout: Option<Spanned<String>>,
     pub pool_max_idle: Option<Spanned<u32>>,
+    pub breaker: Option<Spanned<BreakerSpec>>,
+}
+
+/// `breaker = { … }` of an upstream.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerSpec {
+    pub consecutive_failures: Option<u32>,
+    pub failure_ratio: Option<Spanned<f64>>,
+    pub window: Option<Spanned<String>>,
+    pub min_requests: Option<u32>,
+    pub slow_call: Option<Spanned<String>>,
+    pub slow_ratio: Option<Spanned<f64>>,
+    pub open_for: Option<Spanned<String>>,
+    pub max_open_for: Option<Spanned<String>>,
+    pub half_open_probes: Option<Spanned<u32>>,
+    pub failure_statuses: Option<Spanned<Vec<u16>>>,
+    pub force: Option<Spanned<String>>,
+}
+
+/// A response written in the policy (breaker fallback, degrade `reject`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticResponseSpec {
+    pub status: Option<Spanned<u16>>,
+    pub content_type: Option<Spanned<String>>,
+    pub body: Option<String>,
 }
 
 /// `[[route]]`: which requests go where, first match wins.
@@ -112,6 +139,7 @@ pub struct RouteSpec {
     pub upstream: Option<Spanned<String>>,
     pub max_body: Option<Spanned<SizeSpec>>,
     pub limits: Option<Vec<Spanned<String>>>,
+    pub fallback: Option<Spanned<StaticResponseSpec>>,
 }
 
 /// `match = { … }` of a route. All given conditions must hold.

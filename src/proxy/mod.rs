@@ -25,6 +25,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
+use crate::breaker::{Outcome, Permit};
 use crate::config::{Policy, PolicyStore};
 use crate::error::{text_response, ErrorSide, ProxyError};
 use crate::limit::key::RequestFacts;
@@ -148,7 +149,8 @@ async fn forward(
             .await?;
     }
 
-    // Breaker and bulkhead slot in here.
+    // Breaker: an open dependency is not called at all; the route's fallback answers.
+    let permit = upstream_permit(shared, &route)?;
 
     if let Some(length) = content_length(request.headers()) {
         if length > route.max_body {
@@ -182,22 +184,27 @@ async fn forward(
     .boxed_unsync();
 
     let sent = upstream.client.request(Request::from_parts(parts, body));
-    let mut response = match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
-        Err(_elapsed) => {
-            return Err(ProxyError::UpstreamTimeout {
-                upstream: upstream.name.clone(),
-                after: upstream.settings.response_timeout,
-            })
-        }
-        Ok(Err(error)) => {
-            return Err(classify_client_error(
-                &route,
-                server.client_body_timeout,
-                &error,
-            ))
-        }
-        Ok(Ok(response)) => response,
+    let answer = match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
+        Err(_elapsed) => Err(ProxyError::UpstreamTimeout {
+            upstream: upstream.name.clone(),
+            after: upstream.settings.response_timeout,
+        }),
+        Ok(Err(error)) => Err(classify_client_error(
+            &route,
+            server.client_body_timeout,
+            &error,
+        )),
+        Ok(Ok(response)) => Ok(response),
     };
+    // Record: only the upstream's own failures count against its breaker.
+    match &answer {
+        Ok(response) => permit.record_status(response.status().as_u16(), &shared.metrics),
+        Err(error) if error.side() == ErrorSide::Upstream => {
+            permit.record(Outcome::Failure, &shared.metrics)
+        }
+        Err(_) => permit.record(Outcome::Abandoned, &shared.metrics),
+    }
+    let mut response = answer?;
 
     if let Some(client_upgrade) = client_upgrade {
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -214,6 +221,19 @@ async fn forward(
     let body =
         IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream").boxed_unsync();
     Ok(Response::from_parts(parts, body))
+}
+
+/// Asks the route's upstream breaker for permission to call it.
+fn upstream_permit(shared: &Shared, route: &Route) -> Result<Permit, ProxyError> {
+    route
+        .upstream
+        .breaker
+        .admit(&shared.metrics)
+        .map_err(|retry_after| ProxyError::BreakerOpen {
+            upstream: route.upstream.name.clone(),
+            retry_after,
+            fallback: route.fallback.clone(),
+        })
 }
 
 /// Sorts a failed upstream call into the client's fault or the upstream's.
@@ -304,6 +324,10 @@ fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Respon
         }
         ErrorSide::Client => {
             tracing::info!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "refused: {error}");
+        }
+        ErrorSide::Defence => {
+            // Counted in metrics and the access log; one line each would flood the log.
+            tracing::debug!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");
         }
         ErrorSide::Internal => {
             tracing::error!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");

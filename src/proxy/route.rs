@@ -94,6 +94,16 @@ pub struct Route {
     pub max_body: u64,
     /// Rate-limit rules, all decided together.
     pub limits: Vec<Arc<crate::limit::LimitRule>>,
+    /// Answer while the upstream's breaker is open; `None`: 503 with `Retry-After`.
+    pub fallback: Option<Arc<StaticResponse>>,
+}
+
+/// A response written in the policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StaticResponse {
+    pub status: http::StatusCode,
+    pub content_type: http::HeaderValue,
+    pub body: bytes::Bytes,
 }
 
 impl Route {

@@ -1,5 +1,6 @@
 //! Upstreams: the dependencies levee forwards to, each with its own pooled keep-alive client.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -10,6 +11,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
+use crate::breaker::Breaker;
 use crate::error::BoxError;
 
 /// Body type of requests sent upstream (the client's body, wrapped in limits and timeouts).
@@ -35,16 +37,17 @@ pub struct UpstreamSettings {
     pub pool_max_idle: usize,
 }
 
-/// A named dependency and its client.
+/// A named dependency, its client and its circuit breaker.
 #[derive(Debug)]
 pub struct Upstream {
     pub name: String,
     pub settings: UpstreamSettings,
     pub client: Client<HttpConnector, UpstreamBody>,
+    pub breaker: Arc<Breaker>,
 }
 
 impl Upstream {
-    pub fn new(name: String, settings: UpstreamSettings) -> Upstream {
+    pub fn new(name: String, settings: UpstreamSettings, breaker: Arc<Breaker>) -> Upstream {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(settings.connect_timeout));
         connector.set_nodelay(true);
@@ -59,6 +62,7 @@ impl Upstream {
             name,
             settings,
             client,
+            breaker,
         }
     }
 

@@ -1,0 +1,582 @@
+//! The circuit breaker as a pure state machine: no clocks, no locks, time passed in.
+//!
+//! ```text
+//! Closed ──trip──► Open ──open_for passed──► HalfOpen ──all probes succeed──► Closed
+//!                   ▲                            │
+//!                   └──── any probe fails ───────┘   (open_for doubles, up to max_open_for)
+//! ```
+//! Trips (any of): `consecutive_failures` failures in a row; a failure ratio of at least
+//! `failure_ratio` over `window` once `min_requests` calls are in it; a slow-call ratio of at
+//! least `slow_ratio` over the same window (when `slow_call` is set).
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Breaker settings of one dependency. A reload with equal settings keeps the breaker's state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BreakerSettings {
+    /// Failures in a row that open the breaker; 0 turns this trip off. Default 5.
+    pub consecutive_failures: u32,
+    /// Failure share over `window` that opens the breaker. Default 0.5.
+    pub failure_ratio: f64,
+    /// Sliding window for the ratios. Default 10s.
+    pub window: Duration,
+    /// Calls needed in the window before a ratio can trip. Default 20.
+    pub min_requests: u32,
+    /// Calls slower than this count as slow. Default: off.
+    pub slow_call: Option<Duration>,
+    /// Slow share over `window` that opens the breaker. Default 0.8.
+    pub slow_ratio: f64,
+    /// First open period. Default 10s.
+    pub open_for: Duration,
+    /// Longest open period after repeated re-opens. Default 2m.
+    pub max_open_for: Duration,
+    /// Probes let through at a time when half-open; all must succeed to close. Default 3.
+    pub half_open_probes: u32,
+    /// Statuses that count as failures. Default 502, 503, 504.
+    pub failure_statuses: Vec<u16>,
+    /// Pinned state from the policy. Default: automatic.
+    pub force: Option<Force>,
+}
+
+impl Default for BreakerSettings {
+    fn default() -> Self {
+        BreakerSettings {
+            consecutive_failures: 5,
+            failure_ratio: 0.5,
+            window: Duration::from_secs(10),
+            min_requests: 20,
+            slow_call: None,
+            slow_ratio: 0.8,
+            open_for: Duration::from_secs(10),
+            max_open_for: Duration::from_secs(120),
+            half_open_probes: 3,
+            failure_statuses: vec![502, 503, 504],
+            force: None,
+        }
+    }
+}
+
+/// A pinned breaker state (policy `force`, or the admin API).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Force {
+    Open,
+    Closed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Closed,
+    Open { until: Instant },
+    HalfOpen,
+}
+
+impl State {
+    pub fn name(&self) -> &'static str {
+        match self {
+            State::Closed => "closed",
+            State::Open { .. } => "open",
+            State::HalfOpen => "half_open",
+        }
+    }
+}
+
+/// May a request go to the dependency?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    Allowed,
+    /// Allowed as one of the half-open probes; its outcome decides the breaker.
+    Probe,
+    /// Refused; the breaker may let requests through again after `retry_after`.
+    Rejected {
+        retry_after: Duration,
+    },
+}
+
+/// How a call ended, as far as the breaker cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Success {
+        slow: bool,
+    },
+    Failure,
+    /// The caller gave up before an answer (client went away): no verdict on the dependency.
+    Abandoned,
+}
+
+/// A change of state, for logs and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    Opened {
+        reason: &'static str,
+        open_for: Duration,
+    },
+    HalfOpened,
+    Closed,
+}
+
+const BUCKETS: u32 = 10;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Bucket {
+    /// Which `window / BUCKETS` slice of time this bucket counts.
+    slice: u64,
+    calls: u32,
+    failures: u32,
+    slow: u32,
+}
+
+#[derive(Debug)]
+pub struct Machine {
+    pub settings: BreakerSettings,
+    pub state: State,
+    /// Pinned at runtime through the admin API; wins over the policy's `force`.
+    pub runtime_force: Option<Force>,
+    epoch: Instant,
+    buckets: [Bucket; BUCKETS as usize],
+    consecutive_failures: u32,
+    /// Re-opens since the breaker last closed; each doubles `open_for`.
+    reopens: u32,
+    probes_in_flight: u32,
+    probe_successes: u32,
+}
+
+impl Machine {
+    pub fn new(settings: BreakerSettings, now: Instant) -> Machine {
+        Machine {
+            settings,
+            state: State::Closed,
+            runtime_force: None,
+            epoch: now,
+            buckets: [Bucket::default(); BUCKETS as usize],
+            consecutive_failures: 0,
+            reopens: 0,
+            probes_in_flight: 0,
+            probe_successes: 0,
+        }
+    }
+
+    pub fn force(&self) -> Option<Force> {
+        self.runtime_force.or(self.settings.force)
+    }
+
+    /// Decides whether a request may go through. May move Open → HalfOpen.
+    pub fn admit(&mut self, now: Instant) -> (Admission, Option<Transition>) {
+        match self.force() {
+            Some(Force::Open) => {
+                return (
+                    Admission::Rejected {
+                        retry_after: self.settings.open_for,
+                    },
+                    None,
+                );
+            }
+            Some(Force::Closed) => return (Admission::Allowed, None),
+            None => {}
+        }
+        let mut transition = None;
+        if let State::Open { until } = self.state {
+            if now < until {
+                return (
+                    Admission::Rejected {
+                        retry_after: until - now,
+                    },
+                    None,
+                );
+            }
+            self.state = State::HalfOpen;
+            self.probes_in_flight = 0;
+            self.probe_successes = 0;
+            transition = Some(Transition::HalfOpened);
+        }
+        match self.state {
+            State::Closed => (Admission::Allowed, transition),
+            State::HalfOpen if self.probes_in_flight < self.settings.half_open_probes => {
+                self.probes_in_flight += 1;
+                (Admission::Probe, transition)
+            }
+            // Half-open with every probe slot taken: no stampede on a recovering dependency.
+            _ => (
+                Admission::Rejected {
+                    retry_after: Duration::from_secs(1),
+                },
+                transition,
+            ),
+        }
+    }
+
+    /// Records how an admitted call ended.
+    pub fn record(
+        &mut self,
+        now: Instant,
+        admission: Admission,
+        outcome: Outcome,
+    ) -> Option<Transition> {
+        if admission == Admission::Probe {
+            self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+        }
+        if outcome == Outcome::Abandoned {
+            return None;
+        }
+        self.count(now, outcome);
+        let failed = outcome == Outcome::Failure;
+        self.consecutive_failures = if failed {
+            self.consecutive_failures + 1
+        } else {
+            0
+        };
+
+        if self.force().is_some() {
+            return None;
+        }
+        match (self.state, admission) {
+            (State::HalfOpen, Admission::Probe) => {
+                if failed {
+                    self.reopens += 1;
+                    return Some(self.open(now, "probe failed"));
+                }
+                self.probe_successes += 1;
+                if self.probe_successes >= self.settings.half_open_probes {
+                    self.close(now);
+                    return Some(Transition::Closed);
+                }
+                None
+            }
+            (State::Closed, _) => self.trip_reason(now).map(|reason| self.open(now, reason)),
+            // Late answers to calls admitted before the breaker opened do not move it.
+            _ => None,
+        }
+    }
+
+    fn open(&mut self, now: Instant, reason: &'static str) -> Transition {
+        let factor = 1u32.checked_shl(self.reopens.min(16)).unwrap_or(u32::MAX);
+        let open_for = self
+            .settings
+            .open_for
+            .saturating_mul(factor)
+            .min(self.settings.max_open_for);
+        self.state = State::Open {
+            until: now + open_for,
+        };
+        self.probes_in_flight = 0;
+        self.probe_successes = 0;
+        Transition::Opened { reason, open_for }
+    }
+
+    fn close(&mut self, now: Instant) {
+        self.state = State::Closed;
+        self.reopens = 0;
+        self.consecutive_failures = 0;
+        self.buckets = [Bucket::default(); BUCKETS as usize];
+        self.epoch = now;
+    }
+
+    /// Clears the state when an operator hands control back (`auto`).
+    pub fn reset(&mut self, now: Instant) {
+        self.close(now);
+    }
+
+    fn slice_of(&self, now: Instant) -> u64 {
+        let width = (self.settings.window / BUCKETS).max(Duration::from_millis(1));
+        (now.saturating_duration_since(self.epoch).as_nanos() / width.as_nanos()) as u64
+    }
+
+    fn count(&mut self, now: Instant, outcome: Outcome) {
+        let slice = self.slice_of(now);
+        let bucket = &mut self.buckets[(slice % u64::from(BUCKETS)) as usize];
+        if bucket.slice != slice {
+            *bucket = Bucket {
+                slice,
+                ..Bucket::default()
+            };
+        }
+        bucket.calls += 1;
+        match outcome {
+            Outcome::Failure => bucket.failures += 1,
+            Outcome::Success { slow: true } => bucket.slow += 1,
+            _ => {}
+        }
+    }
+
+    /// Calls, failures and slow calls inside the window ending at `now`.
+    fn totals(&self, now: Instant) -> (u32, u32, u32) {
+        let current = self.slice_of(now);
+        self.buckets
+            .iter()
+            .filter(|bucket| {
+                bucket.calls > 0 && current.saturating_sub(bucket.slice) < u64::from(BUCKETS)
+            })
+            .fold((0, 0, 0), |(calls, failures, slow), bucket| {
+                (
+                    calls + bucket.calls,
+                    failures + bucket.failures,
+                    slow + bucket.slow,
+                )
+            })
+    }
+
+    fn trip_reason(&self, now: Instant) -> Option<&'static str> {
+        let settings = &self.settings;
+        if settings.consecutive_failures > 0
+            && self.consecutive_failures >= settings.consecutive_failures
+        {
+            return Some("consecutive failures");
+        }
+        let (calls, failures, slow) = self.totals(now);
+        if calls == 0 || calls < settings.min_requests {
+            return None;
+        }
+        if f64::from(failures) / f64::from(calls) >= settings.failure_ratio {
+            return Some("failure ratio");
+        }
+        if settings.slow_call.is_some() && f64::from(slow) / f64::from(calls) >= settings.slow_ratio
+        {
+            return Some("slow-call ratio");
+        }
+        None
+    }
+
+    /// Calls and failures in the current window, for `/status`.
+    pub fn window_counts(&self, now: Instant) -> (u32, u32, u32) {
+        self.totals(now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn settings() -> BreakerSettings {
+        BreakerSettings {
+            consecutive_failures: 3,
+            min_requests: 10,
+            open_for: Duration::from_secs(10),
+            max_open_for: Duration::from_secs(25),
+            half_open_probes: 2,
+            slow_call: Some(Duration::from_secs(1)),
+            ..BreakerSettings::default()
+        }
+    }
+
+    fn call(machine: &mut Machine, now: Instant, outcome: Outcome) -> Option<Transition> {
+        let (admission, _) = machine.admit(now);
+        assert_ne!(
+            admission,
+            Admission::Rejected {
+                retry_after: Duration::ZERO
+            }
+        );
+        machine.record(now, admission, outcome)
+    }
+
+    #[test]
+    fn consecutive_failures_open_and_successes_reset_the_count() {
+        let t0 = Instant::now();
+        let mut machine = Machine::new(settings(), t0);
+        assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
+        assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
+        assert_eq!(
+            call(&mut machine, t0, Outcome::Success { slow: false }),
+            None
+        );
+        assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
+        assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
+        assert_eq!(
+            call(&mut machine, t0, Outcome::Failure),
+            Some(Transition::Opened {
+                reason: "consecutive failures",
+                open_for: Duration::from_secs(10)
+            })
+        );
+        assert_eq!(
+            machine.admit(t0 + 4 * Duration::from_secs(1)).0,
+            Admission::Rejected {
+                retry_after: Duration::from_secs(6)
+            }
+        );
+    }
+
+    #[test]
+    fn failure_ratio_needs_min_requests_and_forgets_old_slices() {
+        let t0 = Instant::now();
+        let mut machine = Machine::new(
+            BreakerSettings {
+                consecutive_failures: 0,
+                ..settings()
+            },
+            t0,
+        );
+        // 4 failures, 5 successes: 9 calls < min_requests.
+        for i in 0..9 {
+            let outcome = if i % 2 == 0 {
+                Outcome::Failure
+            } else {
+                Outcome::Success { slow: false }
+            };
+            assert_eq!(call(&mut machine, t0, outcome), None);
+        }
+        // Eleven seconds later the window is empty again: one failure trips nothing.
+        let later = t0 + Duration::from_secs(11);
+        assert_eq!(call(&mut machine, later, Outcome::Failure), None);
+        assert_eq!(machine.window_counts(later), (1, 1, 0));
+        for _ in 0..4 {
+            call(&mut machine, later, Outcome::Success { slow: false });
+        }
+        for _ in 0..4 {
+            assert_eq!(call(&mut machine, later, Outcome::Failure), None);
+        }
+        // 10 calls, 5 failures: ratio 0.5 trips.
+        assert!(matches!(
+            call(&mut machine, later, Outcome::Failure),
+            Some(Transition::Opened {
+                reason: "failure ratio",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn slow_calls_trip_by_ratio() {
+        let t0 = Instant::now();
+        let mut machine = Machine::new(
+            BreakerSettings {
+                consecutive_failures: 0,
+                ..settings()
+            },
+            t0,
+        );
+        for _ in 0..2 {
+            call(&mut machine, t0, Outcome::Success { slow: false });
+        }
+        for _ in 0..7 {
+            assert_eq!(
+                call(&mut machine, t0, Outcome::Success { slow: true }),
+                None
+            );
+        }
+        assert!(matches!(
+            call(&mut machine, t0, Outcome::Success { slow: true }),
+            Some(Transition::Opened {
+                reason: "slow-call ratio",
+                ..
+            })
+        ));
+    }
+
+    fn open_machine(t0: Instant) -> Machine {
+        let mut machine = Machine::new(settings(), t0);
+        for _ in 0..3 {
+            call(&mut machine, t0, Outcome::Failure);
+        }
+        assert!(matches!(machine.state, State::Open { .. }));
+        machine
+    }
+
+    #[test]
+    fn half_open_admits_exactly_the_probes_and_closes_when_all_succeed() {
+        let t0 = Instant::now();
+        let mut machine = open_machine(t0);
+        let t1 = t0 + Duration::from_secs(10);
+        assert_eq!(
+            machine.admit(t1),
+            (Admission::Probe, Some(Transition::HalfOpened))
+        );
+        assert_eq!(machine.admit(t1).0, Admission::Probe);
+        assert!(
+            matches!(machine.admit(t1).0, Admission::Rejected { .. }),
+            "a third request waits"
+        );
+        assert_eq!(
+            machine.record(t1, Admission::Probe, Outcome::Success { slow: false }),
+            None
+        );
+        // One slot freed: one more probe may go.
+        assert_eq!(machine.admit(t1).0, Admission::Probe);
+        assert_eq!(
+            machine.record(t1, Admission::Probe, Outcome::Success { slow: false }),
+            Some(Transition::Closed)
+        );
+        assert_eq!(machine.state, State::Closed);
+        // The late third probe does not reopen anything.
+        assert_eq!(machine.record(t1, Admission::Probe, Outcome::Failure), None);
+        assert_eq!(machine.state, State::Closed);
+    }
+
+    #[test]
+    fn failed_probes_reopen_with_doubling_capped_back_off() {
+        let t0 = Instant::now();
+        let mut machine = open_machine(t0);
+        let mut now = t0;
+        for expected in [20, 25, 25] {
+            let State::Open { until } = machine.state else {
+                panic!("not open")
+            };
+            now = until;
+            let (admission, _) = machine.admit(now);
+            assert_eq!(admission, Admission::Probe);
+            assert_eq!(
+                machine.record(now, admission, Outcome::Failure),
+                Some(Transition::Opened {
+                    reason: "probe failed",
+                    open_for: Duration::from_secs(expected)
+                })
+            );
+        }
+        // Recovery resets the back-off.
+        let State::Open { until } = machine.state else {
+            panic!("not open")
+        };
+        for _ in 0..2 {
+            let (admission, _) = machine.admit(until);
+            machine.record(until + MS, admission, Outcome::Success { slow: false });
+        }
+        assert_eq!(machine.state, State::Closed);
+        for _ in 0..3 {
+            call(&mut machine, until + MS, Outcome::Failure);
+        }
+        assert_eq!(
+            machine.state,
+            State::Open {
+                until: until + MS + Duration::from_secs(10)
+            }
+        );
+    }
+
+    #[test]
+    fn abandoned_probes_free_their_slot_without_a_verdict() {
+        let t0 = Instant::now();
+        let mut machine = open_machine(t0);
+        let t1 = t0 + Duration::from_secs(10);
+        machine.admit(t1);
+        machine.admit(t1);
+        machine.record(t1, Admission::Probe, Outcome::Abandoned);
+        assert_eq!(machine.state, State::HalfOpen);
+        assert_eq!(machine.admit(t1).0, Admission::Probe);
+    }
+
+    #[test]
+    fn forcing_pins_the_state() {
+        let t0 = Instant::now();
+        let mut machine = Machine::new(
+            BreakerSettings {
+                force: Some(Force::Open),
+                ..settings()
+            },
+            t0,
+        );
+        assert!(matches!(machine.admit(t0).0, Admission::Rejected { .. }));
+        machine.runtime_force = Some(Force::Closed);
+        for _ in 0..10 {
+            assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
+        }
+        assert_eq!(machine.admit(t0).0, Admission::Allowed);
+        machine.runtime_force = None;
+        assert!(
+            matches!(machine.admit(t0).0, Admission::Rejected { .. }),
+            "back to the policy's force"
+        );
+    }
+}

@@ -1,0 +1,254 @@
+//! One circuit breaker per dependency (upstream). Routes that share an upstream share its
+//! breaker; one dependency failing never changes another's state.
+
+pub mod machine;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::metrics::{BreakerLabels, BreakerProbeLabels, BreakerTransitionLabels, Metrics};
+use machine::Machine;
+pub use machine::{Admission, BreakerSettings, Force, Outcome, State, Transition};
+
+pub struct Breaker {
+    pub upstream: String,
+    machine: Mutex<Machine>,
+}
+
+impl std::fmt::Debug for Breaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Breaker")
+            .field("upstream", &self.upstream)
+            .finish()
+    }
+}
+
+/// What `/status` shows of a breaker.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BreakerStatus {
+    pub state: &'static str,
+    /// `open` / `closed` when pinned (admin API first, then policy), else `auto`.
+    pub force: &'static str,
+    pub forced_by: &'static str,
+    pub open_for_remaining_ms: Option<u64>,
+    pub window_calls: u32,
+    pub window_failures: u32,
+    pub window_slow: u32,
+}
+
+impl Breaker {
+    pub fn new(upstream: &str, settings: BreakerSettings) -> Breaker {
+        Breaker {
+            upstream: upstream.to_string(),
+            machine: Mutex::new(Machine::new(settings, Instant::now())),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Machine> {
+        self.machine
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn settings(&self) -> BreakerSettings {
+        self.lock().settings.clone()
+    }
+
+    /// Asks to send one request. `Err(retry_after)` while open (or half-open and full).
+    pub fn admit(self: &Arc<Self>, metrics: &Metrics) -> Result<Permit, Duration> {
+        let (admission, transition) = self.lock().admit(Instant::now());
+        if let Some(transition) = transition {
+            self.report(transition, metrics);
+        }
+        match admission {
+            Admission::Rejected { retry_after } => {
+                metrics.breaker_rejected.get_or_create(&self.labels()).inc();
+                Err(retry_after)
+            }
+            admission => Ok(Permit {
+                breaker: self.clone(),
+                admission,
+                started: Instant::now(),
+                recorded: false,
+            }),
+        }
+    }
+
+    /// Pins the breaker at runtime (`Some`) or hands it back to the policy (`None`, "auto").
+    pub fn set_runtime_force(&self, force: Option<Force>, metrics: &Metrics) {
+        let mut machine = self.lock();
+        machine.runtime_force = force;
+        if force.is_none() {
+            machine.reset(Instant::now());
+        }
+        let state = match machine.force() {
+            Some(Force::Open) => 1,
+            Some(Force::Closed) => 0,
+            None => state_value(machine.state),
+        };
+        drop(machine);
+        metrics
+            .breaker_state
+            .get_or_create(&self.labels())
+            .set(state);
+        tracing::warn!(upstream = %self.upstream, force = ?force, "breaker control changed at runtime");
+    }
+
+    pub fn status(&self) -> BreakerStatus {
+        let now = Instant::now();
+        let machine = self.lock();
+        let (force, forced_by) = match (machine.runtime_force, machine.settings.force) {
+            (Some(force), _) => (force, "runtime"),
+            (None, Some(force)) => (force, "policy"),
+            (None, None) => {
+                let (calls, failures, slow) = machine.window_counts(now);
+                return BreakerStatus {
+                    state: machine.state.name(),
+                    force: "auto",
+                    forced_by: "-",
+                    open_for_remaining_ms: match machine.state {
+                        State::Open { until } => {
+                            Some(until.saturating_duration_since(now).as_millis() as u64)
+                        }
+                        _ => None,
+                    },
+                    window_calls: calls,
+                    window_failures: failures,
+                    window_slow: slow,
+                };
+            }
+        };
+        let (calls, failures, slow) = machine.window_counts(now);
+        BreakerStatus {
+            state: if force == Force::Open {
+                "open"
+            } else {
+                "closed"
+            },
+            force: if force == Force::Open {
+                "open"
+            } else {
+                "closed"
+            },
+            forced_by,
+            open_for_remaining_ms: None,
+            window_calls: calls,
+            window_failures: failures,
+            window_slow: slow,
+        }
+    }
+
+    fn labels(&self) -> BreakerLabels {
+        BreakerLabels {
+            upstream: self.upstream.clone(),
+        }
+    }
+
+    fn report(&self, transition: Transition, metrics: &Metrics) {
+        let (to, state) = match transition {
+            Transition::Opened { reason, open_for } => {
+                tracing::warn!(upstream = %self.upstream, reason, ?open_for, "breaker opened: the dependency gets no traffic, routes get their fallback");
+                ("open", 1)
+            }
+            Transition::HalfOpened => {
+                tracing::info!(upstream = %self.upstream, "breaker half-open: sending probes");
+                ("half_open", 2)
+            }
+            Transition::Closed => {
+                tracing::info!(upstream = %self.upstream, "breaker closed: the dependency recovered");
+                ("closed", 0)
+            }
+        };
+        metrics
+            .breaker_state
+            .get_or_create(&self.labels())
+            .set(state);
+        metrics
+            .breaker_transitions
+            .get_or_create(&BreakerTransitionLabels {
+                upstream: self.upstream.clone(),
+                to,
+            })
+            .inc();
+    }
+}
+
+fn state_value(state: State) -> i64 {
+    match state {
+        State::Closed => 0,
+        State::Open { .. } => 1,
+        State::HalfOpen => 2,
+    }
+}
+
+/// Permission to send one request. Record its outcome; dropping it unrecorded (the client
+/// went away) frees a probe slot without a verdict.
+pub struct Permit {
+    breaker: Arc<Breaker>,
+    admission: Admission,
+    started: Instant,
+    recorded: bool,
+}
+
+impl Permit {
+    /// Records the outcome of an answered call: a failure status or a success (slow or not).
+    pub fn record_status(self, status: u16, metrics: &Metrics) {
+        let (failed, slow) = {
+            let machine = self.breaker.lock();
+            let failed = machine.settings.failure_statuses.contains(&status);
+            let slow = machine
+                .settings
+                .slow_call
+                .is_some_and(|limit| self.started.elapsed() > limit);
+            (failed, slow)
+        };
+        self.record(
+            if failed {
+                Outcome::Failure
+            } else {
+                Outcome::Success { slow }
+            },
+            metrics,
+        );
+    }
+
+    pub fn record(mut self, outcome: Outcome, metrics: &Metrics) {
+        self.recorded = true;
+        self.finish(outcome, Some(metrics));
+    }
+
+    fn finish(&self, outcome: Outcome, metrics: Option<&Metrics>) {
+        let transition = self
+            .breaker
+            .lock()
+            .record(Instant::now(), self.admission, outcome);
+        let Some(metrics) = metrics else { return };
+        if self.admission == Admission::Probe && outcome != Outcome::Abandoned {
+            let result = if outcome == Outcome::Failure {
+                "failure"
+            } else {
+                "success"
+            };
+            metrics
+                .breaker_probes
+                .get_or_create(&BreakerProbeLabels {
+                    upstream: self.breaker.upstream.clone(),
+                    result,
+                })
+                .inc();
+        }
+        if let Some(transition) = transition {
+            self.breaker.report(transition, metrics);
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.recorded {
+            self.finish(Outcome::Abandoned, None);
+        }
+    }
+}

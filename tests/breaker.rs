@@ -1,0 +1,337 @@
+//! Circuit breakers against controllable backends: opening, fallbacks, probes, isolation,
+//! runtime control and reloads.
+
+mod common;
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use http::{Request, Response};
+use hyper::body::Incoming;
+
+const OK: u8 = 0;
+const FAIL_503: u8 = 1;
+const HANG: u8 = 2;
+const SLOW: u8 = 3;
+
+/// A backend whose behaviour the test switches at will.
+async fn switchable() -> (Backend, Arc<AtomicU8>) {
+    let mode = Arc::new(AtomicU8::new(OK));
+    let current = mode.clone();
+    let backend = Backend::start(move |_request: Request<Incoming>| {
+        let mode = current.load(Ordering::SeqCst);
+        async move {
+            match mode {
+                FAIL_503 => Response::builder()
+                    .status(503)
+                    .body(full("down"))
+                    .expect("response"),
+                HANG => {
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    Response::new(full("late"))
+                }
+                SLOW => {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    Response::new(full("slow ok"))
+                }
+                _ => Response::new(full("ok")),
+            }
+        }
+    })
+    .await;
+    (backend, mode)
+}
+
+fn breaker_policy(backend: &Backend, breaker: &str, route_extra: &str) -> String {
+    policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "response_timeout = \"200ms\"\nbreaker = {{ {breaker} }}\n[[route]]\nname = \"page\"\nmatch = {{ path_prefix = \"/\" }}\n{route_extra}\n"
+        ),
+    )
+}
+
+const FRIENDLY: &str = "fallback = { status = 503, content_type = \"text/html; charset=utf-8\", body = \"<p>稍后再试</p>\" }";
+
+async fn breaker_state(levee: &Levee, upstream: &str) -> String {
+    let status = get(&levee.admin_url("/status")).await.json();
+    status["upstreams"]
+        .as_array()
+        .and_then(|list| list.iter().find(|u| u["name"] == upstream))
+        .map(|u| {
+            u["breaker"]["state"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_open_the_breaker_fallback_is_served_then_it_recovers() {
+    let (backend, mode) = switchable().await;
+    let levee = Levee::start(&breaker_policy(
+        &backend,
+        "consecutive_failures = 3, open_for = \"400ms\", half_open_probes = 1",
+        FRIENDLY,
+    ))
+    .await;
+    assert_eq!(get(&levee.url("/")).await.text(), "ok");
+
+    mode.store(FAIL_503, Ordering::SeqCst);
+    for _ in 0..3 {
+        assert_eq!(
+            get(&levee.url("/")).await.text(),
+            "down",
+            "failures pass through until the breaker opens"
+        );
+    }
+    let hits = backend.hits();
+    for _ in 0..5 {
+        let answer = get(&levee.url("/")).await;
+        assert_eq!(
+            (answer.status, answer.text().as_str()),
+            (503, "<p>稍后再试</p>")
+        );
+        assert_eq!(
+            answer.header("content-type"),
+            Some("text/html; charset=utf-8")
+        );
+    }
+    assert_eq!(
+        backend.hits(),
+        hits,
+        "an open breaker does not touch the backend"
+    );
+    assert_eq!(breaker_state(&levee, "app").await, "open");
+
+    // The backend recovers; after open_for one probe goes through and closes the breaker.
+    mode.store(OK, Ordering::SeqCst);
+    eventually(
+        Duration::from_secs(5),
+        "the breaker to let a probe through",
+        || async { get(&levee.url("/")).await.text() == "ok" },
+    )
+    .await;
+    assert_eq!(breaker_state(&levee, "app").await, "closed");
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_breaker_transitions_total{upstream=\"app\",to=\"open\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_breaker_probes_total{upstream=\"app\",result=\"success\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
+    assert!(
+        metric_value(&metrics, "levee_breaker_rejected_total{upstream=\"app\"}") >= 5.0,
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hanging_or_refusing_dependencies_open_it_and_the_default_fallback_is_503_with_retry_after()
+{
+    let (backend, mode) = switchable().await;
+    let levee = Levee::start(&breaker_policy(
+        &backend,
+        "consecutive_failures = 2, open_for = \"30s\"",
+        "",
+    ))
+    .await;
+    mode.store(HANG, Ordering::SeqCst);
+    for _ in 0..2 {
+        assert_eq!(get(&levee.url("/")).await.status, 504);
+    }
+    let started = std::time::Instant::now();
+    let answer = get(&levee.url("/")).await;
+    assert_eq!(answer.status, 503);
+    assert!(
+        started.elapsed() < Duration::from_millis(150),
+        "the fallback comes at once, not after a timeout"
+    );
+    let retry_after: u64 = answer
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After");
+    assert!((28..=30).contains(&retry_after), "{retry_after}");
+
+    let dead = free_port();
+    let refusing = Levee::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.app]\nurl = \"http://127.0.0.1:{dead}\"\nbreaker = {{ consecutive_failures = 2 }}\n"
+    ))
+    .await;
+    assert_eq!(get(&refusing.url("/")).await.status, 502);
+    assert_eq!(get(&refusing.url("/")).await.status, 502);
+    assert_eq!(get(&refusing.url("/")).await.status, 503);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_open_lets_exactly_the_probes_through_under_100_concurrent_requests() {
+    let (backend, mode) = switchable().await;
+    let policy = breaker_policy(
+        &backend,
+        "consecutive_failures = 1, open_for = \"300ms\", half_open_probes = 3",
+        "",
+    )
+    .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
+    let levee = Levee::start(&policy).await;
+    mode.store(FAIL_503, Ordering::SeqCst);
+    assert_eq!(get(&levee.url("/")).await.status, 503);
+    assert_eq!(breaker_state(&levee, "app").await, "open");
+    // Slow answers keep the probes in flight while the other 97 requests arrive.
+    mode.store(SLOW, Ordering::SeqCst);
+    eventually(Duration::from_secs(5), "open_for to pass", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["upstreams"][0]["breaker"]["open_for_remaining_ms"].as_u64() == Some(0)
+    })
+    .await;
+    let before = backend.hits();
+    let answers = futures_util::future::join_all((0..100).map(|_| get_owned(levee.url("/")))).await;
+    let passed = answers.iter().filter(|a| a.status == 200).count();
+    let refused = answers.iter().filter(|a| a.status == 503).count();
+    assert_eq!(
+        backend.hits() - before,
+        3,
+        "exactly half_open_probes requests reach the backend"
+    );
+    assert_eq!((passed, refused), (3, 97));
+    assert_eq!(
+        breaker_state(&levee, "app").await,
+        "closed",
+        "three good probes close it"
+    );
+}
+
+async fn get_owned(url: String) -> Answer {
+    get(&url).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_failing_dependency_leaves_the_others_alone() {
+    let (app, _mode) = switchable().await;
+    let dead = free_port();
+    let policy = policy_for(
+        app.addr,
+        "access_log = false\ndefault_upstream = \"app\"",
+        &format!(
+            "[upstream.ai]\nurl = \"http://127.0.0.1:{dead}\"\nbreaker = {{ consecutive_failures = 2 }}\n[[route]]\nname = \"ai\"\nmatch = {{ path_prefix = \"/ai\" }}\nupstream = \"ai\"\nfallback = {{ status = 200, content_type = \"application/json\", body = \"{{\\\"reply\\\":null,\\\"degraded\\\":true}}\" }}\n"
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    for _ in 0..2 {
+        assert_eq!(get(&levee.url("/ai/reply")).await.status, 502);
+    }
+    let fallback = get(&levee.url("/ai/reply")).await;
+    assert_eq!(fallback.status, 200);
+    assert_eq!(fallback.json()["degraded"], true);
+    for _ in 0..10 {
+        assert_eq!(get(&levee.url("/thread.php")).await.text(), "ok");
+    }
+    assert_eq!(breaker_state(&levee, "ai").await, "open");
+    assert_eq!(breaker_state(&levee, "app").await, "closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_force_open_takes_effect_at_once_and_auto_returns_control() {
+    let (backend, _mode) = switchable().await;
+    let levee = Levee::start(&breaker_policy(
+        &backend,
+        "consecutive_failures = 5",
+        FRIENDLY,
+    ))
+    .await;
+    assert_eq!(get(&levee.url("/")).await.text(), "ok");
+    let forced = post(&levee.admin_url("/breakers/app"), "open").await;
+    assert_eq!(forced.status, 200, "{}", forced.text());
+    let hits = backend.hits();
+    assert_eq!(get(&levee.url("/")).await.status, 503);
+    assert_eq!(backend.hits(), hits);
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["upstreams"][0]["breaker"]["force"], "open");
+    assert_eq!(status["upstreams"][0]["breaker"]["forced_by"], "runtime");
+
+    assert_eq!(
+        post(&levee.admin_url("/breakers/app"), "auto").await.status,
+        200
+    );
+    assert_eq!(get(&levee.url("/")).await.text(), "ok");
+    assert_eq!(
+        post(&levee.admin_url("/breakers/app"), "sideways")
+            .await
+            .status,
+        400
+    );
+    assert_eq!(
+        post(&levee.admin_url("/breakers/nope"), "open")
+            .await
+            .status,
+        404
+    );
+
+    // The policy can pin it too.
+    let pinned = Levee::start(&breaker_policy(&backend, "force = \"open\"", "")).await;
+    assert_eq!(get(&pinned.url("/")).await.status, 503);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_keeps_an_open_breaker_open_unless_its_settings_change() {
+    let (backend, mode) = switchable().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let write = |breaker: &str, extra: &str| {
+        std::fs::write(
+            dir.path().join("levee.toml"),
+            breaker_policy(&backend, breaker, extra),
+        )
+        .expect("write");
+    };
+    write("consecutive_failures = 1, open_for = \"60s\"", "");
+    let mut options = levee::Options::new(dir.path());
+    options.watch = false;
+    let running = levee::start(options).await.expect("start");
+    let url = format!("http://{}/", running.public_addr);
+    let admin = format!("http://{}", running.admin_addr);
+    mode.store(FAIL_503, Ordering::SeqCst);
+    assert_eq!(get(&url).await.text(), "down");
+    mode.store(OK, Ordering::SeqCst);
+    assert_eq!(get(&url).await.status, 503, "open");
+
+    write(
+        "consecutive_failures = 1, open_for = \"60s\"",
+        "max_body = \"1MiB\"",
+    );
+    assert_eq!(
+        post(&format!("{admin}/reload"), "").await.json()["changed"],
+        true
+    );
+    assert_eq!(
+        get(&url).await.status,
+        503,
+        "still open after a reload that left the breaker alone"
+    );
+
+    write(
+        "consecutive_failures = 2, open_for = \"60s\"",
+        "max_body = \"1MiB\"",
+    );
+    assert_eq!(
+        post(&format!("{admin}/reload"), "").await.json()["changed"],
+        true
+    );
+    assert_eq!(
+        get(&url).await.text(),
+        "ok",
+        "changed settings start the breaker fresh"
+    );
+}
