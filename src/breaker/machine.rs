@@ -509,12 +509,11 @@ mod tests {
     fn failed_probes_reopen_with_doubling_capped_back_off() {
         let t0 = Instant::now();
         let mut machine = open_machine(t0);
-        let mut now = t0;
         for expected in [20, 25, 25] {
             let State::Open { until } = machine.state else {
                 panic!("not open")
             };
-            now = until;
+            let now = until;
             let (admission, _) = machine.admit(now);
             assert_eq!(admission, Admission::Probe);
             assert_eq!(
