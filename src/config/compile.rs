@@ -30,7 +30,7 @@ use crate::limit::{gcra::Rate, parse_rate, LimitRule, OnRedisError};
 use crate::proxy::header::TrustedProxies;
 use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
-use crate::proxy::upstream::{Upstream, UpstreamSettings};
+use crate::proxy::upstream::{read_ca_file, Upstream, UpstreamSettings};
 
 /// Name of the implicit route that catches requests no route matches.
 pub const DEFAULT_ROUTE: &str = "default";
@@ -934,12 +934,12 @@ fn compile_upstream(
         );
         return None;
     };
-    if scheme != Scheme::HTTP {
+    if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
         compiler.error_hint(
             file,
             url.span(),
-            format!("upstream scheme `{scheme}` is not supported yet"),
-            "use an http:// URL",
+            format!("upstream scheme `{scheme}` is not supported"),
+            "use an http:// or https:// URL",
         );
         return None;
     }
@@ -952,7 +952,28 @@ fn compile_upstream(
         );
         return None;
     }
+    let mut ca_files = Vec::new();
+    if let Some(list) = &inner.ca_files {
+        for name in list.get_ref() {
+            // Relative paths are relative to the policy file that names them.
+            let path = compiler.files[file]
+                .path
+                .parent()
+                .map_or_else(|| std::path::PathBuf::from(name), |dir| dir.join(name));
+            match read_ca_file(&path) {
+                Ok(_) => ca_files.push(path),
+                Err(message) => compiler.error_hint(
+                    file,
+                    list.span(),
+                    message,
+                    "a PEM file with one or more CA certificates",
+                ),
+            }
+        }
+    }
     let host = match &inner.host {
+        // External APIs (https) are called by their own name; the app's Host means nothing there.
+        None if scheme == Scheme::HTTPS => HeaderValue::from_str(authority.host()).ok(),
         None => None,
         Some(host) => match HeaderValue::from_str(host.get_ref()) {
             Ok(value) if !host.get_ref().is_empty() => Some(value),
@@ -987,6 +1008,7 @@ fn compile_upstream(
             Duration::from_secs(90),
         ),
         pool_max_idle,
+        ca_files,
     })
 }
 

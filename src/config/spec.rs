@@ -100,6 +100,7 @@ pub struct UpstreamSpec {
     pub idle_body_timeout: Option<Spanned<String>>,
     pub pool_idle_timeout: Option<Spanned<String>>,
     pub pool_max_idle: Option<Spanned<u32>>,
+    pub ca_files: Option<Spanned<Vec<String>>>,
     pub breaker: Option<Spanned<BreakerSpec>>,
 }
 

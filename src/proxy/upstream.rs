@@ -1,15 +1,18 @@
 //! Upstreams: the dependencies levee forwards to, each with its own pooled keep-alive client.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::{Authority, Scheme};
 use http::HeaderValue;
 use http_body_util::combinators::UnsyncBoxBody;
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
 
 use crate::breaker::Breaker;
 use crate::error::BoxError;
@@ -35,6 +38,8 @@ pub struct UpstreamSettings {
     pub pool_idle_timeout: Duration,
     /// Idle keep-alive connections kept per upstream. Default 256.
     pub pool_max_idle: usize,
+    /// Extra CA certificates (PEM) trusted for `https://` upstreams, besides the system's.
+    pub ca_files: Vec<std::path::PathBuf>,
 }
 
 /// A named dependency, its client and its circuit breaker.
@@ -42,8 +47,57 @@ pub struct UpstreamSettings {
 pub struct Upstream {
     pub name: String,
     pub settings: UpstreamSettings,
-    pub client: Client<HttpConnector, UpstreamBody>,
+    pub client: Client<HttpsConnector<HttpConnector>, UpstreamBody>,
     pub breaker: Arc<Breaker>,
+}
+
+/// The system's trusted roots, read once.
+fn system_roots() -> &'static [CertificateDer<'static>] {
+    static ROOTS: OnceLock<Vec<CertificateDer<'static>>> = OnceLock::new();
+    ROOTS.get_or_init(|| {
+        let found = rustls_native_certs::load_native_certs();
+        for error in &found.errors {
+            tracing::warn!("reading system CA certificates: {error}");
+        }
+        found.certs
+    })
+}
+
+/// Reads a PEM file of CA certificates; the error says what is wrong for `levee check`.
+pub fn read_ca_file(path: &std::path::Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_file_iter(path)
+        .map_err(|error| format!("cannot read CA file {}: {error}", path.display()))?
+        .collect();
+    let certs =
+        certs.map_err(|error| format!("CA file {} is not valid PEM: {error}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("CA file {} holds no certificate", path.display()));
+    }
+    Ok(certs)
+}
+
+/// TLS for `https://` upstreams: rustls with the system roots plus `ca_files`.
+fn tls_config(ca_files: &[std::path::PathBuf]) -> rustls::ClientConfig {
+    let mut roots = rustls::RootCertStore::empty();
+    let (_added, _ignored) = roots.add_parsable_certificates(system_roots().iter().cloned());
+    for path in ca_files {
+        // Checked by the compiler already; a file that vanished since is logged.
+        match read_ca_file(path) {
+            Ok(certs) => {
+                roots.add_parsable_certificates(certs);
+            }
+            Err(error) => tracing::warn!("{error}"),
+        }
+    }
+    client_config(roots)
+}
+
+fn client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("the ring provider supports TLS 1.2 and 1.3")
+        .with_root_certificates(roots)
+        .with_no_client_auth()
 }
 
 impl Upstream {
@@ -52,6 +106,18 @@ impl Upstream {
         connector.set_connect_timeout(Some(settings.connect_timeout));
         connector.set_nodelay(true);
         connector.set_keepalive(Some(Duration::from_secs(60)));
+        connector.enforce_http(false);
+        // Plain http upstreams get an empty trust store: no TLS is ever set up for them.
+        let tls = if settings.scheme == Scheme::HTTPS {
+            tls_config(&settings.ca_files)
+        } else {
+            client_config(rustls::RootCertStore::empty())
+        };
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())

@@ -1,0 +1,167 @@
+//! Egress: the PHP app calls an external HTTPS API through levee (real nginx with TLS as the
+//! "external" API, a CA made for the test).
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use http::Request;
+
+/// Makes a CA and a server certificate for `localhost` in `dir`; returns the CA path.
+fn make_certificates(dir: &std::path::Path) -> std::path::PathBuf {
+    let run = |args: &[&str]| {
+        let status = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("openssl");
+        assert!(status.success(), "openssl {args:?}");
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=levee test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(
+        dir.join("san.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .expect("ext");
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    ]);
+    dir.join("ca.pem")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn php_reaches_an_https_api_through_an_egress_route_with_its_own_ca() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ca = make_certificates(dir.path());
+    open_up(dir.path());
+    let block = format!(
+        "server {{\n listen 127.0.0.1:{{port}} ssl;\n ssl_certificate {d}/server.pem;\n ssl_certificate_key {d}/server.key;\n location / {{ default_type application/json; return 200 '{{\"api\":\"ok\",\"host\":\"$host\",\"uri\":\"$request_uri\"}}'; }}\n}}",
+        d = dir.path().display()
+    );
+    let api = Nginx::start(dir.path(), &block).await;
+    let app = echo_backend().await;
+
+    let policy_dir = tempfile::tempdir().expect("dir");
+    std::fs::copy(&ca, policy_dir.path().join("api-ca.pem")).expect("copy ca");
+    let policy = |ca_line: &str| {
+        policy_for(
+            app.addr,
+            "default_upstream = \"app\"",
+            &format!(
+                "[upstream.ai]\nurl = \"https://localhost:{port}\"\n{ca_line}\nbreaker = {{ consecutive_failures = 3 }}\n[[route]]\nname = \"ai_egress\"\nmatch = {{ host = \"ai.egress\" }}\nupstream = \"ai\"\n",
+                port = api.port
+            ),
+        )
+    };
+    std::fs::write(
+        policy_dir.path().join("levee.toml"),
+        policy("ca_files = [\"api-ca.pem\"]"),
+    )
+    .expect("write");
+    let running = levee::start(levee::Options::new(policy_dir.path()))
+        .await
+        .expect("start");
+    let base = format!("http://{}", running.public_addr);
+
+    // What the PHP code does: call levee on loopback, naming the API by its egress host.
+    let request = Request::get(format!("{base}/v1/reply?q=hi"))
+        .header("host", "ai.egress")
+        .body(full(""))
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let json = answer.json();
+    assert_eq!(json["api"], "ok");
+    assert_eq!(
+        json["host"], "localhost",
+        "the API sees its own name, not the egress alias"
+    );
+    assert_eq!(json["uri"], "/v1/reply?q=hi");
+    // Other hosts still reach the app.
+    assert_eq!(
+        get(&format!("{base}/index.php")).await.json()["target"],
+        "/index.php"
+    );
+
+    // Without the CA the certificate is not trusted: a clear 502, never a silent downgrade.
+    let untrusting = Levee::start(&policy("")).await;
+    let request = Request::get(untrusting.url("/v1/reply"))
+        .header("host", "ai.egress")
+        .body(full(""))
+        .expect("request");
+    let refused = send(request).await;
+    assert_eq!(refused.status, 502, "{}", refused.text());
+    assert!(
+        refused.text().contains("upstream `ai`"),
+        "{}",
+        refused.text()
+    );
+}
+
+#[test]
+fn check_reports_a_missing_or_broken_ca_file() {
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::write(dir.path().join("bad.pem"), "not a certificate").expect("write");
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        "[upstream.ai]\nurl = \"https://api.example.com\"\nca_files = [\"missing.pem\", \"bad.pem\"]\n",
+    )
+    .expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .args(["check", "--policies"])
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("levee.toml:3:12: error: cannot read CA file"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("holds no certificate") || stderr.contains("not valid PEM"),
+        "{stderr}"
+    );
+}
