@@ -103,10 +103,15 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
     })?;
 
     let limiter = Arc::new(crate::limit::Limiter::new(metrics.clone()));
+    let degrade = Arc::new(crate::degrade::Degrade::new());
     let shared = Arc::new(Shared {
         store: store.clone(),
         metrics,
         limiter: limiter.clone(),
+        degrade: degrade.clone(),
+        stale: Arc::new(crate::degrade::stale::StaleStore::new(
+            crate::degrade::stale::L1_MAX_BYTES,
+        )),
         draining: AtomicBool::new(false),
     });
     let (stop_accepting, stop) = watch::channel(false);
@@ -124,11 +129,18 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
     let admin_task = tokio::spawn(server::serve(
         admin,
         store.clone(),
-        move |_peer, request| crate::admin::handle(admin_shared.clone(), request),
+        move |peer, request| crate::admin::handle(admin_shared.clone(), peer, request),
         stop.clone(),
         alive,
     ));
     crate::limit::spawn_sweeper(limiter, Duration::from_secs(10), stop.clone());
+    crate::degrade::switches::spawn_sync(
+        degrade,
+        store.clone(),
+        shared.metrics.clone(),
+        stop.clone(),
+    )
+    .await;
     if options.watch {
         crate::config::watch::spawn_watcher(store.clone(), options.debounce, stop.clone());
     }

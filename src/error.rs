@@ -49,6 +49,11 @@ pub enum ProxyError {
         retry_after: Duration,
         fallback: Option<Arc<StaticResponse>>,
     },
+    #[error("route `{route}` is switched off for now")]
+    Degraded {
+        route: String,
+        fallback: Option<Arc<StaticResponse>>,
+    },
     #[error("rate limited by rule `{}`; retry after {:?}", .0.rule.name, .0.retry_after)]
     RateLimited(Box<Denial>),
     #[error("internal error: {0}")]
@@ -68,9 +73,11 @@ impl ProxyError {
             }
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RateLimited(denial) => denial.rule.status,
-            ProxyError::BreakerOpen { fallback, .. } => fallback
-                .as_ref()
-                .map_or(StatusCode::SERVICE_UNAVAILABLE, |fallback| fallback.status),
+            ProxyError::BreakerOpen { fallback, .. } | ProxyError::Degraded { fallback, .. } => {
+                fallback
+                    .as_ref()
+                    .map_or(StatusCode::SERVICE_UNAVAILABLE, |fallback| fallback.status)
+            }
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -88,6 +95,7 @@ impl ProxyError {
             ProxyError::UpstreamFailed { .. } => "failed",
             ProxyError::RateLimited(_) => "rate_limited",
             ProxyError::BreakerOpen { .. } => "breaker_open",
+            ProxyError::Degraded { .. } => "degraded",
             ProxyError::Internal(_) => "internal",
         }
     }
@@ -102,7 +110,9 @@ impl ProxyError {
             ProxyError::UpstreamConnect { .. }
             | ProxyError::UpstreamTimeout { .. }
             | ProxyError::UpstreamFailed { .. } => ErrorSide::Upstream,
-            ProxyError::RateLimited(_) | ProxyError::BreakerOpen { .. } => ErrorSide::Defence,
+            ProxyError::RateLimited(_)
+            | ProxyError::BreakerOpen { .. }
+            | ProxyError::Degraded { .. } => ErrorSide::Defence,
             ProxyError::Internal(_) => ErrorSide::Internal,
         }
     }
@@ -113,6 +123,10 @@ impl ProxyError {
         match self {
             ProxyError::RateLimited(denial) => return rate_limited_response(denial),
             ProxyError::BreakerOpen {
+                fallback: Some(fallback),
+                ..
+            }
+            | ProxyError::Degraded {
                 fallback: Some(fallback),
                 ..
             } => {
@@ -126,8 +140,15 @@ impl ProxyError {
             other => other.to_string(),
         };
         let mut response = text_response(status, format!("{} {}\n", status.as_u16(), reason));
-        if let ProxyError::BreakerOpen { retry_after, .. } = self {
-            let seconds = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+        let retry_after = match self {
+            ProxyError::BreakerOpen { retry_after, .. } => {
+                Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
+            }
+            // How long a switch stays off is an operator's call; ask clients to come back later.
+            ProxyError::Degraded { .. } => Some(30),
+            _ => None,
+        };
+        if let Some(seconds) = retry_after {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));

@@ -10,9 +10,11 @@ pub mod admin;
 pub mod app;
 pub mod breaker;
 pub mod config;
+pub mod degrade;
 pub mod error;
 pub mod limit;
 pub mod metrics;
 pub mod proxy;
+pub mod redis_store;
 
 pub use app::{run, start, Options, Running};

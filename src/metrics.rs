@@ -59,6 +59,18 @@ pub struct BreakerProbeLabels {
     pub result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModuleLabels {
+    pub module: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DegradedLabels {
+    pub route: RouteName,
+    /// stale, stale_missing, reject
+    pub action: &'static str,
+}
+
 /// All of levee's metrics. Handles are cheap clones of shared atomics.
 pub struct Metrics {
     pub registry: Registry,
@@ -77,6 +89,9 @@ pub struct Metrics {
     pub breaker_transitions: Family<BreakerTransitionLabels, Counter>,
     pub breaker_rejected: Family<BreakerLabels, Counter>,
     pub breaker_probes: Family<BreakerProbeLabels, Counter>,
+    pub degrade_level: Gauge,
+    pub module_off: Family<ModuleLabels, Gauge>,
+    pub degraded_responses: Family<DegradedLabels, Counter>,
 }
 
 fn duration_histogram() -> Histogram {
@@ -188,8 +203,29 @@ impl Metrics {
             "Half-open probes and their outcome",
             breaker_probes.clone(),
         );
+        let degrade_level = Gauge::default();
+        registry.register(
+            "degrade_level",
+            "Degrade level in effect (0 normal, 1 tier 3 off, 2 tiers 2 and 3 off)",
+            degrade_level.clone(),
+        );
+        let module_off = Family::<ModuleLabels, Gauge>::default();
+        registry.register(
+            "module_off",
+            "1 while a module is switched off",
+            module_off.clone(),
+        );
+        let degraded_responses = Family::<DegradedLabels, Counter>::default();
+        registry.register(
+            "degraded_responses",
+            "Responses given by a degrade action instead of the upstream",
+            degraded_responses.clone(),
+        );
         Metrics {
             registry,
+            degrade_level,
+            module_off,
+            degraded_responses,
             breaker_state,
             breaker_transitions,
             breaker_rejected,

@@ -12,14 +12,49 @@ use http_body_util::BodyExt;
 
 use crate::breaker::Force;
 use crate::config::ReloadTrigger;
+use crate::degrade::switches::{self, Change};
 use crate::error::{full_body, text_response};
 use crate::proxy::body::ResponseBody;
 use crate::proxy::route::PathMatch;
 use crate::proxy::Shared;
 
 /// Answers one admin request.
-pub async fn handle(shared: Arc<Shared>, request: Request<Incoming>) -> Response<ResponseBody> {
+pub async fn handle(
+    shared: Arc<Shared>,
+    peer: std::net::SocketAddr,
+    request: Request<Incoming>,
+) -> Response<ResponseBody> {
     match (request.method(), request.uri().path()) {
+        (&Method::POST, "/level") => {
+            let by = operator(&request, peer);
+            let wanted = match read_small_body(request).await {
+                Ok(wanted) => wanted,
+                Err(response) => return response,
+            };
+            let change = match wanted.as_str() {
+                "policy" | "auto" => Change::Level(None),
+                text => match text.parse::<u8>() {
+                    Ok(level) => Change::Level(Some(level)),
+                    Err(_) => return text_response(StatusCode::BAD_REQUEST, format!("400 `{}` is not a level; send 0, 1, 2 or policy\n", text.escape_debug())),
+                },
+            };
+            apply_switch(&shared, change, &by).await
+        }
+        (&Method::POST, path) if path.starts_with("/modules/") => {
+            let name = path.trim_start_matches("/modules/").to_string();
+            let by = operator(&request, peer);
+            let wanted = match read_small_body(request).await {
+                Ok(wanted) => wanted,
+                Err(response) => return response,
+            };
+            let change = match wanted.as_str() {
+                "off" => Change::Module(name, Some(true)),
+                "on" => Change::Module(name, Some(false)),
+                "policy" | "auto" => Change::Module(name, None),
+                other => return text_response(StatusCode::BAD_REQUEST, format!("400 `{}` is not a module state; send on, off or policy\n", other.escape_debug())),
+            };
+            apply_switch(&shared, change, &by).await
+        }
         (&Method::GET, "/status") => json_response(StatusCode::OK, &status(&shared)),
         (&Method::GET, "/metrics") => {
             let mut response = text_response(StatusCode::OK, shared.metrics.encode());
@@ -54,9 +89,111 @@ pub async fn handle(shared: Arc<Shared>, request: Request<Incoming>) -> Response
         }
         _ => text_response(
             StatusCode::NOT_FOUND,
-            "404 not found; admin paths: GET /status, GET /metrics, POST /reload, POST /breakers/NAME\n",
+            "404 not found; admin paths: GET /status, GET /metrics, POST /reload, POST /breakers/NAME, POST /level, POST /modules/NAME\n",
         ),
     }
+}
+
+/// Who changed a switch: the `X-Levee-Operator` header, else the admin client's address.
+fn operator(request: &Request<Incoming>, peer: std::net::SocketAddr) -> String {
+    request
+        .headers()
+        .get("x-levee-operator")
+        .and_then(|value| value.to_str().ok())
+        .map(|name| {
+            name.chars()
+                .filter(|c| !c.is_control())
+                .take(64)
+                .collect::<String>()
+        })
+        .filter(|name| !name.is_empty())
+        .map_or_else(|| peer.to_string(), |name| format!("{name} ({peer})"))
+}
+
+/// The trimmed body of a small admin request (a word like `off`), or a ready 400.
+async fn read_small_body(request: Request<Incoming>) -> Result<String, Response<ResponseBody>> {
+    let from_query = request.uri().query().and_then(|query| {
+        query
+            .split('&')
+            .find_map(|pair| pair.split_once('=').map(|(_, v)| v.to_string()))
+    });
+    let body = http_body_util::Limited::new(request.into_body(), 1024)
+        .collect()
+        .await
+        .map_err(|_| {
+            text_response(
+                StatusCode::BAD_REQUEST,
+                "400 body too large or unreadable\n",
+            )
+        })?;
+    let body = String::from_utf8_lossy(&body.to_bytes())
+        .trim()
+        .trim_matches('"')
+        .to_string();
+    Ok(if body.is_empty() {
+        from_query.unwrap_or_default()
+    } else {
+        body
+    })
+}
+
+async fn apply_switch(shared: &Shared, change: Change, by: &str) -> Response<ResponseBody> {
+    let policy = shared.store.load();
+    match switches::apply(&shared.degrade, &policy, change, by, &shared.metrics).await {
+        Ok(()) => json_response(
+            StatusCode::OK,
+            &json!({ "ok": true, "degrade": degrade_status(shared, &policy) }),
+        ),
+        Err(message) if message.starts_with("no module") || message.starts_with("level") => {
+            text_response(StatusCode::BAD_REQUEST, format!("400 {message}\n"))
+        }
+        Err(message) => text_response(StatusCode::SERVICE_UNAVAILABLE, format!("503 {message}\n")),
+    }
+}
+
+fn degrade_status(shared: &Shared, policy: &crate::config::Policy) -> serde_json::Value {
+    let view = shared.degrade.view(policy);
+    let runtime = shared.degrade.runtime();
+    let level_origin = if shared.degrade.auto_level()
+        > runtime
+            .level
+            .as_ref()
+            .map_or(policy.degrade.level, |s| s.value)
+    {
+        "automatic"
+    } else if runtime.level.is_some() {
+        "runtime"
+    } else {
+        "policy"
+    };
+    let modules: serde_json::Map<String, serde_json::Value> = policy
+        .degrade
+        .modules
+        .iter()
+        .map(|(name, tier)| {
+            let switch = runtime.modules.get(name);
+            (
+                name.clone(),
+                json!({
+                    "off": view.module_off(name),
+                    "tier": tier,
+                    "origin": view.module_origin(name),
+                    "changed_by": switch.map(|s| s.by.clone()),
+                    "changed_at_unix": switch.map(|s| s.at_unix),
+                }),
+            )
+        })
+        .collect();
+    json!({
+        "level": view.level,
+        "level_origin": level_origin,
+        "policy_level": policy.degrade.level,
+        "automatic_level": shared.degrade.auto_level(),
+        "level_changed_by": runtime.level.as_ref().map(|s| s.by.clone()),
+        "level_changed_at_unix": runtime.level.as_ref().map(|s| s.at_unix),
+        "modules": modules,
+        "switches_stored_in": if policy.redis.is_some() { "redis".to_string() } else { policy.degrade.state_file.display().to_string() },
+    })
 }
 
 /// `POST /breakers/NAME` with `open`, `closed` or `auto` as the body (or `?force=`).
@@ -142,6 +279,8 @@ fn status(shared: &Shared) -> serde_json::Value {
                 "match": path,
                 "max_body": route.max_body,
                 "limits": route.limits.iter().map(|rule| rule.name.to_string()).collect::<Vec<_>>(),
+                "tier": route.tier,
+                "module": route.module.as_deref(),
             })
         })
         .collect();
@@ -172,8 +311,8 @@ fn status(shared: &Shared) -> serde_json::Value {
     let redis = policy.redis.as_ref().map(|redis| {
         json!({
             "target": match &redis.settings.target {
-                crate::limit::redis::RedisTarget::Single(url) => json!(redact(url)),
-                crate::limit::redis::RedisTarget::Cluster(nodes) => json!(nodes.iter().map(|n| redact(n)).collect::<Vec<_>>()),
+                crate::redis_store::RedisTarget::Single(url) => json!(redact(url)),
+                crate::redis_store::RedisTarget::Cluster(nodes) => json!(nodes.iter().map(|n| redact(n)).collect::<Vec<_>>()),
             },
             "up": redis.is_up(),
         })
@@ -193,6 +332,7 @@ fn status(shared: &Shared) -> serde_json::Value {
         "upstreams": upstreams,
         "limits": limits,
         "redis": redis,
+        "degrade": degrade_status(shared, &policy),
     })
 }
 

@@ -52,6 +52,11 @@ impl Breaker {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Does this status count as a failure of the dependency?
+    pub fn is_failure_status(&self, status: u16) -> bool {
+        self.lock().settings.failure_statuses.contains(&status)
+    }
+
     pub fn settings(&self) -> BreakerSettings {
         self.lock().settings.clone()
     }

@@ -19,18 +19,19 @@ use toml::Spanned;
 use super::diag::{Diagnostic, Diagnostics, SourceFile};
 use super::policy::{AdminSettings, Policy, ServerSettings};
 use super::spec::{
-    BreakerSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, OneOrMany, RedisSpec, RouteSpec,
-    ServerSpec, SizeSpec, StaticResponseSpec, UpstreamSpec,
+    BreakerSpec, DegradeSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, ModuleSpec, OneOrMany,
+    RedisSpec, RouteDegradeSpec, RouteSpec, ServerSpec, SizeSpec, StaticResponseSpec, UpstreamSpec,
 };
 use super::units::{parse_duration, parse_size};
 use crate::breaker::{Breaker, BreakerSettings, Force};
+use crate::degrade::{DegradeAction, DegradeSettings, StaleSettings};
 use crate::limit::key::{Identity, KeyPart, Source};
-use crate::limit::redis::{RedisSettings, RedisStore, RedisTarget};
 use crate::limit::{gcra::Rate, parse_rate, LimitRule, OnRedisError};
 use crate::proxy::header::TrustedProxies;
 use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
 use crate::proxy::upstream::{read_ca_file, Upstream, UpstreamSettings};
+use crate::redis_store::{RedisSettings, RedisStore, RedisTarget};
 
 /// Name of the implicit route that catches requests no route matches.
 pub const DEFAULT_ROUTE: &str = "default";
@@ -276,6 +277,8 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     let mut admin: Option<(usize, Spanned<super::spec::AdminSpec>)> = None;
     let mut redis: Option<(usize, Spanned<RedisSpec>)> = None;
     let mut identity: Option<(usize, Spanned<IdentitySpec>)> = None;
+    let mut degrade: Option<(usize, Spanned<DegradeSpec>)> = None;
+    let mut module_specs: BTreeMap<String, (usize, Spanned<ModuleSpec>)> = BTreeMap::new();
     let mut upstream_specs: BTreeMap<String, (usize, Spanned<UpstreamSpec>)> = BTreeMap::new();
     let mut limit_specs: BTreeMap<String, (usize, Spanned<LimitSpec>)> = BTreeMap::new();
     let mut route_specs: Vec<(usize, Spanned<RouteSpec>)> = Vec::new();
@@ -284,6 +287,8 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         compiler.take_once("[admin]", &mut admin, index, spec.admin);
         compiler.take_once("[redis]", &mut redis, index, spec.redis);
         compiler.take_once("[identity]", &mut identity, index, spec.identity);
+        compiler.take_once("[degrade]", &mut degrade, index, spec.degrade);
+        compiler.merge_named("module", &mut module_specs, index, spec.module);
         compiler.merge_named("upstream", &mut upstream_specs, index, spec.upstream);
         compiler.merge_named("limit", &mut limit_specs, index, spec.limit);
         route_specs.extend(spec.route.into_iter().map(|route| (index, route)));
@@ -394,6 +399,13 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             routes.push(Arc::new(route));
         }
     }
+    let degrade_settings = compile_degrade(
+        &mut compiler,
+        files,
+        degrade.as_ref(),
+        &module_specs,
+        &routes,
+    );
     let fallback = default_upstream
         .as_ref()
         .and_then(|name| upstreams.get(name))
@@ -407,6 +419,10 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 max_body: server_settings.max_body,
                 limits: Vec::new(),
                 fallback: None,
+                tier: 1,
+                module: None,
+                degrade: None,
+                hide: Vec::new(),
             })
         });
 
@@ -427,7 +443,174 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         redis: redis_store,
         identity: identity_settings,
         limits,
+        degrade: degrade_settings,
     })
+}
+
+fn compile_route_degrade(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Spanned<RouteDegradeSpec>,
+    tier: u8,
+) -> Option<DegradeAction> {
+    let inner = spec.get_ref();
+    let action = inner
+        .action
+        .as_ref()
+        .map_or("reject", |action| action.get_ref().as_str());
+    let action_span = inner
+        .action
+        .as_ref()
+        .map_or(spec.span(), |action| action.span());
+    match action {
+        "reject" => {
+            if tier == 1 {
+                compiler.error_hint(
+                    file,
+                    action_span,
+                    "a tier-1 route cannot be given an action that refuses service",
+                    "tier-1 routes are never degraded; use tier = 2 or 3, or remove degrade",
+                );
+                return None;
+            }
+            let response =
+                if inner.status.is_some() || inner.body.is_some() || inner.content_type.is_some() {
+                    let synthetic = Spanned::new(
+                        spec.span(),
+                        StaticResponseSpec {
+                            status: inner.status.clone(),
+                            content_type: inner.content_type.clone(),
+                            body: inner.body.clone(),
+                        },
+                    );
+                    Some(Arc::new(compile_static_response(
+                        compiler, file, &synthetic, 503,
+                    )?))
+                } else {
+                    None
+                };
+            Some(DegradeAction::Reject(response))
+        }
+        "stale" => {
+            let max_body = compiler.size(file, &inner.max_body, 1 << 20);
+            Some(DegradeAction::Stale(Arc::new(StaleSettings {
+                max_age: compiler.duration(file, &inner.max_age, Duration::from_secs(600)),
+                vary: compile_sources(compiler, file, &inner.vary),
+                allow_set_cookie: inner.allow_set_cookie.unwrap_or(false),
+                max_body: usize::try_from(max_body).unwrap_or(usize::MAX),
+            })))
+        }
+        "queue" => {
+            compiler.error_hint(
+                file,
+                action_span,
+                "action `queue` is not available in this version",
+                "use \"stale\" or \"reject\"",
+            );
+            None
+        }
+        other => {
+            compiler.error_hint(
+                file,
+                action_span,
+                format!("unknown degrade action `{other}`"),
+                "use \"stale\" (serve the last good copy) or \"reject\" (a page from the policy)",
+            );
+            None
+        }
+    }
+}
+
+fn compile_degrade(
+    compiler: &mut Compiler<'_>,
+    files: &[SourceFile],
+    spec: Option<&(usize, Spanned<DegradeSpec>)>,
+    module_specs: &BTreeMap<String, (usize, Spanned<ModuleSpec>)>,
+    routes: &[Arc<Route>],
+) -> DegradeSettings {
+    let dir = files
+        .first()
+        .and_then(|file| file.path.parent())
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_default();
+    // Modules: declared ones with their tier, then those routes serve (the lowest tier of
+    // their routes), then those pages hide (tier 3).
+    let mut modules: BTreeMap<String, u8> = BTreeMap::new();
+    for (name, (file, module)) in module_specs {
+        let tier = match &module.get_ref().tier {
+            None => 3,
+            Some(tier) if (2..=3).contains(tier.get_ref()) => *tier.get_ref(),
+            Some(tier) => {
+                compiler.error_hint(
+                    *file,
+                    tier.span(),
+                    format!("module tier {} is not allowed", tier.get_ref()),
+                    "modules are tier 2 (may be delayed) or 3 (may be switched off)",
+                );
+                3
+            }
+        };
+        modules.insert(name.clone(), tier);
+    }
+    for route in routes {
+        if let Some(module) = &route.module {
+            if !module_specs.contains_key(&**module) {
+                let entry = modules
+                    .entry(module.to_string())
+                    .or_insert(route.tier.max(2));
+                *entry = (*entry).min(route.tier.max(2));
+            }
+        }
+        for (module, _) in &route.hide {
+            modules.entry(module.clone()).or_insert(3);
+        }
+    }
+    let Some((file, spec)) = spec else {
+        return DegradeSettings {
+            level: 0,
+            modules_off: Default::default(),
+            modules,
+            state_file: dir.join(".levee-state.json"),
+            sync_interval: Duration::from_millis(500),
+        };
+    };
+    let file = *file;
+    let inner = spec.get_ref();
+    let level = match &inner.level {
+        None => 0,
+        Some(level) if *level.get_ref() <= crate::degrade::MAX_LEVEL => *level.get_ref(),
+        Some(level) => {
+            compiler.error_hint(
+                file,
+                level.span(),
+                format!("level {} does not exist", level.get_ref()),
+                "0 normal, 1 tier 3 off, 2 tiers 2 and 3 off",
+            );
+            0
+        }
+    };
+    let mut modules_off = std::collections::BTreeSet::new();
+    if let Some(list) = &inner.modules_off {
+        for name in list.get_ref() {
+            if modules.contains_key(name) {
+                modules_off.insert(name.clone());
+            } else {
+                let known: Vec<&str> = modules.keys().map(String::as_str).collect();
+                compiler.error_hint(file, list.span(), format!("module `{name}` is not defined"), format!("modules: {}; declare one with [module.NAME] or name it in a route's module or hide", known.join(", ")));
+            }
+        }
+    }
+    let state_file = inner.state_file.as_ref().map_or_else(
+        || dir.join(".levee-state.json"),
+        |path| dir.join(path.get_ref()),
+    );
+    DegradeSettings {
+        level,
+        modules_off,
+        modules,
+        state_file,
+        sync_interval: compiler.duration(file, &inner.sync_interval, Duration::from_millis(500)),
+    }
 }
 
 fn compile_breaker(
@@ -1124,6 +1307,45 @@ fn compile_route(
         .as_ref()
         .and_then(|spec| compile_static_response(compiler, file, spec, 503))
         .map(Arc::new);
+    let tier = match &inner.tier {
+        None => 1,
+        Some(tier) if (1..=3).contains(tier.get_ref()) => *tier.get_ref(),
+        Some(tier) => {
+            compiler.error_hint(
+                file,
+                tier.span(),
+                format!("tier {} does not exist", tier.get_ref()),
+                "1 = never degraded, 2 = may be delayed, 3 = may be switched off",
+            );
+            1
+        }
+    };
+    if tier == 1 {
+        if let Some(module) = &inner.module {
+            compiler.error_hint(file, module.span(), "a tier-1 route cannot belong to a module", "tier-1 routes (view, post, login) are never switched off; give the route tier = 2 or 3");
+        }
+    }
+    let degrade = inner
+        .degrade
+        .as_ref()
+        .and_then(|spec| compile_route_degrade(compiler, file, spec, tier));
+    let hide = inner
+        .hide
+        .as_ref()
+        .map(|hide| {
+            hide.get_ref()
+                .iter()
+                .map(|(module, selector)| (module.clone(), selector.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some(hide_spec) = &inner.hide {
+        for (module, selector) in hide_spec.get_ref() {
+            if selector.trim().is_empty() || selector.parse::<lol_html::Selector>().is_err() {
+                compiler.error_hint(file, hide_spec.span(), format!("`{selector}` (module `{module}`) is not a CSS selector levee can match"), "use an id, class, element or attribute selector: \"#ranking\", \".visitors\", \"[data-module=visitors]\"");
+            }
+        }
+    }
     let upstream = context.upstreams.get(upstream_name)?.clone();
     let (hosts, methods, path) = matched?;
     Some(Route {
@@ -1135,6 +1357,13 @@ fn compile_route(
         max_body: compiler.size(file, &inner.max_body, context.server.max_body),
         limits,
         fallback,
+        tier,
+        module: inner
+            .module
+            .as_ref()
+            .map(|module| Arc::from(module.get_ref().as_str())),
+        degrade,
+        hide,
     })
 }
 

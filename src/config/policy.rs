@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::limit::key::Identity;
-use crate::limit::redis::RedisStore;
 use crate::limit::LimitRule;
 use crate::proxy::header::TrustedProxies;
 use crate::proxy::route::RouteTable;
 use crate::proxy::upstream::Upstream;
+use crate::redis_store::RedisStore;
 
 /// A compiled policy snapshot. Never mutated after it is swapped in.
 #[derive(Debug)]
@@ -30,6 +30,7 @@ pub struct Policy {
     pub redis: Option<Arc<RedisStore>>,
     pub identity: Identity,
     pub limits: BTreeMap<String, Arc<LimitRule>>,
+    pub degrade: crate::degrade::DegradeSettings,
 }
 
 impl Policy {

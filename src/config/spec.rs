@@ -22,6 +22,9 @@ pub struct FileSpec {
     pub upstream: BTreeMap<String, Spanned<UpstreamSpec>>,
     #[serde(default)]
     pub limit: BTreeMap<String, Spanned<LimitSpec>>,
+    pub degrade: Option<Spanned<DegradeSpec>>,
+    #[serde(default)]
+    pub module: BTreeMap<String, Spanned<ModuleSpec>>,
     #[serde(default)]
     pub route: Vec<Spanned<RouteSpec>>,
 }
@@ -141,6 +144,42 @@ pub struct RouteSpec {
     pub max_body: Option<Spanned<SizeSpec>>,
     pub limits: Option<Vec<Spanned<String>>>,
     pub fallback: Option<Spanned<StaticResponseSpec>>,
+    pub tier: Option<Spanned<u8>>,
+    pub module: Option<Spanned<String>>,
+    pub degrade: Option<Spanned<RouteDegradeSpec>>,
+    pub hide: Option<Spanned<BTreeMap<String, String>>>,
+}
+
+/// `[degrade]`: the policy's level and module switches.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DegradeSpec {
+    pub level: Option<Spanned<u8>>,
+    pub modules_off: Option<Spanned<Vec<String>>>,
+    pub state_file: Option<Spanned<String>>,
+    pub sync_interval: Option<Spanned<String>>,
+}
+
+/// `[module.NAME]`: a feature that can be switched off.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModuleSpec {
+    pub tier: Option<Spanned<u8>>,
+    pub description: Option<String>,
+}
+
+/// `degrade = { … }` of a route: what it answers while it is off.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteDegradeSpec {
+    pub action: Option<Spanned<String>>,
+    pub max_age: Option<Spanned<String>>,
+    pub vary: Option<Spanned<OneOrMany>>,
+    pub allow_set_cookie: Option<bool>,
+    pub max_body: Option<Spanned<SizeSpec>>,
+    pub status: Option<Spanned<u16>>,
+    pub content_type: Option<Spanned<String>>,
+    pub body: Option<String>,
 }
 
 /// `match = { … }` of a route. All given conditions must hold.

@@ -13,7 +13,6 @@
 pub mod gcra;
 pub mod key;
 pub mod local;
-pub mod redis;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,10 +22,10 @@ use tokio::time::Instant;
 
 use crate::error::ProxyError;
 use crate::metrics::{DecisionLabels, Metrics};
+use crate::redis_store::{RedisAsk, RedisStore};
 use gcra::{Rate, Verdict};
 use key::{bucket_key, KeyPart, RequestFacts};
 use local::{Ask, DenyCache, LocalStore};
-use redis::{RedisAsk, RedisStore};
 
 /// What a rule does while Redis cannot be used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -27,8 +27,13 @@ use tokio::time::Instant;
 
 use crate::breaker::{Outcome, Permit};
 use crate::config::{Policy, PolicyStore};
+use crate::degrade::stale::{
+    self, copy_key, Capture, CaptureTarget, Fetch, FetchGuard, StaleStore,
+};
+use crate::degrade::{DegradeAction, StaleSettings};
 use crate::error::{text_response, ErrorSide, ProxyError};
 use crate::limit::key::RequestFacts;
+use crate::metrics::DegradedLabels;
 use crate::metrics::{Metrics, RouteLabels, RouteStatusLabels, UpstreamErrorLabels};
 use body::{find_cause, BodyIdleTimeout, IdleTimeout, Observed, OnBodyEnd, ResponseBody};
 use route::{Route, RouteName};
@@ -39,6 +44,10 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// Rate-limit state that outlives policy reloads.
     pub limiter: Arc<crate::limit::Limiter>,
+    /// Degrade switches (runtime and automatic) that outlive policy reloads.
+    pub degrade: Arc<crate::degrade::Degrade>,
+    /// Last good copies of `stale` routes.
+    pub stale: Arc<StaleStore>,
     /// Set on SIGTERM: `/readyz` answers 503 while traffic still flows.
     pub draining: AtomicBool,
 }
@@ -123,7 +132,19 @@ async fn forward(
         .clone();
     exchange.route = Some(route.clone());
 
-    // Degrade slots in here, before the rate limit.
+    // Degrade: a route that is switched off answers with its action, without the upstream.
+    let stale = Stale::for_request(policy, &route, &request, &normal_path);
+    if shared.degrade.view(policy).route_off(&route) {
+        let fallback = match &route.degrade {
+            Some(DegradeAction::Reject(response)) => response.clone(),
+            _ => route.fallback.clone(),
+        };
+        let refusal = ProxyError::Degraded {
+            route: route.name.to_string(),
+            fallback,
+        };
+        return stale.serve_or(shared, policy, &route, refusal).await;
+    }
 
     // Rate limit: every rule of the route in one decision (one Redis round trip).
     let mut allowed_headers = None;
@@ -149,8 +170,12 @@ async fn forward(
             .await?;
     }
 
-    // Breaker: an open dependency is not called at all; the route's fallback answers.
-    let permit = upstream_permit(shared, &route)?;
+    // Breaker: an open dependency is not called at all; the last good copy or the route's
+    // fallback answers.
+    let permit = match upstream_permit(shared, &route) {
+        Ok(permit) => permit,
+        Err(refusal) => return stale.serve_or(shared, policy, &route, refusal).await,
+    };
 
     if let Some(length) = content_length(request.headers()) {
         if length > route.max_body {
@@ -159,6 +184,12 @@ async fn forward(
             });
         }
     }
+
+    // Concurrent requests for a copy being fetched wait for that fetch.
+    let fetch = match stale.join(shared, &route).await {
+        Joined::Served(response) => return Ok(response),
+        Joined::Lead(guard) => guard,
+    };
 
     let upgrading = header::is_upgrade(request.headers());
     let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
@@ -204,7 +235,22 @@ async fn forward(
         }
         Err(_) => permit.record(Outcome::Abandoned, &shared.metrics),
     }
-    let mut response = answer?;
+    let mut response = match answer {
+        Ok(response) => response,
+        // stale-if-error: the last good copy beats an error page.
+        Err(error) if error.side() == ErrorSide::Upstream => {
+            return stale.serve_or(shared, policy, &route, error).await
+        }
+        Err(error) => return Err(error),
+    };
+    if upstream
+        .breaker
+        .is_failure_status(response.status().as_u16())
+    {
+        if let Some(copy) = stale.copy(shared, policy).await {
+            return Ok(copy);
+        }
+    }
 
     if let Some(client_upgrade) = client_upgrade {
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -218,9 +264,163 @@ async fn forward(
         parts.headers.insert("ratelimit-policy", limit.policy);
         parts.headers.insert("ratelimit", limit.state);
     }
-    let body =
-        IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream").boxed_unsync();
+    let body = IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream");
+    // A good answer of a stale route refreshes its copy as it streams past.
+    let body = match stale.capture_target(shared, policy, parts.status, &parts.headers, fetch) {
+        Some(target) => Capture::new(body, parts.status, &parts.headers, target).boxed_unsync(),
+        None => body.boxed_unsync(),
+    };
     Ok(Response::from_parts(parts, body))
+}
+
+/// The stale-copy side of one request: its key (GET on a `stale` route only) and settings.
+struct Stale {
+    key: Option<String>,
+    settings: Option<Arc<StaleSettings>>,
+}
+
+enum Joined {
+    /// A concurrent fetch of the same copy finished: its copy answers this request too.
+    Served(Response<ResponseBody>),
+    /// Go upstream (leading the fetch when the route keeps copies).
+    Lead(Option<FetchGuard>),
+}
+
+impl Stale {
+    fn for_request(
+        policy: &Policy,
+        route: &Route,
+        request: &Request<Incoming>,
+        normal_path: &str,
+    ) -> Stale {
+        let Some(DegradeAction::Stale(settings)) = &route.degrade else {
+            return Stale {
+                key: None,
+                settings: None,
+            };
+        };
+        let key = (request.method() == Method::GET).then(|| {
+            let vary: Vec<String> = settings
+                .vary
+                .iter()
+                .map(|source| {
+                    source
+                        .read(request.headers(), request.uri().query())
+                        .map(|value| value.into_owned())
+                        .unwrap_or_default()
+                })
+                .collect();
+            copy_key(
+                policy.key_prefix(),
+                &route.name.0,
+                normal_path,
+                request.uri().query(),
+                &vary,
+            )
+        });
+        Stale {
+            key,
+            settings: Some(settings.clone()),
+        }
+    }
+
+    /// The last good copy, if there is one young enough, marked stale.
+    async fn copy(&self, shared: &Shared, policy: &Policy) -> Option<Response<ResponseBody>> {
+        let (Some(key), Some(settings)) = (&self.key, &self.settings) else {
+            return None;
+        };
+        let copy = shared
+            .stale
+            .get(key, policy.redis.as_deref(), &shared.metrics)
+            .await?;
+        (copy.age() <= settings.max_age).then(|| copy.to_response(true))
+    }
+
+    /// Serves the last good copy, or answers with `refusal` when there is none.
+    async fn serve_or(
+        &self,
+        shared: &Shared,
+        policy: &Policy,
+        route: &Route,
+        refusal: ProxyError,
+    ) -> Result<Response<ResponseBody>, ProxyError> {
+        if self.settings.is_some() {
+            let served = self.copy(shared, policy).await;
+            let action = if served.is_some() {
+                "stale"
+            } else {
+                "stale_missing"
+            };
+            shared
+                .metrics
+                .degraded_responses
+                .get_or_create(&DegradedLabels {
+                    route: route.name.clone(),
+                    action,
+                })
+                .inc();
+            if let Some(response) = served {
+                return Ok(response);
+            }
+        } else if matches!(refusal, ProxyError::Degraded { .. }) {
+            shared
+                .metrics
+                .degraded_responses
+                .get_or_create(&DegradedLabels {
+                    route: route.name.clone(),
+                    action: "reject",
+                })
+                .inc();
+        }
+        Err(refusal)
+    }
+
+    /// Leads the fetch of this copy, or waits for the fetch already in flight.
+    async fn join(&self, shared: &Shared, route: &Route) -> Joined {
+        let Some(key) = &self.key else {
+            return Joined::Lead(None);
+        };
+        let mut waiting = match shared.stale.fetch(key) {
+            Fetch::Lead(guard) => return Joined::Lead(Some(guard)),
+            Fetch::Wait(receiver) => receiver,
+        };
+        let waited = tokio::time::timeout(
+            route.upstream.settings.response_timeout,
+            waiting.wait_for(Option::is_some),
+        )
+        .await;
+        match waited {
+            Ok(Ok(copy)) => match copy.clone() {
+                Some(copy) => Joined::Served(copy.to_response(false)),
+                None => Joined::Lead(None),
+            },
+            // The fetch failed or gave nothing to keep: go upstream ourselves.
+            _ => Joined::Lead(None),
+        }
+    }
+
+    fn capture_target(
+        &self,
+        shared: &Shared,
+        policy: &Policy,
+        status: StatusCode,
+        headers: &http::HeaderMap,
+        guard: Option<FetchGuard>,
+    ) -> Option<CaptureTarget> {
+        let (Some(key), Some(settings)) = (&self.key, &self.settings) else {
+            return None;
+        };
+        if !stale::storable(status, headers, settings) {
+            return None;
+        }
+        Some(CaptureTarget {
+            store: shared.stale.clone(),
+            key: key.clone(),
+            redis: policy.redis.clone(),
+            settings: settings.clone(),
+            guard,
+        })
+    }
 }
 
 /// Asks the route's upstream breaker for permission to call it.

@@ -96,6 +96,14 @@ pub struct Route {
     pub limits: Vec<Arc<crate::limit::LimitRule>>,
     /// Answer while the upstream's breaker is open; `None`: 503 with `Retry-After`.
     pub fallback: Option<Arc<StaticResponse>>,
+    /// 1 never degraded (default), 2 may be delayed, 3 may be switched off.
+    pub tier: u8,
+    /// The feature this route serves; switching it off turns the route off.
+    pub module: Option<Arc<str>>,
+    /// What the route answers while off. `None`: 503 with `Retry-After`.
+    pub degrade: Option<crate::degrade::DegradeAction>,
+    /// Module → CSS selector of the page fragments that show it.
+    pub hide: Vec<(String, String)>,
 }
 
 /// A response written in the policy.

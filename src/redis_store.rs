@@ -1,4 +1,6 @@
-//! Rate-limit decisions in Redis: one Lua script per request (per slot group in a cluster),
+//! The Redis connection levee shares between rate limits, switches and stale copies, with
+//! its health breaker; and the rate-limit decisions (one Lua script per request, per slot
+//! group in a cluster),
 //! on the Redis server clock, behind a short timeout and a health breaker.
 //!
 //! Redis is advisory on the request path. Every call is bounded by `timeout`; after
@@ -110,8 +112,8 @@ impl RedisStore {
             settings,
             connection: OnceCell::new(),
             health: Mutex::new(Health::default()),
-            script: redis::Script::new(include_str!("script.lua")),
-            refund: redis::Script::new(include_str!("refund.lua")),
+            script: redis::Script::new(include_str!("limit/script.lua")),
+            refund: redis::Script::new(include_str!("limit/refund.lua")),
         }
     }
 
@@ -204,6 +206,37 @@ impl RedisStore {
                     .inc();
             }
         }
+    }
+
+    /// Runs one command. On the request path (`guarded`), it goes through the health breaker
+    /// like rate-limit calls (no waiting on a Redis known to be down); operator and
+    /// background calls (`guarded = false`) always try, bounded by `timeout`.
+    pub async fn command<T: redis::FromRedisValue>(
+        &self,
+        command: &redis::Cmd,
+        timeout: Duration,
+        guarded: Option<&Metrics>,
+    ) -> Result<T, RedisFailure> {
+        let permit = match guarded {
+            Some(_) => Some(self.permit().ok_or(RedisFailure::Down)?),
+            None => None,
+        };
+        let call = async {
+            let connection = self.connect().await?;
+            let value: T = match connection {
+                Connection::Single(mut connection) => command.query_async(&mut connection).await?,
+                Connection::Cluster(mut connection) => command.query_async(&mut connection).await?,
+            };
+            Ok::<T, RedisFailure>(value)
+        };
+        let result = match tokio::time::timeout(timeout, call).await {
+            Ok(result) => result,
+            Err(_elapsed) => Err(RedisFailure::Timeout(timeout)),
+        };
+        if let (Some(permit), Some(metrics)) = (permit, guarded) {
+            self.record(&permit, result.is_ok(), metrics);
+        }
+        result
     }
 
     /// Decides every ask. In a cluster, asks are grouped by hash tag (one slot each) and the

@@ -1,0 +1,192 @@
+//! Tiered degradation: levels, module switches, and what "off" means for a route.
+//!
+//! Every route has a tier: 1 is never degraded, 2 may be delayed, 3 may be switched off.
+//! Level 0 is normal, level 1 turns tier 3 off, level 2 turns tiers 2 and 3 off. A module
+//! (a feature such as `ranking`) can also be switched off on its own at any level. When a
+//! route is off, its `degrade` action answers: the last good copy (`stale`), a page from the
+//! policy (`reject`), or — with the queue — accept now, apply later.
+//!
+//! Switch state comes from three places: the policy (files), operators at runtime (admin
+//! API; stored in Redis fleet-wide, or in a local state file without Redis), and automatic
+//! triggers. Runtime beats policy; automatic can only raise the level.
+
+pub mod stale;
+pub mod switches;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use serde::{Deserialize, Serialize};
+
+use crate::config::Policy;
+use crate::proxy::route::{Route, StaticResponse};
+
+/// The highest level: tiers 2 and 3 off.
+pub const MAX_LEVEL: u8 = 2;
+
+/// `[degrade]`, compiled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DegradeSettings {
+    /// Level from the policy. Default 0.
+    pub level: u8,
+    /// Modules switched off by the policy. Default none.
+    pub modules_off: BTreeSet<String>,
+    /// Every module the policy names, with its tier.
+    pub modules: BTreeMap<String, u8>,
+    /// Where runtime switches are kept without Redis. Default `.levee-state.json` in the
+    /// policy directory.
+    pub state_file: PathBuf,
+    /// How often switches are re-read from Redis. Default 500ms.
+    pub sync_interval: Duration,
+}
+
+/// What an "off" route answers.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DegradeAction {
+    /// A page or JSON from the policy; `None`: 503 with `Retry-After`.
+    Reject(Option<Arc<StaticResponse>>),
+    /// The last good copy, if younger than `max_age`; else the route's fallback.
+    Stale(Arc<StaleSettings>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StaleSettings {
+    /// Oldest copy that may be served. Default 10m.
+    pub max_age: Duration,
+    /// Request parts that select different copies (e.g. a language cookie).
+    pub vary: Vec<crate::limit::key::Source>,
+    /// Store responses that set cookies. Default false.
+    pub allow_set_cookie: bool,
+    /// Largest body stored. Default 1 MiB.
+    pub max_body: usize,
+}
+
+/// A runtime switch and who set it when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Switch<T> {
+    pub value: T,
+    pub by: String,
+    pub at_unix: u64,
+}
+
+/// Switches set at runtime. Saved = in effect: this is exactly what is stored.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuntimeSwitches {
+    pub level: Option<Switch<u8>>,
+    /// Module name → off.
+    pub modules: BTreeMap<String, Switch<bool>>,
+}
+
+/// Process-wide degrade state; survives policy reloads.
+pub struct Degrade {
+    runtime: ArcSwap<RuntimeSwitches>,
+    /// Raised by triggers; 0 when healthy.
+    auto_level: AtomicU8,
+}
+
+impl Default for Degrade {
+    fn default() -> Self {
+        Degrade::new()
+    }
+}
+
+impl Degrade {
+    pub fn new() -> Degrade {
+        Degrade {
+            runtime: ArcSwap::from_pointee(RuntimeSwitches::default()),
+            auto_level: AtomicU8::new(0),
+        }
+    }
+
+    pub fn runtime(&self) -> Arc<RuntimeSwitches> {
+        self.runtime.load_full()
+    }
+
+    pub fn replace_runtime(&self, switches: RuntimeSwitches) {
+        self.runtime.store(Arc::new(switches));
+    }
+
+    pub fn auto_level(&self) -> u8 {
+        self.auto_level.load(Ordering::Relaxed)
+    }
+
+    pub fn set_auto_level(&self, level: u8) {
+        self.auto_level
+            .store(level.min(MAX_LEVEL), Ordering::Relaxed);
+    }
+
+    /// The effective switches for one request, under one policy snapshot.
+    pub fn view<'a>(&self, policy: &'a Policy) -> DegradeView<'a> {
+        let runtime = self.runtime();
+        let base = runtime
+            .level
+            .as_ref()
+            .map_or(policy.degrade.level, |switch| switch.value);
+        DegradeView {
+            level: base.max(self.auto_level()),
+            runtime,
+            settings: &policy.degrade,
+        }
+    }
+}
+
+/// Is a tier switched off at a level? Tier 1 never is.
+pub fn tier_off(tier: u8, level: u8) -> bool {
+    match tier {
+        0 | 1 => false,
+        2 => level >= 2,
+        _ => level >= 1,
+    }
+}
+
+/// The switches in effect for one request.
+pub struct DegradeView<'a> {
+    pub level: u8,
+    runtime: Arc<RuntimeSwitches>,
+    settings: &'a DegradeSettings,
+}
+
+impl DegradeView<'_> {
+    /// A module is off when switched off (runtime first, then policy) or when its tier is off.
+    pub fn module_off(&self, module: &str) -> bool {
+        let switched = match self.runtime.modules.get(module) {
+            Some(switch) => switch.value,
+            None => self.settings.modules_off.contains(module),
+        };
+        switched
+            || tier_off(
+                self.settings.modules.get(module).copied().unwrap_or(3),
+                self.level,
+            )
+    }
+
+    /// Where a module's state comes from, for `/status`.
+    pub fn module_origin(&self, module: &str) -> &'static str {
+        if self.runtime.modules.contains_key(module) {
+            "runtime"
+        } else if self.settings.modules_off.contains(module) {
+            "policy"
+        } else if tier_off(
+            self.settings.modules.get(module).copied().unwrap_or(3),
+            self.level,
+        ) {
+            "level"
+        } else {
+            "default"
+        }
+    }
+
+    pub fn route_off(&self, route: &Route) -> bool {
+        if tier_off(route.tier, self.level) {
+            return true;
+        }
+        route
+            .module
+            .as_deref()
+            .is_some_and(|module| self.module_off(module))
+    }
+}

@@ -1,0 +1,235 @@
+//! Saving and sharing runtime switches: a Redis hash shared by the fleet (followed by every
+//! instance within `sync_interval`), or a local state file without Redis. Either way they
+//! survive restarts. A switch is in effect only once it is saved.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::watch;
+
+use super::{Degrade, RuntimeSwitches, Switch, MAX_LEVEL};
+use crate::config::{Policy, PolicyStore};
+use crate::metrics::{Metrics, ModuleLabels};
+use crate::redis_store::RedisStore;
+
+/// Bound on operator and background Redis calls for switches.
+const SWITCH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What an operator asked for.
+#[derive(Debug, Clone)]
+pub enum Change {
+    /// `Some(level)` pins the level; `None` hands it back to the policy.
+    Level(Option<u8>),
+    /// `Some(off)` pins a module; `None` hands it back to the policy.
+    Module(String, Option<bool>),
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn stamp<T>(value: T, by: &str) -> Switch<T> {
+    Switch {
+        value,
+        by: by.to_string(),
+        at_unix: now_unix(),
+    }
+}
+
+fn hash_key(redis: &RedisStore) -> String {
+    format!("{}switches", redis.settings.key_prefix)
+}
+
+/// Applies a change: saves it (Redis or state file), then puts it in effect.
+pub async fn apply(
+    degrade: &Degrade,
+    policy: &Policy,
+    change: Change,
+    by: &str,
+    metrics: &Metrics,
+) -> Result<(), String> {
+    if let Change::Level(Some(level)) = change {
+        if level > MAX_LEVEL {
+            return Err(format!(
+                "level {level} does not exist; levels are 0, 1 and 2"
+            ));
+        }
+    }
+    if let Change::Module(name, _) = &change {
+        if !policy.degrade.modules.contains_key(name) {
+            let known: Vec<&str> = policy.degrade.modules.keys().map(String::as_str).collect();
+            return Err(format!(
+                "no module named `{name}`; modules: {}",
+                known.join(", ")
+            ));
+        }
+    }
+    let mut switches = (*degrade.runtime()).clone();
+    match &change {
+        Change::Level(level) => switches.level = level.map(|value| stamp(value, by)),
+        Change::Module(name, off) => match off {
+            Some(off) => {
+                switches.modules.insert(name.clone(), stamp(*off, by));
+            }
+            None => {
+                switches.modules.remove(name);
+            }
+        },
+    }
+    match &policy.redis {
+        Some(redis) => save_to_redis(redis, &change, &switches).await?,
+        None => save_to_file(&policy.degrade.state_file, &switches)?,
+    }
+    degrade.replace_runtime(switches);
+    tracing::warn!(?change, by, "degrade switch changed");
+    publish(degrade, policy, metrics);
+    Ok(())
+}
+
+async fn save_to_redis(
+    redis: &RedisStore,
+    change: &Change,
+    switches: &RuntimeSwitches,
+) -> Result<(), String> {
+    let key = hash_key(redis);
+    let (field, value) = match change {
+        Change::Level(_) => (
+            "level".to_string(),
+            switches.level.as_ref().map(serde_json::to_string),
+        ),
+        Change::Module(name, _) => (
+            format!("module:{name}"),
+            switches.modules.get(name).map(serde_json::to_string),
+        ),
+    };
+    let command = match value {
+        Some(Ok(json)) => {
+            let mut command = redis::cmd("HSET");
+            command.arg(&key).arg(&field).arg(json);
+            command
+        }
+        Some(Err(error)) => return Err(format!("cannot encode the switch: {error}")),
+        None => {
+            let mut command = redis::cmd("HDEL");
+            command.arg(&key).arg(&field);
+            command
+        }
+    };
+    let _: i64 = redis
+        .command(&command, SWITCH_TIMEOUT, None)
+        .await
+        .map_err(|error| format!("the switch was not saved, so it is not in effect: {error}"))?;
+    Ok(())
+}
+
+fn save_to_file(path: &Path, switches: &RuntimeSwitches) -> Result<(), String> {
+    let json = serde_json::to_vec_pretty(switches).map_err(|error| error.to_string())?;
+    // Write-then-rename: a crash never leaves a half-written state file.
+    let temp = path.with_extension("json.tmp");
+    std::fs::write(&temp, json)
+        .and_then(|()| std::fs::rename(&temp, path))
+        .map_err(|error| {
+            format!(
+                "the switch was not saved to {}, so it is not in effect: {error}",
+                path.display()
+            )
+        })
+}
+
+/// Reads the saved switches (at start, and on every sync).
+pub async fn load(policy: &Policy) -> Result<RuntimeSwitches, String> {
+    match &policy.redis {
+        Some(redis) => {
+            let mut command = redis::cmd("HGETALL");
+            command.arg(hash_key(redis));
+            let fields: Vec<(String, String)> = redis
+                .command(&command, SWITCH_TIMEOUT, None)
+                .await
+                .map_err(|error| error.to_string())?;
+            let mut switches = RuntimeSwitches::default();
+            for (field, value) in fields {
+                if field == "level" {
+                    switches.level = serde_json::from_str(&value).ok();
+                } else if let Some(name) = field.strip_prefix("module:") {
+                    if let Ok(switch) = serde_json::from_str(&value) {
+                        switches.modules.insert(name.to_string(), switch);
+                    }
+                }
+            }
+            Ok(switches)
+        }
+        None => match std::fs::read(&policy.degrade.state_file) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|error| {
+                format!(
+                    "state file {} is not valid: {error}",
+                    policy.degrade.state_file.display()
+                )
+            }),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                Ok(RuntimeSwitches::default())
+            }
+            Err(error) => Err(format!(
+                "cannot read {}: {error}",
+                policy.degrade.state_file.display()
+            )),
+        },
+    }
+}
+
+/// Updates the level and module gauges after a change.
+pub fn publish(degrade: &Degrade, policy: &Policy, metrics: &Metrics) {
+    let view = degrade.view(policy);
+    metrics.degrade_level.set(i64::from(view.level));
+    for module in policy.degrade.modules.keys() {
+        metrics
+            .module_off
+            .get_or_create(&ModuleLabels {
+                module: module.clone(),
+            })
+            .set(i64::from(view.module_off(module)));
+    }
+}
+
+/// Loads the saved switches now, then keeps following them (Redis) until `stop`.
+pub async fn spawn_sync(
+    degrade: Arc<Degrade>,
+    store: Arc<PolicyStore>,
+    metrics: Arc<Metrics>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let policy = store.load();
+    match load(&policy).await {
+        Ok(switches) => degrade.replace_runtime(switches),
+        Err(error) => {
+            tracing::warn!("cannot read saved degrade switches, starting from the policy: {error}")
+        }
+    }
+    publish(&degrade, &policy, &metrics);
+    tokio::spawn(async move {
+        loop {
+            let interval = store.load().degrade.sync_interval;
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = stop.wait_for(|stopped| *stopped) => return,
+            }
+            let policy = store.load();
+            if policy.redis.is_none() {
+                publish(&degrade, &policy, &metrics);
+                continue;
+            }
+            match load(&policy).await {
+                Ok(switches) if switches != *degrade.runtime() => {
+                    tracing::info!("degrade switches changed elsewhere in the fleet; following");
+                    degrade.replace_runtime(switches);
+                }
+                Ok(_) => {}
+                // Keep the last known switches; Redis being away changes nothing here.
+                Err(error) => tracing::debug!("cannot read degrade switches from redis: {error}"),
+            }
+            publish(&degrade, &policy, &metrics);
+        }
+    });
+}

@@ -1,0 +1,448 @@
+//! Tiered degradation: levels and module switches (state file and Redis), stale copies,
+//! collapsed fetches.
+
+mod common;
+
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use http::{Request, Response};
+use hyper::body::Incoming;
+
+const ROUTES: &str = r#"
+[[route]]
+name = "home"
+match = { path = "/" }
+
+[[route]]
+name = "notifications"
+match = { path_prefix = "/notifications" }
+tier = 2
+degrade = { action = "reject", status = 503, content_type = "application/json", body = '{"later":true}' }
+
+[[route]]
+name = "ranking"
+match = { path_prefix = "/ranking" }
+tier = 3
+module = "ranking"
+degrade = { action = "stale", max_age = "2s" }
+
+[[route]]
+name = "visitors"
+match = { path_prefix = "/visitors" }
+tier = 3
+module = "visitors"
+"#;
+
+/// A backend that names the path it served and a version the test can bump; mode 1 fails.
+async fn versioned() -> (Backend, Arc<AtomicUsize>, Arc<AtomicU8>) {
+    let version = Arc::new(AtomicUsize::new(1));
+    let failing = Arc::new(AtomicU8::new(0));
+    let (v, f) = (version.clone(), failing.clone());
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let body = format!("{} v{}", request.uri().path(), v.load(Ordering::SeqCst));
+        let fail = f.load(Ordering::SeqCst);
+        async move {
+            if fail == 1 {
+                return Response::builder()
+                    .status(502)
+                    .body(full("php-fpm is gone"))
+                    .expect("response");
+            }
+            if fail == 2 {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Response::builder()
+                .header("content-type", "text/html")
+                .body(full(body))
+                .expect("response")
+        }
+    })
+    .await;
+    (backend, version, failing)
+}
+
+async fn set(levee: &Levee, path: &str, value: &str) -> Answer {
+    let request = Request::post(levee.admin_url(path))
+        .header("x-levee-operator", "alice")
+        .body(full(value.to_string()))
+        .expect("request");
+    send(request).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn levels_and_module_switches_turn_routes_off_by_tier() {
+    let (backend, _, _) = versioned().await;
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", ROUTES)).await;
+    for path in ["/", "/notifications", "/visitors", "/ranking"] {
+        assert_eq!(get(&levee.url(path)).await.status, 200, "{path} at level 0");
+    }
+
+    assert_eq!(set(&levee, "/level", "1").await.status, 200);
+    assert_eq!(
+        get(&levee.url("/")).await.status,
+        200,
+        "tier 1 is never degraded"
+    );
+    assert_eq!(
+        get(&levee.url("/notifications")).await.status,
+        200,
+        "tier 2 stays on at level 1"
+    );
+    let visitors = get(&levee.url("/visitors")).await;
+    assert_eq!(visitors.status, 503, "tier 3 is off at level 1");
+    assert_eq!(visitors.header("retry-after"), Some("30"));
+
+    assert_eq!(set(&levee, "/level", "2").await.status, 200);
+    let notifications = get(&levee.url("/notifications")).await;
+    assert_eq!(
+        (notifications.status, notifications.text().as_str()),
+        (503, "{\"later\":true}")
+    );
+    assert_eq!(
+        notifications.header("content-type"),
+        Some("application/json")
+    );
+    assert_eq!(get(&levee.url("/")).await.status, 200);
+
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["degrade"]["level"], 2);
+    assert_eq!(status["degrade"]["level_origin"], "runtime");
+    assert!(
+        status["degrade"]["level_changed_by"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("alice"),
+        "{status}"
+    );
+
+    // Back to the policy's level, then one module off on its own.
+    assert_eq!(set(&levee, "/level", "policy").await.status, 200);
+    assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    assert_eq!(get(&levee.url("/visitors")).await.status, 503);
+    assert_eq!(get(&levee.url("/notifications")).await.status, 200);
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["degrade"]["modules"]["visitors"]["off"], true);
+    assert_eq!(
+        status["degrade"]["modules"]["visitors"]["origin"],
+        "runtime"
+    );
+    assert_eq!(status["degrade"]["modules"]["ranking"]["off"], false);
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_module_off{module=\"visitors\"}"),
+        1.0,
+        "{metrics}"
+    );
+    assert!(
+        metric_value(
+            &metrics,
+            "levee_degraded_responses_total{route=\"notifications\",action=\"reject\"}"
+        ) >= 1.0,
+        "{metrics}"
+    );
+
+    assert_eq!(set(&levee, "/level", "7").await.status, 400);
+    assert_eq!(set(&levee, "/modules/nope", "off").await.status, 400);
+    assert_eq!(
+        set(&levee, "/modules/visitors", "sideways").await.status,
+        400
+    );
+
+    // Saved = in effect: a new levee on the same directory comes back with the switch.
+    let again = levee::start(levee::Options::new(levee.dir.path()))
+        .await
+        .expect("restart");
+    assert_eq!(
+        get(&format!("http://{}/visitors", again.public_addr))
+            .await
+            .status,
+        503
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ranking_serves_its_last_good_copy_with_a_growing_age_until_max_age() {
+    let (backend, version, failing) = versioned().await;
+    let routes = ROUTES.replace(
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    );
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    let fresh = get(&levee.url("/ranking?week=1")).await;
+    assert_eq!(fresh.text(), "/ranking v1");
+    assert!(fresh.header("x-levee-stale").is_none());
+    version.store(2, Ordering::SeqCst);
+
+    // Switched off: the copy answers without touching the backend.
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let hits = backend.hits();
+    let stale = get(&levee.url("/ranking?week=1")).await;
+    assert_eq!((stale.status, stale.text().as_str()), (200, "/ranking v1"));
+    assert_eq!(stale.header("x-levee-stale"), Some("1"));
+    assert_eq!(stale.header("content-type"), Some("text/html"));
+    assert_eq!(backend.hits(), hits);
+    // Another query is another copy: none yet, so the fallback answers.
+    let other = get(&levee.url("/ranking?week=2")).await;
+    assert_eq!(
+        (other.status, other.text().as_str()),
+        (503, "ranking is resting")
+    );
+
+    eventually(Duration::from_secs(5), "Age to grow", || async {
+        get(&levee.url("/ranking?week=1"))
+            .await
+            .header("age")
+            .and_then(|a| a.parse::<u64>().ok())
+            .unwrap_or(0)
+            >= 1
+    })
+    .await;
+
+    // Back on, the backend fails (php-fpm gone behind nginx): stale-if-error.
+    assert_eq!(set(&levee, "/modules/ranking", "on").await.status, 200);
+    failing.store(1, Ordering::SeqCst);
+    let if_error = get(&levee.url("/ranking?week=1")).await;
+    assert_eq!(
+        (if_error.status, if_error.text().as_str()),
+        (200, "/ranking v1")
+    );
+    assert_eq!(if_error.header("x-levee-stale"), Some("1"));
+
+    // After max_age the copy is too old: the route's fallback answers instead.
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    eventually(Duration::from_secs(6), "the copy to expire", || async {
+        get(&levee.url("/ranking?week=1")).await.text() == "ranking is resting"
+    })
+    .await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        metric_value(
+            &metrics,
+            "levee_degraded_responses_total{route=\"ranking\",action=\"stale\"}"
+        ) >= 2.0,
+        "{metrics}"
+    );
+    assert!(
+        metric_value(
+            &metrics,
+            "levee_degraded_responses_total{route=\"ranking\",action=\"stale_missing\"}"
+        ) >= 1.0,
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_serves_the_copy_too() {
+    let (backend, _, failing) = versioned().await;
+    let policy = policy_for(backend.addr, "access_log = false", ROUTES).replace(
+        "[[route]]\nname = \"home\"",
+        "breaker = { consecutive_failures = 2, open_for = \"60s\" }\n[[route]]\nname = \"home\"",
+    );
+    let levee = Levee::start(&policy).await;
+    assert_eq!(get(&levee.url("/ranking")).await.text(), "/ranking v1");
+    failing.store(1, Ordering::SeqCst);
+    for _ in 0..2 {
+        get(&levee.url("/")).await;
+    }
+    let hits = backend.hits();
+    let answer = get(&levee.url("/ranking")).await;
+    assert_eq!(
+        (answer.status, answer.header("x-levee-stale")),
+        (200, Some("1"))
+    );
+    assert_eq!(
+        backend.hits(),
+        hits,
+        "breaker open: the backend is not called"
+    );
+    assert_eq!(
+        get(&levee.url("/")).await.status,
+        503,
+        "a route without a copy gets the breaker's 503"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_misses_collapse_into_one_upstream_request() {
+    let (backend, _, slow) = versioned().await;
+    slow.store(2, Ordering::SeqCst);
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", ROUTES)).await;
+    let url = levee.url("/ranking/top");
+    let answers = futures_util::future::join_all((0..20).map(|_| {
+        let url = url.clone();
+        async move { get(&url).await }
+    }))
+    .await;
+    assert!(
+        answers
+            .iter()
+            .all(|a| a.status == 200 && a.text() == "/ranking/top v1"),
+        "every request got the page"
+    );
+    assert_eq!(
+        backend.hits(),
+        1,
+        "twenty concurrent requests, one upstream fetch"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switches_are_shared_through_redis_and_survive_restarts() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _, _) = versioned().await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"200ms\"\n{ROUTES}",
+            redis.url()
+        ),
+    );
+    let first = Levee::start(&policy).await;
+    let second = Levee::start(&policy).await;
+    assert_eq!(get(&second.url("/visitors")).await.status, 200);
+
+    assert_eq!(set(&first, "/modules/visitors", "off").await.status, 200);
+    let flipped = std::time::Instant::now();
+    eventually(
+        Duration::from_secs(3),
+        "the second instance to follow",
+        || async { get(&second.url("/visitors")).await.status == 503 },
+    )
+    .await;
+    assert!(
+        flipped.elapsed() < Duration::from_secs(1),
+        "followed in {:?}",
+        flipped.elapsed()
+    );
+    let status = get(&second.admin_url("/status")).await.json();
+    assert_eq!(
+        status["degrade"]["modules"]["visitors"]["origin"],
+        "runtime"
+    );
+    assert_eq!(status["degrade"]["switches_stored_in"], "redis");
+
+    // A third instance started later comes up with the fleet's switches.
+    let third = Levee::start(&policy).await;
+    assert_eq!(get(&third.url("/visitors")).await.status, 503);
+
+    // The ranking copy lives in Redis too: a fresh instance serves it while switched off.
+    assert_eq!(get(&first.url("/ranking")).await.text(), "/ranking v1");
+    eventually(
+        Duration::from_secs(3),
+        "the copy to reach redis",
+        || async {
+            let mut command = std::process::Command::new("redis-cli");
+            command.args([
+                "-p",
+                &redis.port.to_string(),
+                "--scan",
+                "--pattern",
+                "levee:stale:*",
+            ]);
+            command
+                .output()
+                .map(|o| !o.stdout.is_empty())
+                .unwrap_or(false)
+        },
+    )
+    .await;
+    assert_eq!(set(&first, "/modules/ranking", "off").await.status, 200);
+    let fourth = Levee::start(&policy).await;
+    let copy = get(&fourth.url("/ranking")).await;
+    assert_eq!(
+        (
+            copy.status,
+            copy.text().as_str(),
+            copy.header("x-levee-stale")
+        ),
+        (200, "/ranking v1", Some("1"))
+    );
+
+    // Redis down: saving a switch fails loudly instead of pretending.
+    drop(redis);
+    let refused = set(&first, "/modules/visitors", "on").await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(
+        refused.text().contains("not in effect"),
+        "{}",
+        refused.text()
+    );
+    assert_eq!(
+        get(&first.url("/visitors")).await.status,
+        503,
+        "the last saved switch still holds"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn level_2_under_load_keeps_tier_1_on_the_backend() {
+    let (backend, _, _) = versioned().await;
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", ROUTES)).await;
+    assert_eq!(set(&levee, "/level", "2").await.status, 200);
+    let mut load = Vec::new();
+    for worker in 0..8 {
+        let url = levee.url(["/", "/notifications", "/visitors", "/"][worker % 4]);
+        load.push(tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            for _ in 0..50 {
+                statuses.push(get(&url).await.status);
+            }
+            (url, statuses)
+        }));
+    }
+    for task in load {
+        let (url, statuses) = task.await.expect("load task");
+        let expected = if url.ends_with(":0/")
+            || url.ends_with('/') && !url.contains("/notifications") && !url.contains("/visitors")
+        {
+            200
+        } else {
+            503
+        };
+        assert!(
+            statuses.iter().all(|s| *s == expected),
+            "{url}: {statuses:?}"
+        );
+    }
+    assert_eq!(
+        backend.hits(),
+        200,
+        "only the tier-1 requests reached the backend"
+    );
+}
+
+#[test]
+fn check_refuses_refusing_tier_1_routes_and_unknown_modules() {
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[degrade]\nmodules_off = [\"rankng\"]\n[[route]]\nname = \"login\"\nmatch = { path = \"/login.php\" }\ndegrade = { action = \"reject\" }\n[[route]]\nname = \"view\"\nmodule = \"ranking\"\n",
+    )
+    .expect("write");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_levee"))
+        .args(["check", "--policies"])
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("levee.toml:4:15: error: module `rankng` is not defined"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(
+            "levee.toml:8:22: error: a tier-1 route cannot be given an action that refuses service"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("levee.toml:11:10: error: a tier-1 route cannot belong to a module"),
+        "{stderr}"
+    );
+}
