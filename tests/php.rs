@@ -2,7 +2,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::time::Duration;
 
 use common::*;
@@ -36,49 +35,17 @@ header('Location: http://' . $_SERVER['HTTP_HOST'] . '/home.php');
 http_response_code(302);
 "#;
 
-struct PhpSite {
-    _dir: tempfile::TempDir,
-    _php: PhpFpm,
-    nginx: Nginx,
-}
-
-/// nginx + php-fpm, with nginx believing X-Real-IP from levee (loopback), like the backend
-/// vhost in nginx.conf.
 async fn php_site() -> PhpSite {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let docroot = dir.path().join("www");
-    std::fs::create_dir_all(&docroot).expect("docroot");
-    std::fs::write(docroot.join("echo.php"), ECHO_PHP).expect("echo.php");
-    std::fs::write(docroot.join("login.php"), LOGIN_PHP).expect("login.php");
-    open_up(dir.path());
-    open_up(&docroot);
-    let _ = std::process::Command::new("chmod")
-        .arg("-R")
-        .arg("a+r")
-        .arg(&docroot)
-        .status();
-    let php = PhpFpm::start(dir.path()).await;
-    let block = format!(
-        "server {{\n listen 127.0.0.1:{{port}};\n root {root};\n set_real_ip_from 127.0.0.1;\n real_ip_header X-Real-IP;\n location ~ \\.php$ {{\n  include /etc/nginx/fastcgi_params;\n  fastcgi_param SCRIPT_FILENAME $document_root$fastcgi_script_name;\n  fastcgi_pass 127.0.0.1:{php};\n }}\n}}",
-        root = docroot.display(),
-        php = php.port,
-    );
-    let nginx = Nginx::start(dir.path(), &block).await;
-    PhpSite {
-        _dir: dir,
-        _php: php,
-        nginx,
-    }
+    PhpSite::start(&[("echo.php", ECHO_PHP), ("login.php", LOGIN_PHP)]).await
 }
 
 fn site_addr(site: &PhpSite) -> std::net::SocketAddr {
-    std::net::SocketAddr::from(([127, 0, 0, 1], site.nginx.port))
+    site.addr()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn php_sees_the_real_client_ip_from_a_trusted_front_only() {
     let site = php_site().await;
-    assert!(Path::new(&site._dir.path().join("www/echo.php")).exists());
 
     // Loopback (the front nginx) is trusted by default.
     let levee = Levee::start(&policy_for(site_addr(&site), "", "")).await;

@@ -1341,7 +1341,9 @@ fn compile_route(
         .unwrap_or_default();
     if let Some(hide_spec) = &inner.hide {
         for (module, selector) in hide_spec.get_ref() {
-            if selector.trim().is_empty() || selector.parse::<lol_html::Selector>().is_err() {
+            if selector != crate::degrade::hide::MARKER
+                && (selector.trim().is_empty() || selector.parse::<lol_html::Selector>().is_err())
+            {
                 compiler.error_hint(file, hide_spec.span(), format!("`{selector}` (module `{module}`) is not a CSS selector levee can match"), "use an id, class, element or attribute selector: \"#ranking\", \".visitors\", \"[data-module=visitors]\"");
             }
         }

@@ -10,6 +10,7 @@
 //! API; stored in Redis fleet-wide, or in a local state file without Redis), and automatic
 //! triggers. Runtime beats policy; automatic can only raise the level.
 
+pub mod hide;
 pub mod stale;
 pub mod switches;
 

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 
 use crate::breaker::{Outcome, Permit};
 use crate::config::{Policy, PolicyStore};
+use crate::degrade::hide::{self, Hidden};
 use crate::degrade::stale::{
     self, copy_key, Capture, CaptureTarget, Fetch, FetchGuard, StaleStore,
 };
@@ -191,6 +192,9 @@ async fn forward(
         Joined::Lead(guard) => guard,
     };
 
+    // Page fragments of switched-off modules are cut out of the HTML on the way back.
+    let hiding = hidden_fragments(shared, policy, &route);
+
     let upgrading = header::is_upgrade(request.headers());
     let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
     let upstream = &route.upstream;
@@ -207,6 +211,10 @@ async fn forward(
     header::set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, client_ip);
     if let Some(host) = &upstream.settings.host {
         parts.headers.insert(h::HOST, host.clone());
+    }
+    if hiding.is_some() {
+        // The page must come back uncompressed to be rewritten; the front nginx may gzip it.
+        parts.headers.remove(h::ACCEPT_ENCODING);
     }
     let body = Limited::new(
         IdleTimeout::new(body, server.client_body_timeout, "client"),
@@ -269,6 +277,15 @@ async fn forward(
     let body = match stale.capture_target(shared, policy, parts.status, &parts.headers, fetch) {
         Some(target) => Capture::new(body, parts.status, &parts.headers, target).boxed_unsync(),
         None => body.boxed_unsync(),
+    };
+    let body = match hiding {
+        Some((selectors, markers)) if hide::rewritable(&parts.headers) => {
+            // The length changes, and the upstream's validator no longer describes this body.
+            parts.headers.remove(h::CONTENT_LENGTH);
+            parts.headers.remove(h::ETAG);
+            Hidden::new(body, &selectors, markers).boxed_unsync()
+        }
+        _ => body,
     };
     Ok(Response::from_parts(parts, body))
 }
@@ -421,6 +438,29 @@ impl Stale {
             guard,
         })
     }
+}
+
+/// Selectors and marker names of this route's modules that are off now, if any.
+fn hidden_fragments(
+    shared: &Shared,
+    policy: &Policy,
+    route: &Route,
+) -> Option<(Vec<String>, Vec<String>)> {
+    if route.hide.is_empty() {
+        return None;
+    }
+    let view = shared.degrade.view(policy);
+    let (mut selectors, mut markers) = (Vec::new(), Vec::new());
+    for (module, selector) in &route.hide {
+        if view.module_off(module) {
+            if selector == hide::MARKER {
+                markers.push(module.clone());
+            } else {
+                selectors.push(selector.clone());
+            }
+        }
+    }
+    (!selectors.is_empty() || !markers.is_empty()).then_some((selectors, markers))
 }
 
 /// Asks the route's upstream breaker for permission to call it.

@@ -359,7 +359,7 @@ pub fn find_binary(candidates: &[&str]) -> String {
 /// php-fpm (PHP 8.2) serving `docroot`, on a free loopback port.
 pub struct PhpFpm {
     pub port: u16,
-    _guard: ChildGuard,
+    pub guard: ChildGuard,
 }
 
 impl PhpFpm {
@@ -394,10 +394,7 @@ impl PhpFpm {
             "php-fpm to listen",
         )
         .await;
-        PhpFpm {
-            port,
-            _guard: guard,
-        }
+        PhpFpm { port, guard }
     }
 }
 
@@ -621,4 +618,51 @@ pub fn metric_value(text: &str, series: &str) -> f64 {
         })
         .and_then(|value| value.trim().parse().ok())
         .unwrap_or(0.0)
+}
+
+/// A PHP site as in production: nginx (believing X-Real-IP from loopback, like the backend
+/// vhost in nginx.conf) in front of php-fpm, serving `scripts` from a temp docroot.
+pub struct PhpSite {
+    pub dir: tempfile::TempDir,
+    pub php: Option<PhpFpm>,
+    pub nginx: Nginx,
+}
+
+impl PhpSite {
+    pub async fn start(scripts: &[(&str, &str)]) -> PhpSite {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let docroot = dir.path().join("www");
+        std::fs::create_dir_all(&docroot).expect("docroot");
+        for (name, code) in scripts {
+            std::fs::write(docroot.join(name), code).expect("script");
+        }
+        open_up(dir.path());
+        open_up(&docroot);
+        let _ = Command::new("chmod")
+            .arg("-R")
+            .arg("a+r")
+            .arg(&docroot)
+            .status();
+        let php = PhpFpm::start(dir.path()).await;
+        let block = format!(
+            "server {{\n listen 127.0.0.1:{{port}};\n root {root};\n set_real_ip_from 127.0.0.1;\n real_ip_header X-Real-IP;\n location ~ \\.php$ {{\n  include /etc/nginx/fastcgi_params;\n  fastcgi_param SCRIPT_FILENAME $document_root$fastcgi_script_name;\n  fastcgi_pass 127.0.0.1:{php};\n }}\n}}",
+            root = docroot.display(),
+            php = php.port,
+        );
+        let nginx = Nginx::start(dir.path(), &block).await;
+        PhpSite {
+            dir,
+            php: Some(php),
+            nginx,
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.nginx.port))
+    }
+
+    /// Stops php-fpm (nginx stays and answers 502), as when the PHP pool dies.
+    pub fn stop_php(&mut self) {
+        self.php = None;
+    }
 }
