@@ -135,12 +135,19 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
     ));
     crate::limit::spawn_sweeper(limiter, Duration::from_secs(10), stop.clone());
     crate::degrade::switches::spawn_sync(
-        degrade,
+        degrade.clone(),
         store.clone(),
         shared.metrics.clone(),
         stop.clone(),
     )
     .await;
+    crate::degrade::trigger::spawn_triggers(
+        degrade,
+        store.clone(),
+        shared.metrics.clone(),
+        Duration::from_millis(200),
+        stop.clone(),
+    );
     if options.watch {
         crate::config::watch::spawn_watcher(store.clone(), options.debounce, stop.clone());
     }

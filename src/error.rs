@@ -49,6 +49,12 @@ pub enum ProxyError {
         retry_after: Duration,
         fallback: Option<Arc<StaticResponse>>,
     },
+    #[error("upstream `{upstream}` is at max_inflight; tier {tier} is shed")]
+    Shed {
+        upstream: String,
+        tier: u8,
+        fallback: Option<Arc<StaticResponse>>,
+    },
     #[error("route `{route}` is switched off for now")]
     Degraded {
         route: String,
@@ -73,11 +79,11 @@ impl ProxyError {
             }
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RateLimited(denial) => denial.rule.status,
-            ProxyError::BreakerOpen { fallback, .. } | ProxyError::Degraded { fallback, .. } => {
-                fallback
-                    .as_ref()
-                    .map_or(StatusCode::SERVICE_UNAVAILABLE, |fallback| fallback.status)
-            }
+            ProxyError::BreakerOpen { fallback, .. }
+            | ProxyError::Degraded { fallback, .. }
+            | ProxyError::Shed { fallback, .. } => fallback
+                .as_ref()
+                .map_or(StatusCode::SERVICE_UNAVAILABLE, |fallback| fallback.status),
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -96,6 +102,7 @@ impl ProxyError {
             ProxyError::RateLimited(_) => "rate_limited",
             ProxyError::BreakerOpen { .. } => "breaker_open",
             ProxyError::Degraded { .. } => "degraded",
+            ProxyError::Shed { .. } => "shed",
             ProxyError::Internal(_) => "internal",
         }
     }
@@ -112,7 +119,8 @@ impl ProxyError {
             | ProxyError::UpstreamFailed { .. } => ErrorSide::Upstream,
             ProxyError::RateLimited(_)
             | ProxyError::BreakerOpen { .. }
-            | ProxyError::Degraded { .. } => ErrorSide::Defence,
+            | ProxyError::Degraded { .. }
+            | ProxyError::Shed { .. } => ErrorSide::Defence,
             ProxyError::Internal(_) => ErrorSide::Internal,
         }
     }
@@ -127,6 +135,10 @@ impl ProxyError {
                 ..
             }
             | ProxyError::Degraded {
+                fallback: Some(fallback),
+                ..
+            }
+            | ProxyError::Shed {
                 fallback: Some(fallback),
                 ..
             } => {
@@ -146,6 +158,7 @@ impl ProxyError {
             }
             // How long a switch stays off is an operator's call; ask clients to come back later.
             ProxyError::Degraded { .. } => Some(30),
+            ProxyError::Shed { .. } => Some(1),
             _ => None,
         };
         if let Some(seconds) = retry_after {

@@ -71,6 +71,18 @@ pub struct DegradedLabels {
     pub action: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ShedLabels {
+    pub upstream: String,
+    pub tier: u8,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LevelChangeLabels {
+    /// up, down
+    pub direction: &'static str,
+}
+
 /// All of levee's metrics. Handles are cheap clones of shared atomics.
 pub struct Metrics {
     pub registry: Registry,
@@ -92,6 +104,8 @@ pub struct Metrics {
     pub degrade_level: Gauge,
     pub module_off: Family<ModuleLabels, Gauge>,
     pub degraded_responses: Family<DegradedLabels, Counter>,
+    pub shed: Family<ShedLabels, Counter>,
+    pub degrade_level_changes: Family<LevelChangeLabels, Counter>,
 }
 
 fn duration_histogram() -> Histogram {
@@ -221,8 +235,22 @@ impl Metrics {
             "Responses given by a degrade action instead of the upstream",
             degraded_responses.clone(),
         );
+        let shed = Family::<ShedLabels, Counter>::default();
+        registry.register(
+            "shed",
+            "Requests refused because the upstream was at max_inflight, by tier",
+            shed.clone(),
+        );
+        let degrade_level_changes = Family::<LevelChangeLabels, Counter>::default();
+        registry.register(
+            "degrade_level_changes",
+            "Automatic level changes by triggers",
+            degrade_level_changes.clone(),
+        );
         Metrics {
             registry,
+            degrade_level_changes,
+            shed,
             degrade_level,
             module_off,
             degraded_responses,

@@ -19,11 +19,14 @@ use toml::Spanned;
 use super::diag::{Diagnostic, Diagnostics, SourceFile};
 use super::policy::{AdminSettings, Policy, ServerSettings};
 use super::spec::{
-    BreakerSpec, DegradeSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, ModuleSpec, OneOrMany,
-    RedisSpec, RouteDegradeSpec, RouteSpec, ServerSpec, SizeSpec, StaticResponseSpec, UpstreamSpec,
+    AboveSpec, BreakerSpec, DegradeSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, ModuleSpec,
+    OneOrMany, RedisSpec, RouteDegradeSpec, RouteSpec, ServerSpec, SizeSpec, StaticResponseSpec,
+    TriggerSpec, UpstreamSpec,
 };
 use super::units::{parse_duration, parse_size};
 use crate::breaker::{Breaker, BreakerSettings, Force};
+use crate::degrade::bulkhead::BulkheadSettings;
+use crate::degrade::trigger::{Condition, Trigger};
 use crate::degrade::{DegradeAction, DegradeSettings, StaleSettings};
 use crate::limit::key::{Identity, KeyPart, Source};
 use crate::limit::{gcra::Rate, parse_rate, LimitRule, OnRedisError};
@@ -399,12 +402,14 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             routes.push(Arc::new(route));
         }
     }
+    let upstream_names: Vec<String> = upstream_specs.keys().cloned().collect();
     let degrade_settings = compile_degrade(
         &mut compiler,
         files,
         degrade.as_ref(),
         &module_specs,
         &routes,
+        &upstream_names,
     );
     let fallback = default_upstream
         .as_ref()
@@ -527,6 +532,7 @@ fn compile_degrade(
     spec: Option<&(usize, Spanned<DegradeSpec>)>,
     module_specs: &BTreeMap<String, (usize, Spanned<ModuleSpec>)>,
     routes: &[Arc<Route>],
+    upstream_names: &[String],
 ) -> DegradeSettings {
     let dir = files
         .first()
@@ -572,6 +578,8 @@ fn compile_degrade(
             modules,
             state_file: dir.join(".levee-state.json"),
             sync_interval: Duration::from_millis(500),
+            triggers: Vec::new(),
+            cool_down: Duration::from_secs(30),
         };
     };
     let file = *file;
@@ -610,7 +618,126 @@ fn compile_degrade(
         modules,
         state_file,
         sync_interval: compiler.duration(file, &inner.sync_interval, Duration::from_millis(500)),
+        triggers: inner
+            .trigger
+            .iter()
+            .filter_map(|trigger| compile_trigger(compiler, file, trigger, upstream_names))
+            .collect(),
+        cool_down: compiler.duration(file, &inner.cool_down, Duration::from_secs(30)),
     }
+}
+
+fn compile_trigger(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Spanned<TriggerSpec>,
+    upstreams: &[String],
+) -> Option<Trigger> {
+    let inner = spec.get_ref();
+    let Some(upstream) = &inner.upstream else {
+        compiler.error_hint(
+            file,
+            spec.span(),
+            "trigger has no upstream",
+            "name the upstream it watches: upstream = \"app\"",
+        );
+        return None;
+    };
+    if !upstreams.contains(upstream.get_ref()) {
+        compiler.error_hint(
+            file,
+            upstream.span(),
+            format!("upstream `{}` is not defined", upstream.get_ref()),
+            format!("upstreams: {}", upstreams.join(", ")),
+        );
+        return None;
+    }
+    let Some(when) = &inner.when else {
+        compiler.error_hint(
+            file,
+            spec.span(),
+            "trigger has no `when`",
+            "when = \"breaker_open\", \"latency_p95\", \"inflight\" or \"error_ratio\"",
+        );
+        return None;
+    };
+    let above = inner.above.as_ref();
+    let share = |compiler: &mut Compiler<'_>| -> Option<f64> {
+        match above.map(|a| (a.get_ref(), a.span())) {
+            Some((AboveSpec::Share(share), _)) if (0.0..=1.0).contains(share) => Some(*share),
+            Some((_, span)) => {
+                compiler.error_hint(
+                    file,
+                    span,
+                    "`above` must be a share between 0 and 1 here",
+                    "e.g. above = 0.8",
+                );
+                None
+            }
+            None => {
+                compiler.error_hint(
+                    file,
+                    spec.span(),
+                    "this trigger needs `above`",
+                    "e.g. above = 0.8",
+                );
+                None
+            }
+        }
+    };
+    let condition = match when.get_ref().as_str() {
+        "breaker_open" => Condition::BreakerOpen,
+        "latency_p95" => match above.map(|a| (a.get_ref(), a.span())) {
+            Some((AboveSpec::Duration(text), span)) => match parse_duration(text) {
+                Ok(limit) => Condition::LatencyP95(limit),
+                Err(message) => {
+                    compiler.error_hint(file, span, message, "e.g. above = \"800ms\"");
+                    return None;
+                }
+            },
+            _ => {
+                compiler.error_hint(
+                    file,
+                    spec.span(),
+                    "latency_p95 needs `above` as a duration",
+                    "e.g. above = \"800ms\"",
+                );
+                return None;
+            }
+        },
+        "inflight" => Condition::Inflight(share(compiler)?),
+        "error_ratio" => Condition::ErrorRatio(share(compiler)?),
+        other => {
+            compiler.error_hint(
+                file,
+                when.span(),
+                format!("unknown trigger `{other}`"),
+                "use breaker_open, latency_p95, inflight or error_ratio",
+            );
+            return None;
+        }
+    };
+    let level = match &inner.level {
+        None => 1,
+        Some(level) if (1..=crate::degrade::MAX_LEVEL).contains(level.get_ref()) => {
+            *level.get_ref()
+        }
+        Some(level) => {
+            compiler.error_hint(
+                file,
+                level.span(),
+                format!("a trigger cannot raise to level {}", level.get_ref()),
+                "use level = 1 or 2",
+            );
+            1
+        }
+    };
+    Some(Trigger {
+        upstream: upstream.get_ref().clone(),
+        condition,
+        hold: compiler.duration(file, &inner.hold, Duration::from_secs(5)),
+        level,
+    })
 }
 
 fn compile_breaker(
@@ -1135,6 +1262,33 @@ fn compile_upstream(
         );
         return None;
     }
+    let bulkhead = match &inner.max_inflight {
+        None => None,
+        Some(max) if *max.get_ref() == 0 => {
+            compiler.error_hint(
+                file,
+                max.span(),
+                "max_inflight must be at least 1",
+                "set it near php-fpm's pm.max_children, or leave it out for no bound",
+            );
+            None
+        }
+        Some(max) => {
+            let reserve = match &inner.shed_reserve {
+                None => 0.2,
+                Some(value) if (0.0..0.5).contains(value.get_ref()) => *value.get_ref(),
+                Some(value) => {
+                    compiler.error_hint(file, value.span(), "shed_reserve must be at least 0 and below 0.5", "the share of max_inflight kept for tier 1 (and again for tier 2 over tier 3)");
+                    0.2
+                }
+            };
+            Some(BulkheadSettings {
+                max_inflight: *max.get_ref(),
+                reserve,
+                max_wait: compiler.duration(file, &inner.queue_wait, Duration::from_millis(100)),
+            })
+        }
+    };
     let mut ca_files = Vec::new();
     if let Some(list) = &inner.ca_files {
         for name in list.get_ref() {
@@ -1192,6 +1346,7 @@ fn compile_upstream(
         ),
         pool_max_idle,
         ca_files,
+        bulkhead,
     })
 }
 

@@ -104,6 +104,9 @@ pub struct UpstreamSpec {
     pub pool_idle_timeout: Option<Spanned<String>>,
     pub pool_max_idle: Option<Spanned<u32>>,
     pub ca_files: Option<Spanned<Vec<String>>>,
+    pub max_inflight: Option<Spanned<u32>>,
+    pub shed_reserve: Option<Spanned<f64>>,
+    pub queue_wait: Option<Spanned<String>>,
     pub breaker: Option<Spanned<BreakerSpec>>,
 }
 
@@ -158,6 +161,29 @@ pub struct DegradeSpec {
     pub modules_off: Option<Spanned<Vec<String>>>,
     pub state_file: Option<Spanned<String>>,
     pub sync_interval: Option<Spanned<String>>,
+    pub cool_down: Option<Spanned<String>>,
+    #[serde(default)]
+    pub trigger: Vec<Spanned<TriggerSpec>>,
+}
+
+/// `[[degrade.trigger]]`: raise the level when an upstream shows distress.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TriggerSpec {
+    pub upstream: Option<Spanned<String>>,
+    pub when: Option<Spanned<String>>,
+    pub above: Option<Spanned<AboveSpec>>,
+    #[serde(rename = "for")]
+    pub hold: Option<Spanned<String>>,
+    pub level: Option<Spanned<u8>>,
+}
+
+/// A trigger threshold: a duration (`"800ms"`) or a share (`0.8`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum AboveSpec {
+    Share(f64),
+    Duration(String),
 }
 
 /// `[module.NAME]`: a feature that can be switched off.

@@ -10,9 +10,11 @@
 //! API; stored in Redis fleet-wide, or in a local state file without Redis), and automatic
 //! triggers. Runtime beats policy; automatic can only raise the level.
 
+pub mod bulkhead;
 pub mod hide;
 pub mod stale;
 pub mod switches;
+pub mod trigger;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -43,6 +45,10 @@ pub struct DegradeSettings {
     pub state_file: PathBuf,
     /// How often switches are re-read from Redis. Default 500ms.
     pub sync_interval: Duration,
+    /// Automatic triggers.
+    pub triggers: Vec<trigger::Trigger>,
+    /// Health needed before an automatic level is lowered. Default 30s.
+    pub cool_down: Duration,
 }
 
 /// What an "off" route answers.

@@ -34,7 +34,7 @@ use crate::degrade::stale::{
 use crate::degrade::{DegradeAction, StaleSettings};
 use crate::error::{text_response, ErrorSide, ProxyError};
 use crate::limit::key::RequestFacts;
-use crate::metrics::DegradedLabels;
+use crate::metrics::{DegradedLabels, ShedLabels};
 use crate::metrics::{Metrics, RouteLabels, RouteStatusLabels, UpstreamErrorLabels};
 use body::{find_cause, BodyIdleTimeout, IdleTimeout, Observed, OnBodyEnd, ResponseBody};
 use route::{Route, RouteName};
@@ -87,6 +87,7 @@ pub async fn handle(
         status: StatusCode::OK,
         error: None,
         access_log: policy.server.access_log,
+        slot: None,
     };
     let response = match forward(&shared, &policy, peer, request, &mut exchange).await {
         Ok(response) => response,
@@ -178,6 +179,34 @@ async fn forward(
         Err(refusal) => return stale.serve_or(shared, policy, &route, refusal).await,
     };
 
+    // Bulkhead: at max_inflight, tier 3 is shed first, tier 1 keeps its reserve. The slot is
+    // held until the response body has been sent, like the php-fpm worker it stands for.
+    if let Some(bulkhead) = &route.upstream.bulkhead {
+        match bulkhead.acquire(route.tier).await {
+            Some(slot) => exchange.slot = Some(slot),
+            None => {
+                shared
+                    .metrics
+                    .shed
+                    .get_or_create(&ShedLabels {
+                        upstream: route.upstream.name.clone(),
+                        tier: route.tier,
+                    })
+                    .inc();
+                let fallback = match &route.degrade {
+                    Some(DegradeAction::Reject(response)) => response.clone(),
+                    _ => route.fallback.clone(),
+                };
+                let refusal = ProxyError::Shed {
+                    upstream: route.upstream.name.clone(),
+                    tier: route.tier,
+                    fallback,
+                };
+                return stale.serve_or(shared, policy, &route, refusal).await;
+            }
+        }
+    }
+
     if let Some(length) = content_length(request.headers()) {
         if length > route.max_body {
             return Err(ProxyError::BodyTooLarge {
@@ -222,6 +251,7 @@ async fn forward(
     )
     .boxed_unsync();
 
+    let sent_at = tokio::time::Instant::now();
     let sent = upstream.client.request(Request::from_parts(parts, body));
     let answer = match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
         Err(_elapsed) => Err(ProxyError::UpstreamTimeout {
@@ -235,6 +265,9 @@ async fn forward(
         )),
         Ok(Ok(response)) => Ok(response),
     };
+    upstream
+        .latency
+        .record(tokio::time::Instant::now(), sent_at.elapsed());
     // Record: only the upstream's own failures count against its breaker.
     match &answer {
         Ok(response) => permit.record_status(response.status().as_u16(), &shared.metrics),
@@ -588,6 +621,8 @@ struct Exchange {
     status: StatusCode,
     error: Option<&'static str>,
     access_log: bool,
+    /// The upstream's bulkhead slot, freed when the response body is done.
+    slot: Option<crate::degrade::bulkhead::Slot>,
 }
 
 impl OnBodyEnd for Exchange {

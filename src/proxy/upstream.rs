@@ -15,6 +15,8 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
 use crate::breaker::Breaker;
+use crate::degrade::bulkhead::{Bulkhead, BulkheadSettings};
+use crate::degrade::trigger::LatencyWindow;
 use crate::error::BoxError;
 
 /// Body type of requests sent upstream (the client's body, wrapped in limits and timeouts).
@@ -40,6 +42,8 @@ pub struct UpstreamSettings {
     pub pool_max_idle: usize,
     /// Extra CA certificates (PEM) trusted for `https://` upstreams, besides the system's.
     pub ca_files: Vec<std::path::PathBuf>,
+    /// Concurrency bound with shedding by tier. Default: none.
+    pub bulkhead: Option<BulkheadSettings>,
 }
 
 /// A named dependency, its client and its circuit breaker.
@@ -49,6 +53,9 @@ pub struct Upstream {
     pub settings: UpstreamSettings,
     pub client: Client<HttpsConnector<HttpConnector>, UpstreamBody>,
     pub breaker: Arc<Breaker>,
+    pub bulkhead: Option<Arc<Bulkhead>>,
+    /// Recent latencies, for degrade triggers.
+    pub latency: LatencyWindow,
 }
 
 /// The system's trusted roots, read once.
@@ -124,11 +131,16 @@ impl Upstream {
             .pool_idle_timeout(settings.pool_idle_timeout)
             .pool_max_idle_per_host(settings.pool_max_idle)
             .build(connector);
+        let bulkhead = settings
+            .bulkhead
+            .map(|settings| Arc::new(Bulkhead::new(settings)));
         Upstream {
             name,
             settings,
             client,
             breaker,
+            bulkhead,
+            latency: LatencyWindow::default(),
         }
     }
 

@@ -1,0 +1,161 @@
+//! `max_inflight` per upstream: a bound on concurrent requests (set it near php-fpm's
+//! `pm.max_children`) that sheds by tier when the pool fills. Tier 3 may use up to
+//! `1 - 2 × reserve` of the slots, tier 2 up to `1 - reserve`, tier 1 all of them; tiers 1
+//! and 2 wait up to `max_wait` for a slot, tier 3 never waits. So php-fpm's pool never
+//! overflows into nginx 502s, and the core of the site keeps its share.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BulkheadSettings {
+    pub max_inflight: u32,
+    /// Share of slots kept for tier 1 (and again for tier 2 over tier 3). Default 0.2.
+    pub reserve: f64,
+    /// Longest wait for a slot (tiers 1 and 2). Default 100ms.
+    pub max_wait: Duration,
+}
+
+#[derive(Debug)]
+pub struct Bulkhead {
+    pub settings: BulkheadSettings,
+    inflight: AtomicU32,
+    freed: Notify,
+}
+
+/// A taken slot; dropping it frees the slot.
+pub struct Slot {
+    bulkhead: Arc<Bulkhead>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.bulkhead.inflight.fetch_sub(1, Ordering::AcqRel);
+        self.bulkhead.freed.notify_one();
+    }
+}
+
+impl Bulkhead {
+    pub fn new(settings: BulkheadSettings) -> Bulkhead {
+        Bulkhead {
+            settings,
+            inflight: AtomicU32::new(0),
+            freed: Notify::new(),
+        }
+    }
+
+    pub fn inflight(&self) -> u32 {
+        self.inflight.load(Ordering::Acquire)
+    }
+
+    /// Slots a request of `tier` may fill up to.
+    pub fn limit_for(&self, tier: u8) -> u32 {
+        let max = f64::from(self.settings.max_inflight);
+        let share = match tier {
+            0 | 1 => 1.0,
+            2 => 1.0 - self.settings.reserve,
+            _ => 1.0 - 2.0 * self.settings.reserve,
+        };
+        ((max * share).floor() as u32).clamp(1, self.settings.max_inflight)
+    }
+
+    fn try_take(self: &Arc<Self>, limit: u32) -> Option<Slot> {
+        self.inflight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
+                (current < limit).then_some(current + 1)
+            })
+            .ok()
+            .map(|_| Slot {
+                bulkhead: self.clone(),
+            })
+    }
+
+    /// Takes a slot for a request of `tier`, or `None` when it must be shed.
+    pub async fn acquire(self: &Arc<Self>, tier: u8) -> Option<Slot> {
+        let limit = self.limit_for(tier);
+        if let Some(slot) = self.try_take(limit) {
+            return Some(slot);
+        }
+        if tier >= 3 {
+            return None;
+        }
+        let deadline = Instant::now() + self.settings.max_wait;
+        loop {
+            let freed = self.freed.notified();
+            if let Some(slot) = self.try_take(limit) {
+                return Some(slot);
+            }
+            if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                return self.try_take(limit);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulkhead(max: u32) -> Arc<Bulkhead> {
+        Arc::new(Bulkhead::new(BulkheadSettings {
+            max_inflight: max,
+            reserve: 0.2,
+            max_wait: Duration::from_millis(50),
+        }))
+    }
+
+    #[test]
+    fn tiers_get_shares() {
+        let bulkhead = bulkhead(10);
+        assert_eq!(
+            (
+                bulkhead.limit_for(1),
+                bulkhead.limit_for(2),
+                bulkhead.limit_for(3)
+            ),
+            (10, 8, 6)
+        );
+        assert_eq!(
+            self::bulkhead(1).limit_for(3),
+            1,
+            "every tier may use a pool of one"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn full_pools_shed_tier_3_first_and_keep_room_for_tier_1() {
+        let bulkhead = bulkhead(10);
+        let mut held = Vec::new();
+        for _ in 0..6 {
+            held.push(bulkhead.acquire(3).await.expect("tier 3 below its share"));
+        }
+        assert!(
+            bulkhead.acquire(3).await.is_none(),
+            "tier 3 is shed at 6 of 10"
+        );
+        held.push(bulkhead.acquire(2).await.expect("tier 2 still fits"));
+        held.push(bulkhead.acquire(2).await.expect("tier 2 still fits"));
+        assert!(
+            bulkhead.acquire(2).await.is_none(),
+            "tier 2 is shed at 8 of 10"
+        );
+        held.push(bulkhead.acquire(1).await.expect("tier 1 keeps its reserve"));
+        held.push(bulkhead.acquire(1).await.expect("tier 1 keeps its reserve"));
+        assert_eq!(bulkhead.inflight(), 10);
+        // Full: tier 1 waits briefly; a slot freed meanwhile lets it in.
+        let waiter = {
+            let bulkhead = bulkhead.clone();
+            tokio::spawn(async move { bulkhead.acquire(1).await })
+        };
+        tokio::task::yield_now().await;
+        held.pop();
+        held.push(waiter.await.expect("task").expect("the freed slot"));
+        // Nobody frees a slot: after max_wait tier 1 is shed too.
+        assert!(bulkhead.acquire(1).await.is_none());
+        drop(held);
+    }
+}

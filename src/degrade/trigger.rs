@@ -1,0 +1,264 @@
+//! Automatic degradation: triggers watch each upstream and raise the level when it shows
+//! distress, with hysteresis — a condition must hold for `for` before the level rises, and the
+//! level comes back down only after `cool_down` without any trigger holding.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::Degrade;
+use crate::config::{Policy, PolicyStore};
+use crate::metrics::Metrics;
+
+/// What a trigger watches.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Condition {
+    /// The upstream's breaker is open or half-open.
+    BreakerOpen,
+    /// p95 response-head latency over the last `LATENCY_WINDOW` above this.
+    LatencyP95(Duration),
+    /// In-flight requests above this share of `max_inflight`.
+    Inflight(f64),
+    /// Failure share of the breaker's window above this.
+    ErrorRatio(f64),
+}
+
+/// A compiled `[[degrade.trigger]]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trigger {
+    pub upstream: String,
+    pub condition: Condition,
+    /// How long the condition must hold. Default 5s.
+    pub hold: Duration,
+    /// The level it raises to. Default 1.
+    pub level: u8,
+}
+
+/// Latencies are judged over this window.
+pub const LATENCY_WINDOW: Duration = Duration::from_secs(10);
+const MAX_SAMPLES: usize = 2048;
+
+/// Recent response-head latencies of one upstream.
+#[derive(Debug, Default)]
+pub struct LatencyWindow {
+    samples: Mutex<VecDeque<(Instant, Duration)>>,
+}
+
+impl LatencyWindow {
+    pub fn record(&self, now: Instant, latency: Duration) {
+        if let Ok(mut samples) = self.samples.lock() {
+            if samples.len() == MAX_SAMPLES {
+                samples.pop_front();
+            }
+            samples.push_back((now, latency));
+        }
+    }
+
+    /// 95th percentile of the samples inside the window, if there are any.
+    pub fn p95(&self, now: Instant) -> Option<Duration> {
+        let mut samples = self.samples.lock().ok()?;
+        while samples
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > LATENCY_WINDOW)
+        {
+            samples.pop_front();
+        }
+        let mut latencies: Vec<Duration> = samples.iter().map(|(_, latency)| *latency).collect();
+        if latencies.is_empty() {
+            return None;
+        }
+        latencies.sort_unstable();
+        let index = ((latencies.len() as f64) * 0.95).ceil() as usize;
+        latencies.get(index.saturating_sub(1)).copied()
+    }
+}
+
+/// The hysteresis, pure: fed with which triggers hold now, it says what level to be at.
+#[derive(Debug, Default)]
+pub struct Hysteresis {
+    held_since: Vec<Option<Instant>>,
+    /// Last time the current automatic level was still wanted.
+    last_wanted: Option<Instant>,
+}
+
+impl Hysteresis {
+    pub fn step(
+        &mut self,
+        now: Instant,
+        triggers: &[Trigger],
+        holding: &[bool],
+        current: u8,
+        cool_down: Duration,
+    ) -> u8 {
+        self.held_since.resize(triggers.len(), None);
+        let mut wanted = 0;
+        for ((trigger, holds), since) in
+            triggers.iter().zip(holding).zip(self.held_since.iter_mut())
+        {
+            if *holds {
+                let since = *since.get_or_insert(now);
+                if now.saturating_duration_since(since) >= trigger.hold {
+                    wanted = wanted.max(trigger.level);
+                }
+            } else {
+                *since = None;
+            }
+        }
+        if wanted >= current {
+            if wanted > 0 {
+                self.last_wanted = Some(now);
+            }
+            return wanted;
+        }
+        // Lower only after cool_down without the current level being wanted.
+        match self.last_wanted {
+            Some(last) if now.saturating_duration_since(last) < cool_down => current,
+            _ => {
+                self.last_wanted = (wanted > 0).then_some(now);
+                wanted
+            }
+        }
+    }
+}
+
+fn holds(policy: &Policy, trigger: &Trigger, now: Instant) -> bool {
+    let Some(upstream) = policy.upstreams.get(&trigger.upstream) else {
+        return false;
+    };
+    match &trigger.condition {
+        Condition::BreakerOpen => matches!(upstream.breaker.status().state, "open" | "half_open"),
+        Condition::LatencyP95(limit) => upstream.latency.p95(now).is_some_and(|p95| p95 > *limit),
+        Condition::Inflight(share) => upstream.bulkhead.as_ref().is_some_and(|bulkhead| {
+            f64::from(bulkhead.inflight()) > share * f64::from(bulkhead.settings.max_inflight)
+        }),
+        Condition::ErrorRatio(ratio) => {
+            let status = upstream.breaker.status();
+            status.window_calls > 0
+                && f64::from(status.window_failures) / f64::from(status.window_calls) > *ratio
+        }
+    }
+}
+
+/// Evaluates the triggers every `every` until `stop`.
+pub fn spawn_triggers(
+    degrade: Arc<Degrade>,
+    store: Arc<PolicyStore>,
+    metrics: Arc<Metrics>,
+    every: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    tokio::spawn(async move {
+        let mut hysteresis = Hysteresis::default();
+        let mut ticks = tokio::time::interval(every);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                _ = stop.wait_for(|stopped| *stopped) => return,
+            }
+            let policy = store.load();
+            let now = Instant::now();
+            let holding: Vec<bool> = policy
+                .degrade
+                .triggers
+                .iter()
+                .map(|trigger| holds(&policy, trigger, now))
+                .collect();
+            let current = degrade.auto_level();
+            let next = hysteresis.step(
+                now,
+                &policy.degrade.triggers,
+                &holding,
+                current,
+                policy.degrade.cool_down,
+            );
+            if next != current {
+                if next > current {
+                    let reasons: Vec<String> = policy
+                        .degrade
+                        .triggers
+                        .iter()
+                        .zip(&holding)
+                        .filter(|(_, holds)| **holds)
+                        .map(|(trigger, _)| format!("{} {:?}", trigger.upstream, trigger.condition))
+                        .collect();
+                    tracing::warn!(from = current, to = next, reasons = %reasons.join(", "), "degrade level raised automatically");
+                } else {
+                    tracing::info!(
+                        from = current,
+                        to = next,
+                        "upstreams healthy for the cool-down: degrade level lowered"
+                    );
+                }
+                degrade.set_auto_level(next);
+                metrics
+                    .degrade_level_changes
+                    .get_or_create(&crate::metrics::LevelChangeLabels {
+                        direction: if next > current { "up" } else { "down" },
+                    })
+                    .inc();
+                super::switches::publish(&degrade, &policy, &metrics);
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trigger(hold: u64, level: u8) -> Trigger {
+        Trigger {
+            upstream: "app".into(),
+            condition: Condition::BreakerOpen,
+            hold: Duration::from_secs(hold),
+            level,
+        }
+    }
+
+    #[test]
+    fn rises_after_hold_and_falls_only_after_cool_down() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let triggers = [trigger(5, 1), trigger(10, 2)];
+        let cool = s(30);
+        let mut h = Hysteresis::default();
+        assert_eq!(
+            h.step(t0, &triggers, &[true, false], 0, cool),
+            0,
+            "not held long enough"
+        );
+        assert_eq!(h.step(t0 + s(4), &triggers, &[true, false], 0, cool), 0);
+        assert_eq!(h.step(t0 + s(5), &triggers, &[true, false], 0, cool), 1);
+        // A blip of health does not lower it.
+        assert_eq!(h.step(t0 + s(6), &triggers, &[false, false], 1, cool), 1);
+        assert_eq!(
+            h.step(t0 + s(7), &triggers, &[true, true], 1, cool),
+            1,
+            "hold restarts after the blip"
+        );
+        assert_eq!(h.step(t0 + s(12), &triggers, &[true, true], 1, cool), 1);
+        assert_eq!(h.step(t0 + s(17), &triggers, &[true, true], 1, cool), 2);
+        // Healthy: the level stays for cool_down, then drops to what is still wanted.
+        assert_eq!(h.step(t0 + s(18), &triggers, &[false, false], 2, cool), 2);
+        assert_eq!(h.step(t0 + s(46), &triggers, &[false, false], 2, cool), 2);
+        assert_eq!(h.step(t0 + s(48), &triggers, &[false, false], 2, cool), 0);
+    }
+
+    #[test]
+    fn p95_looks_at_the_recent_window_only() {
+        let t0 = Instant::now();
+        let window = LatencyWindow::default();
+        for i in 0..100u64 {
+            window.record(t0, Duration::from_millis(if i < 94 { 10 } else { 900 }));
+        }
+        assert_eq!(window.p95(t0), Some(Duration::from_millis(900)));
+        window.record(t0 + Duration::from_secs(11), Duration::from_millis(20));
+        assert_eq!(
+            window.p95(t0 + Duration::from_secs(11)),
+            Some(Duration::from_millis(20))
+        );
+    }
+}

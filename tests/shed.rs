@@ -1,0 +1,179 @@
+//! Shedding by tier at max_inflight, and automatic degrade triggers with hysteresis.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use http::{Request, Response};
+use hyper::body::Incoming;
+
+/// `/slow…` takes a second; everything else answers at once; `failing` turns on 503s.
+async fn backend(failing: Arc<AtomicBool>) -> Backend {
+    Backend::start(move |request: Request<Incoming>| {
+        let slow = request.uri().path().starts_with("/slow");
+        let fail = failing.load(Ordering::SeqCst);
+        async move {
+            if fail {
+                return Response::builder()
+                    .status(503)
+                    .body(full("overloaded"))
+                    .expect("response");
+            }
+            if slow {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Response::new(full("ok"))
+        }
+    })
+    .await
+}
+
+const ROUTES: &str = r#"
+[[route]]
+name = "slow_stats"
+match = { path_prefix = "/slow/stats" }
+tier = 3
+[[route]]
+name = "slow_view"
+match = { path_prefix = "/slow/view" }
+[[route]]
+name = "stats"
+match = { path_prefix = "/stats" }
+tier = 3
+module = "stats"
+[[route]]
+name = "view"
+match = { path_prefix = "/" }
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pool_sheds_tier_3_first_and_keeps_tier_1_going() {
+    let backend = backend(Arc::new(AtomicBool::new(false))).await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("max_inflight = 5\nshed_reserve = 0.2\nqueue_wait = \"50ms\"\n{ROUTES}"),
+    );
+    let levee = Levee::start(&policy).await;
+    // Three slow tier-3 requests fill tier 3's share (5 × 0.6).
+    let slow: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(get_owned(levee.url("/slow/stats"))))
+        .collect();
+    eventually(
+        Duration::from_secs(5),
+        "three requests in flight",
+        || async { backend.hits() >= 3 },
+    )
+    .await;
+
+    let started = Instant::now();
+    let shed = get(&levee.url("/stats")).await;
+    assert_eq!(shed.status, 503, "{}", shed.text());
+    assert_eq!(shed.header("retry-after"), Some("1"));
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "tier 3 is shed without waiting"
+    );
+
+    // Tier 1 still gets through on its reserve, even with a slow one of its own in flight.
+    let slow_view = tokio::spawn(get_owned(levee.url("/slow/view")));
+    eventually(
+        Duration::from_secs(5),
+        "four requests in flight",
+        || async { backend.hits() >= 4 },
+    )
+    .await;
+    let view = get(&levee.url("/thread.php")).await;
+    assert_eq!((view.status, view.text().as_str()), (200, "ok"));
+
+    for task in slow {
+        assert_eq!(task.await.expect("task").status, 200);
+    }
+    assert_eq!(slow_view.await.expect("task").status, 200);
+    // Slots are freed when responses finish: tier 3 fits again.
+    assert_eq!(get(&levee.url("/stats")).await.status, 200);
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_shed_total{upstream=\"app\",tier=\"3\"}"),
+        1.0,
+        "{metrics}"
+    );
+}
+
+async fn get_owned(url: String) -> Answer {
+    get(&url).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_raises_the_level_and_lowers_it_after_the_cool_down() {
+    let failing = Arc::new(AtomicBool::new(false));
+    let backend = backend(failing.clone()).await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "breaker = {{ consecutive_failures = 2, open_for = \"300ms\", half_open_probes = 1 }}\n[degrade]\ncool_down = \"1s\"\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nfor = \"200ms\"\nlevel = 1\n{ROUTES}"
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    assert_eq!(get(&levee.url("/stats")).await.status, 200);
+
+    failing.store(true, Ordering::SeqCst);
+    for _ in 0..2 {
+        assert_eq!(get(&levee.url("/")).await.status, 503);
+    }
+    eventually(
+        Duration::from_secs(5),
+        "the trigger to raise the level",
+        || async { get(&levee.admin_url("/status")).await.json()["degrade"]["level"] == 1 },
+    )
+    .await;
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["degrade"]["level_origin"], "automatic");
+    assert_eq!(status["degrade"]["modules"]["stats"]["off"], true);
+
+    // The backend recovers; a probe closes the breaker; after the cool-down the level drops.
+    failing.store(false, Ordering::SeqCst);
+    eventually(Duration::from_secs(5), "the breaker to close", || async {
+        get(&levee.url("/")).await.status == 200
+    })
+    .await;
+    let healthy_at = Instant::now();
+    assert_eq!(
+        get(&levee.url("/stats")).await.status,
+        503,
+        "still degraded right after recovery (hysteresis)"
+    );
+    eventually(
+        Duration::from_secs(5),
+        "the level to come back down",
+        || async { get(&levee.admin_url("/status")).await.json()["degrade"]["level"] == 0 },
+    )
+    .await;
+    assert!(
+        healthy_at.elapsed() >= Duration::from_millis(700),
+        "lowered after {:?}, before the cool-down",
+        healthy_at.elapsed()
+    );
+    assert_eq!(get(&levee.url("/stats")).await.status, 200);
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_degrade_level_changes_total{direction=\"up\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_degrade_level_changes_total{direction=\"down\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
+}
