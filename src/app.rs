@@ -141,6 +141,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         stop.clone(),
     )
     .await;
+    crate::queue::worker::spawn_workers(shared.clone(), stop.clone());
     crate::degrade::trigger::spawn_triggers(
         degrade,
         store.clone(),

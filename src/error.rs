@@ -55,6 +55,8 @@ pub enum ProxyError {
         tier: u8,
         fallback: Option<Arc<StaticResponse>>,
     },
+    #[error("the queue of route `{route}` cannot store work right now; nothing was stored")]
+    QueueUnavailable { route: String },
     #[error("route `{route}` is switched off for now")]
     Degraded {
         route: String,
@@ -79,6 +81,7 @@ impl ProxyError {
             }
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RateLimited(denial) => denial.rule.status,
+            ProxyError::QueueUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::BreakerOpen { fallback, .. }
             | ProxyError::Degraded { fallback, .. }
             | ProxyError::Shed { fallback, .. } => fallback
@@ -103,6 +106,7 @@ impl ProxyError {
             ProxyError::BreakerOpen { .. } => "breaker_open",
             ProxyError::Degraded { .. } => "degraded",
             ProxyError::Shed { .. } => "shed",
+            ProxyError::QueueUnavailable { .. } => "queue_unavailable",
             ProxyError::Internal(_) => "internal",
         }
     }
@@ -120,7 +124,8 @@ impl ProxyError {
             ProxyError::RateLimited(_)
             | ProxyError::BreakerOpen { .. }
             | ProxyError::Degraded { .. }
-            | ProxyError::Shed { .. } => ErrorSide::Defence,
+            | ProxyError::Shed { .. }
+            | ProxyError::QueueUnavailable { .. } => ErrorSide::Defence,
             ProxyError::Internal(_) => ErrorSide::Internal,
         }
     }
@@ -159,6 +164,7 @@ impl ProxyError {
             // How long a switch stays off is an operator's call; ask clients to come back later.
             ProxyError::Degraded { .. } => Some(30),
             ProxyError::Shed { .. } => Some(1),
+            ProxyError::QueueUnavailable { .. } => Some(5),
             _ => None,
         };
         if let Some(seconds) = retry_after {

@@ -15,6 +15,7 @@ pub mod error;
 pub mod limit;
 pub mod metrics;
 pub mod proxy;
+pub mod queue;
 pub mod redis_store;
 
 pub use app::{run, start, Options, Running};

@@ -83,6 +83,18 @@ pub struct LevelChangeLabels {
     pub direction: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    pub route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueResultLabels {
+    pub route: String,
+    /// done, retry, permanent, held
+    pub result: &'static str,
+}
+
 /// All of levee's metrics. Handles are cheap clones of shared atomics.
 pub struct Metrics {
     pub registry: Registry,
@@ -106,6 +118,12 @@ pub struct Metrics {
     pub degraded_responses: Family<DegradedLabels, Counter>,
     pub shed: Family<ShedLabels, Counter>,
     pub degrade_level_changes: Family<LevelChangeLabels, Counter>,
+    pub queue_enqueued: Family<QueueLabels, Counter>,
+    pub queue_replayed: Family<QueueResultLabels, Counter>,
+    pub queue_retries: Family<QueueLabels, Counter>,
+    pub queue_dead_lettered: Family<QueueLabels, Counter>,
+    pub queue_backlog: Family<QueueLabels, Gauge>,
+    pub queue_oldest_age: Family<QueueLabels, Gauge>,
 }
 
 fn duration_histogram() -> Histogram {
@@ -247,8 +265,50 @@ impl Metrics {
             "Automatic level changes by triggers",
             degrade_level_changes.clone(),
         );
+        let queue_enqueued = Family::<QueueLabels, Counter>::default();
+        registry.register(
+            "queue_enqueued",
+            "Jobs stored by queue routes (each answered 202)",
+            queue_enqueued.clone(),
+        );
+        let queue_replayed = Family::<QueueResultLabels, Counter>::default();
+        registry.register(
+            "queue_replayed",
+            "Job replays by result (done, retry, permanent, held)",
+            queue_replayed.clone(),
+        );
+        let queue_retries = Family::<QueueLabels, Counter>::default();
+        registry.register(
+            "queue_retries",
+            "Jobs parked for a retry with back-off",
+            queue_retries.clone(),
+        );
+        let queue_dead_lettered = Family::<QueueLabels, Counter>::default();
+        registry.register(
+            "queue_dead_lettered",
+            "Jobs moved to the dead-letter stream",
+            queue_dead_lettered.clone(),
+        );
+        let queue_backlog = Family::<QueueLabels, Gauge>::default();
+        registry.register(
+            "queue_backlog",
+            "Jobs waiting (in the stream or parked for a retry)",
+            queue_backlog.clone(),
+        );
+        let queue_oldest_age = Family::<QueueLabels, Gauge>::default();
+        registry.register(
+            "queue_oldest_job_age_seconds",
+            "Age of the oldest job in the stream",
+            queue_oldest_age.clone(),
+        );
         Metrics {
             registry,
+            queue_enqueued,
+            queue_replayed,
+            queue_retries,
+            queue_dead_lettered,
+            queue_backlog,
+            queue_oldest_age,
             degrade_level_changes,
             shed,
             degrade_level,

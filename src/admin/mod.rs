@@ -17,6 +17,7 @@ use crate::error::{full_body, text_response};
 use crate::proxy::body::ResponseBody;
 use crate::proxy::route::PathMatch;
 use crate::proxy::Shared;
+use crate::queue::{worker, QueueKeys};
 
 /// Answers one admin request.
 pub async fn handle(
@@ -80,6 +81,8 @@ pub async fn handle(
                 }),
             ),
         },
+        (&Method::GET, "/queues") => queues(&shared).await,
+        (method, path) if path.starts_with("/queues/") => dead_letter_request(&shared, method, path).await,
         (&Method::POST, path) if path.starts_with("/breakers/") => {
             let name = path.trim_start_matches("/breakers/").to_string();
             set_breaker(&shared, &name, request).await
@@ -90,6 +93,91 @@ pub async fn handle(
         _ => text_response(
             StatusCode::NOT_FOUND,
             "404 not found; admin paths: GET /status, GET /metrics, POST /reload, POST /breakers/NAME, POST /level, POST /modules/NAME\n",
+        ),
+    }
+}
+
+/// `GET /queues`: backlog, in-flight, delayed and dead letters of every queue route.
+async fn queues(shared: &Shared) -> Response<ResponseBody> {
+    let policy = shared.store.load();
+    let (Some(redis), Some(settings)) = (&policy.redis, &policy.queue) else {
+        return json_response(StatusCode::OK, &json!({}));
+    };
+    let mut out = serde_json::Map::new();
+    for route in policy
+        .routes
+        .routes
+        .iter()
+        .filter(|route| route.queue.is_some())
+    {
+        let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
+        out.insert(
+            route.name.to_string(),
+            worker::stats(redis, &keys, settings).await,
+        );
+    }
+    json_response(StatusCode::OK, &serde_json::Value::Object(out))
+}
+
+/// `GET /queues/ROUTE/dead`, `POST /queues/ROUTE/dead/ID/retry`, `POST /queues/ROUTE/dead/ID/drop`.
+async fn dead_letter_request(
+    shared: &Shared,
+    method: &Method,
+    path: &str,
+) -> Response<ResponseBody> {
+    let policy = shared.store.load();
+    let parts: Vec<&str> = path.trim_start_matches("/queues/").split('/').collect();
+    let Some(redis) = &policy.redis else {
+        return text_response(StatusCode::NOT_FOUND, "404 no queues without [redis]\n");
+    };
+    let Some(route) = parts.first().and_then(|name| {
+        policy
+            .routes
+            .routes
+            .iter()
+            .find(|route| &*route.name.0 == *name && route.queue.is_some())
+    }) else {
+        return text_response(
+            StatusCode::NOT_FOUND,
+            "404 no queue route by that name; GET /queues lists them\n",
+        );
+    };
+    let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
+    match (method, parts.as_slice()) {
+        (&Method::GET, [_, "dead"]) => match worker::dead_letters(redis, &keys, 100).await {
+            Ok(jobs) => json_response(
+                StatusCode::OK,
+                &json!(jobs
+                    .iter()
+                    .map(|(id, job)| json!({
+                        "id": id,
+                        "idempotency_key": job.idempotency_key(),
+                        "method": job.method,
+                        "target": job.target,
+                        "client_ip": job.client_ip,
+                        "attempts": job.attempts,
+                        "error": job.last_error,
+                        "body_bytes": job.body.len(),
+                    }))
+                    .collect::<Vec<_>>()),
+            ),
+            Err(error) => text_response(StatusCode::SERVICE_UNAVAILABLE, format!("503 {error}\n")),
+        },
+        (&Method::POST, [_, "dead", id, action @ ("retry" | "drop")]) => {
+            match worker::resolve_dead_letter(redis, &keys, id, *action == "retry").await {
+                Ok(true) => json_response(
+                    StatusCode::OK,
+                    &json!({ "ok": true, "id": id, "action": action }),
+                ),
+                Ok(false) => text_response(StatusCode::NOT_FOUND, "404 no such dead letter\n"),
+                Err(error) => {
+                    text_response(StatusCode::SERVICE_UNAVAILABLE, format!("503 {error}\n"))
+                }
+            }
+        }
+        _ => text_response(
+            StatusCode::NOT_FOUND,
+            "404 use GET /queues/ROUTE/dead, POST /queues/ROUTE/dead/ID/retry or /drop\n",
         ),
     }
 }
@@ -280,6 +368,8 @@ fn status(shared: &Shared) -> serde_json::Value {
                 "max_body": route.max_body,
                 "limits": route.limits.iter().map(|rule| rule.name.to_string()).collect::<Vec<_>>(),
                 "tier": route.tier,
+                "queue": route.queue.is_some(),
+                "always_queue": route.always_queue,
                 "module": route.module.as_deref(),
             })
         })

@@ -20,8 +20,8 @@ use super::diag::{Diagnostic, Diagnostics, SourceFile};
 use super::policy::{AdminSettings, Policy, ServerSettings};
 use super::spec::{
     AboveSpec, BreakerSpec, DegradeSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, ModuleSpec,
-    OneOrMany, RedisSpec, RouteDegradeSpec, RouteSpec, ServerSpec, SizeSpec, StaticResponseSpec,
-    TriggerSpec, UpstreamSpec,
+    OneOrMany, QueueSpec, RedisSpec, RouteDegradeSpec, RouteSpec, ServerSpec, SizeSpec,
+    StaticResponseSpec, TriggerSpec, UpstreamSpec,
 };
 use super::units::{parse_duration, parse_size};
 use crate::breaker::{Breaker, BreakerSettings, Force};
@@ -34,6 +34,7 @@ use crate::proxy::header::TrustedProxies;
 use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
 use crate::proxy::upstream::{read_ca_file, Upstream, UpstreamSettings};
+use crate::queue::{QueueAction, QueueSettings};
 use crate::redis_store::{RedisSettings, RedisStore, RedisTarget};
 
 /// Name of the implicit route that catches requests no route matches.
@@ -282,6 +283,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     let mut identity: Option<(usize, Spanned<IdentitySpec>)> = None;
     let mut degrade: Option<(usize, Spanned<DegradeSpec>)> = None;
     let mut module_specs: BTreeMap<String, (usize, Spanned<ModuleSpec>)> = BTreeMap::new();
+    let mut queue: Option<(usize, Spanned<QueueSpec>)> = None;
     let mut upstream_specs: BTreeMap<String, (usize, Spanned<UpstreamSpec>)> = BTreeMap::new();
     let mut limit_specs: BTreeMap<String, (usize, Spanned<LimitSpec>)> = BTreeMap::new();
     let mut route_specs: Vec<(usize, Spanned<RouteSpec>)> = Vec::new();
@@ -292,6 +294,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         compiler.take_once("[identity]", &mut identity, index, spec.identity);
         compiler.take_once("[degrade]", &mut degrade, index, spec.degrade);
         compiler.merge_named("module", &mut module_specs, index, spec.module);
+        compiler.take_once("[queue]", &mut queue, index, spec.queue);
         compiler.merge_named("upstream", &mut upstream_specs, index, spec.upstream);
         compiler.merge_named("limit", &mut limit_specs, index, spec.limit);
         route_specs.extend(spec.route.into_iter().map(|route| (index, route)));
@@ -387,6 +390,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         }
     }
 
+    let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_store.is_some());
     let context = RouteContext {
         server: &server_settings,
         upstreams: &upstreams,
@@ -394,6 +398,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         default_upstream: default_upstream.as_deref(),
         limits: &limits,
         limit_specs: &limit_specs,
+        queues: queue_settings.is_some(),
     };
     let mut routes = Vec::with_capacity(route_specs.len());
     let mut route_names: BTreeMap<String, (usize, Range<usize>)> = BTreeMap::new();
@@ -428,6 +433,8 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 module: None,
                 degrade: None,
                 hide: Vec::new(),
+                queue: None,
+                always_queue: false,
             })
         });
 
@@ -449,6 +456,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         identity: identity_settings,
         limits,
         degrade: degrade_settings,
+        queue: queue_settings,
     })
 }
 
@@ -457,6 +465,7 @@ fn compile_route_degrade(
     file: usize,
     spec: &Spanned<RouteDegradeSpec>,
     tier: u8,
+    queues: bool,
 ) -> Option<DegradeAction> {
     let inner = spec.get_ref();
     let action = inner
@@ -506,13 +515,11 @@ fn compile_route_degrade(
             })))
         }
         "queue" => {
-            compiler.error_hint(
-                file,
-                action_span,
-                "action `queue` is not available in this version",
-                "use \"stale\" or \"reject\"",
-            );
-            None
+            if !queues {
+                compiler.error_hint(file, action_span, "action `queue` needs [redis]", "queued work is stored durably in Redis Streams; add a [redis] section, or use \"reject\"");
+                return None;
+            }
+            Some(DegradeAction::Queue)
         }
         other => {
             compiler.error_hint(
@@ -737,6 +744,59 @@ fn compile_trigger(
         condition,
         hold: compiler.duration(file, &inner.hold, Duration::from_secs(5)),
         level,
+    })
+}
+
+fn compile_queue(
+    compiler: &mut Compiler<'_>,
+    spec: Option<&(usize, Spanned<QueueSpec>)>,
+    redis: bool,
+) -> Option<QueueSettings> {
+    let defaults = QueueSettings::default();
+    let Some((file, spec)) = spec else {
+        return redis.then_some(defaults);
+    };
+    let file = *file;
+    if !redis {
+        compiler.error_hint(
+            file,
+            spec.span(),
+            "[queue] needs [redis]",
+            "queued work is stored durably in Redis Streams; add a [redis] section",
+        );
+        return None;
+    }
+    let inner = spec.get_ref();
+    let max_attempts = match &inner.max_attempts {
+        Some(value) if *value.get_ref() == 0 => {
+            compiler.error(file, value.span(), "max_attempts must be at least 1");
+            defaults.max_attempts
+        }
+        Some(value) => *value.get_ref(),
+        None => defaults.max_attempts,
+    };
+    let replay_rate = match &inner.replay_rate {
+        Some(value) if !value.get_ref().is_finite() || *value.get_ref() <= 0.0 => {
+            compiler.error(
+                file,
+                value.span(),
+                "replay_rate must be above 0 (replays per second)",
+            );
+            defaults.replay_rate
+        }
+        Some(value) => *value.get_ref(),
+        None => defaults.replay_rate,
+    };
+    let max_body = compiler.size(file, &inner.max_body, defaults.max_body as u64);
+    Some(QueueSettings {
+        group: inner.group.clone().unwrap_or(defaults.group),
+        claim_after: compiler.duration(file, &inner.claim_after, defaults.claim_after),
+        max_attempts,
+        backoff_base: compiler.duration(file, &inner.backoff_base, defaults.backoff_base),
+        backoff_max: compiler.duration(file, &inner.backoff_max, defaults.backoff_max),
+        max_body: usize::try_from(max_body).unwrap_or(usize::MAX),
+        replay_rate,
+        poll_interval: compiler.duration(file, &inner.poll_interval, defaults.poll_interval),
     })
 }
 
@@ -1358,6 +1418,8 @@ struct RouteContext<'a> {
     default_upstream: Option<&'a str>,
     limits: &'a BTreeMap<String, Arc<LimitRule>>,
     limit_specs: &'a BTreeMap<String, (usize, Spanned<LimitSpec>)>,
+    /// Queues can be used (there is `[redis]`).
+    queues: bool,
 }
 
 fn compile_route(
@@ -1483,7 +1545,34 @@ fn compile_route(
     let degrade = inner
         .degrade
         .as_ref()
-        .and_then(|spec| compile_route_degrade(compiler, file, spec, tier));
+        .and_then(|spec| compile_route_degrade(compiler, file, spec, tier, context.queues));
+    let always_queue = inner
+        .always_queue
+        .as_ref()
+        .is_some_and(|value| *value.get_ref());
+    if let Some(value) = inner.always_queue.as_ref().filter(|value| *value.get_ref()) {
+        if !context.queues {
+            compiler.error_hint(
+                file,
+                value.span(),
+                "always_queue needs [redis]",
+                "queued work is stored in Redis Streams; add a [redis] section",
+            );
+        }
+    }
+    let queue = if matches!(degrade, Some(DegradeAction::Queue)) || always_queue {
+        let spec = inner.degrade.as_ref().map(|spec| spec.get_ref());
+        Some(Arc::new(QueueAction {
+            body_html: spec
+                .and_then(|spec| spec.body_html.as_deref())
+                .map(Arc::from),
+            body_json: spec
+                .and_then(|spec| spec.body_json.as_deref())
+                .map(Arc::from),
+        }))
+    } else {
+        None
+    };
     let hide = inner
         .hide
         .as_ref()
@@ -1521,6 +1610,8 @@ fn compile_route(
             .map(|module| Arc::from(module.get_ref().as_str())),
         degrade,
         hide,
+        queue,
+        always_queue,
     })
 }
 

@@ -31,6 +31,8 @@ pub struct Policy {
     pub identity: Identity,
     pub limits: BTreeMap<String, Arc<LimitRule>>,
     pub degrade: crate::degrade::DegradeSettings,
+    /// Queue settings; `Some` whenever `[redis]` is configured.
+    pub queue: Option<crate::queue::QueueSettings>,
 }
 
 impl Policy {

@@ -25,6 +25,7 @@ pub struct FileSpec {
     pub degrade: Option<Spanned<DegradeSpec>>,
     #[serde(default)]
     pub module: BTreeMap<String, Spanned<ModuleSpec>>,
+    pub queue: Option<Spanned<QueueSpec>>,
     #[serde(default)]
     pub route: Vec<Spanned<RouteSpec>>,
 }
@@ -151,6 +152,21 @@ pub struct RouteSpec {
     pub module: Option<Spanned<String>>,
     pub degrade: Option<Spanned<RouteDegradeSpec>>,
     pub hide: Option<Spanned<BTreeMap<String, String>>>,
+    pub always_queue: Option<Spanned<bool>>,
+}
+
+/// `[queue]`: how queued work is stored and replayed (needs `[redis]`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueSpec {
+    pub group: Option<String>,
+    pub claim_after: Option<Spanned<String>>,
+    pub max_attempts: Option<Spanned<u32>>,
+    pub backoff_base: Option<Spanned<String>>,
+    pub backoff_max: Option<Spanned<String>>,
+    pub max_body: Option<Spanned<SizeSpec>>,
+    pub replay_rate: Option<Spanned<f64>>,
+    pub poll_interval: Option<Spanned<String>>,
 }
 
 /// `[degrade]`: the policy's level and module switches.
@@ -206,6 +222,8 @@ pub struct RouteDegradeSpec {
     pub status: Option<Spanned<u16>>,
     pub content_type: Option<Spanned<String>>,
     pub body: Option<String>,
+    pub body_html: Option<String>,
+    pub body_json: Option<String>,
 }
 
 /// `match = { … }` of a route. All given conditions must hold.

@@ -58,6 +58,8 @@ pub enum DegradeAction {
     Reject(Option<Arc<StaticResponse>>),
     /// The last good copy, if younger than `max_age`; else the route's fallback.
     Stale(Arc<StaleSettings>),
+    /// Accept now (202), apply later: the request is stored in the route's queue.
+    Queue,
 }
 
 #[derive(Debug, Clone, PartialEq)]

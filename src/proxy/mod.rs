@@ -136,7 +136,11 @@ async fn forward(
 
     // Degrade: a route that is switched off answers with its action, without the upstream.
     let stale = Stale::for_request(policy, &route, &request, &normal_path);
-    if shared.degrade.view(policy).route_off(&route) {
+    let route_off = shared.degrade.view(policy).route_off(&route);
+    // Queue routes accept the work now and apply it later instead (after the rate limit).
+    let queue_now =
+        route.always_queue || (route_off && matches!(route.degrade, Some(DegradeAction::Queue)));
+    if route_off && !queue_now {
         let fallback = match &route.degrade {
             Some(DegradeAction::Reject(response)) => response.clone(),
             _ => route.fallback.clone(),
@@ -170,6 +174,20 @@ async fn forward(
                 wants_json,
             )
             .await?;
+    }
+
+    if let (true, Some(action)) = (queue_now, &route.queue) {
+        let wants_json = wants_json(request.headers());
+        return crate::queue::enqueue(
+            policy,
+            &route,
+            action,
+            request,
+            client_ip,
+            wants_json,
+            &shared.metrics,
+        )
+        .await;
     }
 
     // Breaker: an open dependency is not called at all; the last good copy or the route's

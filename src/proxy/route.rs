@@ -104,6 +104,10 @@ pub struct Route {
     pub degrade: Option<crate::degrade::DegradeAction>,
     /// Module → CSS selector of the page fragments that show it.
     pub hide: Vec<(String, String)>,
+    /// The 202 answer of a queue route (`degrade.action = "queue"` or `always_queue`).
+    pub queue: Option<Arc<crate::queue::QueueAction>>,
+    /// Every request is queued, not only while the route is off.
+    pub always_queue: bool,
 }
 
 /// A response written in the policy.

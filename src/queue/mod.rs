@@ -1,0 +1,177 @@
+//! Accept now, apply later: degraded writes stored in Redis Streams and replayed to the app.
+//!
+//! A `queue` route (switched off, or `always_queue`) stores the request — method, target,
+//! headers, body, client IP, time — with `XADD` and answers 202 with the job id only after Redis
+//! confirmed the write; if Redis cannot take it the client gets 503 and is told to retry. Every
+//! levee instance runs replay workers in one consumer group per route: each job is sent to the
+//! route's upstream with `Idempotency-Key: <job id>` and the original client identity, retried
+//! with exponential back-off and jitter, and after `max_attempts` moved to a dead-letter stream.
+//! A job held by a worker that died is reclaimed after `claim_after` (`XAUTOCLAIM`). Finished
+//! jobs are deleted from the stream, so it does not grow without bound.
+
+pub mod job;
+pub mod worker;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use crate::config::Policy;
+use crate::error::{full_body, ProxyError};
+use crate::metrics::{Metrics, QueueLabels};
+use crate::proxy::body::ResponseBody;
+use crate::proxy::header::strip_hop_by_hop;
+use crate::proxy::route::Route;
+pub use job::Job;
+
+/// `[queue]`, compiled. Queues need `[redis]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueSettings {
+    /// Consumer group shared by every levee instance. Default `levee`.
+    pub group: String,
+    /// A job held this long by a silent worker is taken over. Default 30s.
+    pub claim_after: Duration,
+    /// Attempts before a job goes to the dead-letter stream. Default 5.
+    pub max_attempts: u32,
+    /// First retry delay; doubled each attempt (with jitter). Default 1s.
+    pub backoff_base: Duration,
+    /// Longest retry delay. Default 5m.
+    pub backoff_max: Duration,
+    /// Largest body accepted into the queue (413 above). Default 1 MiB.
+    pub max_body: usize,
+    /// Replays per second per route, per instance. Default 50.
+    pub replay_rate: f64,
+    /// How often workers look for work. Default 200ms.
+    pub poll_interval: Duration,
+}
+
+impl Default for QueueSettings {
+    fn default() -> Self {
+        QueueSettings {
+            group: "levee".into(),
+            claim_after: Duration::from_secs(30),
+            max_attempts: 5,
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(300),
+            max_body: 1 << 20,
+            replay_rate: 50.0,
+            poll_interval: Duration::from_millis(200),
+        }
+    }
+}
+
+/// A route's queue answer (202 page) from the policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueAction {
+    /// 202 body for browsers; `{job}` is the job id. Default: a short English page.
+    pub body_html: Option<Arc<str>>,
+    /// 202 body for API clients. Default `{"status":"accepted","job":"…"}`.
+    pub body_json: Option<Arc<str>>,
+}
+
+/// Redis keys of a route's queue.
+pub struct QueueKeys {
+    pub stream: String,
+    pub dead: String,
+    pub delayed: String,
+}
+
+impl QueueKeys {
+    pub fn new(prefix: &str, route: &str) -> QueueKeys {
+        // One hash tag per route: in a cluster, a route's stream, dead letters and delayed
+        // jobs share a slot, so the scripts that move jobs between them stay atomic.
+        QueueKeys {
+            stream: format!("{prefix}queue:{{{route}}}:jobs"),
+            dead: format!("{prefix}queue:{{{route}}}:dead"),
+            delayed: format!("{prefix}queue:{{{route}}}:delayed"),
+        }
+    }
+}
+
+const DEFAULT_ACCEPTED_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Accepted</title></head>\n<body><h1>Accepted</h1><p>Your request was received and takes effect shortly.</p><p>Reference: {job}</p></body></html>\n";
+const DEFAULT_ACCEPTED_JSON: &str = "{\"status\":\"accepted\",\"job\":\"{job}\"}\n";
+
+/// Stores the request as a job and answers 202, or fails with 503 (not stored) / 413.
+pub async fn enqueue(
+    policy: &Policy,
+    route: &Route,
+    action: &QueueAction,
+    request: Request<Incoming>,
+    client_ip: std::net::IpAddr,
+    wants_json: bool,
+    metrics: &Metrics,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let (Some(redis), Some(settings)) = (&policy.redis, &policy.queue) else {
+        return Err(ProxyError::Internal(
+            "queue route without [redis] and [queue]".into(),
+        ));
+    };
+    let (mut parts, body) = request.into_parts();
+    let limit = settings
+        .max_body
+        .min(usize::try_from(route.max_body).unwrap_or(usize::MAX));
+    let body: Bytes = match Limited::new(body, limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) => {
+            if error
+                .downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
+                return Err(ProxyError::BodyTooLarge {
+                    limit: limit as u64,
+                });
+            }
+            return Err(ProxyError::BadRequest(format!(
+                "request body could not be read: {error}"
+            )));
+        }
+    };
+    strip_hop_by_hop(&mut parts.headers, false);
+    let job = Job::from_request(&route.name.0, &parts, body, client_ip);
+    let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
+    let mut command = redis::cmd("XADD");
+    command.arg(&keys.stream).arg("*");
+    job.write_fields(&mut command);
+    // Writes are worth a little more patience than limit checks, but never unbounded.
+    let timeout = redis.settings.timeout.max(Duration::from_millis(500));
+    let id: String = redis
+        .command(&command, timeout, Some(metrics))
+        .await
+        .map_err(|error| {
+            tracing::warn!(route = %route.name, "job not stored, answering 503: {error}");
+            ProxyError::QueueUnavailable {
+                route: route.name.to_string(),
+            }
+        })?;
+    metrics
+        .queue_enqueued
+        .get_or_create(&QueueLabels {
+            route: route.name.to_string(),
+        })
+        .inc();
+    let (template, content_type) = if wants_json {
+        (
+            action.body_json.as_deref().unwrap_or(DEFAULT_ACCEPTED_JSON),
+            "application/json; charset=utf-8",
+        )
+    } else {
+        (
+            action.body_html.as_deref().unwrap_or(DEFAULT_ACCEPTED_HTML),
+            "text/html; charset=utf-8",
+        )
+    };
+    // The job id is made by Redis (`<ms>-<seq>`): safe to put in a body and a header.
+    let mut response = Response::new(full_body(template.replace("{job}", &id)));
+    *response.status_mut() = StatusCode::ACCEPTED;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-levee-job", value);
+    }
+    Ok(response)
+}

@@ -1,0 +1,655 @@
+//! Replay workers: every levee instance runs one loop that serves all queue routes as a member
+//! of each route's consumer group.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Method, Request};
+use http_body_util::{BodyExt, Full};
+use tokio::sync::watch;
+
+use super::job::{bytes_of, entries, Job};
+use super::{QueueKeys, QueueSettings};
+use crate::breaker::Outcome;
+use crate::config::Policy;
+use crate::metrics::{QueueLabels, QueueResultLabels};
+use crate::proxy::route::Route;
+use crate::proxy::Shared;
+use crate::redis_store::{RedisFailure, RedisStore};
+
+/// Bound on each queue call to Redis.
+const QUEUE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Moves due delayed jobs back into the stream. KEYS: delayed zset, stream. ARGV: now ms, max.
+const MOVE_DUE: &str = r#"
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+for _, job_key in ipairs(due) do
+  local fields = redis.call('HGETALL', job_key)
+  if #fields > 0 then
+    redis.call('XADD', KEYS[2], '*', unpack(fields))
+  end
+  redis.call('DEL', job_key)
+  redis.call('ZREM', KEYS[1], job_key)
+end
+return #due
+"#;
+
+/// Acknowledges and deletes a finished entry. KEYS: stream. ARGV: group, id.
+const FINISH: &str = r#"
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('XDEL', KEYS[1], ARGV[2])
+"#;
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A name for this instance in the consumer groups.
+fn consumer_name() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}-{}-{nanos:x}", host.trim(), std::process::id())
+}
+
+/// `base × 2^(attempt-1)`, capped, with ±20% jitter so retries of many jobs spread out.
+pub fn backoff(settings: &QueueSettings, attempt: u32) -> Duration {
+    let exponent = attempt.saturating_sub(1).min(20);
+    let raw = settings
+        .backoff_base
+        .saturating_mul(1u32 << exponent)
+        .min(settings.backoff_max);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let jitter = 0.8 + 0.4 * (f64::from(nanos % 1000) / 1000.0);
+    raw.mul_f64(jitter).min(settings.backoff_max)
+}
+
+/// The queue routes of a policy.
+fn queue_routes(policy: &Policy) -> impl Iterator<Item = &Arc<Route>> {
+    policy
+        .routes
+        .routes
+        .iter()
+        .filter(|route| route.queue.is_some())
+}
+
+/// Starts the replay loop; it lasts until `stop`.
+pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    tokio::spawn(async move {
+        let consumer = consumer_name();
+        let mut groups_made: HashSet<String> = HashSet::new();
+        loop {
+            let policy = shared.store.load();
+            let interval = policy
+                .queue
+                .as_ref()
+                .map_or(Duration::from_secs(1), |q| q.poll_interval);
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = stop.wait_for(|stopped| *stopped) => return,
+            }
+            let (Some(redis), Some(settings)) = (policy.redis.clone(), policy.queue.clone()) else {
+                continue;
+            };
+            for route in queue_routes(&policy) {
+                if *stop.borrow() {
+                    return;
+                }
+                let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
+                if !groups_made.contains(&keys.stream) {
+                    match make_group(&redis, &keys, &settings).await {
+                        Ok(()) => {
+                            groups_made.insert(keys.stream.clone());
+                        }
+                        Err(error) => {
+                            tracing::debug!(route = %route.name, "queue not reachable: {error}");
+                            continue;
+                        }
+                    }
+                }
+                report_backlog(&shared, &redis, &keys, &route.name.0).await;
+                // Paused while the route is off or its dependency's breaker is open; resumes
+                // by itself.
+                if shared.degrade.view(&policy).route_off(route)
+                    || route.upstream.breaker.status().state == "open"
+                {
+                    continue;
+                }
+                if let Err(error) = replay_route(
+                    &shared, &redis, &settings, &keys, route, &consumer, &mut stop,
+                )
+                .await
+                {
+                    tracing::debug!(route = %route.name, "replay paused: {error}");
+                }
+            }
+        }
+    });
+}
+
+async fn make_group(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    settings: &QueueSettings,
+) -> Result<(), RedisFailure> {
+    let mut command = redis::cmd("XGROUP");
+    command
+        .arg("CREATE")
+        .arg(&keys.stream)
+        .arg(&settings.group)
+        .arg("0")
+        .arg("MKSTREAM");
+    match redis.command::<()>(&command, QUEUE_TIMEOUT, None).await {
+        Ok(()) => Ok(()),
+        Err(RedisFailure::Redis(error)) if error.to_string().contains("BUSYGROUP") => Ok(()),
+        Err(error) => Err(error),
+    }
+}
+
+async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, route: &str) {
+    let labels = QueueLabels {
+        route: route.to_string(),
+    };
+    let mut length = redis::cmd("XLEN");
+    length.arg(&keys.stream);
+    if let Ok(backlog) = redis.command::<i64>(&length, QUEUE_TIMEOUT, None).await {
+        let mut delayed = redis::cmd("ZCARD");
+        delayed.arg(&keys.delayed);
+        let delayed: i64 = redis
+            .command(&delayed, QUEUE_TIMEOUT, None)
+            .await
+            .unwrap_or(0);
+        shared
+            .metrics
+            .queue_backlog
+            .get_or_create(&labels)
+            .set(backlog + delayed);
+    }
+    let mut oldest = redis::cmd("XRANGE");
+    oldest
+        .arg(&keys.stream)
+        .arg("-")
+        .arg("+")
+        .arg("COUNT")
+        .arg(1);
+    if let Ok(value) = redis
+        .command::<redis::Value>(&oldest, QUEUE_TIMEOUT, None)
+        .await
+    {
+        let age = entries(&value)
+            .first()
+            .and_then(|(id, _)| id.split('-').next().and_then(|ms| ms.parse::<u64>().ok()))
+            .map_or(0, |ms| now_ms().saturating_sub(ms) / 1000);
+        shared
+            .metrics
+            .queue_oldest_age
+            .get_or_create(&labels)
+            .set(age as i64);
+    }
+}
+
+async fn replay_route(
+    shared: &Shared,
+    redis: &RedisStore,
+    settings: &QueueSettings,
+    keys: &QueueKeys,
+    route: &Route,
+    consumer: &str,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), RedisFailure> {
+    let mut move_due = redis::cmd("EVAL");
+    move_due
+        .arg(MOVE_DUE)
+        .arg(2)
+        .arg(&keys.delayed)
+        .arg(&keys.stream)
+        .arg(now_ms())
+        .arg(100);
+    let _: i64 = redis.command(&move_due, QUEUE_TIMEOUT, None).await?;
+
+    // Jobs of workers that went silent first, then new ones.
+    let mut claim = redis::cmd("XAUTOCLAIM");
+    claim
+        .arg(&keys.stream)
+        .arg(&settings.group)
+        .arg(consumer)
+        .arg(settings.claim_after.as_millis() as u64)
+        .arg("0-0")
+        .arg("COUNT")
+        .arg(20);
+    let claimed: redis::Value = redis.command(&claim, QUEUE_TIMEOUT, None).await?;
+    let mut batch = match &claimed {
+        redis::Value::Array(parts) if parts.len() >= 2 => entries(&parts[1]),
+        _ => Vec::new(),
+    };
+    let mut read = redis::cmd("XREADGROUP");
+    read.arg("GROUP")
+        .arg(&settings.group)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(20)
+        .arg("STREAMS")
+        .arg(&keys.stream)
+        .arg(">");
+    let fresh: redis::Value = redis.command(&read, QUEUE_TIMEOUT, None).await?;
+    if let redis::Value::Array(streams) = &fresh {
+        for stream in streams {
+            if let redis::Value::Array(pair) = stream {
+                if let Some(items) = pair.get(1) {
+                    batch.extend(entries(items));
+                }
+            }
+        }
+    }
+
+    let pause = Duration::from_secs_f64(1.0 / settings.replay_rate.max(0.001));
+    for (id, fields) in batch {
+        if *stop.borrow() {
+            break;
+        }
+        let Some(mut job) = Job::from_fields(&id, &fields) else {
+            tracing::warn!(route = %route.name, %id, "unreadable job moved to dead letters");
+            dead_letter_raw(redis, keys, settings, &id, &fields).await?;
+            continue;
+        };
+        let result = replay(shared, route, &job).await;
+        let labels = QueueResultLabels {
+            route: route.name.to_string(),
+            result: result.label(),
+        };
+        shared.metrics.queue_replayed.get_or_create(&labels).inc();
+        match result {
+            Replay::Done => finish(redis, keys, settings, &id).await?,
+            Replay::Retry(error) | Replay::Permanent(error) => {
+                job.attempts += 1;
+                job.last_error = Some(error.clone());
+                let permanent = matches!(labels.result, "permanent");
+                if permanent || job.attempts >= settings.max_attempts {
+                    tracing::warn!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
+                    shared
+                        .metrics
+                        .queue_dead_lettered
+                        .get_or_create(&QueueLabels {
+                            route: route.name.to_string(),
+                        })
+                        .inc();
+                    dead_letter(redis, keys, settings, &id, &job).await?;
+                } else {
+                    shared
+                        .metrics
+                        .queue_retries
+                        .get_or_create(&QueueLabels {
+                            route: route.name.to_string(),
+                        })
+                        .inc();
+                    delay(
+                        redis,
+                        keys,
+                        settings,
+                        &id,
+                        &job,
+                        backoff(settings, job.attempts),
+                    )
+                    .await?;
+                }
+            }
+            Replay::Held => {
+                // The breaker refused the call: the job stays pending and is taken up again
+                // after claim_after, with no attempt spent.
+                break;
+            }
+        }
+        tokio::time::sleep(pause).await;
+    }
+    Ok(())
+}
+
+enum Replay {
+    Done,
+    Retry(String),
+    Permanent(String),
+    Held,
+}
+
+impl Replay {
+    fn label(&self) -> &'static str {
+        match self {
+            Replay::Done => "done",
+            Replay::Retry(_) => "retry",
+            Replay::Permanent(_) => "permanent",
+            Replay::Held => "held",
+        }
+    }
+}
+
+/// Sends one job to the route's upstream, as the original client, with its idempotency key.
+async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
+    let upstream = &route.upstream;
+    let Ok(permit) = upstream.breaker.admit(&shared.metrics) else {
+        return Replay::Held;
+    };
+    let Ok(uri) = upstream.uri_for(&job.target) else {
+        return Replay::Permanent(format!("bad target {}", job.target));
+    };
+    let Ok(method) = Method::from_bytes(job.method.as_bytes()) else {
+        return Replay::Permanent(format!("bad method {}", job.method));
+    };
+    let mut request = Request::new(
+        Full::new(job.body.clone())
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    let headers = request.headers_mut();
+    for (name, value) in &job.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    if let Some(host) = &upstream.settings.host {
+        headers.insert(http::header::HOST, host.clone());
+    }
+    headers.remove(http::header::CONTENT_LENGTH);
+    if let Ok(key) = HeaderValue::from_str(job.idempotency_key()) {
+        headers.insert("idempotency-key", key);
+    }
+    if let Ok(client) = HeaderValue::from_str(&job.client_ip) {
+        headers.insert("x-real-ip", client.clone());
+        headers.insert("x-forwarded-for", client);
+    }
+    let sent = upstream.client.request(request);
+    match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
+        Err(_) => {
+            permit.record(Outcome::Failure, &shared.metrics);
+            Replay::Retry(format!(
+                "no answer within {:?}",
+                upstream.settings.response_timeout
+            ))
+        }
+        Ok(Err(error)) => {
+            permit.record(Outcome::Failure, &shared.metrics);
+            Replay::Retry(format!("upstream error: {error}"))
+        }
+        Ok(Ok(response)) => {
+            let status = response.status();
+            permit.record_status(status.as_u16(), &shared.metrics);
+            // Drain the body so the connection can be reused.
+            let _ = response.into_body().collect().await;
+            if status.is_success() || status.is_redirection() {
+                Replay::Done
+            } else if status.is_client_error() && !matches!(status.as_u16(), 408 | 425 | 429) {
+                Replay::Permanent(format!("the app refused the job with {status}"))
+            } else {
+                Replay::Retry(format!("the app answered {status}"))
+            }
+        }
+    }
+}
+
+async fn eval(
+    redis: &RedisStore,
+    script: &str,
+    keys: &[&str],
+    args: Vec<Vec<u8>>,
+) -> Result<(), RedisFailure> {
+    let mut command = redis::cmd("EVAL");
+    command.arg(script).arg(keys.len());
+    for key in keys {
+        command.arg(*key);
+    }
+    for arg in args {
+        command.arg(arg);
+    }
+    let _: redis::Value = redis.command(&command, QUEUE_TIMEOUT, None).await?;
+    Ok(())
+}
+
+async fn finish(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    settings: &QueueSettings,
+    id: &str,
+) -> Result<(), RedisFailure> {
+    eval(
+        redis,
+        FINISH,
+        &[&keys.stream],
+        vec![settings.group.clone().into_bytes(), id.as_bytes().to_vec()],
+    )
+    .await
+}
+
+/// Fields of a job as command arguments.
+fn job_args(job: &Job) -> Vec<Vec<u8>> {
+    let mut command = redis::cmd("X");
+    job.write_fields(&mut command);
+    command
+        .args_iter()
+        .skip(1)
+        .filter_map(|arg| match arg {
+            redis::Arg::Simple(bytes) => Some(bytes.to_vec()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Moves a job to the dead-letter stream with its last error, atomically with the ack.
+async fn dead_letter(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    settings: &QueueSettings,
+    id: &str,
+    job: &Job,
+) -> Result<(), RedisFailure> {
+    const SCRIPT: &str = r#"
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('XDEL', KEYS[1], ARGV[2])
+"#;
+    let mut args = vec![settings.group.clone().into_bytes(), id.as_bytes().to_vec()];
+    args.extend(job_args(job));
+    eval(redis, SCRIPT, &[&keys.stream, &keys.dead], args).await
+}
+
+async fn dead_letter_raw(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    settings: &QueueSettings,
+    id: &str,
+    fields: &std::collections::HashMap<String, Vec<u8>>,
+) -> Result<(), RedisFailure> {
+    let job = Job {
+        route: String::new(),
+        method: String::new(),
+        target: String::new(),
+        headers: Vec::new(),
+        body: Bytes::from(fields.get("body").cloned().unwrap_or_default()),
+        client_ip: String::new(),
+        enqueued_at_ms: now_ms(),
+        attempts: 0,
+        key: Some(id.to_string()),
+        last_error: Some("unreadable job".into()),
+    };
+    dead_letter(redis, keys, settings, id, &job).await
+}
+
+/// Parks a job until its retry time, atomically with the ack.
+async fn delay(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    settings: &QueueSettings,
+    id: &str,
+    job: &Job,
+    wait: Duration,
+) -> Result<(), RedisFailure> {
+    const SCRIPT: &str = r#"
+redis.call('HSET', KEYS[3], unpack(ARGV, 4))
+redis.call('ZADD', KEYS[2], ARGV[3], KEYS[3])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('XDEL', KEYS[1], ARGV[2])
+"#;
+    let job_key = format!("{}:{}", keys.delayed, job.idempotency_key());
+    let due = now_ms() + wait.as_millis() as u64;
+    let mut args = vec![
+        settings.group.clone().into_bytes(),
+        id.as_bytes().to_vec(),
+        due.to_string().into_bytes(),
+    ];
+    args.extend(job_args(job));
+    eval(
+        redis,
+        SCRIPT,
+        &[&keys.stream, &keys.delayed, &job_key],
+        args,
+    )
+    .await
+}
+
+/// Dead letters of a route, newest first (at most `count`).
+pub async fn dead_letters(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    count: usize,
+) -> Result<Vec<(String, Job)>, RedisFailure> {
+    let mut command = redis::cmd("XREVRANGE");
+    command
+        .arg(&keys.dead)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(count);
+    let value: redis::Value = redis.command(&command, QUEUE_TIMEOUT, None).await?;
+    Ok(entries(&value)
+        .into_iter()
+        .filter_map(|(id, fields)| Job::from_fields(&id, &fields).map(|job| (id, job)))
+        .collect())
+}
+
+/// Puts a dead letter back in the queue (attempts reset) or drops it.
+pub async fn resolve_dead_letter(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    id: &str,
+    retry: bool,
+) -> Result<bool, RedisFailure> {
+    let mut read = redis::cmd("XRANGE");
+    read.arg(&keys.dead).arg(id).arg(id);
+    let value: redis::Value = redis.command(&read, QUEUE_TIMEOUT, None).await?;
+    let Some((_, fields)) = entries(&value).into_iter().next() else {
+        return Ok(false);
+    };
+    if retry {
+        let Some(mut job) = Job::from_fields(id, &fields) else {
+            return Ok(false);
+        };
+        job.attempts = 0;
+        job.last_error = None;
+        const SCRIPT: &str = r#"
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+return redis.call('XDEL', KEYS[2], ARGV[1])
+"#;
+        let mut args = vec![id.as_bytes().to_vec()];
+        args.extend(job_args(&job));
+        eval(redis, SCRIPT, &[&keys.stream, &keys.dead], args).await?;
+    } else {
+        let mut delete = redis::cmd("XDEL");
+        delete.arg(&keys.dead).arg(id);
+        let _: i64 = redis.command(&delete, QUEUE_TIMEOUT, None).await?;
+    }
+    Ok(true)
+}
+
+/// Backlog figures of one route for `/status` and the admin API.
+pub async fn stats(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    settings: &QueueSettings,
+) -> serde_json::Value {
+    let count = |name: &'static str, key: &str| {
+        let mut command = redis::cmd(name);
+        command.arg(key);
+        command
+    };
+    let backlog: i64 = redis
+        .command(&count("XLEN", &keys.stream), QUEUE_TIMEOUT, None)
+        .await
+        .unwrap_or(-1);
+    let delayed: i64 = redis
+        .command(&count("ZCARD", &keys.delayed), QUEUE_TIMEOUT, None)
+        .await
+        .unwrap_or(-1);
+    let dead: i64 = redis
+        .command(&count("XLEN", &keys.dead), QUEUE_TIMEOUT, None)
+        .await
+        .unwrap_or(-1);
+    let mut pending = redis::cmd("XPENDING");
+    pending.arg(&keys.stream).arg(&settings.group);
+    let in_flight = match redis
+        .command::<redis::Value>(&pending, QUEUE_TIMEOUT, None)
+        .await
+    {
+        Ok(redis::Value::Array(parts)) => parts
+            .first()
+            .and_then(bytes_of)
+            .and_then(|b| String::from_utf8_lossy(&b).parse::<i64>().ok())
+            .unwrap_or(0),
+        _ => 0,
+    };
+    let mut oldest = redis::cmd("XRANGE");
+    oldest
+        .arg(&keys.stream)
+        .arg("-")
+        .arg("+")
+        .arg("COUNT")
+        .arg(1);
+    let oldest_age_s = match redis
+        .command::<redis::Value>(&oldest, QUEUE_TIMEOUT, None)
+        .await
+    {
+        Ok(value) => entries(&value)
+            .first()
+            .and_then(|(id, _)| id.split('-').next().and_then(|ms| ms.parse::<u64>().ok()))
+            .map(|ms| now_ms().saturating_sub(ms) / 1000),
+        Err(_) => None,
+    };
+    serde_json::json!({
+        "backlog": backlog,
+        "delayed": delayed,
+        "in_flight": in_flight,
+        "dead_letters": dead,
+        "oldest_job_age_seconds": oldest_age_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_with_jitter_and_a_cap() {
+        let settings = QueueSettings {
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(10),
+            ..QueueSettings::default()
+        };
+        for (attempt, base) in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0)] {
+            let wait = backoff(&settings, attempt).as_secs_f64();
+            assert!(
+                (base * 0.8..=base * 1.2).contains(&wait),
+                "attempt {attempt}: {wait}"
+            );
+        }
+        assert!(backoff(&settings, 30) <= Duration::from_secs(10));
+    }
+}

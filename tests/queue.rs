@@ -1,0 +1,421 @@
+//! Accept now, apply later: real redis-server, counting backends, php-fpm, a killed instance.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+/// Every replayed request the backend saw: (Idempotency-Key, body, X-Real-IP, when).
+type Seen = Arc<Mutex<Vec<(String, String, String, Instant)>>>;
+
+/// A backend that records jobs; `fail_first` failures per key (500), or always with `always_fail`.
+async fn recording(
+    fail_first: u32,
+    always_fail: Arc<AtomicBool>,
+    delay: Duration,
+) -> (Backend, Seen) {
+    let seen: Seen = Arc::new(Mutex::new(Vec::new()));
+    let attempts: Arc<Mutex<HashMap<String, u32>>> = Arc::new(Mutex::new(HashMap::new()));
+    let (record, tries) = (seen.clone(), attempts.clone());
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let (record, tries, always_fail) = (record.clone(), tries.clone(), always_fail.clone());
+        async move {
+            let key = request
+                .headers()
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            let ip = request
+                .headers()
+                .get("x-real-ip")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            let body = request
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            tokio::time::sleep(delay).await;
+            record.lock().expect("lock").push((
+                key.clone(),
+                String::from_utf8_lossy(&body).into_owned(),
+                ip,
+                Instant::now(),
+            ));
+            let attempt = {
+                let mut tries = tries.lock().expect("lock");
+                let count = tries.entry(key).or_insert(0);
+                *count += 1;
+                *count
+            };
+            if always_fail.load(Ordering::SeqCst) || attempt <= fail_first {
+                return Response::builder()
+                    .status(500)
+                    .body(full("not now"))
+                    .expect("response");
+            }
+            Response::new(full("applied"))
+        }
+    })
+    .await;
+    (backend, seen)
+}
+
+fn queue_policy(upstream: std::net::SocketAddr, redis: &str, queue: &str) -> String {
+    policy_for(
+        upstream,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{redis}\"\ntimeout = \"200ms\"\n[degrade]\nsync_interval = \"100ms\"\n[queue]\npoll_interval = \"50ms\"\nreplay_rate = 2000\n{queue}\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\ntier = 2\nmodule = \"notifications\"\ndegrade = {{ action = \"queue\", body_json = '{{\"queued\":\"{{job}}\"}}' }}\n"
+        ),
+    )
+}
+
+async fn post_as(levee: &Levee, body: &str, client: &str) -> Answer {
+    let request = Request::post(levee.url("/notify.php?kind=like"))
+        .header("x-forwarded-for", client)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(full(body.to_string()))
+        .expect("request");
+    send(request).await
+}
+
+async fn switch(levee: &Levee, state: &str) {
+    assert_eq!(
+        post(&levee.admin_url("/modules/notifications"), state)
+            .await
+            .status,
+        200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switched_off_posts_are_accepted_and_each_applied_exactly_once_later() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    switch(&levee, "off").await;
+
+    let mut jobs = HashMap::new();
+    for i in 0..500 {
+        let client = format!("203.0.113.{}", i % 250 + 1);
+        let answer = post_as(&levee, &format!("like={i}"), &client).await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+        let job = answer.header("x-levee-job").expect("job id").to_string();
+        assert!(answer.text().contains(&job));
+        jobs.insert(job, (format!("like={i}"), client));
+    }
+    assert_eq!(
+        backend.hits(),
+        0,
+        "nothing is applied while the route is off"
+    );
+    let queues = get(&levee.admin_url("/queues")).await.json();
+    assert_eq!(queues["notify"]["backlog"], 500, "{queues}");
+
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(30),
+        "every job to be replayed",
+        || async { seen.lock().expect("lock").len() >= 500 },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "the stream to be trimmed",
+        || async { get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"] == 0 },
+    )
+    .await;
+    let seen = seen.lock().expect("lock").clone();
+    assert_eq!(seen.len(), 500, "each job exactly once");
+    for (key, body, ip, _) in &seen {
+        let (expected_body, expected_ip) =
+            jobs.get(key).unwrap_or_else(|| panic!("unknown key {key}"));
+        assert_eq!(body, expected_body);
+        assert_eq!(ip, expected_ip);
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_queue_enqueued_total{route=\"notify\"}"),
+        500.0
+    );
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_queue_replayed_total{route=\"notify\",result=\"done\"}"
+        ),
+        500.0
+    );
+}
+
+const NOTIFY_PHP: &str = r#"<?php
+$line = ($_SERVER['HTTP_IDEMPOTENCY_KEY'] ?? '-') . ' ' . $_SERVER['REMOTE_ADDR'] . ' ' . file_get_contents('php://input') . "\n";
+file_put_contents(__DIR__ . '/../applied.log', $line, FILE_APPEND | LOCK_EX);
+echo "ok";
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn php_applies_queued_work_with_its_idempotency_key() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let site = PhpSite::start(&[("notify.php", NOTIFY_PHP)]).await;
+    let log = site.dir.path().join("applied.log");
+    std::fs::write(&log, "").expect("log");
+    let _ = Command::new("chmod").arg("a+rw").arg(&log).status();
+    let levee = Levee::start(&queue_policy(site.addr(), &redis.url(), "")).await;
+    switch(&levee, "off").await;
+    let mut keys = Vec::new();
+    for i in 0..20 {
+        let answer = post_as(&levee, &format!("n={i}"), "198.51.100.7").await;
+        assert_eq!(answer.status, 202);
+        keys.push(answer.header("x-levee-job").expect("job").to_string());
+    }
+    switch(&levee, "on").await;
+    eventually(Duration::from_secs(20), "php to apply all jobs", || async {
+        std::fs::read_to_string(&log)
+            .map(|t| t.lines().count() >= 20)
+            .unwrap_or(false)
+    })
+    .await;
+    let applied = std::fs::read_to_string(&log).expect("log");
+    for (i, key) in keys.iter().enumerate() {
+        let line = format!("{key} 198.51.100.7 n={i}");
+        assert_eq!(
+            applied.lines().filter(|l| *l == line).count(),
+            1,
+            "{line} in:\n{applied}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_of_a_killed_instance_are_reclaimed_and_none_is_lost() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording(
+        0,
+        Arc::new(AtomicBool::new(false)),
+        Duration::from_millis(100),
+    )
+    .await;
+    let policy = queue_policy(backend.addr, &redis.url(), "claim_after = \"1s\"");
+    // Instance A: the real binary, killed with SIGKILL while it replays.
+    let a_dir = tempfile::tempdir().expect("dir");
+    std::fs::write(a_dir.path().join("levee.toml"), &policy).expect("write");
+    let mut a = ChildGuard::spawn(
+        "levee",
+        Command::new(env!("CARGO_BIN_EXE_levee"))
+            .args(["run", "--no-watch", "--policies"])
+            .arg(a_dir.path())
+            .env("LEVEE_LOG", "warn"),
+    );
+    let b = Levee::start(&policy).await;
+    switch(&b, "off").await;
+    let mut jobs = Vec::new();
+    for i in 0..40 {
+        let answer = post_as(&b, &format!("job={i}"), "192.0.2.1").await;
+        assert_eq!(answer.status, 202);
+        jobs.push(answer.header("x-levee-job").expect("job").to_string());
+    }
+    switch(&b, "on").await;
+    eventually(Duration::from_secs(10), "replay to start", || async {
+        seen.lock().expect("lock").len() >= 4
+    })
+    .await;
+    let _ = Command::new("kill")
+        .arg("-KILL")
+        .arg(a.pid().to_string())
+        .status();
+    let _ = a.child.wait();
+
+    eventually(
+        Duration::from_secs(30),
+        "every job to be applied",
+        || async {
+            let seen = seen.lock().expect("lock");
+            jobs.iter()
+                .all(|job| seen.iter().any(|(key, _, _, _)| key == job))
+        },
+    )
+    .await;
+    eventually(Duration::from_secs(10), "nothing left pending", || async {
+        let queues = get(&b.admin_url("/queues")).await.json();
+        queues["notify"]["backlog"] == 0 && queues["notify"]["in_flight"] == 0
+    })
+    .await;
+    // Any job delivered twice (its first worker died before acknowledging) kept its key.
+    let seen = seen.lock().expect("lock");
+    for (key, body, _, _) in seen.iter() {
+        let index = jobs.iter().position(|job| job == key).expect("a known key");
+        assert_eq!(body, &format!("job={index}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let never = Arc::new(AtomicBool::new(false));
+    let (backend, seen) = recording(2, never.clone(), Duration::ZERO).await;
+    let policy = queue_policy(
+        backend.addr,
+        &redis.url(),
+        "backoff_base = \"200ms\"\nmax_attempts = 3",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let job = post_as(&levee, "flaky", "192.0.2.9")
+        .await
+        .header("x-levee-job")
+        .expect("job")
+        .to_string();
+    switch(&levee, "on").await;
+    eventually(Duration::from_secs(10), "the third attempt", || async {
+        seen.lock().expect("lock").len() >= 3
+    })
+    .await;
+    let times: Vec<Instant> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .filter(|(k, ..)| *k == job)
+        .map(|(.., at)| *at)
+        .collect();
+    assert_eq!(
+        times.len(),
+        3,
+        "succeeded on the third attempt, and only once"
+    );
+    let (first_gap, second_gap) = (times[1] - times[0], times[2] - times[1]);
+    assert!(first_gap >= Duration::from_millis(150), "{first_gap:?}");
+    assert!(
+        second_gap >= Duration::from_millis(300),
+        "back-off doubles: {second_gap:?}"
+    );
+
+    // A job that always fails ends in the dead letters after max_attempts.
+    never.store(true, Ordering::SeqCst);
+    switch(&levee, "off").await;
+    let doomed = post_as(&levee, "doomed", "192.0.2.9")
+        .await
+        .header("x-levee-job")
+        .expect("job")
+        .to_string();
+    switch(&levee, "on").await;
+    eventually(Duration::from_secs(10), "a dead letter", || async {
+        get(&levee.admin_url("/queues")).await.json()["notify"]["dead_letters"] == 1
+    })
+    .await;
+    let dead = get(&levee.admin_url("/queues/notify/dead")).await.json();
+    assert_eq!(dead[0]["idempotency_key"], doomed.as_str());
+    assert_eq!(dead[0]["attempts"], 3);
+    assert!(
+        dead[0]["error"].as_str().unwrap_or("").contains("500"),
+        "{dead}"
+    );
+
+    // Retried from the admin API once the app is fixed: applied with the same key.
+    never.store(false, Ordering::SeqCst);
+    let id = dead[0]["id"].as_str().expect("id").to_string();
+    assert_eq!(
+        post(
+            &levee.admin_url(&format!("/queues/notify/dead/{id}/retry")),
+            ""
+        )
+        .await
+        .status,
+        200
+    );
+    eventually(
+        Duration::from_secs(10),
+        "the retried job to be applied",
+        || async {
+            let seen = seen.lock().expect("lock");
+            seen.iter().filter(|(k, ..)| *k == doomed).count() == 4
+        },
+    )
+    .await;
+    assert_eq!(
+        get(&levee.admin_url("/queues")).await.json()["notify"]["dead_letters"],
+        0
+    );
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_queue_dead_lettered_total{route=\"notify\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_the_queue_answers_503_and_big_bodies_413() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut redis = RedisServer::start(dir.path()).await;
+    let (backend, _) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let levee = Levee::start(&queue_policy(
+        backend.addr,
+        &redis.url(),
+        "max_body = \"1KiB\"",
+    ))
+    .await;
+    switch(&levee, "off").await;
+
+    let too_big = post_as(&levee, &"x".repeat(2000), "192.0.2.1").await;
+    assert_eq!(too_big.status, 413);
+    assert_eq!(
+        get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"],
+        0,
+        "nothing stored"
+    );
+
+    redis.guard.stop();
+    let attempts = AtomicU32::new(0);
+    for _ in 0..5 {
+        let answer = post_as(&levee, "like=1", "192.0.2.1").await;
+        attempts.fetch_add(1, Ordering::SeqCst);
+        assert_eq!(
+            answer.status,
+            503,
+            "never a 202 for work that was not stored: {}",
+            answer.text()
+        );
+        assert!(answer.header("retry-after").is_some());
+    }
+    assert_eq!(backend.hits(), 0);
+}
+
+#[test]
+fn check_refuses_queues_without_redis() {
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"notify\"\ntier = 2\ndegrade = { action = \"queue\" }\n",
+    )
+    .expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .args(["check", "--policies"])
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("levee.toml:6:22: error: action `queue` needs [redis]"),
+        "{stderr}"
+    );
+}
