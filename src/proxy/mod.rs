@@ -263,11 +263,18 @@ async fn forward(
         // The page must come back uncompressed to be rewritten; the front nginx may gzip it.
         parts.headers.remove(h::ACCEPT_ENCODING);
     }
-    let body = Limited::new(
-        IdleTimeout::new(body, server.client_body_timeout, "client"),
-        usize::try_from(route.max_body).unwrap_or(usize::MAX),
-    )
-    .boxed_unsync();
+    // Most requests (GET) have no body: no limit or idle timer to set up for them.
+    let body = if http_body::Body::is_end_stream(&body) {
+        http_body_util::Empty::new()
+            .map_err(|never| match never {})
+            .boxed_unsync()
+    } else {
+        Limited::new(
+            IdleTimeout::new(body, server.client_body_timeout, "client"),
+            usize::try_from(route.max_body).unwrap_or(usize::MAX),
+        )
+        .boxed_unsync()
+    };
 
     let sent_at = tokio::time::Instant::now();
     let sent = upstream.client.request(Request::from_parts(parts, body));
