@@ -12,7 +12,7 @@ use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap};
 use http_body::{Body, Frame, SizeHint};
 use lol_html::send::{HtmlRewriter, Settings};
-use lol_html::{doc_comments, doc_text, element, OutputSink};
+use lol_html::{doc_comments, doc_text, element, end_tag, OutputSink};
 use pin_project_lite::pin_project;
 
 use crate::error::BoxError;
@@ -58,69 +58,194 @@ fn marker_of(comment: &str) -> Option<(bool, &str)> {
         .map(|name| (true, name.trim()))
 }
 
+/// What to look for before parsing: the page is passed on untouched up to the first tag that
+/// could match, so the HTML parser only runs over the part of the page that matters.
+#[derive(Debug, Clone)]
+struct Plan {
+    /// Byte strings whose first occurrence marks where parsing must begin; empty: parse all.
+    needles: Vec<Vec<u8>>,
+    /// Elements whose end ends the work (all selectors are ids, each found once); 0: never.
+    stop_after: usize,
+}
+
+/// The literal a simple selector needs to appear in the page: `#id`, `tag#id`, `.class`,
+/// `[attr=value]`, `tag`. `None` for anything more complex.
+fn needle_of(selector: &str) -> Option<(Vec<u8>, bool)> {
+    let selector = selector.trim();
+    if selector.contains([' ', '>', '+', '~', ',', ':']) {
+        return None;
+    }
+    if let Some(at) = selector.find('#') {
+        let id = &selector[at + 1..];
+        let plain = !id.is_empty()
+            && id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        return plain.then(|| (id.as_bytes().to_vec(), true));
+    }
+    if let Some(class) = selector.strip_prefix('.') {
+        let plain = !class.is_empty()
+            && class
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        return plain.then(|| (class.as_bytes().to_vec(), false));
+    }
+    if let Some(rest) = selector.find('[').map(|at| &selector[at + 1..]) {
+        let value = rest
+            .split_once('=')
+            .map(|(_, v)| v.trim_end_matches(']').trim_matches(['"', '\'']));
+        return value
+            .filter(|v| !v.is_empty())
+            .map(|v| (v.as_bytes().to_vec(), false));
+    }
+    let plain = !selector.is_empty() && selector.chars().all(|c| c.is_ascii_alphanumeric());
+    plain.then(|| (format!("<{selector}").into_bytes(), false))
+}
+
+fn plan(selectors: &[String], markers: &[String]) -> Plan {
+    let mut needles = Vec::new();
+    let mut all_ids = markers.is_empty();
+    for selector in selectors {
+        match needle_of(selector) {
+            Some((needle, is_id)) => {
+                all_ids &= is_id;
+                needles.push(needle);
+            }
+            None => {
+                return Plan {
+                    needles: Vec::new(),
+                    stop_after: 0,
+                }
+            }
+        }
+    }
+    for marker in markers {
+        needles.push(format!("levee:module {marker}").into_bytes());
+    }
+    Plan {
+        stop_after: if all_ids { selectors.len() } else { 0 },
+        needles,
+    }
+}
+
+/// Bytes kept back while scanning, so a tag split across chunks is still found whole.
+const CARRY: usize = 4096;
+
+enum Stage {
+    /// Passing bytes on while looking for the first needle; `carry` holds the tail.
+    Scan {
+        carry: BytesMut,
+    },
+    Rewrite(Box<HtmlRewriter<'static, Sink>>),
+    /// Every selected element is gone: the rest passes untouched.
+    Pass,
+    Done,
+}
+
 pin_project! {
     /// A body with the switched-off modules' fragments removed.
     pub struct Hidden<B> {
         #[pin]
         inner: B,
-        rewriter: Option<HtmlRewriter<'static, Sink>>,
+        stage: Stage,
+        plan: Plan,
+        settings: Option<(Vec<String>, Vec<String>)>,
+        ended: Arc<AtomicUsize>,
         output: Arc<Mutex<BytesMut>>,
     }
+}
+
+fn rewriter(
+    selectors: &[String],
+    markers: &[String],
+    output: &Arc<Mutex<BytesMut>>,
+    ended: &Arc<AtomicUsize>,
+) -> HtmlRewriter<'static, Sink> {
+    let mut settings = Settings::new_send();
+    for selector in selectors {
+        let ended = ended.clone();
+        settings =
+            settings.append_element_content_handler(element!(selector.as_str(), move |el| {
+                el.remove();
+                let ended = ended.clone();
+                // Void elements have no end: count them as ended at once.
+                if el
+                    .on_end_tag(end_tag!(move |_end| {
+                        ended.fetch_add(1, Ordering::Relaxed);
+                        Ok(())
+                    }))
+                    .is_err()
+                {
+                    return Ok(());
+                }
+                Ok(())
+            }));
+    }
+    if !markers.is_empty() {
+        // Depth of open hidden markers; inside one, every node is removed.
+        let depth = Arc::new(AtomicUsize::new(0));
+        let (in_elements, in_text, in_comments) = (depth.clone(), depth.clone(), depth);
+        let markers = Arc::new(markers.to_vec());
+        settings = settings
+            .append_element_content_handler(element!("*", move |el| {
+                if in_elements.load(Ordering::Relaxed) > 0 {
+                    el.remove();
+                }
+                Ok(())
+            }))
+            .append_document_content_handler(doc_text!(move |text| {
+                if in_text.load(Ordering::Relaxed) > 0 {
+                    text.remove();
+                }
+                Ok(())
+            }))
+            .append_document_content_handler(doc_comments!(move |comment| {
+                match marker_of(&comment.text()) {
+                    Some((true, name)) if markers.iter().any(|m| m == name) => {
+                        in_comments.fetch_add(1, Ordering::Relaxed);
+                        comment.remove();
+                    }
+                    Some((false, name)) if markers.iter().any(|m| m == name) => {
+                        comment.remove();
+                        let _ =
+                            in_comments.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| {
+                                d.checked_sub(1)
+                            });
+                    }
+                    _ if in_comments.load(Ordering::Relaxed) > 0 => comment.remove(),
+                    _ => {}
+                }
+                Ok(())
+            }));
+    }
+    HtmlRewriter::new(settings, Sink(output.clone()))
 }
 
 impl<B> Hidden<B> {
     /// `selectors`: CSS selectors to remove; `markers`: module names hidden by comments.
     pub fn new(inner: B, selectors: &[String], markers: Vec<String>) -> Hidden<B> {
+        let plan = plan(selectors, &markers);
         let output = Arc::new(Mutex::new(BytesMut::new()));
-        let mut settings = Settings::new_send();
-        for selector in selectors {
-            settings = settings.append_element_content_handler(element!(selector.as_str(), |el| {
-                el.remove();
-                Ok(())
-            }));
-        }
-        if !markers.is_empty() {
-            // Depth of open hidden markers; inside one, every node is removed.
-            let depth = Arc::new(AtomicUsize::new(0));
-            let (in_elements, in_text, in_comments) = (depth.clone(), depth.clone(), depth);
-            let markers = Arc::new(markers);
-            settings = settings
-                .append_element_content_handler(element!("*", move |el| {
-                    if in_elements.load(Ordering::Relaxed) > 0 {
-                        el.remove();
-                    }
-                    Ok(())
-                }))
-                .append_document_content_handler(doc_text!(move |text| {
-                    if in_text.load(Ordering::Relaxed) > 0 {
-                        text.remove();
-                    }
-                    Ok(())
-                }))
-                .append_document_content_handler(doc_comments!(move |comment| {
-                    match marker_of(&comment.text()) {
-                        Some((true, name)) if markers.iter().any(|m| m == name) => {
-                            in_comments.fetch_add(1, Ordering::Relaxed);
-                            comment.remove();
-                        }
-                        Some((false, name)) if markers.iter().any(|m| m == name) => {
-                            comment.remove();
-                            let _ = in_comments.fetch_update(
-                                Ordering::Relaxed,
-                                Ordering::Relaxed,
-                                |d| d.checked_sub(1),
-                            );
-                        }
-                        _ if in_comments.load(Ordering::Relaxed) > 0 => comment.remove(),
-                        _ => {}
-                    }
-                    Ok(())
-                }));
-        }
-        let rewriter = HtmlRewriter::new(settings, Sink(output.clone()));
+        let ended = Arc::new(AtomicUsize::new(0));
+        let settings = (selectors.to_vec(), markers);
+        let stage = if plan.needles.is_empty() {
+            Stage::Rewrite(Box::new(rewriter(
+                &settings.0,
+                &settings.1,
+                &output,
+                &ended,
+            )))
+        } else {
+            Stage::Scan {
+                carry: BytesMut::new(),
+            }
+        };
         Hidden {
             inner,
-            rewriter: Some(rewriter),
+            stage,
+            plan,
+            settings: Some(settings),
+            ended,
             output,
         }
     }
@@ -133,6 +258,87 @@ fn take(output: &Mutex<BytesMut>) -> Bytes {
         .unwrap_or_default()
 }
 
+fn emit(output: &Mutex<BytesMut>, bytes: &[u8]) {
+    if let Ok(mut out) = output.lock() {
+        out.extend_from_slice(bytes);
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    memchr::memmem::find(haystack, needle)
+}
+
+impl<B> Hidden<B> {
+    /// Feeds one chunk through the current stage; output lands in `output`.
+    fn feed(self: Pin<&mut Self>, data: &[u8]) -> Result<(), BoxError> {
+        let this = self.project();
+        match this.stage {
+            Stage::Scan { carry } => {
+                carry.extend_from_slice(data);
+                let first = this
+                    .plan
+                    .needles
+                    .iter()
+                    .filter_map(|needle| find(carry, needle))
+                    .min();
+                let Some(at) = first else {
+                    // Keep a tail back in case a needle or its tag straddles chunks.
+                    let keep = carry.len().min(CARRY);
+                    let pass = carry.split_to(carry.len() - keep);
+                    emit(this.output, &pass);
+                    return Ok(());
+                };
+                let start = carry[..at].iter().rposition(|b| *b == b'<').unwrap_or(0);
+                let before = carry.split_to(start);
+                emit(this.output, &before);
+                let rest = carry.split();
+                let (selectors, markers) = this.settings.take().unwrap_or_default();
+                let mut rewriter = rewriter(&selectors, &markers, this.output, this.ended);
+                rewriter
+                    .write(&rest)
+                    .map_err(|error| Box::new(error) as BoxError)?;
+                *this.stage = Stage::Rewrite(Box::new(rewriter));
+                finish_early(this.stage, this.plan, this.ended)
+            }
+            Stage::Rewrite(rewriter) => {
+                rewriter
+                    .write(data)
+                    .map_err(|error| Box::new(error) as BoxError)?;
+                finish_early(this.stage, this.plan, this.ended)
+            }
+            Stage::Pass => {
+                emit(this.output, data);
+                Ok(())
+            }
+            Stage::Done => Ok(()),
+        }
+    }
+
+    fn end(self: Pin<&mut Self>) -> Result<(), BoxError> {
+        let this = self.project();
+        match std::mem::replace(this.stage, Stage::Done) {
+            Stage::Scan { carry } => emit(this.output, &carry),
+            Stage::Rewrite(rewriter) => rewriter
+                .end()
+                .map_err(|error| Box::new(error) as BoxError)?,
+            Stage::Pass | Stage::Done => {}
+        }
+        Ok(())
+    }
+}
+
+/// Once every id-selected element has ended, nothing more can match: stop parsing.
+fn finish_early(stage: &mut Stage, plan: &Plan, ended: &AtomicUsize) -> Result<(), BoxError> {
+    if plan.stop_after > 0 && ended.load(Ordering::Relaxed) >= plan.stop_after {
+        if let Stage::Rewrite(rewriter) = std::mem::replace(stage, Stage::Pass) {
+            rewriter
+                .end()
+                .map_err(|error| Box::new(error) as BoxError)?;
+        }
+    }
+    Ok(())
+}
+
 impl<B> Body for Hidden<B>
 where
     B: Body<Data = Bytes, Error = BoxError>,
@@ -141,43 +347,41 @@ where
     type Error = BoxError;
 
     fn poll_frame(
-        self: Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let mut this = self.project();
         loop {
-            let Some(rewriter) = this.rewriter.as_mut() else {
-                return Poll::Ready(None);
-            };
-            match this.inner.as_mut().poll_frame(cx) {
+            if matches!(self.stage, Stage::Done) {
+                let out = take(&self.output);
+                return Poll::Ready((!out.is_empty()).then(|| Ok(Frame::data(out))));
+            }
+            match self.as_mut().project().inner.poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Err(error))) => return Poll::Ready(Some(Err(error))),
                 Poll::Ready(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    if let Err(error) = rewriter.write(&data) {
-                        return Poll::Ready(Some(Err(Box::new(error))));
+                    if let Err(error) = self.as_mut().feed(&data) {
+                        return Poll::Ready(Some(Err(error)));
                     }
-                    let out = take(this.output);
+                    let out = take(&self.output);
                     if !out.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(out))));
                     }
                 }
                 Poll::Ready(None) => {
-                    let finished = this.rewriter.take().map(HtmlRewriter::end);
-                    if let Some(Err(error)) = finished {
-                        return Poll::Ready(Some(Err(Box::new(error))));
+                    if let Err(error) = self.as_mut().end() {
+                        return Poll::Ready(Some(Err(error)));
                     }
-                    let out = take(this.output);
-                    return Poll::Ready((!out.is_empty()).then(|| Ok(Frame::data(out))));
                 }
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.rewriter.is_none()
+        matches!(self.stage, Stage::Done)
+            && self.output.lock().map(|out| out.is_empty()).unwrap_or(true)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -255,5 +459,36 @@ mod tests {
             "application/json".parse().expect("value"),
         );
         assert!(!rewritable(&json));
+    }
+
+    #[tokio::test]
+    async fn parsing_starts_late_and_stops_early_without_changing_the_result() {
+        let mut page = String::from("<html><body>");
+        for i in 0..200 {
+            page.push_str(&format!("<div class=\"post\"><p>post {i}</p></div>\n"));
+        }
+        page.push_str("<div id=\"ranking\"><div><ol><li>a</li></ol></div></div>");
+        for i in 0..50 {
+            page.push_str(&format!("<p>after {i} <b>x</b></p>"));
+        }
+        page.push_str("</body></html>");
+        let page: &'static str = Box::leak(page.into_boxed_str());
+        let expected = page.replace(
+            "<div id=\"ranking\"><div><ol><li>a</li></ol></div></div>",
+            "",
+        );
+        for chunk in [3, 100, 5000, 1 << 20] {
+            assert_eq!(
+                rewrite(page, &["#ranking"], &[], chunk).await,
+                expected,
+                "chunk {chunk}"
+            );
+        }
+        assert_eq!(needle_of("div#ranking"), Some((b"ranking".to_vec(), true)));
+        assert_eq!(
+            needle_of("[data-module=visitors]"),
+            Some((b"visitors".to_vec(), false))
+        );
+        assert_eq!(needle_of("div > p"), None);
     }
 }
