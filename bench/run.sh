@@ -1,0 +1,870 @@
+#!/usr/bin/env bash
+# bench/run.sh: levee's benchmark harness.
+#
+# Puts levee, nginx and HAProxy in front of the same nginx backend on this machine, over
+# loopback, and drives each with the same wrk load. Every proxy gets the same CPU budget
+# (one worker/thread pinned to PROXY_CPUS); wrk, the backend and Redis share the other
+# core(s), so the proxy alone owns its core and the backend's cost is identical in every case.
+#
+#   bench/run.sh            full run: DURATION s per round (default 10), ROUNDS rounds (3), median
+#   bench/run.sh --smoke    every case ~2 s, 1 round; exit status 1 only when something is broken
+#                           (a proxy did not start, a case had errors), never for a speed target
+#
+# The Markdown report goes to stdout and to bench/results/<date>-<time>.md (gitignored);
+# progress goes to stderr. Everything runs in a mktemp -d directory that is removed on exit
+# (KEEP_TMP=1 keeps it, with every config, log and raw wrk output).
+#
+# Settings (environment variables, defaults in brackets):
+#   DURATION [10]  ROUNDS [3]  WARMUP [2] seconds of unmeasured load before each case
+#   CONNECTIONS [64]  WRK_THREADS [1]
+#   PROXY_CPUS [0]  LOAD_CPUS [1]  BACKEND_CPUS [1]   taskset core lists
+#   BACKEND_WORKERS [1]  ROUTES [50]  RELOAD_ROUTES [500]  RELOAD_SAMPLES [9]  RELOADS [20]
+#   IDLE_CONNS [5000]  LEVEE_BIN [target/release/levee, built when missing or stale]
+#   ONLY ["" = everything]  space-separated case ids and/or sections to run, e.g. ONLY="4 5b reload"
+#        (sections: idle, conns, reload, reload-load)
+#
+# Slots: a levee case that needs a policy feature (slot_case) runs only when `levee check`
+# accepts its policy template; otherwise the report says "not yet available" with levee's
+# reason. A future feature's case can be added before the feature exists.
+
+set -euo pipefail
+shopt -u patsub_replacement 2>/dev/null || true # `&` in template values stays literal
+export LC_ALL=C                                  # '.' decimal point in EPOCHREALTIME and awk
+export PATH="$PATH:/usr/sbin:/sbin"              # nginx and haproxy live in /usr/sbin
+
+BENCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$BENCH_DIR/.." && pwd)
+CONF=$BENCH_DIR/conf
+POLICIES=$BENCH_DIR/policies
+LIB=$BENCH_DIR/lib
+
+log() { printf '[bench %3ds] %s\n' "$SECONDS" "$*" >&2; }
+warn() { printf '[bench] WARNING: %s\n' "$*" >&2; }
+die() {
+	printf '[bench] ERROR: %s\n' "$*" >&2
+	exit 2
+}
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+MODE=full
+case ${1:-} in
+--smoke) MODE=smoke ;;
+"") ;;
+-h | --help)
+	sed -n '2,/^$/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+	exit 0
+	;;
+*) die "unknown argument '$1' (use --smoke or --help)" ;;
+esac
+
+SUFFIX=
+if [[ $MODE == smoke ]]; then
+	SUFFIX=-smoke
+	DURATION=2 ROUNDS=1 WARMUP=1 RELOAD_SAMPLES=3
+else
+	DURATION=${DURATION:-10} ROUNDS=${ROUNDS:-3} WARMUP=${WARMUP:-2} RELOAD_SAMPLES=${RELOAD_SAMPLES:-9}
+fi
+CONNECTIONS=${CONNECTIONS:-64}
+WRK_THREADS=${WRK_THREADS:-1}
+PROXY_CPUS=${PROXY_CPUS:-0}
+LOAD_CPUS=${LOAD_CPUS:-1}
+BACKEND_CPUS=${BACKEND_CPUS:-1}
+BACKEND_WORKERS=${BACKEND_WORKERS:-1}
+ROUTES=${ROUTES:-50}
+RELOAD_ROUTES=${RELOAD_ROUTES:-500}
+RELOADS=${RELOADS:-20}
+IDLE_CONNS=${IDLE_CONNS:-5000}
+KEEP_TMP=${KEEP_TMP:-0}
+ONLY=${ONLY:-}
+wanted() { [[ -z $ONLY || " $ONLY " == *" $1 "* ]]; } # ID: selected by ONLY?
+LEVEE=${LEVEE_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/release/levee}
+
+# Targets (PASS/FAIL lines; informational, they never change the exit status).
+TARGET_VS_NGINX=1.1 TARGET_VS_HAPROXY=1.0 TARGET_IDLE_MIB=20 TARGET_CONNS_MIB=60
+NOISE_PCT=${NOISE_PCT:-10} # warn when more than this share of the proxy core was busy with other work
+
+# ---------------------------------------------------------------------------------------------
+# Dependencies: Debian packages (installed only when missing, only as root) and the levee build
+# ---------------------------------------------------------------------------------------------
+ensure_packages() {
+	local -a missing=()
+	local pair
+	for pair in nginx:nginx haproxy:haproxy wrk:wrk redis-server:redis-server redis-cli:redis-tools; do
+		command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
+	done
+	if ((${#missing[@]})); then
+		((EUID == 0)) || die "missing packages: ${missing[*]}; install them or run as root"
+		log "installing ${missing[*]}"
+		# No init system here, but keep package scripts from starting the system nginx, HAProxy
+		# or Redis on their default ports: a policy-rc.d that says "no" for the install only.
+		local policy_rc=/usr/sbin/policy-rc.d own_policy_rc=0
+		if [[ ! -e $policy_rc ]]; then
+			printf '#!/bin/sh\nexit 101\n' >"$policy_rc" && chmod 755 "$policy_rc" && own_policy_rc=1
+		fi
+		apt-get update -q >&2
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >&2 ||
+			{ ((own_policy_rc)) && rm -f "$policy_rc"; die "apt-get install failed"; }
+		((own_policy_rc)) && rm -f "$policy_rc"
+	fi
+	local tool
+	for tool in python3 curl taskset timeout getconf; do
+		command -v "$tool" >/dev/null || die "$tool is required"
+	done
+}
+
+ensure_levee() {
+	if [[ -n ${LEVEE_BIN:-} ]]; then
+		[[ -x $LEVEE ]] || die "LEVEE_BIN=$LEVEE is not executable"
+		return
+	fi
+	if [[ ! -x $LEVEE ]] ||
+		[[ -n $(find "$REPO/src" "$REPO/Cargo.toml" "$REPO/Cargo.lock" -newer "$LEVEE" -print -quit 2>/dev/null) ]]; then
+		log "building levee (cargo build --release)"
+		(cd "$REPO" && cargo build --release) >&2 || die "cargo build --release failed"
+	fi
+}
+
+check_cpus() {
+	local list
+	for list in "$PROXY_CPUS" "$LOAD_CPUS" "$BACKEND_CPUS"; do
+		taskset -c "$list" true 2>/dev/null || die "cannot pin to CPU list '$list' (see PROXY_CPUS, LOAD_CPUS, BACKEND_CPUS)"
+	done
+}
+
+# ---------------------------------------------------------------------------------------------
+# Processes: every one we start is tracked by pid and stopped by that pid on exit
+# ---------------------------------------------------------------------------------------------
+declare -A RUNNING=() # pid -> name
+
+now_us() { echo "${EPOCHREALTIME/./}"; }
+
+alive() { # PID: running and not a zombie
+	local line state
+	{ read -r line <"/proc/$1/stat"; } 2>/dev/null || return 1
+	state=${line##*) }
+	[[ ${state%% *} != Z ]]
+}
+
+stop_pid() { # PID: SIGTERM, wait up to 10 s, then SIGKILL; reaps it when it is our child
+	local pid=$1 deadline
+	deadline=$(($(now_us) + 10000000))
+	kill -TERM "$pid" 2>/dev/null || true
+	while alive "$pid"; do
+		if (($(now_us) > deadline)); then
+			warn "${RUNNING[$pid]:-pid $pid} ignored SIGTERM; killing it"
+			kill -KILL "$pid" 2>/dev/null || true
+			break
+		fi
+		sleep 0.05
+	done
+	wait "$pid" 2>/dev/null || true
+	unset "RUNNING[$pid]"
+}
+
+cleanup() {
+	local rc=$? pid
+	trap - EXIT INT TERM
+	for pid in "${!RUNNING[@]}"; do stop_pid "$pid"; done
+	if [[ -n ${TMP:-} && -d $TMP ]]; then
+		if [[ $KEEP_TMP == 1 ]]; then log "kept the temp dir: $TMP"; else rm -rf "$TMP"; fi
+	fi
+	exit "$rc"
+}
+
+wait_port() { # PORT PID SECONDS: poll until PORT accepts connections; fail early if PID died
+	local port=$1 pid=$2 deadline
+	deadline=$(($(now_us) + $3 * 1000000))
+	while (($(now_us) < deadline)); do
+		if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then return 0; fi
+		alive "$pid" || return 1
+		sleep 0.02
+	done
+	return 1
+}
+
+LAST_PID=
+started() { # NAME PID LOG PORT...: track PID and wait for every PORT; on failure show LOG
+	local name=$1 pid=$2 logfile=$3 port
+	shift 3
+	RUNNING[$pid]=$name
+	LAST_PID=$pid
+	for port; do
+		if ! wait_port "$port" "$pid" 15; then
+			warn "$name did not start (port $port not answering); last lines of its log:"
+			tail -n 5 "$logfile" >&2 || true
+			stop_pid "$pid"
+			return 1
+		fi
+	done
+}
+
+# Free ports: one batch for the whole run (all distinct, below the ephemeral range).
+PORT_POOL=()
+take_port() { # VAR: assign the next free port to VAR
+	((${#PORT_POOL[@]})) || die "out of pre-allocated ports"
+	printf -v "$1" '%s' "${PORT_POOL[0]}"
+	PORT_POOL=("${PORT_POOL[@]:1}")
+}
+
+# ---------------------------------------------------------------------------------------------
+# Measurements from /proc
+# ---------------------------------------------------------------------------------------------
+descendants() { # PID: print PID and all its descendants (nginx master -> workers)
+	local -A kids=()
+	local f line pid rest
+	for f in /proc/[0-9]*/stat; do
+		{ read -r line <"$f"; } 2>/dev/null || continue
+		pid=${line%% *}
+		rest=${line##*) } # "state ppid ..."; comm (in parentheses) may contain spaces
+		rest=${rest#* }
+		kids[${rest%% *}]+=" $pid"
+	done
+	local -a queue=("$1") out=()
+	while ((${#queue[@]})); do
+		pid=${queue[0]}
+		queue=("${queue[@]:1}")
+		out+=("$pid")
+		# shellcheck disable=SC2206
+		queue+=(${kids[$pid]:-})
+	done
+	echo "${out[*]}"
+}
+
+cpu_ticks() { # PID...: summed utime + stime (all threads) in clock ticks
+	local total=0 pid line
+	local -a f
+	for pid; do
+		{ read -r line <"/proc/$pid/stat"; } 2>/dev/null || continue
+		read -ra f <<<"${line##*) }" # f[0] is field 3 (state); utime is field 14, stime 15
+		total=$((total + f[11] + f[12]))
+	done
+	echo "$total"
+}
+
+status_kb() { # FIELD PID...: sum of a /proc/PID/status field in kB (VmRSS, VmHWM)
+	local field=$1 total=0 pid key value rest
+	shift
+	for pid; do
+		[[ -r /proc/$pid/status ]] || continue
+		while read -r key value rest; do
+			[[ $key == "$field:" ]] && total=$((total + value))
+		done <"/proc/$pid/status"
+	done
+	echo "$total"
+}
+
+expand_cpus() { # LIST: "0,2-3" -> "0 2 3"
+	local part out=()
+	for part in ${1//,/ }; do
+		if [[ $part == *-* ]]; then out+=($(seq "${part%-*}" "${part#*-}")); else out+=("$part"); fi
+	done
+	echo "${out[*]}"
+}
+
+core_busy() { # CORE...: busy ticks of these cores from /proc/stat (all but idle and iowait)
+	local total=0 name user nice system idle iowait irq softirq steal rest core
+	for core; do
+		while read -r name user nice system idle iowait irq softirq steal rest; do
+			[[ $name == "cpu$core" ]] && total=$((total + user + nice + system + irq + softirq + steal))
+		done </proc/stat
+	done
+	echo "$total"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------
+calc() { awk "BEGIN { $1 }" </dev/null; } # calc 'printf "%.2f", 1/3'
+
+median() { # NUMBER...: median
+	printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END {
+		if (NR == 0) exit 1
+		if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+render() { # TEMPLATE OUT KEY=VALUE...: fill @KEY@ placeholders (first pair wins); refuse leftovers
+	local tmpl=$1 out=$2 text kv
+	shift 2
+	text=$(<"$tmpl")
+	for kv; do text=${text//"@${kv%%=*}@"/"${kv#*=}"}; done
+	if [[ $text =~ @[A-Z0-9_]+@ ]]; then
+		warn "$(basename "$tmpl"): placeholder ${BASH_REMATCH[0]} was not filled"
+		return 1
+	fi
+	printf '%s\n' "$text" >"$out"
+}
+
+filler_routes() { # N: N routes the benchmark request never matches, in five match styles
+	local i
+	for ((i = 1; i <= $1; i++)); do
+		printf '[[route]]\nname = "filler-%03d"\n' "$i"
+		case $((i % 5)) in
+		0) printf 'match = { path = "/legacy/page-%d.php" }\n' "$i" ;;
+		1) printf 'match = { path_prefix = "/module-%d/" }\n' "$i" ;;
+		2) printf 'match = { path_regex = "^/archive/%d/[0-9]+\\\\.php$" }\n' "$i" ;;
+		3) printf 'match = { method = ["POST"], path_prefix = "/api/v%d/" }\n' "$i" ;;
+		4) printf 'match = { host = "static-%d.example.test", path_prefix = "/" }\n' "$i" ;;
+		esac
+		printf 'upstream = "app"\n\n'
+	done
+}
+
+# render_policy NAME TEMPLATE PORT ADMIN_PORT [KEY=VALUE...]: writes $TMP/policies/NAME/levee.toml
+# with the common values filled in (route-table templates get ROUTES routes). KEY=VALUE pairs
+# given here come first, so they win over the defaults after them.
+render_policy() {
+	local name=$1 tmpl=$2 port=$3 admin=$4
+	shift 4
+	mkdir -p "$TMP/policies/$name"
+	render "$POLICIES/$tmpl" "$TMP/policies/$name/levee.toml" "$@" \
+		PORT="$port" ADMIN_PORT="$admin" BACKEND_PORT="$PORT_BACKEND" REDIS_PORT="$PORT_REDIS" \
+		STAMP=0 RESPONSE_TIMEOUT=30s FILLER_ROUTES="$(filler_routes $((ROUTES - 1)))"
+}
+
+check_policy() { # DIR: `levee check`; on refusal, SLOT_REASON holds its first error (no paths)
+	local out
+	if out=$("$LEVEE" check --policies "$1" 2>&1); then return 0; fi
+	SLOT_REASON=$(grep -m1 'error' <<<"$out" | sed 's/^[^ ]*: error: //; s/, expected .*//')
+	return 1
+}
+
+# ---------------------------------------------------------------------------------------------
+# wrk
+# ---------------------------------------------------------------------------------------------
+declare -A W=() # fields of the last wrk run (see lib/report.lua) plus errors, rps
+
+wrk_start() { # URL SECONDS OUT: wrk on the load cores in the background; pid in LAST_PID
+	taskset -c "$LOAD_CPUS" timeout $(($2 + 30)) \
+		wrk -t "$WRK_THREADS" -c "$CONNECTIONS" -d "${2}s" --timeout 5s --latency \
+		-s "$LIB/report.lua" "$1" >"$3" 2>&1 &
+	LAST_PID=$!
+	RUNNING[$LAST_PID]=wrk
+}
+
+wrk_parse() { # OUT: fill W from wrk's BENCH line
+	local line kv
+	line=$(grep -m1 '^BENCH ' "$1") || {
+		warn "wrk printed no result; its output:"
+		tail -n 5 "$1" >&2
+		return 1
+	}
+	W=()
+	for kv in ${line#BENCH }; do W[${kv%%=*}]=${kv#*=}; done
+	W[errors]=$((W[err_connect] + W[err_read] + W[err_write] + W[err_status] + W[err_timeout]))
+	W[rps]=$(calc "printf \"%.1f\", ${W[requests]} / (${W[duration_us]} / 1e6)")
+}
+
+run_wrk() { # URL SECONDS OUT: one wrk run in the foreground
+	local pid
+	wrk_start "$@"
+	pid=$LAST_PID
+	wait "$pid" || true
+	unset "RUNNING[$pid]"
+	wrk_parse "$3"
+}
+
+probe() { # URL EXPECTED_BYTES [MUST_NOT_CONTAIN]: one request; 200 with the right body?
+	local got code size
+	got=$(curl -s -o "$TMP/probe.body" -w '%{http_code} %{size_download}' --max-time 5 "$1") || got="000 0"
+	code=${got% *} size=${got#* }
+	if [[ $code != 200 ]]; then
+		PROBE_ERROR="status $code from $1"
+		return 1
+	fi
+	if [[ -n ${3:-} ]]; then
+		if grep -qF -- "$3" "$TMP/probe.body"; then
+			PROBE_ERROR="the body still contains '$3'"
+			return 1
+		fi
+	elif [[ $size != "$2" ]]; then
+		PROBE_ERROR="body of $size bytes, expected $2"
+		return 1
+	fi
+}
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------
+CASES=()
+declare -A LABEL=() STATUS=() NOTE=() RPS=() P50=() P99=() P999=() ERR=() CPU=() HWM=() OTHER=() OTHER_MAX=()
+BROKEN=()
+
+broken() { # MESSAGE: something that makes the run (and --smoke) fail
+	BROKEN+=("$1")
+	warn "$1"
+}
+
+skip_case() { # ID LABEL REASON
+	CASES+=("$1")
+	LABEL[$1]=$2 STATUS[$1]=skipped NOTE[$1]="not yet available: $3"
+	log "case $1: $2: not yet available ($3)"
+}
+
+measure() { # ID PID URL ON_PROXY_CORE(1|0): warm-up, then ROUNDS measured wrk runs; medians
+	local id=$1 pid=$2 url=$3 own=$4 round pids t0 t1 b0 b1 w0 w1 errors=0 ticks=0 requests=0 status=0
+	local -a rps=() p50=() p99=() p999=() other=()
+	run_wrk "$url" "$WARMUP" "$TMP/wrk-$id-warmup.txt" || {
+		broken "case $id: wrk warm-up failed"
+		STATUS[$id]=failed
+		return
+	}
+	errors=${W[errors]} status=${W[err_status]}
+	pids=$(descendants "$pid") # after warm-up, so every worker exists
+	for ((round = 1; round <= ROUNDS; round++)); do
+		t0=$(cpu_ticks $pids) b0=$(core_busy $PROXY_CORES) w0=$(now_us)
+		if ! run_wrk "$url" "$DURATION" "$TMP/wrk-$id-$round.txt"; then
+			broken "case $id: wrk round $round failed"
+			STATUS[$id]=failed
+			return
+		fi
+		t1=$(cpu_ticks $pids) b1=$(core_busy $PROXY_CORES) w1=$(now_us)
+		# Noise check: busy time of the proxy core(s) that the proxy itself did not use
+		# (other processes, and interrupt work the kernel did not charge to the proxy).
+		other+=("$(calc "v = 100 * (($b1 - $b0) - $own * ($t1 - $t0)) / (($w1 - $w0) / 1e6 * $CLK_TCK * $PROXY_NCORES); printf \"%.1f\", (v < 0 ? 0 : v)")") # < 0: tick rounding
+		ticks=$((ticks + t1 - t0)) requests=$((requests + W[requests])) errors=$((errors + W[errors])) status=$((status + W[err_status]))
+		rps+=("${W[rps]}") p50+=("${W[p50_us]}") p99+=("${W[p99_us]}") p999+=("${W[p999_us]}")
+		log "  round $round/$ROUNDS: ${W[rps]} req/s, p99 ${W[p99_us]} us, errors ${W[errors]}"
+	done
+	RPS[$id]=$(median "${rps[@]}") P50[$id]=$(median "${p50[@]}")
+	P99[$id]=$(median "${p99[@]}") P999[$id]=$(median "${p999[@]}")
+	ERR[$id]=$errors
+	((errors == 0)) || ERR[$id]+=" ($status HTTP ≥ 400, $((errors - status)) socket)"
+	CPU[$id]=$(calc "if ($requests > 0) printf \"%.2f\", $ticks / $CLK_TCK / $requests * 100000")
+	HWM[$id]=$(status_kb VmHWM $pids)
+	OTHER[$id]=$(median "${other[@]}")
+	OTHER_MAX[$id]=$(printf '%s\n' "${other[@]}" | sort -g | tail -n1)
+	STATUS[$id]=ok
+	((errors == 0)) || broken "case $id (${LABEL[$id]}): ${ERR[$id]} failed requests"
+}
+
+# run_case ID LABEL KIND TEMPLATE PATH EXPECTED_BYTES [MUST_NOT_CONTAIN]
+#   KIND backend: measure the backend itself; nginx, haproxy: a config template under conf/;
+#   levee: a policy template under policies/ (already checked for slots).
+run_case() {
+	local id=$1 label=$2 kind=$3 tmpl=$4 path=$5 expect=$6 absent=${7:-} port admin pid= dir
+	wanted "$id" || return 0
+	CASES+=("$id")
+	LABEL[$id]=$label
+	log "case $id: $label"
+	case $kind in
+	backend)
+		port=$PORT_BACKEND pid=$BACKEND_PID
+		;;
+	nginx)
+		take_port port
+		dir=$TMP/case$id
+		mkdir -p "$dir"
+		render "$CONF/$tmpl" "$dir/nginx.conf" DIR="$dir" PORT="$port" BACKEND_PORT="$PORT_BACKEND"
+		taskset -c "$PROXY_CPUS" nginx -c "$dir/nginx.conf" -p "$dir/" -e "$dir/error.log" \
+			-g 'daemon off;' >"$dir/stdout.log" 2>&1 &
+		started "nginx (case $id)" $! "$dir/error.log" "$port" && pid=$LAST_PID
+		;;
+	haproxy)
+		take_port port
+		dir=$TMP/case$id
+		mkdir -p "$dir"
+		render "$CONF/$tmpl" "$dir/haproxy.cfg" PORT="$port" BACKEND_PORT="$PORT_BACKEND"
+		taskset -c "$PROXY_CPUS" haproxy -f "$dir/haproxy.cfg" -db >"$dir/haproxy.log" 2>&1 &
+		started "haproxy (case $id)" $! "$dir/haproxy.log" "$port" && pid=$LAST_PID
+		;;
+	levee)
+		take_port port
+		take_port admin
+		render_policy "case$id" "$tmpl" "$port" "$admin"
+		taskset -c "$PROXY_CPUS" "$LEVEE" run --policies "$TMP/policies/case$id" --no-watch --threads 1 \
+			>"$TMP/levee-case$id.log" 2>&1 &
+		started "levee (case $id)" $! "$TMP/levee-case$id.log" "$port" "$admin" && pid=$LAST_PID
+		;;
+	esac
+	if [[ -z $pid ]]; then
+		STATUS[$id]=failed NOTE[$id]="did not start"
+		broken "case $id ($label): the proxy did not start"
+		return
+	fi
+	if probe "http://127.0.0.1:$port$path" "$expect" "$absent"; then
+		measure "$id" "$pid" "http://127.0.0.1:$port$path" "$([[ $kind == backend ]] && echo 0 || echo 1)"
+		[[ $kind != levee ]] || limit_note "$id" "$admin"
+	else
+		STATUS[$id]=failed NOTE[$id]="wrong answer: $PROBE_ERROR"
+		broken "case $id ($label): $PROBE_ERROR"
+	fi
+	[[ $kind == backend ]] || stop_pid "$pid"
+}
+
+limit_note() { # ID ADMIN_PORT: levee's rate-limit decisions during the case, from /metrics
+	local summary
+	summary=$(curl -s --max-time 5 "http://127.0.0.1:$2/metrics" | awk '
+		/^[a-z_]*ratelimit_decisions[a-z_]*[{]/ {
+			match($0, /source="[^"]*"/); src = substr($0, RSTART + 8, RLENGTH - 9)
+			match($0, /result="[^"]*"/); res = substr($0, RSTART + 8, RLENGTH - 9)
+			by[src] += $NF
+			if (res != "allowed") refused[res] += $NF
+		}
+		END {
+			for (s in by) printf "%s%s %d", (n++ ? ", " : ""), s, by[s]
+			for (r in refused) printf ", %s %d", r, refused[r]
+		}') || true
+	[[ -n $summary ]] || return 0
+	NOTE[$1]="rate-limit decisions by source: $summary"
+	if [[ $summary == *fallback* ]]; then
+		NOTE[$1]+="; levee fell back to in-process limits (Redis slower than its timeout) for part of the run"
+	fi
+}
+
+# slot_case ID LABEL TEMPLATE PATH EXPECTED_BYTES [MUST_NOT_CONTAIN]: a levee case that runs
+# only once `levee check` accepts its policy template.
+slot_case() {
+	local id=$1 label=$2 tmpl=$3
+	wanted "$id" || return 0
+	render_policy "check$id" "$tmpl" 1 2 # dummy ports, only checked
+	if check_policy "$TMP/policies/check$id"; then
+		run_case "$id" "$label" levee "$tmpl" "${@:4}"
+	else
+		skip_case "$id" "$label" "$SLOT_REASON"
+	fi
+}
+
+start_levee_section() { # NAME TEMPLATE [KEY=VALUE...]: fresh levee for a section; SEC_* globals
+	local name=$1 tmpl=$2
+	shift 2
+	take_port SEC_PORT
+	take_port SEC_ADMIN
+	SEC_DIR=$TMP/policies/$name
+	render_policy "$name" "$tmpl" "$SEC_PORT" "$SEC_ADMIN" "$@" || return 1
+	taskset -c "$PROXY_CPUS" "$LEVEE" run --policies "$SEC_DIR" --no-watch --threads 1 \
+		>"$TMP/levee-$name.log" 2>&1 &
+	started "levee ($name)" $! "$TMP/levee-$name.log" "$SEC_PORT" "$SEC_ADMIN" || return 1
+	SEC_PID=$LAST_PID
+}
+
+# ---------------------------------------------------------------------------------------------
+# Sections beyond throughput
+# ---------------------------------------------------------------------------------------------
+IDLE_RSS= CONNS_RSS= CONNS_NOTE= RELOAD_MS= RELOAD_NOTE= RELOAD_FAILED= RELOAD_LOAD_NOTE=
+
+section_idle_rss() { # VmRSS of a fresh levee as soon as both listeners answer
+	log "section: idle RSS"
+	start_levee_section idle passthrough.toml.tmpl || {
+		broken "idle RSS: levee did not start"
+		return
+	}
+	IDLE_RSS=$(status_kb VmRSS "$SEC_PID")
+	stop_pid "$SEC_PID"
+}
+
+section_idle_conns() { # VmRSS with IDLE_CONNS idle keep-alive clients (one request answered each)
+	local n=$IDLE_CONNS limit holder deadline out=$TMP/idle-conns.txt before fds
+	log "section: $n idle keep-alive connections"
+	limit=$(ulimit -n)
+	if ((n + 200 > limit)); then
+		n=$((limit - 200))
+		CONNS_NOTE="capped at $n connections by the open-files limit ($limit)"
+		warn "$CONNS_NOTE"
+	fi
+	start_levee_section conns passthrough.toml.tmpl || {
+		broken "idle connections: levee did not start"
+		return
+	}
+	before=$(status_kb VmRSS "$SEC_PID")
+	# (No `timeout` wrapper: it would not pass SIGUSR1 on. The script gives up by itself.)
+	taskset -c "$LOAD_CPUS" python3 "$LIB/idle_conns.py" "$SEC_PORT" "$n" / >"$out" 2>&1 &
+	holder=$!
+	RUNNING[$holder]=idle_conns.py
+	deadline=$(($(now_us) + 120000000))
+	until grep -q '^READY' "$out"; do
+		if ! alive "$holder" || (($(now_us) > deadline)); then
+			broken "idle connections: the client did not get its answers: $(tail -n 1 "$out")"
+			stop_pid "$holder"
+			stop_pid "$SEC_PID"
+			return
+		fi
+		sleep 0.05
+	done
+	CONNS_RSS=$(status_kb VmRSS "$SEC_PID")
+	fds=$(find "/proc/$SEC_PID/fd" -mindepth 1 -maxdepth 1 | wc -l) # clients + upstream pool + listeners
+	kill -USR1 "$holder"
+	wait "$holder" || true
+	unset "RUNNING[$holder]"
+	local ready still
+	ready=$(grep -m1 '^READY' "$out")
+	still=$(grep -m1 '^STILL_OPEN' "$out" || echo "STILL_OPEN ?")
+	ready=${ready#READY answered=}
+	CONNS_NOTE="${CONNS_NOTE:+$CONNS_NOTE; }${ready/ of //} answered 200, ${still#STILL_OPEN } still open after the reading; levee had $fds open descriptors; $(mib "$before") before the clients"
+	[[ $ready == "$n of $n" ]] || broken "idle connections: only $ready requests were answered"
+	stop_pid "$SEC_PID"
+}
+
+section_reload_time() { # median time of POST /reload for a RELOAD_ROUTES-route policy
+	local i t reply
+	local -a times=()
+	log "section: reload time with $RELOAD_ROUTES routes"
+	start_levee_section reload-time routes.toml.tmpl FILLER_ROUTES="$(filler_routes $((RELOAD_ROUTES - 1)))" || {
+		broken "reload time: levee did not start"
+		return
+	}
+	for ((i = 1; i <= RELOAD_SAMPLES; i++)); do
+		# Rewrite the file (new stamp) so the reload reads, parses and compiles changed text.
+		render "$POLICIES/routes.toml.tmpl" "$SEC_DIR/levee.toml" PORT="$SEC_PORT" ADMIN_PORT="$SEC_ADMIN" \
+			BACKEND_PORT="$PORT_BACKEND" STAMP="$i" RESPONSE_TIMEOUT=30s \
+			FILLER_ROUTES="$(filler_routes $((RELOAD_ROUTES - 1)))"
+		t=$(curl -s -o "$TMP/reload.json" -w '%{time_total}' --max-time 30 -X POST "http://127.0.0.1:$SEC_ADMIN/reload") || t=
+		reply=$(tr -d ' \n' <"$TMP/reload.json" 2>/dev/null || true)
+		if [[ -z $t || $reply != *'"ok":true'* || $reply != *'"changed":true'* ]]; then
+			broken "reload time: reload $i failed: ${reply:0:200}"
+			stop_pid "$SEC_PID"
+			return
+		fi
+		times+=("$(calc "printf \"%.2f\", $t * 1000")")
+	done
+	RELOAD_MS=$(median "${times[@]}")
+	RELOAD_NOTE="$RELOAD_SAMPLES rewrites + POST /reload, curl time_total incl. compile; min $(printf '%s\n' "${times[@]}" | sort -g | head -n1) ms, max $(printf '%s\n' "${times[@]}" | sort -g | tail -n1) ms"
+	stop_pid "$SEC_PID"
+}
+
+section_reload_load() { # failed requests while levee reloads RELOADS times under wrk load
+	local secs interval i t0 wait_us wrk_pid reply failed=0 routes rto out=$TMP/wrk-reload.txt
+	log "section: $RELOADS reloads under load"
+	start_levee_section reload-load routes.toml.tmpl || {
+		broken "reloads under load: levee did not start"
+		return
+	}
+	secs=$((DURATION > 4 ? DURATION : 4))
+	# Reloads are paced evenly over the load window: reload i is due i intervals after wrk
+	# starts, the last one two intervals before wrk stops (pacing against the clock, not a
+	# wait for something a poll could see).
+	interval=$((secs * 1000000 / (RELOADS + 2)))
+	wrk_start "http://127.0.0.1:$SEC_PORT/shop/cart.php" "$secs" "$out"
+	wrk_pid=$LAST_PID
+	t0=$(now_us)
+	for ((i = 1; i <= RELOADS; i++)); do
+		wait_us=$((t0 + i * interval - $(now_us)))
+		((wait_us <= 0)) || sleep "$(calc "printf \"%.3f\", $wait_us / 1e6")"
+		# Every rewrite changes the route table size; every other one also changes the upstream
+		# (response_timeout), which replaces its connection pool mid-load.
+		routes=$((ROUTES - 1 + i % 7))
+		rto=$((i % 2 ? 31 : 30))s
+		render "$POLICIES/routes.toml.tmpl" "$SEC_DIR/levee.toml" PORT="$SEC_PORT" ADMIN_PORT="$SEC_ADMIN" \
+			BACKEND_PORT="$PORT_BACKEND" STAMP="$i" RESPONSE_TIMEOUT="$rto" \
+			FILLER_ROUTES="$(filler_routes "$routes")"
+		reply=$(curl -s --max-time 10 -X POST "http://127.0.0.1:$SEC_ADMIN/reload" | tr -d ' \n') || reply=
+		[[ $reply == *'"ok":true'* ]] || failed=$((failed + 1))
+	done
+	alive "$wrk_pid" || RELOAD_LOAD_NOTE="load ended before the last reload; "
+	wait "$wrk_pid" || true
+	unset "RUNNING[$wrk_pid]"
+	if wrk_parse "$out"; then
+		RELOAD_FAILED=${W[errors]}
+		RELOAD_LOAD_NOTE+="${W[requests]} requests in ${secs} s, $((RELOADS - failed))/$RELOADS reloads accepted, every other one replacing the upstream"
+		((W[errors] == 0)) || broken "reloads under load: ${W[errors]} failed requests"
+	else
+		broken "reloads under load: wrk failed"
+	fi
+	((failed == 0)) || broken "reloads under load: $failed reloads were refused"
+	stop_pid "$SEC_PID"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+REPORT=
+out() { REPORT+="$*"$'\n'; }
+
+ms() { [[ -n ${1:-} ]] && calc "printf \"%.2f ms\", $1 / 1000" || echo "—"; }
+mib() { [[ -n ${1:-} ]] && calc "printf \"%.1f MiB\", $1 / 1024" || echo "—"; }
+ratio() { [[ -n ${1:-} && -n ${2:-} ]] && calc "if ($2 > 0) printf \"%.2f×\", $1 / $2; else printf \"—\"" || echo "—"; }
+
+pass_fail() { # CONDITION(awk expr) TEXT
+	if calc "exit !($1)"; then out "- PASS $2"; else out "- FAIL $2"; fi
+}
+
+report_header() {
+	local levee_rev
+	levee_rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "?")
+	[[ -z $(git -C "$REPO" status --porcelain -- src Cargo.toml Cargo.lock 2>/dev/null) ]] || levee_rev+=" + uncommitted changes"
+	out "# levee benchmark, $(date -u '+%Y-%m-%d %H:%M:%S UTC')${SUFFIX:+ ($MODE)}"
+	[[ $MODE == smoke ]] && out "" && out "**Smoke run** (--smoke): ${DURATION} s per case, 1 round; checks that everything works, numbers are indicative only."
+	out ""
+	out "## What ran"
+	out ""
+	out "- $("$LEVEE" --version) (git $levee_rev), release build"
+	out "- $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(haproxy -v | head -n1 | sed 's/ - .*//; s/ version//'), $(wrk -v 2>&1 | head -n1 | sed 's/ Copyright.*//'), $(redis-server --version | sed 's/ sha=.*//; s/ server v=/ /')"
+	out "- machine: $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')), Linux $(uname -r), loopback only"
+	out "- pinning: every proxy on CPU $PROXY_CPUS with one worker (nginx worker_processes 1, HAProxy nbthread 1, levee --threads 1); wrk on CPU $LOAD_CPUS; backend nginx ($BACKEND_WORKERS worker) and Redis on CPU $BACKEND_CPUS."
+	out "  The proxy owns its core alone; wrk and the backend share the other, so their cost is the same in every case and ratios compare proxies. Absolute numbers are lower than on a larger machine."
+	out "- load: wrk -t $WRK_THREADS -c $CONNECTIONS -d ${DURATION}s --latency, ${WARMUP} s warm-up per case, $ROUNDS round(s), median of rounds"
+	out "- backend: nginx \`return 200\` with a 1 KiB body at / and a 50 KiB static page (with a \`<div id=\"ranking\">\` module) at /page.html"
+}
+
+report_cases() {
+	local id base
+	local -a noisy=()
+	out ""
+	out "## Throughput and latency"
+	out ""
+	out "| # | case | req/s | p50 | p99 | p99.9 | errors | proxy CPU s / 100k req | proxy peak RSS | req/s vs nginx | p99 vs nginx | other load on proxy core |"
+	out "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+	for id in "${CASES[@]}"; do
+		if [[ ${STATUS[$id]} != ok ]]; then
+			out "| $id | ${LABEL[$id]} | ${STATUS[$id]}: ${NOTE[$id]:-} | | | | | | | | | |"
+			continue
+		fi
+		base=2
+		[[ $id == 8b || $id == 6 ]] && base=8a # the page cases compare with nginx on the page
+		out "| $id | ${LABEL[$id]} | $(printf '%.0f' "${RPS[$id]}") | $(ms "${P50[$id]}") | $(ms "${P99[$id]}") | $(ms "${P999[$id]}") | ${ERR[$id]} | ${CPU[$id]} | $(mib "${HWM[$id]}") | $(ratio "${RPS[$id]}" "${RPS[$base]:-}") | $(ratio "${P99[$id]}" "${P99[$base]:-}") | ${OTHER[$id]}% |"
+		calc "exit !(${OTHER_MAX[$id]} > $NOISE_PCT)" && noisy+=("$id (up to ${OTHER_MAX[$id]}%)")
+	done
+	out ""
+	out "Errors: wrk socket errors + HTTP status ≥ 400 (no 3xx here), warm-up included. CPU: utime+stime of the proxy process and its children (nginx master + worker) over the measured rounds. Peak RSS: VmHWM summed over those processes. Case 1 shows the backend nginx's own CPU and RSS. \"vs nginx\" is against case 2 (nginx proxy_pass), for 6 and 8b against case 8a (nginx on the 50 KiB page); req/s higher is better, p99 lower is better. Other load on proxy core: busy time of CPU $PROXY_CPUS not charged to the proxy (other processes, interrupt work), median of rounds."
+	if ((${#noisy[@]})); then
+		out ""
+		out "**Warning: noisy machine.** More than $NOISE_PCT% of the proxy core went to something other than the proxy in cases ${noisy[*]}. Those numbers are unreliable; rerun on a quiet machine."
+	fi
+	local -a pairs=("4:3:levee pass-through vs HAProxy" "5:4:levee route table vs levee pass-through"
+		"5b:5:+ 2 Redis limits + breaker vs routes only" "5c:5b:+ bulkhead vs 5b"
+		"7b:7:levee limit vs nginx limit_req" "8b:8a:levee vs nginx, 50 KiB page" "6:8b:levee hide vs levee pass-through, 50 KiB page")
+	local pair a b
+	out ""
+	out "| comparison | req/s ratio | p99 ratio |"
+	out "|---|---:|---:|"
+	for pair in "${pairs[@]}"; do
+		IFS=: read -r a b _ <<<"$pair"
+		if [[ ${STATUS[$a]:-} == ok && ${STATUS[$b]:-} == ok ]]; then
+			out "| ${pair#*:*:} | $(ratio "${RPS[$a]}" "${RPS[$b]}") | $(ratio "${P99[$a]}" "${P99[$b]}") |"
+		else
+			out "| ${pair#*:*:} | n/a (case $a or $b did not run) | |"
+		fi
+	done
+	for id in "${CASES[@]}"; do
+		[[ ${STATUS[$id]} == ok && -n ${NOTE[$id]:-} ]] && out "" && out "Case $id: ${NOTE[$id]}"
+	done
+	return 0
+}
+
+report_sections() {
+	out ""
+	out "## Memory and reloads (levee)"
+	out ""
+	out "- idle RSS right after start (pass-through policy): $(mib "$IDLE_RSS")"
+	out "- RSS with $IDLE_CONNS idle keep-alive connections: $(mib "$CONNS_RSS")${CONNS_NOTE:+ ($CONNS_NOTE)}"
+	out "- reload time with $RELOAD_ROUTES routes, median: ${RELOAD_MS:-—} ms${RELOAD_NOTE:+ ($RELOAD_NOTE)}"
+	out "- failed requests during $RELOADS reloads under load: ${RELOAD_FAILED:-—}${RELOAD_LOAD_NOTE:+ ($RELOAD_LOAD_NOTE)}"
+}
+
+report_targets() {
+	out ""
+	out "## Targets"
+	out ""
+	[[ $MODE == smoke ]] && out "Smoke run: shown for information, never a failure." && out ""
+	if [[ ${STATUS[4]:-} == ok && ${STATUS[2]:-} == ok ]]; then
+		pass_fail "${RPS[4]} >= $TARGET_VS_NGINX * ${RPS[2]}" "levee pass-through req/s ≥ ${TARGET_VS_NGINX}× nginx proxy_pass: $(ratio "${RPS[4]}" "${RPS[2]}")"
+		pass_fail "${P99[4]} <= ${P99[2]}" "levee pass-through p99 ≤ nginx proxy_pass p99: $(ms "${P99[4]}") vs $(ms "${P99[2]}")"
+	else
+		out "- n/a levee pass-through vs nginx proxy_pass (a case did not run)"
+	fi
+	if [[ ${STATUS[4]:-} == ok && ${STATUS[3]:-} == ok ]]; then
+		pass_fail "${RPS[4]} >= $TARGET_VS_HAPROXY * ${RPS[3]}" "levee pass-through req/s ≥ ${TARGET_VS_HAPROXY}× HAProxy: $(ratio "${RPS[4]}" "${RPS[3]}")"
+		pass_fail "${P99[4]} <= ${P99[3]}" "levee pass-through p99 ≤ HAProxy p99: $(ms "${P99[4]}") vs $(ms "${P99[3]}")"
+	else
+		out "- n/a levee pass-through vs HAProxy (a case did not run)"
+	fi
+	if [[ -n $IDLE_RSS ]]; then
+		pass_fail "$IDLE_RSS <= $TARGET_IDLE_MIB * 1024" "levee idle RSS ≤ $TARGET_IDLE_MIB MiB: $(mib "$IDLE_RSS")"
+	else out "- n/a levee idle RSS"; fi
+	if [[ -n $CONNS_RSS ]]; then
+		pass_fail "$CONNS_RSS <= $TARGET_CONNS_MIB * 1024" "levee RSS with $IDLE_CONNS idle connections ≤ $TARGET_CONNS_MIB MiB: $(mib "$CONNS_RSS")"
+	else out "- n/a levee RSS with idle connections"; fi
+	if [[ -n $RELOAD_FAILED ]]; then
+		pass_fail "$RELOAD_FAILED == 0" "0 failed requests during $RELOADS reloads under load: $RELOAD_FAILED"
+	else out "- n/a failed requests during reloads"; fi
+}
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+ensure_packages
+ensure_levee
+check_cpus
+CLK_TCK=$(getconf CLK_TCK)
+PROXY_CORES=$(expand_cpus "$PROXY_CPUS")
+PROXY_NCORES=$(wc -w <<<"$PROXY_CORES")
+
+# 5,000 idle clients need 5,000 descriptors in the client and twice that in levee.
+ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/levee-bench.XXXXXX")
+chmod 755 "$TMP" # nginx workers run unprivileged when started as root and read www/ here
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+mapfile -t PORT_POOL < <(python3 "$LIB/free_ports.py" 40) || die "cannot find free ports"
+((${#PORT_POOL[@]} == 40)) || die "cannot find free ports"
+take_port PORT_BACKEND
+take_port PORT_REDIS
+
+log "mode $MODE: ${DURATION} s x $ROUNDS round(s), $CONNECTIONS connections; proxy CPU $PROXY_CPUS, wrk CPU $LOAD_CPUS, backend CPU $BACKEND_CPUS"
+
+# Backend nginx with its 1 KiB answer and the 50 KiB page.
+mkdir -p "$TMP/backend/www"
+python3 "$LIB/make_page.py" "$TMP/backend/www/page.html" 51200
+chmod -R a+rX "$TMP/backend"
+PAGE_BYTES=$(stat -c %s "$TMP/backend/www/page.html")
+BODY_1K=$(printf 'levee benchmark body. %.0s' {1..47})
+BODY_1K=${BODY_1K:0:1024}
+render "$CONF/backend-nginx.conf.tmpl" "$TMP/backend/nginx.conf" DIR="$TMP/backend" PORT="$PORT_BACKEND" \
+	WORKERS="$BACKEND_WORKERS" BODY_1K="$BODY_1K"
+taskset -c "$BACKEND_CPUS" nginx -c "$TMP/backend/nginx.conf" -p "$TMP/backend/" -e "$TMP/backend/error.log" \
+	-g 'daemon off;' >"$TMP/backend/stdout.log" 2>&1 &
+started "backend nginx" $! "$TMP/backend/error.log" "$PORT_BACKEND" || die "the backend nginx did not start"
+BACKEND_PID=$LAST_PID
+
+# Redis for the limiter cases (slots for now), no persistence. Not daemonized: as our own
+# child it is stopped and reaped by its pid like everything else (a daemonized Redis would be
+# left a zombie where PID 1 does not reap).
+mkdir -p "$TMP/redis"
+taskset -c "$BACKEND_CPUS" redis-server --port "$PORT_REDIS" --bind 127.0.0.1 --save '' --appendonly no \
+	--daemonize no --pidfile "$TMP/redis/redis.pid" --logfile "$TMP/redis/redis.log" --dir "$TMP/redis" &
+started "redis-server" $! "$TMP/redis/redis.log" "$PORT_REDIS" || die "Redis did not start"
+[[ $(redis-cli -h 127.0.0.1 -p "$PORT_REDIS" ping) == PONG ]] || die "Redis does not answer PING"
+
+# The cases. Each proxy is started fresh, warmed up, measured, stopped.
+run_case 1 "backend direct (no proxy)" backend - / 1024
+run_case 2 "nginx proxy_pass, keepalive 64" nginx proxy-nginx.conf.tmpl / 1024
+run_case 3 "HAProxy http-keep-alive, http-reuse always" haproxy haproxy.cfg.tmpl / 1024
+run_case 4 "levee pass-through" levee passthrough.toml.tmpl / 1024
+# Case 5 and its growth into the full policy: routes only; + two Redis limit rules and a
+# breaker; + a bulkhead (slot until levee has bulkheads).
+run_case 5 "levee $ROUTES routes (routes only)" levee routes.toml.tmpl /shop/cart.php 1024
+slot_case 5b "levee $ROUTES routes + 2 Redis limits + breaker" routes-limits.toml.tmpl /shop/cart.php 1024
+slot_case 5c "levee full policy (5b + bulkhead)" full.toml.tmpl /shop/cart.php 1024
+slot_case 6 "levee hide #ranking, 50 KiB page" hide.toml.tmpl /page.html "$PAGE_BYTES" 'id="ranking"'
+run_case 7 "nginx limit_req (single node)" nginx proxy-nginx-limit.conf.tmpl / 1024
+slot_case 7b "levee Redis limit, one rule" limit.toml.tmpl / 1024
+run_case 8a "nginx proxy_pass, 50 KiB page" nginx proxy-nginx.conf.tmpl /page.html "$PAGE_BYTES"
+run_case 8b "levee pass-through, 50 KiB page" levee passthrough.toml.tmpl /page.html "$PAGE_BYTES"
+
+wanted idle && section_idle_rss
+wanted conns && section_idle_conns
+wanted reload && section_reload_time
+wanted reload-load && section_reload_load
+
+report_header
+report_cases
+report_sections
+report_targets
+if ((${#BROKEN[@]})); then
+	out ""
+	out "## Broken"
+	out ""
+	for b in "${BROKEN[@]}"; do out "- $b"; done
+fi
+
+mkdir -p "$BENCH_DIR/results"
+RESULT=$BENCH_DIR/results/$(date '+%Y-%m-%d-%H%M%S')$SUFFIX.md
+printf '%s' "$REPORT" | tee "$RESULT"
+log "report written to bench/results/$(basename "$RESULT")"
+if ((${#BROKEN[@]})); then
+	log "BROKEN: ${#BROKEN[@]} problem(s), see above"
+	exit 1
+fi
