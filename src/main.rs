@@ -69,10 +69,15 @@ fn main() -> ExitCode {
             threads,
         } => {
             init_logging(log_format);
-            let mut runtime = tokio::runtime::Builder::new_multi_thread();
+            // One thread: a single-threaded scheduler, with no work-stealing to pay for.
+            let mut runtime = if threads == Some(1) {
+                tokio::runtime::Builder::new_current_thread()
+            } else {
+                tokio::runtime::Builder::new_multi_thread()
+            };
             runtime.enable_all();
-            if let Some(threads) = threads {
-                runtime.worker_threads(threads.max(1));
+            if let Some(threads) = threads.filter(|threads| *threads > 1) {
+                runtime.worker_threads(threads);
             }
             let runtime = match runtime.build() {
                 Ok(runtime) => runtime,
