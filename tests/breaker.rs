@@ -335,3 +335,36 @@ async fn reload_keeps_an_open_breaker_open_unless_its_settings_change() {
         "changed settings start the breaker fresh"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dependency_that_slows_down_is_cut_off_by_the_slow_call_ratio() {
+    let (backend, mode) = switchable().await;
+    let policy = breaker_policy(
+        &backend,
+        "consecutive_failures = 0, slow_call = \"100ms\", slow_ratio = 0.5, min_requests = 4, open_for = \"60s\"",
+        FRIENDLY,
+    )
+    .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
+    let levee = Levee::start(&policy).await;
+    assert_eq!(get(&levee.url("/")).await.text(), "ok");
+    mode.store(SLOW, Ordering::SeqCst);
+    for _ in 0..3 {
+        assert_eq!(
+            get(&levee.url("/")).await.text(),
+            "slow ok",
+            "slow answers still pass until the ratio trips"
+        );
+    }
+    // 3 slow of 4 calls: the ratio (0.75 ≥ 0.5) opened the breaker.
+    assert_eq!(breaker_state(&levee, "app").await, "open");
+    let started = std::time::Instant::now();
+    let answer = get(&levee.url("/")).await;
+    assert_eq!(
+        (answer.status, answer.text().as_str()),
+        (503, "<p>稍后再试</p>")
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "the fallback does not wait for the slow dependency"
+    );
+}
