@@ -1,4 +1,5 @@
-//! The `levee` command: `run` the proxy, `check` policy files.
+//! The `levee` command: `run` the proxy, `check` policy files, and talk to a running levee
+//! (`status`, `level`, `module`, `breaker`, `reload`).
 
 #![forbid(unsafe_code)]
 
@@ -41,6 +42,60 @@ enum Command {
         #[arg(long, default_value = "policies")]
         policies: PathBuf,
     },
+    /// Show what a running levee is doing: policy generation, degrade level and modules,
+    /// breakers, Redis.
+    Status {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Print the raw JSON of GET /status.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Set the degrade level fleet-wide: 0 normal, 1 tier 3 off, 2 tiers 2 and 3 off, or
+    /// `policy` to hand it back to the policy files.
+    Level {
+        /// 0, 1, 2 or policy
+        level: String,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Switch a module on or off fleet-wide, or hand it back to the policy.
+    Module {
+        /// Module name, as in /status.
+        name: String,
+        /// on, off or policy
+        state: String,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Pin an upstream's circuit breaker open or closed, or give control back (auto).
+    Breaker {
+        /// Upstream name.
+        name: String,
+        /// open, closed or auto
+        state: String,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Reload the policy files now (like SIGHUP); prints the errors if they are refused.
+    Reload {
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+}
+
+/// How to reach a running levee's admin listener.
+#[derive(clap::Args)]
+struct AdminArgs {
+    /// Admin listener address (default: `[admin] listen` from --policies, else 127.0.0.1:9901).
+    #[arg(long)]
+    admin: Option<std::net::SocketAddr>,
+    /// Policy directory to read the admin address from.
+    #[arg(long, default_value = "policies")]
+    policies: PathBuf,
+    /// Admin token, when the policy sets `[admin] tokens`.
+    #[arg(long, env = "LEVEE_ADMIN_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -62,6 +117,42 @@ fn init_logging(format: LogFormat) {
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Check { policies } => check(&policies),
+        Command::Status { admin, json } => admin_command(
+            admin,
+            http::Method::GET,
+            "/status".into(),
+            String::new(),
+            move |body| match serde_json::from_str::<serde_json::Value>(body) {
+                Ok(value) if !json => levee::admin::client::summarize(&value),
+                _ => body.to_string(),
+            },
+        ),
+        Command::Level { level, admin } => {
+            admin_command(admin, http::Method::POST, "/level".into(), level, |_| {
+                "level set\n".into()
+            })
+        }
+        Command::Module { name, state, admin } => admin_command(
+            admin,
+            http::Method::POST,
+            format!("/modules/{name}"),
+            state,
+            |_| "module switched\n".into(),
+        ),
+        Command::Breaker { name, state, admin } => admin_command(
+            admin,
+            http::Method::POST,
+            format!("/breakers/{name}"),
+            state,
+            |_| "breaker set\n".into(),
+        ),
+        Command::Reload { admin } => admin_command(
+            admin,
+            http::Method::POST,
+            "/reload".into(),
+            String::new(),
+            |body| body.to_string(),
+        ),
         Command::Run {
             policies,
             no_watch,
@@ -96,6 +187,48 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+/// Runs one admin request and prints `render(body)` on success, the server's reason otherwise.
+fn admin_command(
+    args: AdminArgs,
+    method: http::Method,
+    path: String,
+    body: String,
+    render: impl Fn(&str) -> String,
+) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("levee: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let address = levee::admin::client::admin_address(args.admin, &args.policies);
+    let result = runtime.block_on(levee::admin::client::call(
+        address,
+        method,
+        &path,
+        &body,
+        args.token.as_deref(),
+    ));
+    match result {
+        Ok((status, text)) if (200..300).contains(&status) => {
+            print!("{}", render(&text));
+            ExitCode::SUCCESS
+        }
+        Ok((status, text)) => {
+            eprint!("levee: {status}: {text}");
+            ExitCode::FAILURE
+        }
+        Err(error) => {
+            eprintln!("levee: {error}");
+            ExitCode::FAILURE
         }
     }
 }

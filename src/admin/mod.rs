@@ -1,8 +1,10 @@
-//! The admin listener: status, metrics and reload for operators. It listens on its own
+//! The admin listener: status, metrics, switches and reload for operators. It listens on its own
 //! address (default `127.0.0.1:9901`) and is never reachable through the public listener.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+pub mod client;
 
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
@@ -25,9 +27,23 @@ pub async fn handle(
     peer: std::net::SocketAddr,
     request: Request<Incoming>,
 ) -> Response<ResponseBody> {
+    // Reading is open (the listener is loopback unless tokens are set); changing state needs
+    // a token whenever tokens are configured.
+    let token_name = if request.method() == Method::GET || request.method() == Method::HEAD {
+        None
+    } else {
+        match authorize(&shared, &request) {
+            Ok(name) => name,
+            Err(response) => return response,
+        }
+    };
+    let peer_or_token = |request: &Request<Incoming>| match &token_name {
+        Some(name) => format!("{name} ({peer})"),
+        None => operator(request, peer),
+    };
     match (request.method(), request.uri().path()) {
         (&Method::POST, "/level") => {
-            let by = operator(&request, peer);
+            let by = peer_or_token(&request);
             let wanted = match read_small_body(request).await {
                 Ok(wanted) => wanted,
                 Err(response) => return response,
@@ -43,7 +59,7 @@ pub async fn handle(
         }
         (&Method::POST, path) if path.starts_with("/modules/") => {
             let name = path.trim_start_matches("/modules/").to_string();
-            let by = operator(&request, peer);
+            let by = peer_or_token(&request);
             let wanted = match read_small_body(request).await {
                 Ok(wanted) => wanted,
                 Err(response) => return response,
@@ -180,6 +196,54 @@ async fn dead_letter_request(
             "404 use GET /queues/ROUTE/dead, POST /queues/ROUTE/dead/ID/retry or /drop\n",
         ),
     }
+}
+
+/// Checks `Authorization: Bearer <token>` against the configured tokens; `Ok(Some(name))`
+/// names the token used, `Ok(None)` when no tokens are configured.
+fn authorize(
+    shared: &Shared,
+    request: &Request<Incoming>,
+) -> Result<Option<String>, Response<ResponseBody>> {
+    let policy = shared.store.load();
+    if policy.admin.tokens.is_empty() {
+        return Ok(None);
+    }
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .map(str::trim);
+    let matched = presented.and_then(|presented| {
+        policy
+            .admin
+            .tokens
+            .iter()
+            .find(|(_, secret)| constant_time_eq(secret.as_bytes(), presented.as_bytes()))
+            .map(|(name, _)| name.clone())
+    });
+    match matched {
+        Some(name) => Ok(Some(name)),
+        None => {
+            tracing::warn!(path = %request.uri().path(), "admin request refused: missing or wrong token");
+            let mut response = text_response(
+                StatusCode::UNAUTHORIZED,
+                "401 this admin action needs a token: Authorization: Bearer <token>\n",
+            );
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            Err(response)
+        }
+    }
+}
+
+/// Compares secrets without leaking, through timing, how much of a guess was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Who changed a switch: the `X-Levee-Operator` header, else the admin client's address.

@@ -305,13 +305,40 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         None => ServerSettings::default(),
     };
     let admin_settings = match &admin {
-        Some((file, spec)) => AdminSettings {
-            listen: compiler.socket_addr(
-                *file,
-                &spec.get_ref().listen,
-                AdminSettings::default().listen,
-            ),
-        },
+        Some((file, spec)) => {
+            let inner = spec.get_ref();
+            let listen =
+                compiler.socket_addr(*file, &inner.listen, AdminSettings::default().listen);
+            let tokens: Vec<(String, String)> = inner
+                .tokens
+                .as_ref()
+                .map(|tokens| {
+                    tokens
+                        .get_ref()
+                        .iter()
+                        .map(|(name, secret)| (name.clone(), secret.clone()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            if let Some(spec_tokens) = &inner.tokens {
+                if tokens.iter().any(|(_, secret)| secret.len() < 16) {
+                    compiler.error_hint(
+                        *file,
+                        spec_tokens.span(),
+                        "admin tokens must be at least 16 characters",
+                        "use a long random string, e.g. from `openssl rand -hex 24`",
+                    );
+                }
+            }
+            if !listen.ip().is_loopback() && tokens.is_empty() {
+                let span = inner
+                    .listen
+                    .as_ref()
+                    .map_or(spec.span(), |listen| listen.span());
+                compiler.error_hint(*file, span, format!("the admin listener on {listen} is reachable beyond this machine but has no token"), "keep it on 127.0.0.1, or add [admin] tokens = { ops = \"…\" }");
+            }
+            AdminSettings { listen, tokens }
+        }
         None => AdminSettings::default(),
     };
     if admin_settings.listen == server_settings.listen && admin_settings.listen.port() != 0 {

@@ -94,12 +94,16 @@ impl Default for ServerSettings {
 pub struct AdminSettings {
     /// Default `127.0.0.1:9901`. Read at start; a change needs a restart.
     pub listen: SocketAddr,
+    /// Named bearer tokens; when any is set, every admin request that changes state must
+    /// carry one (`Authorization: Bearer …`). Default none (loopback only).
+    pub tokens: Vec<(String, String)>,
 }
 
 impl Default for AdminSettings {
     fn default() -> Self {
         AdminSettings {
             listen: SocketAddr::from(([127, 0, 0, 1], 9901)),
+            tokens: Vec::new(),
         }
     }
 }

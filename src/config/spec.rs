@@ -91,6 +91,7 @@ pub struct ServerSpec {
 #[serde(deny_unknown_fields)]
 pub struct AdminSpec {
     pub listen: Option<Spanned<String>>,
+    pub tokens: Option<Spanned<BTreeMap<String, String>>>,
 }
 
 /// `[upstream.NAME]`: a dependency levee forwards to.

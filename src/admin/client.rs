@@ -1,0 +1,154 @@
+//! The CLI's side of the admin listener: `levee status`, `level`, `module`, `breaker`, `reload`.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+/// Where the admin listener is: `--admin`, else the policy directory's `[admin] listen`, else
+/// the default `127.0.0.1:9901`.
+pub fn admin_address(explicit: Option<SocketAddr>, policies: &Path) -> SocketAddr {
+    explicit
+        .or_else(|| {
+            crate::config::load_dir(policies, None)
+                .ok()
+                .map(|policy| policy.admin.listen)
+        })
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9901)))
+}
+
+/// Sends one admin request; returns the status and body text.
+pub async fn call(
+    admin: SocketAddr,
+    method: Method,
+    path: &str,
+    body: &str,
+    token: Option<&str>,
+) -> Result<(u16, String), String> {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let mut request = Request::builder()
+        .method(method)
+        .uri(format!("http://{admin}{path}"))
+        .header(
+            "x-levee-operator",
+            std::env::var("USER").unwrap_or_else(|_| "cli".into()),
+        );
+    if let Some(token) = token {
+        request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let request = request
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|error| error.to_string())?;
+    let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
+        .await
+        .map_err(|_| format!("the admin listener at {admin} did not answer within 10s"))?
+        .map_err(|error| format!("cannot reach the admin listener at {admin}: {error} (is levee running? is --admin right?)"))?;
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|error| error.to_string())?
+        .to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// A readable summary of `GET /status`.
+pub fn summarize(status: &serde_json::Value) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let policy = &status["policy"];
+    let _ = writeln!(
+        out,
+        "levee {}{}",
+        status["version"].as_str().unwrap_or("?"),
+        if status["draining"] == true {
+            "  (DRAINING)"
+        } else {
+            ""
+        }
+    );
+    let _ = writeln!(
+        out,
+        "policy   generation {} · hash {} · {}",
+        policy["generation"],
+        policy["hash"].as_str().unwrap_or("?"),
+        policy["dir"].as_str().unwrap_or("?")
+    );
+    if let Some(error) = policy["last_reload_error"].as_object() {
+        let _ = writeln!(
+            out,
+            "         LAST RELOAD REFUSED ({} error(s)):",
+            error["errors"].as_array().map_or(0, Vec::len)
+        );
+        for item in error["errors"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                out,
+                "           {}:{}:{}: {}",
+                item["file"].as_str().unwrap_or("?"),
+                item["line"],
+                item["col"],
+                item["message"].as_str().unwrap_or("")
+            );
+        }
+    }
+    let degrade = &status["degrade"];
+    let _ = writeln!(
+        out,
+        "degrade  level {} ({})",
+        degrade["level"],
+        degrade["level_origin"].as_str().unwrap_or("?")
+    );
+    if let Some(modules) = degrade["modules"].as_object() {
+        for (name, module) in modules {
+            let state = if module["off"] == true { "OFF" } else { "on" };
+            let _ = writeln!(
+                out,
+                "         module {name:<16} {state:<4} tier {} ({})",
+                module["tier"],
+                module["origin"].as_str().unwrap_or("?")
+            );
+        }
+    }
+    if let Some(redis) = status["redis"].as_object() {
+        let _ = writeln!(
+            out,
+            "redis    {} · {}",
+            redis["target"],
+            if redis["up"] == true {
+                "up"
+            } else {
+                "DOWN (fallbacks in use)"
+            }
+        );
+    } else {
+        let _ = writeln!(out, "redis    none (embedded default)");
+    }
+    for upstream in status["upstreams"].as_array().into_iter().flatten() {
+        let breaker = &upstream["breaker"];
+        let _ = writeln!(
+            out,
+            "upstream {:<16} {:<32} breaker {}{}",
+            upstream["name"].as_str().unwrap_or("?"),
+            upstream["url"].as_str().unwrap_or("?"),
+            breaker["state"].as_str().unwrap_or("?"),
+            if breaker["force"] != "auto" {
+                format!(
+                    " (forced by {})",
+                    breaker["forced_by"].as_str().unwrap_or("?")
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
+    let routes = status["routes"].as_array().map_or(0, Vec::len);
+    let limits = status["limits"].as_array().map_or(0, Vec::len);
+    let _ = writeln!(out, "routes   {routes} · limit rules {limits}");
+    out
+}

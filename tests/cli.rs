@@ -1,0 +1,122 @@
+//! The operator CLI against a running levee, and admin tokens.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+const TOKEN: &str = "0123456789abcdef-ops-token";
+
+fn levee_cli(
+    args: &[&str],
+    admin: std::net::SocketAddr,
+    token: Option<&str>,
+) -> (bool, String, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_levee"));
+    command
+        .args(args)
+        .arg("--admin")
+        .arg(admin.to_string())
+        .env_remove("LEVEE_ADMIN_TOKEN");
+    if let Some(token) = token {
+        command.env("LEVEE_ADMIN_TOKEN", token);
+    }
+    let output = command.output().expect("run levee");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_level_module_breaker_and_reload_from_the_command_line() {
+    let backend = echo_backend().await;
+    let policy = policy_for(
+        backend.addr,
+        "",
+        &format!("[[route]]\nname = \"ranking\"\nmatch = {{ path_prefix = \"/ranking\" }}\ntier = 3\nmodule = \"ranking\"\n"),
+    )
+    .replace("[admin]\nlisten = \"127.0.0.1:0\"", &format!("[admin]\nlisten = \"127.0.0.1:0\"\ntokens = {{ ops = \"{TOKEN}\" }}"));
+    let levee = Levee::start(&policy).await;
+    let admin = levee.admin;
+
+    let cli = move |args: Vec<String>, token: Option<&'static str>| {
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            levee_cli(&args, admin, token)
+        })
+    };
+    let run = |args: &[&str], token| cli(args.iter().map(|a| a.to_string()).collect(), token);
+
+    let (ok, out, err) = run(&["status"], None).await.expect("cli");
+    assert!(ok, "{err}");
+    assert!(out.contains("policy   generation 1"), "{out}");
+    assert!(
+        out.contains("module ranking") && out.contains("on"),
+        "{out}"
+    );
+    assert!(out.contains("upstream app"), "{out}");
+
+    // Changing state needs the token.
+    let (ok, _, err) = run(&["module", "ranking", "off"], None).await.expect("cli");
+    assert!(!ok);
+    assert!(err.contains("401"), "{err}");
+    let (ok, out, err) = run(&["module", "ranking", "off"], Some(TOKEN))
+        .await
+        .expect("cli");
+    assert!(ok, "{err}");
+    assert_eq!(out, "module switched\n");
+    assert_eq!(get(&levee.url("/ranking")).await.status, 503);
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert!(
+        status["degrade"]["modules"]["ranking"]["changed_by"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("ops"),
+        "{status}"
+    );
+
+    let (ok, _, err) = run(&["level", "2"], Some(TOKEN)).await.expect("cli");
+    assert!(ok, "{err}");
+    let (ok, _, err) = run(&["level", "9"], Some(TOKEN)).await.expect("cli");
+    assert!(!ok && err.contains("400"), "{err}");
+    let (ok, _, err) = run(&["breaker", "app", "open"], Some(TOKEN))
+        .await
+        .expect("cli");
+    assert!(ok, "{err}");
+    assert_eq!(get(&levee.url("/anything")).await.status, 503);
+    let (ok, out, _) = run(&["status"], None).await.expect("cli");
+    assert!(
+        ok && out.contains("level 2 (runtime)") && out.contains("forced by runtime"),
+        "{out}"
+    );
+    let (ok, out, err) = run(&["reload"], Some(TOKEN)).await.expect("cli");
+    assert!(ok, "{err}");
+    assert!(out.contains("\"changed\": false"), "{out}");
+
+    // A wrong token is refused like none.
+    let (ok, _, err) = run(&["breaker", "app", "auto"], Some("wrong-token-wrong-token"))
+        .await
+        .expect("cli");
+    assert!(!ok && err.contains("401"), "{err}");
+}
+
+#[test]
+fn an_admin_listener_beyond_loopback_needs_a_token() {
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        "[admin]\nlisten = \"0.0.0.0:9901\"\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n",
+    )
+    .expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .args(["check", "--policies"])
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("levee.toml:2:10: error: the admin listener on 0.0.0.0:9901 is reachable beyond this machine but has no token"), "{stderr}");
+}
