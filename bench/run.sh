@@ -20,8 +20,10 @@
 #   PROXY_CPUS [0]  LOAD_CPUS [1]  BACKEND_CPUS [1]   taskset core lists
 #   BACKEND_WORKERS [1]  ROUTES [50]  RELOAD_ROUTES [500]  RELOAD_SAMPLES [9]  RELOADS [20]
 #   IDLE_CONNS [5000]  LEVEE_BIN [target/release/levee, built when missing or stale]
+#   LATENCY_CONNECTIONS [8]  wrk connections of the limiter-latency section (moderate load)
+#   EVALSHA_REQUESTS [sized to DURATION]  requests per redis-benchmark round (limiter-rate)
 #   ONLY ["" = everything]  space-separated case ids and/or sections to run, e.g. ONLY="4 5b reload"
-#        (sections: idle, conns, reload, reload-load)
+#        (sections: idle, conns, reload, reload-load, limiter-rate, limiter-latency)
 #
 # Slots: a levee case that needs a policy feature (slot_case) runs only when `levee check`
 # accepts its policy template; otherwise the report says "not yet available" with levee's
@@ -76,6 +78,8 @@ ROUTES=${ROUTES:-50}
 RELOAD_ROUTES=${RELOAD_ROUTES:-500}
 RELOADS=${RELOADS:-20}
 IDLE_CONNS=${IDLE_CONNS:-5000}
+LATENCY_CONNECTIONS=${LATENCY_CONNECTIONS:-8}
+EVALSHA_REQUESTS=${EVALSHA_REQUESTS:-}
 KEEP_TMP=${KEEP_TMP:-0}
 ONLY=${ONLY:-}
 wanted() { [[ -z $ONLY || " $ONLY " == *" $1 "* ]]; } # ID: selected by ONLY?
@@ -83,6 +87,7 @@ LEVEE=${LEVEE_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/release/levee}
 
 # Targets (PASS/FAIL lines; informational, they never change the exit status).
 TARGET_VS_NGINX=1.1 TARGET_VS_HAPROXY=1.0 TARGET_IDLE_MIB=20 TARGET_CONNS_MIB=60
+TARGET_DECISIONS_VS_REDIS=0.7 TARGET_ADDED_P99_MS=1
 NOISE_PCT=${NOISE_PCT:-10} # warn when more than this share of the proxy core was busy with other work
 
 # ---------------------------------------------------------------------------------------------
@@ -91,8 +96,8 @@ NOISE_PCT=${NOISE_PCT:-10} # warn when more than this share of the proxy core wa
 ensure_packages() {
 	local -a missing=()
 	local pair
-	for pair in nginx:nginx haproxy:haproxy wrk:wrk redis-server:redis-server redis-cli:redis-tools; do
-		command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
+	for pair in nginx:nginx haproxy:haproxy wrk:wrk redis-server:redis-server redis-cli:redis-tools redis-benchmark:redis-tools; do
+		command -v "${pair%%:*}" >/dev/null || [[ " ${missing[*]} " == *" ${pair#*:} "* ]] || missing+=("${pair#*:}")
 	done
 	if ((${#missing[@]})); then
 		((EUID == 0)) || die "missing packages: ${missing[*]}; install them or run as root"
@@ -389,6 +394,7 @@ probe() { # URL EXPECTED_BYTES [MUST_NOT_CONTAIN]: one request; 200 with the rig
 # ---------------------------------------------------------------------------------------------
 CASES=()
 declare -A LABEL=() STATUS=() NOTE=() RPS=() P50=() P99=() P999=() ERR=() CPU=() HWM=() OTHER=() OTHER_MAX=()
+declare -A REQS=() DECISIONS=() DEC_RATE=() DEC_OTHER=() # measure with ADMIN_PORT: levee's rate-limit decisions
 BROKEN=()
 
 broken() { # MESSAGE: something that makes the run (and --smoke) fail
@@ -402,9 +408,14 @@ skip_case() { # ID LABEL REASON
 	log "case $1: $2: not yet available ($3)"
 }
 
-measure() { # ID PID URL ON_PROXY_CORE(1|0): warm-up, then ROUNDS measured wrk runs; medians
-	local id=$1 pid=$2 url=$3 own=$4 round pids t0 t1 b0 b1 w0 w1 errors=0 ticks=0 requests=0 status=0
-	local -a rps=() p50=() p99=() p999=() other=()
+# measure ID PID URL ON_PROXY_CORE(1|0) [ADMIN_PORT]: warm-up, then ROUNDS measured wrk runs;
+# medians. With ADMIN_PORT (a levee with rate limits), it also reads levee's decision counters
+# around every measured round: DECISIONS (Redis decisions, summed), DEC_RATE (median of Redis
+# decisions / wrk's duration), DEC_OTHER (decisions made anywhere else: fallback, local, cache).
+measure() {
+	local id=$1 pid=$2 url=$3 own=$4 admin=${5:-} round pids t0 t1 b0 b1 w0 w1 errors=0 ticks=0 requests=0 status=0
+	local d0 d1 dec_redis=0 dec_other=0
+	local -a rps=() p50=() p99=() p999=() other=() dec=()
 	run_wrk "$url" "$WARMUP" "$TMP/wrk-$id-warmup.txt" || {
 		broken "case $id: wrk warm-up failed"
 		STATUS[$id]=failed
@@ -413,6 +424,12 @@ measure() { # ID PID URL ON_PROXY_CORE(1|0): warm-up, then ROUNDS measured wrk r
 	errors=${W[errors]} status=${W[err_status]}
 	pids=$(descendants "$pid") # after warm-up, so every worker exists
 	for ((round = 1; round <= ROUNDS; round++)); do
+		# (The counters are read outside the CPU window: the scrape is not the proxy's work.)
+		if [[ -n $admin ]] && ! d0=$(decisions "$admin"); then
+			broken "case $id: cannot read levee's /metrics"
+			STATUS[$id]=failed
+			return
+		fi
 		t0=$(cpu_ticks $pids) b0=$(core_busy $PROXY_CORES) w0=$(now_us)
 		if ! run_wrk "$url" "$DURATION" "$TMP/wrk-$id-$round.txt"; then
 			broken "case $id: wrk round $round failed"
@@ -420,6 +437,15 @@ measure() { # ID PID URL ON_PROXY_CORE(1|0): warm-up, then ROUNDS measured wrk r
 			return
 		fi
 		t1=$(cpu_ticks $pids) b1=$(core_busy $PROXY_CORES) w1=$(now_us)
+		if [[ -n $admin ]]; then
+			if ! d1=$(decisions "$admin"); then
+				broken "case $id: cannot read levee's /metrics"
+				STATUS[$id]=failed
+				return
+			fi
+			dec_redis=$((dec_redis + ${d1% *} - ${d0% *})) dec_other=$((dec_other + ${d1#* } - ${d0#* }))
+			dec+=("$(calc "printf \"%.1f\", (${d1% *} - ${d0% *}) / (${W[duration_us]} / 1e6)")")
+		fi
 		# Noise check: busy time of the proxy core(s) that the proxy itself did not use
 		# (other processes, and interrupt work the kernel did not charge to the proxy).
 		other+=("$(calc "v = 100 * (($b1 - $b0) - $own * ($t1 - $t0)) / (($w1 - $w0) / 1e6 * $CLK_TCK * $PROXY_NCORES); printf \"%.1f\", (v < 0 ? 0 : v)")") # < 0: tick rounding
@@ -435,6 +461,10 @@ measure() { # ID PID URL ON_PROXY_CORE(1|0): warm-up, then ROUNDS measured wrk r
 	HWM[$id]=$(status_kb VmHWM $pids)
 	OTHER[$id]=$(median "${other[@]}")
 	OTHER_MAX[$id]=$(printf '%s\n' "${other[@]}" | sort -g | tail -n1)
+	REQS[$id]=$requests
+	if [[ -n $admin ]]; then
+		DECISIONS[$id]=$dec_redis DEC_OTHER[$id]=$dec_other DEC_RATE[$id]=$(median "${dec[@]}")
+	fi
 	STATUS[$id]=ok
 	((errors == 0)) || broken "case $id (${LABEL[$id]}): ${ERR[$id]} failed requests"
 }
@@ -491,6 +521,15 @@ run_case() {
 		broken "case $id ($label): $PROBE_ERROR"
 	fi
 	[[ $kind == backend ]] || stop_pid "$pid"
+}
+
+decisions() { # ADMIN_PORT: "REDIS OTHER", levee's rate-limit decisions so far (all rules and
+	# results) made by Redis, and made any other way (fallback, local, cache); fails when
+	# /metrics does not answer
+	local text
+	text=$(curl -sf --max-time 5 "http://127.0.0.1:$1/metrics") || return 1
+	awk '/^[a-z_]*ratelimit_decisions[a-z_]*[{]/ { if ($0 ~ /source="redis"/) r += $NF; else o += $NF }
+		END { printf "%d %d\n", r, o }' <<<"$text"
 }
 
 limit_note() { # ID ADMIN_PORT: levee's rate-limit decisions during the case, from /metrics
@@ -666,6 +705,109 @@ section_reload_load() { # failed requests while levee reloads RELOADS times unde
 }
 
 # ---------------------------------------------------------------------------------------------
+# Rate limiter sections: decisions/s against the Redis ceiling, and added latency
+# ---------------------------------------------------------------------------------------------
+EVALSHA_SHA= CEIL_RPS= CEIL_P50= CEIL_P99= CEIL_NOTE=
+LIMITS_ON='limits = ["decide"]' LIMITS_OFF='limits = []' # the two renderings of limiter.toml.tmpl
+# What every redis-benchmark call sends: the limiter's own script, one key per call, the
+# key drawn from 100,000 (-r, __rand_int__) so the calls spread over many buckets; an interval
+# of 100 ms and a burst of 10^9, so every call admits and writes its bucket, as levee's do.
+EVALSHA_ARGS=(1 'rl:{key:__rand_int__}' 100000 1000000000 0)
+
+declare -A RB=() # fields of the last redis-benchmark run: requests, rps, p50_ms, p99_ms
+
+run_redis_benchmark() { # REQUESTS OUT: EVALSHA against our Redis, pinned to the load cores like wrk
+	local line test avg min p95 max
+	if ! taskset -c "$LOAD_CPUS" timeout $((DURATION * 5 + 60)) \
+		redis-benchmark -h 127.0.0.1 -p "$PORT_REDIS" -c "$CONNECTIONS" -n "$1" -P 1 -r 100000 --csv \
+		EVALSHA "$EVALSHA_SHA" "${EVALSHA_ARGS[@]}" >"$2" 2>&1; then
+		warn "redis-benchmark failed (it stops at the first error reply); its output:"
+		tail -n 5 "$2" >&2
+		return 1
+	fi
+	# --csv: a header, then "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms",...
+	line=$(grep -m1 '^"EVALSHA ' "$2") || {
+		warn "redis-benchmark printed no result; its output:"
+		tail -n 5 "$2" >&2
+		return 1
+	}
+	IFS=, read -r test RB[rps] avg min RB[p50_ms] p95 RB[p99_ms] max <<<"${line//\"/}"
+	RB[requests]=$1
+}
+
+evalsha_ceiling() { # the Redis ceiling: redis-benchmark running the limiter's EVALSHA
+	local i n out reply
+	local -a rps=() p50=() p99=()
+	EVALSHA_SHA=$(redis-cli -h 127.0.0.1 -p "$PORT_REDIS" -x SCRIPT LOAD <"$REPO/src/limit/script.lua") || EVALSHA_SHA=
+	if [[ ! $EVALSHA_SHA =~ ^[0-9a-f]{40}$ ]]; then
+		broken "limiter decisions/s: SCRIPT LOAD of src/limit/script.lua failed: ${EVALSHA_SHA:0:200}"
+		return 1
+	fi
+	# One call by hand: the reply starts with 0 (not blocked), then 1 (the rule admits).
+	reply=$(redis-cli -h 127.0.0.1 -p "$PORT_REDIS" EVALSHA "$EVALSHA_SHA" 1 'rl:{key:probe}' 100000 1000000000 0 | head -n 2 | tr '\n' ' ') || reply=
+	if [[ $reply != "0 1 " ]]; then
+		broken "limiter decisions/s: EVALSHA does not admit: '$reply'"
+		return 1
+	fi
+	# Warm-up run, which also sizes the measured runs: EVALSHA_REQUESTS, or as many requests as
+	# the warm-up rate gives in DURATION seconds, so each round lasts about as long as wrk's.
+	run_redis_benchmark 20000 "$TMP/redis-benchmark-warmup.txt" || {
+		broken "limiter decisions/s: redis-benchmark warm-up failed"
+		return 1
+	}
+	n=${EVALSHA_REQUESTS:-$(calc "n = ${RB[rps]} * $DURATION; printf \"%d\", (n < 10000 ? 10000 : n)")}
+	for ((i = 1; i <= ROUNDS; i++)); do
+		out=$TMP/redis-benchmark-$i.txt
+		run_redis_benchmark "$n" "$out" || {
+			broken "limiter decisions/s: redis-benchmark round $i failed"
+			return 1
+		}
+		rps+=("${RB[rps]}") p50+=("${RB[p50_ms]}") p99+=("${RB[p99_ms]}")
+		log "  redis-benchmark round $i/$ROUNDS: ${RB[rps]} EVALSHA/s, p99 ${RB[p99_ms]} ms"
+	done
+	CEIL_RPS=$(median "${rps[@]}")
+	CEIL_P50=$(calc "printf \"%.0f\", $(median "${p50[@]}") * 1000") # µs, like wrk's
+	CEIL_P99=$(calc "printf \"%.0f\", $(median "${p99[@]}") * 1000")
+	CEIL_NOTE="redis-benchmark -c $CONNECTIONS -P 1 -r 100000 -n $n, $ROUNDS round(s) after a 20000-request warm-up"
+}
+
+section_limiter_rate() { # Redis EVALSHA ceiling, then levee's decisions/s with one Redis rule
+	log "section: limiter decisions/s vs the Redis EVALSHA ceiling"
+	evalsha_ceiling || return 0
+	start_levee_section limiter-rate limiter.toml.tmpl LIMITS="$LIMITS_ON" || {
+		broken "limiter decisions/s: levee did not start"
+		return
+	}
+	if probe "http://127.0.0.1:$SEC_PORT/" 1024; then
+		log "  levee, one Redis limit rule, wrk -c $CONNECTIONS"
+		measure limiter-rate "$SEC_PID" "http://127.0.0.1:$SEC_PORT/" 1 "$SEC_ADMIN"
+	else
+		broken "limiter decisions/s: levee: $PROBE_ERROR"
+	fi
+	stop_pid "$SEC_PID"
+}
+
+section_limiter_latency() { # the same levee and route at moderate load, without and with the rule
+	# Dynamic scope: wrk_start (called by measure) sees this CONNECTIONS.
+	local CONNECTIONS=$LATENCY_CONNECTIONS variant limits
+	log "section: latency added by the limiter at moderate load (wrk -c $CONNECTIONS)"
+	for variant in off on; do
+		[[ $variant == on ]] && limits=$LIMITS_ON || limits=$LIMITS_OFF
+		start_levee_section "limiter-latency-$variant" limiter.toml.tmpl LIMITS="$limits" || {
+			broken "limiter latency: levee ($variant) did not start"
+			return
+		}
+		if probe "http://127.0.0.1:$SEC_PORT/" 1024; then
+			log "  levee, limit rule $variant"
+			measure "limiter-$variant" "$SEC_PID" "http://127.0.0.1:$SEC_PORT/" 1 "$SEC_ADMIN"
+		else
+			broken "limiter latency: levee ($variant): $PROBE_ERROR"
+		fi
+		stop_pid "$SEC_PID"
+	done
+}
+
+# ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
 REPORT=
@@ -752,6 +894,74 @@ report_sections() {
 	out "- failed requests during $RELOADS reloads under load: ${RELOAD_FAILED:-—}${RELOAD_LOAD_NOTE:+ ($RELOAD_LOAD_NOTE)}"
 }
 
+usec() { calc "printf \"%+.2f ms\", ($1) / 1000"; } # EXPR: a difference in µs, signed, as ms
+
+limiter_row() { # ID LABEL: a levee row of the limiter tables, from measure
+	if [[ ${STATUS[$1]:-} == ok ]]; then
+		out "| $2 | $(printf '%.0f' "${RPS[$1]}") | $(ms "${P50[$1]}") | $(ms "${P99[$1]}") | $(ms "${P999[$1]}") | ${ERR[$1]} | ${CPU[$1]} | ${OTHER[$1]}% |"
+	else
+		out "| $2 | ${STATUS[$1]:-failed} (see Broken) | | | | | | |"
+	fi
+}
+
+noisy_note() { # ID...: the noisy-machine warning for these measurements, when it applies
+	local id noisy=()
+	for id; do
+		[[ ${STATUS[$id]:-} == ok ]] && calc "exit !(${OTHER_MAX[$id]} > $NOISE_PCT)" && noisy+=("$id (up to ${OTHER_MAX[$id]}%)")
+	done
+	((${#noisy[@]} == 0)) && return 0
+	out ""
+	out "**Warning: noisy machine.** More than $NOISE_PCT% of the proxy core went to something other than levee in ${noisy[*]}. Those numbers are unreliable; rerun on a quiet machine."
+}
+
+report_limiter() {
+	local id=limiter-rate share
+	if wanted limiter-rate; then
+		out ""
+		out "## Rate limiter: decisions/s vs the Redis EVALSHA ceiling"
+		out ""
+		out "Ceiling: \`redis-benchmark\` on CPU $LOAD_CPUS (where wrk runs) against the harness's Redis (CPU $BACKEND_CPUS), sending the EVALSHA levee sends: \`src/limit/script.lua\` loaded with SCRIPT LOAD, \`EVALSHA <sha> ${EVALSHA_ARGS[*]}\` (every call admits${CEIL_NOTE:+; $CEIL_NOTE}). levee: one route with one Redis limit rule that never refuses (\`policies/limiter.toml.tmpl\`), wrk -c $CONNECTIONS; one request is one decision, so decisions/s = levee's req/s."
+		out ""
+		out "| what | decisions/s | p50 | p99 | p99.9 | errors | proxy CPU s / 100k req | other load on proxy core |"
+		out "|---|---:|---:|---:|---:|---:|---:|---:|"
+		if [[ -n $CEIL_RPS ]]; then
+			out "| Redis EVALSHA ceiling (redis-benchmark) | $(printf '%.0f' "$CEIL_RPS") | $(ms "$CEIL_P50") | $(ms "$CEIL_P99") | — | 0 | — | — |"
+		else
+			out "| Redis EVALSHA ceiling (redis-benchmark) | failed (see Broken) | | | | | | |"
+		fi
+		limiter_row "$id" "levee, one Redis limit rule (HTTP proxying included)"
+		out ""
+		if [[ ${STATUS[$id]:-} == ok ]]; then
+			share=$(calc "if (${RPS[$id]} > 0) printf \"%.1f\", 100 * ${DEC_RATE[$id]} / ${RPS[$id]}")
+			out "- levee / Redis ceiling: $(ratio "${RPS[$id]}" "${CEIL_RPS:-}")"
+			out "- confirmed by levee's \`/metrics\`: \`levee_ratelimit_decisions_total{…,source=\"redis\"}\` grew by ${DECISIONS[$id]} over the measured rounds for ${REQS[$id]} requests, $(printf '%.0f' "${DEC_RATE[$id]}") decisions/s (${share}% of req/s); decisions made another way (fallback, local, cache): ${DEC_OTHER[$id]}"
+			[[ ${DEC_OTHER[$id]} == 0 ]] || out "- **levee decided ${DEC_OTHER[$id]} requests without Redis** (Redis slower than levee's timeout, or down): those requests did not pay the EVALSHA."
+		fi
+		out "- levee's number includes the whole HTTP proxying work on the proxy core (accept, parse, route, forward to the backend nginx and relay its 1 KiB answer), one EVALSHA per request on top; redis-benchmark only talks to Redis. The ratio is the share of Redis's ceiling that a single-core levee turns into proxied, rate-limited requests."
+		[[ $LOAD_CPUS != "$BACKEND_CPUS" ]] ||
+			out "- LOAD_CPUS = BACKEND_CPUS ($LOAD_CPUS): redis-benchmark shares its core with Redis, as wrk shares it with Redis and the backend nginx in the levee run."
+		noisy_note "$id"
+	fi
+	if wanted limiter-latency; then
+		out ""
+		out "## Rate limiter: added latency at moderate load"
+		out ""
+		out "The same levee and route (\`policies/limiter.toml.tmpl\`) without and with the one Redis limit rule, wrk -t $WRK_THREADS -c $LATENCY_CONNECTIONS -d ${DURATION}s (not saturating), ${WARMUP} s warm-up, $ROUNDS round(s), median."
+		out ""
+		out "| levee | req/s | p50 | p99 | p99.9 | errors | proxy CPU s / 100k req | other load on proxy core |"
+		out "|---|---:|---:|---:|---:|---:|---:|---:|"
+		limiter_row limiter-off "route without a limit"
+		limiter_row limiter-on "route with one Redis limit rule"
+		if [[ ${STATUS[limiter-off]:-} == ok && ${STATUS[limiter-on]:-} == ok ]]; then
+			out "| added by the limiter | | $(usec "${P50[limiter-on]} - ${P50[limiter-off]}") | $(usec "${P99[limiter-on]} - ${P99[limiter-off]}") | $(usec "${P999[limiter-on]} - ${P999[limiter-off]}") | | | |"
+			out ""
+			out "With the rule, \`/metrics\` counted ${DECISIONS[limiter-on]} Redis decisions for ${REQS[limiter-on]} requests (other sources: ${DEC_OTHER[limiter-on]})."
+		fi
+		noisy_note limiter-off limiter-on
+	fi
+	return 0
+}
+
 report_targets() {
 	out ""
 	out "## Targets"
@@ -778,6 +988,12 @@ report_targets() {
 	if [[ -n $RELOAD_FAILED ]]; then
 		pass_fail "$RELOAD_FAILED == 0" "0 failed requests during $RELOADS reloads under load: $RELOAD_FAILED"
 	else out "- n/a failed requests during reloads"; fi
+	if [[ ${STATUS[limiter-rate]:-} == ok && -n $CEIL_RPS ]]; then
+		pass_fail "${RPS[limiter-rate]} >= $TARGET_DECISIONS_VS_REDIS * $CEIL_RPS" "limiter decisions/s ≥ ${TARGET_DECISIONS_VS_REDIS}× Redis EVALSHA ceiling: $(printf '%.0f' "${RPS[limiter-rate]}") vs $(printf '%.0f' "$CEIL_RPS") = $(ratio "${RPS[limiter-rate]}" "$CEIL_RPS")"
+	else out "- n/a limiter decisions/s vs Redis EVALSHA ceiling"; fi
+	if [[ ${STATUS[limiter-on]:-} == ok && ${STATUS[limiter-off]:-} == ok ]]; then
+		pass_fail "${P99[limiter-on]} - ${P99[limiter-off]} <= $TARGET_ADDED_P99_MS * 1000" "p99 added ≤ $TARGET_ADDED_P99_MS ms: $(usec "${P99[limiter-on]} - ${P99[limiter-off]}") ($(ms "${P99[limiter-on]}") with the limit vs $(ms "${P99[limiter-off]}") without, wrk -c $LATENCY_CONNECTIONS)"
+	else out "- n/a p99 added by the limiter"; fi
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -848,10 +1064,13 @@ wanted idle && section_idle_rss
 wanted conns && section_idle_conns
 wanted reload && section_reload_time
 wanted reload-load && section_reload_load
+wanted limiter-rate && section_limiter_rate
+wanted limiter-latency && section_limiter_latency
 
 report_header
 report_cases
 report_sections
+report_limiter
 report_targets
 if ((${#BROKEN[@]})); then
 	out ""

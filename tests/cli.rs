@@ -36,7 +36,7 @@ async fn status_level_module_breaker_and_reload_from_the_command_line() {
     let policy = policy_for(
         backend.addr,
         "",
-        &format!("[[route]]\nname = \"ranking\"\nmatch = {{ path_prefix = \"/ranking\" }}\ntier = 3\nmodule = \"ranking\"\n"),
+        "[[route]]\nname = \"ranking\"\nmatch = { path_prefix = \"/ranking\" }\ntier = 3\nmodule = \"ranking\"\n",
     )
     .replace("[admin]\nlisten = \"127.0.0.1:0\"", &format!("[admin]\nlisten = \"127.0.0.1:0\"\ntokens = {{ ops = \"{TOKEN}\" }}"));
     let levee = Levee::start(&policy).await;

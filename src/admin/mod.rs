@@ -34,7 +34,7 @@ pub async fn handle(
     } else {
         match authorize(&shared, &request) {
             Ok(name) => name,
-            Err(response) => return response,
+            Err(response) => return *response,
         }
     };
     let peer_or_token = |request: &Request<Incoming>| match &token_name {
@@ -203,7 +203,7 @@ async fn dead_letter_request(
 fn authorize(
     shared: &Shared,
     request: &Request<Incoming>,
-) -> Result<Option<String>, Response<ResponseBody>> {
+) -> Result<Option<String>, Box<Response<ResponseBody>>> {
     let policy = shared.store.load();
     if policy.admin.tokens.is_empty() {
         return Ok(None);
@@ -233,7 +233,7 @@ fn authorize(
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            Err(response)
+            Err(Box::new(response))
         }
     }
 }
