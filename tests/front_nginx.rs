@@ -1,0 +1,107 @@
+//! The repository's nginx.conf, run for real (ports and paths substituted): traffic flows
+//! through levee, and when levee is down the site still answers through the backup server.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const INDEX_PHP: &str = r#"<?php
+header('Content-Type: application/json');
+echo json_encode([
+    'remote_addr' => $_SERVER['REMOTE_ADDR'],
+    'x_forwarded_for' => $_SERVER['HTTP_X_FORWARDED_FOR'] ?? null,
+    'method' => $_SERVER['REQUEST_METHOD'],
+    'body' => file_get_contents('php://input'),
+]);
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it() {
+    let dir = tempfile::tempdir().expect("dir");
+    let docroot = dir.path().join("www");
+    std::fs::create_dir_all(&docroot).expect("docroot");
+    std::fs::write(docroot.join("index.php"), INDEX_PHP).expect("index.php");
+    open_up(dir.path());
+    let _ = std::process::Command::new("chmod")
+        .arg("-R")
+        .arg("a+r")
+        .arg(&docroot)
+        .status();
+    let php = PhpFpm::start(dir.path()).await;
+    let (front, levee_port, backend) = (free_port(), free_port(), free_port());
+
+    let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/nginx.conf"))
+        .expect("nginx.conf");
+    let d = dir.path().display();
+    let config = format!("pid {d}/front.pid;\nerror_log {d}/front-error.log warn;\n")
+        + &shipped
+            .replace("listen 80;", &format!("listen 127.0.0.1:{front};"))
+            .replace("127.0.0.1:8080", &format!("127.0.0.1:{levee_port}"))
+            .replace("127.0.0.1:8081", &format!("127.0.0.1:{backend}"))
+            .replace("127.0.0.1:9000", &format!("127.0.0.1:{}", php.port))
+            .replace("/var/www/forum", &docroot.display().to_string())
+            .replace(
+                "http {\n",
+                &format!("http {{\n    access_log {d}/front-access.log;\n    client_body_temp_path {d}/cb;\n    proxy_temp_path {d}/px;\n    fastcgi_temp_path {d}/fc;\n    uwsgi_temp_path {d}/uw;\n    scgi_temp_path {d}/sc;\n"),
+            );
+    assert!(
+        !config.contains(":8080") && !config.contains("listen 80"),
+        "every port was substituted"
+    );
+    std::fs::write(dir.path().join("front.conf"), config).expect("write config");
+    let nginx = ChildGuard::spawn(
+        "nginx",
+        std::process::Command::new(find_binary(&["nginx", "/usr/sbin/nginx"]))
+            .arg("-c")
+            .arg(dir.path().join("front.conf"))
+            .arg("-p")
+            .arg(dir.path())
+            .arg("-e")
+            .arg(dir.path().join("front-error.log"))
+            .arg("-g")
+            .arg("daemon off;"),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], front)),
+        "front nginx",
+    )
+    .await;
+
+    let policy_dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        policy_dir.path().join("levee.toml"),
+        format!("[server]\nlisten = \"127.0.0.1:{levee_port}\"\ndrain = \"0s\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.app]\nurl = \"http://127.0.0.1:{backend}\"\n"),
+    )
+    .expect("policy");
+    let running = levee::start(levee::Options::new(policy_dir.path()))
+        .await
+        .expect("levee");
+    let metrics_url = format!("http://{}/metrics", running.admin_addr);
+    let site = format!("http://127.0.0.1:{front}/index.php");
+
+    // Through levee: the PHP app answers, levee counts the request, PHP sees the client.
+    let answer = post(&site, "hello=1").await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(answer.json()["method"], "POST");
+    assert_eq!(answer.json()["body"], "hello=1");
+    assert_eq!(answer.json()["remote_addr"], "127.0.0.1");
+    let counted = metric_value(
+        &get(&metrics_url).await.text(),
+        "levee_requests_total{route=\"default\",status=\"200\"}",
+    );
+    assert_eq!(counted, 1.0, "the request went through levee");
+
+    // levee stops: the site keeps answering through the backup server (fail open).
+    running.shutdown();
+    tokio::time::timeout(Duration::from_secs(10), running.wait())
+        .await
+        .expect("levee stopped");
+    for _ in 0..3 {
+        let answer = get(&site).await;
+        assert_eq!(answer.status, 200, "{}", answer.text());
+        assert_eq!(answer.json()["method"], "GET");
+    }
+    drop(nginx);
+}
