@@ -149,13 +149,8 @@ fn check_reports_a_missing_or_broken_ca_file() {
         "[upstream.ai]\nurl = \"https://api.example.com\"\nca_files = [\"missing.pem\", \"bad.pem\"]\n",
     )
     .expect("write");
-    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
-        .args(["check", "--policies"])
-        .arg(dir.path())
-        .output()
-        .expect("run");
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let (ok, _, stderr) = levee_check(dir.path());
+    assert!(!ok);
     assert!(
         stderr.contains("levee.toml:3:12: error: cannot read CA file"),
         "{stderr}"

@@ -2,7 +2,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,20 +9,6 @@ use std::time::Duration;
 use common::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
-
-fn levee_check(dir: &std::path::Path) -> (bool, String, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
-        .arg("check")
-        .arg("--policies")
-        .arg(dir)
-        .output()
-        .expect("run levee check");
-    (
-        output.status.success(),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
 
 #[test]
 fn check_accepts_the_shipped_default_policy() {

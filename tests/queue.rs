@@ -401,19 +401,7 @@ async fn without_redis_the_queue_answers_503_and_big_bodies_413() {
 
 #[test]
 fn check_refuses_queues_without_redis() {
-    let dir = tempfile::tempdir().expect("dir");
-    std::fs::write(
-        dir.path().join("levee.toml"),
-        "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"notify\"\ntier = 2\ndegrade = { action = \"queue\" }\n",
-    )
-    .expect("write");
-    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
-        .args(["check", "--policies"])
-        .arg(dir.path())
-        .output()
-        .expect("run");
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = check_fails("[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"notify\"\ntier = 2\ndegrade = { action = \"queue\" }\n");
     assert!(
         stderr.contains("levee.toml:6:22: error: action `queue` needs [redis]"),
         "{stderr}"

@@ -666,3 +666,26 @@ impl PhpSite {
         self.php = None;
     }
 }
+
+/// Runs `levee check --policies DIR`; returns (success, stdout, stderr).
+pub fn levee_check(dir: &Path) -> (bool, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .args(["check", "--policies"])
+        .arg(dir)
+        .output()
+        .expect("run levee check");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Checks a one-file policy (`levee.toml`) that must be refused; returns what was printed.
+pub fn check_fails(policy: &str) -> String {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("levee.toml"), policy).expect("write policy");
+    let (ok, _, stderr) = levee_check(dir.path());
+    assert!(!ok, "levee check accepted a broken policy:\n{policy}");
+    stderr
+}
