@@ -172,6 +172,17 @@ async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, r
             .get_or_create(&labels)
             .set(backlog + delayed);
     }
+    if let Some(age) = oldest_job_age(redis, keys).await {
+        shared
+            .metrics
+            .queue_oldest_age
+            .get_or_create(&labels)
+            .set(age as i64);
+    }
+}
+
+/// Seconds since the oldest job in the stream was stored (0 when the stream is empty).
+async fn oldest_job_age(redis: &RedisStore, keys: &QueueKeys) -> Option<u64> {
     let mut oldest = redis::cmd("XRANGE");
     oldest
         .arg(&keys.stream)
@@ -179,20 +190,14 @@ async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, r
         .arg("+")
         .arg("COUNT")
         .arg(1);
-    if let Ok(value) = redis
-        .command::<redis::Value>(&oldest, QUEUE_TIMEOUT, None)
-        .await
-    {
-        let age = entries(&value)
+    let value: redis::Value = redis.command(&oldest, QUEUE_TIMEOUT, None).await.ok()?;
+    // Stream ids start with the milliseconds at which Redis stored the entry.
+    Some(
+        entries(&value)
             .first()
             .and_then(|(id, _)| id.split('-').next().and_then(|ms| ms.parse::<u64>().ok()))
-            .map_or(0, |ms| now_ms().saturating_sub(ms) / 1000);
-        shared
-            .metrics
-            .queue_oldest_age
-            .get_or_create(&labels)
-            .set(age as i64);
-    }
+            .map_or(0, |ms| now_ms().saturating_sub(ms) / 1000),
+    )
 }
 
 async fn replay_route(
@@ -606,23 +611,7 @@ pub async fn stats(
             .unwrap_or(0),
         _ => 0,
     };
-    let mut oldest = redis::cmd("XRANGE");
-    oldest
-        .arg(&keys.stream)
-        .arg("-")
-        .arg("+")
-        .arg("COUNT")
-        .arg(1);
-    let oldest_age_s = match redis
-        .command::<redis::Value>(&oldest, QUEUE_TIMEOUT, None)
-        .await
-    {
-        Ok(value) => entries(&value)
-            .first()
-            .and_then(|(id, _)| id.split('-').next().and_then(|ms| ms.parse::<u64>().ok()))
-            .map(|ms| now_ms().saturating_sub(ms) / 1000),
-        Err(_) => None,
-    };
+    let oldest_age_s = oldest_job_age(redis, keys).await;
     serde_json::json!({
         "backlog": backlog,
         "delayed": delayed,
