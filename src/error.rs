@@ -172,7 +172,15 @@ impl ProxyError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        if matches!(self, ProxyError::ClientBodyTimeout { .. }) {
+        // After a malformed or refused request the rest of the connection cannot be trusted to
+        // be framed the way the client meant it: close it instead of reading on.
+        if matches!(
+            self,
+            ProxyError::ClientBodyTimeout { .. }
+                | ProxyError::BadRequest(_)
+                | ProxyError::HeadersTooLarge { .. }
+                | ProxyError::BodyTooLarge { .. }
+        ) {
             response
                 .headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));

@@ -118,6 +118,16 @@ async fn forward(
         });
     }
 
+    // Framing both ways at once is how requests are smuggled past a proxy (RFC 9112 6.3):
+    // refuse rather than guess which one the backend would believe.
+    if request.headers().contains_key(h::TRANSFER_ENCODING)
+        && request.headers().contains_key(h::CONTENT_LENGTH)
+    {
+        return Err(ProxyError::BadRequest(
+            "both Content-Length and Transfer-Encoding".into(),
+        ));
+    }
+
     // Client identity: forwarded headers count only from trusted proxies.
     let peer_trusted = server.trusted_proxies.contains(peer.ip());
     let client_ip = header::client_ip(peer.ip(), request.headers(), &server.trusted_proxies);
