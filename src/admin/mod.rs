@@ -72,6 +72,7 @@ pub async fn handle(
             };
             apply_switch(&shared, change, &by).await
         }
+        (&Method::GET, "/" | "/dashboard") => dashboard(),
         (&Method::GET, "/status") => json_response(StatusCode::OK, &status(&shared)),
         (&Method::GET, "/metrics") => {
             let mut response = text_response(StatusCode::OK, shared.metrics.encode());
@@ -108,9 +109,30 @@ pub async fn handle(
         }
         _ => text_response(
             StatusCode::NOT_FOUND,
-            "404 not found; admin paths: GET /status, GET /metrics, POST /reload, POST /breakers/NAME, POST /level, POST /modules/NAME\n",
+            "404 not found; admin paths: GET /dashboard, GET /status, GET /metrics, POST /reload, POST /breakers/NAME, POST /level, POST /modules/NAME\n",
         ),
     }
+}
+
+/// The operator dashboard: one self-contained page (no CDN, no build step) that polls
+/// `/status`, `/metrics` and `/queues` and sends the same POSTs as the `levee` CLI.
+const DASHBOARD_HTML: &str = include_str!("dashboard.html");
+
+/// `GET /` and `GET /dashboard`.
+fn dashboard() -> Response<ResponseBody> {
+    let mut response = text_response(StatusCode::OK, DASHBOARD_HTML);
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    // Nothing from elsewhere, and never inside another site's frame (its buttons change state).
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; frame-ancestors 'none'"),
+    );
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    response
 }
 
 /// `GET /queues`: backlog, in-flight, delayed and dead letters of every queue route.
