@@ -110,3 +110,26 @@ fn an_admin_listener_beyond_loopback_needs_a_token() {
     );
     assert!(stderr.contains("levee.toml:2:10: error: the admin listener on 0.0.0.0:9901 is reachable beyond this machine but has no token"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_sites_cannot_drive_the_admin_api_from_a_browser() {
+    let backend = echo_backend().await;
+    let policy = policy_for(backend.addr, "", "[[route]]\nname = \"ranking\"\nmatch = { path_prefix = \"/ranking\" }\ntier = 3\nmodule = \"ranking\"\n");
+    let levee = Levee::start(&policy).await;
+    let cross_site = http::Request::post(levee.admin_url("/modules/ranking"))
+        .header("origin", "http://evil.example")
+        .body(full("off"))
+        .expect("request");
+    assert_eq!(send(cross_site).await.status, 403);
+    assert_eq!(
+        get(&levee.url("/ranking")).await.status,
+        200,
+        "nothing changed"
+    );
+    // The dashboard's own page posts with its own origin.
+    let same_site = http::Request::post(levee.admin_url("/modules/ranking"))
+        .header("origin", format!("http://{}", levee.admin))
+        .body(full("off"))
+        .expect("request");
+    assert_eq!(send(same_site).await.status, 200);
+}

@@ -226,6 +226,26 @@ fn authorize(
     shared: &Shared,
     request: &Request<Incoming>,
 ) -> Result<Option<String>, Box<Response<ResponseBody>>> {
+    // A web page the operator happens to have open must not be able to flip switches on a
+    // loopback admin listener: browsers name the page's origin on cross-site requests.
+    if let Some(origin) = request.headers().get(header::ORIGIN) {
+        let host = request
+            .headers()
+            .get(header::HOST)
+            .and_then(|value| value.to_str().ok());
+        let same_origin = origin
+            .to_str()
+            .ok()
+            .and_then(|origin| origin.strip_prefix("http://"))
+            .is_some_and(|origin_host| Some(origin_host) == host);
+        if !same_origin {
+            tracing::warn!(origin = ?origin, "admin request from another site refused");
+            return Err(Box::new(text_response(
+                StatusCode::FORBIDDEN,
+                "403 admin actions are only accepted from the admin listener's own pages or from tools\n",
+            )));
+        }
+    }
     let policy = shared.store.load();
     if policy.admin.tokens.is_empty() {
         return Ok(None);
