@@ -27,7 +27,7 @@ fn check_accepts_the_example_policies() {
         "/examples/forum/policies"
     )));
     assert!(ok, "{stderr}");
-    assert!(stdout.contains("5 route(s)"), "{stdout}");
+    assert!(stdout.contains("11 route(s)"), "{stdout}");
 }
 
 #[test]
