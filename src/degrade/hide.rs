@@ -293,19 +293,11 @@ impl<B> Hidden<B> {
                 emit(this.output, &before);
                 let rest = carry.split();
                 let (selectors, markers) = this.settings.take().unwrap_or_default();
-                let mut rewriter = rewriter(&selectors, &markers, this.output, this.ended);
-                rewriter
-                    .write(&rest)
-                    .map_err(|error| Box::new(error) as BoxError)?;
+                let rewriter = rewriter(&selectors, &markers, this.output, this.ended);
                 *this.stage = Stage::Rewrite(Box::new(rewriter));
-                finish_early(this.stage, this.plan, this.ended)
+                rewrite(this.stage, this.plan, this.ended, this.output, &rest)
             }
-            Stage::Rewrite(rewriter) => {
-                rewriter
-                    .write(data)
-                    .map_err(|error| Box::new(error) as BoxError)?;
-                finish_early(this.stage, this.plan, this.ended)
-            }
+            Stage::Rewrite(_) => rewrite(this.stage, this.plan, this.ended, this.output, data),
             Stage::Pass => {
                 emit(this.output, data);
                 Ok(())
@@ -325,6 +317,34 @@ impl<B> Hidden<B> {
         }
         Ok(())
     }
+}
+
+/// Feeds the parser in small slices so that, once every id-selected element has ended, the
+/// rest of the chunk passes untouched instead of being parsed for nothing.
+fn rewrite(
+    stage: &mut Stage,
+    plan: &Plan,
+    ended: &AtomicUsize,
+    output: &Mutex<BytesMut>,
+    data: &[u8],
+) -> Result<(), BoxError> {
+    const SLICE: usize = 1024;
+    let mut offset = 0;
+    while offset < data.len() {
+        let Stage::Rewrite(rewriter) = stage else {
+            break;
+        };
+        let end = (offset + SLICE).min(data.len());
+        rewriter
+            .write(&data[offset..end])
+            .map_err(|error| Box::new(error) as BoxError)?;
+        offset = end;
+        finish_early(stage, plan, ended)?;
+    }
+    if offset < data.len() {
+        emit(output, &data[offset..]);
+    }
+    Ok(())
 }
 
 /// Once every id-selected element has ended, nothing more can match: stop parsing.
