@@ -290,3 +290,31 @@ async fn admin_reload_answers_with_the_errors_or_the_new_generation() {
     // The admin API is not reachable through the public listener.
     assert_eq!(get(&format!("{public}/status")).await.text(), "b");
 }
+
+#[test]
+fn every_toml_example_in_the_policy_reference_uses_real_keys() {
+    let reference = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/policy.md"))
+        .expect("docs/policy.md");
+    let mut blocks = 0;
+    for (index, block) in reference.split("```toml\n").skip(1).enumerate() {
+        let text = block.split("```").next().unwrap_or_default();
+        let file = levee::config::SourceFile {
+            path: format!("docs/policy.md block {index}").into(),
+            text: text.to_string(),
+        };
+        // Examples are fragments (a route may name an upstream shown elsewhere), so only
+        // syntax and key names are checked here, not cross-references.
+        if let Err(diagnostics) = levee::config::compile(&[file], None) {
+            for diagnostic in &diagnostics.0 {
+                let hint = diagnostic.hint.as_deref().unwrap_or("");
+                assert!(
+                    !hint.starts_with("check the spelling")
+                        && !hint.starts_with("this is not valid TOML"),
+                    "docs/policy.md example {index} is wrong: {diagnostic}\n{text}"
+                );
+            }
+        }
+        blocks += 1;
+    }
+    assert!(blocks >= 10, "found only {blocks} examples");
+}
