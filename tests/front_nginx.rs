@@ -17,8 +17,9 @@ echo json_encode([
 ]);
 "#;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it() {
+/// PHP (php-fpm) and the shipped nginx.conf (front server + PHP vhost) on free ports; levee is
+/// expected on `levee_port`. Returns (temp dir, php-fpm, nginx, front port, vhost port).
+async fn front_stack(levee_port: u16) -> (tempfile::TempDir, PhpFpm, ChildGuard, u16, u16) {
     let dir = tempfile::tempdir().expect("dir");
     let docroot = dir.path().join("www");
     std::fs::create_dir_all(&docroot).expect("docroot");
@@ -30,7 +31,7 @@ async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it(
         .arg(&docroot)
         .status();
     let php = PhpFpm::start(dir.path()).await;
-    let (front, levee_port, backend) = (free_port(), free_port(), free_port());
+    let (front, backend) = (free_port(), free_port());
 
     let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/nginx.conf"))
         .expect("nginx.conf");
@@ -69,6 +70,13 @@ async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it(
     )
     .await;
 
+    (dir, php, nginx, front, backend)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it() {
+    let levee_port = free_port();
+    let (_dir, _php, nginx, front, backend) = front_stack(levee_port).await;
     let policy_dir = tempfile::tempdir().expect("dir");
     std::fs::write(
         policy_dir.path().join("levee.toml"),
@@ -104,4 +112,83 @@ async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it(
         assert_eq!(answer.json()["method"], "GET");
     }
     drop(nginx);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn levee_killed_under_load_costs_at_most_the_requests_in_flight() {
+    let levee_port = free_port();
+    let (_dir, _php, _nginx, front, backend) = front_stack(levee_port).await;
+    let policy_dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        policy_dir.path().join("levee.toml"),
+        format!("[server]\nlisten = \"127.0.0.1:{levee_port}\"\naccess_log = false\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.app]\nurl = \"http://127.0.0.1:{backend}\"\n"),
+    )
+    .expect("policy");
+    let mut levee = ChildGuard::spawn(
+        "levee",
+        std::process::Command::new(env!("CARGO_BIN_EXE_levee"))
+            .args(["run", "--no-watch", "--policies"])
+            .arg(policy_dir.path())
+            .env("LEVEE_LOG", "warn"),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], levee_port)),
+        "levee",
+    )
+    .await;
+
+    const CLIENTS: usize = 4;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut loops = Vec::new();
+    for _ in 0..CLIENTS {
+        let (stop, answered, url) = (
+            stop.clone(),
+            answered.clone(),
+            format!("http://127.0.0.1:{front}/index.php"),
+        );
+        loops.push(tokio::spawn(async move {
+            let mut failed = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let request = http::Request::get(url.as_str())
+                    .body(full(""))
+                    .expect("request");
+                match client().request(request).await {
+                    Ok(response) if response.status() == 200 => {
+                        answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    _ => failed += 1,
+                }
+            }
+            failed
+        }));
+    }
+    let count = || answered.load(std::sync::atomic::Ordering::Relaxed);
+    eventually(Duration::from_secs(10), "load through levee", || async {
+        count() >= 50
+    })
+    .await;
+    let _ = std::process::Command::new("kill")
+        .arg("-KILL")
+        .arg(levee.pid().to_string())
+        .status();
+    let _ = levee.child.wait();
+    let at_kill = count();
+    eventually(
+        Duration::from_secs(10),
+        "load through the backup path",
+        || async { count() >= at_kill + 100 },
+    )
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut failed = 0;
+    for task in loops {
+        failed += task.await.expect("client");
+    }
+    assert!(
+        failed <= CLIENTS,
+        "{failed} failed requests; at most the {CLIENTS} in flight may fail"
+    );
+    let after = get(&format!("http://127.0.0.1:{front}/index.php")).await;
+    assert_eq!(after.status, 200, "the backup path answers with levee gone");
 }
