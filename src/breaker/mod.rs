@@ -52,11 +52,6 @@ impl Breaker {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Does this status count as a failure of the dependency?
-    pub fn is_failure_status(&self, status: u16) -> bool {
-        self.lock().settings.failure_statuses.contains(&status)
-    }
-
     pub fn settings(&self) -> BreakerSettings {
         self.lock().settings.clone()
     }
@@ -199,7 +194,9 @@ pub struct Permit {
 
 impl Permit {
     /// Records the outcome of an answered call: a failure status or a success (slow or not).
-    pub fn record_status(self, status: u16, metrics: &Metrics) {
+    /// Records the outcome of an answered call (a failure status, or a success that may be
+    /// slow) and says whether the status counted as a failure.
+    pub fn record_status(self, status: u16, metrics: &Metrics) -> bool {
         let (failed, slow) = {
             let machine = self.breaker.lock();
             let failed = machine.settings.failure_statuses.contains(&status);
@@ -209,14 +206,13 @@ impl Permit {
                 .is_some_and(|limit| self.started.elapsed() > limit);
             (failed, slow)
         };
-        self.record(
-            if failed {
-                Outcome::Failure
-            } else {
-                Outcome::Success { slow }
-            },
-            metrics,
-        );
+        let outcome = if failed {
+            Outcome::Failure
+        } else {
+            Outcome::Success { slow }
+        };
+        self.record(outcome, metrics);
+        failed
     }
 
     pub fn record(mut self, outcome: Outcome, metrics: &Metrics) {

@@ -304,13 +304,17 @@ async fn forward(
         .latency
         .record(tokio::time::Instant::now(), sent_at.elapsed());
     // Record: only the upstream's own failures count against its breaker.
-    match &answer {
+    let failure_status = match &answer {
         Ok(response) => permit.record_status(response.status().as_u16(), &shared.metrics),
         Err(error) if error.side() == ErrorSide::Upstream => {
-            permit.record(Outcome::Failure, &shared.metrics)
+            permit.record(Outcome::Failure, &shared.metrics);
+            false
         }
-        Err(_) => permit.record(Outcome::Abandoned, &shared.metrics),
-    }
+        Err(_) => {
+            permit.record(Outcome::Abandoned, &shared.metrics);
+            false
+        }
+    };
     let mut response = match answer {
         Ok(response) => response,
         // stale-if-error: the last good copy beats an error page.
@@ -319,10 +323,7 @@ async fn forward(
         }
         Err(error) => return Err(error),
     };
-    if upstream
-        .breaker
-        .is_failure_status(response.status().as_u16())
-    {
+    if failure_status {
         if let Some(copy) = stale.copy(shared, policy).await {
             return Ok(copy);
         }
