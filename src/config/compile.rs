@@ -1016,6 +1016,18 @@ fn compile_redis(
             None => default,
         }
     };
+    if let Some(prefix) = &inner.key_prefix {
+        // The bucket's hash tag `{…}` follows the prefix; a brace in the prefix would make Redis
+        // Cluster read another (or no) hash tag, and one script's keys would span slots.
+        if prefix.get_ref().contains(['{', '}']) {
+            compiler.error_hint(
+                file,
+                prefix.span(),
+                format!("key_prefix `{}` contains a brace", prefix.get_ref()),
+                "braces mark Redis Cluster hash tags, which levee sets itself; use e.g. \"shop:\"",
+            );
+        }
+    }
     Some(RedisSettings {
         target,
         timeout: compiler.duration(file, &inner.timeout, Duration::from_millis(25)),

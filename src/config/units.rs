@@ -26,7 +26,10 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     if !seconds.is_finite() || !(0.0..=86_400.0 * 365.0).contains(&seconds) {
         return Err(format!("duration `{text}` is out of range"));
     }
-    Ok(Duration::from_secs_f64(seconds))
+    // Rounded to whole microseconds: a float of seconds cannot hold every nanosecond of a long
+    // duration, so `"19328244617ms"` used to come out as `…616.999999s`. Microseconds of up to
+    // a year fit a float exactly, and no timer levee runs is finer than that.
+    Ok(Duration::from_micros((seconds * 1e6).round() as u64))
 }
 
 /// Parses a byte size. `KB`/`MB`/`GB` are decimal, `KiB`/`MiB`/`GiB` binary, `B` or no unit bytes.

@@ -158,7 +158,10 @@ pub fn bucket_key(
         }
         values.push(value);
     }
-    let tag = tag.map(|(_, value)| value).unwrap_or_default();
+    // A rule keyed by nothing (`key = []`, one bucket for everyone) still needs a hash tag: an
+    // empty `{}` makes Redis Cluster hash the whole key, so two such rules asked in one script
+    // would land in different slots (CROSSSLOT). Its own name keeps it apart from other rules.
+    let tag = tag.map_or_else(|| safe_value(rule), |(_, value)| value);
     let mut key = String::with_capacity(prefix.len() + rule.len() + tag.len() + 32);
     let _ = write!(key, "{prefix}rl:{{{tag}}}:{rule}:{}", values.join("|"));
     Some(BucketKey { key, tag })
@@ -172,12 +175,15 @@ pub struct BucketKey {
 }
 
 /// Key parts come from clients: long values, braces (which would break hash tags), separators
-/// and control bytes are replaced by a hash, so a client cannot forge another key.
+/// and control bytes are replaced by a hash, so a client cannot forge another key. `#` starts
+/// every hash, so a plain value may not contain it (else `#<hash of X>` sent as is would share
+/// X's bucket); an empty value is hashed too, so a hash tag is never the empty `{}`.
 fn safe_value(value: &str) -> String {
-    let plain = value.len() <= 64
+    let plain = !value.is_empty()
+        && value.len() <= 64
         && value
             .bytes()
-            .all(|b| b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'|' | b':'));
+            .all(|b| b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'|' | b':' | b'#'));
     if plain {
         return value.to_string();
     }

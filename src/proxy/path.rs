@@ -68,12 +68,14 @@ fn is_already_normal(path: &str) -> bool {
 
 fn decode_unreserved(path: &str) -> Result<String, PathError> {
     let bytes = path.as_bytes();
-    let mut out = String::with_capacity(path.len());
+    // Bytes, not chars: pushing each byte of a non-ASCII path as a `char` read it as Latin-1,
+    // so `//é` normalised to `/Ã©` and missed the route that `/é` matches.
+    let mut out = Vec::with_capacity(path.len());
     let mut i = 0;
     while i < bytes.len() {
         let byte = bytes[i];
         if byte != b'%' {
-            out.push(byte as char);
+            out.push(byte);
             i += 1;
             continue;
         }
@@ -84,15 +86,17 @@ fn decode_unreserved(path: &str) -> Result<String, PathError> {
         };
         let decoded = hi * 16 + lo;
         if decoded.is_ascii_alphanumeric() || matches!(decoded, b'-' | b'.' | b'_' | b'~') {
-            out.push(decoded as char);
+            out.push(decoded);
         } else {
-            out.push('%');
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(hi)]));
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(lo)]));
+            out.push(b'%');
+            out.push(b"0123456789ABCDEF"[usize::from(hi)]);
+            out.push(b"0123456789ABCDEF"[usize::from(lo)]);
         }
         i += 3;
     }
-    Ok(out)
+    // Only ASCII escapes were replaced (by ASCII), so the bytes are still the input's UTF-8;
+    // the error arm cannot be reached and is there only to avoid an unwrap.
+    String::from_utf8(out).map_err(|_| PathError::BadPercentEncoding)
 }
 
 fn hex(byte: u8) -> Option<u8> {
