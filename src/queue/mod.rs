@@ -92,6 +92,16 @@ impl QueueKeys {
     }
 }
 
+/// Stores a job only if Redis runs the write before the deadline (µs, Redis clock).
+/// KEYS: stream. ARGV: deadline, then the job's fields. Returns the entry id, or nil if late.
+const ENQUEUE_BEFORE: &str = r#"
+local now = redis.call('TIME')
+if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
+  return false
+end
+return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+"#;
+
 const DEFAULT_ACCEPTED_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Accepted</title></head>\n<body><h1>Accepted</h1><p>Your request was received and takes effect shortly.</p><p>Reference: {job}</p></body></html>\n";
 const DEFAULT_ACCEPTED_JSON: &str = "{\"status\":\"accepted\",\"job\":\"{job}\"}\n";
 
@@ -133,20 +143,47 @@ pub async fn enqueue(
     strip_hop_by_hop(&mut parts.headers, false);
     let job = Job::from_request(&route.name.0, &parts, body, client_ip);
     let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
-    let mut command = redis::cmd("XADD");
-    command.arg(&keys.stream).arg("*");
-    job.write_fields(&mut command);
     // Writes are worth a little more patience than limit checks, but never unbounded.
     let timeout = redis.settings.timeout.max(Duration::from_millis(500));
-    let id: String = redis
-        .command(&command, timeout, Some(metrics))
+    let not_stored = |error: String| {
+        tracing::warn!(route = %route.name, "job not stored, answering 503: {error}");
+        ProxyError::QueueUnavailable {
+            route: route.name.to_string(),
+        }
+    };
+    // A plain XADD that times out here is not cancelled: a Redis that was only frozen or slow
+    // runs it later, so work the client was told was *not* stored (503, retry) got applied
+    // anyway — and applied twice once the client retried (the fault tests found this with a
+    // SIGSTOPped Redis). So the write carries a deadline on Redis's own clock and is
+    // refused by Redis once levee may have given up. The deadline keeps half of the
+    // remaining time for the reply to travel back.
+    let started = tokio::time::Instant::now();
+    let mut clock = redis::cmd("EVAL");
+    clock
+        .arg("return redis.call('TIME')")
+        .arg(1)
+        .arg(&keys.stream);
+    let (seconds, micros): (u64, u64) = redis
+        .command(&clock, timeout, Some(metrics))
         .await
-        .map_err(|error| {
-            tracing::warn!(route = %route.name, "job not stored, answering 503: {error}");
-            ProxyError::QueueUnavailable {
-                route: route.name.to_string(),
-            }
-        })?;
+        .map_err(|error| not_stored(error.to_string()))?;
+    let remaining = timeout.saturating_sub(started.elapsed());
+    let deadline_us = seconds
+        .saturating_mul(1_000_000)
+        .saturating_add(micros)
+        .saturating_add((remaining / 2).as_micros() as u64);
+    let mut command = redis::cmd("EVAL");
+    command
+        .arg(ENQUEUE_BEFORE)
+        .arg(1)
+        .arg(&keys.stream)
+        .arg(deadline_us);
+    job.write_fields(&mut command);
+    let id: Option<String> = redis
+        .command(&command, remaining, Some(metrics))
+        .await
+        .map_err(|error| not_stored(error.to_string()))?;
+    let id = id.ok_or_else(|| not_stored("redis ran the write after its deadline".into()))?;
     metrics
         .queue_enqueued
         .get_or_create(&QueueLabels {

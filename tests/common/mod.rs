@@ -498,6 +498,43 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
+    /// Like [`RedisServer::start_on`], but with an append-only file fsynced on every write
+    /// in `dir`, so a SIGKILLed server restarted on the same `dir` comes back with its data.
+    pub async fn start_persistent(dir: &Path, port: u16) -> RedisServer {
+        let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
+        let guard = ChildGuard::spawn(
+            "redis-server",
+            Command::new(binary)
+                .args([
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    &port.to_string(),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "always",
+                ])
+                .arg("--dir")
+                .arg(dir)
+                .args(["--daemonize", "no"]),
+        );
+        wait_for_port(
+            SocketAddr::from(([127, 0, 0, 1], port)),
+            "redis-server to listen",
+        )
+        .await;
+        RedisServer { port, guard }
+    }
+
+    /// SIGKILLs the server (no chance to save anything) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.guard.child.kill();
+        let _ = self.guard.child.wait();
+    }
+
     /// Freezes (SIGSTOP) or thaws (SIGCONT) the server: connections stay open, answers stop.
     pub fn pause(&self, paused: bool) {
         let signal = if paused { "-STOP" } else { "-CONT" };
