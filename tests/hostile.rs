@@ -135,3 +135,175 @@ async fn route_dodging_by_spelling_and_case_lands_where_the_backend_would() {
     assert_eq!(limited.hits(), 6);
     assert_eq!(backend.hits(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_breaking_bytes_are_refused_or_passed_on_encoded_never_raw() {
+    let backend = echo_backend().await;
+    let rest = "[identity]\nuser = \"header:X-User\"\n[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 1\n[[route]]\nname = \"all\"\nmatch = { path_prefix = \"/\" }\nupstream = \"app\"\nlimits = [\"per_user\"]\n";
+    let levee = Levee::start(&policy_for(backend.addr, "", rest)).await;
+
+    // Control bytes inside a header value cannot be parsed into a request at all.
+    let broken: [&[u8]; 3] = [
+        b"GET / HTTP/1.1\r\nHost: a\r\nX-User: a\rSet-Cookie: evil=1\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: a\r\nX-User: a\x00b\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: a\r\nX-User: a\x0bb\r\n\r\n",
+    ];
+    for raw in broken {
+        let answer = exchange(&levee, raw).await;
+        assert!(
+            matches!(status_of(&answer), Some(400) | None),
+            "{:?}\n=> {answer}",
+            String::from_utf8_lossy(raw)
+        );
+        assert!(
+            !answer.to_ascii_lowercase().contains("set-cookie"),
+            "{answer}"
+        );
+    }
+    assert_eq!(backend.hits(), 0, "nothing unparseable was forwarded");
+
+    // Encoded CR/LF in the target stays encoded: the app gets the target byte for byte, and
+    // nothing of it turns into a response header.
+    let target = "/a%0d%0aSet-Cookie:%20evil=1";
+    let answer = raw_exchange(
+        levee.public,
+        format!("GET {target} HTTP/1.1\r\nHost: a\r\nX-User: u1\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
+    assert!(!head.to_ascii_lowercase().contains("set-cookie"), "{head}");
+    let echo: serde_json::Value = serde_json::from_str(body).expect("echo json");
+    assert_eq!(echo["target"], target);
+
+    // What the client sent never reaches a refusal: the 429 body and its RateLimit fields
+    // carry numbers and the rule's name only.
+    let hostile_user = "<script>alert(1)</script>%0d%0aX-Evil: 1";
+    let mut last = String::new();
+    for _ in 0..2 {
+        last = raw_exchange(
+            levee.public,
+            format!(
+                "GET / HTTP/1.1\r\nHost: a\r\nX-User: {hostile_user}\r\nConnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await;
+    }
+    assert_eq!(status_of(&last), Some(429), "{last}");
+    assert!(!last.contains("<script>"), "{last}");
+    assert!(!last.to_ascii_lowercase().contains("x-evil"), "{last}");
+    assert!(
+        last.contains("\"per_user\""),
+        "the RateLimit fields name the rule: {last}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_utf8_and_percent_encoding_in_paths_get_400_or_pass_unchanged() {
+    let backend = echo_backend().await;
+    let ranking = echo_backend().await;
+    let rest = format!(
+        "[upstream.ranking]\nurl = \"http://{}\"\n[[route]]\nname = \"ranking\"\nmatch = {{ path_prefix = \"/ranking\" }}\nupstream = \"ranking\"\n",
+        ranking.addr
+    );
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "default_upstream = \"app\"",
+        &rest,
+    ))
+    .await;
+
+    // Raw UTF-8 in the target is not valid HTTP, but nginx and PHP take it, so levee passes it
+    // on byte for byte rather than break a site that has such links; bytes that are not
+    // UTF-8 at all are refused.
+    let answer = exchange(
+        &levee,
+        b"GET /caf\xc3\xa9 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    assert!(answer.contains("\"target\":\"/caf\u{e9}\""), "{answer}");
+    let answer = exchange(
+        &levee,
+        b"GET /\xff\xfe HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(matches!(status_of(&answer), Some(400) | None), "{answer}");
+    // Broken escapes are refused with the reason.
+    for target in ["/a%", "/a%4", "/a%zz", "/%%41"] {
+        let answer = raw_exchange(
+            levee.public,
+            format!("GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await;
+        assert_eq!(status_of(&answer), Some(400), "{target}: {answer}");
+        assert!(
+            answer.contains("invalid percent-encoding"),
+            "{target}: {answer}"
+        );
+    }
+    assert_eq!(backend.hits() + ranking.hits(), 1);
+
+    // Escapes of bytes that are not UTF-8 (or overlong slashes) are not decoded into
+    // anything: they pass to the app as sent and cannot climb or switch routes.
+    for target in [
+        "/%ff%fe",
+        "/%c0%af..%c0%af/ranking",
+        "/ranking%2f..%2fadmin",
+    ] {
+        let answer = raw_exchange(
+            levee.public,
+            format!("GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await;
+        assert_eq!(status_of(&answer), Some(200), "{target}: {answer}");
+        let (_, body) = answer.split_once("\r\n\r\n").expect("head and body");
+        let echo: serde_json::Value = serde_json::from_str(body).expect("echo json");
+        assert_eq!(echo["target"], target);
+    }
+    // `/ranking%2f..%2fadmin` is one segment to the app too, so it is the ranking route's.
+    assert_eq!((backend.hits(), ranking.hits()), (3, 1));
+    // Encoded dots are dots: `/x/%2e%2e/ranking` is `/ranking`, as the app resolves it.
+    assert_eq!(get(&levee.url("/x/%2e%2e/ranking")).await.status, 200);
+    assert_eq!(ranking.hits(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_request_bodies_are_cut_off_with_408() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "client_body_timeout = \"300ms\"",
+        "",
+    ))
+    .await;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    for head in [
+        &b"POST /form HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nfirst ten."[..],
+        &b"POST /form HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\na\r\nfirst ten.\r\n"
+            [..],
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(levee.public)
+            .await
+            .expect("connect");
+        stream.write_all(head).await.expect("write");
+        // Then nothing more: the body stalls.
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await;
+        assert!(read.is_ok(), "levee kept a stalled body open");
+        let answer = String::from_utf8_lossy(&out);
+        assert!(
+            matches!(status_of(&answer), Some(408)),
+            "{}\n=> {answer}",
+            String::from_utf8_lossy(head)
+        );
+    }
+    // Still serving.
+    assert_eq!(post(&levee.url("/form"), "complete").await.status, 200);
+}
