@@ -117,6 +117,19 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
     let (stop_accepting, stop) = watch::channel(false);
     let (alive, mut all_closed) = mpsc::channel::<()>(1);
 
+    // The saved switches are loaded before the listeners serve: a levee restarted during an
+    // incident must not answer its first requests with the policy's switches (a switched-off
+    // module back on, a queue route writing straight to the app). Connections that arrive
+    // meanwhile wait in the listen backlog. (Found by tests/faults.rs: /status right after a
+    // restart showed level 0 while Redis held level 1.)
+    crate::degrade::switches::spawn_sync(
+        degrade.clone(),
+        store.clone(),
+        shared.metrics.clone(),
+        stop.clone(),
+    )
+    .await;
+
     let public_shared = shared.clone();
     let public_task = tokio::spawn(server::serve(
         public,
@@ -134,13 +147,6 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         alive,
     ));
     crate::limit::spawn_sweeper(limiter, Duration::from_secs(10), stop.clone());
-    crate::degrade::switches::spawn_sync(
-        degrade.clone(),
-        store.clone(),
-        shared.metrics.clone(),
-        stop.clone(),
-    )
-    .await;
     crate::queue::worker::spawn_workers(shared.clone(), stop.clone());
     crate::degrade::trigger::spawn_triggers(
         degrade,

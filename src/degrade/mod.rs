@@ -119,6 +119,13 @@ impl Degrade {
         self.runtime.store(Arc::new(switches));
     }
 
+    /// Replaces the switches only if they are still `seen` (what was in effect when a sync
+    /// read from Redis began). An operator's change saved while that read was in flight is
+    /// newer than what the read returned, and must not be undone by it for a sync interval.
+    pub fn replace_runtime_if(&self, seen: &Arc<RuntimeSwitches>, switches: RuntimeSwitches) {
+        self.runtime.compare_and_swap(seen, Arc::new(switches));
+    }
+
     pub fn auto_level(&self) -> u8 {
         self.auto_level.load(Ordering::Relaxed)
     }

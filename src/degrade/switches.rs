@@ -220,10 +220,11 @@ pub async fn spawn_sync(
                 publish(&degrade, &policy, &metrics);
                 continue;
             }
+            let seen = degrade.runtime();
             match load(&policy).await {
-                Ok(switches) if switches != *degrade.runtime() => {
+                Ok(switches) if switches != *seen => {
                     tracing::info!("degrade switches changed elsewhere in the fleet; following");
-                    degrade.replace_runtime(switches);
+                    degrade.replace_runtime_if(&seen, switches);
                 }
                 Ok(_) => {}
                 // Keep the last known switches; Redis being away changes nothing here.
