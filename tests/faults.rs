@@ -344,8 +344,11 @@ async fn redis_killed_and_restarted_switches_and_stale_copies_come_back() {
         backend.addr,
         "access_log = false",
         &format!(
-            "[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\ncooldown = \"300ms\"\n[degrade]\nsync_interval = \"100ms\"\n{DEGRADE_ROUTES}",
-            redis.url()
+            "[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\ncooldown = \"300ms\"\n[degrade]\nsync_interval = \"100ms\"\nstate_file = \"{}\"\n{DEGRADE_ROUTES}",
+            redis.url(),
+            // Both instances keep their local copy of the fleet's switches in one place, as
+            // two restarts of one instance would.
+            dir.path().join("fleet-switches.json").display()
         ),
     );
     let a = Levee::start(&policy).await;
@@ -395,10 +398,15 @@ async fn redis_killed_and_restarted_switches_and_stale_copies_come_back() {
     }
 
     redis.kill();
-    // A second instance started while Redis is gone; it cannot read the fleet's switches yet.
+    // A second instance started while Redis is gone cannot read the fleet's switches from
+    // Redis; it starts from the last known copy in its state file instead of the policy's.
     let b = Levee::start(&policy).await;
-    // Until Redis answers, B runs on the policy's switches (it keeps no local copy of the
-    // fleet's switches to start from), so nothing is asserted about B during the outage.
+    let status = get(&b.admin_url("/status")).await.json();
+    assert_eq!(
+        status["degrade"]["modules"]["visitors"]["off"], true,
+        "B applies the last known switches during the outage: {status}"
+    );
+    assert_eq!(get(&b.url("/visitors")).await.status, 503);
     let _redis = RedisServer::start_persistent(dir.path(), port).await;
 
     // Once Redis is back (with its append-only file), B follows the switches saved before the

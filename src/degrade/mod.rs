@@ -122,8 +122,14 @@ impl Degrade {
     /// Replaces the switches only if they are still `seen` (what was in effect when a sync
     /// read from Redis began). An operator's change saved while that read was in flight is
     /// newer than what the read returned, and must not be undone by it for a sync interval.
-    pub fn replace_runtime_if(&self, seen: &Arc<RuntimeSwitches>, switches: RuntimeSwitches) {
-        self.runtime.compare_and_swap(seen, Arc::new(switches));
+    /// Says whether it replaced them.
+    pub fn replace_runtime_if(
+        &self,
+        seen: &Arc<RuntimeSwitches>,
+        switches: RuntimeSwitches,
+    ) -> bool {
+        let previous = self.runtime.compare_and_swap(seen, Arc::new(switches));
+        Arc::ptr_eq(&previous, seen)
     }
 
     pub fn auto_level(&self) -> u8 {

@@ -80,7 +80,10 @@ pub async fn apply(
         },
     }
     match &policy.redis {
-        Some(redis) => save_to_redis(redis, &change, &switches).await?,
+        Some(redis) => {
+            save_to_redis(redis, &change, &switches).await?;
+            keep_local_copy(policy, &switches);
+        }
         None => save_to_file(&policy.degrade.state_file, &switches)?,
     }
     degrade.replace_runtime(switches);
@@ -139,6 +142,15 @@ fn save_to_file(path: &Path, switches: &RuntimeSwitches) -> Result<(), String> {
         })
 }
 
+/// With Redis, the state file keeps a copy of the fleet's last known switches, so a levee that
+/// (re)starts while Redis is away still applies them instead of the policy's defaults. The
+/// copy is best effort: Redis stays the record, and a failure to write it only warns.
+fn keep_local_copy(policy: &Policy, switches: &RuntimeSwitches) {
+    if let Err(error) = save_to_file(&policy.degrade.state_file, switches) {
+        tracing::warn!("cannot keep a local copy of the fleet's switches: {error}");
+    }
+}
+
 /// Reads the saved switches (at start, and on every sync).
 pub async fn load(policy: &Policy) -> Result<RuntimeSwitches, String> {
     match &policy.redis {
@@ -161,21 +173,19 @@ pub async fn load(policy: &Policy) -> Result<RuntimeSwitches, String> {
             }
             Ok(switches)
         }
-        None => match std::fs::read(&policy.degrade.state_file) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|error| {
-                format!(
-                    "state file {} is not valid: {error}",
-                    policy.degrade.state_file.display()
-                )
-            }),
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-                Ok(RuntimeSwitches::default())
-            }
-            Err(error) => Err(format!(
-                "cannot read {}: {error}",
-                policy.degrade.state_file.display()
-            )),
-        },
+        None => load_file(&policy.degrade.state_file),
+    }
+}
+
+/// Reads a state file; a missing one means no switches.
+fn load_file(path: &Path) -> Result<RuntimeSwitches, String> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map_err(|error| format!("state file {} is not valid: {error}", path.display())),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            Ok(RuntimeSwitches::default())
+        }
+        Err(error) => Err(format!("cannot read {}: {error}", path.display())),
     }
 }
 
@@ -202,7 +212,26 @@ pub async fn spawn_sync(
 ) {
     let policy = store.load();
     match load(&policy).await {
-        Ok(switches) => degrade.replace_runtime(switches),
+        Ok(switches) => {
+            if policy.redis.is_some() {
+                keep_local_copy(&policy, &switches);
+            }
+            degrade.replace_runtime(switches);
+        }
+        Err(error) if policy.redis.is_some() => {
+            match load_file(&policy.degrade.state_file) {
+                Ok(copy) => {
+                    tracing::warn!(
+                        "cannot read the fleet's switches from redis ({error}); applying the last known copy from {} until redis answers",
+                        policy.degrade.state_file.display()
+                    );
+                    degrade.replace_runtime(copy);
+                }
+                Err(copy_error) => tracing::warn!(
+                    "cannot read the fleet's switches from redis ({error}) nor a local copy ({copy_error}); starting from the policy"
+                ),
+            }
+        }
         Err(error) => {
             tracing::warn!("cannot read saved degrade switches, starting from the policy: {error}")
         }
@@ -224,7 +253,10 @@ pub async fn spawn_sync(
             match load(&policy).await {
                 Ok(switches) if switches != *seen => {
                     tracing::info!("degrade switches changed elsewhere in the fleet; following");
-                    degrade.replace_runtime_if(&seen, switches);
+                    let copy = switches.clone();
+                    if degrade.replace_runtime_if(&seen, switches) {
+                        keep_local_copy(&policy, &copy);
+                    }
                 }
                 Ok(_) => {}
                 // Keep the last known switches; Redis being away changes nothing here.
