@@ -15,6 +15,8 @@ use lol_html::send::{HtmlRewriter, Settings};
 use lol_html::{doc_comments, doc_text, element, end_tag, OutputSink};
 use pin_project_lite::pin_project;
 
+use super::cut::{self, Cut, Found, IdSelector, Step};
+
 use crate::error::BoxError;
 
 /// The selector value that means "hide by comment markers".
@@ -66,6 +68,9 @@ struct Plan {
     needles: Vec<Vec<u8>>,
     /// Elements whose end ends the work (all selectors are ids, each found once); 0: never.
     stop_after: usize,
+    /// When every selector is a plain id selector and no markers are hidden: the selectors,
+    /// for the tag-scanner fast path (`cut`). Empty: the rewriter does all the work.
+    ids: Vec<IdSelector>,
 }
 
 /// The literal a simple selector needs to appear in the page: `#id`, `tag#id`, `.class`,
@@ -115,6 +120,7 @@ fn plan(selectors: &[String], markers: &[String]) -> Plan {
                 return Plan {
                     needles: Vec::new(),
                     stop_after: 0,
+                    ids: Vec::new(),
                 }
             }
         }
@@ -122,8 +128,21 @@ fn plan(selectors: &[String], markers: &[String]) -> Plan {
     for marker in markers {
         needles.push(format!("levee:module {marker}").into_bytes());
     }
+    let ids: Vec<IdSelector> = if all_ids {
+        selectors
+            .iter()
+            .map_while(|selector| IdSelector::parse(selector))
+            .collect()
+    } else {
+        Vec::new()
+    };
     Plan {
         stop_after: if all_ids { selectors.len() } else { 0 },
+        ids: if ids.len() == selectors.len() {
+            ids
+        } else {
+            Vec::new()
+        },
         needles,
     }
 }
@@ -131,10 +150,20 @@ fn plan(selectors: &[String], markers: &[String]) -> Plan {
 /// Bytes kept back while scanning, so a tag split across chunks is still found whole.
 const CARRY: usize = 4096;
 
+/// Most bytes the fast path holds back while it looks for the end of a removed element (or the
+/// end of a start tag); past this, the rewriter takes over and streams.
+const MAX_HELD: usize = 256 * 1024;
+
 enum Stage {
     /// Passing bytes on while looking for the first needle; `carry` holds the tail.
     Scan {
         carry: BytesMut,
+    },
+    /// Removing an element found by the fast path: `held` starts with its start tag and is
+    /// dropped up to its end tag once that is found.
+    Cut {
+        held: BytesMut,
+        cut: Cut,
     },
     Rewrite(Box<HtmlRewriter<'static, Sink>>),
     /// Every selected element is gone: the rest passes untouched.
@@ -142,16 +171,21 @@ enum Stage {
     Done,
 }
 
+/// The rewriting state of one response body, apart from the body itself.
+struct Hider {
+    stage: Stage,
+    plan: Plan,
+    settings: Option<(Vec<String>, Vec<String>)>,
+    ended: Arc<AtomicUsize>,
+    output: Arc<Mutex<BytesMut>>,
+}
+
 pin_project! {
     /// A body with the switched-off modules' fragments removed.
     pub struct Hidden<B> {
         #[pin]
         inner: B,
-        stage: Stage,
-        plan: Plan,
-        settings: Option<(Vec<String>, Vec<String>)>,
-        ended: Arc<AtomicUsize>,
-        output: Arc<Mutex<BytesMut>>,
+        hider: Hider,
     }
 }
 
@@ -224,29 +258,9 @@ fn rewriter(
 impl<B> Hidden<B> {
     /// `selectors`: CSS selectors to remove; `markers`: module names hidden by comments.
     pub fn new(inner: B, selectors: &[String], markers: Vec<String>) -> Hidden<B> {
-        let plan = plan(selectors, &markers);
-        let output = Arc::new(Mutex::new(BytesMut::new()));
-        let ended = Arc::new(AtomicUsize::new(0));
-        let settings = (selectors.to_vec(), markers);
-        let stage = if plan.needles.is_empty() {
-            Stage::Rewrite(Box::new(rewriter(
-                &settings.0,
-                &settings.1,
-                &output,
-                &ended,
-            )))
-        } else {
-            Stage::Scan {
-                carry: BytesMut::new(),
-            }
-        };
         Hidden {
             inner,
-            stage,
-            plan,
-            settings: Some(settings),
-            ended,
-            output,
+            hider: Hider::new(selectors, markers, true),
         }
     }
 }
@@ -268,48 +282,170 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     memchr::memmem::find(haystack, needle)
 }
 
-impl<B> Hidden<B> {
+impl Hider {
+    /// `fast`: use the tag-scanner fast path when the selectors allow it (tests turn it off
+    /// to compare against the rewriter alone).
+    fn new(selectors: &[String], markers: Vec<String>, fast: bool) -> Hider {
+        let mut plan = plan(selectors, &markers);
+        if !fast {
+            plan.ids.clear();
+        }
+        if !plan.ids.is_empty() {
+            // With the fast path, finding the next candidate is a memmem over the rest of the
+            // page, so levee keeps looking after each removal: a page that repeats an id (it
+            // happens in legacy templates) loses every copy, and if the rewriter has to take
+            // over, it runs to the end of the page for the same reason.
+            plan.stop_after = 0;
+        }
+        let output = Arc::new(Mutex::new(BytesMut::new()));
+        let ended = Arc::new(AtomicUsize::new(0));
+        let settings = (selectors.to_vec(), markers);
+        let stage = if plan.needles.is_empty() {
+            Stage::Rewrite(Box::new(rewriter(
+                &settings.0,
+                &settings.1,
+                &output,
+                &ended,
+            )))
+        } else {
+            Stage::Scan {
+                carry: BytesMut::new(),
+            }
+        };
+        Hider {
+            stage,
+            plan,
+            settings: Some(settings),
+            ended,
+            output,
+        }
+    }
+
     /// Feeds one chunk through the current stage; output lands in `output`.
-    fn feed(self: Pin<&mut Self>, data: &[u8]) -> Result<(), BoxError> {
-        let this = self.project();
-        match this.stage {
+    fn feed(&mut self, data: &[u8]) -> Result<(), BoxError> {
+        match &mut self.stage {
             Stage::Scan { carry } => {
                 carry.extend_from_slice(data);
-                let first = this
-                    .plan
-                    .needles
-                    .iter()
-                    .filter_map(|needle| find(carry, needle))
-                    .min();
-                let Some(at) = first else {
-                    // Keep a tail back in case a needle or its tag straddles chunks.
-                    let keep = carry.len().min(CARRY);
-                    let pass = carry.split_to(carry.len() - keep);
-                    emit(this.output, &pass);
-                    return Ok(());
-                };
-                let start = carry[..at].iter().rposition(|b| *b == b'<').unwrap_or(0);
-                let before = carry.split_to(start);
-                emit(this.output, &before);
-                let rest = carry.split();
-                let (selectors, markers) = this.settings.take().unwrap_or_default();
-                let rewriter = rewriter(&selectors, &markers, this.output, this.ended);
-                *this.stage = Stage::Rewrite(Box::new(rewriter));
-                rewrite(this.stage, this.plan, this.ended, this.output, &rest)
+                self.scan()
             }
-            Stage::Rewrite(_) => rewrite(this.stage, this.plan, this.ended, this.output, data),
+            Stage::Cut { held, .. } => {
+                held.extend_from_slice(data);
+                self.cut()
+            }
+            Stage::Rewrite(_) => self.rewrite(data),
             Stage::Pass => {
-                emit(this.output, data);
+                emit(&self.output, data);
                 Ok(())
             }
             Stage::Done => Ok(()),
         }
     }
 
-    fn end(self: Pin<&mut Self>) -> Result<(), BoxError> {
-        let this = self.project();
-        match std::mem::replace(this.stage, Stage::Done) {
-            Stage::Scan { carry } => emit(this.output, &carry),
+    /// Scan stage: pass bytes on up to the next needle, then decide what it is.
+    fn scan(&mut self) -> Result<(), BoxError> {
+        loop {
+            let Stage::Scan { carry } = &mut self.stage else {
+                return Ok(());
+            };
+            let first = self
+                .plan
+                .needles
+                .iter()
+                .filter_map(|needle| find(carry, needle).map(|at| (at, needle.len())))
+                .min();
+            let Some((at, len)) = first else {
+                // Keep a tail back in case a needle or its tag straddles chunks.
+                let keep = carry.len().min(CARRY);
+                let pass = carry.split_to(carry.len() - keep);
+                emit(&self.output, &pass);
+                return Ok(());
+            };
+            let start = carry[..at].iter().rposition(|b| *b == b'<').unwrap_or(0);
+            if !self.plan.ids.is_empty() {
+                match cut::judge(carry, at, len, &self.plan.ids) {
+                    Found::Incomplete if carry.len() - start <= MAX_HELD => {
+                        let before = carry.split_to(start);
+                        emit(&self.output, &before);
+                        return Ok(());
+                    }
+                    Found::NotHere { resume } => {
+                        let before = carry.split_to(resume);
+                        emit(&self.output, &before);
+                        continue;
+                    }
+                    Found::Element { start, tag } => {
+                        let before = carry.split_to(start);
+                        emit(&self.output, &before);
+                        let held = carry.split();
+                        // Offsets in `held`, which begins at the start tag.
+                        let tag_end = tag.end - start;
+                        let void = cut::is_void(&tag.name);
+                        self.stage = Stage::Cut {
+                            held,
+                            cut: Cut::new(tag.name, tag_end),
+                        };
+                        if void {
+                            return self.finish_cut(tag_end);
+                        }
+                        return self.cut();
+                    }
+                    Found::Incomplete | Found::Unsure { .. } => {}
+                }
+            }
+            // The rewriter takes over from the tag before the needle.
+            let before = carry.split_to(start);
+            emit(&self.output, &before);
+            let rest = carry.split();
+            self.start_rewriter();
+            return self.rewrite(&rest);
+        }
+    }
+
+    /// Cut stage: look for the removed element's end; give up to the rewriter when unsure.
+    fn cut(&mut self) -> Result<(), BoxError> {
+        let Stage::Cut { held, cut } = &mut self.stage else {
+            return Ok(());
+        };
+        match cut.advance(held) {
+            Step::Ended(end) => self.finish_cut(end),
+            Step::More if held.len() <= MAX_HELD => Ok(()),
+            Step::More | Step::GiveUp => {
+                let held = std::mem::take(held);
+                self.start_rewriter();
+                self.rewrite(&held)
+            }
+        }
+    }
+
+    /// Drops the removed element (the first `end` bytes held), then goes on with the rest.
+    fn finish_cut(&mut self, end: usize) -> Result<(), BoxError> {
+        let Stage::Cut { held, .. } = &mut self.stage else {
+            return Ok(());
+        };
+        let mut rest = std::mem::take(held);
+        let _removed = rest.split_to(end);
+        let ended = self.ended.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.plan.stop_after > 0 && ended >= self.plan.stop_after {
+            self.stage = Stage::Pass;
+            emit(&self.output, &rest);
+            return Ok(());
+        }
+        self.stage = Stage::Scan { carry: rest };
+        self.scan()
+    }
+
+    fn start_rewriter(&mut self) {
+        let (selectors, markers) = self.settings.take().unwrap_or_default();
+        let rewriter = rewriter(&selectors, &markers, &self.output, &self.ended);
+        self.stage = Stage::Rewrite(Box::new(rewriter));
+    }
+
+    fn end(&mut self) -> Result<(), BoxError> {
+        match std::mem::replace(&mut self.stage, Stage::Done) {
+            Stage::Scan { carry } => emit(&self.output, &carry),
+            // The page ended inside a removed element: it is removed to the end, as the
+            // rewriter would.
+            Stage::Cut { .. } => {}
             Stage::Rewrite(rewriter) => rewriter
                 .end()
                 .map_err(|error| Box::new(error) as BoxError)?,
@@ -317,46 +453,44 @@ impl<B> Hidden<B> {
         }
         Ok(())
     }
-}
 
-/// Feeds the parser in small slices so that, once every id-selected element has ended, the
-/// rest of the chunk passes untouched instead of being parsed for nothing.
-fn rewrite(
-    stage: &mut Stage,
-    plan: &Plan,
-    ended: &AtomicUsize,
-    output: &Mutex<BytesMut>,
-    data: &[u8],
-) -> Result<(), BoxError> {
-    const SLICE: usize = 1024;
-    let mut offset = 0;
-    while offset < data.len() {
-        let Stage::Rewrite(rewriter) = stage else {
-            break;
-        };
-        let end = (offset + SLICE).min(data.len());
-        rewriter
-            .write(&data[offset..end])
-            .map_err(|error| Box::new(error) as BoxError)?;
-        offset = end;
-        finish_early(stage, plan, ended)?;
-    }
-    if offset < data.len() {
-        emit(output, &data[offset..]);
-    }
-    Ok(())
-}
-
-/// Once every id-selected element has ended, nothing more can match: stop parsing.
-fn finish_early(stage: &mut Stage, plan: &Plan, ended: &AtomicUsize) -> Result<(), BoxError> {
-    if plan.stop_after > 0 && ended.load(Ordering::Relaxed) >= plan.stop_after {
-        if let Stage::Rewrite(rewriter) = std::mem::replace(stage, Stage::Pass) {
+    /// Feeds the parser in small slices so that, once every id-selected element has ended, the
+    /// rest of the chunk passes untouched instead of being parsed for nothing.
+    fn rewrite(&mut self, data: &[u8]) -> Result<(), BoxError> {
+        const SLICE: usize = 1024;
+        let mut offset = 0;
+        while offset < data.len() {
+            let Stage::Rewrite(rewriter) = &mut self.stage else {
+                break;
+            };
+            let end = (offset + SLICE).min(data.len());
             rewriter
-                .end()
+                .write(&data[offset..end])
                 .map_err(|error| Box::new(error) as BoxError)?;
+            offset = end;
+            self.finish_early()?;
         }
+        if offset < data.len() {
+            emit(&self.output, &data[offset..]);
+        }
+        Ok(())
     }
-    Ok(())
+
+    /// Once every id-selected element has ended, nothing more can match: stop parsing.
+    fn finish_early(&mut self) -> Result<(), BoxError> {
+        if self.plan.stop_after > 0 && self.ended.load(Ordering::Relaxed) >= self.plan.stop_after {
+            if let Stage::Rewrite(rewriter) = std::mem::replace(&mut self.stage, Stage::Pass) {
+                rewriter
+                    .end()
+                    .map_err(|error| Box::new(error) as BoxError)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn is_done(&self) -> bool {
+        matches!(self.stage, Stage::Done)
+    }
 }
 
 impl<B> Body for Hidden<B>
@@ -367,31 +501,32 @@ where
     type Error = BoxError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
         loop {
-            if matches!(self.stage, Stage::Done) {
-                let out = take(&self.output);
+            if this.hider.is_done() {
+                let out = take(&this.hider.output);
                 return Poll::Ready((!out.is_empty()).then(|| Ok(Frame::data(out))));
             }
-            match self.as_mut().project().inner.poll_frame(cx) {
+            match this.inner.as_mut().poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Err(error))) => return Poll::Ready(Some(Err(error))),
                 Poll::Ready(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    if let Err(error) = self.as_mut().feed(&data) {
+                    if let Err(error) = this.hider.feed(&data) {
                         return Poll::Ready(Some(Err(error)));
                     }
-                    let out = take(&self.output);
+                    let out = take(&this.hider.output);
                     if !out.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(out))));
                     }
                 }
                 Poll::Ready(None) => {
-                    if let Err(error) = self.as_mut().end() {
+                    if let Err(error) = this.hider.end() {
                         return Poll::Ready(Some(Err(error)));
                     }
                 }
@@ -400,8 +535,13 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        matches!(self.stage, Stage::Done)
-            && self.output.lock().map(|out| out.is_empty()).unwrap_or(true)
+        self.hider.is_done()
+            && self
+                .hider
+                .output
+                .lock()
+                .map(|out| out.is_empty())
+                .unwrap_or(true)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -510,5 +650,135 @@ mod tests {
             Some((b"visitors".to_vec(), false))
         );
         assert_eq!(needle_of("div > p"), None);
+    }
+
+    /// Runs the body state machine directly, fed in `chunk`-byte pieces.
+    fn hide_with(page: &[u8], selectors: &[&str], chunk: usize, fast: bool) -> Vec<u8> {
+        let selectors: Vec<String> = selectors.iter().map(|s| s.to_string()).collect();
+        let mut hider = Hider::new(&selectors, Vec::new(), fast);
+        // The reference runs the rewriter to the end of the page, as the fast path scans it.
+        hider.plan.stop_after = 0;
+        let mut out = Vec::new();
+        for piece in page.chunks(chunk) {
+            hider.feed(piece).expect("feeds");
+            out.extend_from_slice(&take(&hider.output));
+        }
+        hider.end().expect("ends");
+        out.extend_from_slice(&take(&hider.output));
+        out
+    }
+
+    /// A small deterministic generator (xorshift), so the differential test needs no crate.
+    struct Dice(u64);
+    impl Dice {
+        fn roll(&mut self, sides: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % sides as u64) as usize
+        }
+    }
+
+    /// A page of markup pieces a legacy template produces, stray end tags included, with the
+    /// `ranking` module somewhere (maybe twice, maybe as a void or self-closed element) and
+    /// the word in text and other attributes. The module's own content may leave elements of
+    /// other names unclosed, but it never closes one it did not open nor leaves one of its
+    /// own name open, and the id never appears inside comments or scripts: in those cases
+    /// where the module ends depends on the page before it, which neither path parses.
+    fn page(dice: &mut Dice) -> String {
+        const OUTSIDE: &[&str] = &[
+            "<div>",
+            "</div>",
+            "<p>",
+            "</p>",
+            "text ranking text",
+            "a < b",
+            "<br>",
+            "<span class=\"ranking\">",
+            "</span>",
+            "<!-- </div> <div> -->",
+            "<!-->",
+            "<?php ?>",
+            "</ >",
+            "<div title=\"</div> > <div>\">",
+            "<script>if (a </div> b) {}</script>",
+            "<a href='#ranking'>top</a>",
+            "<DIV>",
+            "</DIV>",
+            "<ul><li>x</ul>",
+            "<div/>",
+            "<table><tr><td>1</td></tr></table>",
+            "<img src=x>",
+            "\n",
+        ];
+        const INSIDE: &[&str] = &[
+            "<div>x</div>",
+            "<DIV>y</Div>",
+            "<p>para",
+            "<ul><li>a<li>b</ul>",
+            "text ranking",
+            "a < b",
+            "<br>",
+            "<img src=x>",
+            "<!-- </div> -->",
+            "<!-->",
+            "<span>s</span>",
+            "<div title=\"</div> >\">t</div>",
+            "<b>bold",
+            "<? x ?>",
+            "</>",
+            "<script>document.write('</div>')</script>",
+            "<style>div{}</style>",
+            "\n",
+        ];
+        const MODULES: &[(&str, &str)] = &[
+            ("<div id=\"ranking\">", "</div>"),
+            ("<div class=x id=ranking data-y='>'>", "</div>"),
+            ("<DIV ID='ranking'>", "</div>"),
+            ("<section id=\"ranking\">", "</section>"),
+            ("<div id=\"ranking\"/>", "</div>"),
+            ("<img id=\"ranking\">", ""),
+        ];
+        let mut html = String::new();
+        let modules = 1 + dice.roll(2);
+        let mut placed = 0;
+        for _ in 0..(10 + dice.roll(60)) {
+            if placed < modules && dice.roll(8) == 0 {
+                let (open, close) = MODULES[dice.roll(MODULES.len())];
+                html.push_str(open);
+                if !close.is_empty() {
+                    for _ in 0..dice.roll(6) {
+                        html.push_str(INSIDE[dice.roll(INSIDE.len())]);
+                    }
+                    html.push_str(close);
+                }
+                placed += 1;
+            } else {
+                html.push_str(OUTSIDE[dice.roll(OUTSIDE.len())]);
+            }
+        }
+        html
+    }
+
+    #[test]
+    fn the_fast_path_removes_exactly_what_the_rewriter_removes() {
+        let mut dice = Dice(0x9e37_79b9_7f4a_7c15);
+        for round in 0..1000 {
+            let html = page(&mut dice);
+            let selectors: &[&str] = if round % 3 == 0 {
+                &["div#ranking"]
+            } else {
+                &["#ranking"]
+            };
+            let slow = hide_with(html.as_bytes(), selectors, 1 << 20, false);
+            for chunk in [1, 7, 64, 1 << 20] {
+                let fast = hide_with(html.as_bytes(), selectors, chunk, true);
+                assert_eq!(
+                    String::from_utf8_lossy(&fast),
+                    String::from_utf8_lossy(&slow),
+                    "round {round}, chunk {chunk}, selectors {selectors:?}, page:\n{html}"
+                );
+            }
+        }
     }
 }

@@ -11,6 +11,7 @@
 //! triggers. Runtime beats policy; automatic can only raise the level.
 
 pub mod bulkhead;
+pub mod cut;
 pub mod hide;
 pub mod stale;
 pub mod switches;

@@ -1,0 +1,517 @@
+//! The fast path of `hide` for id selectors: find the element's start tag and its matching end
+//! tag with a small tag scanner, and drop the bytes in between, without running the HTML
+//! rewriter over them.
+//!
+//! A full HTML parser costs a few hundred instructions per byte of the module it removes,
+//! which made hiding a module the most expensive thing levee did to a page. An element chosen
+//! by id is removed whole, so only its extent matters: the start tag, then same-named tags
+//! tracked in and out (skipping comments and every tag's quoted attributes) until its end tag,
+//! with the rewriter's rule that an end tag closes everything opened after the element it
+//! names. Anything this scanner is not sure about — raw-text elements such as `<script>`
+//! inside the module, foreign content, CDATA, an element outside the plain containers
+//! below — is handed back to the rewriter, which then sees exactly the bytes it would have
+//! seen without the fast path.
+
+/// Elements the fast path removes: plain containers, which HTML never closes implicitly when
+/// content opens (unlike `<p>`, `<li>` or table parts). A well-formed module of one of these
+/// ends at its own end tag, whatever it contains; others are left to the rewriter.
+const CONTAINERS: &[&[u8]] = &[
+    b"div",
+    b"section",
+    b"aside",
+    b"nav",
+    b"article",
+    b"header",
+    b"footer",
+    b"main",
+    b"table",
+    b"ul",
+    b"ol",
+    b"dl",
+    b"form",
+    b"span",
+    b"figure",
+    b"details",
+    b"fieldset",
+    b"center",
+    b"blockquote",
+];
+
+/// Elements that have no end tag: removing one removes its start tag only.
+const VOID: &[&[u8]] = &[
+    b"area", b"base", b"br", b"col", b"embed", b"hr", b"img", b"input", b"link", b"meta",
+    b"source", b"track", b"wbr",
+];
+
+/// Elements whose content is not markup (or changes how markup is read): the scanner cannot
+/// count tags inside them, so meeting one hands the work back to the rewriter.
+const NOT_MARKUP: &[&[u8]] = &[
+    b"script",
+    b"style",
+    b"textarea",
+    b"title",
+    b"xmp",
+    b"iframe",
+    b"noembed",
+    b"noframes",
+    b"noscript",
+    b"plaintext",
+    b"svg",
+    b"math",
+    b"template",
+];
+
+fn is_one_of(name: &[u8], set: &[&[u8]]) -> bool {
+    set.contains(&name)
+}
+
+/// Has this element no end tag?
+pub fn is_void(name: &[u8]) -> bool {
+    is_one_of(name, VOID)
+}
+
+/// An id selector the fast path can handle: `#id` or `tag#id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdSelector {
+    /// Lower-case tag name the element must have, if the selector names one.
+    pub tag: Option<Vec<u8>>,
+    pub id: Vec<u8>,
+}
+
+impl IdSelector {
+    pub fn parse(selector: &str) -> Option<IdSelector> {
+        let (tag, id) = selector.trim().split_once('#')?;
+        let plain = |text: &str| {
+            text.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        };
+        if id.is_empty() || !plain(id) || !plain(tag) {
+            return None;
+        }
+        Some(IdSelector {
+            tag: (!tag.is_empty()).then(|| tag.to_ascii_lowercase().into_bytes()),
+            id: id.as_bytes().to_vec(),
+        })
+    }
+}
+
+/// A tag as the scanner read it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Tag {
+    /// Lower-case name.
+    pub name: Vec<u8>,
+    /// Offset just past the closing `>`.
+    pub end: usize,
+    pub self_closing: bool,
+    /// Value of the first `id` attribute, as a range of the buffer.
+    pub id: Option<(usize, usize)>,
+}
+
+/// The outcome of reading a tag from `buf[at]`, which must be `<` followed by a letter (start
+/// tag) or `</` and a letter (end tag; `at + 2`).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Read {
+    Tag(Tag),
+    /// The tag does not end within the buffer yet.
+    Incomplete,
+}
+
+/// Reads a tag name and its attributes, honouring quoted values (a `>` or `<` inside quotes
+/// belongs to the value). `name_at` is where the name starts.
+pub fn read_tag(buf: &[u8], name_at: usize) -> Read {
+    let mut i = name_at;
+    while i < buf.len() && !(buf[i].is_ascii_whitespace() || buf[i] == b'>' || buf[i] == b'/') {
+        i += 1;
+    }
+    if i >= buf.len() {
+        return Read::Incomplete;
+    }
+    let name = buf[name_at..i].to_ascii_lowercase();
+    let mut id = None;
+    let mut self_closing = false;
+    loop {
+        while i < buf.len() && buf[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        let Some(&byte) = buf.get(i) else {
+            return Read::Incomplete;
+        };
+        match byte {
+            b'>' => {
+                return Read::Tag(Tag {
+                    name,
+                    end: i + 1,
+                    self_closing,
+                    id,
+                })
+            }
+            b'/' => {
+                self_closing = buf.get(i + 1) == Some(&b'>');
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        self_closing = false;
+        // An attribute name: up to whitespace, `=`, `>` or `/` (a leading `=` is part of it).
+        let name_start = i;
+        i += 1;
+        while i < buf.len()
+            && !(buf[i].is_ascii_whitespace() || matches!(buf[i], b'=' | b'>' | b'/'))
+        {
+            i += 1;
+        }
+        let attribute = &buf[name_start..i.min(buf.len())];
+        while i < buf.len() && buf[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        if i >= buf.len() {
+            return Read::Incomplete;
+        }
+        if buf[i] != b'=' {
+            continue;
+        }
+        i += 1;
+        while i < buf.len() && buf[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        let Some(&first) = buf.get(i) else {
+            return Read::Incomplete;
+        };
+        let value = if first == b'"' || first == b'\'' {
+            let Some(close) = memchr::memchr(first, &buf[i + 1..]) else {
+                return Read::Incomplete;
+            };
+            let value = (i + 1, i + 1 + close);
+            i = value.1 + 1;
+            value
+        } else {
+            let start = i;
+            while i < buf.len() && !(buf[i].is_ascii_whitespace() || buf[i] == b'>') {
+                i += 1;
+            }
+            if i >= buf.len() {
+                return Read::Incomplete;
+            }
+            (start, i)
+        };
+        if id.is_none() && attribute.eq_ignore_ascii_case(b"id") {
+            id = Some(value);
+        }
+    }
+}
+
+/// What the scanner made of a needle found in the page.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Found {
+    /// Need more of the page to tell.
+    Incomplete,
+    /// The needle is not the id of an element the selectors pick: pass the page on up to
+    /// `resume` and keep looking.
+    NotHere { resume: usize },
+    /// The start tag at `start` is a selected element; `tag.end` is where its content begins.
+    Element { start: usize, tag: Tag },
+    /// Something the scanner does not handle: let the rewriter take over from `start`.
+    Unsure { start: usize },
+}
+
+/// Looks at the needle found at `at` (length `len`) in `buf`: is it inside the start tag that
+/// begins at the last `<` before it, as the id one of `selectors` picks?
+pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Found {
+    let Some(start) = memchr::memrchr(b'<', &buf[..at]) else {
+        // No tag opened before it in what is kept: text.
+        return Found::NotHere { resume: at + len };
+    };
+    let Some(&next) = buf.get(start + 1) else {
+        return Found::Incomplete;
+    };
+    if !next.is_ascii_alphabetic() {
+        // The last `<` opens an end tag, a comment or nothing: the needle is not in a start
+        // tag's attributes.
+        return Found::NotHere { resume: at + len };
+    }
+    let tag = match read_tag(buf, start + 1) {
+        Read::Incomplete => return Found::Incomplete,
+        Read::Tag(tag) => tag,
+    };
+    let picked = tag.id.is_some_and(|(from, to)| {
+        selectors.iter().any(|selector| {
+            selector.id == buf[from..to]
+                && selector.tag.as_ref().is_none_or(|name| *name == tag.name)
+        })
+    });
+    if !picked {
+        // The needle sits in this tag's other attributes, or in the text after it.
+        return Found::NotHere { resume: at + len };
+    }
+    if is_one_of(&tag.name, VOID) || is_one_of(&tag.name, CONTAINERS) {
+        Found::Element { start, tag }
+    } else {
+        Found::Unsure { start }
+    }
+}
+
+/// Progress of removing one element whose start tag has been read.
+#[derive(Debug)]
+pub struct Cut {
+    /// Lower-case names of the elements open inside the removed one, which is first. An end
+    /// tag closes the innermost open element of its name and everything opened after it, as
+    /// the rewriter's own stack does, so a module with an unclosed `<span>` or `<li>` ends
+    /// where the rewriter would end it.
+    pub open: Vec<Vec<u8>>,
+    /// Where scanning continues in the held bytes.
+    pub cursor: usize,
+}
+
+impl Cut {
+    pub fn new(name: Vec<u8>, cursor: usize) -> Cut {
+        Cut {
+            open: vec![name],
+            cursor,
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Step {
+    /// The element ends just before this offset.
+    Ended(usize),
+    /// Need more of the page.
+    More,
+    /// Content the scanner cannot count tags in: hand everything held to the rewriter.
+    GiveUp,
+}
+
+impl Cut {
+    /// Scans `held` (which starts with the removed element's start tag) from the cursor.
+    pub fn advance(&mut self, held: &[u8]) -> Step {
+        loop {
+            let Some(offset) = memchr::memchr(b'<', &held[self.cursor..]) else {
+                self.cursor = held.len();
+                return Step::More;
+            };
+            let at = self.cursor + offset;
+            let Some(&next) = held.get(at + 1) else {
+                self.cursor = at;
+                return Step::More;
+            };
+            match next {
+                b'!' => {
+                    let rest = &held[at..];
+                    if rest.len() < 4 {
+                        self.cursor = at;
+                        return Step::More;
+                    }
+                    if !rest.starts_with(b"<!--") {
+                        if rest.len() >= 9 && rest[..9].eq_ignore_ascii_case(b"<![cdata[") {
+                            return Step::GiveUp;
+                        }
+                        if rest.starts_with(b"<![") && rest.len() < 9 {
+                            self.cursor = at;
+                            return Step::More;
+                        }
+                        // A doctype or bogus comment: it ends at the next `>`.
+                        match memchr::memchr(b'>', rest) {
+                            Some(end) => self.cursor = at + end + 1,
+                            None => {
+                                self.cursor = at;
+                                return Step::More;
+                            }
+                        }
+                        continue;
+                    }
+                    // `<!-->` and `<!--->` are complete (empty) comments.
+                    let body = &rest[4..];
+                    if body.starts_with(b">") {
+                        self.cursor = at + 5;
+                    } else if body.starts_with(b"->") {
+                        self.cursor = at + 6;
+                    } else if body.is_empty() || body == b"-" {
+                        self.cursor = at;
+                        return Step::More;
+                    } else {
+                        match memchr::memmem::find(body, b"-->") {
+                            Some(end) => self.cursor = at + 4 + end + 3,
+                            None => {
+                                self.cursor = at;
+                                return Step::More;
+                            }
+                        }
+                    }
+                }
+                b'?' => match memchr::memchr(b'>', &held[at..]) {
+                    Some(end) => self.cursor = at + end + 1,
+                    None => {
+                        self.cursor = at;
+                        return Step::More;
+                    }
+                },
+                b'/' => {
+                    let Some(&first) = held.get(at + 2) else {
+                        self.cursor = at;
+                        return Step::More;
+                    };
+                    if !first.is_ascii_alphabetic() {
+                        // `</>` is dropped, `</ ...>` is a bogus comment: both end at `>`.
+                        match memchr::memchr(b'>', &held[at..]) {
+                            Some(end) => self.cursor = at + end + 1,
+                            None => {
+                                self.cursor = at;
+                                return Step::More;
+                            }
+                        }
+                        continue;
+                    }
+                    let tag = match read_tag(held, at + 2) {
+                        Read::Incomplete => {
+                            self.cursor = at;
+                            return Step::More;
+                        }
+                        Read::Tag(tag) => tag,
+                    };
+                    self.cursor = tag.end;
+                    // An end tag nothing open matches is ignored.
+                    if let Some(index) = self.open.iter().rposition(|name| *name == tag.name) {
+                        if index == 0 {
+                            return Step::Ended(tag.end);
+                        }
+                        self.open.truncate(index);
+                    }
+                }
+                letter if letter.is_ascii_alphabetic() => {
+                    let tag = match read_tag(held, at + 1) {
+                        Read::Incomplete => {
+                            self.cursor = at;
+                            return Step::More;
+                        }
+                        Read::Tag(tag) => tag,
+                    };
+                    if is_one_of(&tag.name, NOT_MARKUP) {
+                        return Step::GiveUp;
+                    }
+                    // `/>` does not close a non-void HTML element; void ones never open.
+                    if !is_one_of(&tag.name, VOID) {
+                        self.open.push(tag.name);
+                    }
+                    self.cursor = tag.end;
+                }
+                // A `<` that starts no tag is text.
+                _ => self.cursor = at + 1,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(list: &[&str]) -> Vec<IdSelector> {
+        list.iter()
+            .map(|s| IdSelector::parse(s).expect("id selector"))
+            .collect()
+    }
+
+    #[test]
+    fn id_selectors_parse_only_when_plain() {
+        assert_eq!(
+            IdSelector::parse("div#ranking"),
+            Some(IdSelector {
+                tag: Some(b"div".to_vec()),
+                id: b"ranking".to_vec()
+            })
+        );
+        assert!(IdSelector::parse("#a-b_c").is_some());
+        for other in ["#", ".x", "div", "#a b", "#a:hover", "div.x#y", "#a,#b"] {
+            assert_eq!(IdSelector::parse(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn tags_are_read_with_quoted_values() {
+        let html = br#"<div title="a > b <c>" data-x=1 ID='rank' id="second">"#;
+        let Read::Tag(tag) = read_tag(html, 1) else {
+            panic!("complete")
+        };
+        assert_eq!(tag.name, b"div");
+        assert_eq!(tag.end, html.len());
+        let (from, to) = tag.id.expect("id");
+        assert_eq!(&html[from..to], b"rank", "the first id attribute counts");
+        for cut in 1..html.len() {
+            assert_eq!(read_tag(&html[..cut], 1), Read::Incomplete, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn judging_a_needle() {
+        let selectors = ids(&["#ranking"]);
+        let page = br#"<p>see the ranking</p><div class="box" id="ranking"><b>x</b></div>"#;
+        let first = memchr::memmem::find(page, b"ranking").expect("needle");
+        assert!(matches!(
+            judge(page, first, 7, &selectors),
+            Found::NotHere { .. }
+        ));
+        let second = first + 7 + memchr::memmem::find(&page[first + 7..], b"ranking").unwrap();
+        match judge(page, second, 7, &selectors) {
+            Found::Element { start, tag } => {
+                assert_eq!(&page[start..start + 4], b"<div");
+                assert_eq!(tag.name, b"div");
+            }
+            other => panic!("{other:?}"),
+        }
+        let wrong_tag = ids(&["span#ranking"]);
+        assert!(matches!(
+            judge(page, second, 7, &wrong_tag),
+            Found::NotHere { .. }
+        ));
+        let script = br#"<script id="ranking">"#;
+        assert!(matches!(
+            judge(script, 12, 7, &selectors),
+            Found::Unsure { start: 0 }
+        ));
+    }
+
+    fn cut_all(held: &[u8]) -> Step {
+        let Read::Tag(tag) = read_tag(held, 1) else {
+            return Step::More;
+        };
+        Cut::new(tag.name, tag.end).advance(held)
+    }
+
+    #[test]
+    fn nested_same_name_tags_comments_and_quotes_are_counted_right() {
+        let module = br#"<div id="r"><div a="</div>">x</div><!-- </div> --><p>y</div>"#;
+        let tail = b"<p>after</p>";
+        let page = [&module[..], &tail[..]].concat();
+        assert_eq!(cut_all(&page), Step::Ended(module.len()));
+        // Fed a byte at a time, it reaches the same end.
+        let Read::Tag(tag) = read_tag(&page, 1) else {
+            panic!()
+        };
+        let mut cut = Cut::new(tag.name, tag.end);
+        let mut ended = None;
+        for len in tag.end..=page.len() {
+            if let Step::Ended(end) = cut.advance(&page[..len]) {
+                ended = Some(end);
+                break;
+            }
+        }
+        assert_eq!(ended, Some(module.len()));
+    }
+
+    #[test]
+    fn raw_text_and_foreign_content_give_up() {
+        for inner in [
+            "<script>x</script>",
+            "<style>a{}</style>",
+            "<svg></svg>",
+            "<![CDATA[x]]>",
+        ] {
+            let page = format!("<div id=r>{inner}</div>");
+            assert_eq!(cut_all(page.as_bytes()), Step::GiveUp, "{inner}");
+        }
+        // `<div/>` opens a div like `<div>`; an unclosed inner element ends with the outer one.
+        assert_eq!(cut_all(b"<div id=r><div/></div></div>x"), Step::Ended(28));
+        assert_eq!(cut_all(b"<div id=r><span><li>a</div>x"), Step::Ended(27));
+    }
+}
