@@ -5,6 +5,8 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 
 use http::{HeaderMap, HeaderName, Method};
+
+use crate::proxy::header::ip_string;
 use sha2::{Digest, Sha256};
 
 /// Where an identity (user id, API key) or a key part is read from.
@@ -112,7 +114,7 @@ pub struct RequestFacts<'a> {
 impl RequestFacts<'_> {
     fn part(&self, part: &KeyPart) -> Option<Cow<'_, str>> {
         match part {
-            KeyPart::Ip => Some(Cow::Owned(self.client_ip.to_string())),
+            KeyPart::Ip => Some(Cow::Owned(ip_string(self.client_ip))),
             KeyPart::Route => Some(Cow::Borrowed(self.route)),
             KeyPart::Method => Some(Cow::Borrowed(self.method.as_str())),
             KeyPart::User => first_present(&self.identity.user, self.headers, self.query),
@@ -141,29 +143,44 @@ pub fn bucket_key(
     facts: &RequestFacts<'_>,
     fallback_ip: bool,
 ) -> Option<BucketKey> {
-    let mut values = Vec::with_capacity(parts.len());
-    let mut tag: Option<(u8, String)> = None;
+    // Built with plain pushes, not `format!`: this runs for every rule of every request.
+    let mut values: Vec<String> = Vec::with_capacity(parts.len());
+    let mut tag: Option<(u8, usize)> = None;
     for part in parts {
         let (part, value) = match facts.part(part) {
             Some(value) => (part, value),
-            None if fallback_ip => (&KeyPart::Ip, Cow::Owned(facts.client_ip.to_string())),
+            None if fallback_ip => (&KeyPart::Ip, Cow::Owned(ip_string(facts.client_ip))),
             None => return None,
         };
-        let value = safe_value(&value);
         if tag
             .as_ref()
             .is_none_or(|(specificity, _)| part.specificity() > *specificity)
         {
-            tag = Some((part.specificity(), value.clone()));
+            tag = Some((part.specificity(), values.len()));
         }
-        values.push(value);
+        values.push(safe_value(value));
     }
     // A rule keyed by nothing (`key = []`, one bucket for everyone) still needs a hash tag: an
     // empty `{}` makes Redis Cluster hash the whole key, so two such rules asked in one script
     // would land in different slots (CROSSSLOT). Its own name keeps it apart from other rules.
-    let tag = tag.map_or_else(|| safe_value(rule), |(_, value)| value);
-    let mut key = String::with_capacity(prefix.len() + rule.len() + tag.len() + 32);
-    let _ = write!(key, "{prefix}rl:{{{tag}}}:{rule}:{}", values.join("|"));
+    let tag = match tag {
+        Some((_, index)) => values[index].clone(),
+        None => safe_value(Cow::Borrowed(rule)),
+    };
+    let values_len: usize = values.iter().map(|value| value.len() + 1).sum();
+    let mut key = String::with_capacity(prefix.len() + rule.len() + tag.len() + values_len + 8);
+    key.push_str(prefix);
+    key.push_str("rl:{");
+    key.push_str(&tag);
+    key.push_str("}:");
+    key.push_str(rule);
+    key.push(':');
+    for (index, value) in values.iter().enumerate() {
+        if index > 0 {
+            key.push('|');
+        }
+        key.push_str(value);
+    }
     Some(BucketKey { key, tag })
 }
 
@@ -178,14 +195,14 @@ pub struct BucketKey {
 /// and control bytes are replaced by a hash, so a client cannot forge another key. `#` starts
 /// every hash, so a plain value may not contain it (else `#<hash of X>` sent as is would share
 /// X's bucket); an empty value is hashed too, so a hash tag is never the empty `{}`.
-fn safe_value(value: &str) -> String {
+fn safe_value(value: Cow<'_, str>) -> String {
     let plain = !value.is_empty()
         && value.len() <= 64
         && value
             .bytes()
             .all(|b| b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'|' | b':' | b'#'));
     if plain {
-        return value.to_string();
+        return value.into_owned();
     }
     let digest = Sha256::digest(value.as_bytes());
     let mut out = String::from("#");

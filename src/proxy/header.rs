@@ -195,7 +195,7 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
 /// Writes an address as text into `buffer` and returns it. IPv4, on every request, is written
 /// digit by digit: the formatting machinery behind `to_string` cost more per request than any
 /// other header work levee does.
-fn format_ip(ip: IpAddr, buffer: &mut [u8; 64]) -> &[u8] {
+pub(crate) fn format_ip(ip: IpAddr, buffer: &mut [u8; 64]) -> &[u8] {
     match ip {
         IpAddr::V4(v4) => {
             let mut len = 0;
@@ -226,6 +226,12 @@ fn format_ip(ip: IpAddr, buffer: &mut [u8; 64]) -> &[u8] {
             &buffer[..len]
         }
     }
+}
+
+/// An address as an owned string, through `format_ip`.
+pub(crate) fn ip_string(ip: IpAddr) -> String {
+    let mut buffer = [0u8; 64];
+    String::from_utf8_lossy(format_ip(ip, &mut buffer)).into_owned()
 }
 
 /// Bytes of all request header names and values, as counted against `max_header_bytes`.
