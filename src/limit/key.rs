@@ -5,9 +5,9 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 
 use http::{HeaderMap, HeaderName, Method};
+use sha2::{Digest, Sha256};
 
 use crate::proxy::header::ip_string;
-use sha2::{Digest, Sha256};
 
 /// Where an identity (user id, API key) or a key part is read from.
 #[derive(Debug, Clone, PartialEq, Eq)]
