@@ -112,6 +112,11 @@ fn connection_has(headers: &HeaderMap, token: &str) -> bool {
 /// For an upgrade that is being passed through, `Connection: upgrade` and `Upgrade` are
 /// put back, because they are what asks the next hop to switch protocols.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    // Runs twice per request. Most requests carry none of these headers, and most responses
+    // only `Connection: keep-alive`: one pass over the names tells, before any lookups.
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
     let upgrade = if keep_upgrade {
         headers.get(header::UPGRADE).cloned()
     } else {
@@ -123,7 +128,14 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
             .iter()
             .filter_map(|value| value.to_str().ok())
             .flat_map(|value| value.split(','))
-            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .map(str::trim)
+            // The usual tokens name no header (`close`) or one removed below anyway.
+            .filter(|token| {
+                !["keep-alive", "close", "upgrade"]
+                    .iter()
+                    .any(|usual| token.eq_ignore_ascii_case(usual))
+            })
+            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
             .collect();
         for name in named {
             headers.remove(name);
@@ -144,6 +156,16 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         headers.insert(header::UPGRADE, upgrade);
     }
+}
+
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    *name == header::CONNECTION
+        || *name == header::TE
+        || *name == header::TRAILER
+        || *name == header::TRANSFER_ENCODING
+        || *name == header::UPGRADE
+        || *name == KEEP_ALIVE
+        || *name == PROXY_CONNECTION
 }
 
 /// Sets the forwarding headers the app relies on:
