@@ -328,7 +328,7 @@ impl RedisStore {
                 .arg(ask.burst)
                 .arg(if ask.dry_run { "1" } else { "0" });
         }
-        let reply: Vec<i64> = match connection.clone() {
+        let reply: String = match connection.clone() {
             Connection::Single(mut connection) => invocation.invoke_async(&mut connection).await?,
             Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await?,
         };
@@ -363,7 +363,13 @@ impl RedisStore {
     }
 }
 
-fn parse_reply(reply: &[i64], count: usize) -> Result<(bool, Vec<RemoteVerdict>), RedisFailure> {
+/// Reads the script's reply: space-separated integers (see `limit/script.lua`).
+fn parse_reply(text: &str, count: usize) -> Result<(bool, Vec<RemoteVerdict>), RedisFailure> {
+    let reply: Vec<i64> = text
+        .split(' ')
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .map_err(|_| RedisFailure::BadReply(format!("not a list of integers: {text:.80}")))?;
     if reply.len() != 1 + 4 * count {
         return Err(RedisFailure::BadReply(format!(
             "{} values for {count} rules",
