@@ -52,6 +52,34 @@ fn counts(applied: &Applied) -> HashMap<String, usize> {
     counts
 }
 
+/// Waits until every job in `jobs` has reached the app and the `notify` queue has drained,
+/// then checks that each was applied exactly once. Returns the counts of all applied jobs.
+async fn each_applied_once(
+    applied: &Applied,
+    jobs: &[String],
+    queues_url: &str,
+) -> HashMap<String, usize> {
+    eventually(
+        Duration::from_secs(20),
+        "every accepted job to be applied",
+        || async {
+            let counts = counts(applied);
+            jobs.iter().all(|job| counts.contains_key(job))
+        },
+    )
+    .await;
+    eventually(Duration::from_secs(10), "the queue to drain", || async {
+        let queues = get(queues_url).await.json();
+        queues["notify"]["backlog"] == 0 && queues["notify"]["in_flight"] == 0
+    })
+    .await;
+    let counts = counts(applied);
+    for job in jobs {
+        assert_eq!(counts[job], 1, "job {job} applied {} times", counts[job]);
+    }
+    counts
+}
+
 /// One answer seen by a load loop: status, job id, when the request started and ended.
 #[derive(Clone)]
 struct Seen {
@@ -245,24 +273,7 @@ limits = ["wide"]
     assert!(refused_while_frozen >= 20);
 
     // Nothing answered 202 is lost, and each is applied once.
-    eventually(
-        Duration::from_secs(20),
-        "every accepted job to be applied",
-        || async {
-            let counts = counts(&applied);
-            accepted.iter().all(|job| counts.contains_key(job))
-        },
-    )
-    .await;
-    eventually(Duration::from_secs(10), "the queue to drain", || async {
-        let queues = get(&levee.admin_url("/queues")).await.json();
-        queues["notify"]["backlog"] == 0 && queues["notify"]["in_flight"] == 0
-    })
-    .await;
-    let counts = counts(&applied);
-    for job in &accepted {
-        assert_eq!(counts[job], 1, "job {job} applied {} times", counts[job]);
-    }
+    let counts = each_applied_once(&applied, &accepted, &levee.admin_url("/queues")).await;
     let extra: Vec<_> = counts
         .iter()
         .filter(|(key, _)| !accepted.contains(key))
@@ -889,25 +900,8 @@ async fn levee_sigkilled_and_restarted_keeps_redis_switches_and_applies_every_jo
         .status,
         200
     );
-    eventually(
-        Duration::from_secs(20),
-        "every job to be applied",
-        || async {
-            let counts = counts(&applied);
-            jobs.iter().all(|job| counts.contains_key(job))
-        },
-    )
-    .await;
-    eventually(Duration::from_secs(10), "the queue to drain", || async {
-        let queues = get(&second.admin_url("/queues")).await.json();
-        queues["notify"]["backlog"] == 0 && queues["notify"]["in_flight"] == 0
-    })
-    .await;
-    let counts = counts(&applied);
+    let counts = each_applied_once(&applied, &jobs, &second.admin_url("/queues")).await;
     assert_eq!(counts.len(), jobs.len(), "{counts:?}");
-    for job in &jobs {
-        assert_eq!(counts[job], 1, "{job}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

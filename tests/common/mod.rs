@@ -468,6 +468,12 @@ impl RedisServer {
     }
 
     pub async fn start_on(dir: &Path, port: u16) -> RedisServer {
+        RedisServer::spawn(dir, port, &["--appendonly", "no"]).await
+    }
+
+    /// Starts redis-server on `port` with its files in `dir`, nothing saved unless `extra`
+    /// says so, and waits until it listens.
+    async fn spawn(dir: &Path, port: u16, extra: &[&str]) -> RedisServer {
         let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
         let guard = ChildGuard::spawn(
             "redis-server",
@@ -479,9 +485,8 @@ impl RedisServer {
                     &port.to_string(),
                     "--save",
                     "",
-                    "--appendonly",
-                    "no",
                 ])
+                .args(extra)
                 .arg("--dir")
                 .arg(dir)
                 .args(["--daemonize", "no"]),
@@ -501,32 +506,12 @@ impl RedisServer {
     /// Like [`RedisServer::start_on`], but with an append-only file fsynced on every write
     /// in `dir`, so a SIGKILLed server restarted on the same `dir` comes back with its data.
     pub async fn start_persistent(dir: &Path, port: u16) -> RedisServer {
-        let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
-        let guard = ChildGuard::spawn(
-            "redis-server",
-            Command::new(binary)
-                .args([
-                    "--bind",
-                    "127.0.0.1",
-                    "--port",
-                    &port.to_string(),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "yes",
-                    "--appendfsync",
-                    "always",
-                ])
-                .arg("--dir")
-                .arg(dir)
-                .args(["--daemonize", "no"]),
-        );
-        wait_for_port(
-            SocketAddr::from(([127, 0, 0, 1], port)),
-            "redis-server to listen",
+        RedisServer::spawn(
+            dir,
+            port,
+            &["--appendonly", "yes", "--appendfsync", "always"],
         )
-        .await;
-        RedisServer { port, guard }
+        .await
     }
 
     /// SIGKILLs the server (no chance to save anything) and reaps it.
