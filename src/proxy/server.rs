@@ -1,4 +1,5 @@
-//! Accepting connections and serving HTTP/1.1 on them, with graceful shutdown.
+//! The admin listener's HTTP/1.1 server (hyper), with graceful shutdown, and the
+//! per-connection limits shared with the public listener's own server (`proxy::h1`).
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -3,17 +3,17 @@
 
 use http::Response;
 use hyper::body::Incoming;
-use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use super::body::ResponseBody;
+use super::h1::upgrade::PendingUpgrade;
 use super::header;
 use super::route::Route;
 use crate::error::full_body;
 
 /// Answers the client's upgrade with the upstream's 101 and joins the two connections.
 pub fn pass_through(
-    client: OnUpgrade,
+    client: PendingUpgrade,
     upstream_response: &mut Response<Incoming>,
     route: &Route,
 ) -> Response<ResponseBody> {
@@ -22,7 +22,7 @@ pub fn pass_through(
     tokio::spawn(async move {
         match (client.await, upstream.await) {
             (Ok(client), Ok(upstream)) => {
-                let mut client = TokioIo::new(client);
+                let mut client = client;
                 let mut upstream = TokioIo::new(upstream);
                 match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
                     Ok((sent, received)) => {
@@ -33,7 +33,10 @@ pub fn pass_through(
                     }
                 }
             }
-            (Err(error), _) | (_, Err(error)) => {
+            (Err(error), _) => {
+                tracing::info!(route = %route_name, "upgrade failed: {error}");
+            }
+            (_, Err(error)) => {
                 tracing::info!(route = %route_name, "upgrade failed: {error}");
             }
         }

@@ -1,0 +1,617 @@
+//! One client connection: request heads, bodies and responses, in order, until it closes.
+//!
+//! Memory is the point of this module. Between requests a connection holds no buffer at all:
+//! it waits for the socket to become readable, then reads the next head into a small buffer
+//! that lives only as long as the request needs it (a pipelined request that is already
+//! buffered keeps it). Response heads are encoded into a buffer made for that response.
+//! Per-request state (the handler's future, the body reader, the write loop) lives in one
+//! boxed future, so the connection task itself stays small while it waits.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body::Body;
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{ReadHalf, WriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::chunked::ChunkedDecoder;
+use super::encode::{self, ResponseFraming};
+use super::parse::{parse_head, BodyFraming, HeadError, RequestHead};
+use super::request_body::{BodyPiece, RequestBody, RequestBodyError};
+use super::upgrade::{ClientUpgrade, UpgradedClient};
+use crate::error::ProxyError;
+use crate::proxy::body::ResponseBody;
+use crate::proxy::server::ConnectionLimits;
+
+/// First allocation for reading a request head; most heads fit, longer ones grow it.
+const HEAD_READ_SIZE: usize = 4 * 1024;
+/// Room made in the read buffer for each read of request body bytes.
+const BODY_READ_SIZE: usize = 64 * 1024;
+/// Response data up to this size is copied next to the head (one write for small
+/// answers); larger pieces are written from where they are.
+const COPY_LIMIT: usize = 16 * 1024;
+/// Copied response bytes are written out once this many have gathered.
+const FLUSH_LIMIT: usize = 64 * 1024;
+/// After a response, an unread rest of the request body is read and thrown away up to
+/// this much, so the connection can serve the next request; a longer rest closes it.
+const DRAIN_LIMIT: u64 = 64 * 1024;
+const DRAIN_TIME: Duration = Duration::from_secs(1);
+/// Before closing after a response, what the client still sends is read (and dropped) for a
+/// moment: closing a socket with unread bytes sends a reset, which can destroy the response
+/// before the client has read it.
+const LINGER_LIMIT: usize = 512 * 1024;
+const LINGER_TIME: Duration = Duration::from_secs(1);
+
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// What happens to the connection after one exchange.
+enum After {
+    KeepAlive,
+    Close,
+    Upgrade(oneshot::Sender<UpgradedClient>),
+}
+
+/// Serves requests on `stream` until the client or levee closes it.
+pub(super) async fn serve_connection<H, F>(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    handler: H,
+    limits: ConnectionLimits,
+    mut stop: watch::Receiver<bool>,
+) where
+    H: Fn(SocketAddr, Request<RequestBody>) -> F,
+    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+{
+    // The parser's own bound, far above the operator's limit: levee's check of
+    // `max_header_bytes` on the parsed head gives the client a precise 431 (see
+    // `proxy::forward`); this one only stops a head from growing without end.
+    let max_head_bytes = (limits.max_header_bytes + 8192).max(64 * 1024);
+    let mut read_buffer = BytesMut::new();
+    let mut stopping = false;
+    loop {
+        // The timeout also runs while a keep-alive connection waits for its next request,
+        // so idle connections are closed after it, as with hyper before.
+        let reading = read_head(
+            &mut stream,
+            &mut read_buffer,
+            max_head_bytes,
+            &mut stop,
+            &mut stopping,
+        );
+        let head = match tokio::time::timeout(limits.header_read_timeout, reading).await {
+            Err(_elapsed) => {
+                tracing::debug!(%peer, "no complete request head within the header read timeout");
+                return;
+            }
+            Ok(HeadRead::Closed) => return,
+            Ok(HeadRead::Refused(error)) => {
+                tracing::debug!(%peer, "request head refused: {error}");
+                Box::pin(refuse(&mut stream, error)).await;
+                Box::pin(linger_close(stream)).await;
+                return;
+            }
+            Ok(HeadRead::Head(head)) => head,
+        };
+        let exchange = serve_request(
+            &mut stream,
+            &mut read_buffer,
+            head,
+            peer,
+            &handler,
+            &mut stop,
+            &mut stopping,
+        );
+        match Box::pin(exchange).await {
+            After::KeepAlive => {
+                if read_buffer.is_empty() {
+                    // Nothing pipelined: give the buffer back while the connection idles.
+                    read_buffer = BytesMut::new();
+                }
+            }
+            After::Close => {
+                Box::pin(linger_close(stream)).await;
+                return;
+            }
+            After::Upgrade(sender) => {
+                let _ = sender.send(UpgradedClient::new(stream, read_buffer.freeze()));
+                return;
+            }
+        }
+    }
+}
+
+enum HeadRead {
+    Head(RequestHead),
+    Refused(HeadError),
+    Closed,
+}
+
+/// Reads until a whole request head is buffered. No buffer is allocated before the first
+/// byte of the head arrives.
+async fn read_head(
+    stream: &mut TcpStream,
+    buffer: &mut BytesMut,
+    max_head_bytes: usize,
+    stop: &mut watch::Receiver<bool>,
+    stopping: &mut bool,
+) -> HeadRead {
+    loop {
+        if !buffer.is_empty() {
+            match parse_head(buffer, max_head_bytes) {
+                Ok(Some(head)) => return HeadRead::Head(head),
+                Ok(None) => {}
+                Err(error) => return HeadRead::Refused(error),
+            }
+        }
+        tokio::select! {
+            ready = stream.readable() => {
+                if ready.is_err() {
+                    return HeadRead::Closed;
+                }
+            }
+            () = stopped(stop), if !*stopping => {
+                *stopping = true;
+                // Idle: close now. A head already on its way is still answered.
+                if buffer.is_empty() {
+                    return HeadRead::Closed;
+                }
+                continue;
+            }
+        }
+        if buffer.capacity() - buffer.len() < 512 {
+            buffer.reserve(HEAD_READ_SIZE.max(buffer.len()));
+        }
+        match stream.try_read_buf(buffer) {
+            Ok(0) => return HeadRead::Closed,
+            Ok(_) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => return HeadRead::Closed,
+        }
+    }
+}
+
+/// Answers a head that could not be accepted, through the one place errors become responses.
+async fn refuse(stream: &mut TcpStream, error: HeadError) {
+    let error = match error {
+        HeadError::TooLarge { size, limit } => ProxyError::HeadersTooLarge { size, limit },
+        HeadError::TooManyHeaders { limit } => ProxyError::TooManyHeaders { limit },
+        HeadError::Malformed(reason) => ProxyError::BadRequest(reason.to_string()),
+    };
+    let (mut parts, body) = error.to_response().into_parts();
+    let mut keep_alive = false;
+    let framing = encode::frame_response(
+        &Method::GET,
+        Version::HTTP_11,
+        parts.status,
+        &mut parts.headers,
+        body.size_hint().exact(),
+        &mut keep_alive,
+    );
+    let mut out = BytesMut::new();
+    encode::encode_head(&mut out, parts.status, &parts.headers);
+    let (mut reader, mut writer) = stream.split();
+    let mut no_body = RequestBodyReader::finished();
+    let mut no_buffer = BytesMut::new();
+    write_body(
+        &mut writer,
+        out,
+        body,
+        framing,
+        &mut no_body,
+        &mut reader,
+        &mut no_buffer,
+    )
+    .await;
+}
+
+/// One exchange: the handler runs while the request body streams in; then the response is
+/// written while any rest of the request body still streams in.
+async fn serve_request<H, F>(
+    stream: &mut TcpStream,
+    read_buffer: &mut BytesMut,
+    head: RequestHead,
+    peer: SocketAddr,
+    handler: &H,
+    stop: &mut watch::Receiver<bool>,
+    stopping: &mut bool,
+) -> After
+where
+    H: Fn(SocketAddr, Request<RequestBody>) -> F,
+    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+{
+    let RequestHead {
+        method,
+        uri,
+        version,
+        headers,
+        framing,
+        keep_alive,
+        expect_continue,
+        wants_upgrade,
+        close_after,
+    } = head;
+    let (mut continue_wanted, wanted) = if expect_continue {
+        let (sender, receiver) = oneshot::channel();
+        (Some(receiver), Some(sender))
+    } else {
+        (None, None)
+    };
+    let (mut body_reader, body) = RequestBodyReader::new(framing, wanted);
+    let mut request = Request::new(body);
+    *request.method_mut() = method.clone();
+    *request.uri_mut() = uri;
+    *request.version_mut() = version;
+    *request.headers_mut() = headers;
+    let upgrade = wants_upgrade.then(|| {
+        let (sender, upgrade) = ClientUpgrade::new();
+        request.extensions_mut().insert(upgrade);
+        sender
+    });
+    let mut must_close = close_after;
+
+    let (mut reader, mut writer) = stream.split();
+    let mut answering = Box::pin(handler(peer, request));
+    let response = loop {
+        tokio::select! {
+            biased;
+            response = &mut answering => break response,
+            wanted = body_wanted(&mut continue_wanted), if continue_wanted.is_some() => {
+                continue_wanted = None;
+                if !wanted || writer.write_all(CONTINUE).await.is_err() {
+                    // Dropped unread, or the client is gone: whether (and when) the client
+                    // sends the body is unknown, so the connection cannot be reused.
+                    must_close = true;
+                }
+            }
+            () = body_reader.step(&mut reader, read_buffer),
+                if continue_wanted.is_none() && body_reader.is_reading() => {}
+            () = stopped(stop), if !*stopping => *stopping = true,
+        }
+    };
+    drop(answering);
+    if continue_wanted.is_some() {
+        // Answered without asking for the body and without sending 100: the client may or
+        // may not send it now, so the connection cannot be reused.
+        must_close = true;
+    }
+
+    let (mut parts, response_body) = response.into_parts();
+    let mut keep_alive = keep_alive && !must_close && !*stopping;
+    let switching = parts.status == StatusCode::SWITCHING_PROTOCOLS;
+    let framing = encode::frame_response(
+        &method,
+        version,
+        parts.status,
+        &mut parts.headers,
+        response_body.size_hint().exact(),
+        &mut keep_alive,
+    );
+    let mut out = BytesMut::new();
+    encode::encode_head(&mut out, parts.status, &parts.headers);
+    drop(parts);
+    let complete = write_body(
+        &mut writer,
+        out,
+        response_body,
+        framing,
+        &mut body_reader,
+        &mut reader,
+        read_buffer,
+    )
+    .await;
+    if !complete {
+        return After::Close;
+    }
+    if switching {
+        return match upgrade {
+            Some(sender) => After::Upgrade(sender),
+            // A 101 nobody asked for: the connection's protocol is unknown from here on.
+            None => After::Close,
+        };
+    }
+    if !keep_alive || *stop.borrow() {
+        return After::Close;
+    }
+    if body_reader.is_reading() {
+        // The handler answered without reading the whole body (a refusal, a cached copy):
+        // read the rest away if it is short, so the connection can be reused.
+        let drained =
+            tokio::time::timeout(DRAIN_TIME, body_reader.drain(&mut reader, read_buffer)).await;
+        if !matches!(drained, Ok(true)) {
+            return After::Close;
+        }
+    }
+    if body_reader.is_done() {
+        After::KeepAlive
+    } else {
+        After::Close
+    }
+}
+
+/// Resolves once levee stops (or can no longer tell whether it should).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    // The guard `wait_for` returns is not `Send`; it must not live across an await.
+    let _ = stop.wait_for(|stopped| *stopped).await.map(|_| ());
+}
+
+/// Resolves when the request body is first polled (true) or dropped unpolled (false).
+async fn body_wanted(wanted: &mut Option<oneshot::Receiver<()>>) -> bool {
+    match wanted {
+        Some(receiver) => receiver.await.is_ok(),
+        None => std::future::pending().await,
+    }
+}
+
+/// Writes the encoded head and the response body with the chosen framing, keeping the
+/// request body flowing meanwhile. True when the whole response went out correctly framed.
+async fn write_body(
+    writer: &mut WriteHalf<'_>,
+    mut out: BytesMut,
+    mut body: ResponseBody,
+    framing: ResponseFraming,
+    body_reader: &mut RequestBodyReader,
+    reader: &mut ReadHalf<'_>,
+    read_buffer: &mut BytesMut,
+) -> bool {
+    if framing == ResponseFraming::None {
+        drop(body);
+        return writer.write_all_buf(&mut out).await.is_ok();
+    }
+    let mut length_left = match framing {
+        ResponseFraming::Length(length) => length,
+        _ => 0,
+    };
+    loop {
+        // Frames that are ready now (a small answer, data that came with the upstream's
+        // head) are gathered into one write; only when the body has to wait is it flushed.
+        let next = match body.frame().now_or_never() {
+            Some(next) => next,
+            None => {
+                if !out.is_empty() && writer.write_all_buf(&mut out).await.is_err() {
+                    return false;
+                }
+                loop {
+                    tokio::select! {
+                        biased;
+                        next = body.frame() => break next,
+                        () = body_reader.step(reader, read_buffer), if body_reader.is_reading() => {}
+                    }
+                }
+            }
+        };
+        let data = match next {
+            None => break,
+            Some(Err(error)) => {
+                tracing::debug!("response body failed, closing the connection: {error}");
+                let _ = writer.write_all_buf(&mut out).await;
+                return false;
+            }
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) if !data.is_empty() => data,
+                // Trailers are not forwarded; empty frames carry nothing.
+                _ => continue,
+            },
+        };
+        let data = match framing {
+            ResponseFraming::Length(_) => {
+                let length = data.len() as u64;
+                if length > length_left {
+                    tracing::debug!("response body is longer than its Content-Length");
+                    let _ = writer.write_all_buf(&mut out).await;
+                    return false;
+                }
+                length_left -= length;
+                data
+            }
+            ResponseFraming::Chunked => {
+                encode::encode_chunk_start(&mut out, data.len());
+                data
+            }
+            _ => data,
+        };
+        if data.len() <= COPY_LIMIT {
+            out.put_slice(&data);
+        } else {
+            let mut pending = std::mem::take(&mut out).freeze().chain(data);
+            if writer.write_all_buf(&mut pending).await.is_err() {
+                return false;
+            }
+        }
+        if framing == ResponseFraming::Chunked {
+            out.put_slice(b"\r\n");
+        }
+        if out.len() >= FLUSH_LIMIT && writer.write_all_buf(&mut out).await.is_err() {
+            return false;
+        }
+        if body.is_end_stream() {
+            break;
+        }
+    }
+    if framing == ResponseFraming::Chunked {
+        out.put_slice(encode::LAST_CHUNK);
+    }
+    if writer.write_all_buf(&mut out).await.is_err() {
+        return false;
+    }
+    if length_left > 0 {
+        tracing::debug!("response body ended {length_left} bytes short of its Content-Length");
+        return false;
+    }
+    true
+}
+
+/// Sends FIN after the last response, then reads and drops what the client still sends for
+/// a moment, so that closing does not reset the connection under the client's feet.
+async fn linger_close(mut stream: TcpStream) {
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let mut sink = vec![0u8; 8192];
+    let mut total = 0;
+    let _ = tokio::time::timeout(LINGER_TIME, async {
+        while total < LINGER_LIMIT {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(read) => total += read,
+            }
+        }
+    })
+    .await;
+}
+
+/// Where the request body's bytes stand on the wire.
+#[derive(Debug)]
+enum WireBody {
+    Length { remaining: u64 },
+    Chunked(ChunkedDecoder),
+    Done,
+    Failed,
+}
+
+/// The connection's side of a request body: reads body bytes from the socket (only when
+/// the [`RequestBody`] has room for them), decodes the framing, and passes data on.
+struct RequestBodyReader {
+    wire: WireBody,
+    /// `None` once the body is complete, or when there never was one.
+    pieces: Option<mpsc::Sender<BodyPiece>>,
+    /// Bytes read after the request path let go of the body.
+    discarded: u64,
+}
+
+impl RequestBodyReader {
+    fn new(
+        framing: BodyFraming,
+        wanted: Option<oneshot::Sender<()>>,
+    ) -> (RequestBodyReader, RequestBody) {
+        let (wire, length) = match framing {
+            BodyFraming::Empty => return (RequestBodyReader::finished(), RequestBody::empty()),
+            BodyFraming::Length(length) => (WireBody::Length { remaining: length }, Some(length)),
+            BodyFraming::Chunked => (WireBody::Chunked(ChunkedDecoder::new()), None),
+        };
+        // One piece in flight: the socket is read only when the body has been taken from.
+        let (sender, receiver) = mpsc::channel(1);
+        (
+            RequestBodyReader {
+                wire,
+                pieces: Some(sender),
+                discarded: 0,
+            },
+            RequestBody::streaming(receiver, length, wanted),
+        )
+    }
+
+    fn finished() -> RequestBodyReader {
+        RequestBodyReader {
+            wire: WireBody::Done,
+            pieces: None,
+            discarded: 0,
+        }
+    }
+
+    fn is_reading(&self) -> bool {
+        matches!(self.wire, WireBody::Length { .. } | WireBody::Chunked(_))
+    }
+
+    fn is_done(&self) -> bool {
+        matches!(self.wire, WireBody::Done)
+    }
+
+    /// Moves the body on by one piece: waits for room in the body, reads from the socket if
+    /// nothing is buffered, and hands over (or, once the body is dropped, discards) the data.
+    /// Cancel-safe: nothing is lost if the future is dropped at an await.
+    async fn step(&mut self, reader: &mut ReadHalf<'_>, buffer: &mut BytesMut) {
+        let RequestBodyReader {
+            wire,
+            pieces,
+            discarded,
+        } = self;
+        {
+            let permit = match pieces.as_ref() {
+                Some(sender) => sender.reserve().await.ok(),
+                None => None,
+            };
+            let piece = next_piece(wire, reader, buffer).await;
+            match (piece, permit) {
+                (Ok(Some(data)), Some(permit)) => permit.send(Ok(data)),
+                (Ok(Some(data)), None) => *discarded += data.len() as u64,
+                (Ok(None), _) => {}
+                (Err(error), permit) => {
+                    tracing::debug!("request body ended early: {error}");
+                    *wire = WireBody::Failed;
+                    if let Some(permit) = permit {
+                        permit.send(Err(error));
+                    }
+                }
+            }
+        }
+        if !matches!(wire, WireBody::Length { .. } | WireBody::Chunked(_)) {
+            // Complete or failed: closing the channel ends the body for its reader.
+            *pieces = None;
+        } else if pieces.as_ref().is_some_and(mpsc::Sender::is_closed) {
+            *pieces = None;
+        }
+    }
+
+    /// Reads the rest of a body nobody wants any more; false if it is longer than
+    /// [`DRAIN_LIMIT`] or broken.
+    async fn drain(&mut self, reader: &mut ReadHalf<'_>, buffer: &mut BytesMut) -> bool {
+        while self.is_reading() {
+            if self.discarded > DRAIN_LIMIT {
+                return false;
+            }
+            self.step(reader, buffer).await;
+        }
+        self.is_done()
+    }
+}
+
+/// The next piece of body data from the buffer, reading the socket when the buffer has none.
+/// `Ok(None)` when the body is complete.
+async fn next_piece(
+    wire: &mut WireBody,
+    reader: &mut ReadHalf<'_>,
+    buffer: &mut BytesMut,
+) -> Result<Option<Bytes>, RequestBodyError> {
+    loop {
+        match wire {
+            WireBody::Length { remaining } => {
+                if !buffer.is_empty() {
+                    let take = usize::try_from(*remaining)
+                        .unwrap_or(usize::MAX)
+                        .min(buffer.len());
+                    *remaining -= take as u64;
+                    let data = buffer.split_to(take).freeze();
+                    if *remaining == 0 {
+                        *wire = WireBody::Done;
+                    }
+                    return Ok(Some(data));
+                }
+            }
+            WireBody::Chunked(decoder) => {
+                let data = decoder.decode(buffer)?;
+                if decoder.is_done() {
+                    *wire = WireBody::Done;
+                }
+                if data.is_some() || matches!(wire, WireBody::Done) {
+                    return Ok(data);
+                }
+            }
+            WireBody::Done | WireBody::Failed => return Ok(None),
+        }
+        if buffer.capacity() - buffer.len() < 4096 {
+            buffer.reserve(BODY_READ_SIZE);
+        }
+        match reader.read_buf(buffer).await {
+            Ok(0) => return Err(RequestBodyError::Incomplete),
+            Ok(_) => {}
+            Err(error) => return Err(RequestBodyError::Io(error)),
+        }
+    }
+}
