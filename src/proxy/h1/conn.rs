@@ -165,6 +165,21 @@ async fn read_head(
                 continue;
             }
         }
+        if buffer.capacity() == 0 {
+            // Nothing buffered: read onto the stack first, so that a wake-up without data
+            // (the usual one right after a response) allocates nothing.
+            let mut probe = [0u8; HEAD_READ_SIZE];
+            match stream.try_read(&mut probe) {
+                Ok(0) => return HeadRead::Closed,
+                Ok(read) => {
+                    buffer.reserve(HEAD_READ_SIZE);
+                    buffer.extend_from_slice(&probe[..read]);
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return HeadRead::Closed,
+            }
+            continue;
+        }
         if buffer.capacity() - buffer.len() < 512 {
             buffer.reserve(HEAD_READ_SIZE.max(buffer.len()));
         }
@@ -613,5 +628,272 @@ async fn next_piece(
             Ok(_) => {}
             Err(error) => return Err(RequestBodyError::Io(error)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::full_body;
+    use tokio::net::TcpListener;
+
+    const LIMITS: ConnectionLimits = ConnectionLimits {
+        header_read_timeout: Duration::from_secs(2),
+        max_header_bytes: 16 * 1024,
+    };
+
+    /// Answers `METHOD PATH body=N`, reading the body unless the path is `/ignore`.
+    async fn echo(request: Request<RequestBody>) -> Response<ResponseBody> {
+        let line = format!("{} {}", request.method(), request.uri().path());
+        let length = if request.uri().path() == "/ignore" {
+            0
+        } else {
+            match request.into_body().collect().await {
+                Ok(collected) => collected.to_bytes().len(),
+                Err(error) => return Response::new(full_body(format!("error: {error}"))),
+            }
+        };
+        Response::new(full_body(format!("{line} body={length}")))
+    }
+
+    /// A connection served by [`serve_connection`] with [`echo`]; returns the client side
+    /// and levee's stop switch.
+    async fn connect() -> (TcpStream, watch::Sender<bool>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (stop_sender, stop) = watch::channel(false);
+        tokio::spawn(async move {
+            if let Ok((stream, peer)) = listener.accept().await {
+                serve_connection(stream, peer, |_peer, request| echo(request), LIMITS, stop).await;
+            }
+        });
+        let client = TcpStream::connect(address).await.expect("connect");
+        (client, stop_sender)
+    }
+
+    /// Reads responses until `count` bodies have arrived or the connection closes.
+    async fn read_responses(client: &mut TcpStream, count: usize) -> String {
+        let mut seen = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while String::from_utf8_lossy(&seen).matches(" body=").count()
+            + String::from_utf8_lossy(&seen).matches("error:").count()
+            < count
+        {
+            let read = tokio::time::timeout_at(deadline, client.read(&mut chunk)).await;
+            match read {
+                Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+                Ok(Ok(read)) => seen.extend_from_slice(&chunk[..read]),
+            }
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+    }
+
+    async fn is_closed(client: &mut TcpStream) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(
+            tokio::time::timeout(Duration::from_secs(3), client.read(&mut byte)).await,
+            Ok(Ok(0)) | Ok(Err(_))
+        )
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_are_answered_in_order() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(
+                b"GET /one HTTP/1.1\r\nHost: a\r\n\r\n\
+                  POST /two HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello\
+                  POST /three HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n\
+                  GET /four HTTP/1.1\r\nHost: a\r\n\r\n",
+            )
+            .await
+            .expect("write");
+        let answers = read_responses(&mut client, 4).await;
+        let order: Vec<usize> = [
+            "GET /one body=0",
+            "POST /two body=5",
+            "POST /three body=3",
+            "GET /four body=0",
+        ]
+        .iter()
+        .map(|line| {
+            answers
+                .find(line)
+                .unwrap_or_else(|| panic!("{line}: {answers}"))
+        })
+        .collect();
+        assert!(order.windows(2).all(|pair| pair[0] < pair[1]), "{answers}");
+        assert_eq!(
+            answers.matches("HTTP/1.1 200 OK\r\n").count(),
+            4,
+            "{answers}"
+        );
+        assert!(!answers.contains("connection: close"), "{answers}");
+    }
+
+    #[tokio::test]
+    async fn a_request_split_at_every_byte_is_read_the_same() {
+        let raw: &[u8] = b"POST /split HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nwiki\r\n5;x=y\r\npedia\r\n0\r\nT: 1\r\n\r\n";
+        for split in 1..raw.len() {
+            let (mut client, _stop) = connect().await;
+            client.write_all(&raw[..split]).await.expect("write");
+            client.flush().await.expect("flush");
+            tokio::task::yield_now().await;
+            client.write_all(&raw[split..]).await.expect("write");
+            let answer = read_responses(&mut client, 1).await;
+            assert!(
+                answer.contains("POST /split body=9"),
+                "split at {split}: {answer}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn expect_100_continue_is_answered_when_the_body_is_wanted() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"POST /up HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+            .await
+            .expect("write");
+        let mut interim = vec![0u8; CONTINUE.len()];
+        tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut interim))
+            .await
+            .expect("100 in time")
+            .expect("read");
+        assert_eq!(interim, CONTINUE);
+        client.write_all(b"data").await.expect("write body");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(answer.contains("POST /up body=4"), "{answer}");
+
+        // A handler that never reads the body: no 100, a final answer, and the connection
+        // closes because the client may still send the body or not.
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"POST /ignore HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(answer.contains("connection: close"), "{answer}");
+        assert!(is_closed(&mut client).await);
+    }
+
+    #[tokio::test]
+    async fn http_1_0_closes_unless_asked_to_keep_alive() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"GET /old HTTP/1.0\r\n\r\n")
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.contains("GET /old body=0"), "{answer}");
+        assert!(!answer.contains("keep-alive"), "{answer}");
+        assert!(is_closed(&mut client).await);
+
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.contains("connection: keep-alive\r\n"), "{answer}");
+        assert!(answer.contains("content-length: 13\r\n"), "{answer}");
+        client
+            .write_all(b"GET /b HTTP/1.0\r\n\r\n")
+            .await
+            .expect("write");
+        assert!(read_responses(&mut client, 1)
+            .await
+            .contains("GET /b body=0"));
+    }
+
+    #[tokio::test]
+    async fn head_responses_have_a_length_and_no_body() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"HEAD /h HTTP/1.1\r\nHost: a\r\n\r\nGET /after HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        let answers = read_responses(&mut client, 1).await;
+        let (first, second) = answers.split_once("\r\n\r\n").expect("a head");
+        assert!(first.contains("content-length: 14"), "{first}");
+        assert!(
+            second.starts_with("HTTP/1.1 200 OK"),
+            "no body after a HEAD head: {second}"
+        );
+        assert!(second.contains("GET /after body=0"), "{second}");
+    }
+
+    #[tokio::test]
+    async fn unread_bodies_are_drained_when_short_and_close_the_connection_when_long() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"POST /ignore HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n0123456789GET /next HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        let answers = read_responses(&mut client, 2).await;
+        assert!(answers.contains("POST /ignore body=0"), "{answers}");
+        assert!(answers.contains("GET /next body=0"), "{answers}");
+
+        let (mut client, _stop) = connect().await;
+        let long = DRAIN_LIMIT * 4;
+        client
+            .write_all(
+                format!("POST /ignore HTTP/1.1\r\nHost: a\r\nContent-Length: {long}\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.contains("POST /ignore body=0"), "{answer}");
+        // The client never sends the promised body: after the drain time the connection closes.
+        assert!(is_closed(&mut client).await);
+    }
+
+    #[tokio::test]
+    async fn broken_chunked_bodies_reach_the_handler_as_errors_and_close() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"POST /bad HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(
+            answer.contains("error: malformed chunked request body"),
+            "{answer}"
+        );
+        assert!(is_closed(&mut client).await);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_close_at_once_on_stop() {
+        let (mut client, stop) = connect().await;
+        client
+            .write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        assert!(read_responses(&mut client, 1).await.contains("body=0"));
+        let _ = stop.send(true);
+        assert!(is_closed(&mut client).await);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_connection_is_a_small_task() {
+        let (_client, server) = {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let client = TcpStream::connect(listener.local_addr().expect("address"))
+                .await
+                .expect("connect");
+            (client, listener.accept().await.expect("accept"))
+        };
+        let (_stop_sender, stop) = watch::channel(false);
+        let (stream, peer) = server;
+        let connection =
+            serve_connection(stream, peer, |_peer, request| echo(request), LIMITS, stop);
+        // The task's whole state while idle: everything per request is boxed on demand.
+        let size = std::mem::size_of_val(&connection);
+        assert!(size < 2048, "connection future is {size} bytes");
     }
 }
