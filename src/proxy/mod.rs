@@ -119,8 +119,9 @@ async fn forward(
         });
     }
 
-    // Framing both ways at once is how requests are smuggled past a proxy (RFC 9112 6.3):
-    // refuse rather than guess which one the backend would believe.
+    // Framing both ways at once is how requests are smuggled past a proxy (RFC 9112 6.3).
+    // The HTTP layer already settles it (chunked wins, the length is dropped, the connection
+    // closes: `h1::parse`); this refusal guards any request that reaches here otherwise.
     if request.headers().contains_key(h::TRANSFER_ENCODING)
         && request.headers().contains_key(h::CONTENT_LENGTH)
     {
