@@ -24,7 +24,6 @@ pub mod upgrade;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use http::{Request, Response};
 use tokio::net::TcpListener;
@@ -34,10 +33,11 @@ pub use request_body::{RequestBody, RequestBodyError};
 pub use upgrade::{ClientUpgrade, UpgradedClient};
 
 use super::body::ResponseBody;
-use super::server::ConnectionLimits;
+use super::server::accept_loop;
 use crate::config::PolicyStore;
 
-/// Accepts connections until `stop` turns true, serving each with `handler`.
+/// The public listener: accepts connections until `stop` turns true, serving each with
+/// `handler` on levee's own HTTP/1.1 layer.
 ///
 /// Every connection task holds a clone of `alive`; the caller learns that all connections
 /// have finished when the receiving side sees the channel close. On stop, idle keep-alive
@@ -46,34 +46,20 @@ pub async fn serve<H, F>(
     listener: TcpListener,
     store: Arc<PolicyStore>,
     handler: H,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     alive: mpsc::Sender<()>,
 ) where
     H: Fn(SocketAddr, Request<RequestBody>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ResponseBody>> + Send + 'static,
 {
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = stop.wait_for(|stopped| *stopped) => break,
-        };
-        let (stream, peer) = match accepted {
-            Ok(accepted) => accepted,
-            Err(error) => {
-                // Usually out of file descriptors: back off instead of spinning.
-                tracing::warn!("accept failed: {error}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let limits = ConnectionLimits::from_store(&store);
-        let handler = handler.clone();
-        let stop = stop.clone();
-        let alive = alive.clone();
-        tokio::spawn(async move {
-            let _alive = alive;
-            conn::serve_connection(stream, peer, handler, limits, stop).await;
-        });
-    }
+    accept_loop(
+        listener,
+        store,
+        stop,
+        alive,
+        move |stream, peer, limits, stop| {
+            conn::serve_connection(stream, peer, handler.clone(), limits, stop)
+        },
+    )
+    .await;
 }
