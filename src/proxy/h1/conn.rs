@@ -288,8 +288,16 @@ where
                     must_close = true;
                 }
             }
-            () = body_reader.step(&mut reader, read_buffer),
-                if continue_wanted.is_none() && body_reader.is_reading() => {}
+            present = body_reader.progress(&mut reader, read_buffer),
+                if continue_wanted.is_none() && body_reader.has_work() => {
+                if !present {
+                    // Like hyper: a client that went away cancels its request, so the
+                    // upstream slot it holds is freed instead of waiting for an answer
+                    // nobody will read.
+                    tracing::debug!(%peer, "client closed the connection before the response");
+                    return After::Close;
+                }
+            }
             () = stopped(stop), if !*stopping => *stopping = true,
         }
     };
@@ -399,7 +407,11 @@ async fn write_body(
                     tokio::select! {
                         biased;
                         next = body.frame() => break next,
-                        () = body_reader.step(reader, read_buffer), if body_reader.is_reading() => {}
+                        present = body_reader.progress(reader, read_buffer), if body_reader.has_work() => {
+                            if !present {
+                                return false;
+                            }
+                        }
                     }
                 }
             }
@@ -501,6 +513,9 @@ struct RequestBodyReader {
     pieces: Option<mpsc::Sender<BodyPiece>>,
     /// Bytes read after the request path let go of the body.
     discarded: u64,
+    /// Once the body is read, the socket is watched for the client closing it, until the
+    /// next request starts to arrive.
+    watch_close: bool,
 }
 
 impl RequestBodyReader {
@@ -509,7 +524,7 @@ impl RequestBodyReader {
         wanted: Option<oneshot::Sender<()>>,
     ) -> (RequestBodyReader, RequestBody) {
         let (wire, length) = match framing {
-            BodyFraming::Empty => return (RequestBodyReader::finished(), RequestBody::empty()),
+            BodyFraming::Empty => return (RequestBodyReader::bodiless(), RequestBody::empty()),
             BodyFraming::Length(length) => (WireBody::Length { remaining: length }, Some(length)),
             BodyFraming::Chunked => (WireBody::Chunked(ChunkedDecoder::new()), None),
         };
@@ -520,6 +535,7 @@ impl RequestBodyReader {
                 wire,
                 pieces: Some(sender),
                 discarded: 0,
+                watch_close: true,
             },
             RequestBody::streaming(receiver, length, wanted),
         )
@@ -530,6 +546,42 @@ impl RequestBodyReader {
             wire: WireBody::Done,
             pieces: None,
             discarded: 0,
+            watch_close: false,
+        }
+    }
+
+    /// A bodiless request: nothing to read, but the client's leaving is watched for.
+    fn bodiless() -> RequestBodyReader {
+        RequestBodyReader {
+            watch_close: true,
+            ..RequestBodyReader::finished()
+        }
+    }
+
+    /// Something to do on the reading side: body bytes to move, or a close to watch for.
+    fn has_work(&self) -> bool {
+        self.is_reading() || self.watch_close
+    }
+
+    /// Moves the body on by one piece, or, once it is read, waits until the client either
+    /// closes the connection (false) or starts sending its next request (true, and the
+    /// watch ends). Cancel-safe.
+    async fn progress(&mut self, reader: &mut ReadHalf<'_>, buffer: &mut BytesMut) -> bool {
+        if self.is_reading() {
+            self.step(reader, buffer).await;
+            return true;
+        }
+        if !buffer.is_empty() {
+            self.watch_close = false;
+            return true;
+        }
+        let mut probe = [0u8; 1];
+        match reader.peek(&mut probe).await {
+            Ok(0) | Err(_) => false,
+            Ok(_) => {
+                self.watch_close = false;
+                true
+            }
         }
     }
 
@@ -549,6 +601,7 @@ impl RequestBodyReader {
             wire,
             pieces,
             discarded,
+            ..
         } = self;
         {
             let permit = match pieces.as_ref() {
@@ -880,6 +933,53 @@ mod tests {
         assert!(read_responses(&mut client, 1).await.contains("body=0"));
         let _ = stop.send(true);
         assert!(is_closed(&mut client).await);
+    }
+
+    /// Sends on drop: tells a test that a handler's future was dropped.
+    struct DropSignal(Option<oneshot::Sender<()>>);
+
+    impl Drop for DropSignal {
+        fn drop(&mut self) {
+            if let Some(sender) = self.0.take() {
+                let _ = sender.send(());
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_client_that_leaves_cancels_its_request() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (_stop_sender, stop) = watch::channel(false);
+        let (dropped_sender, dropped) = oneshot::channel::<()>();
+        let signal = std::sync::Mutex::new(Some(dropped_sender));
+        let served = tokio::spawn(async move {
+            let (stream, peer) = listener.accept().await.expect("accept");
+            let handler = move |_peer, _request: Request<RequestBody>| {
+                let guard = DropSignal(signal.lock().ok().and_then(|mut sender| sender.take()));
+                async move {
+                    let _guard = guard;
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    Response::new(full_body("too late"))
+                }
+            };
+            serve_connection(stream, peer, handler, LIMITS, stop).await;
+        });
+        let mut client = TcpStream::connect(address).await.expect("connect");
+        client
+            .write_all(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(client);
+        tokio::time::timeout(Duration::from_secs(3), dropped)
+            .await
+            .expect("the handler was cancelled")
+            .expect("signal");
+        tokio::time::timeout(Duration::from_secs(3), served)
+            .await
+            .expect("the connection task ended")
+            .expect("no panic");
     }
 
     #[tokio::test]
