@@ -30,7 +30,8 @@ use crate::error::ProxyError;
 use crate::proxy::body::ResponseBody;
 use crate::proxy::server::ConnectionLimits;
 
-/// First allocation for reading a request head; most heads fit, longer ones grow it.
+/// Room for reading a request head: the first read lands on the stack (so an idle
+/// connection's wake-up allocates nothing); a head that needs more reads grows by this much.
 const HEAD_READ_SIZE: usize = 4 * 1024;
 /// Room made in the read buffer for each read of request body bytes.
 const BODY_READ_SIZE: usize = 64 * 1024;
@@ -175,7 +176,10 @@ async fn read_head(
             match stream.try_read(&mut probe) {
                 Ok(0) => return HeadRead::Closed,
                 Ok(read) => {
-                    buffer.reserve(HEAD_READ_SIZE);
+                    // Exactly what arrived: usually the whole head, which then needs no
+                    // more room (with thousands of requests in flight at once this is most
+                    // of their memory). A head that is still incomplete grows the buffer.
+                    buffer.reserve(read);
                     buffer.extend_from_slice(&probe[..read]);
                 }
                 Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
