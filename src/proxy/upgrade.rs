@@ -1,5 +1,6 @@
 //! Protocol upgrades (WebSocket) pass through: after both sides agreed on 101, bytes are
-//! copied both ways until either side closes.
+//! copied both ways until either side closes. The client side is handed over by levee's
+//! HTTP layer once the 101 is written (`h1::upgrade`), the upstream side by hyper's client.
 
 use http::Response;
 use hyper::body::Incoming;
@@ -21,8 +22,7 @@ pub fn pass_through(
     let route_name = route.name.clone();
     tokio::spawn(async move {
         match (client.await, upstream.await) {
-            (Ok(client), Ok(upstream)) => {
-                let mut client = client;
+            (Ok(mut client), Ok(upstream)) => {
                 let mut upstream = TokioIo::new(upstream);
                 match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
                     Ok((sent, received)) => {
