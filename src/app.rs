@@ -131,7 +131,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
     .await;
 
     let public_shared = shared.clone();
-    let public_task = tokio::spawn(server::serve(
+    let public_task = tokio::spawn(proxy::h1::serve(
         public,
         store.clone(),
         move |peer, request| proxy::handle(public_shared.clone(), peer, request),

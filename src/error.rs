@@ -31,6 +31,8 @@ pub enum ProxyError {
     BadRequest(String),
     #[error("request headers are {size} bytes, over the limit of {limit}")]
     HeadersTooLarge { size: usize, limit: usize },
+    #[error("request has more than {limit} header fields")]
+    TooManyHeaders { limit: usize },
     #[error("request body is over the limit of {limit} bytes")]
     BodyTooLarge { limit: u64 },
     #[error("client sent the request body too slowly (no data for {after:?})")]
@@ -72,7 +74,9 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ProxyError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ProxyError::HeadersTooLarge { .. } | ProxyError::TooManyHeaders { .. } => {
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+            }
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
@@ -96,6 +100,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::HeadersTooLarge { .. } => "headers_too_large",
+            ProxyError::TooManyHeaders { .. } => "too_many_headers",
             ProxyError::BodyTooLarge { .. } => "body_too_large",
             ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
             ProxyError::NoRoute => "no_route",
@@ -115,6 +120,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_)
             | ProxyError::HeadersTooLarge { .. }
+            | ProxyError::TooManyHeaders { .. }
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::ClientBodyTimeout { .. }
             | ProxyError::NoRoute => ErrorSide::Client,
@@ -179,6 +185,7 @@ impl ProxyError {
             ProxyError::ClientBodyTimeout { .. }
                 | ProxyError::BadRequest(_)
                 | ProxyError::HeadersTooLarge { .. }
+                | ProxyError::TooManyHeaders { .. }
                 | ProxyError::BodyTooLarge { .. }
         ) {
             response

@@ -96,7 +96,7 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
     headers.contains_key(header::UPGRADE) && connection_has(headers, "upgrade")
 }
 
-fn connection_has(headers: &HeaderMap, token: &str) -> bool {
+pub(crate) fn connection_has(headers: &HeaderMap, token: &str) -> bool {
     headers
         .get_all(header::CONNECTION)
         .iter()

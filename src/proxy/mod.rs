@@ -9,6 +9,7 @@
 //! [`ProxyError::to_response`] only.
 
 pub mod body;
+pub mod h1;
 pub mod header;
 pub mod path;
 pub mod route;
@@ -22,7 +23,6 @@ use std::sync::Arc;
 
 use http::{header as h, Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use crate::breaker::{Outcome, Permit};
@@ -37,6 +37,7 @@ use crate::limit::key::RequestFacts;
 use crate::metrics::{DegradedLabels, ShedLabels};
 use crate::metrics::{Metrics, RouteLabels, RouteStatusLabels, UpstreamErrorLabels};
 use body::{find_cause, BodyIdleTimeout, IdleTimeout, Observed, OnBodyEnd, ResponseBody};
+use h1::{ClientUpgrade, RequestBody, RequestBodyError};
 use route::{Route, RouteName};
 
 /// State shared by every connection of the public listener.
@@ -57,7 +58,7 @@ pub struct Shared {
 pub async fn handle(
     shared: Arc<Shared>,
     peer: SocketAddr,
-    request: Request<Incoming>,
+    request: Request<RequestBody>,
 ) -> Response<ResponseBody> {
     // One snapshot for the whole request, even if a reload swaps the policy meanwhile.
     let policy = shared.store.load();
@@ -103,13 +104,13 @@ async fn forward(
     shared: &Shared,
     policy: &Policy,
     peer: SocketAddr,
-    mut request: Request<Incoming>,
+    mut request: Request<RequestBody>,
     exchange: &mut Exchange,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     let server = &policy.server;
 
-    // Limits on what the client sent. hyper bounds the head while parsing (431); this is
-    // the operator's own, usually lower, limit.
+    // Limits on what the client sent. The HTTP layer bounds the head while parsing (431);
+    // this is the operator's own, usually lower, limit.
     let header_size = header::header_bytes(request.headers());
     if header_size > server.max_header_bytes {
         return Err(ProxyError::HeadersTooLarge {
@@ -118,8 +119,9 @@ async fn forward(
         });
     }
 
-    // Framing both ways at once is how requests are smuggled past a proxy (RFC 9112 6.3):
-    // refuse rather than guess which one the backend would believe.
+    // Framing both ways at once is how requests are smuggled past a proxy (RFC 9112 6.3).
+    // The HTTP layer already settles it (chunked wins, the length is dropped, the connection
+    // closes: `h1::parse`); this refusal guards any request that reaches here otherwise.
     if request.headers().contains_key(h::TRANSFER_ENCODING)
         && request.headers().contains_key(h::CONTENT_LENGTH)
     {
@@ -253,7 +255,11 @@ async fn forward(
     let hiding = hidden_fragments(shared, policy, &route);
 
     let upgrading = header::is_upgrade(request.headers());
-    let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
+    // The connection hands itself over once the 101 is written (see `h1::upgrade`).
+    let client_upgrade = upgrading
+        .then(|| request.extensions_mut().remove::<ClientUpgrade>())
+        .flatten()
+        .and_then(|upgrade| upgrade.take());
     let upstream = &route.upstream;
     let (mut parts, body) = request.into_parts();
     let target = parts
@@ -376,7 +382,7 @@ impl Stale {
     fn for_request(
         policy: &Policy,
         route: &Route,
-        request: &Request<Incoming>,
+        request: &Request<RequestBody>,
         normal_path: &str,
     ) -> Stale {
         let Some(DegradeAction::Stale(settings)) = &route.degrade else {
@@ -556,6 +562,11 @@ fn classify_client_error(
         return ProxyError::BodyTooLarge {
             limit: route.max_body,
         };
+    }
+    // The client's own body broke (it went away, or sent broken chunked framing): not
+    // the upstream's failure.
+    if let Some(broken) = find_cause::<RequestBodyError>(error) {
+        return ProxyError::BadRequest(broken.to_string());
     }
     if let Some(idle) = find_cause::<BodyIdleTimeout>(error) {
         if idle.side == "client" {

@@ -1,4 +1,5 @@
-//! Accepting connections and serving HTTP/1.1 on them, with graceful shutdown.
+//! The admin listener's HTTP/1.1 server (hyper), with graceful shutdown, and the
+//! per-connection limits shared with the public listener's own server (`proxy::h1`).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -11,7 +12,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
 use super::body::ResponseBody;
@@ -34,20 +35,20 @@ impl ConnectionLimits {
     }
 }
 
-/// Accepts connections until `stop` turns true, serving each with `handler`.
+/// Accepts connections until `stop` turns true and spawns `serve_connection` for each, with
+/// the limits of the policy active at accept time. Shared by both listeners.
 ///
 /// Every connection task holds a clone of `alive`; the caller learns that all connections
-/// have finished when the receiving side sees the channel close. On stop, idle keep-alive
-/// connections are closed and busy ones finish their current request first.
-pub async fn serve<H, F>(
+/// have finished when the receiving side sees the channel close.
+pub(crate) async fn accept_loop<C, Fut>(
     listener: TcpListener,
     store: Arc<PolicyStore>,
-    handler: H,
     mut stop: watch::Receiver<bool>,
     alive: mpsc::Sender<()>,
+    serve_connection: C,
 ) where
-    H: Fn(SocketAddr, Request<Incoming>) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+    C: Fn(TcpStream, SocketAddr, ConnectionLimits, watch::Receiver<bool>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
 {
     loop {
         let accepted = tokio::select! {
@@ -65,41 +66,70 @@ pub async fn serve<H, F>(
         };
         let _ = stream.set_nodelay(true);
         let limits = ConnectionLimits::from_store(&store);
-        let handler = handler.clone();
-        let mut stop = stop.clone();
+        let connection = serve_connection(stream, peer, limits, stop.clone());
         let alive = alive.clone();
         tokio::spawn(async move {
             let _alive = alive;
-            let service = service_fn(move |request| {
-                let response = handler(peer, request);
-                async move { Ok::<_, Infallible>(response.await) }
-            });
-            let mut builder = http1::Builder::new();
-            builder
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                // hyper answers 431 itself past this; levee's own (smaller) limit is checked
-                // per request so the client gets a reason.
-                .max_buf_size((limits.max_header_bytes + 8192).max(64 * 1024))
-                .keep_alive(true);
-            let connection = builder
-                .serve_connection(TokioIo::new(stream), service)
-                .with_upgrades();
-            tokio::pin!(connection);
-            let finished = tokio::select! {
-                result = connection.as_mut() => Some(result),
-                _ = stop.wait_for(|stopped| *stopped) => None,
-            };
-            let result = match finished {
-                Some(result) => result,
-                None => {
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
-                }
-            };
-            if let Err(error) = result {
-                tracing::debug!(%peer, "connection ended: {error}");
-            }
+            connection.await;
         });
     }
+}
+
+/// The admin listener: accepts connections until `stop` turns true, serving each with
+/// `handler` on hyper's HTTP/1.1 server.
+///
+/// On stop, idle keep-alive connections are closed and busy ones finish their current
+/// request first.
+pub async fn serve<H, F>(
+    listener: TcpListener,
+    store: Arc<PolicyStore>,
+    handler: H,
+    stop: watch::Receiver<bool>,
+    alive: mpsc::Sender<()>,
+) where
+    H: Fn(SocketAddr, Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+{
+    accept_loop(
+        listener,
+        store,
+        stop,
+        alive,
+        move |stream, peer, limits, mut stop| {
+            let handler = handler.clone();
+            async move {
+                let service = service_fn(move |request| {
+                    let response = handler(peer, request);
+                    async move { Ok::<_, Infallible>(response.await) }
+                });
+                let mut builder = http1::Builder::new();
+                builder
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(limits.header_read_timeout)
+                    // hyper answers 431 itself past this; levee's own (smaller) limit is checked
+                    // per request so the client gets a reason.
+                    .max_buf_size((limits.max_header_bytes + 8192).max(64 * 1024))
+                    .keep_alive(true);
+                let connection = builder
+                    .serve_connection(TokioIo::new(stream), service)
+                    .with_upgrades();
+                tokio::pin!(connection);
+                let finished = tokio::select! {
+                    result = connection.as_mut() => Some(result),
+                    _ = stop.wait_for(|stopped| *stopped) => None,
+                };
+                let result = match finished {
+                    Some(result) => result,
+                    None => {
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
+                    }
+                };
+                if let Err(error) = result {
+                    tracing::debug!(%peer, "connection ended: {error}");
+                }
+            }
+        },
+    )
+    .await;
 }

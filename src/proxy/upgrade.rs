@@ -1,19 +1,20 @@
 //! Protocol upgrades (WebSocket) pass through: after both sides agreed on 101, bytes are
-//! copied both ways until either side closes.
+//! copied both ways until either side closes. The client side is handed over by levee's
+//! HTTP layer once the 101 is written (`h1::upgrade`), the upstream side by hyper's client.
 
 use http::Response;
 use hyper::body::Incoming;
-use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use super::body::ResponseBody;
+use super::h1::upgrade::PendingUpgrade;
 use super::header;
 use super::route::Route;
 use crate::error::full_body;
 
 /// Answers the client's upgrade with the upstream's 101 and joins the two connections.
 pub fn pass_through(
-    client: OnUpgrade,
+    client: PendingUpgrade,
     upstream_response: &mut Response<Incoming>,
     route: &Route,
 ) -> Response<ResponseBody> {
@@ -21,8 +22,7 @@ pub fn pass_through(
     let route_name = route.name.clone();
     tokio::spawn(async move {
         match (client.await, upstream.await) {
-            (Ok(client), Ok(upstream)) => {
-                let mut client = TokioIo::new(client);
+            (Ok(mut client), Ok(upstream)) => {
                 let mut upstream = TokioIo::new(upstream);
                 match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
                     Ok((sent, received)) => {
@@ -33,7 +33,10 @@ pub fn pass_through(
                     }
                 }
             }
-            (Err(error), _) | (_, Err(error)) => {
+            (Err(error), _) => {
+                tracing::info!(route = %route_name, "upgrade failed: {error}");
+            }
+            (_, Err(error)) => {
                 tracing::info!(route = %route_name, "upgrade failed: {error}");
             }
         }

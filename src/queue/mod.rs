@@ -18,12 +18,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 
 use crate::config::Policy;
 use crate::error::{full_body, ProxyError};
 use crate::metrics::{Metrics, QueueLabels};
 use crate::proxy::body::ResponseBody;
+use crate::proxy::h1::RequestBody;
 use crate::proxy::header::strip_hop_by_hop;
 use crate::proxy::route::Route;
 pub use job::Job;
@@ -110,7 +110,7 @@ pub async fn enqueue(
     policy: &Policy,
     route: &Route,
     action: &QueueAction,
-    request: Request<Incoming>,
+    request: Request<RequestBody>,
     client_ip: std::net::IpAddr,
     wants_json: bool,
     metrics: &Metrics,

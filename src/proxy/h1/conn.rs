@@ -1,0 +1,1006 @@
+//! One client connection: request heads, bodies and responses, in order, until it closes.
+//!
+//! Memory is the point of this module. Between requests a connection holds no buffer at all:
+//! it waits for the socket to become readable, then reads the next head into a small buffer
+//! that lives only as long as the request needs it (a pipelined request that is already
+//! buffered keeps it). Response heads are encoded into a buffer made for that response.
+//! Per-request state (the handler's future, the body reader, the write loop) lives in one
+//! boxed future, so the connection task itself stays small while it waits.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body::Body;
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{ReadHalf, WriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::chunked::ChunkedDecoder;
+use super::encode::{self, ResponseFraming};
+use super::parse::{parse_head, BodyFraming, HeadError, RequestHead};
+use super::request_body::{BodyPiece, RequestBody, RequestBodyError};
+use super::upgrade::{ClientUpgrade, UpgradedClient};
+use crate::error::ProxyError;
+use crate::proxy::body::ResponseBody;
+use crate::proxy::server::ConnectionLimits;
+
+/// Room for reading a request head: the first read lands on the stack (so an idle
+/// connection's wake-up allocates nothing); a head that needs more reads grows by this much.
+const HEAD_READ_SIZE: usize = 4 * 1024;
+/// Room made in the read buffer for each read of request body bytes.
+const BODY_READ_SIZE: usize = 64 * 1024;
+/// Response data up to this size is copied next to the head (one write for small
+/// answers); larger pieces are written from where they are.
+const COPY_LIMIT: usize = 16 * 1024;
+/// Copied response bytes are written out once this many have gathered.
+const FLUSH_LIMIT: usize = 64 * 1024;
+/// After a response, an unread rest of the request body is read and thrown away up to
+/// this much, so the connection can serve the next request; a longer rest closes it.
+const DRAIN_LIMIT: u64 = 64 * 1024;
+const DRAIN_TIME: Duration = Duration::from_secs(1);
+/// Before closing after a response, what the client still sends is read (and dropped) for a
+/// moment: closing a socket with unread bytes sends a reset, which can destroy the response
+/// before the client has read it.
+const LINGER_LIMIT: usize = 512 * 1024;
+const LINGER_TIME: Duration = Duration::from_secs(1);
+
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// What happens to the connection after one exchange.
+enum After {
+    KeepAlive,
+    Close,
+    Upgrade(oneshot::Sender<UpgradedClient>),
+}
+
+/// Serves requests on `stream` until the client or levee closes it.
+pub(super) async fn serve_connection<H, F>(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    handler: H,
+    limits: ConnectionLimits,
+    mut stop: watch::Receiver<bool>,
+) where
+    H: Fn(SocketAddr, Request<RequestBody>) -> F,
+    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+{
+    // The parser's own bound, far above the operator's limit: levee's check of
+    // `max_header_bytes` on the parsed head gives the client a precise 431 (see
+    // `proxy::forward`); this one only stops a head from growing without end.
+    let max_head_bytes = (limits.max_header_bytes + 8192).max(64 * 1024);
+    let mut read_buffer = BytesMut::new();
+    let mut stopping = false;
+    loop {
+        // The timeout also runs while a keep-alive connection waits for its next request,
+        // so idle connections are closed after it, as with hyper before.
+        let reading = read_head(
+            &mut stream,
+            &mut read_buffer,
+            max_head_bytes,
+            &mut stop,
+            &mut stopping,
+        );
+        let head = match tokio::time::timeout(limits.header_read_timeout, reading).await {
+            Err(_elapsed) => {
+                tracing::debug!(%peer, "no complete request head within the header read timeout");
+                return;
+            }
+            Ok(HeadRead::Closed) => return,
+            Ok(HeadRead::Refused(error)) => {
+                tracing::debug!(%peer, "request head refused: {error}");
+                Box::pin(refuse(&mut stream, error)).await;
+                Box::pin(linger_close(stream)).await;
+                return;
+            }
+            Ok(HeadRead::Head(head)) => head,
+        };
+        let exchange = serve_request(
+            &mut stream,
+            &mut read_buffer,
+            head,
+            peer,
+            &handler,
+            &mut stop,
+            &mut stopping,
+        );
+        match Box::pin(exchange).await {
+            After::KeepAlive => {
+                if read_buffer.is_empty() {
+                    // Nothing pipelined: give the buffer back while the connection idles.
+                    read_buffer = BytesMut::new();
+                }
+            }
+            After::Close => {
+                Box::pin(linger_close(stream)).await;
+                return;
+            }
+            After::Upgrade(sender) => {
+                let _ = sender.send(UpgradedClient::new(stream, read_buffer.freeze()));
+                return;
+            }
+        }
+    }
+}
+
+// Built once per request and moved once: boxing the head would cost an allocation per request
+// to save a copy of a few hundred bytes.
+#[allow(clippy::large_enum_variant)]
+enum HeadRead {
+    Head(RequestHead),
+    Refused(HeadError),
+    Closed,
+}
+
+/// Reads until a whole request head is buffered. No buffer is allocated before the first
+/// byte of the head arrives.
+async fn read_head(
+    stream: &mut TcpStream,
+    buffer: &mut BytesMut,
+    max_head_bytes: usize,
+    stop: &mut watch::Receiver<bool>,
+    stopping: &mut bool,
+) -> HeadRead {
+    loop {
+        if !buffer.is_empty() {
+            match parse_head(buffer, max_head_bytes) {
+                Ok(Some(head)) => return HeadRead::Head(head),
+                Ok(None) => {}
+                Err(error) => return HeadRead::Refused(error),
+            }
+        }
+        tokio::select! {
+            ready = stream.readable() => {
+                if ready.is_err() {
+                    return HeadRead::Closed;
+                }
+            }
+            () = stopped(stop), if !*stopping => {
+                *stopping = true;
+                // Idle: close now. A head already on its way is still answered.
+                if buffer.is_empty() {
+                    return HeadRead::Closed;
+                }
+                continue;
+            }
+        }
+        if buffer.capacity() == 0 {
+            // Nothing buffered: read onto the stack first, so that a wake-up without data
+            // (the usual one right after a response) allocates nothing.
+            let mut probe = [0u8; HEAD_READ_SIZE];
+            match stream.try_read(&mut probe) {
+                Ok(0) => return HeadRead::Closed,
+                Ok(read) => {
+                    // Exactly what arrived: usually the whole head, which then needs no
+                    // more room (with thousands of requests in flight at once this is most
+                    // of their memory). A head that is still incomplete grows the buffer.
+                    buffer.reserve(read);
+                    buffer.extend_from_slice(&probe[..read]);
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return HeadRead::Closed,
+            }
+            continue;
+        }
+        if buffer.capacity() - buffer.len() < 512 {
+            buffer.reserve(HEAD_READ_SIZE.max(buffer.len()));
+        }
+        match stream.try_read_buf(buffer) {
+            Ok(0) => return HeadRead::Closed,
+            Ok(_) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => return HeadRead::Closed,
+        }
+    }
+}
+
+/// Answers a head that could not be accepted, through the one place errors become responses.
+async fn refuse(stream: &mut TcpStream, error: HeadError) {
+    let error = match error {
+        HeadError::TooLarge { size, limit } => ProxyError::HeadersTooLarge { size, limit },
+        HeadError::TooManyHeaders { limit } => ProxyError::TooManyHeaders { limit },
+        HeadError::Malformed(reason) => ProxyError::BadRequest(reason.to_string()),
+    };
+    let (mut parts, body) = error.to_response().into_parts();
+    let mut keep_alive = false;
+    let framing = encode::frame_response(
+        &Method::GET,
+        Version::HTTP_11,
+        parts.status,
+        &mut parts.headers,
+        body.size_hint().exact(),
+        &mut keep_alive,
+    );
+    let mut out = BytesMut::new();
+    encode::encode_head(&mut out, parts.status, &parts.headers);
+    let (mut reader, mut writer) = stream.split();
+    let mut no_body = RequestBodyReader::finished();
+    let mut no_buffer = BytesMut::new();
+    write_body(
+        &mut writer,
+        out,
+        body,
+        framing,
+        &mut no_body,
+        &mut reader,
+        &mut no_buffer,
+    )
+    .await;
+}
+
+/// One exchange: the handler runs while the request body streams in; then the response is
+/// written while any rest of the request body still streams in.
+async fn serve_request<H, F>(
+    stream: &mut TcpStream,
+    read_buffer: &mut BytesMut,
+    head: RequestHead,
+    peer: SocketAddr,
+    handler: &H,
+    stop: &mut watch::Receiver<bool>,
+    stopping: &mut bool,
+) -> After
+where
+    H: Fn(SocketAddr, Request<RequestBody>) -> F,
+    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+{
+    let RequestHead {
+        method,
+        uri,
+        version,
+        headers,
+        framing,
+        keep_alive,
+        expect_continue,
+        wants_upgrade,
+        close_after,
+    } = head;
+    let (mut continue_wanted, wanted) = if expect_continue {
+        let (sender, receiver) = oneshot::channel();
+        (Some(receiver), Some(sender))
+    } else {
+        (None, None)
+    };
+    let (mut body_reader, body) = RequestBodyReader::new(framing, wanted);
+    let mut request = Request::new(body);
+    *request.method_mut() = method.clone();
+    *request.uri_mut() = uri;
+    *request.version_mut() = version;
+    *request.headers_mut() = headers;
+    let upgrade = wants_upgrade.then(|| {
+        let (sender, upgrade) = ClientUpgrade::new();
+        request.extensions_mut().insert(upgrade);
+        sender
+    });
+    let mut must_close = close_after;
+
+    let (mut reader, mut writer) = stream.split();
+    let mut answering = Box::pin(handler(peer, request));
+    let response = loop {
+        tokio::select! {
+            biased;
+            response = &mut answering => break response,
+            wanted = body_wanted(&mut continue_wanted), if continue_wanted.is_some() => {
+                continue_wanted = None;
+                if !wanted || writer.write_all(CONTINUE).await.is_err() {
+                    // Dropped unread, or the client is gone: whether (and when) the client
+                    // sends the body is unknown, so the connection cannot be reused.
+                    must_close = true;
+                }
+            }
+            present = body_reader.progress(&mut reader, read_buffer),
+                if continue_wanted.is_none() && body_reader.has_work() => {
+                if !present {
+                    // Like hyper: a client that went away cancels its request, so the
+                    // upstream slot it holds is freed instead of waiting for an answer
+                    // nobody will read.
+                    tracing::debug!(%peer, "client closed the connection before the response");
+                    return After::Close;
+                }
+            }
+            () = stopped(stop), if !*stopping => *stopping = true,
+        }
+    };
+    drop(answering);
+    if continue_wanted.is_some() {
+        // Answered without asking for the body and without sending 100: the client may or
+        // may not send it now, so the connection cannot be reused.
+        must_close = true;
+    }
+
+    let (mut parts, response_body) = response.into_parts();
+    let mut keep_alive = keep_alive && !must_close && !*stopping;
+    let switching = parts.status == StatusCode::SWITCHING_PROTOCOLS;
+    let framing = encode::frame_response(
+        &method,
+        version,
+        parts.status,
+        &mut parts.headers,
+        response_body.size_hint().exact(),
+        &mut keep_alive,
+    );
+    let mut out = BytesMut::new();
+    encode::encode_head(&mut out, parts.status, &parts.headers);
+    drop(parts);
+    let complete = write_body(
+        &mut writer,
+        out,
+        response_body,
+        framing,
+        &mut body_reader,
+        &mut reader,
+        read_buffer,
+    )
+    .await;
+    if !complete {
+        return After::Close;
+    }
+    if switching {
+        return match upgrade {
+            Some(sender) => After::Upgrade(sender),
+            // A 101 nobody asked for: the connection's protocol is unknown from here on.
+            None => After::Close,
+        };
+    }
+    if !keep_alive || *stop.borrow() {
+        return After::Close;
+    }
+    if body_reader.is_reading() {
+        // The handler answered without reading the whole body (a refusal, a cached copy):
+        // read the rest away if it is short, so the connection can be reused.
+        let drained =
+            tokio::time::timeout(DRAIN_TIME, body_reader.drain(&mut reader, read_buffer)).await;
+        if !matches!(drained, Ok(true)) {
+            return After::Close;
+        }
+    }
+    if body_reader.is_done() {
+        After::KeepAlive
+    } else {
+        After::Close
+    }
+}
+
+/// Resolves once levee stops (or can no longer tell whether it should).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    // The guard `wait_for` returns is not `Send`; it must not live across an await.
+    let _ = stop.wait_for(|stopped| *stopped).await.map(|_| ());
+}
+
+/// Resolves when the request body is first polled (true) or dropped unpolled (false).
+async fn body_wanted(wanted: &mut Option<oneshot::Receiver<()>>) -> bool {
+    match wanted {
+        Some(receiver) => receiver.await.is_ok(),
+        None => std::future::pending().await,
+    }
+}
+
+/// Writes the encoded head and the response body with the chosen framing, keeping the
+/// request body flowing meanwhile. True when the whole response went out correctly framed.
+async fn write_body(
+    writer: &mut WriteHalf<'_>,
+    mut out: BytesMut,
+    mut body: ResponseBody,
+    framing: ResponseFraming,
+    body_reader: &mut RequestBodyReader,
+    reader: &mut ReadHalf<'_>,
+    read_buffer: &mut BytesMut,
+) -> bool {
+    if framing == ResponseFraming::None {
+        drop(body);
+        return writer.write_all_buf(&mut out).await.is_ok();
+    }
+    let mut length_left = match framing {
+        ResponseFraming::Length(length) => length,
+        _ => 0,
+    };
+    loop {
+        // Frames that are ready now (a small answer, data that came with the upstream's
+        // head) are gathered into one write; only when the body has to wait is it flushed.
+        let next = match body.frame().now_or_never() {
+            Some(next) => next,
+            None => {
+                if !out.is_empty() && writer.write_all_buf(&mut out).await.is_err() {
+                    return false;
+                }
+                loop {
+                    tokio::select! {
+                        biased;
+                        next = body.frame() => break next,
+                        present = body_reader.progress(reader, read_buffer), if body_reader.has_work() => {
+                            if !present {
+                                return false;
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        let data = match next {
+            None => break,
+            Some(Err(error)) => {
+                tracing::debug!("response body failed, closing the connection: {error}");
+                let _ = writer.write_all_buf(&mut out).await;
+                return false;
+            }
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) if !data.is_empty() => data,
+                // Trailers are not forwarded; empty frames carry nothing.
+                _ => continue,
+            },
+        };
+        let data = match framing {
+            ResponseFraming::Length(_) => {
+                let length = data.len() as u64;
+                if length > length_left {
+                    tracing::debug!("response body is longer than its Content-Length");
+                    let _ = writer.write_all_buf(&mut out).await;
+                    return false;
+                }
+                length_left -= length;
+                data
+            }
+            ResponseFraming::Chunked => {
+                encode::encode_chunk_start(&mut out, data.len());
+                data
+            }
+            _ => data,
+        };
+        if data.len() <= COPY_LIMIT {
+            out.put_slice(&data);
+        } else {
+            let mut pending = std::mem::take(&mut out).freeze().chain(data);
+            if writer.write_all_buf(&mut pending).await.is_err() {
+                return false;
+            }
+        }
+        if framing == ResponseFraming::Chunked {
+            out.put_slice(b"\r\n");
+        }
+        if out.len() >= FLUSH_LIMIT && writer.write_all_buf(&mut out).await.is_err() {
+            return false;
+        }
+        if body.is_end_stream() {
+            break;
+        }
+    }
+    if framing == ResponseFraming::Chunked {
+        out.put_slice(encode::LAST_CHUNK);
+    }
+    if writer.write_all_buf(&mut out).await.is_err() {
+        return false;
+    }
+    if length_left > 0 {
+        tracing::debug!("response body ended {length_left} bytes short of its Content-Length");
+        return false;
+    }
+    true
+}
+
+/// Sends FIN after the last response, then reads and drops what the client still sends for
+/// a moment, so that closing does not reset the connection under the client's feet.
+async fn linger_close(mut stream: TcpStream) {
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let mut sink = vec![0u8; 8192];
+    let mut total = 0;
+    let _ = tokio::time::timeout(LINGER_TIME, async {
+        while total < LINGER_LIMIT {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(read) => total += read,
+            }
+        }
+    })
+    .await;
+}
+
+/// Where the request body's bytes stand on the wire.
+#[derive(Debug)]
+enum WireBody {
+    Length { remaining: u64 },
+    Chunked(ChunkedDecoder),
+    Done,
+    Failed,
+}
+
+/// The connection's side of a request body: reads body bytes from the socket (only when
+/// the [`RequestBody`] has room for them), decodes the framing, and passes data on.
+struct RequestBodyReader {
+    wire: WireBody,
+    /// `None` once the body is complete, or when there never was one.
+    pieces: Option<mpsc::Sender<BodyPiece>>,
+    /// Bytes read after the request path let go of the body.
+    discarded: u64,
+    /// Once the body is read, the socket is watched for the client closing it, until the
+    /// next request starts to arrive.
+    watch_close: bool,
+}
+
+impl RequestBodyReader {
+    fn new(
+        framing: BodyFraming,
+        wanted: Option<oneshot::Sender<()>>,
+    ) -> (RequestBodyReader, RequestBody) {
+        let (wire, length) = match framing {
+            BodyFraming::Empty => return (RequestBodyReader::bodiless(), RequestBody::empty()),
+            BodyFraming::Length(length) => (WireBody::Length { remaining: length }, Some(length)),
+            BodyFraming::Chunked => (WireBody::Chunked(ChunkedDecoder::new()), None),
+        };
+        // One piece in flight: the socket is read only when the body has been taken from.
+        let (sender, receiver) = mpsc::channel(1);
+        (
+            RequestBodyReader {
+                wire,
+                pieces: Some(sender),
+                discarded: 0,
+                watch_close: true,
+            },
+            RequestBody::streaming(receiver, length, wanted),
+        )
+    }
+
+    fn finished() -> RequestBodyReader {
+        RequestBodyReader {
+            wire: WireBody::Done,
+            pieces: None,
+            discarded: 0,
+            watch_close: false,
+        }
+    }
+
+    /// A bodiless request: nothing to read, but the client's leaving is watched for.
+    fn bodiless() -> RequestBodyReader {
+        RequestBodyReader {
+            watch_close: true,
+            ..RequestBodyReader::finished()
+        }
+    }
+
+    /// Something to do on the reading side: body bytes to move, or a close to watch for.
+    fn has_work(&self) -> bool {
+        self.is_reading() || self.watch_close
+    }
+
+    /// Moves the body on by one piece, or, once it is read, waits until the client either
+    /// closes the connection (false) or starts sending its next request (true, and the
+    /// watch ends). Cancel-safe.
+    async fn progress(&mut self, reader: &mut ReadHalf<'_>, buffer: &mut BytesMut) -> bool {
+        if self.is_reading() {
+            self.step(reader, buffer).await;
+            return true;
+        }
+        if !buffer.is_empty() {
+            self.watch_close = false;
+            return true;
+        }
+        let mut probe = [0u8; 1];
+        match reader.peek(&mut probe).await {
+            Ok(0) | Err(_) => false,
+            Ok(_) => {
+                self.watch_close = false;
+                true
+            }
+        }
+    }
+
+    fn is_reading(&self) -> bool {
+        matches!(self.wire, WireBody::Length { .. } | WireBody::Chunked(_))
+    }
+
+    fn is_done(&self) -> bool {
+        matches!(self.wire, WireBody::Done)
+    }
+
+    /// Moves the body on by one piece: waits for room in the body, reads from the socket if
+    /// nothing is buffered, and hands over (or, once the body is dropped, discards) the data.
+    /// Cancel-safe: nothing is lost if the future is dropped at an await.
+    async fn step(&mut self, reader: &mut ReadHalf<'_>, buffer: &mut BytesMut) {
+        let RequestBodyReader {
+            wire,
+            pieces,
+            discarded,
+            ..
+        } = self;
+        {
+            let permit = match pieces.as_ref() {
+                Some(sender) => sender.reserve().await.ok(),
+                None => None,
+            };
+            let piece = next_piece(wire, reader, buffer).await;
+            match (piece, permit) {
+                (Ok(Some(data)), Some(permit)) => permit.send(Ok(data)),
+                (Ok(Some(data)), None) => *discarded += data.len() as u64,
+                (Ok(None), _) => {}
+                (Err(error), permit) => {
+                    tracing::debug!("request body ended early: {error}");
+                    *wire = WireBody::Failed;
+                    if let Some(permit) = permit {
+                        permit.send(Err(error));
+                    }
+                }
+            }
+        }
+        if !matches!(wire, WireBody::Length { .. } | WireBody::Chunked(_)) {
+            // Complete or failed: closing the channel ends the body for its reader.
+            *pieces = None;
+        } else if pieces.as_ref().is_some_and(mpsc::Sender::is_closed) {
+            *pieces = None;
+        }
+    }
+
+    /// Reads the rest of a body nobody wants any more; false if it is longer than
+    /// [`DRAIN_LIMIT`] or broken.
+    async fn drain(&mut self, reader: &mut ReadHalf<'_>, buffer: &mut BytesMut) -> bool {
+        while self.is_reading() {
+            if self.discarded > DRAIN_LIMIT {
+                return false;
+            }
+            self.step(reader, buffer).await;
+        }
+        self.is_done()
+    }
+}
+
+/// The next piece of body data from the buffer, reading the socket when the buffer has none.
+/// `Ok(None)` when the body is complete.
+async fn next_piece(
+    wire: &mut WireBody,
+    reader: &mut ReadHalf<'_>,
+    buffer: &mut BytesMut,
+) -> Result<Option<Bytes>, RequestBodyError> {
+    loop {
+        match wire {
+            WireBody::Length { remaining } => {
+                if !buffer.is_empty() {
+                    let take = usize::try_from(*remaining)
+                        .unwrap_or(usize::MAX)
+                        .min(buffer.len());
+                    *remaining -= take as u64;
+                    let data = buffer.split_to(take).freeze();
+                    if *remaining == 0 {
+                        *wire = WireBody::Done;
+                    }
+                    return Ok(Some(data));
+                }
+            }
+            WireBody::Chunked(decoder) => {
+                let data = decoder.decode(buffer)?;
+                if decoder.is_done() {
+                    *wire = WireBody::Done;
+                }
+                if data.is_some() || matches!(wire, WireBody::Done) {
+                    return Ok(data);
+                }
+            }
+            WireBody::Done | WireBody::Failed => return Ok(None),
+        }
+        if buffer.capacity() - buffer.len() < 4096 {
+            buffer.reserve(BODY_READ_SIZE);
+        }
+        match reader.read_buf(buffer).await {
+            Ok(0) => return Err(RequestBodyError::Incomplete),
+            Ok(_) => {}
+            Err(error) => return Err(RequestBodyError::Io(error)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::full_body;
+    use tokio::net::TcpListener;
+
+    const LIMITS: ConnectionLimits = ConnectionLimits {
+        header_read_timeout: Duration::from_secs(2),
+        max_header_bytes: 16 * 1024,
+    };
+
+    /// Answers `METHOD PATH body=N`, reading the body unless the path is `/ignore`.
+    async fn echo(request: Request<RequestBody>) -> Response<ResponseBody> {
+        let line = format!("{} {}", request.method(), request.uri().path());
+        let length = if request.uri().path() == "/ignore" {
+            0
+        } else {
+            match request.into_body().collect().await {
+                Ok(collected) => collected.to_bytes().len(),
+                Err(error) => return Response::new(full_body(format!("error: {error}"))),
+            }
+        };
+        Response::new(full_body(format!("{line} body={length}")))
+    }
+
+    /// A connection served by [`serve_connection`] with [`echo`]; returns the client side
+    /// and levee's stop switch.
+    async fn connect() -> (TcpStream, watch::Sender<bool>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (stop_sender, stop) = watch::channel(false);
+        tokio::spawn(async move {
+            if let Ok((stream, peer)) = listener.accept().await {
+                serve_connection(stream, peer, |_peer, request| echo(request), LIMITS, stop).await;
+            }
+        });
+        let client = TcpStream::connect(address).await.expect("connect");
+        (client, stop_sender)
+    }
+
+    /// Reads responses until `count` bodies have arrived or the connection closes.
+    async fn read_responses(client: &mut TcpStream, count: usize) -> String {
+        let mut seen = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while String::from_utf8_lossy(&seen).matches(" body=").count()
+            + String::from_utf8_lossy(&seen).matches("error:").count()
+            < count
+        {
+            let read = tokio::time::timeout_at(deadline, client.read(&mut chunk)).await;
+            match read {
+                Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+                Ok(Ok(read)) => seen.extend_from_slice(&chunk[..read]),
+            }
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+    }
+
+    async fn is_closed(client: &mut TcpStream) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(
+            tokio::time::timeout(Duration::from_secs(3), client.read(&mut byte)).await,
+            Ok(Ok(0)) | Ok(Err(_))
+        )
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_are_answered_in_order() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(
+                b"GET /one HTTP/1.1\r\nHost: a\r\n\r\n\
+                  POST /two HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello\
+                  POST /three HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n\
+                  GET /four HTTP/1.1\r\nHost: a\r\n\r\n",
+            )
+            .await
+            .expect("write");
+        let answers = read_responses(&mut client, 4).await;
+        let order: Vec<usize> = [
+            "GET /one body=0",
+            "POST /two body=5",
+            "POST /three body=3",
+            "GET /four body=0",
+        ]
+        .iter()
+        .map(|line| {
+            answers
+                .find(line)
+                .unwrap_or_else(|| panic!("{line}: {answers}"))
+        })
+        .collect();
+        assert!(order.windows(2).all(|pair| pair[0] < pair[1]), "{answers}");
+        assert_eq!(
+            answers.matches("HTTP/1.1 200 OK\r\n").count(),
+            4,
+            "{answers}"
+        );
+        assert!(!answers.contains("connection: close"), "{answers}");
+    }
+
+    #[tokio::test]
+    async fn a_request_split_at_every_byte_is_read_the_same() {
+        let raw: &[u8] = b"POST /split HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nwiki\r\n5;x=y\r\npedia\r\n0\r\nT: 1\r\n\r\n";
+        for split in 1..raw.len() {
+            let (mut client, _stop) = connect().await;
+            client.write_all(&raw[..split]).await.expect("write");
+            client.flush().await.expect("flush");
+            tokio::task::yield_now().await;
+            client.write_all(&raw[split..]).await.expect("write");
+            let answer = read_responses(&mut client, 1).await;
+            assert!(
+                answer.contains("POST /split body=9"),
+                "split at {split}: {answer}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn expect_100_continue_is_answered_when_the_body_is_wanted() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"POST /up HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+            .await
+            .expect("write");
+        let mut interim = vec![0u8; CONTINUE.len()];
+        tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut interim))
+            .await
+            .expect("100 in time")
+            .expect("read");
+        assert_eq!(interim, CONTINUE);
+        client.write_all(b"data").await.expect("write body");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(answer.contains("POST /up body=4"), "{answer}");
+
+        // A handler that never reads the body: no 100, a final answer, and the connection
+        // closes because the client may still send the body or not.
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"POST /ignore HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(answer.contains("connection: close"), "{answer}");
+        assert!(is_closed(&mut client).await);
+    }
+
+    #[tokio::test]
+    async fn http_1_0_closes_unless_asked_to_keep_alive() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"GET /old HTTP/1.0\r\n\r\n")
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.contains("GET /old body=0"), "{answer}");
+        assert!(!answer.contains("keep-alive"), "{answer}");
+        assert!(is_closed(&mut client).await);
+
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.contains("connection: keep-alive\r\n"), "{answer}");
+        assert!(answer.contains("content-length: 13\r\n"), "{answer}");
+        client
+            .write_all(b"GET /b HTTP/1.0\r\n\r\n")
+            .await
+            .expect("write");
+        assert!(read_responses(&mut client, 1)
+            .await
+            .contains("GET /b body=0"));
+    }
+
+    #[tokio::test]
+    async fn head_responses_have_a_length_and_no_body() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"HEAD /h HTTP/1.1\r\nHost: a\r\n\r\nGET /after HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        let answers = read_responses(&mut client, 1).await;
+        let (first, second) = answers.split_once("\r\n\r\n").expect("a head");
+        assert!(first.contains("content-length: 14"), "{first}");
+        assert!(
+            second.starts_with("HTTP/1.1 200 OK"),
+            "no body after a HEAD head: {second}"
+        );
+        assert!(second.contains("GET /after body=0"), "{second}");
+    }
+
+    #[tokio::test]
+    async fn unread_bodies_are_drained_when_short_and_close_the_connection_when_long() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"POST /ignore HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n0123456789GET /next HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        let answers = read_responses(&mut client, 2).await;
+        assert!(answers.contains("POST /ignore body=0"), "{answers}");
+        assert!(answers.contains("GET /next body=0"), "{answers}");
+
+        let (mut client, _stop) = connect().await;
+        let long = DRAIN_LIMIT * 4;
+        client
+            .write_all(
+                format!("POST /ignore HTTP/1.1\r\nHost: a\r\nContent-Length: {long}\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.contains("POST /ignore body=0"), "{answer}");
+        // The client never sends the promised body: after the drain time the connection closes.
+        assert!(is_closed(&mut client).await);
+    }
+
+    #[tokio::test]
+    async fn broken_chunked_bodies_reach_the_handler_as_errors_and_close() {
+        let (mut client, _stop) = connect().await;
+        client
+            .write_all(b"POST /bad HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+            .await
+            .expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(
+            answer.contains("error: malformed chunked request body"),
+            "{answer}"
+        );
+        assert!(is_closed(&mut client).await);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_close_at_once_on_stop() {
+        let (mut client, stop) = connect().await;
+        client
+            .write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        assert!(read_responses(&mut client, 1).await.contains("body=0"));
+        let _ = stop.send(true);
+        assert!(is_closed(&mut client).await);
+    }
+
+    /// Sends on drop: tells a test that a handler's future was dropped.
+    struct DropSignal(Option<oneshot::Sender<()>>);
+
+    impl Drop for DropSignal {
+        fn drop(&mut self) {
+            if let Some(sender) = self.0.take() {
+                let _ = sender.send(());
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_client_that_leaves_cancels_its_request() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (_stop_sender, stop) = watch::channel(false);
+        let (dropped_sender, dropped) = oneshot::channel::<()>();
+        let signal = std::sync::Mutex::new(Some(dropped_sender));
+        let served = tokio::spawn(async move {
+            let (stream, peer) = listener.accept().await.expect("accept");
+            let handler = move |_peer, _request: Request<RequestBody>| {
+                let guard = DropSignal(signal.lock().ok().and_then(|mut sender| sender.take()));
+                async move {
+                    let _guard = guard;
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    Response::new(full_body("too late"))
+                }
+            };
+            serve_connection(stream, peer, handler, LIMITS, stop).await;
+        });
+        let mut client = TcpStream::connect(address).await.expect("connect");
+        client
+            .write_all(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(client);
+        tokio::time::timeout(Duration::from_secs(3), dropped)
+            .await
+            .expect("the handler was cancelled")
+            .expect("signal");
+        tokio::time::timeout(Duration::from_secs(3), served)
+            .await
+            .expect("the connection task ended")
+            .expect("no panic");
+    }
+
+    #[tokio::test]
+    async fn a_waiting_connection_is_a_small_task() {
+        let (_client, server) = {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let client = TcpStream::connect(listener.local_addr().expect("address"))
+                .await
+                .expect("connect");
+            (client, listener.accept().await.expect("accept"))
+        };
+        let (_stop_sender, stop) = watch::channel(false);
+        let (stream, peer) = server;
+        let connection =
+            serve_connection(stream, peer, |_peer, request| echo(request), LIMITS, stop);
+        // The task's whole state while idle: everything per request is boxed on demand.
+        let size = std::mem::size_of_val(&connection);
+        assert!(size < 2048, "connection future is {size} bytes");
+    }
+}

@@ -1,0 +1,265 @@
+//! Response heads and body framing on the wire.
+
+use std::cell::Cell;
+use std::fmt::Write as _;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::{BufMut, BytesMut};
+use http::header::{self, HeaderValue};
+use http::{HeaderMap, Method, StatusCode, Version};
+
+/// How a response body is delimited on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponseFraming {
+    /// No body is sent at all (HEAD, 1xx, 204, 304).
+    None,
+    /// The body's exact size is known up front.
+    Length(u64),
+    /// HTTP/1.1 with an unknown size.
+    Chunked,
+    /// HTTP/1.0 with an unknown size: the end of the body is the end of the connection.
+    UntilClose,
+}
+
+/// Chooses the framing of a response and sets the framing and connection fields to match.
+///
+/// `exact_size` is the body's exact size hint: a body that knows its size keeps it as
+/// `Content-Length` (the upstream's length travels through levee unchanged), anything else is
+/// chunked for HTTP/1.1 clients and close-delimited for HTTP/1.0 ones. `keep_alive` comes in
+/// as what the connection would like and goes out as what this response allows.
+pub fn frame_response(
+    request_method: &Method,
+    request_version: Version,
+    status: StatusCode,
+    headers: &mut HeaderMap,
+    exact_size: Option<u64>,
+    keep_alive: &mut bool,
+) -> ResponseFraming {
+    // levee redoes the framing itself; whatever the handler left must not contradict it.
+    headers.remove(header::TRANSFER_ENCODING);
+    if connection_says_close(headers) {
+        *keep_alive = false;
+    }
+    let framing = if status.is_informational() || status == StatusCode::NO_CONTENT {
+        headers.remove(header::CONTENT_LENGTH);
+        ResponseFraming::None
+    } else if *request_method == Method::HEAD || status == StatusCode::NOT_MODIFIED {
+        // The length of the body a GET would get may be given; none is sent.
+        if let (false, Some(size), true) = (
+            headers.contains_key(header::CONTENT_LENGTH),
+            exact_size,
+            *request_method == Method::HEAD,
+        ) {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(size));
+        }
+        ResponseFraming::None
+    } else if let Some(size) = exact_size {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(size));
+        ResponseFraming::Length(size)
+    } else if request_version == Version::HTTP_11 {
+        headers.remove(header::CONTENT_LENGTH);
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        ResponseFraming::Chunked
+    } else {
+        headers.remove(header::CONTENT_LENGTH);
+        *keep_alive = false;
+        ResponseFraming::UntilClose
+    };
+    if status != StatusCode::SWITCHING_PROTOCOLS {
+        if !*keep_alive && request_version == Version::HTTP_11 && !connection_says_close(headers) {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        } else if *keep_alive && request_version == Version::HTTP_10 {
+            // HTTP/1.0 closes by default; say that this connection stays.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        }
+    }
+    framing
+}
+
+fn connection_says_close(headers: &HeaderMap) -> bool {
+    super::super::header::connection_has(headers, "close")
+}
+
+/// Writes the status line, the header fields, a `Date` unless one is set, and the blank line.
+pub fn encode_head(out: &mut BytesMut, status: StatusCode, headers: &HeaderMap) {
+    let fields: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum();
+    out.reserve(64 + fields + 40);
+    out.put_slice(b"HTTP/1.1 ");
+    out.put_slice(status.as_str().as_bytes());
+    out.put_u8(b' ');
+    out.put_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.put_slice(b"\r\n");
+    for (name, value) in headers {
+        out.put_slice(name.as_str().as_bytes());
+        out.put_slice(b": ");
+        out.put_slice(value.as_bytes());
+        out.put_slice(b"\r\n");
+    }
+    if !headers.contains_key(header::DATE) {
+        out.put_slice(b"date: ");
+        out.put_slice(&http_date_now());
+        out.put_slice(b"\r\n");
+    }
+    out.put_slice(b"\r\n");
+}
+
+/// The line that opens one chunk of `length` bytes.
+pub fn encode_chunk_start(out: &mut BytesMut, length: usize) {
+    // Writing to a BytesMut cannot fail.
+    let _ = write!(out, "{length:x}\r\n");
+}
+
+/// The last chunk, no trailers.
+pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+
+/// An IMF-fixdate is always this long: `Sun, 06 Nov 1994 08:49:37 GMT`.
+const HTTP_DATE_LENGTH: usize = 29;
+
+thread_local! {
+    /// The formatted date of the current second, per worker thread: formatting it for every
+    /// response would cost more than the rest of the head.
+    static DATE: Cell<(u64, [u8; HTTP_DATE_LENGTH])> = const { Cell::new((u64::MAX, [b' '; HTTP_DATE_LENGTH])) };
+}
+
+/// The current time as an HTTP date, formatted at most once per second and thread.
+pub fn http_date_now() -> [u8; HTTP_DATE_LENGTH] {
+    let now = SystemTime::now();
+    let second = now
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    DATE.with(|cached| {
+        let (cached_second, formatted) = cached.get();
+        if cached_second == second {
+            return formatted;
+        }
+        let mut fresh = [b' '; HTTP_DATE_LENGTH];
+        let text = httpdate::fmt_http_date(now);
+        let length = text.len().min(HTTP_DATE_LENGTH);
+        fresh[..length].copy_from_slice(&text.as_bytes()[..length]);
+        cached.set((second, fresh));
+        fresh
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn framed(
+        method: Method,
+        version: Version,
+        status: u16,
+        exact: Option<u64>,
+        headers: &[(&str, &str)],
+    ) -> (ResponseFraming, HeaderMap, bool) {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            map.append(
+                http::header::HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                HeaderValue::from_str(value).expect("value"),
+            );
+        }
+        let mut keep_alive = true;
+        let framing = frame_response(
+            &method,
+            version,
+            StatusCode::from_u16(status).expect("status"),
+            &mut map,
+            exact,
+            &mut keep_alive,
+        );
+        (framing, map, keep_alive)
+    }
+
+    #[test]
+    fn exact_sizes_become_content_length_and_the_rest_is_chunked() {
+        let (framing, headers, keep) = framed(Method::GET, Version::HTTP_11, 200, Some(5), &[]);
+        assert_eq!(framing, ResponseFraming::Length(5));
+        assert_eq!(headers[header::CONTENT_LENGTH], "5");
+        assert!(keep);
+        let (framing, headers, keep) = framed(
+            Method::GET,
+            Version::HTTP_11,
+            200,
+            None,
+            &[("content-length", "7")],
+        );
+        assert_eq!(framing, ResponseFraming::Chunked);
+        assert!(!headers.contains_key(header::CONTENT_LENGTH));
+        assert_eq!(headers[header::TRANSFER_ENCODING], "chunked");
+        assert!(keep);
+        // HTTP/1.0 has no chunked: the body ends with the connection.
+        let (framing, headers, keep) = framed(Method::GET, Version::HTTP_10, 200, None, &[]);
+        assert_eq!(framing, ResponseFraming::UntilClose);
+        assert!(!keep);
+        assert!(!headers.contains_key(header::CONNECTION));
+    }
+
+    #[test]
+    fn bodiless_responses_send_no_body() {
+        for status in [101, 204] {
+            let (framing, headers, _) = framed(
+                Method::GET,
+                Version::HTTP_11,
+                status,
+                Some(0),
+                &[("content-length", "0")],
+            );
+            assert_eq!(framing, ResponseFraming::None, "{status}");
+            assert!(!headers.contains_key(header::CONTENT_LENGTH), "{status}");
+        }
+        let (framing, headers, _) = framed(
+            Method::GET,
+            Version::HTTP_11,
+            304,
+            None,
+            &[("content-length", "12")],
+        );
+        assert_eq!(framing, ResponseFraming::None);
+        assert_eq!(headers[header::CONTENT_LENGTH], "12");
+        let (framing, headers, _) = framed(Method::HEAD, Version::HTTP_11, 200, Some(9), &[]);
+        assert_eq!(framing, ResponseFraming::None);
+        assert_eq!(headers[header::CONTENT_LENGTH], "9");
+    }
+
+    #[test]
+    fn connection_fields_match_what_the_connection_does() {
+        let (_, headers, keep) = framed(
+            Method::GET,
+            Version::HTTP_11,
+            400,
+            Some(3),
+            &[("connection", "close")],
+        );
+        assert!(!keep);
+        assert_eq!(headers.get_all(header::CONNECTION).iter().count(), 1);
+        let (_, headers, keep) = framed(Method::GET, Version::HTTP_10, 200, Some(3), &[]);
+        assert!(keep);
+        assert_eq!(headers[header::CONNECTION], "keep-alive");
+    }
+
+    #[test]
+    fn heads_are_encoded_with_a_date() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(2u64));
+        let mut out = BytesMut::new();
+        encode_head(&mut out, StatusCode::NOT_FOUND, &headers);
+        let text = String::from_utf8(out.to_vec()).expect("ascii");
+        assert!(
+            text.starts_with("HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\ndate: "),
+            "{text}"
+        );
+        assert!(text.ends_with(" GMT\r\n\r\n"), "{text}");
+        let date = &text[text.find("date: ").expect("date") + 6..text.len() - 4];
+        assert!(httpdate::parse_http_date(date).is_ok(), "{date}");
+        let mut out = BytesMut::new();
+        encode_chunk_start(&mut out, 255);
+        assert_eq!(&out[..], b"ff\r\n");
+    }
+}

@@ -1,0 +1,457 @@
+//! Request heads: the bytes of a request line and its header fields in, a checked head with
+//! its body framing out (RFC 9112 2–6).
+//!
+//! httparse does the tokenising; this module decides what the head means for the connection:
+//! how the body is framed, whether the connection stays open, and which heads are refused.
+//! The smuggling rules (RFC 9112 6.1, 6.3) are applied here, before any of the request path
+//! sees the request:
+//! - `Transfer-Encoding` other than exactly `chunked` → refused (levee forwards bodies
+//!   de-chunked, so it could not pass any other coding on faithfully);
+//! - `Transfer-Encoding` on HTTP/1.0 → refused;
+//! - `Content-Length` next to `Transfer-Encoding` → the length is dropped, the body read as
+//!   chunked, and the connection closed after the response;
+//! - differing `Content-Length` values, or one that is not a plain decimal number → refused.
+
+use bytes::BytesMut;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{HeaderMap, Method, Uri, Version};
+
+/// Most header fields in one request head; more is refused with 431.
+pub const MAX_HEADERS: usize = 100;
+
+/// How the request body is delimited on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFraming {
+    Empty,
+    Length(u64),
+    Chunked,
+}
+
+/// A parsed, checked request head.
+#[derive(Debug)]
+pub struct RequestHead {
+    pub method: Method,
+    pub uri: Uri,
+    pub version: Version,
+    pub headers: HeaderMap,
+    pub framing: BodyFraming,
+    /// The client allows the connection to stay open after this exchange.
+    pub keep_alive: bool,
+    /// `Expect: 100-continue` on a request with a body.
+    pub expect_continue: bool,
+    /// HTTP/1.1 with `Upgrade` named in `Connection`.
+    pub wants_upgrade: bool,
+    /// Framed both ways: answered, then the connection is closed (RFC 9112 6.1).
+    pub close_after: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HeadError {
+    #[error("request head is {size} bytes or more, over the limit of {limit}")]
+    TooLarge { size: usize, limit: usize },
+    #[error("request has more than {limit} header fields")]
+    TooManyHeaders { limit: usize },
+    #[error("{0}")]
+    Malformed(&'static str),
+}
+
+/// Parses the request head at the front of `buffer`.
+///
+/// `Ok(None)`: the head is not complete yet (and still within `max_head_bytes`). On success
+/// the head's bytes are split off `buffer` (header values keep pointing into them, no copy);
+/// whatever follows — body bytes, a pipelined request — stays in `buffer`.
+pub fn parse_head(
+    buffer: &mut BytesMut,
+    max_head_bytes: usize,
+) -> Result<Option<RequestHead>, HeadError> {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut slots);
+    let head_length = match request.parse(buffer) {
+        Ok(httparse::Status::Complete(length)) => length,
+        Ok(httparse::Status::Partial) => {
+            if buffer.len() > max_head_bytes {
+                return Err(HeadError::TooLarge {
+                    size: buffer.len(),
+                    limit: max_head_bytes,
+                });
+            }
+            return Ok(None);
+        }
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(HeadError::TooManyHeaders { limit: MAX_HEADERS })
+        }
+        Err(error) => return Err(HeadError::Malformed(describe(error))),
+    };
+    if head_length > max_head_bytes {
+        return Err(HeadError::TooLarge {
+            size: head_length,
+            limit: max_head_bytes,
+        });
+    }
+    let method = request
+        .method
+        .ok_or(HeadError::Malformed("missing method"))
+        .and_then(|method| {
+            Method::from_bytes(method.as_bytes())
+                .map_err(|_| HeadError::Malformed("invalid method"))
+        })?;
+    let version = match request.version {
+        Some(0) => Version::HTTP_10,
+        Some(1) => Version::HTTP_11,
+        _ => return Err(HeadError::Malformed("unsupported HTTP version")),
+    };
+    // Header values are kept as slices of the head's own bytes: remember where each part
+    // lies, then freeze the head once httparse no longer borrows the buffer.
+    let base = buffer.as_ptr() as usize;
+    let offset = |part: &[u8]| part.as_ptr() as usize - base;
+    let target = request.path.ok_or(HeadError::Malformed("missing target"))?;
+    let target_range = offset(target.as_bytes())..offset(target.as_bytes()) + target.len();
+    let field_count = request.headers.len();
+    let mut fields = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+    for (field, header) in fields.iter_mut().zip(request.headers.iter()) {
+        let name = offset(header.name.as_bytes());
+        let value = offset(header.value);
+        *field = (
+            name,
+            name + header.name.len(),
+            value,
+            value + header.value.len(),
+        );
+    }
+    let head = buffer.split_to(head_length).freeze();
+
+    let uri = Uri::from_maybe_shared(head.slice(target_range))
+        .map_err(|_| HeadError::Malformed("invalid request target"))?;
+    let mut headers = HeaderMap::with_capacity(field_count);
+    let mut meaning = FieldMeaning::new();
+    for &(name_start, name_end, value_start, value_end) in &fields[..field_count] {
+        let name = HeaderName::from_bytes(&head[name_start..name_end])
+            .map_err(|_| HeadError::Malformed("invalid header name"))?;
+        let value = HeaderValue::from_maybe_shared(head.slice(value_start..value_end))
+            .map_err(|_| HeadError::Malformed("invalid header value"))?;
+        if meaning.read(&name, &value)? {
+            headers.append(name, value);
+        }
+    }
+    meaning.finish(method, uri, version, headers).map(Some)
+}
+
+/// What the framing- and connection-related fields of one head add up to.
+struct FieldMeaning {
+    content_length: Option<u64>,
+    transfer_encoding: bool,
+    /// Every `Transfer-Encoding` coding seen is `chunked`, and there is exactly one.
+    chunked_codings: usize,
+    other_codings: bool,
+    close: bool,
+    keep_alive: bool,
+    expect_continue: bool,
+}
+
+impl FieldMeaning {
+    fn new() -> FieldMeaning {
+        FieldMeaning {
+            content_length: None,
+            transfer_encoding: false,
+            chunked_codings: 0,
+            other_codings: false,
+            close: false,
+            keep_alive: false,
+            expect_continue: false,
+        }
+    }
+
+    /// Takes note of one field; false when the field is a repeat to leave out.
+    fn read(&mut self, name: &HeaderName, value: &HeaderValue) -> Result<bool, HeadError> {
+        if *name == header::CONTENT_LENGTH {
+            let length = parse_content_length(value.as_bytes())
+                .ok_or(HeadError::Malformed("invalid Content-Length"))?;
+            match self.content_length {
+                Some(previous) if previous != length => {
+                    return Err(HeadError::Malformed("conflicting Content-Length values"))
+                }
+                // The same length twice says nothing new; forward it once.
+                Some(_) => return Ok(false),
+                None => self.content_length = Some(length),
+            }
+        } else if *name == header::TRANSFER_ENCODING {
+            self.transfer_encoding = true;
+            for coding in list_items(value.as_bytes()) {
+                if coding.eq_ignore_ascii_case(b"chunked") {
+                    self.chunked_codings += 1;
+                } else {
+                    self.other_codings = true;
+                }
+            }
+        } else if *name == header::CONNECTION {
+            for option in list_items(value.as_bytes()) {
+                if option.eq_ignore_ascii_case(b"close") {
+                    self.close = true;
+                } else if option.eq_ignore_ascii_case(b"keep-alive") {
+                    self.keep_alive = true;
+                }
+            }
+        } else if *name == header::EXPECT {
+            self.expect_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+        }
+        Ok(true)
+    }
+
+    fn finish(
+        self,
+        method: Method,
+        uri: Uri,
+        version: Version,
+        mut headers: HeaderMap,
+    ) -> Result<RequestHead, HeadError> {
+        let mut close_after = false;
+        let framing = if self.transfer_encoding {
+            if version == Version::HTTP_10 {
+                return Err(HeadError::Malformed(
+                    "Transfer-Encoding in an HTTP/1.0 request",
+                ));
+            }
+            if self.other_codings || self.chunked_codings != 1 {
+                return Err(HeadError::Malformed(
+                    "unsupported Transfer-Encoding (only `chunked` is accepted)",
+                ));
+            }
+            if self.content_length.is_some() {
+                // RFC 9112 6.1: chunked wins, the length must not travel on, and the
+                // connection is not reused after such a message.
+                headers.remove(header::CONTENT_LENGTH);
+                close_after = true;
+            }
+            BodyFraming::Chunked
+        } else {
+            match self.content_length {
+                None | Some(0) => BodyFraming::Empty,
+                Some(length) => BodyFraming::Length(length),
+            }
+        };
+        let keep_alive = !self.close && (version == Version::HTTP_11 || self.keep_alive);
+        let wants_upgrade =
+            version == Version::HTTP_11 && super::super::header::is_upgrade(&headers);
+        Ok(RequestHead {
+            method,
+            uri,
+            version,
+            headers,
+            framing,
+            keep_alive,
+            expect_continue: self.expect_continue
+                && version == Version::HTTP_11
+                && framing != BodyFraming::Empty,
+            wants_upgrade,
+            close_after,
+        })
+    }
+}
+
+/// A Content-Length value: decimal digits only (no sign, no list), at most 19 of them.
+fn parse_content_length(value: &[u8]) -> Option<u64> {
+    if value.is_empty() || value.len() > 19 || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    value.iter().try_fold(0u64, |length, digit| {
+        length.checked_mul(10)?.checked_add(u64::from(digit - b'0'))
+    })
+}
+
+/// The non-empty items of a comma-separated field value, whitespace trimmed.
+fn list_items(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value
+        .split(|&byte| byte == b',')
+        .map(|item| item.trim_ascii())
+        .filter(|item| !item.is_empty())
+}
+
+fn describe(error: httparse::Error) -> &'static str {
+    match error {
+        httparse::Error::HeaderName => "invalid header name",
+        httparse::Error::HeaderValue => "invalid header value",
+        httparse::Error::NewLine => "invalid line end",
+        httparse::Error::Status => "invalid status",
+        httparse::Error::Token => "invalid method or request target",
+        httparse::Error::TooManyHeaders => "too many header fields",
+        httparse::Error::Version => "unsupported HTTP version",
+    }
+}
+
+#[cfg(test)]
+fn parse_all(raw: &[u8]) -> Result<Option<RequestHead>, HeadError> {
+    let mut buffer = BytesMut::from(raw);
+    parse_head(&mut buffer, 64 * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(raw: &str) -> RequestHead {
+        match parse_all(raw.as_bytes()) {
+            Ok(Some(head)) => head,
+            other => panic!("{raw:?} => {other:?}"),
+        }
+    }
+
+    fn refused(raw: &str) -> HeadError {
+        match parse_all(raw.as_bytes()) {
+            Err(error) => error,
+            other => panic!("{raw:?} was accepted: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn parses_a_head_at_every_split_and_leaves_what_follows() {
+        let raw = b"POST /a?b=c HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nX-Two: 1\r\nX-Two: 2\r\n\r\nhelloGET / HTTP/1.1\r\n";
+        let head_length = raw.len() - b"helloGET / HTTP/1.1\r\n".len();
+        for split in 0..raw.len() {
+            let mut buffer = BytesMut::from(&raw[..split]);
+            let first = parse_head(&mut buffer, 1024).expect("no error on a prefix");
+            if split < head_length {
+                assert!(first.is_none(), "complete at {split}");
+                buffer.extend_from_slice(&raw[split..]);
+                let head = parse_head(&mut buffer, 1024)
+                    .expect("parses")
+                    .expect("complete");
+                assert_eq!(head.method, Method::POST);
+                assert_eq!(head.uri, "/a?b=c");
+                assert_eq!(head.framing, BodyFraming::Length(5));
+                let twos: Vec<_> = head.headers.get_all("x-two").iter().collect();
+                assert_eq!(twos, ["1", "2"]);
+                assert_eq!(&buffer[..], b"helloGET / HTTP/1.1\r\n");
+            } else {
+                assert!(first.is_some(), "incomplete at {split}");
+            }
+        }
+    }
+
+    #[test]
+    fn keep_alive_follows_the_version_and_connection_options() {
+        assert!(head("GET / HTTP/1.1\r\n\r\n").keep_alive);
+        assert!(!head("GET / HTTP/1.1\r\nConnection: close\r\n\r\n").keep_alive);
+        assert!(!head("GET / HTTP/1.1\r\nConnection: x, Close\r\n\r\n").keep_alive);
+        assert!(!head("GET / HTTP/1.0\r\n\r\n").keep_alive);
+        assert!(head("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").keep_alive);
+        assert!(
+            !head("GET / HTTP/1.0\r\nConnection: keep-alive\r\nConnection: close\r\n\r\n")
+                .keep_alive
+        );
+    }
+
+    #[test]
+    fn framing_follows_rfc_9112() {
+        assert_eq!(head("GET / HTTP/1.1\r\n\r\n").framing, BodyFraming::Empty);
+        assert_eq!(
+            head("POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n").framing,
+            BodyFraming::Empty
+        );
+        let chunked = head("POST / HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n");
+        assert_eq!(chunked.framing, BodyFraming::Chunked);
+        assert!(!chunked.close_after);
+        // Both: chunked wins, the length is dropped, the connection closes afterwards.
+        let both =
+            head("POST / HTTP/1.1\r\nContent-Length: 6\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert_eq!(both.framing, BodyFraming::Chunked);
+        assert!(both.close_after);
+        assert!(!both.headers.contains_key(header::CONTENT_LENGTH));
+        // The same length twice is one length.
+        let twice = head("POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n");
+        assert_eq!(twice.framing, BodyFraming::Length(3));
+        assert_eq!(
+            twice.headers.get_all(header::CONTENT_LENGTH).iter().count(),
+            1
+        );
+    }
+
+    #[test]
+    fn ambiguous_framing_is_refused() {
+        for raw in [
+            "POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 40\r\n\r\n",
+            "POST / HTTP/1.1\r\nContent-Length: +5\r\n\r\n",
+            "POST / HTTP/1.1\r\nContent-Length: 5, 5\r\n\r\n",
+            "POST / HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n",
+            "POST / HTTP/1.1\r\nTransfer-Encoding: xchunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nTransfer-Encoding: chunked, identity\r\n\r\n",
+            "POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nTransfer-Encoding: \r\n\r\n",
+            "POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n",
+        ] {
+            assert!(matches!(refused(raw), HeadError::Malformed(_)), "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn garbage_is_refused() {
+        for raw in [
+            "GARBAGE\r\n\r\n",
+            "GET / HTTP/9.9\r\nHost: a\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nBad Header: x\r\n\r\n",
+            "GET /\x01\x02 HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET / HTTP/1.1\r\nX-User: a\rSet-Cookie: evil=1\r\n\r\n",
+            "GET / HTTP/1.1\r\nX-User: a\x00b\r\n\r\n",
+            "GET / HTTP/1.1\r\nX-User: a\x0bb\r\n\r\n",
+        ] {
+            assert!(matches!(refused(raw), HeadError::Malformed(_)), "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn limits_head_size_and_field_count() {
+        let mut buffer =
+            BytesMut::from(&b"GET / HTTP/1.1\r\nX-Long: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"[..]);
+        assert!(matches!(
+            parse_head(&mut buffer, 32),
+            Err(HeadError::TooLarge { limit: 32, .. })
+        ));
+        let mut buffer =
+            BytesMut::from(&b"GET / HTTP/1.1\r\nX-Long: aaaaaaaaaaaaaaaaaaaa\r\n\r\n"[..]);
+        assert!(matches!(
+            parse_head(&mut buffer, 32),
+            Err(HeadError::TooLarge { limit: 32, .. })
+        ));
+        let mut flood = String::from("GET / HTTP/1.1\r\n");
+        for i in 0..=MAX_HEADERS {
+            flood.push_str(&format!("X-{i}: y\r\n"));
+        }
+        flood.push_str("\r\n");
+        assert_eq!(
+            refused(&flood),
+            HeadError::TooManyHeaders { limit: MAX_HEADERS }
+        );
+    }
+
+    #[test]
+    fn expect_and_upgrade_are_recognised() {
+        let expecting =
+            head("POST / HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 3\r\n\r\n");
+        assert!(expecting.expect_continue);
+        // Nothing to continue with when there is no body.
+        assert!(!head("GET / HTTP/1.1\r\nExpect: 100-continue\r\n\r\n").expect_continue);
+        assert!(
+            head("GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+                .wants_upgrade
+        );
+        assert!(!head("GET / HTTP/1.1\r\nUpgrade: websocket\r\n\r\n").wants_upgrade);
+        assert!(
+            !head("GET / HTTP/1.0\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+                .wants_upgrade
+        );
+    }
+
+    #[test]
+    fn raw_utf8_targets_pass_and_other_bytes_are_refused() {
+        // Raw UTF-8 in a target is passed on as sent, as nginx and PHP take it (see
+        // tests/hostile.rs); bytes that are not UTF-8 are refused.
+        let head = parse_all(b"GET /caf\xc3\xa9 HTTP/1.1\r\n\r\n")
+            .expect("accepted")
+            .expect("complete");
+        assert_eq!(head.uri.path().as_bytes(), b"/caf\xc3\xa9");
+        assert!(matches!(
+            parse_all(b"GET /\xff\xfe HTTP/1.1\r\n\r\n"),
+            Err(HeadError::Malformed(_))
+        ));
+    }
+}
