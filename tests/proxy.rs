@@ -327,6 +327,46 @@ async fn refused_upstream_is_502_and_slow_upstream_is_504() {
 }
 
 #[tokio::test]
+async fn a_client_that_hangs_up_early_is_counted_as_499_and_leaves_nothing_in_flight() {
+    let slow = Backend::start(|_request: Request<Incoming>| async move {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        Response::new(full("too late"))
+    })
+    .await;
+    let levee = Levee::start(&policy_for(slow.addr, "", "")).await;
+    use tokio::io::AsyncWriteExt;
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET /report HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .expect("write");
+    eventually(
+        Duration::from_secs(5),
+        "the request to reach the app",
+        || async { slow.hits() == 1 },
+    )
+    .await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(metric_value(&metrics, "levee_inflight_requests"), 1.0, "{metrics}");
+    drop(stream);
+    eventually(
+        Duration::from_secs(5),
+        "the cancelled request to be counted",
+        || async {
+            let metrics = get(&levee.admin_url("/metrics")).await.text();
+            metric_value(&metrics, "levee_inflight_requests") == 0.0
+                && metric_value(
+                    &metrics,
+                    "levee_requests_total{route=\"default\",status=\"499\"}",
+                ) == 1.0
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
 async fn slowloris_clients_are_cut_off_by_the_header_timeout() {
     let backend = echo_backend().await;
     let levee = Levee::start(&policy_for(

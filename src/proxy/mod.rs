@@ -89,6 +89,7 @@ pub async fn handle(
         error: None,
         access_log: policy.server.access_log,
         slot: None,
+        reported: false,
     };
     let response = match forward(&shared, &policy, peer, request, &mut exchange).await {
         Ok(response) => response,
@@ -670,10 +671,32 @@ struct Exchange {
     access_log: bool,
     /// The upstream's bulkhead slot, freed when the response body is done.
     slot: Option<crate::degrade::bulkhead::Slot>,
+    /// Set once the exchange is in the log and the metrics.
+    reported: bool,
 }
 
 impl OnBodyEnd for Exchange {
-    fn on_body_end(self, bytes: u64, complete: bool) {
+    fn on_body_end(mut self, bytes: u64, complete: bool) {
+        self.report(bytes, complete);
+    }
+}
+
+/// A client that closes its connection before the answer cancels the request: the exchange is
+/// dropped without a body ever ending. It is still counted (as nginx's 499, "client closed
+/// request") and logged, and the in-flight gauge comes back down.
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        if !self.reported {
+            self.status = StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST);
+            self.error = Some("client_closed");
+            self.report(0, false);
+        }
+    }
+}
+
+impl Exchange {
+    fn report(&mut self, bytes: u64, complete: bool) {
+        self.reported = true;
         let metrics = &self.shared.metrics;
         metrics.inflight.dec();
         let elapsed = self.started.elapsed();
