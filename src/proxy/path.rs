@@ -99,7 +99,8 @@ fn decode_unreserved(path: &str) -> Result<String, PathError> {
     String::from_utf8(out).map_err(|_| PathError::BadPercentEncoding)
 }
 
-fn hex(byte: u8) -> Option<u8> {
+/// The value of one hex digit, either case.
+pub(crate) fn hex(byte: u8) -> Option<u8> {
     match byte {
         b'0'..=b'9' => Some(byte - b'0'),
         b'a'..=b'f' => Some(byte - b'a' + 10),

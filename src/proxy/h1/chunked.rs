@@ -11,6 +11,8 @@
 
 use bytes::{Buf, Bytes, BytesMut};
 
+use crate::proxy::path::hex;
+
 /// Longest chunk extension accepted on one size line (nobody sends them in practice).
 pub const MAX_EXTENSION_BYTES: usize = 4096;
 /// Most trailer bytes accepted after the last chunk.
@@ -127,7 +129,7 @@ impl ChunkedDecoder {
     /// One framing byte (anything but chunk data) moves the state machine by one step.
     fn next_state(&mut self, byte: u8) -> Result<State, ChunkedError> {
         let state = match self.state {
-            State::Size { size, digits } => match hex_value(byte) {
+            State::Size { size, digits } => match hex(byte) {
                 Some(value) => {
                     if digits >= MAX_SIZE_DIGITS {
                         return Err(ChunkedError::SizeTooLarge);
@@ -203,15 +205,6 @@ impl ChunkedDecoder {
             return Err(ChunkedError::TrailersTooLong);
         }
         Ok(State::TrailerLine)
-    }
-}
-
-fn hex_value(byte: u8) -> Option<u8> {
-    match byte {
-        b'0'..=b'9' => Some(byte - b'0'),
-        b'a'..=b'f' => Some(byte - b'a' + 10),
-        b'A'..=b'F' => Some(byte - b'A' + 10),
-        _ => None,
     }
 }
 
