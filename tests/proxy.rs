@@ -349,7 +349,11 @@ async fn a_client_that_hangs_up_early_is_counted_as_499_and_leaves_nothing_in_fl
     )
     .await;
     let metrics = get(&levee.admin_url("/metrics")).await.text();
-    assert_eq!(metric_value(&metrics, "levee_inflight_requests"), 1.0, "{metrics}");
+    assert_eq!(
+        metric_value(&metrics, "levee_inflight_requests"),
+        1.0,
+        "{metrics}"
+    );
     drop(stream);
     eventually(
         Duration::from_secs(5),
