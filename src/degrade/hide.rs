@@ -128,22 +128,28 @@ fn plan(selectors: &[String], markers: &[String]) -> Plan {
     for marker in markers {
         needles.push(format!("levee:module {marker}").into_bytes());
     }
-    let ids: Vec<IdSelector> = if all_ids {
-        selectors
-            .iter()
-            .map_while(|selector| IdSelector::parse(selector))
-            .collect()
+    let ids: Vec<IdSelector> = all_ids
+        .then(|| {
+            selectors
+                .iter()
+                .map(|selector| IdSelector::parse(selector))
+                .collect::<Option<_>>()
+        })
+        .flatten()
+        .unwrap_or_default();
+    // With the fast path, finding the next candidate is a memmem over the rest of the page, so
+    // levee keeps looking after each removal: a page that repeats an id (it happens in legacy
+    // templates) loses every copy, and if the rewriter has to take over, it runs to the end of
+    // the page for the same reason. Without it, parsing stops once every id has ended.
+    let stop_after = if all_ids && ids.is_empty() {
+        selectors.len()
     } else {
-        Vec::new()
+        0
     };
     Plan {
-        stop_after: if all_ids { selectors.len() } else { 0 },
-        ids: if ids.len() == selectors.len() {
-            ids
-        } else {
-            Vec::new()
-        },
         needles,
+        stop_after,
+        ids,
     }
 }
 
@@ -289,13 +295,6 @@ impl Hider {
         let mut plan = plan(selectors, &markers);
         if !fast {
             plan.ids.clear();
-        }
-        if !plan.ids.is_empty() {
-            // With the fast path, finding the next candidate is a memmem over the rest of the
-            // page, so levee keeps looking after each removal: a page that repeats an id (it
-            // happens in legacy templates) loses every copy, and if the rewriter has to take
-            // over, it runs to the end of the page for the same reason.
-            plan.stop_after = 0;
         }
         let output = Arc::new(Mutex::new(BytesMut::new()));
         let ended = Arc::new(AtomicUsize::new(0));
@@ -457,13 +456,18 @@ impl Hider {
     /// Feeds the parser in small slices so that, once every id-selected element has ended, the
     /// rest of the chunk passes untouched instead of being parsed for nothing.
     fn rewrite(&mut self, data: &[u8]) -> Result<(), BoxError> {
-        const SLICE: usize = 1024;
+        // Slices only matter when parsing may stop early; otherwise the chunk goes in whole.
+        let slice = if self.plan.stop_after > 0 {
+            1024
+        } else {
+            data.len().max(1)
+        };
         let mut offset = 0;
         while offset < data.len() {
             let Stage::Rewrite(rewriter) = &mut self.stage else {
                 break;
             };
-            let end = (offset + SLICE).min(data.len());
+            let end = (offset + slice).min(data.len());
             rewriter
                 .write(&data[offset..end])
                 .map_err(|error| Box::new(error) as BoxError)?;
