@@ -154,49 +154,53 @@ async fn read_head(
                 Err(error) => return HeadRead::Refused(error),
             }
         }
+        if buffer.capacity() != 0 && buffer.capacity() - buffer.len() < 512 {
+            buffer.reserve(HEAD_READ_SIZE.max(buffer.len()));
+        }
         tokio::select! {
-            ready = stream.readable() => {
-                if ready.is_err() {
-                    return HeadRead::Closed;
-                }
-            }
+            read = read_some(stream, buffer) => match read {
+                Ok(0) | Err(_) => return HeadRead::Closed,
+                Ok(_) => {}
+            },
             () = stopped(stop), if !*stopping => {
                 *stopping = true;
                 // Idle: close now. A head already on its way is still answered.
                 if buffer.is_empty() {
                     return HeadRead::Closed;
                 }
-                continue;
             }
-        }
-        if buffer.capacity() == 0 {
-            // Nothing buffered: read onto the stack first, so that a wake-up without data
-            // (the usual one right after a response) allocates nothing.
-            let mut probe = [0u8; HEAD_READ_SIZE];
-            match stream.try_read(&mut probe) {
-                Ok(0) => return HeadRead::Closed,
-                Ok(read) => {
-                    // Exactly what arrived: usually the whole head, which then needs no
-                    // more room (with thousands of requests in flight at once this is most
-                    // of their memory). A head that is still incomplete grows the buffer.
-                    buffer.reserve(read);
-                    buffer.extend_from_slice(&probe[..read]);
-                }
-                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(_) => return HeadRead::Closed,
-            }
-            continue;
-        }
-        if buffer.capacity() - buffer.len() < 512 {
-            buffer.reserve(HEAD_READ_SIZE.max(buffer.len()));
-        }
-        match stream.try_read_buf(buffer) {
-            Ok(0) => return HeadRead::Closed,
-            Ok(_) => {}
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(_) => return HeadRead::Closed,
         }
     }
+}
+
+/// Reads what the socket has into `buffer`. Reading goes through `poll_read`, which, after a
+/// read shorter than the room offered, knows the socket is drained without asking the kernel
+/// again: the close watch that follows each head then costs no extra `recv`.
+async fn read_some(stream: &mut TcpStream, buffer: &mut BytesMut) -> std::io::Result<usize> {
+    std::future::poll_fn(|cx| {
+        if buffer.capacity() == 0 {
+            // Nothing buffered: read onto the stack first, so that a wake-up without data
+            // allocates nothing, and the array is not part of the idle connection's task.
+            let mut probe = [0u8; HEAD_READ_SIZE];
+            let mut room = tokio::io::ReadBuf::new(&mut probe);
+            std::task::ready!(tokio::io::AsyncRead::poll_read(
+                std::pin::Pin::new(&mut *stream),
+                cx,
+                &mut room
+            ))?;
+            // Exactly what arrived: usually the whole head, which then needs no more room
+            // (with thousands of requests in flight at once this is most of their memory).
+            // A head that is still incomplete grows the buffer.
+            let read = room.filled();
+            buffer.reserve(read.len());
+            buffer.extend_from_slice(read);
+            std::task::Poll::Ready(Ok(read.len()))
+        } else {
+            // `read_buf` keeps no state between polls: a fresh one per poll loses nothing.
+            std::pin::pin!(stream.read_buf(buffer)).poll(cx)
+        }
+    })
+    .await
 }
 
 /// Answers a head that could not be accepted, through the one place errors become responses.
