@@ -5,10 +5,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, Method, Request};
+use http::{header, HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+
+use crate::proxy::client::{Client, ClientSettings};
 
 /// Where the admin listener is: `--admin`, else the policy directory's `[admin] listen`, else
 /// the default `127.0.0.1:9901`.
@@ -30,21 +30,31 @@ pub async fn call(
     body: &str,
     token: Option<&str>,
 ) -> Result<(u16, String), String> {
-    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let mut request = Request::builder()
-        .method(method)
-        .uri(format!("http://{admin}{path}"))
-        .header(
-            "x-levee-operator",
-            std::env::var("USER").unwrap_or_else(|_| "cli".into()),
-        );
+    let client = Client::new(ClientSettings {
+        host: admin.ip().to_string(),
+        port: admin.port(),
+        authority: HeaderValue::from_str(&admin.to_string())
+            .unwrap_or_else(|_| HeaderValue::from_static("localhost")),
+        tls: None,
+        connect_timeout: Duration::from_secs(10),
+        pool_idle_timeout: Duration::ZERO,
+        pool_max_idle: 0,
+    });
+    let mut request = Request::builder().method(method).uri(path).header(
+        "x-levee-operator",
+        std::env::var("USER").unwrap_or_else(|_| "cli".into()),
+    );
     if let Some(token) = token {
         request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
     }
     let request = request
-        .body(Full::new(Bytes::from(body.to_string())))
+        .body(
+            Full::new(Bytes::from(body.to_string()))
+                .map_err(|never| match never {})
+                .boxed_unsync(),
+        )
         .map_err(|error| error.to_string())?;
-    let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
+    let response = tokio::time::timeout(Duration::from_secs(10), client.send(request))
         .await
         .map_err(|_| format!("the admin listener at {admin} did not answer within 10s"))?
         .map_err(|error| format!("cannot reach the admin listener at {admin}: {error} (is levee running? is --admin right?)"))?;

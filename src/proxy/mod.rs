@@ -9,6 +9,7 @@
 //! [`ProxyError::to_response`] only.
 
 pub mod body;
+pub mod client;
 pub mod h1;
 pub mod header;
 pub mod path;
@@ -262,14 +263,8 @@ async fn forward(
         .flatten()
         .and_then(|upgrade| upgrade.take());
     let upstream = &route.upstream;
+    // The request target stays the client's (the client sends its path and query only).
     let (mut parts, body) = request.into_parts();
-    let target = parts
-        .uri
-        .path_and_query()
-        .map_or("/", |path_and_query| path_and_query.as_str());
-    parts.uri = upstream
-        .uri_for(target)
-        .map_err(|error| ProxyError::BadRequest(format!("request target: {error}")))?;
     parts.version = Version::HTTP_11;
     header::strip_hop_by_hop(&mut parts.headers, upgrading);
     header::set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, client_ip);
@@ -294,7 +289,7 @@ async fn forward(
     };
 
     let sent_at = tokio::time::Instant::now();
-    let sent = upstream.client.request(Request::from_parts(parts, body));
+    let sent = upstream.client.send(Request::from_parts(parts, body));
     let answer = match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
         Err(_elapsed) => Err(ProxyError::UpstreamTimeout {
             upstream: upstream.name.clone(),
@@ -556,7 +551,7 @@ fn upstream_permit(shared: &Shared, route: &Route) -> Result<Permit, ProxyError>
 fn classify_client_error(
     route: &Route,
     client_body_timeout: std::time::Duration,
-    error: &hyper_util::client::legacy::Error,
+    error: &client::ClientError,
 ) -> ProxyError {
     let upstream = route.upstream.name.clone();
     if find_cause::<LengthLimitError>(error).is_some() {
@@ -578,10 +573,7 @@ fn classify_client_error(
     }
     let reason = error_chain(error);
     if error.is_connect() {
-        let timed_out = find_cause::<std::io::Error>(error)
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
-            || reason.contains("timed out");
-        if timed_out {
+        if error.is_connect_timeout() {
             return ProxyError::UpstreamTimeout {
                 upstream,
                 after: route.upstream.settings.connect_timeout,

@@ -1,12 +1,13 @@
 //! Protocol upgrades (WebSocket) pass through: after both sides agreed on 101, bytes are
 //! copied both ways until either side closes. The client side is handed over by levee's
-//! HTTP layer once the 101 is written (`h1::upgrade`), the upstream side by hyper's client.
+//! HTTP layer once the 101 is written (`h1::upgrade`), the upstream side by levee's client
+//! (`client::UpstreamUpgrade`).
 
 use http::Response;
-use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
+use tokio::io::AsyncWriteExt;
 
 use super::body::ResponseBody;
+use super::client::{Incoming, UpstreamUpgrade};
 use super::h1::upgrade::PendingUpgrade;
 use super::header;
 use super::route::Route;
@@ -18,26 +19,36 @@ pub fn pass_through(
     upstream_response: &mut Response<Incoming>,
     route: &Route,
 ) -> Response<ResponseBody> {
-    let upstream = hyper::upgrade::on(&mut *upstream_response);
+    let upstream = upstream_response
+        .extensions_mut()
+        .remove::<UpstreamUpgrade>()
+        .and_then(|upgrade| upgrade.take());
     let route_name = route.name.clone();
     tokio::spawn(async move {
-        match (client.await, upstream.await) {
-            (Ok(mut client), Ok(upstream)) => {
-                let mut upstream = TokioIo::new(upstream);
-                match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
-                    Ok((sent, received)) => {
-                        tracing::debug!(route = %route_name, sent, received, "upgraded connection closed")
-                    }
-                    Err(error) => {
-                        tracing::debug!(route = %route_name, "upgraded connection ended: {error}")
-                    }
-                }
-            }
-            (Err(error), _) => {
+        let Some((mut upstream, early)) = upstream else {
+            tracing::info!(route = %route_name, "upgrade failed: the upstream connection is gone");
+            return;
+        };
+        let mut client = match client.await {
+            Ok(client) => client,
+            Err(error) => {
                 tracing::info!(route = %route_name, "upgrade failed: {error}");
+                return;
             }
-            (_, Err(error)) => {
-                tracing::info!(route = %route_name, "upgrade failed: {error}");
+        };
+        // What the upstream sent right behind its 101 goes first.
+        if !early.is_empty() {
+            if let Err(error) = client.write_all(&early).await {
+                tracing::debug!(route = %route_name, "upgraded connection ended: {error}");
+                return;
+            }
+        }
+        match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+            Ok((sent, received)) => {
+                tracing::debug!(route = %route_name, sent, received, "upgraded connection closed")
+            }
+            Err(error) => {
+                tracing::debug!(route = %route_name, "upgraded connection ended: {error}")
             }
         }
     });

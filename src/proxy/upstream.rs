@@ -7,13 +7,10 @@ use bytes::Bytes;
 use http::uri::{Authority, Scheme};
 use http::HeaderValue;
 use http_body_util::combinators::UnsyncBoxBody;
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
+use super::client::{Client, ClientSettings};
 use crate::breaker::Breaker;
 use crate::degrade::bulkhead::{Bulkhead, BulkheadSettings};
 use crate::degrade::trigger::LatencyWindow;
@@ -51,7 +48,7 @@ pub struct UpstreamSettings {
 pub struct Upstream {
     pub name: String,
     pub settings: UpstreamSettings,
-    pub client: Client<HttpsConnector<HttpConnector>, UpstreamBody>,
+    pub client: Client,
     pub breaker: Arc<Breaker>,
     pub bulkhead: Option<Arc<Bulkhead>>,
     /// Recent latencies, for degrade triggers.
@@ -109,28 +106,28 @@ fn client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
 
 impl Upstream {
     pub fn new(name: String, settings: UpstreamSettings, breaker: Arc<Breaker>) -> Upstream {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(settings.connect_timeout));
-        connector.set_nodelay(true);
-        connector.set_keepalive(Some(Duration::from_secs(60)));
-        connector.enforce_http(false);
-        // Plain http upstreams get an empty trust store: no TLS is ever set up for them.
-        let tls = if settings.scheme == Scheme::HTTPS {
-            tls_config(&settings.ca_files)
-        } else {
-            client_config(rustls::RootCertStore::empty())
-        };
-        let connector = HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(connector);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .pool_idle_timeout(settings.pool_idle_timeout)
-            .pool_max_idle_per_host(settings.pool_max_idle)
-            .build(connector);
+        let tls =
+            (settings.scheme == Scheme::HTTPS).then(|| Arc::new(tls_config(&settings.ca_files)));
+        let https = settings.scheme == Scheme::HTTPS;
+        let client = Client::new(ClientSettings {
+            // `[::1]` is written with brackets in a URL, not in a connect call.
+            host: settings
+                .authority
+                .host()
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+            port: settings
+                .authority
+                .port_u16()
+                .unwrap_or(if https { 443 } else { 80 }),
+            authority: HeaderValue::from_str(settings.authority.as_str())
+                .unwrap_or_else(|_| HeaderValue::from_static("localhost")),
+            tls,
+            connect_timeout: settings.connect_timeout,
+            pool_idle_timeout: settings.pool_idle_timeout,
+            pool_max_idle: settings.pool_max_idle,
+        });
         let bulkhead = settings
             .bulkhead
             .map(|settings| Arc::new(Bulkhead::new(settings)));
@@ -144,12 +141,8 @@ impl Upstream {
         }
     }
 
-    /// `scheme://authority` of this upstream followed by the client's path and query.
+    /// The request target sent to this upstream: the client's path and query, checked.
     pub fn uri_for(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
-        http::Uri::builder()
-            .scheme(self.settings.scheme.clone())
-            .authority(self.settings.authority.clone())
-            .path_and_query(path_and_query)
-            .build()
+        http::Uri::builder().path_and_query(path_and_query).build()
     }
 }

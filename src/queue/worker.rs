@@ -373,7 +373,7 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
         headers.insert("x-real-ip", client.clone());
         headers.insert("x-forwarded-for", client);
     }
-    let sent = upstream.client.request(request);
+    let sent = upstream.client.send(request);
     match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
         Err(_) => {
             permit.record(Outcome::Failure, &shared.metrics);

@@ -54,7 +54,14 @@ pub fn frame_response(
         }
         ResponseFraming::None
     } else if let Some(size) = exact_size {
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(size));
+        // Usually the upstream's own field, already right: kept rather than rebuilt.
+        let given = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|text| text.parse::<u64>().ok());
+        if given != Some(size) {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(size));
+        }
         ResponseFraming::Length(size)
     } else if request_version == Version::HTTP_11 {
         headers.remove(header::CONTENT_LENGTH);

@@ -122,7 +122,8 @@ pub fn parse_head(
 
     let uri = Uri::from_maybe_shared(head.slice(target_range))
         .map_err(|_| HeadError::Malformed("invalid request target"))?;
-    let mut headers = HeaderMap::with_capacity(field_count);
+    // Room for the fields levee adds on the way (forwarded-for, real IP, proto) without growing.
+    let mut headers = HeaderMap::with_capacity(field_count + 4);
     let mut meaning = FieldMeaning::new();
     for &(name_start, name_end, value_start, value_end) in &fields[..field_count] {
         let name = HeaderName::from_bytes(&head[name_start..name_end])

@@ -1,0 +1,950 @@
+//! levee's HTTP/1.1 client for upstreams: one keep-alive pool per upstream.
+//!
+//! The request's own task does all the work. It takes an idle connection from the pool (or
+//! connects), writes the request, reads the response head, and hands back a body that reads
+//! the same socket as the caller polls it. When the body has been read to its end, the
+//! connection goes back to the pool. No connection task and no channel sits between a
+//! request and its socket, so one request costs two reads and two writes and nothing else,
+//! as in nginx.
+//!
+//! What makes a connection reusable is decided strictly: a response whose end cannot be
+//! told from its framing (no length, not chunked, `Connection: close`, HTTP/1.0, both
+//! `Content-Length` and `Transfer-Encoding`), or one that left extra bytes behind, closes it.
+
+use std::collections::VecDeque;
+use std::future::Future as _;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::time::Instant;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
+
+use super::h1::chunked::{ChunkedDecoder, ChunkedError};
+use super::h1::encode::{encode_chunk_start, LAST_CHUNK};
+use super::upstream::UpstreamBody;
+use crate::error::BoxError;
+
+/// Most header fields accepted in a response head.
+const MAX_HEADERS: usize = 100;
+/// Longest response head accepted.
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Room made for each read of a response head.
+const HEAD_READ_SIZE: usize = 8 * 1024;
+/// Room made for each read of response body bytes.
+const BODY_READ_SIZE: usize = 32 * 1024;
+/// Request body pieces up to this size are copied next to their chunk framing (one write).
+const COPY_LIMIT: usize = 16 * 1024;
+
+/// Where and how to connect, from the upstream's settings.
+#[derive(Debug, Clone)]
+pub struct ClientSettings {
+    /// Host name or address literal, without brackets.
+    pub host: String,
+    pub port: u16,
+    /// `host[:port]` as the upstream's URL gave it: the `Host` sent when a request has none.
+    pub authority: HeaderValue,
+    /// TLS (`https://` upstreams) with this configuration.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+    pub connect_timeout: Duration,
+    pub pool_idle_timeout: Duration,
+    pub pool_max_idle: usize,
+}
+
+/// A failed upstream call.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No connection could be made (refused, unreachable, timed out, TLS handshake).
+    #[error("connect to {target}: {source}")]
+    Connect { target: String, source: io::Error },
+    /// The client's request body failed while it was being sent (the client's fault).
+    #[error("request body: {0}")]
+    RequestBody(#[source] BoxError),
+    /// The connection broke while sending or receiving.
+    #[error("upstream connection: {0}")]
+    Io(#[from] io::Error),
+    /// The upstream closed the connection before a complete response head.
+    #[error("the upstream closed the connection before answering")]
+    Closed,
+    /// The response could not be read as HTTP/1.1.
+    #[error("malformed response: {0}")]
+    Protocol(String),
+}
+
+impl ClientError {
+    /// Did the call fail before a connection existed?
+    pub fn is_connect(&self) -> bool {
+        matches!(self, ClientError::Connect { .. })
+    }
+
+    /// Did connecting run out of time?
+    pub fn is_connect_timeout(&self) -> bool {
+        matches!(self, ClientError::Connect { source, .. } if source.kind() == io::ErrorKind::TimedOut)
+    }
+}
+
+impl From<ChunkedError> for ClientError {
+    fn from(error: ChunkedError) -> Self {
+        ClientError::Protocol(format!("chunked body: {error}"))
+    }
+}
+
+/// An upstream connection, plain or TLS.
+#[derive(Debug)]
+pub enum Stream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
+            Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
+            Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+            Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Plain(stream) => stream.is_write_vectored(),
+            Stream::Tls(stream) => stream.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(stream) => Pin::new(stream).poll_flush(cx),
+            Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
+            Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// One upstream connection and what it has read past the last response.
+#[derive(Debug)]
+struct Connection {
+    stream: Stream,
+    buffer: BytesMut,
+    /// Has it carried a request before (so a close may be the pool's race, not an answer)?
+    reused: bool,
+    idle_since: Instant,
+}
+
+impl Connection {
+    /// An idle connection is still usable when the socket has nothing to say: a close, a
+    /// reset or stray bytes from the upstream all end it. Asks without waiting; for a plain
+    /// socket that saw no event since its last read this costs no system call.
+    fn is_usable(&mut self) -> bool {
+        let mut context = Context::from_waker(std::task::Waker::noop());
+        let mut probe = [0u8; 64];
+        let mut room = ReadBuf::new(&mut probe);
+        match Pin::new(&mut self.stream).poll_read(&mut context, &mut room) {
+            Poll::Pending => true,
+            // A TLS stream may have consumed a session ticket and still have nothing.
+            Poll::Ready(Ok(())) => false,
+            Poll::Ready(Err(_)) => false,
+        }
+    }
+}
+
+/// The idle connections of one upstream, newest last.
+#[derive(Debug)]
+struct Pool {
+    idle: Mutex<VecDeque<Connection>>,
+    idle_timeout: Duration,
+    max_idle: usize,
+}
+
+impl Pool {
+    fn take(&self) -> Option<Connection> {
+        let now = Instant::now();
+        let mut idle = self.idle.lock().ok()?;
+        while let Some(mut connection) = idle.pop_back() {
+            if now.saturating_duration_since(connection.idle_since) >= self.idle_timeout {
+                // The newest is too old: so are all the others.
+                idle.clear();
+                return None;
+            }
+            if connection.is_usable() {
+                return Some(connection);
+            }
+        }
+        None
+    }
+
+    fn put(&self, mut connection: Connection) {
+        let now = Instant::now();
+        connection.idle_since = now;
+        connection.reused = true;
+        let Ok(mut idle) = self.idle.lock() else {
+            return;
+        };
+        while idle.front().is_some_and(|oldest| {
+            now.saturating_duration_since(oldest.idle_since) >= self.idle_timeout
+        }) {
+            idle.pop_front();
+        }
+        if idle.len() < self.max_idle {
+            idle.push_back(connection);
+        }
+    }
+}
+
+/// An upstream's HTTP/1.1 client and keep-alive pool.
+#[derive(Debug, Clone)]
+pub struct Client {
+    settings: Arc<ClientSettings>,
+    pool: Arc<Pool>,
+}
+
+/// The upstream side of a `101 Switching Protocols`: the raw connection and the bytes the
+/// upstream sent after the 101 head, found in the response's extensions.
+#[derive(Debug, Clone)]
+pub struct UpstreamUpgrade(Arc<Mutex<Option<(Stream, Bytes)>>>);
+
+impl UpstreamUpgrade {
+    pub fn take(&self) -> Option<(Stream, Bytes)> {
+        self.0.lock().ok()?.take()
+    }
+}
+
+impl Client {
+    pub fn new(settings: ClientSettings) -> Client {
+        let pool = Pool {
+            idle: Mutex::new(VecDeque::new()),
+            idle_timeout: settings.pool_idle_timeout,
+            max_idle: settings.pool_max_idle,
+        };
+        Client {
+            settings: Arc::new(settings),
+            pool: Arc::new(pool),
+        }
+    }
+
+    /// Sends `request` (its URI's path and query are the request target) and reads the
+    /// response head. The body streams from the connection as it is polled.
+    pub async fn send(
+        &self,
+        request: Request<UpstreamBody>,
+    ) -> Result<Response<Incoming>, ClientError> {
+        let (parts, mut body) = request.into_parts();
+        let head = encode_request_head(&parts, &body, &self.settings.authority);
+        let chunked = head.chunked;
+        let has_body = !body.is_end_stream();
+        let upgrade = parts.headers.contains_key(header::UPGRADE);
+        let mut retried = false;
+        let (connection, response_head) = loop {
+            let mut connection = match self.pool.take() {
+                Some(connection) => connection,
+                None => self.connect().await?,
+            };
+            let sent = send_on(&mut connection, &head.bytes, &mut body, has_body, chunked).await;
+            let outcome = match sent {
+                Ok(()) => read_response_head(&mut connection).await,
+                Err(error) => Err(error),
+            };
+            match outcome {
+                Ok(response_head) => break (connection, response_head),
+                Err(error) => {
+                    // A reused connection that the upstream had just closed: the request
+                    // never reached it. Sent again once on a new connection, when nothing of
+                    // it is lost (no body) and sending twice is harmless.
+                    let race = connection.reused
+                        && connection.buffer.is_empty()
+                        && matches!(&error, ClientError::Closed | ClientError::Io(_));
+                    if race && !retried && !has_body && is_idempotent(&parts.method) {
+                        retried = true;
+                        continue;
+                    }
+                    return Err(error);
+                }
+            }
+        };
+        Ok(self.response_from(connection, response_head, &parts.method, upgrade))
+    }
+
+    async fn connect(&self) -> Result<Connection, ClientError> {
+        let settings = &self.settings;
+        let target = || format!("{}:{}", settings.host, settings.port);
+        let connecting = connect_tcp(&settings.host, settings.port);
+        let stream = match tokio::time::timeout(settings.connect_timeout, connecting).await {
+            Err(_elapsed) => {
+                return Err(ClientError::Connect {
+                    target: target(),
+                    source: io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
+                })
+            }
+            Ok(Err(source)) => {
+                return Err(ClientError::Connect {
+                    target: target(),
+                    source,
+                })
+            }
+            Ok(Ok(stream)) => stream,
+        };
+        let stream = match &settings.tls {
+            None => Stream::Plain(stream),
+            Some(config) => {
+                let name = rustls_pki_types::ServerName::try_from(settings.host.clone()).map_err(
+                    |error| ClientError::Connect {
+                        target: target(),
+                        source: io::Error::new(io::ErrorKind::InvalidInput, error),
+                    },
+                )?;
+                let handshake = TlsConnector::from(config.clone()).connect(name, stream);
+                let remaining = settings.connect_timeout;
+                match tokio::time::timeout(remaining, handshake).await {
+                    Err(_elapsed) => {
+                        return Err(ClientError::Connect {
+                            target: target(),
+                            source: io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                "TLS handshake timed out",
+                            ),
+                        })
+                    }
+                    Ok(Err(source)) => {
+                        return Err(ClientError::Connect {
+                            target: target(),
+                            source,
+                        })
+                    }
+                    Ok(Ok(stream)) => Stream::Tls(Box::new(stream)),
+                }
+            }
+        };
+        Ok(Connection {
+            stream,
+            buffer: BytesMut::new(),
+            reused: false,
+            idle_since: Instant::now(),
+        })
+    }
+
+    fn response_from(
+        &self,
+        mut connection: Connection,
+        head: ResponseHead,
+        method: &Method,
+        upgrade: bool,
+    ) -> Response<Incoming> {
+        let mut response = Response::new(Incoming::empty());
+        *response.status_mut() = head.status;
+        *response.version_mut() = head.version;
+        *response.headers_mut() = head.headers;
+        if head.status == StatusCode::SWITCHING_PROTOCOLS && upgrade {
+            let rest = connection.buffer.split().freeze();
+            response
+                .extensions_mut()
+                .insert(UpstreamUpgrade(Arc::new(Mutex::new(Some((
+                    connection.stream,
+                    rest,
+                ))))));
+            return response;
+        }
+        let framing = if *method == Method::HEAD
+            || head.status.is_informational()
+            || head.status == StatusCode::NO_CONTENT
+            || head.status == StatusCode::NOT_MODIFIED
+        {
+            Framing::Done
+        } else {
+            match head.framing {
+                Framing::Length(0) => Framing::Done,
+                framing => framing,
+            }
+        };
+        let mut body = Incoming {
+            connection: Some(connection),
+            framing,
+            // A 101 nobody asked for: whatever the upstream speaks now, it is not HTTP/1.1.
+            reusable: head.keep_alive && !head.status.is_informational(),
+            pool: Some(self.pool.clone()),
+        };
+        body.finish_if_done();
+        *response.body_mut() = body;
+        response
+    }
+}
+
+fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
+}
+
+/// Connects to `host:port`, trying each address the name resolves to in turn.
+async fn connect_tcp(host: &str, port: u16) -> io::Result<TcpStream> {
+    let addresses: Vec<SocketAddr> = match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => vec![SocketAddr::new(ip, port)],
+        Err(_) => tokio::net::lookup_host((host, port)).await?.collect(),
+    };
+    let mut last_error = io::Error::new(io::ErrorKind::NotFound, "the name has no address");
+    for address in addresses {
+        let socket = if address.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
+        // Dead peers on long-idle pooled connections are found by the kernel, not by a 502.
+        socket.set_keepalive(true)?;
+        match socket.connect(address).await {
+            Ok(stream) => {
+                stream.set_nodelay(true)?;
+                return Ok(stream);
+            }
+            Err(error) => last_error = error,
+        }
+    }
+    Err(last_error)
+}
+
+/// An encoded request head and how its body is framed.
+struct RequestHeadBytes {
+    bytes: BytesMut,
+    chunked: bool,
+}
+
+fn encode_request_head(
+    parts: &http::request::Parts,
+    body: &UpstreamBody,
+    authority: &HeaderValue,
+) -> RequestHeadBytes {
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |path_and_query| path_and_query.as_str());
+    let fields: usize = parts
+        .headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum();
+    let mut out = BytesMut::with_capacity(parts.method.as_str().len() + target.len() + fields + 80);
+    out.put_slice(parts.method.as_str().as_bytes());
+    out.put_u8(b' ');
+    out.put_slice(target.as_bytes());
+    out.put_slice(b" HTTP/1.1\r\n");
+    if !parts.headers.contains_key(header::HOST) {
+        put_field(&mut out, "host", authority.as_bytes());
+    }
+    let mut chunked = false;
+    for (name, value) in &parts.headers {
+        // levee frames the body itself; the client's framing fields were hop-by-hop.
+        if name == header::TRANSFER_ENCODING {
+            continue;
+        }
+        put_field(&mut out, name.as_str(), value.as_bytes());
+    }
+    if !parts.headers.contains_key(header::CONTENT_LENGTH) {
+        match body.size_hint().exact() {
+            Some(0) if body.is_end_stream() => {
+                // Methods that carry a body say that this one is empty, as browsers do.
+                if matches!(parts.method, Method::POST | Method::PUT | Method::PATCH) {
+                    put_field(&mut out, "content-length", b"0");
+                }
+            }
+            Some(length) => {
+                let mut digits = itoa_u64(length);
+                put_field(&mut out, "content-length", digits.as_bytes());
+            }
+            None => {
+                put_field(&mut out, "transfer-encoding", b"chunked");
+                chunked = true;
+            }
+        }
+    }
+    out.put_slice(b"\r\n");
+    RequestHeadBytes {
+        bytes: out,
+        chunked,
+    }
+}
+
+fn put_field(out: &mut BytesMut, name: &str, value: &[u8]) {
+    out.put_slice(name.as_bytes());
+    out.put_slice(b": ");
+    out.put_slice(value);
+    out.put_slice(b"\r\n");
+}
+
+/// Decimal digits of `value`, without the formatting machinery.
+struct Digits {
+    bytes: [u8; 20],
+    start: usize,
+}
+
+impl Digits {
+    fn as_bytes(&mut self) -> &[u8] {
+        &self.bytes[self.start..]
+    }
+}
+
+fn itoa_u64(mut value: u64) -> Digits {
+    let mut digits = Digits {
+        bytes: [0; 20],
+        start: 20,
+    };
+    loop {
+        digits.start -= 1;
+        digits.bytes[digits.start] = b'0' + (value % 10) as u8;
+        value /= 10;
+        if value == 0 {
+            return digits;
+        }
+    }
+}
+
+/// Writes the head, then the body frame by frame (chunk-encoded when its length is unknown).
+async fn send_on(
+    connection: &mut Connection,
+    head: &BytesMut,
+    body: &mut UpstreamBody,
+    has_body: bool,
+    chunked: bool,
+) -> Result<(), ClientError> {
+    let stream = &mut connection.stream;
+    if !has_body {
+        stream.write_all(head).await?;
+        return Ok(());
+    }
+    // The head waits for the body's first piece, so that a small body goes out with it.
+    let mut out = BytesMut::from(&head[..]);
+    loop {
+        let frame = match body.frame().await {
+            None => break,
+            Some(Err(error)) => {
+                // The upstream saw part of a request: this connection cannot be reused.
+                return Err(ClientError::RequestBody(error));
+            }
+            Some(Ok(frame)) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers are not forwarded
+        };
+        if data.is_empty() {
+            continue;
+        }
+        if chunked {
+            encode_chunk_start(&mut out, data.len());
+        }
+        if data.len() <= COPY_LIMIT {
+            out.put_slice(&data);
+            if chunked {
+                out.put_slice(b"\r\n");
+            }
+            stream.write_all(&out).await?;
+            out.clear();
+        } else {
+            if !out.is_empty() {
+                stream.write_all(&out).await?;
+                out.clear();
+            }
+            stream.write_all(&data).await?;
+            if chunked {
+                out.put_slice(b"\r\n");
+            }
+        }
+    }
+    if chunked {
+        out.put_slice(LAST_CHUNK);
+    }
+    if !out.is_empty() {
+        stream.write_all(&out).await?;
+    }
+    Ok(())
+}
+
+/// How the response body's end is known.
+#[derive(Debug)]
+enum Framing {
+    Length(u64),
+    Chunked(ChunkedDecoder),
+    /// No length: the body ends when the upstream closes the connection.
+    UntilClose,
+    Done,
+}
+
+struct ResponseHead {
+    status: StatusCode,
+    version: Version,
+    headers: HeaderMap,
+    framing: Framing,
+    keep_alive: bool,
+}
+
+/// Reads until a final response head is buffered (interim 1xx heads other than 101 are
+/// skipped) and parses it.
+async fn read_response_head(connection: &mut Connection) -> Result<ResponseHead, ClientError> {
+    loop {
+        if !connection.buffer.is_empty() {
+            if let Some(head) = parse_response_head(&mut connection.buffer)? {
+                if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS
+                {
+                    continue;
+                }
+                return Ok(head);
+            }
+            if connection.buffer.len() >= MAX_HEAD_BYTES {
+                return Err(ClientError::Protocol(format!(
+                    "response head over {MAX_HEAD_BYTES} bytes"
+                )));
+            }
+        }
+        if connection.buffer.capacity() - connection.buffer.len() < 1024 {
+            connection.buffer.reserve(HEAD_READ_SIZE);
+        }
+        let read = connection.stream.read_buf(&mut connection.buffer).await?;
+        if read == 0 {
+            return Err(if connection.buffer.is_empty() {
+                ClientError::Closed
+            } else {
+                ClientError::Protocol("the connection closed inside the response head".into())
+            });
+        }
+    }
+}
+
+/// Parses a complete head off the front of `buffer`; `Ok(None)` while it is incomplete.
+fn parse_response_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, ClientError> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut fields);
+    let length = match parsed.parse(buffer) {
+        Ok(httparse::Status::Complete(length)) => length,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(error) => return Err(ClientError::Protocol(error.to_string())),
+    };
+    let status = parsed
+        .code
+        .and_then(|code| StatusCode::from_u16(code).ok())
+        .ok_or_else(|| ClientError::Protocol("invalid status code".into()))?;
+    let version = if parsed.version == Some(0) {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    // Field values become slices of the head's bytes, not copies: the parser's borrowed
+    // fields are turned into offsets first, so the head can be split off the buffer.
+    let count = parsed.headers.len();
+    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+    let base = buffer.as_ptr() as usize;
+    for (span, field) in spans.iter_mut().zip(parsed.headers.iter()) {
+        let name = field.name.as_ptr() as usize - base;
+        let value = field.value.as_ptr() as usize - base;
+        *span = (name, field.name.len(), value, field.value.len());
+    }
+    let head = buffer.split_to(length).freeze();
+    // Room for the fields levee may add (rate-limit state, Date) without growing.
+    let mut headers = HeaderMap::with_capacity(count + 3);
+    let mut keep_alive = version == Version::HTTP_11;
+    let mut length_field: Option<u64> = None;
+    let mut chunked = false;
+    let mut other_coding = false;
+    for &(name_at, name_len, value_at, value_len) in &spans[..count] {
+        let name = HeaderName::from_bytes(&head[name_at..name_at + name_len])
+            .map_err(|_| ClientError::Protocol("invalid header name".into()))?;
+        let value = HeaderValue::from_maybe_shared(head.slice(value_at..value_at + value_len))
+            .map_err(|_| ClientError::Protocol(format!("invalid value of {name}")))?;
+        if name == header::CONTENT_LENGTH {
+            let parsed: u64 = value
+                .to_str()
+                .ok()
+                .and_then(|text| text.trim().parse().ok())
+                .ok_or_else(|| ClientError::Protocol("invalid content-length".into()))?;
+            if length_field.is_some_and(|earlier| earlier != parsed) {
+                return Err(ClientError::Protocol(
+                    "conflicting content-length fields".into(),
+                ));
+            }
+            length_field = Some(parsed);
+        } else if name == header::TRANSFER_ENCODING {
+            let text = value.to_str().unwrap_or("");
+            let last = text.rsplit(',').next().unwrap_or("").trim();
+            chunked = last.eq_ignore_ascii_case("chunked");
+            other_coding |= !chunked;
+        } else if name == header::CONNECTION {
+            for token in value.to_str().unwrap_or("").split(',') {
+                let token = token.trim();
+                if token.eq_ignore_ascii_case("close") {
+                    keep_alive = false;
+                }
+            }
+        }
+        headers.append(name, value);
+    }
+    let framing = if chunked && !other_coding {
+        // With both fields the length is ignored, and the connection is not trusted after.
+        if length_field.is_some() {
+            keep_alive = false;
+            headers.remove(header::CONTENT_LENGTH);
+        }
+        Framing::Chunked(ChunkedDecoder::new())
+    } else if other_coding {
+        keep_alive = false;
+        headers.remove(header::CONTENT_LENGTH);
+        Framing::UntilClose
+    } else if let Some(length) = length_field {
+        Framing::Length(length)
+    } else {
+        keep_alive = false;
+        Framing::UntilClose
+    };
+    Ok(Some(ResponseHead {
+        status,
+        version,
+        headers,
+        framing,
+        keep_alive,
+    }))
+}
+
+/// A response body read straight from the upstream connection, which goes back to the pool
+/// once the body has been read to its end.
+#[derive(Debug)]
+pub struct Incoming {
+    connection: Option<Connection>,
+    framing: Framing,
+    reusable: bool,
+    pool: Option<Arc<Pool>>,
+}
+
+impl Incoming {
+    fn empty() -> Incoming {
+        Incoming {
+            connection: None,
+            framing: Framing::Done,
+            reusable: false,
+            pool: None,
+        }
+    }
+
+    /// Returns the connection to the pool when the body is complete and nothing else came.
+    fn finish_if_done(&mut self) {
+        if !matches!(self.framing, Framing::Done) {
+            return;
+        }
+        let (Some(connection), Some(pool)) = (self.connection.take(), self.pool.take()) else {
+            return;
+        };
+        if self.reusable && connection.buffer.is_empty() {
+            pool.put(connection);
+        }
+    }
+
+    /// The next piece of body data in the buffer, if the framing allows one.
+    fn buffered_piece(&mut self) -> Result<Option<Bytes>, ClientError> {
+        let Some(connection) = self.connection.as_mut() else {
+            return Ok(None);
+        };
+        let buffer = &mut connection.buffer;
+        match &mut self.framing {
+            Framing::Length(remaining) => {
+                if *remaining == 0 {
+                    self.framing = Framing::Done;
+                    return Ok(None);
+                }
+                if buffer.is_empty() {
+                    return Ok(None);
+                }
+                let take = usize::try_from(*remaining)
+                    .unwrap_or(usize::MAX)
+                    .min(buffer.len());
+                *remaining -= take as u64;
+                let piece = buffer.split_to(take).freeze();
+                if *remaining == 0 {
+                    self.framing = Framing::Done;
+                }
+                Ok(Some(piece))
+            }
+            Framing::Chunked(decoder) => {
+                let piece = decoder.decode(buffer)?;
+                if decoder.is_done() {
+                    self.framing = Framing::Done;
+                }
+                Ok(piece)
+            }
+            Framing::UntilClose => {
+                if buffer.is_empty() {
+                    Ok(None)
+                } else {
+                    Ok(Some(buffer.split().freeze()))
+                }
+            }
+            Framing::Done => Ok(None),
+        }
+    }
+}
+
+impl Body for Incoming {
+    type Data = Bytes;
+    type Error = ClientError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ClientError>>> {
+        let this = self.get_mut();
+        loop {
+            match this.buffered_piece() {
+                Ok(Some(piece)) => {
+                    this.finish_if_done();
+                    return Poll::Ready(Some(Ok(Frame::data(piece))));
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    this.connection = None;
+                    this.framing = Framing::Done;
+                    return Poll::Ready(Some(Err(error)));
+                }
+            }
+            if matches!(this.framing, Framing::Done) {
+                this.finish_if_done();
+                return Poll::Ready(None);
+            }
+            let Some(connection) = this.connection.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let buffer = &mut connection.buffer;
+            if buffer.capacity() - buffer.len() < 4096 {
+                buffer.reserve(BODY_READ_SIZE);
+            }
+            // `read_buf` keeps no state between polls: a fresh one per poll loses nothing.
+            let read = ready!(std::pin::pin!(connection.stream.read_buf(buffer)).poll(cx));
+            match read {
+                Ok(0) => {
+                    if matches!(this.framing, Framing::UntilClose) {
+                        this.framing = Framing::Done;
+                        this.connection = None;
+                        return Poll::Ready(None);
+                    }
+                    this.connection = None;
+                    this.framing = Framing::Done;
+                    return Poll::Ready(Some(Err(ClientError::Protocol(
+                        "the upstream closed the connection inside the body".into(),
+                    ))));
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    this.connection = None;
+                    this.framing = Framing::Done;
+                    return Poll::Ready(Some(Err(ClientError::Io(error))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.framing, Framing::Done) || matches!(self.framing, Framing::Length(0))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Length(remaining) => SizeHint::with_exact(remaining),
+            Framing::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(text: &str) -> Result<Option<ResponseHead>, ClientError> {
+        parse_response_head(&mut BytesMut::from(text))
+    }
+
+    #[test]
+    fn framing_follows_the_strict_rules() {
+        let length = head("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(matches!(length.framing, Framing::Length(5)) && length.keep_alive);
+        let chunked = head("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(matches!(chunked.framing, Framing::Chunked(_)) && chunked.keep_alive);
+        let both =
+            head("HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n")
+                .unwrap()
+                .unwrap();
+        assert!(matches!(both.framing, Framing::Chunked(_)) && !both.keep_alive);
+        assert!(!both.headers.contains_key(header::CONTENT_LENGTH));
+        let close = head("HTTP/1.1 200 OK\r\n\r\n").unwrap().unwrap();
+        assert!(matches!(close.framing, Framing::UntilClose) && !close.keep_alive);
+        let old = head("HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(!old.keep_alive);
+        let closing = head("HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(!closing.keep_alive);
+        assert!(head("HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n").is_err());
+        assert!(head("HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").is_err());
+        assert!(head("HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none());
+        assert!(head("garbage\r\n\r\n").is_err());
+    }
+
+    #[test]
+    fn header_values_are_kept_byte_for_byte() {
+        let parsed = head("HTTP/1.1 404 Not Found\r\nX-Thing: a b\r\nset-cookie: x=1\r\nset-cookie: y=2\r\ncontent-length: 0\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(parsed.status, StatusCode::NOT_FOUND);
+        assert_eq!(parsed.headers["x-thing"], "a b");
+        assert_eq!(parsed.headers.get_all("set-cookie").iter().count(), 2);
+    }
+
+    #[test]
+    fn digits_are_decimal() {
+        for value in [0u64, 7, 10, 1234567890, u64::MAX] {
+            assert_eq!(itoa_u64(value).as_bytes(), value.to_string().as_bytes());
+        }
+    }
+}
