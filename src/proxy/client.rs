@@ -20,11 +20,10 @@ use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::time::Instant;
@@ -172,6 +171,8 @@ struct Connection {
     buffer: BytesMut,
     /// Has it carried a request before (so a close may be the pool's race, not an answer)?
     reused: bool,
+    /// The upstream answered before the whole request was sent: not reusable.
+    request_unfinished: bool,
     idle_since: Instant,
 }
 
@@ -362,6 +363,7 @@ impl Client {
             stream,
             buffer: BytesMut::new(),
             reused: false,
+            request_unfinished: false,
             idle_since: Instant::now(),
         })
     }
@@ -399,11 +401,15 @@ impl Client {
                 framing => framing,
             }
         };
+        // A 101 nobody asked for: whatever the upstream speaks now, it is not HTTP/1.1. A body
+        // that ends with the connection leaves nothing to reuse.
+        let reusable = head.keep_alive
+            && !head.status.is_informational()
+            && !matches!(framing, Framing::UntilClose);
         let mut body = Incoming {
             connection: Some(connection),
             framing,
-            // A 101 nobody asked for: whatever the upstream speaks now, it is not HTTP/1.1.
-            reusable: head.keep_alive && !head.status.is_informational(),
+            reusable,
             pool: Some(self.pool.clone()),
         };
         body.finish_if_done();
@@ -541,6 +547,10 @@ fn itoa_u64(mut value: u64) -> Digits {
 }
 
 /// Writes the head, then the body frame by frame (chunk-encoded when its length is unknown).
+///
+/// While a body goes out, the connection is read too: an upstream that answers before it has
+/// the whole body (a refusal judged from the head alone) is heard at once, even when it has
+/// stopped reading. The rest of the body is then not sent, and the connection is not reused.
 async fn send_on(
     connection: &mut Connection,
     head: &BytesMut,
@@ -548,56 +558,111 @@ async fn send_on(
     has_body: bool,
     chunked: bool,
 ) -> Result<(), ClientError> {
-    let stream = &mut connection.stream;
     if !has_body {
-        stream.write_all(head).await?;
+        connection.stream.write_all(head).await?;
         return Ok(());
     }
-    // The head waits for the body's first piece, so that a small body goes out with it.
+    // Small pieces are copied behind the head (or the chunk framing) so that they leave in
+    // one write; a large one is written from where it is.
     let mut out = BytesMut::from(&head[..]);
-    loop {
-        let frame = match body.frame().await {
-            None => break,
-            Some(Err(error)) => {
-                // The upstream saw part of a request: this connection cannot be reused.
-                return Err(ClientError::RequestBody(error));
-            }
-            Some(Ok(frame)) => frame,
-        };
-        let Ok(data) = frame.into_data() else {
-            continue; // trailers are not forwarded
-        };
-        if data.is_empty() {
-            continue;
+    let mut large: Option<Bytes> = None;
+    let mut body_done = false;
+    std::future::poll_fn(|cx| loop {
+        let buffer = &mut connection.buffer;
+        if buffer.capacity() - buffer.len() < 1024 {
+            buffer.reserve(HEAD_READ_SIZE);
         }
-        if chunked {
-            encode_chunk_start(&mut out, data.len());
-        }
-        if data.len() <= COPY_LIMIT {
-            out.put_slice(&data);
-            if chunked {
-                out.put_slice(b"\r\n");
+        if let Poll::Ready(read) = std::pin::pin!(connection.stream.read_buf(buffer)).poll(cx) {
+            match read {
+                Ok(0) => return Poll::Ready(Err(ClientError::Closed)),
+                Ok(_) if final_head_buffered(&connection.buffer) => {
+                    connection.request_unfinished =
+                        !body_done || !out.is_empty() || large.is_some();
+                    return Poll::Ready(Ok(()));
+                }
+                Ok(_) => continue,
+                Err(error) => return Poll::Ready(Err(ClientError::Io(error))),
             }
-            stream.write_all(&out).await?;
-            out.clear();
+        }
+        if !body_done && large.is_none() && out.len() < COPY_LIMIT {
+            match Pin::new(&mut *body).poll_frame(cx) {
+                Poll::Ready(None) => {
+                    if chunked {
+                        out.put_slice(LAST_CHUNK);
+                    }
+                    body_done = true;
+                    continue;
+                }
+                Poll::Ready(Some(Err(error))) => {
+                    // The upstream saw part of a request: this connection cannot be reused.
+                    connection.request_unfinished = true;
+                    return Poll::Ready(Err(ClientError::RequestBody(error)));
+                }
+                Poll::Ready(Some(Ok(frame))) => {
+                    // Trailers are not forwarded.
+                    if let Some(data) = frame.into_data().ok().filter(|data| !data.is_empty()) {
+                        if chunked {
+                            encode_chunk_start(&mut out, data.len());
+                        }
+                        if data.len() <= COPY_LIMIT {
+                            out.put_slice(&data);
+                            if chunked {
+                                out.put_slice(b"\r\n");
+                            }
+                        } else {
+                            large = Some(data);
+                        }
+                    }
+                    continue;
+                }
+                Poll::Pending => {}
+            }
+        }
+        let pending: &mut dyn Buf = if !out.is_empty() {
+            &mut out
+        } else if let Some(data) = large.as_mut() {
+            data
+        } else if body_done {
+            return Poll::Ready(Ok(()));
         } else {
-            if !out.is_empty() {
-                stream.write_all(&out).await?;
-                out.clear();
+            return Poll::Pending; // waiting for the client's body
+        };
+        match Pin::new(&mut connection.stream).poll_write(cx, pending.chunk()) {
+            Poll::Ready(Ok(0)) => {
+                return Poll::Ready(Err(ClientError::Io(io::ErrorKind::WriteZero.into())))
             }
-            stream.write_all(&data).await?;
-            if chunked {
-                out.put_slice(b"\r\n");
+            Poll::Ready(Ok(written)) => {
+                pending.advance(written);
+                if large.as_ref().is_some_and(Bytes::is_empty) {
+                    large = None;
+                    if chunked {
+                        out.put_slice(b"\r\n");
+                    }
+                }
             }
+            Poll::Ready(Err(error)) => return Poll::Ready(Err(ClientError::Io(error))),
+            Poll::Pending => return Poll::Pending,
+        }
+    })
+    .await
+}
+
+/// Is a final (not interim 1xx) response head, or something that is not one at all, in
+/// `buffer`? Used to hear an answer that comes before the request is sent whole.
+fn final_head_buffered(buffer: &[u8]) -> bool {
+    let mut at = 0;
+    loop {
+        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut parsed = httparse::Response::new(&mut fields);
+        match parsed.parse(&buffer[at..]) {
+            Ok(httparse::Status::Complete(length)) => match parsed.code {
+                Some(code) if (100..200).contains(&code) && code != 101 => at += length,
+                _ => return true,
+            },
+            Ok(httparse::Status::Partial) => return false,
+            Err(_) => return true,
         }
     }
-    if chunked {
-        out.put_slice(LAST_CHUNK);
-    }
-    if !out.is_empty() {
-        stream.write_all(&out).await?;
-    }
-    Ok(())
 }
 
 /// How the response body's end is known.
@@ -731,7 +796,8 @@ fn parse_response_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, Cl
     } else if let Some(length) = length_field {
         Framing::Length(length)
     } else {
-        keep_alive = false;
+        // Ends with the connection, unless the status or the method says there is no body
+        // (204, 304, HEAD): `Client::response_from` decides.
         Framing::UntilClose
     };
     Ok(Some(ResponseHead {
@@ -771,7 +837,7 @@ impl Incoming {
         let (Some(connection), Some(pool)) = (self.connection.take(), self.pool.take()) else {
             return;
         };
-        if self.reusable && connection.buffer.is_empty() {
+        if self.reusable && connection.buffer.is_empty() && !connection.request_unfinished {
             pool.put(connection);
         }
     }
@@ -916,7 +982,7 @@ mod tests {
         assert!(matches!(both.framing, Framing::Chunked(_)) && !both.keep_alive);
         assert!(!both.headers.contains_key(header::CONTENT_LENGTH));
         let close = head("HTTP/1.1 200 OK\r\n\r\n").unwrap().unwrap();
-        assert!(matches!(close.framing, Framing::UntilClose) && !close.keep_alive);
+        assert!(matches!(close.framing, Framing::UntilClose));
         let old = head("HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\n")
             .unwrap()
             .unwrap();

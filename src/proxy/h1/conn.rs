@@ -46,8 +46,10 @@ const DRAIN_LIMIT: u64 = 64 * 1024;
 const DRAIN_TIME: Duration = Duration::from_secs(1);
 /// Before closing after a response, what the client still sends is read (and dropped) for a
 /// moment: closing a socket with unread bytes sends a reset, which can destroy the response
-/// before the client has read it.
-const LINGER_LIMIT: usize = 512 * 1024;
+/// before the client has read it. As with nginx's lingering close, time is the real bound: an
+/// upload refused early (a 413 from the app) is still arriving at loopback speed, and it must
+/// be swallowed whole for the client to see the refusal; the byte bound only stops a flood.
+const LINGER_LIMIT: usize = 64 * 1024 * 1024;
 const LINGER_TIME: Duration = Duration::from_secs(1);
 
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
