@@ -92,6 +92,7 @@ LIMITER_BENCH=${LIMITER_BENCH_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/release/exa
 # Targets (PASS/FAIL lines; informational, they never change the exit status).
 TARGET_VS_NGINX=1.1 TARGET_VS_HAPROXY=1.0 TARGET_IDLE_MIB=20 TARGET_CONNS_MIB=60
 TARGET_DECISIONS_VS_REDIS=0.7 TARGET_ADDED_P99_MS=1
+TARGET_FULL_VS_PASS=0.85 TARGET_HIDE_VS_PASS=0.7
 NOISE_PCT=${NOISE_PCT:-10} # warn when more than this share of the proxy core was busy with other work
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +404,7 @@ probe() { # URL EXPECTED_BYTES [MUST_NOT_CONTAIN]: one request; 200 with the rig
 # Cases
 # ---------------------------------------------------------------------------------------------
 CASES=()
-declare -A LABEL=() STATUS=() NOTE=() RPS=() P50=() P99=() P999=() ERR=() CPU=() HWM=() OTHER=() OTHER_MAX=()
+declare -A LABEL=() STATUS=() NOTE=() RPS=() P50=() P99=() P999=() ERR=() CPU=() HWM=() OTHER=() OTHER_MAX=() LOAD_BUSY=()
 declare -A REQS=() DECISIONS=() DEC_RATE=() DEC_OTHER=() # measure with ADMIN_PORT: levee's rate-limit decisions
 BROKEN=()
 
@@ -423,9 +424,9 @@ skip_case() { # ID LABEL REASON
 # around every measured round: DECISIONS (Redis decisions, summed), DEC_RATE (median of Redis
 # decisions / wrk's duration), DEC_OTHER (decisions made anywhere else: fallback, local, cache).
 measure() {
-	local id=$1 pid=$2 url=$3 own=$4 admin=${5:-} round pids t0 t1 b0 b1 w0 w1 errors=0 ticks=0 requests=0 status=0
+	local id=$1 pid=$2 url=$3 own=$4 admin=${5:-} round pids t0 t1 b0 b1 l0 l1 w0 w1 errors=0 ticks=0 requests=0 status=0
 	local d0 d1 dec_redis=0 dec_other=0
-	local -a rps=() p50=() p99=() p999=() other=() dec=()
+	local -a rps=() p50=() p99=() p999=() other=() load=() dec=()
 	run_wrk "$url" "$WARMUP" "$TMP/wrk-$id-warmup.txt" || {
 		broken "case $id: wrk warm-up failed"
 		STATUS[$id]=failed
@@ -440,13 +441,13 @@ measure() {
 			STATUS[$id]=failed
 			return
 		fi
-		t0=$(cpu_ticks $pids) b0=$(core_busy $PROXY_CORES) w0=$(now_us)
+		t0=$(cpu_ticks $pids) b0=$(core_busy $PROXY_CORES) l0=$(core_busy $LOAD_CORES) w0=$(now_us)
 		if ! run_wrk "$url" "$DURATION" "$TMP/wrk-$id-$round.txt"; then
 			broken "case $id: wrk round $round failed"
 			STATUS[$id]=failed
 			return
 		fi
-		t1=$(cpu_ticks $pids) b1=$(core_busy $PROXY_CORES) w1=$(now_us)
+		t1=$(cpu_ticks $pids) b1=$(core_busy $PROXY_CORES) l1=$(core_busy $LOAD_CORES) w1=$(now_us)
 		if [[ -n $admin ]]; then
 			if ! d1=$(decisions "$admin"); then
 				broken "case $id: cannot read levee's /metrics"
@@ -459,6 +460,8 @@ measure() {
 		# Noise check: busy time of the proxy core(s) that the proxy itself did not use
 		# (other processes, and interrupt work the kernel did not charge to the proxy).
 		other+=("$(calc "v = 100 * (($b1 - $b0) - $own * ($t1 - $t0)) / (($w1 - $w0) / 1e6 * $CLK_TCK * $PROXY_NCORES); printf \"%.1f\", (v < 0 ? 0 : v)")") # < 0: tick rounding
+		# How busy the other core(s) were: when they are full, the proxy is not what limits req/s.
+		load+=("$(calc "printf \"%.0f\", 100 * ($l1 - $l0) / (($w1 - $w0) / 1e6 * $CLK_TCK * $LOAD_NCORES)")")
 		ticks=$((ticks + t1 - t0)) requests=$((requests + W[requests])) errors=$((errors + W[errors])) status=$((status + W[err_status]))
 		rps+=("${W[rps]}") p50+=("${W[p50_us]}") p99+=("${W[p99_us]}") p999+=("${W[p999_us]}")
 		log "  round $round/$ROUNDS: ${W[rps]} req/s, p99 ${W[p99_us]} us, errors ${W[errors]}"
@@ -470,6 +473,7 @@ measure() {
 	CPU[$id]=$(calc "if ($requests > 0) printf \"%.2f\", $ticks / $CLK_TCK / $requests * 100000")
 	HWM[$id]=$(status_kb VmHWM $pids)
 	OTHER[$id]=$(median "${other[@]}")
+	LOAD_BUSY[$id]=$(median "${load[@]}")
 	OTHER_MAX[$id]=$(printf '%s\n' "${other[@]}" | sort -g | tail -n1)
 	REQS[$id]=$requests
 	if [[ -n $admin ]]; then
@@ -891,37 +895,38 @@ report_cases() {
 	out ""
 	out "## Throughput and latency"
 	out ""
-	out "| # | case | req/s | p50 | p99 | p99.9 | errors | proxy CPU s / 100k req | proxy peak RSS | req/s vs nginx | p99 vs nginx | other load on proxy core |"
-	out "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+	out "| # | case | req/s | p50 | p99 | p99.9 | errors | proxy CPU s / 100k req | proxy peak RSS | req/s vs nginx | p99 vs nginx | other load on proxy core | load core(s) busy |"
+	out "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 	for id in "${CASES[@]}"; do
 		if [[ ${STATUS[$id]} != ok ]]; then
-			out "| $id | ${LABEL[$id]} | ${STATUS[$id]}: ${NOTE[$id]:-} | | | | | | | | | |"
+			out "| $id | ${LABEL[$id]} | ${STATUS[$id]}: ${NOTE[$id]:-} | | | | | | | | | | |"
 			continue
 		fi
 		base=2
 		[[ $id == 8b || $id == 6 ]] && base=8a # the page cases compare with nginx on the page
-		out "| $id | ${LABEL[$id]} | $(printf '%.0f' "${RPS[$id]}") | $(ms "${P50[$id]}") | $(ms "${P99[$id]}") | $(ms "${P999[$id]}") | ${ERR[$id]} | ${CPU[$id]} | $(mib "${HWM[$id]}") | $(ratio "${RPS[$id]}" "${RPS[$base]:-}") | $(ratio "${P99[$id]}" "${P99[$base]:-}") | ${OTHER[$id]}% |"
+		out "| $id | ${LABEL[$id]} | $(printf '%.0f' "${RPS[$id]}") | $(ms "${P50[$id]}") | $(ms "${P99[$id]}") | $(ms "${P999[$id]}") | ${ERR[$id]} | ${CPU[$id]} | $(mib "${HWM[$id]}") | $(ratio "${RPS[$id]}" "${RPS[$base]:-}") | $(ratio "${P99[$id]}" "${P99[$base]:-}") | ${OTHER[$id]}% | ${LOAD_BUSY[$id]}% |"
 		calc "exit !(${OTHER_MAX[$id]} > $NOISE_PCT)" && noisy+=("$id (up to ${OTHER_MAX[$id]}%)")
 	done
 	out ""
-	out "Errors: wrk socket errors + HTTP status ≥ 400 (no 3xx here), warm-up included. CPU: utime+stime of the proxy process and its children (nginx master + worker) over the measured rounds. Peak RSS: VmHWM summed over those processes. Case 1 shows the backend nginx's own CPU and RSS. \"vs nginx\" is against case 2 (nginx proxy_pass), for 6 and 8b against case 8a (nginx on the 50 KiB page); req/s higher is better, p99 lower is better. Other load on proxy core: busy time of CPU $PROXY_CPUS not charged to the proxy (other processes, interrupt work), median of rounds."
+	out "Errors: wrk socket errors + HTTP status ≥ 400 (no 3xx here), warm-up included. CPU: utime+stime of the proxy process and its children (nginx master + worker) over the measured rounds. Peak RSS: VmHWM summed over those processes. Case 1 shows the backend nginx's own CPU and RSS. \"vs nginx\" is against case 2 (nginx proxy_pass), for 6 and 8b against case 8a (nginx on the 50 KiB page); req/s higher is better, p99 lower is better. Other load on proxy core: busy time of CPU $PROXY_CPUS not charged to the proxy (other processes, interrupt work), median of rounds. Load core(s) busy: busy time of CPU $LOAD_CORES_TEXT (wrk, the backend, Redis), median of rounds; near 100% the proxy is not what limits req/s, and the proxy CPU per request tells more."
 	if ((${#noisy[@]})); then
 		out ""
 		out "**Warning: noisy machine.** More than $NOISE_PCT% of the proxy core went to something other than the proxy in cases ${noisy[*]}. Those numbers are unreliable; rerun on a quiet machine."
 	fi
 	local -a pairs=("4:3:levee pass-through vs HAProxy" "5:4:levee route table vs levee pass-through"
 		"5b:5:+ 2 Redis limits + breaker vs routes only" "5c:5b:+ bulkhead vs 5b"
+		"5c:4:levee full policy vs levee pass-through"
 		"7b:7:levee limit vs nginx limit_req" "8b:8a:levee vs nginx, 50 KiB page" "6:8b:levee hide vs levee pass-through, 50 KiB page")
 	local pair a b
 	out ""
-	out "| comparison | req/s ratio | p99 ratio |"
-	out "|---|---:|---:|"
+	out "| comparison | req/s ratio | p99 ratio | requests per proxy CPU-second ratio |"
+	out "|---|---:|---:|---:|"
 	for pair in "${pairs[@]}"; do
 		IFS=: read -r a b _ <<<"$pair"
 		if [[ ${STATUS[$a]:-} == ok && ${STATUS[$b]:-} == ok ]]; then
-			out "| ${pair#*:*:} | $(ratio "${RPS[$a]}" "${RPS[$b]}") | $(ratio "${P99[$a]}" "${P99[$b]}") |"
+			out "| ${pair#*:*:} | $(ratio "${RPS[$a]}" "${RPS[$b]}") | $(ratio "${P99[$a]}" "${P99[$b]}") | $(ratio "${CPU[$b]}" "${CPU[$a]}") |"
 		else
-			out "| ${pair#*:*:} | n/a (case $a or $b did not run) | |"
+			out "| ${pair#*:*:} | n/a (case $a or $b did not run) | | |"
 		fi
 	done
 	for id in "${CASES[@]}"; do
@@ -1034,6 +1039,16 @@ report_targets() {
 	else
 		out "- n/a levee pass-through vs HAProxy (a case did not run)"
 	fi
+	if [[ ${STATUS[5c]:-} == ok && ${STATUS[4]:-} == ok ]]; then
+		pass_fail "${RPS[5c]} >= $TARGET_FULL_VS_PASS * ${RPS[4]}" "levee full policy req/s ≥ ${TARGET_FULL_VS_PASS}× levee pass-through: $(ratio "${RPS[5c]}" "${RPS[4]}") (requests per proxy CPU-second: $(ratio "${CPU[4]}" "${CPU[5c]}"); load core(s) busy ${LOAD_BUSY[5c]}% against ${LOAD_BUSY[4]}%)"
+	else
+		out "- n/a levee full policy vs pass-through (a case did not run)"
+	fi
+	if [[ ${STATUS[6]:-} == ok && ${STATUS[8b]:-} == ok ]]; then
+		pass_fail "${RPS[6]} >= $TARGET_HIDE_VS_PASS * ${RPS[8b]}" "levee hide req/s ≥ ${TARGET_HIDE_VS_PASS}× levee pass-through of the 50 KiB page: $(ratio "${RPS[6]}" "${RPS[8b]}")"
+	else
+		out "- n/a levee hide vs pass-through of the page (a case did not run)"
+	fi
 	if [[ -n $IDLE_RSS ]]; then
 		pass_fail "$IDLE_RSS <= $TARGET_IDLE_MIB * 1024" "levee idle RSS ≤ $TARGET_IDLE_MIB MiB: $(mib "$IDLE_RSS")"
 	else out "- n/a levee idle RSS"; fi
@@ -1063,6 +1078,9 @@ check_cpus
 CLK_TCK=$(getconf CLK_TCK)
 PROXY_CORES=$(expand_cpus "$PROXY_CPUS")
 PROXY_NCORES=$(wc -w <<<"$PROXY_CORES")
+LOAD_CORES=$(printf '%s\n' $(expand_cpus "$LOAD_CPUS") $(expand_cpus "$BACKEND_CPUS") | sort -un | tr '\n' ' ')
+LOAD_NCORES=$(wc -w <<<"$LOAD_CORES")
+LOAD_CORES_TEXT=$(tr ' ' ',' <<<"${LOAD_CORES% }")
 
 # 5,000 idle clients need 5,000 descriptors in the client and twice that in levee.
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
