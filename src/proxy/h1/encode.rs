@@ -92,27 +92,26 @@ fn connection_says_close(headers: &HeaderMap) -> bool {
 
 /// Writes the status line, the header fields, a `Date` unless one is set, and the blank line.
 pub fn encode_head(out: &mut BytesMut, status: StatusCode, headers: &HeaderMap) {
-    let fields: usize = headers
-        .iter()
-        .map(|(name, value)| name.as_str().len() + value.len() + 4)
-        .sum();
-    out.reserve(64 + fields + 40);
+    out.reserve(64 + crate::proxy::header::header_bytes(headers) + 40);
     out.put_slice(b"HTTP/1.1 ");
     out.put_slice(status.as_str().as_bytes());
     out.put_u8(b' ');
     out.put_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.put_slice(b"\r\n");
     for (name, value) in headers {
-        out.put_slice(name.as_str().as_bytes());
-        out.put_slice(b": ");
-        out.put_slice(value.as_bytes());
-        out.put_slice(b"\r\n");
+        encode_field(out, name.as_str(), value.as_bytes());
     }
     if !headers.contains_key(header::DATE) {
-        out.put_slice(b"date: ");
-        out.put_slice(&http_date_now());
-        out.put_slice(b"\r\n");
+        encode_field(out, "date", &http_date_now());
     }
+    out.put_slice(b"\r\n");
+}
+
+/// One `name: value` line of a head.
+pub fn encode_field(out: &mut BytesMut, name: &str, value: &[u8]) {
+    out.put_slice(name.as_bytes());
+    out.put_slice(b": ");
+    out.put_slice(value);
     out.put_slice(b"\r\n");
 }
 
