@@ -422,7 +422,7 @@ skip_case() { # ID LABEL REASON
 # measure ID PID URL ON_PROXY_CORE(1|0) [ADMIN_PORT]: warm-up, then ROUNDS measured wrk runs;
 # medians. With ADMIN_PORT (a levee with rate limits), it also reads levee's decision counters
 # around every measured round: DECISIONS (Redis decisions, summed), DEC_RATE (median of Redis
-# decisions / wrk's duration), DEC_OTHER (decisions made anywhere else: fallback, local, cache).
+# decisions / wrk's duration), DEC_OTHER (decisions made anywhere else: ahead, fallback, local, cache).
 measure() {
 	local id=$1 pid=$2 url=$3 own=$4 admin=${5:-} round pids t0 t1 b0 b1 l0 l1 w0 w1 errors=0 ticks=0 requests=0 status=0
 	local d0 d1 dec_redis=0 dec_other=0
@@ -538,7 +538,7 @@ run_case() {
 }
 
 decisions() { # ADMIN_PORT: "REDIS OTHER", levee's rate-limit decisions so far (all rules and
-	# results) made by Redis, and made any other way (fallback, local, cache); fails when
+	# results) made by Redis, and made any other way (ahead, fallback, local, cache); fails when
 	# /metrics does not answer
 	local text
 	text=$(curl -sf --max-time 5 "http://127.0.0.1:$1/metrics") || return 1
@@ -727,7 +727,7 @@ LIMITS_ON='limits = ["decide"]' LIMITS_OFF='limits = []' # the two renderings of
 # What every redis-benchmark call sends: the limiter's own script, one key per call, the
 # key drawn from 100,000 (-r, __rand_int__) so the calls spread over many buckets; an interval
 # of 100 ms and a burst of 10^9, so every call admits and writes its bucket, as levee's do.
-EVALSHA_ARGS=(1 'rl:{key:__rand_int__}' 100000 1000000000 0)
+EVALSHA_ARGS=(1 'rl:{key:__rand_int__}' 1 1 0 100000 1000000000 0) # one request, one rule, waiting
 
 declare -A RB=() # fields of the last redis-benchmark run: requests, rps, p50_ms, p99_ms
 
@@ -759,7 +759,7 @@ evalsha_ceiling() { # the Redis ceiling: redis-benchmark running the limiter's E
 		return 1
 	fi
 	# One call by hand: the reply starts with 0 (not blocked), then 1 (the rule admits).
-	reply=$(redis-cli -h 127.0.0.1 -p "$PORT_REDIS" EVALSHA "$EVALSHA_SHA" 1 'rl:{key:probe}' 100000 1000000000 0) || reply=
+	reply=$(redis-cli -h 127.0.0.1 -p "$PORT_REDIS" EVALSHA "$EVALSHA_SHA" 1 'rl:{key:probe}' 1 1 0 100000 1000000000 0) || reply=
 	if [[ $reply != "0 1 "* ]]; then
 		broken "limiter decisions/s: EVALSHA does not admit: '$reply'"
 		return 1
@@ -988,13 +988,13 @@ report_limiter() {
 		limiter_row "$id" "levee, one Redis limit rule (HTTP proxying included)"
 		out ""
 		if [[ -n $DIRECT_RPS ]]; then
-			out "- levee's limiter / Redis ceiling: $(ratio "$DIRECT_RPS" "${CEIL_RPS:-}"). \`limiter-bench\` (\`bench/limiter_bench.rs\`) compiles the same policy and calls \`Limiter::check\`, the call the proxy makes per request, with $CONNECTIONS decisions in flight on one thread (tokio's current-thread scheduler), each for another of 100,000 client addresses, pinned where redis-benchmark runs (CPU $LOAD_CPUS). Decisions Redis made: $DIRECT_REDIS; made without Redis (timeout fallback): $DIRECT_OTHER. redis-benchmark waits for each reply before the next call on each of its $CONNECTIONS connections (\`-P 1\`), like that many separate clients; levee sends every decision in flight over its one multiplexed Redis connection, so Redis reads and answers them in batches and can go past that ceiling."
+			out "- levee's limiter / Redis ceiling: $(ratio "$DIRECT_RPS" "${CEIL_RPS:-}"). \`limiter-bench\` (\`bench/limiter_bench.rs\`) compiles the same policy and calls \`Limiter::check\`, the call the proxy makes per request, with $CONNECTIONS decisions in flight on one thread (tokio's current-thread scheduler), each for another of 100,000 client addresses, pinned where redis-benchmark runs (CPU $LOAD_CPUS). Decisions Redis made: $DIRECT_REDIS; made without Redis (timeout fallback): $DIRECT_OTHER. redis-benchmark waits for each reply before the next call on each of its $CONNECTIONS connections (\`-P 1\`), like that many separate clients; levee sends the decisions that wait while one script call is at Redis together in its next call, so Redis runs one call for many decisions and levee can go past that ceiling."
 			[[ $DIRECT_OTHER == 0 ]] || out "- **limiter-bench decided $DIRECT_OTHER calls without Redis**: Redis overran levee's timeout; those calls did not pay the EVALSHA, so the direct figure is not a clean Redis figure."
 		fi
 		if [[ ${STATUS[$id]:-} == ok ]]; then
 			share=$(calc "if (${RPS[$id]} > 0) printf \"%.1f\", 100 * ${DEC_RATE[$id]} / ${RPS[$id]}")
 			out "- levee / Redis ceiling: $(ratio "${RPS[$id]}" "${CEIL_RPS:-}")"
-			out "- confirmed by levee's \`/metrics\`: \`levee_ratelimit_decisions_total{…,source=\"redis\"}\` grew by ${DECISIONS[$id]} over the measured rounds for ${REQS[$id]} requests, $(printf '%.0f' "${DEC_RATE[$id]}") decisions/s (${share}% of req/s); decisions made another way (fallback, local, cache): ${DEC_OTHER[$id]}"
+			out "- confirmed by levee's \`/metrics\`: \`levee_ratelimit_decisions_total{…,source=\"redis\"}\` grew by ${DECISIONS[$id]} over the measured rounds for ${REQS[$id]} requests, $(printf '%.0f' "${DEC_RATE[$id]}") decisions/s (${share}% of req/s); decisions made another way (ahead, fallback, local, cache): ${DEC_OTHER[$id]}"
 			[[ ${DEC_OTHER[$id]} == 0 ]] || out "- **levee decided ${DEC_OTHER[$id]} requests without Redis** (Redis slower than levee's timeout, or down): those requests did not pay the EVALSHA."
 		fi
 		out "- levee's number includes the whole HTTP proxying work on the proxy core (accept, parse, route, forward to the backend nginx and relay its 1 KiB answer), one EVALSHA per request on top; redis-benchmark only talks to Redis. The ratio is the share of Redis's ceiling that a single-core levee turns into proxied, rate-limited requests."

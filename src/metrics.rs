@@ -108,6 +108,7 @@ pub struct Metrics {
     pub ratelimit_decisions: Family<DecisionLabels, Counter>,
     pub redis_latency: Histogram,
     pub redis_up: Gauge,
+    pub ratelimit_ahead_overruns: Counter,
     pub redis_transitions: Family<RedisStateLabels, Counter>,
     pub breaker_state: Family<BreakerLabels, Gauge>,
     pub breaker_transitions: Family<BreakerTransitionLabels, Counter>,
@@ -204,6 +205,12 @@ impl Metrics {
             "redis_up",
             "1 while Redis is used for shared limits, 0 while its health breaker is open",
             redis_up.clone(),
+        );
+        let ratelimit_ahead_overruns = Counter::default();
+        registry.register(
+            "ratelimit_ahead_overruns",
+            "Requests admitted ahead of Redis (source=ahead) that Redis then refused: another instance had used the tokens in the meantime",
+            ratelimit_ahead_overruns.clone(),
         );
         let redis_transitions = Family::<RedisStateLabels, Counter>::default();
         registry.register(
@@ -321,6 +328,7 @@ impl Metrics {
             ratelimit_decisions,
             redis_latency,
             redis_up,
+            ratelimit_ahead_overruns,
             redis_transitions,
             requests,
             request_duration,

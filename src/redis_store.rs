@@ -17,6 +17,10 @@ use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use crate::metrics::Metrics;
+use crate::redis_batch::{read_answer, DecisionBatcher, Endpoint};
+
+/// The rate-limit script: GCRA for a batch of requests (see its header).
+const SCRIPT: &str = include_str!("limit/script.lua");
 
 /// `[redis]`, compiled. A reload with equal settings keeps the connection.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,7 +37,14 @@ pub struct RedisSettings {
     /// levee instances sharing these limits; the `local` fallback admits `rate / instances`.
     /// Default 1.
     pub instances: u32,
+    /// Share of a bucket's burst that must be left, by Redis's last answer less levee's own
+    /// requests since, for a request to be admitted at once and charged in the background.
+    /// 1 turns it off. Default [`DEFAULT_ADMIT_AHEAD_ABOVE`].
+    pub admit_ahead_above: f64,
 }
+
+/// `[redis] admit_ahead_above` when the policy does not set it.
+pub const DEFAULT_ADMIT_AHEAD_ABOVE: f64 = 0.5;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum RedisTarget {
@@ -58,6 +69,10 @@ pub enum RedisFailure {
     BadReply(String),
     #[error("redis is marked down; not calling it until the cool-down ends")]
     Down,
+    #[error("redis connection failed: {0}")]
+    Connection(String),
+    #[error("{0} rate-limit decisions are already waiting for redis")]
+    Overloaded(usize),
 }
 
 /// One bucket to decide in Redis.
@@ -96,6 +111,9 @@ pub struct RedisStore {
     health: Mutex<Health>,
     script: redis::Script,
     refund: redis::Script,
+    /// Rate-limit decisions on a single server, batched (`redis_batch`). `None` for a
+    /// cluster, whose decisions go one call per slot group through redis-rs.
+    batcher: Option<DecisionBatcher>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -108,11 +126,21 @@ impl std::fmt::Debug for RedisStore {
 
 impl RedisStore {
     pub fn new(settings: RedisSettings) -> RedisStore {
+        let batcher = match &settings.target {
+            RedisTarget::Single(url) => Endpoint::from_url(url).map(|endpoint| {
+                // The worker's own bound on a call: at least the caller's timeout, and
+                // long enough for a connection to be made even with a tight timeout.
+                let call_bound = settings.timeout.max(Duration::from_millis(200));
+                DecisionBatcher::new(endpoint, SCRIPT, call_bound, settings.admit_ahead_above)
+            }),
+            RedisTarget::Cluster(_) => None,
+        };
         RedisStore {
+            batcher,
             settings,
             connection: OnceCell::new(),
             health: Mutex::new(Health::default()),
-            script: redis::Script::new(include_str!("limit/script.lua")),
+            script: redis::Script::new(SCRIPT),
             refund: redis::Script::new(include_str!("limit/refund.lua")),
         }
     }
@@ -239,6 +267,22 @@ impl RedisStore {
         result
     }
 
+    /// Admits every ask at once when Redis's last answers left each bucket more than
+    /// `admit_ahead_above` of its burst; the decision still goes to Redis, in the next batch,
+    /// and its answer updates what levee knows. `None`: decide with [`Self::decide_all`].
+    /// Never while the health breaker is open, nor for a cluster.
+    pub fn admit_ahead(
+        &self,
+        asks: &[RedisAsk<'_>],
+        metrics: &Metrics,
+    ) -> Option<Vec<RemoteVerdict>> {
+        let batcher = self.batcher.as_ref()?;
+        if !self.is_up() {
+            return None;
+        }
+        batcher.admit_ahead(asks, &metrics.ratelimit_ahead_overruns)
+    }
+
     /// Decides every ask. In a cluster, asks are grouped by hash tag (one slot each) and the
     /// groups run concurrently; if any group refuses, the groups that admitted are refunded
     /// so a denied request still consumes nothing.
@@ -262,6 +306,10 @@ impl RedisStore {
     }
 
     async fn run(&self, asks: &[RedisAsk<'_>]) -> Result<Vec<RemoteVerdict>, RedisFailure> {
+        if let Some(batcher) = &self.batcher {
+            let (_, verdicts) = batcher.decide(asks).await?;
+            return Ok(verdicts);
+        }
         let connection = self.connect().await?;
         let single_slot = asks.windows(2).all(|pair| pair[0].tag == pair[1].tag);
         if matches!(connection, Connection::Single(_)) || single_slot {
@@ -322,6 +370,8 @@ impl RedisStore {
         for ask in &asks {
             invocation.key(ask.key);
         }
+        // One request in the batch (see `limit/script.lua`), waiting for its decision.
+        invocation.arg(1).arg(asks.len()).arg(0);
         for ask in &asks {
             invocation
                 .arg(ask.interval_us)
@@ -363,30 +413,15 @@ impl RedisStore {
     }
 }
 
-/// Reads the script's reply: space-separated integers (see `limit/script.lua`).
+/// Reads the script's reply for one request (see `limit/script.lua`).
 fn parse_reply(text: &str, count: usize) -> Result<(bool, Vec<RemoteVerdict>), RedisFailure> {
-    let reply: Vec<i64> = text
-        .split(' ')
-        .map(str::parse)
-        .collect::<Result<_, _>>()
-        .map_err(|_| RedisFailure::BadReply(format!("not a list of integers: {text:.80}")))?;
-    if reply.len() != 1 + 4 * count {
-        return Err(RedisFailure::BadReply(format!(
-            "{} values for {count} rules",
-            reply.len()
-        )));
+    let mut numbers = text.split(' ');
+    match read_answer(&mut numbers, count) {
+        Some((blocked, verdicts)) if numbers.next().is_none() => Ok((blocked > 0, verdicts)),
+        _ => Err(RedisFailure::BadReply(format!(
+            "not {count} rules' verdicts: {text:.80}"
+        ))),
     }
-    let to_u64 = |value: i64| u64::try_from(value).unwrap_or(0);
-    let verdicts = reply[1..]
-        .chunks_exact(4)
-        .map(|chunk| RemoteVerdict {
-            allowed: chunk[0] == 1,
-            remaining: u32::try_from(chunk[1]).unwrap_or(0),
-            reset_ms: to_u64(chunk[2]),
-            retry_after_ms: to_u64(chunk[3]),
-        })
-        .collect();
-    Ok((reply[0] == 1, verdicts))
 }
 
 /// Keeps the store alive in `Arc`s shared by policy generations.

@@ -328,8 +328,9 @@ async fn redis_paused_then_back_local_fallback_never_waits_past_the_timeout() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
     let backend = echo_backend().await;
-    // Fleet of 2: while Redis is away each instance admits half of the burst (5 of 10).
-    let section = format!("[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\nfailures_to_open = 2\ncooldown = \"1s\"\ninstances = 2\n", redis.url());
+    // Fleet of 2: while Redis is away each instance admits half of the burst (5 of 10). Every
+    // decision waits for Redis (admit_ahead_above = 1), so the first two pay the timeout.
+    let section = format!("[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\nfailures_to_open = 2\ncooldown = \"1s\"\ninstances = 2\nadmit_ahead_above = 1\n", redis.url());
     let rule = "[limit.shared]\nkey = [\"route\"]\nrate = \"1/min\"\nburst = 10\n";
     let levee = Levee::start(&limited_policy(&backend, "", &section, rule, "\"shared\"")).await;
     assert_eq!(

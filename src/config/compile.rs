@@ -35,7 +35,7 @@ use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
 use crate::proxy::upstream::{read_ca_file, Upstream, UpstreamSettings};
 use crate::queue::{QueueAction, QueueSettings};
-use crate::redis_store::{RedisSettings, RedisStore, RedisTarget};
+use crate::redis_store::{RedisSettings, RedisStore, RedisTarget, DEFAULT_ADMIT_AHEAD_ABOVE};
 
 /// Name of the implicit route that catches requests no route matches.
 pub const DEFAULT_ROUTE: &str = "default";
@@ -1028,7 +1028,21 @@ fn compile_redis(
             );
         }
     }
+    let admit_ahead_above = match &inner.admit_ahead_above {
+        Some(value) if !(0.0..=1.0).contains(value.get_ref()) => {
+            compiler.error_hint(
+                file,
+                value.span(),
+                "admit_ahead_above must be from 0 to 1",
+                "a share of each bucket's burst, e.g. 0.5 for half; 1 turns admitting ahead off",
+            );
+            DEFAULT_ADMIT_AHEAD_ABOVE
+        }
+        Some(value) => *value.get_ref(),
+        None => DEFAULT_ADMIT_AHEAD_ABOVE,
+    };
     Some(RedisSettings {
+        admit_ahead_above,
         target,
         timeout: compiler.duration(file, &inner.timeout, Duration::from_millis(25)),
         failures_to_open: positive(compiler, &inner.failures_to_open, 3, "failures_to_open"),

@@ -41,6 +41,7 @@ pub struct RedisSpec {
     pub cooldown: Option<Spanned<String>>,
     pub key_prefix: Option<Spanned<String>>,
     pub instances: Option<Spanned<u32>>,
+    pub admit_ahead_above: Option<Spanned<f64>>,
 }
 
 /// `[identity]`: where the user id and API key of a request are read from.

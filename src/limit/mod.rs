@@ -5,9 +5,12 @@
 //! 1. build each rule's bucket key (a rule whose key part is missing is skipped, or keyed by
 //!    IP when the rule says `missing = "ip"`);
 //! 2. keys already known to be refused (deny cache) are refused without asking anyone;
-//! 3. with Redis: one script decides all rules at once, all or nothing; without Redis (or
-//!    while its health breaker is open), each rule's `on_redis_error` decides: an in-process
-//!    share, allow or deny;
+//! 3. with Redis: one script decides all rules at once, all or nothing (batched with other
+//!    requests' decisions on a single server); while Redis's last answers left every bucket
+//!    more than `[redis] admit_ahead_above` of its burst, the request is admitted at once and
+//!    the script charges it in the background (`source="ahead"`); without Redis (or while its
+//!    health breaker is open), each rule's `on_redis_error` decides: an in-process share,
+//!    allow or deny;
 //! 4. dry-run rules are counted and logged, never enforced.
 
 pub mod gcra;
@@ -22,7 +25,7 @@ use tokio::time::Instant;
 
 use crate::error::ProxyError;
 use crate::metrics::{DecisionLabels, Metrics};
-use crate::redis_store::{RedisAsk, RedisStore};
+use crate::redis_store::{RedisAsk, RedisStore, RemoteVerdict};
 use gcra::{Rate, Verdict};
 use key::{bucket_key, KeyPart, RequestFacts};
 use local::{Ask, DenyCache, LocalStore};
@@ -250,17 +253,23 @@ impl Limiter {
                 dry_run: plan.rule.dry_run,
             })
             .collect();
-        match redis.decide_all(&asks, &self.metrics).await {
-            Ok(verdicts) => verdicts
+        let from_redis = |verdicts: Vec<RemoteVerdict>, source: &'static str| -> Vec<Decided> {
+            verdicts
                 .into_iter()
                 .map(|verdict| Decided {
                     allowed: verdict.allowed,
                     remaining: verdict.remaining,
                     reset: Duration::from_millis(verdict.reset_ms),
                     retry_after: Duration::from_millis(verdict.retry_after_ms),
-                    source: "redis",
+                    source,
                 })
-                .collect(),
+                .collect()
+        };
+        if let Some(verdicts) = redis.admit_ahead(&asks, &self.metrics) {
+            return from_redis(verdicts, "ahead");
+        }
+        match redis.decide_all(&asks, &self.metrics).await {
+            Ok(verdicts) => from_redis(verdicts, "redis"),
             Err(failure) => {
                 tracing::debug!("rate limit falls back: {failure}");
                 self.decide_locally(planned, now, true, redis.settings.instances)

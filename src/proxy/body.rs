@@ -28,11 +28,16 @@ pub struct BodyIdleTimeout {
 
 pin_project! {
     /// Fails the body when no frame arrives for `timeout` (slow or stalled peers).
+    ///
+    /// The clock starts when the body is first found without a frame ready, not when the
+    /// last frame was taken: time the reader spent elsewhere (writing that frame to a slow
+    /// client) is not the peer's idleness. And a body whose frames are ready whenever they
+    /// are asked for, as most small responses are, never reads the clock or sets a timer.
     pub struct IdleTimeout<B> {
         #[pin]
         inner: B,
-        #[pin]
-        sleep: Sleep,
+        sleep: Option<Pin<Box<Sleep>>>,
+        armed: bool,
         timeout: Duration,
         side: &'static str,
     }
@@ -42,7 +47,8 @@ impl<B> IdleTimeout<B> {
     pub fn new(inner: B, timeout: Duration, side: &'static str) -> Self {
         IdleTimeout {
             inner,
-            sleep: tokio::time::sleep(timeout),
+            sleep: None,
+            armed: false,
             timeout,
             side,
         }
@@ -61,19 +67,28 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let mut this = self.project();
+        let this = self.project();
         match this.inner.poll_frame(cx) {
             Poll::Ready(frame) => {
-                this.sleep.as_mut().reset(Instant::now() + *this.timeout);
+                *this.armed = false;
                 Poll::Ready(frame.map(|result| result.map_err(Into::into)))
             }
-            Poll::Pending => match this.sleep.poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyIdleTimeout {
-                    side: this.side,
-                    after: *this.timeout,
-                })))),
-                Poll::Pending => Poll::Pending,
-            },
+            Poll::Pending => {
+                let sleep = this.sleep.get_or_insert_with(|| {
+                    Box::pin(tokio::time::sleep_until(Instant::now() + *this.timeout))
+                });
+                if !*this.armed {
+                    sleep.as_mut().reset(Instant::now() + *this.timeout);
+                    *this.armed = true;
+                }
+                match sleep.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyIdleTimeout {
+                        side: this.side,
+                        after: *this.timeout,
+                    })))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 

@@ -290,7 +290,8 @@ async fn forward(
 
     let sent_at = tokio::time::Instant::now();
     let sent = upstream.client.send(Request::from_parts(parts, body));
-    let answer = match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
+    let response_deadline = sent_at + upstream.settings.response_timeout;
+    let answer = match tokio::time::timeout_at(response_deadline, sent).await {
         Err(_elapsed) => Err(ProxyError::UpstreamTimeout {
             upstream: upstream.name.clone(),
             after: upstream.settings.response_timeout,
@@ -302,9 +303,10 @@ async fn forward(
         )),
         Ok(Ok(response)) => Ok(response),
     };
+    let answered_at = tokio::time::Instant::now();
     upstream
         .latency
-        .record(tokio::time::Instant::now(), sent_at.elapsed());
+        .record(answered_at, answered_at.saturating_duration_since(sent_at));
     // Record: only the upstream's own failures count against its breaker.
     let failure_status = match &answer {
         Ok(response) => permit.record_status(response.status().as_u16(), &shared.metrics),

@@ -1,0 +1,868 @@
+//! Rate-limit decisions on a single Redis server, batched.
+//!
+//! Every request with Redis limits needs one script call. Instead of one call per request,
+//! one worker task owns a connection and keeps one call in flight: the decisions that arrive
+//! while it is at Redis go out together in the next call (`limit/script.lua` decides a batch
+//! in order, each request's rules all or nothing, so a batch answers exactly as one call per
+//! request would). At low load a batch is a single decision and nothing waits for anything;
+//! under load Redis runs one script call for dozens of requests, which costs it a fraction
+//! of the CPU, and levee a fraction of the system calls.
+//!
+//! How long a decision may wait is the caller's business (`RedisStore::decide_all` bounds it
+//! by `[redis] timeout` and falls back). The worker bounds each connection attempt and each
+//! call by its own `call_bound`, and drops the connection when Redis does not answer in time
+//! or answers something unreadable, so a late answer is never read as the answer to a later
+//! batch. The next batch connects again (and loads the script again). A `NOSCRIPT` answer
+//! (Redis lost its scripts but not the connection) is mended on the spot: the script is
+//! loaded again and the batch sent again.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use prometheus_client::metrics::counter::Counter;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{oneshot, Notify};
+use tokio::time::Instant;
+
+use crate::redis_store::{RedisAsk, RedisFailure, RemoteVerdict};
+
+/// Requests decided by one script call at most. Redis runs a script to its end before it
+/// serves anyone else, so a batch is kept well below a millisecond of Redis time.
+const MOST_PER_BATCH: usize = 128;
+/// Decisions that may wait for the worker; past this, a decision fails at once (and falls
+/// back) instead of queueing without bound behind a Redis that has stalled.
+const MOST_WAITING: usize = 8192;
+/// Longest reply line or bulk string accepted from Redis.
+const MOST_REPLY_BYTES: usize = 16 << 20;
+/// Buckets whose last Redis answer levee remembers for admitting ahead.
+const MOST_HEADROOM_KEYS: usize = 100_000;
+/// A bucket's last answer older than this is not used to admit ahead: the bucket may have
+/// been emptied by other instances since (or refilled, which only costs a round trip).
+const HEADROOM_FRESH: Duration = Duration::from_secs(1);
+/// How often the worker forgets buckets whose answers are no longer fresh.
+const HEADROOM_SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// Where the single Redis server is, and how to log in: read from `[redis] url`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Endpoint {
+    address: Address,
+    username: Option<String>,
+    password: Option<String>,
+    db: i64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Address {
+    Tcp(String, u16),
+    Unix(PathBuf),
+}
+
+impl Endpoint {
+    /// The endpoint of a `redis://` or `redis+unix://` URL. `None` for anything this client
+    /// does not speak (TLS); such a server is used through the general client instead.
+    pub fn from_url(url: &str) -> Option<Endpoint> {
+        let client = redis::Client::open(url).ok()?;
+        let info = client.get_connection_info();
+        let address = match info.addr() {
+            redis::ConnectionAddr::Tcp(host, port) => Address::Tcp(host.clone(), *port),
+            redis::ConnectionAddr::Unix(path) => Address::Unix(path.clone()),
+            _ => return None,
+        };
+        let settings = info.redis_settings();
+        Some(Endpoint {
+            address,
+            username: settings.username().map(str::to_owned),
+            password: settings.password().map(str::to_owned),
+            db: settings.db(),
+        })
+    }
+}
+
+/// A batch's answer for one request: whether any rule blocked it, and each rule's verdict.
+pub type Answer = (bool, Vec<RemoteVerdict>);
+
+/// The queue of decisions and the worker that sends them to Redis in batches.
+pub struct DecisionBatcher {
+    shared: Arc<Shared>,
+    call_bound: Duration,
+    /// `[redis] admit_ahead_above`.
+    admit_ahead_above: f64,
+}
+
+struct Shared {
+    endpoint: Endpoint,
+    script: &'static str,
+    queue: Mutex<Queue>,
+    wake: Notify,
+    /// Per bucket key: what Redis said last, and levee's requests admitted since.
+    headroom: Mutex<HashMap<String, Headroom>>,
+}
+
+/// What levee knows of one bucket in Redis.
+#[derive(Debug, Clone, Copy)]
+struct Headroom {
+    burst: u32,
+    /// Tokens left by Redis's last answer for this bucket.
+    remaining: u32,
+    /// Requests admitted ahead and not yet answered by Redis.
+    unconfirmed: u32,
+    as_of: Instant,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: Vec<Waiting>,
+    worker_started: bool,
+    closed: bool,
+}
+
+/// One request's decision (or, admitted ahead, a charge of `ahead` requests with the same
+/// buckets), its part of the script call already encoded.
+struct Waiting {
+    rules: usize,
+    /// RESP bulk strings: the request's keys, then (from `rules_at`) per rule its interval,
+    /// burst and dry-run flag.
+    encoded: Vec<u8>,
+    rules_at: usize,
+    /// 0 for a decision; else the requests admitted ahead that this charges.
+    ahead: u32,
+    caller: Caller,
+}
+
+enum Caller {
+    /// The request waits for the answer.
+    Waits(oneshot::Sender<Result<Answer, RedisFailure>>),
+    /// The request was admitted ahead; the answer only updates the headroom (and counts an
+    /// overrun when Redis refused).
+    Ahead(Counter),
+}
+
+impl Waiting {
+    fn new(asks: &[RedisAsk<'_>], caller: Caller) -> Waiting {
+        let mut encoded =
+            Vec::with_capacity(asks.iter().map(|ask| ask.key.len() + 48).sum::<usize>());
+        for ask in asks {
+            put_bulk(&mut encoded, ask.key.as_bytes());
+        }
+        let rules_at = encoded.len();
+        for ask in asks {
+            put_number(&mut encoded, ask.interval_us);
+            put_number(&mut encoded, u64::from(ask.burst));
+            put_bulk(&mut encoded, if ask.dry_run { b"1" } else { b"0" });
+        }
+        Waiting {
+            rules: asks.len(),
+            encoded,
+            rules_at,
+            ahead: u32::from(matches!(caller, Caller::Ahead(_))),
+            caller,
+        }
+    }
+
+    /// Whether `other`, admitted ahead, can be charged together with this one.
+    fn joins(&self, other: &Waiting) -> bool {
+        self.ahead > 0 && other.ahead > 0 && self.encoded == other.encoded
+    }
+
+    fn given_up(&self) -> bool {
+        match &self.caller {
+            Caller::Waits(reply) => reply.is_closed(),
+            Caller::Ahead(_) => false,
+        }
+    }
+
+    /// The request's bucket keys and bursts, read back from its encoded part.
+    fn buckets(&self) -> impl Iterator<Item = (&str, u32)> + '_ {
+        let keys = Bulks(&self.encoded[..self.rules_at]);
+        let mut rules = Bulks(&self.encoded[self.rules_at..]);
+        keys.map_while(move |key| {
+            let _interval = rules.next()?;
+            let burst = std::str::from_utf8(rules.next()?).ok()?.parse().ok()?;
+            let _dry_run = rules.next()?;
+            Some((std::str::from_utf8(key).ok()?, burst))
+        })
+    }
+
+    fn fail(self, failure: &BatchFailure) {
+        if let Caller::Waits(reply) = self.caller {
+            let _ = reply.send(Err(failure.for_caller()));
+        }
+    }
+}
+
+impl DecisionBatcher {
+    /// `call_bound` limits each connection attempt and each script call of the worker.
+    pub fn new(
+        endpoint: Endpoint,
+        script: &'static str,
+        call_bound: Duration,
+        admit_ahead_above: f64,
+    ) -> DecisionBatcher {
+        DecisionBatcher {
+            shared: Arc::new(Shared {
+                endpoint,
+                script,
+                queue: Mutex::new(Queue::default()),
+                wake: Notify::new(),
+                headroom: Mutex::new(HashMap::new()),
+            }),
+            call_bound,
+            admit_ahead_above,
+        }
+    }
+
+    /// Decides one request's rules, in the next batch.
+    pub async fn decide(&self, asks: &[RedisAsk<'_>]) -> Result<Answer, RedisFailure> {
+        let (reply, answer) = oneshot::channel();
+        self.enqueue(asks, Caller::Waits(reply))?;
+        answer.await.unwrap_or(Err(RedisFailure::Connection(
+            "the redis worker stopped".into(),
+        )))
+    }
+
+    /// Admits the request at once when, for every rule, Redis's last answer (fresh) less the
+    /// requests admitted ahead since leaves more than `admit_ahead_above` of the burst. The
+    /// request is then charged in the next batch like any other. `None`: not enough known
+    /// headroom; decide with [`Self::decide`].
+    ///
+    /// A request admitted ahead can be one Redis would have refused only when other
+    /// instances used up more than that share of the bucket since this instance's last
+    /// answer, which comes back within a round trip; `overruns` counts those.
+    pub fn admit_ahead(
+        &self,
+        asks: &[RedisAsk<'_>],
+        overruns: &Counter,
+    ) -> Option<Vec<RemoteVerdict>> {
+        if self.admit_ahead_above >= 1.0 || asks.is_empty() {
+            return None;
+        }
+        let now = Instant::now();
+        let verdicts = {
+            let mut headroom = lock(&self.shared.headroom);
+            let ahead = asks.iter().all(|ask| {
+                headroom.get(ask.key).is_some_and(|known| {
+                    let left = known.remaining.saturating_sub(known.unconfirmed);
+                    known.burst == ask.burst
+                        && now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
+                        && left > 0
+                        && f64::from(left) > self.admit_ahead_above * f64::from(ask.burst)
+                })
+            });
+            if !ahead {
+                return None;
+            }
+            let mut verdicts = Vec::with_capacity(asks.len());
+            for ask in asks {
+                if let Some(known) = headroom.get_mut(ask.key) {
+                    known.unconfirmed += 1;
+                    let remaining = known.remaining.saturating_sub(known.unconfirmed);
+                    let used = u64::from(ask.burst.saturating_sub(remaining));
+                    verdicts.push(RemoteVerdict {
+                        allowed: true,
+                        remaining,
+                        reset_ms: (used * ask.interval_us).div_ceil(1000),
+                        retry_after_ms: 0,
+                    });
+                }
+            }
+            verdicts
+        };
+        if self.enqueue(asks, Caller::Ahead(overruns.clone())).is_err() {
+            // Redis is far behind: forget what is known, so requests wait for answers.
+            lock(&self.shared.headroom).clear();
+            return None;
+        }
+        Some(verdicts)
+    }
+
+    fn enqueue(&self, asks: &[RedisAsk<'_>], caller: Caller) -> Result<(), RedisFailure> {
+        let waiting = Waiting::new(asks, caller);
+        let mut queue = self.shared.lock();
+        if queue.waiting.len() >= MOST_WAITING {
+            return Err(RedisFailure::Overloaded(MOST_WAITING));
+        }
+        queue.waiting.push(waiting);
+        if !queue.worker_started {
+            queue.worker_started = true;
+            tokio::spawn(work(Arc::clone(&self.shared), self.call_bound));
+        }
+        if queue.waiting.len() == 1 {
+            self.shared.wake.notify_one();
+        }
+        Ok(())
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Drop for DecisionBatcher {
+    fn drop(&mut self) {
+        self.shared.lock().closed = true;
+        self.shared.wake.notify_one();
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        lock(&self.queue)
+    }
+
+    /// Takes in Redis's answers: each bucket's tokens left, and the requests admitted ahead
+    /// that are now answered.
+    fn learn(&self, batch: &[Waiting], answers: &[(u64, Vec<RemoteVerdict>)], now: Instant) {
+        let mut headroom = lock(&self.headroom);
+        for (waiting, (blocked, verdicts)) in batch.iter().zip(answers) {
+            if let Caller::Ahead(overruns) = &waiting.caller {
+                overruns.inc_by(*blocked);
+            }
+            for ((key, burst), verdict) in waiting.buckets().zip(verdicts) {
+                let remaining = if verdict.allowed {
+                    verdict.remaining
+                } else {
+                    0
+                };
+                if let Some(known) = headroom.get_mut(key) {
+                    known.burst = burst;
+                    known.remaining = remaining;
+                    known.as_of = now;
+                    known.unconfirmed = known.unconfirmed.saturating_sub(waiting.ahead);
+                } else if headroom.len() < MOST_HEADROOM_KEYS {
+                    headroom.insert(
+                        key.to_owned(),
+                        Headroom {
+                            burst,
+                            remaining,
+                            unconfirmed: 0,
+                            as_of: now,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Forgets buckets not answered lately and with nothing admitted ahead in flight.
+    fn forget_stale(&self, now: Instant) {
+        lock(&self.headroom).retain(|_, known| {
+            known.unconfirmed > 0 || now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
+        });
+    }
+}
+
+/// The RESP bulk strings of an encoded part, in order (levee wrote them: no error path).
+struct Bulks<'a>(&'a [u8]);
+
+impl<'a> Iterator for Bulks<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        let rest = self.0.strip_prefix(b"$")?;
+        let line_end = memchr::memmem::find(rest, b"\r\n")?;
+        let length: usize = std::str::from_utf8(&rest[..line_end]).ok()?.parse().ok()?;
+        let start = line_end + 2;
+        let value = rest.get(start..start + length)?;
+        self.0 = rest.get(start + length + 2..)?;
+        Some(value)
+    }
+}
+
+/// Why a batch got no answers. Each waiting decision gets its own `RedisFailure` from it.
+#[derive(Debug)]
+enum BatchFailure {
+    Timeout(Duration),
+    Io(std::io::Error),
+    Reply(String),
+}
+
+impl BatchFailure {
+    fn for_caller(&self) -> RedisFailure {
+        match self {
+            BatchFailure::Timeout(bound) => RedisFailure::Timeout(*bound),
+            BatchFailure::Io(error) => RedisFailure::Connection(error.to_string()),
+            BatchFailure::Reply(text) => RedisFailure::BadReply(text.clone()),
+        }
+    }
+}
+
+impl From<std::io::Error> for BatchFailure {
+    fn from(error: std::io::Error) -> BatchFailure {
+        BatchFailure::Io(error)
+    }
+}
+
+/// The worker: takes what waits, sends it as one script call, hands out the answers; until
+/// the batcher is dropped (a reload that changed `[redis]`).
+async fn work(shared: Arc<Shared>, call_bound: Duration) {
+    let mut connection: Option<Connection> = None;
+    let mut batch: Vec<Waiting> = Vec::new();
+    let mut command: Vec<u8> = Vec::new();
+    let mut swept_at = Instant::now();
+    loop {
+        {
+            let mut queue = shared.lock();
+            if queue.closed {
+                for waiting in queue.waiting.drain(..) {
+                    if let Caller::Waits(reply) = waiting.caller {
+                        let _ = reply.send(Err(RedisFailure::Down));
+                    }
+                }
+                return;
+            }
+            // A decision whose caller gave up (its timeout) is not worth Redis's time.
+            queue.waiting.retain(|waiting| !waiting.given_up());
+            let take = queue.waiting.len().min(MOST_PER_BATCH);
+            for waiting in queue.waiting.drain(..take) {
+                // Requests admitted ahead with the same buckets are charged in one go: under
+                // load that is most of a batch, and Redis's work no longer grows with it.
+                if waiting.ahead > 0 {
+                    if let Some(earlier) = batch.iter_mut().find(|earlier| earlier.joins(&waiting))
+                    {
+                        earlier.ahead += waiting.ahead;
+                        continue;
+                    }
+                }
+                batch.push(waiting);
+            }
+        }
+        if batch.is_empty() {
+            shared.wake.notified().await;
+            continue;
+        }
+        let now = Instant::now();
+        if now.saturating_duration_since(swept_at) >= HEADROOM_SWEEP_EVERY {
+            shared.forget_stale(now);
+            swept_at = now;
+        }
+        let call = exchange(&shared, &mut connection, &batch, &mut command);
+        let result = match tokio::time::timeout(call_bound, call).await {
+            Ok(result) => result,
+            Err(_elapsed) => Err(BatchFailure::Timeout(call_bound)),
+        };
+        let failure = match result {
+            Ok(reply) => match hand_out(&shared, &reply, &mut batch) {
+                Ok(()) => continue,
+                Err(failure) => failure,
+            },
+            Err(failure) => failure,
+        };
+        tracing::debug!("rate-limit batch of {} failed: {failure:?}", batch.len());
+        connection = None;
+        // What was known of the buckets is no longer to be trusted: wait for answers again.
+        lock(&shared.headroom).clear();
+        for waiting in batch.drain(..) {
+            waiting.fail(&failure);
+        }
+    }
+}
+
+/// Sends the batch as one `EVALSHA` (connecting first when needed) and returns the reply.
+async fn exchange(
+    shared: &Shared,
+    connection: &mut Option<Connection>,
+    batch: &[Waiting],
+    command: &mut Vec<u8>,
+) -> Result<BytesMut, BatchFailure> {
+    let connection = match connection {
+        Some(connection) => connection,
+        None => connection.insert(Connection::open(&shared.endpoint, shared.script).await?),
+    };
+    encode_call(command, &connection.script_sha, batch);
+    connection.stream.write_all(command).await?;
+    let mut reply = connection.read_reply().await?;
+    if matches!(&reply, Reply::Error(message) if message.starts_with("NOSCRIPT")) {
+        // Redis lost its scripts (`SCRIPT FLUSH`, a failover to a replica that never saw
+        // the load) while keeping the connection: load it again and send the batch again.
+        // Nothing of the batch ran, so nothing is counted twice.
+        command.clear();
+        put_command(command, &[b"SCRIPT", b"LOAD", shared.script.as_bytes()]);
+        connection.stream.write_all(command).await?;
+        connection.take_script_sha().await?;
+        encode_call(command, &connection.script_sha, batch);
+        connection.stream.write_all(command).await?;
+        reply = connection.read_reply().await?;
+    }
+    match reply {
+        Reply::Bulk(Some(text)) => Ok(text),
+        Reply::Error(message) => Err(BatchFailure::Reply(message)),
+        other => Err(BatchFailure::Reply(format!(
+            "the rate-limit script returned {other:?}"
+        ))),
+    }
+}
+
+/// `EVALSHA sha numkeys keys… requests args…`, from the parts each decision encoded.
+fn encode_call(command: &mut Vec<u8>, sha: &str, batch: &[Waiting]) {
+    let keys: usize = batch.iter().map(|waiting| waiting.rules).sum();
+    let args: usize = 1 + batch
+        .iter()
+        .map(|waiting| 2 + 3 * waiting.rules)
+        .sum::<usize>();
+    command.clear();
+    command.push(b'*');
+    put_digits(command, (3 + keys + args) as u64);
+    command.extend_from_slice(b"\r\n");
+    put_bulk(command, b"EVALSHA");
+    put_bulk(command, sha.as_bytes());
+    put_number(command, keys as u64);
+    for waiting in batch {
+        command.extend_from_slice(&waiting.encoded[..waiting.rules_at]);
+    }
+    put_number(command, batch.len() as u64);
+    for waiting in batch {
+        put_number(command, waiting.rules as u64);
+        put_number(command, u64::from(waiting.ahead));
+        command.extend_from_slice(&waiting.encoded[waiting.rules_at..]);
+    }
+}
+
+/// Splits the script's reply among the batch, in order, and sends each its answer.
+fn hand_out(shared: &Shared, reply: &[u8], batch: &mut Vec<Waiting>) -> Result<(), BatchFailure> {
+    let text = std::str::from_utf8(reply)
+        .map_err(|_| BatchFailure::Reply("the rate-limit script's reply is not text".into()))?;
+    let mut numbers = text.split(' ');
+    let mut answers = Vec::with_capacity(batch.len());
+    for waiting in batch.iter() {
+        match read_answer(&mut numbers, waiting.rules) {
+            Some(answer) => answers.push(answer),
+            None => return Err(BatchFailure::Reply(format!("unreadable reply: {text:.80}"))),
+        }
+    }
+    if numbers.next().is_some() {
+        return Err(BatchFailure::Reply(format!("reply too long: {text:.80}")));
+    }
+    shared.learn(batch, &answers, Instant::now());
+    for (waiting, (blocked, verdicts)) in batch.drain(..).zip(answers) {
+        if let Caller::Waits(reply) = waiting.caller {
+            let _ = reply.send(Ok((blocked > 0, verdicts)));
+        }
+    }
+    Ok(())
+}
+
+/// Reads one request's part of the script's reply: blocked (a count, for a charge of
+/// requests admitted ahead), then four numbers per rule (see `limit/script.lua`). `None`
+/// when the numbers run out or one is not a number.
+pub fn read_answer<'a>(
+    numbers: &mut impl Iterator<Item = &'a str>,
+    rules: usize,
+) -> Option<(u64, Vec<RemoteVerdict>)> {
+    let mut next = || numbers.next()?.parse::<i64>().ok();
+    let blocked = u64::try_from(next()?).unwrap_or(0);
+    let mut verdicts = Vec::with_capacity(rules);
+    for _ in 0..rules {
+        let allowed = next()? == 1;
+        let remaining = next()?;
+        let reset_ms = next()?;
+        let retry_after_ms = next()?;
+        verdicts.push(RemoteVerdict {
+            allowed,
+            remaining: u32::try_from(remaining).unwrap_or(0),
+            reset_ms: u64::try_from(reset_ms).unwrap_or(0),
+            retry_after_ms: u64::try_from(retry_after_ms).unwrap_or(0),
+        });
+    }
+    Some((blocked, verdicts))
+}
+
+trait Duplex: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Duplex for T {}
+
+/// The worker's connection, logged in, on its database, with the script loaded.
+struct Connection {
+    stream: Pin<Box<dyn Duplex>>,
+    read: BytesMut,
+    script_sha: String,
+}
+
+impl Connection {
+    async fn open(endpoint: &Endpoint, script: &str) -> Result<Connection, BatchFailure> {
+        let stream: Pin<Box<dyn Duplex>> = match &endpoint.address {
+            Address::Tcp(host, port) => {
+                let stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+                stream.set_nodelay(true)?;
+                Box::pin(stream)
+            }
+            Address::Unix(path) => Box::pin(tokio::net::UnixStream::connect(path).await?),
+        };
+        let mut connection = Connection {
+            stream,
+            read: BytesMut::with_capacity(16 << 10),
+            script_sha: String::new(),
+        };
+        // The login, the database and the script, in one write; the replies come in order.
+        let mut hello = Vec::new();
+        let mut expected = Vec::new();
+        if let Some(password) = &endpoint.password {
+            let mut words: Vec<&[u8]> = vec![b"AUTH"];
+            if let Some(username) = &endpoint.username {
+                words.push(username.as_bytes());
+            }
+            words.push(password.as_bytes());
+            put_command(&mut hello, &words);
+            expected.push("AUTH");
+        }
+        if endpoint.db != 0 {
+            let db = endpoint.db.to_string();
+            put_command(&mut hello, &[b"SELECT", db.as_bytes()]);
+            expected.push("SELECT");
+        }
+        put_command(&mut hello, &[b"SCRIPT", b"LOAD", script.as_bytes()]);
+        connection.stream.write_all(&hello).await?;
+        for command in expected {
+            match connection.read_reply().await? {
+                Reply::Status(_) => {}
+                Reply::Error(message) => {
+                    return Err(BatchFailure::Reply(format!("{command} refused: {message}")))
+                }
+                other => return Err(BatchFailure::Reply(format!("{command} answered {other:?}"))),
+            }
+        }
+        connection.take_script_sha().await?;
+        Ok(connection)
+    }
+
+    /// Reads the answer to `SCRIPT LOAD`: the script's SHA1, used by every call after it.
+    async fn take_script_sha(&mut self) -> Result<(), BatchFailure> {
+        match self.read_reply().await? {
+            Reply::Bulk(Some(sha)) if sha.len() == 40 && sha.is_ascii() => {
+                self.script_sha = String::from_utf8_lossy(&sha).into_owned();
+                Ok(())
+            }
+            Reply::Error(message) => Err(BatchFailure::Reply(format!(
+                "SCRIPT LOAD refused: {message}"
+            ))),
+            other => Err(BatchFailure::Reply(format!(
+                "SCRIPT LOAD answered {other:?}"
+            ))),
+        }
+    }
+
+    async fn read_reply(&mut self) -> Result<Reply, BatchFailure> {
+        loop {
+            if let Some(reply) = take_reply(&mut self.read)? {
+                return Ok(reply);
+            }
+            self.read.reserve(16 << 10);
+            if self.stream.read_buf(&mut self.read).await? == 0 {
+                return Err(BatchFailure::Io(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "redis closed the connection",
+                )));
+            }
+        }
+    }
+}
+
+/// One RESP2 reply, of the kinds the limiter's commands give.
+#[derive(Debug, PartialEq)]
+enum Reply {
+    Status(String),
+    Error(String),
+    Integer(i64),
+    Bulk(Option<BytesMut>),
+}
+
+/// Takes one whole reply off the front of `read`; `None` while it is incomplete.
+fn take_reply(read: &mut BytesMut) -> Result<Option<Reply>, BatchFailure> {
+    let Some(line_end) = memchr::memmem::find(read, b"\r\n") else {
+        if read.len() > MOST_REPLY_BYTES {
+            return Err(BatchFailure::Reply("reply line too long".into()));
+        }
+        return Ok(None);
+    };
+    let line = |read: &BytesMut| String::from_utf8_lossy(&read[1..line_end]).into_owned();
+    let reply = match read.first() {
+        Some(b'+') => Reply::Status(line(read)),
+        Some(b'-') => Reply::Error(line(read)),
+        Some(b':') => Reply::Integer(
+            line(read)
+                .parse()
+                .map_err(|_| BatchFailure::Reply(format!("bad integer reply {:?}", line(read))))?,
+        ),
+        Some(b'$') => {
+            let length: i64 = line(read)
+                .parse()
+                .map_err(|_| BatchFailure::Reply(format!("bad bulk length {:?}", line(read))))?;
+            if length < 0 {
+                read.advance(line_end + 2);
+                return Ok(Some(Reply::Bulk(None)));
+            }
+            let length = usize::try_from(length).unwrap_or(usize::MAX);
+            if length > MOST_REPLY_BYTES {
+                return Err(BatchFailure::Reply(format!("bulk reply of {length} bytes")));
+            }
+            let start = line_end + 2;
+            if read.len() < start + length + 2 {
+                return Ok(None);
+            }
+            if &read[start + length..start + length + 2] != b"\r\n" {
+                return Err(BatchFailure::Reply("bulk reply not ended by CRLF".into()));
+            }
+            read.advance(start);
+            let text = read.split_to(length);
+            read.advance(2);
+            return Ok(Some(Reply::Bulk(Some(text))));
+        }
+        _ => {
+            return Err(BatchFailure::Reply(format!(
+                "unexpected reply {:?}",
+                String::from_utf8_lossy(&read[..line_end.min(80)])
+            )))
+        }
+    };
+    read.advance(line_end + 2);
+    Ok(Some(reply))
+}
+
+fn put_command(out: &mut Vec<u8>, words: &[&[u8]]) {
+    out.push(b'*');
+    put_digits(out, words.len() as u64);
+    out.extend_from_slice(b"\r\n");
+    for word in words {
+        put_bulk(out, word);
+    }
+}
+
+fn put_bulk(out: &mut Vec<u8>, value: &[u8]) {
+    out.push(b'$');
+    put_digits(out, value.len() as u64);
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+fn put_number(out: &mut Vec<u8>, value: u64) {
+    let mut digits = itoa::Buffer::new();
+    put_bulk(out, digits.format(value).as_bytes());
+}
+
+fn put_digits(out: &mut Vec<u8>, value: u64) {
+    let mut digits = itoa::Buffer::new();
+    out.extend_from_slice(digits.format(value).as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn take_all(bytes: &[u8]) -> Vec<Reply> {
+        let mut read = BytesMut::from(bytes);
+        let mut replies = Vec::new();
+        while let Some(reply) = take_reply(&mut read).expect("readable") {
+            replies.push(reply);
+        }
+        assert!(read.is_empty(), "left over: {read:?}");
+        replies
+    }
+
+    #[test]
+    fn replies_of_every_kind_are_read_and_partial_ones_wait() {
+        let replies = take_all(b"+OK\r\n-ERR no\r\n:42\r\n$-1\r\n$5\r\n1 0 2\r\n$0\r\n\r\n");
+        assert_eq!(
+            replies,
+            vec![
+                Reply::Status("OK".into()),
+                Reply::Error("ERR no".into()),
+                Reply::Integer(42),
+                Reply::Bulk(None),
+                Reply::Bulk(Some(BytesMut::from(&b"1 0 2"[..]))),
+                Reply::Bulk(Some(BytesMut::new())),
+            ]
+        );
+        let whole = b"$11\r\nhello world\r\n";
+        for cut in 0..whole.len() {
+            let mut read = BytesMut::from(&whole[..cut]);
+            assert_eq!(
+                take_reply(&mut read).expect("readable"),
+                None,
+                "cut at {cut}"
+            );
+            assert_eq!(read.len(), cut, "nothing taken from a partial reply");
+        }
+    }
+
+    #[test]
+    fn malformed_replies_are_errors() {
+        for bad in [&b"?what\r\n"[..], b"$x\r\n", b":1.5\r\n", b"$3\r\nabcd\r\n"] {
+            let mut read = BytesMut::from(bad);
+            assert!(take_reply(&mut read).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_call_carries_each_request_keys_first_then_counts_and_rules() {
+        let waiting = |keys: &[&str], rules: &[(u64, u32, bool)], ahead: bool| {
+            let asks: Vec<RedisAsk<'_>> = keys
+                .iter()
+                .zip(rules)
+                .map(|(key, (interval_us, burst, dry_run))| RedisAsk {
+                    key,
+                    tag: "",
+                    interval_us: *interval_us,
+                    burst: *burst,
+                    dry_run: *dry_run,
+                })
+                .collect();
+            let caller = if ahead {
+                Caller::Ahead(Counter::default())
+            } else {
+                Caller::Waits(oneshot::channel().0)
+            };
+            Waiting::new(&asks, caller)
+        };
+        let mut charge = waiting(&["c"], &[(30, 4, false)], true);
+        assert!(charge.joins(&waiting(&["c"], &[(30, 4, false)], true)));
+        assert!(!charge.joins(&waiting(&["c"], &[(30, 4, false)], false)));
+        assert!(!charge.joins(&waiting(&["d"], &[(30, 4, false)], true)));
+        charge.ahead += 6;
+        let batch = vec![
+            waiting(&["a", "b"], &[(10, 2, false), (20, 3, true)], false),
+            charge,
+        ];
+        assert_eq!(batch[0].buckets().collect::<Vec<_>>(), [("a", 2), ("b", 3)]);
+        let mut command = Vec::new();
+        encode_call(&mut command, "sha", &batch);
+        let words: Vec<&str> = std::str::from_utf8(&command)
+            .expect("text")
+            .split("\r\n")
+            .filter(|word| !word.starts_with('$') && !word.is_empty())
+            .collect();
+        assert_eq!(
+            words,
+            [
+                "*20", "EVALSHA", "sha", "3", "a", "b", "c", "2", "2", "0", "10", "2", "0", "20",
+                "3", "1", "1", "7", "30", "4", "0"
+            ]
+        );
+    }
+
+    #[test]
+    fn answers_are_split_in_order_and_a_short_reply_is_refused() {
+        let mut numbers = "0 1 4 100 0 1 0 0 5 7".split(' ');
+        let first = read_answer(&mut numbers, 1).expect("first");
+        assert_eq!(first.0, 0);
+        assert_eq!(
+            first.1,
+            vec![RemoteVerdict {
+                allowed: true,
+                remaining: 4,
+                reset_ms: 100,
+                retry_after_ms: 0
+            }]
+        );
+        let second = read_answer(&mut numbers, 1).expect("second");
+        assert_eq!(second.0, 1);
+        assert!(!second.1[0].allowed);
+        assert_eq!(second.1[0].retry_after_ms, 7);
+        assert!(read_answer(&mut numbers, 1).is_none());
+        assert!(read_answer(&mut "0 1 x 0 0".split(' '), 1).is_none());
+    }
+}
