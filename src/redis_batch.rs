@@ -41,8 +41,9 @@ const MOST_REPLY_BYTES: usize = 16 << 20;
 /// Buckets whose last Redis answer levee remembers for admitting ahead.
 const MOST_HEADROOM_KEYS: usize = 100_000;
 /// A bucket's last answer older than this is not used to admit ahead: the bucket may have
-/// been emptied by other instances since (or refilled, which only costs a round trip).
-const HEADROOM_FRESH: Duration = Duration::from_secs(1);
+/// been emptied by other instances since (or refilled, which only costs a round trip). Under
+/// steady traffic, where admitting ahead pays, answers are a round trip old.
+const HEADROOM_FRESH: Duration = Duration::from_millis(250);
 /// How often the worker forgets buckets whose answers are no longer fresh.
 const HEADROOM_SWEEP_EVERY: Duration = Duration::from_secs(10);
 
@@ -231,7 +232,7 @@ impl DecisionBatcher {
     ///
     /// A request admitted ahead can be one Redis would have refused only when other
     /// instances used up more than that share of the bucket since this instance's last
-    /// answer, which comes back within a round trip; `overruns` counts those.
+    /// answer for it (at most `HEADROOM_FRESH` old); `overruns` counts those.
     pub fn admit_ahead(
         &self,
         asks: &[RedisAsk<'_>],
@@ -408,12 +409,9 @@ async fn work(shared: Arc<Shared>, call_bound: Duration) {
     loop {
         {
             let mut queue = shared.lock();
-            if queue.closed {
-                for waiting in queue.waiting.drain(..) {
-                    if let Caller::Waits(reply) = waiting.caller {
-                        let _ = reply.send(Err(RedisFailure::Down));
-                    }
-                }
+            // Closed (a reload replaced `[redis]`): what is queued still goes out, so the
+            // requests admitted ahead are charged; nothing can be queued any more.
+            if queue.closed && queue.waiting.is_empty() {
                 return;
             }
             // A decision whose caller gave up (its timeout) is not worth Redis's time.

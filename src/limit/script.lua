@@ -49,7 +49,9 @@ for _ = 1, tonumber(ARGV[1]) do
       if over > 0 then
         new_tat = now + capacity
       end
-      out[1] = math.max(out[1], math.min(over, ahead))
+      if not dry_run then
+        out[1] = math.max(out[1], math.min(over, ahead))
+      end
       new_tats[i] = new_tat
       table.insert(out, over > 0 and 0 or 1)
       table.insert(out, math.floor((capacity - (new_tat - now)) / interval))
