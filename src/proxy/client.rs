@@ -610,14 +610,24 @@ async fn send_on(
     .await
 }
 
+/// Room for a response head's fields, uninitialised: zeroing a hundred of them for every
+/// response cost more than parsing the few a response has.
+fn uninit_fields<'buf>() -> [std::mem::MaybeUninit<httparse::Header<'buf>>; MAX_HEADERS] {
+    [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS]
+}
+
 /// Is a final (not interim 1xx) response head, or something that is not one at all, in
 /// `buffer`? Used to hear an answer that comes before the request is sent whole.
 fn final_head_buffered(buffer: &[u8]) -> bool {
     let mut at = 0;
     loop {
-        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut parsed = httparse::Response::new(&mut fields);
-        match parsed.parse(&buffer[at..]) {
+        let mut fields = uninit_fields();
+        let mut parsed = httparse::Response::new(&mut []);
+        match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut parsed,
+            &buffer[at..],
+            &mut fields,
+        ) {
             Ok(httparse::Status::Complete(length)) => match parsed.code {
                 Some(code) if (100..200).contains(&code) && code != 101 => at += length,
                 _ => return true,
@@ -678,11 +688,28 @@ async fn read_response_head(connection: &mut Connection) -> Result<ResponseHead,
     }
 }
 
+/// For the fuzzer (`fuzz/fuzz_targets/upstream_response_head.rs`): parses every response
+/// head it can off the front of `bytes`, as the client reads an upstream's answers, and
+/// returns how many it parsed. Any input must give an answer, never a panic.
+#[doc(hidden)]
+pub fn parse_response_heads_for_fuzzing(bytes: &[u8]) -> usize {
+    let mut buffer = BytesMut::from(bytes);
+    let mut parsed = 0;
+    while let Ok(Some(_head)) = parse_response_head(&mut buffer) {
+        parsed += 1;
+    }
+    parsed
+}
+
 /// Parses a complete head off the front of `buffer`; `Ok(None)` while it is incomplete.
 fn parse_response_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, ClientError> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut parsed = httparse::Response::new(&mut fields);
-    let length = match parsed.parse(buffer) {
+    let mut fields = uninit_fields();
+    let mut parsed = httparse::Response::new(&mut []);
+    let length = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut parsed,
+        buffer,
+        &mut fields,
+    ) {
         Ok(httparse::Status::Complete(length)) => length,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(error) => return Err(ClientError::Protocol(error.to_string())),
@@ -699,13 +726,16 @@ fn parse_response_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, Cl
     // Field values become slices of the head's bytes, not copies: the parser's borrowed
     // fields are turned into offsets first, so the head can be split off the buffer.
     let count = parsed.headers.len();
-    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
     let base = buffer.as_ptr() as usize;
-    for (span, field) in spans.iter_mut().zip(parsed.headers.iter()) {
-        let name = field.name.as_ptr() as usize - base;
-        let value = field.value.as_ptr() as usize - base;
-        *span = (name, field.name.len(), value, field.value.len());
-    }
+    let spans: Vec<(usize, usize, usize, usize)> = parsed
+        .headers
+        .iter()
+        .map(|field| {
+            let name = field.name.as_ptr() as usize - base;
+            let value = field.value.as_ptr() as usize - base;
+            (name, field.name.len(), value, field.value.len())
+        })
+        .collect();
     let head = buffer.split_to(length).freeze();
     // Room for the fields levee may add (rate-limit state, Date) without growing.
     let mut headers = HeaderMap::with_capacity(count + 3);
@@ -713,7 +743,7 @@ fn parse_response_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, Cl
     let mut length_field: Option<u64> = None;
     let mut chunked = false;
     let mut other_coding = false;
-    for &(name_at, name_len, value_at, value_len) in &spans[..count] {
+    for &(name_at, name_len, value_at, value_len) in &spans {
         let name = HeaderName::from_bytes(&head[name_at..name_at + name_len])
             .map_err(|_| ClientError::Protocol("invalid header name".into()))?;
         let value = HeaderValue::from_maybe_shared(head.slice(value_at..value_at + value_len))

@@ -183,8 +183,10 @@ async fn read_some(stream: &mut TcpStream, buffer: &mut BytesMut) -> std::io::Re
         if buffer.capacity() == 0 {
             // Nothing buffered: read onto the stack first, so that a wake-up without data
             // allocates nothing, and the array is not part of the idle connection's task.
-            let mut probe = [0u8; HEAD_READ_SIZE];
-            let mut room = tokio::io::ReadBuf::new(&mut probe);
+            // Uninitialised: the read fills what it returns, and zeroing 4 KiB on every
+            // wake-up cost more than the read's own work in levee.
+            let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); HEAD_READ_SIZE];
+            let mut room = tokio::io::ReadBuf::uninit(&mut probe);
             std::task::ready!(tokio::io::AsyncRead::poll_read(
                 std::pin::Pin::new(&mut *stream),
                 cx,
