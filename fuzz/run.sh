@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 seconds="${1:-20}"
-targets=(policy_compile path_normalise limit_key)
+targets=(policy_compile path_normalise limit_key request_head chunked_body upstream_response_head redis_reply)
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "installing cargo-fuzz"

@@ -668,6 +668,25 @@ enum Reply {
     Bulk(Option<BytesMut>),
 }
 
+/// For the fuzzer (`fuzz/fuzz_targets/redis_reply.rs`): reads every reply it can off the front
+/// of `bytes`, as the worker reads Redis's answers, then splits each bulk reply as a batch of
+/// `rules`-rule answers; returns how many replies it read. Never a panic.
+#[doc(hidden)]
+pub fn read_replies_for_fuzzing(bytes: &[u8], rules: usize) -> usize {
+    let mut read = BytesMut::from(bytes);
+    let mut replies = 0;
+    while let Ok(Some(reply)) = take_reply(&mut read) {
+        replies += 1;
+        if let Reply::Bulk(Some(text)) = reply {
+            if let Ok(text) = std::str::from_utf8(&text) {
+                let mut numbers = text.split(' ');
+                while read_answer(&mut numbers, rules).is_some() {}
+            }
+        }
+    }
+    replies
+}
+
 /// Takes one whole reply off the front of `read`; `None` while it is incomplete.
 fn take_reply(read: &mut BytesMut) -> Result<Option<Reply>, BatchFailure> {
     let Some(line_end) = memchr::memmem::find(read, b"\r\n") else {

@@ -1269,6 +1269,7 @@ async fn malformed_response_heads_get_a_502_with_the_reason() {
         ("/http2", "malformed response"),
         ("/bad-header-name", "malformed response"),
         ("/bad-length", "invalid content-length"),
+        ("/signed-length", "invalid content-length"),
         ("/two-lengths", "conflicting content-length"),
         (
             "/cut-head",
@@ -1287,6 +1288,7 @@ async fn malformed_response_heads_get_a_502_with_the_reason() {
             Reply::close("HTTP/1.1 200 OK\r\nBad Name: x\r\nContent-Length: 0\r\n\r\n")
         }
         "/bad-length" => Reply::close("HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n"),
+        "/signed-length" => Reply::close("HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\nhello"),
         "/two-lengths" => {
             Reply::close("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!")
         }

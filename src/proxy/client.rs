@@ -749,10 +749,13 @@ fn parse_response_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, Cl
         let value = HeaderValue::from_maybe_shared(head.slice(value_at..value_at + value_len))
             .map_err(|_| ClientError::Protocol(format!("invalid value of {name}")))?;
         if name == header::CONTENT_LENGTH {
+            // Digits only (RFC 9110 §8.6): `parse` alone would take a sign, `+5`.
             let parsed: u64 = value
                 .to_str()
                 .ok()
-                .and_then(|text| text.trim().parse().ok())
+                .map(str::trim)
+                .filter(|text| !text.is_empty() && text.bytes().all(|byte| byte.is_ascii_digit()))
+                .and_then(|text| text.parse().ok())
                 .ok_or_else(|| ClientError::Protocol("invalid content-length".into()))?;
             if length_field.is_some_and(|earlier| earlier != parsed) {
                 return Err(ClientError::Protocol(

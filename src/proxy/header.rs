@@ -113,16 +113,20 @@ pub(crate) fn connection_has(headers: &HeaderMap, token: &str) -> bool {
 /// put back, because they are what asks the next hop to switch protocols.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     // Runs twice per request. Most requests carry none of these headers, and most responses
-    // only `Connection: keep-alive`: one pass over the names tells, before any lookups.
-    if !headers.keys().any(is_hop_by_hop) {
+    // only `Connection: keep-alive`: one pass over the names tells which are there, and only
+    // those are looked up (each lookup hashes the name).
+    let present = headers
+        .keys()
+        .fold(0u8, |present, name| present | hop_by_hop_bit(name));
+    if present == 0 {
         return;
     }
-    let upgrade = if keep_upgrade {
+    let upgrade = if keep_upgrade && present & hop_by_hop_bit(&header::UPGRADE) != 0 {
         headers.get(header::UPGRADE).cloned()
     } else {
         None
     };
-    if headers.contains_key(header::CONNECTION) {
+    if present & hop_by_hop_bit(&header::CONNECTION) != 0 {
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
@@ -150,7 +154,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
         &header::TRANSFER_ENCODING,
         &header::UPGRADE,
     ] {
-        headers.remove(name);
+        if present & hop_by_hop_bit(name) != 0 {
+            headers.remove(name);
+        }
     }
     if let Some(upgrade) = upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
@@ -158,14 +164,25 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     }
 }
 
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    *name == header::CONNECTION
-        || *name == header::TE
-        || *name == header::TRAILER
-        || *name == header::TRANSFER_ENCODING
-        || *name == header::UPGRADE
-        || *name == KEEP_ALIVE
-        || *name == PROXY_CONNECTION
+/// One bit per hop-by-hop field name; 0 for any other name.
+fn hop_by_hop_bit(name: &HeaderName) -> u8 {
+    if *name == header::CONNECTION {
+        1
+    } else if *name == header::TE {
+        2
+    } else if *name == header::TRAILER {
+        4
+    } else if *name == header::TRANSFER_ENCODING {
+        8
+    } else if *name == header::UPGRADE {
+        16
+    } else if *name == KEEP_ALIVE {
+        32
+    } else if *name == PROXY_CONNECTION {
+        64
+    } else {
+        0
+    }
 }
 
 /// Sets the forwarding headers the app relies on:
