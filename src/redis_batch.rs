@@ -107,10 +107,12 @@ struct Shared {
 #[derive(Debug, Clone, Copy)]
 struct Headroom {
     burst: u32,
-    /// Tokens left by Redis's last answer for this bucket.
+    /// Tokens left by Redis's last answer for this bucket (0 while unknown or distrusted).
     remaining: u32,
-    /// Requests admitted ahead and not yet answered by Redis.
-    unconfirmed: u32,
+    /// This instance's requests on the bucket that Redis has not answered yet: decisions
+    /// waiting, and requests admitted ahead. All of them may take a token before any later
+    /// request does.
+    pending: u32,
     as_of: Instant,
 }
 
@@ -164,9 +166,9 @@ impl Waiting {
         }
     }
 
-    /// Whether `other`, admitted ahead, can be charged together with this one.
-    fn joins(&self, other: &Waiting) -> bool {
-        self.ahead > 0 && other.ahead > 0 && self.encoded == other.encoded
+    /// The requests this entry stands for: 1 for a decision, `ahead` for merged charges.
+    fn requests(&self) -> u32 {
+        self.ahead.max(1)
     }
 
     fn given_up(&self) -> bool {
@@ -219,16 +221,21 @@ impl DecisionBatcher {
     /// Decides one request's rules, in the next batch.
     pub async fn decide(&self, asks: &[RedisAsk<'_>]) -> Result<Answer, RedisFailure> {
         let (reply, answer) = oneshot::channel();
-        self.enqueue(asks, Caller::Waits(reply))?;
+        let now = Instant::now();
+        self.shared.reserve(asks, now);
+        if let Err(failure) = self.enqueue(asks, Caller::Waits(reply)) {
+            self.shared.release(asks.iter().map(|ask| ask.key), 1);
+            return Err(failure);
+        }
         answer.await.unwrap_or(Err(RedisFailure::Connection(
             "the redis worker stopped".into(),
         )))
     }
 
-    /// Admits the request at once when, for every rule, Redis's last answer (fresh) less the
-    /// requests admitted ahead since leaves more than `admit_ahead_above` of the burst. The
-    /// request is then charged in the next batch like any other. `None`: not enough known
-    /// headroom; decide with [`Self::decide`].
+    /// Admits the request at once when, for every rule, Redis's last answer (fresh) less this
+    /// instance's requests Redis has not answered yet leaves more than `admit_ahead_above` of
+    /// the burst. The request is then charged in the next batch like any other. `None`: not
+    /// enough known headroom; decide with [`Self::decide`].
     ///
     /// A request admitted ahead can be one Redis would have refused only when other
     /// instances used up more than that share of the bucket since this instance's last
@@ -246,7 +253,7 @@ impl DecisionBatcher {
             let mut headroom = lock(&self.shared.headroom);
             let ahead = asks.iter().all(|ask| {
                 headroom.get(ask.key).is_some_and(|known| {
-                    let left = known.remaining.saturating_sub(known.unconfirmed);
+                    let left = known.remaining.saturating_sub(known.pending);
                     known.burst == ask.burst
                         && now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
                         && left > 0
@@ -259,13 +266,13 @@ impl DecisionBatcher {
             let mut verdicts = Vec::with_capacity(asks.len());
             for ask in asks {
                 if let Some(known) = headroom.get_mut(ask.key) {
-                    known.unconfirmed += 1;
-                    let remaining = known.remaining.saturating_sub(known.unconfirmed);
+                    known.pending += 1;
+                    let remaining = known.remaining.saturating_sub(known.pending);
                     let used = u64::from(ask.burst.saturating_sub(remaining));
                     verdicts.push(RemoteVerdict {
                         allowed: true,
                         remaining,
-                        reset_ms: (used * ask.interval_us).div_ceil(1000),
+                        reset_ms: used.saturating_mul(ask.interval_us).div_ceil(1000),
                         retry_after_ms: 0,
                     });
                 }
@@ -273,8 +280,7 @@ impl DecisionBatcher {
             verdicts
         };
         if self.enqueue(asks, Caller::Ahead(overruns.clone())).is_err() {
-            // Redis is far behind: forget what is known, so requests wait for answers.
-            lock(&self.shared.headroom).clear();
+            self.shared.release(asks.iter().map(|ask| ask.key), 1);
             return None;
         }
         Some(verdicts)
@@ -283,6 +289,16 @@ impl DecisionBatcher {
     fn enqueue(&self, asks: &[RedisAsk<'_>], caller: Caller) -> Result<(), RedisFailure> {
         let waiting = Waiting::new(asks, caller);
         let mut queue = self.shared.lock();
+        // A charge like the one queued last joins it: under load most of the queue is charges
+        // for the same buckets, and they go to Redis as one, in their place in the order.
+        if waiting.ahead > 0 {
+            if let Some(last) = queue.waiting.last_mut() {
+                if last.ahead > 0 && last.encoded == waiting.encoded {
+                    last.ahead = last.ahead.saturating_add(1);
+                    return Ok(());
+                }
+            }
+        }
         if queue.waiting.len() >= MOST_WAITING {
             return Err(RedisFailure::Overloaded(MOST_WAITING));
         }
@@ -316,8 +332,61 @@ impl Shared {
         lock(&self.queue)
     }
 
-    /// Takes in Redis's answers: each bucket's tokens left, and the requests admitted ahead
-    /// that are now answered.
+    /// Counts a decision about to be queued against its buckets, remembering the buckets it
+    /// is the first to ask about (their tokens unknown until Redis answers).
+    fn reserve(&self, asks: &[RedisAsk<'_>], now: Instant) {
+        let mut headroom = lock(&self.headroom);
+        for ask in asks {
+            if let Some(known) = headroom.get_mut(ask.key) {
+                known.pending = known.pending.saturating_add(1);
+                continue;
+            }
+            if headroom.len() >= MOST_HEADROOM_KEYS {
+                forget_stale(&mut headroom, now);
+            }
+            if headroom.len() < MOST_HEADROOM_KEYS {
+                headroom.insert(
+                    ask.key.to_owned(),
+                    Headroom {
+                        burst: ask.burst,
+                        remaining: 0,
+                        pending: 1,
+                        as_of: now,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Takes `requests` off the pending count of `keys`: they will not be answered.
+    fn release<'a>(&self, keys: impl Iterator<Item = &'a str>, requests: u32) {
+        let mut headroom = lock(&self.headroom);
+        for key in keys {
+            if let Some(known) = headroom.get_mut(key) {
+                known.pending = known.pending.saturating_sub(requests);
+            }
+        }
+    }
+
+    /// A call failed: nothing known of any bucket is to be trusted until Redis answers again,
+    /// so every request waits for it (and meets the health breaker). What is still pending
+    /// stays counted: those requests are still queued.
+    fn distrust(&self, batch: &[Waiting]) {
+        let mut headroom = lock(&self.headroom);
+        for waiting in batch {
+            for (key, _) in waiting.buckets() {
+                if let Some(known) = headroom.get_mut(key) {
+                    known.pending = known.pending.saturating_sub(waiting.requests());
+                }
+            }
+        }
+        for known in headroom.values_mut() {
+            known.remaining = 0;
+        }
+    }
+
+    /// Takes in Redis's answers: each bucket's tokens left, and the requests on it that are
+    /// now answered.
     fn learn(&self, batch: &[Waiting], answers: &[(u64, Vec<RemoteVerdict>)], now: Instant) {
         let mut headroom = lock(&self.headroom);
         for (waiting, (blocked, verdicts)) in batch.iter().zip(answers) {
@@ -334,28 +403,22 @@ impl Shared {
                     known.burst = burst;
                     known.remaining = remaining;
                     known.as_of = now;
-                    known.unconfirmed = known.unconfirmed.saturating_sub(waiting.ahead);
-                } else if headroom.len() < MOST_HEADROOM_KEYS {
-                    headroom.insert(
-                        key.to_owned(),
-                        Headroom {
-                            burst,
-                            remaining,
-                            unconfirmed: 0,
-                            as_of: now,
-                        },
-                    );
+                    known.pending = known.pending.saturating_sub(waiting.requests());
                 }
             }
         }
     }
 
-    /// Forgets buckets not answered lately and with nothing admitted ahead in flight.
+    /// Forgets buckets not answered lately and with nothing pending.
     fn forget_stale(&self, now: Instant) {
-        lock(&self.headroom).retain(|_, known| {
-            known.unconfirmed > 0 || now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
-        });
+        forget_stale(&mut lock(&self.headroom), now);
     }
+}
+
+fn forget_stale(headroom: &mut HashMap<String, Headroom>, now: Instant) {
+    headroom.retain(|_, known| {
+        known.pending > 0 || now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
+    });
 }
 
 /// The RESP bulk strings of an encoded part, in order (levee wrote them: no error path).
@@ -380,7 +443,11 @@ impl<'a> Iterator for Bulks<'a> {
 enum BatchFailure {
     Timeout(Duration),
     Io(std::io::Error),
+    /// An answer that is not what the call asks for: the connection is dropped.
     Reply(String),
+    /// Redis answered the call with an error (`OOM`, `BUSY`, `READONLY`…): the connection
+    /// stays in step and is kept.
+    Refused(String),
 }
 
 impl BatchFailure {
@@ -389,6 +456,9 @@ impl BatchFailure {
             BatchFailure::Timeout(bound) => RedisFailure::Timeout(*bound),
             BatchFailure::Io(error) => RedisFailure::Connection(error.to_string()),
             BatchFailure::Reply(text) => RedisFailure::BadReply(text.clone()),
+            BatchFailure::Refused(text) => {
+                RedisFailure::BadReply(format!("redis refused the rate-limit call: {text}"))
+            }
         }
     }
 }
@@ -407,30 +477,31 @@ async fn work(shared: Arc<Shared>, call_bound: Duration) {
     let mut command: Vec<u8> = Vec::new();
     let mut swept_at = Instant::now();
     loop {
-        {
+        let (closed, more) = {
             let mut queue = shared.lock();
-            // Closed (a reload replaced `[redis]`): what is queued still goes out, so the
-            // requests admitted ahead are charged; nothing can be queued any more.
-            if queue.closed && queue.waiting.is_empty() {
-                return;
-            }
-            // A decision whose caller gave up (its timeout) is not worth Redis's time.
-            queue.waiting.retain(|waiting| !waiting.given_up());
             let take = queue.waiting.len().min(MOST_PER_BATCH);
-            for waiting in queue.waiting.drain(..take) {
-                // Requests admitted ahead with the same buckets are charged in one go: under
-                // load that is most of a batch, and Redis's work no longer grows with it.
-                if waiting.ahead > 0 {
-                    if let Some(earlier) = batch.iter_mut().find(|earlier| earlier.joins(&waiting))
-                    {
-                        earlier.ahead += waiting.ahead;
-                        continue;
-                    }
-                }
-                batch.push(waiting);
+            batch.extend(queue.waiting.drain(..take));
+            (queue.closed, !queue.waiting.is_empty())
+        };
+        // A decision whose caller gave up (its timeout) is not worth Redis's time.
+        let mut kept = Vec::with_capacity(batch.len());
+        for waiting in batch.drain(..) {
+            if waiting.given_up() {
+                shared.release(waiting.buckets().map(|(key, _)| key), waiting.requests());
+            } else {
+                kept.push(waiting);
             }
         }
+        batch = kept;
         if batch.is_empty() {
+            if more {
+                continue;
+            }
+            // Closed (a reload replaced `[redis]`): what was queued has gone out, so the
+            // requests admitted ahead are charged; nothing can be queued any more.
+            if closed {
+                return;
+            }
             shared.wake.notified().await;
             continue;
         }
@@ -452,9 +523,11 @@ async fn work(shared: Arc<Shared>, call_bound: Duration) {
             Err(failure) => failure,
         };
         tracing::debug!("rate-limit batch of {} failed: {failure:?}", batch.len());
-        connection = None;
-        // What was known of the buckets is no longer to be trusted: wait for answers again.
-        lock(&shared.headroom).clear();
+        // Redis's own error answer leaves the connection in step; anything else may not.
+        if !matches!(failure, BatchFailure::Refused(_)) {
+            connection = None;
+        }
+        shared.distrust(&batch);
         for waiting in batch.drain(..) {
             waiting.fail(&failure);
         }
@@ -489,7 +562,7 @@ async fn exchange(
     }
     match reply {
         Reply::Bulk(Some(text)) => Ok(text),
-        Reply::Error(message) => Err(BatchFailure::Reply(message)),
+        Reply::Error(message) => Err(BatchFailure::Refused(message)),
         other => Err(BatchFailure::Reply(format!(
             "the rate-limit script returned {other:?}"
         ))),
@@ -836,9 +909,6 @@ mod tests {
             Waiting::new(&asks, caller)
         };
         let mut charge = waiting(&["c"], &[(30, 4, false)], true);
-        assert!(charge.joins(&waiting(&["c"], &[(30, 4, false)], true)));
-        assert!(!charge.joins(&waiting(&["c"], &[(30, 4, false)], false)));
-        assert!(!charge.joins(&waiting(&["d"], &[(30, 4, false)], true)));
         charge.ahead += 6;
         let batch = vec![
             waiting(&["a", "b"], &[(10, 2, false), (20, 3, true)], false),

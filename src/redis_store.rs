@@ -1,7 +1,7 @@
 //! The Redis connection levee shares between rate limits, switches and stale copies, with
-//! its health breaker; and the rate-limit decisions (one Lua script per request, per slot
-//! group in a cluster),
-//! on the Redis server clock, behind a short timeout and a health breaker.
+//! its health breaker; and the rate-limit decisions on the Redis server clock, behind a short
+//! timeout and the health breaker: batched on a single server (`redis_batch`), one Lua script
+//! per slot group in a cluster.
 //!
 //! Redis is advisory on the request path. Every call is bounded by `timeout`; after
 //! `failures_to_open` consecutive failures the health breaker opens and requests stop calling
@@ -39,11 +39,12 @@ pub struct RedisSettings {
     pub instances: u32,
     /// Share of a bucket's burst that must be left, by Redis's last answer less levee's own
     /// requests since, for a request to be admitted at once and charged in the background.
-    /// 1 turns it off. Default [`DEFAULT_ADMIT_AHEAD_ABOVE`].
+    /// 1 turns it off. Default [`DEFAULT_ADMIT_AHEAD_ABOVE`], or `1 - 1/instances` when
+    /// that is higher.
     pub admit_ahead_above: f64,
 }
 
-/// `[redis] admit_ahead_above` when the policy does not set it.
+/// `[redis] admit_ahead_above` when the policy does not set it (and `instances` is 1 or 2).
 pub const DEFAULT_ADMIT_AHEAD_ABOVE: f64 = 0.5;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -100,9 +101,23 @@ struct Health {
     probing: bool,
 }
 
-enum Permit {
-    Call,
-    Probe,
+/// Leave to call Redis on the request path. A probe's permit ends the probe when it is
+/// dropped, recorded or not: a request that goes away in the middle of its probe (the client
+/// left) hands the probe on, instead of leaving the health breaker waiting for it forever.
+struct Permit<'a> {
+    health: &'a Mutex<Health>,
+    probe: bool,
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if self.probe {
+            self.health
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .probing = false;
+        }
+    }
 }
 
 pub struct RedisStore {
@@ -182,29 +197,31 @@ impl RedisStore {
         Ok(connection.clone())
     }
 
-    fn permit(&self) -> Option<Permit> {
+    fn permit(&self) -> Option<Permit<'_>> {
         let mut health = self
             .health
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        match health.open_until {
-            None => Some(Permit::Call),
-            Some(until) if Instant::now() < until || health.probing => None,
+        let probe = match health.open_until {
+            None => false,
+            Some(until) if Instant::now() < until || health.probing => return None,
             Some(_) => {
                 health.probing = true;
-                Some(Permit::Probe)
+                true
             }
-        }
+        };
+        Some(Permit {
+            health: &self.health,
+            probe,
+        })
     }
 
-    fn record(&self, permit: &Permit, ok: bool, metrics: &Metrics) {
+    fn record(&self, permit: Permit<'_>, ok: bool, metrics: &Metrics) {
+        drop(permit);
         let mut health = self
             .health
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if matches!(permit, Permit::Probe) {
-            health.probing = false;
-        }
         if ok {
             health.consecutive_failures = 0;
             if health.open_until.take().is_some() {
@@ -262,7 +279,7 @@ impl RedisStore {
             Err(_elapsed) => Err(RedisFailure::Timeout(timeout)),
         };
         if let (Some(permit), Some(metrics)) = (permit, guarded) {
-            self.record(&permit, result.is_ok(), metrics);
+            self.record(permit, result.is_ok(), metrics);
         }
         result
     }
@@ -301,7 +318,7 @@ impl RedisStore {
         metrics
             .redis_latency
             .observe(started.elapsed().as_secs_f64());
-        self.record(&permit, result.is_ok(), metrics);
+        self.record(permit, result.is_ok(), metrics);
         result
     }
 

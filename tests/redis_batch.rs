@@ -803,9 +803,14 @@ async fn near_the_limit_every_decision_waits_and_the_burst_is_exact() {
     let port = redis.port.to_string();
     let connection = ["-p", port.as_str()];
     let backend = echo_backend().await;
-    // admit_ahead_above 0.5 (the default), and 0: ahead while more than half the burst (5
-    // of 10) is left, or while any token is.
-    for (setting, expected_ahead) in [("", 4.0), ("admit_ahead_above = 0\n", 9.0)] {
+    // admit_ahead_above 0.5 (the default), 0, and the default for four instances (0.75):
+    // ahead while more than half the burst (5 of 10) is left, while any token is, or while
+    // more than 7.5 are (9 and 8 left: 2 requests).
+    for (setting, expected_ahead) in [
+        ("", 4.0),
+        ("admit_ahead_above = 0\n", 9.0),
+        ("instances = 4\n", 2.0),
+    ] {
         cli(&["-p", &port, "flushall"]);
         let hits_before = backend.hits();
         let rule = "[limit.ten]\nkey = [\"route\"]\nrate = \"1/min\"\nburst = 10\n";
@@ -847,6 +852,34 @@ async fn near_the_limit_every_decision_waits_and_the_burst_is_exact() {
             "the burst and the flush"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_instance_never_admits_ahead_past_the_burst_even_in_a_rush() {
+    // A rush on a bucket nobody asked about yet: the first decisions wait for Redis, and the
+    // requests behind them count as taken, so nothing is admitted ahead on the strength of an
+    // answer that the queued decisions are about to use up.
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let rule = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 10\n";
+    let levee = Levee::start(&ahead_policy(
+        &backend,
+        &redis_section(&redis.url(), ""),
+        rule,
+        "\"per_user\"",
+    ))
+    .await;
+    for round in 0..5 {
+        let user = format!("rush-{round}");
+        let answers =
+            futures_util::future::join_all((0..40).map(|_| send_as(&levee, Some(&user)))).await;
+        let admitted = answers.iter().filter(|answer| answer.status == 200).count();
+        let refused = answers.iter().filter(|answer| answer.status == 429).count();
+        assert_eq!((admitted, refused), (10, 30), "round {round}");
+    }
+    settle(&levee, "flush-rush").await;
+    assert_eq!(ahead_overruns(&levee).await, 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1028,6 +1028,10 @@ fn compile_redis(
             );
         }
     }
+    let instances = positive(compiler, &inner.instances, 1, "instances");
+    // With n instances each may admit ahead what it saw left above the share, in the same
+    // round trip: above 1 - 1/n the fleet together cannot take more than the bucket holds.
+    let default_admit_ahead_above = DEFAULT_ADMIT_AHEAD_ABOVE.max(1.0 - 1.0 / f64::from(instances));
     let admit_ahead_above = match &inner.admit_ahead_above {
         Some(value) if !(0.0..=1.0).contains(value.get_ref()) => {
             compiler.error_hint(
@@ -1036,10 +1040,10 @@ fn compile_redis(
                 "admit_ahead_above must be from 0 to 1",
                 "a share of each bucket's burst, e.g. 0.5 for half; 1 turns admitting ahead off",
             );
-            DEFAULT_ADMIT_AHEAD_ABOVE
+            default_admit_ahead_above
         }
         Some(value) => *value.get_ref(),
-        None => DEFAULT_ADMIT_AHEAD_ABOVE,
+        None => default_admit_ahead_above,
     };
     Some(RedisSettings {
         admit_ahead_above,
@@ -1051,7 +1055,7 @@ fn compile_redis(
             .key_prefix
             .as_ref()
             .map_or_else(|| "levee:".to_string(), |prefix| prefix.get_ref().clone()),
-        instances: positive(compiler, &inner.instances, 1, "instances"),
+        instances,
     })
 }
 

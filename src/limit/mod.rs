@@ -1,5 +1,6 @@
 //! Rate limits: GCRA per IP / user / route / API key / header / cookie / query, shared
-//! through Redis (one round trip per request) or in-process without Redis.
+//! through Redis (decisions batched into script calls, or admitted ahead and charged right
+//! after) or in-process without Redis.
 //!
 //! Order of a decision:
 //! 1. build each rule's bucket key (a rule whose key part is missing is skipped, or keyed by
