@@ -16,27 +16,8 @@ use levee::proxy::h1::chunked::{ChunkedDecoder, ChunkedError};
 use levee::proxy::h1::encode::{encode_chunk_start, LAST_CHUNK};
 use libfuzzer_sys::fuzz_target;
 
-/// Piece sizes from a seed: mostly small (1–16 bytes), now and then larger.
-struct Pieces(u32);
-
-impl Pieces {
-    fn new(seed: u8) -> Pieces {
-        Pieces(u32::from(seed).wrapping_mul(0x9E37_79B9) | 1)
-    }
-
-    fn next(&mut self) -> usize {
-        // xorshift32
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 17;
-        self.0 ^= self.0 << 5;
-        let size = (self.0 >> 8) as usize;
-        if size.is_multiple_of(8) {
-            1 + size % 512
-        } else {
-            1 + size % 16
-        }
-    }
-}
+mod pieces;
+use pieces::Pieces;
 
 #[derive(Debug, PartialEq)]
 enum Outcome {
@@ -104,8 +85,7 @@ fuzz_target!(|data: &[u8]| {
     let whole = decode(stream, None);
     let split = decode(stream, Some(&mut Pieces::new(seed)));
     assert_eq!(whole, split, "split with seed {seed}");
-    let bytewise = decode(stream, Some(&mut Pieces(0)));
-    // Pieces(0) is xorshift's fixed point: size 1 + 0 % 512 = 1 every time, byte by byte.
+    let bytewise = decode(stream, Some(&mut Pieces::bytewise()));
     assert_eq!(whole, bytewise, "byte by byte");
 
     // Round trip: levee's encoder, then the decoder.

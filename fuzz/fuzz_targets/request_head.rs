@@ -29,27 +29,8 @@ use libfuzzer_sys::fuzz_target;
 
 const LIMITS: [usize; 4] = [16 * 1024, 64, 256, 1024];
 
-/// Piece sizes from a seed: mostly small (1–16 bytes), now and then larger.
-struct Pieces(u32);
-
-impl Pieces {
-    fn new(seed: u8) -> Pieces {
-        Pieces(u32::from(seed).wrapping_mul(0x9E37_79B9) | 1)
-    }
-
-    fn next(&mut self) -> usize {
-        // xorshift32
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 17;
-        self.0 ^= self.0 << 5;
-        let size = (self.0 >> 8) as usize;
-        if size.is_multiple_of(8) {
-            1 + size % 512
-        } else {
-            1 + size % 16
-        }
-    }
-}
+mod pieces;
+use pieces::Pieces;
 
 /// What one request came to, for comparing runs.
 #[derive(Debug, PartialEq)]
