@@ -17,7 +17,7 @@ use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use crate::metrics::Metrics;
-use crate::redis_batch::{read_answer, DecisionBatcher, Endpoint};
+use crate::redis_batch::{lock, read_answer, DecisionBatcher, Endpoint};
 
 /// The rate-limit script: GCRA for a batch of requests (see its header).
 const SCRIPT: &str = include_str!("limit/script.lua");
@@ -112,10 +112,7 @@ struct Permit<'a> {
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
         if self.probe {
-            self.health
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .probing = false;
+            lock(self.health).probing = false;
         }
     }
 }
@@ -198,10 +195,7 @@ impl RedisStore {
     }
 
     fn permit(&self) -> Option<Permit<'_>> {
-        let mut health = self
-            .health
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut health = lock(&self.health);
         let probe = match health.open_until {
             None => false,
             Some(until) if Instant::now() < until || health.probing => return None,
@@ -218,10 +212,7 @@ impl RedisStore {
 
     fn record(&self, permit: Permit<'_>, ok: bool, metrics: &Metrics) {
         drop(permit);
-        let mut health = self
-            .health
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut health = lock(&self.health);
         if ok {
             health.consecutive_failures = 0;
             if health.open_until.take().is_some() {

@@ -43,6 +43,18 @@ async fn send_as(levee: &Levee, user: Option<&str>) -> Answer {
     send(request.body(full("")).expect("request")).await
 }
 
+/// levee with the `login` rule (three at once) on `/limited`, on the Redis at `url`, every
+/// decision waiting for Redis.
+async fn login_levee(backend: &Backend, url: &str) -> Levee {
+    Levee::start(&limited_policy(
+        backend,
+        &waiting_redis_section(url, ""),
+        THREE_AT_ONCE,
+        "\"login\"",
+    ))
+    .await
+}
+
 /// One `levee_ratelimit_decisions_total` series.
 async fn decisions(levee: &Levee, rule: &str, result: &str, source: &str) -> f64 {
     let text = get(&levee.admin_url("/metrics")).await.text();
@@ -318,13 +330,7 @@ async fn the_password_user_and_database_of_the_url_are_used() {
     let backend = echo_backend().await;
 
     // The default user's password, database 3.
-    let levee = Levee::start(&limited_policy(
-        &backend,
-        &waiting_redis_section(&format!("redis://:secret@127.0.0.1:{port}/3"), ""),
-        THREE_AT_ONCE,
-        "\"login\"",
-    ))
-    .await;
+    let levee = login_levee(&backend, &format!("redis://:secret@127.0.0.1:{port}/3")).await;
     assert_eq!(statuses(&levee, 4).await, [200, 200, 200, 429]);
     assert_eq!(decisions(&levee, "login", "allowed", "redis").await, 3.0);
     assert_eq!(decisions(&levee, "login", "limited", "redis").await, 1.0);
@@ -334,15 +340,10 @@ async fn the_password_user_and_database_of_the_url_are_used() {
     assert!(bucket_keys(&admin, 0).is_empty(), "nothing in database 0");
 
     // An ACL user with its own password (percent-encoded in the URL), database 5.
-    let levee = Levee::start(&limited_policy(
+    let levee = login_levee(
         &backend,
-        &waiting_redis_section(
-            &format!("redis://levee:p%40ss%3Aw%2Frd@127.0.0.1:{port}/5"),
-            "",
-        ),
-        THREE_AT_ONCE,
-        "\"login\"",
-    ))
+        &format!("redis://levee:p%40ss%3Aw%2Frd@127.0.0.1:{port}/5"),
+    )
     .await;
     assert_eq!(statuses(&levee, 4).await, [200, 200, 200, 429]);
     assert_eq!(decisions(&levee, "login", "allowed", "redis").await, 3.0);
@@ -363,13 +364,7 @@ async fn a_wrong_password_falls_back_and_every_request_is_answered() {
     let port_text = port.to_string();
     let admin = ["-p", port_text.as_str(), "-a", "secret"];
     let backend = echo_backend().await;
-    let levee = Levee::start(&limited_policy(
-        &backend,
-        &waiting_redis_section(&format!("redis://:wrong@127.0.0.1:{port}/3"), ""),
-        THREE_AT_ONCE,
-        "\"login\"",
-    ))
-    .await;
+    let levee = login_levee(&backend, &format!("redis://:wrong@127.0.0.1:{port}/3")).await;
     // on_redis_error = "local" (the default): the burst in-process, then 429; never a 5xx.
     assert_eq!(statuses(&levee, 6).await, [200, 200, 200, 429, 429, 429]);
     assert_eq!(decisions(&levee, "login", "allowed", "fallback").await, 3.0);
@@ -380,15 +375,10 @@ async fn a_wrong_password_falls_back_and_every_request_is_answered() {
     assert!(bucket_keys(&admin, 0).is_empty());
 
     // A user whose password is right but whose name is wrong fares no better.
-    let levee = Levee::start(&limited_policy(
+    let levee = login_levee(
         &backend,
-        &waiting_redis_section(
-            &format!("redis://nobody:p%40ss%3Aw%2Frd@127.0.0.1:{port}/3"),
-            "",
-        ),
-        THREE_AT_ONCE,
-        "\"login\"",
-    ))
+        &format!("redis://nobody:p%40ss%3Aw%2Frd@127.0.0.1:{port}/3"),
+    )
     .await;
     assert_eq!(statuses(&levee, 4).await, [200, 200, 200, 429]);
     assert_eq!(decisions_from(&levee, "login", "fallback").await, 4.0);
@@ -456,13 +446,7 @@ async fn a_unix_socket_url_is_used() {
         (format!("redis+unix://{socket_text}"), 0),
         (format!("unix://{socket_text}?db=2"), 2),
     ] {
-        let levee = Levee::start(&limited_policy(
-            &backend,
-            &waiting_redis_section(&url, ""),
-            THREE_AT_ONCE,
-            "\"login\"",
-        ))
-        .await;
+        let levee = login_levee(&backend, &url).await;
         let keys_before = bucket_keys(&connection, db).len();
         assert_eq!(statuses(&levee, 4).await, [200, 200, 200, 429], "{url}");
         assert_eq!(

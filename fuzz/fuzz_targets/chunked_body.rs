@@ -17,7 +17,7 @@ use levee::proxy::h1::encode::{encode_chunk_start, LAST_CHUNK};
 use libfuzzer_sys::fuzz_target;
 
 mod pieces;
-use pieces::Pieces;
+use pieces::{feed_next, Pieces};
 
 #[derive(Debug, PartialEq)]
 enum Outcome {
@@ -69,12 +69,7 @@ fn decode(input: &[u8], pieces: Option<&mut Pieces>) -> (Vec<u8>, Outcome) {
         if fed == input.len() {
             return (body, Outcome::Waiting);
         }
-        let take = match pieces.as_deref_mut() {
-            Some(pieces) => pieces.next().min(input.len() - fed),
-            None => input.len() - fed,
-        };
-        buffer.extend_from_slice(&input[fed..fed + take]);
-        fed += take;
+        fed += feed_next(pieces.as_deref_mut(), &input[fed..], &mut buffer);
     }
 }
 

@@ -1,5 +1,7 @@
 //! Read sizes for the targets that feed their input in pieces, as sockets deliver it.
 
+use bytes::BytesMut;
+
 /// Piece sizes from a seed: mostly small (1–16 bytes), now and then larger.
 pub struct Pieces(u32);
 
@@ -26,4 +28,15 @@ impl Pieces {
             1 + size % 16
         }
     }
+}
+
+/// Appends the next read from `rest` (the input not fed yet) to `buffer`: a piece's worth, or
+/// all of it without `pieces`. Returns how many bytes it fed.
+pub fn feed_next(pieces: Option<&mut Pieces>, rest: &[u8], buffer: &mut BytesMut) -> usize {
+    let take = match pieces {
+        Some(pieces) => pieces.next().min(rest.len()),
+        None => rest.len(),
+    };
+    buffer.extend_from_slice(&rest[..take]);
+    take
 }

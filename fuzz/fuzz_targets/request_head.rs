@@ -30,7 +30,7 @@ use libfuzzer_sys::fuzz_target;
 const LIMITS: [usize; 4] = [16 * 1024, 64, 256, 1024];
 
 mod pieces;
-use pieces::Pieces;
+use pieces::{feed_next, Pieces};
 
 /// What one request came to, for comparing runs.
 #[derive(Debug, PartialEq)]
@@ -232,12 +232,7 @@ fn read(input: &[u8], limit: usize, mut pieces: Option<&mut Pieces>) -> (Vec<Req
             };
             return (requests, end);
         }
-        let take = match pieces.as_deref_mut() {
-            Some(pieces) => pieces.next().min(input.len() - fed),
-            None => input.len() - fed,
-        };
-        buffer.extend_from_slice(&input[fed..fed + take]);
-        fed += take;
+        fed += feed_next(pieces.as_deref_mut(), &input[fed..], &mut buffer);
     }
 }
 
