@@ -1,9 +1,9 @@
 //! Rate-limit decisions on a single Redis server, batched.
 //!
 //! Every request with Redis limits needs one script call. Instead of one call per request,
-//! one worker task owns a connection and keeps one call in flight: the decisions that arrive
-//! while it is at Redis go out together in the next call (`limit/script.lua` decides a batch
-//! in order, each request's rules all or nothing, so a batch answers exactly as one call per
+//! one worker task owns a connection and keeps up to two calls in flight: the decisions that
+//! arrive meanwhile go out together in the next call (`limit/script.lua` decides a batch in
+//! order, each request's rules all or nothing, so a batch answers exactly as one call per
 //! request would). At low load a batch is a single decision and nothing waits for anything;
 //! under load Redis runs one script call for dozens of requests, which costs it a fraction
 //! of the CPU, and levee a fraction of the system calls.
@@ -14,9 +14,9 @@
 //! or answers something unreadable, so a late answer is never read as the answer to a later
 //! batch. The next batch connects again (and loads the script again). A `NOSCRIPT` answer
 //! (Redis lost its scripts but not the connection) is mended on the spot: the script is
-//! loaded again and the batch sent again.
+//! loaded again and the batch sent again, once.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -44,8 +44,18 @@ const MOST_HEADROOM_KEYS: usize = 100_000;
 /// been emptied by other instances since (or refilled, which only costs a round trip). Under
 /// steady traffic, where admitting ahead pays, answers are a round trip old.
 const HEADROOM_FRESH: Duration = Duration::from_millis(250);
+/// Script calls at Redis at once. With a second call, a decision that comes while a call
+/// (often only charges) is at Redis goes out at once instead of waiting for that answer, so it
+/// waits one round trip, not up to two.
+const MOST_CALLS_IN_FLIGHT: usize = 2;
 /// How often the worker forgets buckets whose answers are no longer fresh.
 const HEADROOM_SWEEP_EVERY: Duration = Duration::from_secs(10);
+/// While only charges for requests admitted ahead are queued, the worker sends them at most
+/// this often. Under steady load that makes one script call carry a millisecond of traffic
+/// (merged into one entry per set of buckets) instead of one round trip's, which halves the
+/// calls Redis runs; the charges reach Redis at most this much later. A decision that waits
+/// is never held: it goes out at once, with the charges queued before it.
+const CHARGE_HOLD: Duration = Duration::from_millis(1);
 
 /// Where the single Redis server is, and how to log in: read from `[redis] url`.
 #[derive(Debug, Clone, PartialEq)]
@@ -119,6 +129,9 @@ struct Headroom {
 #[derive(Default)]
 struct Queue {
     waiting: Vec<Waiting>,
+    /// Entries of `waiting` that are decisions (not charges): while there are none, the
+    /// worker may hold the charges back (`CHARGE_HOLD`).
+    decisions: usize,
     worker_started: bool,
     closed: bool,
 }
@@ -302,12 +315,18 @@ impl DecisionBatcher {
         if queue.waiting.len() >= MOST_WAITING {
             return Err(RedisFailure::Overloaded(MOST_WAITING));
         }
+        let decision = waiting.ahead == 0;
         queue.waiting.push(waiting);
         if !queue.worker_started {
             queue.worker_started = true;
             tokio::spawn(work(Arc::clone(&self.shared), self.call_bound));
         }
-        if queue.waiting.len() == 1 {
+        if decision {
+            queue.decisions += 1;
+        }
+        // Wake the worker when there is something new to send: the first entry, or the first
+        // decision, which ends a hold on the charges before it.
+        if queue.waiting.len() == 1 || (decision && queue.decisions == 1) {
             self.shared.wake.notify_one();
         }
         Ok(())
@@ -471,114 +490,291 @@ impl From<std::io::Error> for BatchFailure {
     }
 }
 
+/// A command the worker has sent and Redis has not answered yet. Redis answers in order.
+struct InFlight {
+    sent_at: Instant,
+    sent: Sent,
+}
+
+enum Sent {
+    /// A script call deciding (and charging) `batch`. `resent`: already sent once more after
+    /// `NOSCRIPT`.
+    Call { batch: Vec<Waiting>, resent: bool },
+    /// `SCRIPT LOAD`, sent after a `NOSCRIPT` answer.
+    ScriptLoad,
+}
+
+/// What the worker finds in the queue.
+enum Take {
+    /// To send now.
+    Batch(Vec<Waiting>),
+    /// Only charges are queued, and the last call went out less than `CHARGE_HOLD` ago: they
+    /// wait until then, or until a decision comes.
+    Hold(Instant),
+    /// Nothing queued; `true` once the batcher is dropped.
+    Empty(bool),
+}
+
+fn take(shared: &Shared, sent_at: Option<Instant>) -> Take {
+    let mut queue = shared.lock();
+    if queue.waiting.is_empty() {
+        return Take::Empty(queue.closed);
+    }
+    if let Some(until) = sent_at.map(|sent_at| sent_at + CHARGE_HOLD) {
+        if !queue.closed
+            && queue.decisions == 0
+            && queue.waiting.len() < MOST_PER_BATCH
+            && Instant::now() < until
+        {
+            return Take::Hold(until);
+        }
+    }
+    let count = queue.waiting.len().min(MOST_PER_BATCH);
+    let batch: Vec<Waiting> = queue.waiting.drain(..count).collect();
+    let decisions = batch.iter().filter(|waiting| waiting.ahead == 0).count();
+    queue.decisions = queue.decisions.saturating_sub(decisions);
+    Take::Batch(batch)
+}
+
 /// The worker: takes what waits, sends it as one script call, hands out the answers; until
-/// the batcher is dropped (a reload that changed `[redis]`).
+/// the batcher is dropped (a reload that changed `[redis]`) and what was queued has gone out,
+/// so the requests admitted ahead are charged.
+///
+/// Up to `MOST_CALLS_IN_FLIGHT` calls are at Redis at once, on one connection: a decision
+/// that comes while a call is out goes at once in the next, instead of waiting for the
+/// answer first. Each call must be answered within `call_bound` of being sent; otherwise, or
+/// when the connection fails or Redis answers something unreadable, every call in flight
+/// fails, the connection is dropped, and the next batch connects again.
 async fn work(shared: Arc<Shared>, call_bound: Duration) {
     let mut connection: Option<Connection> = None;
-    let mut batch: Vec<Waiting> = Vec::new();
+    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
     let mut command: Vec<u8> = Vec::new();
     let mut swept_at = Instant::now();
+    // When the last call went out; `None` after a failure, so the next goes out at once.
+    let mut sent_at: Option<Instant> = None;
     loop {
-        let (closed, more) = {
-            let mut queue = shared.lock();
-            let take = queue.waiting.len().min(MOST_PER_BATCH);
-            batch.extend(queue.waiting.drain(..take));
-            (queue.closed, !queue.waiting.is_empty())
-        };
-        // A decision whose caller gave up (its timeout) is not worth Redis's time.
-        let mut kept = Vec::with_capacity(batch.len());
-        for waiting in batch.drain(..) {
-            if waiting.given_up() {
-                shared.release(waiting.buckets().map(|(key, _)| key), waiting.requests());
-            } else {
-                kept.push(waiting);
+        let calls = in_flight
+            .iter()
+            .filter(|call| matches!(call.sent, Sent::Call { .. }))
+            .count();
+        let room = calls < MOST_CALLS_IN_FLIGHT;
+        let mut hold_until = None;
+        if room {
+            match take(&shared, sent_at) {
+                Take::Batch(batch) => {
+                    let batch = skip_given_up(&shared, batch);
+                    if batch.is_empty() {
+                        continue;
+                    }
+                    let now = Instant::now();
+                    if now.saturating_duration_since(swept_at) >= HEADROOM_SWEEP_EVERY {
+                        shared.forget_stale(now);
+                        swept_at = now;
+                    }
+                    sent_at = Some(now);
+                    in_flight.push_back(InFlight {
+                        sent_at: now,
+                        sent: Sent::Call {
+                            batch,
+                            resent: false,
+                        },
+                    });
+                    if let Err(failure) = send_last(
+                        &shared,
+                        &mut connection,
+                        &in_flight,
+                        &mut command,
+                        call_bound,
+                    )
+                    .await
+                    {
+                        fail_all(&shared, &mut in_flight, &failure);
+                        connection = None;
+                        sent_at = None;
+                    }
+                    continue;
+                }
+                Take::Hold(until) => hold_until = Some(until),
+                Take::Empty(closed) => {
+                    if closed && in_flight.is_empty() {
+                        return;
+                    }
+                }
             }
         }
-        batch = kept;
-        if batch.is_empty() {
-            if more {
-                continue;
+        let answer_due = in_flight.front().map(|oldest| oldest.sent_at + call_bound);
+        let far = Instant::now() + HEADROOM_SWEEP_EVERY;
+        tokio::select! {
+            biased;
+            reply = read_next(&mut connection), if !in_flight.is_empty() => {
+                let outcome = match reply {
+                    Ok(reply) => take_in(&shared, &mut connection, &mut in_flight, reply, &mut command, call_bound).await,
+                    Err(failure) => Err(failure),
+                };
+                if let Err(failure) = outcome {
+                    fail_all(&shared, &mut in_flight, &failure);
+                    connection = None;
+                    sent_at = None;
+                }
             }
-            // Closed (a reload replaced `[redis]`): what was queued has gone out, so the
-            // requests admitted ahead are charged; nothing can be queued any more.
-            if closed {
-                return;
+            _ = tokio::time::sleep_until(answer_due.unwrap_or(far)), if answer_due.is_some() => {
+                fail_all(&shared, &mut in_flight, &BatchFailure::Timeout(call_bound));
+                connection = None;
+                sent_at = None;
             }
-            shared.wake.notified().await;
-            continue;
-        }
-        let now = Instant::now();
-        if now.saturating_duration_since(swept_at) >= HEADROOM_SWEEP_EVERY {
-            shared.forget_stale(now);
-            swept_at = now;
-        }
-        let call = exchange(&shared, &mut connection, &batch, &mut command);
-        let result = match tokio::time::timeout(call_bound, call).await {
-            Ok(result) => result,
-            Err(_elapsed) => Err(BatchFailure::Timeout(call_bound)),
-        };
-        let failure = match result {
-            Ok(reply) => match hand_out(&shared, &reply, &mut batch) {
-                Ok(()) => continue,
-                Err(failure) => failure,
-            },
-            Err(failure) => failure,
-        };
-        tracing::debug!("rate-limit batch of {} failed: {failure:?}", batch.len());
-        // Redis's own error answer leaves the connection in step; anything else may not.
-        if !matches!(failure, BatchFailure::Refused(_)) {
-            connection = None;
-        }
-        shared.distrust(&batch);
-        for waiting in batch.drain(..) {
-            waiting.fail(&failure);
+            _ = shared.wake.notified(), if room => {}
+            _ = tokio::time::sleep_until(hold_until.unwrap_or(far)), if hold_until.is_some() => {}
         }
     }
 }
 
-/// Sends the batch as one `EVALSHA` (connecting first when needed) and returns the reply.
-async fn exchange(
+/// A decision whose caller gave up (its timeout) is not worth Redis's time.
+fn skip_given_up(shared: &Shared, batch: Vec<Waiting>) -> Vec<Waiting> {
+    let mut kept = Vec::with_capacity(batch.len());
+    for waiting in batch {
+        if waiting.given_up() {
+            shared.release(waiting.buckets().map(|(key, _)| key), waiting.requests());
+        } else {
+            kept.push(waiting);
+        }
+    }
+    kept
+}
+
+/// Sends the call last in `in_flight` (connecting first when needed).
+async fn send_last(
     shared: &Shared,
     connection: &mut Option<Connection>,
-    batch: &[Waiting],
+    in_flight: &VecDeque<InFlight>,
     command: &mut Vec<u8>,
-) -> Result<BytesMut, BatchFailure> {
+    call_bound: Duration,
+) -> Result<(), BatchFailure> {
+    let Some(InFlight {
+        sent: Sent::Call { batch, .. },
+        ..
+    }) = in_flight.back()
+    else {
+        return Ok(());
+    };
     let connection = match connection {
         Some(connection) => connection,
-        None => connection.insert(Connection::open(&shared.endpoint, shared.script).await?),
+        None => {
+            let open = Connection::open(&shared.endpoint, shared.script);
+            let opened = tokio::time::timeout(call_bound, open)
+                .await
+                .map_err(|_elapsed| BatchFailure::Timeout(call_bound))??;
+            connection.insert(opened)
+        }
     };
     encode_call(command, &connection.script_sha, batch);
-    connection.stream.write_all(command).await?;
-    let mut reply = connection.read_reply().await?;
-    if matches!(&reply, Reply::Error(message) if message.starts_with("NOSCRIPT")) {
-        // Redis lost its scripts (`SCRIPT FLUSH`, a failover to a replica that never saw
-        // the load) while keeping the connection: load it again and send the batch again.
-        // Nothing of the batch ran, so nothing is counted twice.
-        command.clear();
-        put_command(command, &[b"SCRIPT", b"LOAD", shared.script.as_bytes()]);
-        connection.stream.write_all(command).await?;
-        connection.take_script_sha().await?;
-        encode_call(command, &connection.script_sha, batch);
-        connection.stream.write_all(command).await?;
-        reply = connection.read_reply().await?;
+    connection.write(command, call_bound).await
+}
+
+async fn read_next(connection: &mut Option<Connection>) -> Result<Reply, BatchFailure> {
+    match connection {
+        Some(connection) => connection.read_reply().await,
+        None => std::future::pending().await,
     }
+}
+
+/// Takes in the answer to the oldest command in flight. `Err`: the connection is no longer
+/// to be trusted (the caller fails everything in flight).
+async fn take_in(
+    shared: &Shared,
+    connection: &mut Option<Connection>,
+    in_flight: &mut VecDeque<InFlight>,
+    reply: Reply,
+    command: &mut Vec<u8>,
+    call_bound: Duration,
+) -> Result<(), BatchFailure> {
+    // (Answers come only on a connection, and only while something is in flight.)
+    let (Some(connection), Some(oldest)) = (connection.as_mut(), in_flight.pop_front()) else {
+        return Err(BatchFailure::Reply(format!(
+            "an answer to nothing: {reply:?}"
+        )));
+    };
+    let (mut batch, resent) = match oldest.sent {
+        Sent::ScriptLoad => return connection.take_script_sha(reply),
+        Sent::Call { batch, resent } => (batch, resent),
+    };
     match reply {
-        Reply::Bulk(Some(text)) => Ok(text),
-        Reply::Error(message) => Err(BatchFailure::Refused(message)),
-        other => Err(BatchFailure::Reply(format!(
-            "the rate-limit script returned {other:?}"
-        ))),
+        Reply::Bulk(Some(text)) => {
+            if let Err(failure) = hand_out(shared, &text, &mut batch) {
+                in_flight.push_front(InFlight {
+                    sent_at: oldest.sent_at,
+                    sent: Sent::Call { batch, resent },
+                });
+                return Err(failure);
+            }
+            Ok(())
+        }
+        Reply::Error(message) if message.starts_with("NOSCRIPT") && !resent => {
+            // Redis lost its scripts (`SCRIPT FLUSH`, a failover to a replica that never saw
+            // the load) while keeping the connection: load it again and send the batch again,
+            // behind the calls already out. Nothing of the batch ran, so nothing is counted
+            // twice; its decisions now come after those calls'. The script, and so its SHA1,
+            // is the same.
+            command.clear();
+            put_command(command, &[b"SCRIPT", b"LOAD", shared.script.as_bytes()]);
+            put_call(command, &connection.script_sha, &batch);
+            let now = Instant::now();
+            in_flight.push_back(InFlight {
+                sent_at: now,
+                sent: Sent::ScriptLoad,
+            });
+            in_flight.push_back(InFlight {
+                sent_at: now,
+                sent: Sent::Call {
+                    batch,
+                    resent: true,
+                },
+            });
+            connection.write(command, call_bound).await
+        }
+        Reply::Error(message) => {
+            // Redis's own error answer (`OOM`, `BUSY`…) leaves the connection in step.
+            fail(shared, batch, &BatchFailure::Refused(message));
+            Ok(())
+        }
+        other => {
+            let failure = BatchFailure::Reply(format!("the rate-limit script returned {other:?}"));
+            fail(shared, batch, &failure);
+            Err(failure)
+        }
+    }
+}
+
+/// Every call in flight failed: nothing known of the buckets is to be trusted until Redis
+/// answers again, and each waiting decision gets the failure.
+fn fail_all(shared: &Shared, in_flight: &mut VecDeque<InFlight>, failure: &BatchFailure) {
+    for call in in_flight.drain(..) {
+        if let Sent::Call { batch, .. } = call.sent {
+            fail(shared, batch, failure);
+        }
+    }
+}
+
+fn fail(shared: &Shared, batch: Vec<Waiting>, failure: &BatchFailure) {
+    tracing::debug!("rate-limit batch of {} failed: {failure:?}", batch.len());
+    shared.distrust(&batch);
+    for waiting in batch {
+        waiting.fail(failure);
     }
 }
 
 /// `EVALSHA sha numkeys keys… requests args…`, from the parts each decision encoded.
 fn encode_call(command: &mut Vec<u8>, sha: &str, batch: &[Waiting]) {
+    command.clear();
+    put_call(command, sha, batch);
+}
+
+/// Appends the script call of [`encode_call`] to `command`.
+fn put_call(command: &mut Vec<u8>, sha: &str, batch: &[Waiting]) {
     let keys: usize = batch.iter().map(|waiting| waiting.rules).sum();
     let args: usize = 1 + batch
         .iter()
         .map(|waiting| 2 + 3 * waiting.rules)
         .sum::<usize>();
-    command.clear();
     command.push(b'*');
     put_digits(command, (3 + keys + args) as u64);
     command.extend_from_slice(b"\r\n");
@@ -698,13 +894,14 @@ impl Connection {
                 other => return Err(BatchFailure::Reply(format!("{command} answered {other:?}"))),
             }
         }
-        connection.take_script_sha().await?;
+        let reply = connection.read_reply().await?;
+        connection.take_script_sha(reply)?;
         Ok(connection)
     }
 
-    /// Reads the answer to `SCRIPT LOAD`: the script's SHA1, used by every call after it.
-    async fn take_script_sha(&mut self) -> Result<(), BatchFailure> {
-        match self.read_reply().await? {
+    /// Takes in the answer to `SCRIPT LOAD`: the script's SHA1, used by every call after it.
+    fn take_script_sha(&mut self, reply: Reply) -> Result<(), BatchFailure> {
+        match reply {
             Reply::Bulk(Some(sha)) if sha.len() == 40 && sha.is_ascii() => {
                 self.script_sha = String::from_utf8_lossy(&sha).into_owned();
                 Ok(())
@@ -718,6 +915,14 @@ impl Connection {
         }
     }
 
+    async fn write(&mut self, command: &[u8], bound: Duration) -> Result<(), BatchFailure> {
+        match tokio::time::timeout(bound, self.stream.write_all(command)).await {
+            Ok(written) => Ok(written?),
+            Err(_elapsed) => Err(BatchFailure::Timeout(bound)),
+        }
+    }
+
+    /// Reads one reply. Cancel-safe: what was read stays in `self.read` for the next call.
     async fn read_reply(&mut self) -> Result<Reply, BatchFailure> {
         loop {
             if let Some(reply) = take_reply(&mut self.read)? {
@@ -953,5 +1158,202 @@ mod tests {
         assert_eq!(second.1[0].retry_after_ms, 7);
         assert!(read_answer(&mut numbers, 1).is_none());
         assert!(read_answer(&mut "0 1 x 0 0".split(' '), 1).is_none());
+    }
+}
+
+/// The worker against a Redis stand-in that answers only when told, so the tests see what is
+/// on the wire before any answer: calls in flight together, and `NOSCRIPT` among them.
+#[cfg(test)]
+mod pipeline_tests {
+    use super::*;
+    use tokio::net::{TcpListener, TcpStream};
+
+    const SHA: &str = "0123456789abcdef0123456789abcdef01234567";
+    /// Long enough never to be reached in these tests (a call answered late fails them).
+    const CALL_BOUND: Duration = Duration::from_secs(30);
+    /// Bounds each wait of the stand-in, so a test that goes wrong fails instead of hanging.
+    const PATIENCE: Duration = Duration::from_secs(20);
+
+    struct StandIn {
+        stream: TcpStream,
+        read: BytesMut,
+    }
+
+    impl StandIn {
+        /// Listens, and returns the batcher's URL and a task that accepts the worker's
+        /// connection and takes its `SCRIPT LOAD`.
+        async fn listen() -> (String, tokio::task::JoinHandle<StandIn>) {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let url = format!("redis://{}", listener.local_addr().expect("address"));
+            let accepted = tokio::spawn(async move {
+                let (stream, _) = tokio::time::timeout(PATIENCE, listener.accept())
+                    .await
+                    .expect("the worker connects")
+                    .expect("accept");
+                let mut stand_in = StandIn {
+                    stream,
+                    read: BytesMut::new(),
+                };
+                assert_eq!(stand_in.command().await[..2], ["SCRIPT", "LOAD"]);
+                stand_in
+                    .answer(&format!("${}\r\n{SHA}\r\n", SHA.len()))
+                    .await;
+                stand_in
+            });
+            (url, accepted)
+        }
+
+        /// The next command the worker sent, as words.
+        async fn command(&mut self) -> Vec<String> {
+            loop {
+                if let Some(words) = take_command(&mut self.read) {
+                    return words;
+                }
+                let read = tokio::time::timeout(PATIENCE, self.stream.read_buf(&mut self.read))
+                    .await
+                    .expect("the worker sends a command")
+                    .expect("read");
+                assert!(read > 0, "the worker closed the connection");
+            }
+        }
+
+        async fn answer(&mut self, resp: &str) {
+            self.stream.write_all(resp.as_bytes()).await.expect("write");
+        }
+    }
+
+    /// One RESP array of bulk strings off the front of `read`, when it is all there.
+    fn take_command(read: &mut BytesMut) -> Option<Vec<String>> {
+        let text = std::str::from_utf8(read).ok()?;
+        let (count, mut rest) = text.strip_prefix('*')?.split_once("\r\n")?;
+        let mut words = Vec::new();
+        for _ in 0..count.parse::<usize>().ok()? {
+            let (length, after) = rest.strip_prefix('$')?.split_once("\r\n")?;
+            let length: usize = length.parse().ok()?;
+            words.push(after.get(..length)?.to_owned());
+            rest = after.get(length + 2..)?;
+        }
+        let used = read.len() - rest.len();
+        read.advance(used);
+        Some(words)
+    }
+
+    /// The script's answer for one request with one rule: allowed, `remaining` left.
+    fn allowed(remaining: u32) -> String {
+        let text = format!("0 1 {remaining} 100 0");
+        format!("${}\r\n{text}\r\n", text.len())
+    }
+
+    fn batcher(url: &str) -> Arc<DecisionBatcher> {
+        let endpoint = Endpoint::from_url(url).expect("a redis:// url");
+        Arc::new(DecisionBatcher::new(endpoint, "return 1", CALL_BOUND, 1.0))
+    }
+
+    fn decide(
+        batcher: &Arc<DecisionBatcher>,
+        key: &'static str,
+    ) -> tokio::task::JoinHandle<Result<Answer, RedisFailure>> {
+        let batcher = Arc::clone(batcher);
+        tokio::spawn(async move {
+            let ask = RedisAsk {
+                key,
+                tag: key,
+                interval_us: 1000,
+                burst: 10,
+                dry_run: false,
+            };
+            batcher.decide(&[ask]).await
+        })
+    }
+
+    /// The keys a script call carries.
+    fn keys_of(call: &[String]) -> Vec<String> {
+        assert_eq!(call[..2], ["EVALSHA".to_owned(), SHA.to_owned()]);
+        let count: usize = call[2].parse().expect("numkeys");
+        call[3..3 + count].to_vec()
+    }
+
+    async fn remaining(decision: tokio::task::JoinHandle<Result<Answer, RedisFailure>>) -> u32 {
+        let (blocked, verdicts) = decision
+            .await
+            .expect("the decision task ends")
+            .expect("the decision is answered");
+        assert!(!blocked);
+        verdicts[0].remaining
+    }
+
+    #[tokio::test]
+    async fn a_decision_goes_out_while_the_call_before_it_is_still_at_redis() {
+        let (url, accepted) = StandIn::listen().await;
+        let batcher = batcher(&url);
+        let first = decide(&batcher, "rl:a");
+        let mut redis = accepted.await.expect("stand-in");
+        assert_eq!(keys_of(&redis.command().await), ["rl:a"]);
+        // The first call is not answered yet, and the second is already on the wire.
+        let second = decide(&batcher, "rl:b");
+        assert_eq!(keys_of(&redis.command().await), ["rl:b"]);
+        redis.answer(&allowed(9)).await;
+        redis.answer(&allowed(8)).await;
+        assert_eq!(remaining(first).await, 9);
+        assert_eq!(remaining(second).await, 8);
+    }
+
+    #[tokio::test]
+    async fn noscript_for_calls_in_flight_loads_the_script_and_sends_each_again_once() {
+        let (url, accepted) = StandIn::listen().await;
+        let batcher = batcher(&url);
+        let first = decide(&batcher, "rl:a");
+        let mut redis = accepted.await.expect("stand-in");
+        assert_eq!(keys_of(&redis.command().await), ["rl:a"]);
+        let second = decide(&batcher, "rl:b");
+        assert_eq!(keys_of(&redis.command().await), ["rl:b"]);
+        redis.answer("-NOSCRIPT No matching script.\r\n").await;
+        redis.answer("-NOSCRIPT No matching script.\r\n").await;
+        for key in ["rl:a", "rl:b"] {
+            assert_eq!(redis.command().await[..2], ["SCRIPT", "LOAD"]);
+            assert_eq!(keys_of(&redis.command().await), [key]);
+        }
+        redis.answer(&format!("${}\r\n{SHA}\r\n", SHA.len())).await;
+        redis.answer(&allowed(9)).await;
+        redis.answer(&format!("${}\r\n{SHA}\r\n", SHA.len())).await;
+        // A second NOSCRIPT for the same batch is an answer: that decision fails, and the
+        // connection stays for the next.
+        redis.answer("-NOSCRIPT No matching script.\r\n").await;
+        assert_eq!(remaining(first).await, 9);
+        let refused = second.await.expect("the decision task ends");
+        assert!(
+            matches!(&refused, Err(RedisFailure::BadReply(text)) if text.contains("NOSCRIPT")),
+            "{refused:?}"
+        );
+        let third = decide(&batcher, "rl:c");
+        assert_eq!(keys_of(&redis.command().await), ["rl:c"]);
+        redis.answer(&allowed(7)).await;
+        assert_eq!(remaining(third).await, 7);
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_answer_fails_every_call_in_flight_and_drops_the_connection() {
+        let (url, accepted) = StandIn::listen().await;
+        let batcher = batcher(&url);
+        let first = decide(&batcher, "rl:a");
+        let mut redis = accepted.await.expect("stand-in");
+        assert_eq!(keys_of(&redis.command().await), ["rl:a"]);
+        let second = decide(&batcher, "rl:b");
+        assert_eq!(keys_of(&redis.command().await), ["rl:b"]);
+        // Two numbers where one request's answer needs five.
+        redis.answer("$3\r\n0 1\r\n").await;
+        for decision in [first, second] {
+            let failed = decision.await.expect("the decision task ends");
+            assert!(
+                matches!(failed, Err(RedisFailure::BadReply(_))),
+                "{failed:?}"
+            );
+        }
+        // The connection is dropped, so no later answer is read as another batch's.
+        let mut read = [0u8; 1];
+        let closed = tokio::time::timeout(PATIENCE, redis.stream.read(&mut read))
+            .await
+            .expect("the worker closes the connection");
+        assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
     }
 }
