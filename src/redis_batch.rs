@@ -132,6 +132,8 @@ struct Queue {
     /// Entries of `waiting` that are decisions (not charges): while there are none, the
     /// worker may hold the charges back (`CHARGE_HOLD`).
     decisions: usize,
+    /// Where a charge is encoded to compare it with the one queued last.
+    scratch: Vec<u8>,
     worker_started: bool,
     closed: bool,
 }
@@ -161,15 +163,7 @@ impl Waiting {
     fn new(asks: &[RedisAsk<'_>], caller: Caller) -> Waiting {
         let mut encoded =
             Vec::with_capacity(asks.iter().map(|ask| ask.key.len() + 48).sum::<usize>());
-        for ask in asks {
-            put_bulk(&mut encoded, ask.key.as_bytes());
-        }
-        let rules_at = encoded.len();
-        for ask in asks {
-            put_number(&mut encoded, ask.interval_us);
-            put_number(&mut encoded, u64::from(ask.burst));
-            put_bulk(&mut encoded, if ask.dry_run { b"1" } else { b"0" });
-        }
+        let rules_at = encode_asks(&mut encoded, asks);
         Waiting {
             rules: asks.len(),
             encoded,
@@ -177,6 +171,17 @@ impl Waiting {
             ahead: u32::from(matches!(caller, Caller::Ahead(_))),
             caller,
         }
+    }
+
+    /// Whether `asks`, admitted ahead, can join this entry: it is a charge for the same
+    /// buckets and rules. `scratch` holds the asks' encoding afterwards.
+    fn joins(&self, asks: &[RedisAsk<'_>], scratch: &mut Vec<u8>) -> bool {
+        if self.ahead == 0 || self.rules != asks.len() {
+            return false;
+        }
+        scratch.clear();
+        encode_asks(scratch, asks);
+        *scratch == self.encoded
     }
 
     /// The requests this entry stands for: 1 for a decision, `ahead` for merged charges.
@@ -300,18 +305,21 @@ impl DecisionBatcher {
     }
 
     fn enqueue(&self, asks: &[RedisAsk<'_>], caller: Caller) -> Result<(), RedisFailure> {
-        let waiting = Waiting::new(asks, caller);
         let mut queue = self.shared.lock();
         // A charge like the one queued last joins it: under load most of the queue is charges
         // for the same buckets, and they go to Redis as one, in their place in the order.
-        if waiting.ahead > 0 {
-            if let Some(last) = queue.waiting.last_mut() {
-                if last.ahead > 0 && last.encoded == waiting.encoded {
+        if matches!(caller, Caller::Ahead(_)) {
+            let Queue {
+                waiting, scratch, ..
+            } = &mut *queue;
+            if let Some(last) = waiting.last_mut() {
+                if last.joins(asks, scratch) {
                     last.ahead = last.ahead.saturating_add(1);
                     return Ok(());
                 }
             }
         }
+        let waiting = Waiting::new(asks, caller);
         if queue.waiting.len() >= MOST_WAITING {
             return Err(RedisFailure::Overloaded(MOST_WAITING));
         }
@@ -760,6 +768,21 @@ fn fail(shared: &Shared, batch: Vec<Waiting>, failure: &BatchFailure) {
     for waiting in batch {
         waiting.fail(failure);
     }
+}
+
+/// A request's part of a script call: its keys, then per rule its interval, burst and dry-run
+/// flag. Returns where the rules start.
+fn encode_asks(out: &mut Vec<u8>, asks: &[RedisAsk<'_>]) -> usize {
+    for ask in asks {
+        put_bulk(out, ask.key.as_bytes());
+    }
+    let rules_at = out.len();
+    for ask in asks {
+        put_number(out, ask.interval_us);
+        put_number(out, u64::from(ask.burst));
+        put_bulk(out, if ask.dry_run { b"1" } else { b"0" });
+    }
+    rules_at
 }
 
 /// `EVALSHA sha numkeys keys… requests args…`, from the parts each decision encoded.
