@@ -528,8 +528,10 @@ run_case() {
 		return
 	fi
 	if probe "http://127.0.0.1:$port$path" "$expect" "$absent"; then
+		local redis_before
+		redis_before=$(redis_load)
 		measure "$id" "$pid" "http://127.0.0.1:$port$path" "$([[ $kind == backend ]] && echo 0 || echo 1)"
-		[[ $kind != levee ]] || limit_note "$id" "$admin"
+		[[ $kind != levee ]] || limit_note "$id" "$admin" "$redis_before"
 	else
 		STATUS[$id]=failed NOTE[$id]="wrong answer: $PROBE_ERROR"
 		broken "case $id ($label): $PROBE_ERROR"
@@ -546,8 +548,19 @@ decisions() { # ADMIN_PORT: "REDIS OTHER", levee's rate-limit decisions so far (
 		END { printf "%d %d\n", r, o }' <<<"$text"
 }
 
-limit_note() { # ID ADMIN_PORT: levee's rate-limit decisions during the case, from /metrics
-	local summary
+redis_load() { # "EVALSHA_CALLS CPU_SECONDS" of the harness's Redis so far ("0 0" if it does not answer)
+	redis-cli -h 127.0.0.1 -p "$PORT_REDIS" info all 2>/dev/null | tr -d '\r' | awk -F'[:,=]' '
+		/^cmdstat_evalsha:/ { calls = $3 }
+		/^used_cpu_(sys|user):/ { cpu += $2 }
+		END { printf "%d %.6f\n", calls, cpu }' || echo "0 0"
+}
+
+limit_note() { # ID ADMIN_PORT REDIS_BEFORE: levee's rate-limit decisions during the case, from
+	# /metrics, and what they cost Redis (script calls and CPU since REDIS_BEFORE, from redis_load)
+	local summary total redis_after
+	total=$(curl -s --max-time 5 "http://127.0.0.1:$2/metrics" |
+		awk '/^[a-z_]*ratelimit_decisions[a-z_]*[{]/ { t += $NF } END { printf "%d\n", t }') || total=0
+	redis_after=$(redis_load)
 	summary=$(curl -s --max-time 5 "http://127.0.0.1:$2/metrics" | awk '
 		/^[a-z_]*ratelimit_decisions[a-z_]*[{]/ {
 			match($0, /source="[^"]*"/); src = substr($0, RSTART + 8, RLENGTH - 9)
@@ -561,6 +574,14 @@ limit_note() { # ID ADMIN_PORT: levee's rate-limit decisions during the case, fr
 		}') || true
 	[[ -n $summary ]] || return 0
 	NOTE[$1]="rate-limit decisions by source: $summary"
+	# Redis's side: script calls and Redis CPU per rule decision (a request has one per rule),
+	# all of Redis's CPU over the case, warm-up included, like the decisions.
+	if ((total > 0)); then
+		NOTE[$1]+=$(awk -v b="$3" -v a="$redis_after" -v n="$total" 'BEGIN {
+			split(b, x, " "); split(a, y, " "); calls = y[1] - x[1]; cpu = y[2] - x[2]
+			if (calls > 0) printf "; Redis ran one EVALSHA per %.0f rule decisions, %.2f µs of Redis CPU per rule decision", n / calls, cpu / n * 1e6
+		}')
+	fi
 	if [[ $summary == *fallback* ]]; then
 		NOTE[$1]+="; levee fell back to in-process limits (Redis slower than its timeout) for part of the run"
 	fi
