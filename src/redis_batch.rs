@@ -1333,10 +1333,7 @@ mod pipeline_tests {
         aheads
     }
 
-    fn decide(
-        batcher: &Arc<DecisionBatcher>,
-        key: &'static str,
-    ) -> tokio::task::JoinHandle<Result<Answer, RedisFailure>> {
+    fn decide(batcher: &Arc<DecisionBatcher>, key: &'static str) -> Decision {
         let batcher = Arc::clone(batcher);
         tokio::spawn(async move { batcher.decide(&[ask(key)]).await })
     }
@@ -1348,7 +1345,7 @@ mod pipeline_tests {
         call[3..3 + count].to_vec()
     }
 
-    async fn remaining(decision: tokio::task::JoinHandle<Result<Answer, RedisFailure>>) -> u32 {
+    async fn remaining(decision: Decision) -> u32 {
         let (blocked, verdicts) = decision
             .await
             .expect("the decision task ends")
@@ -1357,16 +1354,58 @@ mod pipeline_tests {
         verdicts[0].remaining
     }
 
+    type Decision = tokio::task::JoinHandle<Result<Answer, RedisFailure>>;
+
+    /// Decisions on `rl:a` and `rl:b`, both sent, neither answered.
+    async fn two_calls_in_flight(
+        batcher: &Arc<DecisionBatcher>,
+        accepted: tokio::task::JoinHandle<StandIn>,
+    ) -> (StandIn, Decision, Decision) {
+        let first = decide(batcher, "rl:a");
+        let mut redis = accepted.await.expect("stand-in");
+        assert_eq!(keys_of(&redis.command().await), ["rl:a"]);
+        // The first call is not answered yet, and the second is already on the wire.
+        let second = decide(batcher, "rl:b");
+        assert_eq!(keys_of(&redis.command().await), ["rl:b"]);
+        (redis, first, second)
+    }
+
+    /// A decision on `rl:k` that Redis answers with 9 of 10 tokens left, so that requests on
+    /// it are admitted ahead after.
+    async fn knowing_nine_left(
+        batcher: &Arc<DecisionBatcher>,
+        accepted: tokio::task::JoinHandle<StandIn>,
+    ) -> StandIn {
+        let first = decide(batcher, "rl:k");
+        let mut redis = accepted.await.expect("stand-in");
+        assert_eq!(keys_of(&redis.command().await), ["rl:k"]);
+        redis.answer(&allowed(9)).await;
+        assert_eq!(remaining(first).await, 9);
+        redis
+    }
+
+    /// The worker closes the connection (so no late answer is read as another batch's).
+    async fn closes(redis: &mut StandIn) {
+        let mut read = [0u8; 1];
+        let closed = tokio::time::timeout(PATIENCE, redis.stream.read(&mut read))
+            .await
+            .expect("the worker closes the connection");
+        assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+    }
+
+    async fn fails(decision: Decision, failure: impl Fn(&RedisFailure) -> bool) {
+        let failed = decision.await.expect("the decision task ends");
+        assert!(
+            matches!(&failed, Err(error) if failure(error)),
+            "{failed:?}"
+        );
+    }
+
     #[tokio::test]
     async fn a_decision_goes_out_while_the_call_before_it_is_still_at_redis() {
         let (url, accepted) = StandIn::listen().await;
         let batcher = batcher(&url);
-        let first = decide(&batcher, "rl:a");
-        let mut redis = accepted.await.expect("stand-in");
-        assert_eq!(keys_of(&redis.command().await), ["rl:a"]);
-        // The first call is not answered yet, and the second is already on the wire.
-        let second = decide(&batcher, "rl:b");
-        assert_eq!(keys_of(&redis.command().await), ["rl:b"]);
+        let (mut redis, first, second) = two_calls_in_flight(&batcher, accepted).await;
         redis.answer(&allowed(9)).await;
         redis.answer(&allowed(8)).await;
         assert_eq!(remaining(first).await, 9);
@@ -1377,11 +1416,7 @@ mod pipeline_tests {
     async fn noscript_for_calls_in_flight_loads_the_script_and_sends_each_again_once() {
         let (url, accepted) = StandIn::listen().await;
         let batcher = batcher(&url);
-        let first = decide(&batcher, "rl:a");
-        let mut redis = accepted.await.expect("stand-in");
-        assert_eq!(keys_of(&redis.command().await), ["rl:a"]);
-        let second = decide(&batcher, "rl:b");
-        assert_eq!(keys_of(&redis.command().await), ["rl:b"]);
+        let (mut redis, first, second) = two_calls_in_flight(&batcher, accepted).await;
         redis.answer("-NOSCRIPT No matching script.\r\n").await;
         redis.answer("-NOSCRIPT No matching script.\r\n").await;
         for key in ["rl:a", "rl:b"] {
@@ -1395,11 +1430,11 @@ mod pipeline_tests {
         // connection stays for the next.
         redis.answer("-NOSCRIPT No matching script.\r\n").await;
         assert_eq!(remaining(first).await, 9);
-        let refused = second.await.expect("the decision task ends");
-        assert!(
-            matches!(&refused, Err(RedisFailure::BadReply(text)) if text.contains("NOSCRIPT")),
-            "{refused:?}"
-        );
+        fails(
+            second,
+            |error| matches!(error, RedisFailure::BadReply(text) if text.contains("NOSCRIPT")),
+        )
+        .await;
         let third = decide(&batcher, "rl:c");
         assert_eq!(keys_of(&redis.command().await), ["rl:c"]);
         redis.answer(&allowed(7)).await;
@@ -1410,26 +1445,29 @@ mod pipeline_tests {
     async fn an_unreadable_answer_fails_every_call_in_flight_and_drops_the_connection() {
         let (url, accepted) = StandIn::listen().await;
         let batcher = batcher(&url);
-        let first = decide(&batcher, "rl:a");
-        let mut redis = accepted.await.expect("stand-in");
-        assert_eq!(keys_of(&redis.command().await), ["rl:a"]);
-        let second = decide(&batcher, "rl:b");
-        assert_eq!(keys_of(&redis.command().await), ["rl:b"]);
+        let (mut redis, first, second) = two_calls_in_flight(&batcher, accepted).await;
         // Two numbers where one request's answer needs five.
         redis.answer("$3\r\n0 1\r\n").await;
         for decision in [first, second] {
-            let failed = decision.await.expect("the decision task ends");
-            assert!(
-                matches!(failed, Err(RedisFailure::BadReply(_))),
-                "{failed:?}"
-            );
+            fails(decision, |error| matches!(error, RedisFailure::BadReply(_))).await;
         }
-        // The connection is dropped, so no later answer is read as another batch's.
-        let mut read = [0u8; 1];
-        let closed = tokio::time::timeout(PATIENCE, redis.stream.read(&mut read))
-            .await
-            .expect("the worker closes the connection");
-        assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+        closes(&mut redis).await;
+    }
+
+    #[tokio::test]
+    async fn calls_in_flight_unanswered_within_the_bound_all_fail() {
+        let (url, accepted) = StandIn::listen().await;
+        let bound = Duration::from_millis(300);
+        let batcher = batcher_with(&url, bound, 1.0);
+        let (mut redis, first, second) = two_calls_in_flight(&batcher, accepted).await;
+        for decision in [first, second] {
+            fails(
+                decision,
+                |error| matches!(error, RedisFailure::Timeout(after) if *after == bound),
+            )
+            .await;
+        }
+        closes(&mut redis).await;
     }
 
     #[tokio::test]
@@ -1437,12 +1475,7 @@ mod pipeline_tests {
         let (url, accepted) = StandIn::listen().await;
         let batcher = batcher_with(&url, CALL_BOUND, 0.5);
         let overruns = Counter::default();
-        // Redis's first answer tells levee that 9 of 10 tokens are left.
-        let first = decide(&batcher, "rl:k");
-        let mut redis = accepted.await.expect("stand-in");
-        assert_eq!(keys_of(&redis.command().await), ["rl:k"]);
-        redis.answer(&allowed(9)).await;
-        assert_eq!(remaining(first).await, 9);
+        let mut redis = knowing_nine_left(&batcher, accepted).await;
         // Admitted at once; its charge goes out as a call of its own (nothing else is out).
         assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_some());
         let charge = redis.command().await;
@@ -1471,11 +1504,7 @@ mod pipeline_tests {
         let (url, accepted) = StandIn::listen().await;
         let batcher = batcher_with(&url, CALL_BOUND, 0.5);
         let overruns = Counter::default();
-        let first = decide(&batcher, "rl:k");
-        let mut redis = accepted.await.expect("stand-in");
-        assert_eq!(keys_of(&redis.command().await), ["rl:k"]);
-        redis.answer(&allowed(9)).await;
-        assert_eq!(remaining(first).await, 9);
+        let mut redis = knowing_nine_left(&batcher, accepted).await;
         assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_some());
         // A reload replaced `[redis]`: the admitted request is charged all the same.
         drop(batcher);
@@ -1485,35 +1514,6 @@ mod pipeline_tests {
             (vec!["rl:k".into()], vec![1])
         );
         redis.answer(&allowed(8)).await;
-        let mut read = [0u8; 1];
-        let closed = tokio::time::timeout(PATIENCE, redis.stream.read(&mut read))
-            .await
-            .expect("the worker ends and closes the connection");
-        assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
-    }
-
-    #[tokio::test]
-    async fn calls_in_flight_unanswered_within_the_bound_all_fail() {
-        let (url, accepted) = StandIn::listen().await;
-        let bound = Duration::from_millis(300);
-        let batcher = batcher_with(&url, bound, 1.0);
-        let first = decide(&batcher, "rl:a");
-        let mut redis = accepted.await.expect("stand-in");
-        assert_eq!(keys_of(&redis.command().await), ["rl:a"]);
-        let second = decide(&batcher, "rl:b");
-        assert_eq!(keys_of(&redis.command().await), ["rl:b"]);
-        for decision in [first, second] {
-            let failed = decision.await.expect("the decision task ends");
-            assert!(
-                matches!(failed, Err(RedisFailure::Timeout(after)) if after == bound),
-                "{failed:?}"
-            );
-        }
-        // A late answer is never read: the connection is gone.
-        let mut read = [0u8; 1];
-        let closed = tokio::time::timeout(PATIENCE, redis.stream.read(&mut read))
-            .await
-            .expect("the worker closes the connection");
-        assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+        closes(&mut redis).await;
     }
 }
