@@ -225,7 +225,7 @@ async fn refuse(stream: &mut TcpStream, error: HeadError) {
         &mut keep_alive,
     );
     let mut out = BytesMut::new();
-    encode::encode_head(&mut out, parts.status, &parts.headers);
+    encode::encode_head(&mut out, parts.status, &parts.headers, 0);
     let (mut reader, mut writer) = stream.split();
     let mut no_body = RequestBodyReader::finished();
     let mut no_buffer = BytesMut::new();
@@ -332,7 +332,16 @@ where
         &mut keep_alive,
     );
     let mut out = BytesMut::new();
-    encode::encode_head(&mut out, parts.status, &parts.headers);
+    // A small body known in length is copied after the head (see `write_body`): room for both
+    // at once, so the buffer is not grown for the body.
+    let body_room = match framing {
+        ResponseFraming::Length(length) => usize::try_from(length)
+            .ok()
+            .filter(|length| *length <= COPY_LIMIT)
+            .unwrap_or(0),
+        _ => 0,
+    };
+    encode::encode_head(&mut out, parts.status, &parts.headers, body_room);
     drop(parts);
     let complete = write_body(
         &mut writer,

@@ -91,8 +91,9 @@ fn connection_says_close(headers: &HeaderMap) -> bool {
 }
 
 /// Writes the status line, the header fields, a `Date` unless one is set, and the blank line.
-pub fn encode_head(out: &mut BytesMut, status: StatusCode, headers: &HeaderMap) {
-    out.reserve(64 + crate::proxy::header::header_bytes(headers) + 40);
+/// `body_room`: bytes of body that will follow in `out`, reserved with the head's.
+pub fn encode_head(out: &mut BytesMut, status: StatusCode, headers: &HeaderMap, body_room: usize) {
+    out.reserve(64 + crate::proxy::header::header_bytes(headers) + 40 + body_room);
     out.put_slice(b"HTTP/1.1 ");
     out.put_slice(status.as_str().as_bytes());
     out.put_u8(b' ');
@@ -255,7 +256,7 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(2u64));
         let mut out = BytesMut::new();
-        encode_head(&mut out, StatusCode::NOT_FOUND, &headers);
+        encode_head(&mut out, StatusCode::NOT_FOUND, &headers, 0);
         let text = String::from_utf8(out.to_vec()).expect("ascii");
         assert!(
             text.starts_with("HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\ndate: "),
