@@ -420,64 +420,109 @@ skip_case() { # ID LABEL REASON
 }
 
 # measure ID PID URL ON_PROXY_CORE(1|0) [ADMIN_PORT]: warm-up, then ROUNDS measured wrk runs;
-# medians. With ADMIN_PORT (a levee with rate limits), it also reads levee's decision counters
-# around every measured round: DECISIONS (Redis decisions, summed), DEC_RATE (median of Redis
-# decisions / wrk's duration), DEC_OTHER (decisions made anywhere else: ahead, fallback, local, cache).
+# fills RPS P50 P99 P999 ERR CPU HWM OTHER LOAD_BUSY STATUS for ID (and, with ADMIN_PORT, the
+# decisions levee made by Redis and otherwise, and their rate). With ADMIN_PORT (a levee with
+# rate limits) it reads levee's decision counters around every measured round: DECISIONS (Redis
+# decisions, summed), DEC_RATE (median of Redis decisions / wrk's duration), DEC_OTHER
+# (decisions made anywhere else: ahead, fallback, local, cache). The cases use its three steps
+# apart (`warm_up`, `measure_round`, `finish_measure`) to interleave their rounds.
 measure() {
-	local id=$1 pid=$2 url=$3 own=$4 admin=${5:-} round pids t0 t1 b0 b1 l0 l1 w0 w1 errors=0 ticks=0 requests=0 status=0
-	local d0 d1 dec_redis=0 dec_other=0
-	local -a rps=() p50=() p99=() p999=() other=() load=() dec=()
-	run_wrk "$url" "$WARMUP" "$TMP/wrk-$id-warmup.txt" || {
+	warm_up "$@" || return 0
+	local round
+	for ((round = 1; round <= ROUNDS; round++)); do
+		measure_round "$1" "$round" || return 0
+	done
+	finish_measure "$1"
+}
+
+declare -A PIDS_OF=() URL_OF=() OWN_OF=() ADMIN_OF=() # what measure_round needs per case
+# Per case, what the rounds measured so far: counters, and lists (space-separated) of the
+# per-round figures whose median is reported.
+declare -A ACC_TICKS=() ACC_REQS=() ACC_ERRORS=() ACC_STATUS=() ACC_DEC_REDIS=() ACC_DEC_OTHER=()
+declare -A ROUND_RPS=() ROUND_P50=() ROUND_P99=() ROUND_P999=() ROUND_OTHER=() ROUND_LOAD=() ROUND_DEC=()
+declare -A REDIS_CALLS=() REDIS_CPU=() # the case's share of Redis's work (see redis_load)
+
+redis_share() { # ID BEFORE: adds Redis's work since BEFORE (a redis_load) to the case's share
+	local after
+	after=$(redis_load)
+	read -r REDIS_CALLS[$1] REDIS_CPU[$1] < <(awk -v b="$2" -v a="$after" -v c="${REDIS_CALLS[$1]:-0}" -v u="${REDIS_CPU[$1]:-0}" 'BEGIN {
+		split(b, x, " "); split(a, y, " "); printf "%d %.6f\n", c + y[1] - x[1], u + y[2] - x[2] }')
+}
+
+warm_up() { # ID PID URL ON_PROXY_CORE [ADMIN_PORT]: the unmeasured warm-up; fails (and marks the case) when wrk fails
+	local id=$1 redis_before
+	redis_before=$(redis_load)
+	run_wrk "$3" "$WARMUP" "$TMP/wrk-$id-warmup.txt" || {
 		broken "case $id: wrk warm-up failed"
 		STATUS[$id]=failed
-		return
+		return 1
 	}
-	errors=${W[errors]} status=${W[err_status]}
-	pids=$(descendants "$pid") # after warm-up, so every worker exists
-	for ((round = 1; round <= ROUNDS; round++)); do
-		# (The counters are read outside the CPU window: the scrape is not the proxy's work.)
-		if [[ -n $admin ]] && ! d0=$(decisions "$admin"); then
+	redis_share "$id" "$redis_before"
+	PIDS_OF[$id]=$(descendants "$2") # after warm-up, so every worker exists
+	URL_OF[$id]=$3 OWN_OF[$id]=$4 ADMIN_OF[$id]=${5:-}
+	ACC_ERRORS[$id]=${W[errors]} ACC_STATUS[$id]=${W[err_status]}
+	ACC_TICKS[$id]=0 ACC_REQS[$id]=0 ACC_DEC_REDIS[$id]=0 ACC_DEC_OTHER[$id]=0
+	ROUND_RPS[$id]= ROUND_P50[$id]= ROUND_P99[$id]= ROUND_P999[$id]= ROUND_OTHER[$id]= ROUND_LOAD[$id]= ROUND_DEC[$id]=
+	STATUS[$id]=warm
+}
+
+measure_round() { # ID ROUND: one measured wrk run of a warmed-up case; fails (and marks the case) when it breaks
+	local id=$1 round=$2 admin=${ADMIN_OF[$1]} url=${URL_OF[$1]} own=${OWN_OF[$1]} pids=${PIDS_OF[$1]}
+	local t0 t1 b0 b1 l0 l1 w0 w1 d0 d1 redis_before
+	# (The counters are read outside the CPU window: the scrape is not the proxy's work.)
+	if [[ -n $admin ]] && ! d0=$(decisions "$admin"); then
+		broken "case $id: cannot read levee's /metrics"
+		STATUS[$id]=failed
+		return 1
+	fi
+	redis_before=$(redis_load)
+	t0=$(cpu_ticks $pids) b0=$(core_busy $PROXY_CORES) l0=$(core_busy $LOAD_CORES) w0=$(now_us)
+	if ! run_wrk "$url" "$DURATION" "$TMP/wrk-$id-$round.txt"; then
+		broken "case $id: wrk round $round failed"
+		STATUS[$id]=failed
+		return 1
+	fi
+	t1=$(cpu_ticks $pids) b1=$(core_busy $PROXY_CORES) l1=$(core_busy $LOAD_CORES) w1=$(now_us)
+	redis_share "$id" "$redis_before"
+	if [[ -n $admin ]]; then
+		if ! d1=$(decisions "$admin"); then
 			broken "case $id: cannot read levee's /metrics"
 			STATUS[$id]=failed
-			return
+			return 1
 		fi
-		t0=$(cpu_ticks $pids) b0=$(core_busy $PROXY_CORES) l0=$(core_busy $LOAD_CORES) w0=$(now_us)
-		if ! run_wrk "$url" "$DURATION" "$TMP/wrk-$id-$round.txt"; then
-			broken "case $id: wrk round $round failed"
-			STATUS[$id]=failed
-			return
-		fi
-		t1=$(cpu_ticks $pids) b1=$(core_busy $PROXY_CORES) l1=$(core_busy $LOAD_CORES) w1=$(now_us)
-		if [[ -n $admin ]]; then
-			if ! d1=$(decisions "$admin"); then
-				broken "case $id: cannot read levee's /metrics"
-				STATUS[$id]=failed
-				return
-			fi
-			dec_redis=$((dec_redis + ${d1% *} - ${d0% *})) dec_other=$((dec_other + ${d1#* } - ${d0#* }))
-			dec+=("$(calc "printf \"%.1f\", (${d1% *} - ${d0% *}) / (${W[duration_us]} / 1e6)")")
-		fi
-		# Noise check: busy time of the proxy core(s) that the proxy itself did not use
-		# (other processes, and interrupt work the kernel did not charge to the proxy).
-		other+=("$(calc "v = 100 * (($b1 - $b0) - $own * ($t1 - $t0)) / (($w1 - $w0) / 1e6 * $CLK_TCK * $PROXY_NCORES); printf \"%.1f\", (v < 0 ? 0 : v)")") # < 0: tick rounding
-		# How busy the other core(s) were: when they are full, the proxy is not what limits req/s.
-		load+=("$(calc "printf \"%.0f\", 100 * ($l1 - $l0) / (($w1 - $w0) / 1e6 * $CLK_TCK * $LOAD_NCORES)")")
-		ticks=$((ticks + t1 - t0)) requests=$((requests + W[requests])) errors=$((errors + W[errors])) status=$((status + W[err_status]))
-		rps+=("${W[rps]}") p50+=("${W[p50_us]}") p99+=("${W[p99_us]}") p999+=("${W[p999_us]}")
-		log "  round $round/$ROUNDS: ${W[rps]} req/s, p99 ${W[p99_us]} us, errors ${W[errors]}"
-	done
-	RPS[$id]=$(median "${rps[@]}") P50[$id]=$(median "${p50[@]}")
-	P99[$id]=$(median "${p99[@]}") P999[$id]=$(median "${p999[@]}")
+		ACC_DEC_REDIS[$id]=$((ACC_DEC_REDIS[$id] + ${d1% *} - ${d0% *}))
+		ACC_DEC_OTHER[$id]=$((ACC_DEC_OTHER[$id] + ${d1#* } - ${d0#* }))
+		ROUND_DEC[$id]+=" $(calc "printf \"%.1f\", (${d1% *} - ${d0% *}) / (${W[duration_us]} / 1e6)")"
+	fi
+	# Noise check: busy time of the proxy core(s) that the proxy itself did not use
+	# (other processes, and interrupt work the kernel did not charge to the proxy).
+	ROUND_OTHER[$id]+=" $(calc "v = 100 * (($b1 - $b0) - $own * ($t1 - $t0)) / (($w1 - $w0) / 1e6 * $CLK_TCK * $PROXY_NCORES); printf \"%.1f\", (v < 0 ? 0 : v)")" # < 0: tick rounding
+	# How busy the other core(s) were: when they are full, the proxy is not what limits req/s.
+	ROUND_LOAD[$id]+=" $(calc "printf \"%.0f\", 100 * ($l1 - $l0) / (($w1 - $w0) / 1e6 * $CLK_TCK * $LOAD_NCORES)")"
+	ACC_TICKS[$id]=$((ACC_TICKS[$id] + t1 - t0)) ACC_REQS[$id]=$((ACC_REQS[$id] + W[requests]))
+	ACC_ERRORS[$id]=$((ACC_ERRORS[$id] + W[errors])) ACC_STATUS[$id]=$((ACC_STATUS[$id] + W[err_status]))
+	ROUND_RPS[$id]+=" ${W[rps]}" ROUND_P50[$id]+=" ${W[p50_us]}" ROUND_P99[$id]+=" ${W[p99_us]}" ROUND_P999[$id]+=" ${W[p999_us]}"
+	log "  case $id round $round/$ROUNDS: ${W[rps]} req/s, p99 ${W[p99_us]} us, errors ${W[errors]}"
+}
+
+finish_measure() { # ID: the case's figures from its rounds
+	local id=$1 pids=${PIDS_OF[$1]} errors=${ACC_ERRORS[$1]} status=${ACC_STATUS[$1]} requests=${ACC_REQS[$1]}
+	# shellcheck disable=SC2086 # the lists are space-separated numbers
+	{
+		RPS[$id]=$(median ${ROUND_RPS[$id]}) P50[$id]=$(median ${ROUND_P50[$id]})
+		P99[$id]=$(median ${ROUND_P99[$id]}) P999[$id]=$(median ${ROUND_P999[$id]})
+		OTHER[$id]=$(median ${ROUND_OTHER[$id]})
+		LOAD_BUSY[$id]=$(median ${ROUND_LOAD[$id]})
+		OTHER_MAX[$id]=$(printf '%s\n' ${ROUND_OTHER[$id]} | sort -g | tail -n1)
+	}
 	ERR[$id]=$errors
 	((errors == 0)) || ERR[$id]+=" ($status HTTP ≥ 400, $((errors - status)) socket)"
-	CPU[$id]=$(calc "if ($requests > 0) printf \"%.2f\", $ticks / $CLK_TCK / $requests * 100000")
+	CPU[$id]=$(calc "if ($requests > 0) printf \"%.2f\", ${ACC_TICKS[$id]} / $CLK_TCK / $requests * 100000")
 	HWM[$id]=$(status_kb VmHWM $pids)
-	OTHER[$id]=$(median "${other[@]}")
-	LOAD_BUSY[$id]=$(median "${load[@]}")
-	OTHER_MAX[$id]=$(printf '%s\n' "${other[@]}" | sort -g | tail -n1)
 	REQS[$id]=$requests
-	if [[ -n $admin ]]; then
-		DECISIONS[$id]=$dec_redis DEC_OTHER[$id]=$dec_other DEC_RATE[$id]=$(median "${dec[@]}")
+	if [[ -n ${ADMIN_OF[$id]} ]]; then
+		# shellcheck disable=SC2086
+		DECISIONS[$id]=${ACC_DEC_REDIS[$id]} DEC_OTHER[$id]=${ACC_DEC_OTHER[$id]} DEC_RATE[$id]=$(median ${ROUND_DEC[$id]})
 	fi
 	STATUS[$id]=ok
 	((errors == 0)) || broken "case $id (${LABEL[$id]}): ${ERR[$id]} failed requests"
@@ -527,16 +572,43 @@ run_case() {
 		broken "case $id ($label): the proxy did not start"
 		return
 	fi
-	if probe "http://127.0.0.1:$port$path" "$expect" "$absent"; then
-		local redis_before
-		redis_before=$(redis_load)
-		measure "$id" "$pid" "http://127.0.0.1:$port$path" "$([[ $kind == backend ]] && echo 0 || echo 1)"
-		[[ $kind != levee ]] || limit_note "$id" "$admin" "$redis_before"
-	else
+	PROC_OF[$id]=$pid KIND_OF[$id]=$kind CASE_ADMIN[$id]=${admin:-}
+	if ! probe "http://127.0.0.1:$port$path" "$expect" "$absent"; then
 		STATUS[$id]=failed NOTE[$id]="wrong answer: $PROBE_ERROR"
 		broken "case $id ($label): $PROBE_ERROR"
+	elif warm_up "$id" "$pid" "http://127.0.0.1:$port$path" "$([[ $kind == backend ]] && echo 0 || echo 1)"; then
+		WARM+=("$id") # stays up until measure_cases has run its rounds
+		return 0
 	fi
 	[[ $kind == backend ]] || stop_pid "$pid"
+}
+
+declare -A PROC_OF=() KIND_OF=() CASE_ADMIN=()
+WARM=() # the cases started and warmed up, in order
+
+# measure_cases: the measured rounds of every warmed-up case, interleaved: round 1 of every
+# case, then round 2 in reverse order, and so on. A slow spell of the machine (this VM has
+# them) then lands on all cases alike instead of on the few measured during it, which is what
+# the ratios between cases need. Then each case's figures, and its proxy is stopped.
+measure_cases() {
+	local round id
+	local -a order
+	for ((round = 1; round <= ROUNDS; round++)); do
+		order=("${WARM[@]}")
+		if ((round % 2 == 0)); then
+			order=()
+			for ((id = ${#WARM[@]} - 1; id >= 0; id--)); do order+=("${WARM[id]}"); done
+		fi
+		for id in "${order[@]}"; do
+			[[ ${STATUS[$id]} == warm ]] || continue
+			measure_round "$id" "$round" || true
+		done
+	done
+	for id in "${WARM[@]}"; do
+		[[ ${STATUS[$id]} != warm ]] || finish_measure "$id"
+		[[ ${KIND_OF[$id]} != levee || ${STATUS[$id]} != ok ]] || limit_note "$id" "${CASE_ADMIN[$id]}"
+		[[ ${KIND_OF[$id]} == backend ]] || stop_pid "${PROC_OF[$id]}"
+	done
 }
 
 decisions() { # ADMIN_PORT: "REDIS OTHER", levee's rate-limit decisions so far (all rules and
@@ -555,12 +627,11 @@ redis_load() { # "EVALSHA_CALLS CPU_SECONDS" of the harness's Redis so far ("0 0
 		END { printf "%d %.6f\n", calls, cpu }' || echo "0 0"
 }
 
-limit_note() { # ID ADMIN_PORT REDIS_BEFORE: levee's rate-limit decisions during the case, from
-	# /metrics, and what they cost Redis (script calls and CPU since REDIS_BEFORE, from redis_load)
-	local summary total redis_after
+limit_note() { # ID ADMIN_PORT: levee's rate-limit decisions during the case, from /metrics, and
+	# what they cost Redis (the case's share of script calls and CPU, see redis_share)
+	local summary total
 	total=$(curl -s --max-time 5 "http://127.0.0.1:$2/metrics" |
 		awk '/^[a-z_]*ratelimit_decisions[a-z_]*[{]/ { t += $NF } END { printf "%d\n", t }') || total=0
-	redis_after=$(redis_load)
 	summary=$(curl -s --max-time 5 "http://127.0.0.1:$2/metrics" | awk '
 		/^[a-z_]*ratelimit_decisions[a-z_]*[{]/ {
 			match($0, /source="[^"]*"/); src = substr($0, RSTART + 8, RLENGTH - 9)
@@ -575,10 +646,9 @@ limit_note() { # ID ADMIN_PORT REDIS_BEFORE: levee's rate-limit decisions during
 	[[ -n $summary ]] || return 0
 	NOTE[$1]="rate-limit decisions by source: $summary"
 	# Redis's side: script calls and Redis CPU per rule decision (a request has one per rule),
-	# all of Redis's CPU over the case, warm-up included, like the decisions.
+	# all of Redis's CPU while the case ran, warm-up included, like the decisions.
 	if ((total > 0)); then
-		NOTE[$1]+=$(awk -v b="$3" -v a="$redis_after" -v n="$total" 'BEGIN {
-			split(b, x, " "); split(a, y, " "); calls = y[1] - x[1]; cpu = y[2] - x[2]
+		NOTE[$1]+=$(awk -v calls="${REDIS_CALLS[$1]:-0}" -v cpu="${REDIS_CPU[$1]:-0}" -v n="$total" 'BEGIN {
 			if (calls > 0) printf "; Redis ran one EVALSHA per %.0f rule decisions, %.2f µs of Redis CPU per rule decision", n / calls, cpu / n * 1e6
 		}')
 	fi
@@ -906,7 +976,7 @@ report_header() {
 	out "- machine: $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')), Linux $(uname -r), loopback only"
 	out "- pinning: every proxy on CPU $PROXY_CPUS with one worker (nginx worker_processes 1, HAProxy nbthread 1, levee --threads 1); wrk on CPU $LOAD_CPUS; backend nginx ($BACKEND_WORKERS worker) and Redis on CPU $BACKEND_CPUS."
 	out "  The proxy owns its core alone; wrk and the backend share the other, so their cost is the same in every case and ratios compare proxies. Absolute numbers are lower than on a larger machine."
-	out "- load: wrk -t $WRK_THREADS -c $CONNECTIONS -d ${DURATION}s --latency, ${WARMUP} s warm-up per case, $ROUNDS round(s), median of rounds"
+	out "- load: wrk -t $WRK_THREADS -c $CONNECTIONS -d ${DURATION}s --latency, ${WARMUP} s warm-up per case, $ROUNDS round(s) interleaved across the cases (round 1 of every case, then round 2 in reverse order, …), median of rounds"
 	out "- backend: nginx \`return 200\` with a 1 KiB body at / and a 50 KiB static page (with a \`<div id=\"ranking\">\` module) at /page.html"
 }
 
@@ -1145,7 +1215,8 @@ taskset -c "$BACKEND_CPUS" redis-server --port "$PORT_REDIS" --bind 127.0.0.1 --
 started "redis-server" $! "$TMP/redis/redis.log" "$PORT_REDIS" || die "Redis did not start"
 [[ $(redis-cli -h 127.0.0.1 -p "$PORT_REDIS" ping) == PONG ]] || die "Redis does not answer PING"
 
-# The cases. Each proxy is started fresh, warmed up, measured, stopped.
+# The cases. Each proxy is started fresh and warmed up; then the measured rounds of all of them,
+# interleaved (measure_cases); then each is stopped.
 run_case 1 "backend direct (no proxy)" backend - / 1024
 run_case 2 "nginx proxy_pass, keepalive 64" nginx proxy-nginx.conf.tmpl / 1024
 run_case 3 "HAProxy http-keep-alive, http-reuse always" haproxy haproxy.cfg.tmpl / 1024
@@ -1160,6 +1231,7 @@ run_case 7 "nginx limit_req (single node)" nginx proxy-nginx-limit.conf.tmpl / 1
 slot_case 7b "levee Redis limit, one rule" limit.toml.tmpl / 1024
 run_case 8a "nginx proxy_pass, 50 KiB page" nginx proxy-nginx.conf.tmpl /page.html "$PAGE_BYTES"
 run_case 8b "levee pass-through, 50 KiB page" levee passthrough.toml.tmpl /page.html "$PAGE_BYTES"
+measure_cases
 
 wanted idle && section_idle_rss
 wanted conns && section_idle_conns
