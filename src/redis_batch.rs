@@ -115,6 +115,8 @@ struct Shared {
     headroom: Mutex<HashMap<String, Headroom>>,
     /// `CHARGE_HOLD`; tests set another.
     charge_hold: Duration,
+    /// `MOST_HEADROOM_KEYS`; tests set another.
+    most_headroom_keys: usize,
 }
 
 /// What levee knows of one bucket in Redis.
@@ -150,6 +152,9 @@ struct Waiting {
     rules_at: usize,
     /// 0 for a decision; else the requests admitted ahead that this charges.
     ahead: u32,
+    /// Its requests are in the pending counts of all its buckets (see `Shared::reserve`), so
+    /// answering or dropping it takes them off; otherwise it never touches a pending count.
+    counted: bool,
     caller: Caller,
 }
 
@@ -162,7 +167,7 @@ enum Caller {
 }
 
 impl Waiting {
-    fn new(asks: &[RedisAsk<'_>], caller: Caller) -> Waiting {
+    fn new(asks: &[RedisAsk<'_>], caller: Caller, counted: bool) -> Waiting {
         let mut encoded =
             Vec::with_capacity(asks.iter().map(|ask| ask.key.len() + 48).sum::<usize>());
         let rules_at = encode_asks(&mut encoded, asks);
@@ -171,6 +176,7 @@ impl Waiting {
             encoded,
             rules_at,
             ahead: u32::from(matches!(caller, Caller::Ahead(_))),
+            counted,
             caller,
         }
     }
@@ -222,6 +228,7 @@ impl DecisionBatcher {
                 wake: Notify::new(),
                 headroom: Mutex::new(HashMap::new()),
                 charge_hold: CHARGE_HOLD,
+                most_headroom_keys: MOST_HEADROOM_KEYS,
             }),
             call_bound,
             admit_ahead_above,
@@ -232,9 +239,11 @@ impl DecisionBatcher {
     pub async fn decide(&self, asks: &[RedisAsk<'_>]) -> Result<Answer, RedisFailure> {
         let (reply, answer) = oneshot::channel();
         let now = Instant::now();
-        self.shared.reserve(asks, now);
-        if let Err(failure) = self.enqueue(asks, Caller::Waits(reply)) {
-            self.shared.release(asks.iter().map(|ask| ask.key), 1);
+        let counted = self.shared.reserve(asks, now);
+        if let Err(failure) = self.enqueue(asks, Caller::Waits(reply), counted) {
+            if counted {
+                self.shared.release(asks.iter().map(|ask| ask.key), 1);
+            }
             return Err(failure);
         }
         answer.await.unwrap_or(Err(RedisFailure::Connection(
@@ -289,18 +298,27 @@ impl DecisionBatcher {
             }
             verdicts
         };
-        if self.enqueue(asks, Caller::Ahead(overruns.clone())).is_err() {
+        if self
+            .enqueue(asks, Caller::Ahead(overruns.clone()), true)
+            .is_err()
+        {
             self.shared.release(asks.iter().map(|ask| ask.key), 1);
             return None;
         }
         Some(verdicts)
     }
 
-    fn enqueue(&self, asks: &[RedisAsk<'_>], caller: Caller) -> Result<(), RedisFailure> {
+    /// `counted`: the request is in its buckets' pending counts (a charge always is).
+    fn enqueue(
+        &self,
+        asks: &[RedisAsk<'_>],
+        caller: Caller,
+        counted: bool,
+    ) -> Result<(), RedisFailure> {
         if matches!(caller, Caller::Ahead(_)) && self.join_last_charge(asks) {
             return Ok(());
         }
-        let waiting = Waiting::new(asks, caller);
+        let waiting = Waiting::new(asks, caller, counted);
         let mut queue = self.shared.lock();
         if queue.waiting.len() >= MOST_WAITING {
             return Err(RedisFailure::Overloaded(MOST_WAITING));
@@ -367,29 +385,38 @@ impl Shared {
     }
 
     /// Counts a decision about to be queued against its buckets, remembering the buckets it
-    /// is the first to ask about (their tokens unknown until Redis answers).
-    fn reserve(&self, asks: &[RedisAsk<'_>], now: Instant) {
+    /// is the first to ask about (their tokens unknown until Redis answers). All or none:
+    /// `false` when the buckets it would add do not fit in `most_headroom_keys` (after
+    /// forgetting the stale ones); then nothing is counted, and the decision must not take
+    /// itself off any pending count later either, or it would take off another's.
+    fn reserve(&self, asks: &[RedisAsk<'_>], now: Instant) -> bool {
         let mut headroom = lock(&self.headroom);
+        let new = asks
+            .iter()
+            .filter(|ask| !headroom.contains_key(ask.key))
+            .count();
+        if new > 0 && headroom.len() + new > self.most_headroom_keys {
+            forget_stale(&mut headroom, now);
+            if headroom.len() + new > self.most_headroom_keys {
+                return false;
+            }
+        }
         for ask in asks {
             if let Some(known) = headroom.get_mut(ask.key) {
                 known.pending = known.pending.saturating_add(1);
                 continue;
             }
-            if headroom.len() >= MOST_HEADROOM_KEYS {
-                forget_stale(&mut headroom, now);
-            }
-            if headroom.len() < MOST_HEADROOM_KEYS {
-                headroom.insert(
-                    ask.key.to_owned(),
-                    Headroom {
-                        burst: ask.burst,
-                        remaining: 0,
-                        pending: 1,
-                        as_of: now,
-                    },
-                );
-            }
+            headroom.insert(
+                ask.key.to_owned(),
+                Headroom {
+                    burst: ask.burst,
+                    remaining: 0,
+                    pending: 1,
+                    as_of: now,
+                },
+            );
         }
+        true
     }
 
     /// Takes `requests` off the pending count of `keys`: they will not be answered.
@@ -407,7 +434,7 @@ impl Shared {
     /// stays counted: those requests are still queued.
     fn distrust(&self, batch: &[Waiting]) {
         let mut headroom = lock(&self.headroom);
-        for waiting in batch {
+        for waiting in batch.iter().filter(|waiting| waiting.counted) {
             for (key, _) in waiting.buckets() {
                 if let Some(known) = headroom.get_mut(key) {
                     known.pending = known.pending.saturating_sub(waiting.requests());
@@ -437,7 +464,9 @@ impl Shared {
                     known.burst = burst;
                     known.remaining = remaining;
                     known.as_of = now;
-                    known.pending = known.pending.saturating_sub(waiting.requests());
+                    if waiting.counted {
+                        known.pending = known.pending.saturating_sub(waiting.requests());
+                    }
                 }
             }
         }
@@ -650,7 +679,9 @@ fn skip_given_up(shared: &Shared, batch: Vec<Waiting>) -> Vec<Waiting> {
     let mut kept = Vec::with_capacity(batch.len());
     for waiting in batch {
         if waiting.given_up() {
-            shared.release(waiting.buckets().map(|(key, _)| key), waiting.requests());
+            if waiting.counted {
+                shared.release(waiting.buckets().map(|(key, _)| key), waiting.requests());
+            }
         } else {
             kept.push(waiting);
         }
@@ -1157,7 +1188,7 @@ mod tests {
             } else {
                 Caller::Waits(oneshot::channel().0)
             };
-            Waiting::new(&asks, caller)
+            Waiting::new(&asks, caller, true)
         };
         let mut charge = waiting(&["c"], &[(30, 4, false)], true);
         charge.ahead += 6;
@@ -1515,5 +1546,46 @@ mod pipeline_tests {
         );
         redis.answer(&allowed(8)).await;
         closes(&mut redis).await;
+    }
+
+    #[test]
+    fn a_decision_whose_new_buckets_do_not_fit_counts_nothing_and_takes_nothing_off() {
+        let endpoint = Endpoint::from_url("redis://127.0.0.1:1").expect("a redis:// url");
+        let mut batcher = DecisionBatcher::new(endpoint, "return 1", CALL_BOUND, 0.5);
+        Arc::get_mut(&mut batcher.shared)
+            .expect("the worker has not started")
+            .most_headroom_keys = 1;
+        let shared = &batcher.shared;
+        let now = Instant::now();
+        let pending = |key: &str| lock(&shared.headroom).get(key).map(|known| known.pending);
+        assert!(shared.reserve(&[ask("rl:a")], now));
+        // rl:b does not fit beside rl:a, which has a request pending: nothing is counted, not
+        // even on rl:a.
+        assert!(!shared.reserve(&[ask("rl:a"), ask("rl:b")], now));
+        assert_eq!((pending("rl:a"), pending("rl:b")), (Some(1), None));
+        // Its answer tells what is left of rl:a, but takes nothing off rl:a's pending request.
+        let verdict = |remaining| RemoteVerdict {
+            allowed: true,
+            remaining,
+            reset_ms: 1,
+            retry_after_ms: 0,
+        };
+        let uncounted = Waiting::new(
+            &[ask("rl:a"), ask("rl:b")],
+            Caller::Waits(oneshot::channel().0),
+            false,
+        );
+        shared.learn(&[uncounted], &[(0, vec![verdict(7), verdict(9)])], now);
+        assert_eq!(pending("rl:a"), Some(1));
+        assert_eq!(
+            lock(&shared.headroom)
+                .get("rl:a")
+                .map(|known| known.remaining),
+            Some(7)
+        );
+        // The counted request's answer does.
+        let counted = Waiting::new(&[ask("rl:a")], Caller::Waits(oneshot::channel().0), true);
+        shared.learn(&[counted], &[(0, vec![verdict(6)])], now);
+        assert_eq!(pending("rl:a"), Some(0));
     }
 }
