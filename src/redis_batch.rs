@@ -1488,7 +1488,8 @@ mod pipeline_tests {
     #[tokio::test]
     async fn calls_in_flight_unanswered_within_the_bound_all_fail() {
         let (url, accepted) = StandIn::listen().await;
-        let bound = Duration::from_millis(300);
+        // Long enough that the second call is surely out before the first times out.
+        let bound = Duration::from_secs(2);
         let batcher = batcher_with(&url, bound, 1.0);
         let (mut redis, first, second) = two_calls_in_flight(&batcher, accepted).await;
         for decision in [first, second] {
