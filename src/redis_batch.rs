@@ -49,8 +49,10 @@ const HEADROOM_FRESH: Duration = Duration::from_millis(250);
 /// (often only charges) is at Redis goes out at once instead of waiting for that answer, so it
 /// waits one round trip, not up to two. Charges alone never take the second call.
 const MOST_CALLS_IN_FLIGHT: usize = 2;
-/// How often the worker forgets buckets whose answers are no longer fresh.
-const HEADROOM_SWEEP_EVERY: Duration = Duration::from_secs(10);
+/// How often the worker forgets buckets whose answers are no longer fresh. Often, so that the
+/// table holds about a second of distinct buckets: with traffic from many clients (every
+/// request another address), ten seconds' worth is tens of thousands of entries, megabytes.
+const HEADROOM_SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// While only charges for requests admitted ahead are queued, the worker sends them at most
 /// this often (tokio's timers round up to the next millisecond), and only while no call is
 /// in flight. Under steady load one script call then carries a millisecond or two of traffic
@@ -482,6 +484,10 @@ fn forget_stale(headroom: &mut HashMap<String, Headroom>, now: Instant) {
     headroom.retain(|_, known| {
         known.pending > 0 || now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
     });
+    // A table grown in a rush gives its memory back once the rush is over.
+    if headroom.capacity() > 4 * headroom.len().max(1024) {
+        headroom.shrink_to(2 * headroom.len());
+    }
 }
 
 /// The RESP bulk strings of an encoded part, in order (levee wrote them: no error path).
@@ -1588,5 +1594,25 @@ mod pipeline_tests {
         let counted = Waiting::new(&[ask("rl:a")], Caller::Waits(oneshot::channel().0), true);
         shared.learn(&[counted], &[(0, vec![verdict(6)])], now);
         assert_eq!(pending("rl:a"), Some(0));
+    }
+
+    #[test]
+    fn a_sweep_forgets_stale_buckets_and_gives_back_a_table_grown_in_a_rush() {
+        let then = Instant::now();
+        let known = |pending| Headroom {
+            burst: 10,
+            remaining: 5,
+            pending,
+            as_of: then,
+        };
+        let mut headroom: HashMap<String, Headroom> =
+            (0..20_000).map(|n| (format!("rl:{n}"), known(0))).collect();
+        headroom.insert("rl:waiting".into(), known(1));
+        forget_stale(
+            &mut headroom,
+            then + HEADROOM_FRESH + Duration::from_millis(1),
+        );
+        assert_eq!(headroom.keys().collect::<Vec<_>>(), ["rl:waiting"]);
+        assert!(headroom.capacity() < 4096, "{}", headroom.capacity());
     }
 }
