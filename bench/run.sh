@@ -629,9 +629,8 @@ redis_load() { # "EVALSHA_CALLS CPU_SECONDS" of the harness's Redis so far ("0 0
 
 limit_note() { # ID ADMIN_PORT: levee's rate-limit decisions during the case, from /metrics, and
 	# what they cost Redis (the case's share of script calls and CPU, see redis_share)
-	local summary total
-	total=$(curl -s --max-time 5 "http://127.0.0.1:$2/metrics" |
-		awk '/^[a-z_]*ratelimit_decisions[a-z_]*[{]/ { t += $NF } END { printf "%d\n", t }') || total=0
+	local summary total=0 counts
+	if counts=$(decisions "$2"); then total=$((${counts% *} + ${counts#* })); fi
 	summary=$(curl -s --max-time 5 "http://127.0.0.1:$2/metrics" | awk '
 		/^[a-z_]*ratelimit_decisions[a-z_]*[{]/ {
 			match($0, /source="[^"]*"/); src = substr($0, RSTART + 8, RLENGTH - 9)

@@ -1276,9 +1276,7 @@ mod pipeline_tests {
                     read: BytesMut::new(),
                 };
                 assert_eq!(stand_in.command().await[..2], ["SCRIPT", "LOAD"]);
-                stand_in
-                    .answer(&format!("${}\r\n{SHA}\r\n", SHA.len()))
-                    .await;
+                stand_in.answer(&bulk(SHA)).await;
                 stand_in
             });
             (url, accepted)
@@ -1319,10 +1317,14 @@ mod pipeline_tests {
         Some(words)
     }
 
+    /// `text` as a RESP bulk string.
+    fn bulk(text: &str) -> String {
+        format!("${}\r\n{text}\r\n", text.len())
+    }
+
     /// The script's answer for one request with one rule: allowed, `remaining` left.
     fn allowed(remaining: u32) -> String {
-        let text = format!("0 1 {remaining} 100 0");
-        format!("${}\r\n{text}\r\n", text.len())
+        bulk(&format!("0 1 {remaining} 100 0"))
     }
 
     fn batcher(url: &str) -> Arc<DecisionBatcher> {
@@ -1460,9 +1462,9 @@ mod pipeline_tests {
             assert_eq!(redis.command().await[..2], ["SCRIPT", "LOAD"]);
             assert_eq!(keys_of(&redis.command().await), [key]);
         }
-        redis.answer(&format!("${}\r\n{SHA}\r\n", SHA.len())).await;
+        redis.answer(&bulk(SHA)).await;
         redis.answer(&allowed(9)).await;
-        redis.answer(&format!("${}\r\n{SHA}\r\n", SHA.len())).await;
+        redis.answer(&bulk(SHA)).await;
         // A second NOSCRIPT for the same batch is an answer: that decision fails, and the
         // connection stays for the next.
         redis.answer("-NOSCRIPT No matching script.\r\n").await;
@@ -1529,10 +1531,7 @@ mod pipeline_tests {
         assert_eq!(keys_of(&both), ["rl:k", "rl:other"]);
         assert_eq!(aheads_of(&both), [1, 0]);
         redis.answer(&allowed(8)).await;
-        let text = "0 1 7 100 0 0 1 9 100 0";
-        redis
-            .answer(&format!("${}\r\n{text}\r\n", text.len()))
-            .await;
+        redis.answer(&bulk("0 1 7 100 0 0 1 9 100 0")).await;
         assert_eq!(remaining(decision).await, 9);
         assert_eq!(overruns.get(), 0);
     }
