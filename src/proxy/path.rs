@@ -53,17 +53,28 @@ pub fn normalise(path: &str) -> Result<Cow<'_, str>, PathError> {
     Ok(Cow::Owned(out))
 }
 
-/// Fast path: no escapes, no empty or dot segments.
+/// Fast path: no escapes, no empty or dot segments. One pass over the bytes: on every
+/// request, three substring searches cost more than the rest of routing.
 fn is_already_normal(path: &str) -> bool {
     let bytes = path.as_bytes();
-    if bytes.contains(&b'%') {
-        return false;
+    let mut at = 0;
+    while at < bytes.len() {
+        match bytes[at] {
+            b'%' => return false,
+            b'/' => {
+                // What follows this slash up to the next one: empty, `.` or `..` need work.
+                let rest = &bytes[at + 1..];
+                let segment = rest.split(|byte| *byte == b'/').next().unwrap_or(rest);
+                let is_last = segment.len() == rest.len();
+                if (segment.is_empty() && !is_last) || segment == b"." || segment == b".." {
+                    return false;
+                }
+                at += 1;
+            }
+            _ => at += 1,
+        }
     }
-    !path.contains("//")
-        && !path.contains("/./")
-        && !path.contains("/../")
-        && !path.ends_with("/.")
-        && !path.ends_with("/..")
+    true
 }
 
 fn decode_unreserved(path: &str) -> Result<String, PathError> {
@@ -124,6 +135,30 @@ mod tests {
             Ok(Cow::Borrowed("/index.php"))
         ));
         assert!(matches!(normalise("/"), Ok(Cow::Borrowed("/"))));
+    }
+
+    #[test]
+    fn the_fast_path_takes_exactly_the_paths_that_need_nothing() {
+        // Every path of up to six bytes from the characters that matter.
+        let mut paths = vec![String::new()];
+        for _ in 0..6 {
+            paths = paths
+                .iter()
+                .flat_map(|path| ["/", ".", "a", "%"].map(|piece| format!("{path}{piece}")))
+                .chain(paths.iter().cloned())
+                .collect();
+            paths.sort();
+            paths.dedup();
+        }
+        for path in paths.iter().filter(|path| path.starts_with('/')) {
+            let needs_nothing = !path.contains('%')
+                && !path.contains("//")
+                && !path.contains("/./")
+                && !path.contains("/../")
+                && !path.ends_with("/.")
+                && !path.ends_with("/..");
+            assert_eq!(is_already_normal(path), needs_nothing, "{path}");
+        }
     }
 
     #[test]
