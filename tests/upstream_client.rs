@@ -796,6 +796,64 @@ async fn every_response_framing_reaches_the_client_intact() {
 }
 
 #[tokio::test]
+async fn a_pass_through_relays_the_upstream_fields_as_it_sent_them() {
+    let fields = "Server: nginx/1.22.1\r\nDate: Tue, 01 Dec 2026 10:00:00 GMT\r\n\
+                  Content-Type: text/html; charset=UTF-8\r\nContent-Length: 5\r\n\
+                  Connection: keep-alive\r\nKeep-Alive: timeout=5\r\n\
+                  X-Powered-By: PHP/8.2.7\r\nSet-Cookie: a=1; path=/\r\nSet-Cookie: b=2\r\n\
+                  Cache-Control: no-store\r\n";
+    let backend = Scripted::start(move |seen| match seen.path() {
+        // A line ending in a bare LF: parsed, and sent on with CRLF.
+        "/bare-lf" => Reply::keep("HTTP/1.1 200 OK\r\nX-A: 1\nContent-Length: 2\r\n\r\nok"),
+        _ => Reply::keep(format!("HTTP/1.1 200 OK\r\n{fields}\r\nhello")),
+    })
+    .await;
+    let levee = levee_for(&backend, "").await;
+
+    let raw = raw_exchange(
+        levee.public,
+        b"GET /page HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        WITHIN,
+    )
+    .await;
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a whole response");
+    assert_eq!(body, "hello");
+    let lines: Vec<&str> = head.split("\r\n").collect();
+    // The upstream's own lines, spelled and ordered as it sent them, and nothing hop-by-hop.
+    let kept = [
+        "Server: nginx/1.22.1",
+        "Date: Tue, 01 Dec 2026 10:00:00 GMT",
+        "Content-Type: text/html; charset=UTF-8",
+        "X-Powered-By: PHP/8.2.7",
+        "Set-Cookie: a=1; path=/",
+        "Set-Cookie: b=2",
+        "Cache-Control: no-store",
+    ];
+    let relayed: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|line| kept.contains(line))
+        .collect();
+    assert_eq!(relayed, kept, "{head}");
+    let lower = head.to_ascii_lowercase();
+    assert_eq!(lower.matches("\r\ndate:").count(), 1, "{head}");
+    assert_eq!(lower.matches("content-length: 5").count(), 1, "{head}");
+    assert!(!lower.contains("keep-alive"), "{head}");
+    assert!(lower.contains("\r\nconnection: close"), "{head}");
+
+    let raw = raw_exchange(
+        levee.public,
+        b"GET /bare-lf HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        WITHIN,
+    )
+    .await;
+    assert!(raw.ends_with("\r\n\r\nok"), "{raw}");
+    assert!(!raw.replace("\r\n", "").contains('\n'), "{raw}");
+    assert!(raw.to_ascii_lowercase().contains("\r\nx-a: 1\r\n"), "{raw}");
+    stop(levee).await;
+}
+
+#[tokio::test]
 async fn framings_that_end_cleanly_keep_the_connection() {
     let backend = Scripted::start(|seen| match seen.path() {
         "/chunked" => Reply::keep(

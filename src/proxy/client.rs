@@ -35,6 +35,7 @@ use super::h1::chunked::{ChunkedDecoder, ChunkedError};
 use super::h1::encode::{encode_chunk_start, encode_field, LAST_CHUNK};
 use super::header::header_bytes;
 use super::upstream::UpstreamBody;
+use super::upstream_fields::UpstreamFields;
 use crate::error::BoxError;
 
 /// Most header fields accepted in a response head.
@@ -273,6 +274,7 @@ impl Client {
     pub async fn send(
         &self,
         request: Request<UpstreamBody>,
+        fields: ResponseFields,
     ) -> Result<Response<Incoming>, ClientError> {
         let (parts, mut body) = request.into_parts();
         let head = encode_request_head(&parts, &body, &self.settings.authority);
@@ -287,7 +289,7 @@ impl Client {
             };
             let sent = send_on(&mut connection, &head.bytes, &mut body, has_body, chunked).await;
             let outcome = match sent {
-                Ok(()) => read_response_head(&mut connection).await,
+                Ok(()) => read_response_head(&mut connection, fields).await,
                 Err(error) => Err(error),
             };
             match outcome {
@@ -380,6 +382,9 @@ impl Client {
         *response.status_mut() = head.status;
         *response.version_mut() = head.version;
         *response.headers_mut() = head.headers;
+        if let Some(relayed) = head.relayed {
+            response.extensions_mut().insert(relayed);
+        }
         if head.status == StatusCode::SWITCHING_PROTOCOLS && upgrade {
             let rest = connection.buffer.split().freeze();
             response
@@ -651,17 +656,33 @@ enum Framing {
 struct ResponseHead {
     status: StatusCode,
     version: Version,
+    /// Empty when the fields are relayed.
     headers: HeaderMap,
+    relayed: Option<UpstreamFields>,
     framing: Framing,
     keep_alive: bool,
 }
 
+/// What the caller of [`Client::send`] does with the response's header fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponseFields {
+    /// Reads them: they are parsed into the response's `HeaderMap`.
+    Parsed,
+    /// Only passes them on to its client: when the head allows, they stay as received, in an
+    /// [`UpstreamFields`] extension of the response (without the hop-by-hop and framing
+    /// fields), and the `HeaderMap` is empty.
+    Relayed,
+}
+
 /// Reads until a final response head is buffered (interim 1xx heads other than 101 are
 /// skipped) and parses it.
-async fn read_response_head(connection: &mut Connection) -> Result<ResponseHead, ClientError> {
+async fn read_response_head(
+    connection: &mut Connection,
+    fields: ResponseFields,
+) -> Result<ResponseHead, ClientError> {
     loop {
         if !connection.buffer.is_empty() {
-            if let Some(head) = parse_response_head(&mut connection.buffer)? {
+            if let Some(head) = parse_response_head(&mut connection.buffer, fields)? {
                 if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS
                 {
                     continue;
@@ -693,16 +714,26 @@ async fn read_response_head(connection: &mut Connection) -> Result<ResponseHead,
 /// returns how many it parsed. Any input must give an answer, never a panic.
 #[doc(hidden)]
 pub fn parse_response_heads_for_fuzzing(bytes: &[u8]) -> usize {
-    let mut buffer = BytesMut::from(bytes);
     let mut parsed = 0;
-    while let Ok(Some(_head)) = parse_response_head(&mut buffer) {
-        parsed += 1;
+    for fields in [ResponseFields::Parsed, ResponseFields::Relayed] {
+        let mut buffer = BytesMut::from(bytes);
+        while let Ok(Some(head)) = parse_response_head(&mut buffer, fields) {
+            if let Some(relayed) = head.relayed {
+                let mut out = BytesMut::new();
+                relayed.write_to(&mut out);
+                assert_eq!(out.len(), relayed.len());
+            }
+            parsed += 1;
+        }
     }
     parsed
 }
 
 /// Parses a complete head off the front of `buffer`; `Ok(None)` while it is incomplete.
-fn parse_response_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, ClientError> {
+fn parse_response_head(
+    buffer: &mut BytesMut,
+    wanted: ResponseFields,
+) -> Result<Option<ResponseHead>, ClientError> {
     let mut fields = uninit_fields();
     let mut parsed = httparse::Response::new(&mut []);
     let length = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
@@ -723,71 +754,69 @@ fn parse_response_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, Cl
     } else {
         Version::HTTP_11
     };
-    // Field values become slices of the head's bytes, not copies: the parser's borrowed
-    // fields are turned into offsets first, so the head can be split off the buffer.
+    // Fields become offsets into the head first, so the head can be split off the buffer and
+    // values (or whole lines) become slices of it, not copies.
     let count = parsed.headers.len();
     let base = buffer.as_ptr() as usize;
-    let spans: Vec<(usize, usize, usize, usize)> = parsed
-        .headers
-        .iter()
-        .map(|field| {
-            let name = field.name.as_ptr() as usize - base;
-            let value = field.value.as_ptr() as usize - base;
-            (name, field.name.len(), value, field.value.len())
-        })
-        .collect();
+    let mut spans = [FieldSpan::default(); MAX_HEADERS];
+    for (span, field) in spans.iter_mut().zip(parsed.headers.iter()) {
+        *span = FieldSpan {
+            name: field.name.as_ptr() as usize - base,
+            name_len: field.name.len(),
+            value: field.value.as_ptr() as usize - base,
+            value_len: field.value.len(),
+        };
+    }
+    let spans = &spans[..count];
     let head = buffer.split_to(length).freeze();
-    // Room for the fields levee may add (rate-limit state, Date) without growing.
-    let mut headers = HeaderMap::with_capacity(count + 3);
+
+    // What the framing and connection fields say.
     let mut keep_alive = version == Version::HTTP_11;
     let mut length_field: Option<u64> = None;
     let mut chunked = false;
     let mut other_coding = false;
-    for &(name_at, name_len, value_at, value_len) in &spans {
-        let name = HeaderName::from_bytes(&head[name_at..name_at + name_len])
-            .map_err(|_| ClientError::Protocol("invalid header name".into()))?;
-        let value = HeaderValue::from_maybe_shared(head.slice(value_at..value_at + value_len))
-            .map_err(|_| ClientError::Protocol(format!("invalid value of {name}")))?;
-        if name == header::CONTENT_LENGTH {
-            // Digits only (RFC 9110 §8.6): `parse` alone would take a sign, `+5`.
-            let parsed: u64 = value
-                .to_str()
-                .ok()
-                .map(str::trim)
-                .filter(|text| !text.is_empty() && text.bytes().all(|byte| byte.is_ascii_digit()))
-                .and_then(|text| text.parse().ok())
-                .ok_or_else(|| ClientError::Protocol("invalid content-length".into()))?;
-            if length_field.is_some_and(|earlier| earlier != parsed) {
-                return Err(ClientError::Protocol(
-                    "conflicting content-length fields".into(),
-                ));
+    let mut names_other_fields = false;
+    for span in spans {
+        let value = &head[span.value..span.value + span.value_len];
+        match FieldKind::of(&head[span.name..span.name + span.name_len]) {
+            FieldKind::ContentLength => {
+                let parsed = parse_length(value)
+                    .ok_or_else(|| ClientError::Protocol("invalid content-length".into()))?;
+                if length_field.is_some_and(|earlier| earlier != parsed) {
+                    return Err(ClientError::Protocol(
+                        "conflicting content-length fields".into(),
+                    ));
+                }
+                length_field = Some(parsed);
             }
-            length_field = Some(parsed);
-        } else if name == header::TRANSFER_ENCODING {
-            let text = value.to_str().unwrap_or("");
-            let last = text.rsplit(',').next().unwrap_or("").trim();
-            chunked = last.eq_ignore_ascii_case("chunked");
-            other_coding |= !chunked;
-        } else if name == header::CONNECTION {
-            for token in value.to_str().unwrap_or("").split(',') {
-                let token = token.trim();
-                if token.eq_ignore_ascii_case("close") {
-                    keep_alive = false;
+            FieldKind::TransferEncoding => {
+                let last = visible_text(value).rsplit(',').next().unwrap_or("").trim();
+                chunked = last.eq_ignore_ascii_case("chunked");
+                other_coding |= !chunked;
+            }
+            FieldKind::Connection => {
+                for token in visible_text(value).split(',').map(str::trim) {
+                    if token.eq_ignore_ascii_case("close") {
+                        keep_alive = false;
+                    } else if !token.eq_ignore_ascii_case("keep-alive")
+                        && !token.eq_ignore_ascii_case("upgrade")
+                        && !token.is_empty()
+                    {
+                        names_other_fields = true;
+                    }
                 }
             }
+            FieldKind::HopByHop | FieldKind::Date | FieldKind::Other => {}
         }
-        headers.append(name, value);
     }
     let framing = if chunked && !other_coding {
         // With both fields the length is ignored, and the connection is not trusted after.
         if length_field.is_some() {
             keep_alive = false;
-            headers.remove(header::CONTENT_LENGTH);
         }
         Framing::Chunked(ChunkedDecoder::new())
     } else if other_coding {
         keep_alive = false;
-        headers.remove(header::CONTENT_LENGTH);
         Framing::UntilClose
     } else if let Some(length) = length_field {
         Framing::Length(length)
@@ -796,13 +825,143 @@ fn parse_response_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, Cl
         // (204, 304, HEAD): `Client::response_from` decides.
         Framing::UntilClose
     };
+    let length_stands = matches!(framing, Framing::Length(_));
+
+    // Relayed: bodiless statuses keep the parsed path, whose framing rules drop or add the
+    // length; fields named by `Connection` must go, which the parsed path does by name.
+    let relayable = wanted == ResponseFields::Relayed
+        && !names_other_fields
+        && !status.is_informational()
+        && status != StatusCode::NO_CONTENT
+        && status != StatusCode::NOT_MODIFIED;
+    if relayable {
+        if let Some(relayed) = relay_fields(
+            &head,
+            spans,
+            length_stands.then_some(length_field).flatten(),
+        ) {
+            return Ok(Some(ResponseHead {
+                status,
+                version,
+                headers: HeaderMap::new(),
+                relayed: Some(relayed),
+                framing,
+                keep_alive,
+            }));
+        }
+    }
+
+    // Room for the fields levee may add (rate-limit state, Date) without growing.
+    let mut headers = HeaderMap::with_capacity(count + 3);
+    for span in spans {
+        let name = HeaderName::from_bytes(&head[span.name..span.name + span.name_len])
+            .map_err(|_| ClientError::Protocol("invalid header name".into()))?;
+        let value =
+            HeaderValue::from_maybe_shared(head.slice(span.value..span.value + span.value_len))
+                .map_err(|_| ClientError::Protocol(format!("invalid value of {name}")))?;
+        if name == header::CONTENT_LENGTH && !length_stands {
+            // Chunked or another coding decides the end: the length is not passed on.
+            continue;
+        }
+        headers.append(name, value);
+    }
     Ok(Some(ResponseHead {
         status,
         version,
         headers,
+        relayed: None,
         framing,
         keep_alive,
     }))
+}
+
+/// Where one field of a head lies in it.
+#[derive(Debug, Clone, Copy, Default)]
+struct FieldSpan {
+    name: usize,
+    name_len: usize,
+    value: usize,
+    value_len: usize,
+}
+
+/// The fields a response head's framing and forwarding care about, by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FieldKind {
+    ContentLength,
+    TransferEncoding,
+    Connection,
+    /// The other hop-by-hop fields (RFC 9110 7.6.1): never passed on.
+    HopByHop,
+    Date,
+    Other,
+}
+
+impl FieldKind {
+    fn of(name: &[u8]) -> FieldKind {
+        let is = |known: &str| name.eq_ignore_ascii_case(known.as_bytes());
+        // The length first: most names are told apart without comparing a byte.
+        match name.len() {
+            2 if is("te") => FieldKind::HopByHop,
+            4 if is("date") => FieldKind::Date,
+            7 if is("trailer") || is("upgrade") => FieldKind::HopByHop,
+            10 if is("connection") => FieldKind::Connection,
+            10 if is("keep-alive") => FieldKind::HopByHop,
+            14 if is("content-length") => FieldKind::ContentLength,
+            16 if is("proxy-connection") => FieldKind::HopByHop,
+            17 if is("transfer-encoding") => FieldKind::TransferEncoding,
+            _ => FieldKind::Other,
+        }
+    }
+}
+
+/// The kept lines of `head` (everything but the hop-by-hop and length fields), or `None`
+/// when they cannot be relayed as they are.
+fn relay_fields(
+    head: &Bytes,
+    spans: &[FieldSpan],
+    content_length: Option<u64>,
+) -> Option<UpstreamFields> {
+    let mut relayed = UpstreamFields::new(head.clone());
+    relayed.content_length = content_length;
+    // A line runs from its name to the next line's name; the last one to the blank line.
+    let fields_end = head.len().checked_sub(2)?;
+    if &head[fields_end..] != b"\r\n" {
+        return None;
+    }
+    for (index, span) in spans.iter().enumerate() {
+        let kind = FieldKind::of(&head[span.name..span.name + span.name_len]);
+        if !matches!(kind, FieldKind::Other | FieldKind::Date) {
+            continue;
+        }
+        let end = spans.get(index + 1).map_or(fields_end, |next| next.name);
+        if !relayed.keep_line(span.name, end, kind == FieldKind::Date) {
+            return None;
+        }
+    }
+    Some(relayed)
+}
+
+/// A `Content-Length` value: digits only (RFC 9110 8.6), around optional blanks. `parse`
+/// alone would take a sign, `+5`.
+fn parse_length(value: &[u8]) -> Option<u64> {
+    let text = visible_text(value).trim();
+    if text.is_empty() || !text.bytes().all(|byte| byte.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
+/// A field value as text when it is all visible ASCII (as `HeaderValue::to_str` allows),
+/// otherwise empty.
+fn visible_text(value: &[u8]) -> &str {
+    if value
+        .iter()
+        .all(|byte| *byte == b'\t' || (0x20..0x7f).contains(byte))
+    {
+        std::str::from_utf8(value).unwrap_or("")
+    } else {
+        ""
+    }
 }
 
 /// A response body read straight from the upstream connection, which goes back to the pool
@@ -956,10 +1115,11 @@ impl Body for Incoming {
 
 #[cfg(test)]
 mod tests {
+    use super::super::upstream_fields::MOST_RUNS;
     use super::*;
 
     fn head(text: &str) -> Result<Option<ResponseHead>, ClientError> {
-        parse_response_head(&mut BytesMut::from(text))
+        parse_response_head(&mut BytesMut::from(text), ResponseFields::Parsed)
     }
 
     #[test]
@@ -992,6 +1152,106 @@ mod tests {
         assert!(head("HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").is_err());
         assert!(head("HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none());
         assert!(head("garbage\r\n\r\n").is_err());
+    }
+
+    fn relayed(text: &str) -> Option<UpstreamFields> {
+        parse_response_head(&mut BytesMut::from(text), ResponseFields::Relayed)
+            .expect("valid head")
+            .expect("complete head")
+            .relayed
+    }
+
+    fn relayed_text(fields: &UpstreamFields) -> String {
+        let mut out = BytesMut::new();
+        fields.write_to(&mut out);
+        String::from_utf8(out.to_vec()).expect("ascii")
+    }
+
+    #[test]
+    fn relayed_fields_are_the_received_lines_without_hop_by_hop_and_length() {
+        let fields = relayed(
+            "HTTP/1.1 200 OK\r\nServer: nginx\r\nDate: Tue, 01 Dec 2026 10:00:00 GMT\r\n\
+             Content-Type: text/html\r\nContent-Length: 5\r\nConnection: keep-alive\r\n\
+             Keep-Alive: timeout=5\r\nX-Powered-By:  PHP/8.2 \r\nSet-Cookie: a=1\r\n\
+             Set-Cookie: b=2\r\n\r\nhello",
+        )
+        .expect("relayed");
+        assert_eq!(
+            relayed_text(&fields),
+            "Server: nginx\r\nDate: Tue, 01 Dec 2026 10:00:00 GMT\r\nContent-Type: text/html\r\n\
+             X-Powered-By:  PHP/8.2 \r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\n"
+        );
+        assert_eq!(fields.content_length, Some(5));
+        assert!(fields.has_date());
+        // Every hop-by-hop field goes; a chunked body's length is not the body's.
+        let fields = relayed(
+            "HTTP/1.1 200 OK\r\nTE: x\r\nTrailer: y\r\nUpgrade: z\r\nProxy-Connection: k\r\n\
+             Transfer-Encoding: chunked\r\nContent-Length: 9\r\nETag: \"1\"\r\n\r\n",
+        )
+        .expect("relayed");
+        assert_eq!(relayed_text(&fields), "ETag: \"1\"\r\n");
+        assert_eq!(fields.content_length, None);
+        assert!(!fields.has_date());
+    }
+
+    #[test]
+    fn heads_that_cannot_be_relayed_as_received_are_parsed() {
+        for text in [
+            // A line ending in a bare LF must not reach the client.
+            "HTTP/1.1 200 OK\r\nA: 1\nContent-Length: 0\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nA: 1\r\nContent-Length: 0\n\n",
+            // A field named by Connection is hop-by-hop too.
+            "HTTP/1.1 200 OK\r\nConnection: x-secret\r\nX-Secret: 1\r\n\r\n",
+            // Bodiless statuses take the parsed path's framing rules.
+            "HTTP/1.1 204 No Content\r\nA: 1\r\n\r\n",
+            "HTTP/1.1 304 Not Modified\r\nA: 1\r\n\r\n",
+            "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
+        ] {
+            let head = parse_response_head(&mut BytesMut::from(text), ResponseFields::Relayed)
+                .expect("valid head")
+                .expect("complete head");
+            assert!(head.relayed.is_none(), "{text:?}");
+            assert!(!head.headers.is_empty(), "{text:?}");
+        }
+        // More separate ranges than there is room for.
+        let mut text = String::from("HTTP/1.1 200 OK\r\n");
+        for index in 0..=MOST_RUNS {
+            text.push_str(&format!("X-{index}: 1\r\nKeep-Alive: 1\r\n"));
+        }
+        text.push_str("\r\n");
+        assert!(relayed(&text).is_none());
+    }
+
+    #[test]
+    fn relayed_and_parsed_heads_pass_on_the_same_fields() {
+        for text in [
+            "HTTP/1.1 200 OK\r\nServer: a\r\nContent-Length: 3\r\nConnection: close\r\n\r\n",
+            "HTTP/1.0 404 Not Found\r\nX-A: 1\r\nKeep-Alive: 2\r\nX-B: \t2\r\n\r\n",
+            "HTTP/1.1 500 Oops\r\nTransfer-Encoding: gzip, chunked\r\nX: é\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nconnection: upgrade, keep-alive\r\nupgrade: h2c\r\nvary: a\r\n\r\n",
+        ] {
+            let parsed = parse_response_head(&mut BytesMut::from(text), ResponseFields::Parsed)
+                .expect("valid")
+                .expect("complete");
+            let relayed = relayed(text).expect("relayed");
+            let mut expected = parsed.headers.clone();
+            crate::proxy::header::strip_hop_by_hop(&mut expected, false);
+            expected.remove(header::CONTENT_LENGTH);
+            let mut from_relayed = HeaderMap::new();
+            for line in relayed_text(&relayed).split_terminator("\r\n") {
+                let (name, value) = line.split_once(':').expect("a field line");
+                from_relayed.append(
+                    HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                    HeaderValue::from_bytes(value.trim().as_bytes()).expect("value"),
+                );
+            }
+            assert_eq!(from_relayed, expected, "{text:?}");
+            let parsed_length = parsed
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|value| value.to_str().ok()?.parse().ok());
+            assert_eq!(relayed.content_length, parsed_length, "{text:?}");
+        }
     }
 
     #[test]

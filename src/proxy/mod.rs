@@ -17,6 +17,7 @@ pub mod route;
 pub mod server;
 pub mod upgrade;
 pub mod upstream;
+pub mod upstream_fields;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,6 +39,7 @@ use crate::limit::key::RequestFacts;
 use crate::metrics::{DegradedLabels, ShedLabels};
 use crate::metrics::{Metrics, RouteLabels, RouteStatusLabels, UpstreamErrorLabels};
 use body::{find_cause, BodyIdleTimeout, IdleTimeout, Observed, OnBodyEnd, ResponseBody};
+use client::ResponseFields;
 use h1::{ClientUpgrade, RequestBody, RequestBodyError};
 use route::{Route, RouteName};
 
@@ -288,8 +290,17 @@ async fn forward(
         .boxed_unsync()
     };
 
+    // Nothing below reads the upstream's fields unless the page is rewritten, a copy is kept
+    // or the connection is upgraded: otherwise they go back to the client as received.
+    let fields = if hiding.is_none() && stale.key.is_none() && !upgrading {
+        ResponseFields::Relayed
+    } else {
+        ResponseFields::Parsed
+    };
     let sent_at = tokio::time::Instant::now();
-    let sent = upstream.client.send(Request::from_parts(parts, body));
+    let sent = upstream
+        .client
+        .send(Request::from_parts(parts, body), fields);
     let response_deadline = sent_at + upstream.settings.response_timeout;
     let answer = match tokio::time::timeout_at(response_deadline, sent).await {
         Err(_elapsed) => Err(ProxyError::UpstreamTimeout {

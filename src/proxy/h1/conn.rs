@@ -29,6 +29,7 @@ use super::upgrade::{ClientUpgrade, UpgradedClient};
 use crate::error::ProxyError;
 use crate::proxy::body::ResponseBody;
 use crate::proxy::server::ConnectionLimits;
+use crate::proxy::upstream_fields::UpstreamFields;
 
 /// Room for reading a request head: the first read lands on the stack (so an idle
 /// connection's wake-up allocates nothing); a head that needs more reads grows by this much.
@@ -221,11 +222,12 @@ async fn refuse(stream: &mut TcpStream, error: HeadError) {
         Version::HTTP_11,
         parts.status,
         &mut parts.headers,
+        None,
         body.size_hint().exact(),
         &mut keep_alive,
     );
     let mut out = BytesMut::new();
-    encode::encode_head(&mut out, parts.status, &parts.headers, 0);
+    encode::encode_head(&mut out, parts.status, &parts.headers, None, 0);
     let (mut reader, mut writer) = stream.split();
     let mut no_body = RequestBodyReader::finished();
     let mut no_buffer = BytesMut::new();
@@ -323,11 +325,14 @@ where
     let (mut parts, response_body) = response.into_parts();
     let mut keep_alive = keep_alive && !must_close && !*stopping;
     let switching = parts.status == StatusCode::SWITCHING_PROTOCOLS;
+    // The upstream's own fields, when a pass-through relays them as received.
+    let mut relayed = parts.extensions.remove::<UpstreamFields>();
     let framing = encode::frame_response(
         &method,
         version,
         parts.status,
         &mut parts.headers,
+        relayed.as_mut(),
         response_body.size_hint().exact(),
         &mut keep_alive,
     );
@@ -341,7 +346,13 @@ where
             .unwrap_or(0),
         _ => 0,
     };
-    encode::encode_head(&mut out, parts.status, &parts.headers, body_room);
+    encode::encode_head(
+        &mut out,
+        parts.status,
+        &parts.headers,
+        relayed.as_ref(),
+        body_room,
+    );
     drop(parts);
     let complete = write_body(
         &mut writer,

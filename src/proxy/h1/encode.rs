@@ -8,6 +8,8 @@ use bytes::{BufMut, BytesMut};
 use http::header::{self, HeaderValue};
 use http::{HeaderMap, Method, StatusCode, Version};
 
+use crate::proxy::upstream_fields::UpstreamFields;
+
 /// How a response body is delimited on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResponseFraming {
@@ -27,11 +29,15 @@ pub enum ResponseFraming {
 /// `Content-Length` (the upstream's length travels through levee unchanged), anything else is
 /// chunked for HTTP/1.1 clients and close-delimited for HTTP/1.0 ones. `keep_alive` comes in
 /// as what the connection would like and goes out as what this response allows.
+///
+/// With `relayed` fields, the length lives there instead of in `headers` (see
+/// [`UpstreamFields::content_length`]); everything else is the same.
 pub fn frame_response(
     request_method: &Method,
     request_version: Version,
     status: StatusCode,
     headers: &mut HeaderMap,
+    relayed: Option<&mut UpstreamFields>,
     exact_size: Option<u64>,
     keep_alive: &mut bool,
 ) -> ResponseFraming {
@@ -40,41 +46,39 @@ pub fn frame_response(
     if connection_says_close(headers) {
         *keep_alive = false;
     }
+    let mut length = LengthField { headers, relayed };
     let framing = if status.is_informational() || status == StatusCode::NO_CONTENT {
-        headers.remove(header::CONTENT_LENGTH);
+        length.remove();
         ResponseFraming::None
     } else if *request_method == Method::HEAD || status == StatusCode::NOT_MODIFIED {
         // The length of the body a GET would get may be given; none is sent.
         if let (false, Some(size), true) = (
-            headers.contains_key(header::CONTENT_LENGTH),
+            length.is_given(),
             exact_size,
             *request_method == Method::HEAD,
         ) {
-            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(size));
+            length.set(size);
         }
         ResponseFraming::None
     } else if let Some(size) = exact_size {
         // Usually the upstream's own field, already right: kept rather than rebuilt.
-        let given = headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|text| text.parse::<u64>().ok());
-        if given != Some(size) {
-            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(size));
+        if length.given() != Some(size) {
+            length.set(size);
         }
         ResponseFraming::Length(size)
     } else if request_version == Version::HTTP_11 {
-        headers.remove(header::CONTENT_LENGTH);
-        headers.insert(
+        length.remove();
+        length.headers.insert(
             header::TRANSFER_ENCODING,
             HeaderValue::from_static("chunked"),
         );
         ResponseFraming::Chunked
     } else {
-        headers.remove(header::CONTENT_LENGTH);
+        length.remove();
         *keep_alive = false;
         ResponseFraming::UntilClose
     };
+    let headers = &mut *length.headers;
     if status != StatusCode::SWITCHING_PROTOCOLS {
         if !*keep_alive && request_version == Version::HTTP_11 && !connection_says_close(headers) {
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -90,19 +94,82 @@ fn connection_says_close(headers: &HeaderMap) -> bool {
     super::super::header::connection_has(headers, "close")
 }
 
-/// Writes the status line, the header fields, a `Date` unless one is set, and the blank line.
-/// `body_room`: bytes of body that will follow in `out`, reserved with the head's.
-pub fn encode_head(out: &mut BytesMut, status: StatusCode, headers: &HeaderMap, body_room: usize) {
-    out.reserve(64 + crate::proxy::header::header_bytes(headers) + 40 + body_room);
+/// A response's `Content-Length`: a field of its header map, or the length its relayed
+/// upstream fields carry.
+struct LengthField<'a> {
+    headers: &'a mut HeaderMap,
+    relayed: Option<&'a mut UpstreamFields>,
+}
+
+impl LengthField<'_> {
+    fn given(&self) -> Option<u64> {
+        match &self.relayed {
+            Some(relayed) => relayed.content_length,
+            None => self
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|text| text.parse::<u64>().ok()),
+        }
+    }
+
+    fn is_given(&self) -> bool {
+        match &self.relayed {
+            Some(relayed) => relayed.content_length.is_some(),
+            None => self.headers.contains_key(header::CONTENT_LENGTH),
+        }
+    }
+
+    fn set(&mut self, size: u64) {
+        match &mut self.relayed {
+            Some(relayed) => relayed.content_length = Some(size),
+            None => {
+                self.headers
+                    .insert(header::CONTENT_LENGTH, HeaderValue::from(size));
+            }
+        }
+    }
+
+    fn remove(&mut self) {
+        match &mut self.relayed {
+            Some(relayed) => relayed.content_length = None,
+            None => {
+                self.headers.remove(header::CONTENT_LENGTH);
+            }
+        }
+    }
+}
+
+/// Writes the status line, the header fields (the relayed upstream ones first), a `Date`
+/// unless one is set, and the blank line. `body_room`: bytes of body that will follow in
+/// `out`, reserved with the head's.
+pub fn encode_head(
+    out: &mut BytesMut,
+    status: StatusCode,
+    headers: &HeaderMap,
+    relayed: Option<&UpstreamFields>,
+    body_room: usize,
+) {
+    let relayed_bytes = relayed.map_or(0, |relayed| relayed.len() + 40);
+    out.reserve(64 + crate::proxy::header::header_bytes(headers) + relayed_bytes + 40 + body_room);
     out.put_slice(b"HTTP/1.1 ");
     out.put_slice(status.as_str().as_bytes());
     out.put_u8(b' ');
     out.put_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.put_slice(b"\r\n");
+    let mut has_date = false;
+    if let Some(relayed) = relayed {
+        relayed.write_to(out);
+        if let Some(length) = relayed.content_length {
+            let mut digits = itoa::Buffer::new();
+            encode_field(out, "content-length", digits.format(length).as_bytes());
+        }
+        has_date = relayed.has_date();
+    }
     for (name, value) in headers {
         encode_field(out, name.as_str(), value.as_bytes());
     }
-    if !headers.contains_key(header::DATE) {
+    if !has_date && !headers.contains_key(header::DATE) {
         encode_field(out, "date", &http_date_now());
     }
     out.put_slice(b"\r\n");
@@ -178,6 +245,7 @@ mod tests {
             version,
             StatusCode::from_u16(status).expect("status"),
             &mut map,
+            None,
             exact,
             &mut keep_alive,
         );
@@ -251,12 +319,87 @@ mod tests {
         assert_eq!(headers[header::CONNECTION], "keep-alive");
     }
 
+    /// Upstream fields as a pass-through relays them: `lines` as received, and the length.
+    fn relayed(lines: &str, content_length: Option<u64>) -> UpstreamFields {
+        let head = format!("HTTP/1.1 200 OK\r\n{lines}\r\n");
+        let mut fields = UpstreamFields::new(bytes::Bytes::from(head));
+        let end = 17 + lines.len();
+        assert!(fields.keep_line(17, end, lines.to_ascii_lowercase().contains("date:")));
+        fields.content_length = content_length;
+        fields
+    }
+
+    #[test]
+    fn relayed_fields_carry_the_length_the_framing_settles_on() {
+        let frame = |method: Method, status: u16, exact: Option<u64>, given: Option<u64>| {
+            let mut fields = relayed("Server: a\r\n", given);
+            let mut headers = HeaderMap::new();
+            let mut keep_alive = true;
+            let framing = frame_response(
+                &method,
+                Version::HTTP_11,
+                StatusCode::from_u16(status).expect("status"),
+                &mut headers,
+                Some(&mut fields),
+                exact,
+                &mut keep_alive,
+            );
+            // The length never goes into the map when the fields are relayed.
+            assert!(!headers.contains_key(header::CONTENT_LENGTH));
+            (framing, fields.content_length, headers)
+        };
+        assert_eq!(
+            frame(Method::GET, 200, Some(5), Some(5)),
+            (ResponseFraming::Length(5), Some(5), HeaderMap::new())
+        );
+        // HEAD: the length a GET would get stays; none is made up from the empty body.
+        let (framing, length, _) = frame(Method::HEAD, 200, Some(0), Some(1234));
+        assert_eq!((framing, length), (ResponseFraming::None, Some(1234)));
+        let (framing, length, _) = frame(Method::HEAD, 200, Some(0), None);
+        assert_eq!((framing, length), (ResponseFraming::None, Some(0)));
+        let (framing, length, headers) = frame(Method::GET, 200, None, None);
+        assert_eq!((framing, length), (ResponseFraming::Chunked, None));
+        assert_eq!(headers[header::TRANSFER_ENCODING], "chunked");
+    }
+
+    #[test]
+    fn relayed_fields_go_first_with_the_length_and_their_own_date() {
+        let mut headers = HeaderMap::new();
+        headers.insert("ratelimit", HeaderValue::from_static("limit=1"));
+        let fields = relayed(
+            "Server: a\r\nDate: Tue, 01 Dec 2026 10:00:00 GMT\r\n",
+            Some(2),
+        );
+        let mut out = BytesMut::new();
+        encode_head(&mut out, StatusCode::OK, &headers, Some(&fields), 0);
+        assert_eq!(
+            &out[..],
+            b"HTTP/1.1 200 OK\r\nServer: a\r\nDate: Tue, 01 Dec 2026 10:00:00 GMT\r\n\
+              content-length: 2\r\nratelimit: limit=1\r\n\r\n"
+        );
+        // Without the upstream's Date, levee adds its own.
+        let fields = relayed("Server: a\r\n", None);
+        let mut out = BytesMut::new();
+        encode_head(
+            &mut out,
+            StatusCode::OK,
+            &HeaderMap::new(),
+            Some(&fields),
+            0,
+        );
+        let text = String::from_utf8(out.to_vec()).expect("ascii");
+        assert!(
+            text.starts_with("HTTP/1.1 200 OK\r\nServer: a\r\ndate: "),
+            "{text}"
+        );
+    }
+
     #[test]
     fn heads_are_encoded_with_a_date() {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(2u64));
         let mut out = BytesMut::new();
-        encode_head(&mut out, StatusCode::NOT_FOUND, &headers, 0);
+        encode_head(&mut out, StatusCode::NOT_FOUND, &headers, None, 0);
         let text = String::from_utf8(out.to_vec()).expect("ascii");
         assert!(
             text.starts_with("HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\ndate: "),
