@@ -33,9 +33,10 @@ use tokio_rustls::TlsConnector;
 
 use super::h1::chunked::{ChunkedDecoder, ChunkedError};
 use super::h1::encode::{encode_chunk_start, encode_field, LAST_CHUNK};
+use super::h1::parse::{list_items, parse_content_length};
 use super::header::header_bytes;
 use super::upstream::UpstreamBody;
-use super::upstream_fields::UpstreamFields;
+use super::upstream_fields::{FieldLines, UpstreamFields};
 use crate::error::BoxError;
 
 /// Most header fields accepted in a response head.
@@ -754,33 +755,29 @@ fn parse_response_head(
     } else {
         Version::HTTP_11
     };
-    // Fields become offsets into the head first, so the head can be split off the buffer and
-    // values (or whole lines) become slices of it, not copies.
-    let count = parsed.headers.len();
+    // One pass over the fields, while the parser still borrows the buffer: what the framing
+    // and connection fields say, and, when the caller only passes the fields on, which lines
+    // to relay. Lines are kept as offsets, so the head can then be split off the buffer.
     let base = buffer.as_ptr() as usize;
-    let mut spans = [FieldSpan::default(); MAX_HEADERS];
-    for (span, field) in spans.iter_mut().zip(parsed.headers.iter()) {
-        *span = FieldSpan {
-            name: field.name.as_ptr() as usize - base,
-            name_len: field.name.len(),
-            value: field.value.as_ptr() as usize - base,
-            value_len: field.value.len(),
-        };
-    }
-    let spans = &spans[..count];
-    let head = buffer.split_to(length).freeze();
-
-    // What the framing and connection fields say.
+    let offset = |bytes: &[u8]| bytes.as_ptr() as usize - base;
+    // Relayed: bodiless statuses keep the parsed path, whose framing rules drop or add the
+    // length; fields named by `Connection` must go, which the parsed path does by name.
+    let mut lines = (wanted == ResponseFields::Relayed
+        && !status.is_informational()
+        && status != StatusCode::NO_CONTENT
+        && status != StatusCode::NOT_MODIFIED)
+        .then(FieldLines::new);
+    // A line runs from its name to the next line's name; the last one to the blank line.
+    let fields_end = length - 2;
     let mut keep_alive = version == Version::HTTP_11;
     let mut length_field: Option<u64> = None;
     let mut chunked = false;
     let mut other_coding = false;
-    let mut names_other_fields = false;
-    for span in spans {
-        let value = &head[span.value..span.value + span.value_len];
-        match FieldKind::of(&head[span.name..span.name + span.name_len]) {
+    for (index, field) in parsed.headers.iter().enumerate() {
+        let kind = FieldKind::of(field.name.as_bytes());
+        match kind {
             FieldKind::ContentLength => {
-                let parsed = parse_length(value)
+                let parsed = parse_content_length(field.value.trim_ascii())
                     .ok_or_else(|| ClientError::Protocol("invalid content-length".into()))?;
                 if length_field.is_some_and(|earlier| earlier != parsed) {
                     return Err(ClientError::Protocol(
@@ -790,23 +787,35 @@ fn parse_response_head(
                 length_field = Some(parsed);
             }
             FieldKind::TransferEncoding => {
-                let last = visible_text(value).rsplit(',').next().unwrap_or("").trim();
-                chunked = last.eq_ignore_ascii_case("chunked");
+                let last = list_items(field.value).last().unwrap_or(b"");
+                chunked = last.eq_ignore_ascii_case(b"chunked");
                 other_coding |= !chunked;
             }
             FieldKind::Connection => {
-                for token in visible_text(value).split(',').map(str::trim) {
-                    if token.eq_ignore_ascii_case("close") {
+                for token in list_items(field.value) {
+                    if token.eq_ignore_ascii_case(b"close") {
                         keep_alive = false;
-                    } else if !token.eq_ignore_ascii_case("keep-alive")
-                        && !token.eq_ignore_ascii_case("upgrade")
-                        && !token.is_empty()
+                    } else if !token.eq_ignore_ascii_case(b"keep-alive")
+                        && !token.eq_ignore_ascii_case(b"upgrade")
                     {
-                        names_other_fields = true;
+                        // Names a field that must not be passed on.
+                        lines = None;
                     }
                 }
             }
-            FieldKind::HopByHop | FieldKind::Date | FieldKind::Other => {}
+            FieldKind::HopByHop => {}
+            FieldKind::Date | FieldKind::Other => {
+                if let Some(kept) = &mut lines {
+                    let start = offset(field.name.as_bytes());
+                    let end = parsed
+                        .headers
+                        .get(index + 1)
+                        .map_or(fields_end, |next| offset(next.name.as_bytes()));
+                    if !kept.keep_line(buffer, start, end, kind == FieldKind::Date) {
+                        lines = None;
+                    }
+                }
+            }
         }
     }
     let framing = if chunked && !other_coding {
@@ -827,33 +836,35 @@ fn parse_response_head(
     };
     let length_stands = matches!(framing, Framing::Length(_));
 
-    // Relayed: bodiless statuses keep the parsed path, whose framing rules drop or add the
-    // length; fields named by `Connection` must go, which the parsed path does by name.
-    let relayable = wanted == ResponseFields::Relayed
-        && !names_other_fields
-        && !status.is_informational()
-        && status != StatusCode::NO_CONTENT
-        && status != StatusCode::NOT_MODIFIED;
-    if relayable {
-        if let Some(relayed) = relay_fields(
-            &head,
-            spans,
-            length_stands.then_some(length_field).flatten(),
-        ) {
-            return Ok(Some(ResponseHead {
-                status,
-                version,
-                headers: HeaderMap::new(),
-                relayed: Some(relayed),
-                framing,
-                keep_alive,
-            }));
-        }
+    // The blank line must be CRLF too for the lines before it to be relayed as they are.
+    if let Some(kept) = lines.filter(|_| buffer[fields_end..length] == *b"\r\n") {
+        let head = buffer.split_to(length).freeze();
+        let content_length = length_field.filter(|_| length_stands);
+        return Ok(Some(ResponseHead {
+            status,
+            version,
+            headers: HeaderMap::new(),
+            relayed: Some(kept.over(head, content_length)),
+            framing,
+            keep_alive,
+        }));
     }
 
+    // Parsed: values become slices of the head, not copies.
+    let spans: Vec<FieldSpan> = parsed
+        .headers
+        .iter()
+        .map(|field| FieldSpan {
+            name: offset(field.name.as_bytes()),
+            name_len: field.name.len(),
+            value: offset(field.value),
+            value_len: field.value.len(),
+        })
+        .collect();
+    let head = buffer.split_to(length).freeze();
     // Room for the fields levee may add (rate-limit state, Date) without growing.
-    let mut headers = HeaderMap::with_capacity(count + 3);
-    for span in spans {
+    let mut headers = HeaderMap::with_capacity(spans.len() + 3);
+    for span in &spans {
         let name = HeaderName::from_bytes(&head[span.name..span.name + span.name_len])
             .map_err(|_| ClientError::Protocol("invalid header name".into()))?;
         let value =
@@ -911,56 +922,6 @@ impl FieldKind {
             17 if is("transfer-encoding") => FieldKind::TransferEncoding,
             _ => FieldKind::Other,
         }
-    }
-}
-
-/// The kept lines of `head` (everything but the hop-by-hop and length fields), or `None`
-/// when they cannot be relayed as they are.
-fn relay_fields(
-    head: &Bytes,
-    spans: &[FieldSpan],
-    content_length: Option<u64>,
-) -> Option<UpstreamFields> {
-    let mut relayed = UpstreamFields::new(head.clone());
-    relayed.content_length = content_length;
-    // A line runs from its name to the next line's name; the last one to the blank line.
-    let fields_end = head.len().checked_sub(2)?;
-    if &head[fields_end..] != b"\r\n" {
-        return None;
-    }
-    for (index, span) in spans.iter().enumerate() {
-        let kind = FieldKind::of(&head[span.name..span.name + span.name_len]);
-        if !matches!(kind, FieldKind::Other | FieldKind::Date) {
-            continue;
-        }
-        let end = spans.get(index + 1).map_or(fields_end, |next| next.name);
-        if !relayed.keep_line(span.name, end, kind == FieldKind::Date) {
-            return None;
-        }
-    }
-    Some(relayed)
-}
-
-/// A `Content-Length` value: digits only (RFC 9110 8.6), around optional blanks. `parse`
-/// alone would take a sign, `+5`.
-fn parse_length(value: &[u8]) -> Option<u64> {
-    let text = visible_text(value).trim();
-    if text.is_empty() || !text.bytes().all(|byte| byte.is_ascii_digit()) {
-        return None;
-    }
-    text.parse().ok()
-}
-
-/// A field value as text when it is all visible ASCII (as `HeaderValue::to_str` allows),
-/// otherwise empty.
-fn visible_text(value: &[u8]) -> &str {
-    if value
-        .iter()
-        .all(|byte| *byte == b'\t' || (0x20..0x7f).contains(byte))
-    {
-        std::str::from_utf8(value).unwrap_or("")
-    } else {
-        ""
     }
 }
 

@@ -18,39 +18,34 @@ use bytes::{BufMut, Bytes, BytesMut};
 /// `Keep-Alive` among the rest) needs two or three.
 pub const MOST_RUNS: usize = 8;
 
-/// The kept field lines of an upstream response head, as received.
+/// Which lines of a response head are kept: byte ranges, built while the head is parsed.
 #[derive(Debug, Clone)]
-pub struct UpstreamFields {
-    head: Bytes,
-    /// Byte ranges of `head`, whole lines with their CRLF, in order.
+pub struct FieldLines {
+    /// Byte ranges of the head, whole lines with their CRLF, in order.
     runs: [(u32, u32); MOST_RUNS],
     run_count: usize,
-    /// The `Content-Length` to write. The upstream's own line is never relayed: the response
-    /// framing settles the length (see `h1::encode::frame_response`) and the encoder writes it.
-    pub content_length: Option<u64>,
     has_date: bool,
 }
 
-impl UpstreamFields {
-    /// Starts with no lines kept, over a whole response head.
-    pub fn new(head: Bytes) -> UpstreamFields {
-        UpstreamFields {
-            head,
+impl FieldLines {
+    pub fn new() -> FieldLines {
+        FieldLines {
             runs: [(0, 0); MOST_RUNS],
             run_count: 0,
-            content_length: None,
             has_date: false,
         }
     }
 
-    /// Keeps the field line at `start..end` of the head (the CRLF included). False when the
+    /// Keeps the field line at `start..end` of `head` (the CRLF included). False when the
     /// line does not end in CRLF or there is no room for another range: the head cannot be
     /// relayed.
-    pub fn keep_line(&mut self, start: usize, end: usize, is_date: bool) -> bool {
+    pub fn keep_line(&mut self, head: &[u8], start: usize, end: usize, is_date: bool) -> bool {
         let (Ok(start), Ok(end)) = (u32::try_from(start), u32::try_from(end)) else {
             return false;
         };
-        if end < start + 2 || self.head.get(end as usize - 2..end as usize) != Some(b"\r\n") {
+        let ends_in_crlf =
+            end >= start + 2 && head.get(end as usize - 2..end as usize) == Some(b"\r\n");
+        if !ends_in_crlf {
             return false;
         }
         self.has_date |= is_date;
@@ -65,26 +60,57 @@ impl UpstreamFields {
         true
     }
 
+    /// These lines of `head` (the bytes they were measured in), with the upstream's length.
+    pub fn over(self, head: Bytes, content_length: Option<u64>) -> UpstreamFields {
+        UpstreamFields {
+            head,
+            lines: self,
+            content_length,
+        }
+    }
+}
+
+impl Default for FieldLines {
+    fn default() -> Self {
+        FieldLines::new()
+    }
+}
+
+/// The kept field lines of an upstream response head, as received.
+#[derive(Debug, Clone)]
+pub struct UpstreamFields {
+    head: Bytes,
+    lines: FieldLines,
+    /// The `Content-Length` to write. The upstream's own line is never relayed: the response
+    /// framing settles the length (see `h1::encode::frame_response`) and the encoder writes it.
+    pub content_length: Option<u64>,
+}
+
+impl UpstreamFields {
+    fn runs(&self) -> &[(u32, u32)] {
+        &self.lines.runs[..self.lines.run_count]
+    }
+
     /// Bytes the kept lines take on the wire.
     pub fn len(&self) -> usize {
-        self.runs[..self.run_count]
+        self.runs()
             .iter()
             .map(|(start, end)| (end - start) as usize)
             .sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.run_count == 0
+        self.lines.run_count == 0
     }
 
     /// Whether the upstream sent a `Date`; levee adds one only when it did not.
     pub fn has_date(&self) -> bool {
-        self.has_date
+        self.lines.has_date
     }
 
     /// Appends the kept lines to `out`.
     pub fn write_to(&self, out: &mut BytesMut) {
-        for &(start, end) in &self.runs[..self.run_count] {
+        for &(start, end) in self.runs() {
             out.put_slice(&self.head[start as usize..end as usize]);
         }
     }
@@ -106,7 +132,7 @@ mod tests {
 
     #[test]
     fn kept_lines_are_written_as_received_in_merged_runs() {
-        let mut fields = UpstreamFields::new(Bytes::from_static(HEAD));
+        let mut lines = FieldLines::new();
         for (name, keep) in [
             ("Server", true),
             ("Connection", false),
@@ -115,11 +141,12 @@ mod tests {
         ] {
             let (start, end) = line(name);
             if keep {
-                assert!(fields.keep_line(start, end, name == "Date"));
+                assert!(lines.keep_line(HEAD, start, end, name == "Date"));
             }
         }
         // Date and ETag are adjacent: one range.
-        assert_eq!(fields.run_count, 2);
+        assert_eq!(lines.run_count, 2);
+        let fields = lines.over(Bytes::from_static(HEAD), None);
         let mut out = BytesMut::new();
         fields.write_to(&mut out);
         assert_eq!(&out[..], b"Server: x\r\nDate: d\r\nETag: e\r\n");
@@ -130,24 +157,23 @@ mod tests {
     #[test]
     fn lines_without_crlf_or_past_the_last_range_are_refused() {
         let bare = b"HTTP/1.1 200 OK\r\nA: 1\nB: 2\r\n\r\n";
-        let mut fields = UpstreamFields::new(Bytes::from_static(bare));
-        assert!(!fields.keep_line(17, 22, false));
+        assert!(!FieldLines::new().keep_line(bare, 17, 22, false));
 
         let many: String = (0..2 * MOST_RUNS)
             .map(|i| format!("F{i:02}: v\r\n"))
             .collect();
         let head = format!("HTTP/1.1 200 OK\r\n{many}\r\n");
-        let mut fields = UpstreamFields::new(Bytes::from(head));
+        let mut lines = FieldLines::new();
         let mut kept = 0;
         // Every other line: each kept line is its own range.
         for index in (0..2 * MOST_RUNS).step_by(2) {
             let start = 17 + index * 8;
-            if fields.keep_line(start, start + 8, false) {
+            if lines.keep_line(head.as_bytes(), start, start + 8, false) {
                 kept += 1;
             }
         }
         assert_eq!(kept, MOST_RUNS);
         // A line that joins no range (the second one) finds no room.
-        assert!(!fields.keep_line(17 + 8, 17 + 16, false));
+        assert!(!lines.keep_line(head.as_bytes(), 17 + 8, 17 + 16, false));
     }
 }

@@ -256,7 +256,7 @@ impl FieldMeaning {
 }
 
 /// A Content-Length value: decimal digits only (no sign, no list), at most 19 of them.
-fn parse_content_length(value: &[u8]) -> Option<u64> {
+pub(crate) fn parse_content_length(value: &[u8]) -> Option<u64> {
     if value.is_empty() || value.len() > 19 || !value.iter().all(u8::is_ascii_digit) {
         return None;
     }
@@ -266,7 +266,7 @@ fn parse_content_length(value: &[u8]) -> Option<u64> {
 }
 
 /// The non-empty items of a comma-separated field value, whitespace trimmed.
-fn list_items(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+pub(crate) fn list_items(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     value
         .split(|&byte| byte == b',')
         .map(|item| item.trim_ascii())
