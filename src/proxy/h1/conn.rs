@@ -312,9 +312,14 @@ where
                     return After::Close;
                 }
             }
-            () = stopped(stop), if !*stopping => *stopping = true,
         }
     };
+    // Whether levee began to stop while the handler ran: read once here rather than watched
+    // in the loop above, where the watch cost a waiter registered and removed on every poll.
+    // It only decides whether this response keeps the connection.
+    if !*stopping && *stop.borrow() {
+        *stopping = true;
+    }
     drop(answering);
     if continue_wanted.is_some() {
         // Answered without asking for the body and without sending 100: the client may or
@@ -964,6 +969,32 @@ mod tests {
             .expect("write");
         assert!(read_responses(&mut client, 1).await.contains("body=0"));
         let _ = stop.send(true);
+        assert!(is_closed(&mut client).await);
+    }
+
+    #[tokio::test]
+    async fn a_request_in_flight_at_stop_is_answered_then_the_connection_closes() {
+        let (mut client, stop) = connect().await;
+        // The 100 says the handler runs and waits for the body: the request is in flight.
+        client
+            .write_all(
+                b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n",
+            )
+            .await
+            .expect("write");
+        let mut interim = [0u8; CONTINUE.len()];
+        client.read_exact(&mut interim).await.expect("100 continue");
+        assert_eq!(&interim[..], CONTINUE);
+        let _ = stop.send(true);
+        client.write_all(b"abcde").await.expect("write");
+        let answer = read_responses(&mut client, 1).await;
+        assert!(answer.contains("POST /x body=5"), "{answer}");
+        assert!(
+            answer
+                .to_ascii_lowercase()
+                .contains("\r\nconnection: close\r\n"),
+            "{answer}"
+        );
         assert!(is_closed(&mut client).await);
     }
 
