@@ -462,6 +462,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 hide: Vec::new(),
                 queue: None,
                 always_queue: false,
+                series: Default::default(),
             })
         });
 
@@ -1669,6 +1670,7 @@ fn compile_route(
         hide,
         queue,
         always_queue,
+        series: Default::default(),
     })
 }
 

@@ -1,5 +1,6 @@
 //! Client identity and the headers levee removes or sets on the way through.
 
+use std::cell::RefCell;
 use std::net::IpAddr;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -192,8 +193,6 @@ fn hop_by_hop_bit(name: &HeaderName) -> u8 {
 /// - `X-Forwarded-Proto`: kept from a trusted peer, otherwise levee's listener scheme.
 pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, client: IpAddr) {
     let peer = canonical(peer);
-    let mut text = [0u8; 64];
-    let peer_text = format_ip(peer, &mut text);
     let existing: Vec<&[u8]> = if peer_trusted {
         headers
             .get_all(&X_FORWARDED_FOR)
@@ -204,31 +203,68 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
     } else {
         Vec::new()
     };
-    let mut chain = Vec::with_capacity(
-        existing.iter().map(|part| part.len() + 2).sum::<usize>() + peer_text.len(),
-    );
-    for part in &existing {
-        chain.extend_from_slice(part);
-        chain.extend_from_slice(b", ");
-    }
-    chain.extend_from_slice(peer_text);
-    // Addresses formatted by levee, after values that were valid header values already, are
-    // always valid header values.
+    let forwarded_for = if existing.is_empty() {
+        peer_value(peer)
+    } else {
+        let mut text = [0u8; 64];
+        let peer_text = format_ip(peer, &mut text);
+        let mut chain = Vec::with_capacity(
+            existing.iter().map(|part| part.len() + 2).sum::<usize>() + peer_text.len(),
+        );
+        for part in &existing {
+            chain.extend_from_slice(part);
+            chain.extend_from_slice(b", ");
+        }
+        chain.extend_from_slice(peer_text);
+        // Addresses formatted by levee, after values that were valid header values already,
+        // are always valid header values.
+        HeaderValue::from_maybe_shared(bytes::Bytes::from(chain)).ok()
+    };
     let real_ip = if client == peer {
-        HeaderValue::from_bytes(peer_text)
+        peer_value(peer)
     } else {
         let mut client_text = [0u8; 64];
-        HeaderValue::from_bytes(format_ip(canonical(client), &mut client_text))
+        HeaderValue::from_bytes(format_ip(canonical(client), &mut client_text)).ok()
     };
-    if let Ok(value) = HeaderValue::from_maybe_shared(bytes::Bytes::from(chain)) {
+    if let Some(value) = forwarded_for {
         headers.insert(X_FORWARDED_FOR.clone(), value);
     }
-    if let Ok(value) = real_ip {
+    if let Some(value) = real_ip {
         headers.insert(X_REAL_IP.clone(), value);
     }
     if !(peer_trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
         headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
     }
+}
+
+thread_local! {
+    /// The peer address last written on this thread, as a header value. A worker's requests
+    /// mostly come from a few peers (the front nginx, or one client's keep-alive connection),
+    /// and sharing the value costs less than formatting and allocating it twice a request.
+    static PEER_VALUE: RefCell<Option<(IpAddr, HeaderValue)>> = const { RefCell::new(None) };
+}
+
+/// `peer` (canonical already) as a header value, from the cache when it was the last one.
+fn peer_value(peer: IpAddr) -> Option<HeaderValue> {
+    let formatted = || {
+        let mut text = [0u8; 64];
+        HeaderValue::from_maybe_shared(bytes::Bytes::copy_from_slice(format_ip(peer, &mut text)))
+            .ok()
+    };
+    PEER_VALUE.with(|cached| {
+        // Never borrowed twice (nothing here calls back); formatted afresh if it were.
+        let Ok(mut cached) = cached.try_borrow_mut() else {
+            return formatted();
+        };
+        if let Some((ip, value)) = cached.as_ref() {
+            if *ip == peer {
+                return Some(value.clone());
+            }
+        }
+        let value = formatted()?;
+        *cached = Some((peer, value.clone()));
+        Some(value)
+    })
 }
 
 /// Writes an address as text into `buffer` and returns it. IPv4, on every request, is written
@@ -395,5 +431,23 @@ mod tests {
         assert_eq!(map["x-forwarded-for"], "1.1.1.1, 127.0.0.1");
         assert_eq!(map["x-real-ip"], "1.1.1.1");
         assert_eq!(map["x-forwarded-proto"], "https");
+    }
+
+    #[test]
+    fn peers_in_turn_each_get_their_own_address() {
+        // The thread's cached peer value changes hands: each request still names its own.
+        for peer in [
+            "203.0.113.9",
+            "203.0.113.9",
+            "::ffff:198.51.100.7",
+            "2001:db8::1",
+            "203.0.113.9",
+        ] {
+            let mut map = HeaderMap::new();
+            set_forwarded(&mut map, ip(peer), false, ip(peer));
+            let expected = ip_string(canonical(ip(peer)));
+            assert_eq!(map["x-forwarded-for"], expected.as_str(), "{peer}");
+            assert_eq!(map["x-real-ip"], expected.as_str(), "{peer}");
+        }
     }
 }

@@ -37,7 +37,7 @@ use crate::degrade::{DegradeAction, StaleSettings};
 use crate::error::{text_response, ErrorSide, ProxyError};
 use crate::limit::key::RequestFacts;
 use crate::metrics::{DegradedLabels, ShedLabels};
-use crate::metrics::{Metrics, RouteLabels, RouteStatusLabels, UpstreamErrorLabels};
+use crate::metrics::{Metrics, UpstreamErrorLabels};
 use body::{find_cause, BodyIdleTimeout, IdleTimeout, Observed, OnBodyEnd, ResponseBody};
 use client::ResponseFields;
 use h1::{ClientUpgrade, RequestBody, RequestBodyError};
@@ -705,23 +705,20 @@ impl Exchange {
         let metrics = &self.shared.metrics;
         metrics.inflight.dec();
         let elapsed = self.started.elapsed();
-        let route_name = self
-            .route
-            .as_ref()
-            .map_or_else(|| RouteName(Arc::from("-")), |route| route.name.clone());
-        metrics
-            .requests
-            .get_or_create(&RouteStatusLabels {
-                route: route_name.clone(),
-                status: self.status.as_u16(),
-            })
-            .inc();
-        metrics
-            .request_duration
-            .get_or_create(&RouteLabels {
-                route: route_name.clone(),
-            })
-            .observe(elapsed.as_secs_f64());
+        let unrouted;
+        let (route_name, series) = match &self.route {
+            Some(route) => (&route.name, Some(&route.series)),
+            None => {
+                unrouted = RouteName(Arc::from("-"));
+                (&unrouted, None)
+            }
+        };
+        metrics.record_request(
+            route_name,
+            series,
+            self.status.as_u16(),
+            elapsed.as_secs_f64(),
+        );
         if self.access_log {
             let upstream = self
                 .route

@@ -108,6 +108,8 @@ pub struct Route {
     pub queue: Option<Arc<crate::queue::QueueAction>>,
     /// Every request is queued, not only while the route is off.
     pub always_queue: bool,
+    /// Its request metrics, found once per policy.
+    pub series: crate::metrics::RouteSeries,
 }
 
 /// A response written in the policy.
