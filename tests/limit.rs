@@ -444,3 +444,36 @@ async fn redis_killed_allow_and_deny_rules_behave_as_named() {
     )
     .await;
 }
+
+#[tokio::test]
+async fn levees_ratelimit_fields_replace_the_upstreams_own() {
+    // An app that limits by itself and says so: levee's fields take their place, never
+    // beside them.
+    let backend = Backend::start(|_request| async {
+        http::Response::builder()
+            .header("ratelimit-policy", "\"app\";q=100;w=60")
+            .header("ratelimit", "\"app\";r=99;t=60")
+            .header("x-app", "1")
+            .body(full("ok"))
+            .expect("response")
+    })
+    .await;
+    let rules =
+        "[limit.login]\nkey = [\"ip\"]\nrate = \"0.2/s\"\nburst = 2\nheaders_on_allow = true\n";
+    let levee = Levee::start(&limited_policy(&backend, "", "", rules, "\"login\"")).await;
+    let raw = raw_exchange(
+        levee.public,
+        b"GET /limited HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await
+    .to_ascii_lowercase();
+    assert!(raw.starts_with("http/1.1 200"), "{raw}");
+    assert_eq!(raw.matches("\r\nratelimit-policy:").count(), 1, "{raw}");
+    assert_eq!(raw.matches("\r\nratelimit:").count(), 1, "{raw}");
+    assert!(
+        raw.contains("\r\nratelimit: \"login\";r=1;t=5\r\n"),
+        "{raw}"
+    );
+    assert!(raw.contains("\r\nx-app: 1\r\n"), "{raw}");
+}

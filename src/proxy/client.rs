@@ -737,6 +737,9 @@ fn parse_response_head(
 ) -> Result<Option<ResponseHead>, ClientError> {
     let mut fields = uninit_fields();
     let mut parsed = httparse::Response::new(&mut []);
+    // The default configuration matters to relaying: it refuses folded lines and does not
+    // skip invalid ones, so the bytes between one field's name and the next are exactly the
+    // first field's value and line end (see `FieldLines`).
     let length = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
         &mut parsed,
         buffer,
@@ -804,6 +807,7 @@ fn parse_response_head(
                 }
             }
             FieldKind::HopByHop => {}
+            FieldKind::RateLimit => lines = None,
             FieldKind::Date | FieldKind::Other => {
                 if let Some(kept) = &mut lines {
                     let start = offset(field.name.as_bytes());
@@ -904,6 +908,9 @@ enum FieldKind {
     /// The other hop-by-hop fields (RFC 9110 7.6.1): never passed on.
     HopByHop,
     Date,
+    /// `RateLimit` and `RateLimit-Policy`, which levee sets in place of the upstream's own
+    /// when the route has limits: such a head is parsed, so that they are replaced.
+    RateLimit,
     Other,
 }
 
@@ -914,11 +921,13 @@ impl FieldKind {
         match name.len() {
             2 if is("te") => FieldKind::HopByHop,
             4 if is("date") => FieldKind::Date,
+            9 if is("ratelimit") => FieldKind::RateLimit,
             7 if is("trailer") || is("upgrade") => FieldKind::HopByHop,
             10 if is("connection") => FieldKind::Connection,
             10 if is("keep-alive") => FieldKind::HopByHop,
             14 if is("content-length") => FieldKind::ContentLength,
             16 if is("proxy-connection") => FieldKind::HopByHop,
+            16 if is("ratelimit-policy") => FieldKind::RateLimit,
             17 if is("transfer-encoding") => FieldKind::TransferEncoding,
             _ => FieldKind::Other,
         }
@@ -1167,6 +1176,9 @@ mod tests {
             "HTTP/1.1 204 No Content\r\nA: 1\r\n\r\n",
             "HTTP/1.1 304 Not Modified\r\nA: 1\r\n\r\n",
             "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
+            // Fields levee may set in place of the upstream's.
+            "HTTP/1.1 200 OK\r\nRateLimit: limit=9\r\nContent-Length: 0\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nratelimit-policy: 9;w=1\r\nContent-Length: 0\r\n\r\n",
         ] {
             let head = parse_response_head(&mut BytesMut::from(text), ResponseFields::Relayed)
                 .expect("valid head")

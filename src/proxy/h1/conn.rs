@@ -317,7 +317,8 @@ where
     // Whether levee began to stop while the handler ran: read once here rather than watched
     // in the loop above, where the watch cost a waiter registered and removed on every poll.
     // It only decides whether this response keeps the connection.
-    if !*stopping && *stop.borrow() {
+    // A stop switch that is gone counts as stop, as in `stopped`.
+    if !*stopping && (*stop.borrow() || stop.has_changed().is_err()) {
         *stopping = true;
     }
     drop(answering);
@@ -358,7 +359,9 @@ where
         relayed.as_ref(),
         body_room,
     );
+    // The relayed fields hold the upstream head's bytes: not kept while the body is written.
     drop(parts);
+    drop(relayed);
     let complete = write_body(
         &mut writer,
         out,
