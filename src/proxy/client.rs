@@ -654,6 +654,7 @@ enum Framing {
     Done,
 }
 
+#[derive(Debug)]
 struct ResponseHead {
     status: StatusCode,
     version: Version,
@@ -713,21 +714,70 @@ async fn read_response_head(
 /// For the fuzzer (`fuzz/fuzz_targets/upstream_response_head.rs`): parses every response
 /// head it can off the front of `bytes`, as the client reads an upstream's answers, and
 /// returns how many it parsed. Any input must give an answer, never a panic.
+///
+/// Each head is parsed both ways, and the two must agree: the same status, framing and
+/// connection reuse, and, when the fields are relayed, exactly the fields the parsed path
+/// passes on (without hop-by-hop fields and `Content-Length`) and the same length. A
+/// disagreement panics, so the fuzzer reports it.
 #[doc(hidden)]
 pub fn parse_response_heads_for_fuzzing(bytes: &[u8]) -> usize {
-    let mut parsed = 0;
-    for fields in [ResponseFields::Parsed, ResponseFields::Relayed] {
-        let mut buffer = BytesMut::from(bytes);
-        while let Ok(Some(head)) = parse_response_head(&mut buffer, fields) {
-            if let Some(relayed) = head.relayed {
-                let mut out = BytesMut::new();
-                relayed.write_to(&mut out);
-                assert_eq!(out.len(), relayed.len());
+    let mut parsed_buffer = BytesMut::from(bytes);
+    let mut relayed_buffer = BytesMut::from(bytes);
+    let mut heads = 0;
+    loop {
+        let parsed = parse_response_head(&mut parsed_buffer, ResponseFields::Parsed);
+        let relayed = parse_response_head(&mut relayed_buffer, ResponseFields::Relayed);
+        let (parsed, relayed) = match (parsed, relayed) {
+            (Ok(Some(parsed)), Ok(Some(relayed))) => (parsed, relayed),
+            (Ok(None), Ok(None)) | (Err(_), Err(_)) => return heads,
+            (parsed, relayed) => {
+                panic!("parsed and relayed heads disagree: {parsed:?} / {relayed:?}")
             }
-            parsed += 1;
+        };
+        assert_eq!(parsed.status, relayed.status);
+        assert_eq!(parsed.keep_alive, relayed.keep_alive);
+        assert_eq!(
+            format!("{:?}", parsed.framing),
+            format!("{:?}", relayed.framing)
+        );
+        assert_eq!(parsed_buffer, relayed_buffer, "both took the same bytes");
+        if let Some(fields) = &relayed.relayed {
+            let mut passed_on = parsed.headers.clone();
+            super::header::strip_hop_by_hop(&mut passed_on, false);
+            let length = passed_on
+                .remove(header::CONTENT_LENGTH)
+                .and_then(|value| parse_content_length(value.as_bytes()));
+            assert_eq!(fields.content_length, length, "relayed length");
+            assert_eq!(relayed_field_map(fields), passed_on, "relayed fields");
         }
+        heads += 1;
     }
-    parsed
+}
+
+/// The fields of relayed lines, read back as a client would.
+fn relayed_field_map(fields: &UpstreamFields) -> HeaderMap {
+    let mut out = BytesMut::new();
+    fields.write_to(&mut out);
+    assert_eq!(out.len(), fields.len());
+    let mut map = HeaderMap::new();
+    let mut rest = &out[..];
+    while !rest.is_empty() {
+        let end = rest
+            .windows(2)
+            .position(|pair| pair == b"\r\n")
+            .expect("every relayed line ends in CRLF");
+        let line = &rest[..end];
+        rest = &rest[end + 2..];
+        let colon = line
+            .iter()
+            .position(|byte| *byte == b':')
+            .expect("a relayed line is a field");
+        let name = HeaderName::from_bytes(&line[..colon]).expect("a valid field name");
+        let value = line[colon + 1..].trim_ascii();
+        let value = HeaderValue::from_bytes(value).expect("a valid field value");
+        map.append(name, value);
+    }
+    map
 }
 
 /// Parses a complete head off the front of `buffer`; `Ok(None)` while it is incomplete.
