@@ -270,8 +270,12 @@ impl DecisionBatcher {
             return None;
         }
         let now = Instant::now();
+        // The charge is queued before the headroom lock goes. Otherwise a decision counted
+        // after this admission (so relying on Redis to refuse it once this request's token
+        // is gone) could be queued ahead of the charge, take that token at Redis, and leave
+        // the charge to overrun the burst: a rush on one bucket from several threads did.
+        let mut headroom = lock(&self.shared.headroom);
         let verdicts = {
-            let mut headroom = lock(&self.shared.headroom);
             let ahead = asks.iter().all(|ask| {
                 headroom.get(ask.key).is_some_and(|known| {
                     let left = known.remaining.saturating_sub(known.pending);
@@ -304,9 +308,14 @@ impl DecisionBatcher {
             .enqueue(asks, Caller::Ahead(overruns.clone()), true)
             .is_err()
         {
-            self.shared.release(asks.iter().map(|ask| ask.key), 1);
+            for ask in asks {
+                if let Some(known) = headroom.get_mut(ask.key) {
+                    known.pending = known.pending.saturating_sub(1);
+                }
+            }
             return None;
         }
+        drop(headroom);
         Some(verdicts)
     }
 

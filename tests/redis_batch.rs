@@ -860,7 +860,16 @@ async fn one_instance_never_admits_ahead_past_the_burst_even_in_a_rush() {
             futures_util::future::join_all((0..40).map(|_| send_as(&levee, Some(&user)))).await;
         let admitted = answers.iter().filter(|answer| answer.status == 200).count();
         let refused = answers.iter().filter(|answer| answer.status == 429).count();
-        assert_eq!((admitted, refused), (10, 30), "round {round}");
+        if (admitted, refused) != (10, 30) {
+            let mut by_source = Vec::new();
+            for source in ["ahead", "redis", "cache", "fallback", "local"] {
+                for result in ["allowed", "limited"] {
+                    let count = decisions(&levee, "per_user", result, source).await;
+                    by_source.push(format!("{result} by {source}: {count}"));
+                }
+            }
+            panic!("round {round}: {admitted} admitted, {refused} refused; so far {by_source:?}");
+        }
     }
     settle(&levee, "flush-rush").await;
     assert_eq!(ahead_overruns(&levee).await, 0.0);
