@@ -20,6 +20,7 @@ use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -119,6 +120,19 @@ struct Shared {
     charge_hold: Duration,
     /// `MOST_HEADROOM_KEYS`; tests set another.
     most_headroom_keys: usize,
+    /// Decisions queued or at Redis that are in no pending count (the table was full when
+    /// they came). Their tokens are invisible to the headroom, so while there are any nothing
+    /// is admitted ahead. Each holds an [`Uncounted`] that takes itself off when dropped.
+    uncounted: Arc<AtomicUsize>,
+}
+
+/// One decision of `Shared::uncounted`, for as long as it exists.
+struct Uncounted(Arc<AtomicUsize>);
+
+impl Drop for Uncounted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// What levee knows of one bucket in Redis.
@@ -157,6 +171,10 @@ struct Waiting {
     /// Its requests are in the pending counts of all its buckets (see `Shared::reserve`), so
     /// answering or dropping it takes them off; otherwise it never touches a pending count.
     counted: bool,
+    /// Held by a decision that is not counted, until it is answered or dropped.
+    _uncounted: Option<Uncounted>,
+    /// A charge already in a call that failed, queued once more (see `fail`).
+    charged_again: bool,
     caller: Caller,
 }
 
@@ -169,7 +187,9 @@ enum Caller {
 }
 
 impl Waiting {
-    fn new(asks: &[RedisAsk<'_>], caller: Caller, counted: bool) -> Waiting {
+    /// `uncounted`: `None` when the request is in its buckets' pending counts (a charge
+    /// always is).
+    fn new(asks: &[RedisAsk<'_>], caller: Caller, uncounted: Option<Uncounted>) -> Waiting {
         let mut encoded =
             Vec::with_capacity(asks.iter().map(|ask| ask.key.len() + 48).sum::<usize>());
         let rules_at = encode_asks(&mut encoded, asks);
@@ -178,7 +198,9 @@ impl Waiting {
             encoded,
             rules_at,
             ahead: u32::from(matches!(caller, Caller::Ahead(_))),
-            counted,
+            counted: uncounted.is_none(),
+            _uncounted: uncounted,
+            charged_again: false,
             caller,
         }
     }
@@ -231,6 +253,7 @@ impl DecisionBatcher {
                 headroom: Mutex::new(HashMap::new()),
                 charge_hold: CHARGE_HOLD,
                 most_headroom_keys: MOST_HEADROOM_KEYS,
+                uncounted: Arc::new(AtomicUsize::new(0)),
             }),
             call_bound,
             admit_ahead_above,
@@ -241,8 +264,9 @@ impl DecisionBatcher {
     pub async fn decide(&self, asks: &[RedisAsk<'_>]) -> Result<Answer, RedisFailure> {
         let (reply, answer) = oneshot::channel();
         let now = Instant::now();
-        let counted = self.shared.reserve(asks, now);
-        if let Err(failure) = self.enqueue(asks, Caller::Waits(reply), counted) {
+        let uncounted = self.shared.reserve(asks, now);
+        let counted = uncounted.is_none();
+        if let Err(failure) = self.enqueue(asks, Caller::Waits(reply), uncounted) {
             if counted {
                 self.shared.release(asks.iter().map(|ask| ask.key), 1);
             }
@@ -275,6 +299,10 @@ impl DecisionBatcher {
         // is gone) could be queued ahead of the charge, take that token at Redis, and leave
         // the charge to overrun the burst: a rush on one bucket from several threads did.
         let mut headroom = lock(&self.shared.headroom);
+        // (Counted up under this lock, by `reserve`.)
+        if self.shared.uncounted.load(Ordering::Acquire) > 0 {
+            return None;
+        }
         let verdicts = {
             let ahead = asks.iter().all(|ask| {
                 headroom.get(ask.key).is_some_and(|known| {
@@ -305,7 +333,7 @@ impl DecisionBatcher {
             verdicts
         };
         if self
-            .enqueue(asks, Caller::Ahead(overruns.clone()), true)
+            .enqueue(asks, Caller::Ahead(overruns.clone()), None)
             .is_err()
         {
             for ask in asks {
@@ -319,17 +347,17 @@ impl DecisionBatcher {
         Some(verdicts)
     }
 
-    /// `counted`: the request is in its buckets' pending counts (a charge always is).
+    /// `uncounted`: see [`Waiting::new`].
     fn enqueue(
         &self,
         asks: &[RedisAsk<'_>],
         caller: Caller,
-        counted: bool,
+        uncounted: Option<Uncounted>,
     ) -> Result<(), RedisFailure> {
         if matches!(caller, Caller::Ahead(_)) && self.join_last_charge(asks) {
             return Ok(());
         }
-        let waiting = Waiting::new(asks, caller, counted);
+        let waiting = Waiting::new(asks, caller, uncounted);
         let mut queue = self.shared.lock();
         if queue.waiting.len() >= MOST_WAITING {
             return Err(RedisFailure::Overloaded(MOST_WAITING));
@@ -365,7 +393,8 @@ impl DecisionBatcher {
             encode_asks(encoded, asks);
             let mut queue = self.shared.lock();
             match queue.waiting.last_mut() {
-                Some(last) if last.ahead > 0 && last.encoded == *encoded => {
+                // Not into a charge queued again after a failure: a second failure drops it.
+                Some(last) if last.ahead > 0 && !last.charged_again && last.encoded == *encoded => {
                     last.ahead = last.ahead.saturating_add(1);
                     true
                 }
@@ -397,10 +426,11 @@ impl Shared {
 
     /// Counts a decision about to be queued against its buckets, remembering the buckets it
     /// is the first to ask about (their tokens unknown until Redis answers). All or none:
-    /// `false` when the buckets it would add do not fit in `most_headroom_keys` (after
-    /// forgetting the stale ones); then nothing is counted, and the decision must not take
-    /// itself off any pending count later either, or it would take off another's.
-    fn reserve(&self, asks: &[RedisAsk<'_>], now: Instant) -> bool {
+    /// when the buckets it would add do not fit in `most_headroom_keys` (after forgetting
+    /// the stale ones), nothing is counted, and the decision must not take itself off any
+    /// pending count later either, or it would take off another's. It then gets an
+    /// [`Uncounted`], which stops admitting ahead until it is answered.
+    fn reserve(&self, asks: &[RedisAsk<'_>], now: Instant) -> Option<Uncounted> {
         let mut headroom = lock(&self.headroom);
         let new = asks
             .iter()
@@ -409,7 +439,9 @@ impl Shared {
         if new > 0 && headroom.len() + new > self.most_headroom_keys {
             forget_stale(&mut headroom, now);
             if headroom.len() + new > self.most_headroom_keys {
-                return false;
+                // Under the headroom lock, so that no admission ahead after this misses it.
+                self.uncounted.fetch_add(1, Ordering::AcqRel);
+                return Some(Uncounted(Arc::clone(&self.uncounted)));
             }
         }
         for ask in asks {
@@ -427,7 +459,7 @@ impl Shared {
                 },
             );
         }
-        true
+        None
     }
 
     /// Takes `requests` off the pending count of `keys`: they will not be answered.
@@ -455,6 +487,17 @@ impl Shared {
         for known in headroom.values_mut() {
             known.remaining = 0;
         }
+    }
+
+    /// Puts charges of a failed call back at the front of the queue, marked as charged again.
+    fn charge_again(&self, mut charges: Vec<Waiting>) {
+        for charge in &mut charges {
+            charge.charged_again = true;
+        }
+        let mut queue = self.lock();
+        queue.waiting.splice(0..0, charges);
+        drop(queue);
+        self.wake.notify_one();
     }
 
     /// Takes in Redis's answers: each bucket's tokens left, and the requests on it that are
@@ -825,8 +868,19 @@ fn fail_all(shared: &Shared, in_flight: &mut VecDeque<InFlight>, failure: &Batch
 
 fn fail(shared: &Shared, batch: Vec<Waiting>, failure: &BatchFailure) {
     tracing::debug!("rate-limit batch of {} failed: {failure:?}", batch.len());
-    shared.distrust(&batch);
-    for waiting in batch {
+    // Requests admitted ahead went through on the strength of their charge, and a charge
+    // that never reached Redis would leave their tokens in the bucket for others. So a
+    // failed charge goes out once more, first in the queue and still counted. If the failed
+    // call did reach Redis after all, the bucket pays twice: it refuses more, never admits
+    // more. A second failure drops the charge.
+    let (again, failed): (Vec<Waiting>, Vec<Waiting>) = batch
+        .into_iter()
+        .partition(|waiting| waiting.ahead > 0 && !waiting.charged_again);
+    shared.distrust(&failed);
+    if !again.is_empty() {
+        shared.charge_again(again);
+    }
+    for waiting in failed {
         waiting.fail(failure);
     }
 }
@@ -1203,7 +1257,7 @@ mod tests {
             } else {
                 Caller::Waits(oneshot::channel().0)
             };
-            Waiting::new(&asks, caller, true)
+            Waiting::new(&asks, caller, None)
         };
         let mut charge = waiting(&["c"], &[(30, 4, false)], true);
         charge.ahead += 6;
@@ -1273,22 +1327,30 @@ mod pipeline_tests {
         /// Listens, and returns the batcher's URL and a task that accepts the worker's
         /// connection and takes its `SCRIPT LOAD`.
         async fn listen() -> (String, tokio::task::JoinHandle<StandIn>) {
+            let (url, listener) = Self::bind().await;
+            let accepted = tokio::spawn(async move { StandIn::accept(&listener).await });
+            (url, accepted)
+        }
+
+        async fn bind() -> (String, TcpListener) {
             let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
             let url = format!("redis://{}", listener.local_addr().expect("address"));
-            let accepted = tokio::spawn(async move {
-                let (stream, _) = tokio::time::timeout(PATIENCE, listener.accept())
-                    .await
-                    .expect("the worker connects")
-                    .expect("accept");
-                let mut stand_in = StandIn {
-                    stream,
-                    read: BytesMut::new(),
-                };
-                assert_eq!(stand_in.command().await[..2], ["SCRIPT", "LOAD"]);
-                stand_in.answer(&bulk(SHA)).await;
-                stand_in
-            });
-            (url, accepted)
+            (url, listener)
+        }
+
+        /// Accepts the worker's next connection and takes its `SCRIPT LOAD`.
+        async fn accept(listener: &TcpListener) -> StandIn {
+            let (stream, _) = tokio::time::timeout(PATIENCE, listener.accept())
+                .await
+                .expect("the worker connects")
+                .expect("accept");
+            let mut stand_in = StandIn {
+                stream,
+                read: BytesMut::new(),
+            };
+            assert_eq!(stand_in.command().await[..2], ["SCRIPT", "LOAD"]);
+            stand_in.answer(&bulk(SHA)).await;
+            stand_in
         }
 
         /// The next command the worker sent, as words.
@@ -1520,6 +1582,71 @@ mod pipeline_tests {
     }
 
     #[tokio::test]
+    async fn a_failed_charge_goes_out_once_more_and_a_second_failure_drops_it() {
+        let (url, listener) = StandIn::bind().await;
+        let batcher = batcher_with(&url, CALL_BOUND, 0.5);
+        let overruns = Counter::default();
+        let first = decide(&batcher, "rl:k");
+        let mut redis = StandIn::accept(&listener).await;
+        assert_eq!(keys_of(&redis.command().await), ["rl:k"]);
+        redis.answer(&allowed(9)).await;
+        assert_eq!(remaining(first).await, 9);
+        assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_some());
+        let pending = || {
+            lock(&batcher.shared.headroom)
+                .get("rl:k")
+                .map(|known| known.pending)
+        };
+        for attempt in ["first", "second"] {
+            let charge = redis.command().await;
+            assert_eq!(
+                (keys_of(&charge), aheads_of(&charge)),
+                (vec!["rl:k".into()], vec![1]),
+                "{attempt} attempt"
+            );
+            // Unreadable: the call fails and the connection is dropped.
+            redis.answer("$3\r\n0 1\r\n").await;
+            closes(&mut redis).await;
+            if attempt == "first" {
+                // Still counted, and sent again at once on a new connection.
+                assert_eq!(pending(), Some(1));
+                redis = StandIn::accept(&listener).await;
+            }
+        }
+        // Dropped after the second failure: the next call carries only the next decision.
+        let next = decide(&batcher, "rl:other");
+        let mut redis = StandIn::accept(&listener).await;
+        let call = redis.command().await;
+        assert_eq!(
+            (keys_of(&call), aheads_of(&call)),
+            (vec!["rl:other".into()], vec![0])
+        );
+        redis.answer(&allowed(9)).await;
+        assert_eq!(remaining(next).await, 9);
+        assert_eq!(pending(), Some(0));
+    }
+
+    #[tokio::test]
+    async fn nothing_is_admitted_ahead_while_a_decision_counted_nowhere_is_out() {
+        let (url, accepted) = StandIn::listen().await;
+        let mut batcher = batcher_with(&url, CALL_BOUND, 0.5);
+        Arc::get_mut(&mut Arc::get_mut(&mut batcher).expect("not shared yet").shared)
+            .expect("the worker has not started")
+            .most_headroom_keys = 1;
+        let overruns = Counter::default();
+        let mut redis = knowing_nine_left(&batcher, accepted).await;
+        // The table holds one bucket, rl:k, just answered: a decision on another bucket
+        // does not fit and is counted nowhere. Its token is invisible to rl:k's headroom
+        // (were it a rule both share), so nothing is admitted ahead while it is out.
+        let other = decide(&batcher, "rl:new");
+        assert_eq!(keys_of(&redis.command().await), ["rl:new"]);
+        assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_none());
+        redis.answer(&allowed(9)).await;
+        assert_eq!(remaining(other).await, 9);
+        assert_eq!(batcher.shared.uncounted.load(Ordering::Acquire), 0);
+    }
+
+    #[tokio::test]
     async fn charges_wait_while_a_call_is_out_and_the_next_decision_takes_them_along() {
         let (url, accepted) = StandIn::listen().await;
         let batcher = batcher_with(&url, CALL_BOUND, 0.5);
@@ -1573,11 +1700,13 @@ mod pipeline_tests {
         let shared = &batcher.shared;
         let now = Instant::now();
         let pending = |key: &str| lock(&shared.headroom).get(key).map(|known| known.pending);
-        assert!(shared.reserve(&[ask("rl:a")], now));
+        assert!(shared.reserve(&[ask("rl:a")], now).is_none());
         // rl:b does not fit beside rl:a, which has a request pending: nothing is counted, not
         // even on rl:a.
-        assert!(!shared.reserve(&[ask("rl:a"), ask("rl:b")], now));
+        let uncounted = shared.reserve(&[ask("rl:a"), ask("rl:b")], now);
+        assert!(uncounted.is_some());
         assert_eq!((pending("rl:a"), pending("rl:b")), (Some(1), None));
+        assert_eq!(shared.uncounted.load(Ordering::Acquire), 1);
         // Its answer tells what is left of rl:a, but takes nothing off rl:a's pending request.
         let verdict = |remaining| RemoteVerdict {
             allowed: true,
@@ -1588,9 +1717,11 @@ mod pipeline_tests {
         let uncounted = Waiting::new(
             &[ask("rl:a"), ask("rl:b")],
             Caller::Waits(oneshot::channel().0),
-            false,
+            uncounted,
         );
         shared.learn(&[uncounted], &[(0, vec![verdict(7), verdict(9)])], now);
+        // Answered and gone: it no longer stops admitting ahead.
+        assert_eq!(shared.uncounted.load(Ordering::Acquire), 0);
         assert_eq!(pending("rl:a"), Some(1));
         assert_eq!(
             lock(&shared.headroom)
@@ -1599,7 +1730,7 @@ mod pipeline_tests {
             Some(7)
         );
         // The counted request's answer does.
-        let counted = Waiting::new(&[ask("rl:a")], Caller::Waits(oneshot::channel().0), true);
+        let counted = Waiting::new(&[ask("rl:a")], Caller::Waits(oneshot::channel().0), None);
         shared.learn(&[counted], &[(0, vec![verdict(6)])], now);
         assert_eq!(pending("rl:a"), Some(0));
     }
