@@ -9,6 +9,7 @@ use http_body_util::{BodyExt, Full};
 
 use crate::limit::{policy_field, state_field, Denial};
 use crate::proxy::body::ResponseBody;
+use crate::proxy::header::{RATELIMIT, RATELIMIT_POLICY};
 use crate::proxy::route::StaticResponse;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -262,11 +263,11 @@ fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
     headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
     if rule.headers {
         if let Ok(value) = HeaderValue::from_str(&policy_field(rule)) {
-            headers.insert("ratelimit-policy", value);
+            headers.insert(RATELIMIT_POLICY.clone(), value);
         }
         let reset = denial.reset.max(denial.retry_after);
         if let Ok(value) = HeaderValue::from_str(&state_field(rule, 0, reset)) {
-            headers.insert("ratelimit", value);
+            headers.insert(RATELIMIT.clone(), value);
         }
     }
     response

@@ -168,11 +168,9 @@ struct Waiting {
     rules_at: usize,
     /// 0 for a decision; else the requests admitted ahead that this charges.
     ahead: u32,
-    /// Its requests are in the pending counts of all its buckets (see `Shared::reserve`), so
-    /// answering or dropping it takes them off; otherwise it never touches a pending count.
-    counted: bool,
-    /// Held by a decision that is not counted, until it is answered or dropped.
-    _uncounted: Option<Uncounted>,
+    /// Held by a decision that is not counted (see `counted`), until it is answered or
+    /// dropped.
+    uncounted: Option<Uncounted>,
     /// A charge already in a call that failed, queued once more (see `fail`).
     charged_again: bool,
     caller: Caller,
@@ -198,11 +196,16 @@ impl Waiting {
             encoded,
             rules_at,
             ahead: u32::from(matches!(caller, Caller::Ahead(_))),
-            counted: uncounted.is_none(),
-            _uncounted: uncounted,
+            uncounted,
             charged_again: false,
             caller,
         }
+    }
+
+    /// Its requests are in the pending counts of all its buckets (see `Shared::reserve`), so
+    /// answering or dropping it takes them off; otherwise it never touches a pending count.
+    fn counted(&self) -> bool {
+        self.uncounted.is_none()
     }
 
     /// The requests this entry stands for: 1 for a decision, `ahead` for merged charges.
@@ -336,11 +339,7 @@ impl DecisionBatcher {
             .enqueue(asks, Caller::Ahead(overruns.clone()), None)
             .is_err()
         {
-            for ask in asks {
-                if let Some(known) = headroom.get_mut(ask.key) {
-                    known.pending = known.pending.saturating_sub(1);
-                }
-            }
+            take_off_pending(&mut headroom, asks.iter().map(|ask| ask.key), 1);
             return None;
         }
         drop(headroom);
@@ -464,12 +463,7 @@ impl Shared {
 
     /// Takes `requests` off the pending count of `keys`: they will not be answered.
     fn release<'a>(&self, keys: impl Iterator<Item = &'a str>, requests: u32) {
-        let mut headroom = lock(&self.headroom);
-        for key in keys {
-            if let Some(known) = headroom.get_mut(key) {
-                known.pending = known.pending.saturating_sub(requests);
-            }
-        }
+        take_off_pending(&mut lock(&self.headroom), keys, requests);
     }
 
     /// A call failed: nothing known of any bucket is to be trusted until Redis answers again,
@@ -477,12 +471,9 @@ impl Shared {
     /// stays counted: those requests are still queued.
     fn distrust(&self, batch: &[Waiting]) {
         let mut headroom = lock(&self.headroom);
-        for waiting in batch.iter().filter(|waiting| waiting.counted) {
-            for (key, _) in waiting.buckets() {
-                if let Some(known) = headroom.get_mut(key) {
-                    known.pending = known.pending.saturating_sub(waiting.requests());
-                }
-            }
+        for waiting in batch.iter().filter(|waiting| waiting.counted()) {
+            let keys = waiting.buckets().map(|(key, _)| key);
+            take_off_pending(&mut headroom, keys, waiting.requests());
         }
         for known in headroom.values_mut() {
             known.remaining = 0;
@@ -518,7 +509,7 @@ impl Shared {
                     known.burst = burst;
                     known.remaining = remaining;
                     known.as_of = now;
-                    if waiting.counted {
+                    if waiting.counted() {
                         known.pending = known.pending.saturating_sub(waiting.requests());
                     }
                 }
@@ -529,6 +520,19 @@ impl Shared {
     /// Forgets buckets not answered lately and with nothing pending.
     fn forget_stale(&self, now: Instant) {
         forget_stale(&mut lock(&self.headroom), now);
+    }
+}
+
+/// Takes `requests` off the pending count of `keys`, under a lock the caller holds.
+fn take_off_pending<'a>(
+    headroom: &mut HashMap<String, Headroom>,
+    keys: impl Iterator<Item = &'a str>,
+    requests: u32,
+) {
+    for key in keys {
+        if let Some(known) = headroom.get_mut(key) {
+            known.pending = known.pending.saturating_sub(requests);
+        }
     }
 }
 
@@ -737,7 +741,7 @@ fn skip_given_up(shared: &Shared, batch: Vec<Waiting>) -> Vec<Waiting> {
     let mut kept = Vec::with_capacity(batch.len());
     for waiting in batch {
         if waiting.given_up() {
-            if waiting.counted {
+            if waiting.counted() {
                 shared.release(waiting.buckets().map(|(key, _)| key), waiting.requests());
             }
         } else {

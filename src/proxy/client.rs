@@ -34,7 +34,7 @@ use tokio_rustls::TlsConnector;
 use super::h1::chunked::{ChunkedDecoder, ChunkedError};
 use super::h1::encode::{encode_chunk_start, encode_field, LAST_CHUNK};
 use super::h1::parse::{list_items, parse_content_length};
-use super::header::header_bytes;
+use super::header::{header_bytes, HOP_BY_HOP, RATELIMIT, RATELIMIT_POLICY};
 use super::upstream::UpstreamBody;
 use super::upstream_fields::{FieldLines, UpstreamFields};
 use crate::error::BoxError;
@@ -941,7 +941,7 @@ fn parse_response_head(
 }
 
 /// Where one field of a head lies in it.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct FieldSpan {
     name: usize,
     name_len: usize,
@@ -966,20 +966,22 @@ enum FieldKind {
 
 impl FieldKind {
     fn of(name: &[u8]) -> FieldKind {
-        let is = |known: &str| name.eq_ignore_ascii_case(known.as_bytes());
-        // The length first: most names are told apart without comparing a byte.
-        match name.len() {
-            2 if is("te") => FieldKind::HopByHop,
-            4 if is("date") => FieldKind::Date,
-            9 if is("ratelimit") => FieldKind::RateLimit,
-            7 if is("trailer") || is("upgrade") => FieldKind::HopByHop,
-            10 if is("connection") => FieldKind::Connection,
-            10 if is("keep-alive") => FieldKind::HopByHop,
-            14 if is("content-length") => FieldKind::ContentLength,
-            16 if is("proxy-connection") => FieldKind::HopByHop,
-            16 if is("ratelimit-policy") => FieldKind::RateLimit,
-            17 if is("transfer-encoding") => FieldKind::TransferEncoding,
-            _ => FieldKind::Other,
+        // (Comparing lengths first, most names are told apart without comparing a byte.)
+        let is = |known: &HeaderName| name.eq_ignore_ascii_case(known.as_str().as_bytes());
+        if is(&header::CONTENT_LENGTH) {
+            FieldKind::ContentLength
+        } else if is(&header::TRANSFER_ENCODING) {
+            FieldKind::TransferEncoding
+        } else if is(&header::CONNECTION) {
+            FieldKind::Connection
+        } else if is(&header::DATE) {
+            FieldKind::Date
+        } else if HOP_BY_HOP.iter().any(|hop| is(hop)) {
+            FieldKind::HopByHop
+        } else if is(&RATELIMIT) || is(&RATELIMIT_POLICY) {
+            FieldKind::RateLimit
+        } else {
+            FieldKind::Other
         }
     }
 }

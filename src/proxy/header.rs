@@ -41,6 +41,21 @@ static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-prot
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
+/// The hop-by-hop fields (RFC 9110 7.6.1) besides `Connection` and the fields it names:
+/// never passed on (the upstream client's response heads use the list too).
+pub(crate) static HOP_BY_HOP: [&HeaderName; 6] = [
+    &KEEP_ALIVE,
+    &PROXY_CONNECTION,
+    &header::TE,
+    &header::TRAILER,
+    &header::TRANSFER_ENCODING,
+    &header::UPGRADE,
+];
+
+/// The IETF rate-limit fields levee sets, in place of any the upstream sent.
+pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub(crate) static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
 /// The client's address as levee resolves it.
 ///
 /// The TCP peer, unless the peer is a trusted proxy: then the right-most address of
@@ -147,14 +162,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
         }
         headers.remove(header::CONNECTION);
     }
-    for name in [
-        &KEEP_ALIVE,
-        &PROXY_CONNECTION,
-        &header::TE,
-        &header::TRAILER,
-        &header::TRANSFER_ENCODING,
-        &header::UPGRADE,
-    ] {
+    for name in HOP_BY_HOP {
         if present & hop_by_hop_bit(name) != 0 {
             headers.remove(name);
         }

@@ -353,8 +353,10 @@ async fn forward(
     let (mut parts, body) = response.into_parts();
     header::strip_hop_by_hop(&mut parts.headers, false);
     if let Some(limit) = allowed_headers {
-        parts.headers.insert("ratelimit-policy", limit.policy);
-        parts.headers.insert("ratelimit", limit.state);
+        parts
+            .headers
+            .insert(header::RATELIMIT_POLICY.clone(), limit.policy);
+        parts.headers.insert(header::RATELIMIT.clone(), limit.state);
     }
     let body = IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream");
     // A good answer of a stale route refreshes its copy as it streams past.
