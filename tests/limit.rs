@@ -133,17 +133,17 @@ async fn accuracy_on_a_redis_cluster() {
         "\"per_user\", \"per_ip\"",
     ))
     .await;
-    denied_rule_consumes_nothing_else(&levee).await;
+    denied_rule_consumes_nothing_else(&levee, "on a Redis Cluster").await;
 }
 
-async fn denied_rule_consumes_nothing_else(levee: &Levee) {
+async fn denied_rule_consumes_nothing_else(levee: &Levee, store: &str) {
     let statuses: Vec<u16> =
         futures_util::future::join_all((0..2).map(|_| send_as(levee, Some("alice"), None)))
             .await
             .iter()
             .map(|a| a.status)
             .collect();
-    assert_eq!(statuses, [200, 200]);
+    assert_eq!(statuses, [200, 200], "the burst of 2, {store}");
     for _ in 0..8 {
         let answer = send_as(levee, Some("alice"), None).await;
         assert_eq!(answer.status, 429);
@@ -171,8 +171,11 @@ async fn denied_rule_consumes_nothing_else(levee: &Levee) {
         ));
     }
     let statuses: Vec<u16> = others.iter().map(|(status, _)| *status).collect();
-    assert_eq!(statuses, [200, 200, 200, 429]);
-    assert_eq!(others[3].1, "\"per_ip\"", "the last refusal is the IP's");
+    assert_eq!(statuses, [200, 200, 200, 429], "{store}");
+    assert_eq!(
+        others[3].1, "\"per_ip\"",
+        "the last refusal is the IP's, {store}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -187,7 +190,7 @@ async fn a_refusal_by_one_rule_consumes_no_tokens_of_the_others() {
         "\"per_user\", \"per_ip\"",
     ))
     .await;
-    denied_rule_consumes_nothing_else(&in_process).await;
+    denied_rule_consumes_nothing_else(&in_process, "in-process").await;
 
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
@@ -199,7 +202,7 @@ async fn a_refusal_by_one_rule_consumes_no_tokens_of_the_others() {
         "\"per_user\", \"per_ip\"",
     ))
     .await;
-    denied_rule_consumes_nothing_else(&on_redis).await;
+    denied_rule_consumes_nothing_else(&on_redis, "on Redis").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,9 +40,9 @@ impl LocalStore {
         (hash % SHARDS as u64) as usize
     }
 
-    /// Decides all asks at `now` (µs), all or nothing: when a non-dry-run ask is refused,
-    /// no bucket is charged.
-    pub fn decide_all(&self, asks: &[Ask<'_>], now: u64) -> Vec<Verdict> {
+    /// Decides all asks at the time `clock` gives (µs), all or nothing: when a non-dry-run
+    /// ask is refused, no bucket is charged.
+    pub fn decide_all(&self, asks: &[Ask<'_>], clock: impl FnOnce() -> u64) -> Vec<Verdict> {
         // Lock the shards involved in index order, so two requests never deadlock.
         let mut shard_ids: Vec<usize> = asks.iter().map(|ask| Self::shard_of(ask.key)).collect();
         shard_ids.sort_unstable();
@@ -58,6 +58,11 @@ impl LocalStore {
                 )
             })
             .collect();
+        // The clock is read with the shards locked: a time read before, by a request that
+        // then waited for the lock, could be older than the time of the decision that stored
+        // the bucket's TAT meanwhile, and GCRA would refuse the last token of a burst for
+        // those microseconds.
+        let now = clock();
         let verdicts: Vec<Verdict> = asks
             .iter()
             .map(|ask| {
@@ -201,14 +206,14 @@ mod tests {
         };
         let now = 100 * SECOND;
         assert!(store
-            .decide_all(&asks("u1"), now)
+            .decide_all(&asks("u1"), || now)
             .iter()
             .all(Verdict::allowed));
         // u1 is over its limit 5 times; the IP keeps its remaining 9 tokens.
         for _ in 0..5 {
-            assert!(!store.decide_all(&asks("u1"), now)[1].allowed());
+            assert!(!store.decide_all(&asks("u1"), || now)[1].allowed());
         }
-        let verdicts = store.decide_all(&asks("u2"), now);
+        let verdicts = store.decide_all(&asks("u2"), || now);
         assert!(
             matches!(verdicts[0], Verdict::Allow { remaining: 8, .. }),
             "{verdicts:?}"
@@ -239,7 +244,7 @@ mod tests {
         ];
         let now = 100 * SECOND;
         for round in 0..3 {
-            let verdicts = store.decide_all(&asks, now);
+            let verdicts = store.decide_all(&asks, || now);
             assert_eq!(verdicts[0].allowed(), round == 0);
             assert!(verdicts[1].allowed());
         }
@@ -260,12 +265,53 @@ mod tests {
                     rate,
                     dry_run: false,
                 }],
-                100 * SECOND,
+                || 100 * SECOND,
             );
         }
         assert!(store.len() <= 16 * 16, "{}", store.len());
         store.sweep(200 * SECOND);
         assert!(store.is_empty());
+    }
+
+    #[test]
+    fn concurrent_requests_of_a_fresh_bucket_all_get_its_burst() {
+        // Threads on a real clock race for the same fresh bucket, again and again. A time read
+        // before the lock could be older than the TAT stored by a rival meanwhile, which
+        // refused the last token of the burst for those microseconds.
+        const THREADS: u32 = 4;
+        let store = LocalStore::new(100_000);
+        let epoch = std::time::Instant::now();
+        // The reader of the time is set aside right after reading it, as a busy thread is.
+        let clock = || {
+            let now = u64::try_from(epoch.elapsed().as_micros()).unwrap_or(u64::MAX) + 1;
+            std::thread::yield_now();
+            now
+        };
+        let rate = Rate {
+            interval_us: 60 * SECOND,
+            burst: THREADS,
+        };
+        let start = std::sync::Barrier::new(THREADS as usize);
+        let refused = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..THREADS {
+                scope.spawn(|| {
+                    for round in 0..2_000 {
+                        let key = format!("round-{round}");
+                        let ask = [Ask {
+                            key: &key,
+                            rate,
+                            dry_run: false,
+                        }];
+                        start.wait();
+                        if !store.decide_all(&ask, clock)[0].allowed() {
+                            refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(refused.into_inner(), 0, "requests refused within the burst");
     }
 
     #[test]

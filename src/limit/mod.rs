@@ -194,8 +194,8 @@ impl Limiter {
         }
 
         let decided = match redis {
-            Some(redis) => self.decide_with_redis(&planned, redis, now).await,
-            None => self.decide_locally(&planned, now, false, 1),
+            Some(redis) => self.decide_with_redis(&planned, redis).await,
+            None => self.decide_locally(&planned, false, 1),
         };
 
         let mut refusal: Option<(&Planned<'_>, &Decided)> = None;
@@ -238,12 +238,7 @@ impl Limiter {
         }))
     }
 
-    async fn decide_with_redis(
-        &self,
-        planned: &[Planned<'_>],
-        redis: &RedisStore,
-        now: u64,
-    ) -> Vec<Decided> {
+    async fn decide_with_redis(&self, planned: &[Planned<'_>], redis: &RedisStore) -> Vec<Decided> {
         let asks: Vec<RedisAsk<'_>> = planned
             .iter()
             .map(|plan| RedisAsk {
@@ -273,7 +268,7 @@ impl Limiter {
             Ok(verdicts) => from_redis(verdicts, "redis"),
             Err(failure) => {
                 tracing::debug!("rate limit falls back: {failure}");
-                self.decide_locally(planned, now, true, redis.settings.instances)
+                self.decide_locally(planned, true, redis.settings.instances)
                     .into_iter()
                     .zip(planned)
                     .map(|(mut decision, plan)| {
@@ -292,7 +287,6 @@ impl Limiter {
     fn decide_locally(
         &self,
         planned: &[Planned<'_>],
-        now: u64,
         fallback: bool,
         instances: u32,
     ) -> Vec<Decided> {
@@ -316,7 +310,7 @@ impl Limiter {
                 dry_run: plan.rule.dry_run,
             })
             .collect();
-        let mut verdicts = store.decide_all(&asks, now).into_iter();
+        let mut verdicts = store.decide_all(&asks, || self.now_us()).into_iter();
         let source = if fallback { "fallback" } else { "local" };
         planned
             .iter()
