@@ -368,3 +368,98 @@ async fn a_dependency_that_slows_down_is_cut_off_by_the_slow_call_ratio() {
         "the fallback does not wait for the slow dependency"
     );
 }
+
+/// Sends `head` and `first` at once, the rest of the body after `pause`, and reads the answer.
+async fn upload_in_two_parts(
+    levee: std::net::SocketAddr,
+    head: String,
+    first: Vec<u8>,
+    rest: Vec<u8>,
+    pause: Duration,
+) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stream = tokio::net::TcpStream::connect(levee)
+        .await
+        .expect("connect");
+    let (mut reader, mut writer) = stream.into_split();
+    let writing = tokio::spawn(async move {
+        writer.write_all(head.as_bytes()).await?;
+        writer.write_all(&first).await?;
+        tokio::time::sleep(pause).await;
+        writer.write_all(&rest).await?;
+        Ok::<_, std::io::Error>(writer)
+    });
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(20), reader.read_to_end(&mut answer)).await;
+    writing.abort();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_upload_is_not_the_upstreams_failure_but_an_upstream_that_stops_reading_is() {
+    // The response timeout (200 ms) runs from when the request has gone out whole: clients
+    // uploading slower than that (within their own 2 s idle timer) get their answer and
+    // leave the breaker closed, and are not slow calls either. Before, each was a 504 and
+    // two of them opened it.
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false\nclient_body_timeout = \"2s\"",
+        "response_timeout = \"200ms\"\nbreaker = { consecutive_failures = 2, open_for = \"30s\", slow_call = \"100ms\", slow_ratio = 0.5, min_requests = 3 }\n[[route]]\nname = \"page\"\nmatch = { path_prefix = \"/\" }\nmax_body = \"64MiB\"\n",
+    ))
+    .await;
+    let uploads = (0..3).map(|_| {
+        upload_in_two_parts(
+            levee.public,
+            "POST /form HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\nConnection: close\r\n\r\n"
+                .to_string(),
+            b"first".to_vec(),
+            b"-last".to_vec(),
+            Duration::from_millis(600),
+        )
+    });
+    for answer in futures_util::future::join_all(uploads).await {
+        assert_eq!(status_of(&answer), Some(200), "{answer}");
+        assert!(answer.contains("\"body\":\"first-last\""), "{answer}");
+    }
+    assert_eq!(breaker_state(&levee, "app").await, "closed");
+
+    // An upstream that takes the connection but never reads the body is cut off after the
+    // response timeout, as one that never answers is, and that counts against it.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let silent_addr = silent.local_addr().expect("addr");
+    let holding = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let stalled = Levee::start(&policy_for(
+        silent_addr,
+        "access_log = false\nclient_body_timeout = \"2s\"",
+        "response_timeout = \"200ms\"\nbreaker = { consecutive_failures = 1, open_for = \"30s\" }\n[[route]]\nname = \"page\"\nmatch = { path_prefix = \"/\" }\nmax_body = \"64MiB\"\n",
+    ))
+    .await;
+    let size = 48 << 20; // more than the sockets between levee and the upstream buffer
+    let started = std::time::Instant::now();
+    let answer = upload_in_two_parts(
+        stalled.public,
+        format!(
+            "POST /form HTTP/1.1\r\nHost: a\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n"
+        ),
+        vec![b'x'; size],
+        Vec::new(),
+        Duration::ZERO,
+    )
+    .await;
+    assert_eq!(status_of(&answer), Some(504), "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "cut off after the stall, not after the client's timer: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(breaker_state(&stalled, "app").await, "open");
+    holding.abort();
+}

@@ -11,12 +11,6 @@ async fn exchange(levee: &Levee, raw: &[u8]) -> String {
     raw_exchange(levee.public, raw, Duration::from_secs(5)).await
 }
 
-fn status_of(raw: &str) -> Option<u16> {
-    raw.strip_prefix("HTTP/1.1 ")
-        .and_then(|rest| rest.get(..3))
-        .and_then(|code| code.parse().ok())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smuggling_attempts_are_refused_never_forwarded_ambiguously() {
     let backend = echo_backend().await;
@@ -251,11 +245,7 @@ async fn invalid_utf8_and_percent_encoding_in_paths_get_400_or_pass_unchanged() 
 
     // Escapes of bytes that are not UTF-8 (or overlong slashes) are not decoded into
     // anything: they pass to the app as sent and cannot climb or switch routes.
-    for target in [
-        "/%ff%fe",
-        "/%c0%af..%c0%af/ranking",
-        "/ranking%2f..%2fadmin",
-    ] {
+    for target in ["/%ff%fe", "/%c0%af..%c0%af/ranking", "/ranking/a%2Fb"] {
         let answer = raw_exchange(
             levee.public,
             format!("GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
@@ -267,7 +257,25 @@ async fn invalid_utf8_and_percent_encoding_in_paths_get_400_or_pass_unchanged() 
         let echo: serde_json::Value = serde_json::from_str(body).expect("echo json");
         assert_eq!(echo["target"], target);
     }
-    // `/ranking%2f..%2fadmin` is one segment to the app too, so it is the ranking route's.
+    // `/ranking/a%2Fb` is the ranking route's however the app reads the `%2F`.
+    assert_eq!((backend.hits(), ranking.hits()), (3, 1));
+    // An encoded slash that moves the request to another route depending on whether the app
+    // decodes it (nginx does: `/%2Franking` is `/ranking` to it) is refused, with the reason.
+    for target in [
+        "/%2Franking",
+        "/%2franking/x",
+        "/ranking%2f..%2fadmin",
+        "/x/..%2Franking",
+    ] {
+        let answer = raw_exchange(
+            levee.public,
+            format!("GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await;
+        assert_eq!(status_of(&answer), Some(400), "{target}: {answer}");
+        assert!(answer.contains("encoded slash"), "{target}: {answer}");
+    }
     assert_eq!((backend.hits(), ranking.hits()), (3, 1));
     // Encoded dots are dots: `/x/%2e%2e/ranking` is `/ranking`, as the app resolves it.
     assert_eq!(get(&levee.url("/x/%2e%2e/ranking")).await.status, 200);

@@ -195,7 +195,12 @@ pub struct Permit {
 }
 
 impl Permit {
-    /// Records the outcome of an answered call: a failure status or a success (slow or not).
+    /// Times the call from `at` rather than from admission: the request's upload is the
+    /// client's time, and a slow client does not make a slow call.
+    pub fn measure_from(&mut self, at: Instant) {
+        self.started = at;
+    }
+
     /// Records the outcome of an answered call (a failure status, or a success that may be
     /// slow) and says whether the status counted as a failure.
     pub fn record_status(self, status: u16, metrics: &Metrics) -> bool {

@@ -83,6 +83,10 @@ pub enum ClientError {
     /// The response could not be read as HTTP/1.1.
     #[error("malformed response: {0}")]
     Protocol(String),
+    /// The upstream did not answer within the response timeout after the request was sent
+    /// whole, or stopped reading the request's body for that long.
+    #[error("no answer within {0:?}")]
+    ResponseTimeout(Duration),
 }
 
 impl ClientError {
@@ -101,6 +105,13 @@ impl From<ChunkedError> for ClientError {
     fn from(error: ChunkedError) -> Self {
         ClientError::Protocol(format!("chunked body: {error}"))
     }
+}
+
+/// A response head and when the request had gone out whole (or the answer came before it
+/// had): the upstream's own latency counts from there.
+pub struct Answered {
+    pub response: Response<Incoming>,
+    pub request_sent_at: Instant,
 }
 
 /// An upstream connection, plain or TLS.
@@ -271,30 +282,63 @@ impl Client {
     }
 
     /// Sends `request` (its URI's path and query are the request target) and reads the
-    /// response head. The body streams from the connection as it is polled.
+    /// response head, with no bound on the wait (the caller sets one). The body streams from
+    /// the connection as it is polled.
     pub async fn send(
         &self,
         request: Request<UpstreamBody>,
         fields: ResponseFields,
     ) -> Result<Response<Incoming>, ClientError> {
+        self.send_within(request, fields, None)
+            .await
+            .map(|answered| answered.response)
+    }
+
+    /// Sends `request` and reads the response head, waiting at most `response_timeout` for
+    /// the head once the request is sent whole, and at most that long for the upstream to
+    /// take each piece of the body. Time spent waiting for the client's own body is not
+    /// counted: a slow upload is the client's (bounded by its idle timer), not a sign of a
+    /// failing upstream, and must not open its breaker.
+    pub async fn send_within(
+        &self,
+        request: Request<UpstreamBody>,
+        fields: ResponseFields,
+        response_timeout: Option<Duration>,
+    ) -> Result<Answered, ClientError> {
         let (parts, mut body) = request.into_parts();
         let head = encode_request_head(&parts, &body, &self.settings.authority);
         let chunked = head.chunked;
         let has_body = !body.is_end_stream();
         let upgrade = parts.headers.contains_key(header::UPGRADE);
         let mut retried = false;
-        let (connection, response_head) = loop {
+        let (connection, response_head, request_sent_at) = loop {
             let mut connection = match self.pool.take() {
                 Some(connection) => connection,
                 None => self.connect().await?,
             };
-            let sent = send_on(&mut connection, &head.bytes, &mut body, has_body, chunked).await;
+            let sent = send_on(
+                &mut connection,
+                &head.bytes,
+                &mut body,
+                (has_body, chunked),
+                response_timeout,
+            )
+            .await;
+            let request_sent_at = Instant::now();
             let outcome = match sent {
-                Ok(()) => read_response_head(&mut connection, fields).await,
+                Ok(()) => {
+                    let reading = read_response_head(&mut connection, fields);
+                    match response_timeout {
+                        Some(limit) => tokio::time::timeout(limit, reading)
+                            .await
+                            .unwrap_or(Err(ClientError::ResponseTimeout(limit))),
+                        None => reading.await,
+                    }
+                }
                 Err(error) => Err(error),
             };
             match outcome {
-                Ok(response_head) => break (connection, response_head),
+                Ok(response_head) => break (connection, response_head, request_sent_at),
                 Err(error) => {
                     // A reused connection that the upstream had just closed: the request
                     // never reached it. Sent again once on a new connection, when nothing of
@@ -310,7 +354,10 @@ impl Client {
                 }
             }
         };
-        Ok(self.response_from(connection, response_head, &parts.method, upgrade))
+        Ok(Answered {
+            response: self.response_from(connection, response_head, &parts.method, upgrade),
+            request_sent_at,
+        })
     }
 
     async fn connect(&self) -> Result<Connection, ClientError> {
@@ -524,8 +571,8 @@ async fn send_on(
     connection: &mut Connection,
     head: &BytesMut,
     body: &mut UpstreamBody,
-    has_body: bool,
-    chunked: bool,
+    (has_body, chunked): (bool, bool),
+    stall_limit: Option<Duration>,
 ) -> Result<(), ClientError> {
     if !has_body {
         connection.stream.write_all(head).await?;
@@ -536,6 +583,8 @@ async fn send_on(
     let mut out = BytesMut::from(&head[..]);
     let mut large: Option<Bytes> = None;
     let mut body_done = false;
+    // Armed while the upstream does not take what is ready for it (boxed: it is rare).
+    let mut stalled: Option<Pin<Box<tokio::time::Sleep>>> = None;
     std::future::poll_fn(|cx| loop {
         let buffer = &mut connection.buffer;
         if buffer.capacity() - buffer.len() < 1024 {
@@ -601,6 +650,7 @@ async fn send_on(
                 return Poll::Ready(Err(ClientError::Io(io::ErrorKind::WriteZero.into())))
             }
             Poll::Ready(Ok(written)) => {
+                stalled = None;
                 pending.advance(written);
                 if large.as_ref().is_some_and(Bytes::is_empty) {
                     large = None;
@@ -610,7 +660,17 @@ async fn send_on(
                 }
             }
             Poll::Ready(Err(error)) => return Poll::Ready(Err(ClientError::Io(error))),
-            Poll::Pending => return Poll::Pending,
+            Poll::Pending => {
+                let Some(limit) = stall_limit else {
+                    return Poll::Pending;
+                };
+                let timer = stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+                if timer.as_mut().poll(cx).is_ready() {
+                    connection.request_unfinished = true;
+                    return Poll::Ready(Err(ClientError::ResponseTimeout(limit)));
+                }
+                return Poll::Pending;
+            }
         }
     })
     .await

@@ -148,6 +148,18 @@ async fn forward(
         .find(host, request.method(), &normal_path)
         .ok_or(ProxyError::NoRoute)?
         .clone();
+    // `/%2Fpost.php` is `/post.php` to nginx but not to an app that keeps `%2F` in a segment:
+    // when the two readings fall on different routes, either could escape a route's policy.
+    if let Some(decoded) = path::with_encoded_slashes_decoded(request.uri().path())
+        .map_err(|error| ProxyError::BadRequest(error.to_string()))?
+    {
+        let decoded_route = policy.routes.find(host, request.method(), &decoded);
+        if !decoded_route.is_some_and(|other| Arc::ptr_eq(other, &route)) {
+            return Err(ProxyError::BadRequest(
+                "an encoded slash (%2F) in the path changes which route applies".into(),
+            ));
+        }
+    }
     exchange.route = Some(route.clone());
 
     // Degrade: a route that is switched off answers with its action, without the upstream.
@@ -208,7 +220,7 @@ async fn forward(
 
     // Breaker: an open dependency is not called at all; the last good copy or the route's
     // fallback answers.
-    let permit = match upstream_permit(shared, &route) {
+    let mut permit = match upstream_permit(shared, &route) {
         Ok(permit) => permit,
         Err(refusal) => return stale.serve_or(shared, policy, &route, refusal).await,
     };
@@ -298,29 +310,41 @@ async fn forward(
         ResponseFields::Parsed
     };
     let sent_at = tokio::time::Instant::now();
-    let sent = upstream
-        .client
-        .send(Request::from_parts(parts, body), fields);
-    let response_deadline = sent_at + upstream.settings.response_timeout;
-    let answer = match tokio::time::timeout_at(response_deadline, sent).await {
-        Err(_elapsed) => Err(ProxyError::UpstreamTimeout {
-            upstream: upstream.name.clone(),
-            after: upstream.settings.response_timeout,
-        }),
-        Ok(Err(error)) => Err(classify_client_error(
-            &route,
-            server.client_body_timeout,
-            &error,
-        )),
-        Ok(Ok(response)) => Ok(response),
+    // The response timeout runs from when the request is sent whole: an upload as slow as
+    // the client's idle timer allows is not the upstream's failure.
+    let sent = upstream.client.send_within(
+        Request::from_parts(parts, body),
+        fields,
+        Some(upstream.settings.response_timeout),
+    );
+    let (answer, waited_from) = match sent.await {
+        Err(error) => (
+            Err(classify_client_error(
+                &route,
+                server.client_body_timeout,
+                &error,
+            )),
+            sent_at,
+        ),
+        Ok(answered) => (Ok(answered.response), answered.request_sent_at),
     };
     let answered_at = tokio::time::Instant::now();
-    upstream
-        .latency
-        .record(answered_at, answered_at.saturating_duration_since(sent_at));
+    if answer
+        .as_ref()
+        .err()
+        .is_none_or(|error| error.side() == ErrorSide::Upstream)
+    {
+        upstream.latency.record(
+            answered_at,
+            answered_at.saturating_duration_since(waited_from),
+        );
+    }
     // Record: only the upstream's own failures count against its breaker.
     let failure_status = match &answer {
-        Ok(response) => permit.record_status(response.status().as_u16(), &shared.metrics),
+        Ok(response) => {
+            permit.measure_from(waited_from);
+            permit.record_status(response.status().as_u16(), &shared.metrics)
+        }
         Err(error) if error.side() == ErrorSide::Upstream => {
             permit.record(Outcome::Failure, &shared.metrics);
             false
@@ -585,6 +609,12 @@ fn classify_client_error(
                 after: client_body_timeout,
             };
         }
+    }
+    if let client::ClientError::ResponseTimeout(after) = error {
+        return ProxyError::UpstreamTimeout {
+            upstream,
+            after: *after,
+        };
     }
     let reason = error_chain(error);
     if error.is_connect() {

@@ -53,6 +53,36 @@ pub fn normalise(path: &str) -> Result<Cow<'_, str>, PathError> {
     Ok(Cow::Owned(out))
 }
 
+/// The path as a backend that decodes `%2F` into a slash sees it (nginx does, and so do the
+/// PHP routers that `rawurldecode` the path), normalised like [`normalise`]; `None` when the
+/// path has no encoded slash. A backend that keeps `%2F` inside a segment sees
+/// [`normalise`]'s view instead, so a request whose two views match different routes is
+/// ambiguous: levee cannot know which route's policy the app will act under.
+pub fn with_encoded_slashes_decoded(path: &str) -> Result<Option<String>, PathError> {
+    let bytes = path.as_bytes();
+    let has_encoded_slash = bytes
+        .windows(3)
+        .any(|window| window[0] == b'%' && window[1] == b'2' && matches!(window[2], b'f' | b'F'));
+    if !has_encoded_slash {
+        return Ok(None);
+    }
+    let mut slashes = String::with_capacity(path.len());
+    let mut rest = path;
+    while let Some(at) = rest.find('%') {
+        slashes.push_str(&rest[..at]);
+        let escape = rest.get(at..at + 3).unwrap_or(&rest[at..]);
+        if escape.eq_ignore_ascii_case("%2f") {
+            slashes.push('/');
+            rest = &rest[at + 3..];
+        } else {
+            slashes.push('%');
+            rest = &rest[at + 1..];
+        }
+    }
+    slashes.push_str(rest);
+    normalise(&slashes).map(|view| Some(view.into_owned()))
+}
+
 /// Fast path: no escapes, no empty or dot segments. One pass over the bytes: on every
 /// request, three substring searches cost more than the rest of routing.
 fn is_already_normal(path: &str) -> bool {
@@ -126,6 +156,22 @@ mod tests {
 
     fn norm(path: &str) -> String {
         normalise(path).expect("valid path").into_owned()
+    }
+
+    #[test]
+    fn encoded_slashes_decoded_view() {
+        let view = |path: &str| with_encoded_slashes_decoded(path).expect("valid path");
+        assert_eq!(view("/ranking/a"), None);
+        assert_eq!(view("/%2Fpost.php").as_deref(), Some("/post.php"));
+        assert_eq!(view("/ranking%2f..%2fadmin").as_deref(), Some("/admin"));
+        assert_eq!(view("/x/..%2Franking").as_deref(), Some("/ranking"));
+        assert_eq!(view("/a%2F%41%2fb").as_deref(), Some("/a/A/b"));
+        // Only one level of decoding, as the backend does: `%252F` is `%2F` to it.
+        assert_eq!(view("/a%252Fb"), None);
+        assert_eq!(
+            with_encoded_slashes_decoded("/a%2F%zz"),
+            Err(PathError::BadPercentEncoding)
+        );
     }
 
     #[test]

@@ -173,6 +173,13 @@ pub async fn post(url: &str, body: &str) -> Answer {
 }
 
 /// Sends raw bytes and reads until the peer closes or `within` passes.
+/// The status code of a raw HTTP/1.1 answer.
+pub fn status_of(raw: &str) -> Option<u16> {
+    raw.strip_prefix("HTTP/1.1 ")
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse().ok())
+}
+
 pub async fn raw_exchange(addr: SocketAddr, request: &[u8], within: Duration) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
