@@ -903,10 +903,29 @@ async fn bodiless_answers_without_a_length_keep_the_connection() {
         "/no-content" => Reply::keep("HTTP/1.1 204 No Content\r\n\r\n"),
         "/not-modified" => Reply::keep("HTTP/1.1 304 Not Modified\r\nETag: \"v1\"\r\n\r\n"),
         "/head" => Reply::keep("HTTP/1.1 200 OK\r\nContent-Type: text/html\r\n\r\n"),
+        "/head-sized" => Reply::keep("HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n"),
         _ => Reply::keep(ok("fine")),
     })
     .await;
     let levee = levee_for(&backend, "").await;
+
+    // A HEAD answer says nothing of the GET body's length unless the upstream said it: no
+    // made-up `Content-Length: 0` for a page a GET gets thousands of bytes of (RFC 9110 8.6).
+    let answer = call(&levee, "HEAD", "/head").await;
+    assert_eq!(
+        answer.headers.get("content-length"),
+        None,
+        "{:?}",
+        answer.headers
+    );
+    let answer = call(&levee, "HEAD", "/head-sized").await;
+    assert_eq!(
+        answer
+            .headers
+            .get("content-length")
+            .and_then(|v| v.to_str().ok()),
+        Some("5000")
+    );
 
     let mut not_reused = Vec::new();
     for (method, path, status) in [

@@ -465,6 +465,7 @@ impl Client {
             framing,
             reusable,
             pool: Some(self.pool.clone()),
+            answers_head: *method == Method::HEAD,
         };
         body.finish_if_done();
         *response.body_mut() = body;
@@ -1054,6 +1055,9 @@ pub struct Incoming {
     framing: Framing,
     reusable: bool,
     pool: Option<Arc<Pool>>,
+    /// The answer to a HEAD: it has no body, but the body a GET would get has a length this
+    /// one does not know, so its size is not given as 0.
+    answers_head: bool,
 }
 
 impl Incoming {
@@ -1063,6 +1067,7 @@ impl Incoming {
             framing: Framing::Done,
             reusable: false,
             pool: None,
+            answers_head: false,
         }
     }
 
@@ -1189,6 +1194,7 @@ impl Body for Incoming {
     fn size_hint(&self) -> SizeHint {
         match self.framing {
             Framing::Length(remaining) => SizeHint::with_exact(remaining),
+            Framing::Done if self.answers_head => SizeHint::default(),
             Framing::Done => SizeHint::with_exact(0),
             _ => SizeHint::default(),
         }

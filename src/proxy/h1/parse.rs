@@ -153,6 +153,8 @@ struct FieldMeaning {
     close: bool,
     keep_alive: bool,
     expect_continue: bool,
+    /// Routing reads one Host and the app may read another: two are refused (RFC 9112 3.2).
+    host_seen: bool,
 }
 
 impl FieldMeaning {
@@ -165,6 +167,7 @@ impl FieldMeaning {
             close: false,
             keep_alive: false,
             expect_continue: false,
+            host_seen: false,
         }
     }
 
@@ -200,6 +203,11 @@ impl FieldMeaning {
             }
         } else if *name == header::EXPECT {
             self.expect_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+        } else if *name == header::HOST {
+            if self.host_seen {
+                return Err(HeadError::Malformed("more than one Host field"));
+            }
+            self.host_seen = true;
         }
         Ok(true)
     }
@@ -384,6 +392,7 @@ mod tests {
             "POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
             "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
             "POST / HTTP/1.1\r\nTransfer-Encoding: \r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
             "POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n",
         ] {
             assert!(matches!(refused(raw), HeadError::Malformed(_)), "{raw:?}");
