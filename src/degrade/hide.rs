@@ -74,7 +74,7 @@ struct Plan {
 }
 
 /// The literal a simple selector needs to appear in the page: `#id`, `tag#id`, `.class`,
-/// `[attr=value]`, `tag`. `None` for anything more complex.
+/// `[attr=value]`. `None` for anything else, a bare tag name included.
 fn needle_of(selector: &str) -> Option<(Vec<u8>, bool)> {
     let selector = selector.trim();
     if selector.contains([' ', '>', '+', '~', ',', ':']) {
@@ -103,8 +103,10 @@ fn needle_of(selector: &str) -> Option<(Vec<u8>, bool)> {
             .filter(|v| !v.is_empty())
             .map(|v| (v.as_bytes().to_vec(), false));
     }
-    let plain = !selector.is_empty() && selector.chars().all(|c| c.is_ascii_alphanumeric());
-    plain.then(|| (format!("<{selector}").into_bytes(), false))
+    // A bare tag name (`iframe`) has no literal to look for: tag names match in any case
+    // (`<IFRAME>`), and a search for `<iframe` would pass such a page untouched. The parser
+    // reads the whole page instead.
+    None
 }
 
 fn plan(selectors: &[String], markers: &[String]) -> Plan {
@@ -654,6 +656,19 @@ mod tests {
             Some((b"visitors".to_vec(), false))
         );
         assert_eq!(needle_of("div > p"), None);
+        assert_eq!(needle_of("iframe"), None);
+    }
+
+    #[tokio::test]
+    async fn tag_selectors_match_tags_in_any_case() {
+        let page = "<p>a</p><IFRAME src=\"x\"><b>in</b></IFRAME><p>b</p><iframe></iframe>";
+        for chunk in [2, 4096] {
+            assert_eq!(
+                rewrite(page, &["iframe"], &[], chunk).await,
+                "<p>a</p><p>b</p>",
+                "chunk {chunk}"
+            );
+        }
     }
 
     /// Runs the body state machine directly, fed in `chunk`-byte pieces.
