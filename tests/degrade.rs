@@ -436,3 +436,77 @@ fn check_refuses_refusing_tier_1_routes_and_unknown_modules() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_copy_is_hidden_like_the_page_and_kept_uncompressed() {
+    // The app gzips when asked: a copy kept from a gzip answer would go to clients that never
+    // asked for gzip. levee asks for the plain page on a route that keeps copies, keeps it
+    // whole, and cuts switched-off modules out of it when it is served, as from the app.
+    let failing = Arc::new(AtomicU8::new(0));
+    let asked_gzip = Arc::new(AtomicUsize::new(0));
+    let (f, asked) = (failing.clone(), asked_gzip.clone());
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let gzip = request
+            .headers()
+            .get("accept-encoding")
+            .is_some_and(|value| value.to_str().unwrap_or("").contains("gzip"));
+        if gzip {
+            asked.fetch_add(1, Ordering::SeqCst);
+        }
+        let fail = f.load(Ordering::SeqCst);
+        async move {
+            if fail == 1 {
+                return Response::builder()
+                    .status(502)
+                    .body(full("php-fpm is gone"))
+                    .expect("response");
+            }
+            let builder = Response::builder().header("content-type", "text/html");
+            if gzip {
+                builder
+                    .header("content-encoding", "gzip")
+                    .body(full("GZIPPED"))
+                    .expect("response")
+            } else {
+                builder
+                    .body(full("<p>home</p><div id=\"visitors\">42 online</div>"))
+                    .expect("response")
+            }
+        }
+    })
+    .await;
+    let routes = ROUTES.replace(
+        "match = { path = \"/\" }",
+        "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }\ndegrade = { action = \"stale\", max_age = \"1m\" }",
+    );
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    let with_gzip = |url: String| async move {
+        send(
+            Request::get(url)
+                .header("accept-encoding", "gzip")
+                .body(full(""))
+                .expect("request"),
+        )
+        .await
+    };
+    let fresh = with_gzip(levee.url("/")).await;
+    assert_eq!(
+        fresh.text(),
+        "<p>home</p><div id=\"visitors\">42 online</div>"
+    );
+    assert_eq!(asked_gzip.load(Ordering::SeqCst), 0);
+
+    // The app fails: the copy answers, with the visitors module cut out once it is off.
+    failing.store(1, Ordering::SeqCst);
+    let copy = get(&levee.url("/")).await;
+    assert_eq!(copy.header("x-levee-stale"), Some("1"));
+    assert_eq!(copy.header("content-encoding"), None);
+    assert_eq!(
+        copy.text(),
+        "<p>home</p><div id=\"visitors\">42 online</div>"
+    );
+    assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    let copy = with_gzip(levee.url("/")).await;
+    assert_eq!(copy.header("x-levee-stale"), Some("1"));
+    assert_eq!(copy.text(), "<p>home</p>");
+}

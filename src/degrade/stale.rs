@@ -276,6 +276,14 @@ pub fn storable(status: StatusCode, headers: &HeaderMap, settings: &StaleSetting
     if !settings.allow_set_cookie && headers.contains_key(header::SET_COOKIE) {
         return false;
     }
+    // A copy answers any client, including one that cannot decode gzip: levee asks for an
+    // uncompressed page, and an upstream that compresses anyway is not kept.
+    let encoded = headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|value| !value.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        return false;
+    }
     let length = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())

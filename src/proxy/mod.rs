@@ -262,7 +262,7 @@ async fn forward(
     }
 
     // Concurrent requests for a copy being fetched wait for that fetch.
-    let fetch = match stale.join(shared, &route).await {
+    let fetch = match stale.join(shared, policy, &route).await {
         Joined::Served(response) => return Ok(response),
         Joined::Lead(guard) => guard,
     };
@@ -285,8 +285,9 @@ async fn forward(
     if let Some(host) = &upstream.settings.host {
         parts.headers.insert(h::HOST, host.clone());
     }
-    if hiding.is_some() {
-        // The page must come back uncompressed to be rewritten; the front nginx may gzip it.
+    if hiding.is_some() || stale.key.is_some() {
+        // The page must come back uncompressed to be rewritten, or to be kept as a copy that
+        // answers clients of every kind; the front nginx may gzip it.
         parts.headers.remove(h::ACCEPT_ENCODING);
     }
     // Most requests (GET) have no body: no limit or idle timer to set up for them.
@@ -363,7 +364,7 @@ async fn forward(
         Err(error) => return Err(error),
     };
     if failure_status {
-        if let Some(copy) = stale.copy(shared, policy).await {
+        if let Some(copy) = stale.copy(shared, policy, &route).await {
             return Ok(copy);
         }
     }
@@ -388,16 +389,30 @@ async fn forward(
         Some(target) => Capture::new(body, parts.status, &parts.headers, target).boxed_unsync(),
         None => body.boxed_unsync(),
     };
-    let body = match hiding {
-        Some((selectors, markers)) if hide::rewritable(&parts.headers) => {
-            // The length changes, and the upstream's validator no longer describes this body.
-            parts.headers.remove(h::CONTENT_LENGTH);
-            parts.headers.remove(h::ETAG);
-            Hidden::new(body, &selectors, markers).boxed_unsync()
-        }
-        _ => body,
+    Ok(without_switched_off_fragments(
+        Response::from_parts(parts, body),
+        hiding,
+    ))
+}
+
+/// Cuts the fragments of switched-off modules (`hiding`, from [`hidden_fragments`]) out of an
+/// HTML answer: the upstream's, or a stale copy, which is kept whole as the upstream sent it
+/// and hidden with the switches of the moment it is served.
+fn without_switched_off_fragments(
+    response: Response<ResponseBody>,
+    hiding: Option<(Vec<String>, Vec<String>)>,
+) -> Response<ResponseBody> {
+    let Some((selectors, markers)) = hiding else {
+        return response;
     };
-    Ok(Response::from_parts(parts, body))
+    if !hide::rewritable(response.headers()) {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    // The length changes, and the upstream's validator no longer describes this body.
+    parts.headers.remove(h::CONTENT_LENGTH);
+    parts.headers.remove(h::ETAG);
+    Response::from_parts(parts, Hidden::new(body, &selectors, markers).boxed_unsync())
 }
 
 /// The stale-copy side of one request: its key (GET on a `stale` route only) and settings.
@@ -452,7 +467,12 @@ impl Stale {
     }
 
     /// The last good copy, if there is one young enough, marked stale.
-    async fn copy(&self, shared: &Shared, policy: &Policy) -> Option<Response<ResponseBody>> {
+    async fn copy(
+        &self,
+        shared: &Shared,
+        policy: &Policy,
+        route: &Route,
+    ) -> Option<Response<ResponseBody>> {
         let (Some(key), Some(settings)) = (&self.key, &self.settings) else {
             return None;
         };
@@ -460,7 +480,12 @@ impl Stale {
             .stale
             .get(key, policy.redis.as_deref(), &shared.metrics)
             .await?;
-        (copy.age() <= settings.max_age).then(|| copy.to_response(true))
+        (copy.age() <= settings.max_age).then(|| {
+            without_switched_off_fragments(
+                copy.to_response(true),
+                hidden_fragments(shared, policy, route),
+            )
+        })
     }
 
     /// Serves the last good copy, or answers with `refusal` when there is none.
@@ -472,7 +497,7 @@ impl Stale {
         refusal: ProxyError,
     ) -> Result<Response<ResponseBody>, ProxyError> {
         if self.settings.is_some() {
-            let served = self.copy(shared, policy).await;
+            let served = self.copy(shared, policy, route).await;
             let action = if served.is_some() {
                 "stale"
             } else {
@@ -503,7 +528,7 @@ impl Stale {
     }
 
     /// Leads the fetch of this copy, or waits for the fetch already in flight.
-    async fn join(&self, shared: &Shared, route: &Route) -> Joined {
+    async fn join(&self, shared: &Shared, policy: &Policy, route: &Route) -> Joined {
         let Some(key) = &self.key else {
             return Joined::Lead(None);
         };
@@ -518,7 +543,10 @@ impl Stale {
         .await;
         match waited {
             Ok(Ok(copy)) => match copy.clone() {
-                Some(copy) => Joined::Served(copy.to_response(false)),
+                Some(copy) => Joined::Served(without_switched_off_fragments(
+                    copy.to_response(false),
+                    hidden_fragments(shared, policy, route),
+                )),
                 None => Joined::Lead(None),
             },
             // The fetch failed or gave nothing to keep: go upstream ourselves.
