@@ -264,6 +264,49 @@ async fn jobs_of_a_killed_instance_are_reclaimed_and_none_is_lost() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_replayed_after_the_stream_disappeared_from_redis() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    let applied = |job: String| {
+        let seen = seen.clone();
+        move || {
+            let (seen, job) = (seen.clone(), job.clone());
+            async move {
+                seen.lock()
+                    .expect("lock")
+                    .iter()
+                    .any(|(key, ..)| *key == job)
+            }
+        }
+    };
+    switch(&levee, "off").await;
+    let first = post_as(&levee, "before", "192.0.2.1").await;
+    assert_eq!(first.status, 202);
+    switch(&levee, "on").await;
+    let first = first.header("x-levee-job").expect("job").to_string();
+    eventually(Duration::from_secs(10), "the first job", applied(first)).await;
+
+    // The stream goes, with its consumer group (as in a Redis restarted without persistence);
+    // the next job's XADD makes the stream again, without the group.
+    let stream = "levee:queue:{notify}:jobs";
+    assert_eq!(redis.cli(&["DEL", stream]).trim(), "1");
+    switch(&levee, "off").await;
+    let second = post_as(&levee, "after", "192.0.2.1").await;
+    assert_eq!(second.status, 202);
+    switch(&levee, "on").await;
+    let second = second.header("x-levee-job").expect("job").to_string();
+    eventually(
+        Duration::from_secs(10),
+        "the job stored after the stream was gone",
+        applied(second),
+    )
+    .await;
+    assert_eq!(seen.lock().expect("lock").len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;

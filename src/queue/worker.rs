@@ -123,12 +123,22 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 {
                     continue;
                 }
-                if let Err(error) = replay_route(
+                match replay_route(
                     &shared, &redis, &settings, &keys, route, &consumer, &mut stop,
                 )
                 .await
                 {
-                    tracing::debug!(route = %route.name, "replay paused: {error}");
+                    Ok(()) => {}
+                    // The stream went away (a Redis restarted without persistence, a
+                    // FLUSHALL, an evicted key) and the next XADD made it again without the
+                    // group: made again on the next pass, or its jobs would never run.
+                    Err(error) if is_no_group(&error) => {
+                        tracing::warn!(route = %route.name, stream = %keys.stream, "the queue's consumer group is gone from redis; making it again: {error}");
+                        groups_made.remove(&keys.stream);
+                    }
+                    Err(error) => {
+                        tracing::debug!(route = %route.name, "replay paused: {error}");
+                    }
                 }
             }
         }
@@ -152,6 +162,11 @@ async fn make_group(
         Err(RedisFailure::Redis(error)) if error.to_string().contains("BUSYGROUP") => Ok(()),
         Err(error) => Err(error),
     }
+}
+
+/// Redis's answer to a group command on a stream without that group (or without the stream).
+fn is_no_group(error: &RedisFailure) -> bool {
+    matches!(error, RedisFailure::Redis(error) if error.code() == Some("NOGROUP"))
 }
 
 async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, route: &str) {
