@@ -16,6 +16,9 @@ use hyper::body::Incoming;
 /// Every replayed request the backend saw: (Idempotency-Key, body, X-Real-IP, when).
 type Seen = Arc<Mutex<Vec<(String, String, String, Instant)>>>;
 
+/// (Cookie, X-Title) of every replayed request, as bytes.
+type HeaderBytes = Arc<Mutex<Vec<(Vec<u8>, Vec<u8>)>>>;
+
 /// A backend that records jobs; `fail_first` failures per key (500), or always with `always_fail`.
 async fn recording(
     fail_first: u32,
@@ -304,6 +307,51 @@ async fn jobs_are_replayed_after_the_stream_disappeared_from_redis() {
     )
     .await;
     assert_eq!(seen.lock().expect("lock").len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_values_beyond_ascii_are_replayed_byte_for_byte() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let received: HeaderBytes = Arc::new(Mutex::new(Vec::new()));
+    let record = received.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let record = record.clone();
+        async move {
+            let bytes = |name: &str| {
+                request
+                    .headers()
+                    .get(name)
+                    .map(|value| value.as_bytes().to_vec())
+                    .unwrap_or_default()
+            };
+            let seen = (bytes("cookie"), bytes("x-title"));
+            record.lock().expect("lock").push(seen);
+            Response::new(full("applied"))
+        }
+    })
+    .await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    switch(&levee, "off").await;
+    // A cookie a script set with raw UTF-8 next to the session, and a value that is not UTF-8.
+    let cookie = b"PHPSESSID=s1; name=\xe8\xae\xba".to_vec();
+    let title = b"\xe8\xae\xba \xff".to_vec();
+    let mut request = b"POST /notify.php HTTP/1.1\r\nHost: a\r\nCookie: ".to_vec();
+    request.extend_from_slice(&cookie);
+    request.extend_from_slice(b"\r\nX-Title: ");
+    request.extend_from_slice(&title);
+    request.extend_from_slice(b"\r\nContent-Length: 6\r\nConnection: close\r\n\r\nlike=1");
+    let answer = raw_exchange(levee.public, &request, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 202"), "{answer}");
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the job to be replayed",
+        || async { !received.lock().expect("lock").is_empty() },
+    )
+    .await;
+    let received = received.lock().expect("lock").clone();
+    assert_eq!(received, vec![(cookie, title)]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

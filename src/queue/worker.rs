@@ -373,7 +373,7 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
     for (name, value) in &job.headers {
         if let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(value),
+            HeaderValue::from_bytes(value),
         ) {
             headers.append(name, value);
         }
