@@ -355,6 +355,66 @@ async fn header_values_beyond_ascii_are_replayed_byte_for_byte() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_worker_keeps_its_jobs_while_a_slow_app_replays_them() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    // Every replay takes longer than claim_after, and a batch of four takes four times that.
+    let (backend, seen) = recording(
+        0,
+        Arc::new(AtomicBool::new(false)),
+        Duration::from_millis(1200),
+    )
+    .await;
+    let policy = queue_policy(backend.addr, &redis.url(), "claim_after = \"1s\"");
+    let first = Levee::start(&policy).await;
+    let second = Levee::start(&policy).await;
+    switch(&first, "off").await;
+    let mut jobs = Vec::new();
+    for i in 0..4 {
+        let answer = post_as(&first, &format!("job={i}"), "192.0.2.1").await;
+        assert_eq!(answer.status, 202);
+        jobs.push(answer.header("x-levee-job").expect("job").to_string());
+    }
+    // Both instances follow the switch; whichever reads the jobs first holds all four.
+    switch(&first, "on").await;
+    eventually(
+        Duration::from_secs(20),
+        "every job to be applied",
+        || async {
+            let seen = seen.lock().expect("lock");
+            jobs.iter()
+                .all(|job| seen.iter().any(|(key, ..)| key == job))
+        },
+    )
+    .await;
+    eventually(Duration::from_secs(5), "nothing left pending", || async {
+        let queues = get(&second.admin_url("/queues")).await.json();
+        queues["notify"]["backlog"] == 0 && queues["notify"]["in_flight"] == 0
+    })
+    .await;
+    // A replay the backend has begun but not recorded yet would be a second one.
+    eventually(Duration::from_secs(5), "the backend to be idle", || async {
+        backend.hits() == seen.lock().expect("lock").len()
+    })
+    .await;
+    let seen = seen.lock().expect("lock");
+    for job in &jobs {
+        let times = seen.iter().filter(|(key, ..)| key == job).count();
+        assert_eq!(times, 1, "job {job} replayed {times} times");
+    }
+    assert_eq!(backend.hits(), 4);
+}
+
+#[test]
+fn check_refuses_a_claim_after_below_a_second() {
+    let stderr = check_fails("[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[redis]\nurl = \"redis://127.0.0.1:9/0\"\n[queue]\nclaim_after = \"100ms\"\n");
+    assert!(
+        stderr.contains("levee.toml:6:15: error: claim_after must be at least 1s"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;

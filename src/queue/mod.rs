@@ -6,8 +6,9 @@
 //! levee instance runs replay workers in one consumer group per route: each job is sent to the
 //! route's upstream with `Idempotency-Key: <job id>` and the original client identity, retried
 //! with exponential back-off and jitter, and after `max_attempts` moved to a dead-letter stream.
-//! A job held by a worker that died is reclaimed after `claim_after` (`XAUTOCLAIM`). Finished
-//! jobs are deleted from the stream, so it does not grow without bound.
+//! A worker renews its hold on the jobs it read until it has dealt with them; a job whose
+//! hold was not renewed for `claim_after` (its worker died) is taken over (`XAUTOCLAIM`).
+//! Finished jobs are deleted from the stream, so it does not grow without bound.
 
 pub mod job;
 pub mod worker;
@@ -28,12 +29,16 @@ use crate::proxy::header::strip_hop_by_hop;
 use crate::proxy::route::Route;
 pub use job::Job;
 
+/// The shortest `claim_after` a policy may set: a worker renews its hold on its jobs every
+/// third of it, and each renewal is a Redis call.
+pub const MIN_CLAIM_AFTER: Duration = Duration::from_secs(1);
+
 /// `[queue]`, compiled. Queues need `[redis]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueueSettings {
     /// Consumer group shared by every levee instance. Default `levee`.
     pub group: String,
-    /// A job held this long by a silent worker is taken over. Default 30s.
+    /// A job whose worker has not renewed its hold for this long is taken over. Default 30s.
     pub claim_after: Duration,
     /// Attempts before a job goes to the dead-letter stream. Default 5.
     pub max_attempts: u32,
