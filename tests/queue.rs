@@ -415,6 +415,34 @@ fn check_refuses_a_claim_after_below_a_second() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stalls_on_a_queue_route_gets_408_and_nothing_is_stored() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let policy = queue_policy(backend.addr, &redis.url(), "").replace(
+        "access_log = false",
+        "access_log = false\nclient_body_timeout = \"300ms\"",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    // Ten bytes of the thousand announced, then nothing.
+    let answer = raw_exchange(
+        levee.public,
+        b"POST /notify.php HTTP/1.1\r\nHost: a\r\nContent-Length: 1000\r\n\r\nfirst ten.",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert_eq!(
+        get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"],
+        0,
+        "nothing stored"
+    );
+    // Still queueing.
+    assert_eq!(post_as(&levee, "like=1", "192.0.2.1").await.status, 202);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;

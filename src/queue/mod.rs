@@ -23,7 +23,7 @@ use http_body_util::{BodyExt, Limited};
 use crate::config::Policy;
 use crate::error::{full_body, ProxyError};
 use crate::metrics::{Metrics, QueueLabels};
-use crate::proxy::body::ResponseBody;
+use crate::proxy::body::{find_cause, BodyIdleTimeout, IdleTimeout, ResponseBody};
 use crate::proxy::h1::RequestBody;
 use crate::proxy::header::strip_hop_by_hop;
 use crate::proxy::route::Route;
@@ -129,6 +129,10 @@ pub async fn enqueue(
     let limit = settings
         .max_body
         .min(usize::try_from(route.max_body).unwrap_or(usize::MAX));
+    // A client that sends the head and then stalls its body is cut off with 408 as on a
+    // forwarded request, instead of holding its connection and this task for ever.
+    let client_body_timeout = policy.server.client_body_timeout;
+    let body = IdleTimeout::new(body, client_body_timeout, "client");
     let body: Bytes = match Limited::new(body, limit).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) => {
@@ -138,6 +142,11 @@ pub async fn enqueue(
             {
                 return Err(ProxyError::BodyTooLarge {
                     limit: limit as u64,
+                });
+            }
+            if find_cause::<BodyIdleTimeout>(&*error).is_some() {
+                return Err(ProxyError::ClientBodyTimeout {
+                    after: client_body_timeout,
                 });
             }
             return Err(ProxyError::BadRequest(format!(
