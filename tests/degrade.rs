@@ -164,6 +164,46 @@ async fn levels_and_module_switches_turn_routes_off_by_tier() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switch_changes_made_at_once_are_all_kept_in_effect_and_in_the_state_file() {
+    const MODULES: usize = 32;
+    let backend = Backend::start(|_: Request<Incoming>| async { Response::new(full("ok")) }).await;
+    let modules: String = (0..MODULES)
+        .map(|i| format!("[module.m{i}]\ntier = 3\n"))
+        .collect();
+    let levee = Levee::start(&policy_for(backend.addr, "", &modules)).await;
+    let state_file = levee.dir.path().join(".levee-state.json");
+    for (round, value) in ["off", "policy", "off"].into_iter().enumerate() {
+        // Every module switched at once, each by its own admin request.
+        let changes: Vec<_> = (0..MODULES)
+            .map(|i| {
+                let url = levee.admin_url(&format!("/modules/m{i}"));
+                tokio::spawn(async move { post(&url, value).await.status })
+            })
+            .collect();
+        for change in changes {
+            assert_eq!(change.await.expect("change"), 200);
+        }
+        let status = get(&levee.admin_url("/status")).await.json();
+        let saved: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&state_file).expect("state file"))
+                .expect("state file json");
+        for i in 0..MODULES {
+            let module = format!("m{i}");
+            let off = value == "off";
+            assert_eq!(
+                status["degrade"]["modules"][&module]["off"], off,
+                "round {round}: {module} in /status"
+            );
+            assert_eq!(
+                saved["modules"][&module]["value"].as_bool(),
+                off.then_some(true),
+                "round {round}: {module} in the state file: {saved}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ranking_serves_its_last_good_copy_with_a_growing_age_until_max_age() {
     let (backend, version, failing) = versioned().await;
     let routes = ROUTES.replace(

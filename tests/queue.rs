@@ -16,6 +16,9 @@ use hyper::body::Incoming;
 /// Every replayed request the backend saw: (Idempotency-Key, body, X-Real-IP, when).
 type Seen = Arc<Mutex<Vec<(String, String, String, Instant)>>>;
 
+/// (Cookie, X-Title) of every replayed request, as bytes.
+type HeaderBytes = Arc<Mutex<Vec<(Vec<u8>, Vec<u8>)>>>;
+
 /// A backend that records jobs; `fail_first` failures per key (500), or always with `always_fail`.
 async fn recording(
     fail_first: u32,
@@ -261,6 +264,182 @@ async fn jobs_of_a_killed_instance_are_reclaimed_and_none_is_lost() {
         let index = jobs.iter().position(|job| job == key).expect("a known key");
         assert_eq!(body, &format!("job={index}"));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_replayed_after_the_stream_disappeared_from_redis() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    let applied = |job: String| {
+        let seen = seen.clone();
+        move || {
+            let (seen, job) = (seen.clone(), job.clone());
+            async move {
+                seen.lock()
+                    .expect("lock")
+                    .iter()
+                    .any(|(key, ..)| *key == job)
+            }
+        }
+    };
+    switch(&levee, "off").await;
+    let first = post_as(&levee, "before", "192.0.2.1").await;
+    assert_eq!(first.status, 202);
+    switch(&levee, "on").await;
+    let first = first.header("x-levee-job").expect("job").to_string();
+    eventually(Duration::from_secs(10), "the first job", applied(first)).await;
+
+    // The stream goes, with its consumer group (as in a Redis restarted without persistence);
+    // the next job's XADD makes the stream again, without the group.
+    let stream = "levee:queue:{notify}:jobs";
+    assert_eq!(redis.cli(&["DEL", stream]).trim(), "1");
+    switch(&levee, "off").await;
+    let second = post_as(&levee, "after", "192.0.2.1").await;
+    assert_eq!(second.status, 202);
+    switch(&levee, "on").await;
+    let second = second.header("x-levee-job").expect("job").to_string();
+    eventually(
+        Duration::from_secs(10),
+        "the job stored after the stream was gone",
+        applied(second),
+    )
+    .await;
+    assert_eq!(seen.lock().expect("lock").len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_values_beyond_ascii_are_replayed_byte_for_byte() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let received: HeaderBytes = Arc::new(Mutex::new(Vec::new()));
+    let record = received.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let record = record.clone();
+        async move {
+            let bytes = |name: &str| {
+                request
+                    .headers()
+                    .get(name)
+                    .map(|value| value.as_bytes().to_vec())
+                    .unwrap_or_default()
+            };
+            let seen = (bytes("cookie"), bytes("x-title"));
+            record.lock().expect("lock").push(seen);
+            Response::new(full("applied"))
+        }
+    })
+    .await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    switch(&levee, "off").await;
+    // A cookie a script set with raw UTF-8 next to the session, and a value that is not UTF-8.
+    let cookie = b"PHPSESSID=s1; name=\xe8\xae\xba".to_vec();
+    let title = b"\xe8\xae\xba \xff".to_vec();
+    let mut request = b"POST /notify.php HTTP/1.1\r\nHost: a\r\nCookie: ".to_vec();
+    request.extend_from_slice(&cookie);
+    request.extend_from_slice(b"\r\nX-Title: ");
+    request.extend_from_slice(&title);
+    request.extend_from_slice(b"\r\nContent-Length: 6\r\nConnection: close\r\n\r\nlike=1");
+    let answer = raw_exchange(levee.public, &request, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 202"), "{answer}");
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the job to be replayed",
+        || async { !received.lock().expect("lock").is_empty() },
+    )
+    .await;
+    let received = received.lock().expect("lock").clone();
+    assert_eq!(received, vec![(cookie, title)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_worker_keeps_its_jobs_while_a_slow_app_replays_them() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    // Every replay takes longer than claim_after, and a batch of four takes four times that.
+    let (backend, seen) = recording(
+        0,
+        Arc::new(AtomicBool::new(false)),
+        Duration::from_millis(1200),
+    )
+    .await;
+    let policy = queue_policy(backend.addr, &redis.url(), "claim_after = \"1s\"");
+    let first = Levee::start(&policy).await;
+    let second = Levee::start(&policy).await;
+    switch(&first, "off").await;
+    let mut jobs = Vec::new();
+    for i in 0..4 {
+        let answer = post_as(&first, &format!("job={i}"), "192.0.2.1").await;
+        assert_eq!(answer.status, 202);
+        jobs.push(answer.header("x-levee-job").expect("job").to_string());
+    }
+    // Both instances follow the switch; whichever reads the jobs first holds all four.
+    switch(&first, "on").await;
+    eventually(
+        Duration::from_secs(20),
+        "every job to be applied",
+        || async {
+            let seen = seen.lock().expect("lock");
+            jobs.iter()
+                .all(|job| seen.iter().any(|(key, ..)| key == job))
+        },
+    )
+    .await;
+    eventually(Duration::from_secs(5), "nothing left pending", || async {
+        let queues = get(&second.admin_url("/queues")).await.json();
+        queues["notify"]["backlog"] == 0 && queues["notify"]["in_flight"] == 0
+    })
+    .await;
+    // A replay the backend has begun but not recorded yet would be a second one.
+    eventually(Duration::from_secs(5), "the backend to be idle", || async {
+        backend.hits() == seen.lock().expect("lock").len()
+    })
+    .await;
+    let seen = seen.lock().expect("lock");
+    for job in &jobs {
+        let times = seen.iter().filter(|(key, ..)| key == job).count();
+        assert_eq!(times, 1, "job {job} replayed {times} times");
+    }
+    assert_eq!(backend.hits(), 4);
+}
+
+#[test]
+fn check_refuses_a_claim_after_below_a_second() {
+    let stderr = check_fails("[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[redis]\nurl = \"redis://127.0.0.1:9/0\"\n[queue]\nclaim_after = \"100ms\"\n");
+    assert!(
+        stderr.contains("levee.toml:6:15: error: claim_after must be at least 1s"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stalls_on_a_queue_route_gets_408_and_nothing_is_stored() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let policy = queue_policy(backend.addr, &redis.url(), "").replace(
+        "access_log = false",
+        "access_log = false\nclient_body_timeout = \"300ms\"",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    // Ten bytes of the thousand announced, then nothing.
+    let answer = raw_exchange(
+        levee.public,
+        b"POST /notify.php HTTP/1.1\r\nHost: a\r\nContent-Length: 1000\r\n\r\nfirst ten.",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert_eq!(
+        get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"],
+        0,
+        "nothing stored"
+    );
+    // Still queueing.
+    assert_eq!(post_as(&levee, "like=1", "192.0.2.1").await.status, 202);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -34,7 +34,7 @@ use crate::proxy::header::TrustedProxies;
 use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
 use crate::proxy::upstream::{read_ca_file, Upstream, UpstreamSettings};
-use crate::queue::{QueueAction, QueueSettings};
+use crate::queue::{QueueAction, QueueSettings, MIN_CLAIM_AFTER};
 use crate::redis_store::{RedisSettings, RedisStore, RedisTarget, DEFAULT_ADMIT_AHEAD_ABOVE};
 
 /// Name of the implicit route that catches requests no route matches.
@@ -816,9 +816,25 @@ fn compile_queue(
         None => defaults.replay_rate,
     };
     let max_body = compiler.size(file, &inner.max_body, defaults.max_body as u64);
+    let claim_after = compiler.duration(file, &inner.claim_after, defaults.claim_after);
+    if let Some(value) = inner
+        .claim_after
+        .as_ref()
+        .filter(|_| claim_after < MIN_CLAIM_AFTER)
+    {
+        // A worker renews its hold on its jobs every third of claim_after; much less than
+        // a second leaves too little room for a Redis call, and 0 would let every pass take
+        // every job in flight.
+        compiler.error_hint(
+            file,
+            value.span(),
+            format!("claim_after must be at least {MIN_CLAIM_AFTER:?}"),
+            "a live worker renews its hold on its jobs every third of claim_after; \"30s\" is the default",
+        );
+    }
     Some(QueueSettings {
         group: inner.group.clone().unwrap_or(defaults.group),
-        claim_after: compiler.duration(file, &inner.claim_after, defaults.claim_after),
+        claim_after,
         max_attempts,
         backoff_base: compiler.duration(file, &inner.backoff_base, defaults.backoff_base),
         backoff_max: compiler.duration(file, &inner.backoff_max, defaults.backoff_max),

@@ -94,6 +94,9 @@ pub struct RuntimeSwitches {
 /// Process-wide degrade state; survives policy reloads.
 pub struct Degrade {
     runtime: ArcSwap<RuntimeSwitches>,
+    /// Held by a change from reading the switches until the changed ones are saved and in
+    /// effect (see [`Degrade::lock_changes`]).
+    changes: tokio::sync::Mutex<()>,
     /// Raised by triggers; 0 when healthy.
     auto_level: AtomicU8,
 }
@@ -108,12 +111,21 @@ impl Degrade {
     pub fn new() -> Degrade {
         Degrade {
             runtime: ArcSwap::from_pointee(RuntimeSwitches::default()),
+            changes: tokio::sync::Mutex::new(()),
             auto_level: AtomicU8::new(0),
         }
     }
 
     pub fn runtime(&self) -> Arc<RuntimeSwitches> {
         self.runtime.load_full()
+    }
+
+    /// Serialises changes to the runtime switches. Each change copies the switches, saves the
+    /// copy with its change, then puts it in effect; two at once (two operators switching two
+    /// modules) would both copy the same switches, and the one saved last would undo the
+    /// other, in memory and in the state file.
+    pub async fn lock_changes(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.changes.lock().await
     }
 
     pub fn replace_runtime(&self, switches: RuntimeSwitches) {

@@ -67,6 +67,7 @@ pub async fn apply(
             ));
         }
     }
+    let _changing = degrade.lock_changes().await;
     let mut switches = (*degrade.runtime()).clone();
     match &change {
         Change::Level(level) => switches.level = level.map(|value| stamp(value, by)),
@@ -253,6 +254,9 @@ pub async fn spawn_sync(
             match load(&policy).await {
                 Ok(switches) if switches != *seen => {
                     tracing::info!("degrade switches changed elsewhere in the fleet; following");
+                    // Not in the middle of an operator's change here, whose state file write
+                    // this one's would race.
+                    let _changing = degrade.lock_changes().await;
                     let copy = switches.clone();
                     if degrade.replace_runtime_if(&seen, switches) {
                         keep_local_copy(&policy, &copy);

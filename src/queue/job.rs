@@ -13,7 +13,9 @@ pub struct Job {
     pub method: String,
     /// Path and query as the client sent them.
     pub target: String,
-    pub headers: Vec<(String, String)>,
+    /// Header names and values, values byte for byte (a cookie set by a script may hold raw
+    /// UTF-8 or Latin-1, and dropping it would replay the request without its session).
+    pub headers: Vec<(String, Vec<u8>)>,
     pub body: Bytes,
     pub client_ip: String,
     pub enqueued_at_ms: u64,
@@ -47,12 +49,7 @@ impl Job {
             headers: parts
                 .headers
                 .iter()
-                .filter_map(|(name, value)| {
-                    value
-                        .to_str()
-                        .ok()
-                        .map(|value| (name.to_string(), value.to_string()))
-                })
+                .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
                 .collect(),
             body,
             client_ip: client_ip.to_string(),
@@ -72,8 +69,10 @@ impl Job {
             .arg(&self.method)
             .arg("target")
             .arg(&self.target)
+            .arg("header_lines")
+            .arg(self.header_lines())
             .arg("headers")
-            .arg(serde_json::to_string(&self.headers).unwrap_or_else(|_| "[]".into()))
+            .arg(self.headers_json())
             .arg("body")
             .arg(self.body.as_ref())
             .arg("client")
@@ -90,18 +89,53 @@ impl Job {
         }
     }
 
+    /// The headers as HTTP/1.1 field lines, `name: value\r\n` each: lossless, because a
+    /// header value never holds CR or LF and a name never holds `:`.
+    fn header_lines(&self) -> Vec<u8> {
+        let mut lines = Vec::new();
+        for (name, value) in &self.headers {
+            lines.extend_from_slice(name.as_bytes());
+            lines.extend_from_slice(b": ");
+            lines.extend_from_slice(value);
+            lines.extend_from_slice(b"\r\n");
+        }
+        lines
+    }
+
+    /// The headers in the format levee wrote before `header_lines` (a JSON list of name and
+    /// value strings), still written so that an older levee in the same consumer group, as
+    /// during a rolling upgrade, can replay the job. Values that are not UTF-8 cannot be
+    /// written there and are left out, as that version did.
+    fn headers_json(&self) -> String {
+        let readable: Vec<(&str, &str)> = self
+            .headers
+            .iter()
+            .filter_map(|(name, value)| Some((name.as_str(), std::str::from_utf8(value).ok()?)))
+            .collect();
+        serde_json::to_string(&readable).unwrap_or_else(|_| "[]".into())
+    }
+
     /// Reads a job from stream fields; `id` is the entry id (the key of a first attempt).
+    /// Jobs stored by older versions carry only the JSON `headers`.
     pub fn from_fields(id: &str, fields: &HashMap<String, Vec<u8>>) -> Option<Job> {
         let text = |name: &str| {
             fields
                 .get(name)
                 .map(|value| String::from_utf8_lossy(value).into_owned())
         };
+        let headers = match fields.get("header_lines") {
+            Some(lines) => parse_header_lines(lines)?,
+            None => serde_json::from_str::<Vec<(String, String)>>(&text("headers")?)
+                .ok()?
+                .into_iter()
+                .map(|(name, value)| (name, value.into_bytes()))
+                .collect(),
+        };
         Some(Job {
             route: text("route")?,
             method: text("method")?,
             target: text("target")?,
-            headers: serde_json::from_str(&text("headers")?).ok()?,
+            headers,
             body: Bytes::from(fields.get("body").cloned().unwrap_or_default()),
             client_ip: text("client").unwrap_or_default(),
             enqueued_at_ms: text("at").and_then(|v| v.parse().ok()).unwrap_or(0),
@@ -115,6 +149,22 @@ impl Job {
     pub fn idempotency_key(&self) -> &str {
         self.key.as_deref().unwrap_or("")
     }
+}
+
+/// Reads `name: value\r\n` lines written by [`Job::header_lines`]; `None` if one is broken.
+fn parse_header_lines(lines: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    let mut headers = Vec::new();
+    let mut rest = lines;
+    while !rest.is_empty() {
+        let end = rest.windows(2).position(|pair| pair == b"\r\n")?;
+        let (line, after) = (&rest[..end], &rest[end + 2..]);
+        let colon = line.iter().position(|&byte| byte == b':')?;
+        let name = std::str::from_utf8(&line[..colon]).ok()?;
+        let value = line[colon + 1..].strip_prefix(b" ")?;
+        headers.push((name.to_string(), value.to_vec()));
+        rest = after;
+    }
+    Some(headers)
 }
 
 /// Stream entries from a Redis reply: `[[id, [field, value, …]], …]`.
@@ -165,10 +215,19 @@ mod tests {
             route: "notify".into(),
             method: "POST".into(),
             target: "/notify.php?x=1".into(),
-            headers: vec![(
-                "content-type".into(),
-                "application/x-www-form-urlencoded".into(),
-            )],
+            headers: vec![
+                (
+                    "content-type".into(),
+                    b"application/x-www-form-urlencoded".to_vec(),
+                ),
+                // Raw UTF-8 in a cookie, and a byte that is not UTF-8 at all.
+                (
+                    "cookie".into(),
+                    b"PHPSESSID=s1; name=\xe8\xae\xba; x=\xff".to_vec(),
+                ),
+                ("x-empty".into(), Vec::new()),
+                ("x-spaced".into(), b" a:b ".to_vec()),
+            ],
             body: Bytes::from_static(b"a=1&b=\xff"),
             client_ip: "203.0.113.9".into(),
             enqueued_at_ms: 7,
@@ -196,5 +255,72 @@ mod tests {
             })
             .collect();
         assert_eq!(Job::from_fields("9-9", &fields), Some(job));
+    }
+
+    /// A job as the versions before `header_lines` stored it: the headers only as JSON.
+    #[test]
+    fn jobs_stored_by_older_versions_still_decode() {
+        let fields: HashMap<String, Vec<u8>> = [
+            ("route", &b"notify"[..]),
+            ("method", b"POST"),
+            ("target", b"/notify.php?kind=like"),
+            (
+                "headers",
+                br#"[["content-type","application/x-www-form-urlencoded"],["cookie","PHPSESSID=s1"]]"#,
+            ),
+            ("body", b"like=1"),
+            ("client", b"203.0.113.9"),
+            ("at", b"1700000000000"),
+            ("attempts", b"1"),
+            ("key", b"1700000000000-0"),
+            ("error", b"the app answered 500"),
+        ]
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value.to_vec()))
+        .collect();
+        let job = Job::from_fields("1700000000001-0", &fields).expect("an old job decodes");
+        assert_eq!(
+            job.headers,
+            vec![
+                (
+                    "content-type".to_string(),
+                    b"application/x-www-form-urlencoded".to_vec()
+                ),
+                ("cookie".to_string(), b"PHPSESSID=s1".to_vec()),
+            ]
+        );
+        assert_eq!(
+            (job.method.as_str(), job.target.as_str(), &job.body[..]),
+            ("POST", "/notify.php?kind=like", &b"like=1"[..])
+        );
+        assert_eq!(job.idempotency_key(), "1700000000000-0");
+        assert_eq!(job.attempts, 1);
+        assert_eq!(job.last_error.as_deref(), Some("the app answered 500"));
+    }
+
+    /// An older levee replaying next to this one (a rolling upgrade) reads the JSON headers.
+    #[test]
+    fn the_json_headers_older_versions_read_are_still_written() {
+        let job = Job {
+            route: "notify".into(),
+            method: "POST".into(),
+            target: "/".into(),
+            headers: vec![
+                ("cookie".into(), b"PHPSESSID=s1".to_vec()),
+                ("x-latin1".into(), b"caf\xe9".to_vec()),
+            ],
+            body: Bytes::new(),
+            client_ip: String::new(),
+            enqueued_at_ms: 0,
+            attempts: 0,
+            key: None,
+            last_error: None,
+        };
+        let old: Vec<(String, String)> =
+            serde_json::from_str(&job.headers_json()).expect("json headers");
+        assert_eq!(
+            old,
+            vec![("cookie".to_string(), "PHPSESSID=s1".to_string())]
+        );
     }
 }

@@ -6,8 +6,9 @@
 //! levee instance runs replay workers in one consumer group per route: each job is sent to the
 //! route's upstream with `Idempotency-Key: <job id>` and the original client identity, retried
 //! with exponential back-off and jitter, and after `max_attempts` moved to a dead-letter stream.
-//! A job held by a worker that died is reclaimed after `claim_after` (`XAUTOCLAIM`). Finished
-//! jobs are deleted from the stream, so it does not grow without bound.
+//! A worker renews its hold on the jobs it read until it has dealt with them; a job whose
+//! hold was not renewed for `claim_after` (its worker died) is taken over (`XAUTOCLAIM`).
+//! Finished jobs are deleted from the stream, so it does not grow without bound.
 
 pub mod job;
 pub mod worker;
@@ -22,18 +23,22 @@ use http_body_util::{BodyExt, Limited};
 use crate::config::Policy;
 use crate::error::{full_body, ProxyError};
 use crate::metrics::{Metrics, QueueLabels};
-use crate::proxy::body::ResponseBody;
+use crate::proxy::body::{find_cause, BodyIdleTimeout, IdleTimeout, ResponseBody};
 use crate::proxy::h1::RequestBody;
 use crate::proxy::header::strip_hop_by_hop;
 use crate::proxy::route::Route;
 pub use job::Job;
+
+/// The shortest `claim_after` a policy may set: a worker renews its hold on its jobs every
+/// third of it, and each renewal is a Redis call.
+pub const MIN_CLAIM_AFTER: Duration = Duration::from_secs(1);
 
 /// `[queue]`, compiled. Queues need `[redis]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueueSettings {
     /// Consumer group shared by every levee instance. Default `levee`.
     pub group: String,
-    /// A job held this long by a silent worker is taken over. Default 30s.
+    /// A job whose worker has not renewed its hold for this long is taken over. Default 30s.
     pub claim_after: Duration,
     /// Attempts before a job goes to the dead-letter stream. Default 5.
     pub max_attempts: u32,
@@ -124,6 +129,10 @@ pub async fn enqueue(
     let limit = settings
         .max_body
         .min(usize::try_from(route.max_body).unwrap_or(usize::MAX));
+    // A client that sends the head and then stalls its body is cut off with 408 as on a
+    // forwarded request, instead of holding its connection and this task for ever.
+    let client_body_timeout = policy.server.client_body_timeout;
+    let body = IdleTimeout::new(body, client_body_timeout, "client");
     let body: Bytes = match Limited::new(body, limit).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) => {
@@ -133,6 +142,11 @@ pub async fn enqueue(
             {
                 return Err(ProxyError::BodyTooLarge {
                     limit: limit as u64,
+                });
+            }
+            if find_cause::<BodyIdleTimeout>(&*error).is_some() {
+                return Err(ProxyError::ClientBodyTimeout {
+                    after: client_body_timeout,
                 });
             }
             return Err(ProxyError::BadRequest(format!(

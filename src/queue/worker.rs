@@ -37,7 +37,31 @@ end
 return #due
 "#;
 
-/// Acknowledges and deletes a finished entry. KEYS: stream. ARGV: group, id.
+/// Renews this worker's hold on the entries it still holds: resets their idle time, so that
+/// no other instance's XAUTOCLAIM takes them while this one is busy, and leaves alone any
+/// entry another consumer holds now. Checking the holder and claiming happen in one script:
+/// XCLAIM alone would take an entry from whoever holds it.
+/// KEYS: stream. ARGV: group, consumer, ids. Returns the ids still held.
+const RENEW_HOLD: &str = r#"
+local held = {}
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    held[#held + 1] = ARGV[i]
+  end
+end
+return held
+"#;
+
+/// Opening of the scripts that act on a replay's outcome: they do nothing (and answer -1)
+/// unless this worker still holds the entry. ARGV: group, id, consumer, …
+const IF_STILL_HELD: &str = r#"
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3]) == 0 then
+  return -1
+end
+"#;
+
+/// Acknowledges and deletes a finished entry. KEYS: stream. ARGV: group, id, consumer.
 const FINISH: &str = r#"
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return redis.call('XDEL', KEYS[1], ARGV[2])
@@ -123,12 +147,22 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 {
                     continue;
                 }
-                if let Err(error) = replay_route(
+                match replay_route(
                     &shared, &redis, &settings, &keys, route, &consumer, &mut stop,
                 )
                 .await
                 {
-                    tracing::debug!(route = %route.name, "replay paused: {error}");
+                    Ok(()) => {}
+                    // The stream went away (a Redis restarted without persistence, a
+                    // FLUSHALL, an evicted key) and the next XADD made it again without the
+                    // group: made again on the next pass, or its jobs would never run.
+                    Err(error) if is_no_group(&error) => {
+                        tracing::warn!(route = %route.name, stream = %keys.stream, "the queue's consumer group is gone from redis; making it again: {error}");
+                        groups_made.remove(&keys.stream);
+                    }
+                    Err(error) => {
+                        tracing::debug!(route = %route.name, "replay paused: {error}");
+                    }
                 }
             }
         }
@@ -152,6 +186,11 @@ async fn make_group(
         Err(RedisFailure::Redis(error)) if error.to_string().contains("BUSYGROUP") => Ok(()),
         Err(error) => Err(error),
     }
+}
+
+/// Redis's answer to a group command on a stream without that group (or without the stream).
+fn is_no_group(error: &RedisFailure) -> bool {
+    matches!(error, RedisFailure::Redis(error) if error.code() == Some("NOGROUP"))
 }
 
 async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, route: &str) {
@@ -255,14 +294,79 @@ async fn replay_route(
         }
     }
 
+    if batch.is_empty() {
+        return Ok(());
+    }
+    // The batch is replayed one job after another, each for up to the upstream's
+    // response_timeout: the jobs still waiting, and the one being replayed, would sit idle
+    // longer than claim_after, and another instance would take them over and replay them a
+    // second time. So the hold on all of them is renewed every third of claim_after until
+    // the batch is done; only a worker that died, stopped or lost Redis for claim_after
+    // loses its jobs.
+    let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+    let renew_every = (settings.claim_after / 3).max(Duration::from_millis(10));
+    let keep_hold = async {
+        loop {
+            tokio::time::sleep(renew_every).await;
+            if let Err(error) = renew_hold(redis, keys, settings, consumer, &ids).await {
+                tracing::debug!(route = %route.name, "cannot renew the hold on queued jobs: {error}");
+            }
+        }
+    };
+    tokio::select! {
+        result = replay_batch(shared, redis, settings, keys, route, consumer, stop, batch) => result,
+        _ = keep_hold => Ok(()),
+    }
+}
+
+/// Renews the hold on `ids` (see [`RENEW_HOLD`]); returns those this worker still holds.
+async fn renew_hold(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    settings: &QueueSettings,
+    consumer: &str,
+    ids: &[String],
+) -> Result<Vec<String>, RedisFailure> {
+    let mut command = redis::cmd("EVAL");
+    command
+        .arg(RENEW_HOLD)
+        .arg(1)
+        .arg(&keys.stream)
+        .arg(&settings.group)
+        .arg(consumer)
+        .arg(ids);
+    redis.command(&command, QUEUE_TIMEOUT, None).await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn replay_batch(
+    shared: &Shared,
+    redis: &RedisStore,
+    settings: &QueueSettings,
+    keys: &QueueKeys,
+    route: &Route,
+    consumer: &str,
+    stop: &mut watch::Receiver<bool>,
+    batch: Vec<(String, std::collections::HashMap<String, Vec<u8>>)>,
+) -> Result<(), RedisFailure> {
     let pause = Duration::from_secs_f64(1.0 / settings.replay_rate.max(0.001));
     for (id, fields) in batch {
         if *stop.borrow() {
             break;
         }
+        // Right before sending: a job another instance took over (this one could not renew
+        // its hold in time) is that one's to replay now, not this one's too.
+        if renew_hold(redis, keys, settings, consumer, std::slice::from_ref(&id))
+            .await?
+            .is_empty()
+        {
+            tracing::warn!(route = %route.name, %id, "job taken over by another worker before its replay here; left to that one");
+            continue;
+        }
+        let owner = Holder { consumer, id: &id };
         let Some(mut job) = Job::from_fields(&id, &fields) else {
             tracing::warn!(route = %route.name, %id, "unreadable job moved to dead letters");
-            dead_letter_raw(redis, keys, settings, &id, &fields).await?;
+            dead_letter_raw(redis, keys, settings, owner, &fields).await?;
             continue;
         };
         let result = replay(shared, route, &job).await;
@@ -272,7 +376,7 @@ async fn replay_route(
         };
         shared.metrics.queue_replayed.get_or_create(&labels).inc();
         match result {
-            Replay::Done => finish(redis, keys, settings, &id).await?,
+            Replay::Done => finish(redis, keys, settings, owner).await?,
             Replay::Retry(error) | Replay::Permanent(error) => {
                 job.attempts += 1;
                 job.last_error = Some(error.clone());
@@ -286,7 +390,7 @@ async fn replay_route(
                             route: route.name.to_string(),
                         })
                         .inc();
-                    dead_letter(redis, keys, settings, &id, &job).await?;
+                    dead_letter(redis, keys, settings, owner, &job).await?;
                 } else {
                     shared
                         .metrics
@@ -299,7 +403,7 @@ async fn replay_route(
                         redis,
                         keys,
                         settings,
-                        &id,
+                        owner,
                         &job,
                         backoff(settings, job.attempts),
                     )
@@ -358,7 +462,7 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
     for (name, value) in &job.headers {
         if let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(value),
+            HeaderValue::from_bytes(value),
         ) {
             headers.append(name, value);
         }
@@ -390,8 +494,11 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
         Ok(Ok(response)) => {
             let status = response.status();
             permit.record_status(status.as_u16(), &shared.metrics);
-            // Drain the body so the connection can be reused.
-            let _ = response.into_body().collect().await;
+            // Drain the body so the connection can be reused, but not for longer than the
+            // upstream's idle_body_timeout: the outcome is known, and the worker keeps its
+            // hold on the batch while it waits here.
+            let drain = response.into_body().collect();
+            let _ = tokio::time::timeout(upstream.settings.idle_body_timeout, drain).await;
             if status.is_success() || status.is_redirection() {
                 Replay::Done
             } else if status.is_client_error() && !matches!(status.as_u16(), 408 | 425 | 429) {
@@ -408,7 +515,7 @@ async fn eval(
     script: &str,
     keys: &[&str],
     args: Vec<Vec<u8>>,
-) -> Result<(), RedisFailure> {
+) -> Result<redis::Value, RedisFailure> {
     let mut command = redis::cmd("EVAL");
     command.arg(script).arg(keys.len());
     for key in keys {
@@ -417,7 +524,41 @@ async fn eval(
     for arg in args {
         command.arg(arg);
     }
-    let _: redis::Value = redis.command(&command, QUEUE_TIMEOUT, None).await?;
+    redis.command(&command, QUEUE_TIMEOUT, None).await
+}
+
+/// A stream entry and the consumer that holds it.
+#[derive(Clone, Copy)]
+struct Holder<'a> {
+    consumer: &'a str,
+    id: &'a str,
+}
+
+/// Runs a script that acts on a replay's outcome (its ARGV start with group, id, consumer)
+/// only while `holder` still holds the entry. One that lost it (another instance took the
+/// job over while the replay ran: this worker could not renew its hold for claim_after)
+/// leaves the job to the new holder, whose replay decides what becomes of it.
+async fn eval_if_still_held(
+    redis: &RedisStore,
+    script: &str,
+    keys: &[&str],
+    settings: &QueueSettings,
+    holder: Holder<'_>,
+    rest: Vec<Vec<u8>>,
+) -> Result<(), RedisFailure> {
+    let mut args = vec![
+        settings.group.clone().into_bytes(),
+        holder.id.as_bytes().to_vec(),
+        holder.consumer.as_bytes().to_vec(),
+    ];
+    args.extend(rest);
+    let script = format!("{IF_STILL_HELD}{script}");
+    if let redis::Value::Int(-1) = eval(redis, &script, keys, args).await? {
+        tracing::warn!(
+            id = holder.id,
+            "job taken over by another worker while its replay ran here; left to that one"
+        );
+    }
     Ok(())
 }
 
@@ -425,15 +566,9 @@ async fn finish(
     redis: &RedisStore,
     keys: &QueueKeys,
     settings: &QueueSettings,
-    id: &str,
+    holder: Holder<'_>,
 ) -> Result<(), RedisFailure> {
-    eval(
-        redis,
-        FINISH,
-        &[&keys.stream],
-        vec![settings.group.clone().into_bytes(), id.as_bytes().to_vec()],
-    )
-    .await
+    eval_if_still_held(redis, FINISH, &[&keys.stream], settings, holder, Vec::new()).await
 }
 
 /// Fields of a job as command arguments.
@@ -455,26 +590,33 @@ async fn dead_letter(
     redis: &RedisStore,
     keys: &QueueKeys,
     settings: &QueueSettings,
-    id: &str,
+    holder: Holder<'_>,
     job: &Job,
 ) -> Result<(), RedisFailure> {
     const SCRIPT: &str = r#"
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return redis.call('XDEL', KEYS[1], ARGV[2])
 "#;
-    let mut args = vec![settings.group.clone().into_bytes(), id.as_bytes().to_vec()];
-    args.extend(job_args(job));
-    eval(redis, SCRIPT, &[&keys.stream, &keys.dead], args).await
+    eval_if_still_held(
+        redis,
+        SCRIPT,
+        &[&keys.stream, &keys.dead],
+        settings,
+        holder,
+        job_args(job),
+    )
+    .await
 }
 
 async fn dead_letter_raw(
     redis: &RedisStore,
     keys: &QueueKeys,
     settings: &QueueSettings,
-    id: &str,
+    holder: Holder<'_>,
     fields: &std::collections::HashMap<String, Vec<u8>>,
 ) -> Result<(), RedisFailure> {
+    let id = holder.id;
     let job = Job {
         route: String::new(),
         method: String::new(),
@@ -487,7 +629,7 @@ async fn dead_letter_raw(
         key: Some(id.to_string()),
         last_error: Some("unreadable job".into()),
     };
-    dead_letter(redis, keys, settings, id, &job).await
+    dead_letter(redis, keys, settings, holder, &job).await
 }
 
 /// Parks a job until its retry time, atomically with the ack.
@@ -495,28 +637,26 @@ async fn delay(
     redis: &RedisStore,
     keys: &QueueKeys,
     settings: &QueueSettings,
-    id: &str,
+    holder: Holder<'_>,
     job: &Job,
     wait: Duration,
 ) -> Result<(), RedisFailure> {
     const SCRIPT: &str = r#"
-redis.call('HSET', KEYS[3], unpack(ARGV, 4))
-redis.call('ZADD', KEYS[2], ARGV[3], KEYS[3])
+redis.call('HSET', KEYS[3], unpack(ARGV, 5))
+redis.call('ZADD', KEYS[2], ARGV[4], KEYS[3])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return redis.call('XDEL', KEYS[1], ARGV[2])
 "#;
     let job_key = format!("{}:{}", keys.delayed, job.idempotency_key());
     let due = now_ms() + wait.as_millis() as u64;
-    let mut args = vec![
-        settings.group.clone().into_bytes(),
-        id.as_bytes().to_vec(),
-        due.to_string().into_bytes(),
-    ];
+    let mut args = vec![due.to_string().into_bytes()];
     args.extend(job_args(job));
-    eval(
+    eval_if_still_held(
         redis,
         SCRIPT,
         &[&keys.stream, &keys.delayed, &job_key],
+        settings,
+        holder,
         args,
     )
     .await

@@ -521,6 +521,17 @@ impl RedisServer {
         .await
     }
 
+    /// Runs one command with redis-cli against this server and returns what it printed.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let binary = find_binary(&["redis-cli", "/usr/bin/redis-cli"]);
+        let output = Command::new(binary)
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
     /// SIGKILLs the server (no chance to save anything) and reaps it.
     pub fn kill(&mut self) {
         let _ = self.guard.child.kill();
