@@ -11,6 +11,15 @@ async fn exchange(levee: &Levee, raw: &[u8]) -> String {
     raw_exchange(levee.public, raw, Duration::from_secs(5)).await
 }
 
+/// `GET target` as sent, byte for byte (a client library would re-encode it).
+async fn get_target(levee: &Levee, target: &str) -> String {
+    exchange(
+        levee,
+        format!("GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smuggling_attempts_are_refused_never_forwarded_ambiguously() {
     let backend = echo_backend().await;
@@ -229,12 +238,7 @@ async fn invalid_utf8_and_percent_encoding_in_paths_get_400_or_pass_unchanged() 
     assert!(matches!(status_of(&answer), Some(400) | None), "{answer}");
     // Broken escapes are refused with the reason.
     for target in ["/a%", "/a%4", "/a%zz", "/%%41"] {
-        let answer = raw_exchange(
-            levee.public,
-            format!("GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
-            Duration::from_secs(5),
-        )
-        .await;
+        let answer = get_target(&levee, target).await;
         assert_eq!(status_of(&answer), Some(400), "{target}: {answer}");
         assert!(
             answer.contains("invalid percent-encoding"),
@@ -246,12 +250,7 @@ async fn invalid_utf8_and_percent_encoding_in_paths_get_400_or_pass_unchanged() 
     // Escapes of bytes that are not UTF-8 (or overlong slashes) are not decoded into
     // anything: they pass to the app as sent and cannot climb or switch routes.
     for target in ["/%ff%fe", "/%c0%af..%c0%af/ranking", "/ranking/a%2Fb"] {
-        let answer = raw_exchange(
-            levee.public,
-            format!("GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
-            Duration::from_secs(5),
-        )
-        .await;
+        let answer = get_target(&levee, target).await;
         assert_eq!(status_of(&answer), Some(200), "{target}: {answer}");
         let (_, body) = answer.split_once("\r\n\r\n").expect("head and body");
         let echo: serde_json::Value = serde_json::from_str(body).expect("echo json");
@@ -267,12 +266,7 @@ async fn invalid_utf8_and_percent_encoding_in_paths_get_400_or_pass_unchanged() 
         "/ranking%2f..%2fadmin",
         "/x/..%2Franking",
     ] {
-        let answer = raw_exchange(
-            levee.public,
-            format!("GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
-            Duration::from_secs(5),
-        )
-        .await;
+        let answer = get_target(&levee, target).await;
         assert_eq!(status_of(&answer), Some(400), "{target}: {answer}");
         assert!(answer.contains("encoded slash"), "{target}: {answer}");
     }
