@@ -204,8 +204,8 @@ pub fn read_tag(buf: &[u8], name_at: usize) -> Read {
 /// What the scanner made of a needle found in the page.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Found {
-    /// Need more of the page to tell.
-    Incomplete,
+    /// The tag that may hold the needle starts at `start` and does not end within the buffer.
+    Incomplete { start: usize },
     /// The needle is not the id of an element the selectors pick: pass the page on up to
     /// `resume` and keep looking.
     NotHere { resume: usize },
@@ -215,24 +215,71 @@ pub enum Found {
     Unsure { start: usize },
 }
 
-/// Looks at the needle found at `at` (length `len`) in `buf`: is it inside the start tag that
-/// begins at the last `<` before it, as the id one of `selectors` picks?
-pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Found {
-    let Some(start) = memchr::memrchr(b'<', &buf[..at]) else {
-        // No tag opened before it in what is kept: text.
-        return Found::NotHere { resume: at + len };
-    };
-    let Some(&next) = buf.get(start + 1) else {
-        return Found::Incomplete;
-    };
-    if !next.is_ascii_alphabetic() {
-        // The last `<` opens an end tag, a comment or nothing: the needle is not in a start
-        // tag's attributes.
-        return Found::NotHere { resume: at + len };
+/// The tag that holds a position of the buffer, as far as the bytes before it show.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Holder {
+    /// No tag: the position is in text.
+    None,
+    /// The tag starting at `start` holds it and does not end within the buffer.
+    Incomplete {
+        start: usize,
+    },
+    Tag {
+        start: usize,
+        tag: Tag,
+    },
+}
+
+/// How many tags `holder` reads back. Nothing short of parsing the page from its start tells
+/// for sure that a `<` is not inside an earlier tag's value (`<div title="<b>x</b>" ...`: no
+/// quote lies between `<b>` and what follows, yet the value is still open), so the walk is
+/// bounded by count: a module whose start tag holds more `<` than this in its values before
+/// its id is not recognised, and passes untouched.
+const TAGS_READ_BACK: usize = 8;
+
+/// Finds the tag that holds `buf[at]` by reading tags back from it. The last `<` before a
+/// position is not always its tag's start: a quoted value may hold a `<` of its own
+/// (`<div title="<b>x</b>" id="ranking">`), and what looks like a tag may itself sit in an
+/// earlier tag's value (`<i title="<div id=ranking>">`). So each of the last few `<` that
+/// open a tag is read forward, honouring quotes, and the earliest one whose tag reaches past
+/// the position (or past the buffer) wins.
+pub fn holder(buf: &[u8], at: usize) -> Holder {
+    let mut found = Holder::None;
+    // The position the next tag back must reach past to hold what was found so far.
+    let mut target = at;
+    let mut before = at;
+    let mut read = 0;
+    while let Some(start) = memchr::memrchr(b'<', &buf[..before]) {
+        before = start;
+        if !buf.get(start + 1).is_some_and(u8::is_ascii_alphabetic) {
+            continue;
+        }
+        read += 1;
+        if read > TAGS_READ_BACK {
+            break;
+        }
+        match read_tag(buf, start + 1) {
+            Read::Incomplete => {
+                found = Holder::Incomplete { start };
+                target = start;
+            }
+            Read::Tag(tag) if tag.end > target => {
+                found = Holder::Tag { start, tag };
+                target = start;
+            }
+            Read::Tag(_) => {}
+        }
     }
-    let tag = match read_tag(buf, start + 1) {
-        Read::Incomplete => return Found::Incomplete,
-        Read::Tag(tag) => tag,
+    found
+}
+
+/// Looks at the needle found at `at` (length `len`) in `buf`: is it inside a start tag, as
+/// the id one of `selectors` picks?
+pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Found {
+    let (start, tag) = match holder(buf, at) {
+        Holder::None => return Found::NotHere { resume: at + len },
+        Holder::Incomplete { start } => return Found::Incomplete { start },
+        Holder::Tag { start, tag } => (start, tag),
     };
     let picked = tag.id.is_some_and(|(from, to)| {
         selectors.iter().any(|selector| {
@@ -241,8 +288,10 @@ pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Fou
         })
     });
     if !picked {
-        // The needle sits in this tag's other attributes, or in the text after it.
-        return Found::NotHere { resume: at + len };
+        // The whole tag is passed: a needle later in it is in the same tag, not in a new one.
+        return Found::NotHere {
+            resume: tag.end.max(at + len),
+        };
     }
     if is_one_of(&tag.name, VOID) || is_one_of(&tag.name, CONTAINERS) {
         Found::Element { start, tag }
@@ -251,7 +300,6 @@ pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Fou
     }
 }
 
-/// Progress of removing one element whose start tag has been read.
 #[derive(Debug)]
 pub struct Cut {
     /// Lower-case names of the elements open inside the removed one, which is first. An end

@@ -15,7 +15,7 @@ use lol_html::send::{HtmlRewriter, Settings};
 use lol_html::{doc_comments, doc_text, element, end_tag, OutputSink};
 use pin_project_lite::pin_project;
 
-use super::cut::{self, Cut, Found, IdSelector, Step};
+use super::cut::{self, Cut, Found, Holder, IdSelector, Step};
 
 use crate::error::BoxError;
 
@@ -291,12 +291,13 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 impl Hider {
-    /// `fast`: use the tag-scanner fast path when the selectors allow it (tests turn it off
-    /// to compare against the rewriter alone).
+    /// `fast`: scan for the needles and use the tag-scanner fast path when the selectors
+    /// allow it (tests turn it off to compare against the rewriter over the whole page).
     fn new(selectors: &[String], markers: Vec<String>, fast: bool) -> Hider {
         let mut plan = plan(selectors, &markers);
         if !fast {
             plan.ids.clear();
+            plan.needles.clear();
         }
         let output = Arc::new(Mutex::new(BytesMut::new()));
         let ended = Arc::new(AtomicUsize::new(0));
@@ -355,16 +356,21 @@ impl Hider {
                 .filter_map(|needle| find(carry, needle).map(|at| (at, needle.len())))
                 .min();
             let Some((at, len)) = first else {
-                // Keep a tail back in case a needle or its tag straddles chunks.
-                let keep = carry.len().min(CARRY);
+                // Keep a tail back in case a needle or its tag straddles chunks: at least
+                // `CARRY` bytes, and a tag that has not ended yet whole (up to `MAX_HELD`), so
+                // an id late in a long start tag still finds the tag's start.
+                let unfinished = match cut::holder(carry, carry.len()) {
+                    Holder::Incomplete { start } => carry.len() - start,
+                    Holder::None | Holder::Tag { .. } => 0,
+                };
+                let keep = carry.len().min(CARRY.max(unfinished.min(MAX_HELD)));
                 let pass = carry.split_to(carry.len() - keep);
                 emit(&self.output, &pass);
                 return Ok(());
             };
-            let start = carry[..at].iter().rposition(|b| *b == b'<').unwrap_or(0);
             if !self.plan.ids.is_empty() {
                 match cut::judge(carry, at, len, &self.plan.ids) {
-                    Found::Incomplete if carry.len() - start <= MAX_HELD => {
+                    Found::Incomplete { start } if carry.len() - start <= MAX_HELD => {
                         let before = carry.split_to(start);
                         emit(&self.output, &before);
                         return Ok(());
@@ -390,10 +396,15 @@ impl Hider {
                         }
                         return self.cut();
                     }
-                    Found::Incomplete | Found::Unsure { .. } => {}
+                    Found::Incomplete { .. } | Found::Unsure { .. } => {}
                 }
             }
-            // The rewriter takes over from the tag before the needle.
+            // The rewriter takes over from the tag that holds the needle, or else from the
+            // last `<` before it (a marker's comment).
+            let start = match cut::holder(carry, at) {
+                Holder::Tag { start, .. } | Holder::Incomplete { start } => start,
+                Holder::None => memchr::memrchr(b'<', &carry[..at]).unwrap_or(0),
+            };
             let before = carry.split_to(start);
             emit(&self.output, &before);
             let rest = carry.split();
@@ -699,8 +710,9 @@ mod tests {
     }
 
     /// A page of markup pieces a legacy template produces, stray end tags included, with the
-    /// `ranking` module somewhere (maybe twice, maybe as a void or self-closed element) and
-    /// the word in text and other attributes. The module's own content may leave elements of
+    /// `ranking` module somewhere (maybe twice, maybe as a void or self-closed element, maybe
+    /// with a `<` in a quoted value before its id) and the word in text and other attributes,
+    /// a whole decoy tag in a quoted value among them. The module's own content may leave elements of
     /// other names unclosed, but it never closes one it did not open nor leaves one of its
     /// own name open, and the id never appears inside comments or scripts: in those cases
     /// where the module ends depends on the page before it, which neither path parses.
@@ -728,6 +740,8 @@ mod tests {
             "<div/>",
             "<table><tr><td>1</td></tr></table>",
             "<img src=x>",
+            "<i title=\"<div id=ranking>\">decoy</i>",
+            "<span title='a <b> c' class=x>",
             "\n",
         ];
         const INSIDE: &[&str] = &[
@@ -757,6 +771,8 @@ mod tests {
             ("<section id=\"ranking\">", "</section>"),
             ("<div id=\"ranking\"/>", "</div>"),
             ("<img id=\"ranking\">", ""),
+            ("<div data-tip=\"<b>x</b>\" id=\"ranking\">", "</div>"),
+            ("<div title='1 < 2' ID=ranking>", "</div>"),
         ];
         let mut html = String::new();
         let modules = 1 + dice.roll(2);
@@ -777,6 +793,36 @@ mod tests {
             }
         }
         html
+    }
+
+    #[test]
+    fn a_module_is_found_after_a_quoted_lt_and_late_in_a_long_start_tag() {
+        let long = "x".repeat(3 * CARRY);
+        let modules = [
+            "<div data-tip=\"<b>tip</b>\" id=\"ranking\"><p>top</p></div>".to_string(),
+            format!("<div data-long=\"{long}\" id=\"ranking\"><p>top</p></div>"),
+            format!("<div data-long=\"<b>{long}</b>\" id=ranking><p>top</p></div>"),
+        ];
+        for module in &modules {
+            let page = format!("<p>{}</p>{module}<p>after</p>", "text ".repeat(2000));
+            let expected = page.replace(module.as_str(), "");
+            for chunk in [1, 100, 4096, 1 << 20] {
+                for selectors in [&["#ranking"][..], &["div#ranking", ".other"][..]] {
+                    let out = hide_with(page.as_bytes(), selectors, chunk, true);
+                    assert!(
+                        out == expected.as_bytes(),
+                        "chunk {chunk}, {selectors:?}, module {}",
+                        &module[..40]
+                    );
+                }
+            }
+        }
+        // A tag in another tag's quoted value is a value, not an element.
+        let decoy = "<i title=\"<div id=ranking>\">decoy</i><p>x</p>";
+        for chunk in [1, 5, 1 << 20] {
+            let out = hide_with(decoy.as_bytes(), &["#ranking"], chunk, true);
+            assert_eq!(String::from_utf8_lossy(&out), decoy, "chunk {chunk}");
+        }
     }
 
     #[test]
