@@ -309,3 +309,137 @@ async fn slow_request_bodies_are_cut_off_with_408() {
     // Still serving.
     assert_eq!(post(&levee.url("/form"), "complete").await.status, 200);
 }
+
+/// Flips its flag when dropped: tells the test that levee let go of the upstream's answer.
+struct DroppedFlag(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for DroppedFlag {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_off_and_its_upstream_answer_let_go() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use futures_util::StreamExt;
+    use http::Response;
+    use http_body_util::{BodyExt, StreamBody};
+    use hyper::body::Frame;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let dropped = Arc::new(AtomicBool::new(false));
+    let flag = dropped.clone();
+    // An answer far larger than any socket buffer, made as it is read.
+    let backend = Backend::start(move |_request| {
+        let guard = DroppedFlag(flag.clone());
+        async move {
+            let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+            let chunks = futures_util::stream::iter(0..16_384).map(move |_| {
+                let _held = &guard;
+                Ok::<_, BoxError>(Frame::data(chunk.clone()))
+            });
+            Response::new(StreamBody::new(chunks).boxed_unsync())
+        }
+    })
+    .await;
+    let levee = Levee::start(&policy_for(backend.addr, "send_timeout = \"1s\"", "")).await;
+
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .expect("write");
+    // The client reads nothing from here on.
+    eventually(
+        Duration::from_secs(20),
+        "levee gives up on the client and lets go of the upstream's answer",
+        || async { dropped.load(Ordering::SeqCst) },
+    )
+    .await;
+    // What reached the client is a cut answer (then the close), not the whole of it.
+    let mut received = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut received)).await;
+    assert!(
+        received.len() < 1024 * 1024 * 1024,
+        "the whole answer went out: {}",
+        received.len()
+    );
+    // levee goes on serving.
+    let answer = get(&levee.url("/small")).await;
+    assert_eq!(answer.status, 200);
+}
+
+#[tokio::test]
+async fn an_idle_websocket_tunnel_is_closed_after_tunnel_idle_timeout() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let ws_addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(mut socket) = tokio_tungstenite::accept_async(stream).await else {
+                    return;
+                };
+                while let Some(Ok(message)) = socket.next().await {
+                    if message.is_text() {
+                        let _ = socket.send(message).await;
+                    }
+                }
+            });
+        }
+    });
+    let levee = Levee::start(&policy_for(ws_addr, "tunnel_idle_timeout = \"1s\"", "")).await;
+    let (mut socket, _) = tokio_tungstenite::connect_async(format!("ws://{}/chat", levee.public))
+        .await
+        .expect("websocket handshake through levee");
+    // Traffic more often than the timeout keeps the tunnel open past it.
+    for round in 0..6 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        socket
+            .send(Message::text(format!("ping {round}")))
+            .await
+            .expect("send while busy");
+        let echoed = socket.next().await.expect("a message").expect("no error");
+        assert_eq!(
+            echoed.into_text().expect("text").as_str(),
+            format!("ping {round}")
+        );
+    }
+    // Then silence: levee closes the tunnel.
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match socket.next().await {
+                None | Some(Err(_)) => return,
+                Some(Ok(Message::Close(_))) => return,
+                Some(Ok(_)) => {}
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "levee kept an idle tunnel open");
+}
+
+#[test]
+fn a_zero_send_or_tunnel_timeout_is_refused_with_its_line() {
+    let stderr = check_fails(
+        "[server]\nsend_timeout = \"0s\"\ntunnel_idle_timeout = \"0ms\"\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n",
+    );
+    assert!(
+        stderr.contains("levee.toml:2:16: error: `send_timeout` must be more than 0"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("levee.toml:3:23: error: `tunnel_idle_timeout` must be more than 0"),
+        "{stderr}"
+    );
+}

@@ -213,6 +213,29 @@ impl<'a> Compiler<'a> {
         }
     }
 
+    /// A duration that must not be zero (a zero bound would cut every wait at once).
+    fn nonzero_duration(
+        &mut self,
+        file: usize,
+        value: &Option<Spanned<String>>,
+        default: Duration,
+        key: &str,
+    ) -> Duration {
+        let duration = self.duration(file, value, default);
+        match value {
+            Some(value) if duration.is_zero() => {
+                self.error_hint(
+                    file,
+                    value.span(),
+                    format!("`{key}` must be more than 0"),
+                    "a bound of 0 would cut every connection at its first wait; leave the key out for the default",
+                );
+                default
+            }
+            _ => duration,
+        }
+    }
+
     fn size(&mut self, file: usize, value: &Option<Spanned<SizeSpec>>, default: u64) -> u64 {
         let Some(value) = value else { return default };
         match parse_size(value.get_ref()) {
@@ -1328,6 +1351,18 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
             file,
             &spec.client_body_timeout,
             defaults.client_body_timeout,
+        ),
+        send_timeout: compiler.nonzero_duration(
+            file,
+            &spec.send_timeout,
+            defaults.send_timeout,
+            "send_timeout",
+        ),
+        tunnel_idle_timeout: compiler.nonzero_duration(
+            file,
+            &spec.tunnel_idle_timeout,
+            defaults.tunnel_idle_timeout,
+            "tunnel_idle_timeout",
         ),
         drain: compiler.duration(file, &spec.drain, defaults.drain),
         shutdown_timeout: compiler.duration(

@@ -59,6 +59,12 @@ pub struct ServerSettings {
     pub max_body: u64,
     /// Longest pause inside a request body. Default 30s.
     pub client_body_timeout: Duration,
+    /// Longest wait for a client to take response bytes; then the connection closes.
+    /// Default 60s.
+    pub send_timeout: Duration,
+    /// Longest silence both ways on an upgraded (WebSocket) connection; then both sides are
+    /// closed. Default 5m.
+    pub tunnel_idle_timeout: Duration,
     /// How long `/readyz` says 503 before levee stops accepting. Default 5s.
     pub drain: Duration,
     /// Longest wait for in-flight requests after drain. Default 30s.
@@ -80,6 +86,8 @@ impl Default for ServerSettings {
             max_header_bytes: 16 * 1024,
             max_body: 10 * 1024 * 1024,
             client_body_timeout: Duration::from_secs(30),
+            send_timeout: Duration::from_secs(60),
+            tunnel_idle_timeout: Duration::from_secs(300),
             drain: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(30),
             livez_path: "/livez".into(),

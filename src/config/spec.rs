@@ -80,6 +80,8 @@ pub struct ServerSpec {
     pub max_header_bytes: Option<Spanned<SizeSpec>>,
     pub max_body: Option<Spanned<SizeSpec>>,
     pub client_body_timeout: Option<Spanned<String>>,
+    pub send_timeout: Option<Spanned<String>>,
+    pub tunnel_idle_timeout: Option<Spanned<String>>,
     pub drain: Option<Spanned<String>>,
     pub shutdown_timeout: Option<Spanned<String>>,
     pub livez_path: Option<Spanned<String>>,

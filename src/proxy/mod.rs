@@ -371,7 +371,12 @@ async fn forward(
 
     if let Some(client_upgrade) = client_upgrade {
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-            return Ok(upgrade::pass_through(client_upgrade, &mut response, &route));
+            return Ok(upgrade::pass_through(
+                client_upgrade,
+                &mut response,
+                &route,
+                policy.server.tunnel_idle_timeout,
+            ));
         }
     }
 

@@ -23,6 +23,7 @@ use crate::config::PolicyStore;
 pub struct ConnectionLimits {
     pub header_read_timeout: Duration,
     pub max_header_bytes: usize,
+    pub send_timeout: Duration,
 }
 
 impl ConnectionLimits {
@@ -31,6 +32,7 @@ impl ConnectionLimits {
         ConnectionLimits {
             header_read_timeout: policy.server.header_read_timeout,
             max_header_bytes: policy.server.max_header_bytes,
+            send_timeout: policy.server.send_timeout,
         }
     }
 }

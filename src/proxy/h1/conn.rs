@@ -68,7 +68,7 @@ pub(super) async fn serve_connection<H, F>(
     peer: SocketAddr,
     handler: H,
     limits: ConnectionLimits,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) where
     H: Fn(SocketAddr, Request<RequestBody>) -> F,
     F: Future<Output = Response<ResponseBody>> + Send + 'static,
@@ -78,17 +78,14 @@ pub(super) async fn serve_connection<H, F>(
     // `proxy::forward`); this one only stops a head from growing without end.
     let max_head_bytes = (limits.max_header_bytes + 8192).max(64 * 1024);
     let mut read_buffer = BytesMut::new();
-    let mut stopping = false;
+    let mut stop = Stop {
+        switch: stop,
+        stopping: false,
+    };
     loop {
         // The timeout also runs while a keep-alive connection waits for its next request,
         // so idle connections are closed after it, as with hyper before.
-        let reading = read_head(
-            &mut stream,
-            &mut read_buffer,
-            max_head_bytes,
-            &mut stop,
-            &mut stopping,
-        );
+        let reading = read_head(&mut stream, &mut read_buffer, max_head_bytes, &mut stop);
         let head = match tokio::time::timeout(limits.header_read_timeout, reading).await {
             Err(_elapsed) => {
                 tracing::debug!(%peer, "no complete request head within the header read timeout");
@@ -97,7 +94,7 @@ pub(super) async fn serve_connection<H, F>(
             Ok(HeadRead::Closed) => return,
             Ok(HeadRead::Refused(error)) => {
                 tracing::debug!(%peer, "request head refused: {error}");
-                Box::pin(refuse(&mut stream, error)).await;
+                Box::pin(refuse(&mut stream, error, limits.send_timeout)).await;
                 Box::pin(linger_close(stream)).await;
                 return;
             }
@@ -110,7 +107,7 @@ pub(super) async fn serve_connection<H, F>(
             peer,
             &handler,
             &mut stop,
-            &mut stopping,
+            limits.send_timeout,
         );
         match Box::pin(exchange).await {
             After::KeepAlive => {
@@ -146,8 +143,7 @@ async fn read_head(
     stream: &mut TcpStream,
     buffer: &mut BytesMut,
     max_head_bytes: usize,
-    stop: &mut watch::Receiver<bool>,
-    stopping: &mut bool,
+    stop: &mut Stop,
 ) -> HeadRead {
     loop {
         if !buffer.is_empty() {
@@ -165,8 +161,8 @@ async fn read_head(
                 Ok(0) | Err(_) => return HeadRead::Closed,
                 Ok(_) => {}
             },
-            () = stopped(stop), if !*stopping => {
-                *stopping = true;
+            () = stopped(&mut stop.switch), if !stop.stopping => {
+                stop.stopping = true;
                 // Idle: close now. A head already on its way is still answered.
                 if buffer.is_empty() {
                     return HeadRead::Closed;
@@ -209,7 +205,7 @@ async fn read_some(stream: &mut TcpStream, buffer: &mut BytesMut) -> std::io::Re
 }
 
 /// Answers a head that could not be accepted, through the one place errors become responses.
-async fn refuse(stream: &mut TcpStream, error: HeadError) {
+async fn refuse(stream: &mut TcpStream, error: HeadError, send_timeout: Duration) {
     let error = match error {
         HeadError::TooLarge { size, limit } => ProxyError::HeadersTooLarge { size, limit },
         HeadError::TooManyHeaders { limit } => ProxyError::TooManyHeaders { limit },
@@ -228,7 +224,11 @@ async fn refuse(stream: &mut TcpStream, error: HeadError) {
     );
     let mut out = BytesMut::new();
     encode::encode_head(&mut out, parts.status, &parts.headers, None, 0);
-    let (mut reader, mut writer) = stream.split();
+    let (mut reader, writer) = stream.split();
+    let mut writer = ClientWriter {
+        half: writer,
+        send_timeout,
+    };
     let mut no_body = RequestBodyReader::finished();
     let mut no_buffer = BytesMut::new();
     write_body(
@@ -251,8 +251,8 @@ async fn serve_request<H, F>(
     head: RequestHead,
     peer: SocketAddr,
     handler: &H,
-    stop: &mut watch::Receiver<bool>,
-    stopping: &mut bool,
+    stop: &mut Stop,
+    send_timeout: Duration,
 ) -> After
 where
     H: Fn(SocketAddr, Request<RequestBody>) -> F,
@@ -288,7 +288,11 @@ where
     });
     let mut must_close = close_after;
 
-    let (mut reader, mut writer) = stream.split();
+    let (mut reader, writer) = stream.split();
+    let mut writer = ClientWriter {
+        half: writer,
+        send_timeout,
+    };
     let mut answering = Box::pin(handler(peer, request));
     let response = loop {
         tokio::select! {
@@ -296,7 +300,7 @@ where
             response = &mut answering => break response,
             wanted = body_wanted(&mut continue_wanted), if continue_wanted.is_some() => {
                 continue_wanted = None;
-                if !wanted || writer.write_all(CONTINUE).await.is_err() {
+                if !wanted || writer.half.write_all(CONTINUE).await.is_err() {
                     // Dropped unread, or the client is gone: whether (and when) the client
                     // sends the body is unknown, so the connection cannot be reused.
                     must_close = true;
@@ -318,8 +322,8 @@ where
     // in the loop above, where the watch cost a waiter registered and removed on every poll.
     // It only decides whether this response keeps the connection.
     // A stop switch that is gone counts as stop, as in `stopped`.
-    if !*stopping && (*stop.borrow() || stop.has_changed().is_err()) {
-        *stopping = true;
+    if !stop.stopping && (*stop.switch.borrow() || stop.switch.has_changed().is_err()) {
+        stop.stopping = true;
     }
     drop(answering);
     if continue_wanted.is_some() {
@@ -329,7 +333,7 @@ where
     }
 
     let (mut parts, response_body) = response.into_parts();
-    let mut keep_alive = keep_alive && !must_close && !*stopping;
+    let mut keep_alive = keep_alive && !must_close && !stop.stopping;
     let switching = parts.status == StatusCode::SWITCHING_PROTOCOLS;
     // The upstream's own fields, when a pass-through relays them as received.
     let mut relayed = parts.extensions.remove::<UpstreamFields>();
@@ -382,7 +386,7 @@ where
             None => After::Close,
         };
     }
-    if !keep_alive || *stop.borrow() {
+    if !keep_alive || *stop.switch.borrow() {
         return After::Close;
     }
     if body_reader.is_reading() {
@@ -399,6 +403,13 @@ where
     } else {
         After::Close
     }
+}
+
+/// levee's stop switch as one connection sees it.
+struct Stop {
+    switch: watch::Receiver<bool>,
+    /// levee has begun to stop: the connection closes after the exchange in progress.
+    stopping: bool,
 }
 
 /// Resolves once levee stops (or can no longer tell whether it should).
@@ -418,7 +429,7 @@ async fn body_wanted(wanted: &mut Option<oneshot::Receiver<()>>) -> bool {
 /// Writes the encoded head and the response body with the chosen framing, keeping the
 /// request body flowing meanwhile. True when the whole response went out correctly framed.
 async fn write_body(
-    writer: &mut WriteHalf<'_>,
+    writer: &mut ClientWriter<'_>,
     mut out: BytesMut,
     mut body: ResponseBody,
     framing: ResponseFraming,
@@ -428,7 +439,7 @@ async fn write_body(
 ) -> bool {
     if framing == ResponseFraming::None {
         drop(body);
-        return writer.write_all_buf(&mut out).await.is_ok();
+        return writer.send_all(&mut out).await;
     }
     let mut length_left = match framing {
         ResponseFraming::Length(length) => length,
@@ -440,7 +451,7 @@ async fn write_body(
         let next = match body.frame().now_or_never() {
             Some(next) => next,
             None => {
-                if !out.is_empty() && writer.write_all_buf(&mut out).await.is_err() {
+                if !out.is_empty() && !writer.send_all(&mut out).await {
                     return false;
                 }
                 loop {
@@ -460,7 +471,7 @@ async fn write_body(
             None => break,
             Some(Err(error)) => {
                 tracing::debug!("response body failed, closing the connection: {error}");
-                let _ = writer.write_all_buf(&mut out).await;
+                let _ = writer.send_all(&mut out).await;
                 return false;
             }
             Some(Ok(frame)) => match frame.into_data() {
@@ -474,7 +485,7 @@ async fn write_body(
                 let length = data.len() as u64;
                 if length > length_left {
                     tracing::debug!("response body is longer than its Content-Length");
-                    let _ = writer.write_all_buf(&mut out).await;
+                    let _ = writer.send_all(&mut out).await;
                     return false;
                 }
                 length_left -= length;
@@ -490,14 +501,14 @@ async fn write_body(
             out.put_slice(&data);
         } else {
             let mut pending = std::mem::take(&mut out).freeze().chain(data);
-            if writer.write_all_buf(&mut pending).await.is_err() {
+            if !writer.send_all(&mut pending).await {
                 return false;
             }
         }
         if framing == ResponseFraming::Chunked {
             out.put_slice(b"\r\n");
         }
-        if out.len() >= FLUSH_LIMIT && writer.write_all_buf(&mut out).await.is_err() {
+        if out.len() >= FLUSH_LIMIT && !writer.send_all(&mut out).await {
             return false;
         }
         if body.is_end_stream() {
@@ -507,7 +518,7 @@ async fn write_body(
     if framing == ResponseFraming::Chunked {
         out.put_slice(encode::LAST_CHUNK);
     }
-    if writer.write_all_buf(&mut out).await.is_err() {
+    if !writer.send_all(&mut out).await {
         return false;
     }
     if length_left > 0 {
@@ -515,6 +526,56 @@ async fn write_body(
         return false;
     }
     true
+}
+
+/// The client connection's write half, with the bound on how long the client may take nothing.
+struct ClientWriter<'a> {
+    half: WriteHalf<'a>,
+    send_timeout: Duration,
+}
+
+impl ClientWriter<'_> {
+    /// Writes all of `buf`, vectored. False when the client is gone or took no byte for
+    /// `send_timeout` (a client that stops reading must not hold its upstream connection, and
+    /// the bulkhead slot with it, for ever). The bound is between writes that make progress,
+    /// as nginx's `send_timeout`, so a slow reader that keeps reading is not cut off; a write
+    /// the socket takes at once sets no timer.
+    async fn send_all<B: Buf>(&mut self, buf: &mut B) -> bool {
+        let limit = self.send_timeout;
+        while buf.has_remaining() {
+            let written = match write_some(&mut self.half, buf).now_or_never() {
+                Some(written) => written,
+                None => match tokio::time::timeout(limit, write_some(&mut self.half, buf)).await {
+                    Ok(written) => written,
+                    Err(_elapsed) => {
+                        tracing::debug!(
+                            "the client took no response byte for {limit:?} (send_timeout): closing"
+                        );
+                        return false;
+                    }
+                },
+            };
+            match written {
+                Ok(0) | Err(_) => return false,
+                Ok(written) => buf.advance(written),
+            }
+        }
+        true
+    }
+}
+
+/// One vectored write of what `buf` holds; `buf` is not advanced.
+async fn write_some<B: Buf>(writer: &mut WriteHalf<'_>, buf: &B) -> std::io::Result<usize> {
+    std::future::poll_fn(|cx| {
+        let mut slices = [std::io::IoSlice::new(&[]); 16];
+        let count = buf.chunks_vectored(&mut slices);
+        tokio::io::AsyncWrite::poll_write_vectored(
+            std::pin::Pin::new(&mut *writer),
+            cx,
+            &slices[..count],
+        )
+    })
+    .await
 }
 
 /// Sends FIN after the last response, then reads and drops what the client still sends for
@@ -735,6 +796,7 @@ mod tests {
 
     const LIMITS: ConnectionLimits = ConnectionLimits {
         header_read_timeout: Duration::from_secs(2),
+        send_timeout: Duration::from_secs(5),
         max_header_bytes: 16 * 1024,
     };
 
