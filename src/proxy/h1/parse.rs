@@ -219,6 +219,13 @@ impl FieldMeaning {
         version: Version,
         mut headers: HeaderMap,
     ) -> Result<RequestHead, HeadError> {
+        if version == Version::HTTP_11 && !self.host_seen {
+            // RFC 9112 3.2: routes match on the host, and the app reads it; nginx refuses the
+            // same request.
+            return Err(HeadError::Malformed(
+                "HTTP/1.1 request without a Host field",
+            ));
+        }
         let mut close_after = false;
         let framing = if self.transfer_encoding {
             if version == Version::HTTP_10 {
@@ -303,7 +310,20 @@ fn parse_all(raw: &[u8]) -> Result<Option<RequestHead>, HeadError> {
 mod tests {
     use super::*;
 
+    /// `raw`, with `Host: a` added after the request line of an HTTP/1.1 request without one.
+    fn with_host(raw: &str) -> String {
+        match raw.split_once("\r\n") {
+            Some((line, rest))
+                if line.ends_with("HTTP/1.1") && !rest.to_ascii_lowercase().contains("host:") =>
+            {
+                format!("{line}\r\nHost: a\r\n{rest}")
+            }
+            _ => raw.to_string(),
+        }
+    }
+
     fn head(raw: &str) -> RequestHead {
+        let raw = with_host(raw);
         match parse_all(raw.as_bytes()) {
             Ok(Some(head)) => head,
             other => panic!("{raw:?} => {other:?}"),
@@ -311,6 +331,7 @@ mod tests {
     }
 
     fn refused(raw: &str) -> HeadError {
+        let raw = with_host(raw);
         match parse_all(raw.as_bytes()) {
             Err(error) => error,
             other => panic!("{raw:?} was accepted: {other:?}"),
@@ -458,15 +479,35 @@ mod tests {
     }
 
     #[test]
+    fn an_http_1_1_request_needs_its_host() {
+        for raw in [
+            "GET / HTTP/1.1\r\n\r\n",
+            "GET http://a/ HTTP/1.1\r\nX: y\r\n\r\n",
+        ] {
+            assert!(
+                matches!(
+                    parse_all(raw.as_bytes()),
+                    Err(HeadError::Malformed(
+                        "HTTP/1.1 request without a Host field"
+                    ))
+                ),
+                "{raw:?}"
+            );
+        }
+        // HTTP/1.0 had no Host.
+        assert!(matches!(parse_all(b"GET / HTTP/1.0\r\n\r\n"), Ok(Some(_))));
+    }
+
+    #[test]
     fn raw_utf8_targets_pass_and_other_bytes_are_refused() {
         // Raw UTF-8 in a target is passed on as sent, as nginx and PHP take it (see
         // tests/hostile.rs); bytes that are not UTF-8 are refused.
-        let head = parse_all(b"GET /caf\xc3\xa9 HTTP/1.1\r\n\r\n")
+        let head = parse_all(b"GET /caf\xc3\xa9 HTTP/1.1\r\nHost: a\r\n\r\n")
             .expect("accepted")
             .expect("complete");
         assert_eq!(head.uri.path().as_bytes(), b"/caf\xc3\xa9");
         assert!(matches!(
-            parse_all(b"GET /\xff\xfe HTTP/1.1\r\n\r\n"),
+            parse_all(b"GET /\xff\xfe HTTP/1.1\r\nHost: a\r\n\r\n"),
             Err(HeadError::Malformed(_))
         ));
     }
