@@ -550,3 +550,51 @@ async fn a_stale_copy_is_hidden_like_the_page_and_kept_uncompressed() {
     assert_eq!(copy.header("x-levee-stale"), Some("1"));
     assert_eq!(copy.text(), "<p>home</p>");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_redis() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, version, failing) = versioned().await;
+    let routes = ROUTES.replace(
+        "module = \"ranking\"\ndegrade = { action = \"stale\", max_age = \"2s\" }",
+        "module = \"ranking\"\ndegrade = { action = \"stale\", max_age = \"1s\" }\nfallback = { status = 503, body = \"ranking is resting\" }",
+    );
+    assert!(routes.contains("max_age = \"1s\""), "{routes}");
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("[redis]\nurl = \"{}\"\n{routes}", redis.url()),
+    );
+    let first = Levee::start(&policy).await;
+    let second = Levee::start(&policy).await;
+    assert_eq!(get(&first.url("/ranking")).await.text(), "/ranking v1");
+
+    // The backend fails; once the first instance's copy is past max_age, it has none.
+    failing.store(1, Ordering::SeqCst);
+    eventually(
+        Duration::from_secs(5),
+        "the first copy to expire",
+        || async { get(&first.url("/ranking")).await.text() == "ranking is resting" },
+    )
+    .await;
+
+    // For a moment the backend answers the second instance, which keeps a new copy.
+    failing.store(0, Ordering::SeqCst);
+    version.store(2, Ordering::SeqCst);
+    assert_eq!(get(&second.url("/ranking")).await.text(), "/ranking v2");
+    failing.store(1, Ordering::SeqCst);
+
+    // The first instance's own copy is too old, so it looks in Redis and finds the new one.
+    eventually(
+        Duration::from_millis(900),
+        "the first instance to serve the copy the second stored",
+        || async {
+            let answer = get(&first.url("/ranking")).await;
+            answer.status == 200
+                && answer.text() == "/ranking v2"
+                && answer.header("x-levee-stale") == Some("1")
+        },
+    )
+    .await;
+}

@@ -160,31 +160,51 @@ impl StaleStore {
         }
     }
 
-    /// The stored copy of `key`, from memory or Redis.
+    /// The freshest copy of `key` at hand: the one in memory while it is within `max_age`;
+    /// otherwise Redis is asked too, since another instance may have stored a newer one
+    /// there (this instance's own copy ages while its upstream fails or its route is off,
+    /// when the others may still have fetched the page). Without Redis, or when Redis does
+    /// not answer within its timeout, the copy in memory is all there is.
     pub async fn get(
         &self,
         key: &str,
+        max_age: Duration,
         redis: Option<&RedisStore>,
         metrics: &Metrics,
     ) -> Option<Arc<StaleCopy>> {
-        if let Some(copy) = self
+        let in_memory = self
             .l1
             .lock()
             .ok()
-            .and_then(|l1| l1.copies.get(key).cloned())
-        {
-            return Some(copy);
+            .and_then(|l1| l1.copies.get(key).cloned());
+        if let Some(copy) = &in_memory {
+            if copy.age() <= max_age {
+                return in_memory;
+            }
         }
-        let redis = redis?;
+        let Some(redis) = redis else {
+            return in_memory;
+        };
         let mut command = redis::cmd("GET");
         command.arg(key);
-        let bytes: Option<Vec<u8>> = redis
-            .command(&command, redis.settings.timeout, Some(metrics))
+        let shared = match redis
+            .command::<Option<Vec<u8>>>(&command, redis.settings.timeout, Some(metrics))
             .await
-            .ok()?;
-        let copy = Arc::new(StaleCopy::decode(&bytes?)?);
-        self.remember(key, copy.clone());
-        Some(copy)
+        {
+            Ok(bytes) => bytes.as_deref().and_then(StaleCopy::decode).map(Arc::new),
+            Err(error) => {
+                tracing::debug!(%key, "stale copy not read from redis: {error}");
+                None
+            }
+        };
+        match (in_memory, shared) {
+            (Some(old), Some(shared)) if shared.stored_at_ms <= old.stored_at_ms => Some(old),
+            (_, Some(shared)) => {
+                self.remember(key, shared.clone());
+                Some(shared)
+            }
+            (in_memory, None) => in_memory,
+        }
     }
 
     fn remember(&self, key: &str, copy: Arc<StaleCopy>) {

@@ -483,7 +483,12 @@ impl Stale {
         };
         let copy = shared
             .stale
-            .get(key, policy.redis.as_deref(), &shared.metrics)
+            .get(
+                key,
+                settings.max_age,
+                policy.redis.as_deref(),
+                &shared.metrics,
+            )
             .await?;
         (copy.age() <= settings.max_age).then(|| {
             without_switched_off_fragments(
