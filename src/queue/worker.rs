@@ -147,11 +147,15 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 {
                     continue;
                 }
-                match replay_route(
-                    &shared, &redis, &settings, &keys, route, &consumer, &mut stop,
-                )
-                .await
-                {
+                let pass = Pass {
+                    shared: &shared,
+                    redis: &redis,
+                    settings: &settings,
+                    keys: &keys,
+                    route,
+                    consumer: &consumer,
+                };
+                match pass.replay_route(&mut stop).await {
                     Ok(()) => {}
                     // The stream went away (a Redis restarted without persistence, a
                     // FLUSHALL, an evicted key) and the next XADD made it again without the
@@ -240,185 +244,181 @@ async fn oldest_job_age(redis: &RedisStore, keys: &QueueKeys) -> Option<u64> {
     )
 }
 
-async fn replay_route(
-    shared: &Shared,
-    redis: &RedisStore,
-    settings: &QueueSettings,
-    keys: &QueueKeys,
-    route: &Route,
-    consumer: &str,
-    stop: &mut watch::Receiver<bool>,
-) -> Result<(), RedisFailure> {
-    let mut move_due = redis::cmd("EVAL");
-    move_due
-        .arg(MOVE_DUE)
-        .arg(2)
-        .arg(&keys.delayed)
-        .arg(&keys.stream)
-        .arg(now_ms())
-        .arg(100);
-    let _: i64 = redis.command(&move_due, QUEUE_TIMEOUT, None).await?;
+/// One worker's pass over one queue route: what its replays and their outcomes act on.
+struct Pass<'a> {
+    shared: &'a Shared,
+    redis: &'a RedisStore,
+    settings: &'a QueueSettings,
+    keys: &'a QueueKeys,
+    route: &'a Route,
+    /// This worker's name in the consumer group: the holder of the jobs it reads.
+    consumer: &'a str,
+}
 
-    // Jobs of workers that went silent first, then new ones.
-    let mut claim = redis::cmd("XAUTOCLAIM");
-    claim
-        .arg(&keys.stream)
-        .arg(&settings.group)
-        .arg(consumer)
-        .arg(settings.claim_after.as_millis() as u64)
-        .arg("0-0")
-        .arg("COUNT")
-        .arg(20);
-    let claimed: redis::Value = redis.command(&claim, QUEUE_TIMEOUT, None).await?;
-    let mut batch = match &claimed {
-        redis::Value::Array(parts) if parts.len() >= 2 => entries(&parts[1]),
-        _ => Vec::new(),
-    };
-    let mut read = redis::cmd("XREADGROUP");
-    read.arg("GROUP")
-        .arg(&settings.group)
-        .arg(consumer)
-        .arg("COUNT")
-        .arg(20)
-        .arg("STREAMS")
-        .arg(&keys.stream)
-        .arg(">");
-    let fresh: redis::Value = redis.command(&read, QUEUE_TIMEOUT, None).await?;
-    if let redis::Value::Array(streams) = &fresh {
-        for stream in streams {
-            if let redis::Value::Array(pair) = stream {
-                if let Some(items) = pair.get(1) {
-                    batch.extend(entries(items));
+impl Pass<'_> {
+    async fn replay_route(&self, stop: &mut watch::Receiver<bool>) -> Result<(), RedisFailure> {
+        let Pass {
+            redis,
+            settings,
+            keys,
+            route,
+            consumer,
+            ..
+        } = *self;
+        let mut move_due = redis::cmd("EVAL");
+        move_due
+            .arg(MOVE_DUE)
+            .arg(2)
+            .arg(&keys.delayed)
+            .arg(&keys.stream)
+            .arg(now_ms())
+            .arg(100);
+        let _: i64 = redis.command(&move_due, QUEUE_TIMEOUT, None).await?;
+
+        // Jobs of workers that went silent first, then new ones.
+        let mut claim = redis::cmd("XAUTOCLAIM");
+        claim
+            .arg(&keys.stream)
+            .arg(&settings.group)
+            .arg(consumer)
+            .arg(settings.claim_after.as_millis() as u64)
+            .arg("0-0")
+            .arg("COUNT")
+            .arg(20);
+        let claimed: redis::Value = redis.command(&claim, QUEUE_TIMEOUT, None).await?;
+        let mut batch = match &claimed {
+            redis::Value::Array(parts) if parts.len() >= 2 => entries(&parts[1]),
+            _ => Vec::new(),
+        };
+        let mut read = redis::cmd("XREADGROUP");
+        read.arg("GROUP")
+            .arg(&settings.group)
+            .arg(consumer)
+            .arg("COUNT")
+            .arg(20)
+            .arg("STREAMS")
+            .arg(&keys.stream)
+            .arg(">");
+        let fresh: redis::Value = redis.command(&read, QUEUE_TIMEOUT, None).await?;
+        if let redis::Value::Array(streams) = &fresh {
+            for stream in streams {
+                if let redis::Value::Array(pair) = stream {
+                    if let Some(items) = pair.get(1) {
+                        batch.extend(entries(items));
+                    }
                 }
             }
         }
-    }
 
-    if batch.is_empty() {
-        return Ok(());
-    }
-    // The batch is replayed one job after another, each for up to the upstream's
-    // response_timeout: the jobs still waiting, and the one being replayed, would sit idle
-    // longer than claim_after, and another instance would take them over and replay them a
-    // second time. So the hold on all of them is renewed every third of claim_after until
-    // the batch is done; only a worker that died, stopped or lost Redis for claim_after
-    // loses its jobs.
-    let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
-    let renew_every = (settings.claim_after / 3).max(Duration::from_millis(10));
-    let keep_hold = async {
-        loop {
-            tokio::time::sleep(renew_every).await;
-            if let Err(error) = renew_hold(redis, keys, settings, consumer, &ids).await {
-                tracing::debug!(route = %route.name, "cannot renew the hold on queued jobs: {error}");
-            }
+        if batch.is_empty() {
+            return Ok(());
         }
-    };
-    tokio::select! {
-        result = replay_batch(shared, redis, settings, keys, route, consumer, stop, batch) => result,
-        _ = keep_hold => Ok(()),
-    }
-}
-
-/// Renews the hold on `ids` (see [`RENEW_HOLD`]); returns those this worker still holds.
-async fn renew_hold(
-    redis: &RedisStore,
-    keys: &QueueKeys,
-    settings: &QueueSettings,
-    consumer: &str,
-    ids: &[String],
-) -> Result<Vec<String>, RedisFailure> {
-    let mut command = redis::cmd("EVAL");
-    command
-        .arg(RENEW_HOLD)
-        .arg(1)
-        .arg(&keys.stream)
-        .arg(&settings.group)
-        .arg(consumer)
-        .arg(ids);
-    redis.command(&command, QUEUE_TIMEOUT, None).await
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn replay_batch(
-    shared: &Shared,
-    redis: &RedisStore,
-    settings: &QueueSettings,
-    keys: &QueueKeys,
-    route: &Route,
-    consumer: &str,
-    stop: &mut watch::Receiver<bool>,
-    batch: Vec<(String, std::collections::HashMap<String, Vec<u8>>)>,
-) -> Result<(), RedisFailure> {
-    let pause = Duration::from_secs_f64(1.0 / settings.replay_rate.max(0.001));
-    for (id, fields) in batch {
-        if *stop.borrow() {
-            break;
-        }
-        // Right before sending: a job another instance took over (this one could not renew
-        // its hold in time) is that one's to replay now, not this one's too.
-        if renew_hold(redis, keys, settings, consumer, std::slice::from_ref(&id))
-            .await?
-            .is_empty()
-        {
-            tracing::warn!(route = %route.name, %id, "job taken over by another worker before its replay here; left to that one");
-            continue;
-        }
-        let owner = Holder { consumer, id: &id };
-        let Some(mut job) = Job::from_fields(&id, &fields) else {
-            tracing::warn!(route = %route.name, %id, "unreadable job moved to dead letters");
-            dead_letter_raw(redis, keys, settings, owner, &fields).await?;
-            continue;
-        };
-        let result = replay(shared, route, &job).await;
-        let labels = QueueResultLabels {
-            route: route.name.to_string(),
-            result: result.label(),
-        };
-        shared.metrics.queue_replayed.get_or_create(&labels).inc();
-        match result {
-            Replay::Done => finish(redis, keys, settings, owner).await?,
-            Replay::Retry(error) | Replay::Permanent(error) => {
-                job.attempts += 1;
-                job.last_error = Some(error.clone());
-                let permanent = matches!(labels.result, "permanent");
-                if permanent || job.attempts >= settings.max_attempts {
-                    tracing::warn!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
-                    shared
-                        .metrics
-                        .queue_dead_lettered
-                        .get_or_create(&QueueLabels {
-                            route: route.name.to_string(),
-                        })
-                        .inc();
-                    dead_letter(redis, keys, settings, owner, &job).await?;
-                } else {
-                    shared
-                        .metrics
-                        .queue_retries
-                        .get_or_create(&QueueLabels {
-                            route: route.name.to_string(),
-                        })
-                        .inc();
-                    delay(
-                        redis,
-                        keys,
-                        settings,
-                        owner,
-                        &job,
-                        backoff(settings, job.attempts),
-                    )
-                    .await?;
+        // The batch is replayed one job after another, each for up to the upstream's
+        // response_timeout: the jobs still waiting, and the one being replayed, would sit idle
+        // longer than claim_after, and another instance would take them over and replay them a
+        // second time. So the hold on all of them is renewed every third of claim_after until
+        // the batch is done; only a worker that died, stopped or lost Redis for claim_after
+        // loses its jobs.
+        let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+        let renew_every = (settings.claim_after / 3).max(Duration::from_millis(10));
+        let keep_hold = async {
+            loop {
+                tokio::time::sleep(renew_every).await;
+                if let Err(error) = self.renew_hold(&ids).await {
+                    tracing::debug!(route = %route.name, "cannot renew the hold on queued jobs: {error}");
                 }
             }
-            Replay::Held => {
-                // The breaker refused the call: the job stays pending and is taken up again
-                // after claim_after, with no attempt spent.
+        };
+        tokio::select! {
+            result = self.replay_batch(stop, batch) => result,
+            _ = keep_hold => Ok(()),
+        }
+    }
+
+    /// Renews the hold on `ids` (see [`RENEW_HOLD`]); returns those this worker still holds.
+    async fn renew_hold(&self, ids: &[String]) -> Result<Vec<String>, RedisFailure> {
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(RENEW_HOLD)
+            .arg(1)
+            .arg(&self.keys.stream)
+            .arg(&self.settings.group)
+            .arg(self.consumer)
+            .arg(ids);
+        self.redis.command(&command, QUEUE_TIMEOUT, None).await
+    }
+
+    async fn replay_batch(
+        &self,
+        stop: &mut watch::Receiver<bool>,
+        batch: Vec<(String, std::collections::HashMap<String, Vec<u8>>)>,
+    ) -> Result<(), RedisFailure> {
+        let Pass {
+            shared,
+            settings,
+            route,
+            ..
+        } = *self;
+        let pause = Duration::from_secs_f64(1.0 / settings.replay_rate.max(0.001));
+        for (id, fields) in batch {
+            if *stop.borrow() {
                 break;
             }
+            // Right before sending: a job another instance took over (this one could not renew
+            // its hold in time) is that one's to replay now, not this one's too.
+            if self.renew_hold(std::slice::from_ref(&id)).await?.is_empty() {
+                tracing::warn!(route = %route.name, %id, "job taken over by another worker before its replay here; left to that one");
+                continue;
+            }
+            let Some(mut job) = Job::from_fields(&id, &fields) else {
+                tracing::warn!(route = %route.name, %id, "unreadable job moved to dead letters");
+                self.dead_letter_raw(&id, &fields).await?;
+                continue;
+            };
+            let result = replay(shared, route, &job).await;
+            let labels = QueueResultLabels {
+                route: route.name.to_string(),
+                result: result.label(),
+            };
+            shared.metrics.queue_replayed.get_or_create(&labels).inc();
+            match result {
+                Replay::Done => self.finish(&id).await?,
+                Replay::Retry(error) | Replay::Permanent(error) => {
+                    job.attempts += 1;
+                    job.last_error = Some(error.clone());
+                    let permanent = matches!(labels.result, "permanent");
+                    if permanent || job.attempts >= settings.max_attempts {
+                        tracing::warn!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
+                        shared
+                            .metrics
+                            .queue_dead_lettered
+                            .get_or_create(&QueueLabels {
+                                route: route.name.to_string(),
+                            })
+                            .inc();
+                        self.dead_letter(&id, &job).await?;
+                    } else {
+                        shared
+                            .metrics
+                            .queue_retries
+                            .get_or_create(&QueueLabels {
+                                route: route.name.to_string(),
+                            })
+                            .inc();
+                        self.delay(&id, &job, backoff(settings, job.attempts))
+                            .await?;
+                    }
+                }
+                Replay::Held => {
+                    // The breaker refused the call: the job stays pending and is taken up again
+                    // after claim_after, with no attempt spent.
+                    break;
+                }
+            }
+            tokio::time::sleep(pause).await;
         }
-        tokio::time::sleep(pause).await;
+        Ok(())
     }
-    Ok(())
 }
 
 enum Replay {
@@ -527,50 +527,6 @@ async fn eval(
     redis.command(&command, QUEUE_TIMEOUT, None).await
 }
 
-/// A stream entry and the consumer that holds it.
-#[derive(Clone, Copy)]
-struct Holder<'a> {
-    consumer: &'a str,
-    id: &'a str,
-}
-
-/// Runs a script that acts on a replay's outcome (its ARGV start with group, id, consumer)
-/// only while `holder` still holds the entry. One that lost it (another instance took the
-/// job over while the replay ran: this worker could not renew its hold for claim_after)
-/// leaves the job to the new holder, whose replay decides what becomes of it.
-async fn eval_if_still_held(
-    redis: &RedisStore,
-    script: &str,
-    keys: &[&str],
-    settings: &QueueSettings,
-    holder: Holder<'_>,
-    rest: Vec<Vec<u8>>,
-) -> Result<(), RedisFailure> {
-    let mut args = vec![
-        settings.group.clone().into_bytes(),
-        holder.id.as_bytes().to_vec(),
-        holder.consumer.as_bytes().to_vec(),
-    ];
-    args.extend(rest);
-    let script = format!("{IF_STILL_HELD}{script}");
-    if let redis::Value::Int(-1) = eval(redis, &script, keys, args).await? {
-        tracing::warn!(
-            id = holder.id,
-            "job taken over by another worker while its replay ran here; left to that one"
-        );
-    }
-    Ok(())
-}
-
-async fn finish(
-    redis: &RedisStore,
-    keys: &QueueKeys,
-    settings: &QueueSettings,
-    holder: Holder<'_>,
-) -> Result<(), RedisFailure> {
-    eval_if_still_held(redis, FINISH, &[&keys.stream], settings, holder, Vec::new()).await
-}
-
 /// Fields of a job as command arguments.
 fn job_args(job: &Job) -> Vec<Vec<u8>> {
     let mut command = redis::cmd("X");
@@ -585,81 +541,95 @@ fn job_args(job: &Job) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Moves a job to the dead-letter stream with its last error, atomically with the ack.
-async fn dead_letter(
-    redis: &RedisStore,
-    keys: &QueueKeys,
-    settings: &QueueSettings,
-    holder: Holder<'_>,
-    job: &Job,
-) -> Result<(), RedisFailure> {
-    const SCRIPT: &str = r#"
+impl Pass<'_> {
+    /// Runs a script that acts on a replay's outcome (its ARGV start with group, id, consumer)
+    /// only while this worker still holds the entry `id`. One that lost it (another instance took
+    /// the job over while the replay ran: this worker could not renew its hold for claim_after)
+    /// leaves the job to the new holder, whose replay decides what becomes of it.
+    async fn eval_if_still_held(
+        &self,
+        script: &str,
+        keys: &[&str],
+        id: &str,
+        rest: Vec<Vec<u8>>,
+    ) -> Result<(), RedisFailure> {
+        let mut args = vec![
+            self.settings.group.clone().into_bytes(),
+            id.as_bytes().to_vec(),
+            self.consumer.as_bytes().to_vec(),
+        ];
+        args.extend(rest);
+        let script = format!("{IF_STILL_HELD}{script}");
+        if let redis::Value::Int(-1) = eval(self.redis, &script, keys, args).await? {
+            tracing::warn!(
+                id,
+                "job taken over by another worker while its replay ran here; left to that one"
+            );
+        }
+        Ok(())
+    }
+
+    async fn finish(&self, id: &str) -> Result<(), RedisFailure> {
+        self.eval_if_still_held(FINISH, &[&self.keys.stream], id, Vec::new())
+            .await
+    }
+
+    /// Moves a job to the dead-letter stream with its last error, atomically with the ack.
+    async fn dead_letter(&self, id: &str, job: &Job) -> Result<(), RedisFailure> {
+        const SCRIPT: &str = r#"
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return redis.call('XDEL', KEYS[1], ARGV[2])
 "#;
-    eval_if_still_held(
-        redis,
-        SCRIPT,
-        &[&keys.stream, &keys.dead],
-        settings,
-        holder,
-        job_args(job),
-    )
-    .await
-}
+        self.eval_if_still_held(
+            SCRIPT,
+            &[&self.keys.stream, &self.keys.dead],
+            id,
+            job_args(job),
+        )
+        .await
+    }
 
-async fn dead_letter_raw(
-    redis: &RedisStore,
-    keys: &QueueKeys,
-    settings: &QueueSettings,
-    holder: Holder<'_>,
-    fields: &std::collections::HashMap<String, Vec<u8>>,
-) -> Result<(), RedisFailure> {
-    let id = holder.id;
-    let job = Job {
-        route: String::new(),
-        method: String::new(),
-        target: String::new(),
-        headers: Vec::new(),
-        body: Bytes::from(fields.get("body").cloned().unwrap_or_default()),
-        client_ip: String::new(),
-        enqueued_at_ms: now_ms(),
-        attempts: 0,
-        key: Some(id.to_string()),
-        last_error: Some("unreadable job".into()),
-    };
-    dead_letter(redis, keys, settings, holder, &job).await
-}
+    async fn dead_letter_raw(
+        &self,
+        id: &str,
+        fields: &std::collections::HashMap<String, Vec<u8>>,
+    ) -> Result<(), RedisFailure> {
+        let job = Job {
+            route: String::new(),
+            method: String::new(),
+            target: String::new(),
+            headers: Vec::new(),
+            body: Bytes::from(fields.get("body").cloned().unwrap_or_default()),
+            client_ip: String::new(),
+            enqueued_at_ms: now_ms(),
+            attempts: 0,
+            key: Some(id.to_string()),
+            last_error: Some("unreadable job".into()),
+        };
+        self.dead_letter(id, &job).await
+    }
 
-/// Parks a job until its retry time, atomically with the ack.
-async fn delay(
-    redis: &RedisStore,
-    keys: &QueueKeys,
-    settings: &QueueSettings,
-    holder: Holder<'_>,
-    job: &Job,
-    wait: Duration,
-) -> Result<(), RedisFailure> {
-    const SCRIPT: &str = r#"
+    /// Parks a job until its retry time, atomically with the ack.
+    async fn delay(&self, id: &str, job: &Job, wait: Duration) -> Result<(), RedisFailure> {
+        const SCRIPT: &str = r#"
 redis.call('HSET', KEYS[3], unpack(ARGV, 5))
 redis.call('ZADD', KEYS[2], ARGV[4], KEYS[3])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return redis.call('XDEL', KEYS[1], ARGV[2])
 "#;
-    let job_key = format!("{}:{}", keys.delayed, job.idempotency_key());
-    let due = now_ms() + wait.as_millis() as u64;
-    let mut args = vec![due.to_string().into_bytes()];
-    args.extend(job_args(job));
-    eval_if_still_held(
-        redis,
-        SCRIPT,
-        &[&keys.stream, &keys.delayed, &job_key],
-        settings,
-        holder,
-        args,
-    )
-    .await
+        let job_key = format!("{}:{}", self.keys.delayed, job.idempotency_key());
+        let due = now_ms() + wait.as_millis() as u64;
+        let mut args = vec![due.to_string().into_bytes()];
+        args.extend(job_args(job));
+        self.eval_if_still_held(
+            SCRIPT,
+            &[&self.keys.stream, &self.keys.delayed, &job_key],
+            id,
+            args,
+        )
+        .await
+    }
 }
 
 /// Dead letters of a route, newest first (at most `count`).
