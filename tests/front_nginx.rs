@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
@@ -108,6 +109,16 @@ async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it(
         },
     )
     .await;
+
+    // A client that sends no Host (HTTP/1.0 allows it) still gets the page: nginx gives levee
+    // one, which levee needs on the HTTP/1.1 it receives.
+    let raw = raw_exchange(
+        SocketAddr::from(([127, 0, 0, 1], front)),
+        b"GET /index.php HTTP/1.0\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
 
     // levee stops: the site keeps answering through the backup server (fail open).
     running.shutdown();
