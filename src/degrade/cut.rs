@@ -251,6 +251,10 @@ pub fn holder(buf: &[u8], at: usize) -> Holder {
     let mut read = 0;
     while let Some(start) = memchr::memrchr(b'<', &buf[..before]) {
         before = start;
+        if ends_raw_text(&buf[start..]) {
+            // What came before may be script or style text, where a `<` opens nothing.
+            break;
+        }
         if !buf.get(start + 1).is_some_and(u8::is_ascii_alphabetic) {
             continue;
         }
@@ -258,19 +262,52 @@ pub fn holder(buf: &[u8], at: usize) -> Holder {
         if read > TAGS_READ_BACK {
             break;
         }
-        match read_tag(buf, start + 1) {
-            Read::Incomplete => {
-                found = Holder::Incomplete { start };
-                target = start;
-            }
-            Read::Tag(tag) if tag.end > target => {
-                found = Holder::Tag { start, tag };
-                target = start;
-            }
-            Read::Tag(_) => {}
+        let reaches = match read_tag(buf, start + 1) {
+            Read::Incomplete => None,
+            Read::Tag(tag) if tag.end > target => Some(tag),
+            Read::Tag(_) => continue,
+        };
+        // A tag read across a comment's end is not trusted: its `<` is most likely inside that
+        // comment (`<!-- <div title="old --><div id="ranking">`), and HTML gives a `-->` in a
+        // quoted value no reason to be there.
+        if memchr::memmem::find(&buf[start..target], b"-->").is_some() {
+            break;
         }
+        found = match reaches {
+            Some(tag) => Holder::Tag { start, tag },
+            None => Holder::Incomplete { start },
+        };
+        target = start;
     }
     found
+}
+
+/// Elements whose text is not markup: their end tag bounds how far back `holder` reads.
+const RAW_TEXT_ENDS: &[&[u8]] = &[
+    b"script",
+    b"style",
+    b"textarea",
+    b"title",
+    b"xmp",
+    b"iframe",
+    b"noembed",
+    b"noframes",
+    b"noscript",
+];
+
+/// Does `rest` begin with the end tag of an element whose text is not markup?
+fn ends_raw_text(rest: &[u8]) -> bool {
+    let Some(name) = rest.strip_prefix(b"</") else {
+        return false;
+    };
+    RAW_TEXT_ENDS.iter().any(|end| {
+        name.len() > end.len()
+            && name[..end.len()].eq_ignore_ascii_case(end)
+            && matches!(
+                name[end.len()],
+                b'>' | b'/' | b' ' | b'\t' | b'\n' | b'\r' | b'\x0c'
+            )
+    })
 }
 
 /// Looks at the needle found at `at` (length `len`) in `buf`: is it inside a start tag, as

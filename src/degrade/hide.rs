@@ -742,6 +742,9 @@ mod tests {
             "<img src=x>",
             "<i title=\"<div id=ranking>\">decoy</i>",
             "<span title='a <b> c' class=x>",
+            "<!-- <div title=\"old -->",
+            "<script>var t = '<i title=\"';</script>",
+            "<STYLE>a[title=\"<b title='\"] {}</STYLE>",
             "\n",
         ];
         const INSIDE: &[&str] = &[
@@ -813,6 +816,24 @@ mod tests {
                         out == expected.as_bytes(),
                         "chunk {chunk}, {selectors:?}, module {}",
                         &module[..40]
+                    );
+                }
+            }
+        }
+        // A tag-like `<` in a comment or a script before the module does not swallow it.
+        for before in [
+            "<!-- <div title=\"old -->",
+            "<script>var t = '<i title=\"';</script>",
+        ] {
+            let page = format!("{before}<div id=\"ranking\"><p>top</p></div><p>after</p>");
+            let expected = format!("{before}<p>after</p>");
+            for chunk in [1, 7, 1 << 20] {
+                for selectors in [&["#ranking"][..], &["#ranking", ".other"][..]] {
+                    let out = hide_with(page.as_bytes(), selectors, chunk, true);
+                    assert_eq!(
+                        String::from_utf8_lossy(&out),
+                        expected,
+                        "chunk {chunk}, {selectors:?}"
                     );
                 }
             }

@@ -1,5 +1,6 @@
 //! Protocol upgrades (WebSocket) pass through: after both sides agreed on 101, bytes are
-//! copied both ways until either side closes. The client side is handed over by levee's
+//! copied both ways until either side closes, or no byte has moved either way for
+//! `tunnel_idle_timeout`. The client side is handed over by levee's
 //! HTTP layer once the 101 is written (`h1::upgrade`), the upstream side by levee's client
 //! (`client::UpstreamUpgrade`).
 
@@ -37,25 +38,26 @@ pub fn pass_through(
             tracing::info!(route = %route_name, "upgrade failed: the upstream connection is gone");
             return;
         };
-        let mut client = match client.await {
+        let client = match client.await {
             Ok(client) => client,
             Err(error) => {
                 tracing::info!(route = %route_name, "upgrade failed: {error}");
                 return;
             }
         };
-        // What the upstream sent right behind its 101 goes first.
-        if !early.is_empty() {
-            if let Err(error) = client.write_all(&early).await {
-                tracing::debug!(route = %route_name, "upgraded connection ended: {error}");
-                return;
-            }
-        }
         let moved = Arc::new(AtomicU64::new(0));
         let mut client = Counted::new(client, &moved);
         let mut upstream = Counted::new(upstream, &moved);
+        let tunnel = async {
+            // What the upstream sent right behind its 101 goes first (under the same idle
+            // bound: a client that never reads it must not hold the tunnel).
+            if !early.is_empty() {
+                client.write_all(&early).await?;
+            }
+            tokio::io::copy_bidirectional(&mut client, &mut upstream).await
+        };
         tokio::select! {
-            copied = tokio::io::copy_bidirectional(&mut client, &mut upstream) => match copied {
+            copied = tunnel => match copied {
                 Ok((sent, received)) => {
                     tracing::debug!(route = %route_name, sent, received, "upgraded connection closed")
                 }

@@ -300,10 +300,15 @@ where
             response = &mut answering => break response,
             wanted = body_wanted(&mut continue_wanted), if continue_wanted.is_some() => {
                 continue_wanted = None;
-                if !wanted || writer.half.write_all(CONTINUE).await.is_err() {
-                    // Dropped unread, or the client is gone: whether (and when) the client
-                    // sends the body is unknown, so the connection cannot be reused.
+                if !wanted {
+                    // Dropped unread: whether (and when) the client sends the body is
+                    // unknown, so the connection cannot be reused.
                     must_close = true;
+                } else if !writer.send_all(&mut &CONTINUE[..]).await {
+                    // The client is gone, or took nothing for send_timeout: the request is
+                    // cancelled, as for a client that went away, freeing its upstream slot.
+                    tracing::debug!(%peer, "the client did not take 100 Continue");
+                    return After::Close;
                 }
             }
             present = body_reader.progress(&mut reader, read_buffer),
