@@ -579,6 +579,26 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
     )
     .await;
 
+    // Redis, which had nothing newer, is not asked again on every request meanwhile.
+    let gets = || {
+        let stats = redis.cli(&["INFO", "commandstats"]);
+        stats
+            .lines()
+            .find_map(|line| line.strip_prefix("cmdstat_get:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|calls| calls.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let before = gets();
+    for _ in 0..20 {
+        assert_eq!(
+            get(&first.url("/ranking")).await.text(),
+            "ranking is resting"
+        );
+    }
+    let asked = gets() - before;
+    assert!(asked < 10, "Redis was asked {asked} times for 20 requests");
+
     // For a moment the backend answers the second instance, which keeps a new copy.
     failing.store(0, Ordering::SeqCst);
     version.store(2, Ordering::SeqCst);

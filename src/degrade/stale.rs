@@ -105,6 +105,16 @@ struct L1 {
     copies: HashMap<String, Arc<StaleCopy>>,
     order: VecDeque<String>,
     bytes: usize,
+    /// Keys whose copy here is past `max_age` and for which Redis had nothing newer, with
+    /// when it was asked (ms): it is not asked again for a moment (see `StaleStore::get`).
+    asked_redis: HashMap<String, u64>,
+}
+
+/// How long a key whose copy in memory is too old waits before Redis is asked again for a
+/// newer one: a tenth of `max_age`, at most a second. Every request of a route that is off,
+/// shed or failing looks for its copy, and each would otherwise wait for Redis in vain.
+fn ask_redis_again_after(max_age: Duration) -> Duration {
+    (max_age / 10).min(Duration::from_secs(1))
 }
 
 type Inflight = HashMap<String, watch::Receiver<Option<Arc<StaleCopy>>>>;
@@ -172,13 +182,19 @@ impl StaleStore {
         redis: Option<&RedisStore>,
         metrics: &Metrics,
     ) -> Option<Arc<StaleCopy>> {
-        let in_memory = self
-            .l1
-            .lock()
-            .ok()
-            .and_then(|l1| l1.copies.get(key).cloned());
+        let (in_memory, asked_at) = match self.l1.lock() {
+            Ok(l1) => (
+                l1.copies.get(key).cloned(),
+                l1.asked_redis.get(key).copied(),
+            ),
+            Err(_) => (None, None),
+        };
         if let Some(copy) = &in_memory {
             if copy.age() <= max_age {
+                return in_memory;
+            }
+            let again = ask_redis_again_after(max_age).as_millis() as u64;
+            if asked_at.is_some_and(|at| now_ms().saturating_sub(at) < again) {
                 return in_memory;
             }
         }
@@ -197,22 +213,50 @@ impl StaleStore {
                 None
             }
         };
-        match (in_memory, shared) {
-            (Some(old), Some(shared)) if shared.stored_at_ms <= old.stored_at_ms => Some(old),
-            (_, Some(shared)) => {
-                self.remember(key, shared.clone());
-                Some(shared)
+        match shared {
+            // A fresher copy may have been stored here meanwhile: the newest wins.
+            Some(shared) => Some(self.remember_if_newer(key, shared)),
+            None => {
+                if in_memory.is_some() {
+                    if let Ok(mut l1) = self.l1.lock() {
+                        if l1.copies.contains_key(key) {
+                            l1.asked_redis.insert(key.to_string(), now_ms());
+                        }
+                    }
+                }
+                in_memory
             }
-            (in_memory, None) => in_memory,
         }
     }
 
+    /// Keeps `copy` unless the copy in memory is at least as new; returns the one kept.
+    fn remember_if_newer(&self, key: &str, copy: Arc<StaleCopy>) -> Arc<StaleCopy> {
+        let Ok(mut l1) = self.l1.lock() else {
+            return copy;
+        };
+        if let Some(current) = l1.copies.get(key) {
+            if current.stored_at_ms >= copy.stored_at_ms {
+                let current = current.clone();
+                l1.asked_redis.insert(key.to_string(), now_ms());
+                return current;
+            }
+        }
+        self.insert(&mut l1, key, copy.clone());
+        copy
+    }
+
     fn remember(&self, key: &str, copy: Arc<StaleCopy>) {
-        let Ok(mut l1) = self.l1.lock() else { return };
+        if let Ok(mut l1) = self.l1.lock() {
+            self.insert(&mut l1, key, copy);
+        }
+    }
+
+    fn insert(&self, l1: &mut L1, key: &str, copy: Arc<StaleCopy>) {
         let weight = copy.weight();
         if weight > self.max_bytes {
             return;
         }
+        l1.asked_redis.remove(key);
         if let Some(old) = l1.copies.insert(key.to_string(), copy) {
             l1.bytes -= old.weight();
         } else {
@@ -223,6 +267,7 @@ impl StaleStore {
             let Some(oldest) = l1.order.pop_front() else {
                 break;
             };
+            l1.asked_redis.remove(&oldest);
             if let Some(old) = l1.copies.remove(&oldest) {
                 l1.bytes -= old.weight();
             }
