@@ -337,6 +337,7 @@ pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Fou
     }
 }
 
+/// Progress of removing one element whose start tag has been read.
 #[derive(Debug)]
 pub struct Cut {
     /// Lower-case names of the elements open inside the removed one, which is first. An end
