@@ -3,6 +3,7 @@
 mod common;
 
 use std::process::Command;
+use std::time::Duration;
 
 use common::*;
 
@@ -109,6 +110,31 @@ fn an_admin_listener_beyond_loopback_needs_a_token() {
         "[admin]\nlisten = \"0.0.0.0:9901\"\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n",
     );
     assert!(stderr.contains("levee.toml:2:10: error: the admin listener on 0.0.0.0:9901 is reachable beyond this machine but has no token"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_whose_name_resolves_to_loopback_gets_nothing_from_the_admin_listener() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    // DNS rebinding: the page's own name now points at 127.0.0.1, so its Origin matches Host.
+    for request in [
+        "GET /status HTTP/1.1\r\nHost: rebind.example:9901\r\nConnection: close\r\n\r\n",
+        "POST /level HTTP/1.1\r\nHost: rebind.example:9901\r\nOrigin: http://rebind.example:9901\r\nContent-Length: 1\r\nConnection: close\r\n\r\n2",
+    ] {
+        let raw = raw_exchange(levee.admin, request.as_bytes(), Duration::from_secs(5)).await;
+        assert_eq!(status_of(&raw), Some(403), "{request}\n=> {raw}");
+    }
+    assert_eq!(
+        get(&levee.admin_url("/status")).await.json()["degrade"]["level"],
+        0,
+        "the level is unchanged"
+    );
+    // The operator's own names for the listener still work.
+    for host in ["localhost:9901", "127.0.0.1", "[::1]:9901"] {
+        let request = format!("GET /status HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let raw = raw_exchange(levee.admin, request.as_bytes(), Duration::from_secs(5)).await;
+        assert_eq!(status_of(&raw), Some(200), "{host}\n=> {raw}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

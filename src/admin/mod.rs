@@ -27,6 +27,9 @@ pub async fn handle(
     peer: std::net::SocketAddr,
     request: Request<Incoming>,
 ) -> Response<ResponseBody> {
+    if let Err(response) = loopback_host(&shared, &request) {
+        return *response;
+    }
     // Reading is open (the listener is loopback unless tokens are set); changing state needs
     // a token whenever tokens are configured.
     let token_name = if request.method() == Method::GET || request.method() == Method::HEAD {
@@ -218,6 +221,43 @@ async fn dead_letter_request(
             "404 use GET /queues/ROUTE/dead, POST /queues/ROUTE/dead/ID/retry or /drop\n",
         ),
     }
+}
+
+/// Without tokens the admin listener is loopback only, and its requests must name it so: a
+/// `Host` that is a loopback address or `localhost`. A web page whose own name was made to
+/// resolve to 127.0.0.1 (DNS rebinding) sends its own name, and its `Origin` matches that
+/// `Host`, so the origin check alone would let it read and change everything.
+fn loopback_host(
+    shared: &Shared,
+    request: &Request<Incoming>,
+) -> Result<(), Box<Response<ResponseBody>>> {
+    if !shared.store.load().admin.tokens.is_empty() {
+        return Ok(());
+    }
+    let Some(host) = request.headers().get(header::HOST) else {
+        // HTTP/1.0 tools send none; browsers always do.
+        return Ok(());
+    };
+    if host.to_str().is_ok_and(is_loopback_host) {
+        return Ok(());
+    }
+    tracing::warn!(host = ?host, "admin request for another host name refused");
+    Err(Box::new(text_response(
+        StatusCode::FORBIDDEN,
+        "403 without [admin] tokens the admin listener answers only to Host 127.0.0.1, [::1] or localhost\n",
+    )))
+}
+
+/// `localhost`, a loopback IPv4 address or `[::1]`, with or without a port.
+fn is_loopback_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(bracketed) => bracketed.split_once(']').map_or("", |(name, _)| name),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|address| address.is_loopback())
 }
 
 /// Checks `Authorization: Bearer <token>` against the configured tokens; `Ok(Some(name))`

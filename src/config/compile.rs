@@ -353,17 +353,43 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                     );
                 }
             }
-            if !listen.ip().is_loopback() && tokens.is_empty() {
-                let span = inner
-                    .listen
-                    .as_ref()
-                    .map_or(spec.span(), |listen| listen.span());
-                compiler.error_hint(*file, span, format!("the admin listener on {listen} is reachable beyond this machine but has no token"), "keep it on 127.0.0.1, or add [admin] tokens = { ops = \"…\" }");
-            }
             AdminSettings { listen, tokens }
         }
         None => AdminSettings::default(),
     };
+    // A running levee keeps the admin address it bound at start (a change takes a restart),
+    // so a reload is checked against that address too: removing the tokens (or the whole
+    // [admin] file) must not leave a listener reachable beyond this machine open to anyone.
+    let bound = previous.map(|policy| policy.admin.listen);
+    let exposed = [Some(admin_settings.listen), bound]
+        .into_iter()
+        .flatten()
+        .find(|address| !address.ip().is_loopback());
+    if let (Some(address), true) = (exposed, admin_settings.tokens.is_empty()) {
+        let (file, span) = match &admin {
+            Some((file, spec)) => (
+                *file,
+                spec.get_ref()
+                    .listen
+                    .as_ref()
+                    .map_or(spec.span(), |listen| listen.span()),
+            ),
+            None => (0, 0..0),
+        };
+        let message = if address == admin_settings.listen {
+            format!(
+                "the admin listener on {address} is reachable beyond this machine but has no token"
+            )
+        } else {
+            format!("the admin listener is bound to {address}, reachable beyond this machine, until levee restarts; this policy has no token for it")
+        };
+        compiler.error_hint(
+            file,
+            span,
+            message,
+            "keep it on 127.0.0.1, or add [admin] tokens = { ops = \"…\" }",
+        );
+    }
     if admin_settings.listen == server_settings.listen && admin_settings.listen.port() != 0 {
         let (file, span) = admin
             .as_ref()
@@ -1856,6 +1882,29 @@ mod tests {
         assert_eq!(policy.server.max_header_bytes, 16 * 1024);
         assert!(policy.routes.fallback.is_some());
         assert_eq!(policy.hash.len(), 16);
+    }
+
+    #[test]
+    fn a_reload_cannot_drop_the_token_of_a_listener_bound_beyond_loopback() {
+        let exposed = format!(
+            "[admin]\nlisten = \"0.0.0.0:9901\"\ntokens = {{ ops = \"0123456789abcdef\" }}\n{APP}"
+        );
+        let running = compile(&files(&[("a.toml", &exposed)]), None).expect("compiles");
+        for without_token in [
+            format!("[admin]\nlisten = \"127.0.0.1:9901\"\n{APP}"),
+            APP.to_string(),
+        ] {
+            let errors = match compile(&files(&[("a.toml", &without_token)]), Some(&running)) {
+                Ok(_) => panic!("a reload dropped the token:\n{without_token}"),
+                Err(diagnostics) => diagnostics.to_string(),
+            };
+            assert!(
+                errors.contains("the admin listener is bound to 0.0.0.0:9901, reachable beyond this machine, until levee restarts"),
+                "{errors}"
+            );
+            // At start (or in `levee check`) the same policy is fine.
+            assert!(compile(&files(&[("a.toml", &without_token)]), None).is_ok());
+        }
     }
 
     #[test]

@@ -137,11 +137,16 @@ impl PolicyStore {
                         changed: false,
                     });
                 }
-                if policy.server.listen != previous.server.listen || policy.admin != previous.admin
+                if policy.server.listen != previous.server.listen
+                    || policy.admin.listen != previous.admin.listen
                 {
                     tracing::warn!(
                         "listen addresses changed in the policy; they take effect after a restart"
                     );
+                    // The listeners stay where they are bound: the policy says so, and later
+                    // reloads are checked against them (see the admin token check).
+                    policy.server.listen = previous.server.listen;
+                    policy.admin.listen = previous.admin.listen;
                 }
                 policy.generation = previous.generation + 1;
                 let outcome = ReloadOutcome {
