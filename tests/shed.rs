@@ -115,7 +115,7 @@ async fn a_trigger_raises_the_level_and_lowers_it_after_the_cool_down() {
         backend.addr,
         "access_log = false",
         &format!(
-            "breaker = {{ consecutive_failures = 2, open_for = \"300ms\", half_open_probes = 1 }}\n[degrade]\ncool_down = \"1s\"\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nfor = \"200ms\"\nlevel = 1\n{ROUTES}"
+            "breaker = {{ consecutive_failures = 2, open_for = \"1s\", half_open_probes = 1 }}\n[degrade]\ncool_down = \"1s\"\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nfor = \"200ms\"\nlevel = 1\n{ROUTES}"
         ),
     );
     let levee = Levee::start(&policy).await;
@@ -176,4 +176,46 @@ async fn a_trigger_raises_the_level_and_lowers_it_after_the_cool_down() {
         1.0,
         "{metrics}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_level_that_switched_off_every_route_of_a_broken_upstream_comes_down_to_let_it_probe() {
+    let app = backend(Arc::new(AtomicBool::new(false))).await;
+    let failing = Arc::new(AtomicBool::new(true));
+    let ai = backend(failing.clone()).await;
+    let policy = policy_for(
+        app.addr,
+        "access_log = false\ndefault_upstream = \"app\"",
+        &format!(
+            "[upstream.ai]\nurl = \"http://{}\"\nbreaker = {{ consecutive_failures = 2, open_for = \"1s\" }}\n[degrade]\ncool_down = \"1s\"\n[[degrade.trigger]]\nupstream = \"ai\"\nwhen = \"breaker_open\"\nfor = \"200ms\"\nlevel = 1\n[[route]]\nname = \"ai\"\nmatch = {{ path_prefix = \"/ai\" }}\nupstream = \"ai\"\ntier = 3\n{ROUTES}",
+            ai.addr
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    for _ in 0..2 {
+        assert_eq!(get(&levee.url("/ai")).await.status, 503);
+    }
+    eventually(
+        Duration::from_secs(5),
+        "the trigger to raise the level",
+        || async { get(&levee.admin_url("/status")).await.json()["degrade"]["level"] == 1 },
+    )
+    .await;
+    // Level 1 switches off /ai, the only route to `ai`: no request can probe its breaker.
+    // Once it is ready to probe and none came for the trigger's `for`, the trigger lets go,
+    // and after the cool-down the level comes down.
+    eventually(
+        Duration::from_secs(10),
+        "the level to come back down",
+        || async { get(&levee.admin_url("/status")).await.json()["degrade"]["level"] == 0 },
+    )
+    .await;
+    // The next request probes; still failing, the breaker opens again and the level follows.
+    assert_eq!(get(&levee.url("/ai")).await.status, 503);
+    eventually(
+        Duration::from_secs(5),
+        "the level to rise again",
+        || async { get(&levee.admin_url("/status")).await.json()["degrade"]["level"] == 1 },
+    )
+    .await;
 }

@@ -33,6 +33,9 @@ pub struct BreakerStatus {
     pub force: &'static str,
     pub forced_by: &'static str,
     pub open_for_remaining_ms: Option<u64>,
+    /// How long it has been ready to probe with no request to probe it (its open time ran
+    /// out), in ms; `None` otherwise.
+    pub ready_to_probe_ms: Option<u64>,
     pub window_calls: u32,
     pub window_failures: u32,
     pub window_slow: u32,
@@ -106,8 +109,20 @@ impl Breaker {
             (None, Some(force)) => (force, "policy"),
             (None, None) => {
                 let (calls, failures, slow) = machine.window_counts(now);
+                // An open breaker whose time has run out becomes half-open on the next
+                // request; said so already, or something that waits for it to stop being
+                // open (a trigger, the queue's replay) would wait for a request that, with
+                // the upstream's routes switched off, may never come.
+                let (state, ready_to_probe_ms) = match machine.state {
+                    State::Open { until } if until <= now => (
+                        "half_open",
+                        Some(now.saturating_duration_since(until).as_millis() as u64),
+                    ),
+                    state => (state.name(), None),
+                };
                 return BreakerStatus {
-                    state: machine.state.name(),
+                    state,
+                    ready_to_probe_ms,
                     force: "auto",
                     forced_by: "-",
                     open_for_remaining_ms: match machine.state {
@@ -136,6 +151,7 @@ impl Breaker {
             },
             forced_by,
             open_for_remaining_ms: None,
+            ready_to_probe_ms: None,
             window_calls: calls,
             window_failures: failures,
             window_slow: slow,
@@ -258,5 +274,35 @@ impl Drop for Permit {
         if !self.recorded {
             self.finish(Outcome::Abandoned, None);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn an_open_breaker_whose_time_ran_out_says_so_without_waiting_for_a_request() {
+        let metrics = Metrics::new();
+        let breaker = Arc::new(Breaker::new(
+            "app",
+            BreakerSettings {
+                consecutive_failures: 1,
+                open_for: Duration::from_secs(5),
+                ..BreakerSettings::default()
+            },
+        ));
+        let permit = breaker.admit(&metrics).expect("closed");
+        permit.record(Outcome::Failure, &metrics);
+        assert_eq!(breaker.status().state, "open");
+        tokio::time::advance(Duration::from_secs(6)).await;
+        // No request came (its routes may be switched off): it may probe all the same.
+        let status = breaker.status();
+        assert_eq!(
+            (status.state, status.ready_to_probe_ms),
+            ("half_open", Some(1000))
+        );
+        let _probe = breaker.admit(&metrics).expect("the next request probes");
+        assert_eq!(breaker.status().ready_to_probe_ms, None, "probing now");
     }
 }

@@ -129,7 +129,19 @@ fn holds(policy: &Policy, trigger: &Trigger, now: Instant) -> bool {
         return false;
     };
     match &trigger.condition {
-        Condition::BreakerOpen => matches!(upstream.breaker.status().state, "open" | "half_open"),
+        // Open or half-open; but a breaker ready to probe that no request has probed for the
+        // trigger's `for` lets go: the level it raised may have switched off every route that
+        // would send the probe, and must come down for one to come.
+        Condition::BreakerOpen => {
+            let status = upstream.breaker.status();
+            match status.state {
+                "open" => true,
+                "half_open" => status
+                    .ready_to_probe_ms
+                    .is_none_or(|ready| u128::from(ready) < trigger.hold.as_millis()),
+                _ => false,
+            }
+        }
         Condition::LatencyP95(limit) => upstream.latency.p95(now).is_some_and(|p95| p95 > *limit),
         Condition::Inflight(share) => upstream.bulkhead.as_ref().is_some_and(|bulkhead| {
             f64::from(bulkhead.inflight()) > share * f64::from(bulkhead.settings.max_inflight)
