@@ -40,11 +40,12 @@ impl Source {
 
     pub fn read<'a>(&self, headers: &'a HeaderMap, query: Option<&'a str>) -> Option<Cow<'a, str>> {
         let value = match self {
+            // Bytes beyond ASCII are kept (as replacement characters, then hashed by
+            // `safe_value`): a value the app reads must not count as missing here.
             Source::Header(name) => headers
                 .get(name)
-                .and_then(|value| value.to_str().ok())
-                .map(|value| Cow::Borrowed(value.trim())),
-            Source::Cookie(name) => cookie(headers, name).map(Cow::Borrowed),
+                .map(|value| lossy(value.as_bytes().trim_ascii())),
+            Source::Cookie(name) => cookie(headers, name),
             Source::Query(name) => query.and_then(|query| query_param(query, name)),
         };
         value.filter(|value| !value.is_empty())
@@ -212,22 +213,46 @@ fn safe_value(value: Cow<'_, str>) -> String {
     out
 }
 
-fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+fn lossy(bytes: &[u8]) -> Cow<'_, str> {
+    String::from_utf8_lossy(bytes)
+}
+
+/// The name PHP gives a request variable: leading spaces dropped, `.` and spaces made `_`, so
+/// `api.key` names `$_GET['api_key']` for the app and for levee alike.
+fn php_name(name: &str) -> Cow<'_, str> {
+    let name = name.trim_start_matches(' ');
+    if name.contains(['.', ' ']) {
+        Cow::Owned(name.replace(['.', ' '], "_"))
+    } else {
+        Cow::Borrowed(name)
+    }
+}
+
+/// A cookie as PHP reads it into `$_COOKIE`: names and values percent-decoded, names as
+/// `php_name` makes them, and the first of several with one name wins.
+fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<Cow<'a, str>> {
     headers
         .get_all(http::header::COOKIE)
         .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(key, _)| *key == name)
-        .map(|(_, value)| value.trim())
+        .flat_map(|value| value.as_bytes().split(|byte| *byte == b';'))
+        .filter_map(|pair| {
+            let at = pair.iter().position(|byte| *byte == b'=')?;
+            Some((&pair[..at], pair[at + 1..].trim_ascii()))
+        })
+        .find(|(key, _)| php_name(&percent_decode(&lossy(key))) == name)
+        .map(|(_, value)| match lossy(value) {
+            Cow::Borrowed(text) => percent_decode(text),
+            Cow::Owned(text) => Cow::Owned(percent_decode(&text).into_owned()),
+        })
 }
 
+/// A query parameter as PHP reads it into `$_GET`: names as `php_name` makes them, and the
+/// last of several with one name wins (`?api_key=decoy&api_key=real` is `real` to the app).
 fn query_param<'a>(query: &'a str, name: &str) -> Option<Cow<'a, str>> {
     query
         .split('&')
         .filter_map(|pair| pair.split_once('=').or(Some((pair, ""))))
-        .find(|(key, _)| percent_decode(key) == name)
+        .rfind(|(key, _)| php_name(&percent_decode(key)) == name)
         .map(|(_, value)| percent_decode(value))
 }
 
@@ -298,6 +323,47 @@ mod tests {
         assert_eq!(key.key, "levee:rl:{42}:post_per_user:post|42");
         let key = bucket_key("levee:", "login", &[KeyPart::Ip], &facts, false).expect("key");
         assert_eq!(key.key, "levee:rl:{203.0.113.9}:login:203.0.113.9");
+    }
+
+    #[test]
+    fn cookies_and_query_parameters_are_read_as_php_reads_them() {
+        let read = |source: &str, cookie: &'static [u8], query: Option<&str>| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                "cookie",
+                HeaderValue::from_bytes(cookie).expect("cookie value"),
+            );
+            Source::parse(source)
+                .expect("source")
+                .read(&headers, query)
+                .map(|value| value.into_owned())
+        };
+        // Percent-encoded names and values are the same cookie to PHP; the first one wins.
+        assert_eq!(
+            read("cookie:uid", b"uid=al%69ce", None).as_deref(),
+            Some("alice")
+        );
+        assert_eq!(
+            read("cookie:uid", b"%75id=alice; uid=decoy", None).as_deref(),
+            Some("alice")
+        );
+        // A byte beyond ASCII elsewhere in the header does not hide the cookie.
+        assert_eq!(
+            read("cookie:uid", b"uid=alice; x=\xc3\xa9", None).as_deref(),
+            Some("alice")
+        );
+        // The last of repeated query parameters wins; `.` and spaces in names are `_`.
+        for query in [
+            "api_key=decoy&api_key=real",
+            "api.key=real",
+            "api%20key=real",
+        ] {
+            assert_eq!(
+                read("query:api_key", b"", Some(query)).as_deref(),
+                Some("real"),
+                "{query}"
+            );
+        }
     }
 
     #[test]
