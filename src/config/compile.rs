@@ -701,7 +701,12 @@ fn compile_degrade(
         modules_off,
         modules,
         state_file,
-        sync_interval: compiler.duration(file, &inner.sync_interval, Duration::from_millis(500)),
+        sync_interval: compiler.nonzero_duration(
+            file,
+            &inner.sync_interval,
+            Duration::from_millis(500),
+            "sync_interval",
+        ),
         triggers: inner
             .trigger
             .iter()
@@ -889,7 +894,12 @@ fn compile_queue(
         backoff_max: compiler.duration(file, &inner.backoff_max, defaults.backoff_max),
         max_body: usize::try_from(max_body).unwrap_or(usize::MAX),
         replay_rate,
-        poll_interval: compiler.duration(file, &inner.poll_interval, defaults.poll_interval),
+        poll_interval: compiler.nonzero_duration(
+            file,
+            &inner.poll_interval,
+            defaults.poll_interval,
+            "poll_interval",
+        ),
     })
 }
 
@@ -1114,7 +1124,12 @@ fn compile_redis(
     Some(RedisSettings {
         admit_ahead_above,
         target,
-        timeout: compiler.duration(file, &inner.timeout, Duration::from_millis(25)),
+        timeout: compiler.nonzero_duration(
+            file,
+            &inner.timeout,
+            Duration::from_millis(25),
+            "timeout",
+        ),
         failures_to_open: positive(compiler, &inner.failures_to_open, 3, "failures_to_open"),
         cooldown: compiler.duration(file, &inner.cooldown, Duration::from_secs(1)),
         key_prefix: inner
@@ -1366,17 +1381,19 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
     ServerSettings {
         listen: compiler.socket_addr(file, &spec.listen, defaults.listen),
         trusted_proxies,
-        header_read_timeout: compiler.duration(
+        header_read_timeout: compiler.nonzero_duration(
             file,
             &spec.header_read_timeout,
             defaults.header_read_timeout,
+            "header_read_timeout",
         ),
         max_header_bytes,
         max_body: compiler.size(file, &spec.max_body, defaults.max_body),
-        client_body_timeout: compiler.duration(
+        client_body_timeout: compiler.nonzero_duration(
             file,
             &spec.client_body_timeout,
             defaults.client_body_timeout,
+            "client_body_timeout",
         ),
         send_timeout: compiler.nonzero_duration(
             file,
@@ -1527,12 +1544,23 @@ fn compile_upstream(
         scheme,
         authority,
         host,
-        connect_timeout: compiler.duration(file, &inner.connect_timeout, Duration::from_secs(2)),
-        response_timeout: compiler.duration(file, &inner.response_timeout, Duration::from_secs(30)),
-        idle_body_timeout: compiler.duration(
+        connect_timeout: compiler.nonzero_duration(
+            file,
+            &inner.connect_timeout,
+            Duration::from_secs(2),
+            "connect_timeout",
+        ),
+        response_timeout: compiler.nonzero_duration(
+            file,
+            &inner.response_timeout,
+            Duration::from_secs(30),
+            "response_timeout",
+        ),
+        idle_body_timeout: compiler.nonzero_duration(
             file,
             &inner.idle_body_timeout,
             Duration::from_secs(30),
+            "idle_body_timeout",
         ),
         pool_idle_timeout: compiler.duration(
             file,
@@ -1904,6 +1932,24 @@ mod tests {
             );
             // At start (or in `levee check`) the same policy is fine.
             assert!(compile(&files(&[("a.toml", &without_token)]), None).is_ok());
+        }
+    }
+
+    #[test]
+    fn zero_timeouts_and_intervals_are_refused() {
+        let errors = errors(&[(
+            "a.toml",
+            "[server]\nheader_read_timeout = \"0s\"\n[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nresponse_timeout = \"0ms\"\n[degrade]\nsync_interval = \"0s\"\n",
+        )]);
+        for expected in [
+            "a.toml:2:23: error: `header_read_timeout` must be more than 0",
+            "a.toml:5:20: error: `response_timeout` must be more than 0",
+            "a.toml:7:17: error: `sync_interval` must be more than 0",
+        ] {
+            assert!(
+                errors.iter().any(|e| e.starts_with(expected)),
+                "{expected}\n{errors:?}"
+            );
         }
     }
 
