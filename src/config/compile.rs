@@ -624,11 +624,12 @@ fn compile_degrade(
         .map(std::path::Path::to_path_buf)
         .unwrap_or_default();
     // Modules: declared ones with their tier, then those routes serve (the lowest tier of
-    // their routes), then those pages hide (tier 3).
+    // their routes, also for a declared module that names no tier), then those pages hide
+    // (tier 3).
     let mut modules: BTreeMap<String, u8> = BTreeMap::new();
     for (name, (file, module)) in module_specs {
         let tier = match &module.get_ref().tier {
-            None => 3,
+            None => continue,
             Some(tier) if (2..=3).contains(tier.get_ref()) => *tier.get_ref(),
             Some(tier) => {
                 compiler.error_hint(
@@ -642,9 +643,14 @@ fn compile_degrade(
         };
         modules.insert(name.clone(), tier);
     }
+    let tier_given = |module: &str| {
+        module_specs
+            .get(module)
+            .is_some_and(|(_, spec)| spec.get_ref().tier.is_some())
+    };
     for route in routes {
         if let Some(module) = &route.module {
-            if !module_specs.contains_key(&**module) {
+            if !tier_given(module) {
                 let entry = modules
                     .entry(module.to_string())
                     .or_insert(route.tier.max(2));
@@ -654,6 +660,9 @@ fn compile_degrade(
         for (module, _) in &route.hide {
             modules.entry(module.clone()).or_insert(3);
         }
+    }
+    for name in module_specs.keys() {
+        modules.entry(name.clone()).or_insert(3);
     }
     let Some((file, spec)) = spec else {
         return DegradeSettings {
@@ -1933,6 +1942,20 @@ mod tests {
             // At start (or in `levee check`) the same policy is fine.
             assert!(compile(&files(&[("a.toml", &without_token)]), None).is_ok());
         }
+    }
+
+    #[test]
+    fn a_declared_module_without_a_tier_takes_the_lowest_tier_of_its_routes() {
+        let policy = compile(
+            &files(&[(
+                "a.toml",
+                &format!("{APP}[module.notifications]\ndescription = \"bell\"\n[module.ads]\n[[route]]\nname = \"n\"\nmatch = {{ path_prefix = \"/n\" }}\ntier = 2\nmodule = \"notifications\"\n"),
+            )]),
+            None,
+        )
+        .expect("compiles");
+        assert_eq!(policy.degrade.modules.get("notifications"), Some(&2));
+        assert_eq!(policy.degrade.modules.get("ads"), Some(&3));
     }
 
     #[test]
