@@ -517,6 +517,17 @@ async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
         .status,
         200
     );
+    // A second retry of the same dead letter (another operator, a double click) finds
+    // nothing to retry: the job is queued once.
+    assert_eq!(
+        post(
+            &levee.admin_url(&format!("/queues/notify/dead/{id}/retry")),
+            ""
+        )
+        .await
+        .status,
+        404
+    );
     eventually(
         Duration::from_secs(10),
         "the retried job to be applied",

@@ -671,19 +671,25 @@ pub async fn resolve_dead_letter(
         };
         job.attempts = 0;
         job.last_error = None;
+        // Queued again only by the call that removed the dead letter: two operators (or a
+        // repeated click) retrying one job queue it once, and a retry racing a drop loses.
         const SCRIPT: &str = r#"
+if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then
+  return 0
+end
 redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
-return redis.call('XDEL', KEYS[2], ARGV[1])
+return 1
 "#;
         let mut args = vec![id.as_bytes().to_vec()];
         args.extend(job_args(&job));
-        eval(redis, SCRIPT, &[&keys.stream, &keys.dead], args).await?;
+        let queued = eval(redis, SCRIPT, &[&keys.stream, &keys.dead], args).await?;
+        Ok(matches!(queued, redis::Value::Int(1)))
     } else {
         let mut delete = redis::cmd("XDEL");
         delete.arg(&keys.dead).arg(id);
-        let _: i64 = redis.command(&delete, QUEUE_TIMEOUT, None).await?;
+        let deleted: i64 = redis.command(&delete, QUEUE_TIMEOUT, None).await?;
+        Ok(deleted == 1)
     }
-    Ok(true)
 }
 
 /// Backlog figures of one route for `/status` and the admin API.
