@@ -434,3 +434,55 @@ fn parse_reply(text: &str, count: usize) -> Result<(bool, Vec<RemoteVerdict>), R
 
 /// Keeps the store alive in `Arc`s shared by policy generations.
 pub type SharedRedis = Arc<RedisStore>;
+
+/// A Redis URL fit to show (in `/status`, in `levee check` errors): the credentials of
+/// `user:pass@` and the value of a `password` or `pass` query parameter become `***`.
+pub fn redact_url(url: &str) -> String {
+    let (address, query) = match url.split_once('?') {
+        Some((address, query)) => (address, Some(query)),
+        None => (url, None),
+    };
+    let mut out = match (address.find("://"), address.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            format!("{}***{}", &address[..scheme_end + 3], &address[at..])
+        }
+        _ => address.to_string(),
+    };
+    if let Some(query) = query {
+        let pairs: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((key, _))
+                    if key.eq_ignore_ascii_case("password") || key.eq_ignore_ascii_case("pass") =>
+                {
+                    format!("{key}=***")
+                }
+                _ => pair.to_string(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&pairs.join("&"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod redact_tests {
+    use super::redact_url;
+
+    #[test]
+    fn credentials_are_hidden_wherever_the_url_carries_them() {
+        assert_eq!(
+            redact_url("redis://levee:s3cret@127.0.0.1:6379/0"),
+            "redis://***@127.0.0.1:6379/0"
+        );
+        assert_eq!(
+            redact_url("redis+unix:///run/redis.sock?db=1&pass=s3cret"),
+            "redis+unix:///run/redis.sock?db=1&pass=***"
+        );
+        assert_eq!(
+            redact_url("redis://127.0.0.1:6379"),
+            "redis://127.0.0.1:6379"
+        );
+    }
+}

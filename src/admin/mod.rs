@@ -547,8 +547,8 @@ fn status(shared: &Shared) -> serde_json::Value {
     let redis = policy.redis.as_ref().map(|redis| {
         json!({
             "target": match &redis.settings.target {
-                crate::redis_store::RedisTarget::Single(url) => json!(redact(url)),
-                crate::redis_store::RedisTarget::Cluster(nodes) => json!(nodes.iter().map(|n| redact(n)).collect::<Vec<_>>()),
+                crate::redis_store::RedisTarget::Single(url) => json!(crate::redis_store::redact_url(url)),
+                crate::redis_store::RedisTarget::Cluster(nodes) => json!(nodes.iter().map(|n| crate::redis_store::redact_url(n)).collect::<Vec<_>>()),
             },
             "up": redis.is_up(),
         })
@@ -573,15 +573,6 @@ fn status(shared: &Shared) -> serde_json::Value {
 }
 
 /// Hides a password in a Redis URL (`redis://:secret@host` → `redis://:***@host`).
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            format!("{}***{}", &url[..scheme_end + 3], &url[at..])
-        }
-        _ => url.to_string(),
-    }
-}
-
 fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<ResponseBody> {
     let mut body = serde_json::to_vec_pretty(value).unwrap_or_default();
     body.push(b'\n');

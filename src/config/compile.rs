@@ -1154,7 +1154,10 @@ fn check_redis_url(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Ra
         compiler.error_hint(
             file,
             span,
-            format!("`{url}` is not a Redis URL: {error}"),
+            format!(
+                "`{}` is not a Redis URL: {error}",
+                crate::redis_store::redact_url(url)
+            ),
             "write it as \"redis://127.0.0.1:6379/0\"",
         );
     }
