@@ -131,16 +131,28 @@ async fn save_to_redis(
 
 fn save_to_file(path: &Path, switches: &RuntimeSwitches) -> Result<(), String> {
     let json = serde_json::to_vec_pretty(switches).map_err(|error| error.to_string())?;
-    // Write-then-rename: a crash never leaves a half-written state file.
-    let temp = path.with_extension("json.tmp");
-    std::fs::write(&temp, json)
-        .and_then(|()| std::fs::rename(&temp, path))
-        .map_err(|error| {
-            format!(
-                "the switch was not saved to {}, so it is not in effect: {error}",
-                path.display()
-            )
-        })
+    // Write, sync, rename, sync the directory: neither a crash nor a power loss leaves a
+    // half-written (or empty) state file, and the name of the temporary file is this
+    // process's own, so two levees sharing the directory do not write into each other's.
+    let temp = path.with_extension(format!("json.{}.tmp", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut file = std::fs::File::create(&temp)?;
+        file.write_all(&json)?;
+        file.sync_all()?;
+        std::fs::rename(&temp, path)?;
+        if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+            std::fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    };
+    write().map_err(|error| {
+        let _ = std::fs::remove_file(&temp);
+        format!(
+            "the switch was not saved to {}, so it is not in effect: {error}",
+            path.display()
+        )
+    })
 }
 
 /// With Redis, the state file keeps a copy of the fleet's last known switches, so a levee that
