@@ -219,3 +219,39 @@ async fn a_level_that_switched_off_every_route_of_a_broken_upstream_comes_down_t
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_for_a_copy_being_fetched_hold_no_slot() {
+    let backend = backend(Arc::new(AtomicBool::new(false))).await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("max_inflight = 2\nshed_reserve = 0.0\nqueue_wait = \"50ms\"\n[[route]]\nname = \"rank\"\nmatch = {{ path_prefix = \"/slow/rank\" }}\ntier = 3\ndegrade = {{ action = \"stale\" }}\n{ROUTES}"),
+    );
+    let levee = Arc::new(Levee::start(&policy).await);
+    // Four readers of the same slow page: one fetches it, three wait for its copy.
+    let readers: Vec<_> = (0..4)
+        .map(|_| {
+            let levee = levee.clone();
+            tokio::spawn(async move { get(&levee.url("/slow/rank")).await })
+        })
+        .collect();
+    eventually(
+        Duration::from_secs(5),
+        "the fetch to reach the app",
+        || async { backend.hits() >= 1 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The waiters hold no slot of the two: a tier-1 page still gets one.
+    assert_eq!(get(&levee.url("/view")).await.status, 200);
+    for reader in readers {
+        let answer = reader.await.expect("reader");
+        assert_eq!((answer.status, answer.text().as_str()), (200, "ok"));
+    }
+    assert_eq!(
+        backend.hits(),
+        2,
+        "one fetch for the four readers, one for the page"
+    );
+}

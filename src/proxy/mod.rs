@@ -218,6 +218,22 @@ async fn forward(
         .await;
     }
 
+    if let Some(length) = content_length(request.headers()) {
+        if length > route.max_body {
+            return Err(ProxyError::BodyTooLarge {
+                limit: route.max_body,
+            });
+        }
+    }
+
+    // Concurrent requests for a copy being fetched wait for that fetch, before they take a
+    // breaker permit or a bulkhead slot: only the one that fetches holds them, and waiters
+    // neither fill the pool nor use up a half-open breaker's probes.
+    let fetch = match stale.join(shared, policy, &route).await {
+        Joined::Served(response) => return Ok(response),
+        Joined::Lead(guard) => guard,
+    };
+
     // Breaker: an open dependency is not called at all; the last good copy or the route's
     // fallback answers.
     let mut permit = match upstream_permit(shared, &route) {
@@ -252,20 +268,6 @@ async fn forward(
             }
         }
     }
-
-    if let Some(length) = content_length(request.headers()) {
-        if length > route.max_body {
-            return Err(ProxyError::BodyTooLarge {
-                limit: route.max_body,
-            });
-        }
-    }
-
-    // Concurrent requests for a copy being fetched wait for that fetch.
-    let fetch = match stale.join(shared, policy, &route).await {
-        Joined::Served(response) => return Ok(response),
-        Joined::Lead(guard) => guard,
-    };
 
     // Page fragments of switched-off modules are cut out of the HTML on the way back.
     let hiding = hidden_fragments(shared, policy, &route);
