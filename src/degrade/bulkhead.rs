@@ -24,7 +24,9 @@ pub struct BulkheadSettings {
 pub struct Bulkhead {
     pub settings: BulkheadSettings,
     inflight: AtomicU32,
-    freed: Notify,
+    /// Waiters of tier 1 and of tier 2, woken apart: a freed slot that a tier-2 waiter may
+    /// not take (above its share) must still reach a tier-1 waiter, which may.
+    freed: [Notify; 2],
 }
 
 /// A taken slot; dropping it frees the slot.
@@ -35,7 +37,9 @@ pub struct Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         self.bulkhead.inflight.fetch_sub(1, Ordering::AcqRel);
-        self.bulkhead.freed.notify_one();
+        for waiters in &self.bulkhead.freed {
+            waiters.notify_one();
+        }
     }
 }
 
@@ -44,7 +48,7 @@ impl Bulkhead {
         Bulkhead {
             settings,
             inflight: AtomicU32::new(0),
-            freed: Notify::new(),
+            freed: [Notify::new(), Notify::new()],
         }
     }
 
@@ -84,8 +88,9 @@ impl Bulkhead {
             return None;
         }
         let deadline = Instant::now() + self.settings.max_wait;
+        let waiters = &self.freed[usize::from(tier >= 2)];
         loop {
-            let freed = self.freed.notified();
+            let freed = waiters.notified();
             if let Some(slot) = self.try_take(limit) {
                 return Some(slot);
             }
@@ -156,6 +161,38 @@ mod tests {
         held.push(waiter.await.expect("task").expect("the freed slot"));
         // Nobody frees a slot: after max_wait tier 1 is shed too.
         assert!(bulkhead.acquire(1).await.is_none());
+        drop(held);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_freed_slot_a_tier_2_waiter_may_not_take_reaches_a_tier_1_waiter() {
+        let bulkhead = bulkhead(10);
+        let mut held = Vec::new();
+        for _ in 0..10 {
+            held.push(bulkhead.acquire(1).await.expect("room"));
+        }
+        // A tier-2 waiter first, then a tier-1 one.
+        let tier_2 = {
+            let bulkhead = bulkhead.clone();
+            tokio::spawn(async move { bulkhead.acquire(2).await.is_some() })
+        };
+        tokio::task::yield_now().await;
+        let tier_1 = {
+            let bulkhead = bulkhead.clone();
+            tokio::spawn(async move {
+                let asked = Instant::now();
+                let slot = bulkhead.acquire(1).await;
+                (slot.is_some(), asked.elapsed())
+            })
+        };
+        tokio::task::yield_now().await;
+        // One slot frees: 9 in flight, above tier 2's share of 8, so only tier 1 may take it,
+        // and at once, not when its wait runs out.
+        held.pop();
+        let (got, waited) = tier_1.await.expect("task");
+        assert!(got, "tier 1 got the freed slot");
+        assert!(waited < Duration::from_millis(50), "after {waited:?}");
+        assert!(!tier_2.await.expect("task"), "tier 2 stays shed");
         drop(held);
     }
 }
