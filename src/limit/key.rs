@@ -115,13 +115,29 @@ pub struct RequestFacts<'a> {
 impl RequestFacts<'_> {
     fn part(&self, part: &KeyPart) -> Option<Cow<'_, str>> {
         match part {
-            KeyPart::Ip => Some(Cow::Owned(ip_string(self.client_ip))),
+            KeyPart::Ip => Some(Cow::Owned(ip_key(self.client_ip))),
             KeyPart::Route => Some(Cow::Borrowed(self.route)),
             KeyPart::Method => Some(Cow::Borrowed(self.method.as_str())),
             KeyPart::User => first_present(&self.identity.user, self.headers, self.query),
             KeyPart::ApiKey => first_present(&self.identity.api_key, self.headers, self.query),
             KeyPart::Field(source) => source.read(self.headers, self.query),
         }
+    }
+}
+
+/// The client as a limit key: an IPv4 address, or the /64 network of an IPv6 one. One IPv6
+/// subscriber gets a whole /64 and may send each request from another address of it; keyed
+/// by address, it would get a fresh bucket every time.
+fn ip_key(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => ip_string(IpAddr::V4(v4)),
+            None => {
+                let [a, b, c, d, ..] = v6.segments();
+                format!("{a:x}:{b:x}:{c:x}:{d:x}::/64")
+            }
+        },
+        ip => ip_string(ip),
     }
 }
 
@@ -150,7 +166,7 @@ pub fn bucket_key(
     for part in parts {
         let (part, value) = match facts.part(part) {
             Some(value) => (part, value),
-            None if fallback_ip => (&KeyPart::Ip, Cow::Owned(ip_string(facts.client_ip))),
+            None if fallback_ip => (&KeyPart::Ip, Cow::Owned(ip_key(facts.client_ip))),
             None => return None,
         };
         if tag
@@ -364,6 +380,16 @@ mod tests {
                 "{query}"
             );
         }
+    }
+
+    #[test]
+    fn ipv6_clients_are_keyed_by_their_slash_64() {
+        let key = |ip: &str| ip_key(ip.parse().expect("ip"));
+        assert_eq!(key("2001:db8:1:2:aaaa::1"), "2001:db8:1:2::/64");
+        assert_eq!(key("2001:db8:1:2:bbbb:cccc:dddd:eeee"), "2001:db8:1:2::/64");
+        assert_ne!(key("2001:db8:1:3::1"), key("2001:db8:1:2::1"));
+        assert_eq!(key("::ffff:203.0.113.9"), "203.0.113.9");
+        assert_eq!(key("203.0.113.9"), "203.0.113.9");
     }
 
     #[test]
