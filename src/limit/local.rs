@@ -1,6 +1,7 @@
 //! In-process buckets: the embedded default (no `[redis]`) and the `local` fallback while
 //! Redis is down. Memory is bounded: idle buckets (already full again) are swept, and a shard
-//! that still grows past its share of `max_keys` is cleared rather than growing without end.
+//! that still grows past its share of `max_keys` forgets the half of its buckets that are
+//! nearest to full again, rather than growing without end.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -19,6 +20,19 @@ pub struct Ask<'a> {
 pub struct LocalStore {
     shards: Vec<Mutex<HashMap<String, u64>>>,
     max_keys_per_shard: usize,
+}
+
+/// Forgets the half of `map`'s buckets with the earliest TAT: those nearest to full again,
+/// whose loss gives a client the least extra. Buckets far ahead (clients being refused, a
+/// login being guessed at) are the last to go, so a flood of new keys cannot reset them.
+fn forget_nearest_to_full(map: &mut HashMap<String, u64>) {
+    let mut tats: Vec<u64> = map.values().copied().collect();
+    if tats.is_empty() {
+        return;
+    }
+    let middle = tats.len() / 2;
+    let (_, &mut median, _) = tats.select_nth_unstable(middle);
+    map.retain(|_, tat| *tat > median);
 }
 
 impl LocalStore {
@@ -87,9 +101,9 @@ impl LocalStore {
                             map.retain(|_, tat| *tat > now);
                             if map.len() >= self.max_keys_per_shard {
                                 tracing::warn!(
-                                    "in-process rate-limit store is full; clearing one shard"
+                                    "in-process rate-limit store is full; forgetting the half of one shard's buckets nearest to full"
                                 );
-                                map.clear();
+                                forget_nearest_to_full(map);
                             }
                         }
                         map.insert(ask.key.to_string(), *new_tat);
@@ -217,6 +231,45 @@ mod tests {
         assert!(
             matches!(verdicts[0], Verdict::Allow { remaining: 8, .. }),
             "{verdicts:?}"
+        );
+    }
+
+    #[test]
+    fn a_flood_of_new_keys_does_not_reset_a_bucket_that_is_refusing() {
+        let store = LocalStore::new(256);
+        let login = Rate {
+            interval_us: 3600 * SECOND,
+            burst: 1,
+        };
+        let ask = |key| {
+            [Ask {
+                key,
+                rate: login,
+                dry_run: false,
+            }]
+        };
+        let now = 100 * SECOND;
+        assert!(store.decide_all(&ask("login|victim"), || now)[0].allowed());
+        assert!(!store.decide_all(&ask("login|victim"), || now)[0].allowed());
+        let flood = Rate {
+            interval_us: SECOND,
+            burst: 5,
+        };
+        for i in 0..20_000 {
+            let key = format!("flood|{i}");
+            store.decide_all(
+                &[Ask {
+                    key: &key,
+                    rate: flood,
+                    dry_run: false,
+                }],
+                || now,
+            );
+        }
+        assert!(store.len() <= 256, "bounded: {}", store.len());
+        assert!(
+            !store.decide_all(&ask("login|victim"), || now)[0].allowed(),
+            "the refusing bucket survived the flood"
         );
     }
 
