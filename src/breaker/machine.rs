@@ -140,6 +140,8 @@ pub struct Machine {
     reopens: u32,
     probes_in_flight: u32,
     probe_successes: u32,
+    /// Counts half-open rounds: a probe's answer counts only in the round that admitted it.
+    probe_round: u32,
 }
 
 impl Machine {
@@ -154,7 +156,13 @@ impl Machine {
             reopens: 0,
             probes_in_flight: 0,
             probe_successes: 0,
+            probe_round: 0,
         }
+    }
+
+    /// The half-open round a probe admitted now belongs to.
+    pub fn probe_round(&self) -> u32 {
+        self.probe_round
     }
 
     pub fn force(&self) -> Option<Force> {
@@ -188,6 +196,7 @@ impl Machine {
             self.state = State::HalfOpen;
             self.probes_in_flight = 0;
             self.probe_successes = 0;
+            self.probe_round = self.probe_round.wrapping_add(1);
             transition = Some(Transition::HalfOpened);
         }
         match self.state {
@@ -206,13 +215,31 @@ impl Machine {
         }
     }
 
-    /// Records how an admitted call ended.
+    /// Records how an admitted call ended (a probe of the current half-open round).
     pub fn record(
         &mut self,
         now: Instant,
         admission: Admission,
         outcome: Outcome,
     ) -> Option<Transition> {
+        self.record_in_round(now, admission, self.probe_round, outcome)
+    }
+
+    /// Records how an admitted call ended; `round` is what `probe_round` said when it was
+    /// admitted. A probe of an earlier round (still running when its round's breaker
+    /// reopened) neither frees a slot of the current round nor decides it: the current round
+    /// admits exactly `half_open_probes`, and closes on their answers alone.
+    pub fn record_in_round(
+        &mut self,
+        now: Instant,
+        admission: Admission,
+        round: u32,
+        outcome: Outcome,
+    ) -> Option<Transition> {
+        let admission = match admission {
+            Admission::Probe if round != self.probe_round => Admission::Allowed,
+            admission => admission,
+        };
         if admission == Admission::Probe {
             self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
         }
@@ -503,6 +530,47 @@ mod tests {
         // The late third probe does not reopen anything.
         assert_eq!(machine.record(t1, Admission::Probe, Outcome::Failure), None);
         assert_eq!(machine.state, State::Closed);
+    }
+
+    #[test]
+    fn a_probe_of_an_earlier_round_neither_frees_a_slot_nor_decides_this_round() {
+        let t0 = Instant::now();
+        let mut machine = open_machine(t0);
+        let State::Open { until } = machine.state else {
+            panic!("not open")
+        };
+        // Round 1: probes A and B; A fails while B is still out, and the breaker reopens.
+        let round_1 = |machine: &mut Machine| {
+            let (admission, _) = machine.admit(until);
+            assert_eq!(admission, Admission::Probe);
+            (admission, machine.probe_round())
+        };
+        let (a, a_round) = round_1(&mut machine);
+        let (b, b_round) = round_1(&mut machine);
+        assert!(machine
+            .record_in_round(until, a, a_round, Outcome::Failure)
+            .is_some());
+        let State::Open { until } = machine.state else {
+            panic!("not open")
+        };
+        // Round 2: probes C and D fill it.
+        assert_eq!(machine.admit(until).0, Admission::Probe);
+        assert_eq!(machine.admit(until).0, Admission::Probe);
+        // B's late success frees no slot of round 2 and does not count towards closing it.
+        assert_eq!(
+            machine.record_in_round(until, b, b_round, Outcome::Success { slow: false }),
+            None
+        );
+        assert!(matches!(machine.admit(until).0, Admission::Rejected { .. }));
+        assert_eq!(
+            machine.record(until, Admission::Probe, Outcome::Success { slow: false }),
+            None,
+            "one success of round 2 is not enough"
+        );
+        assert_eq!(
+            machine.record(until, Admission::Probe, Outcome::Success { slow: false }),
+            Some(Transition::Closed)
+        );
     }
 
     #[test]

@@ -63,7 +63,11 @@ impl Breaker {
     pub fn admit(self: &Arc<Self>, metrics: &Metrics) -> Result<Permit, Duration> {
         // One clock read for both: reading the clock is a measurable share of a request.
         let now = Instant::now();
-        let (admission, transition) = self.lock().admit(now);
+        let (admission, transition, round) = {
+            let mut machine = self.lock();
+            let (admission, transition) = machine.admit(now);
+            (admission, transition, machine.probe_round())
+        };
         if let Some(transition) = transition {
             self.report(transition, metrics);
         }
@@ -75,6 +79,7 @@ impl Breaker {
             admission => Ok(Permit {
                 breaker: self.clone(),
                 admission,
+                round,
                 started: now,
                 recorded: false,
             }),
@@ -206,6 +211,8 @@ fn state_value(state: State) -> i64 {
 pub struct Permit {
     breaker: Arc<Breaker>,
     admission: Admission,
+    /// The half-open round a probe belongs to.
+    round: u32,
     started: Instant,
     recorded: bool,
 }
@@ -244,10 +251,12 @@ impl Permit {
     }
 
     fn finish(&self, outcome: Outcome, metrics: Option<&Metrics>) {
-        let transition = self
-            .breaker
-            .lock()
-            .record(Instant::now(), self.admission, outcome);
+        let transition = self.breaker.lock().record_in_round(
+            Instant::now(),
+            self.admission,
+            self.round,
+            outcome,
+        );
         let Some(metrics) = metrics else { return };
         if self.admission == Admission::Probe && outcome != Outcome::Abandoned {
             let result = if outcome == Outcome::Failure {
