@@ -255,3 +255,39 @@ async fn requests_waiting_for_a_copy_being_fetched_hold_no_slot() {
         "one fetch for the four readers, one for the page"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_trickling_small_forms_hold_no_slot() {
+    use tokio::io::AsyncWriteExt;
+    // The app reads a form whole before it answers, as PHP does.
+    let backend = echo_backend().await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("max_inflight = 2\nshed_reserve = 0.0\nqueue_wait = \"50ms\"\n{ROUTES}"),
+    );
+    let levee = Levee::start(&policy).await;
+    // Three clients send the head of a small form and a few bytes of it, then stall (each
+    // within client_body_timeout).
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        let mut stream = tokio::net::TcpStream::connect(levee.public)
+            .await
+            .expect("connect");
+        stream
+            .write_all(b"POST /form HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nname=a")
+            .await
+            .expect("write");
+        stalled.push(stream);
+    }
+    // Give levee the time to take them up.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // They hold none of the two slots: the page is served.
+    assert_eq!(get(&levee.url("/view")).await.status, 200);
+    assert_eq!(
+        backend.hits(),
+        1,
+        "the stalled forms have not reached the app"
+    );
+    drop(stalled);
+}

@@ -190,3 +190,83 @@ pub fn find_cause<'a, T: std::error::Error + 'static>(
     }
     None
 }
+
+/// Reads `body` until it ends or more than `limit` bytes have come, then gives it back: what
+/// was read, followed by the rest still streaming. Its size hint stays the original one, so
+/// the request goes upstream framed as the client framed it (a chunked body stays chunked).
+pub async fn read_ahead(
+    mut body: UnsyncBoxBody<Bytes, BoxError>,
+    limit: usize,
+) -> Result<UnsyncBoxBody<Bytes, BoxError>, BoxError> {
+    use http_body_util::BodyExt;
+    let hint = body.size_hint();
+    let mut read: std::collections::VecDeque<Bytes> = std::collections::VecDeque::new();
+    let mut total = 0;
+    let mut ended = body.is_end_stream();
+    while total <= limit && !ended {
+        match body.frame().await {
+            None => ended = true,
+            Some(Err(error)) => return Err(error),
+            // Trailers of a request are not forwarded (as before: levee frames the body).
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    total += data.len();
+                    read.push_back(data);
+                }
+            }
+        }
+    }
+    Ok(Prefixed {
+        read,
+        hint,
+        ended,
+        rest: body,
+    }
+    .boxed_unsync())
+}
+
+pin_project! {
+    /// What was read ahead of a body, then the rest of it.
+    struct Prefixed<B> {
+        read: std::collections::VecDeque<Bytes>,
+        // The whole body's size hint, as it was before any of it was read.
+        hint: SizeHint,
+        // The rest has ended already: it is not polled again.
+        ended: bool,
+        #[pin]
+        rest: B,
+    }
+}
+
+impl<B> Body for Prefixed<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.project();
+        if let Some(piece) = this.read.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(piece))));
+        }
+        if *this.ended {
+            return Poll::Ready(None);
+        }
+        this.rest.poll_frame(cx)
+    }
+
+    // Not said early, even when the rest is known to have ended: the request's framing was
+    // chosen from the original hint (chunked when unknown), and a body said to be over before
+    // it is polled would go upstream without its last chunk.
+    fn is_end_stream(&self) -> bool {
+        false
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.hint
+    }
+}

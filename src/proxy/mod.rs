@@ -103,6 +103,10 @@ pub async fn handle(
     Response::from_parts(parts, Observed::new(body, exchange).boxed_unsync())
 }
 
+/// Request bodies up to this size are read whole before the upstream's breaker permit and
+/// bulkhead slot are taken (see `forward`).
+const READ_AHEAD: usize = 64 * 1024;
+
 /// Everything between routing and the upstream's response head.
 async fn forward(
     shared: &Shared,
@@ -234,6 +238,59 @@ async fn forward(
         Joined::Lead(guard) => guard,
     };
 
+    // Page fragments of switched-off modules are cut out of the HTML on the way back.
+    let hiding = hidden_fragments(shared, policy, &route);
+
+    let upgrading = header::is_upgrade(request.headers());
+    // The connection hands itself over once the 101 is written (see `h1::upgrade`).
+    let client_upgrade = upgrading
+        .then(|| request.extensions_mut().remove::<ClientUpgrade>())
+        .flatten()
+        .and_then(|upgrade| upgrade.take());
+    let upstream = &route.upstream;
+    // The request target stays the client's (the client sends its path and query only).
+    let (mut parts, body) = request.into_parts();
+    parts.version = Version::HTTP_11;
+    header::strip_hop_by_hop(&mut parts.headers, upgrading);
+    header::set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, client_ip);
+    if let Some(host) = &upstream.settings.host {
+        parts.headers.insert(h::HOST, host.clone());
+    }
+    if hiding.is_some() || stale.key.is_some() {
+        // The page must come back uncompressed to be rewritten, or to be kept as a copy that
+        // answers clients of every kind; the front nginx may gzip it.
+        parts.headers.remove(h::ACCEPT_ENCODING);
+    }
+    // Most requests (GET) have no body: no limit or idle timer to set up for them.
+    let body = if http_body::Body::is_end_stream(&body) {
+        http_body_util::Empty::new()
+            .map_err(|never| match never {})
+            .boxed_unsync()
+    } else {
+        let body = Limited::new(
+            IdleTimeout::new(body, server.client_body_timeout, "client"),
+            usize::try_from(route.max_body).unwrap_or(usize::MAX),
+        )
+        .boxed_unsync();
+        // A body of up to READ_AHEAD bytes is read whole before the request takes a breaker
+        // permit or a bulkhead slot: a client trickling its form (each byte within
+        // client_body_timeout) holds neither a php-fpm slot nor a half-open probe meanwhile.
+        // A longer body holds them while it streams.
+        match body::read_ahead(body, READ_AHEAD).await {
+            Ok(body) => body,
+            Err(error) => {
+                return Err(
+                    classify_body_error(&route, server.client_body_timeout, &*error)
+                        .unwrap_or_else(|| {
+                            ProxyError::BadRequest(format!(
+                                "request body could not be read: {error}"
+                            ))
+                        }),
+                )
+            }
+        }
+    };
+
     // Breaker: an open dependency is not called at all; the last good copy or the route's
     // fallback answers.
     let mut permit = match upstream_permit(shared, &route) {
@@ -268,42 +325,6 @@ async fn forward(
             }
         }
     }
-
-    // Page fragments of switched-off modules are cut out of the HTML on the way back.
-    let hiding = hidden_fragments(shared, policy, &route);
-
-    let upgrading = header::is_upgrade(request.headers());
-    // The connection hands itself over once the 101 is written (see `h1::upgrade`).
-    let client_upgrade = upgrading
-        .then(|| request.extensions_mut().remove::<ClientUpgrade>())
-        .flatten()
-        .and_then(|upgrade| upgrade.take());
-    let upstream = &route.upstream;
-    // The request target stays the client's (the client sends its path and query only).
-    let (mut parts, body) = request.into_parts();
-    parts.version = Version::HTTP_11;
-    header::strip_hop_by_hop(&mut parts.headers, upgrading);
-    header::set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, client_ip);
-    if let Some(host) = &upstream.settings.host {
-        parts.headers.insert(h::HOST, host.clone());
-    }
-    if hiding.is_some() || stale.key.is_some() {
-        // The page must come back uncompressed to be rewritten, or to be kept as a copy that
-        // answers clients of every kind; the front nginx may gzip it.
-        parts.headers.remove(h::ACCEPT_ENCODING);
-    }
-    // Most requests (GET) have no body: no limit or idle timer to set up for them.
-    let body = if http_body::Body::is_end_stream(&body) {
-        http_body_util::Empty::new()
-            .map_err(|never| match never {})
-            .boxed_unsync()
-    } else {
-        Limited::new(
-            IdleTimeout::new(body, server.client_body_timeout, "client"),
-            usize::try_from(route.max_body).unwrap_or(usize::MAX),
-        )
-        .boxed_unsync()
-    };
 
     // Nothing below reads the upstream's fields unless the page is rewritten, a copy is kept
     // or the connection is upgraded: otherwise they go back to the client as received.
@@ -627,28 +648,39 @@ fn upstream_permit(shared: &Shared, route: &Route) -> Result<Permit, ProxyError>
 }
 
 /// Sorts a failed upstream call into the client's fault or the upstream's.
+/// The answer to a request whose own body failed: too large, broken by the client, or
+/// stalled. `None` when the failure is not the client's body.
+fn classify_body_error(
+    route: &Route,
+    client_body_timeout: std::time::Duration,
+    error: &(dyn std::error::Error + 'static),
+) -> Option<ProxyError> {
+    if find_cause::<LengthLimitError>(error).is_some() {
+        return Some(ProxyError::BodyTooLarge {
+            limit: route.max_body,
+        });
+    }
+    // The client's own body broke (it went away, or sent broken chunked framing): not
+    // the upstream's failure.
+    if let Some(broken) = find_cause::<RequestBodyError>(error) {
+        return Some(ProxyError::BadRequest(broken.to_string()));
+    }
+    match find_cause::<BodyIdleTimeout>(error) {
+        Some(idle) if idle.side == "client" => Some(ProxyError::ClientBodyTimeout {
+            after: client_body_timeout,
+        }),
+        _ => None,
+    }
+}
+
 fn classify_client_error(
     route: &Route,
     client_body_timeout: std::time::Duration,
     error: &client::ClientError,
 ) -> ProxyError {
     let upstream = route.upstream.name.clone();
-    if find_cause::<LengthLimitError>(error).is_some() {
-        return ProxyError::BodyTooLarge {
-            limit: route.max_body,
-        };
-    }
-    // The client's own body broke (it went away, or sent broken chunked framing): not
-    // the upstream's failure.
-    if let Some(broken) = find_cause::<RequestBodyError>(error) {
-        return ProxyError::BadRequest(broken.to_string());
-    }
-    if let Some(idle) = find_cause::<BodyIdleTimeout>(error) {
-        if idle.side == "client" {
-            return ProxyError::ClientBodyTimeout {
-                after: client_body_timeout,
-            };
-        }
+    if let Some(error) = classify_body_error(route, client_body_timeout, error) {
+        return error;
     }
     if let client::ClientError::ResponseTimeout(after) = error {
         return ProxyError::UpstreamTimeout {
