@@ -419,7 +419,14 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             let upstream = old
                 .filter(|old| old.settings == settings && Arc::ptr_eq(&old.breaker, &breaker))
                 .cloned()
-                .unwrap_or_else(|| Arc::new(Upstream::new(name.clone(), settings, breaker)));
+                .unwrap_or_else(|| {
+                    Arc::new(Upstream::new(
+                        name.clone(),
+                        settings,
+                        breaker,
+                        old.map(|old| &**old),
+                    ))
+                });
             upstreams.insert(name.clone(), upstream);
         }
     }
@@ -1959,6 +1966,29 @@ mod tests {
         .expect("compiles");
         assert_eq!(policy.degrade.modules.get("notifications"), Some(&2));
         assert_eq!(policy.degrade.modules.get("ads"), Some(&3));
+    }
+
+    #[tokio::test]
+    async fn a_reload_that_rebuilds_an_upstream_keeps_its_requests_in_flight_counted() {
+        let policy = |open_for: &str| {
+            format!("[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nmax_inflight = 4\nbreaker = {{ open_for = \"{open_for}\" }}\n")
+        };
+        let running = compile(&files(&[("a.toml", &policy("5s"))]), None).expect("compiles");
+        let old = running.upstreams["app"].bulkhead.clone().expect("bulkhead");
+        let _in_flight = old.acquire(1).await.expect("a slot");
+        // A breaker setting changes: the upstream is rebuilt, its bulkhead kept.
+        let reloaded =
+            compile(&files(&[("a.toml", &policy("10s"))]), Some(&running)).expect("compiles");
+        assert!(!Arc::ptr_eq(
+            &running.upstreams["app"],
+            &reloaded.upstreams["app"]
+        ));
+        let new = reloaded.upstreams["app"]
+            .bulkhead
+            .clone()
+            .expect("bulkhead");
+        assert!(Arc::ptr_eq(&old, &new));
+        assert_eq!(new.inflight(), 1);
     }
 
     #[test]

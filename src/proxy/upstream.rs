@@ -105,7 +105,15 @@ fn client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
 }
 
 impl Upstream {
-    pub fn new(name: String, settings: UpstreamSettings, breaker: Arc<Breaker>) -> Upstream {
+    /// `running`: the upstream this one replaces on a reload, if any. Its bulkhead is kept
+    /// when its bounds are unchanged, so requests in flight across the reload still count
+    /// (a fresh one would start at 0 and let up to twice `max_inflight` through).
+    pub fn new(
+        name: String,
+        settings: UpstreamSettings,
+        breaker: Arc<Breaker>,
+        running: Option<&Upstream>,
+    ) -> Upstream {
         let tls =
             (settings.scheme == Scheme::HTTPS).then(|| Arc::new(tls_config(&settings.ca_files)));
         let https = settings.scheme == Scheme::HTTPS;
@@ -128,9 +136,14 @@ impl Upstream {
             pool_idle_timeout: settings.pool_idle_timeout,
             pool_max_idle: settings.pool_max_idle,
         });
-        let bulkhead = settings
-            .bulkhead
-            .map(|settings| Arc::new(Bulkhead::new(settings)));
+        let kept = running
+            .and_then(|running| running.bulkhead.clone())
+            .filter(|bulkhead| Some(bulkhead.settings) == settings.bulkhead);
+        let bulkhead = kept.or_else(|| {
+            settings
+                .bulkhead
+                .map(|settings| Arc::new(Bulkhead::new(settings)))
+        });
         Upstream {
             name,
             settings,
