@@ -318,3 +318,34 @@ fn every_toml_example_in_the_policy_reference_uses_real_keys() {
     }
     assert!(blocks >= 10, "found only {blocks} examples");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_directory_replaced_whole_is_watched_again_and_loaded() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let levee = Levee::start(&two_upstream_policy(&a, &b, "a")).await;
+    assert_eq!(get(&levee.url("/page")).await.text(), "a");
+    // The operator swaps in a new directory: `mv policies policies.old; mv new policies`.
+    let dir = levee.dir.path().to_path_buf();
+    let old = dir.with_extension("old");
+    let new = dir.with_extension("new");
+    std::fs::create_dir(&new).expect("new dir");
+    std::fs::write(new.join("levee.toml"), two_upstream_policy(&a, &b, "b")).expect("write");
+    std::fs::rename(&dir, &old).expect("move the old one away");
+    std::fs::rename(&new, &dir).expect("move the new one in");
+    eventually(
+        Duration::from_secs(10),
+        "the new directory's policy",
+        || async { get(&levee.url("/page")).await.text() == "b" },
+    )
+    .await;
+    // Later edits in the new directory are seen too.
+    std::fs::write(dir.join("levee.toml"), two_upstream_policy(&a, &b, "a")).expect("write");
+    eventually(
+        Duration::from_secs(10),
+        "an edit in the new directory",
+        || async { get(&levee.url("/page")).await.text() == "a" },
+    )
+    .await;
+    let _ = std::fs::remove_dir_all(&old);
+}

@@ -3,7 +3,8 @@
 //! The directory is watched, not the files, so an editor's write-to-temp-then-rename is seen.
 //! Events are debounced until the directory has been quiet for a moment, so a save that
 //! touches the file several times causes one reload. A bad file never stops the watcher;
-//! if the watch itself breaks (the directory was replaced), it is set up again.
+//! if the watch itself breaks (the directory was removed, or replaced by another moved into
+//! its place), it is set up again on the path, and what is there then is loaded.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -29,6 +30,7 @@ pub fn spawn_watcher(
     mut stop: watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
+        let mut lost = false;
         loop {
             let (sender, mut events) = mpsc::unbounded_channel();
             let watcher = match start_watching(store.dir(), sender) {
@@ -41,6 +43,12 @@ pub fn spawn_watcher(
                     }
                 }
             };
+            if lost {
+                // The directory may have been replaced: reload what is there now. Only now,
+                // with the new watch set up, so an edit made meanwhile is either read here or
+                // seen by the watch.
+                let _ = store.reload(ReloadTrigger::Watch).await;
+            }
             loop {
                 let signal = tokio::select! {
                     signal = events.recv() => signal,
@@ -71,8 +79,7 @@ pub fn spawn_watcher(
             }
             drop(watcher);
             tracing::warn!(dir = %store.dir().display(), "policy directory watch was lost; setting it up again");
-            // The directory may have been replaced: reload what is there now.
-            let _ = store.reload(ReloadTrigger::Watch).await;
+            lost = true;
         }
     })
 }
@@ -89,11 +96,16 @@ fn start_watching(
                 if matches!(event.kind, EventKind::Access(_)) {
                     return;
                 }
-                if event.paths.iter().any(|path| path == &watched_dir)
-                    && matches!(event.kind, EventKind::Remove(_))
-                {
+                // Anything that happens to the directory itself (removed, or moved away as
+                // in `mv policies policies.old; mv policies.new policies`) leaves the watch
+                // on the old one: set it up again on the path.
+                if event.paths.iter().any(|path| path == &watched_dir) {
                     WatchSignal::Broken
-                } else if event.paths.iter().any(|path| is_policy_file(path)) {
+                } else if event
+                    .paths
+                    .iter()
+                    .any(|path| is_policy_file(path) || is_swapped_link(path))
+                {
                     WatchSignal::Changed
                 } else {
                     return;
@@ -104,6 +116,14 @@ fn start_watching(
     })?;
     watcher.watch(dir, RecursiveMode::NonRecursive)?;
     Ok(watcher)
+}
+
+/// Kubernetes mounts a ConfigMap as files linked through `..data`, which it swaps whole: the
+/// `.toml` names never change, only that link does.
+fn is_swapped_link(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|name| name.to_str())
+        .is_some_and(|name| name.starts_with(".."))
 }
 
 /// Editors' swap and backup files (`.x.toml.swp`, `x.toml~`) are not policy files.
