@@ -143,14 +143,14 @@ fn main() -> ExitCode {
         Command::Module { name, state, admin } => admin_command(
             admin,
             http::Method::POST,
-            format!("/modules/{name}"),
+            format!("/modules/{}", levee::admin::client::path_segment(&name)),
             state,
             |_| "module switched\n".into(),
         ),
         Command::Breaker { name, state, admin } => admin_command(
             admin,
             http::Method::POST,
-            format!("/breakers/{name}"),
+            format!("/breakers/{}", levee::admin::client::path_segment(&name)),
             state,
             |_| "breaker set\n".into(),
         ),

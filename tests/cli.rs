@@ -159,3 +159,21 @@ async fn other_sites_cannot_drive_the_admin_api_from_a_browser() {
         .expect("request");
     assert_eq!(send(same_site).await.status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_beyond_ascii_are_switched_through_encoded_admin_paths() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "",
+        "[[route]]\nname = \"bell\"\nmatch = { path_prefix = \"/bell\" }\ntier = 3\nmodule = \"通知\"\n",
+    ))
+    .await;
+    let segment = levee::admin::client::path_segment("通知");
+    assert_eq!(segment, "%E9%80%9A%E7%9F%A5");
+    let answer = post(&levee.admin_url(&format!("/modules/{segment}")), "off").await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["degrade"]["modules"]["通知"]["off"], true);
+    assert_ne!(get(&levee.url("/bell")).await.status, 200);
+}

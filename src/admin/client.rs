@@ -12,14 +12,38 @@ use crate::proxy::client::{Client, ClientSettings, ResponseFields};
 
 /// Where the admin listener is: `--admin`, else the policy directory's `[admin] listen`, else
 /// the default `127.0.0.1:9901`.
+/// When the policy does not compile (often exactly when `levee reload` is run), the default is
+/// used with a warning on stderr, since it may be another instance's listener.
 pub fn admin_address(explicit: Option<SocketAddr>, policies: &Path) -> SocketAddr {
-    explicit
-        .or_else(|| {
-            crate::config::load_dir(policies, None)
-                .ok()
-                .map(|policy| policy.admin.listen)
-        })
-        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9901)))
+    let default = SocketAddr::from(([127, 0, 0, 1], 9901));
+    if let Some(address) = explicit {
+        return address;
+    }
+    match crate::config::load_dir(policies, None) {
+        Ok(policy) => policy.admin.listen,
+        Err(diagnostics) => {
+            eprintln!(
+                "warning: the policy in {} does not compile ({} error(s), see `levee check`), so its [admin] listen is unknown; using {default} (pass --admin ADDRESS to choose)",
+                policies.display(),
+                diagnostics.0.len()
+            );
+            default
+        }
+    }
+}
+
+/// `name` as one segment of an admin path: bytes other than letters, digits and `-._~`
+/// percent-encoded, so names like `通知` or `my api` reach the admin listener whole.
+pub fn path_segment(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for byte in name.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
 }
 
 /// Sends one admin request; returns the status and body text.

@@ -61,7 +61,7 @@ pub async fn handle(
             apply_switch(&shared, change, &by).await
         }
         (&Method::POST, path) if path.starts_with("/modules/") => {
-            let name = path.trim_start_matches("/modules/").to_string();
+            let name = path_segment(path.trim_start_matches("/modules/"));
             let by = peer_or_token(&request);
             let wanted = match read_small_body(request).await {
                 Ok(wanted) => wanted,
@@ -104,7 +104,7 @@ pub async fn handle(
         (&Method::GET, "/queues") => queues(&shared).await,
         (method, path) if path.starts_with("/queues/") => dead_letter_request(&shared, method, path).await,
         (&Method::POST, path) if path.starts_with("/breakers/") => {
-            let name = path.trim_start_matches("/breakers/").to_string();
+            let name = path_segment(path.trim_start_matches("/breakers/"));
             set_breaker(&shared, &name, request).await
         }
         (_, "/status" | "/metrics" | "/reload") => {
@@ -167,7 +167,12 @@ async fn dead_letter_request(
     path: &str,
 ) -> Response<ResponseBody> {
     let policy = shared.store.load();
-    let parts: Vec<&str> = path.trim_start_matches("/queues/").split('/').collect();
+    let parts: Vec<String> = path
+        .trim_start_matches("/queues/")
+        .split('/')
+        .map(path_segment)
+        .collect();
+    let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
     let Some(redis) = &policy.redis else {
         return text_response(StatusCode::NOT_FOUND, "404 no queues without [redis]\n");
     };
@@ -221,6 +226,12 @@ async fn dead_letter_request(
             "404 use GET /queues/ROUTE/dead, POST /queues/ROUTE/dead/ID/retry or /drop\n",
         ),
     }
+}
+
+/// A name from the admin path, percent-decoded: the dashboard encodes module, breaker and
+/// route names (`通知`, `my api`) with `encodeURIComponent`, as the CLI does.
+fn path_segment(segment: &str) -> String {
+    crate::limit::key::decode_percent(segment, false).into_owned()
 }
 
 /// Without tokens the admin listener is loopback only, and its requests must name it so: a

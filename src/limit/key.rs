@@ -274,7 +274,14 @@ fn query_param<'a>(query: &'a str, name: &str) -> Option<Cow<'a, str>> {
 
 /// Decodes `%XX` and `+` the way PHP fills `$_GET`, so `?key=a%62c` and `?key=abc` are one key.
 fn percent_decode(text: &str) -> Cow<'_, str> {
-    if !text.contains(['%', '+']) {
+    decode_percent(text, true)
+}
+
+/// Decodes `%XX` (and `+` as a space when `plus_is_space`, as in a query); a `%` not followed
+/// by two hex digits stays as it is, and bytes that are not UTF-8 become U+FFFD.
+pub(crate) fn decode_percent(text: &str, plus_is_space: bool) -> Cow<'_, str> {
+    let encoded = text.contains('%') || (plus_is_space && text.contains('+'));
+    if !encoded {
         return Cow::Borrowed(text);
     }
     let bytes = text.as_bytes();
@@ -282,7 +289,7 @@ fn percent_decode(text: &str) -> Cow<'_, str> {
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
-            b'+' => out.push(b' '),
+            b'+' if plus_is_space => out.push(b' '),
             b'%' if i + 2 < bytes.len() => {
                 match u8::from_str_radix(text.get(i + 1..i + 3).unwrap_or(""), 16) {
                     Ok(byte) => {
