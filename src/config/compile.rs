@@ -544,6 +544,56 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     })
 }
 
+/// A `degrade` key the chosen action never reads is an error, not silence: an operator who
+/// writes `body_json` on a `reject` expects it to be the answer.
+fn refuse_keys_that_do_not_apply(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Spanned<RouteDegradeSpec>,
+    always_queue: bool,
+) {
+    let inner = spec.get_ref();
+    let action = inner
+        .action
+        .as_ref()
+        .map_or("reject", |action| action.get_ref().as_str());
+    let given: [(&str, bool); 9] = [
+        ("max_age", inner.max_age.is_some()),
+        ("vary", inner.vary.is_some()),
+        ("allow_set_cookie", inner.allow_set_cookie.is_some()),
+        ("max_body", inner.max_body.is_some()),
+        ("status", inner.status.is_some()),
+        ("content_type", inner.content_type.is_some()),
+        ("body", inner.body.is_some()),
+        ("body_html", inner.body_html.is_some()),
+        ("body_json", inner.body_json.is_some()),
+    ];
+    let applies = |key: &str| match key {
+        "max_age" | "vary" | "allow_set_cookie" | "max_body" => action == "stale",
+        "status" | "content_type" | "body" => action == "reject",
+        // The 202 answer of a queued request: the queue action, or a route that always queues.
+        _ => action == "queue" || always_queue,
+    };
+    if !matches!(action, "reject" | "stale" | "queue") {
+        return;
+    }
+    for (key, _) in given.iter().filter(|(key, given)| *given && !applies(key)) {
+        let hint = match *key {
+            "max_age" | "vary" | "allow_set_cookie" | "max_body" => {
+                "it belongs to action = \"stale\""
+            }
+            "status" | "content_type" | "body" => "it belongs to action = \"reject\"",
+            _ => "it is the 202 answer of action = \"queue\" (or always_queue)",
+        };
+        compiler.error_hint(
+            file,
+            spec.span(),
+            format!("`{key}` does not apply to degrade action `{action}`"),
+            hint,
+        );
+    }
+}
+
 fn compile_route_degrade(
     compiler: &mut Compiler<'_>,
     file: usize,
@@ -1732,6 +1782,9 @@ fn compile_route(
         .always_queue
         .as_ref()
         .is_some_and(|value| *value.get_ref());
+    if let Some(spec) = &inner.degrade {
+        refuse_keys_that_do_not_apply(compiler, file, spec, always_queue);
+    }
     if let Some(value) = inner.always_queue.as_ref().filter(|value| *value.get_ref()) {
         if !context.queues {
             compiler.error_hint(
@@ -1989,6 +2042,26 @@ mod tests {
             .expect("bulkhead");
         assert!(Arc::ptr_eq(&old, &new));
         assert_eq!(new.inflight(), 1);
+    }
+
+    #[test]
+    fn degrade_keys_the_action_never_reads_are_refused() {
+        let errors = errors(&[(
+            "a.toml",
+            &format!("{APP}[[route]]\nname = \"n\"\nmatch = {{ path_prefix = \"/n\" }}\ntier = 2\ndegrade = {{ action = \"reject\", body_json = '{{\"later\":true}}', max_age = \"1m\" }}\n"),
+        )]);
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("`body_json` does not apply to degrade action `reject`")),
+            "{errors:?}"
+        );
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("`max_age` does not apply to degrade action `reject`")),
+            "{errors:?}"
+        );
     }
 
     #[test]
