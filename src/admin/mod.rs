@@ -85,7 +85,9 @@ pub async fn handle(
             );
             response
         }
-        (&Method::POST, "/reload") => match shared.store.reload(ReloadTrigger::Admin).await {
+        (&Method::POST, "/reload") => {
+            tracing::info!(by = %peer_or_token(&request), "policy reload asked from the admin API");
+            match shared.store.reload(ReloadTrigger::Admin).await {
             Ok(outcome) => json_response(
                 StatusCode::OK,
                 &json!({ "ok": true, "generation": outcome.generation, "hash": outcome.hash, "changed": outcome.changed }),
@@ -100,12 +102,19 @@ pub async fn handle(
                     })).collect::<Vec<_>>(),
                 }),
             ),
-        },
+            }
+        }
         (&Method::GET, "/queues") => queues(&shared).await,
-        (method, path) if path.starts_with("/queues/") => dead_letter_request(&shared, method, path).await,
+        (method, path) if path.starts_with("/queues/") => {
+            if *method == Method::POST {
+                tracing::warn!(%path, by = %peer_or_token(&request), "dead letter retry or drop asked from the admin API");
+            }
+            dead_letter_request(&shared, method, path).await
+        }
         (&Method::POST, path) if path.starts_with("/breakers/") => {
             let name = path_segment(path.trim_start_matches("/breakers/"));
-            set_breaker(&shared, &name, request).await
+            let by = peer_or_token(&request);
+            set_breaker(&shared, &name, request, &by).await
         }
         (_, "/status" | "/metrics" | "/reload") => {
             text_response(StatusCode::METHOD_NOT_ALLOWED, "405 method not allowed\n")
@@ -305,8 +314,14 @@ fn authorize(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "))
-        .map(str::trim);
+        .map(str::trim)
+        // The scheme is case-insensitive (RFC 9110 11.1).
+        .and_then(|value| {
+            value
+                .split_once(' ')
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .map(|(_, token)| token.trim())
+        });
     let matched = presented.and_then(|presented| {
         policy
             .admin
@@ -446,6 +461,7 @@ async fn set_breaker(
     shared: &Shared,
     name: &str,
     request: Request<Incoming>,
+    by: &str,
 ) -> Response<ResponseBody> {
     let from_query = request
         .uri()
@@ -497,6 +513,7 @@ async fn set_breaker(
         );
     };
     upstream.breaker.set_runtime_force(force, &shared.metrics);
+    tracing::warn!(upstream = %name, force = ?force, %by, "breaker pinned from the admin API");
     json_response(
         StatusCode::OK,
         &json!({ "ok": true, "upstream": name, "breaker": upstream.breaker.status() }),

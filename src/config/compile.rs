@@ -344,6 +344,17 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 })
                 .unwrap_or_default();
             if let Some(spec_tokens) = &inner.tokens {
+                if tokens
+                    .iter()
+                    .any(|(_, secret)| secret.trim() != secret.as_str())
+                {
+                    compiler.error_hint(
+                        *file,
+                        spec_tokens.span(),
+                        "an admin token begins or ends with whitespace",
+                        "clients cannot send it so; remove the spaces",
+                    );
+                }
                 if tokens.iter().any(|(_, secret)| secret.len() < 16) {
                     compiler.error_hint(
                         *file,
