@@ -160,3 +160,30 @@ fn check_reports_a_missing_or_broken_ca_file() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_ca_file_rewritten_in_place_is_a_change_for_reload() {
+    let first = tempfile::tempdir().expect("dir");
+    let second = tempfile::tempdir().expect("dir");
+    let first_ca = make_certificates(first.path());
+    let second_ca = make_certificates(second.path());
+    let policy_dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        policy_dir.path().join("levee.toml"),
+        "[upstream.ai]\nurl = \"https://localhost:9\"\nca_files = [\"ca.pem\"]\n",
+    )
+    .expect("policy");
+    std::fs::copy(&first_ca, policy_dir.path().join("ca.pem")).expect("ca");
+    let running = levee::config::load_dir(policy_dir.path(), None).expect("compiles");
+    // The CA is rotated in place: same path, same policy text.
+    std::fs::copy(&second_ca, policy_dir.path().join("ca.pem")).expect("ca");
+    let reloaded = levee::config::load_dir(policy_dir.path(), Some(&running)).expect("compiles");
+    assert_ne!(
+        running.hash, reloaded.hash,
+        "the reload is not skipped as unchanged"
+    );
+    assert!(
+        !std::sync::Arc::ptr_eq(&running.upstreams["ai"], &reloaded.upstreams["ai"]),
+        "the upstream is rebuilt with the new CA"
+    );
+}

@@ -113,6 +113,34 @@ pub fn policy_hash(files: &[SourceFile]) -> String {
         .collect()
 }
 
+/// The policy's hash, with the contents of the CA files its upstreams trust: rotating a CA in
+/// place and reloading is a change (without CA files, the files' hash alone).
+fn policy_hash_with_cas(
+    files: &[SourceFile],
+    upstreams: &BTreeMap<String, Arc<Upstream>>,
+) -> String {
+    let files_hash = policy_hash(files);
+    let digests: Vec<&[u8]> = upstreams
+        .values()
+        .map(|upstream| upstream.settings.ca_digest.as_slice())
+        .filter(|digest| !digest.is_empty())
+        .collect();
+    if digests.is_empty() {
+        return files_hash;
+    }
+    let mut hasher = Sha256::new();
+    hasher.update(files_hash.as_bytes());
+    for digest in digests {
+        hasher.update(digest);
+    }
+    hasher
+        .finalize()
+        .iter()
+        .take(8)
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
 /// Collects diagnostics while compiling.
 struct Compiler<'a> {
     files: &'a [SourceFile],
@@ -540,7 +568,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     }
     Ok(Policy {
         generation: 0,
-        hash: policy_hash(files),
+        hash: policy_hash_with_cas(files, &upstreams),
         files: files.iter().map(|file| file.path.clone()).collect(),
         server: server_settings,
         admin: admin_settings,
@@ -1582,6 +1610,7 @@ fn compile_upstream(
         }
     };
     let mut ca_files = Vec::new();
+    let mut ca_hasher = Sha256::new();
     if let Some(list) = &inner.ca_files {
         for name in list.get_ref() {
             // Relative paths are relative to the policy file that names them.
@@ -1590,7 +1619,12 @@ fn compile_upstream(
                 .parent()
                 .map_or_else(|| std::path::PathBuf::from(name), |dir| dir.join(name));
             match read_ca_file(&path) {
-                Ok(_) => ca_files.push(path),
+                Ok(certs) => {
+                    for cert in &certs {
+                        ca_hasher.update(cert.as_ref());
+                    }
+                    ca_files.push(path);
+                }
                 Err(message) => compiler.error_hint(
                     file,
                     list.span(),
@@ -1648,6 +1682,11 @@ fn compile_upstream(
             Duration::from_secs(90),
         ),
         pool_max_idle,
+        ca_digest: if ca_files.is_empty() {
+            Vec::new()
+        } else {
+            ca_hasher.finalize().to_vec()
+        },
         ca_files,
         bulkhead,
     })

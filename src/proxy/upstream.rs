@@ -39,6 +39,9 @@ pub struct UpstreamSettings {
     pub pool_max_idle: usize,
     /// Extra CA certificates (PEM) trusted for `https://` upstreams, besides the system's.
     pub ca_files: Vec<std::path::PathBuf>,
+    /// SHA-256 of the certificates `ca_files` held when the policy was compiled: a file
+    /// rewritten in place (a rotated CA) is a change, though its path is the same.
+    pub ca_digest: Vec<u8>,
     /// Concurrency bound with shedding by tier. Default: none.
     pub bulkhead: Option<BulkheadSettings>,
 }
