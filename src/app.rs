@@ -200,14 +200,18 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
     })
 }
 
-/// Runs until SIGTERM or SIGINT, reloading on SIGHUP.
+/// Runs until SIGTERM or SIGINT, reloading on SIGHUP. A second SIGTERM or SIGINT while
+/// levee drains stops it at once.
 pub async fn run(options: Options) -> Result<(), StartError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    // Listened for before starting: a SIGHUP sent while levee starts (it may wait for Redis)
+    // must be a reload, not the default action of a signal, which is to end the process.
+    let hangups = signal(SignalKind::hangup()).ok();
+    let mut terminate = signal(SignalKind::terminate()).ok();
     let running = start(options).await?;
     let store = running.store().clone();
     tokio::spawn(async move {
-        let Ok(mut hangups) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        else {
+        let Some(mut hangups) = hangups else {
             tracing::warn!("cannot listen for SIGHUP; reload with the watcher or POST /reload");
             return;
         };
@@ -215,19 +219,25 @@ pub async fn run(options: Options) -> Result<(), StartError> {
             let _ = store.reload(ReloadTrigger::Sighup).await;
         }
     });
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
     tokio::select! {
-        _ = terminate => tracing::info!("SIGTERM received"),
+        () = next_signal(&mut terminate) => tracing::info!("SIGTERM received"),
         _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
     }
     running.shutdown();
-    running.wait().await;
+    tokio::select! {
+        () = running.wait() => {}
+        () = next_signal(&mut terminate) => tracing::warn!("second SIGTERM: stopping now, without waiting for requests in flight"),
+        _ = tokio::signal::ctrl_c() => tracing::warn!("second SIGINT: stopping now, without waiting for requests in flight"),
+    }
     Ok(())
+}
+
+/// The next delivery of `signal`; never, when it could not be listened for.
+async fn next_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
+    match signal {
+        Some(signal) => {
+            signal.recv().await;
+        }
+        None => std::future::pending::<()>().await,
+    }
 }
