@@ -142,6 +142,8 @@ pub struct Machine {
     probe_successes: u32,
     /// Counts half-open rounds: a probe's answer counts only in the round that admitted it.
     probe_round: u32,
+    /// Half-open with no probe out since this instant: it waits for a request to probe.
+    pub idle_since: Option<Instant>,
 }
 
 impl Machine {
@@ -157,6 +159,7 @@ impl Machine {
             probes_in_flight: 0,
             probe_successes: 0,
             probe_round: 0,
+            idle_since: None,
         }
     }
 
@@ -203,6 +206,7 @@ impl Machine {
             State::Closed => (Admission::Allowed, transition),
             State::HalfOpen if self.probes_in_flight < self.settings.half_open_probes => {
                 self.probes_in_flight += 1;
+                self.idle_since = None;
                 (Admission::Probe, transition)
             }
             // Half-open with every probe slot taken: no stampede on a recovering dependency.
@@ -242,6 +246,9 @@ impl Machine {
         };
         if admission == Admission::Probe {
             self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+            if self.probes_in_flight == 0 && self.state == State::HalfOpen {
+                self.idle_since = Some(now);
+            }
         }
         if outcome == Outcome::Abandoned {
             return None;
@@ -288,11 +295,13 @@ impl Machine {
         };
         self.probes_in_flight = 0;
         self.probe_successes = 0;
+        self.idle_since = None;
         Transition::Opened { reason, open_for }
     }
 
     fn close(&mut self, now: Instant) {
         self.state = State::Closed;
+        self.idle_since = None;
         self.reopens = 0;
         self.consecutive_failures = 0;
         self.buckets = [Bucket::default(); BUCKETS as usize];

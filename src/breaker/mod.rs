@@ -118,13 +118,17 @@ impl Breaker {
                 // request; said so already, or something that waits for it to stop being
                 // open (a trigger, the queue's replay) would wait for a request that, with
                 // the upstream's routes switched off, may never come.
-                let (state, ready_to_probe_ms) = match machine.state {
-                    State::Open { until } if until <= now => (
-                        "half_open",
-                        Some(now.saturating_duration_since(until).as_millis() as u64),
-                    ),
-                    state => (state.name(), None),
+                let ready_since = match machine.state {
+                    State::Open { until } if until <= now => Some(until),
+                    State::HalfOpen => machine.idle_since,
+                    _ => None,
                 };
+                let state = match machine.state {
+                    State::Open { until } if until <= now => "half_open",
+                    state => state.name(),
+                };
+                let ready_to_probe_ms = ready_since
+                    .map(|since| now.saturating_duration_since(since).as_millis() as u64);
                 return BreakerStatus {
                     state,
                     ready_to_probe_ms,
@@ -311,7 +315,16 @@ mod tests {
             (status.state, status.ready_to_probe_ms),
             ("half_open", Some(1000))
         );
-        let _probe = breaker.admit(&metrics).expect("the next request probes");
+        let probe = breaker.admit(&metrics).expect("the next request probes");
         assert_eq!(breaker.status().ready_to_probe_ms, None, "probing now");
+        // The probe succeeds, but one is not enough to close (3 by default): half-open and
+        // idle again, waiting for the next request, and said so.
+        probe.record(Outcome::Success { slow: false }, &metrics);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let status = breaker.status();
+        assert_eq!(
+            (status.state, status.ready_to_probe_ms),
+            ("half_open", Some(2000))
+        );
     }
 }
