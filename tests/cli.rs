@@ -130,11 +130,31 @@ async fn a_page_whose_name_resolves_to_loopback_gets_nothing_from_the_admin_list
         "the level is unchanged"
     );
     // The operator's own names for the listener still work.
-    for host in ["localhost:9901", "127.0.0.1", "[::1]:9901"] {
+    for host in [
+        "localhost:9901",
+        "localhost.:9901",
+        "127.0.0.1",
+        "[::1]:9901",
+        "[::ffff:127.0.0.1]:9901",
+    ] {
         let request = format!("GET /status HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
         let raw = raw_exchange(levee.admin, request.as_bytes(), Duration::from_secs(5)).await;
         assert_eq!(status_of(&raw), Some(200), "{host}\n=> {raw}");
     }
+    // Tokens protect changes; reading needs none, so the guard stays with them.
+    let tokened = Levee::start(&policy_for(backend.addr, "", "").replacen(
+        "[admin]\n",
+        "[admin]\ntokens = { ops = \"0123456789abcdef\" }\n",
+        1,
+    ))
+    .await;
+    let raw = raw_exchange(
+        tokened.admin,
+        b"GET /status HTTP/1.1\r\nHost: rebind.example:9901\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert_eq!(status_of(&raw), Some(403), "{raw}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -243,19 +243,20 @@ fn path_segment(segment: &str) -> String {
     crate::limit::key::decode_percent(segment, false).into_owned()
 }
 
-/// Without tokens the admin listener is loopback only, and its requests must name it so: a
-/// `Host` that is a loopback address or `localhost`. A web page whose own name was made to
-/// resolve to 127.0.0.1 (DNS rebinding) sends its own name, and its `Origin` matches that
-/// `Host`, so the origin check alone would let it read and change everything.
+/// An admin listener on loopback answers only requests that name it so: a `Host` that is a
+/// loopback address or `localhost`. A web page whose own name was made to resolve to
+/// 127.0.0.1 (DNS rebinding) sends its own name, and its `Origin` matches that `Host`, so the
+/// origin check alone would let it read everything (and, without tokens, change it). Tokens
+/// do not lift this: reading needs none. A request without `Host` (HTTP/1.0 tools) passes;
+/// browsers always send one.
 fn loopback_host(
     shared: &Shared,
     request: &Request<Incoming>,
 ) -> Result<(), Box<Response<ResponseBody>>> {
-    if !shared.store.load().admin.tokens.is_empty() {
+    if !shared.store.load().admin.listen.ip().is_loopback() {
         return Ok(());
     }
     let Some(host) = request.headers().get(header::HOST) else {
-        // HTTP/1.0 tools send none; browsers always do.
         return Ok(());
     };
     if host.to_str().is_ok_and(is_loopback_host) {
@@ -264,20 +265,22 @@ fn loopback_host(
     tracing::warn!(host = ?host, "admin request for another host name refused");
     Err(Box::new(text_response(
         StatusCode::FORBIDDEN,
-        "403 without [admin] tokens the admin listener answers only to Host 127.0.0.1, [::1] or localhost\n",
+        "403 the admin listener answers only to Host 127.0.0.1, [::1] or localhost\n",
     )))
 }
 
-/// `localhost`, a loopback IPv4 address or `[::1]`, with or without a port.
+/// `localhost`, a loopback address (IPv4, `[::1]`, or IPv4-mapped), with or without a port
+/// and a trailing dot.
 fn is_loopback_host(host: &str) -> bool {
     let name = match host.strip_prefix('[') {
         Some(bracketed) => bracketed.split_once(']').map_or("", |(name, _)| name),
         None => host.rsplit_once(':').map_or(host, |(name, _)| name),
     };
+    let name = name.strip_suffix('.').unwrap_or(name);
     name.eq_ignore_ascii_case("localhost")
         || name
             .parse::<std::net::IpAddr>()
-            .is_ok_and(|address| address.is_loopback())
+            .is_ok_and(|address| address.to_canonical().is_loopback())
 }
 
 /// Checks `Authorization: Bearer <token>` against the configured tokens; `Ok(Some(name))`
