@@ -463,3 +463,23 @@ async fn a_slow_upload_is_not_the_upstreams_failure_but_an_upstream_that_stops_r
     assert_eq!(breaker_state(&stalled, "app").await, "open");
     holding.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_expects_100_continue_is_refused_before_it_sends_its_body() {
+    let (backend, _mode) = switchable().await;
+    let levee = Levee::start(&breaker_policy(&backend, "consecutive_failures = 5", "")).await;
+    assert_eq!(
+        post(&levee.admin_url("/breakers/app"), "open").await.status,
+        200
+    );
+    // The client waits for 100 Continue before sending its body: an open breaker refuses
+    // without asking for it.
+    let raw = raw_exchange(
+        levee.public,
+        b"POST /upload HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(!raw.contains("100 Continue"), "{raw}");
+    assert_eq!(status_of(&raw), Some(503), "{raw}");
+}

@@ -59,6 +59,15 @@ impl Breaker {
         self.lock().settings.clone()
     }
 
+    /// Is the breaker closed (requests go through without being probes)?
+    pub fn is_closed(&self) -> bool {
+        let machine = self.lock();
+        match machine.force() {
+            Some(force) => force == Force::Closed,
+            None => machine.state == State::Closed,
+        }
+    }
+
     /// Asks to send one request. `Err(retry_after)` while open (or half-open and full).
     pub fn admit(self: &Arc<Self>, metrics: &Metrics) -> Result<Permit, Duration> {
         // One clock read for both: reading the clock is a measurable share of a request.

@@ -233,9 +233,16 @@ async fn forward(
     // Concurrent requests for a copy being fetched wait for that fetch, before they take a
     // breaker permit or a bulkhead slot: only the one that fetches holds them, and waiters
     // neither fill the pool nor use up a half-open breaker's probes.
-    let fetch = match stale.join(shared, policy, &route).await {
-        Joined::Served(response) => return Ok(response),
-        Joined::Lead(guard) => guard,
+    // Only while the breaker is closed: a half-open breaker's fetch is a probe that may take
+    // up to response_timeout to fail, and those waiting for it are better served the copy
+    // now (the breaker refuses them at once below).
+    let fetch = if route.upstream.breaker.is_closed() {
+        match stale.join(shared, policy, &route).await {
+            Joined::Served(response) => return Ok(response),
+            Joined::Lead(guard) => guard,
+        }
+    } else {
+        None
     };
 
     // Page fragments of switched-off modules are cut out of the HTML on the way back.
@@ -275,8 +282,15 @@ async fn forward(
         // A body of up to READ_AHEAD bytes is read whole before the request takes a breaker
         // permit or a bulkhead slot: a client trickling its form (each byte within
         // client_body_timeout) holds neither a php-fpm slot nor a half-open probe meanwhile.
-        // A longer body holds them while it streams.
-        match body::read_ahead(body, READ_AHEAD).await {
+        // A longer body holds them while it streams. A client that asked `Expect:
+        // 100-continue` is not read ahead: reading would tell it to send a body that an open
+        // breaker or a full pool may refuse.
+        let read = if expects_continue(&parts.headers) {
+            Ok(body)
+        } else {
+            body::read_ahead(body, READ_AHEAD).await
+        };
+        match read {
             Ok(body) => body,
             Err(error) => {
                 return Err(
@@ -714,6 +728,12 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 }
 
 /// Does the client prefer JSON (an API client) over HTML (a browser)?
+fn expects_continue(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(h::EXPECT)
+        .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}
+
 fn wants_json(headers: &http::HeaderMap) -> bool {
     let accept = headers
         .get(h::ACCEPT)
