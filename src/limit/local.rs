@@ -18,21 +18,38 @@ pub struct Ask<'a> {
 }
 
 pub struct LocalStore {
-    shards: Vec<Mutex<HashMap<String, u64>>>,
+    shards: Vec<Mutex<HashMap<String, Bucket>>>,
     max_keys_per_shard: usize,
 }
 
-/// Forgets the half of `map`'s buckets with the earliest TAT: those nearest to full again,
-/// whose loss gives a client the least extra. Buckets far ahead (clients being refused, a
-/// login being guessed at) are the last to go, so a flood of new keys cannot reset them.
-fn forget_nearest_to_full(map: &mut HashMap<String, u64>) {
-    let mut tats: Vec<u64> = map.values().copied().collect();
-    if tats.is_empty() {
+/// One bucket: its theoretical arrival time, and the time a full bucket spans (interval ×
+/// burst), by which how full it is can be told whatever its rule's rate.
+#[derive(Clone, Copy)]
+struct Bucket {
+    tat: u64,
+    span: u64,
+}
+
+impl Bucket {
+    /// How much of the bucket is used, in thousandths: 0 is full again, 1000 and more is a
+    /// client being refused.
+    fn used(&self, now: u64) -> u64 {
+        self.tat.saturating_sub(now).saturating_mul(1000) / self.span.max(1)
+    }
+}
+
+/// Forgets the half of `map`'s buckets that are nearest to full again, measured against each
+/// bucket's own span: their loss gives a client the least extra. Buckets of clients being
+/// refused are the last to go, whatever their rules' rates, so a flood of new keys cannot
+/// reset them.
+fn forget_nearest_to_full(map: &mut HashMap<String, Bucket>, now: u64) {
+    let mut used: Vec<u64> = map.values().map(|bucket| bucket.used(now)).collect();
+    if used.is_empty() {
         return;
     }
-    let middle = tats.len() / 2;
-    let (_, &mut median, _) = tats.select_nth_unstable(middle);
-    map.retain(|_, tat| *tat > median);
+    let middle = used.len() / 2;
+    let (_, &mut median, _) = used.select_nth_unstable(middle);
+    map.retain(|_, bucket| bucket.used(now) > median);
 }
 
 impl LocalStore {
@@ -61,17 +78,18 @@ impl LocalStore {
         let mut shard_ids: Vec<usize> = asks.iter().map(|ask| Self::shard_of(ask.key)).collect();
         shard_ids.sort_unstable();
         shard_ids.dedup();
-        let mut guards: Vec<(usize, std::sync::MutexGuard<'_, HashMap<String, u64>>)> = shard_ids
-            .iter()
-            .map(|&id| {
-                (
-                    id,
-                    self.shards[id]
-                        .lock()
-                        .unwrap_or_else(|poisoned| poisoned.into_inner()),
-                )
-            })
-            .collect();
+        let mut guards: Vec<(usize, std::sync::MutexGuard<'_, HashMap<String, Bucket>>)> =
+            shard_ids
+                .iter()
+                .map(|&id| {
+                    (
+                        id,
+                        self.shards[id]
+                            .lock()
+                            .unwrap_or_else(|poisoned| poisoned.into_inner()),
+                    )
+                })
+                .collect();
         // The clock is read with the shards locked: a time read before, by a request that
         // then waited for the lock, could be older than the time of the decision that stored
         // the bucket's TAT meanwhile, and GCRA would refuse the last token of a burst for
@@ -84,7 +102,7 @@ impl LocalStore {
                 let tat = guards
                     .iter()
                     .find(|(id, _)| *id == shard)
-                    .and_then(|(_, map)| map.get(ask.key).copied());
+                    .and_then(|(_, map)| map.get(ask.key).map(|bucket| bucket.tat));
                 decide(tat, now, ask.rate)
             })
             .collect();
@@ -98,15 +116,25 @@ impl LocalStore {
                     let shard = Self::shard_of(ask.key);
                     if let Some((_, map)) = guards.iter_mut().find(|(id, _)| *id == shard) {
                         if map.len() >= self.max_keys_per_shard && !map.contains_key(ask.key) {
-                            map.retain(|_, tat| *tat > now);
+                            map.retain(|_, bucket| bucket.tat > now);
                             if map.len() >= self.max_keys_per_shard {
                                 tracing::warn!(
                                     "in-process rate-limit store is full; forgetting the half of one shard's buckets nearest to full"
                                 );
-                                forget_nearest_to_full(map);
+                                forget_nearest_to_full(map, now);
                             }
                         }
-                        map.insert(ask.key.to_string(), *new_tat);
+                        let span = ask
+                            .rate
+                            .interval_us
+                            .saturating_mul(u64::from(ask.rate.burst));
+                        map.insert(
+                            ask.key.to_string(),
+                            Bucket {
+                                tat: *new_tat,
+                                span,
+                            },
+                        );
                     }
                 }
             }
@@ -120,7 +148,7 @@ impl LocalStore {
             let mut map = shard
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            map.retain(|_, tat| *tat > now);
+            map.retain(|_, bucket| bucket.tat > now);
             if map.capacity() > 4 * map.len().max(64) {
                 map.shrink_to_fit();
             }
@@ -236,41 +264,38 @@ mod tests {
 
     #[test]
     fn a_flood_of_new_keys_does_not_reset_a_bucket_that_is_refusing() {
-        let store = LocalStore::new(256);
-        let login = Rate {
-            interval_us: 3600 * SECOND,
-            burst: 1,
-        };
-        let ask = |key| {
-            [Ask {
+        fn ask(key: &str, rate: Rate) -> Ask<'_> {
+            Ask {
                 key,
-                rate: login,
+                rate,
                 dry_run: false,
-            }]
-        };
-        let now = 100 * SECOND;
-        assert!(store.decide_all(&ask("login|victim"), || now)[0].allowed());
-        assert!(!store.decide_all(&ask("login|victim"), || now)[0].allowed());
-        let flood = Rate {
-            interval_us: SECOND,
+            }
+        }
+        let slow = Rate {
+            interval_us: 3600 * SECOND,
             burst: 5,
         };
-        for i in 0..20_000 {
-            let key = format!("flood|{i}");
-            store.decide_all(
-                &[Ask {
-                    key: &key,
-                    rate: flood,
-                    dry_run: false,
-                }],
-                || now,
+        let fast = Rate {
+            interval_us: SECOND / 10,
+            burst: 5,
+        };
+        let now = 100 * SECOND;
+        // A flood of new keys (one request each) on either rule, with a client being refused
+        // on the other: fullness is measured against each rule's own span, so the refusing
+        // bucket outranks the flood's whatever the two rates.
+        for (victim_rate, flood_rate) in [(slow, fast), (fast, slow)] {
+            let store = LocalStore::new(256);
+            while store.decide_all(&[ask("victim", victim_rate)], || now)[0].allowed() {}
+            for i in 0..20_000 {
+                let key = format!("flood|{i}");
+                store.decide_all(&[ask(&key, flood_rate)], || now);
+            }
+            assert!(store.len() <= 256, "bounded: {}", store.len());
+            assert!(
+                !store.decide_all(&[ask("victim", victim_rate)], || now)[0].allowed(),
+                "the refusing bucket survived the flood"
             );
         }
-        assert!(store.len() <= 256, "bounded: {}", store.len());
-        assert!(
-            !store.decide_all(&ask("login|victim"), || now)[0].allowed(),
-            "the refusing bucket survived the flood"
-        );
     }
 
     #[test]
