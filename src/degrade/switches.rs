@@ -83,9 +83,9 @@ pub async fn apply(
     match &policy.redis {
         Some(redis) => {
             save_to_redis(redis, &change, &switches).await?;
-            keep_local_copy(policy, &switches);
+            keep_local_copy(policy, &switches).await;
         }
-        None => save_to_file(&policy.degrade.state_file, &switches)?,
+        None => save_to_file(&policy.degrade.state_file, &switches).await?,
     }
     degrade.replace_runtime(switches);
     tracing::warn!(?change, by, "degrade switch changed");
@@ -129,25 +129,15 @@ async fn save_to_redis(
     Ok(())
 }
 
-fn save_to_file(path: &Path, switches: &RuntimeSwitches) -> Result<(), String> {
+async fn save_to_file(path: &Path, switches: &RuntimeSwitches) -> Result<(), String> {
     let json = serde_json::to_vec_pretty(switches).map_err(|error| error.to_string())?;
-    // Write, sync, rename, sync the directory: neither a crash nor a power loss leaves a
-    // half-written (or empty) state file, and the name of the temporary file is this
-    // process's own, so two levees sharing the directory do not write into each other's.
-    let temp = path.with_extension(format!("json.{}.tmp", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        use std::io::Write;
-        let mut file = std::fs::File::create(&temp)?;
-        file.write_all(&json)?;
-        file.sync_all()?;
-        std::fs::rename(&temp, path)?;
-        if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
-            std::fs::File::open(dir)?.sync_all()?;
-        }
-        Ok(())
-    };
-    write().map_err(|error| {
-        let _ = std::fs::remove_file(&temp);
+    let target = path.to_path_buf();
+    // fsync can take a disk's whole queue to return: off the runtime's workers, which are
+    // serving requests meanwhile.
+    let written = tokio::task::spawn_blocking(move || write_state_file(&target, &json))
+        .await
+        .map_err(|error| format!("the state file writer failed: {error}"))?;
+    written.map_err(|error| {
         format!(
             "the switch was not saved to {}, so it is not in effect: {error}",
             path.display()
@@ -155,11 +145,55 @@ fn save_to_file(path: &Path, switches: &RuntimeSwitches) -> Result<(), String> {
     })
 }
 
+/// Tells temporary file names of one process apart.
+static TEMP_SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Writes, syncs and renames into place: neither a crash nor a power loss leaves a
+/// half-written (or empty) state file. The temporary file is created exclusively under a name
+/// made of the process id, the clock and a sequence number, so two levees sharing the
+/// directory (two containers can both be PID 1) never write into one file.
+fn write_state_file(path: &Path, json: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let sequence = TEMP_SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let temp = path.with_extension(format!(
+        "json.{}-{nanos}-{sequence}.tmp",
+        std::process::id()
+    ));
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp)?;
+        file.write_all(json)?;
+        file.sync_all()?;
+        std::fs::rename(&temp, path)
+    })();
+    if let Err(error) = written {
+        let _ = std::fs::remove_file(&temp);
+        return Err(error);
+    }
+    // The new file is in place and readable by now; syncing the directory only makes the
+    // rename itself survive a power loss, so a failure there (some file systems refuse to
+    // sync a directory) is worth a warning, not a refused switch.
+    if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+        if let Err(error) = std::fs::File::open(dir).and_then(|dir| dir.sync_all()) {
+            tracing::warn!(
+                "state file {} is written, but its directory could not be synced: {error}",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// With Redis, the state file keeps a copy of the fleet's last known switches, so a levee that
 /// (re)starts while Redis is away still applies them instead of the policy's defaults. The
 /// copy is best effort: Redis stays the record, and a failure to write it only warns.
-fn keep_local_copy(policy: &Policy, switches: &RuntimeSwitches) {
-    if let Err(error) = save_to_file(&policy.degrade.state_file, switches) {
+async fn keep_local_copy(policy: &Policy, switches: &RuntimeSwitches) {
+    if let Err(error) = save_to_file(&policy.degrade.state_file, switches).await {
         tracing::warn!("cannot keep a local copy of the fleet's switches: {error}");
     }
 }
@@ -227,7 +261,7 @@ pub async fn spawn_sync(
     match load(&policy).await {
         Ok(switches) => {
             if policy.redis.is_some() {
-                keep_local_copy(&policy, &switches);
+                keep_local_copy(&policy, &switches).await;
             }
             degrade.replace_runtime(switches);
         }
@@ -271,7 +305,7 @@ pub async fn spawn_sync(
                     let _changing = degrade.lock_changes().await;
                     let copy = switches.clone();
                     if degrade.replace_runtime_if(&seen, switches) {
-                        keep_local_copy(&policy, &copy);
+                        keep_local_copy(&policy, &copy).await;
                     }
                 }
                 Ok(_) => {}
@@ -281,4 +315,34 @@ pub async fn spawn_sync(
             publish(&degrade, &policy, &metrics);
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_file_is_replaced_whole_and_leaves_no_temporary_files() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("levee-state.json");
+        write_state_file(&path, b"{\"first\":1}").expect("first write");
+        write_state_file(&path, b"{\"second\":2}").expect("second write");
+        assert_eq!(
+            std::fs::read(&path).expect("read back"),
+            b"{\"second\":2}".to_vec()
+        );
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("list")
+            .map(|entry| entry.expect("entry").file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("levee-state.json")]);
+    }
+
+    #[test]
+    fn a_state_file_that_cannot_be_written_is_an_error_and_leaves_nothing() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("missing").join("levee-state.json");
+        assert!(write_state_file(&path, b"{}").is_err());
+        assert!(!path.exists());
+    }
 }
