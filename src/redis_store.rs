@@ -438,16 +438,25 @@ pub type SharedRedis = Arc<RedisStore>;
 /// A Redis URL fit to show (in `/status`, in `levee check` errors): the credentials of
 /// `user:pass@` and the value of a `password` or `pass` query parameter become `***`.
 pub fn redact_url(url: &str) -> String {
-    let (address, query) = match url.split_once('?') {
+    // The credentials end at the last `@`, wherever it is: a password typed with a raw `?`,
+    // `/` or `#` in it must not be taken for the start of the query or path and shown. An `@`
+    // in the query hides the host as well, which errs on the safe side.
+    let (scheme, rest) = match url.find("://") {
+        Some(scheme_end) => url.split_at(scheme_end + 3),
+        None => ("", url),
+    };
+    let (userinfo_hidden, rest) = match rest.rfind('@') {
+        Some(at) => (true, &rest[at..]),
+        None => (false, rest),
+    };
+    let (address, query) = match rest.split_once('?') {
         Some((address, query)) => (address, Some(query)),
-        None => (url, None),
+        None => (rest, None),
     };
-    let mut out = match (address.find("://"), address.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            format!("{}***{}", &address[..scheme_end + 3], &address[at..])
-        }
-        _ => address.to_string(),
-    };
+    let mut out = format!(
+        "{scheme}{}{address}",
+        if userinfo_hidden { "***" } else { "" }
+    );
     if let Some(query) = query {
         let pairs: Vec<String> = query
             .split('&')
@@ -484,5 +493,14 @@ mod redact_tests {
             redact_url("redis://127.0.0.1:6379"),
             "redis://127.0.0.1:6379"
         );
+        for typed in [
+            "redis://levee:pa?ss@127.0.0.1:6379/0",
+            "redis://levee:pa/ss@127.0.0.1:6379/0",
+            "redis://levee:pa#ss@127.0.0.1:6379/0",
+            "redis://levee:pa@ss@127.0.0.1:6379/0",
+        ] {
+            let shown = redact_url(typed);
+            assert_eq!(shown, "redis://***@127.0.0.1:6379/0", "{typed}");
+        }
     }
 }
