@@ -154,6 +154,14 @@ async fn denied_rule_consumes_nothing_else(levee: &Levee, store: &str) {
             "{:?}",
             answer.headers
         );
+        // `t=` is when the bucket is full again (two minutes out), not when the next request
+        // may pass (one minute), on refusals Redis gave and on those remembered from it alike.
+        let full_in: u64 = answer
+            .header("ratelimit")
+            .and_then(|v| v.rsplit("t=").next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0);
+        assert!(full_in > 90, "{:?}, {store}", answer.headers);
     }
     // The IP used 2 of its 5 tokens (alice's refusals took none): bob and carol get 3 more.
     let mut others = Vec::new();

@@ -170,8 +170,17 @@ impl LocalStore {
 /// Keys known to be over their limit until a time: refused without asking Redis, so a flood
 /// from one key does not become a flood on Redis. Bounded to `max` entries.
 pub struct DenyCache {
-    entries: Mutex<HashMap<String, u64>>,
+    entries: Mutex<HashMap<String, Refused>>,
     max: usize,
+}
+
+/// What Redis said of a refused key, as times on levee's clock (µs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refused {
+    /// When the next request may pass (`Retry-After`).
+    pub until: u64,
+    /// When the bucket is full again (`RateLimit`'s `t=`).
+    pub full_at: u64,
 }
 
 impl DenyCache {
@@ -182,28 +191,28 @@ impl DenyCache {
         }
     }
 
-    /// Remembers that `key` is refused until `until` (µs, levee's clock).
-    pub fn insert(&self, key: &str, until: u64, now: u64) {
+    /// Remembers that `key` is refused until `refused.until`.
+    pub fn insert(&self, key: &str, refused: Refused, now: u64) {
         let mut entries = self
             .entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         if entries.len() >= self.max {
-            entries.retain(|_, until| *until > now);
+            entries.retain(|_, entry| entry.until > now);
             if entries.len() >= self.max {
                 return;
             }
         }
-        entries.insert(key.to_string(), until);
+        entries.insert(key.to_string(), refused);
     }
 
-    /// Until when `key` is known to be refused, if it still is at `now`.
-    pub fn refused_until(&self, key: &str, now: u64) -> Option<u64> {
+    /// What is known of `key`'s refusal, if it still holds at `now`.
+    pub fn refused(&self, key: &str, now: u64) -> Option<Refused> {
         let entries = self
             .entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        entries.get(key).copied().filter(|until| *until > now)
+        entries.get(key).copied().filter(|entry| entry.until > now)
     }
 
     pub fn sweep(&self, now: u64) {
@@ -211,7 +220,7 @@ impl DenyCache {
             .entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        entries.retain(|_, until| *until > now);
+        entries.retain(|_, entry| entry.until > now);
     }
 }
 
@@ -395,17 +404,17 @@ mod tests {
     #[test]
     fn deny_cache_expires_and_is_bounded() {
         let cache = DenyCache::new(2);
-        cache.insert("a", 10, 0);
-        cache.insert("b", 20, 0);
-        cache.insert("c", 20, 0);
-        assert_eq!(cache.refused_until("a", 5), Some(10));
-        assert_eq!(cache.refused_until("a", 10), None);
-        assert_eq!(
-            cache.refused_until("c", 5),
-            None,
-            "full cache takes no more"
-        );
-        cache.insert("c", 30, 15);
-        assert_eq!(cache.refused_until("c", 15), Some(30));
+        let refused = |until| Refused {
+            until,
+            full_at: until + 100,
+        };
+        cache.insert("a", refused(10), 0);
+        cache.insert("b", refused(20), 0);
+        cache.insert("c", refused(20), 0);
+        assert_eq!(cache.refused("a", 5), Some(refused(10)));
+        assert_eq!(cache.refused("a", 10), None);
+        assert_eq!(cache.refused("c", 5), None, "full cache takes no more");
+        cache.insert("c", refused(30), 15);
+        assert_eq!(cache.refused("c", 15), Some(refused(30)));
     }
 }

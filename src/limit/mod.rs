@@ -29,7 +29,7 @@ use crate::metrics::{DecisionLabels, Metrics};
 use crate::redis_store::{RedisAsk, RedisStore, RemoteVerdict};
 use gcra::{Rate, Verdict};
 use key::{bucket_key, KeyPart, RequestFacts};
-use local::{Ask, DenyCache, LocalStore};
+use local::{Ask, DenyCache, LocalStore, Refused};
 
 /// What a rule does while Redis cannot be used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,13 +183,14 @@ impl Limiter {
                     return None;
                 }
                 self.denied
-                    .refused_until(&plan.key.key, now)
-                    .map(|until| (plan, until))
+                    .refused(&plan.key.key, now)
+                    .map(|refused| (plan, refused))
             });
-            if let Some((plan, until)) = cached {
-                let wait = Duration::from_micros(until - now);
+            if let Some((plan, refused)) = cached {
+                let wait = Duration::from_micros(refused.until.saturating_sub(now));
+                let reset = Duration::from_micros(refused.full_at.saturating_sub(now)).max(wait);
                 self.count(&plan.rule.name, "limited", "cache");
-                return Err(self.deny(plan.rule, wait, wait, wants_json));
+                return Err(self.deny(plan.rule, wait, reset, wants_json));
             }
         }
 
@@ -212,8 +213,14 @@ impl Limiter {
             }
             if !decision.allowed && !plan.rule.dry_run {
                 if redis.is_some() && decision.source == "redis" {
-                    let until = now + u64::try_from(decision.retry_after.as_micros()).unwrap_or(0);
-                    self.denied.insert(&plan.key.key, until, now);
+                    let after = |wait: Duration| {
+                        now.saturating_add(u64::try_from(wait.as_micros()).unwrap_or(u64::MAX))
+                    };
+                    let refused = Refused {
+                        until: after(decision.retry_after),
+                        full_at: after(decision.reset),
+                    };
+                    self.denied.insert(&plan.key.key, refused, now);
                 }
                 if refusal.is_none_or(|(_, worst)| decision.retry_after > worst.retry_after) {
                     refusal = Some((plan, decision));
