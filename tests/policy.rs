@@ -31,6 +31,31 @@ fn check_accepts_the_example_policies() {
 }
 
 #[test]
+fn a_public_listener_on_the_default_admin_address_is_reported_at_its_listen() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("10-upstreams.toml"),
+        "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n\n[[route]]\nname = \"all\"\nmatch = { path_prefix = \"/\" }\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.path().join("20-server.toml"),
+        "[server]\nlisten = \"127.0.0.1:9901\"\n",
+    )
+    .expect("write");
+    let (ok, _stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "check must fail");
+    let expected = format!(
+        "{}:2:10: error: the admin listener uses the same address as the public one",
+        dir.path().join("20-server.toml").display()
+    );
+    assert!(
+        stderr.contains(&expected),
+        "missing `{expected}` in:\n{stderr}"
+    );
+}
+
+#[test]
 fn check_reports_every_error_with_file_line_col_and_fails() {
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::write(

@@ -430,10 +430,24 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         );
     }
     if admin_settings.listen == server_settings.listen && admin_settings.listen.port() != 0 {
-        let (file, span) = admin
-            .as_ref()
-            .map(|(file, spec)| (*file, spec.span()))
-            .unwrap_or((0, 0..0));
+        // Point at whichever `listen` was written (the other is its default).
+        let (file, span) = match (&admin, &server) {
+            (Some((file, spec)), _) => (
+                *file,
+                spec.get_ref()
+                    .listen
+                    .as_ref()
+                    .map_or(spec.span(), |listen| listen.span()),
+            ),
+            (None, Some((file, spec))) => (
+                *file,
+                spec.get_ref()
+                    .listen
+                    .as_ref()
+                    .map_or(spec.span(), |listen| listen.span()),
+            ),
+            (None, None) => (0, 0..0),
+        };
         compiler.error_hint(
             file,
             span,
