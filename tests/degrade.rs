@@ -36,7 +36,8 @@ tier = 3
 module = "visitors"
 "#;
 
-/// A backend that names the path it served and a version the test can bump; mode 1 fails.
+/// A backend that names the path it served and a version the test can bump; mode 1 fails,
+/// 2 is slow, 3 hangs.
 async fn versioned() -> (Backend, Arc<AtomicUsize>, Arc<AtomicU8>) {
     let version = Arc::new(AtomicUsize::new(1));
     let failing = Arc::new(AtomicU8::new(0));
@@ -53,6 +54,10 @@ async fn versioned() -> (Backend, Arc<AtomicUsize>, Arc<AtomicU8>) {
             }
             if fail == 2 {
                 tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            if fail == 3 {
+                // Hangs: a dependency that accepts and never answers.
+                tokio::time::sleep(Duration::from_secs(30)).await;
             }
             Response::builder()
                 .header("content-type", "text/html")
@@ -303,6 +308,56 @@ async fn an_open_breaker_serves_the_copy_too() {
         503,
         "a route without a copy gets the breaker's 503"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_of_a_copy_do_not_wait_on_a_half_open_breakers_probe() {
+    let (backend, _, failing) = versioned().await;
+    let routes = ROUTES.replace("max_age = \"2s\"", "max_age = \"60s\"");
+    let policy = policy_for(backend.addr, "access_log = false", &routes).replace(
+        "[[route]]\nname = \"home\"",
+        "breaker = { consecutive_failures = 2, open_for = \"1s\", half_open_probes = 1 }\n[[route]]\nname = \"home\"",
+    );
+    let levee = Levee::start(&policy).await;
+    assert_eq!(get(&levee.url("/ranking")).await.text(), "/ranking v1");
+    failing.store(1, Ordering::SeqCst);
+    for _ in 0..2 {
+        get(&levee.url("/")).await;
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the breaker to be ready to probe",
+        || async {
+            let status = get(&levee.admin_url("/status")).await.json();
+            status["upstreams"][0]["breaker"]["state"] == "half_open"
+        },
+    )
+    .await;
+
+    // The first request is the probe, and the dependency now hangs.
+    failing.store(3, Ordering::SeqCst);
+    let hits = backend.hits();
+    let url = levee.url("/ranking");
+    let probe = tokio::spawn(async move { get(&url).await });
+    eventually(
+        Duration::from_secs(10),
+        "the probe to reach the backend",
+        || async { backend.hits() > hits },
+    )
+    .await;
+    // A reader of the same page gets the copy while the probe is still out, instead of
+    // joining the probe's fetch and waiting as long as it hangs.
+    let reader = get(&levee.url("/ranking")).await;
+    assert_eq!(
+        (
+            reader.status,
+            reader.header("x-levee-stale"),
+            reader.text().as_str()
+        ),
+        (200, Some("1"), "/ranking v1")
+    );
+    assert!(!probe.is_finished(), "the probe is still out");
+    probe.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

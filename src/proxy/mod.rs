@@ -727,13 +727,14 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-/// Does the client prefer JSON (an API client) over HTML (a browser)?
+/// Did the client ask to be told before it sends its body?
 fn expects_continue(headers: &http::HeaderMap) -> bool {
     headers
         .get(h::EXPECT)
         .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
+/// Does the client prefer JSON (an API client) over HTML (a browser)?
 fn wants_json(headers: &http::HeaderMap) -> bool {
     let accept = headers
         .get(h::ACCEPT)
