@@ -488,3 +488,39 @@ async fn levees_ratelimit_fields_replace_the_upstreams_own() {
     );
     assert!(raw.contains("\r\nx-app: 1\r\n"), "{raw}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loosening_a_limit_lets_a_refused_client_in_at_once() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let strict = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/h\"\nburst = 1\n";
+    for (store, redis) in [
+        ("in-process", String::new()),
+        ("on Redis", redis_section(&redis.url(), "")),
+    ] {
+        let policy = limited_policy(&backend, "", &redis, strict, "\"per_user\"");
+        let levee = Levee::start(&policy).await;
+        assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
+        let refused = send_as(&levee, Some("alice"), None).await;
+        assert_eq!(refused.status, 429, "{store}");
+        // Refused twice: on Redis the second is answered from what levee remembers.
+        assert_eq!(send_as(&levee, Some("alice"), None).await.status, 429);
+
+        let generation = levee.generation();
+        std::fs::write(
+            levee.policy_file(),
+            policy.replace("rate = \"1/h\"\nburst = 1", "rate = \"100/s\"\nburst = 5"),
+        )
+        .expect("rewrite the policy");
+        let reloaded = post(&levee.admin_url("/reload"), "").await;
+        assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+        assert!(levee.generation() > generation);
+        // Her bucket was emptied by the stricter rule; under the new one it is empty, not an
+        // hour in debt: she waits one interval (10 ms) at most.
+        eventually(Duration::from_secs(5), "alice to be let in", || async {
+            send_as(&levee, Some("alice"), None).await.status == 200
+        })
+        .await;
+    }
+}

@@ -55,9 +55,16 @@ impl Verdict {
 
 /// Decides one request against a stored TAT (`None`: the key is unknown, its bucket full).
 pub fn decide(tat: Option<u64>, now: u64, rate: Rate) -> Verdict {
-    let tat = tat.unwrap_or(now).max(now);
-    let new_tat = tat.saturating_add(rate.interval_us);
     let capacity = rate.capacity_us();
+    // A TAT further out than an empty bucket is one a stricter rule left (the policy was
+    // loosened since): it counts as empty under this rule, so a client refused for a day by
+    // "5/day" waits one interval of "100/h", not the rest of the day. (The stores keep the
+    // TAT so brought in, so that the bucket refills from then.)
+    let tat = tat
+        .unwrap_or(now)
+        .max(now)
+        .min(now.saturating_add(capacity));
+    let new_tat = tat.saturating_add(rate.interval_us);
     let used = new_tat - now;
     if used > capacity {
         Verdict::Deny {
@@ -95,6 +102,35 @@ mod tests {
             now += step;
         }
         count
+    }
+
+    #[test]
+    fn a_bucket_emptied_under_a_stricter_rule_is_only_empty_under_a_looser_one() {
+        let per_day = Rate {
+            interval_us: 86_400 * SECOND / 5,
+            burst: 5,
+        };
+        let per_hour = Rate {
+            interval_us: 36 * SECOND,
+            burst: 5,
+        };
+        let now = 1_000 * SECOND;
+        let mut tat = None;
+        for _ in 0..5 {
+            match decide(tat, now, per_day) {
+                Verdict::Allow { new_tat, .. } => tat = Some(new_tat),
+                Verdict::Deny { .. } => panic!("within the burst"),
+            }
+        }
+        assert!(!decide(tat, now, per_day).allowed());
+        // The operator loosens the rule: one interval of the new rate, not the rest of the day.
+        assert_eq!(
+            decide(tat, now, per_hour),
+            Verdict::Deny {
+                retry_after_us: 36 * SECOND,
+                reset_us: 5 * 36 * SECOND,
+            }
+        );
     }
 
     #[test]

@@ -30,8 +30,10 @@ impl Source {
             "header" => HeaderName::from_bytes(name.as_bytes())
                 .map(Source::Header)
                 .map_err(|_| format!("`{name}` is not a header name")),
-            "cookie" => Ok(Source::Cookie(name.to_string())),
-            "query" => Ok(Source::Query(name.to_string())),
+            // Named as PHP names them (`api.key` is `$_GET['api_key']`): requests' names are
+            // read that way, so a name written otherwise would never be found.
+            "cookie" => Ok(Source::Cookie(php_name(&percent_decode(name)).into_owned())),
+            "query" => Ok(Source::Query(php_name(&percent_decode(name)).into_owned())),
             other => Err(format!(
                 "unknown source `{other}`; use header:, cookie: or query:"
             )),
@@ -386,7 +388,17 @@ mod tests {
                 Some("real"),
                 "{query}"
             );
+            // A policy may name it as the request spells it: it is the same name to PHP.
+            assert_eq!(
+                read("query:api.key", b"", Some(query)).as_deref(),
+                Some("real"),
+                "{query}"
+            );
         }
+        assert_eq!(
+            read("cookie:site.lang", b"site.lang=zh", None).as_deref(),
+            Some("zh")
+        );
     }
 
     #[test]

@@ -100,9 +100,20 @@ impl LocalStore {
             .map(|ask| {
                 let shard = Self::shard_of(ask.key);
                 let tat = guards
-                    .iter()
+                    .iter_mut()
                     .find(|(id, _)| *id == shard)
-                    .and_then(|(_, map)| map.get(ask.key).map(|bucket| bucket.tat));
+                    .and_then(|(_, map)| map.get_mut(ask.key))
+                    .map(|bucket| {
+                        // Further out than an empty bucket under this rule: a stricter rule
+                        // (before a reload loosened it) left it. Brought in and kept so, the
+                        // bucket refills from now at the new rate, refused or not.
+                        let empty = now.saturating_add(ask.rate.capacity_us());
+                        if bucket.tat > empty {
+                            bucket.tat = empty;
+                            bucket.span = ask.rate.capacity_us();
+                        }
+                        bucket.tat
+                    });
                 decide(tat, now, ask.rate)
             })
             .collect();
@@ -181,6 +192,8 @@ pub struct Refused {
     pub until: u64,
     /// When the bucket is full again (`RateLimit`'s `t=`).
     pub full_at: u64,
+    /// The rule's rate at the time: a reload that changes it makes the refusal unknown.
+    pub rate: Rate,
 }
 
 impl DenyCache {
@@ -206,13 +219,16 @@ impl DenyCache {
         entries.insert(key.to_string(), refused);
     }
 
-    /// What is known of `key`'s refusal, if it still holds at `now`.
-    pub fn refused(&self, key: &str, now: u64) -> Option<Refused> {
+    /// What is known of `key`'s refusal under `rate`, if it still holds at `now`.
+    pub fn refused(&self, key: &str, rate: Rate, now: u64) -> Option<Refused> {
         let entries = self
             .entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        entries.get(key).copied().filter(|entry| entry.until > now)
+        entries
+            .get(key)
+            .copied()
+            .filter(|entry| entry.until > now && entry.rate == rate)
     }
 
     pub fn sweep(&self, now: u64) {
@@ -305,6 +321,32 @@ mod tests {
                 "the refusing bucket survived the flood"
             );
         }
+    }
+
+    #[test]
+    fn a_bucket_emptied_under_a_stricter_rule_refills_at_the_looser_rate() {
+        let store = LocalStore::new(1000);
+        let ask = |rate| {
+            [Ask {
+                key: "alice",
+                rate,
+                dry_run: false,
+            }]
+        };
+        let per_day = Rate {
+            interval_us: 86_400 * SECOND / 5,
+            burst: 5,
+        };
+        let per_hour = Rate {
+            interval_us: 36 * SECOND,
+            burst: 5,
+        };
+        let now = 1_000 * SECOND;
+        while store.decide_all(&ask(per_day), || now)[0].allowed() {}
+        // Loosened: refused for one interval of the new rate, then let in.
+        assert!(!store.decide_all(&ask(per_hour), || now)[0].allowed());
+        assert!(!store.decide_all(&ask(per_hour), || now + 35 * SECOND)[0].allowed());
+        assert!(store.decide_all(&ask(per_hour), || now + 36 * SECOND)[0].allowed());
     }
 
     #[test]
@@ -404,17 +446,28 @@ mod tests {
     #[test]
     fn deny_cache_expires_and_is_bounded() {
         let cache = DenyCache::new(2);
+        let rate = Rate {
+            interval_us: SECOND,
+            burst: 2,
+        };
         let refused = |until| Refused {
             until,
             full_at: until + 100,
+            rate,
         };
         cache.insert("a", refused(10), 0);
         cache.insert("b", refused(20), 0);
         cache.insert("c", refused(20), 0);
-        assert_eq!(cache.refused("a", 5), Some(refused(10)));
-        assert_eq!(cache.refused("a", 10), None);
-        assert_eq!(cache.refused("c", 5), None, "full cache takes no more");
+        assert_eq!(cache.refused("a", rate, 5), Some(refused(10)));
+        assert_eq!(cache.refused("a", rate, 10), None);
+        assert_eq!(
+            cache.refused("c", rate, 5),
+            None,
+            "full cache takes no more"
+        );
         cache.insert("c", refused(30), 15);
-        assert_eq!(cache.refused("c", 15), Some(refused(30)));
+        assert_eq!(cache.refused("c", rate, 15), Some(refused(30)));
+        let loosened = Rate { burst: 10, ..rate };
+        assert_eq!(cache.refused("c", loosened, 15), None, "the rule changed");
     }
 }

@@ -183,7 +183,7 @@ impl Limiter {
                     return None;
                 }
                 self.denied
-                    .refused(&plan.key.key, now)
+                    .refused(&plan.key.key, plan.rule.rate, now)
                     .map(|refused| (plan, refused))
             });
             if let Some((plan, refused)) = cached {
@@ -219,6 +219,7 @@ impl Limiter {
                     let refused = Refused {
                         until: after(decision.retry_after),
                         full_at: after(decision.reset),
+                        rate: plan.rule.rate,
                     };
                     self.denied.insert(&plan.key.key, refused, now);
                 }

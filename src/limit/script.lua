@@ -42,6 +42,13 @@ for _ = 1, tonumber(ARGV[1]) do
       tat = now
     end
     local capacity = interval * burst
+    -- Further out than an empty bucket: left by a stricter rule before the policy was
+    -- loosened; empty under this one, and kept so, so that it refills from now at this
+    -- rule's rate even while its requests are refused.
+    if tat > now + capacity then
+      tat = now + capacity
+      redis.call('SET', KEYS[key + i], string.format('%.0f', tat), 'PX', math.max(1, math.ceil(capacity / 1000)))
+    end
     if ahead > 0 then
       -- Already admitted: charge them all, up to a full bucket, and say how many overran.
       local new_tat = tat + ahead * interval
