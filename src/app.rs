@@ -113,6 +113,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
             crate::degrade::stale::L1_MAX_BYTES,
         )),
         draining: AtomicBool::new(false),
+        former_queues: Default::default(),
     });
     let (stop_accepting, stop) = watch::channel(false);
     let (alive, mut all_closed) = mpsc::channel::<()>(1);

@@ -310,6 +310,67 @@ async fn jobs_are_replayed_after_the_stream_disappeared_from_redis() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_stored_before_a_reload_that_stops_the_route_queueing_are_still_applied() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let policy = queue_policy(backend.addr, &redis.url(), "");
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let mut jobs = Vec::new();
+    for i in 0..3 {
+        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+        jobs.push(answer.header("x-levee-job").expect("job").to_string());
+    }
+    // Let a replay pass see the route queueing (paused: it is off).
+    eventually(
+        Duration::from_secs(5),
+        "the backlog to be counted",
+        || async {
+            get(&levee.admin_url("/metrics"))
+                .await
+                .text()
+                .contains("levee_queue_backlog{route=\"notify\"} 3")
+        },
+    )
+    .await;
+
+    // The operator changes the route to refuse while off, and switches it back on.
+    let queue_action = "degrade = { action = \"queue\", body_json = '{\"queued\":\"{job}\"}' }";
+    assert!(policy.contains(queue_action), "{policy}");
+    std::fs::write(
+        levee.policy_file(),
+        policy.replace(queue_action, "degrade = { action = \"reject\" }"),
+    )
+    .expect("rewrite the policy");
+    let reloaded = post(&levee.admin_url("/reload"), "").await;
+    assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+    switch(&levee, "on").await;
+
+    eventually(
+        Duration::from_secs(10),
+        "the three jobs to be applied",
+        || async { seen.lock().expect("lock").len() >= 3 },
+    )
+    .await;
+    let applied: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(key, ..)| key.clone())
+        .collect();
+    assert_eq!(applied, jobs, "each job once, in order");
+    // Listed while it drains, then forgotten once empty.
+    eventually(
+        Duration::from_secs(5),
+        "the former queue to be forgotten",
+        || async { get(&levee.admin_url("/queues")).await.json()["notify"].is_null() },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_values_beyond_ascii_are_replayed_byte_for_byte() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;

@@ -166,6 +166,14 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
             worker::stats(redis, &keys, settings).await,
         );
     }
+    // Queues of routes that stopped queueing, still replayed until empty.
+    for former in shared.former_queues.list() {
+        let mut stats = worker::stats(redis, &former.keys, settings).await;
+        if let Some(fields) = stats.as_object_mut() {
+            fields.insert("stopped_queueing".into(), json!(true));
+        }
+        out.entry(former.route.name.to_string()).or_insert(stats);
+    }
     json_response(StatusCode::OK, &serde_json::Value::Object(out))
 }
 
@@ -185,19 +193,25 @@ async fn dead_letter_request(
     let Some(redis) = &policy.redis else {
         return text_response(StatusCode::NOT_FOUND, "404 no queues without [redis]\n");
     };
-    let Some(route) = parts.first().and_then(|name| {
+    let queueing = parts.first().and_then(|name| {
         policy
             .routes
             .routes
             .iter()
             .find(|route| &*route.name.0 == *name && route.queue.is_some())
+            .map(|route| QueueKeys::new(policy.key_prefix(), &route.name.0))
+    });
+    let Some(keys) = queueing.or_else(|| {
+        parts
+            .first()
+            .and_then(|name| shared.former_queues.named(name))
+            .map(|former| former.keys)
     }) else {
         return text_response(
             StatusCode::NOT_FOUND,
             "404 no queue route by that name; GET /queues lists them\n",
         );
     };
-    let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
     match (method, parts.as_slice()) {
         (&Method::GET, [_, "dead"]) => match worker::dead_letters(redis, &keys, 100).await {
             Ok(jobs) => json_response(

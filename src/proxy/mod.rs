@@ -55,6 +55,8 @@ pub struct Shared {
     pub stale: Arc<StaleStore>,
     /// Set on SIGTERM: `/readyz` answers 503 while traffic still flows.
     pub draining: AtomicBool,
+    /// Queues whose route stopped queueing with jobs still stored: replayed until empty.
+    pub former_queues: crate::queue::FormerQueues,
 }
 
 /// Handles one request from accept to response head. Never fails: errors become responses.

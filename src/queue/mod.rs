@@ -78,7 +78,54 @@ pub struct QueueAction {
     pub body_json: Option<Arc<str>>,
 }
 
+/// Queues of routes that stopped queueing while jobs were stored in them: a reload changed
+/// the route's action, renamed or removed the route, or changed `key_prefix`. Those jobs were
+/// answered 202, so they are still replayed (through the route of that name as it is now, or
+/// as it was) and listed in `/queues` until their queue, dead letters included, is empty.
+#[derive(Default)]
+pub struct FormerQueues {
+    by_stream: std::sync::Mutex<std::collections::BTreeMap<String, FormerQueue>>,
+}
+
+#[derive(Clone)]
+pub struct FormerQueue {
+    pub keys: QueueKeys,
+    pub route: Arc<Route>,
+}
+
+impl FormerQueues {
+    /// Takes on a queue its route no longer serves; `false` when it is already known.
+    pub fn adopt(&self, keys: QueueKeys, route: Arc<Route>) -> bool {
+        let mut by_stream = crate::redis_batch::lock(&self.by_stream);
+        if by_stream.contains_key(&keys.stream) {
+            return false;
+        }
+        by_stream.insert(keys.stream.clone(), FormerQueue { keys, route });
+        true
+    }
+
+    pub fn forget(&self, stream: &str) {
+        crate::redis_batch::lock(&self.by_stream).remove(stream);
+    }
+
+    pub fn list(&self) -> Vec<FormerQueue> {
+        crate::redis_batch::lock(&self.by_stream)
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// The former queue of the route named `name`, if one is kept.
+    pub fn named(&self, name: &str) -> Option<FormerQueue> {
+        crate::redis_batch::lock(&self.by_stream)
+            .values()
+            .find(|former| &*former.route.name.0 == name)
+            .cloned()
+    }
+}
+
 /// Redis keys of a route's queue.
+#[derive(Clone)]
 pub struct QueueKeys {
     pub stream: String,
     pub dead: String,

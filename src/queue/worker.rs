@@ -105,11 +105,47 @@ fn queue_routes(policy: &Policy) -> impl Iterator<Item = &Arc<Route>> {
         .filter(|route| route.queue.is_some())
 }
 
+/// The queues to serve in one pass: the policy's queue routes, then the queues of routes that
+/// stopped queueing with jobs still stored (each through the route of that name as it is now,
+/// or as it was when it still queued).
+fn queues_to_serve(shared: &Shared, policy: &Policy) -> Vec<(QueueKeys, Arc<Route>, bool)> {
+    let mut serve: Vec<(QueueKeys, Arc<Route>, bool)> = queue_routes(policy)
+        .map(|route| {
+            (
+                QueueKeys::new(policy.key_prefix(), &route.name.0),
+                Arc::clone(route),
+                false,
+            )
+        })
+        .collect();
+    for former in shared.former_queues.list() {
+        if serve
+            .iter()
+            .any(|(keys, _, _)| keys.stream == former.keys.stream)
+        {
+            // The route queues again, under the same keys.
+            shared.former_queues.forget(&former.keys.stream);
+            continue;
+        }
+        let route = policy
+            .routes
+            .routes
+            .iter()
+            .find(|route| route.name == former.route.name)
+            .map_or(former.route, Arc::clone);
+        serve.push((former.keys, route, true));
+    }
+    serve
+}
+
 /// Starts the replay loop; it lasts until `stop`.
 pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     tokio::spawn(async move {
         let consumer = consumer_name();
         let mut groups_made: HashSet<String> = HashSet::new();
+        // The queue routes of the last pass: one gone from the policy since leaves its queue
+        // to `former_queues`, so the jobs stored in it are not stranded.
+        let mut served_before: Vec<(QueueKeys, Arc<Route>)> = Vec::new();
         loop {
             let policy = shared.store.load();
             let interval = policy
@@ -120,14 +156,35 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 _ = tokio::time::sleep(interval) => {}
                 _ = stop.wait_for(|stopped| *stopped) => return,
             }
+            let policy = shared.store.load();
+            let queueing: Vec<(QueueKeys, Arc<Route>)> = queue_routes(&policy)
+                .map(|route| {
+                    (
+                        QueueKeys::new(policy.key_prefix(), &route.name.0),
+                        Arc::clone(route),
+                    )
+                })
+                .collect();
+            for (keys, route) in std::mem::replace(&mut served_before, queueing.clone()) {
+                if !queueing.iter().any(|(now, _)| now.stream == keys.stream)
+                    && shared.former_queues.adopt(keys.clone(), Arc::clone(&route))
+                {
+                    tracing::warn!(route = %route.name, stream = %keys.stream, "this route no longer queues under these keys (its action changed, or it was renamed or removed, or key_prefix changed); the jobs stored in its queue are still replayed until it is empty");
+                }
+            }
             let (Some(redis), Some(settings)) = (policy.redis.clone(), policy.queue.clone()) else {
                 continue;
             };
-            for route in queue_routes(&policy) {
+            for (keys, route, former) in queues_to_serve(&shared, &policy) {
                 if *stop.borrow() {
                     return;
                 }
-                let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
+                if former && queue_is_empty(&redis, &keys).await {
+                    tracing::info!(route = %route.name, stream = %keys.stream, "the queue of a route that stopped queueing is empty; forgetting it");
+                    shared.former_queues.forget(&keys.stream);
+                    continue;
+                }
+                let route = &route;
                 if !groups_made.contains(&keys.stream) {
                     match make_group(&redis, &keys, &settings).await {
                         Ok(()) => {
@@ -171,6 +228,25 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             }
         }
     });
+}
+
+/// Is the queue empty: no job in its stream, none waiting for a retry, no dead letter? Only
+/// a Redis that answers all three can say so.
+async fn queue_is_empty(redis: &RedisStore, keys: &QueueKeys) -> bool {
+    let mut total = 0;
+    for (command, key) in [
+        ("XLEN", &keys.stream),
+        ("ZCARD", &keys.delayed),
+        ("XLEN", &keys.dead),
+    ] {
+        let mut count = redis::cmd(command);
+        count.arg(key);
+        match redis.command::<i64>(&count, QUEUE_TIMEOUT, None).await {
+            Ok(found) => total += found,
+            Err(_) => return false,
+        }
+    }
+    total == 0
 }
 
 async fn make_group(
