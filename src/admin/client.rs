@@ -12,8 +12,10 @@ use crate::proxy::client::{Client, ClientSettings, ResponseFields};
 
 /// Where the admin listener is: `--admin`, else the policy directory's `[admin] listen`, else
 /// the default `127.0.0.1:9901`.
-/// When the policy does not compile (often exactly when `levee reload` is run), the default is
-/// used with a warning on stderr, since it may be another instance's listener.
+/// When the policy does not compile (often exactly when `levee reload` is run, to see its
+/// errors), `[admin] listen` is still read from whichever file parses and sets it; only
+/// without one is the default used, with a warning on stderr, since it may be another
+/// instance's listener.
 pub fn admin_address(explicit: Option<SocketAddr>, policies: &Path) -> SocketAddr {
     let default = SocketAddr::from(([127, 0, 0, 1], 9901));
     if let Some(address) = explicit {
@@ -21,15 +23,29 @@ pub fn admin_address(explicit: Option<SocketAddr>, policies: &Path) -> SocketAdd
     }
     match crate::config::load_dir(policies, None) {
         Ok(policy) => policy.admin.listen,
-        Err(diagnostics) => {
-            eprintln!(
-                "warning: the policy in {} does not compile ({} error(s), see `levee check`), so its [admin] listen is unknown; using {default} (pass --admin ADDRESS to choose)",
-                policies.display(),
-                diagnostics.0.len()
-            );
-            default
-        }
+        Err(diagnostics) => match written_admin_listen(policies) {
+            Some(address) => address,
+            None => {
+                eprintln!(
+                    "warning: the policy in {} does not compile ({} error(s), see `levee check`) and no file of it that parses sets [admin] listen; using {default} (pass --admin ADDRESS to choose)",
+                    policies.display(),
+                    diagnostics.0.len()
+                );
+                default
+            }
+        },
     }
+}
+
+/// `[admin] listen` as written in a policy directory, read file by file without compiling:
+/// the one file that sets it need only be valid TOML.
+fn written_admin_listen(policies: &Path) -> Option<SocketAddr> {
+    let paths = crate::config::compile::policy_file_paths(policies).ok()?;
+    paths.iter().find_map(|path| {
+        let text = std::fs::read_to_string(path).ok()?;
+        let table: toml::Table = toml::from_str(&text).ok()?;
+        table.get("admin")?.get("listen")?.as_str()?.parse().ok()
+    })
 }
 
 /// `name` as one segment of an admin path: bytes other than letters, digits and `-._~`
@@ -185,4 +201,35 @@ pub fn summarize(status: &serde_json::Value) -> String {
     let limits = status["limits"].as_array().map_or(0, Vec::len);
     let _ = writeln!(out, "routes   {routes} · limit rules {limits}");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_policy_still_tells_where_its_admin_listener_is() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::write(
+            dir.path().join("10-admin.toml"),
+            "[admin]\nlisten = \"127.0.0.1:19901\"\n",
+        )
+        .expect("write");
+        std::fs::write(
+            dir.path().join("20-routes.toml"),
+            "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n[[route]]\nname = \"x\"\nupstream = \"nope\"\n",
+        )
+        .expect("write");
+        assert!(crate::config::load_dir(dir.path(), None).is_err());
+        assert_eq!(
+            admin_address(None, dir.path()),
+            SocketAddr::from(([127, 0, 0, 1], 19901))
+        );
+        // Without any file that sets it: the default.
+        std::fs::remove_file(dir.path().join("10-admin.toml")).expect("remove");
+        assert_eq!(
+            admin_address(None, dir.path()),
+            SocketAddr::from(([127, 0, 0, 1], 9901))
+        );
+    }
 }
