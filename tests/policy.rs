@@ -56,6 +56,25 @@ fn a_public_listener_on_the_default_admin_address_is_reported_at_its_listen() {
 }
 
 #[test]
+fn a_file_that_is_not_utf8_is_reported_where_it_stops_being_utf8() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut text = b"[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n\n[[route]]\nname = \"home\"\nfallback = { status = 503, body = \"caf".to_vec();
+    text.extend_from_slice(b"\xe9 ferm\xe9\" }\n");
+    std::fs::write(dir.path().join("levee.toml"), text).expect("write");
+    let (ok, _stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "check must fail");
+    let expected = format!(
+        "{}:6:39: error: byte 0xE9 is not UTF-8",
+        dir.path().join("levee.toml").display()
+    );
+    assert!(
+        stderr.contains(&expected),
+        "missing `{expected}` in:\n{stderr}"
+    );
+    assert!(stderr.contains("iconv"), "{stderr}");
+}
+
+#[test]
 fn check_reports_every_error_with_file_line_col_and_fails() {
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::write(

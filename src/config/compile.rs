@@ -3,6 +3,7 @@
 //! Compilation never stops at the first problem: every error of every file is collected with
 //! its `file:line:col`, so an operator fixes them all in one round, like `nginx -t`.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -40,18 +41,10 @@ use crate::redis_store::{RedisSettings, RedisStore, RedisTarget, DEFAULT_ADMIT_A
 /// Name of the implicit route that catches requests no route matches.
 pub const DEFAULT_ROUTE: &str = "default";
 
-/// Reads every `*.toml` file of `dir`, in file-name order.
-pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
-    let entries = std::fs::read_dir(dir).map_err(|error| {
-        Diagnostics(vec![Diagnostic::whole(
-            dir,
-            format!("cannot read policy directory: {error}"),
-        )
-        .hint(
-            "pass the directory that holds the *.toml policy files with --policies DIR",
-        )])
-    })?;
-    let mut paths: Vec<_> = entries
+/// The policy files of `dir`: every `*.toml` not hidden (editors' `.name.toml.swp` and
+/// the like), in file-name order.
+pub fn policy_file_paths(dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+    let mut paths: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(Result::ok)
         .map(|entry| entry.path())
         .filter(|path| {
@@ -63,11 +56,26 @@ pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
         })
         .collect();
     paths.sort();
+    Ok(paths)
+}
+
+/// Reads every `*.toml` file of `dir`, in file-name order.
+pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
+    let paths = policy_file_paths(dir).map_err(|error| {
+        Diagnostics(vec![Diagnostic::whole(
+            dir,
+            format!("cannot read policy directory: {error}"),
+        )
+        .hint(
+            "pass the directory that holds the *.toml policy files with --policies DIR",
+        )])
+    })?;
     let mut files = Vec::with_capacity(paths.len());
     let mut errors = Vec::new();
     for path in paths {
-        match std::fs::read_to_string(&path) {
-            Ok(text) => files.push(SourceFile { path, text }),
+        match std::fs::read(&path).map(String::from_utf8) {
+            Ok(Ok(text)) => files.push(SourceFile { path, text }),
+            Ok(Err(not_utf8)) => errors.push(not_utf8_at(path, &not_utf8)),
             Err(error) => errors.push(Diagnostic::whole(&path, format!("cannot read: {error}"))),
         }
     }
@@ -82,6 +90,26 @@ pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
     } else {
         Err(Diagnostics(errors))
     }
+}
+
+/// Where a file stops being UTF-8 (often a `body_html` saved in a legacy encoding), as a
+/// diagnostic at that line and column.
+fn not_utf8_at(path: std::path::PathBuf, error: &std::string::FromUtf8Error) -> Diagnostic {
+    let valid = error.utf8_error().valid_up_to();
+    let bytes = error.as_bytes();
+    let readable = SourceFile {
+        path,
+        text: String::from_utf8_lossy(bytes.get(..valid).unwrap_or_default()).into_owned(),
+    };
+    Diagnostic::at(
+        &readable,
+        valid..valid,
+        format!(
+            "byte 0x{:02X} is not UTF-8",
+            bytes.get(valid).copied().unwrap_or_default()
+        ),
+    )
+    .hint("policy files are read as UTF-8: save the file in UTF-8 (from GBK or Latin-1, e.g. with iconv)")
 }
 
 /// Reads and compiles a policy directory. `previous` lets unchanged upstreams keep their
@@ -461,9 +489,14 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         let breaker_settings = compile_breaker(&mut compiler, *file, &spec.get_ref().breaker);
         if let Some(settings) = compile_upstream(&mut compiler, *file, name, spec) {
             let old = previous.and_then(|policy| policy.upstreams.get(name));
-            // The breaker keeps its state (an open breaker stays open) when its settings are
-            // unchanged; changed settings start it fresh.
+            // The breaker keeps its state (an open breaker stays open) when its settings and
+            // the upstream's address are unchanged; changed settings, or an upstream pointed
+            // elsewhere (a dead app replaced by a standby), start it fresh.
             let breaker = old
+                .filter(|old| {
+                    old.settings.scheme == settings.scheme
+                        && old.settings.authority == settings.authority
+                })
                 .map(|old| &old.breaker)
                 .filter(|breaker| breaker.settings() == breaker_settings)
                 .cloned()
@@ -544,13 +577,18 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         }
     }
     let upstream_names: Vec<String> = upstream_specs.keys().cloned().collect();
+    let bounded_upstreams: Vec<String> = upstream_specs
+        .iter()
+        .filter(|(_, (_, spec))| spec.get_ref().max_inflight.is_some())
+        .map(|(name, _)| name.clone())
+        .collect();
     let degrade_settings = compile_degrade(
         &mut compiler,
         files,
         degrade.as_ref(),
         &module_specs,
         &routes,
-        &upstream_names,
+        (&upstream_names, &bounded_upstreams),
     );
     let fallback = default_upstream
         .as_ref()
@@ -726,7 +764,7 @@ fn compile_degrade(
     spec: Option<&(usize, Spanned<DegradeSpec>)>,
     module_specs: &BTreeMap<String, (usize, Spanned<ModuleSpec>)>,
     routes: &[Arc<Route>],
-    upstream_names: &[String],
+    upstreams: (&[String], &[String]),
 ) -> DegradeSettings {
     let dir = files
         .first()
@@ -829,7 +867,7 @@ fn compile_degrade(
         triggers: inner
             .trigger
             .iter()
-            .filter_map(|trigger| compile_trigger(compiler, file, trigger, upstream_names))
+            .filter_map(|trigger| compile_trigger(compiler, file, trigger, upstreams))
             .collect(),
         cool_down: compiler.duration(file, &inner.cool_down, Duration::from_secs(30)),
     }
@@ -839,7 +877,7 @@ fn compile_trigger(
     compiler: &mut Compiler<'_>,
     file: usize,
     spec: &Spanned<TriggerSpec>,
-    upstreams: &[String],
+    (upstreams, bounded_upstreams): (&[String], &[String]),
 ) -> Option<Trigger> {
     let inner = spec.get_ref();
     let Some(upstream) = &inner.upstream else {
@@ -894,7 +932,29 @@ fn compile_trigger(
         }
     };
     let condition = match when.get_ref().as_str() {
-        "breaker_open" => Condition::BreakerOpen,
+        "breaker_open" => {
+            if let Some(above) = above {
+                compiler.error_hint(
+                    file,
+                    above.span(),
+                    "breaker_open has no threshold, so `above` would be ignored",
+                    "remove `above`; the trigger holds while the breaker is open or half-open",
+                );
+            }
+            Condition::BreakerOpen
+        }
+        "inflight" if !bounded_upstreams.contains(upstream.get_ref()) => {
+            compiler.error_hint(
+                file,
+                when.span(),
+                format!(
+                    "upstream `{}` has no max_inflight, so an inflight trigger could never fire",
+                    upstream.get_ref()
+                ),
+                "set max_inflight on the upstream, or watch latency_p95 or error_ratio",
+            );
+            return None;
+        }
         "latency_p95" => match above.map(|a| (a.get_ref(), a.span())) {
             Some((AboveSpec::Duration(text), span)) => match parse_duration(text) {
                 Ok(limit) => Condition::LatencyP95(limit),
@@ -1541,6 +1601,23 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
     }
 }
 
+/// The port text of an authority as written (after the host, `[…]` for IPv6), if it has a `:`.
+fn written_port(authority: &str) -> Option<&str> {
+    let host_and_port = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, rest)| rest);
+    let after_host = if host_and_port.starts_with('[') {
+        &host_and_port[host_and_port
+            .find(']')
+            .map_or(host_and_port.len(), |end| end + 1)..]
+    } else {
+        host_and_port
+            .rfind(':')
+            .map_or("", |colon| &host_and_port[colon..])
+    };
+    after_host.strip_prefix(':')
+}
+
 fn compile_upstream(
     compiler: &mut Compiler<'_>,
     file: usize,
@@ -1587,6 +1664,20 @@ fn compile_upstream(
         );
         return None;
     }
+    // `http::Uri` takes any text after the host's `:` as a port and then reports none, which
+    // would send a mistyped port (`:80810`, `:8O81`) to the scheme's default: often the front
+    // nginx itself, a loop.
+    if let Some(port) = written_port(authority.as_str()) {
+        if port.parse::<u16>().map_or(true, |port| port == 0) {
+            compiler.error_hint(
+                file,
+                url.span(),
+                format!("`{port}` in `{}` is not a port", url.get_ref()),
+                "a port is a number from 1 to 65535, e.g. \"http://127.0.0.1:8081\"",
+            );
+            return None;
+        }
+    }
     if uri.path_and_query().is_some_and(|pq| pq.as_str() != "/") {
         compiler.error_hint(
             file,
@@ -1597,7 +1688,29 @@ fn compile_upstream(
         return None;
     }
     let bulkhead = match &inner.max_inflight {
-        None => None,
+        None => {
+            let without_bound = [
+                (
+                    "queue_wait",
+                    inner.queue_wait.as_ref().map(|value| value.span()),
+                ),
+                (
+                    "shed_reserve",
+                    inner.shed_reserve.as_ref().map(|value| value.span()),
+                ),
+            ];
+            for (key, span) in without_bound {
+                if let Some(span) = span {
+                    compiler.error_hint(
+                        file,
+                        span,
+                        format!("`{key}` means nothing without max_inflight"),
+                        "set max_inflight (near php-fpm's pm.max_children), or remove it",
+                    );
+                }
+            }
+            None
+        }
         Some(max) if *max.get_ref() == 0 => {
             compiler.error_hint(
                 file,
@@ -1760,8 +1873,6 @@ fn compile_route(
         names.insert(name.get_ref().clone(), (file, name.span()));
     }
 
-    // Both the match and the upstream are checked even when one of them is wrong, so
-    // every error of the route is reported at once.
     let matched = match &inner.matcher {
         None => Some((Vec::new(), Vec::new(), PathMatch::Any)),
         Some(matcher) => compile_match(compiler, file, matcher),
@@ -1777,12 +1888,13 @@ fn compile_route(
                     format!("upstream `{}` is not defined", upstream.get_ref()),
                     format!("defined upstreams: {known}"),
                 );
-                return None;
+                None
+            } else {
+                Some(upstream.get_ref().as_str())
             }
-            upstream.get_ref().as_str()
         }
         None => match context.default_upstream {
-            Some(name) => name,
+            Some(name) => Some(name),
             None => {
                 compiler.error_hint(
                     file,
@@ -1793,11 +1905,13 @@ fn compile_route(
                     ),
                     "add upstream = \"NAME\", or set [server] default_upstream",
                 );
-                return None;
+                None
             }
         },
     };
-    // A defined upstream that failed to compile has already been reported.
+    // The rest of the route is checked whatever became of its upstream, so every error of
+    // the route is reported at once. A defined upstream that failed to compile has already
+    // been reported.
     let mut limits = Vec::new();
     for name in inner.limits.iter().flatten() {
         match context.limits.get(name.get_ref()) {
@@ -1891,7 +2005,7 @@ fn compile_route(
             }
         }
     }
-    let upstream = context.upstreams.get(upstream_name)?.clone();
+    let upstream = context.upstreams.get(upstream_name?)?.clone();
     let (hosts, methods, path) = matched?;
     Some(Route {
         name: RouteName(Arc::from(name.get_ref().as_str())),
@@ -1921,19 +2035,39 @@ fn compile_match(
     matcher: &Spanned<MatchSpec>,
 ) -> Option<(Vec<HostMatch>, Vec<Method>, PathMatch)> {
     let spec = matcher.get_ref();
-    let hosts = spec
-        .host
-        .as_ref()
-        .map(|hosts| {
-            hosts
-                .get_ref()
-                .clone()
-                .into_vec()
-                .iter()
-                .map(|host| HostMatch::parse(host))
-                .collect()
-        })
-        .unwrap_or_default();
+    let mut hosts = Vec::new();
+    if let Some(list) = &spec.host {
+        for host in list.get_ref().clone().into_vec() {
+            // Requests' hosts are matched without their port, and `*` stands for whole
+            // labels: a pattern that could never match, or would match a stranger's domain
+            // (`*example.com` and `evilexample.com`), is refused.
+            let problem = if host.is_empty() {
+                Some("is empty")
+            } else if !host.is_ascii() {
+                Some("is not ASCII, and clients send an international name in its `xn--` form")
+            } else if host
+                .strip_prefix('[')
+                .map_or(host.contains(':'), |v6| v6.contains("]:"))
+            {
+                Some("has a port, and hosts are matched without theirs")
+            } else if host.starts_with('*') && !host.starts_with("*.") {
+                Some("has a `*` that is not a whole label")
+            } else if host.chars().skip(1).any(|c| c == '*') {
+                Some("has a `*` after its start")
+            } else {
+                None
+            };
+            match problem {
+                Some(problem) => compiler.error_hint(
+                    file,
+                    list.span(),
+                    format!("host `{host}` {problem}"),
+                    "write \"example.com\", or \"*.example.com\" for its subdomains",
+                ),
+                None => hosts.push(HostMatch::parse(&host)),
+            }
+        }
+    }
     let mut methods = Vec::new();
     if let Some(list) = &spec.method {
         for method in list.get_ref().clone().into_vec() {
@@ -1997,12 +2131,28 @@ fn compile_match(
 }
 
 /// Route paths are normalised like request paths, so they match what the backend sees.
+/// Characters a request can only send percent-encoded (beyond ASCII, spaces, controls) are
+/// encoded first: `/论坛` matches the `/%E8%AE%BA%E5%9D%9B` browsers send.
 fn compile_literal_path(
     compiler: &mut Compiler<'_>,
     file: usize,
     value: &Spanned<String>,
 ) -> Option<String> {
-    match path::normalise(value.get_ref()) {
+    if let Some(at) = value.get_ref().find(['?', '#']) {
+        compiler.error_hint(
+            file,
+            value.span(),
+            format!(
+                "`{}`: a route matches the path only, and `{}` begins a query or fragment",
+                value.get_ref(),
+                &value.get_ref()[at..=at]
+            ),
+            "write the path alone, e.g. \"/post.php\"; to tell requests apart by a query parameter, key a limit by `query:NAME`",
+        );
+        return None;
+    }
+    let encoded = encode_for_request_path(value.get_ref());
+    match path::normalise(&encoded) {
         Ok(normal) => Some(normal.into_owned()),
         Err(error) => {
             compiler.error_hint(
@@ -2014,6 +2164,22 @@ fn compile_literal_path(
             None
         }
     }
+}
+
+/// `text` with the bytes a request target cannot carry raw percent-encoded.
+fn encode_for_request_path(text: &str) -> Cow<'_, str> {
+    if text.bytes().all(|byte| byte.is_ascii_graphic()) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() * 3);
+    for byte in text.bytes() {
+        if byte.is_ascii_graphic() {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    Cow::Owned(out)
 }
 
 #[cfg(test)]
@@ -2147,6 +2313,54 @@ mod tests {
     }
 
     #[test]
+    fn a_mistyped_upstream_port_is_refused_not_taken_for_the_default() {
+        for url in [
+            "http://127.0.0.1:80810",
+            "http://127.0.0.1:8O81",
+            "http://127.0.0.1:",
+            "http://127.0.0.1:0",
+            "https://[::1]:99999",
+        ] {
+            let errors = errors(&[("a.toml", &format!("[upstream.app]\nurl = \"{url}\"\n"))]);
+            assert!(
+                errors
+                    .iter()
+                    .any(|e| e.starts_with("a.toml:2:7: error: `") && e.contains("is not a port")),
+                "{url}: {errors:?}"
+            );
+        }
+        for url in [
+            "http://127.0.0.1",
+            "http://127.0.0.1:8081",
+            "https://[::1]:8443",
+            "http://[::1]",
+            "http://app.internal:65535",
+        ] {
+            let errors = errors(&[("a.toml", &format!("[upstream.app]\nurl = \"{url}\"\n"))]);
+            assert!(errors.is_empty(), "{url}: {errors:?}");
+        }
+    }
+
+    #[test]
+    fn settings_that_could_never_take_effect_are_refused() {
+        let errors = errors(&[(
+            "a.toml",
+            "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nqueue_wait = \"1s\"\nshed_reserve = 0.3\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"inflight\"\nabove = 0.8\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nabove = 0.5\n",
+        )]);
+        for expected in [
+            "a.toml:3:14: error: `queue_wait` means nothing without max_inflight",
+            "a.toml:4:16: error: `shed_reserve` means nothing without max_inflight",
+            "a.toml:7:8: error: upstream `app` has no max_inflight, so an inflight trigger could never fire",
+            "a.toml:12:9: error: breaker_open has no threshold",
+        ] {
+            assert!(
+                errors.iter().any(|e| e.starts_with(expected)),
+                "{expected}\n{errors:?}"
+            );
+        }
+    }
+
+    #[test]
     fn unknown_keys_point_at_their_line() {
         let errors = errors(&[("a.toml", "[server]\nlisten = \"127.0.0.1:1\"\nlistn = 3\n")]);
         assert_eq!(errors.len(), 1, "{errors:?}");
@@ -2160,11 +2374,24 @@ mod tests {
     #[test]
     fn all_errors_are_collected_across_files() {
         let errors = errors(&[
-            ("a.toml", "[[route]]\nname = \"x\"\nupstream = \"nope\"\n"),
+            (
+                "a.toml",
+                "[[route]]\nname = \"x\"\nupstream = \"nope\"\nlimits = [\"nope\"]\ntier = 7\n",
+            ),
             ("b.toml", "[server]\nheader_read_timeout = \"10 parsecs\"\n"),
             ("c.toml", "this is not toml"),
         ]);
-        assert_eq!(errors.len(), 3, "{errors:?}");
+        // A route with an undefined upstream still has its other keys checked.
+        assert_eq!(errors.len(), 5, "{errors:?}");
+        for expected in [
+            "a.toml:4:11: error: limit `nope` is not defined",
+            "a.toml:5:8: error: tier 7 does not exist",
+        ] {
+            assert!(
+                errors.iter().any(|e| e.starts_with(expected)),
+                "{expected}\n{errors:?}"
+            );
+        }
         assert!(
             errors
                 .iter()
@@ -2232,6 +2459,70 @@ mod tests {
     }
 
     #[test]
+    fn route_paths_match_as_browsers_send_them_and_queries_are_refused() {
+        let policy = compile(
+            &files(&[(
+                "a.toml",
+                &format!("{APP}[[route]]\nname = \"forum\"\nmatch = {{ path_prefix = \"/论坛\" }}\n[[route]]\nname = \"page\"\nmatch = {{ path = \"/my page.php\" }}\n"),
+            )]),
+            None,
+        )
+        .expect("compiles");
+        let find = |path: &str| {
+            policy
+                .routes
+                .find(None, &Method::GET, path)
+                .map(|r| r.name.to_string())
+        };
+        assert_eq!(find("/%E8%AE%BA%E5%9D%9B/x").as_deref(), Some("forum"));
+        assert_eq!(find("/my%20page.php").as_deref(), Some("page"));
+        for host in [
+            "example.com:8080",
+            "*example.com",
+            "www.*.com",
+            "[::1]:80",
+            "",
+            "論壇.example",
+        ] {
+            let errors = errors(&[(
+                "a.toml",
+                &format!("{APP}[[route]]\nname = \"h\"\nmatch = {{ host = \"{host}\" }}\n"),
+            )]);
+            assert!(
+                errors
+                    .iter()
+                    .any(|e| e.starts_with("a.toml:5:") && e.contains(&format!("host `{host}`"))),
+                "{host}: {errors:?}"
+            );
+        }
+        for host in [
+            "example.com",
+            "*.example.com",
+            "[::1]",
+            "xn--3ds443g.example",
+        ] {
+            let errors = errors(&[(
+                "a.toml",
+                &format!("{APP}[[route]]\nname = \"h\"\nmatch = {{ host = \"{host}\" }}\n"),
+            )]);
+            assert!(errors.is_empty(), "{host}: {errors:?}");
+        }
+        for path in ["/post.php?x=1", "/page#top"] {
+            let errors = errors(&[(
+                "a.toml",
+                &format!("{APP}[[route]]\nname = \"q\"\nmatch = {{ path = \"{path}\" }}\n"),
+            )]);
+            assert!(
+                errors
+                    .iter()
+                    .any(|e| e.starts_with("a.toml:5:")
+                        && e.contains("a route matches the path only")),
+                "{path}: {errors:?}"
+            );
+        }
+    }
+
+    #[test]
     fn unchanged_upstreams_are_reused_across_reloads() {
         let first = compile(&files(&[("a.toml", APP)]), None).expect("compiles");
         let second = compile(&files(&[("a.toml", APP)]), Some(&first)).expect("compiles");
@@ -2244,6 +2535,18 @@ mod tests {
         assert!(!Arc::ptr_eq(
             &second.upstreams["app"],
             &third.upstreams["app"]
+        ));
+        // The breaker (and an open one's state) goes on across that change…
+        assert!(Arc::ptr_eq(
+            &second.upstreams["app"].breaker,
+            &third.upstreams["app"].breaker
+        ));
+        // …but not to another address: a standby is not the app that failed.
+        let standby = "[upstream.app]\nurl = \"http://127.0.0.1:8082\"\nconnect_timeout = \"1s\"\n";
+        let fourth = compile(&files(&[("a.toml", standby)]), Some(&third)).expect("compiles");
+        assert!(!Arc::ptr_eq(
+            &third.upstreams["app"].breaker,
+            &fourth.upstreams["app"].breaker
         ));
     }
 }

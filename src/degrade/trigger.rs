@@ -79,7 +79,10 @@ impl LatencyWindow {
 /// The hysteresis, pure: fed with which triggers hold now, it says what level to be at.
 #[derive(Debug, Default)]
 pub struct Hysteresis {
-    held_since: Vec<Option<Instant>>,
+    /// Since when each trigger has held, beside the trigger it belongs to: a reload that
+    /// adds, removes or reorders triggers hands each its own time (matched by upstream,
+    /// condition and level), never another's.
+    held_since: Vec<(Trigger, Option<Instant>)>,
     /// Last time the current automatic level was still wanted.
     last_wanted: Option<Instant>,
 }
@@ -93,9 +96,31 @@ impl Hysteresis {
         current: u8,
         cool_down: Duration,
     ) -> u8 {
-        self.held_since.resize(triggers.len(), None);
+        let same_triggers = self.held_since.len() == triggers.len()
+            && self
+                .held_since
+                .iter()
+                .zip(triggers)
+                .all(|((known, _), trigger)| known == trigger);
+        if !same_triggers {
+            let mut before = std::mem::take(&mut self.held_since);
+            self.held_since = triggers
+                .iter()
+                .map(|trigger| {
+                    let since = before
+                        .iter()
+                        .position(|(known, _)| {
+                            known.upstream == trigger.upstream
+                                && known.condition == trigger.condition
+                                && known.level == trigger.level
+                        })
+                        .and_then(|at| before.swap_remove(at).1);
+                    (trigger.clone(), since)
+                })
+                .collect();
+        }
         let mut wanted = 0;
-        for ((trigger, holds), since) in
+        for ((trigger, holds), (_, since)) in
             triggers.iter().zip(holding).zip(self.held_since.iter_mut())
         {
             if *holds {
@@ -228,6 +253,28 @@ mod tests {
             hold: Duration::from_secs(hold),
             level,
         }
+    }
+
+    #[test]
+    fn a_trigger_added_ahead_of_a_holding_one_does_not_take_its_time() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let cool = s(30);
+        let latency = Trigger {
+            condition: Condition::LatencyP95(Duration::from_millis(800)),
+            ..trigger(5, 2)
+        };
+        let mut h = Hysteresis::default();
+        assert_eq!(h.step(t0, &[trigger(5, 1)], &[true], 0, cool), 0);
+        // Reloaded with a latency trigger first; both hold from now on.
+        let reloaded = [latency, trigger(5, 1)];
+        assert_eq!(h.step(t0 + s(4), &reloaded, &[true, true], 0, cool), 0);
+        assert_eq!(
+            h.step(t0 + s(5), &reloaded, &[true, true], 0, cool),
+            1,
+            "the breaker trigger kept its time; the new one has held 1 s of its 5"
+        );
+        assert_eq!(h.step(t0 + s(9), &reloaded, &[true, true], 1, cool), 2);
     }
 
     #[test]

@@ -54,8 +54,10 @@ pub struct Upstream {
     pub client: Client,
     pub breaker: Arc<Breaker>,
     pub bulkhead: Option<Arc<Bulkhead>>,
-    /// Recent latencies, for degrade triggers.
-    pub latency: LatencyWindow,
+    /// Recent latencies, for degrade triggers. Shared with the upstream this one replaced in
+    /// a reload when both reach the same address: a `latency_p95` trigger keeps its history
+    /// across a settings change.
+    pub latency: Arc<LatencyWindow>,
 }
 
 /// The system's trusted roots, read once.
@@ -147,13 +149,20 @@ impl Upstream {
                 .bulkhead
                 .map(|settings| Arc::new(Bulkhead::new(settings)))
         });
+        let latency = running
+            .filter(|running| {
+                running.settings.scheme == settings.scheme
+                    && running.settings.authority == settings.authority
+            })
+            .map(|running| Arc::clone(&running.latency))
+            .unwrap_or_default();
         Upstream {
             name,
             settings,
             client,
             breaker,
             bulkhead,
-            latency: LatencyWindow::default(),
+            latency,
         }
     }
 
