@@ -37,37 +37,52 @@ const CONTAINERS: &[&[u8]] = &[
     b"blockquote",
 ];
 
-/// Elements that have no end tag: removing one removes its start tag only.
-const VOID: &[&[u8]] = &[
-    b"area", b"base", b"br", b"col", b"embed", b"hr", b"img", b"input", b"link", b"meta",
-    b"source", b"track", b"wbr",
-];
-
-/// Elements whose content is not markup (or changes how markup is read): the scanner cannot
-/// count tags inside them, so meeting one hands the work back to the rewriter.
-const NOT_MARKUP: &[&[u8]] = &[
-    b"script",
-    b"style",
-    b"textarea",
-    b"title",
-    b"xmp",
-    b"iframe",
-    b"noembed",
-    b"noframes",
-    b"noscript",
-    b"plaintext",
-    b"svg",
-    b"math",
-    b"template",
-];
-
 fn is_one_of(name: &[u8], set: &[&[u8]]) -> bool {
     set.contains(&name)
 }
 
-/// Has this element no end tag?
+/// Has this element (lower-case name) no end tag? Removing one removes its start tag only.
+/// (One `match`, which the compiler turns into a switch on the length: it runs for every
+/// start tag of a removed module.)
 pub fn is_void(name: &[u8]) -> bool {
-    is_one_of(name, VOID)
+    matches!(
+        name,
+        b"area"
+            | b"base"
+            | b"br"
+            | b"col"
+            | b"embed"
+            | b"hr"
+            | b"img"
+            | b"input"
+            | b"link"
+            | b"meta"
+            | b"source"
+            | b"track"
+            | b"wbr"
+    )
+}
+
+/// Is this element's (lower-case name) content something other than markup, or does it change
+/// how markup is read? The scanner cannot count tags inside such an element, so meeting one
+/// hands the work back to the rewriter.
+fn is_not_markup(name: &[u8]) -> bool {
+    matches!(
+        name,
+        b"script"
+            | b"style"
+            | b"textarea"
+            | b"title"
+            | b"xmp"
+            | b"iframe"
+            | b"noembed"
+            | b"noframes"
+            | b"noscript"
+            | b"plaintext"
+            | b"svg"
+            | b"math"
+            | b"template"
+    )
 }
 
 /// An id selector the fast path can handle: `#id` or `tag#id`.
@@ -95,11 +110,49 @@ impl IdSelector {
     }
 }
 
+/// A lower-case tag name. Names of up to `SHORT_NAME` bytes (every HTML element's, and most
+/// custom ones) are kept inline: a module's hundreds of tags are read without allocating.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TagName {
+    Short { len: u8, bytes: [u8; SHORT_NAME] },
+    Long(Vec<u8>),
+}
+
+const SHORT_NAME: usize = 22;
+
+impl TagName {
+    pub fn lowercase(raw: &[u8]) -> TagName {
+        if raw.len() <= SHORT_NAME {
+            let mut bytes = [0; SHORT_NAME];
+            for (to, from) in bytes.iter_mut().zip(raw) {
+                *to = from.to_ascii_lowercase();
+            }
+            TagName::Short {
+                // At most SHORT_NAME, which fits.
+                len: raw.len() as u8,
+                bytes,
+            }
+        } else {
+            TagName::Long(raw.to_ascii_lowercase())
+        }
+    }
+}
+
+impl std::ops::Deref for TagName {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            TagName::Short { len, bytes } => &bytes[..usize::from(*len)],
+            TagName::Long(bytes) => bytes,
+        }
+    }
+}
+
 /// A tag as the scanner read it.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Tag {
-    /// Lower-case name.
-    pub name: Vec<u8>,
+    pub name: TagName,
     /// Offset just past the closing `>`.
     pub end: usize,
     pub self_closing: bool,
@@ -119,30 +172,65 @@ pub enum Read {
 /// Reads a tag name and its attributes, honouring quoted values (a `>` or `<` inside quotes
 /// belongs to the value). `name_at` is where the name starts.
 pub fn read_tag(buf: &[u8], name_at: usize) -> Read {
+    let mut id = None;
+    let walked = walk_tag(buf, name_at, |attribute, value| {
+        if id.is_none() && attribute.eq_ignore_ascii_case(b"id") {
+            id = Some(value);
+        }
+    });
+    match walked {
+        Some(Walked {
+            name_end,
+            end,
+            self_closing,
+        }) => Read::Tag(Tag {
+            name: TagName::lowercase(&buf[name_at..name_end]),
+            end,
+            self_closing,
+            id,
+        }),
+        None => Read::Incomplete,
+    }
+}
+
+/// Where a tag's name ends and the tag itself ends (just past `>`).
+#[derive(Clone, Copy)]
+pub struct Walked {
+    pub name_end: usize,
+    pub end: usize,
+    pub self_closing: bool,
+}
+
+/// Walks a tag from its name at `name_at` to its `>`, as HTML's tokenizer reads it (quoted
+/// values may hold `>` and `<`), telling `on_value` each attribute name and its value's range.
+/// `None`: the tag does not end within `buf` yet. Removing a module reads each of its tags
+/// this way, without building a [`Tag`] it would not use.
+#[inline]
+pub fn walk_tag(
+    buf: &[u8],
+    name_at: usize,
+    mut on_value: impl FnMut(&[u8], (usize, usize)),
+) -> Option<Walked> {
     let mut i = name_at;
     while i < buf.len() && !(buf[i].is_ascii_whitespace() || buf[i] == b'>' || buf[i] == b'/') {
         i += 1;
     }
     if i >= buf.len() {
-        return Read::Incomplete;
+        return None;
     }
-    let name = buf[name_at..i].to_ascii_lowercase();
-    let mut id = None;
+    let name_end = i;
     let mut self_closing = false;
     loop {
         while i < buf.len() && buf[i].is_ascii_whitespace() {
             i += 1;
         }
-        let Some(&byte) = buf.get(i) else {
-            return Read::Incomplete;
-        };
+        let &byte = buf.get(i)?;
         match byte {
             b'>' => {
-                return Read::Tag(Tag {
-                    name,
+                return Some(Walked {
+                    name_end,
                     end: i + 1,
                     self_closing,
-                    id,
                 })
             }
             b'/' => {
@@ -166,7 +254,7 @@ pub fn read_tag(buf: &[u8], name_at: usize) -> Read {
             i += 1;
         }
         if i >= buf.len() {
-            return Read::Incomplete;
+            return None;
         }
         if buf[i] != b'=' {
             continue;
@@ -175,13 +263,9 @@ pub fn read_tag(buf: &[u8], name_at: usize) -> Read {
         while i < buf.len() && buf[i].is_ascii_whitespace() {
             i += 1;
         }
-        let Some(&first) = buf.get(i) else {
-            return Read::Incomplete;
-        };
+        let &first = buf.get(i)?;
         let value = if first == b'"' || first == b'\'' {
-            let Some(close) = memchr::memchr(first, &buf[i + 1..]) else {
-                return Read::Incomplete;
-            };
+            let close = memchr::memchr(first, &buf[i + 1..])?;
             let value = (i + 1, i + 1 + close);
             i = value.1 + 1;
             value
@@ -191,13 +275,11 @@ pub fn read_tag(buf: &[u8], name_at: usize) -> Read {
                 i += 1;
             }
             if i >= buf.len() {
-                return Read::Incomplete;
+                return None;
             }
             (start, i)
         };
-        if id.is_none() && attribute.eq_ignore_ascii_case(b"id") {
-            id = Some(value);
-        }
+        on_value(attribute, value);
     }
 }
 
@@ -321,7 +403,7 @@ pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Fou
     let picked = tag.id.is_some_and(|(from, to)| {
         selectors.iter().any(|selector| {
             selector.id == buf[from..to]
-                && selector.tag.as_ref().is_none_or(|name| *name == tag.name)
+                && selector.tag.as_ref().is_none_or(|name| **name == *tag.name)
         })
     });
     if !picked {
@@ -330,7 +412,7 @@ pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Fou
             resume: tag.end.max(at + len),
         };
     }
-    if is_one_of(&tag.name, VOID) || is_one_of(&tag.name, CONTAINERS) {
+    if is_void(&tag.name) || is_one_of(&tag.name, CONTAINERS) {
         Found::Element { start, tag }
     } else {
         Found::Unsure { start }
@@ -344,13 +426,13 @@ pub struct Cut {
     /// tag closes the innermost open element of its name and everything opened after it, as
     /// the rewriter's own stack does, so a module with an unclosed `<span>` or `<li>` ends
     /// where the rewriter would end it.
-    pub open: Vec<Vec<u8>>,
+    pub open: Vec<TagName>,
     /// Where scanning continues in the held bytes.
     pub cursor: usize,
 }
 
 impl Cut {
-    pub fn new(name: Vec<u8>, cursor: usize) -> Cut {
+    pub fn new(name: TagName, cursor: usize) -> Cut {
         Cut {
             open: vec![name],
             cursor,
@@ -448,16 +530,18 @@ impl Cut {
                         }
                         continue;
                     }
-                    let tag = match read_tag(held, at + 2) {
-                        Read::Incomplete => {
-                            self.cursor = at;
-                            return Step::More;
-                        }
-                        Read::Tag(tag) => tag,
+                    let Some(tag) = walk_tag(held, at + 2, |_, _| {}) else {
+                        self.cursor = at;
+                        return Step::More;
                     };
                     self.cursor = tag.end;
-                    // An end tag nothing open matches is ignored.
-                    if let Some(index) = self.open.iter().rposition(|name| *name == tag.name) {
+                    let name = &held[at + 2..tag.name_end];
+                    // An end tag nothing open matches is ignored. (Open names are lower case.)
+                    if let Some(index) = self
+                        .open
+                        .iter()
+                        .rposition(|open| open.eq_ignore_ascii_case(name))
+                    {
                         if index == 0 {
                             return Step::Ended(tag.end);
                         }
@@ -465,19 +549,17 @@ impl Cut {
                     }
                 }
                 letter if letter.is_ascii_alphabetic() => {
-                    let tag = match read_tag(held, at + 1) {
-                        Read::Incomplete => {
-                            self.cursor = at;
-                            return Step::More;
-                        }
-                        Read::Tag(tag) => tag,
+                    let Some(tag) = walk_tag(held, at + 1, |_, _| {}) else {
+                        self.cursor = at;
+                        return Step::More;
                     };
-                    if is_one_of(&tag.name, NOT_MARKUP) {
+                    let name = TagName::lowercase(&held[at + 1..tag.name_end]);
+                    if is_not_markup(&name) {
                         return Step::GiveUp;
                     }
                     // `/>` does not close a non-void HTML element; void ones never open.
-                    if !is_one_of(&tag.name, VOID) {
-                        self.open.push(tag.name);
+                    if !is_void(&name) {
+                        self.open.push(name);
                     }
                     self.cursor = tag.end;
                 }
@@ -514,12 +596,31 @@ mod tests {
     }
 
     #[test]
+    fn tag_names_are_lower_case_and_long_ones_kept_whole() {
+        assert_eq!(&*TagName::lowercase(b"DiV"), b"div");
+        let long_a = TagName::lowercase(b"my-very-long-component-name-a");
+        let long_b = TagName::lowercase(b"my-very-long-component-name-b");
+        assert_eq!(&*long_a, b"my-very-long-component-name-a");
+        assert_ne!(long_a, long_b);
+        assert_eq!(long_a, TagName::lowercase(b"MY-very-long-component-name-A"));
+        // A removed module with such elements inside ends at its own end tag.
+        let held = b"<div id=m><my-very-long-component-name-a><div></div></MY-VERY-LONG-COMPONENT-NAME-A></div>tail";
+        let Read::Tag(tag) = read_tag(held, 1) else {
+            panic!("complete")
+        };
+        assert_eq!(
+            Cut::new(tag.name, tag.end).advance(held),
+            Step::Ended(held.len() - 4)
+        );
+    }
+
+    #[test]
     fn tags_are_read_with_quoted_values() {
         let html = br#"<div title="a > b <c>" data-x=1 ID='rank' id="second">"#;
         let Read::Tag(tag) = read_tag(html, 1) else {
             panic!("complete")
         };
-        assert_eq!(tag.name, b"div");
+        assert_eq!(&*tag.name, b"div");
         assert_eq!(tag.end, html.len());
         let (from, to) = tag.id.expect("id");
         assert_eq!(&html[from..to], b"rank", "the first id attribute counts");
@@ -541,7 +642,7 @@ mod tests {
         match judge(page, second, 7, &selectors) {
             Found::Element { start, tag } => {
                 assert_eq!(&page[start..start + 4], b"<div");
-                assert_eq!(tag.name, b"div");
+                assert_eq!(&*tag.name, b"div");
             }
             other => panic!("{other:?}"),
         }

@@ -22,13 +22,53 @@ use crate::error::BoxError;
 /// The selector value that means "hide by comment markers".
 pub const MARKER: &str = "marker";
 
+/// What the hider has produced and not handed on yet, in order: pieces of the page passed on
+/// as they are (held bytes split off, not copied) and the rewriter's output.
+#[derive(Default)]
+struct Output {
+    ready: std::collections::VecDeque<Bytes>,
+    tail: BytesMut,
+}
+
+impl Output {
+    /// Copies `bytes` in (the rewriter's output, a borrowed chunk).
+    fn push_slice(&mut self, bytes: &[u8]) {
+        self.tail.extend_from_slice(bytes);
+    }
+
+    /// Queues `bytes` without copying them.
+    fn push_owned(&mut self, bytes: BytesMut) {
+        if bytes.is_empty() {
+            return;
+        }
+        if !self.tail.is_empty() {
+            let tail = self.tail.split().freeze();
+            self.ready.push_back(tail);
+        }
+        self.ready.push_back(bytes.freeze());
+    }
+
+    /// The next piece to send, if any.
+    fn take(&mut self) -> Option<Bytes> {
+        match self.ready.pop_front() {
+            Some(piece) => Some(piece),
+            None if !self.tail.is_empty() => Some(self.tail.split().freeze()),
+            None => None,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ready.is_empty() && self.tail.is_empty()
+    }
+}
+
 /// Collects the rewriter's output for the next body frame.
-struct Sink(Arc<Mutex<BytesMut>>);
+struct Sink(Arc<Mutex<Output>>);
 
 impl OutputSink for Sink {
     fn handle_chunk(&mut self, chunk: &[u8]) {
         if let Ok(mut out) = self.0.lock() {
-            out.extend_from_slice(chunk);
+            out.push_slice(chunk);
         }
     }
 }
@@ -264,7 +304,7 @@ struct Hider {
     plan: Plan,
     settings: Option<(Vec<String>, Vec<String>)>,
     ended: Arc<AtomicUsize>,
-    output: Arc<Mutex<BytesMut>>,
+    output: Arc<Mutex<Output>>,
 }
 
 pin_project! {
@@ -279,7 +319,7 @@ pin_project! {
 fn rewriter(
     selectors: &[String],
     markers: &[String],
-    output: &Arc<Mutex<BytesMut>>,
+    output: &Arc<Mutex<Output>>,
     ended: &Arc<AtomicUsize>,
 ) -> HtmlRewriter<'static, Sink> {
     let mut settings = Settings::new_send();
@@ -352,16 +392,21 @@ impl<B> Hidden<B> {
     }
 }
 
-fn take(output: &Mutex<BytesMut>) -> Bytes {
-    output
-        .lock()
-        .map(|mut out| out.split().freeze())
-        .unwrap_or_default()
+fn take(output: &Mutex<Output>) -> Option<Bytes> {
+    output.lock().ok().and_then(|mut out| out.take())
 }
 
-fn emit(output: &Mutex<BytesMut>, bytes: &[u8]) {
+/// Copies borrowed bytes into the output.
+fn emit(output: &Mutex<Output>, bytes: &[u8]) {
     if let Ok(mut out) = output.lock() {
-        out.extend_from_slice(bytes);
+        out.push_slice(bytes);
+    }
+}
+
+/// Hands bytes the hider held on, without copying them.
+fn emit_owned(output: &Mutex<Output>, bytes: BytesMut) {
+    if let Ok(mut out) = output.lock() {
+        out.push_owned(bytes);
     }
 }
 
@@ -378,7 +423,7 @@ impl Hider {
             plan.ids.clear();
             plan.needles.clear();
         }
-        let output = Arc::new(Mutex::new(BytesMut::new()));
+        let output = Arc::new(Mutex::new(Output::default()));
         let ended = Arc::new(AtomicUsize::new(0));
         let settings = (selectors.to_vec(), markers);
         let stage = if plan.needles.is_empty() {
@@ -401,10 +446,19 @@ impl Hider {
     }
 
     /// Feeds one chunk through the current stage; output lands in `output`.
-    fn feed(&mut self, data: &[u8]) -> Result<(), BoxError> {
+    fn feed(&mut self, data: Bytes) -> Result<(), BoxError> {
         match &mut self.stage {
+            // With nothing carried over, the chunk becomes the carry itself: no copy when
+            // nothing else shares it.
+            Stage::Scan(scan) if scan.carry.is_empty() => {
+                scan.carry = BytesMut::from(data);
+                if scan.carry.len() < scan.look_again_at {
+                    return Ok(());
+                }
+                self.scan()
+            }
             Stage::Scan(scan) => {
-                scan.carry.extend_from_slice(data);
+                scan.carry.extend_from_slice(&data);
                 if scan.carry.len() < scan.look_again_at {
                     return Ok(());
                 }
@@ -415,15 +469,15 @@ impl Hider {
                 look_again_at,
                 ..
             } => {
-                held.extend_from_slice(data);
+                held.extend_from_slice(&data);
                 if held.len() < *look_again_at {
                     return Ok(());
                 }
                 self.cut()
             }
-            Stage::Rewrite(_) => self.rewrite(data),
+            Stage::Rewrite(_) => self.rewrite(&data),
             Stage::Pass => {
-                emit(&self.output, data);
+                emit(&self.output, &data);
                 Ok(())
             }
             Stage::Done => Ok(()),
@@ -451,7 +505,7 @@ impl Hider {
                     None => carry_len.saturating_sub(CARRY),
                 };
                 let pass = scan.take(keep_from);
-                emit(&self.output, &pass);
+                emit_owned(&self.output, pass);
                 if let Some(start) = unfinished {
                     scan.hold_from(start - keep_from);
                 }
@@ -461,18 +515,18 @@ impl Hider {
                 match cut::judge(&scan.carry, at, len, &self.plan.ids) {
                     Found::Incomplete { start } if scan.carry.len() - start <= MAX_HELD => {
                         let before = scan.take(start);
-                        emit(&self.output, &before);
+                        emit_owned(&self.output, before);
                         scan.hold_from(0);
                         return Ok(());
                     }
                     Found::NotHere { resume } => {
                         let before = scan.take(resume);
-                        emit(&self.output, &before);
+                        emit_owned(&self.output, before);
                         continue;
                     }
                     Found::Element { start, tag } => {
                         let before = scan.take(start);
-                        emit(&self.output, &before);
+                        emit_owned(&self.output, before);
                         let held = scan.carry.split();
                         // Offsets in `held`, which begins at the start tag.
                         let tag_end = tag.end - start;
@@ -497,7 +551,7 @@ impl Hider {
                 Holder::None => memchr::memrchr(b'<', &scan.carry[..at]).unwrap_or(0),
             };
             let before = scan.take(start);
-            emit(&self.output, &before);
+            emit_owned(&self.output, before);
             let rest = scan.carry.split();
             self.start_rewriter();
             return self.rewrite(&rest);
@@ -545,7 +599,7 @@ impl Hider {
         let ended = self.ended.fetch_add(1, Ordering::Relaxed) + 1;
         if self.plan.stop_after > 0 && ended >= self.plan.stop_after {
             self.stage = Stage::Pass;
-            emit(&self.output, &rest);
+            emit_owned(&self.output, rest);
             return Ok(());
         }
         self.stage = Stage::Scan(Scan::new(rest, self.plan.needles.len()));
@@ -566,7 +620,7 @@ impl Hider {
             _ => {}
         }
         match std::mem::replace(&mut self.stage, Stage::Done) {
-            Stage::Scan(scan) => emit(&self.output, &scan.carry),
+            Stage::Scan(scan) => emit_owned(&self.output, scan.carry),
             // The page ended inside a removed element: it is removed to the end, as the
             // rewriter would.
             Stage::Cut { .. } => {}
@@ -620,6 +674,14 @@ impl Hider {
     fn is_done(&self) -> bool {
         matches!(self.stage, Stage::Done)
     }
+
+    fn is_passing(&self) -> bool {
+        matches!(self.stage, Stage::Pass)
+    }
+
+    fn output_is_empty(&self) -> bool {
+        self.output.lock().map(|out| out.is_empty()).unwrap_or(true)
+    }
 }
 
 impl<B> Body for Hidden<B>
@@ -635,9 +697,11 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
         loop {
+            if let Some(out) = take(&this.hider.output) {
+                return Poll::Ready(Some(Ok(Frame::data(out))));
+            }
             if this.hider.is_done() {
-                let out = take(&this.hider.output);
-                return Poll::Ready((!out.is_empty()).then(|| Ok(Frame::data(out))));
+                return Poll::Ready(None);
             }
             match this.inner.as_mut().poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
@@ -646,12 +710,17 @@ where
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    if let Err(error) = this.hider.feed(&data) {
-                        return Poll::Ready(Some(Err(error)));
+                    // Once nothing more can be removed, the upstream's chunks go on as they
+                    // came (shared, not copied): on most pages that is everything after the
+                    // module. (The output is empty here: it was drained above.)
+                    if this.hider.is_passing() {
+                        if data.is_empty() {
+                            continue;
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
-                    let out = take(&this.hider.output);
-                    if !out.is_empty() {
-                        return Poll::Ready(Some(Ok(Frame::data(out))));
+                    if let Err(error) = this.hider.feed(data) {
+                        return Poll::Ready(Some(Err(error)));
                     }
                 }
                 Poll::Ready(None) => {
@@ -664,13 +733,7 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.hider.is_done()
-            && self
-                .hider
-                .output
-                .lock()
-                .map(|out| out.is_empty())
-                .unwrap_or(true)
+        self.hider.is_done() && self.hider.output_is_empty()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -802,11 +865,15 @@ mod tests {
         hider.plan.stop_after = 0;
         let mut out = Vec::new();
         for piece in page.chunks(chunk) {
-            hider.feed(piece).expect("feeds");
-            out.extend_from_slice(&take(&hider.output));
+            hider.feed(Bytes::copy_from_slice(piece)).expect("feeds");
+            while let Some(piece) = take(&hider.output) {
+                out.extend_from_slice(&piece);
+            }
         }
         hider.end().expect("ends");
-        out.extend_from_slice(&take(&hider.output));
+        while let Some(piece) = take(&hider.output) {
+            out.extend_from_slice(&piece);
+        }
         out
     }
 
