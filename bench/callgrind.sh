@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# bench/callgrind.sh: instructions levee executes per request, counted by valgrind's callgrind.
+#
+# Wall-clock benchmarks on a small shared machine move by ±10% from run to run; an instruction
+# count does not, so it tells whether a change made levee's own work cheaper. It leaves out
+# the kernel (most of a pass-through request's time) and what instructions cost (cache misses,
+# a `rep movsb` copy counts one instruction per byte), so it complements bench/run.sh and
+# never replaces it.
+#
+#   bench/callgrind.sh                 every case below
+#   CASES="hide" bench/callgrind.sh    some of them
+#
+# Cases: pass (the 1 KiB answer passed through), page (the 50 KiB page passed through), hide
+# (the page with #ranking removed). Each runs levee (one worker thread) under callgrind behind
+# a backend nginx, sends WARMUP (3) seconds of wrk load, zeroes the counters, sends DURATION
+# (10) seconds of load (wrk -c 4), dumps the counters and divides by the requests wrk
+# completed. Prints a Markdown table, and the TOP (8) functions with the most instructions of
+# their own per request.
+#
+# Needs: valgrind, nginx, wrk, python3. LEVEE_BIN [target/release/levee].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LIB=bench/lib
+CASES=${CASES:-"pass page hide"}
+WARMUP=${WARMUP:-3}
+MEASURED_SECONDS=${DURATION:-10}
+TOP=${TOP:-8}
+LEVEE_BIN=${LEVEE_BIN:-target/release/levee}
+
+for tool in valgrind callgrind_control nginx wrk python3; do
+  command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] ||
+    { echo "callgrind.sh: $tool is not installed (apt-get install valgrind nginx wrk python3)" >&2; exit 1; }
+done
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+[ -x "$LEVEE_BIN" ] || cargo build --release --quiet
+
+TMP=$(mktemp -d)
+chmod 755 "$TMP"
+NGINX_STARTED=""
+cleanup() {
+  [ -z "$NGINX_STARTED" ] || "$NGINX" -c "$TMP/backend.conf" -p "$TMP" -s stop 2>/dev/null || true
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+
+mapfile -t PORTS < <(python3 "$LIB/free_ports.py" 3)
+BACKEND_PORT=${PORTS[0]}
+PORT=${PORTS[1]}
+ADMIN_PORT=${PORTS[2]}
+
+mkdir -p "$TMP/www"
+python3 "$LIB/make_page.py" "$TMP/www/page.html" 51200
+BODY_1K=$(printf 'x%.0s' $(seq 1 1024))
+sed -e "s#@WORKERS@#1#; s#@DIR@#$TMP#g; s#@PORT@#$BACKEND_PORT#; s#@BODY_1K@#$BODY_1K#" \
+  bench/conf/backend-nginx.conf.tmpl > "$TMP/backend.conf"
+"$NGINX" -c "$TMP/backend.conf" -p "$TMP" 2>/dev/null
+NGINX_STARTED=1
+
+policy() {
+  local template=$1 dir=$2
+  mkdir -p "$dir"
+  sed -e "s/@PORT@/$PORT/; s/@ADMIN_PORT@/$ADMIN_PORT/; s/@BACKEND_PORT@/$BACKEND_PORT/" \
+    "bench/policies/$template" > "$dir/levee.toml"
+}
+
+# measure NAME TEMPLATE PATH: prints one table row; the profile stays in $TMP/NAME.out.
+measure() {
+  local name=$1 template=$2 path=$3
+  policy "$template" "$TMP/policy-$name"
+  valgrind --tool=callgrind --callgrind-out-file="$TMP/$name.out" \
+    "$LEVEE_BIN" run --policies "$TMP/policy-$name" --threads 1 >"$TMP/$name.log" 2>&1 &
+  local pid=$!
+  local url="http://127.0.0.1:$PORT$path"
+  for _ in $(seq 1 200); do
+    curl -s -o /dev/null "$url" && break
+    sleep 0.2
+  done
+  wrk -t1 -c4 -d"${WARMUP}s" "$url" >/dev/null
+  callgrind_control -z "$pid" >/dev/null 2>&1
+  wrk -t1 -c4 -d"${MEASURED_SECONDS}s" "$url" >"$TMP/$name.wrk"
+  callgrind_control -d "$pid" >/dev/null 2>&1
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+  local requests
+  requests=$(grep -oE '^ +[0-9]+ requests' "$TMP/$name.wrk" | grep -oE '[0-9]+')
+  local dump
+  dump=$(ls -t "$TMP/$name.out".* | head -1)
+  python3 "$LIB/callgrind_per_request.py" "$dump" "$requests" "$name" "$TOP" "$TMP/$name.top"
+}
+
+echo "# levee instructions per request (callgrind), $(date -u '+%Y-%m-%d %H:%M') UTC"
+echo
+echo "levee $("$LEVEE_BIN" --version 2>/dev/null | head -1) (git $(git rev-parse --short HEAD 2>/dev/null || echo '?')), one worker thread, wrk -c 4 for ${MEASURED_SECONDS} s after ${WARMUP} s of warm-up"
+echo
+echo "| case | requests | instructions / request |"
+echo "|---|---:|---:|"
+for case in $CASES; do
+  case $case in
+    pass) measure pass passthrough.toml.tmpl / ;;
+    page) measure page passthrough.toml.tmpl /page.html ;;
+    hide) measure hide hide.toml.tmpl /page.html ;;
+    *) echo "callgrind.sh: unknown case $case (pass, page, hide)" >&2; exit 1 ;;
+  esac
+done
+if [ "$TOP" -gt 0 ]; then
+  echo
+  for case in $CASES; do
+    [ -f "$TMP/$case.top" ] && cat "$TMP/$case.top"
+  done
+fi
