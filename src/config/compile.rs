@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::uri::Scheme;
+use http::uri::{Authority, Scheme};
 use http::{HeaderValue, Method};
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
@@ -1385,7 +1385,9 @@ fn compile_limit(
             }
         }
     }
-    let (per_second, interval_us) = match &inner.rate {
+    // Without a usable rate the rule is not built, but its other keys are still checked, so
+    // every error of the rule is reported at once.
+    let rate = match &inner.rate {
         None => {
             compiler.error_hint(
                 file,
@@ -1393,10 +1395,10 @@ fn compile_limit(
                 format!("limit `{name}` has no rate"),
                 "add rate = \"3/min\" (or N/s, N/h; fractions like \"0.05/s\" work)",
             );
-            return None;
+            None
         }
         Some(rate) => match parse_rate(rate.get_ref()) {
-            Ok(parsed) => parsed,
+            Ok(parsed) => Some(parsed),
             Err(message) => {
                 compiler.error_hint(
                     file,
@@ -1404,10 +1406,11 @@ fn compile_limit(
                     message,
                     "write it as \"3/min\", \"10/s\" or \"0.05/s\"",
                 );
-                return None;
+                None
             }
         },
     };
+    let (per_second, interval_us) = rate.unwrap_or((1.0, 1_000_000));
     let burst = match &inner.burst {
         Some(burst) if *burst.get_ref() == 0 => {
             compiler.error_hint(
@@ -1472,6 +1475,7 @@ fn compile_limit(
             }
         },
     };
+    rate?;
     Some(LimitRule {
         name: Arc::from(name),
         parts,
@@ -1601,29 +1605,13 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
     }
 }
 
-/// The port text of an authority as written (after the host, `[…]` for IPv6), if it has a `:`.
-fn written_port(authority: &str) -> Option<&str> {
-    let host_and_port = authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, rest)| rest);
-    let after_host = if host_and_port.starts_with('[') {
-        &host_and_port[host_and_port
-            .find(']')
-            .map_or(host_and_port.len(), |end| end + 1)..]
-    } else {
-        host_and_port
-            .rfind(':')
-            .map_or("", |colon| &host_and_port[colon..])
-    };
-    after_host.strip_prefix(':')
-}
-
-fn compile_upstream(
+/// The scheme and authority of an upstream's `url`, checked.
+fn upstream_address(
     compiler: &mut Compiler<'_>,
     file: usize,
     name: &str,
     spec: &Spanned<UpstreamSpec>,
-) -> Option<UpstreamSettings> {
+) -> Option<(Scheme, Authority)> {
     let inner = spec.get_ref();
     let Some(url) = &inner.url else {
         compiler.error_hint(
@@ -1687,6 +1675,35 @@ fn compile_upstream(
         );
         return None;
     }
+    Some((scheme, authority))
+}
+
+/// The port text of an authority as written (after the host, `[…]` for IPv6), if it has a `:`.
+fn written_port(authority: &str) -> Option<&str> {
+    let host_and_port = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, rest)| rest);
+    let after_host = if host_and_port.starts_with('[') {
+        &host_and_port[host_and_port
+            .find(']')
+            .map_or(host_and_port.len(), |end| end + 1)..]
+    } else {
+        host_and_port
+            .rfind(':')
+            .map_or("", |colon| &host_and_port[colon..])
+    };
+    after_host.strip_prefix(':')
+}
+
+fn compile_upstream(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    name: &str,
+    spec: &Spanned<UpstreamSpec>,
+) -> Option<UpstreamSettings> {
+    let inner = spec.get_ref();
+    // A bad url still leaves the other keys checked, so every error is reported at once.
+    let address = upstream_address(compiler, file, name, spec);
     let bulkhead = match &inner.max_inflight {
         None => {
             let without_bound = [
@@ -1761,9 +1778,7 @@ fn compile_upstream(
             }
         }
     }
-    let host = match &inner.host {
-        // External APIs (https) are called by their own name; the app's Host means nothing there.
-        None if scheme == Scheme::HTTPS => HeaderValue::from_str(authority.host()).ok(),
+    let written_host = match &inner.host {
         None => None,
         Some(host) => match HeaderValue::from_str(host.get_ref()) {
             Ok(value) if !host.get_ref().is_empty() => Some(value),
@@ -1781,33 +1796,42 @@ fn compile_upstream(
         .pool_max_idle
         .as_ref()
         .map_or(256, |value| *value.get_ref() as usize);
+    let connect_timeout = compiler.nonzero_duration(
+        file,
+        &inner.connect_timeout,
+        Duration::from_secs(2),
+        "connect_timeout",
+    );
+    let response_timeout = compiler.nonzero_duration(
+        file,
+        &inner.response_timeout,
+        Duration::from_secs(30),
+        "response_timeout",
+    );
+    let idle_body_timeout = compiler.nonzero_duration(
+        file,
+        &inner.idle_body_timeout,
+        Duration::from_secs(30),
+        "idle_body_timeout",
+    );
+    let pool_idle_timeout =
+        compiler.duration(file, &inner.pool_idle_timeout, Duration::from_secs(90));
+    let (scheme, authority) = address?;
+    let host = match written_host {
+        // External APIs (https) are called by their own name; the app's Host means nothing there.
+        None if inner.host.is_none() && scheme == Scheme::HTTPS => {
+            HeaderValue::from_str(authority.host()).ok()
+        }
+        written => written,
+    };
     Some(UpstreamSettings {
         scheme,
         authority,
         host,
-        connect_timeout: compiler.nonzero_duration(
-            file,
-            &inner.connect_timeout,
-            Duration::from_secs(2),
-            "connect_timeout",
-        ),
-        response_timeout: compiler.nonzero_duration(
-            file,
-            &inner.response_timeout,
-            Duration::from_secs(30),
-            "response_timeout",
-        ),
-        idle_body_timeout: compiler.nonzero_duration(
-            file,
-            &inner.idle_body_timeout,
-            Duration::from_secs(30),
-            "idle_body_timeout",
-        ),
-        pool_idle_timeout: compiler.duration(
-            file,
-            &inner.pool_idle_timeout,
-            Duration::from_secs(90),
-        ),
+        connect_timeout,
+        response_timeout,
+        idle_body_timeout,
+        pool_idle_timeout,
         pool_max_idle,
         ca_digest: if ca_files.is_empty() {
             Vec::new()
@@ -2352,6 +2376,27 @@ mod tests {
             "a.toml:4:16: error: `shed_reserve` means nothing without max_inflight",
             "a.toml:7:8: error: upstream `app` has no max_inflight, so an inflight trigger could never fire",
             "a.toml:12:9: error: breaker_open has no threshold",
+        ] {
+            assert!(
+                errors.iter().any(|e| e.starts_with(expected)),
+                "{expected}\n{errors:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_rate_or_url_leaves_the_other_keys_checked() {
+        let errors = errors(&[(
+            "a.toml",
+            "[upstream.app]\nurl = \"ftp://127.0.0.1:21\"\nresponse_timeout = \"0s\"\nhost = \"\"\n[limit.l]\nkey = [\"ip\"]\nrate = \"lots\"\nburst = 0\nmissing = \"maybe\"\n",
+        )]);
+        for expected in [
+            "a.toml:2:7: error: upstream scheme `ftp` is not supported",
+            "a.toml:3:20: error: `response_timeout` must be more than 0",
+            "a.toml:4:8: error: `` is not a valid Host header value",
+            "a.toml:7:8: error:",
+            "a.toml:8:9: error: burst must be at least 1",
+            "a.toml:9:11: error: missing = `maybe` is not known",
         ] {
             assert!(
                 errors.iter().any(|e| e.starts_with(expected)),
