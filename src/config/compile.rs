@@ -880,6 +880,23 @@ fn compile_trigger(
     (upstreams, bounded_upstreams): (&[String], &[String]),
 ) -> Option<Trigger> {
     let inner = spec.get_ref();
+    // Checked first: a trigger with a wrong upstream or condition still has these reported.
+    let level = match &inner.level {
+        None => 1,
+        Some(level) if (1..=crate::degrade::MAX_LEVEL).contains(level.get_ref()) => {
+            *level.get_ref()
+        }
+        Some(level) => {
+            compiler.error_hint(
+                file,
+                level.span(),
+                format!("a trigger cannot raise to level {}", level.get_ref()),
+                "use level = 1 or 2",
+            );
+            1
+        }
+    };
+    let hold = compiler.duration(file, &inner.hold, Duration::from_secs(5));
     let Some(upstream) = &inner.upstream else {
         compiler.error_hint(
             file,
@@ -985,25 +1002,10 @@ fn compile_trigger(
             return None;
         }
     };
-    let level = match &inner.level {
-        None => 1,
-        Some(level) if (1..=crate::degrade::MAX_LEVEL).contains(level.get_ref()) => {
-            *level.get_ref()
-        }
-        Some(level) => {
-            compiler.error_hint(
-                file,
-                level.span(),
-                format!("a trigger cannot raise to level {}", level.get_ref()),
-                "use level = 1 or 2",
-            );
-            1
-        }
-    };
     Some(Trigger {
         upstream: upstream.get_ref().clone(),
         condition,
-        hold: compiler.duration(file, &inner.hold, Duration::from_secs(5)),
+        hold,
         level,
     })
 }
@@ -1232,16 +1234,18 @@ fn compile_redis(
     spec: &Spanned<RedisSpec>,
 ) -> Option<RedisSettings> {
     let inner = spec.get_ref();
+    // Without a usable target the settings are not built, but the other keys are still
+    // checked, so every error of the section is reported at once.
     let target = match (&inner.url, &inner.cluster) {
         (Some(url), None) => {
             check_redis_url(compiler, file, url.get_ref(), url.span());
-            RedisTarget::Single(url.get_ref().clone())
+            Some(RedisTarget::Single(url.get_ref().clone()))
         }
         (None, Some(nodes)) if !nodes.get_ref().is_empty() => {
             for node in nodes.get_ref() {
                 check_redis_url(compiler, file, node, nodes.span());
             }
-            RedisTarget::Cluster(nodes.get_ref().clone())
+            Some(RedisTarget::Cluster(nodes.get_ref().clone()))
         }
         (Some(_), Some(_)) => {
             compiler.error_hint(
@@ -1250,11 +1254,11 @@ fn compile_redis(
                 "[redis] has both url and cluster",
                 "use url for one Redis server, cluster for the nodes of a Redis Cluster",
             );
-            return None;
+            None
         }
         _ => {
             compiler.error_hint(file, spec.span(), "[redis] needs url or cluster", "url = \"redis://127.0.0.1:6379/0\", or remove [redis] to run on the embedded default");
-            return None;
+            None
         }
     };
     let positive = |compiler: &mut Compiler<'_>,
@@ -1300,17 +1304,16 @@ fn compile_redis(
         Some(value) => *value.get_ref(),
         None => default_admit_ahead_above,
     };
+    let timeout =
+        compiler.nonzero_duration(file, &inner.timeout, Duration::from_millis(25), "timeout");
+    let failures_to_open = positive(compiler, &inner.failures_to_open, 3, "failures_to_open");
+    let cooldown = compiler.duration(file, &inner.cooldown, Duration::from_secs(1));
     Some(RedisSettings {
         admit_ahead_above,
-        target,
-        timeout: compiler.nonzero_duration(
-            file,
-            &inner.timeout,
-            Duration::from_millis(25),
-            "timeout",
-        ),
-        failures_to_open: positive(compiler, &inner.failures_to_open, 3, "failures_to_open"),
-        cooldown: compiler.duration(file, &inner.cooldown, Duration::from_secs(1)),
+        target: target?,
+        timeout,
+        failures_to_open,
+        cooldown,
         key_prefix: inner
             .key_prefix
             .as_ref()
@@ -2397,6 +2400,25 @@ mod tests {
             "a.toml:7:8: error:",
             "a.toml:8:9: error: burst must be at least 1",
             "a.toml:9:11: error: missing = `maybe` is not known",
+        ] {
+            assert!(
+                errors.iter().any(|e| e.starts_with(expected)),
+                "{expected}\n{errors:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_redis_target_or_trigger_upstream_leaves_the_other_keys_checked() {
+        let errors = errors(&[(
+            "a.toml",
+            "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n[redis]\ninstances = 0\n[[degrade.trigger]]\nupstream = \"nope\"\nwhen = \"breaker_open\"\nlevel = 7\n",
+        )]);
+        for expected in [
+            "a.toml:3:1: error: [redis] needs url or cluster",
+            "a.toml:4:13: error: instances must be at least 1",
+            "a.toml:6:12: error: upstream `nope` is not defined",
+            "a.toml:8:9: error: a trigger cannot raise to level 7",
         ] {
             assert!(
                 errors.iter().any(|e| e.starts_with(expected)),
