@@ -29,12 +29,19 @@ pub fn spawn_watcher(
     debounce: Duration,
     mut stop: watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
+    // The first watch is set up before this returns, not when the task first runs: a change
+    // made right after levee started (an edit, or the directory swapped whole) is seen, where
+    // a busy runtime could otherwise start the task after it and watch the new state only.
+    let mut first = Some(watch_dir(&store));
     tokio::spawn(async move {
         let mut lost = false;
         loop {
-            let (sender, mut events) = mpsc::unbounded_channel();
-            let watcher = match start_watching(store.dir(), sender) {
-                Ok(watcher) => watcher,
+            let attempt = match first.take() {
+                Some(attempt) => attempt,
+                None => watch_dir(&store),
+            };
+            let (watcher, mut events) = match attempt {
+                Ok(watching) => watching,
                 Err(error) => {
                     tracing::warn!(dir = %store.dir().display(), "cannot watch the policy directory ({error}); retrying");
                     tokio::select! {
@@ -82,6 +89,17 @@ pub fn spawn_watcher(
             lost = true;
         }
     })
+}
+
+/// A watch on the store's directory and the channel its signals arrive on.
+type Watching = (
+    notify::RecommendedWatcher,
+    mpsc::UnboundedReceiver<WatchSignal>,
+);
+
+fn watch_dir(store: &PolicyStore) -> notify::Result<Watching> {
+    let (sender, events) = mpsc::unbounded_channel();
+    start_watching(store.dir(), sender).map(|watcher| (watcher, events))
 }
 
 fn start_watching(
