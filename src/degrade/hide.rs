@@ -446,19 +446,10 @@ impl Hider {
     }
 
     /// Feeds one chunk through the current stage; output lands in `output`.
-    fn feed(&mut self, data: Bytes) -> Result<(), BoxError> {
+    fn feed(&mut self, data: &[u8]) -> Result<(), BoxError> {
         match &mut self.stage {
-            // With nothing carried over, the chunk becomes the carry itself: no copy when
-            // nothing else shares it.
-            Stage::Scan(scan) if scan.carry.is_empty() => {
-                scan.carry = BytesMut::from(data);
-                if scan.carry.len() < scan.look_again_at {
-                    return Ok(());
-                }
-                self.scan()
-            }
             Stage::Scan(scan) => {
-                scan.carry.extend_from_slice(&data);
+                scan.carry.extend_from_slice(data);
                 if scan.carry.len() < scan.look_again_at {
                     return Ok(());
                 }
@@ -469,15 +460,15 @@ impl Hider {
                 look_again_at,
                 ..
             } => {
-                held.extend_from_slice(&data);
+                held.extend_from_slice(data);
                 if held.len() < *look_again_at {
                     return Ok(());
                 }
                 self.cut()
             }
-            Stage::Rewrite(_) => self.rewrite(&data),
+            Stage::Rewrite(_) => self.rewrite(data),
             Stage::Pass => {
-                emit(&self.output, &data);
+                emit(&self.output, data);
                 Ok(())
             }
             Stage::Done => Ok(()),
@@ -719,7 +710,7 @@ where
                         }
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
-                    if let Err(error) = this.hider.feed(data) {
+                    if let Err(error) = this.hider.feed(&data) {
                         return Poll::Ready(Some(Err(error)));
                     }
                 }
@@ -865,7 +856,7 @@ mod tests {
         hider.plan.stop_after = 0;
         let mut out = Vec::new();
         for piece in page.chunks(chunk) {
-            hider.feed(Bytes::copy_from_slice(piece)).expect("feeds");
+            hider.feed(piece).expect("feeds");
             while let Some(piece) = take(&hider.output) {
                 out.extend_from_slice(&piece);
             }

@@ -96,27 +96,33 @@ pub fn backoff(settings: &QueueSettings, attempt: u32) -> Duration {
     raw.mul_f64(jitter).min(settings.backoff_max)
 }
 
-/// The queue routes of a policy.
-fn queue_routes(policy: &Policy) -> impl Iterator<Item = &Arc<Route>> {
+/// The queue routes of a policy, with the keys of their queues.
+fn queue_routes(policy: &Policy) -> Vec<(QueueKeys, Arc<Route>)> {
     policy
         .routes
         .routes
         .iter()
         .filter(|route| route.queue.is_some())
-}
-
-/// The queues to serve in one pass: the policy's queue routes, then the queues of routes that
-/// stopped queueing with jobs still stored (each through the route of that name as it is now,
-/// or as it was when it still queued).
-fn queues_to_serve(shared: &Shared, policy: &Policy) -> Vec<(QueueKeys, Arc<Route>, bool)> {
-    let mut serve: Vec<(QueueKeys, Arc<Route>, bool)> = queue_routes(policy)
         .map(|route| {
             (
                 QueueKeys::new(policy.key_prefix(), &route.name.0),
                 Arc::clone(route),
-                false,
             )
         })
+        .collect()
+}
+
+/// The queues to serve in one pass: the policy's queue routes (`queueing`), then the queues
+/// of routes that stopped queueing with jobs still stored (each through the route of that
+/// name as it is now, or as it was when it still queued), marked `true`.
+fn queues_to_serve(
+    shared: &Shared,
+    policy: &Policy,
+    queueing: Vec<(QueueKeys, Arc<Route>)>,
+) -> Vec<(QueueKeys, Arc<Route>, bool)> {
+    let mut serve: Vec<(QueueKeys, Arc<Route>, bool)> = queueing
+        .into_iter()
+        .map(|(keys, route)| (keys, route, false))
         .collect();
     for former in shared.former_queues.list() {
         if serve
@@ -157,14 +163,7 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 _ = stop.wait_for(|stopped| *stopped) => return,
             }
             let policy = shared.store.load();
-            let queueing: Vec<(QueueKeys, Arc<Route>)> = queue_routes(&policy)
-                .map(|route| {
-                    (
-                        QueueKeys::new(policy.key_prefix(), &route.name.0),
-                        Arc::clone(route),
-                    )
-                })
-                .collect();
+            let queueing = queue_routes(&policy);
             for (keys, route) in std::mem::replace(&mut served_before, queueing.clone()) {
                 if !queueing.iter().any(|(now, _)| now.stream == keys.stream)
                     && shared.former_queues.adopt(keys.clone(), Arc::clone(&route))
@@ -175,7 +174,7 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             let (Some(redis), Some(settings)) = (policy.redis.clone(), policy.queue.clone()) else {
                 continue;
             };
-            for (keys, route, former) in queues_to_serve(&shared, &policy) {
+            for (keys, route, former) in queues_to_serve(&shared, &policy, queueing) {
                 if *stop.borrow() {
                     return;
                 }
