@@ -326,6 +326,13 @@ const TAGS_READ_BACK: usize = 8;
 /// open a tag is read forward, honouring quotes, and the earliest one whose tag reaches past
 /// the position (or past the buffer) wins.
 pub fn holder(buf: &[u8], at: usize) -> Holder {
+    holder_walk(buf, at).0
+}
+
+/// [`holder`], and whether its answer stands whatever bytes come before `buf`: `false` when
+/// the walk back ran out of buffer before it stopped on its own, so a `<` earlier in the page
+/// could still change the answer.
+pub fn holder_walk(buf: &[u8], at: usize) -> (Holder, bool) {
     let mut found = Holder::None;
     // The position the next tag back must reach past to hold what was found so far.
     let mut target = at;
@@ -335,14 +342,14 @@ pub fn holder(buf: &[u8], at: usize) -> Holder {
         before = start;
         if ends_raw_text(&buf[start..]) {
             // What came before may be script or style text, where a `<` opens nothing.
-            break;
+            return (found, true);
         }
         if !buf.get(start + 1).is_some_and(u8::is_ascii_alphabetic) {
             continue;
         }
         read += 1;
         if read > TAGS_READ_BACK {
-            break;
+            return (found, true);
         }
         let reaches = match read_tag(buf, start + 1) {
             Read::Incomplete => None,
@@ -353,7 +360,7 @@ pub fn holder(buf: &[u8], at: usize) -> Holder {
         // comment (`<!-- <div title="old --><div id="ranking">`), and HTML gives a `-->` in a
         // quoted value no reason to be there.
         if memchr::memmem::find(&buf[start..target], b"-->").is_some() {
-            break;
+            return (found, true);
         }
         found = match reaches {
             Some(tag) => Holder::Tag { start, tag },
@@ -361,7 +368,7 @@ pub fn holder(buf: &[u8], at: usize) -> Holder {
         };
         target = start;
     }
-    found
+    (found, false)
 }
 
 /// Elements whose text is not markup: their end tag bounds how far back `holder` reads.

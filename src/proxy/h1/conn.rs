@@ -36,11 +36,13 @@ use crate::proxy::upstream_fields::UpstreamFields;
 const HEAD_READ_SIZE: usize = 4 * 1024;
 /// Room made in the read buffer for each read of request body bytes.
 const BODY_READ_SIZE: usize = 64 * 1024;
-/// Response data up to this size is copied next to the head (one write for small
-/// answers); larger pieces are written from where they are.
+/// A response body of known length up to this size gets room after the head, and is copied
+/// there (one contiguous write for small answers); other pieces go out from where they are.
 const COPY_LIMIT: usize = 16 * 1024;
-/// Copied response bytes are written out once this many have gathered.
+/// Response bytes are written out once this many have gathered.
 const FLUSH_LIMIT: usize = 64 * 1024;
+/// Most slices one vectored write hands the kernel.
+const WRITE_SLICES: usize = 16;
 /// After a response, an unread rest of the request body is read and thrown away up to
 /// this much, so the connection can serve the next request; a longer rest closes it.
 const DRAIN_LIMIT: u64 = 64 * 1024;
@@ -450,13 +452,16 @@ async fn write_body(
         ResponseFraming::Length(length) => length,
         _ => 0,
     };
+    // What goes out in the next write: `out`'s bytes (head, chunk framing, small pieces
+    // copied) split off in order between the body's own pieces, which are not copied.
+    let mut gather = Gather::default();
     loop {
         // Frames that are ready now (a small answer, data that came with the upstream's
         // head) are gathered into one write; only when the body has to wait is it flushed.
         let next = match body.frame().now_or_never() {
             Some(next) => next,
             None => {
-                if !out.is_empty() && !writer.send_all(&mut out).await {
+                if !writer.flush(&mut gather, &mut out).await {
                     return false;
                 }
                 loop {
@@ -476,7 +481,7 @@ async fn write_body(
             None => break,
             Some(Err(error)) => {
                 tracing::debug!("response body failed, closing the connection: {error}");
-                let _ = writer.send_all(&mut out).await;
+                let _ = writer.flush(&mut gather, &mut out).await;
                 return false;
             }
             Some(Ok(frame)) => match frame.into_data() {
@@ -485,35 +490,32 @@ async fn write_body(
                 _ => continue,
             },
         };
-        let data = match framing {
+        match framing {
             ResponseFraming::Length(_) => {
                 let length = data.len() as u64;
                 if length > length_left {
                     tracing::debug!("response body is longer than its Content-Length");
-                    let _ = writer.send_all(&mut out).await;
+                    let _ = writer.flush(&mut gather, &mut out).await;
                     return false;
                 }
                 length_left -= length;
-                data
             }
-            ResponseFraming::Chunked => {
-                encode::encode_chunk_start(&mut out, data.len());
-                data
-            }
-            _ => data,
-        };
-        if data.len() <= COPY_LIMIT {
+            ResponseFraming::Chunked => encode::encode_chunk_start(&mut out, data.len()),
+            _ => {}
+        }
+        // A piece that fits the room made after the head (a small answer) is copied there:
+        // one contiguous write. Anything else goes out from where it is.
+        if data.len() <= out.capacity() - out.len() {
             out.put_slice(&data);
         } else {
-            let mut pending = std::mem::take(&mut out).freeze().chain(data);
-            if !writer.send_all(&mut pending).await {
-                return false;
-            }
+            gather.push(out.split().freeze());
+            gather.push(data);
         }
         if framing == ResponseFraming::Chunked {
             out.put_slice(b"\r\n");
         }
-        if out.len() >= FLUSH_LIMIT && !writer.send_all(&mut out).await {
+        let flush_now = gather.remaining() + out.len() >= FLUSH_LIMIT || gather.is_full();
+        if flush_now && !writer.flush(&mut gather, &mut out).await {
             return false;
         }
         if body.is_end_stream() {
@@ -523,7 +525,7 @@ async fn write_body(
     if framing == ResponseFraming::Chunked {
         out.put_slice(encode::LAST_CHUNK);
     }
-    if !writer.send_all(&mut out).await {
+    if !writer.flush(&mut gather, &mut out).await {
         return false;
     }
     if length_left > 0 {
@@ -533,6 +535,64 @@ async fn write_body(
     true
 }
 
+/// Pieces of a response written together with one vectored write, in order, none copied.
+#[derive(Default)]
+struct Gather {
+    pieces: std::collections::VecDeque<Bytes>,
+    remaining: usize,
+}
+
+impl Gather {
+    /// At most this many pieces: one `writev` takes them all (see `write_some`), a body
+    /// piece and its chunk framing on each side included.
+    const MAX_PIECES: usize = WRITE_SLICES - 3;
+
+    fn push(&mut self, piece: Bytes) {
+        if !piece.is_empty() {
+            self.remaining += piece.len();
+            self.pieces.push_back(piece);
+        }
+    }
+
+    fn is_full(&self) -> bool {
+        self.pieces.len() >= Self::MAX_PIECES
+    }
+}
+
+impl Buf for Gather {
+    fn remaining(&self) -> usize {
+        self.remaining
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.pieces.front().map_or(&[], |piece| &piece[..])
+    }
+
+    fn chunks_vectored<'a>(&'a self, slices: &mut [std::io::IoSlice<'a>]) -> usize {
+        let mut count = 0;
+        for (slot, piece) in slices.iter_mut().zip(&self.pieces) {
+            *slot = std::io::IoSlice::new(piece);
+            count += 1;
+        }
+        count
+    }
+
+    fn advance(&mut self, mut count: usize) {
+        self.remaining = self.remaining.saturating_sub(count);
+        while count > 0 {
+            let Some(front) = self.pieces.front_mut() else {
+                return;
+            };
+            if count < front.len() {
+                front.advance(count);
+                return;
+            }
+            count -= front.len();
+            self.pieces.pop_front();
+        }
+    }
+}
+
 /// The client connection's write half, with the bound on how long the client may take nothing.
 struct ClientWriter<'a> {
     half: WriteHalf<'a>,
@@ -540,6 +600,16 @@ struct ClientWriter<'a> {
 }
 
 impl ClientWriter<'_> {
+    /// Writes what `gather` holds, then `out`'s bytes; false as `send_all`. A small answer
+    /// that lies whole in `out` is written from there.
+    async fn flush(&mut self, gather: &mut Gather, out: &mut BytesMut) -> bool {
+        if gather.pieces.is_empty() {
+            return self.send_all(out).await;
+        }
+        gather.push(out.split().freeze());
+        self.send_all(gather).await
+    }
+
     /// Writes all of `buf`, vectored. False when the client is gone or took no byte for
     /// `send_timeout` (a client that stops reading must not hold its upstream connection, and
     /// the bulkhead slot with it, for ever). The bound is between writes that make progress,
@@ -572,7 +642,7 @@ impl ClientWriter<'_> {
 /// One vectored write of what `buf` holds; `buf` is not advanced.
 async fn write_some<B: Buf>(writer: &mut WriteHalf<'_>, buf: &B) -> std::io::Result<usize> {
     std::future::poll_fn(|cx| {
-        let mut slices = [std::io::IoSlice::new(&[]); 16];
+        let mut slices = [std::io::IoSlice::new(&[]); WRITE_SLICES];
         let count = buf.chunks_vectored(&mut slices);
         tokio::io::AsyncWrite::poll_write_vectored(
             std::pin::Pin::new(&mut *writer),
