@@ -866,6 +866,28 @@ async fn next_piece(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gathered_pieces_are_written_in_order_across_partial_writes() {
+        let mut gather = Gather::default();
+        let pieces = ["HTTP/1.1 200 OK\r\n\r\n", "", "a", "bcdef", "ghij"];
+        for piece in pieces {
+            gather.push(Bytes::from_static(piece.as_bytes()));
+        }
+        assert_eq!(gather.pieces.len(), 4, "empty pieces are not kept");
+        let mut slices = [std::io::IoSlice::new(&[]); WRITE_SLICES];
+        assert_eq!(gather.chunks_vectored(&mut slices), 4);
+        let mut sent = Vec::new();
+        // Writes of 3 bytes at a time end inside pieces and at their edges.
+        while gather.has_remaining() {
+            let take = gather.chunk().len().min(3);
+            sent.extend_from_slice(&gather.chunk()[..take]);
+            gather.advance(take);
+        }
+        assert_eq!(sent, pieces.concat().as_bytes());
+        assert_eq!(gather.remaining(), 0);
+        assert!(gather.pieces.is_empty());
+    }
     use crate::error::full_body;
     use tokio::net::TcpListener;
 
@@ -928,6 +950,124 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(3), client.read(&mut byte)).await,
             Ok(Ok(0)) | Ok(Err(_))
         )
+    }
+
+    /// A response body of the given pieces that is not ready at every other poll, so the
+    /// writer both gathers ready pieces and flushes while it waits.
+    struct Pieces {
+        pieces: std::collections::VecDeque<Bytes>,
+        polls: usize,
+        exact: Option<u64>,
+    }
+
+    impl Body for Pieces {
+        type Data = Bytes;
+        type Error = crate::error::BoxError;
+
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            self.polls += 1;
+            if self.polls % 7 < 3 {
+                cx.waker().wake_by_ref();
+                return std::task::Poll::Pending;
+            }
+            let piece = self.pieces.pop_front();
+            std::task::Poll::Ready(piece.map(|piece| Ok(http_body::Frame::data(piece))))
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            self.exact.map_or_else(
+                http_body::SizeHint::default,
+                http_body::SizeHint::with_exact,
+            )
+        }
+    }
+
+    /// Serves one request with a body of `pieces`, and returns the raw response.
+    async fn answer_with(pieces: Vec<Bytes>, exact: bool) -> Vec<u8> {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (_stop_sender, stop) = watch::channel(false);
+        let total: usize = pieces.iter().map(Bytes::len).sum();
+        let body = Pieces {
+            pieces: pieces.into(),
+            polls: 0,
+            exact: exact.then_some(total as u64),
+        };
+        let body = std::sync::Mutex::new(Some(body));
+        tokio::spawn(async move {
+            if let Ok((stream, peer)) = listener.accept().await {
+                let handler = |_peer, _request| {
+                    let body = body.lock().ok().and_then(|mut body| body.take());
+                    async move {
+                        match body {
+                            Some(body) => Response::new(body.boxed_unsync()),
+                            None => Response::new(full_body("again")),
+                        }
+                    }
+                };
+                serve_connection(stream, peer, handler, LIMITS, stop).await;
+            }
+        });
+        let mut client = TcpStream::connect(address).await.expect("connect");
+        client
+            .write_all(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let mut raw = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut raw))
+            .await
+            .expect("answered in time")
+            .expect("read");
+        raw
+    }
+
+    /// Decodes a chunked body (no extensions, no trailers).
+    fn unchunk(mut body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        loop {
+            let line_end = memchr::memmem::find(body, b"\r\n").expect("size line");
+            let size_text = std::str::from_utf8(&body[..line_end]).expect("hex");
+            let size = usize::from_str_radix(size_text, 16).expect("size");
+            body = &body[line_end + 2..];
+            if size == 0 {
+                assert_eq!(body, b"\r\n", "the last chunk ends the body");
+                return out;
+            }
+            out.extend_from_slice(&body[..size]);
+            assert_eq!(&body[size..size + 2], b"\r\n");
+            body = &body[size + 2..];
+        }
+    }
+
+    #[tokio::test]
+    async fn many_body_pieces_of_any_size_arrive_whole_and_in_order() {
+        // More pieces than one vectored write takes, tiny ones among large ones.
+        let pieces: Vec<Bytes> = (0..60usize)
+            .map(|i| {
+                let size = [1, 7, 300, 5000, 20_000, 70_000][i % 6];
+                Bytes::from(vec![b'a' + (i % 26) as u8; size])
+            })
+            .collect();
+        let expected: Vec<u8> = pieces.concat();
+        for exact in [false, true] {
+            let raw = answer_with(pieces.clone(), exact).await;
+            let head_end = memchr::memmem::find(&raw, b"\r\n\r\n").expect("head") + 4;
+            let head = String::from_utf8_lossy(&raw[..head_end]).to_lowercase();
+            let body = if exact {
+                assert!(
+                    head.contains(&format!("content-length: {}", expected.len())),
+                    "{head}"
+                );
+                raw[head_end..].to_vec()
+            } else {
+                assert!(head.contains("transfer-encoding: chunked"), "{head}");
+                unchunk(&raw[head_end..])
+            };
+            assert!(body == expected, "exact {exact}: body differs");
+        }
     }
 
     #[tokio::test]
