@@ -370,6 +370,114 @@ async fn jobs_stored_before_a_reload_that_stops_the_route_queueing_are_still_app
     .await;
 }
 
+/// Stores `count` jobs through `levee` (its route switched off), waits until a replay pass
+/// has counted them, and stops it.
+async fn store_jobs_then_stop(levee: Levee, count: usize, first: usize) -> Vec<String> {
+    switch(&levee, "off").await;
+    let mut jobs = Vec::new();
+    for i in first..first + count {
+        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+        jobs.push(answer.header("x-levee-job").expect("job").to_string());
+    }
+    let counted = format!("levee_queue_backlog{{route=\"notify\"}} {count}");
+    eventually(
+        Duration::from_secs(5),
+        "the backlog to be counted",
+        || async {
+            get(&levee.admin_url("/metrics"))
+                .await
+                .text()
+                .contains(&counted)
+        },
+    )
+    .await;
+    stop(levee).await;
+    jobs
+}
+
+async fn stop(mut levee: Levee) {
+    let running = levee.running.take().expect("running");
+    running.shutdown();
+    running.wait().await;
+}
+
+async fn applied_in_order(seen: &Seen, jobs: &[String]) {
+    eventually(
+        Duration::from_secs(10),
+        "the jobs to be applied",
+        || async { seen.lock().expect("lock").len() >= jobs.len() },
+    )
+    .await;
+    let applied: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .drain(..)
+        .map(|(key, ..)| key)
+        .collect();
+    assert_eq!(applied, jobs, "each job once, in order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_left_by_a_route_that_stopped_queueing_while_levee_was_down_are_applied() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let policy = queue_policy(backend.addr, &redis.url(), "")
+        .replace("access_log = false", "access_log = false\ndrain = \"0s\"");
+    let queue_action = "degrade = { action = \"queue\", body_json = '{\"queued\":\"{job}\"}' }";
+    assert!(policy.contains(queue_action), "{policy}");
+    let not_queueing = policy.replace(queue_action, "degrade = { action = \"reject\" }");
+    let route_at = policy
+        .find("[[route]]\nname = \"notify\"")
+        .expect("the route");
+
+    // Started again without a route of that name: the jobs are kept and listed, not lost.
+    let jobs = store_jobs_then_stop(Levee::start(&policy).await, 3, 0).await;
+    let levee = Levee::start(&policy[..route_at]).await;
+    eventually(
+        Duration::from_secs(5),
+        "the queue to be listed without its route",
+        || async {
+            let queues = get(&levee.admin_url("/queues")).await.json();
+            queues["notify"]["route_missing"] == true && queues["notify"]["backlog"] == 3
+        },
+    )
+    .await;
+    assert_eq!(
+        get(&levee.admin_url("/queues/notify/dead")).await.status,
+        200
+    );
+    assert!(
+        seen.lock().expect("lock").is_empty(),
+        "nowhere to replay them"
+    );
+    // A reload brings the route back, not queueing: the jobs go through it.
+    std::fs::write(levee.policy_file(), &not_queueing).expect("rewrite the policy");
+    let reloaded = post(&levee.admin_url("/reload"), "").await;
+    assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+    switch(&levee, "on").await;
+    applied_in_order(&seen, &jobs).await;
+    eventually(
+        Duration::from_secs(5),
+        "the emptied queue to be forgotten, in levee and in redis",
+        || async {
+            get(&levee.admin_url("/queues")).await.json()["notify"].is_null()
+                && !redis
+                    .cli(&["SMEMBERS", "levee:queue:routes"])
+                    .contains("notify")
+        },
+    )
+    .await;
+    stop(levee).await;
+
+    // Started again with the route there but no longer queueing: replayed through it.
+    let jobs = store_jobs_then_stop(Levee::start(&policy).await, 2, 10).await;
+    let levee = Levee::start(&not_queueing).await;
+    switch(&levee, "on").await;
+    applied_in_order(&seen, &jobs).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_values_beyond_ascii_are_replayed_byte_for_byte() {
     let dir = tempfile::tempdir().expect("dir");

@@ -174,6 +174,15 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
         }
         out.entry(former.route.name.to_string()).or_insert(stats);
     }
+    // Queues found in Redis for routes the policy does not have: kept, not replayed.
+    for (route, keys) in shared.former_queues.unrouted() {
+        let mut stats = worker::stats(redis, &keys, settings).await;
+        if let Some(fields) = stats.as_object_mut() {
+            fields.insert("stopped_queueing".into(), json!(true));
+            fields.insert("route_missing".into(), json!(true));
+        }
+        out.entry(route).or_insert(stats);
+    }
     json_response(StatusCode::OK, &serde_json::Value::Object(out))
 }
 
@@ -204,8 +213,7 @@ async fn dead_letter_request(
     let Some(keys) = queueing.or_else(|| {
         parts
             .first()
-            .and_then(|name| shared.former_queues.named(name))
-            .map(|former| former.keys)
+            .and_then(|name| shared.former_queues.keys_named(name))
     }) else {
         return text_response(
             StatusCode::NOT_FOUND,

@@ -82,9 +82,16 @@ pub struct QueueAction {
 /// the route's action, renamed or removed the route, or changed `key_prefix`. Those jobs were
 /// answered 202, so they are still replayed (through the route of that name as it is now, or
 /// as it was) and listed in `/queues` until their queue, dead letters included, is empty.
+///
+/// Queues found at start in Redis's list of queue routes (see [`QueueKeys::registry`]) are
+/// taken on the same way. One whose route name the policy lacks cannot be replayed (levee
+/// does not know where its jobs go): it is held as *unrouted*, listed in `/queues`, and taken
+/// on as soon as a reload brings a route of that name.
 #[derive(Default)]
 pub struct FormerQueues {
     by_stream: std::sync::Mutex<std::collections::BTreeMap<String, FormerQueue>>,
+    /// Route name → keys of queues holding jobs for a route the policy does not have.
+    unrouted: std::sync::Mutex<std::collections::BTreeMap<String, QueueKeys>>,
 }
 
 #[derive(Clone)]
@@ -115,12 +122,35 @@ impl FormerQueues {
             .collect()
     }
 
-    /// The former queue of the route named `name`, if one is kept.
-    pub fn named(&self, name: &str) -> Option<FormerQueue> {
-        crate::redis_batch::lock(&self.by_stream)
+    /// The keys of the former or unrouted queue of the route named `name`, if one is kept.
+    pub fn keys_named(&self, name: &str) -> Option<QueueKeys> {
+        let former = crate::redis_batch::lock(&self.by_stream)
             .values()
             .find(|former| &*former.route.name.0 == name)
-            .cloned()
+            .map(|former| former.keys.clone());
+        former.or_else(|| crate::redis_batch::lock(&self.unrouted).get(name).cloned())
+    }
+
+    /// Holds a queue whose route the policy lacks; `false` when it is already held.
+    pub fn hold_unrouted(&self, route: &str, keys: QueueKeys) -> bool {
+        let mut unrouted = crate::redis_batch::lock(&self.unrouted);
+        if unrouted.contains_key(route) {
+            return false;
+        }
+        unrouted.insert(route.to_string(), keys);
+        true
+    }
+
+    /// The unrouted queues: route name and keys.
+    pub fn unrouted(&self) -> Vec<(String, QueueKeys)> {
+        crate::redis_batch::lock(&self.unrouted)
+            .iter()
+            .map(|(route, keys)| (route.clone(), keys.clone()))
+            .collect()
+    }
+
+    pub fn forget_unrouted(&self, route: &str) {
+        crate::redis_batch::lock(&self.unrouted).remove(route);
     }
 }
 
@@ -130,6 +160,10 @@ pub struct QueueKeys {
     pub stream: String,
     pub dead: String,
     pub delayed: String,
+    /// The set of route names that have had a queue under this `key_prefix`: an instance
+    /// that starts reads it to find queues that still hold jobs for routes that no longer
+    /// queue (the policy changed while it was down), so those jobs are not stranded.
+    pub registry: String,
 }
 
 impl QueueKeys {
@@ -140,6 +174,7 @@ impl QueueKeys {
             stream: format!("{prefix}queue:{{{route}}}:jobs"),
             dead: format!("{prefix}queue:{{{route}}}:dead"),
             delayed: format!("{prefix}queue:{{{route}}}:delayed"),
+            registry: format!("{prefix}queue:routes"),
         }
     }
 }

@@ -152,6 +152,9 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         // The queue routes of the last pass: one gone from the policy since leaves its queue
         // to `former_queues`, so the jobs stored in it are not stranded.
         let mut served_before: Vec<(QueueKeys, Arc<Route>)> = Vec::new();
+        // Until Redis has answered once: the queues left by routes that stopped queueing
+        // while no instance ran are looked for in the registry on each pass.
+        let mut registry_read = false;
         loop {
             let policy = shared.store.load();
             let interval = policy
@@ -174,6 +177,10 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             let (Some(redis), Some(settings)) = (policy.redis.clone(), policy.queue.clone()) else {
                 continue;
             };
+            if !registry_read {
+                registry_read = take_on_stranded_queues(&shared, &redis, &policy, &queueing).await;
+            }
+            route_unrouted_queues(&shared, &redis, &policy, &queueing).await;
             for (keys, route, former) in queues_to_serve(&shared, &policy, queueing) {
                 if *stop.borrow() {
                     return;
@@ -181,6 +188,7 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 if former && queue_is_empty(&redis, &keys).await {
                     tracing::info!(route = %route.name, stream = %keys.stream, "the queue of a route that stopped queueing is empty; forgetting it");
                     shared.former_queues.forget(&keys.stream);
+                    unregister(&redis, &keys, &route.name.0).await;
                     continue;
                 }
                 let route = &route;
@@ -196,6 +204,11 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                     }
                 }
                 report_backlog(&shared, &redis, &keys, &route.name.0).await;
+                if !former {
+                    // Every pass, not once: another instance may have taken the name off
+                    // when it found the queue empty a moment before a job came.
+                    register(&redis, &keys, &route.name.0).await;
+                }
                 // Paused while the route is off or its dependency's breaker is open; resumes
                 // by itself.
                 if shared.degrade.view(&policy).route_off(route)
@@ -227,6 +240,113 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             }
         }
     });
+}
+
+/// At start: takes on the queues listed in the registry whose routes no longer queue (the
+/// policy changed while no instance ran), so the jobs in them are still replayed. `false`
+/// when Redis did not answer (the next pass tries again).
+async fn take_on_stranded_queues(
+    shared: &Shared,
+    redis: &RedisStore,
+    policy: &Policy,
+    queueing: &[(QueueKeys, Arc<Route>)],
+) -> bool {
+    let registry = QueueKeys::new(policy.key_prefix(), "").registry;
+    let mut members = redis::cmd("SMEMBERS");
+    members.arg(&registry);
+    let names: Vec<String> = match redis.command(&members, QUEUE_TIMEOUT, None).await {
+        Ok(names) => names,
+        Err(error) => {
+            tracing::debug!("the list of queue routes in redis could not be read: {error}");
+            return false;
+        }
+    };
+    for name in names {
+        let keys = QueueKeys::new(policy.key_prefix(), &name);
+        if queueing.iter().any(|(now, _)| now.stream == keys.stream) {
+            continue;
+        }
+        if queue_is_empty(redis, &keys).await {
+            unregister(redis, &keys, &name).await;
+            continue;
+        }
+        let route = policy
+            .routes
+            .routes
+            .iter()
+            .find(|route| *route.name.0 == *name);
+        match route {
+            Some(route) => {
+                if shared.former_queues.adopt(keys.clone(), Arc::clone(route)) {
+                    tracing::warn!(route = %name, stream = %keys.stream, "found jobs stored while this route still queued (it no longer does); replaying them through the route until the queue is empty");
+                }
+            }
+            None => {
+                if shared.former_queues.hold_unrouted(&name, keys.clone()) {
+                    tracing::warn!(route = %name, stream = %keys.stream, "found jobs stored for a route the policy no longer has; they stay in redis and are replayed once a route of that name is back (GET /queues lists them)");
+                }
+            }
+        }
+    }
+    true
+}
+
+/// Takes on the unrouted queues whose route the policy has again, and forgets those that
+/// were emptied (dead letters dropped through the admin API).
+async fn route_unrouted_queues(
+    shared: &Shared,
+    redis: &RedisStore,
+    policy: &Policy,
+    queueing: &[(QueueKeys, Arc<Route>)],
+) {
+    for (name, keys) in shared.former_queues.unrouted() {
+        if queueing.iter().any(|(now, _)| now.stream == keys.stream) {
+            // The route is back and queues under the same keys: served as any queue route.
+            shared.former_queues.forget_unrouted(&name);
+            continue;
+        }
+        if let Some(route) = policy
+            .routes
+            .routes
+            .iter()
+            .find(|route| *route.name.0 == *name)
+        {
+            shared.former_queues.forget_unrouted(&name);
+            if shared.former_queues.adopt(keys.clone(), Arc::clone(route)) {
+                tracing::info!(route = %name, stream = %keys.stream, "a route of this name is back: replaying the jobs stored for it");
+            }
+            continue;
+        }
+        if queue_is_empty(redis, &keys).await {
+            shared.former_queues.forget_unrouted(&name);
+            unregister(redis, &keys, &name).await;
+        }
+    }
+}
+
+/// Lists the route in the registry (see [`QueueKeys::registry`]); best effort: without it,
+/// only an instance restarted after the route stopped queueing misses the queue.
+async fn register(redis: &RedisStore, keys: &QueueKeys, route: &str) {
+    let mut add = redis::cmd("SADD");
+    add.arg(&keys.registry).arg(route);
+    if let Err(error) = redis.command::<i64>(&add, QUEUE_TIMEOUT, None).await {
+        tracing::debug!(
+            route,
+            "the queue route could not be listed in redis: {error}"
+        );
+    }
+}
+
+/// Takes a route whose queue is empty off the registry.
+async fn unregister(redis: &RedisStore, keys: &QueueKeys, route: &str) {
+    let mut remove = redis::cmd("SREM");
+    remove.arg(&keys.registry).arg(route);
+    if let Err(error) = redis.command::<i64>(&remove, QUEUE_TIMEOUT, None).await {
+        tracing::debug!(
+            route,
+            "the queue route could not be taken off the list in redis: {error}"
+        );
+    }
 }
 
 /// Is the queue empty: no job in its stream, none waiting for a retry, no dead letter? Only
