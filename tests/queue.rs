@@ -370,8 +370,7 @@ async fn jobs_stored_before_a_reload_that_stops_the_route_queueing_are_still_app
     .await;
 }
 
-/// Stores `count` jobs through `levee` (its route switched off), waits until a replay pass
-/// has counted them, and stops it.
+/// Stores `count` jobs through `levee` (its route switched off) and stops it.
 async fn store_jobs_then_stop(levee: Levee, count: usize, first: usize) -> Vec<String> {
     switch(&levee, "off").await;
     let mut jobs = Vec::new();
@@ -380,18 +379,6 @@ async fn store_jobs_then_stop(levee: Levee, count: usize, first: usize) -> Vec<S
         assert_eq!(answer.status, 202, "{}", answer.text());
         jobs.push(answer.header("x-levee-job").expect("job").to_string());
     }
-    let counted = format!("levee_queue_backlog{{route=\"notify\"}} {count}");
-    eventually(
-        Duration::from_secs(5),
-        "the backlog to be counted",
-        || async {
-            get(&levee.admin_url("/metrics"))
-                .await
-                .text()
-                .contains(&counted)
-        },
-    )
-    .await;
     stop(levee).await;
     jobs
 }
@@ -433,7 +420,11 @@ async fn jobs_left_by_a_route_that_stopped_queueing_while_levee_was_down_are_app
         .expect("the route");
 
     // Started again without a route of that name: the jobs are kept and listed, not lost.
-    let jobs = store_jobs_then_stop(Levee::start(&policy).await, 3, 0).await;
+    // The instance that stores the jobs stops before its first replay pass: storing a job is
+    // what lists the route for the next instance.
+    let no_pass = policy.replace("poll_interval = \"50ms\"", "poll_interval = \"1h\"");
+    assert_ne!(no_pass, policy);
+    let jobs = store_jobs_then_stop(Levee::start(&no_pass).await, 3, 0).await;
     let levee = Levee::start(&policy[..route_at]).await;
     eventually(
         Duration::from_secs(5),
@@ -472,7 +463,7 @@ async fn jobs_left_by_a_route_that_stopped_queueing_while_levee_was_down_are_app
     stop(levee).await;
 
     // Started again with the route there but no longer queueing: replayed through it.
-    let jobs = store_jobs_then_stop(Levee::start(&policy).await, 2, 10).await;
+    let jobs = store_jobs_then_stop(Levee::start(&no_pass).await, 2, 10).await;
     let levee = Levee::start(&not_queueing).await;
     switch(&levee, "on").await;
     applied_in_order(&seen, &jobs).await;

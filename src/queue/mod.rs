@@ -280,6 +280,13 @@ pub async fn enqueue(
         .await
         .map_err(|error| not_stored(error.to_string()))?;
     let id = id.ok_or_else(|| not_stored("redis ran the write after its deadline".into()))?;
+    // Listed after the job is written, so an instance that starts later finds this queue even
+    // if the route stops queueing meanwhile (see `QueueKeys::registry`). The job is stored
+    // already: a failure here does not change the answer.
+    let left = timeout
+        .saturating_sub(started.elapsed())
+        .max(Duration::from_millis(50));
+    worker::register(redis, &keys, &route.name.0, left).await;
     metrics
         .queue_enqueued
         .get_or_create(&QueueLabels {

@@ -204,11 +204,9 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                     }
                 }
                 report_backlog(&shared, &redis, &keys, &route.name.0).await;
-                if !former {
-                    // Every pass, not once: another instance may have taken the name off
-                    // when it found the queue empty a moment before a job came.
-                    register(&redis, &keys, &route.name.0).await;
-                }
+                // Every pass, former queues included (they are not empty here): listed again
+                // should anything have taken the name off while jobs are stored.
+                register(&redis, &keys, &route.name.0, QUEUE_TIMEOUT).await;
                 // Paused while the route is off or its dependency's breaker is open; resumes
                 // by itself.
                 if shared.degrade.view(&policy).route_off(route)
@@ -324,12 +322,12 @@ async fn route_unrouted_queues(
     }
 }
 
-/// Lists the route in the registry (see [`QueueKeys::registry`]); best effort: without it,
-/// only an instance restarted after the route stopped queueing misses the queue.
-async fn register(redis: &RedisStore, keys: &QueueKeys, route: &str) {
+/// Lists the route in the registry (see [`QueueKeys::registry`]), after a job is stored and on
+/// every replay pass. Best effort: should it fail, the next pass lists it.
+pub(super) async fn register(redis: &RedisStore, keys: &QueueKeys, route: &str, bound: Duration) {
     let mut add = redis::cmd("SADD");
     add.arg(&keys.registry).arg(route);
-    if let Err(error) = redis.command::<i64>(&add, QUEUE_TIMEOUT, None).await {
+    if let Err(error) = redis.command::<i64>(&add, bound, None).await {
         tracing::debug!(
             route,
             "the queue route could not be listed in redis: {error}"
@@ -337,7 +335,10 @@ async fn register(redis: &RedisStore, keys: &QueueKeys, route: &str) {
     }
 }
 
-/// Takes a route whose queue is empty off the registry.
+/// Takes a route whose queue was found empty off the registry. A job may be stored between
+/// that look and the removal (another instance still queueing on the route): the queue is
+/// looked at again after, and the name listed again unless it is still empty. Since storing a
+/// job lists the name after the job is written, the name is listed whenever a job is stored.
 async fn unregister(redis: &RedisStore, keys: &QueueKeys, route: &str) {
     let mut remove = redis::cmd("SREM");
     remove.arg(&keys.registry).arg(route);
@@ -346,6 +347,10 @@ async fn unregister(redis: &RedisStore, keys: &QueueKeys, route: &str) {
             route,
             "the queue route could not be taken off the list in redis: {error}"
         );
+        return;
+    }
+    if !queue_is_empty(redis, keys).await {
+        register(redis, keys, route, QUEUE_TIMEOUT).await;
     }
 }
 
