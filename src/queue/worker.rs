@@ -325,14 +325,7 @@ async fn route_unrouted_queues(
 /// Lists the route in the registry (see [`QueueKeys::registry`]), after a job is stored and on
 /// every replay pass. Best effort: should it fail, the next pass lists it.
 pub(super) async fn register(redis: &RedisStore, keys: &QueueKeys, route: &str, bound: Duration) {
-    let mut add = redis::cmd("SADD");
-    add.arg(&keys.registry).arg(route);
-    if let Err(error) = redis.command::<i64>(&add, bound, None).await {
-        tracing::debug!(
-            route,
-            "the queue route could not be listed in redis: {error}"
-        );
-    }
+    registry_change(redis, "SADD", keys, route, bound).await;
 }
 
 /// Takes a route whose queue was found empty off the registry. A job may be stored between
@@ -340,17 +333,33 @@ pub(super) async fn register(redis: &RedisStore, keys: &QueueKeys, route: &str, 
 /// looked at again after, and the name listed again unless it is still empty. Since storing a
 /// job lists the name after the job is written, the name is listed whenever a job is stored.
 async fn unregister(redis: &RedisStore, keys: &QueueKeys, route: &str) {
-    let mut remove = redis::cmd("SREM");
-    remove.arg(&keys.registry).arg(route);
-    if let Err(error) = redis.command::<i64>(&remove, QUEUE_TIMEOUT, None).await {
-        tracing::debug!(
-            route,
-            "the queue route could not be taken off the list in redis: {error}"
-        );
-        return;
-    }
-    if !queue_is_empty(redis, keys).await {
+    if registry_change(redis, "SREM", keys, route, QUEUE_TIMEOUT).await
+        && !queue_is_empty(redis, keys).await
+    {
         register(redis, keys, route, QUEUE_TIMEOUT).await;
+    }
+}
+
+/// `SADD` or `SREM` of the route's name in the registry; `false` (logged) when Redis did not
+/// answer.
+async fn registry_change(
+    redis: &RedisStore,
+    command: &str,
+    keys: &QueueKeys,
+    route: &str,
+    bound: Duration,
+) -> bool {
+    let mut change = redis::cmd(command);
+    change.arg(&keys.registry).arg(route);
+    match redis.command::<i64>(&change, bound, None).await {
+        Ok(_) => true,
+        Err(error) => {
+            tracing::debug!(
+                route,
+                "{command} of the queue route in redis failed: {error}"
+            );
+            false
+        }
     }
 }
 

@@ -41,6 +41,8 @@ const BODY_READ_SIZE: usize = 64 * 1024;
 const COPY_LIMIT: usize = 16 * 1024;
 /// Response bytes are written out once this many have gathered.
 const FLUSH_LIMIT: usize = 64 * 1024;
+/// Response pieces up to this size are copied rather than gathered.
+const SMALL_PIECE: usize = 1024;
 /// Most slices one vectored write hands the kernel.
 const WRITE_SLICES: usize = 16;
 /// After a response, an unread rest of the request body is read and thrown away up to
@@ -503,9 +505,10 @@ async fn write_body(
             ResponseFraming::Chunked => encode::encode_chunk_start(&mut out, data.len()),
             _ => {}
         }
-        // A piece that fits the room made after the head (a small answer) is copied there:
-        // one contiguous write. Anything else goes out from where it is.
-        if data.len() <= out.capacity() - out.len() {
+        // A piece that fits the room made after the head (a small answer), or a small piece
+        // (a PHP page's chunks), is copied: one contiguous write, no list of pieces. Anything
+        // else goes out from where it is.
+        if data.len() <= out.capacity() - out.len() || data.len() <= SMALL_PIECE {
             out.put_slice(&data);
         } else {
             gather.push(out.split().freeze());
