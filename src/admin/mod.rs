@@ -166,20 +166,25 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
             worker::stats(redis, &keys, settings).await,
         );
     }
-    // Queues of routes that stopped queueing, still replayed until empty.
-    for former in shared.former_queues.list() {
-        let mut stats = worker::stats(redis, &former.keys, settings).await;
-        if let Some(fields) = stats.as_object_mut() {
-            fields.insert("stopped_queueing".into(), json!(true));
-        }
-        out.entry(former.route.name.to_string()).or_insert(stats);
-    }
-    // Queues found in Redis for routes the policy does not have: kept, not replayed.
-    for (route, keys) in shared.former_queues.unrouted() {
+    // Queues of routes that stopped queueing, still replayed until empty, and queues found in
+    // Redis for routes the policy does not have (kept, not replayed).
+    let former = shared.former_queues.list().into_iter();
+    let kept = former
+        .map(|former| (former.route.name.to_string(), former.keys, false))
+        .chain(
+            shared
+                .former_queues
+                .unrouted()
+                .into_iter()
+                .map(|(route, keys)| (route, keys, true)),
+        );
+    for (route, keys, route_missing) in kept {
         let mut stats = worker::stats(redis, &keys, settings).await;
         if let Some(fields) = stats.as_object_mut() {
             fields.insert("stopped_queueing".into(), json!(true));
-            fields.insert("route_missing".into(), json!(true));
+            if route_missing {
+                fields.insert("route_missing".into(), json!(true));
+            }
         }
         out.entry(route).or_insert(stats);
     }

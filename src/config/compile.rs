@@ -1822,9 +1822,7 @@ fn compile_upstream(
     let (scheme, authority) = address?;
     let host = match written_host {
         // External APIs (https) are called by their own name; the app's Host means nothing there.
-        None if inner.host.is_none() && scheme == Scheme::HTTPS => {
-            HeaderValue::from_str(authority.host()).ok()
-        }
+        None if scheme == Scheme::HTTPS => HeaderValue::from_str(authority.host()).ok(),
         written => written,
     };
     Some(UpstreamSettings {
@@ -2223,6 +2221,16 @@ mod tests {
             .collect()
     }
 
+    /// Asserts that each of `expected` begins one of `errors`.
+    fn assert_reported(errors: &[String], expected: &[&str]) {
+        for expected in expected {
+            assert!(
+                errors.iter().any(|e| e.starts_with(expected)),
+                "{expected}\n{errors:?}"
+            );
+        }
+    }
+
     fn errors(sources: &[(&str, &str)]) -> Vec<String> {
         match compile(&files(sources), None) {
             Ok(_) => Vec::new(),
@@ -2327,16 +2335,14 @@ mod tests {
             "a.toml",
             "[server]\nheader_read_timeout = \"0s\"\n[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nresponse_timeout = \"0ms\"\n[degrade]\nsync_interval = \"0s\"\n",
         )]);
-        for expected in [
-            "a.toml:2:23: error: `header_read_timeout` must be more than 0",
-            "a.toml:5:20: error: `response_timeout` must be more than 0",
-            "a.toml:7:17: error: `sync_interval` must be more than 0",
-        ] {
-            assert!(
-                errors.iter().any(|e| e.starts_with(expected)),
-                "{expected}\n{errors:?}"
-            );
-        }
+        assert_reported(
+            &errors,
+            &[
+                "a.toml:2:23: error: `header_read_timeout` must be more than 0",
+                "a.toml:5:20: error: `response_timeout` must be more than 0",
+                "a.toml:7:17: error: `sync_interval` must be more than 0",
+            ],
+        );
     }
 
     #[test]
@@ -2374,17 +2380,15 @@ mod tests {
             "a.toml",
             "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nqueue_wait = \"1s\"\nshed_reserve = 0.3\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"inflight\"\nabove = 0.8\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nabove = 0.5\n",
         )]);
-        for expected in [
-            "a.toml:3:14: error: `queue_wait` means nothing without max_inflight",
-            "a.toml:4:16: error: `shed_reserve` means nothing without max_inflight",
-            "a.toml:7:8: error: upstream `app` has no max_inflight, so an inflight trigger could never fire",
-            "a.toml:12:9: error: breaker_open has no threshold",
-        ] {
-            assert!(
-                errors.iter().any(|e| e.starts_with(expected)),
-                "{expected}\n{errors:?}"
-            );
-        }
+        assert_reported(
+            &errors,
+            &[
+                "a.toml:3:14: error: `queue_wait` means nothing without max_inflight",
+                "a.toml:4:16: error: `shed_reserve` means nothing without max_inflight",
+                "a.toml:7:8: error: upstream `app` has no max_inflight, so an inflight trigger could never fire",
+                "a.toml:12:9: error: breaker_open has no threshold",
+            ],
+        );
     }
 
     #[test]
@@ -2393,19 +2397,17 @@ mod tests {
             "a.toml",
             "[upstream.app]\nurl = \"ftp://127.0.0.1:21\"\nresponse_timeout = \"0s\"\nhost = \"\"\n[limit.l]\nkey = [\"ip\"]\nrate = \"lots\"\nburst = 0\nmissing = \"maybe\"\n",
         )]);
-        for expected in [
-            "a.toml:2:7: error: upstream scheme `ftp` is not supported",
-            "a.toml:3:20: error: `response_timeout` must be more than 0",
-            "a.toml:4:8: error: `` is not a valid Host header value",
-            "a.toml:7:8: error:",
-            "a.toml:8:9: error: burst must be at least 1",
-            "a.toml:9:11: error: missing = `maybe` is not known",
-        ] {
-            assert!(
-                errors.iter().any(|e| e.starts_with(expected)),
-                "{expected}\n{errors:?}"
-            );
-        }
+        assert_reported(
+            &errors,
+            &[
+                "a.toml:2:7: error: upstream scheme `ftp` is not supported",
+                "a.toml:3:20: error: `response_timeout` must be more than 0",
+                "a.toml:4:8: error: `` is not a valid Host header value",
+                "a.toml:7:8: error:",
+                "a.toml:8:9: error: burst must be at least 1",
+                "a.toml:9:11: error: missing = `maybe` is not known",
+            ],
+        );
     }
 
     #[test]
@@ -2414,17 +2416,15 @@ mod tests {
             "a.toml",
             "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n[redis]\ninstances = 0\n[[degrade.trigger]]\nupstream = \"nope\"\nwhen = \"breaker_open\"\nlevel = 7\n",
         )]);
-        for expected in [
-            "a.toml:3:1: error: [redis] needs url or cluster",
-            "a.toml:4:13: error: instances must be at least 1",
-            "a.toml:6:12: error: upstream `nope` is not defined",
-            "a.toml:8:9: error: a trigger cannot raise to level 7",
-        ] {
-            assert!(
-                errors.iter().any(|e| e.starts_with(expected)),
-                "{expected}\n{errors:?}"
-            );
-        }
+        assert_reported(
+            &errors,
+            &[
+                "a.toml:3:1: error: [redis] needs url or cluster",
+                "a.toml:4:13: error: instances must be at least 1",
+                "a.toml:6:12: error: upstream `nope` is not defined",
+                "a.toml:8:9: error: a trigger cannot raise to level 7",
+            ],
+        );
     }
 
     #[test]
@@ -2450,15 +2450,13 @@ mod tests {
         ]);
         // A route with an undefined upstream still has its other keys checked.
         assert_eq!(errors.len(), 5, "{errors:?}");
-        for expected in [
-            "a.toml:4:11: error: limit `nope` is not defined",
-            "a.toml:5:8: error: tier 7 does not exist",
-        ] {
-            assert!(
-                errors.iter().any(|e| e.starts_with(expected)),
-                "{expected}\n{errors:?}"
-            );
-        }
+        assert_reported(
+            &errors,
+            &[
+                "a.toml:4:11: error: limit `nope` is not defined",
+                "a.toml:5:8: error: tier 7 does not exist",
+            ],
+        );
         assert!(
             errors
                 .iter()

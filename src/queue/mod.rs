@@ -174,8 +174,13 @@ impl QueueKeys {
             stream: format!("{prefix}queue:{{{route}}}:jobs"),
             dead: format!("{prefix}queue:{{{route}}}:dead"),
             delayed: format!("{prefix}queue:{{{route}}}:delayed"),
-            registry: format!("{prefix}queue:routes"),
+            registry: QueueKeys::registry_of(prefix),
         }
+    }
+
+    /// The registry's key under `prefix` (see [`QueueKeys::registry`]).
+    pub fn registry_of(prefix: &str) -> String {
+        format!("{prefix}queue:routes")
     }
 }
 

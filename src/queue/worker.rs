@@ -112,6 +112,15 @@ fn queue_routes(policy: &Policy) -> Vec<(QueueKeys, Arc<Route>)> {
         .collect()
 }
 
+/// The policy's route of that name, queueing or not.
+fn route_named<'a>(policy: &'a Policy, name: &str) -> Option<&'a Arc<Route>> {
+    policy
+        .routes
+        .routes
+        .iter()
+        .find(|route| *route.name.0 == *name)
+}
+
 /// The queues to serve in one pass: the policy's queue routes (`queueing`), then the queues
 /// of routes that stopped queueing with jobs still stored (each through the route of that
 /// name as it is now, or as it was when it still queued), marked `true`.
@@ -133,12 +142,7 @@ fn queues_to_serve(
             shared.former_queues.forget(&former.keys.stream);
             continue;
         }
-        let route = policy
-            .routes
-            .routes
-            .iter()
-            .find(|route| route.name == former.route.name)
-            .map_or(former.route, Arc::clone);
+        let route = route_named(policy, &former.route.name.0).map_or(former.route, Arc::clone);
         serve.push((former.keys, route, true));
     }
     serve
@@ -249,7 +253,7 @@ async fn take_on_stranded_queues(
     policy: &Policy,
     queueing: &[(QueueKeys, Arc<Route>)],
 ) -> bool {
-    let registry = QueueKeys::new(policy.key_prefix(), "").registry;
+    let registry = QueueKeys::registry_of(policy.key_prefix());
     let mut members = redis::cmd("SMEMBERS");
     members.arg(&registry);
     let names: Vec<String> = match redis.command(&members, QUEUE_TIMEOUT, None).await {
@@ -268,12 +272,7 @@ async fn take_on_stranded_queues(
             unregister(redis, &keys, &name).await;
             continue;
         }
-        let route = policy
-            .routes
-            .routes
-            .iter()
-            .find(|route| *route.name.0 == *name);
-        match route {
+        match route_named(policy, &name) {
             Some(route) => {
                 if shared.former_queues.adopt(keys.clone(), Arc::clone(route)) {
                     tracing::warn!(route = %name, stream = %keys.stream, "found jobs stored while this route still queued (it no longer does); replaying them through the route until the queue is empty");
@@ -303,12 +302,7 @@ async fn route_unrouted_queues(
             shared.former_queues.forget_unrouted(&name);
             continue;
         }
-        if let Some(route) = policy
-            .routes
-            .routes
-            .iter()
-            .find(|route| *route.name.0 == *name)
-        {
+        if let Some(route) = route_named(policy, &name) {
             shared.former_queues.forget_unrouted(&name);
             if shared.former_queues.adopt(keys.clone(), Arc::clone(route)) {
                 tracing::info!(route = %name, stream = %keys.stream, "a route of this name is back: replaying the jobs stored for it");

@@ -917,12 +917,21 @@ mod tests {
     /// A connection served by [`serve_connection`] with [`echo`]; returns the client side
     /// and levee's stop switch.
     async fn connect() -> (TcpStream, watch::Sender<bool>) {
+        connect_to(|_peer, request| echo(request)).await
+    }
+
+    /// A connection served by [`serve_connection`] with `handler`.
+    async fn connect_to<H, F>(handler: H) -> (TcpStream, watch::Sender<bool>)
+    where
+        H: Fn(SocketAddr, Request<RequestBody>) -> F + Send + Sync + 'static,
+        F: Future<Output = Response<ResponseBody>> + Send + 'static,
+    {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address");
         let (stop_sender, stop) = watch::channel(false);
         tokio::spawn(async move {
             if let Ok((stream, peer)) = listener.accept().await {
-                serve_connection(stream, peer, |_peer, request| echo(request), LIMITS, stop).await;
+                serve_connection(stream, peer, handler, LIMITS, stop).await;
             }
         });
         let client = TcpStream::connect(address).await.expect("connect");
@@ -990,9 +999,6 @@ mod tests {
 
     /// Serves one request with a body of `pieces`, and returns the raw response.
     async fn answer_with(pieces: Vec<Bytes>, exact: bool) -> Vec<u8> {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let address = listener.local_addr().expect("address");
-        let (_stop_sender, stop) = watch::channel(false);
         let total: usize = pieces.iter().map(Bytes::len).sum();
         let body = Pieces {
             pieces: pieces.into(),
@@ -1000,21 +1006,16 @@ mod tests {
             exact: exact.then_some(total as u64),
         };
         let body = std::sync::Mutex::new(Some(body));
-        tokio::spawn(async move {
-            if let Ok((stream, peer)) = listener.accept().await {
-                let handler = |_peer, _request| {
-                    let body = body.lock().ok().and_then(|mut body| body.take());
-                    async move {
-                        match body {
-                            Some(body) => Response::new(body.boxed_unsync()),
-                            None => Response::new(full_body("again")),
-                        }
-                    }
-                };
-                serve_connection(stream, peer, handler, LIMITS, stop).await;
+        let (mut client, _stop) = connect_to(move |_peer, _request| {
+            let body = body.lock().ok().and_then(|mut body| body.take());
+            async move {
+                match body {
+                    Some(body) => Response::new(body.boxed_unsync()),
+                    None => Response::new(full_body("again")),
+                }
             }
-        });
-        let mut client = TcpStream::connect(address).await.expect("connect");
+        })
+        .await;
         client
             .write_all(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
             .await
