@@ -17,6 +17,9 @@
 # completed. Prints a Markdown table, and the TOP (8) functions with the most instructions of
 # their own per request.
 #
+# KEEP=DIR copies each case's callgrind dump to DIR/CASE.callgrind, for callgrind_annotate
+# --inclusive=yes (who calls what) after the run.
+#
 # Needs: valgrind, nginx, wrk, python3. LEVEE_BIN [target/release/levee].
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +90,10 @@ measure() {
   local dump
   dump=$(ls -t "$TMP/$name.out".* | head -1)
   python3 "$LIB/callgrind_per_request.py" "$dump" "$requests" "$name" "$TOP" "$TMP/$name.top"
+  if [ -n "${KEEP:-}" ]; then
+    mkdir -p "$KEEP"
+    cp "$dump" "$KEEP/$name.callgrind"
+  fi
 }
 
 echo "# levee instructions per request (callgrind), $(date -u '+%Y-%m-%d %H:%M') UTC"

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
 
-use crate::proxy::client::{Client, ClientSettings, ResponseFields};
+use crate::proxy::client::{Client, ClientSettings};
 
 /// Where the admin listener is: `--admin`, else the policy directory's `[admin] listen`, else
 /// the default `127.0.0.1:9901`.
@@ -94,7 +94,7 @@ pub async fn call(
                 .boxed_unsync(),
         )
         .map_err(|error| error.to_string())?;
-    let response = tokio::time::timeout(Duration::from_secs(10), client.send(request, ResponseFields::Parsed))
+    let response = tokio::time::timeout(Duration::from_secs(10), client.send(request))
         .await
         .map_err(|_| format!("the admin listener at {admin} did not answer within 10s"))?
         .map_err(|error| format!("cannot reach the admin listener at {admin}: {error} (is levee running? is --admin right?)"))?;

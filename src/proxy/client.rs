@@ -111,6 +111,11 @@ impl From<ChunkedError> for ClientError {
 /// had): the upstream's own latency counts from there.
 pub struct Answered {
     pub response: Response<Incoming>,
+    /// The upstream's header lines as received, when they were asked for
+    /// ([`ResponseFields::Relayed`]) and the head allowed it; the response's `HeaderMap` is
+    /// then empty. They travel beside the response rather than in its extensions, whose map
+    /// cost an allocation and a hash on every request.
+    pub relayed: Option<UpstreamFields>,
     pub request_sent_at: Instant,
 }
 
@@ -282,14 +287,13 @@ impl Client {
     }
 
     /// Sends `request` (its URI's path and query are the request target) and reads the
-    /// response head, with no bound on the wait (the caller sets one). The body streams from
-    /// the connection as it is polled.
+    /// response head, its fields parsed, with no bound on the wait (the caller sets one). The
+    /// body streams from the connection as it is polled.
     pub async fn send(
         &self,
         request: Request<UpstreamBody>,
-        fields: ResponseFields,
     ) -> Result<Response<Incoming>, ClientError> {
-        self.send_within(request, fields, None)
+        self.send_within(request, ResponseFields::Parsed, None)
             .await
             .map(|answered| answered.response)
     }
@@ -311,7 +315,7 @@ impl Client {
         let has_body = !body.is_end_stream();
         let upgrade = parts.headers.contains_key(header::UPGRADE);
         let mut retried = false;
-        let (connection, response_head, request_sent_at) = loop {
+        let (connection, mut response_head, request_sent_at) = loop {
             let mut connection = match self.pool.take() {
                 Some(connection) => connection,
                 None => self.connect().await?,
@@ -354,8 +358,10 @@ impl Client {
                 }
             }
         };
+        let relayed = response_head.relayed.take();
         Ok(Answered {
             response: self.response_from(connection, response_head, &parts.method, upgrade),
+            relayed,
             request_sent_at,
         })
     }
@@ -430,9 +436,6 @@ impl Client {
         *response.status_mut() = head.status;
         *response.version_mut() = head.version;
         *response.headers_mut() = head.headers;
-        if let Some(relayed) = head.relayed {
-            response.extensions_mut().insert(relayed);
-        }
         if head.status == StatusCode::SWITCHING_PROTOCOLS && upgrade {
             let rest = connection.buffer.split().freeze();
             response
@@ -726,14 +729,14 @@ struct ResponseHead {
     keep_alive: bool,
 }
 
-/// What the caller of [`Client::send`] does with the response's header fields.
+/// What the caller of [`Client::send_within`] does with the response's header fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResponseFields {
     /// Reads them: they are parsed into the response's `HeaderMap`.
     Parsed,
-    /// Only passes them on to its client: when the head allows, they stay as received, in an
-    /// [`UpstreamFields`] extension of the response (without the hop-by-hop and framing
-    /// fields), and the `HeaderMap` is empty.
+    /// Only passes them on to its client: when the head allows, they stay as received, in
+    /// [`Answered::relayed`] (without the hop-by-hop and framing fields), and the response's
+    /// `HeaderMap` is empty.
     Relayed,
 }
 

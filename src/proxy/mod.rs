@@ -40,7 +40,7 @@ use crate::metrics::{DegradedLabels, ShedLabels};
 use crate::metrics::{Metrics, UpstreamErrorLabels};
 use body::{find_cause, BodyIdleTimeout, IdleTimeout, Observed, OnBodyEnd, ResponseBody};
 use client::ResponseFields;
-use h1::{ClientUpgrade, RequestBody, RequestBodyError};
+use h1::{Answer, ClientUpgrade, RequestBody, RequestBodyError};
 use route::{Route, RouteName};
 
 /// State shared by every connection of the public listener.
@@ -64,7 +64,7 @@ pub async fn handle(
     shared: Arc<Shared>,
     peer: SocketAddr,
     request: Request<RequestBody>,
-) -> Response<ResponseBody> {
+) -> Answer {
     // One snapshot for the whole request, even if a reload swaps the policy meanwhile.
     let policy = shared.store.load();
 
@@ -72,14 +72,15 @@ pub async fn handle(
     // route table or a down backend cannot make levee look dead.
     let raw_path = request.uri().path();
     if raw_path == policy.server.livez_path {
-        return text_response(StatusCode::OK, "ok\n");
+        return text_response(StatusCode::OK, "ok\n").into();
     }
     if raw_path == policy.server.readyz_path {
         return if shared.draining.load(Ordering::Relaxed) {
             text_response(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
         } else {
             text_response(StatusCode::OK, "ready\n")
-        };
+        }
+        .into();
     }
 
     shared.metrics.inflight.inc();
@@ -96,13 +97,17 @@ pub async fn handle(
         slot: None,
         reported: false,
     };
-    let response = match forward(&shared, &policy, peer, request, &mut exchange).await {
-        Ok(response) => response,
-        Err(error) => rescue(&shared, &mut exchange, error),
-    };
+    let Answer { response, relayed } =
+        match forward(&shared, &policy, peer, request, &mut exchange).await {
+            Ok(answer) => answer,
+            Err(error) => rescue(&shared, &mut exchange, error).into(),
+        };
     exchange.status = response.status();
     let (parts, body) = response.into_parts();
-    Response::from_parts(parts, Observed::new(body, exchange).boxed_unsync())
+    Answer {
+        response: Response::from_parts(parts, Observed::new(body, exchange).boxed_unsync()),
+        relayed,
+    }
 }
 
 /// Request bodies up to this size are read whole before the upstream's breaker permit and
@@ -116,7 +121,7 @@ async fn forward(
     peer: SocketAddr,
     mut request: Request<RequestBody>,
     exchange: &mut Exchange,
-) -> Result<Response<ResponseBody>, ProxyError> {
+) -> Result<Answer, ProxyError> {
     let server = &policy.server;
 
     // Limits on what the client sent. The HTTP layer bounds the head while parsing (431);
@@ -183,7 +188,10 @@ async fn forward(
             route: route.name.to_string(),
             fallback,
         };
-        return stale.serve_or(shared, policy, &route, refusal).await;
+        return stale
+            .serve_or(shared, policy, &route, refusal)
+            .await
+            .map(Answer::from);
     }
 
     // Rate limit: every rule of the route in one decision (one Redis round trip).
@@ -221,7 +229,8 @@ async fn forward(
             wants_json,
             &shared.metrics,
         )
-        .await;
+        .await
+        .map(Answer::from);
     }
 
     if let Some(length) = content_length(request.headers()) {
@@ -240,7 +249,7 @@ async fn forward(
     // now (the breaker refuses them at once below).
     let fetch = if route.upstream.breaker.is_closed() {
         match stale.join(shared, policy, &route).await {
-            Joined::Served(response) => return Ok(response),
+            Joined::Served(response) => return Ok(response.into()),
             Joined::Lead(guard) => guard,
         }
     } else {
@@ -311,7 +320,12 @@ async fn forward(
     // fallback answers.
     let mut permit = match upstream_permit(shared, &route) {
         Ok(permit) => permit,
-        Err(refusal) => return stale.serve_or(shared, policy, &route, refusal).await,
+        Err(refusal) => {
+            return stale
+                .serve_or(shared, policy, &route, refusal)
+                .await
+                .map(Answer::from)
+        }
     };
 
     // Bulkhead: at max_inflight, tier 3 is shed first, tier 1 keeps its reserve. The slot is
@@ -337,7 +351,10 @@ async fn forward(
                     tier: route.tier,
                     fallback,
                 };
-                return stale.serve_or(shared, policy, &route, refusal).await;
+                return stale
+                    .serve_or(shared, policy, &route, refusal)
+                    .await
+                    .map(Answer::from);
             }
         }
     }
@@ -357,6 +374,8 @@ async fn forward(
         fields,
         Some(upstream.settings.response_timeout),
     );
+    // The upstream's own header lines, when they are relayed as received (`fields`).
+    let mut relayed = None;
     let (answer, waited_from) = match sent.await {
         Err(error) => (
             Err(classify_client_error(
@@ -366,7 +385,10 @@ async fn forward(
             )),
             sent_at,
         ),
-        Ok(answered) => (Ok(answered.response), answered.request_sent_at),
+        Ok(answered) => {
+            relayed = answered.relayed;
+            (Ok(answered.response), answered.request_sent_at)
+        }
     };
     let answered_at = tokio::time::Instant::now();
     if answer
@@ -398,13 +420,16 @@ async fn forward(
         Ok(response) => response,
         // stale-if-error: the last good copy beats an error page.
         Err(error) if error.side() == ErrorSide::Upstream => {
-            return stale.serve_or(shared, policy, &route, error).await
+            return stale
+                .serve_or(shared, policy, &route, error)
+                .await
+                .map(Answer::from)
         }
         Err(error) => return Err(error),
     };
     if failure_status {
         if let Some(copy) = stale.copy(shared, policy, &route).await {
-            return Ok(copy);
+            return Ok(copy.into());
         }
     }
 
@@ -415,7 +440,8 @@ async fn forward(
                 &mut response,
                 &route,
                 policy.server.tunnel_idle_timeout,
-            ));
+            )
+            .into());
         }
     }
 
@@ -433,10 +459,11 @@ async fn forward(
         Some(target) => Capture::new(body, parts.status, &parts.headers, target).boxed_unsync(),
         None => body.boxed_unsync(),
     };
-    Ok(without_switched_off_fragments(
-        Response::from_parts(parts, body),
-        hiding,
-    ))
+    Ok(Answer {
+        // A page that is rewritten has its fields parsed (`fields` above), never relayed.
+        response: without_switched_off_fragments(Response::from_parts(parts, body), hiding),
+        relayed,
+    })
 }
 
 /// Cuts the fragments of switched-off modules (`hiding`, from [`hidden_fragments`]) out of an

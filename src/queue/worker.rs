@@ -15,7 +15,6 @@ use super::{QueueKeys, QueueSettings};
 use crate::breaker::Outcome;
 use crate::config::Policy;
 use crate::metrics::{QueueLabels, QueueResultLabels};
-use crate::proxy::client::ResponseFields;
 use crate::proxy::route::Route;
 use crate::proxy::Shared;
 use crate::redis_store::{RedisFailure, RedisStore};
@@ -681,7 +680,7 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
         headers.insert("x-real-ip", client.clone());
         headers.insert("x-forwarded-for", client);
     }
-    let sent = upstream.client.send(request, ResponseFields::Parsed);
+    let sent = upstream.client.send(request);
     match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
         Err(_) => {
             permit.record(Outcome::Failure, &shared.metrics);

@@ -59,6 +59,23 @@ const LINGER_TIME: Duration = Duration::from_secs(1);
 
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
+/// A handler's response as the connection writes it.
+pub struct Answer {
+    pub response: Response<ResponseBody>,
+    /// The upstream's own header lines, when a pass-through relays them as received: written
+    /// in place of the response's (then empty) `HeaderMap`, after levee's own fields.
+    pub relayed: Option<UpstreamFields>,
+}
+
+impl From<Response<ResponseBody>> for Answer {
+    fn from(response: Response<ResponseBody>) -> Self {
+        Answer {
+            response,
+            relayed: None,
+        }
+    }
+}
+
 /// What happens to the connection after one exchange.
 enum After {
     KeepAlive,
@@ -75,7 +92,8 @@ pub(super) async fn serve_connection<H, F>(
     stop: watch::Receiver<bool>,
 ) where
     H: Fn(SocketAddr, Request<RequestBody>) -> F,
-    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+    F: Future + Send + 'static,
+    F::Output: Into<Answer> + Send,
 {
     // The parser's own bound, far above the operator's limit: levee's check of
     // `max_header_bytes` on the parsed head gives the client a precise 431 (see
@@ -260,7 +278,8 @@ async fn serve_request<H, F>(
 ) -> After
 where
     H: Fn(SocketAddr, Request<RequestBody>) -> F,
-    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+    F: Future + Send + 'static,
+    F::Output: Into<Answer> + Send,
 {
     let RequestHead {
         method,
@@ -298,10 +317,10 @@ where
         send_timeout,
     };
     let mut answering = Box::pin(handler(peer, request));
-    let response = loop {
+    let answer = loop {
         tokio::select! {
             biased;
-            response = &mut answering => break response,
+            answer = &mut answering => break answer.into(),
             wanted = body_wanted(&mut continue_wanted), if continue_wanted.is_some() => {
                 continue_wanted = None;
                 if !wanted {
@@ -341,11 +360,13 @@ where
         must_close = true;
     }
 
+    let Answer {
+        response,
+        mut relayed,
+    } = answer;
     let (mut parts, response_body) = response.into_parts();
     let mut keep_alive = keep_alive && !must_close && !stop.stopping;
     let switching = parts.status == StatusCode::SWITCHING_PROTOCOLS;
-    // The upstream's own fields, when a pass-through relays them as received.
-    let mut relayed = parts.extensions.remove::<UpstreamFields>();
     let framing = encode::frame_response(
         &method,
         version,

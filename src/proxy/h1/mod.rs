@@ -25,14 +25,14 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use http::{Request, Response};
+use http::Request;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
+pub use conn::Answer;
 pub use request_body::{RequestBody, RequestBodyError};
 pub use upgrade::{ClientUpgrade, UpgradedClient};
 
-use super::body::ResponseBody;
 use super::server::accept_loop;
 use crate::config::PolicyStore;
 
@@ -50,7 +50,8 @@ pub async fn serve<H, F>(
     alive: mpsc::Sender<()>,
 ) where
     H: Fn(SocketAddr, Request<RequestBody>) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<ResponseBody>> + Send + 'static,
+    F: Future + Send + 'static,
+    F::Output: Into<Answer> + Send,
 {
     accept_loop(
         listener,
