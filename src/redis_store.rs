@@ -19,6 +19,9 @@ use tokio::time::Instant;
 use crate::metrics::Metrics;
 use crate::redis_batch::{lock, read_answer, DecisionBatcher, Endpoint};
 
+/// Shortest bound on a refund call (see `RedisStore::give_back`).
+const REFUND_BOUND: Duration = Duration::from_secs(1);
+
 /// The rate-limit script: GCRA for a batch of requests (see its header).
 const SCRIPT: &str = include_str!("limit/script.lua");
 
@@ -121,8 +124,8 @@ pub struct RedisStore {
     pub settings: RedisSettings,
     connection: OnceCell<Connection>,
     health: Mutex<Health>,
-    script: redis::Script,
-    refund: redis::Script,
+    script: Arc<KeyedScript>,
+    refund: Arc<KeyedScript>,
     /// Rate-limit decisions on a single server, batched (`redis_batch`). `None` for a
     /// cluster, whose decisions go one call per slot group through redis-rs.
     batcher: Option<DecisionBatcher>,
@@ -152,8 +155,8 @@ impl RedisStore {
             settings,
             connection: OnceCell::new(),
             health: Mutex::new(Health::default()),
-            script: redis::Script::new(SCRIPT),
-            refund: redis::Script::new(include_str!("limit/refund.lua")),
+            script: Arc::new(KeyedScript::new(SCRIPT)),
+            refund: Arc::new(KeyedScript::new(include_str!("limit/refund.lua"))),
         }
     }
 
@@ -292,8 +295,8 @@ impl RedisStore {
     }
 
     /// Decides every ask. In a cluster, asks are grouped by hash tag (one slot each) and the
-    /// groups run concurrently; if any group refuses, the groups that admitted are refunded
-    /// so a denied request still consumes nothing.
+    /// groups run concurrently; a request that is not admitted whole consumes nothing: when
+    /// a group refuses, fails or overruns the timeout, the groups that admitted are refunded.
     pub async fn decide_all(
         &self,
         asks: &[RedisAsk<'_>],
@@ -301,11 +304,7 @@ impl RedisStore {
     ) -> Result<Vec<RemoteVerdict>, RedisFailure> {
         let permit = self.permit().ok_or(RedisFailure::Down)?;
         let started = Instant::now();
-        let result = tokio::time::timeout(self.settings.timeout, self.run(asks)).await;
-        let result = match result {
-            Ok(result) => result,
-            Err(_elapsed) => Err(RedisFailure::Timeout(self.settings.timeout)),
-        };
+        let result = self.run(asks, started + self.settings.timeout).await;
         metrics
             .redis_latency
             .observe(started.elapsed().as_secs_f64());
@@ -313,18 +312,35 @@ impl RedisStore {
         result
     }
 
-    async fn run(&self, asks: &[RedisAsk<'_>]) -> Result<Vec<RemoteVerdict>, RedisFailure> {
+    /// Awaits `call` until `deadline`, a timeout after it.
+    async fn within<T>(
+        &self,
+        deadline: Instant,
+        call: impl std::future::Future<Output = Result<T, RedisFailure>>,
+    ) -> Result<T, RedisFailure> {
+        tokio::time::timeout_at(deadline, call)
+            .await
+            .unwrap_or(Err(RedisFailure::Timeout(self.settings.timeout)))
+    }
+
+    async fn run(
+        &self,
+        asks: &[RedisAsk<'_>],
+        deadline: Instant,
+    ) -> Result<Vec<RemoteVerdict>, RedisFailure> {
         if let Some(batcher) = &self.batcher {
-            let (_, verdicts) = batcher.decide(asks).await?;
+            let (_, verdicts) = self.within(deadline, batcher.decide(asks)).await?;
             return Ok(verdicts);
         }
-        let connection = self.connect().await?;
+        let connection = self.within(deadline, self.connect()).await?;
         let single_slot = asks.windows(2).all(|pair| pair[0].tag == pair[1].tag);
         if matches!(connection, Connection::Single(_)) || single_slot {
-            let (_, verdicts) = self.invoke(&connection, asks.iter().collect()).await?;
+            let call = self.invoke(&connection, asks.iter().collect());
+            let (_, verdicts) = self.within(deadline, call).await?;
             return Ok(verdicts);
         }
-        // Cluster with several slots: one script per tag group.
+        // Cluster with several slots: one script per tag group, each bounded by the deadline
+        // itself, so that the groups which did answer are known even when another did not.
         let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
         for (index, ask) in asks.iter().enumerate() {
             match groups.iter_mut().find(|(tag, _)| *tag == ask.tag) {
@@ -334,7 +350,7 @@ impl RedisStore {
         }
         let calls = groups.iter().map(|(_, members)| {
             let group: Vec<&RedisAsk<'_>> = members.iter().map(|&i| &asks[i]).collect();
-            self.invoke(&connection, group)
+            self.within(deadline, self.invoke(&connection, group))
         });
         let answers = futures_util::future::join_all(calls).await;
         let mut verdicts = vec![
@@ -347,26 +363,35 @@ impl RedisStore {
             asks.len()
         ];
         let mut any_blocked = false;
-        let mut answered = Vec::with_capacity(groups.len());
+        let mut failure = None;
+        // Groups whose script admitted: charged in Redis.
+        let mut charged: Vec<usize> = Vec::new();
         for ((_, members), answer) in groups.iter().zip(answers) {
-            let (blocked, group_verdicts) = answer?;
-            any_blocked |= blocked;
-            for (&index, verdict) in members.iter().zip(group_verdicts) {
-                verdicts[index] = verdict;
+            match answer {
+                Ok((blocked, group_verdicts)) => {
+                    any_blocked |= blocked;
+                    for (&index, verdict) in members.iter().zip(group_verdicts) {
+                        verdicts[index] = verdict;
+                        if !blocked && verdict.allowed {
+                            charged.push(index);
+                        }
+                    }
+                }
+                Err(error) => {
+                    failure.get_or_insert(error);
+                }
             }
-            answered.push((members, blocked));
         }
-        if any_blocked {
-            let refund: Vec<&RedisAsk<'_>> = answered
-                .iter()
-                .filter(|(_, blocked)| !blocked)
-                .flat_map(|(members, _)| members.iter())
-                .filter(|&&index| verdicts[index].allowed)
-                .map(|&index| &asks[index])
-                .collect();
-            self.give_back(&connection, &refund).await;
+        if any_blocked || failure.is_some() {
+            // Refused, or decided by the fallback (Redis did not admit it whole): the request
+            // gives back what the other groups charged.
+            let refund: Vec<&RedisAsk<'_>> = charged.iter().map(|&index| &asks[index]).collect();
+            self.give_back(&connection, &refund, deadline).await;
         }
-        Ok(verdicts)
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(verdicts),
+        }
     }
 
     async fn invoke(
@@ -374,50 +399,130 @@ impl RedisStore {
         connection: &Connection,
         asks: Vec<&RedisAsk<'_>>,
     ) -> Result<(bool, Vec<RemoteVerdict>), RedisFailure> {
-        let mut invocation = self.script.prepare_invoke();
-        for ask in &asks {
-            invocation.key(ask.key);
-        }
-        // One request in the batch (see `limit/script.lua`), waiting for its decision.
-        invocation.arg(1).arg(asks.len()).arg(0);
-        for ask in &asks {
-            invocation
-                .arg(ask.interval_us)
-                .arg(ask.burst)
-                .arg(if ask.dry_run { "1" } else { "0" });
-        }
-        let reply: String = match connection.clone() {
-            Connection::Single(mut connection) => invocation.invoke_async(&mut connection).await?,
-            Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await?,
-        };
+        let reply: String = self
+            .script
+            .run(connection, |command| {
+                command.arg(asks.len());
+                for ask in &asks {
+                    command.arg(ask.key);
+                }
+                // One request in the batch (see `limit/script.lua`), waiting for its decision.
+                command.arg(1).arg(asks.len()).arg(0);
+                for ask in &asks {
+                    command
+                        .arg(ask.interval_us)
+                        .arg(ask.burst)
+                        .arg(if ask.dry_run { "1" } else { "0" });
+                }
+            })
+            .await?;
         parse_reply(&reply, asks.len())
     }
 
-    async fn give_back(&self, connection: &Connection, asks: &[&RedisAsk<'_>]) {
-        let mut by_tag: Vec<(&str, Vec<&RedisAsk<'_>>)> = Vec::new();
+    /// Gives one token back to each of `asks`, one script per slot group. The refund runs
+    /// as a task of its own, bounded by the timeout: awaited until `deadline`, so that the
+    /// next request usually sees it done, and finished after it when the request has run out
+    /// of time (a group that overran the deadline is exactly when the others need refunding).
+    async fn give_back(&self, connection: &Connection, asks: &[&RedisAsk<'_>], deadline: Instant) {
+        if asks.is_empty() {
+            return;
+        }
+        let mut by_tag: Vec<(&str, Vec<(String, u64)>)> = Vec::new();
         for ask in asks {
+            let owned = (ask.key.to_string(), ask.interval_us);
             match by_tag.iter_mut().find(|(tag, _)| *tag == ask.tag) {
-                Some((_, members)) => members.push(ask),
-                None => by_tag.push((ask.tag, vec![ask])),
+                Some((_, members)) => members.push(owned),
+                None => by_tag.push((ask.tag, vec![owned])),
             }
         }
-        for (_, members) in by_tag {
-            let mut invocation = self.refund.prepare_invoke();
-            for ask in &members {
-                invocation.key(ask.key).arg(ask.interval_us);
-            }
-            let result: Result<i64, _> = match connection.clone() {
-                Connection::Single(mut connection) => {
-                    invocation.invoke_async(&mut connection).await
+        let groups: Vec<Vec<(String, u64)>> =
+            by_tag.into_iter().map(|(_, members)| members).collect();
+        let script = self.refund.clone();
+        let connection = connection.clone();
+        // Off the request path once the deadline has passed, and as right late as early: a
+        // longer bound than a decision's, for a cluster that is catching up after a failure.
+        let bound = self.settings.timeout.max(REFUND_BOUND);
+        let refund = tokio::spawn(async move {
+            let calls = groups.iter().map(|members| {
+                let call = script.run::<i64>(&connection, move |command| {
+                    command.arg(members.len());
+                    for (key, _) in members {
+                        command.arg(key);
+                    }
+                    for (_, interval_us) in members {
+                        command.arg(*interval_us);
+                    }
+                });
+                async move {
+                    match tokio::time::timeout(bound, call).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(error)) => tracing::warn!(
+                            keys = members.len(),
+                            "rate-limit refund failed: {error}; those tokens stay spent"
+                        ),
+                        Err(_elapsed) => tracing::warn!(
+                            keys = members.len(),
+                            "rate-limit refund got no answer within {bound:?}; those tokens may \
+                             stay spent"
+                        ),
+                    }
                 }
-                Connection::Cluster(mut connection) => {
-                    invocation.invoke_async(&mut connection).await
-                }
-            };
-            if let Err(error) = result {
-                tracing::debug!("rate-limit refund failed: {error}");
-            }
+            });
+            futures_util::future::join_all(calls).await;
+        });
+        let _ = tokio::time::timeout_at(deadline, refund).await;
+    }
+}
+
+/// A Lua script called by its hash (`EVALSHA`), and sent whole (`EVAL`) to the one server
+/// that does not have it yet (a new or restarted node).
+///
+/// redis-rs's own fallback loads a missing script with `SCRIPT LOAD`, which a cluster client
+/// sends to every master: one frozen or dead master then failed the calls meant for all the
+/// others, refunds included. `EVAL` carries the script to the node that serves the keys.
+struct KeyedScript {
+    code: &'static str,
+    hash: String,
+}
+
+impl KeyedScript {
+    fn new(code: &'static str) -> KeyedScript {
+        KeyedScript {
+            code,
+            hash: redis::Script::new(code).get_hash().to_string(),
         }
+    }
+
+    /// Runs the script; `fill` appends the number of keys, the keys and the arguments.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        connection: &Connection,
+        fill: impl Fn(&mut redis::Cmd),
+    ) -> Result<T, redis::RedisError> {
+        let mut by_hash = redis::cmd("EVALSHA");
+        by_hash.arg(&self.hash);
+        fill(&mut by_hash);
+        match query(connection, &by_hash).await {
+            Err(error)
+                if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                let mut whole = redis::cmd("EVAL");
+                whole.arg(self.code);
+                fill(&mut whole);
+                query(connection, &whole).await
+            }
+            answer => answer,
+        }
+    }
+}
+
+async fn query<T: redis::FromRedisValue>(
+    connection: &Connection,
+    command: &redis::Cmd,
+) -> Result<T, redis::RedisError> {
+    match connection.clone() {
+        Connection::Single(mut connection) => command.query_async(&mut connection).await,
+        Connection::Cluster(mut connection) => command.query_async(&mut connection).await,
     }
 }
 

@@ -136,6 +136,121 @@ async fn accuracy_on_a_redis_cluster() {
     denied_rule_consumes_nothing_else(&levee, "on a Redis Cluster").await;
 }
 
+/// A request whose rules live on two cluster nodes, one of which does not answer (frozen,
+/// then gone): the rules on the other node are charged by its script, and given back, since
+/// Redis did not admit the request whole (the fallback decided it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut cluster = RedisCluster::start(dir.path()).await;
+    let nodes = cluster
+        .urls()
+        .iter()
+        .map(|u| format!("\"{u}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    // Redis stays "up" throughout: every call is tried, none is skipped by the health breaker.
+    let redis =
+        format!("[redis]\ncluster = [{nodes}]\ntimeout = \"300ms\"\nfailures_to_open = 100\n");
+    let two_rules = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n[limit.per_ip]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 50\n";
+    let backend = echo_backend().await;
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis,
+        two_rules,
+        "\"per_user\", \"per_ip\"",
+    ))
+    .await;
+    // The node serving a key answers EXISTS; the others redirect (MOVED).
+    let ports = cluster.ports.clone();
+    let owner = |key: &str| {
+        (0..ports.len())
+            .find(|&node| matches!(redis_cli(ports[node], &["EXISTS", key]).trim(), "0" | "1"))
+            .expect("a node serves every slot")
+    };
+    let ip_key = "levee:rl:{127.0.0.1}:per_ip:127.0.0.1";
+    let ip_node = owner(ip_key);
+    let (user, user_key, user_node) = (0..)
+        .map(|i| {
+            let user = format!("user{i}");
+            let key = format!("levee:rl:{{{user}}}:per_user:{user}");
+            let node = owner(&key);
+            (user, key, node)
+        })
+        .find(|(_, _, node)| *node != ip_node)
+        .expect("some user's bucket is on another node");
+
+    assert_eq!(send_as(&levee, Some(&user), None).await.status, 200);
+    assert_eq!(cluster.cli(user_node, &["EXISTS", &user_key]).trim(), "1");
+    let charged = cluster.cli(ip_node, &["GET", ip_key]);
+    assert!(!charged.trim().is_empty(), "the IP's bucket is kept");
+    let ip_port = cluster.ports[ip_node];
+    let ip_bucket_is_back = || {
+        let charged = charged.clone();
+        async move { redis_cli(ip_port, &["GET", ip_key]) == charged }
+    };
+
+    // Frozen: the user's group overruns the timeout while the IP's group admits.
+    cluster.pause(user_node, true);
+    let answer = send_as(&levee, Some(&user), None).await;
+    assert_eq!(
+        answer.status, 200,
+        "decided in-process (on_redis_error = local)"
+    );
+    eventually(
+        Duration::from_secs(5),
+        "the IP's token given back after a timeout",
+        ip_bucket_is_back,
+    )
+    .await;
+    cluster.pause(user_node, false);
+
+    // Gone: the user's group fails; the IP's is given back again.
+    cluster.kill(user_node);
+    let answer = send_as(&levee, Some(&user), None).await;
+    assert_eq!(
+        answer.status, 200,
+        "decided in-process (on_redis_error = local)"
+    );
+    eventually(
+        Duration::from_secs(5),
+        "the IP's token given back after a failure",
+        ip_bucket_is_back,
+    )
+    .await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    let decided = |source: &str| {
+        metric_value(
+            &metrics,
+            &format!("levee_ratelimit_decisions_total{{rule=\"per_ip\",result=\"allowed\",source=\"{source}\"}}"),
+        )
+    };
+    assert_eq!(
+        (decided("redis"), decided("fallback")),
+        (1.0, 2.0),
+        "{metrics}"
+    );
+
+    // A node that lost its scripts (restarted, or flushed) while another node is gone: the
+    // script goes whole to the node that lacks it, not to every node, and Redis decides.
+    redis_cli(ip_port, &["SCRIPT", "FLUSH"]);
+    let other = (0..)
+        .map(|i| format!("other{i}"))
+        .find(|user| owner(&format!("levee:rl:{{{user}}}:per_user:{user}")) == ip_node)
+        .expect("some user's bucket is on the IP's node");
+    assert_eq!(send_as(&levee, Some(&other), None).await.status, 200);
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_ratelimit_decisions_total{rule=\"per_ip\",result=\"allowed\",source=\"redis\"}"
+        ),
+        2.0,
+        "{metrics}"
+    );
+}
+
 async fn denied_rule_consumes_nothing_else(levee: &Levee, store: &str) {
     let statuses: Vec<u16> =
         futures_util::future::join_all((0..2).map(|_| send_as(levee, Some("alice"), None)))

@@ -523,13 +523,7 @@ impl RedisServer {
 
     /// Runs one command with redis-cli against this server and returns what it printed.
     pub fn cli(&self, args: &[&str]) -> String {
-        let binary = find_binary(&["redis-cli", "/usr/bin/redis-cli"]);
-        let output = Command::new(binary)
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("run redis-cli");
-        String::from_utf8_lossy(&output.stdout).into_owned()
+        redis_cli(self.port, args)
     }
 
     /// SIGKILLs the server (no chance to save anything) and reaps it.
@@ -540,18 +534,34 @@ impl RedisServer {
 
     /// Freezes (SIGSTOP) or thaws (SIGCONT) the server: connections stay open, answers stop.
     pub fn pause(&self, paused: bool) {
-        let signal = if paused { "-STOP" } else { "-CONT" };
-        let _ = Command::new("kill")
-            .arg(signal)
-            .arg(self.guard.pid().to_string())
-            .status();
+        pause(&self.guard, paused);
     }
+}
+
+/// Runs one command with redis-cli against the server on `port`; what it printed.
+pub fn redis_cli(port: u16, args: &[&str]) -> String {
+    let binary = find_binary(&["redis-cli", "/usr/bin/redis-cli"]);
+    let output = Command::new(binary)
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("run redis-cli");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// SIGSTOP (`paused`) or SIGCONT to a child.
+fn pause(child: &ChildGuard, paused: bool) {
+    let signal = if paused { "-STOP" } else { "-CONT" };
+    let _ = Command::new("kill")
+        .arg(signal)
+        .arg(child.pid().to_string())
+        .status();
 }
 
 /// A 3-node Redis Cluster (no replicas) on free ports whose bus ports (+10000) are free too.
 pub struct RedisCluster {
     pub ports: Vec<u16>,
-    _nodes: Vec<ChildGuard>,
+    nodes: Vec<ChildGuard>,
 }
 
 fn port_pair_free(port: u16) -> bool {
@@ -634,10 +644,23 @@ impl RedisCluster {
             })
             .await;
         }
-        RedisCluster {
-            ports,
-            _nodes: nodes,
-        }
+        RedisCluster { ports, nodes }
+    }
+
+    /// Runs one command with redis-cli against node `node` (an index into `ports`).
+    pub fn cli(&self, node: usize, args: &[&str]) -> String {
+        redis_cli(self.ports[node], args)
+    }
+
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) one node.
+    pub fn pause(&self, node: usize, paused: bool) {
+        pause(&self.nodes[node], paused);
+    }
+
+    /// SIGKILLs one node and reaps it.
+    pub fn kill(&mut self, node: usize) {
+        let _ = self.nodes[node].child.kill();
+        let _ = self.nodes[node].child.wait();
     }
 
     pub fn urls(&self) -> Vec<String> {
