@@ -420,9 +420,9 @@ impl RedisStore {
     }
 
     /// Gives one token back to each of `asks`, one script per slot group. The refund runs
-    /// as a task of its own, bounded by the timeout: awaited until `deadline`, so that the
-    /// next request usually sees it done, and finished after it when the request has run out
-    /// of time (a group that overran the deadline is exactly when the others need refunding).
+    /// as a task of its own: awaited until `deadline`, so that the next request usually sees
+    /// it done, and finished after it when the request has run out of time (a group that
+    /// overran the deadline is exactly when the others need refunding).
     async fn give_back(&self, connection: &Connection, asks: &[&RedisAsk<'_>], deadline: Instant) {
         if asks.is_empty() {
             return;
@@ -439,8 +439,9 @@ impl RedisStore {
             by_tag.into_iter().map(|(_, members)| members).collect();
         let script = self.refund.clone();
         let connection = connection.clone();
-        // Off the request path once the deadline has passed, and as right late as early: a
-        // longer bound than a decision's, for a cluster that is catching up after a failure.
+        // Once the deadline has passed nobody waits for it, and a late refund is as right as
+        // an early one: a longer bound than a decision's, for a cluster that is catching up
+        // after a failure.
         let bound = self.settings.timeout.max(REFUND_BOUND);
         let refund = tokio::spawn(async move {
             let calls = groups.iter().map(|members| {
