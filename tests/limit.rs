@@ -186,48 +186,28 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
     let charged = cluster.cli(ip_node, &["GET", ip_key]);
     assert!(!charged.trim().is_empty(), "the IP's bucket is kept");
     let ip_port = cluster.ports[ip_node];
-    let ip_bucket_is_back = || {
-        let charged = charged.clone();
-        async move { redis_cli(ip_port, &["GET", ip_key]) == charged }
-    };
+    let ip_bucket = (ip_port, ip_key, charged.as_str());
 
     // Frozen: the user's group overruns the timeout while the IP's group admits.
     cluster.pause(user_node, true);
-    let answer = send_as(&levee, Some(&user), None).await;
-    assert_eq!(
-        answer.status, 200,
-        "decided in-process (on_redis_error = local)"
-    );
-    eventually(
-        Duration::from_secs(5),
-        "the IP's token given back after a timeout",
-        ip_bucket_is_back,
-    )
-    .await;
+    decided_in_process_and_given_back(&levee, &user, ip_bucket, "after a timeout").await;
     cluster.pause(user_node, false);
 
     // Gone: the user's group fails; the IP's is given back again.
     cluster.kill(user_node);
-    let answer = send_as(&levee, Some(&user), None).await;
-    assert_eq!(
-        answer.status, 200,
-        "decided in-process (on_redis_error = local)"
-    );
-    eventually(
-        Duration::from_secs(5),
-        "the IP's token given back after a failure",
-        ip_bucket_is_back,
-    )
-    .await;
-    let metrics = get(&levee.admin_url("/metrics")).await.text();
-    let decided = |source: &str| {
+    decided_in_process_and_given_back(&levee, &user, ip_bucket, "after a failure").await;
+    let ip_decisions = |metrics: &str, source: &str| {
         metric_value(
-            &metrics,
+            metrics,
             &format!("levee_ratelimit_decisions_total{{rule=\"per_ip\",result=\"allowed\",source=\"{source}\"}}"),
         )
     };
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(
-        (decided("redis"), decided("fallback")),
+        (
+            ip_decisions(&metrics, "redis"),
+            ip_decisions(&metrics, "fallback")
+        ),
         (1.0, 2.0),
         "{metrics}"
     );
@@ -241,14 +221,29 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
         .expect("some user's bucket is on the IP's node");
     assert_eq!(send_as(&levee, Some(&other), None).await.status, 200);
     let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(ip_decisions(&metrics, "redis"), 2.0, "{metrics}");
+}
+
+/// Sends one request as `user`, whose bucket's node is out: it is decided in-process, and
+/// the IP's bucket, on a node that answered and charged it, is given back: `(port, key)`
+/// holds `charged` again.
+async fn decided_in_process_and_given_back(
+    levee: &Levee,
+    user: &str,
+    (port, key, charged): (u16, &str, &str),
+    what: &str,
+) {
+    let answer = send_as(levee, Some(user), None).await;
     assert_eq!(
-        metric_value(
-            &metrics,
-            "levee_ratelimit_decisions_total{rule=\"per_ip\",result=\"allowed\",source=\"redis\"}"
-        ),
-        2.0,
-        "{metrics}"
+        answer.status, 200,
+        "decided in-process (on_redis_error = local), {what}"
     );
+    eventually(
+        Duration::from_secs(5),
+        &format!("the IP's token given back {what}"),
+        || async move { redis_cli(port, &["GET", key]) == charged },
+    )
+    .await;
 }
 
 async fn denied_rule_consumes_nothing_else(levee: &Levee, store: &str) {
