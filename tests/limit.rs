@@ -104,12 +104,7 @@ async fn accuracy_on_redis() {
 async fn accuracy_on_a_redis_cluster() {
     let dir = tempfile::tempdir().expect("dir");
     let cluster = RedisCluster::start(dir.path()).await;
-    let nodes = cluster
-        .urls()
-        .iter()
-        .map(|u| format!("\"{u}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let nodes = cluster.toml_list();
     let redis = format!("[redis]\ncluster = [{nodes}]\ntimeout = \"500ms\"\n");
     let backend = echo_backend().await;
     let levee = Levee::start(&limited_policy(
@@ -143,12 +138,7 @@ async fn accuracy_on_a_redis_cluster() {
 async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
     let dir = tempfile::tempdir().expect("dir");
     let mut cluster = RedisCluster::start(dir.path()).await;
-    let nodes = cluster
-        .urls()
-        .iter()
-        .map(|u| format!("\"{u}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let nodes = cluster.toml_list();
     // Redis stays "up" throughout: every call is tried, none is skipped by the health breaker.
     let redis =
         format!("[redis]\ncluster = [{nodes}]\ntimeout = \"300ms\"\nfailures_to_open = 100\n");

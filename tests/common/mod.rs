@@ -673,6 +673,15 @@ impl RedisCluster {
             .map(|p| format!("redis://127.0.0.1:{p}"))
             .collect()
     }
+
+    /// The nodes' URLs as the inside of a TOML list, for `[redis] cluster = [...]`.
+    pub fn toml_list(&self) -> String {
+        self.urls()
+            .iter()
+            .map(|url| format!("\"{url}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// The value of one exact series (`name` or `name{labels}`) in Prometheus text, 0 if absent.
