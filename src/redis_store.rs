@@ -312,167 +312,222 @@ impl RedisStore {
         result
     }
 
-    /// Awaits `call` until `deadline`, a timeout after it.
-    async fn within<T>(
-        &self,
-        deadline: Instant,
-        call: impl std::future::Future<Output = Result<T, RedisFailure>>,
-    ) -> Result<T, RedisFailure> {
-        tokio::time::timeout_at(deadline, call)
-            .await
-            .unwrap_or(Err(RedisFailure::Timeout(self.settings.timeout)))
-    }
-
     async fn run(
         &self,
         asks: &[RedisAsk<'_>],
         deadline: Instant,
     ) -> Result<Vec<RemoteVerdict>, RedisFailure> {
+        let timeout = self.settings.timeout;
         if let Some(batcher) = &self.batcher {
-            let (_, verdicts) = self.within(deadline, batcher.decide(asks)).await?;
+            let (_, verdicts) = within(deadline, timeout, batcher.decide(asks)).await?;
             return Ok(verdicts);
         }
-        let connection = self.within(deadline, self.connect()).await?;
+        let connection = within(deadline, timeout, self.connect()).await?;
         let single_slot = asks.windows(2).all(|pair| pair[0].tag == pair[1].tag);
         if matches!(connection, Connection::Single(_)) || single_slot {
-            let call = self.invoke(&connection, asks.iter().collect());
-            let (_, verdicts) = self.within(deadline, call).await?;
+            let call = invoke(&self.script, &connection, asks.iter().collect());
+            let (_, verdicts) = within(deadline, timeout, call).await?;
             return Ok(verdicts);
         }
-        // Cluster with several slots: one script per tag group, each bounded by the deadline
-        // itself, so that the groups which did answer are known even when another did not.
-        let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
-        for (index, ask) in asks.iter().enumerate() {
-            match groups.iter_mut().find(|(tag, _)| *tag == ask.tag) {
-                Some((_, members)) => members.push(index),
-                None => groups.push((ask.tag, vec![index])),
-            }
-        }
-        let calls = groups.iter().map(|(_, members)| {
-            let group: Vec<&RedisAsk<'_>> = members.iter().map(|&i| &asks[i]).collect();
-            self.within(deadline, self.invoke(&connection, group))
+        // Cluster with several slots: decided in a task of its own, so that a request that
+        // goes away meanwhile (its client hung up) still gives back what some groups charged
+        // when another refused or failed.
+        let owned: Vec<OwnedAsk> = asks.iter().map(OwnedAsk::from).collect();
+        let script = self.script.clone();
+        let refund = self.refund.clone();
+        let (verdict_sender, verdict) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let asks: Vec<RedisAsk<'_>> = owned.iter().map(OwnedAsk::borrowed).collect();
+            let (result, to_refund) =
+                decide_in_groups(&script, &connection, &asks, deadline, timeout).await;
+            let _ = verdict_sender.send(result);
+            give_back(&refund, &connection, &to_refund, timeout.max(REFUND_BOUND)).await;
         });
-        let answers = futures_util::future::join_all(calls).await;
-        let mut verdicts = vec![
-            RemoteVerdict {
-                allowed: true,
-                remaining: 0,
-                reset_ms: 0,
-                retry_after_ms: 0
-            };
-            asks.len()
-        ];
-        let mut any_blocked = false;
-        let mut failure = None;
-        // Groups whose script admitted: charged in Redis.
-        let mut charged: Vec<usize> = Vec::new();
-        for ((_, members), answer) in groups.iter().zip(answers) {
-            match answer {
-                Ok((blocked, group_verdicts)) => {
-                    any_blocked |= blocked;
-                    for (&index, verdict) in members.iter().zip(group_verdicts) {
-                        verdicts[index] = verdict;
-                        if !blocked && verdict.allowed {
-                            charged.push(index);
-                        }
-                    }
-                }
-                Err(error) => {
-                    failure.get_or_insert(error);
-                }
-            }
-        }
-        if any_blocked || failure.is_some() {
-            // Refused, or decided by the fallback (Redis did not admit it whole): the request
-            // gives back what the other groups charged.
-            let refund: Vec<&RedisAsk<'_>> = charged.iter().map(|&index| &asks[index]).collect();
-            self.give_back(&connection, &refund, deadline).await;
-        }
-        match failure {
-            Some(error) => Err(error),
-            None => Ok(verdicts),
+        let result = verdict.await.unwrap_or_else(|_| {
+            Err(RedisFailure::Connection(
+                "the rate-limit decision ended without an answer".into(),
+            ))
+        });
+        // A refund is waited for until the deadline, so that the next request usually sees
+        // it done; it goes on after that when this request has run out of time.
+        let _ = tokio::time::timeout_at(deadline, task).await;
+        result
+    }
+}
+
+/// Awaits `call` until `deadline`; a timeout (of `timeout`, the setting) after it.
+async fn within<T>(
+    deadline: Instant,
+    timeout: Duration,
+    call: impl std::future::Future<Output = Result<T, RedisFailure>>,
+) -> Result<T, RedisFailure> {
+    tokio::time::timeout_at(deadline, call)
+        .await
+        .unwrap_or(Err(RedisFailure::Timeout(timeout)))
+}
+
+/// A [`RedisAsk`] that owns its key and tag, for a decision that outlives its request.
+struct OwnedAsk {
+    key: String,
+    tag: String,
+    interval_us: u64,
+    burst: u32,
+    dry_run: bool,
+}
+
+impl OwnedAsk {
+    fn from(ask: &RedisAsk<'_>) -> OwnedAsk {
+        OwnedAsk {
+            key: ask.key.to_string(),
+            tag: ask.tag.to_string(),
+            interval_us: ask.interval_us,
+            burst: ask.burst,
+            dry_run: ask.dry_run,
         }
     }
 
-    async fn invoke(
-        &self,
-        connection: &Connection,
-        asks: Vec<&RedisAsk<'_>>,
-    ) -> Result<(bool, Vec<RemoteVerdict>), RedisFailure> {
-        let reply: String = self
-            .script
-            .run(connection, |command| {
-                command.arg(asks.len());
-                for ask in &asks {
-                    command.arg(ask.key);
-                }
-                // One request in the batch (see `limit/script.lua`), waiting for its decision.
-                command.arg(1).arg(asks.len()).arg(0);
-                for ask in &asks {
-                    command
-                        .arg(ask.interval_us)
-                        .arg(ask.burst)
-                        .arg(if ask.dry_run { "1" } else { "0" });
-                }
-            })
-            .await?;
-        parse_reply(&reply, asks.len())
-    }
-
-    /// Gives one token back to each of `asks`, one script per slot group. The refund runs
-    /// as a task of its own: awaited until `deadline`, so that the next request usually sees
-    /// it done, and finished after it when the request has run out of time (a group that
-    /// overran the deadline is exactly when the others need refunding).
-    async fn give_back(&self, connection: &Connection, asks: &[&RedisAsk<'_>], deadline: Instant) {
-        if asks.is_empty() {
-            return;
+    fn borrowed(&self) -> RedisAsk<'_> {
+        RedisAsk {
+            key: &self.key,
+            tag: &self.tag,
+            interval_us: self.interval_us,
+            burst: self.burst,
+            dry_run: self.dry_run,
         }
-        let mut by_tag: Vec<(&str, Vec<(String, u64)>)> = Vec::new();
-        for ask in asks {
-            let owned = (ask.key.to_string(), ask.interval_us);
-            match by_tag.iter_mut().find(|(tag, _)| *tag == ask.tag) {
-                Some((_, members)) => members.push(owned),
-                None => by_tag.push((ask.tag, vec![owned])),
+    }
+}
+
+/// Decides asks of several slots in a cluster: one script per tag group, each bounded by the
+/// deadline itself, so that the groups which did answer are known even when another did not.
+/// A request that is not admitted whole consumes nothing: when a group refuses, fails or
+/// overruns the deadline, the buckets the other groups charged are returned for refunding,
+/// by slot group, as (key, interval) pairs.
+async fn decide_in_groups(
+    script: &KeyedScript,
+    connection: &Connection,
+    asks: &[RedisAsk<'_>],
+    deadline: Instant,
+    timeout: Duration,
+) -> (
+    Result<Vec<RemoteVerdict>, RedisFailure>,
+    Vec<Vec<(String, u64)>>,
+) {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (index, ask) in asks.iter().enumerate() {
+        match groups.iter_mut().find(|(tag, _)| *tag == ask.tag) {
+            Some((_, members)) => members.push(index),
+            None => groups.push((ask.tag, vec![index])),
+        }
+    }
+    let calls = groups.iter().map(|(_, members)| {
+        let group: Vec<&RedisAsk<'_>> = members.iter().map(|&i| &asks[i]).collect();
+        within(deadline, timeout, invoke(script, connection, group))
+    });
+    let answers = futures_util::future::join_all(calls).await;
+    let mut verdicts = vec![
+        RemoteVerdict {
+            allowed: true,
+            remaining: 0,
+            reset_ms: 0,
+            retry_after_ms: 0
+        };
+        asks.len()
+    ];
+    let mut any_blocked = false;
+    let mut failure = None;
+    // Per group whose script admitted: the buckets it charged.
+    let mut charged: Vec<Vec<(String, u64)>> = Vec::new();
+    for ((_, members), answer) in groups.iter().zip(answers) {
+        match answer {
+            Ok((blocked, group_verdicts)) => {
+                any_blocked |= blocked;
+                let mut group_charged = Vec::new();
+                for (&index, verdict) in members.iter().zip(group_verdicts) {
+                    verdicts[index] = verdict;
+                    if !blocked && verdict.allowed {
+                        group_charged.push((asks[index].key.to_string(), asks[index].interval_us));
+                    }
+                }
+                if !group_charged.is_empty() {
+                    charged.push(group_charged);
+                }
+            }
+            Err(error) => {
+                failure.get_or_insert(error);
             }
         }
-        let groups: Vec<Vec<(String, u64)>> =
-            by_tag.into_iter().map(|(_, members)| members).collect();
-        let script = self.refund.clone();
-        let connection = connection.clone();
-        // Once the deadline has passed nobody waits for it, and a late refund is as right as
-        // an early one: a longer bound than a decision's, for a cluster that is catching up
-        // after a failure.
-        let bound = self.settings.timeout.max(REFUND_BOUND);
-        let refund = tokio::spawn(async move {
-            let calls = groups.iter().map(|members| {
-                let call = script.run::<i64>(&connection, move |command| {
-                    command.arg(members.len());
-                    for (key, _) in members {
-                        command.arg(key);
-                    }
-                    for (_, interval_us) in members {
-                        command.arg(*interval_us);
-                    }
-                });
-                async move {
-                    match tokio::time::timeout(bound, call).await {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(error)) => tracing::warn!(
-                            keys = members.len(),
-                            "rate-limit refund failed: {error}; those tokens stay spent"
-                        ),
-                        Err(_elapsed) => tracing::warn!(
-                            keys = members.len(),
-                            "rate-limit refund got no answer within {bound:?}; those tokens may \
-                             stay spent"
-                        ),
-                    }
-                }
-            });
-            futures_util::future::join_all(calls).await;
-        });
-        let _ = tokio::time::timeout_at(deadline, refund).await;
     }
+    // Refused, or left to the fallback (Redis did not admit the request whole): what the
+    // other groups charged goes back.
+    let to_refund = if any_blocked || failure.is_some() {
+        charged
+    } else {
+        Vec::new()
+    };
+    let result = match failure {
+        Some(error) => Err(error),
+        None => Ok(verdicts),
+    };
+    (result, to_refund)
+}
+
+async fn invoke(
+    script: &KeyedScript,
+    connection: &Connection,
+    asks: Vec<&RedisAsk<'_>>,
+) -> Result<(bool, Vec<RemoteVerdict>), RedisFailure> {
+    let reply: String = script
+        .run(connection, |command| {
+            command.arg(asks.len());
+            for ask in &asks {
+                command.arg(ask.key);
+            }
+            // One request in the batch (see `limit/script.lua`), waiting for its decision.
+            command.arg(1).arg(asks.len()).arg(0);
+            for ask in &asks {
+                command
+                    .arg(ask.interval_us)
+                    .arg(ask.burst)
+                    .arg(if ask.dry_run { "1" } else { "0" });
+            }
+        })
+        .await?;
+    parse_reply(&reply, asks.len())
+}
+
+/// Gives one token back to each bucket of `groups` (one script call per slot group, all at
+/// once), each call bounded by `bound`: a late refund is as right as an early one, and it
+/// runs off the request path, so it gets longer than a decision, for a cluster that is
+/// catching up after a failure.
+async fn give_back(
+    script: &KeyedScript,
+    connection: &Connection,
+    groups: &[Vec<(String, u64)>],
+    bound: Duration,
+) {
+    let calls = groups.iter().map(|members| async move {
+        let call = script.run::<i64>(connection, |command| {
+            command.arg(members.len());
+            for (key, _) in members {
+                command.arg(key);
+            }
+            for (_, interval_us) in members {
+                command.arg(*interval_us);
+            }
+        });
+        match tokio::time::timeout(bound, call).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::warn!(
+                keys = members.len(),
+                "rate-limit refund failed: {error}; those tokens stay spent"
+            ),
+            Err(_elapsed) => tracing::warn!(
+                keys = members.len(),
+                "rate-limit refund got no answer within {bound:?}; those tokens may stay spent"
+            ),
+        }
+    });
+    futures_util::future::join_all(calls).await;
 }
 
 /// A Lua script called by its hash (`EVALSHA`), and sent whole (`EVAL`) to the one server

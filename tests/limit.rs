@@ -133,7 +133,8 @@ async fn accuracy_on_a_redis_cluster() {
 
 /// A request whose rules live on two cluster nodes, one of which does not answer (frozen,
 /// then gone): the rules on the other node are charged by its script, and given back, since
-/// Redis did not admit the request whole (the fallback decided it).
+/// Redis did not admit the request whole (the fallback decided it), also when the client has
+/// left meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
     let dir = tempfile::tempdir().expect("dir");
@@ -181,6 +182,14 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
     // Frozen: the user's group overruns the timeout while the IP's group admits.
     cluster.pause(user_node, true);
     decided_in_process_and_given_back(&levee, &user, ip_bucket, "after a timeout").await;
+    // A client that gives up while its decision waits: the decision finishes without it.
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(50),
+        send_as(&levee, Some(&user), None),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the decision waits for the frozen node");
+    given_back(ip_bucket, "after the client left").await;
     cluster.pause(user_node, false);
 
     // Gone: the user's group fails; the IP's is given back again.
@@ -215,12 +224,11 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
 }
 
 /// Sends one request as `user`, whose bucket's node is out: it is decided in-process, and
-/// the IP's bucket, on a node that answered and charged it, is given back: `(port, key)`
-/// holds `charged` again.
+/// the IP's bucket, on a node that answered and charged it, is given back.
 async fn decided_in_process_and_given_back(
     levee: &Levee,
     user: &str,
-    (port, key, charged): (u16, &str, &str),
+    ip_bucket: (u16, &str, &str),
     what: &str,
 ) {
     let answer = send_as(levee, Some(user), None).await;
@@ -228,6 +236,11 @@ async fn decided_in_process_and_given_back(
         answer.status, 200,
         "decided in-process (on_redis_error = local), {what}"
     );
+    given_back(ip_bucket, what).await;
+}
+
+/// Waits until the IP's bucket `(port, key)` holds `charged` again.
+async fn given_back((port, key, charged): (u16, &str, &str), what: &str) {
     eventually(
         Duration::from_secs(5),
         &format!("the IP's token given back {what}"),
