@@ -288,6 +288,11 @@ impl DecisionBatcher {
     /// A request admitted ahead can be one Redis would have refused only when other
     /// instances used up more than that share of the bucket since this instance's last
     /// answer for it (at most `HEADROOM_FRESH` old); `overruns` counts those.
+    ///
+    /// A dry-run rule refuses nothing, so it never makes a request wait: with fresh headroom
+    /// its verdict is given at once whatever is left, "would be refused" when nothing is
+    /// (told from the same answer, and charged in Redis like the rest: never past a full
+    /// bucket).
     pub fn admit_ahead(
         &self,
         asks: &[RedisAsk<'_>],
@@ -312,8 +317,9 @@ impl DecisionBatcher {
                     let left = known.remaining.saturating_sub(known.pending);
                     known.burst == ask.burst
                         && now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
-                        && left > 0
-                        && f64::from(left) > self.admit_ahead_above * f64::from(ask.burst)
+                        && (ask.dry_run
+                            || (left > 0
+                                && f64::from(left) > self.admit_ahead_above * f64::from(ask.burst)))
                 })
             });
             if !ahead {
@@ -322,14 +328,20 @@ impl DecisionBatcher {
             let mut verdicts = Vec::with_capacity(asks.len());
             for ask in asks {
                 if let Some(known) = headroom.get_mut(ask.key) {
+                    // Only a dry-run rule gets here with nothing left: it would refuse.
+                    let allowed = known.remaining > known.pending;
                     known.pending += 1;
                     let remaining = known.remaining.saturating_sub(known.pending);
                     let used = u64::from(ask.burst.saturating_sub(remaining));
                     verdicts.push(RemoteVerdict {
-                        allowed: true,
+                        allowed,
                         remaining,
                         reset_ms: used.saturating_mul(ask.interval_us).div_ceil(1000),
-                        retry_after_ms: 0,
+                        retry_after_ms: if allowed {
+                            0
+                        } else {
+                            ask.interval_us.div_ceil(1000)
+                        },
                     });
                 }
             }

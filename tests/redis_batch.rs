@@ -839,6 +839,41 @@ async fn near_the_limit_every_decision_waits_and_the_burst_is_exact() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dry_run_rule_with_nothing_left_does_not_make_requests_wait() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let port = redis.port.to_string();
+    let connection = ["-p", port.as_str()];
+    let backend = echo_backend().await;
+    let rule = "[limit.trial]\nkey = [\"route\"]\nrate = \"1/min\"\nburst = 3\ndry_run = true\n";
+    let levee = Levee::start(&ahead_policy(
+        &backend,
+        &redis_section(&redis.url(), ""),
+        rule,
+        "\"trial\"",
+    ))
+    .await;
+    const REQUESTS: usize = 20;
+    let statuses = statuses(&levee, REQUESTS).await;
+    assert_eq!(statuses, vec![200; REQUESTS], "a dry run refuses nothing");
+
+    // The first request waits (nothing is known of the bucket); Redis says 2 left, and from
+    // then on every verdict is given at once: the last two tokens, then "would be refused".
+    let allowed_ahead = decisions(&levee, "trial", "allowed", "ahead").await;
+    let refused_ahead = decisions(&levee, "trial", "dry_run_limited", "ahead").await;
+    println!("{allowed_ahead} allowed and {refused_ahead} would-be refusals ahead");
+    assert_eq!(decisions_from(&levee, "trial", "redis").await, 1.0);
+    assert_eq!((allowed_ahead, refused_ahead), (2.0, (REQUESTS - 3) as f64));
+    assert_eq!(decisions_from(&levee, "trial", "fallback").await, 0.0);
+
+    // Charged in Redis all the same, never past a full bucket, and nothing counted as an
+    // overrun: a dry run's excess is not one.
+    settle(&levee, "flush-1").await;
+    assert_charged(&connection, &bucket_of(&connection, "trial"), 3);
+    assert_eq!(ahead_overruns(&levee).await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_instance_never_admits_ahead_past_the_burst_even_in_a_rush() {
     // A rush on a bucket nobody asked about yet: the first decisions wait for Redis, and the
     // requests behind them count as taken, so nothing is admitted ahead on the strength of an
