@@ -337,11 +337,8 @@ impl DecisionBatcher {
                         allowed,
                         remaining,
                         reset_ms: used.saturating_mul(ask.interval_us).div_ceil(1000),
-                        retry_after_ms: if allowed {
-                            0
-                        } else {
-                            ask.interval_us.div_ceil(1000)
-                        },
+                        // A dry run's refusal is counted, never answered: no wait to say.
+                        retry_after_ms: 0,
                     });
                 }
             }

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use crate::metrics::Metrics;
 use crate::redis_batch::{lock, read_answer, DecisionBatcher, Endpoint};
 
-/// Shortest bound on a refund call (see `RedisStore::give_back`).
+/// Shortest bound on a refund call (see `give_back`).
 const REFUND_BOUND: Duration = Duration::from_secs(1);
 
 /// The rate-limit script: GCRA for a batch of requests (see its header).
@@ -262,11 +262,7 @@ impl RedisStore {
         };
         let call = async {
             let connection = self.connect().await?;
-            let value: T = match connection {
-                Connection::Single(mut connection) => command.query_async(&mut connection).await?,
-                Connection::Cluster(mut connection) => command.query_async(&mut connection).await?,
-            };
-            Ok::<T, RedisFailure>(value)
+            Ok::<T, RedisFailure>(query(&connection, command).await?)
         };
         let result = match tokio::time::timeout(timeout, call).await {
             Ok(result) => result,
@@ -341,7 +337,8 @@ impl RedisStore {
             let (result, to_refund) =
                 decide_in_groups(&script, &connection, &asks, deadline, timeout).await;
             let _ = verdict_sender.send(result);
-            give_back(&refund, &connection, &to_refund, timeout.max(REFUND_BOUND)).await;
+            let bound = timeout.max(REFUND_BOUND);
+            give_back(&refund, &connection, &asks, &to_refund, bound).await;
         });
         let result = verdict.await.unwrap_or_else(|_| {
             Err(RedisFailure::Connection(
@@ -375,7 +372,7 @@ struct OwnedAsk {
     dry_run: bool,
 }
 
-impl OwnedAsk {
+impl From<&RedisAsk<'_>> for OwnedAsk {
     fn from(ask: &RedisAsk<'_>) -> OwnedAsk {
         OwnedAsk {
             key: ask.key.to_string(),
@@ -385,7 +382,9 @@ impl OwnedAsk {
             dry_run: ask.dry_run,
         }
     }
+}
 
+impl OwnedAsk {
     fn borrowed(&self) -> RedisAsk<'_> {
         RedisAsk {
             key: &self.key,
@@ -400,18 +399,15 @@ impl OwnedAsk {
 /// Decides asks of several slots in a cluster: one script per tag group, each bounded by the
 /// deadline itself, so that the groups which did answer are known even when another did not.
 /// A request that is not admitted whole consumes nothing: when a group refuses, fails or
-/// overruns the deadline, the buckets the other groups charged are returned for refunding,
-/// by slot group, as (key, interval) pairs.
+/// overruns the deadline, the buckets the other groups charged are returned for refunding:
+/// their indices in `asks`, by slot group.
 async fn decide_in_groups(
     script: &KeyedScript,
     connection: &Connection,
     asks: &[RedisAsk<'_>],
     deadline: Instant,
     timeout: Duration,
-) -> (
-    Result<Vec<RemoteVerdict>, RedisFailure>,
-    Vec<Vec<(String, u64)>>,
-) {
+) -> (Result<Vec<RemoteVerdict>, RedisFailure>, Vec<Vec<usize>>) {
     let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
     for (index, ask) in asks.iter().enumerate() {
         match groups.iter_mut().find(|(tag, _)| *tag == ask.tag) {
@@ -436,7 +432,7 @@ async fn decide_in_groups(
     let mut any_blocked = false;
     let mut failure = None;
     // Per group whose script admitted: the buckets it charged.
-    let mut charged: Vec<Vec<(String, u64)>> = Vec::new();
+    let mut charged: Vec<Vec<usize>> = Vec::new();
     for ((_, members), answer) in groups.iter().zip(answers) {
         match answer {
             Ok((blocked, group_verdicts)) => {
@@ -445,7 +441,7 @@ async fn decide_in_groups(
                 for (&index, verdict) in members.iter().zip(group_verdicts) {
                     verdicts[index] = verdict;
                     if !blocked && verdict.allowed {
-                        group_charged.push((asks[index].key.to_string(), asks[index].interval_us));
+                        group_charged.push(index);
                     }
                 }
                 if !group_charged.is_empty() {
@@ -495,24 +491,25 @@ async fn invoke(
     parse_reply(&reply, asks.len())
 }
 
-/// Gives one token back to each bucket of `groups` (one script call per slot group, all at
-/// once), each call bounded by `bound`: a late refund is as right as an early one, and it
+/// Gives one token back to each of `asks` that `groups` lists (one script call per slot
+/// group, all at once), each call bounded by `bound`: a late refund is as right as an early one, and it
 /// runs off the request path, so it gets longer than a decision, for a cluster that is
 /// catching up after a failure.
 async fn give_back(
     script: &KeyedScript,
     connection: &Connection,
-    groups: &[Vec<(String, u64)>],
+    asks: &[RedisAsk<'_>],
+    groups: &[Vec<usize>],
     bound: Duration,
 ) {
     let calls = groups.iter().map(|members| async move {
         let call = script.run::<i64>(connection, |command| {
             command.arg(members.len());
-            for (key, _) in members {
-                command.arg(key);
+            for &index in members {
+                command.arg(asks[index].key);
             }
-            for (_, interval_us) in members {
-                command.arg(*interval_us);
+            for &index in members {
+                command.arg(asks[index].interval_us);
             }
         });
         match tokio::time::timeout(bound, call).await {
