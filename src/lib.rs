@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod queue;
 pub mod redis_batch;
+pub mod redis_cluster;
 pub mod redis_store;
 
 pub use app::{run, start, Options, Running};

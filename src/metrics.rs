@@ -43,6 +43,11 @@ pub struct RedisStateLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RedisNodeLabels {
+    pub node: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BreakerLabels {
     pub upstream: String,
 }
@@ -112,6 +117,7 @@ pub struct Metrics {
     pub redis_up: Gauge,
     pub ratelimit_ahead_overruns: Counter,
     pub redis_transitions: Family<RedisStateLabels, Counter>,
+    pub redis_node_up: Family<RedisNodeLabels, Gauge>,
     pub breaker_state: Family<BreakerLabels, Gauge>,
     pub breaker_transitions: Family<BreakerTransitionLabels, Counter>,
     pub breaker_rejected: Family<BreakerLabels, Counter>,
@@ -270,6 +276,12 @@ impl Metrics {
             "Switches between Redis and the fallback (to=down / to=up)",
             redis_transitions.clone(),
         );
+        let redis_node_up = Family::<RedisNodeLabels, Gauge>::default();
+        registry.register(
+            "redis_node_up",
+            "Redis Cluster: 1 while a master node is used for the rate-limit buckets it holds, 0 while its health breaker is open",
+            redis_node_up.clone(),
+        );
         let breaker_state = Family::<BreakerLabels, Gauge>::default();
         registry.register(
             "breaker_state",
@@ -382,6 +394,7 @@ impl Metrics {
             redis_up,
             ratelimit_ahead_overruns,
             redis_transitions,
+            redis_node_up,
             requests,
             request_duration,
             upstream_errors,

@@ -18,6 +18,7 @@ use tokio::time::Instant;
 
 use crate::metrics::Metrics;
 use crate::redis_batch::{lock, read_answer, DecisionBatcher, Endpoint};
+use crate::redis_cluster::{parse_slots, ClusterHealth, Node};
 
 /// Shortest bound on a refund call (see `give_back`).
 const REFUND_BOUND: Duration = Duration::from_secs(1);
@@ -97,11 +98,60 @@ pub struct RemoteVerdict {
     pub retry_after_ms: u64,
 }
 
+/// A health breaker: Redis as a whole on a single server, or one master node of a cluster.
 #[derive(Debug, Default)]
-struct Health {
-    consecutive_failures: u32,
+pub struct Health {
+    pub(crate) consecutive_failures: u32,
     open_until: Option<Instant>,
     probing: bool,
+}
+
+/// A change of a health breaker's state, to log and count.
+enum Change {
+    Down { failures: u32 },
+    Up,
+}
+
+impl Health {
+    /// True while the breaker is closed.
+    fn is_closed(&self) -> bool {
+        self.open_until.is_none()
+    }
+
+    /// Leave to call: `None` while the breaker is open and cooling down, or while another
+    /// request is its probe.
+    fn permit(health: &Mutex<Health>) -> Option<Permit<'_>> {
+        let mut state = lock(health);
+        let probe = match state.open_until {
+            None => false,
+            Some(until) if Instant::now() < until || state.probing => return None,
+            Some(_) => {
+                state.probing = true;
+                true
+            }
+        };
+        Some(Permit { health, probe })
+    }
+
+    /// Records how a call went; opens the breaker at `failures_to_open` failures in a row
+    /// (and again at each failed probe), closes it at the first success.
+    fn record(&mut self, ok: bool, settings: &RedisSettings) -> Option<Change> {
+        if ok {
+            self.consecutive_failures = 0;
+            return self.open_until.take().map(|_| Change::Up);
+        }
+        self.consecutive_failures += 1;
+        let was_open = self.open_until.is_some();
+        if was_open || self.consecutive_failures >= settings.failures_to_open {
+            self.open_until = Some(Instant::now() + settings.cooldown);
+            if !was_open {
+                return Some(Change::Down {
+                    failures: self.consecutive_failures,
+                });
+            }
+        }
+        None
+    }
 }
 
 /// Leave to call Redis on the request path. A probe's permit ends the probe when it is
@@ -129,6 +179,9 @@ pub struct RedisStore {
     /// Rate-limit decisions on a single server, batched (`redis_batch`). `None` for a
     /// cluster, whose decisions go one call per slot group through redis-rs.
     batcher: Option<DecisionBatcher>,
+    /// A cluster's slot map and per-node health, which rate-limit decisions follow instead
+    /// of `health`. `None` for a single server.
+    cluster: Option<Arc<ClusterHealth>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -150,8 +203,11 @@ impl RedisStore {
             }),
             RedisTarget::Cluster(_) => None,
         };
+        let cluster = matches!(settings.target, RedisTarget::Cluster(_))
+            .then(|| Arc::new(ClusterHealth::default()));
         RedisStore {
             batcher,
+            cluster,
             settings,
             connection: OnceCell::new(),
             health: Mutex::new(Health::default()),
@@ -160,12 +216,27 @@ impl RedisStore {
         }
     }
 
-    /// True while the health breaker is closed (Redis is being used).
+    /// True while the health breaker is closed (Redis is being used); in a cluster, while
+    /// every master node's is closed too.
     pub fn is_up(&self) -> bool {
-        self.health
-            .lock()
-            .map(|health| health.open_until.is_none())
-            .unwrap_or(true)
+        lock(&self.health).is_closed()
+            && self
+                .cluster_nodes()
+                .iter()
+                .all(|(_, node_is_up)| *node_is_up)
+    }
+
+    /// A cluster's master nodes as its slot map last listed them, and whether each is used
+    /// for the rate-limit buckets it holds. Empty for a single server.
+    pub fn cluster_nodes(&self) -> Vec<(String, bool)> {
+        let Some(cluster) = &self.cluster else {
+            return Vec::new();
+        };
+        cluster
+            .nodes()
+            .iter()
+            .map(|node| (node.address.to_string(), lock(&node.health).is_closed()))
+            .collect()
     }
 
     async fn connect(&self) -> Result<Connection, RedisFailure> {
@@ -198,53 +269,63 @@ impl RedisStore {
     }
 
     fn permit(&self) -> Option<Permit<'_>> {
-        let mut health = lock(&self.health);
-        let probe = match health.open_until {
-            None => false,
-            Some(until) if Instant::now() < until || health.probing => return None,
-            Some(_) => {
-                health.probing = true;
-                true
-            }
-        };
-        Some(Permit {
-            health: &self.health,
-            probe,
-        })
+        Health::permit(&self.health)
     }
 
     fn record(&self, permit: Permit<'_>, ok: bool, metrics: &Metrics) {
         drop(permit);
-        let mut health = lock(&self.health);
-        if ok {
-            health.consecutive_failures = 0;
-            if health.open_until.take().is_some() {
+        let change = lock(&self.health).record(ok, &self.settings);
+        let to = match change {
+            None => return,
+            Some(Change::Up) => {
                 tracing::info!("redis answers again: rate limits are shared through redis");
                 metrics.redis_up.set(1);
-                metrics
-                    .redis_transitions
-                    .get_or_create(&crate::metrics::RedisStateLabels { to: "up" })
-                    .inc();
+                "up"
             }
-            return;
-        }
-        health.consecutive_failures += 1;
-        let was_open = health.open_until.is_some();
-        if was_open || health.consecutive_failures >= self.settings.failures_to_open {
-            health.open_until = Some(Instant::now() + self.settings.cooldown);
-            if !was_open {
+            Some(Change::Down { failures }) => {
                 tracing::warn!(
-                    failures = health.consecutive_failures,
+                    failures,
                     cooldown = ?self.settings.cooldown,
                     "redis is failing: rate limits use each rule's on_redis_error fallback"
                 );
                 metrics.redis_up.set(0);
-                metrics
-                    .redis_transitions
-                    .get_or_create(&crate::metrics::RedisStateLabels { to: "down" })
-                    .inc();
+                "down"
             }
-        }
+        };
+        metrics
+            .redis_transitions
+            .get_or_create(&crate::metrics::RedisStateLabels { to })
+            .inc();
+    }
+
+    /// Records how the calls to a cluster node went, like [`Self::record`] for its own
+    /// breaker.
+    fn record_node(&self, node: &Node, permit: Permit<'_>, ok: bool, metrics: &Metrics) {
+        drop(permit);
+        let change = lock(&node.health).record(ok, &self.settings);
+        let up = match change {
+            None => return,
+            Some(Change::Up) => {
+                tracing::info!(
+                    node = %node.address,
+                    "redis cluster node answers again: the rate-limit buckets it holds are shared through redis"
+                );
+                1
+            }
+            Some(Change::Down { failures }) => {
+                tracing::warn!(
+                    node = %node.address,
+                    failures,
+                    cooldown = ?self.settings.cooldown,
+                    "redis cluster node is failing: rules whose buckets it holds use their on_redis_error fallback"
+                );
+                0
+            }
+        };
+        metrics
+            .redis_node_up
+            .get_or_create(&crate::redis_cluster::labels(node))
+            .set(up);
     }
 
     /// Runs one command. On the request path (`guarded`), it goes through the health breaker
@@ -298,9 +379,18 @@ impl RedisStore {
         asks: &[RedisAsk<'_>],
         metrics: &Metrics,
     ) -> Result<Vec<RemoteVerdict>, RedisFailure> {
+        if let Some(cluster) = &self.cluster {
+            return self.decide_in_cluster(cluster, asks, metrics).await;
+        }
         let permit = self.permit().ok_or(RedisFailure::Down)?;
         let started = Instant::now();
-        let result = self.run(asks, started + self.settings.timeout).await;
+        let deadline = started + self.settings.timeout;
+        let result = match &self.batcher {
+            Some(batcher) => within(deadline, self.settings.timeout, batcher.decide(asks))
+                .await
+                .map(|(_, verdicts)| verdicts),
+            None => self.decide_unbatched(asks, deadline).await,
+        };
         metrics
             .redis_latency
             .observe(started.elapsed().as_secs_f64());
@@ -308,47 +398,151 @@ impl RedisStore {
         result
     }
 
-    async fn run(
+    /// One script for every ask, through redis-rs (a single server whose address the batcher
+    /// cannot dial itself).
+    async fn decide_unbatched(
         &self,
         asks: &[RedisAsk<'_>],
         deadline: Instant,
     ) -> Result<Vec<RemoteVerdict>, RedisFailure> {
         let timeout = self.settings.timeout;
-        if let Some(batcher) = &self.batcher {
-            let (_, verdicts) = within(deadline, timeout, batcher.decide(asks)).await?;
-            return Ok(verdicts);
-        }
         let connection = within(deadline, timeout, self.connect()).await?;
-        let single_slot = asks.windows(2).all(|pair| pair[0].tag == pair[1].tag);
-        if matches!(connection, Connection::Single(_)) || single_slot {
-            let call = invoke(&self.script, &connection, asks.iter().collect());
-            let (_, verdicts) = within(deadline, timeout, call).await?;
-            return Ok(verdicts);
+        let call = invoke(&self.script, &connection, asks.iter().collect());
+        let (_, verdicts) = within(deadline, timeout, call).await?;
+        Ok(verdicts)
+    }
+
+    /// [`Self::decide_all`] in a cluster: each slot group's calls count against the health of
+    /// the node that holds it. A node cooling down leaves the request to `on_redis_error`
+    /// without calling the others, whose charges would only be given back.
+    async fn decide_in_cluster(
+        &self,
+        cluster: &Arc<ClusterHealth>,
+        asks: &[RedisAsk<'_>],
+        metrics: &Metrics,
+    ) -> Result<Vec<RemoteVerdict>, RedisFailure> {
+        let groups = slot_groups(asks);
+        // The nodes the request needs, once each, and for each group its node's index.
+        let mut nodes: Vec<Node> = Vec::with_capacity(groups.len());
+        let mut node_of_group = Vec::with_capacity(groups.len());
+        for members in &groups {
+            let node = cluster.node_for(asks[members[0]].key);
+            let index = match nodes.iter().position(|known| known.address == node.address) {
+                Some(index) => index,
+                None => {
+                    nodes.push(node);
+                    nodes.len() - 1
+                }
+            };
+            node_of_group.push(index);
         }
-        // Cluster with several slots: decided in a task of its own, so that a request that
-        // goes away meanwhile (its client hung up) still gives back what some groups charged
-        // when another refused or failed.
+        let permits: Vec<Permit<'_>> = nodes
+            .iter()
+            .map(|node| Health::permit(&node.health))
+            .collect::<Option<_>>()
+            .ok_or(RedisFailure::Down)?;
+        let started = Instant::now();
+        let (result, group_ok) = self
+            .run_groups(asks, groups, started + self.settings.timeout)
+            .await;
+        metrics
+            .redis_latency
+            .observe(started.elapsed().as_secs_f64());
+        for (index, (node, permit)) in nodes.iter().zip(permits).enumerate() {
+            let node_ok = node_of_group
+                .iter()
+                .zip(&group_ok)
+                .all(|(&of, &ok)| of != index || ok);
+            self.record_node(node, permit, node_ok, metrics);
+        }
+        self.read_slot_map_when_due(cluster, result.is_err(), metrics);
+        result
+    }
+
+    /// Decides the slot groups of a cluster request; also says, per group, whether its
+    /// node answered.
+    async fn run_groups(
+        &self,
+        asks: &[RedisAsk<'_>],
+        groups: Vec<Vec<usize>>,
+        deadline: Instant,
+    ) -> (Result<Vec<RemoteVerdict>, RedisFailure>, Vec<bool>) {
+        let timeout = self.settings.timeout;
+        let connection = match within(deadline, timeout, self.connect()).await {
+            Ok(connection) => connection,
+            Err(error) => return (Err(error), vec![false; groups.len()]),
+        };
+        if groups.len() == 1 {
+            let call = invoke(&self.script, &connection, asks.iter().collect());
+            let result = within(deadline, timeout, call).await;
+            let ok = result.is_ok();
+            return (result.map(|(_, verdicts)| verdicts), vec![ok]);
+        }
+        // Several slots: decided in a task of its own, so that a request that goes away
+        // meanwhile (its client hung up) still gives back what some groups charged when
+        // another refused or failed.
+        let group_count = groups.len();
         let owned: Vec<OwnedAsk> = asks.iter().map(OwnedAsk::from).collect();
         let script = self.script.clone();
         let refund = self.refund.clone();
         let (verdict_sender, verdict) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
             let asks: Vec<RedisAsk<'_>> = owned.iter().map(OwnedAsk::borrowed).collect();
-            let (result, to_refund) =
-                decide_in_groups(&script, &connection, &asks, deadline, timeout).await;
-            let _ = verdict_sender.send(result);
+            let decided =
+                decide_in_groups(&script, &connection, &asks, &groups, deadline, timeout).await;
+            let _ = verdict_sender.send((decided.result, decided.group_ok));
             let bound = timeout.max(REFUND_BOUND);
-            give_back(&refund, &connection, &asks, &to_refund, bound).await;
+            give_back(&refund, &connection, &asks, &decided.to_refund, bound).await;
         });
-        let result = verdict.await.unwrap_or_else(|_| {
-            Err(RedisFailure::Connection(
-                "the rate-limit decision ended without an answer".into(),
-            ))
+        let answer = verdict.await.unwrap_or_else(|_| {
+            let ended =
+                RedisFailure::Connection("the rate-limit decision ended without an answer".into());
+            (Err(ended), vec![false; group_count])
         });
         // A refund is waited for until the deadline, so that the next request usually sees
         // it done; it goes on after that when this request has run out of time.
         let _ = tokio::time::timeout_at(deadline, task).await;
-        result
+        answer
+    }
+
+    /// Reads the cluster's slot map again in the background when it is due (see
+    /// [`ClusterHealth::claim_read`]).
+    fn read_slot_map_when_due(
+        &self,
+        cluster: &Arc<ClusterHealth>,
+        failed: bool,
+        metrics: &Metrics,
+    ) {
+        let Some(connection) = self.connection.get().cloned() else {
+            return;
+        };
+        if !cluster.claim_read(failed) {
+            return;
+        }
+        let cluster = cluster.clone();
+        let node_up = metrics.redis_node_up.clone();
+        tokio::spawn(async move {
+            let mut slots = redis::cmd("CLUSTER");
+            slots.arg("SLOTS");
+            let read = query::<redis::Value>(&connection, &slots);
+            let ranges = match tokio::time::timeout(REFUND_BOUND, read).await {
+                Ok(Ok(reply)) => parse_slots(&reply)
+                    .ok_or_else(|| "CLUSTER SLOTS answered something not a slot map".to_string()),
+                Ok(Err(error)) => Err(format!("CLUSTER SLOTS failed: {error}")),
+                Err(_elapsed) => Err(format!(
+                    "CLUSTER SLOTS got no answer within {REFUND_BOUND:?}"
+                )),
+            };
+            match ranges {
+                Ok(ranges) => cluster.install(ranges, &node_up),
+                Err(reason) => {
+                    tracing::warn!(
+                        "{reason}; rate-limit calls keep following the slot map read before"
+                    );
+                    cluster.read_failed();
+                }
+            }
+        });
     }
 }
 
@@ -396,26 +590,44 @@ impl OwnedAsk {
     }
 }
 
-/// Decides asks of several slots in a cluster: one script per tag group, each bounded by the
+/// The asks' indices, grouped by hash tag (one slot per group), in order of first appearance.
+fn slot_groups(asks: &[RedisAsk<'_>]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (index, ask) in asks.iter().enumerate() {
+        match groups
+            .iter_mut()
+            .find(|members| asks[members[0]].tag == ask.tag)
+        {
+            Some(members) => members.push(index),
+            None => groups.push(vec![index]),
+        }
+    }
+    groups
+}
+
+/// What [`decide_in_groups`] found.
+struct GroupsDecided {
+    result: Result<Vec<RemoteVerdict>, RedisFailure>,
+    /// Per group: its node answered.
+    group_ok: Vec<bool>,
+    /// Per group whose script admitted, when the request was not admitted whole: the
+    /// indices in `asks` of the buckets it charged, to give back.
+    to_refund: Vec<Vec<usize>>,
+}
+
+/// Decides asks of several slots in a cluster: one script per slot group, each bounded by the
 /// deadline itself, so that the groups which did answer are known even when another did not.
 /// A request that is not admitted whole consumes nothing: when a group refuses, fails or
-/// overruns the deadline, the buckets the other groups charged are returned for refunding:
-/// their indices in `asks`, by slot group.
+/// overruns the deadline, the buckets the other groups charged are returned for refunding.
 async fn decide_in_groups(
     script: &KeyedScript,
     connection: &Connection,
     asks: &[RedisAsk<'_>],
+    groups: &[Vec<usize>],
     deadline: Instant,
     timeout: Duration,
-) -> (Result<Vec<RemoteVerdict>, RedisFailure>, Vec<Vec<usize>>) {
-    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
-    for (index, ask) in asks.iter().enumerate() {
-        match groups.iter_mut().find(|(tag, _)| *tag == ask.tag) {
-            Some((_, members)) => members.push(index),
-            None => groups.push((ask.tag, vec![index])),
-        }
-    }
-    let calls = groups.iter().map(|(_, members)| {
+) -> GroupsDecided {
+    let calls = groups.iter().map(|members| {
         let group: Vec<&RedisAsk<'_>> = members.iter().map(|&i| &asks[i]).collect();
         within(deadline, timeout, invoke(script, connection, group))
     });
@@ -431,9 +643,11 @@ async fn decide_in_groups(
     ];
     let mut any_blocked = false;
     let mut failure = None;
+    let mut group_ok = Vec::with_capacity(groups.len());
     // Per group whose script admitted: the buckets it charged.
     let mut charged: Vec<Vec<usize>> = Vec::new();
-    for ((_, members), answer) in groups.iter().zip(answers) {
+    for (members, answer) in groups.iter().zip(answers) {
+        group_ok.push(answer.is_ok());
         match answer {
             Ok((blocked, group_verdicts)) => {
                 any_blocked |= blocked;
@@ -464,7 +678,11 @@ async fn decide_in_groups(
         Some(error) => Err(error),
         None => Ok(verdicts),
     };
-    (result, to_refund)
+    GroupsDecided {
+        result,
+        group_ok,
+        to_refund,
+    }
 }
 
 async fn invoke(

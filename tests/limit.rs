@@ -223,6 +223,100 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
     assert_eq!(ip_decisions(&metrics, "redis"), 2.0, "{metrics}");
 }
 
+/// One node out opens that node's health breaker only: rules whose buckets it holds follow
+/// `on_redis_error` (without waiting once it is open), and the other nodes go on deciding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_node_that_fails_opens_only_its_own_breaker() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cluster = RedisCluster::start(dir.path()).await;
+    let nodes = cluster.toml_list();
+    let redis = format!(
+        "[redis]\ncluster = [{nodes}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n"
+    );
+    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
+    let backend = echo_backend().await;
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis,
+        per_user,
+        "\"per_user\"",
+    ))
+    .await;
+    let ports = cluster.ports.clone();
+    let owner = |user: &str| {
+        let key = format!("levee:rl:{{{user}}}:per_user:{user}");
+        (0..ports.len())
+            .find(|&node| matches!(redis_cli(ports[node], &["EXISTS", &key]).trim(), "0" | "1"))
+            .expect("a node serves every slot")
+    };
+    let (out, fine) = ("alice", "bob");
+    let out_node = owner(out);
+    let fine = (0..)
+        .map(|i| format!("{fine}{i}"))
+        .find(|user| owner(user) != out_node)
+        .expect("some user's bucket is on another node");
+    assert_eq!(send_as(&levee, Some(out), None).await.status, 200);
+    // The slot map is read once connected: then /status lists the three masters.
+    eventually(Duration::from_secs(5), "the slot map read", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["redis"]["nodes"].as_array().map(Vec::len) == Some(3)
+    })
+    .await;
+
+    cluster.pause(out_node, true);
+    for _ in 0..3 {
+        let answer = send_as(&levee, Some(out), None).await;
+        assert_eq!(
+            answer.status, 200,
+            "decided in-process (on_redis_error = local)"
+        );
+    }
+    for _ in 0..3 {
+        assert_eq!(send_as(&levee, Some(&fine), None).await.status, 200);
+    }
+    cluster.pause(out_node, false);
+
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    let decisions = |source: &str| {
+        metric_value(
+            &metrics,
+            &format!("levee_ratelimit_decisions_total{{rule=\"per_user\",result=\"allowed\",source=\"{source}\"}}"),
+        )
+    };
+    // The first request and `fine`'s three by Redis; `out`'s three in-process: two timed
+    // out, which opened its node's breaker, and the third did not call Redis.
+    assert_eq!(
+        (decisions("redis"), decisions("fallback")),
+        (4.0, 3.0),
+        "{metrics}"
+    );
+    let calls = metric_value(&metrics, "levee_redis_latency_seconds_count");
+    assert_eq!(
+        calls, 6.0,
+        "the third request of `out` did not call Redis: {metrics}"
+    );
+    let node_up = |node: usize| {
+        metric_value(
+            &metrics,
+            &format!("levee_redis_node_up{{node=\"127.0.0.1:{}\"}}", ports[node]),
+        )
+    };
+    assert_eq!(node_up(out_node), 0.0, "{metrics}");
+    assert_eq!(node_up(owner(&fine)), 1.0, "{metrics}");
+    assert_eq!(metric_value(&metrics, "levee_redis_up"), 1.0, "{metrics}");
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["redis"]["up"], false, "{status}");
+    let down: Vec<&serde_json::Value> = status["redis"]["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|node| node["up"] == false)
+        .collect();
+    assert_eq!(down.len(), 1, "{status}");
+    assert_eq!(down[0]["node"], format!("127.0.0.1:{}", ports[out_node]));
+}
+
 /// Sends one request as `user`, whose bucket's node is out: it is decided in-process, and
 /// the IP's bucket, on a node that answered and charged it, is given back.
 async fn decided_in_process_and_given_back(

@@ -609,6 +609,7 @@ fn status(shared: &Shared) -> serde_json::Value {
                 crate::redis_store::RedisTarget::Cluster(nodes) => json!(nodes.iter().map(|n| crate::redis_store::redact_url(n)).collect::<Vec<_>>()),
             },
             "up": redis.is_up(),
+            "nodes": redis.cluster_nodes().into_iter().map(|(node, up)| json!({"node": node, "up": up})).collect::<Vec<_>>(),
         })
     });
     json!({
@@ -630,7 +631,6 @@ fn status(shared: &Shared) -> serde_json::Value {
     })
 }
 
-/// Hides a password in a Redis URL (`redis://:secret@host` → `redis://:***@host`).
 fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<ResponseBody> {
     let mut body = serde_json::to_vec_pretty(value).unwrap_or_default();
     body.push(b'\n');
