@@ -436,11 +436,16 @@ impl RedisStore {
             };
             node_of_group.push(index);
         }
-        let permits: Vec<Permit<'_>> = nodes
+        let permits: Option<Vec<Permit<'_>>> = nodes
             .iter()
             .map(|node| Health::permit(&node.health))
-            .collect::<Option<_>>()
-            .ok_or(RedisFailure::Down)?;
+            .collect();
+        let Some(permits) = permits else {
+            // A node cooling down may have handed its slots to another meanwhile (a replica
+            // promoted): a fresh map finds the new master, whose breaker is closed.
+            self.read_slot_map_when_due(cluster, true, metrics);
+            return Err(RedisFailure::Down);
+        };
         let started = Instant::now();
         let (result, group_ok) = self
             .run_groups(asks, groups, started + self.settings.timeout)

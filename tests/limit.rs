@@ -317,6 +317,96 @@ async fn a_cluster_node_that_fails_opens_only_its_own_breaker() {
     assert_eq!(down[0]["node"], format!("127.0.0.1:{}", ports[out_node]));
 }
 
+/// A master that dies and whose replica takes over: levee finds the new master in the
+/// cluster's slot map and decides in Redis again, without waiting out the old master's
+/// cool-down (an hour here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_failover_is_followed_without_waiting_out_the_cooldown() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut cluster = RedisCluster::start_with_replicas(dir.path()).await;
+    let nodes = cluster.toml_list();
+    let redis = format!(
+        "[redis]\ncluster = [{nodes}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n"
+    );
+    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
+    let backend = echo_backend().await;
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis,
+        per_user,
+        "\"per_user\"",
+    ))
+    .await;
+    let key = "levee:rl:{alice}:per_user:alice";
+    let master = (0..cluster.ports.len())
+        .find(|&node| cluster.cli(node, &["EXISTS", key]).trim() == "0")
+        .expect("a master serves the slot");
+    let replica = cluster
+        .replica_of(master)
+        .expect("the master has a replica");
+    let from_redis = |metrics: &str| {
+        metric_value(
+            metrics,
+            "levee_ratelimit_decisions_total{rule=\"per_user\",result=\"allowed\",source=\"redis\"}",
+        )
+    };
+    assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
+    eventually(Duration::from_secs(5), "the slot map read", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["redis"]["nodes"].as_array().map(Vec::len) == Some(3)
+    })
+    .await;
+
+    cluster.kill(master);
+    for _ in 0..2 {
+        let answer = send_as(&levee, Some("alice"), None).await;
+        assert_eq!(
+            answer.status, 200,
+            "decided in-process (on_redis_error = local)"
+        );
+    }
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["redis"]["up"], false, "{status}");
+    assert_eq!(
+        cluster
+            .cli(replica, &["CLUSTER", "FAILOVER", "TAKEOVER"])
+            .trim(),
+        "OK"
+    );
+
+    eventually(
+        Duration::from_secs(20),
+        "alice decided by Redis again",
+        || async {
+            let before = from_redis(&get(&levee.admin_url("/metrics")).await.text());
+            // In-process meanwhile: its share of the rate may run out (429), which is fine.
+            send_as(&levee, Some("alice"), None).await;
+            from_redis(&get(&levee.admin_url("/metrics")).await.text()) > before
+        },
+    )
+    .await;
+    assert_eq!(
+        cluster.cli(replica, &["EXISTS", key]).trim(),
+        "1",
+        "charged on the new master"
+    );
+    let status = get(&levee.admin_url("/status")).await.json();
+    let new_master = serde_json::json!({
+        "node": format!("127.0.0.1:{}", cluster.ports[replica]),
+        "up": true,
+    });
+    let listed = status["redis"]["nodes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(listed.contains(&new_master), "{status}");
+    assert_eq!(
+        status["redis"]["up"], true,
+        "the dead master is no longer listed: {status}"
+    );
+}
+
 /// Sends one request as `user`, whose bucket's node is out: it is decided in-process, and
 /// the IP's bucket, on a node that answered and charged it, is given back.
 async fn decided_in_process_and_given_back(

@@ -558,7 +558,8 @@ fn pause(child: &ChildGuard, paused: bool) {
         .status();
 }
 
-/// A 3-node Redis Cluster (no replicas) on free ports whose bus ports (+10000) are free too.
+/// A Redis Cluster of 3 masters (and a replica each, with `start_with_replicas`) on free
+/// ports whose bus ports (+10000) are free too.
 pub struct RedisCluster {
     pub ports: Vec<u16>,
     nodes: Vec<ChildGuard>,
@@ -572,9 +573,18 @@ fn port_pair_free(port: u16) -> bool {
 
 impl RedisCluster {
     pub async fn start(dir: &Path) -> RedisCluster {
+        RedisCluster::start_nodes(dir, 0).await
+    }
+
+    /// 3 masters with a replica each.
+    pub async fn start_with_replicas(dir: &Path) -> RedisCluster {
+        RedisCluster::start_nodes(dir, 1).await
+    }
+
+    async fn start_nodes(dir: &Path, replicas: usize) -> RedisCluster {
         let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
         let mut ports = Vec::new();
-        while ports.len() < 3 {
+        while ports.len() < 3 * (1 + replicas) {
             let port = free_port();
             if port_pair_free(port) && !ports.contains(&port) {
                 ports.push(port);
@@ -624,7 +634,7 @@ impl RedisCluster {
         let status = Command::new(cli)
             .args(["--cluster", "create"])
             .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdout(Stdio::null())
             .status()
             .expect("redis-cli --cluster create");
@@ -649,6 +659,14 @@ impl RedisCluster {
             .await;
         }
         RedisCluster { ports, nodes }
+    }
+
+    /// The node that replicates `master` (indices into `ports`).
+    pub fn replica_of(&self, master: usize) -> Option<usize> {
+        let line = format!("master_port:{}", self.ports[master]);
+        (0..self.ports.len()).find(|&node| {
+            node != master && self.cli(node, &["INFO", "replication"]).contains(&line)
+        })
     }
 
     /// Runs one command with redis-cli against node `node` (an index into `ports`).
