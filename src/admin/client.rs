@@ -172,10 +172,25 @@ pub fn summarize(status: &serde_json::Value) -> String {
             redis["target"],
             if redis["up"] == true {
                 "up"
+            } else if redis["nodes"]
+                .as_array()
+                .is_some_and(|nodes| nodes.iter().any(|node| node["up"] == true))
+            {
+                "PARTLY DOWN"
             } else {
                 "DOWN (fallbacks in use)"
             }
         );
+        // A cluster's masters each have a health breaker: name those out.
+        for node in redis["nodes"].as_array().into_iter().flatten() {
+            if node["up"] == false {
+                let _ = writeln!(
+                    out,
+                    "         node {} DOWN (rules with buckets there use their fallback)",
+                    node["node"].as_str().unwrap_or("?")
+                );
+            }
+        }
     } else {
         let _ = writeln!(out, "redis    none (embedded default)");
     }
@@ -206,6 +221,27 @@ pub fn summarize(status: &serde_json::Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cluster_node_out_is_named() {
+        let status = serde_json::json!({
+            "redis": {
+                "target": ["redis://10.0.0.1:7000"],
+                "up": false,
+                "nodes": [
+                    {"node": "10.0.0.1:7000", "up": true},
+                    {"node": "10.0.0.2:7001", "up": false},
+                ],
+            },
+        });
+        let text = summarize(&status);
+        assert!(text.contains("PARTLY DOWN"), "{text}");
+        assert!(
+            text.contains("node 10.0.0.2:7001 DOWN (rules with buckets there"),
+            "{text}"
+        );
+        assert!(!text.contains("node 10.0.0.1:7000"), "{text}");
+    }
 
     #[test]
     fn a_broken_policy_still_tells_where_its_admin_listener_is() {
