@@ -153,20 +153,13 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
         "\"per_user\", \"per_ip\"",
     ))
     .await;
-    // The node serving a key answers EXISTS; the others redirect (MOVED).
-    let ports = cluster.ports.clone();
-    let owner = |key: &str| {
-        (0..ports.len())
-            .find(|&node| matches!(redis_cli(ports[node], &["EXISTS", key]).trim(), "0" | "1"))
-            .expect("a node serves every slot")
-    };
     let ip_key = "levee:rl:{127.0.0.1}:per_ip:127.0.0.1";
-    let ip_node = owner(ip_key);
+    let ip_node = cluster.owner(ip_key);
     let (user, user_key, user_node) = (0..)
         .map(|i| {
             let user = format!("user{i}");
             let key = format!("levee:rl:{{{user}}}:per_user:{user}");
-            let node = owner(&key);
+            let node = cluster.owner(&key);
             (user, key, node)
         })
         .find(|(_, _, node)| *node != ip_node)
@@ -216,11 +209,51 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
     redis_cli(ip_port, &["SCRIPT", "FLUSH"]);
     let other = (0..)
         .map(|i| format!("other{i}"))
-        .find(|user| owner(&format!("levee:rl:{{{user}}}:per_user:{user}")) == ip_node)
+        .find(|user| cluster.owner(&format!("levee:rl:{{{user}}}:per_user:{user}")) == ip_node)
         .expect("some user's bucket is on the IP's node");
     assert_eq!(send_as(&levee, Some(&other), None).await.status, 200);
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(ip_decisions(&metrics, "redis"), 2.0, "{metrics}");
+}
+
+/// levee with one rule per user (`per_user`) on `cluster`, whose nodes' breakers open at two
+/// failures and stay open an hour.
+async fn per_user_levee_on(cluster: &RedisCluster, backend: &Backend) -> Levee {
+    let nodes = cluster.toml_list();
+    let redis = format!(
+        "[redis]\ncluster = [{nodes}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n"
+    );
+    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
+    Levee::start(&limited_policy(
+        backend,
+        "",
+        &redis,
+        per_user,
+        "\"per_user\"",
+    ))
+    .await
+}
+
+/// Waits until levee has read the cluster's slot map (read once the first decision has
+/// connected): /status then lists the three masters.
+async fn slot_map_read(levee: &Levee) {
+    eventually(Duration::from_secs(5), "the slot map read", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["redis"]["nodes"].as_array().map(Vec::len) == Some(3)
+    })
+    .await;
+}
+
+/// `per_user`'s requests allowed, decided by `source`.
+fn per_user_allowed(metrics: &str, source: &str) -> f64 {
+    metric_value(
+        metrics,
+        &format!("levee_ratelimit_decisions_total{{rule=\"per_user\",result=\"allowed\",source=\"{source}\"}}"),
+    )
+}
+
+fn user_key(user: &str) -> String {
+    format!("levee:rl:{{{user}}}:per_user:{user}")
 }
 
 /// One node out opens that node's health breaker only: rules whose buckets it holds follow
@@ -229,40 +262,16 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
 async fn a_cluster_node_that_fails_opens_only_its_own_breaker() {
     let dir = tempfile::tempdir().expect("dir");
     let cluster = RedisCluster::start(dir.path()).await;
-    let nodes = cluster.toml_list();
-    let redis = format!(
-        "[redis]\ncluster = [{nodes}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n"
-    );
-    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
     let backend = echo_backend().await;
-    let levee = Levee::start(&limited_policy(
-        &backend,
-        "",
-        &redis,
-        per_user,
-        "\"per_user\"",
-    ))
-    .await;
-    let ports = cluster.ports.clone();
-    let owner = |user: &str| {
-        let key = format!("levee:rl:{{{user}}}:per_user:{user}");
-        (0..ports.len())
-            .find(|&node| matches!(redis_cli(ports[node], &["EXISTS", &key]).trim(), "0" | "1"))
-            .expect("a node serves every slot")
-    };
-    let (out, fine) = ("alice", "bob");
-    let out_node = owner(out);
+    let levee = per_user_levee_on(&cluster, &backend).await;
+    let out = "alice";
+    let out_node = cluster.owner(&user_key(out));
     let fine = (0..)
-        .map(|i| format!("{fine}{i}"))
-        .find(|user| owner(user) != out_node)
+        .map(|i| format!("bob{i}"))
+        .find(|user| cluster.owner(&user_key(user)) != out_node)
         .expect("some user's bucket is on another node");
     assert_eq!(send_as(&levee, Some(out), None).await.status, 200);
-    // The slot map is read once connected: then /status lists the three masters.
-    eventually(Duration::from_secs(5), "the slot map read", || async {
-        let status = get(&levee.admin_url("/status")).await.json();
-        status["redis"]["nodes"].as_array().map(Vec::len) == Some(3)
-    })
-    .await;
+    slot_map_read(&levee).await;
 
     cluster.pause(out_node, true);
     for _ in 0..3 {
@@ -278,16 +287,13 @@ async fn a_cluster_node_that_fails_opens_only_its_own_breaker() {
     cluster.pause(out_node, false);
 
     let metrics = get(&levee.admin_url("/metrics")).await.text();
-    let decisions = |source: &str| {
-        metric_value(
-            &metrics,
-            &format!("levee_ratelimit_decisions_total{{rule=\"per_user\",result=\"allowed\",source=\"{source}\"}}"),
-        )
-    };
     // The first request and `fine`'s three by Redis; `out`'s three in-process: two timed
     // out, which opened its node's breaker, and the third did not call Redis.
     assert_eq!(
-        (decisions("redis"), decisions("fallback")),
+        (
+            per_user_allowed(&metrics, "redis"),
+            per_user_allowed(&metrics, "fallback")
+        ),
         (4.0, 3.0),
         "{metrics}"
     );
@@ -299,11 +305,14 @@ async fn a_cluster_node_that_fails_opens_only_its_own_breaker() {
     let node_up = |node: usize| {
         metric_value(
             &metrics,
-            &format!("levee_redis_node_up{{node=\"127.0.0.1:{}\"}}", ports[node]),
+            &format!(
+                "levee_redis_node_up{{node=\"127.0.0.1:{}\"}}",
+                cluster.ports[node]
+            ),
         )
     };
     assert_eq!(node_up(out_node), 0.0, "{metrics}");
-    assert_eq!(node_up(owner(&fine)), 1.0, "{metrics}");
+    assert_eq!(node_up(cluster.owner(&user_key(&fine))), 1.0, "{metrics}");
     assert_eq!(metric_value(&metrics, "levee_redis_up"), 1.0, "{metrics}");
     let status = get(&levee.admin_url("/status")).await.json();
     assert_eq!(status["redis"]["up"], false, "{status}");
@@ -314,7 +323,10 @@ async fn a_cluster_node_that_fails_opens_only_its_own_breaker() {
         .filter(|node| node["up"] == false)
         .collect();
     assert_eq!(down.len(), 1, "{status}");
-    assert_eq!(down[0]["node"], format!("127.0.0.1:{}", ports[out_node]));
+    assert_eq!(
+        down[0]["node"],
+        format!("127.0.0.1:{}", cluster.ports[out_node])
+    );
 }
 
 /// A master that dies and whose replica takes over: levee finds the new master in the
@@ -324,39 +336,15 @@ async fn a_cluster_node_that_fails_opens_only_its_own_breaker() {
 async fn a_cluster_failover_is_followed_without_waiting_out_the_cooldown() {
     let dir = tempfile::tempdir().expect("dir");
     let mut cluster = RedisCluster::start_with_replicas(dir.path()).await;
-    let nodes = cluster.toml_list();
-    let redis = format!(
-        "[redis]\ncluster = [{nodes}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n"
-    );
-    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
     let backend = echo_backend().await;
-    let levee = Levee::start(&limited_policy(
-        &backend,
-        "",
-        &redis,
-        per_user,
-        "\"per_user\"",
-    ))
-    .await;
-    let key = "levee:rl:{alice}:per_user:alice";
-    let master = (0..cluster.ports.len())
-        .find(|&node| cluster.cli(node, &["EXISTS", key]).trim() == "0")
-        .expect("a master serves the slot");
+    let levee = per_user_levee_on(&cluster, &backend).await;
+    let key = user_key("alice");
+    let master = cluster.owner(&key);
     let replica = cluster
         .replica_of(master)
         .expect("the master has a replica");
-    let from_redis = |metrics: &str| {
-        metric_value(
-            metrics,
-            "levee_ratelimit_decisions_total{rule=\"per_user\",result=\"allowed\",source=\"redis\"}",
-        )
-    };
     assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
-    eventually(Duration::from_secs(5), "the slot map read", || async {
-        let status = get(&levee.admin_url("/status")).await.json();
-        status["redis"]["nodes"].as_array().map(Vec::len) == Some(3)
-    })
-    .await;
+    slot_map_read(&levee).await;
 
     cluster.kill(master);
     for _ in 0..2 {
@@ -379,15 +367,18 @@ async fn a_cluster_failover_is_followed_without_waiting_out_the_cooldown() {
         Duration::from_secs(20),
         "alice decided by Redis again",
         || async {
-            let before = from_redis(&get(&levee.admin_url("/metrics")).await.text());
+            let from_redis = || async {
+                per_user_allowed(&get(&levee.admin_url("/metrics")).await.text(), "redis")
+            };
+            let before = from_redis().await;
             // In-process meanwhile: its share of the rate may run out (429), which is fine.
             send_as(&levee, Some("alice"), None).await;
-            from_redis(&get(&levee.admin_url("/metrics")).await.text()) > before
+            from_redis().await > before
         },
     )
     .await;
     assert_eq!(
-        cluster.cli(replica, &["EXISTS", key]).trim(),
+        cluster.cli(replica, &["EXISTS", &key]).trim(),
         "1",
         "charged on the new master"
     );

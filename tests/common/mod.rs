@@ -669,6 +669,13 @@ impl RedisCluster {
         })
     }
 
+    /// The master that serves `key` (it answers EXISTS; the others redirect with MOVED).
+    pub fn owner(&self, key: &str) -> usize {
+        (0..self.ports.len())
+            .find(|&node| matches!(self.cli(node, &["EXISTS", key]).trim(), "0" | "1"))
+            .expect("a node serves every slot")
+    }
+
     /// Runs one command with redis-cli against node `node` (an index into `ports`).
     pub fn cli(&self, node: usize, args: &[&str]) -> String {
         redis_cli(self.ports[node], args)
