@@ -749,6 +749,78 @@ async fn without_redis_the_queue_answers_503_and_big_bodies_413() {
     assert_eq!(backend.hits(), 0);
 }
 
+/// Redis runs a write in time but its answer is slow to come back: levee settles the write
+/// with Redis before it answers the client. Not yet read by a worker: withdrawn, 503, never
+/// applied. Read by a worker meanwhile: it stands, 202.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_answer_is_late_is_settled_before_the_client_is_answered() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let relay = SlowAnswers::start(std::net::SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    // levee's own worker looks for work once, at start: the stream is the test's to read.
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"redis://{}\"\ntimeout = \"500ms\"\n[queue]\npoll_interval = \"1h\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+            relay.addr
+        ),
+    ))
+    .await;
+    let stream = "levee:queue:{notify}:jobs";
+    // The write carries its record's key; the answers after it come 800 ms late, after
+    // levee's 500 ms.
+    let write = ":{notify}:write:";
+    let stored = || redis.cli(&["XLEN", stream]).trim().to_string();
+    // The workers' consumer group, as levee makes it when it first finds the stream.
+    let group = redis.cli(&["XGROUP", "CREATE", stream, "levee", "0", "MKSTREAM"]);
+    assert_eq!(group.trim(), "OK");
+
+    relay.arm(write, Duration::from_millis(800));
+    let answer = post_as(&levee, "like=1", "192.0.2.1").await;
+    assert_eq!(answer.status, 503, "{}", answer.text());
+    assert_eq!(stored(), "0", "the job was withdrawn");
+
+    // A worker reads the job while its answer is held back: it stands, and the client is told.
+    relay.arm(write, Duration::from_millis(800));
+    let post = tokio::spawn({
+        let url = levee.url("/notify.php?kind=like");
+        async move {
+            let request = Request::post(url)
+                .header("x-forwarded-for", "192.0.2.2")
+                .body(full("like=2"))
+                .expect("request");
+            send(request).await
+        }
+    });
+    eventually(Duration::from_secs(2), "the job stored", || async {
+        stored() == "1"
+    })
+    .await;
+    let read = redis.cli(&[
+        "XREADGROUP",
+        "GROUP",
+        "levee",
+        "thief",
+        "COUNT",
+        "1",
+        "STREAMS",
+        stream,
+        ">",
+    ]);
+    assert!(read.contains("like=2"), "{read}");
+    let answer = post.await.expect("post");
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    let job = answer.header("x-levee-job").unwrap_or_default().to_string();
+    assert!(
+        read.contains(&job),
+        "the job the worker read: {job} in {read}"
+    );
+    assert_eq!(stored(), "1", "the job stands");
+    assert!(seen.lock().expect("lock").is_empty());
+}
+
 #[test]
 fn check_refuses_queues_without_redis() {
     let stderr = check_fails("[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"notify\"\ntier = 2\ndegrade = { action = \"queue\" }\n");

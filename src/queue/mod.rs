@@ -27,6 +27,7 @@ use crate::proxy::body::{find_cause, BodyIdleTimeout, IdleTimeout, ResponseBody}
 use crate::proxy::h1::RequestBody;
 use crate::proxy::header::strip_hop_by_hop;
 use crate::proxy::route::Route;
+use crate::redis_store::RedisFailure;
 pub use job::Job;
 
 /// The shortest `claim_after` a policy may set: a worker renews its hold on its jobs every
@@ -164,6 +165,8 @@ pub struct QueueKeys {
     /// that starts reads it to find queues that still hold jobs for routes that no longer
     /// queue (the policy changed while it was down), so those jobs are not stranded.
     pub registry: String,
+    /// Start of the keys that record what became of each write (see [`ENQUEUE_BEFORE`]).
+    writes: String,
 }
 
 impl QueueKeys {
@@ -175,7 +178,13 @@ impl QueueKeys {
             dead: format!("{prefix}queue:{{{route}}}:dead"),
             delayed: format!("{prefix}queue:{{{route}}}:delayed"),
             registry: QueueKeys::registry_of(prefix),
+            writes: format!("{prefix}queue:{{{route}}}:write:"),
         }
+    }
+
+    /// The key that records what became of the write named `token`.
+    fn write_record(&self, token: &str) -> String {
+        format!("{}{token}", self.writes)
     }
 
     /// The registry's key under `prefix` (see [`QueueKeys::registry`]).
@@ -186,13 +195,81 @@ impl QueueKeys {
 
 /// Stores a job only if Redis runs the write before the deadline (µs, Redis clock).
 /// KEYS: stream. ARGV: deadline, then the job's fields. Returns the entry id, or nil if late.
+/// Stores a job, unless Redis's clock is past levee's deadline for it or levee has already
+/// settled the write without it ([`SETTLE_WRITE`] left a tombstone), and records the entry's
+/// id under the write's own key, so that levee can ask what became of a write whose answer it
+/// did not get. KEYS: stream, write record. ARGV: deadline (µs, Redis clock), record TTL
+/// (ms), the job's fields.
 const ENQUEUE_BEFORE: &str = r#"
 local now = redis.call('TIME')
 if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
   return false
 end
-return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return false
+end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+redis.call('SET', KEYS[2], id, 'PX', ARGV[2])
+return id
 "#;
+
+/// Settles a write whose answer levee did not get, in one step, so that the client's answer
+/// is true: a write that has not run is barred from running later (a tombstone), and one
+/// stored that no worker has read yet is withdrawn; both answer `absent`. A job a worker has
+/// read (pending), or has already replayed, stands: `stands <id>`.
+/// KEYS: stream, write record. ARGV: consumer group, record TTL (ms).
+const SETTLE_WRITE: &str = r#"
+local id = redis.call('GET', KEYS[2])
+if id and id ~= '' then
+  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  local read = type(pending) == 'table' and pending.err == nil and #pending > 0
+  if read or redis.call('XDEL', KEYS[1], id) == 0 then
+    return {'stands', id}
+  end
+end
+redis.call('SET', KEYS[2], '', 'PX', ARGV[2])
+return {'absent'}
+"#;
+
+/// How long a write's record lives: far longer than a write and its settling can take (the
+/// deadline bars a late write after a few hundred milliseconds at most).
+const WRITE_RECORD_TTL_MS: u64 = 60_000;
+
+/// A name for one write, unique across instances and restarts.
+fn write_token() -> String {
+    static INSTANCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let instance = INSTANCE.get_or_init(worker::consumer_name);
+    let number = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{instance}-{number}")
+}
+
+/// Asks Redis what became of a write whose answer did not come ([`SETTLE_WRITE`]):
+/// `Ok(Some(id))` when the job is stored for good, `Ok(None)` when it is not and never will be.
+async fn settle_write(
+    redis: &crate::redis_store::RedisStore,
+    keys: &QueueKeys,
+    record: &str,
+    group: &str,
+    timeout: Duration,
+) -> Result<Option<String>, RedisFailure> {
+    let mut command = redis::cmd("EVAL");
+    command
+        .arg(SETTLE_WRITE)
+        .arg(2)
+        .arg(&keys.stream)
+        .arg(record)
+        .arg(group)
+        .arg(WRITE_RECORD_TTL_MS);
+    let answer: Vec<String> = redis.command(&command, timeout, None).await?;
+    match answer.as_slice() {
+        [absent] if absent == "absent" => Ok(None),
+        [stands, id] if stands == "stands" => Ok(Some(id.clone())),
+        _ => Err(RedisFailure::BadReply(format!(
+            "settling a write: {answer:?}"
+        ))),
+    }
+}
 
 const DEFAULT_ACCEPTED_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Accepted</title></head>\n<body><h1>Accepted</h1><p>Your request was received and takes effect shortly.</p><p>Reference: {job}</p></body></html>\n";
 const DEFAULT_ACCEPTED_JSON: &str = "{\"status\":\"accepted\",\"job\":\"{job}\"}\n";
@@ -273,18 +350,53 @@ pub async fn enqueue(
         .saturating_mul(1_000_000)
         .saturating_add(micros)
         .saturating_add((remaining / 2).as_micros() as u64);
+    let record = keys.write_record(&write_token());
     let mut command = redis::cmd("EVAL");
     command
         .arg(ENQUEUE_BEFORE)
-        .arg(1)
+        .arg(2)
         .arg(&keys.stream)
-        .arg(deadline_us);
+        .arg(&record)
+        .arg(deadline_us)
+        .arg(WRITE_RECORD_TTL_MS);
     job.write_fields(&mut command);
-    let id: Option<String> = redis
-        .command(&command, remaining, Some(metrics))
-        .await
-        .map_err(|error| not_stored(error.to_string()))?;
-    let id = id.ok_or_else(|| not_stored("redis ran the write after its deadline".into()))?;
+    let written: Result<Option<String>, RedisFailure> =
+        redis.command(&command, remaining, Some(metrics)).await;
+    let id =
+        match written {
+            Ok(Some(id)) => id,
+            Ok(None) => return Err(not_stored("redis ran the write after its deadline".into())),
+            // Not sent at all: nothing to settle.
+            Err(error @ (RedisFailure::Down | RedisFailure::Overloaded(_))) => {
+                return Err(not_stored(error.to_string()))
+            }
+            // Sent, but its answer did not come: Redis may have run it (say the answer was slow
+            // to travel back). Its fate is settled with Redis before the client hears anything:
+            // the same connection carries the question after the write, so Redis answers it
+            // after running the write, if it ever does.
+            Err(error) => {
+                match settle_write(redis, &keys, &record, &settings.group, timeout).await {
+                Ok(Some(id)) => {
+                    tracing::info!(
+                        route = %route.name,
+                        job = %id,
+                        "the write's answer was lost ({error}), but Redis stored the job and a worker has it: answering 202"
+                    );
+                    id
+                }
+                Ok(None) => {
+                    return Err(not_stored(format!(
+                        "{error}; Redis holds no such job and will not store it"
+                    )))
+                }
+                Err(settling) => {
+                    return Err(not_stored(format!(
+                        "{error}; what became of the write could not be checked either ({settling}): if Redis ran it, the check withdraws it when it runs, unless a worker read the job first"
+                    )))
+                }
+            }
+            }
+        };
     // Listed after the job is written, so an instance that starts later finds this queue even
     // if the route stops queueing meanwhile (see `QueueKeys::registry`). The job is stored
     // already: a failure here does not change the answer.

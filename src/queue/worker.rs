@@ -73,7 +73,7 @@ fn now_ms() -> u64 {
 }
 
 /// A name for this instance in the consumer groups.
-fn consumer_name() -> String {
+pub(crate) fn consumer_name() -> String {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());

@@ -790,3 +790,88 @@ pub fn check_fails(policy: &str) -> String {
     assert!(!ok, "levee check accepted a broken policy:\n{policy}");
     stderr
 }
+
+/// A TCP relay to `target` that, once armed, holds back the answers (target → client bytes)
+/// that follow the first client bytes containing a marker, for a while: a server that ran a
+/// command in time whose answer is slow to travel back. Everything else passes at once.
+pub struct SlowAnswers {
+    pub addr: SocketAddr,
+    state: Arc<std::sync::Mutex<SlowState>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct SlowState {
+    armed: Option<(Vec<u8>, Duration)>,
+    held_until: Option<tokio::time::Instant>,
+}
+
+impl SlowAnswers {
+    pub async fn start(target: SocketAddr) -> SlowAnswers {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
+        let addr = listener.local_addr().expect("relay address");
+        let state = Arc::new(std::sync::Mutex::new(SlowState::default()));
+        let shared = state.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                    continue;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                let requests = shared.clone();
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buffer = vec![0u8; 64 * 1024];
+                    while let Ok(read @ 1..) = client_read.read(&mut buffer).await {
+                        let chunk = &buffer[..read];
+                        {
+                            let mut state = requests.lock().expect("relay state");
+                            let hit = state.armed.as_ref().is_some_and(|(marker, _)| {
+                                chunk.windows(marker.len()).any(|window| window == marker)
+                            });
+                            if hit {
+                                let hold = state.armed.take().map_or(Duration::ZERO, |(_, h)| h);
+                                state.held_until = Some(tokio::time::Instant::now() + hold);
+                            }
+                        }
+                        if server_write.write_all(chunk).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+                let answers = shared.clone();
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buffer = vec![0u8; 64 * 1024];
+                    while let Ok(read @ 1..) = server_read.read(&mut buffer).await {
+                        let until = answers.lock().expect("relay state").held_until;
+                        if let Some(until) = until {
+                            tokio::time::sleep_until(until).await;
+                        }
+                        if client_write.write_all(&buffer[..read]).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        SlowAnswers {
+            addr,
+            state,
+            accept,
+        }
+    }
+
+    /// Holds back, for `hold`, the answers that follow the next client bytes containing
+    /// `marker` (once).
+    pub fn arm(&self, marker: &str, hold: Duration) {
+        self.state.lock().expect("relay state").armed = Some((marker.as_bytes().to_vec(), hold));
+    }
+}
+
+impl Drop for SlowAnswers {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
