@@ -46,6 +46,44 @@ pub struct RedisSettings {
     /// 1 turns it off. Default [`DEFAULT_ADMIT_AHEAD_ABOVE`], or `1 - 1/instances` when
     /// that is higher.
     pub admit_ahead_above: f64,
+    /// `ca_file`, `cert_file` and `key_file`, for a `rediss://` target.
+    pub tls: Option<RedisTls>,
+}
+
+/// The PEM files of a TLS connection to Redis, read when the policy is compiled: a changed
+/// file makes the next reload connect anew.
+#[derive(Clone, PartialEq, Default)]
+pub struct RedisTls {
+    /// CA certificates trusted instead of the system's (`ca_file`).
+    pub ca: Option<Vec<u8>>,
+    /// Client certificate chain and key (`cert_file`, `key_file`), for a Redis that checks
+    /// its clients (`tls-auth-clients`).
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for RedisTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key itself.
+        f.debug_struct("RedisTls")
+            .field("ca", &self.ca.is_some())
+            .field("client_certificate", &self.client.is_some())
+            .finish()
+    }
+}
+
+impl RedisTls {
+    fn certificates(&self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self
+                .client
+                .as_ref()
+                .map(|(cert, key)| redis::ClientTlsConfig {
+                    client_cert: cert.clone(),
+                    client_key: key.clone(),
+                }),
+            root_cert: self.ca.clone(),
+        }
+    }
 }
 
 /// `[redis] admit_ahead_above` when the policy does not set it (and `instances` is 1 or 2).
@@ -246,7 +284,12 @@ impl RedisStore {
             .get_or_try_init(|| async {
                 match &self.settings.target {
                     RedisTarget::Single(url) => {
-                        let client = redis::Client::open(url.as_str())?;
+                        let client = match &self.settings.tls {
+                            Some(tls) => {
+                                redis::Client::build_with_tls(url.as_str(), tls.certificates())?
+                            }
+                            None => redis::Client::open(url.as_str())?,
+                        };
                         let config = redis::aio::ConnectionManagerConfig::new()
                             .set_connection_timeout(Some(timeout.max(Duration::from_millis(200))))
                             .set_response_timeout(Some(timeout))
@@ -255,11 +298,14 @@ impl RedisStore {
                         Ok::<_, RedisFailure>(Connection::Single(manager))
                     }
                     RedisTarget::Cluster(nodes) => {
-                        let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                        let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone())
                             .connection_timeout(timeout.max(Duration::from_millis(200)))
                             .response_timeout(timeout)
-                            .retries(1)
-                            .build()?;
+                            .retries(1);
+                        if let Some(tls) = &self.settings.tls {
+                            builder = builder.certs(tls.certificates());
+                        }
+                        let client = builder.build()?;
                         Ok(Connection::Cluster(client.get_async_connection().await?))
                     }
                 }
@@ -272,9 +318,10 @@ impl RedisStore {
         Health::permit(&self.health)
     }
 
-    fn record(&self, permit: Permit<'_>, ok: bool, metrics: &Metrics) {
+    /// Records how a call went: `failure` is why it failed, `None` when it answered.
+    fn record(&self, permit: Permit<'_>, failure: Option<&RedisFailure>, metrics: &Metrics) {
         drop(permit);
-        let change = lock(&self.health).record(ok, &self.settings);
+        let change = lock(&self.health).record(failure.is_none(), &self.settings);
         let to = match change {
             None => return,
             Some(Change::Up) => {
@@ -286,6 +333,7 @@ impl RedisStore {
                 tracing::warn!(
                     failures,
                     cooldown = ?self.settings.cooldown,
+                    last_error = %failure.map(ToString::to_string).unwrap_or_default(),
                     "redis is failing: rate limits use each rule's on_redis_error fallback"
                 );
                 metrics.redis_up.set(0);
@@ -300,9 +348,16 @@ impl RedisStore {
 
     /// Records how the calls to a cluster node went, like [`Self::record`] for its own
     /// breaker.
-    fn record_node(&self, node: &Node, permit: Permit<'_>, ok: bool, metrics: &Metrics) {
+    /// `failure`: why the calls to the node failed, `None` when they all answered.
+    fn record_node(
+        &self,
+        node: &Node,
+        permit: Permit<'_>,
+        failure: Option<&RedisFailure>,
+        metrics: &Metrics,
+    ) {
         drop(permit);
-        let change = lock(&node.health).record(ok, &self.settings);
+        let change = lock(&node.health).record(failure.is_none(), &self.settings);
         let up = match change {
             None => return,
             Some(Change::Up) => {
@@ -317,6 +372,7 @@ impl RedisStore {
                     node = %node.address,
                     failures,
                     cooldown = ?self.settings.cooldown,
+                    last_error = %failure.map(ToString::to_string).unwrap_or_default(),
                     "redis cluster node is failing: rules whose buckets it holds use their on_redis_error fallback"
                 );
                 0
@@ -350,7 +406,7 @@ impl RedisStore {
             Err(_elapsed) => Err(RedisFailure::Timeout(timeout)),
         };
         if let (Some(permit), Some(metrics)) = (permit, guarded) {
-            self.record(permit, result.is_ok(), metrics);
+            self.record(permit, result.as_ref().err(), metrics);
         }
         result
     }
@@ -394,7 +450,7 @@ impl RedisStore {
         metrics
             .redis_latency
             .observe(started.elapsed().as_secs_f64());
-        self.record(permit, result.is_ok(), metrics);
+        self.record(permit, result.as_ref().err(), metrics);
         result
     }
 
@@ -458,7 +514,9 @@ impl RedisStore {
                 .iter()
                 .zip(&group_ok)
                 .all(|(&of, &ok)| of != index || ok);
-            self.record_node(node, permit, node_ok, metrics);
+            // The request's failure stands for the node's: the first group's that failed.
+            let failure = if node_ok { None } else { result.as_ref().err() };
+            self.record_node(node, permit, failure, metrics);
         }
         self.read_slot_map_when_due(cluster, result.is_err(), metrics);
         result

@@ -216,6 +216,115 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
     assert_eq!(ip_decisions(&metrics, "redis"), 2.0, "{metrics}");
 }
 
+/// Redis over TLS (`rediss://`) with a CA of its own, asking for a client certificate (Redis's
+/// default): limits are shared through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_are_shared_through_a_redis_that_speaks_tls() {
+    let dir = tempfile::tempdir().expect("dir");
+    let certs = dir.path().join("certs");
+    std::fs::create_dir_all(&certs).expect("certs dir");
+    make_certificates(&certs);
+    let redis = RedisServer::start_tls(dir.path(), &certs).await;
+    let file = |name: &str| certs.join(name).display().to_string();
+    let section = format!(
+        "[redis]\nurl = \"rediss://127.0.0.1:{}/0\"\ntimeout = \"500ms\"\nca_file = \"{}\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+        redis.port,
+        file("ca.pem"),
+        file("client.pem"),
+        file("client.key")
+    );
+    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 2\n";
+    let backend = echo_backend().await;
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &section,
+        per_user,
+        "\"per_user\"",
+    ))
+    .await;
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(send_as(&levee, Some("alice"), None).await.status);
+    }
+    assert_eq!(statuses, [200, 200, 429]);
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    let decided = |result: &str| {
+        metric_value(
+            &metrics,
+            &format!("levee_ratelimit_decisions_total{{rule=\"per_user\",result=\"{result}\",source=\"redis\"}}"),
+        )
+    };
+    assert_eq!(
+        (decided("allowed"), decided("limited")),
+        (2.0, 1.0),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn check_explains_what_redis_over_tls_needs() {
+    let policy = |redis: &str| {
+        format!("{redis}\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"a\"\nupstream = \"app\"\n")
+    };
+    let stderr = check_fails(&policy(
+        "[redis]\nurl = \"redis://127.0.0.1:6379\"\nca_file = \"ca.pem\"",
+    ));
+    assert!(
+        stderr.contains(
+            "levee.toml:3:11: error: ca_file, cert_file and key_file are for Redis over TLS"
+        ),
+        "{stderr}"
+    );
+    assert!(stderr.contains("rediss://"), "{stderr}");
+    let stderr = check_fails(&policy("[redis]\nurl = \"rediss://127.0.0.1:6379\"\nca_file = \"missing.pem\"\ncert_file = \"client.pem\""));
+    assert!(
+        stderr.contains("levee.toml:3:11: error: cannot read CA file"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("missing.pem"), "{stderr}");
+    assert!(
+        stderr.contains("levee.toml:4:13: error: cannot read certificate file"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("cert_file and key_file go together"),
+        "{stderr}"
+    );
+
+    // An X.509 version 1 certificate (no extensions), which TLS refuses.
+    let dir = tempfile::tempdir().expect("dir");
+    make_certificates(dir.path());
+    let signed = std::process::Command::new("openssl")
+        .args([
+            "x509",
+            "-req",
+            "-in",
+            "client.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+        ])
+        .args(["-CAcreateserial", "-out", "v1.pem", "-days", "2"])
+        .current_dir(dir.path())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("openssl");
+    assert!(signed.success());
+    let file = |name: &str| dir.path().join(name).display().to_string();
+    let stderr = check_fails(&policy(&format!(
+        "[redis]\nurl = \"rediss://127.0.0.1:6379\"\ncert_file = \"{}\"\nkey_file = \"{}\"",
+        file("v1.pem"),
+        file("client.key")
+    )));
+    assert!(
+        stderr.contains("levee.toml:3:13: error: certificate file")
+            && stderr.contains("is an X.509 version 1 certificate"),
+        "{stderr}"
+    );
+}
+
 /// levee with one rule per user (`per_user`) on `cluster`, whose nodes' breakers open at two
 /// failures and stay open an hour.
 async fn per_user_levee_on(cluster: &RedisCluster, backend: &Backend) -> Levee {

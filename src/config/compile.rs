@@ -36,7 +36,9 @@ use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
 use crate::proxy::upstream::{read_ca_file, Upstream, UpstreamSettings};
 use crate::queue::{QueueAction, QueueSettings, MIN_CLAIM_AFTER};
-use crate::redis_store::{RedisSettings, RedisStore, RedisTarget, DEFAULT_ADMIT_AHEAD_ABOVE};
+use crate::redis_store::{
+    RedisSettings, RedisStore, RedisTarget, RedisTls, DEFAULT_ADMIT_AHEAD_ABOVE,
+};
 
 /// Name of the implicit route that catches requests no route matches.
 pub const DEFAULT_ROUTE: &str = "default";
@@ -1308,7 +1310,31 @@ fn compile_redis(
         compiler.nonzero_duration(file, &inner.timeout, Duration::from_millis(25), "timeout");
     let failures_to_open = positive(compiler, &inner.failures_to_open, 3, "failures_to_open");
     let cooldown = compiler.duration(file, &inner.cooldown, Duration::from_secs(1));
+    let over_tls = match &target {
+        None => None,
+        Some(RedisTarget::Single(url)) => Some(url.starts_with("rediss://")),
+        Some(RedisTarget::Cluster(nodes)) => {
+            let tls_nodes = nodes.iter().filter(|node| node.starts_with("rediss://"));
+            let tls_nodes = tls_nodes.count();
+            if tls_nodes > 0 && tls_nodes < nodes.len() {
+                let span = inner
+                    .cluster
+                    .as_ref()
+                    .map(Spanned::span)
+                    .unwrap_or_default();
+                compiler.error_hint(
+                    file,
+                    span,
+                    "some cluster nodes are rediss:// (TLS) and some are not",
+                    "a cluster's nodes all speak TLS or none does: write every URL the same way",
+                );
+            }
+            Some(tls_nodes > 0)
+        }
+    };
+    let tls = compile_redis_tls(compiler, file, inner, over_tls);
     Some(RedisSettings {
+        tls,
         admit_ahead_above,
         target: target?,
         timeout,
@@ -1320,6 +1346,128 @@ fn compile_redis(
             .map_or_else(|| "levee:".to_string(), |prefix| prefix.get_ref().clone()),
         instances,
     })
+}
+
+/// `[redis] ca_file`, `cert_file` and `key_file`, read and checked now: a reload that names a
+/// missing or broken file is refused with its line, and a changed file reconnects. `over_tls`:
+/// whether the target is `rediss://` (`None` when the target itself is wrong).
+fn compile_redis_tls(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    inner: &RedisSpec,
+    over_tls: Option<bool>,
+) -> Option<RedisTls> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let named = [&inner.ca_file, &inner.cert_file, &inner.key_file];
+    if over_tls == Some(false) {
+        if let Some(first) = named.into_iter().flatten().next() {
+            compiler.error_hint(
+                file,
+                first.span(),
+                "ca_file, cert_file and key_file are for Redis over TLS",
+                "write the Redis URL as rediss://host:port (TLS), or remove these keys",
+            );
+        }
+        return None;
+    }
+    // Relative paths are relative to the policy file that names them.
+    let dir = compiler.files[file].path.parent().map(Path::to_path_buf);
+    let read = |compiler: &mut Compiler<'_>,
+                value: &Option<Spanned<String>>,
+                what: &str,
+                check: &dyn Fn(&[u8]) -> Result<(), String>|
+     -> Option<Vec<u8>> {
+        let value = value.as_ref()?;
+        let path = dir
+            .as_ref()
+            .map_or_else(|| value.get_ref().into(), |dir| dir.join(value.get_ref()));
+        let checked = std::fs::read(&path)
+            .map_err(|error| format!("cannot read {what} {}: {error}", path.display()))
+            .and_then(|pem| {
+                check(&pem)
+                    .map(|()| pem)
+                    .map_err(|error| format!("{what} {}: {error}", path.display()))
+            });
+        match checked {
+            Ok(pem) => Some(pem),
+            Err(message) => {
+                compiler.error_hint(file, value.span(), message, "a PEM file");
+                None
+            }
+        }
+    };
+    let certificates = |pem: &[u8]| -> Result<(), String> {
+        let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
+        match certs {
+            Ok(certs) if !certs.is_empty() => Ok(()),
+            Ok(_) => Err("holds no certificate".into()),
+            Err(error) => Err(format!("is not valid PEM: {error}")),
+        }
+    };
+    let key = |pem: &[u8]| -> Result<(), String> {
+        PrivateKeyDer::from_pem_slice(pem)
+            .map(|_| ())
+            .map_err(|error| format!("holds no private key: {error}"))
+    };
+    // A client certificate must be X.509 version 3: TLS refuses version 1 (no extensions),
+    // which `openssl x509 -req` makes unless given extensions.
+    let client_certificates = |pem: &[u8]| -> Result<(), String> {
+        certificates(pem)?;
+        match CertificateDer::pem_slice_iter(pem).next() {
+            Some(Ok(first)) if !has_x509_version(&first) => Err("is an X.509 version 1 certificate, which TLS refuses; sign it with extensions (version 3), e.g. openssl x509 -req … -extfile with extendedKeyUsage=clientAuth".into()),
+            _ => Ok(()),
+        }
+    };
+    let ca = read(compiler, &inner.ca_file, "CA file", &certificates);
+    let client_cert = read(
+        compiler,
+        &inner.cert_file,
+        "certificate file",
+        &client_certificates,
+    );
+    let client_key = read(compiler, &inner.key_file, "key file", &key);
+    let client = match (&inner.cert_file, &inner.key_file) {
+        (Some(_), None) | (None, Some(_)) => {
+            let span = inner
+                .cert_file
+                .as_ref()
+                .or(inner.key_file.as_ref())
+                .map(Spanned::span)
+                .unwrap_or_default();
+            compiler.error_hint(
+                file,
+                span,
+                "cert_file and key_file go together",
+                "a client certificate needs its key, for a Redis that checks its clients (tls-auth-clients)",
+            );
+            None
+        }
+        _ => client_cert.zip(client_key),
+    };
+    (ca.is_some() || client.is_some()).then_some(RedisTls { ca, client })
+}
+
+/// True when a DER certificate carries a version field (v2 or v3; only v1 leaves it out): the
+/// first element of its TBSCertificate is then the context tag `[0]`.
+fn has_x509_version(der: &[u8]) -> bool {
+    // Where the content of the DER element at `at` starts, if it is a SEQUENCE.
+    fn sequence_content(der: &[u8], at: usize) -> Option<usize> {
+        if *der.get(at)? != 0x30 {
+            return None;
+        }
+        let first = *der.get(at + 1)?;
+        let length_bytes = if first & 0x80 == 0 {
+            0
+        } else {
+            usize::from(first & 0x7f)
+        };
+        Some(at + 2 + length_bytes)
+    }
+    sequence_content(der, 0)
+        .and_then(|tbs| sequence_content(der, tbs))
+        .and_then(|fields| der.get(fields))
+        == Some(&0xa0)
 }
 
 fn check_redis_url(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Range<usize>) {

@@ -42,6 +42,9 @@ pub struct RedisSpec {
     pub key_prefix: Option<Spanned<String>>,
     pub instances: Option<Spanned<u32>>,
     pub admit_ahead_above: Option<Spanned<f64>>,
+    pub ca_file: Option<Spanned<String>>,
+    pub cert_file: Option<Spanned<String>>,
+    pub key_file: Option<Spanned<String>>,
 }
 
 /// `[identity]`: where the user id and API key of a request are read from.

@@ -510,6 +510,33 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
+    /// A server that speaks TLS only, with the certificates [`make_certificates`] made in
+    /// `certs`, and that asks clients for a certificate of that CA (Redis's default).
+    pub async fn start_tls(dir: &Path, certs: &Path) -> RedisServer {
+        let port = free_port();
+        let file = |name: &str| certs.join(name).display().to_string();
+        let (cert, key, ca) = (file("server.pem"), file("server.key"), file("ca.pem"));
+        RedisServer::spawn(
+            dir,
+            port,
+            &[
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--tls-cert-file",
+                &cert,
+                "--tls-key-file",
+                &key,
+                "--tls-ca-cert-file",
+                &ca,
+                "--appendonly",
+                "no",
+            ],
+        )
+        .await
+    }
+
     /// Like [`RedisServer::start_on`], but with an append-only file fsynced on every write
     /// in `dir`, so a SIGKILLed server restarted on the same `dir` comes back with its data.
     pub async fn start_persistent(dir: &Path, port: u16) -> RedisServer {
@@ -874,4 +901,104 @@ impl Drop for SlowAnswers {
     fn drop(&mut self) {
         self.accept.abort();
     }
+}
+
+/// Makes a CA (`ca.pem`), a server certificate for `localhost` and 127.0.0.1
+/// (`server.pem`, `server.key`) and a client certificate (`client.pem`, `client.key`) in `dir`;
+/// returns the CA's path.
+pub fn make_certificates(dir: &std::path::Path) -> std::path::PathBuf {
+    let run = |args: &[&str]| {
+        let status = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("openssl");
+        assert!(status.success(), "openssl {args:?}");
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=levee test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(
+        dir.join("san.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .expect("ext");
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    ]);
+    // X.509 v3 (with extensions), as TLS libraries require.
+    std::fs::write(
+        dir.join("client.ext"),
+        "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
+    )
+    .expect("ext");
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "client.key",
+        "-out",
+        "client.csr",
+        "-subj",
+        "/CN=levee",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "client.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "client.ext",
+    ]);
+    dir.join("ca.pem")
 }
