@@ -30,7 +30,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
-use crate::redis_store::{RedisAsk, RedisFailure, RemoteVerdict};
+use crate::redis_store::{RedisAsk, RedisFailure, RedisTls, RemoteVerdict};
 
 /// Requests decided by one script call at most. Redis runs a script to its end before it
 /// serves anyone else, so a batch is kept well below a millisecond of Redis time.
@@ -75,17 +75,51 @@ pub struct Endpoint {
 enum Address {
     Tcp(String, u16),
     Unix(PathBuf),
+    /// `rediss://`: TLS over TCP.
+    Tls(String, u16, TlsClient),
+}
+
+/// The TLS settings of a `rediss://` endpoint.
+#[derive(Clone)]
+struct TlsClient(Arc<rustls::ClientConfig>);
+
+impl PartialEq for TlsClient {
+    fn eq(&self, other: &TlsClient) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for TlsClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TlsClient")
+    }
 }
 
 impl Endpoint {
-    /// The endpoint of a `redis://` or `redis+unix://` URL. `None` for anything this client
-    /// does not speak (TLS); such a server is used through the general client instead.
-    pub fn from_url(url: &str) -> Option<Endpoint> {
+    /// The endpoint of a `redis://`, `rediss://` (with `tls`, `[redis] ca_file` and the
+    /// client certificate) or `redis+unix://` URL. `None` for anything this client does not
+    /// speak (TLS without checking the server's certificate, `#insecure`); such a server is
+    /// used through the general client instead.
+    pub fn from_url(url: &str, tls: Option<&RedisTls>) -> Option<Endpoint> {
         let client = redis::Client::open(url).ok()?;
         let info = client.get_connection_info();
         let address = match info.addr() {
             redis::ConnectionAddr::Tcp(host, port) => Address::Tcp(host.clone(), *port),
             redis::ConnectionAddr::Unix(path) => Address::Unix(path.clone()),
+            redis::ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: false,
+                ..
+            } => match crate::redis_store::rustls_config(tls) {
+                Ok(config) => Address::Tls(host.clone(), *port, TlsClient(Arc::new(config))),
+                Err(error) => {
+                    tracing::warn!(
+                        "redis TLS settings: {error}; rate limits use the general client"
+                    );
+                    return None;
+                }
+            },
             _ => return None,
         };
         let settings = info.redis_settings();
@@ -1011,6 +1045,18 @@ impl Connection {
                 Box::pin(stream)
             }
             Address::Unix(path) => Box::pin(tokio::net::UnixStream::connect(path).await?),
+            Address::Tls(host, port, client) => {
+                let stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+                stream.set_nodelay(true)?;
+                let name = rustls_pki_types::ServerName::try_from(host.clone()).map_err(|_| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!("`{host}` is not a name a TLS certificate can be checked against"),
+                    )
+                })?;
+                let connector = tokio_rustls::TlsConnector::from(client.0.clone());
+                Box::pin(connector.connect(name, stream).await?)
+            }
         };
         let mut connection = Connection {
             stream,
@@ -1036,6 +1082,7 @@ impl Connection {
         }
         put_command(&mut hello, &[b"SCRIPT", b"LOAD", script.as_bytes()]);
         connection.stream.write_all(&hello).await?;
+        connection.stream.flush().await?;
         for command in expected {
             match connection.read_reply().await? {
                 Reply::Status(_) => {}
@@ -1073,7 +1120,12 @@ impl Connection {
         deadline: Instant,
         call_bound: Duration,
     ) -> Result<(), BatchFailure> {
-        match tokio::time::timeout_at(deadline, self.stream.write_all(command)).await {
+        // Flushed: TLS keeps what was written until then (a no-op on a plain socket).
+        let written = async {
+            self.stream.write_all(command).await?;
+            self.stream.flush().await
+        };
+        match tokio::time::timeout_at(deadline, written).await {
             Ok(written) => Ok(written?),
             Err(_elapsed) => Err(BatchFailure::Timeout(call_bound)),
         }
@@ -1422,7 +1474,7 @@ mod pipeline_tests {
         call_bound: Duration,
         admit_ahead_above: f64,
     ) -> Arc<DecisionBatcher> {
-        let endpoint = Endpoint::from_url(url).expect("a redis:// url");
+        let endpoint = Endpoint::from_url(url, None).expect("a redis:// url");
         let mut batcher = DecisionBatcher::new(endpoint, "return 1", call_bound, admit_ahead_above);
         Arc::get_mut(&mut batcher.shared)
             .expect("the worker has not started")
@@ -1705,7 +1757,7 @@ mod pipeline_tests {
 
     #[test]
     fn a_decision_whose_new_buckets_do_not_fit_counts_nothing_and_takes_nothing_off() {
-        let endpoint = Endpoint::from_url("redis://127.0.0.1:1").expect("a redis:// url");
+        let endpoint = Endpoint::from_url("redis://127.0.0.1:1", None).expect("a redis:// url");
         let mut batcher = DecisionBatcher::new(endpoint, "return 1", CALL_BOUND, 0.5);
         Arc::get_mut(&mut batcher.shared)
             .expect("the worker has not started")

@@ -71,6 +71,45 @@ impl std::fmt::Debug for RedisTls {
     }
 }
 
+/// The rustls settings of levee's own connection to a `rediss://` server: `ca_file` instead
+/// of the system's roots when given (as the general client does), and the client certificate.
+pub fn rustls_config(tls: Option<&RedisTls>) -> Result<rustls::ClientConfig, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    match tls.and_then(|tls| tls.ca.as_deref()) {
+        Some(ca) => {
+            for cert in CertificateDer::pem_slice_iter(ca) {
+                let cert = cert.map_err(|error| format!("ca_file: {error}"))?;
+                roots
+                    .add(cert)
+                    .map_err(|error| format!("ca_file: {error}"))?;
+            }
+        }
+        None => {
+            roots.add_parsable_certificates(crate::proxy::upstream::system_roots().iter().cloned());
+        }
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|error| error.to_string())?
+    .with_root_certificates(roots);
+    match tls.and_then(|tls| tls.client.as_ref()) {
+        Some((cert, key)) => {
+            let chain: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(cert).collect();
+            let chain = chain.map_err(|error| format!("cert_file: {error}"))?;
+            let key =
+                PrivateKeyDer::from_pem_slice(key).map_err(|error| format!("key_file: {error}"))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|error| format!("cert_file and key_file: {error}"))
+        }
+        None => Ok(builder.with_no_client_auth()),
+    }
+}
+
 impl RedisTls {
     fn certificates(&self) -> redis::TlsCertificates {
         redis::TlsCertificates {
@@ -233,12 +272,14 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     pub fn new(settings: RedisSettings) -> RedisStore {
         let batcher = match &settings.target {
-            RedisTarget::Single(url) => Endpoint::from_url(url).map(|endpoint| {
-                // The worker's own bound on a call: at least the caller's timeout, and
-                // long enough for a connection to be made even with a tight timeout.
-                let call_bound = settings.timeout.max(Duration::from_millis(200));
-                DecisionBatcher::new(endpoint, SCRIPT, call_bound, settings.admit_ahead_above)
-            }),
+            RedisTarget::Single(url) => {
+                Endpoint::from_url(url, settings.tls.as_ref()).map(|endpoint| {
+                    // The worker's own bound on a call: at least the caller's timeout, and
+                    // long enough for a connection to be made even with a tight timeout.
+                    let call_bound = settings.timeout.max(Duration::from_millis(200));
+                    DecisionBatcher::new(endpoint, SCRIPT, call_bound, settings.admit_ahead_above)
+                })
+            }
             RedisTarget::Cluster(_) => None,
         };
         let cluster = matches!(settings.target, RedisTarget::Cluster(_))

@@ -61,7 +61,7 @@ pub struct Upstream {
 }
 
 /// The system's trusted roots, read once.
-fn system_roots() -> &'static [CertificateDer<'static>] {
+pub(crate) fn system_roots() -> &'static [CertificateDer<'static>] {
     static ROOTS: OnceLock<Vec<CertificateDer<'static>>> = OnceLock::new();
     ROOTS.get_or_init(|| {
         let found = rustls_native_certs::load_native_certs();
