@@ -298,23 +298,7 @@ fn check_explains_what_redis_over_tls_needs() {
     // An X.509 version 1 certificate (no extensions), which TLS refuses.
     let dir = tempfile::tempdir().expect("dir");
     make_certificates(dir.path());
-    let signed = std::process::Command::new("openssl")
-        .args([
-            "x509",
-            "-req",
-            "-in",
-            "client.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-        ])
-        .args(["-CAcreateserial", "-out", "v1.pem", "-days", "2"])
-        .current_dir(dir.path())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .expect("openssl");
-    assert!(signed.success());
+    sign_certificate(dir.path(), "client.csr", "v1.pem", None);
     let file = |name: &str| dir.path().join(name).display().to_string();
     let stderr = check_fails(&policy(&format!(
         "[redis]\nurl = \"rediss://127.0.0.1:6379\"\ncert_file = \"{}\"\nkey_file = \"{}\"",

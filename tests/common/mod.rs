@@ -903,102 +903,91 @@ impl Drop for SlowAnswers {
     }
 }
 
+/// Runs `openssl` with `args` in `dir`, and checks that it succeeded.
+pub fn openssl(dir: &Path, args: &[&str]) {
+    let status = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .stderr(Stdio::null())
+        .status()
+        .expect("openssl");
+    assert!(status.success(), "openssl {args:?}");
+}
+
+/// Signs the request `csr` with the CA that [`make_certificates`] made in `dir`, into `out`,
+/// with the extensions in the file `extensions` (X.509 version 3), or none (version 1).
+pub fn sign_certificate(dir: &Path, csr: &str, out: &str, extensions: Option<&str>) {
+    let mut args = vec![
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        out,
+        "-days",
+        "2",
+    ];
+    if let Some(extensions) = extensions {
+        args.extend(["-extfile", extensions]);
+    }
+    openssl(dir, &args);
+}
+
 /// Makes a CA (`ca.pem`), a server certificate for `localhost` and 127.0.0.1
 /// (`server.pem`, `server.key`) and a client certificate (`client.pem`, `client.key`) in `dir`;
 /// returns the CA's path.
-pub fn make_certificates(dir: &std::path::Path) -> std::path::PathBuf {
-    let run = |args: &[&str]| {
-        let status = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .stderr(std::process::Stdio::null())
-            .status()
-            .expect("openssl");
-        assert!(status.success(), "openssl {args:?}");
-    };
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=levee test CA",
-    ]);
-    run(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-        "-subj",
-        "/CN=localhost",
-    ]);
-    std::fs::write(
-        dir.join("san.ext"),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
-    )
-    .expect("ext");
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "server.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "san.ext",
-    ]);
-    // X.509 v3 (with extensions), as TLS libraries require.
-    std::fs::write(
-        dir.join("client.ext"),
-        "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
-    )
-    .expect("ext");
-    run(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "client.key",
-        "-out",
-        "client.csr",
-        "-subj",
-        "/CN=levee",
-    ]);
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "client.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "client.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "client.ext",
-    ]);
+pub fn make_certificates(dir: &Path) -> PathBuf {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=levee test CA",
+        ],
+    );
+    // Extensions make X.509 version 3 certificates, which TLS libraries require.
+    let made = [
+        (
+            "server",
+            "/CN=localhost",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+        ),
+        (
+            "client",
+            "/CN=levee",
+            "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
+        ),
+    ];
+    for (name, subject, extensions) in made {
+        let (key, csr, ext) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.ext"),
+        );
+        std::fs::write(dir.join(&ext), extensions).expect("extensions");
+        openssl(
+            dir,
+            &[
+                "req", "-newkey", "rsa:2048", "-nodes", "-keyout", &key, "-out", &csr, "-subj",
+                subject,
+            ],
+        );
+        sign_certificate(dir, &csr, &format!("{name}.pem"), Some(&ext));
+    }
     dir.join("ca.pem")
 }
