@@ -217,14 +217,14 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
 }
 
 /// Redis over TLS (`rediss://`) with a CA of its own, asking for a client certificate (Redis's
-/// default): limits are shared through it.
+/// default): limits are shared through it, and follow their fallback when it is gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_are_shared_through_a_redis_that_speaks_tls() {
     let dir = tempfile::tempdir().expect("dir");
     let certs = dir.path().join("certs");
     std::fs::create_dir_all(&certs).expect("certs dir");
     make_certificates(&certs);
-    let redis = RedisServer::start_tls(dir.path(), &certs).await;
+    let mut redis = RedisServer::start_tls(dir.path(), &certs).await;
     let file = |name: &str| certs.join(name).display().to_string();
     let section = format!(
         "[redis]\nurl = \"rediss://127.0.0.1:{}/0\"\ntimeout = \"500ms\"\nca_file = \"{}\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
@@ -263,6 +263,19 @@ async fn limits_are_shared_through_a_redis_that_speaks_tls() {
     // A refusal Redis gave is remembered for the next request on the bucket (`cache`).
     let limited = decided("limited", "redis") + decided("limited", "cache");
     assert_eq!(limited, 2.0, "{metrics}");
+
+    // Redis gone: the rule follows its on_redis_error (`local` by default), as over a plain
+    // connection.
+    redis.kill();
+    for _ in 0..3 {
+        assert_eq!(send_as(&levee, Some("bob"), None).await.status, 200);
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    let fallback = metric_value(
+        &metrics,
+        "levee_ratelimit_decisions_total{rule=\"per_user\",result=\"allowed\",source=\"fallback\"}",
+    );
+    assert_eq!(fallback, 3.0, "{metrics}");
 }
 
 #[test]
