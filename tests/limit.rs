@@ -278,6 +278,42 @@ async fn limits_are_shared_through_a_redis_that_speaks_tls() {
     assert_eq!(fallback, 3.0, "{metrics}");
 }
 
+/// Renewed certificates, same paths, same policy text: the reload is a change, and makes a new
+/// Redis connection with the new files.
+#[test]
+fn redis_tls_files_renewed_in_place_are_a_change_for_reload() {
+    let (first, second) = (
+        tempfile::tempdir().expect("dir"),
+        tempfile::tempdir().expect("dir"),
+    );
+    make_certificates(first.path());
+    make_certificates(second.path());
+    let policy_dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        policy_dir.path().join("levee.toml"),
+        "[redis]\nurl = \"rediss://127.0.0.1:6379\"\nca_file = \"ca.pem\"\ncert_file = \"client.pem\"\nkey_file = \"client.key\"\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"a\"\nupstream = \"app\"\n",
+    )
+    .expect("policy");
+    let install = |from: &std::path::Path| {
+        for name in ["ca.pem", "client.pem", "client.key"] {
+            std::fs::copy(from.join(name), policy_dir.path().join(name)).expect("copy");
+        }
+    };
+    install(first.path());
+    let running = levee::config::load_dir(policy_dir.path(), None).expect("compiles");
+    install(second.path());
+    let reloaded = levee::config::load_dir(policy_dir.path(), Some(&running)).expect("compiles");
+    assert_ne!(
+        running.hash, reloaded.hash,
+        "the reload is not skipped as unchanged"
+    );
+    let store = |policy: &levee::config::Policy| policy.redis.clone().expect("redis");
+    assert!(
+        !std::sync::Arc::ptr_eq(&store(&running), &store(&reloaded)),
+        "a new connection with the new files"
+    );
+}
+
 #[test]
 fn check_explains_what_redis_over_tls_needs() {
     let policy = |redis: &str| {

@@ -143,18 +143,26 @@ pub fn policy_hash(files: &[SourceFile]) -> String {
         .collect()
 }
 
-/// The policy's hash, with the contents of the CA files its upstreams trust: rotating a CA in
-/// place and reloading is a change (without CA files, the files' hash alone).
+/// The policy's hash, with the contents of the CA files its upstreams trust and of the TLS
+/// files of its Redis: rotating one in place and reloading is a change (without such files,
+/// the files' hash alone).
 fn policy_hash_with_cas(
     files: &[SourceFile],
     upstreams: &BTreeMap<String, Arc<Upstream>>,
+    redis_tls: Option<&RedisTls>,
 ) -> String {
     let files_hash = policy_hash(files);
-    let digests: Vec<&[u8]> = upstreams
+    let mut digests: Vec<&[u8]> = upstreams
         .values()
         .map(|upstream| upstream.settings.ca_digest.as_slice())
         .filter(|digest| !digest.is_empty())
         .collect();
+    if let Some(tls) = redis_tls {
+        digests.extend(tls.ca.as_deref());
+        if let Some((cert, key)) = &tls.client {
+            digests.extend([cert.as_slice(), key.as_slice()]);
+        }
+    }
     if digests.is_empty() {
         return files_hash;
     }
@@ -622,7 +630,13 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     }
     Ok(Policy {
         generation: 0,
-        hash: policy_hash_with_cas(files, &upstreams),
+        hash: policy_hash_with_cas(
+            files,
+            &upstreams,
+            redis_store
+                .as_ref()
+                .and_then(|store| store.settings.tls.as_ref()),
+        ),
         files: files.iter().map(|file| file.path.clone()).collect(),
         server: server_settings,
         admin: admin_settings,
