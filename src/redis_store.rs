@@ -17,11 +17,13 @@ use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use crate::metrics::Metrics;
+use crate::proxy::upstream::{ca_certificates, client_tls, system_roots};
 use crate::redis_batch::{lock, read_answer, DecisionBatcher, Endpoint};
 use crate::redis_cluster::{parse_slots, ClusterHealth, Node};
 
-/// Shortest bound on a refund call (see `give_back`).
-const REFUND_BOUND: Duration = Duration::from_secs(1);
+/// Shortest bound on a call off the request path: a refund (see `give_back`), a read of a
+/// cluster's slot map.
+const OFF_PATH_BOUND: Duration = Duration::from_secs(1);
 
 /// The rate-limit script: GCRA for a batch of requests (see its header).
 const SCRIPT: &str = include_str!("limit/script.lua");
@@ -79,23 +81,18 @@ pub fn rustls_config(tls: Option<&RedisTls>) -> Result<rustls::ClientConfig, Str
     let mut roots = rustls::RootCertStore::empty();
     match tls.and_then(|tls| tls.ca.as_deref()) {
         Some(ca) => {
-            for cert in CertificateDer::pem_slice_iter(ca) {
-                let cert = cert.map_err(|error| format!("ca_file: {error}"))?;
+            let certs = ca_certificates(ca).map_err(|error| format!("ca_file {error}"))?;
+            for cert in certs {
                 roots
                     .add(cert)
                     .map_err(|error| format!("ca_file: {error}"))?;
             }
         }
         None => {
-            roots.add_parsable_certificates(crate::proxy::upstream::system_roots().iter().cloned());
+            roots.add_parsable_certificates(system_roots().iter().cloned());
         }
     }
-    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|error| error.to_string())?
-    .with_root_certificates(roots);
+    let builder = client_tls(roots);
     match tls.and_then(|tls| tls.client.as_ref()) {
         Some((cert, key)) => {
             let chain: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(cert).collect();
@@ -595,7 +592,7 @@ impl RedisStore {
             let decided =
                 decide_in_groups(&script, &connection, &asks, &groups, deadline, timeout).await;
             let _ = verdict_sender.send((decided.result, decided.group_ok));
-            let bound = timeout.max(REFUND_BOUND);
+            let bound = timeout.max(OFF_PATH_BOUND);
             give_back(&refund, &connection, &asks, &decided.to_refund, bound).await;
         });
         let answer = verdict.await.unwrap_or_else(|_| {
@@ -629,12 +626,12 @@ impl RedisStore {
             let mut slots = redis::cmd("CLUSTER");
             slots.arg("SLOTS");
             let read = query::<redis::Value>(&connection, &slots);
-            let ranges = match tokio::time::timeout(REFUND_BOUND, read).await {
+            let ranges = match tokio::time::timeout(OFF_PATH_BOUND, read).await {
                 Ok(Ok(reply)) => parse_slots(&reply)
                     .ok_or_else(|| "CLUSTER SLOTS answered something not a slot map".to_string()),
                 Ok(Err(error)) => Err(format!("CLUSTER SLOTS failed: {error}")),
                 Err(_elapsed) => Err(format!(
-                    "CLUSTER SLOTS got no answer within {REFUND_BOUND:?}"
+                    "CLUSTER SLOTS got no answer within {OFF_PATH_BOUND:?}"
                 )),
             };
             match ranges {
@@ -814,9 +811,9 @@ async fn invoke(
 }
 
 /// Gives one token back to each of `asks` that `groups` lists (one script call per slot
-/// group, all at once), each call bounded by `bound`: a late refund is as right as an early one, and it
-/// runs off the request path, so it gets longer than a decision, for a cluster that is
-/// catching up after a failure.
+/// group, all at once), each call bounded by `bound`: a late refund is as right as an early
+/// one, and it runs off the request path, so it gets longer than a decision, for a cluster
+/// that is catching up after a failure.
 async fn give_back(
     script: &KeyedScript,
     connection: &Connection,

@@ -34,7 +34,7 @@ use crate::limit::{gcra::Rate, parse_rate, LimitRule, OnRedisError};
 use crate::proxy::header::TrustedProxies;
 use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
-use crate::proxy::upstream::{read_ca_file, Upstream, UpstreamSettings};
+use crate::proxy::upstream::{ca_certificates, read_ca_file, Upstream, UpstreamSettings};
 use crate::queue::{QueueAction, QueueSettings, MIN_CLAIM_AFTER};
 use crate::redis_store::{
     RedisSettings, RedisStore, RedisTarget, RedisTls, DEFAULT_ADMIT_AHEAD_ABOVE,
@@ -186,6 +186,14 @@ struct Compiler<'a> {
 }
 
 impl<'a> Compiler<'a> {
+    /// A path a policy file names: relative paths are relative to that file.
+    fn path_from(&self, file: usize, name: &str) -> std::path::PathBuf {
+        self.files[file]
+            .path
+            .parent()
+            .map_or_else(|| std::path::PathBuf::from(name), |dir| dir.join(name))
+    }
+
     fn error(
         &mut self,
         file: usize,
@@ -1385,17 +1393,13 @@ fn compile_redis_tls(
         }
         return None;
     }
-    // Relative paths are relative to the policy file that names them.
-    let dir = compiler.files[file].path.parent().map(Path::to_path_buf);
     let read = |compiler: &mut Compiler<'_>,
                 value: &Option<Spanned<String>>,
                 what: &str,
                 check: &dyn Fn(&[u8]) -> Result<(), String>|
      -> Option<Vec<u8>> {
         let value = value.as_ref()?;
-        let path = dir
-            .as_ref()
-            .map_or_else(|| value.get_ref().into(), |dir| dir.join(value.get_ref()));
+        let path = compiler.path_from(file, value.get_ref());
         let checked = std::fs::read(&path)
             .map_err(|error| format!("cannot read {what} {}: {error}", path.display()))
             .and_then(|pem| {
@@ -1411,14 +1415,7 @@ fn compile_redis_tls(
             }
         }
     };
-    let certificates = |pem: &[u8]| -> Result<(), String> {
-        let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
-        match certs {
-            Ok(certs) if !certs.is_empty() => Ok(()),
-            Ok(_) => Err("holds no certificate".into()),
-            Err(error) => Err(format!("is not valid PEM: {error}")),
-        }
-    };
+    let certificates = |pem: &[u8]| ca_certificates(pem).map(|_| ());
     let key = |pem: &[u8]| -> Result<(), String> {
         PrivateKeyDer::from_pem_slice(pem)
             .map(|_| ())
@@ -1429,7 +1426,11 @@ fn compile_redis_tls(
     let client_certificates = |pem: &[u8]| -> Result<(), String> {
         certificates(pem)?;
         match CertificateDer::pem_slice_iter(pem).next() {
-            Some(Ok(first)) if !has_x509_version(&first) => Err("is an X.509 version 1 certificate, which TLS refuses; sign it with extensions (version 3), e.g. openssl x509 -req … -extfile with extendedKeyUsage=clientAuth".into()),
+            Some(Ok(first)) if !has_x509_version(&first) => Err(
+                "is an X.509 version 1 certificate, which TLS refuses; sign it with extensions \
+                 (version 3), e.g. openssl x509 -req … -extfile with extendedKeyUsage=clientAuth"
+                    .into(),
+            ),
             _ => Ok(()),
         }
     };
@@ -1922,11 +1923,7 @@ fn compile_upstream(
     let mut ca_hasher = Sha256::new();
     if let Some(list) = &inner.ca_files {
         for name in list.get_ref() {
-            // Relative paths are relative to the policy file that names them.
-            let path = compiler.files[file]
-                .path
-                .parent()
-                .map_or_else(|| std::path::PathBuf::from(name), |dir| dir.join(name));
+            let path = compiler.path_from(file, name);
             match read_ca_file(&path) {
                 Ok(certs) => {
                     for cert in &certs {

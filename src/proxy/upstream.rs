@@ -74,13 +74,18 @@ pub(crate) fn system_roots() -> &'static [CertificateDer<'static>] {
 
 /// Reads a PEM file of CA certificates; the error says what is wrong for `levee check`.
 pub fn read_ca_file(path: &std::path::Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs: Result<Vec<_>, _> = CertificateDer::pem_file_iter(path)
-        .map_err(|error| format!("cannot read CA file {}: {error}", path.display()))?
-        .collect();
-    let certs =
-        certs.map_err(|error| format!("CA file {} is not valid PEM: {error}", path.display()))?;
+    let pem = std::fs::read(path)
+        .map_err(|error| format!("cannot read CA file {}: {error}", path.display()))?;
+    ca_certificates(&pem).map_err(|error| format!("CA file {} {error}", path.display()))
+}
+
+/// The certificates of a PEM text, at least one; the error ("is not valid PEM: …", "holds no
+/// certificate") follows the file's name.
+pub fn ca_certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
+    let certs = certs.map_err(|error| format!("is not valid PEM: {error}"))?;
     if certs.is_empty() {
-        return Err(format!("CA file {} holds no certificate", path.display()));
+        return Err("holds no certificate".into());
     }
     Ok(certs)
 }
@@ -98,15 +103,18 @@ fn tls_config(ca_files: &[std::path::PathBuf]) -> rustls::ClientConfig {
             Err(error) => tracing::warn!("{error}"),
         }
     }
-    client_config(roots)
+    client_tls(roots).with_no_client_auth()
 }
 
-fn client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
+/// levee's TLS client settings (rustls with ring, TLS 1.2 and 1.3) trusting `roots`, for
+/// `https://` upstreams and `rediss://` alike; the client certificate is the caller's choice.
+pub(crate) fn client_tls(
+    roots: rustls::RootCertStore,
+) -> rustls::ConfigBuilder<rustls::ClientConfig, rustls::client::WantsClientCert> {
     rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .expect("the ring provider supports TLS 1.2 and 1.3")
         .with_root_certificates(roots)
-        .with_no_client_auth()
 }
 
 impl Upstream {

@@ -193,8 +193,6 @@ impl QueueKeys {
     }
 }
 
-/// Stores a job only if Redis runs the write before the deadline (µs, Redis clock).
-/// KEYS: stream. ARGV: deadline, then the job's fields. Returns the entry id, or nil if late.
 /// Stores a job, unless Redis's clock is past levee's deadline for it or levee has already
 /// settled the write without it ([`SETTLE_WRITE`] left a tombstone), and records the entry's
 /// id under the write's own key, so that levee can ask what became of a write whose answer it
@@ -362,41 +360,41 @@ pub async fn enqueue(
     job.write_fields(&mut command);
     let written: Result<Option<String>, RedisFailure> =
         redis.command(&command, remaining, Some(metrics)).await;
-    let id =
-        match written {
-            Ok(Some(id)) => id,
-            Ok(None) => return Err(not_stored("redis ran the write after its deadline".into())),
-            // Not sent at all: nothing to settle.
-            Err(error @ (RedisFailure::Down | RedisFailure::Overloaded(_))) => {
-                return Err(not_stored(error.to_string()))
+    let id = match written {
+        Ok(Some(id)) => id,
+        Ok(None) => return Err(not_stored("redis ran the write after its deadline".into())),
+        // Not sent at all: nothing to settle.
+        Err(error @ (RedisFailure::Down | RedisFailure::Overloaded(_))) => {
+            return Err(not_stored(error.to_string()))
+        }
+        // Sent, but its answer did not come: Redis may have run it (say the answer was slow
+        // to travel back). Its fate is settled with Redis before the client hears anything:
+        // the same connection carries the question after the write, so Redis answers it
+        // after running the write, if it ever does.
+        Err(error) => match settle_write(redis, &keys, &record, &settings.group, timeout).await {
+            Ok(Some(id)) => {
+                tracing::info!(
+                    route = %route.name,
+                    job = %id,
+                    "the write's answer was lost ({error}), but Redis stored the job and a \
+                     worker has it: answering 202"
+                );
+                id
             }
-            // Sent, but its answer did not come: Redis may have run it (say the answer was slow
-            // to travel back). Its fate is settled with Redis before the client hears anything:
-            // the same connection carries the question after the write, so Redis answers it
-            // after running the write, if it ever does.
-            Err(error) => {
-                match settle_write(redis, &keys, &record, &settings.group, timeout).await {
-                Ok(Some(id)) => {
-                    tracing::info!(
-                        route = %route.name,
-                        job = %id,
-                        "the write's answer was lost ({error}), but Redis stored the job and a worker has it: answering 202"
-                    );
-                    id
-                }
-                Ok(None) => {
-                    return Err(not_stored(format!(
-                        "{error}; Redis holds no such job and will not store it"
-                    )))
-                }
-                Err(settling) => {
-                    return Err(not_stored(format!(
-                        "{error}; what became of the write could not be checked either ({settling}): if Redis ran it, the check withdraws it when it runs, unless a worker read the job first"
-                    )))
-                }
+            Ok(None) => {
+                return Err(not_stored(format!(
+                    "{error}; Redis holds no such job and will not store it"
+                )))
             }
+            Err(settling) => {
+                return Err(not_stored(format!(
+                    "{error}; what became of the write could not be checked either \
+                     ({settling}): if Redis ran it, the check withdraws it when it runs, \
+                     unless a worker read the job first"
+                )))
             }
-        };
+        },
+    };
     // Listed after the job is written, so an instance that starts later finds this queue even
     // if the route stops queueing meanwhile (see `QueueKeys::registry`). The job is stored
     // already: a failure here does not change the answer.
