@@ -279,7 +279,7 @@ impl Metrics {
         let redis_node_up = Family::<RedisNodeLabels, Gauge>::default();
         registry.register(
             "redis_node_up",
-            "Redis Cluster: 1 while a master node is used for the rate-limit buckets it holds, 0 while its health breaker is open",
+            "Redis Cluster: 1 while a master node is used for the rate-limit buckets, queue streams and stale copies it holds, 0 while its health breaker is open",
             redis_node_up.clone(),
         );
         let breaker_state = Family::<BreakerLabels, Gauge>::default();

@@ -163,6 +163,15 @@ pub struct RedisAsk<'a> {
     pub dry_run: bool,
 }
 
+/// A call on the request path: it follows the health breaker (in a cluster, that of the node
+/// holding `key`) and records how it went in `metrics`.
+#[derive(Clone, Copy)]
+pub struct Guard<'a> {
+    /// A key the command touches; every key of one command shares its slot.
+    pub key: &'a str,
+    pub metrics: &'a Metrics,
+}
+
 /// Redis's answer for one bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteVerdict {
@@ -303,7 +312,8 @@ impl RedisStore {
     }
 
     /// A cluster's master nodes as its slot map last listed them, and whether each is used
-    /// for the rate-limit buckets it holds. Empty for a single server.
+    /// for the rate-limit buckets, queue streams and stale copies it holds. Empty for a
+    /// single server.
     pub fn cluster_nodes(&self) -> Vec<(String, bool)> {
         let Some(cluster) = &self.cluster else {
             return Vec::new();
@@ -401,7 +411,7 @@ impl RedisStore {
             Some(Change::Up) => {
                 tracing::info!(
                     node = %node.address,
-                    "redis cluster node answers again: the rate-limit buckets it holds are shared through redis"
+                    "redis cluster node answers again: the rate-limit buckets, queue streams and stale copies it holds are used again"
                 );
                 1
             }
@@ -411,7 +421,7 @@ impl RedisStore {
                     failures,
                     cooldown = ?self.settings.cooldown,
                     last_error = %failure.map(ToString::to_string).unwrap_or_default(),
-                    "redis cluster node is failing: rules whose buckets it holds use their on_redis_error fallback"
+                    "redis cluster node is failing: rules whose buckets it holds use their on_redis_error fallback, queue routes whose streams it holds answer 503"
                 );
                 0
             }
@@ -423,16 +433,34 @@ impl RedisStore {
     }
 
     /// Runs one command. On the request path (`guarded`), it goes through the health breaker
-    /// like rate-limit calls (no waiting on a Redis known to be down); operator and
-    /// background calls (`guarded = false`) always try, bounded by `timeout`.
+    /// like rate-limit calls (no waiting on a Redis known to be down): in a cluster, that of
+    /// the node holding the guard's key, so one node out stops only the calls it would
+    /// serve. Operator and background calls (`guarded = None`) always try, bounded by
+    /// `timeout`.
     pub async fn command<T: redis::FromRedisValue>(
         &self,
         command: &redis::Cmd,
         timeout: Duration,
-        guarded: Option<&Metrics>,
+        guarded: Option<Guard<'_>>,
     ) -> Result<T, RedisFailure> {
-        let permit = match guarded {
-            Some(_) => Some(self.permit().ok_or(RedisFailure::Down)?),
+        let node = match (&self.cluster, &guarded) {
+            (Some(cluster), Some(guard)) => Some((cluster, cluster.node_for(guard.key))),
+            _ => None,
+        };
+        let health = node
+            .as_ref()
+            .map_or(&self.health, |(_, node)| &*node.health);
+        let permit = match &guarded {
+            Some(guard) => match Health::permit(health) {
+                Some(permit) => Some(permit),
+                None => {
+                    if let Some((cluster, _)) = &node {
+                        // As for rate limits: a replica may have taken over the node's slots.
+                        self.read_slot_map_when_due(cluster, true, guard.metrics);
+                    }
+                    return Err(RedisFailure::Down);
+                }
+            },
             None => None,
         };
         let call = async {
@@ -443,8 +471,15 @@ impl RedisStore {
             Ok(result) => result,
             Err(_elapsed) => Err(RedisFailure::Timeout(timeout)),
         };
-        if let (Some(permit), Some(metrics)) = (permit, guarded) {
-            self.record(permit, result.as_ref().err(), metrics);
+        if let (Some(permit), Some(guard)) = (permit, guarded) {
+            let failure = result.as_ref().err();
+            match &node {
+                Some((cluster, node)) => {
+                    self.record_node(node, permit, failure, guard.metrics);
+                    self.read_slot_map_when_due(cluster, failure.is_some(), guard.metrics);
+                }
+                None => self.record(permit, failure, guard.metrics),
+            }
         }
         result
     }

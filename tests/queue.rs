@@ -821,6 +821,102 @@ async fn a_write_whose_answer_is_late_is_settled_before_the_client_is_answered()
     assert!(seen.lock().expect("lock").is_empty());
 }
 
+/// In a Redis Cluster, each queue's writes follow the health breaker of the node holding its
+/// stream: a node out makes only the routes it holds answer 503 (once its breaker is open,
+/// without waiting on it), while the others go on storing work, which is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_node_out_stops_only_the_queues_it_holds() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cluster = RedisCluster::start(dir.path()).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let stream = |route: &str| format!("levee:queue:{{{route}}}:jobs");
+    let out_node = cluster.owner(&stream("notify"));
+    let other = (0..)
+        .map(|i| format!("mail{i}"))
+        .find(|route| cluster.owner(&stream(route)) != out_node)
+        .expect("some route's stream is on another node");
+    let route = |name: &str| {
+        format!("[[route]]\nname = \"{name}\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/{name}\" }}\nalways_queue = true\n")
+    };
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\ncluster = [{}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n[queue]\npoll_interval = \"50ms\"\n{}{}",
+            cluster.toml_list(),
+            route("notify"),
+            route(&other)
+        ),
+    ))
+    .await;
+    let post_to = |route: &str, body: &str| {
+        let request = Request::post(levee.url(&format!("/{route}.php")))
+            .header("x-forwarded-for", "192.0.2.1")
+            .body(full(body.to_string()))
+            .expect("request");
+        send(request)
+    };
+    let applied = |body: &'static str| {
+        let seen = seen.clone();
+        move || {
+            let seen = seen.clone();
+            async move { seen.lock().expect("lock").iter().any(|job| job.1 == body) }
+        }
+    };
+    assert_eq!(post_to("notify", "first=1").await.status, 202);
+    assert_eq!(post_to(&other, "first=2").await.status, 202);
+    eventually(Duration::from_secs(5), "the first jobs applied", || async {
+        seen.lock().expect("lock").len() == 2
+    })
+    .await;
+    eventually(Duration::from_secs(5), "the slot map read", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["redis"]["nodes"].as_array().map(Vec::len) == Some(3)
+    })
+    .await;
+
+    cluster.pause(out_node, true);
+    for attempt in 0..3 {
+        let answer = post_to("notify", "lost=1").await;
+        assert_eq!(answer.status, 503, "attempt {attempt}: {}", answer.text());
+    }
+    let answer = post_to(&other, "second=2").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    eventually(
+        Duration::from_secs(5),
+        "the other route's job applied while the node is out",
+        applied("second=2"),
+    )
+    .await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    cluster.pause(out_node, false);
+
+    let node_up = |node: usize| {
+        metric_value(
+            &metrics,
+            &format!(
+                "levee_redis_node_up{{node=\"127.0.0.1:{}\"}}",
+                cluster.ports[node]
+            ),
+        )
+    };
+    assert_eq!(node_up(out_node), 0.0, "{metrics}");
+    assert_eq!(node_up(cluster.owner(&stream(&other))), 1.0, "{metrics}");
+    assert_eq!(metric_value(&metrics, "levee_redis_up"), 1.0, "{metrics}");
+    // The posts that timed out never sent their write (their clock read went unanswered),
+    // and the third did not call the node at all: after the thaw, the stream holds nothing
+    // (the first job was applied and deleted).
+    assert_eq!(
+        cluster.cli(out_node, &["XLEN", &stream("notify")]).trim(),
+        "0"
+    );
+    assert!(!seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .any(|job| job.1 == "lost=1"));
+}
+
 #[test]
 fn check_refuses_queues_without_redis() {
     let stderr = check_fails("[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"notify\"\ntier = 2\ndegrade = { action = \"queue\" }\n");

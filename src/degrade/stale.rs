@@ -204,7 +204,11 @@ impl StaleStore {
         let mut command = redis::cmd("GET");
         command.arg(key);
         let shared = match redis
-            .command::<Option<Vec<u8>>>(&command, redis.settings.timeout, Some(metrics))
+            .command::<Option<Vec<u8>>>(
+                &command,
+                redis.settings.timeout,
+                Some(crate::redis_store::Guard { key, metrics }),
+            )
             .await
         {
             Ok(bytes) => bytes.as_deref().and_then(StaleCopy::decode).map(Arc::new),

@@ -27,7 +27,7 @@ use crate::proxy::body::{find_cause, BodyIdleTimeout, IdleTimeout, ResponseBody}
 use crate::proxy::h1::RequestBody;
 use crate::proxy::header::strip_hop_by_hop;
 use crate::proxy::route::Route;
-use crate::redis_store::RedisFailure;
+use crate::redis_store::{Guard, RedisFailure};
 pub use job::Job;
 
 /// The shortest `claim_after` a policy may set: a worker renews its hold on its jobs every
@@ -334,13 +334,17 @@ pub async fn enqueue(
     // refused by Redis once levee may have given up. The deadline keeps half of the
     // remaining time for the reply to travel back.
     let started = tokio::time::Instant::now();
+    let guard = Guard {
+        key: &keys.stream,
+        metrics,
+    };
     let mut clock = redis::cmd("EVAL");
     clock
         .arg("return redis.call('TIME')")
         .arg(1)
         .arg(&keys.stream);
     let (seconds, micros): (u64, u64) = redis
-        .command(&clock, timeout, Some(metrics))
+        .command(&clock, timeout, Some(guard))
         .await
         .map_err(|error| not_stored(error.to_string()))?;
     let remaining = timeout.saturating_sub(started.elapsed());
@@ -359,7 +363,7 @@ pub async fn enqueue(
         .arg(WRITE_RECORD_TTL_MS);
     job.write_fields(&mut command);
     let written: Result<Option<String>, RedisFailure> =
-        redis.command(&command, remaining, Some(metrics)).await;
+        redis.command(&command, remaining, Some(guard)).await;
     let id = match written {
         Ok(Some(id)) => id,
         Ok(None) => return Err(not_stored("redis ran the write after its deadline".into())),
