@@ -18,6 +18,7 @@ pub mod proxy;
 pub mod queue;
 pub mod redis_batch;
 pub mod redis_cluster;
+pub mod redis_sentinel;
 pub mod redis_store;
 
 pub use app::{run, start, Options, Running};

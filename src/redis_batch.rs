@@ -30,6 +30,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
+use crate::redis_sentinel::Sentinels;
 use crate::redis_store::{RedisAsk, RedisFailure, RedisTls, RemoteVerdict};
 
 /// Requests decided by one script call at most. Redis runs a script to its end before it
@@ -62,13 +63,61 @@ const HEADROOM_SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// once, with the charges queued before it.
 const CHARGE_HOLD: Duration = Duration::from_millis(1);
 
-/// Where the single Redis server is, and how to log in: read from `[redis] url`.
+/// Where the single Redis server is, and how to log in: read from `[redis] url`, or the
+/// master the sentinels name.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Endpoint {
     address: Address,
     username: Option<String>,
     password: Option<String>,
     db: i64,
+    /// Check that the server is a master before using it (`INFO replication`): the sentinels
+    /// named it, and one may not have seen a failover yet.
+    expect_master: bool,
+}
+
+/// Where the worker connects: one fixed server, or whichever master the sentinels name at
+/// each (re)connection.
+pub enum BatchTarget {
+    Fixed(Endpoint),
+    Sentinel(Arc<Sentinels>),
+}
+
+impl BatchTarget {
+    /// Where to connect now, and the sentinels' generation that belongs to (0 for a fixed
+    /// server).
+    async fn endpoint(&self, bound: Duration) -> Result<(Endpoint, u64), BatchFailure> {
+        let sentinels = match self {
+            BatchTarget::Fixed(endpoint) => return Ok((endpoint.clone(), 0)),
+            BatchTarget::Sentinel(sentinels) => sentinels,
+        };
+        sentinels.watch();
+        let (master, generation) = sentinels.master(bound).await.map_err(|error| {
+            BatchFailure::NoMaster(match error {
+                RedisFailure::Connection(text) => text,
+                other => other.to_string(),
+            })
+        })?;
+        let target = &sentinels.target;
+        let endpoint = Endpoint {
+            address: Address::Tcp(master.host, master.port),
+            username: target.username.clone(),
+            password: target.password.clone(),
+            db: target.db,
+            expect_master: true,
+        };
+        Ok((endpoint, generation))
+    }
+
+    /// True when the sentinels named another master since `connection` was made.
+    fn moved_from(&self, connection: &Option<Connection>) -> bool {
+        match (self, connection) {
+            (BatchTarget::Sentinel(sentinels), Some(open)) => {
+                open.generation != sentinels.generation()
+            }
+            _ => false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -77,6 +126,15 @@ enum Address {
     Unix(PathBuf),
     /// `rediss://`: TLS over TCP.
     Tls(String, u16, TlsClient),
+}
+
+impl std::fmt::Display for Address {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Address::Tcp(host, port) | Address::Tls(host, port, _) => write!(f, "{host}:{port}"),
+            Address::Unix(path) => write!(f, "{}", path.display()),
+        }
+    }
 }
 
 /// The TLS settings of a `rediss://` endpoint.
@@ -128,6 +186,7 @@ impl Endpoint {
             username: settings.username().map(str::to_owned),
             password: settings.password().map(str::to_owned),
             db: settings.db(),
+            expect_master: false,
         })
     }
 }
@@ -144,7 +203,7 @@ pub struct DecisionBatcher {
 }
 
 struct Shared {
-    endpoint: Endpoint,
+    target: BatchTarget,
     script: &'static str,
     queue: Mutex<Queue>,
     wake: Notify,
@@ -276,14 +335,14 @@ impl Waiting {
 impl DecisionBatcher {
     /// `call_bound` limits each connection attempt and each script call of the worker.
     pub fn new(
-        endpoint: Endpoint,
+        target: BatchTarget,
         script: &'static str,
         call_bound: Duration,
         admit_ahead_above: f64,
     ) -> DecisionBatcher {
         DecisionBatcher {
             shared: Arc::new(Shared {
-                endpoint,
+                target,
                 script,
                 queue: Mutex::new(Queue::default()),
                 wake: Notify::new(),
@@ -613,9 +672,14 @@ enum BatchFailure {
     Io(std::io::Error),
     /// An answer that is not what the call asks for: the connection is dropped.
     Reply(String),
-    /// Redis answered the call with an error (`OOM`, `BUSY`, `READONLY`…): the connection
-    /// stays in step and is kept.
+    /// Redis answered the call with an error (`OOM`, `BUSY`…): the connection stays in step
+    /// and is kept.
     Refused(String),
+    /// The server is a replica now (`READONLY`, a failover happened): the connection is
+    /// dropped, and the next one goes to the master (the sentinels are asked again).
+    NotMaster(String),
+    /// No sentinel named the master.
+    NoMaster(String),
 }
 
 impl BatchFailure {
@@ -627,6 +691,10 @@ impl BatchFailure {
             BatchFailure::Refused(text) => {
                 RedisFailure::BadReply(format!("redis refused the rate-limit call: {text}"))
             }
+            BatchFailure::NotMaster(text) => {
+                RedisFailure::Connection(format!("redis is not the master: {text}"))
+            }
+            BatchFailure::NoMaster(text) => RedisFailure::Connection(text.clone()),
         }
     }
 }
@@ -704,6 +772,14 @@ async fn work(shared: Arc<Shared>, call_bound: Duration) {
     // When the last call went out; `None` after a failure, so the next goes out at once.
     let mut sent_at: Option<Instant> = None;
     loop {
+        if shared.target.moved_from(&connection) {
+            // The server may still take writes, but they would be lost with it: what is at it
+            // falls back now, and the next call goes to the new master.
+            let moved = BatchFailure::NotMaster("the sentinels name another master".into());
+            fail_all(&shared, &mut in_flight, &moved);
+            connection = None;
+            sent_at = None;
+        }
         let calls = in_flight
             .iter()
             .filter(|call| matches!(call.sent, Sent::Call { .. }))
@@ -817,7 +893,12 @@ async fn send_last(
     let connection = match connection {
         Some(connection) => connection,
         None => {
-            let open = Connection::open(&shared.endpoint, shared.script);
+            let open = async {
+                let (endpoint, generation) = shared.target.endpoint(call_bound).await?;
+                let mut opened = Connection::open(&endpoint, shared.script).await?;
+                opened.generation = generation;
+                Ok::<_, BatchFailure>(opened)
+            };
             let opened = tokio::time::timeout_at(answer_due, open)
                 .await
                 .map_err(|_elapsed| BatchFailure::Timeout(call_bound))??;
@@ -889,6 +970,13 @@ async fn take_in(
                 },
             });
             connection.write(command, answer_due, call_bound).await
+        }
+        Reply::Error(message) if message.starts_with("READONLY") => {
+            // A master turned replica keeps its clients' connections open (unless a sentinel
+            // closes them): the next batch connects anew, to the master of now.
+            let failure = BatchFailure::NotMaster(message);
+            fail(shared, batch, &failure);
+            Err(failure)
         }
         Reply::Error(message) => {
             // Redis's own error answer (`OOM`, `BUSY`…) leaves the connection in step.
@@ -1034,6 +1122,8 @@ struct Connection {
     stream: Pin<Box<dyn Duplex>>,
     read: BytesMut,
     script_sha: String,
+    /// With Redis Sentinel, the sentinels' generation of the master it goes to.
+    generation: u64,
 }
 
 impl Connection {
@@ -1062,6 +1152,7 @@ impl Connection {
             stream,
             read: BytesMut::with_capacity(16 << 10),
             script_sha: String::new(),
+            generation: 0,
         };
         // The login, the database and the script, in one write; the replies come in order.
         let mut hello = Vec::new();
@@ -1080,6 +1171,9 @@ impl Connection {
             put_command(&mut hello, &[b"SELECT", db.as_bytes()]);
             expected.push("SELECT");
         }
+        if endpoint.expect_master {
+            put_command(&mut hello, &[b"INFO", b"replication"]);
+        }
         put_command(&mut hello, &[b"SCRIPT", b"LOAD", script.as_bytes()]);
         connection.stream.write_all(&hello).await?;
         connection.stream.flush().await?;
@@ -1090,6 +1184,21 @@ impl Connection {
                     return Err(BatchFailure::Reply(format!("{command} refused: {message}")))
                 }
                 other => return Err(BatchFailure::Reply(format!("{command} answered {other:?}"))),
+            }
+        }
+        if endpoint.expect_master {
+            let info = connection.read_reply().await?;
+            let role = match &info {
+                Reply::Bulk(Some(text)) => {
+                    crate::redis_sentinel::is_master(&String::from_utf8_lossy(text))
+                }
+                _ => false,
+            };
+            if !role {
+                return Err(BatchFailure::NotMaster(format!(
+                    "the sentinels named {} as master, but it is not one (yet)",
+                    endpoint.address
+                )));
             }
         }
         let reply = connection.read_reply().await?;
@@ -1475,7 +1584,12 @@ mod pipeline_tests {
         admit_ahead_above: f64,
     ) -> Arc<DecisionBatcher> {
         let endpoint = Endpoint::from_url(url, None).expect("a redis:// url");
-        let mut batcher = DecisionBatcher::new(endpoint, "return 1", call_bound, admit_ahead_above);
+        let mut batcher = DecisionBatcher::new(
+            BatchTarget::Fixed(endpoint),
+            "return 1",
+            call_bound,
+            admit_ahead_above,
+        );
         Arc::get_mut(&mut batcher.shared)
             .expect("the worker has not started")
             .charge_hold = Duration::ZERO;
@@ -1758,7 +1872,8 @@ mod pipeline_tests {
     #[test]
     fn a_decision_whose_new_buckets_do_not_fit_counts_nothing_and_takes_nothing_off() {
         let endpoint = Endpoint::from_url("redis://127.0.0.1:1", None).expect("a redis:// url");
-        let mut batcher = DecisionBatcher::new(endpoint, "return 1", CALL_BOUND, 0.5);
+        let mut batcher =
+            DecisionBatcher::new(BatchTarget::Fixed(endpoint), "return 1", CALL_BOUND, 0.5);
         Arc::get_mut(&mut batcher.shared)
             .expect("the worker has not started")
             .most_headroom_keys = 1;

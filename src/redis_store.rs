@@ -18,8 +18,9 @@ use tokio::time::Instant;
 
 use crate::metrics::Metrics;
 use crate::proxy::upstream::{ca_certificates, client_tls, system_roots};
-use crate::redis_batch::{lock, read_answer, DecisionBatcher, Endpoint};
+use crate::redis_batch::{lock, read_answer, BatchTarget, DecisionBatcher, Endpoint};
 use crate::redis_cluster::{parse_slots, ClusterHealth, Node};
+use crate::redis_sentinel::{MasterAddress, MasterLink, SentinelTarget, Sentinels};
 
 /// Shortest bound on a call off the request path: a refund (see `give_back`), a read of a
 /// cluster's slot map.
@@ -129,6 +130,8 @@ pub const DEFAULT_ADMIT_AHEAD_ABOVE: f64 = 0.5;
 pub enum RedisTarget {
     Single(String),
     Cluster(Vec<String>),
+    /// The master of a group that Redis Sentinel watches (`[redis.sentinel]`).
+    Sentinel(SentinelTarget),
 }
 
 #[derive(Clone)]
@@ -265,6 +268,9 @@ pub struct RedisStore {
     /// A cluster's slot map and per-node health, which rate-limit decisions follow instead
     /// of `health`. `None` for a single server.
     cluster: Option<Arc<ClusterHealth>>,
+    /// With Redis Sentinel, the shared connection, to whichever server the sentinels name
+    /// master (instead of `connection`).
+    master_link: Option<MasterLink>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -277,22 +283,29 @@ impl std::fmt::Debug for RedisStore {
 
 impl RedisStore {
     pub fn new(settings: RedisSettings) -> RedisStore {
-        let batcher = match &settings.target {
+        let sentinels = match &settings.target {
+            RedisTarget::Sentinel(target) => Some(Arc::new(Sentinels::new(target.clone()))),
+            _ => None,
+        };
+        let batch_target = match &settings.target {
             RedisTarget::Single(url) => {
-                Endpoint::from_url(url, settings.tls.as_ref()).map(|endpoint| {
-                    // The worker's own bound on a call: at least the caller's timeout, and
-                    // long enough for a connection to be made even with a tight timeout.
-                    let call_bound = settings.timeout.max(Duration::from_millis(200));
-                    DecisionBatcher::new(endpoint, SCRIPT, call_bound, settings.admit_ahead_above)
-                })
+                Endpoint::from_url(url, settings.tls.as_ref()).map(BatchTarget::Fixed)
             }
             RedisTarget::Cluster(_) => None,
+            RedisTarget::Sentinel(_) => sentinels.clone().map(BatchTarget::Sentinel),
         };
+        let batcher = batch_target.map(|target| {
+            // The worker's own bound on a call: at least the caller's timeout, and long
+            // enough for a connection to be made even with a tight timeout.
+            let call_bound = settings.timeout.max(Duration::from_millis(200));
+            DecisionBatcher::new(target, SCRIPT, call_bound, settings.admit_ahead_above)
+        });
         let cluster = matches!(settings.target, RedisTarget::Cluster(_))
             .then(|| Arc::new(ClusterHealth::default()));
         RedisStore {
             batcher,
             cluster,
+            master_link: sentinels.map(MasterLink::new),
             settings,
             connection: OnceCell::new(),
             health: Mutex::new(Health::default()),
@@ -325,8 +338,17 @@ impl RedisStore {
             .collect()
     }
 
+    /// With Redis Sentinel, the master it named last (`None` before it was asked, and
+    /// otherwise).
+    pub fn sentinel_master(&self) -> Option<MasterAddress> {
+        self.master_link.as_ref()?.sentinels.last_named()
+    }
+
     async fn connect(&self) -> Result<Connection, RedisFailure> {
         let timeout = self.settings.timeout;
+        if let Some(link) = &self.master_link {
+            return Ok(Connection::Single(link.connection(timeout).await?));
+        }
         let connection = self
             .connection
             .get_or_try_init(|| async {
@@ -356,6 +378,9 @@ impl RedisStore {
                         let client = builder.build()?;
                         Ok(Connection::Cluster(client.get_async_connection().await?))
                     }
+                    RedisTarget::Sentinel(_) => Err(RedisFailure::Connection(
+                        "a sentinel target connects through its master link".into(),
+                    )),
                 }
             })
             .await?;
@@ -471,6 +496,10 @@ impl RedisStore {
             Ok(result) => result,
             Err(_elapsed) => Err(RedisFailure::Timeout(timeout)),
         };
+        if let (Err(_), Some(link)) = (&result, &self.master_link) {
+            // A failover moves the master: ask the sentinels before the next call.
+            link.suspect();
+        }
         if let (Some(permit), Some(guard)) = (permit, guarded) {
             let failure = result.as_ref().err();
             match &node {

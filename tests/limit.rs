@@ -315,6 +315,38 @@ fn redis_tls_files_renewed_in_place_are_a_change_for_reload() {
 }
 
 #[test]
+fn check_explains_what_redis_sentinel_needs() {
+    let policy = |redis: &str| {
+        format!("{redis}\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"a\"\nupstream = \"app\"\n")
+    };
+    let stderr = check_fails(&policy(
+        "[redis]\ntimeout = \"50ms\"\n[redis.sentinel]\nnodes = [\"rediss://10.0.0.5:26379\"]\nusername = \"levee\"\ndb = -1",
+    ));
+    for expected in [
+        "levee.toml:4:9: error: sentinel `rediss://10.0.0.5:26379` is not a redis:// URL",
+        "levee.toml:3:1: error: [redis.sentinel] needs master",
+        "levee.toml:5:12: error: username without password",
+        "levee.toml:6:6: error: db must be 0 or more",
+    ] {
+        assert!(stderr.contains(expected), "{expected} in {stderr}");
+    }
+    let stderr = check_fails(&policy(
+        "[redis]\nurl = \"redis://127.0.0.1:6379\"\n[redis.sentinel]\nnodes = [\"redis://10.0.0.5:26379\"]\nmaster = \"mymaster\"",
+    ));
+    assert!(
+        stderr.contains("error: [redis] names more than one of url, cluster and [redis.sentinel]"),
+        "{stderr}"
+    );
+    let stderr = check_fails(&policy(
+        "[redis]\nca_file = \"ca.pem\"\n[redis.sentinel]\nnodes = [\"redis://10.0.0.5:26379\"]\nmaster = \"mymaster\"",
+    ));
+    assert!(
+        stderr.contains("levee.toml:2:11: error: ca_file, cert_file and key_file do not apply to [redis.sentinel]"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn check_explains_what_redis_over_tls_needs() {
     let policy = |redis: &str| {
         format!("{redis}\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"a\"\nupstream = \"app\"\n")
@@ -956,4 +988,108 @@ async fn loosening_a_limit_lets_a_refused_client_in_at_once() {
         })
         .await;
     }
+}
+
+/// Redis Sentinel: levee asks the sentinel which server is master, shares limits and stores
+/// queued work there, follows a failover to the promoted replica, keeps using the master it
+/// found while the sentinel is gone, and falls back when that master is gone too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_and_queued_work_follow_the_master_that_redis_sentinel_names() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut group = RedisSentinel::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let redis = format!(
+        "[redis]\ntimeout = \"200ms\"\ncooldown = \"100ms\"\n[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"\n[queue]\npoll_interval = \"1h\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+        group.sentinel_url()
+    );
+    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis,
+        per_user,
+        "\"per_user\"",
+    ))
+    .await;
+    let post_job = || {
+        let request = Request::post(levee.url("/notify.php"))
+            .body(full("like=1"))
+            .expect("request");
+        send(request)
+    };
+    let stream = "levee:queue:{notify}:jobs";
+    let master_named = || async {
+        get(&levee.admin_url("/status")).await.json()["redis"]["master"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+
+    assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
+    assert_eq!(
+        group.master.cli(&["EXISTS", &user_key("alice")]).trim(),
+        "1"
+    );
+    assert_eq!(post_job().await.status, 202);
+    assert_eq!(group.master.cli(&["XLEN", stream]).trim(), "1");
+    assert_eq!(
+        master_named().await,
+        format!("127.0.0.1:{}", group.master.port)
+    );
+
+    group.fail_over().await;
+    // A write that reached the old master before it turned replica is gone with its data:
+    // what the new master holds was written there.
+    eventually(
+        Duration::from_secs(10),
+        "a decision by the new master",
+        || async {
+            assert_eq!(send_as(&levee, Some("bob"), None).await.status, 200);
+            group.replica.cli(&["EXISTS", &user_key("bob")]).trim() == "1"
+        },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "a job stored on the new master",
+        || async {
+            post_job().await.status == 202
+                && group
+                    .replica
+                    .cli(&["XLEN", stream])
+                    .trim()
+                    .parse::<u32>()
+                    .unwrap_or(0)
+                    >= 2
+        },
+    )
+    .await;
+    assert_eq!(
+        master_named().await,
+        format!("127.0.0.1:{}", group.replica.port)
+    );
+
+    // Without the sentinel, the master found before is used on.
+    group.stop_sentinel();
+    assert_eq!(send_as(&levee, Some("carol"), None).await.status, 200);
+    assert_eq!(
+        group.replica.cli(&["EXISTS", &user_key("carol")]).trim(),
+        "1"
+    );
+    assert_eq!(post_job().await.status, 202);
+
+    // Without any Redis: the rule falls back (in-process), queued work is refused.
+    group.replica.kill();
+    group.master.kill();
+    let before = per_user_allowed(&get(&levee.admin_url("/metrics")).await.text(), "fallback");
+    for _ in 0..3 {
+        assert_eq!(send_as(&levee, Some("dave"), None).await.status, 200);
+        assert_eq!(post_job().await.status, 503);
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        per_user_allowed(&metrics, "fallback") - before,
+        3.0,
+        "{metrics}"
+    );
 }

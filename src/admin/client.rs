@@ -165,7 +165,9 @@ pub fn summarize(status: &serde_json::Value) -> String {
             );
         }
     }
-    if let Some(redis) = status["redis"].as_object() {
+    // Indexing a JSON value (not a map) gives null for a key an older levee does not send.
+    let redis = &status["redis"];
+    if redis.is_object() {
         let _ = writeln!(
             out,
             "redis    {} · {}",
@@ -181,6 +183,9 @@ pub fn summarize(status: &serde_json::Value) -> String {
                 "DOWN (fallbacks in use)"
             }
         );
+        if let Some(master) = redis["master"].as_str() {
+            let _ = writeln!(out, "         master now {master} (named by the sentinels)");
+        }
         // A cluster's masters each have a health breaker: name those out.
         for node in redis["nodes"].as_array().into_iter().flatten() {
             if node["up"] == false {
@@ -241,6 +246,28 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("node 10.0.0.1:7000"), "{text}");
+    }
+
+    #[test]
+    fn the_master_a_sentinel_names_is_shown_and_an_older_status_does_not_break_the_summary() {
+        let status = serde_json::json!({
+            "redis": {
+                "target": {"sentinels": ["redis://10.0.0.5:26379"], "master": "mymaster"},
+                "up": true,
+                "nodes": [],
+                "master": "10.0.0.9:6379",
+            },
+        });
+        let text = summarize(&status);
+        assert!(
+            text.contains("master now 10.0.0.9:6379 (named by the sentinels)"),
+            "{text}"
+        );
+        // A levee from before `nodes` and `master` were sent.
+        let older = serde_json::json!({"redis": {"target": "redis://10.0.0.1:6379", "up": false}});
+        let text = summarize(&older);
+        assert!(text.contains("DOWN (fallbacks in use)"), "{text}");
+        assert!(!text.contains("master now"), "{text}");
     }
 
     #[test]

@@ -607,7 +607,12 @@ fn status(shared: &Shared) -> serde_json::Value {
             "target": match &redis.settings.target {
                 crate::redis_store::RedisTarget::Single(url) => json!(crate::redis_store::redact_url(url)),
                 crate::redis_store::RedisTarget::Cluster(nodes) => json!(nodes.iter().map(|n| crate::redis_store::redact_url(n)).collect::<Vec<_>>()),
+                crate::redis_store::RedisTarget::Sentinel(sentinel) => json!({
+                    "sentinels": sentinel.nodes.iter().map(|n| crate::redis_store::redact_url(n)).collect::<Vec<_>>(),
+                    "master": sentinel.master,
+                }),
             },
+            "master": redis.sentinel_master().map(|address| address.to_string()),
             "up": redis.is_up(),
             "nodes": redis.cluster_nodes().into_iter().map(|(node, up)| json!({"node": node, "up": up})).collect::<Vec<_>>(),
         })

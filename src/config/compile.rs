@@ -21,8 +21,8 @@ use super::diag::{Diagnostic, Diagnostics, SourceFile};
 use super::policy::{AdminSettings, Policy, ServerSettings};
 use super::spec::{
     AboveSpec, BreakerSpec, DegradeSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, ModuleSpec,
-    OneOrMany, QueueSpec, RedisSpec, RouteDegradeSpec, RouteSpec, ServerSpec, SizeSpec,
-    StaticResponseSpec, TriggerSpec, UpstreamSpec,
+    OneOrMany, QueueSpec, RedisSpec, RouteDegradeSpec, RouteSpec, SentinelSpec, ServerSpec,
+    SizeSpec, StaticResponseSpec, TriggerSpec, UpstreamSpec,
 };
 use super::units::{parse_duration, parse_size};
 use crate::breaker::{Breaker, BreakerSettings, Force};
@@ -36,6 +36,7 @@ use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
 use crate::proxy::upstream::{ca_certificates, read_ca_file, Upstream, UpstreamSettings};
 use crate::queue::{QueueAction, QueueSettings, MIN_CLAIM_AFTER};
+use crate::redis_sentinel::SentinelTarget;
 use crate::redis_store::{
     RedisSettings, RedisStore, RedisTarget, RedisTls, DEFAULT_ADMIT_AHEAD_ABOVE,
 };
@@ -1260,28 +1261,37 @@ fn compile_redis(
     let inner = spec.get_ref();
     // Without a usable target the settings are not built, but the other keys are still
     // checked, so every error of the section is reported at once.
-    let target = match (&inner.url, &inner.cluster) {
-        (Some(url), None) => {
+    let targets = [
+        inner.url.is_some(),
+        inner.cluster.is_some(),
+        inner.sentinel.is_some(),
+    ];
+    let target = match (&inner.url, &inner.cluster, &inner.sentinel) {
+        _ if targets.iter().filter(|named| **named).count() > 1 => {
+            compiler.error_hint(
+                file,
+                spec.span(),
+                "[redis] names more than one of url, cluster and [redis.sentinel]",
+                "use url for one Redis server, cluster for the nodes of a Redis Cluster, \
+                 [redis.sentinel] for a master that Redis Sentinel watches",
+            );
+            None
+        }
+        (Some(url), _, _) => {
             check_redis_url(compiler, file, url.get_ref(), url.span());
             Some(RedisTarget::Single(url.get_ref().clone()))
         }
-        (None, Some(nodes)) if !nodes.get_ref().is_empty() => {
+        (_, Some(nodes), _) if !nodes.get_ref().is_empty() => {
             for node in nodes.get_ref() {
                 check_redis_url(compiler, file, node, nodes.span());
             }
             Some(RedisTarget::Cluster(nodes.get_ref().clone()))
         }
-        (Some(_), Some(_)) => {
-            compiler.error_hint(
-                file,
-                spec.span(),
-                "[redis] has both url and cluster",
-                "use url for one Redis server, cluster for the nodes of a Redis Cluster",
-            );
-            None
+        (_, _, Some(sentinel)) => {
+            compile_sentinel(compiler, file, sentinel).map(RedisTarget::Sentinel)
         }
         _ => {
-            compiler.error_hint(file, spec.span(), "[redis] needs url or cluster", "url = \"redis://127.0.0.1:6379/0\", or remove [redis] to run on the embedded default");
+            compiler.error_hint(file, spec.span(), "[redis] needs url, cluster or [redis.sentinel]", "url = \"redis://127.0.0.1:6379/0\", or remove [redis] to run on the embedded default");
             None
         }
     };
@@ -1353,8 +1363,23 @@ fn compile_redis(
             }
             Some(tls_nodes > 0)
         }
+        Some(RedisTarget::Sentinel(_)) => {
+            let named = [&inner.ca_file, &inner.cert_file, &inner.key_file];
+            if let Some(first) = named.into_iter().flatten().next() {
+                compiler.error_hint(
+                    file,
+                    first.span(),
+                    "ca_file, cert_file and key_file do not apply to [redis.sentinel]",
+                    "levee reaches sentinels and their master over plain TCP; remove these keys",
+                );
+            }
+            None
+        }
     };
-    let tls = compile_redis_tls(compiler, file, inner, over_tls);
+    let tls = match over_tls {
+        None => None,
+        over_tls => compile_redis_tls(compiler, file, inner, over_tls),
+    };
     Some(RedisSettings {
         tls,
         admit_ahead_above,
@@ -1367,6 +1392,83 @@ fn compile_redis(
             .as_ref()
             .map_or_else(|| "levee:".to_string(), |prefix| prefix.get_ref().clone()),
         instances,
+    })
+}
+
+/// `[redis.sentinel]`: every problem of the table is reported, and `None` comes back when
+/// there was one.
+fn compile_sentinel(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Spanned<SentinelSpec>,
+) -> Option<SentinelTarget> {
+    let inner = spec.get_ref();
+    let errors_before = compiler.errors.len();
+    let nodes = match &inner.nodes {
+        Some(nodes) if !nodes.get_ref().is_empty() => {
+            for node in nodes.get_ref() {
+                if !node.starts_with("redis://") {
+                    compiler.error_hint(
+                        file,
+                        nodes.span(),
+                        format!(
+                            "sentinel `{}` is not a redis:// URL",
+                            crate::redis_store::redact_url(node)
+                        ),
+                        "write each sentinel as \"redis://host:26379\" (TLS and unix sockets are not supported for sentinels)",
+                    );
+                } else {
+                    check_redis_url(compiler, file, node, nodes.span());
+                }
+            }
+            nodes.get_ref().clone()
+        }
+        _ => {
+            let span = inner.nodes.as_ref().map_or(spec.span(), Spanned::span);
+            compiler.error_hint(
+                file,
+                span,
+                "[redis.sentinel] needs nodes",
+                "nodes = [\"redis://10.0.0.5:26379\", \"redis://10.0.0.6:26379\", \"redis://10.0.0.7:26379\"]",
+            );
+            Vec::new()
+        }
+    };
+    let master = match &inner.master {
+        Some(master) if !master.get_ref().trim().is_empty() => master.get_ref().clone(),
+        _ => {
+            let span = inner.master.as_ref().map_or(spec.span(), Spanned::span);
+            compiler.error_hint(
+                file,
+                span,
+                "[redis.sentinel] needs master",
+                "the name the sentinels monitor it under (`sentinel monitor <name> …`), e.g. master = \"mymaster\"",
+            );
+            String::new()
+        }
+    };
+    let db = match &inner.db {
+        Some(db) if *db.get_ref() < 0 => {
+            compiler.error(file, db.span(), "db must be 0 or more");
+            0
+        }
+        Some(db) => *db.get_ref(),
+        None => 0,
+    };
+    if let (Some(username), None) = (&inner.username, &inner.password) {
+        compiler.error_hint(
+            file,
+            username.span(),
+            "username without password",
+            "an ACL user logs in with both: add password = \"…\"",
+        );
+    }
+    (compiler.errors.len() == errors_before).then(|| SentinelTarget {
+        nodes,
+        master,
+        username: inner.username.as_ref().map(|name| name.get_ref().clone()),
+        password: inner.password.as_ref().map(|word| word.get_ref().clone()),
+        db,
     })
 }
 
@@ -2578,7 +2680,7 @@ mod tests {
         assert_reported(
             &errors,
             &[
-                "a.toml:3:1: error: [redis] needs url or cluster",
+                "a.toml:3:1: error: [redis] needs url, cluster or [redis.sentinel]",
                 "a.toml:4:13: error: instances must be at least 1",
                 "a.toml:6:12: error: upstream `nope` is not defined",
                 "a.toml:8:9: error: a trigger cannot raise to level 7",

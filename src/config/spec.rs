@@ -45,6 +45,18 @@ pub struct RedisSpec {
     pub ca_file: Option<Spanned<String>>,
     pub cert_file: Option<Spanned<String>>,
     pub key_file: Option<Spanned<String>>,
+    pub sentinel: Option<Spanned<SentinelSpec>>,
+}
+
+/// `[redis.sentinel]`: the master of a group that Redis Sentinel watches.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SentinelSpec {
+    pub nodes: Option<Spanned<Vec<String>>>,
+    pub master: Option<Spanned<String>>,
+    pub username: Option<Spanned<String>>,
+    pub password: Option<Spanned<String>>,
+    pub db: Option<Spanned<i64>>,
 }
 
 /// `[identity]`: where the user id and API key of a request are read from.

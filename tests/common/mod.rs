@@ -585,6 +585,119 @@ fn pause(child: &ChildGuard, paused: bool) {
         .status();
 }
 
+/// The name the sentinel of [`RedisSentinel`] monitors its master under.
+pub const SENTINEL_MASTER: &str = "levee-test";
+
+/// A master, its replica and one sentinel watching them (quorum 1), each with files in a
+/// directory of its own.
+pub struct RedisSentinel {
+    pub master: RedisServer,
+    pub replica: RedisServer,
+    pub sentinel_port: u16,
+    sentinel: ChildGuard,
+}
+
+impl RedisSentinel {
+    pub async fn start(dir: &Path) -> RedisSentinel {
+        let own_dir = |name: &str| {
+            let path = dir.join(name);
+            std::fs::create_dir_all(&path).expect("dir");
+            path
+        };
+        let master = RedisServer::start(&own_dir("master")).await;
+        let replica = RedisServer::start(&own_dir("replica")).await;
+        let master_port = master.port.to_string();
+        assert_eq!(
+            replica
+                .cli(&["REPLICAOF", "127.0.0.1", &master_port])
+                .trim(),
+            "OK"
+        );
+        eventually(Duration::from_secs(10), "the replica in sync", || async {
+            replica
+                .cli(&["INFO", "replication"])
+                .contains("master_link_status:up")
+        })
+        .await;
+        // The sentinel rewrites its own file, so it is written where it may.
+        let sentinel_dir = own_dir("sentinel");
+        let sentinel_port = free_port();
+        let conf = sentinel_dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {sentinel_port}\nbind 127.0.0.1\ndir {}\nsentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master_port} 1\nsentinel down-after-milliseconds {SENTINEL_MASTER} 1000\nsentinel failover-timeout {SENTINEL_MASTER} 10000\n",
+                sentinel_dir.display()
+            ),
+        )
+        .expect("sentinel.conf");
+        let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
+        let sentinel = ChildGuard::spawn(
+            "redis-server (sentinel)",
+            Command::new(binary)
+                .arg(&conf)
+                .args(["--sentinel", "--daemonize", "no"]),
+        );
+        wait_for_port(
+            SocketAddr::from(([127, 0, 0, 1], sentinel_port)),
+            "the sentinel to listen",
+        )
+        .await;
+        let group = RedisSentinel {
+            master,
+            replica,
+            sentinel_port,
+            sentinel,
+        };
+        // A failover needs a replica the sentinel knows of (from the master's INFO), is
+        // connected to and has heard from itself.
+        let replica_port = group.replica.port.to_string();
+        eventually(
+            Duration::from_secs(15),
+            "the sentinel to see the replica",
+            || async {
+                let replicas = group.sentinel_cli(&["SENTINEL", "REPLICAS", SENTINEL_MASTER]);
+                replicas.contains(&replica_port)
+                    && !replicas.contains("disconnected")
+                    && replicas.contains("master-link-status\nok")
+            },
+        )
+        .await;
+        group
+    }
+
+    pub fn sentinel_url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.sentinel_port)
+    }
+
+    pub fn sentinel_cli(&self, args: &[&str]) -> String {
+        redis_cli(self.sentinel_port, args)
+    }
+
+    /// The port of the server the sentinel names master now.
+    pub fn named_master_port(&self) -> Option<u16> {
+        let named = self.sentinel_cli(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER]);
+        named.lines().nth(1)?.trim().parse().ok()
+    }
+
+    /// Has the sentinel promote the replica, and waits until the sentinel names it and it is
+    /// a master.
+    pub async fn fail_over(&self) {
+        let answer = self.sentinel_cli(&["SENTINEL", "FAILOVER", SENTINEL_MASTER]);
+        assert_eq!(answer.trim(), "OK", "{answer}");
+        eventually(Duration::from_secs(15), "the replica promoted", || async {
+            self.named_master_port() == Some(self.replica.port)
+                && self.replica.cli(&["ROLE"]).starts_with("master")
+        })
+        .await;
+    }
+
+    /// Stops the sentinel (the servers go on).
+    pub fn stop_sentinel(&mut self) {
+        self.sentinel.stop();
+    }
+}
+
 /// A Redis Cluster of 3 masters (and a replica each, with `start_with_replicas`) on free
 /// ports whose bus ports (+10000) are free too.
 pub struct RedisCluster {
