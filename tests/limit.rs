@@ -1093,3 +1093,41 @@ async fn limits_and_queued_work_follow_the_master_that_redis_sentinel_names() {
         "{metrics}"
     );
 }
+
+/// Redis Sentinel with passwords everywhere: the sentinel's own (in its URL) and the
+/// servers' (`password`, on the batched rate-limit connection and the shared one alike).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_and_its_master_that_ask_for_passwords() {
+    let dir = tempfile::tempdir().expect("dir");
+    let group =
+        RedisSentinel::start_with_passwords(dir.path(), Some(("server-secret", "sentinel-secret")))
+            .await;
+    let backend = echo_backend().await;
+    let redis = format!(
+        "[redis]\ntimeout = \"200ms\"\n[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"\npassword = \"server-secret\"\ndb = 2\n[queue]\npoll_interval = \"1h\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+        group.sentinel_url()
+    );
+    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis,
+        per_user,
+        "\"per_user\"",
+    ))
+    .await;
+    assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
+    let request = Request::post(levee.url("/notify.php"))
+        .body(full("like=1"))
+        .expect("request");
+    assert_eq!(send(request).await.status, 202);
+    let in_db_2 = |args: &[&str]| {
+        let mut command = vec!["-n", "2"];
+        command.extend_from_slice(args);
+        group.master.cli(&command).trim().to_string()
+    };
+    assert_eq!(in_db_2(&["EXISTS", &user_key("alice")]), "1");
+    assert_eq!(in_db_2(&["XLEN", "levee:queue:{notify}:jobs"]), "1");
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(per_user_allowed(&metrics, "redis"), 1.0, "{metrics}");
+}

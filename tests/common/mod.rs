@@ -466,6 +466,8 @@ pub fn open_up(dir: &Path) {
 pub struct RedisServer {
     pub port: u16,
     pub guard: ChildGuard,
+    /// `requirepass`, which [`RedisServer::cli`] logs in with.
+    pub password: Option<String>,
 }
 
 impl RedisServer {
@@ -503,7 +505,11 @@ impl RedisServer {
             "redis-server to listen",
         )
         .await;
-        RedisServer { port, guard }
+        RedisServer {
+            port,
+            guard,
+            password: None,
+        }
     }
 
     pub fn url(&self) -> String {
@@ -548,9 +554,37 @@ impl RedisServer {
         .await
     }
 
+    /// A server that asks for `password` (`requirepass`), and gives it to its master
+    /// (`masterauth`) when it is made a replica.
+    pub async fn start_with_password(dir: &Path, password: &str) -> RedisServer {
+        let port = free_port();
+        let mut server = RedisServer::spawn(
+            dir,
+            port,
+            &[
+                "--appendonly",
+                "no",
+                "--requirepass",
+                password,
+                "--masterauth",
+                password,
+            ],
+        )
+        .await;
+        server.password = Some(password.to_string());
+        server
+    }
+
     /// Runs one command with redis-cli against this server and returns what it printed.
     pub fn cli(&self, args: &[&str]) -> String {
-        redis_cli(self.port, args)
+        match &self.password {
+            Some(password) => {
+                let mut logged_in = vec!["-a", password, "--no-auth-warning"];
+                logged_in.extend_from_slice(args);
+                redis_cli(self.port, &logged_in)
+            }
+            None => redis_cli(self.port, args),
+        }
     }
 
     /// SIGKILLs the server (no chance to save anything) and reaps it.
@@ -595,17 +629,34 @@ pub struct RedisSentinel {
     pub replica: RedisServer,
     pub sentinel_port: u16,
     sentinel: ChildGuard,
+    sentinel_password: Option<String>,
 }
 
 impl RedisSentinel {
     pub async fn start(dir: &Path) -> RedisSentinel {
+        RedisSentinel::start_with_passwords(dir, None).await
+    }
+
+    /// `passwords`: the servers' `requirepass`, and the sentinel's own.
+    pub async fn start_with_passwords(
+        dir: &Path,
+        passwords: Option<(&str, &str)>,
+    ) -> RedisSentinel {
         let own_dir = |name: &str| {
             let path = dir.join(name);
             std::fs::create_dir_all(&path).expect("dir");
             path
         };
-        let master = RedisServer::start(&own_dir("master")).await;
-        let replica = RedisServer::start(&own_dir("replica")).await;
+        let (master, replica) = match passwords {
+            Some((servers, _)) => (
+                RedisServer::start_with_password(&own_dir("master"), servers).await,
+                RedisServer::start_with_password(&own_dir("replica"), servers).await,
+            ),
+            None => (
+                RedisServer::start(&own_dir("master")).await,
+                RedisServer::start(&own_dir("replica")).await,
+            ),
+        };
         let master_port = master.port.to_string();
         assert_eq!(
             replica
@@ -623,14 +674,16 @@ impl RedisSentinel {
         let sentinel_dir = own_dir("sentinel");
         let sentinel_port = free_port();
         let conf = sentinel_dir.join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "port {sentinel_port}\nbind 127.0.0.1\ndir {}\nsentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master_port} 1\nsentinel down-after-milliseconds {SENTINEL_MASTER} 1000\nsentinel failover-timeout {SENTINEL_MASTER} 10000\n",
-                sentinel_dir.display()
-            ),
-        )
-        .expect("sentinel.conf");
+        let mut text = format!(
+            "port {sentinel_port}\nbind 127.0.0.1\ndir {}\nsentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master_port} 1\nsentinel down-after-milliseconds {SENTINEL_MASTER} 1000\nsentinel failover-timeout {SENTINEL_MASTER} 10000\n",
+            sentinel_dir.display()
+        );
+        if let Some((servers, own)) = passwords {
+            text.push_str(&format!(
+                "sentinel auth-pass {SENTINEL_MASTER} {servers}\nrequirepass {own}\n"
+            ));
+        }
+        std::fs::write(&conf, text).expect("sentinel.conf");
         let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
         let sentinel = ChildGuard::spawn(
             "redis-server (sentinel)",
@@ -648,6 +701,7 @@ impl RedisSentinel {
             replica,
             sentinel_port,
             sentinel,
+            sentinel_password: passwords.map(|(_, own)| own.to_string()),
         };
         // A failover needs a replica the sentinel knows of (from the master's INFO), is
         // connected to and has heard from itself.
@@ -667,11 +721,21 @@ impl RedisSentinel {
     }
 
     pub fn sentinel_url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.sentinel_port)
+        match &self.sentinel_password {
+            Some(password) => format!("redis://:{password}@127.0.0.1:{}", self.sentinel_port),
+            None => format!("redis://127.0.0.1:{}", self.sentinel_port),
+        }
     }
 
     pub fn sentinel_cli(&self, args: &[&str]) -> String {
-        redis_cli(self.sentinel_port, args)
+        match &self.sentinel_password {
+            Some(password) => {
+                let mut logged_in = vec!["-a", password, "--no-auth-warning"];
+                logged_in.extend_from_slice(args);
+                redis_cli(self.sentinel_port, &logged_in)
+            }
+            None => redis_cli(self.sentinel_port, args),
+        }
     }
 
     /// The port of the server the sentinel names master now.
