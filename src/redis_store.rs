@@ -8,6 +8,7 @@
 //! Redis for `cooldown`; then a single probe goes through, and Redis is used again as soon
 //! as it answers.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -219,6 +220,13 @@ impl Health {
         Some(Permit { health, probe })
     }
 
+    /// An open breaker lets the next call through as its probe, now.
+    fn probe_now(&mut self) {
+        if self.open_until.is_some() {
+            self.open_until = Some(Instant::now());
+        }
+    }
+
     /// Records how a call went; opens the breaker at `failures_to_open` failures in a row
     /// (and again at each failed probe), closes it at the first success.
     fn record(&mut self, ok: bool, settings: &RedisSettings) -> Option<Change> {
@@ -271,6 +279,8 @@ pub struct RedisStore {
     /// With Redis Sentinel, the shared connection, to whichever server the sentinels name
     /// master (instead of `connection`).
     master_link: Option<MasterLink>,
+    /// The sentinels' generation `health` last saw (see [`Self::health`]).
+    health_generation: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -306,6 +316,7 @@ impl RedisStore {
             batcher,
             cluster,
             master_link: sentinels.map(MasterLink::new),
+            health_generation: AtomicU64::new(0),
             settings,
             connection: OnceCell::new(),
             health: Mutex::new(Health::default()),
@@ -388,7 +399,20 @@ impl RedisStore {
     }
 
     fn permit(&self) -> Option<Permit<'_>> {
-        Health::permit(&self.health)
+        Health::permit(self.health())
+    }
+
+    /// The health breaker of Redis as a whole. With Redis Sentinel, a breaker that a master's
+    /// failure opened lets the next call probe as soon as the sentinels name another master,
+    /// instead of waiting out `cooldown` (as a promoted replica in a cluster is a new node).
+    fn health(&self) -> &Mutex<Health> {
+        if let Some(link) = &self.master_link {
+            let named = link.sentinels.generation();
+            if self.health_generation.swap(named, Ordering::AcqRel) != named {
+                lock(&self.health).probe_now();
+            }
+        }
+        &self.health
     }
 
     /// Records how a call went: `failure` is why it failed, `None` when it answered.
@@ -474,7 +498,7 @@ impl RedisStore {
         };
         let health = node
             .as_ref()
-            .map_or(&self.health, |(_, node)| &*node.health);
+            .map_or_else(|| self.health(), |(_, node)| &*node.health);
         let permit = match &guarded {
             Some(guard) => match Health::permit(health) {
                 Some(permit) => Some(permit),

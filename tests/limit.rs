@@ -1131,3 +1131,49 @@ async fn a_sentinel_and_its_master_that_ask_for_passwords() {
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(per_user_allowed(&metrics, "redis"), 1.0, "{metrics}");
 }
+
+/// The master dies and its health breaker opens for an hour; once the sentinels promote the
+/// replica, the next request probes the new master instead of waiting out the hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_the_sentinels_announce_ends_the_cooldown() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut group = RedisSentinel::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let redis = format!(
+        "[redis]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"\n",
+        group.sentinel_url()
+    );
+    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis,
+        per_user,
+        "\"per_user\"",
+    ))
+    .await;
+    assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
+
+    group.master.kill();
+    for _ in 0..3 {
+        assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(metric_value(&metrics, "levee_redis_up"), 0.0, "{metrics}");
+    // The first may be admitted ahead (far from the limit), its charge failing later; none
+    // was decided by Redis.
+    assert_eq!(per_user_allowed(&metrics, "redis"), 1.0, "{metrics}");
+
+    group.fail_over().await;
+    eventually(
+        Duration::from_secs(10),
+        "a decision by the new master",
+        || async {
+            assert_eq!(send_as(&levee, Some("bob"), None).await.status, 200);
+            group.replica.cli(&["EXISTS", &user_key("bob")]).trim() == "1"
+        },
+    )
+    .await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(metric_value(&metrics, "levee_redis_up"), 1.0, "{metrics}");
+}
