@@ -92,6 +92,8 @@ impl BatchTarget {
             BatchTarget::Sentinel(sentinels) => sentinels,
         };
         sentinels.watch();
+        // A connection made again: the last one broke, or its server may be master no more.
+        sentinels.check_soon();
         let (master, generation) = sentinels.master(bound).await.map_err(|error| {
             BatchFailure::NoMaster(match error {
                 RedisFailure::Connection(text) => text,
@@ -678,7 +680,7 @@ enum BatchFailure {
     /// The server is a replica now (`READONLY`, a failover happened): the connection is
     /// dropped, and the next one goes to the master (the sentinels are asked again).
     NotMaster(String),
-    /// No sentinel named the master.
+    /// No sentinel named the master, or the server named is not one.
     NoMaster(String),
 }
 
@@ -691,9 +693,7 @@ impl BatchFailure {
             BatchFailure::Refused(text) => {
                 RedisFailure::BadReply(format!("redis refused the rate-limit call: {text}"))
             }
-            BatchFailure::NotMaster(text) => {
-                RedisFailure::Connection(format!("redis is not the master: {text}"))
-            }
+            BatchFailure::NotMaster(text) => RedisFailure::MasterMoved(text.clone()),
             BatchFailure::NoMaster(text) => RedisFailure::Connection(text.clone()),
         }
     }
@@ -1192,10 +1192,20 @@ impl Connection {
                 Reply::Bulk(Some(text)) => {
                     crate::redis_sentinel::is_master(&String::from_utf8_lossy(text))
                 }
+                // NOAUTH (a password missing), NOPERM (an ACL user without INFO)…
+                Reply::Error(message) => {
+                    return Err(BatchFailure::Reply(format!(
+                        "INFO replication refused by {}: {message}",
+                        endpoint.address
+                    )))
+                }
                 _ => false,
             };
             if !role {
-                return Err(BatchFailure::NotMaster(format!(
+                // Counted against Redis's health (unlike a master that moves under a
+                // connection): a sentinel that keeps naming a replica must not have every
+                // batch connect to it again.
+                return Err(BatchFailure::NoMaster(format!(
                     "the sentinels named {} as master, but it is not one (yet)",
                     endpoint.address
                 )));

@@ -1,13 +1,15 @@
 //! Redis Sentinel: which server is the master of a named group now.
 //!
-//! levee asks the sentinels (`SENTINEL get-master-addr-by-name`) whenever it connects to the
-//! master: at the first call, and after a connection broke or a call failed. A task also
-//! asks them every [`WATCH_EVERY`]: a failover that leaves the old master running (an
-//! operator's `SENTINEL FAILOVER`, or a master cut off from the sentinels) keeps its
-//! connections open and writable for a while, so levee must not wait for them to fail. When
-//! the named master changes, the connections to the old one are dropped. Every connection to
-//! a named master is checked to be a master (`INFO replication`), so a sentinel that has not
-//! seen a failover yet is not followed to a replica.
+//! levee asks the sentinels (`SENTINEL get-master-addr-by-name`) at the first connection,
+//! then a task asks them every [`WATCH_EVERY`], and at once after a connection broke or a
+//! call failed. Polling, not waiting for failures: a failover that leaves the old master
+//! running (an operator's `SENTINEL FAILOVER`, or a master cut off from the sentinels) keeps
+//! its connections open and writable for a while. The task follows what most sentinels that
+//! answer say, so one that lags behind does not move levee back and forth; while none answers,
+//! levee goes on with the master named before. When the named master changes, the
+//! connections to the old one are dropped. Every connection to a named master is checked to
+//! be a master (`INFO replication`), so a sentinel that has not seen a failover yet does not
+//! send levee to a replica.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -16,11 +18,14 @@ use std::time::Duration;
 use futures_util::future::select_ok;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, IntoConnectionInfo, RedisConnectionInfo};
+use tokio::sync::Notify;
 
 use crate::redis_store::{redact_url, RedisFailure};
 
 /// How often the sentinels are asked which server is master, calls failing or not.
 pub const WATCH_EVERY: Duration = Duration::from_secs(1);
+/// The least time between two asks of the watching task, however often calls fail.
+const LEAST_BETWEEN_ASKS: Duration = Duration::from_millis(200);
 
 /// `[redis.sentinel]`, compiled.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,13 +57,15 @@ impl std::fmt::Display for MasterAddress {
 #[derive(Debug)]
 pub struct Sentinels {
     pub target: SentinelTarget,
-    /// The master named last, for the log and `/status`.
+    /// The master named last, for the connections, the log and `/status`.
     named: std::sync::Mutex<Option<MasterAddress>>,
     /// Goes up each time the sentinels name another master: a connection made under an
     /// older value is to a server that may no longer be master.
     generation: AtomicU64,
     /// The watching task is running (see [`Sentinels::watch`]).
     watching: AtomicBool,
+    /// Wakes the watching task before its interval (a connection broke, a call failed).
+    check_soon: Notify,
     /// The last ask of the watching task got no answer (to log the change once).
     unreachable: AtomicBool,
 }
@@ -70,6 +77,7 @@ impl Sentinels {
             named: std::sync::Mutex::new(None),
             generation: AtomicU64::new(0),
             watching: AtomicBool::new(false),
+            check_soon: Notify::new(),
             unreachable: AtomicBool::new(false),
         }
     }
@@ -84,8 +92,59 @@ impl Sentinels {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// Starts asking the sentinels every [`WATCH_EVERY`], once, until these sentinels are
-    /// dropped (a reload that changes `[redis]`).
+    /// Something failed at the master: the watching task asks the sentinels now rather than
+    /// at its next interval.
+    pub fn check_soon(&self) {
+        self.check_soon.notify_one();
+    }
+
+    /// The master to connect to, with the [`Self::generation`] it belongs to: the one named
+    /// last, without a round trip. Only before any was named are the sentinels asked here
+    /// (the first that names one wins); after that, only the watching task asks them, so a
+    /// request never waits on a sentinel and two asks never undo each other.
+    pub async fn master(&self, bound: Duration) -> Result<(MasterAddress, u64), RedisFailure> {
+        {
+            let named = crate::redis_batch::lock(&self.named);
+            if let Some(address) = named.as_ref() {
+                return Ok((address.clone(), self.generation()));
+            }
+        }
+        let asks = self
+            .target
+            .nodes
+            .iter()
+            .map(|node| Box::pin(ask(node, &self.target.master, bound)));
+        let address = match tokio::time::timeout(bound, select_ok(asks)).await {
+            Ok(Ok((address, _))) => address,
+            Ok(Err(last)) => return Err(last),
+            Err(_elapsed) => return Err(self.no_answer(bound)),
+        };
+        let mut named = crate::redis_batch::lock(&self.named);
+        match named.as_ref() {
+            // The watching task (or another first ask) named one meanwhile: it stands.
+            Some(address) => Ok((address.clone(), self.generation())),
+            None => {
+                tracing::info!(
+                    master = %self.target.master,
+                    address = %address,
+                    "redis sentinel names the master"
+                );
+                *named = Some(address.clone());
+                Ok((address, self.generation()))
+            }
+        }
+    }
+
+    fn no_answer(&self, bound: Duration) -> RedisFailure {
+        RedisFailure::Connection(format!(
+            "no sentinel named the master `{}` within {bound:?}",
+            self.target.master
+        ))
+    }
+
+    /// Starts asking the sentinels every [`WATCH_EVERY`] (and soon after
+    /// [`Self::check_soon`]), once, until these sentinels are dropped (a reload that changes
+    /// `[redis]`).
     pub fn watch(self: &Arc<Self>) {
         if self.watching.swap(true, Ordering::AcqRel) {
             return;
@@ -93,65 +152,79 @@ impl Sentinels {
         let sentinels: Weak<Sentinels> = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(WATCH_EVERY).await;
-                let Some(sentinels) = sentinels.upgrade() else {
+                // Held for one round only: once a reload dropped every other reference, the
+                // task ends within a round.
+                let Some(strong) = sentinels.upgrade() else {
                     return;
                 };
-                let asked = sentinels.master(WATCH_EVERY).await;
-                let was_unreachable = sentinels.unreachable.swap(asked.is_err(), Ordering::AcqRel);
-                match asked {
-                    Err(error) if !was_unreachable => tracing::warn!(
-                        "{error}; levee keeps using the master named before and asks again every {WATCH_EVERY:?}"
-                    ),
-                    Ok(_) if was_unreachable => {
-                        tracing::info!("the sentinels answer again");
-                    }
-                    _ => {}
-                }
+                let _ = tokio::time::timeout(WATCH_EVERY, strong.check_soon.notified()).await;
+                strong.poll().await;
+                drop(strong);
+                // However often calls fail, the sentinels are asked at most this often.
+                tokio::time::sleep(LEAST_BETWEEN_ASKS).await;
             }
         });
     }
 
-    /// Asks every sentinel at once and takes the first that names the master; within `bound`.
-    /// Returns the master and the [`Self::generation`] it belongs to.
-    pub async fn master(&self, bound: Duration) -> Result<(MasterAddress, u64), RedisFailure> {
+    /// Asks every sentinel and follows what most of those that answer name (the master
+    /// named before, on a tie), so that one sentinel that has not seen a failover, or is cut
+    /// off from the others, does not move levee back and forth.
+    async fn poll(&self) {
         let asks = self
             .target
             .nodes
             .iter()
-            .map(|node| Box::pin(ask(node, &self.target.master, bound)));
-        let answer = tokio::time::timeout(bound, select_ok(asks)).await;
-        let address = match answer {
-            Ok(Ok((address, _))) => address,
-            Ok(Err(last)) => return Err(last),
-            Err(_elapsed) => {
-                return Err(RedisFailure::Connection(format!(
-                    "no sentinel named the master `{}` within {bound:?}",
-                    self.target.master
-                )))
+            .map(|node| ask(node, &self.target.master, WATCH_EVERY));
+        let answers = futures_util::future::join_all(asks).await;
+        let mut errors = Vec::new();
+        let mut named = Vec::new();
+        for answer in answers {
+            match answer {
+                Ok(address) => named.push(address),
+                Err(error) => errors.push(error.to_string()),
             }
-        };
-        let mut named = crate::redis_batch::lock(&self.named);
-        if named.as_ref() != Some(&address) {
-            match named.as_ref() {
-                None => tracing::info!(
+        }
+        let was_unreachable = self.unreachable.swap(named.is_empty(), Ordering::AcqRel);
+        let mut current = crate::redis_batch::lock(&self.named);
+        let Some(address) = pick_master(&named, current.as_ref()) else {
+            if !was_unreachable {
+                let using = match current.as_ref() {
+                    Some(address) => {
+                        format!("levee keeps using the master named before, {address}")
+                    }
+                    None => "levee has no master to use".to_string(),
+                };
+                tracing::warn!(
                     master = %self.target.master,
-                    address = %address,
-                    "redis sentinel names the master"
-                ),
-                Some(before) => tracing::warn!(
+                    "no sentinel names the master ({}); {using}, and asks again every {WATCH_EVERY:?}",
+                    errors.join("; ")
+                );
+            }
+            return;
+        };
+        if was_unreachable {
+            tracing::info!(master = %self.target.master, "the sentinels answer again");
+        }
+        if current.as_ref() == Some(&address) {
+            return;
+        }
+        match current.as_ref() {
+            None => tracing::info!(
+                master = %self.target.master,
+                address = %address,
+                "redis sentinel names the master"
+            ),
+            Some(before) => {
+                tracing::warn!(
                     master = %self.target.master,
                     before = %before,
                     now = %address,
                     "redis sentinel names another master (a failover): levee follows it"
-                ),
-            }
-            if named.is_some() {
+                );
                 self.generation.fetch_add(1, Ordering::AcqRel);
             }
-            *named = Some(address.clone());
         }
-        Ok((address, self.generation()))
+        *current = Some(address);
     }
 
     /// How to reach and log in to the master at `address`.
@@ -200,19 +273,32 @@ async fn ask(node: &str, master: &str, bound: Duration) -> Result<MasterAddress,
     Ok(MasterAddress { host, port })
 }
 
+/// The address most of `named` give; on a tie, `current` when it is among the most named,
+/// else the first of them to answer. `None` when nobody named one.
+pub fn pick_master(
+    named: &[MasterAddress],
+    current: Option<&MasterAddress>,
+) -> Option<MasterAddress> {
+    let votes = |address: &MasterAddress| named.iter().filter(|other| *other == address).count();
+    let most = named.iter().map(votes).max()?;
+    if let Some(current) = current {
+        if votes(current) == most {
+            return Some(current.clone());
+        }
+    }
+    named.iter().find(|address| votes(address) == most).cloned()
+}
+
 /// True when an `INFO replication` answer is a master's.
 pub fn is_master(info: &str) -> bool {
     info.lines().any(|line| line.trim_end() == "role:master")
 }
 
 /// The shared connection (queue writes, switches, stale copies) to the master the sentinels
-/// name; they are asked again after a failed call, and the connection is made anew when they
-/// name another master.
+/// name, made anew when they name another.
 pub struct MasterLink {
     pub sentinels: Arc<Sentinels>,
     current: tokio::sync::Mutex<Option<Current>>,
-    /// A call on the current connection failed: ask the sentinels before the next.
-    suspect: AtomicBool,
 }
 
 struct Current {
@@ -227,37 +313,20 @@ impl MasterLink {
         MasterLink {
             sentinels,
             current: tokio::sync::Mutex::new(None),
-            suspect: AtomicBool::new(false),
         }
     }
 
-    /// A call on the connection failed: the master may have moved.
-    pub fn suspect(&self) {
-        self.suspect.store(true, Ordering::Release);
-    }
-
-    /// The connection to the master, asking the sentinels first when it is due.
+    /// The connection to the master named last (the connection reconnects by itself to the
+    /// same server; a failed call asks the watching task to check the sentinels).
     pub async fn connection(&self, timeout: Duration) -> Result<ConnectionManager, RedisFailure> {
         self.sentinels.watch();
         let mut current = self.current.lock().await;
-        let suspect = self.suspect.swap(false, Ordering::AcqRel);
         if let Some(known) = current.as_ref() {
-            if !suspect && known.generation == self.sentinels.generation() {
+            if known.generation == self.sentinels.generation() {
                 return Ok(known.connection.clone());
             }
         }
-        let (address, generation) = match self.sentinels.master(timeout).await {
-            Ok(named) => named,
-            // The sentinels are out of reach: the master known before may well answer (the
-            // call that failed may only have been slow); the next failure asks again.
-            Err(error) => match current.as_ref() {
-                Some(known) => {
-                    tracing::debug!("{error}; trying the master named before, {}", known.address);
-                    return Ok(known.connection.clone());
-                }
-                None => return Err(error),
-            },
-        };
+        let (address, generation) = self.sentinels.master(timeout).await?;
         if let Some(known) = current.as_mut() {
             if known.address == address {
                 known.generation = generation;
@@ -267,7 +336,7 @@ impl MasterLink {
         let connection = self
             .connect_to(&address, timeout)
             .await
-            .inspect_err(|_| self.suspect())?;
+            .inspect_err(|_| self.sentinels.check_soon())?;
         *current = Some(Current {
             address,
             connection: connection.clone(),
@@ -305,6 +374,28 @@ impl MasterLink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn at(port: u16) -> MasterAddress {
+        MasterAddress {
+            host: "10.0.0.1".into(),
+            port,
+        }
+    }
+
+    #[test]
+    fn the_master_most_sentinels_name_is_followed_and_a_tie_keeps_the_one_before() {
+        assert_eq!(pick_master(&[], Some(&at(1))), None);
+        // One sentinel lags behind the failover: the two that saw it win.
+        assert_eq!(
+            pick_master(&[at(1), at(2), at(2)], Some(&at(1))),
+            Some(at(2))
+        );
+        // One against one: the master named before stays.
+        assert_eq!(pick_master(&[at(2), at(1)], Some(&at(1))), Some(at(1)));
+        // A tie without the one before among them (or none before): the first answer.
+        assert_eq!(pick_master(&[at(3), at(2)], Some(&at(1))), Some(at(3)));
+        assert_eq!(pick_master(&[at(2)], None), Some(at(2)));
+    }
 
     #[test]
     fn only_a_master_role_is_a_master() {

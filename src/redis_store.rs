@@ -156,6 +156,30 @@ pub enum RedisFailure {
     Connection(String),
     #[error("{0} rate-limit decisions are already waiting for redis")]
     Overloaded(usize),
+    /// The server is no longer the master (Redis Sentinel named another, or it answered
+    /// `READONLY`). Not counted against Redis's health: the next call goes to the new master.
+    #[error("redis is no longer the master: {0}")]
+    MasterMoved(String),
+}
+
+impl RedisFailure {
+    /// True for failures a failover would cause: no answer, a broken connection, a server
+    /// turned replica. Not for Redis refusing a command for other reasons.
+    pub fn may_mean_failover(&self) -> bool {
+        match self {
+            RedisFailure::Timeout(_)
+            | RedisFailure::Connection(_)
+            | RedisFailure::MasterMoved(_) => true,
+            RedisFailure::Redis(error) => {
+                error.is_io_error()
+                    || error.is_timeout()
+                    || error.is_connection_dropped()
+                    || error.is_connection_refusal()
+                    || error.code() == Some("READONLY")
+            }
+            RedisFailure::BadReply(_) | RedisFailure::Down | RedisFailure::Overloaded(_) => false,
+        }
+    }
 }
 
 /// One bucket to decide in Redis.
@@ -415,9 +439,13 @@ impl RedisStore {
         &self.health
     }
 
-    /// Records how a call went: `failure` is why it failed, `None` when it answered.
+    /// Records how a call went: `failure` is why it failed, `None` when it answered. A call
+    /// cut short because the master moved says nothing of Redis's health.
     fn record(&self, permit: Permit<'_>, failure: Option<&RedisFailure>, metrics: &Metrics) {
         drop(permit);
+        if let Some(RedisFailure::MasterMoved(_)) = failure {
+            return;
+        }
         let change = lock(&self.health).record(failure.is_none(), &self.settings);
         let to = match change {
             None => return,
@@ -520,9 +548,10 @@ impl RedisStore {
             Ok(result) => result,
             Err(_elapsed) => Err(RedisFailure::Timeout(timeout)),
         };
-        if let (Err(_), Some(link)) = (&result, &self.master_link) {
-            // A failover moves the master: ask the sentinels before the next call.
-            link.suspect();
+        if let (Err(error), Some(link)) = (&result, &self.master_link) {
+            if error.may_mean_failover() {
+                link.sentinels.check_soon();
+            }
         }
         if let (Some(permit), Some(guard)) = (permit, guarded) {
             let failure = result.as_ref().err();

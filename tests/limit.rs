@@ -338,6 +338,15 @@ fn check_explains_what_redis_sentinel_needs() {
         "{stderr}"
     );
     let stderr = check_fails(&policy(
+        "[redis]\n[redis.sentinel]\nnodes = [\"redis://10.0.0.5:26379/2\"]\nmaster = \"mymaster\"",
+    ));
+    assert!(
+        stderr.contains(
+            "levee.toml:3:9: error: sentinel `redis://10.0.0.5:26379/2` names a database"
+        ),
+        "{stderr}"
+    );
+    let stderr = check_fails(&policy(
         "[redis]\nca_file = \"ca.pem\"\n[redis.sentinel]\nnodes = [\"redis://10.0.0.5:26379\"]\nmaster = \"mymaster\"",
     ));
     assert!(
@@ -1069,14 +1078,30 @@ async fn limits_and_queued_work_follow_the_master_that_redis_sentinel_names() {
         format!("127.0.0.1:{}", group.replica.port)
     );
 
-    // Without the sentinel, the master found before is used on.
+    // Without the sentinel, the master found before is used on, also by connections made
+    // anew (the master dropped levee's).
     group.stop_sentinel();
     assert_eq!(send_as(&levee, Some("carol"), None).await.status, 200);
     assert_eq!(
         group.replica.cli(&["EXISTS", &user_key("carol")]).trim(),
         "1"
     );
-    assert_eq!(post_job().await.status, 202);
+    group.replica.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
+    eventually(
+        Duration::from_secs(5),
+        "a decision on a new connection",
+        || async {
+            assert_eq!(send_as(&levee, Some("erin"), None).await.status, 200);
+            group.replica.cli(&["EXISTS", &user_key("erin")]).trim() == "1"
+        },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "a job stored on a new connection",
+        || async { post_job().await.status == 202 },
+    )
+    .await;
 
     // Without any Redis: the rule falls back (in-process), queued work is refused.
     group.replica.kill();

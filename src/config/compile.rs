@@ -1417,6 +1417,18 @@ fn compile_sentinel(
                         ),
                         "write each sentinel as \"redis://host:26379\" (TLS and unix sockets are not supported for sentinels)",
                     );
+                } else if redis::Client::open(node.as_str())
+                    .is_ok_and(|client| client.get_connection_info().redis_settings().db() != 0)
+                {
+                    compiler.error_hint(
+                        file,
+                        nodes.span(),
+                        format!(
+                            "sentinel `{}` names a database",
+                            crate::redis_store::redact_url(node)
+                        ),
+                        "a sentinel has no databases: write \"redis://host:26379\", and the master's database as db = N",
+                    );
                 } else {
                     check_redis_url(compiler, file, node, nodes.span());
                 }
