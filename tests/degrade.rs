@@ -673,3 +673,71 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
     )
     .await;
 }
+
+/// In a Redis Cluster, reads of stale copies follow the health breaker of the node holding
+/// each copy: with one node frozen, an instance that never saw the pages still serves the
+/// copies the other nodes hold, after the copies on the frozen node failed twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cluster = RedisCluster::start(dir.path()).await;
+    let (backend, _, _) = versioned().await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\ncluster = [{}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n[degrade]\nsync_interval = \"100ms\"\n{ROUTES}",
+            cluster.toml_list()
+        ),
+    );
+    let key = |week: u32| format!("levee:stale:ranking:/ranking?week={week}");
+    let out_node = cluster.owner(&key(0));
+    let mut elsewhere = (1..).filter(|week| cluster.owner(&key(*week)) != out_node);
+    let (kept, probe) = (
+        elsewhere.next().expect("a week on another node"),
+        elsewhere.next().expect("another week on another node"),
+    );
+    let first = Levee::start(&policy).await;
+    for week in [0, kept, probe] {
+        let path = format!("/ranking?week={week}");
+        assert_eq!(get(&first.url(&path)).await.text(), "/ranking v1");
+        eventually(Duration::from_secs(3), "the copy in redis", || async {
+            cluster
+                .cli(cluster.owner(&key(week)), &["EXISTS", &key(week)])
+                .trim()
+                == "1"
+        })
+        .await;
+    }
+    assert_eq!(set(&first, "/modules/ranking", "off").await.status, 200);
+
+    // An instance that has no copy of its own: it reads them from the cluster.
+    let second = Levee::start(&policy).await;
+    let probe_path = format!("/ranking?week={probe}");
+    eventually(Duration::from_secs(3), "the switch followed", || async {
+        get(&second.url(&probe_path)).await.header("x-levee-stale") == Some("1")
+    })
+    .await;
+
+    cluster.pause(out_node, true);
+    for _ in 0..3 {
+        let missing = get(&second.url("/ranking?week=0")).await;
+        assert_eq!(missing.header("x-levee-stale"), None, "{}", missing.text());
+    }
+    let copy = get(&second.url(&format!("/ranking?week={kept}"))).await;
+    let metrics = get(&second.admin_url("/metrics")).await.text();
+    cluster.pause(out_node, false);
+    assert_eq!(
+        (
+            copy.status,
+            copy.text().as_str(),
+            copy.header("x-levee-stale")
+        ),
+        (200, "/ranking v1", Some("1"))
+    );
+    let out = format!(
+        "levee_redis_node_up{{node=\"127.0.0.1:{}\"}}",
+        cluster.ports[out_node]
+    );
+    assert_eq!(metric_value(&metrics, &out), 0.0, "{metrics}");
+}
