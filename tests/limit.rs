@@ -409,16 +409,49 @@ async fn per_user_levee_on(cluster: &RedisCluster, backend: &Backend) -> Levee {
     let redis = format!(
         "[redis]\ncluster = [{nodes}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n"
     );
+    per_user_levee(backend, &redis).await
+}
+
+/// One rule per user (`per_user`, 50 requests, then one a minute) on the `/limited` route,
+/// with `redis` as the policy's Redis sections.
+async fn per_user_levee(backend: &Backend, redis: &str) -> Levee {
     let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
     Levee::start(&limited_policy(
         backend,
         "",
-        &redis,
+        redis,
         per_user,
         "\"per_user\"",
     ))
     .await
 }
+
+/// `[redis]` with `settings`, then `[redis.sentinel]` for `group`'s master with `login`,
+/// then `rest`.
+fn sentinel_redis(group: &RedisSentinel, settings: &str, login: &str, rest: &str) -> String {
+    format!(
+        "[redis]\n{settings}[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"\n{login}{rest}",
+        group.sentinel_url()
+    )
+}
+
+/// Sends as `user` (each answered 200) until `server` holds the user's bucket: a decision
+/// that reached that server.
+async fn decided_on(levee: &Levee, server: &RedisServer, user: &str) {
+    let what = format!(
+        "a decision for {user} by the server on port {}",
+        server.port
+    );
+    eventually(Duration::from_secs(10), &what, || async {
+        assert_eq!(send_as(levee, Some(user), None).await.status, 200);
+        server.cli(&["EXISTS", &user_key(user)]).trim() == "1"
+    })
+    .await;
+}
+
+/// A queue route `notify` (POST /notify…) that always queues, and workers that wait an
+/// hour: the jobs stay in the stream for the test to see.
+const NOTIFY_QUEUE: &str = "[queue]\npoll_interval = \"1h\"\n[[route]]\nname = \"notify\"\nmatch = { method = [\"POST\"], path_prefix = \"/notify\" }\nalways_queue = true\n";
 
 /// Waits until levee has read the cluster's slot map (read once the first decision has
 /// connected): /status then lists the three masters.
@@ -1007,19 +1040,13 @@ async fn limits_and_queued_work_follow_the_master_that_redis_sentinel_names() {
     let dir = tempfile::tempdir().expect("dir");
     let mut group = RedisSentinel::start(dir.path()).await;
     let backend = echo_backend().await;
-    let redis = format!(
-        "[redis]\ntimeout = \"200ms\"\ncooldown = \"100ms\"\n[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"\n[queue]\npoll_interval = \"1h\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
-        group.sentinel_url()
-    );
-    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
-    let levee = Levee::start(&limited_policy(
-        &backend,
+    let redis = sentinel_redis(
+        &group,
+        "timeout = \"200ms\"\ncooldown = \"100ms\"\n",
         "",
-        &redis,
-        per_user,
-        "\"per_user\"",
-    ))
-    .await;
+        NOTIFY_QUEUE,
+    );
+    let levee = per_user_levee(&backend, &redis).await;
     let post_job = || {
         let request = Request::post(levee.url("/notify.php"))
             .body(full("like=1"))
@@ -1049,15 +1076,7 @@ async fn limits_and_queued_work_follow_the_master_that_redis_sentinel_names() {
     group.fail_over().await;
     // A write that reached the old master before it turned replica is gone with its data:
     // what the new master holds was written there.
-    eventually(
-        Duration::from_secs(10),
-        "a decision by the new master",
-        || async {
-            assert_eq!(send_as(&levee, Some("bob"), None).await.status, 200);
-            group.replica.cli(&["EXISTS", &user_key("bob")]).trim() == "1"
-        },
-    )
-    .await;
+    decided_on(&levee, &group.replica, "bob").await;
     eventually(
         Duration::from_secs(10),
         "a job stored on the new master",
@@ -1087,15 +1106,7 @@ async fn limits_and_queued_work_follow_the_master_that_redis_sentinel_names() {
         "1"
     );
     group.replica.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
-    eventually(
-        Duration::from_secs(5),
-        "a decision on a new connection",
-        || async {
-            assert_eq!(send_as(&levee, Some("erin"), None).await.status, 200);
-            group.replica.cli(&["EXISTS", &user_key("erin")]).trim() == "1"
-        },
-    )
-    .await;
+    decided_on(&levee, &group.replica, "erin").await;
     eventually(
         Duration::from_secs(5),
         "a job stored on a new connection",
@@ -1128,19 +1139,13 @@ async fn a_sentinel_and_its_master_that_ask_for_passwords() {
         RedisSentinel::start_with_passwords(dir.path(), Some(("server-secret", "sentinel-secret")))
             .await;
     let backend = echo_backend().await;
-    let redis = format!(
-        "[redis]\ntimeout = \"200ms\"\n[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"\npassword = \"server-secret\"\ndb = 2\n[queue]\npoll_interval = \"1h\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
-        group.sentinel_url()
+    let redis = sentinel_redis(
+        &group,
+        "timeout = \"200ms\"\n",
+        "password = \"server-secret\"\ndb = 2\n",
+        NOTIFY_QUEUE,
     );
-    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
-    let levee = Levee::start(&limited_policy(
-        &backend,
-        "",
-        &redis,
-        per_user,
-        "\"per_user\"",
-    ))
-    .await;
+    let levee = per_user_levee(&backend, &redis).await;
     assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
     let request = Request::post(levee.url("/notify.php"))
         .body(full("like=1"))
@@ -1164,19 +1169,13 @@ async fn a_failover_the_sentinels_announce_ends_the_cooldown() {
     let dir = tempfile::tempdir().expect("dir");
     let mut group = RedisSentinel::start(dir.path()).await;
     let backend = echo_backend().await;
-    let redis = format!(
-        "[redis]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"\n",
-        group.sentinel_url()
-    );
-    let per_user = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 50\n";
-    let levee = Levee::start(&limited_policy(
-        &backend,
+    let redis = sentinel_redis(
+        &group,
+        "timeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n",
         "",
-        &redis,
-        per_user,
-        "\"per_user\"",
-    ))
-    .await;
+        "",
+    );
+    let levee = per_user_levee(&backend, &redis).await;
     assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
 
     group.master.kill();
@@ -1190,15 +1189,7 @@ async fn a_failover_the_sentinels_announce_ends_the_cooldown() {
     assert_eq!(per_user_allowed(&metrics, "redis"), 1.0, "{metrics}");
 
     group.fail_over().await;
-    eventually(
-        Duration::from_secs(10),
-        "a decision by the new master",
-        || async {
-            assert_eq!(send_as(&levee, Some("bob"), None).await.status, 200);
-            group.replica.cli(&["EXISTS", &user_key("bob")]).trim() == "1"
-        },
-    )
-    .await;
+    decided_on(&levee, &group.replica, "bob").await;
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(metric_value(&metrics, "levee_redis_up"), 1.0, "{metrics}");
 }
