@@ -101,8 +101,17 @@ impl BatchTarget {
             })
         })?;
         let target = &sentinels.target;
+        let address = match &sentinels.tls_client {
+            None => Address::Tcp(master.host, master.port),
+            Some(Ok(client)) => Address::Tls(master.host, master.port, TlsClient(client.clone())),
+            Some(Err(error)) => {
+                return Err(BatchFailure::NoMaster(format!(
+                    "redis TLS settings: {error}"
+                )))
+            }
+        };
         let endpoint = Endpoint {
-            address: Address::Tcp(master.host, master.port),
+            address,
             username: target.username.clone(),
             password: target.password.clone(),
             db: target.db,

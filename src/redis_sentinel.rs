@@ -20,7 +20,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnecti
 use redis::{AsyncConnectionConfig, IntoConnectionInfo, RedisConnectionInfo};
 use tokio::sync::Notify;
 
-use crate::redis_store::{redact_url, RedisFailure};
+use crate::redis_store::{redact_url, rustls_config, RedisFailure, RedisTls};
 
 /// How often the sentinels are asked which server is master, calls failing or not.
 pub const WATCH_EVERY: Duration = Duration::from_secs(1);
@@ -38,6 +38,9 @@ pub struct SentinelTarget {
     pub username: Option<String>,
     pub password: Option<String>,
     pub db: i64,
+    /// The sentinels' URLs are `rediss://`: the sentinels and the master speak TLS, checked
+    /// with `[redis] ca_file` (and `cert_file`, `key_file` given to both).
+    pub tls: bool,
 }
 
 /// The master's address, as the sentinels give it.
@@ -54,9 +57,13 @@ impl std::fmt::Display for MasterAddress {
 }
 
 /// Asks the sentinels of one target.
-#[derive(Debug)]
 pub struct Sentinels {
     pub target: SentinelTarget,
+    /// Over TLS: `[redis] ca_file`, `cert_file` and `key_file` (`None` for the defaults).
+    tls_files: Option<RedisTls>,
+    /// Over TLS: the rustls settings of the batched rate-limit connection to the master, or
+    /// why there are none (its decisions then fail, and follow `on_redis_error`).
+    pub tls_client: Option<Result<Arc<rustls::ClientConfig>, String>>,
     /// The master named last, for the connections, the log and `/status`.
     named: std::sync::Mutex<Option<MasterAddress>>,
     /// Goes up each time the sentinels name another master: a connection made under an
@@ -70,9 +77,23 @@ pub struct Sentinels {
     unreachable: AtomicBool,
 }
 
+impl std::fmt::Debug for Sentinels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sentinels")
+            .field("target", &self.target)
+            .finish()
+    }
+}
+
 impl Sentinels {
-    pub fn new(target: SentinelTarget) -> Sentinels {
+    /// `tls`: `[redis] ca_file`, `cert_file` and `key_file`, for sentinels over TLS.
+    pub fn new(target: SentinelTarget, tls: Option<RedisTls>) -> Sentinels {
+        let tls_client = target
+            .tls
+            .then(|| rustls_config(tls.as_ref()).map(Arc::new));
         Sentinels {
+            tls_files: tls,
+            tls_client,
             target,
             named: std::sync::Mutex::new(None),
             generation: AtomicU64::new(0),
@@ -109,11 +130,14 @@ impl Sentinels {
                 return Ok((address.clone(), self.generation()));
             }
         }
-        let asks = self
-            .target
-            .nodes
-            .iter()
-            .map(|node| Box::pin(ask(node, &self.target.master, bound)));
+        let asks = self.target.nodes.iter().map(|node| {
+            Box::pin(ask(
+                self.client(node.as_str()),
+                node,
+                &self.target.master,
+                bound,
+            ))
+        });
         let address = match tokio::time::timeout(bound, select_ok(asks)).await {
             Ok(Ok((address, _))) => address,
             Ok(Err(last)) => return Err(last),
@@ -170,11 +194,14 @@ impl Sentinels {
     /// named before, on a tie), so that one sentinel that has not seen a failover, or is cut
     /// off from the others, does not move levee back and forth.
     async fn poll(&self) {
-        let asks = self
-            .target
-            .nodes
-            .iter()
-            .map(|node| ask(node, &self.target.master, WATCH_EVERY));
+        let asks = self.target.nodes.iter().map(|node| {
+            ask(
+                self.client(node.as_str()),
+                node,
+                &self.target.master,
+                WATCH_EVERY,
+            )
+        });
         let answers = futures_util::future::join_all(asks).await;
         let mut errors = Vec::new();
         let mut named = Vec::new();
@@ -227,11 +254,23 @@ impl Sentinels {
         *current = Some(address);
     }
 
+    /// A client for a sentinel (its URL) or the master, over TLS with the policy's files
+    /// when those are given.
+    fn client<C: IntoConnectionInfo>(&self, info: C) -> redis::RedisResult<redis::Client> {
+        match &self.tls_files {
+            Some(files) => redis::Client::build_with_tls(info, files.certificates()),
+            None => redis::Client::open(info),
+        }
+    }
+
+    /// A client for the master at `address`: logged in, on its database, over TLS when the
+    /// sentinels are.
+    pub fn master_client(&self, address: &MasterAddress) -> Result<redis::Client, RedisFailure> {
+        Ok(self.client(self.master_info(address)?)?)
+    }
+
     /// How to reach and log in to the master at `address`.
-    pub fn master_info(
-        &self,
-        address: &MasterAddress,
-    ) -> Result<redis::ConnectionInfo, RedisFailure> {
+    fn master_info(&self, address: &MasterAddress) -> Result<redis::ConnectionInfo, RedisFailure> {
         let mut login = RedisConnectionInfo::default().set_db(self.target.db);
         if let Some(username) = &self.target.username {
             login = login.set_username(username);
@@ -239,19 +278,31 @@ impl Sentinels {
         if let Some(password) = &self.target.password {
             login = login.set_password(password);
         }
-        Ok(
-            redis::ConnectionAddr::Tcp(address.host.clone(), address.port)
-                .into_connection_info()?
-                .set_redis_settings(login),
-        )
+        let (host, port) = (address.host.clone(), address.port);
+        let at = if self.target.tls {
+            redis::ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: false,
+                tls_params: None,
+            }
+        } else {
+            redis::ConnectionAddr::Tcp(host, port)
+        };
+        Ok(at.into_connection_info()?.set_redis_settings(login))
     }
 }
 
 /// One sentinel's answer: the master's address, or why there is none.
-async fn ask(node: &str, master: &str, bound: Duration) -> Result<MasterAddress, RedisFailure> {
+async fn ask(
+    client: redis::RedisResult<redis::Client>,
+    node: &str,
+    master: &str,
+    bound: Duration,
+) -> Result<MasterAddress, RedisFailure> {
     let unknown =
         |why: String| RedisFailure::Connection(format!("sentinel {}: {why}", redact_url(node)));
-    let client = redis::Client::open(node)?;
+    let client = client.map_err(|error| unknown(error.to_string()))?;
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(bound))
         .set_response_timeout(Some(bound));
@@ -351,7 +402,7 @@ impl MasterLink {
         address: &MasterAddress,
         timeout: Duration,
     ) -> Result<ConnectionManager, RedisFailure> {
-        let client = redis::Client::open(self.sentinels.master_info(address)?)?;
+        let client = self.sentinels.master_client(address)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout.max(Duration::from_millis(200))))
             .set_response_timeout(Some(timeout))

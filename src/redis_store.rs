@@ -110,7 +110,7 @@ pub fn rustls_config(tls: Option<&RedisTls>) -> Result<rustls::ClientConfig, Str
 }
 
 impl RedisTls {
-    fn certificates(&self) -> redis::TlsCertificates {
+    pub fn certificates(&self) -> redis::TlsCertificates {
         redis::TlsCertificates {
             client_tls: self
                 .client
@@ -318,7 +318,10 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     pub fn new(settings: RedisSettings) -> RedisStore {
         let sentinels = match &settings.target {
-            RedisTarget::Sentinel(target) => Some(Arc::new(Sentinels::new(target.clone()))),
+            RedisTarget::Sentinel(target) => Some(Arc::new(Sentinels::new(
+                target.clone(),
+                settings.tls.clone(),
+            ))),
             _ => None,
         };
         let batch_target = match &settings.target {

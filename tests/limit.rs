@@ -320,10 +320,10 @@ fn check_explains_what_redis_sentinel_needs() {
         format!("{redis}\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"a\"\nupstream = \"app\"\n")
     };
     let stderr = check_fails(&policy(
-        "[redis]\ntimeout = \"50ms\"\n[redis.sentinel]\nnodes = [\"rediss://10.0.0.5:26379\"]\nusername = \"levee\"\ndb = -1",
+        "[redis]\ntimeout = \"50ms\"\n[redis.sentinel]\nnodes = [\"redis+unix:///run/sentinel.sock\"]\nusername = \"levee\"\ndb = -1",
     ));
     for expected in [
-        "levee.toml:4:9: error: sentinel `rediss://10.0.0.5:26379` is not a redis:// URL",
+        "levee.toml:4:9: error: sentinel `redis+unix:///run/sentinel.sock` is not a redis:// or rediss:// URL",
         "levee.toml:3:1: error: [redis.sentinel] needs master",
         "levee.toml:5:12: error: username without password",
         "levee.toml:6:6: error: db must be 0 or more",
@@ -350,7 +350,17 @@ fn check_explains_what_redis_sentinel_needs() {
         "[redis]\nca_file = \"ca.pem\"\n[redis.sentinel]\nnodes = [\"redis://10.0.0.5:26379\"]\nmaster = \"mymaster\"",
     ));
     assert!(
-        stderr.contains("levee.toml:2:11: error: ca_file, cert_file and key_file do not apply to [redis.sentinel]"),
+        stderr.contains(
+            "levee.toml:2:11: error: ca_file, cert_file and key_file are for Redis over TLS"
+        ),
+        "{stderr}"
+    );
+    let stderr = check_fails(&policy(
+        "[redis]\n[redis.sentinel]\nnodes = [\"rediss://10.0.0.5:26379\", \"redis://10.0.0.6:26379\"]\nmaster = \"mymaster\"",
+    ));
+    assert!(
+        stderr
+            .contains("levee.toml:3:9: error: some sentinels are rediss:// (TLS) and some are not"),
         "{stderr}"
     );
 }
@@ -1192,4 +1202,43 @@ async fn a_failover_the_sentinels_announce_ends_the_cooldown() {
     decided_on(&levee, &group.replica, "bob").await;
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(metric_value(&metrics, "levee_redis_up"), 1.0, "{metrics}");
+}
+
+/// Sentinels and master over TLS (`rediss://` sentinels, with the policy's CA and client
+/// certificate for both): limits are decided by the master, queued work is stored there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_and_its_master_that_speak_tls() {
+    let dir = tempfile::tempdir().expect("dir");
+    let certs = dir.path().join("certs");
+    std::fs::create_dir_all(&certs).expect("certs dir");
+    make_certificates(&certs);
+    let master = RedisServer::start_tls(dir.path(), &certs).await;
+    let (_sentinel, sentinel_port) =
+        start_tls_sentinel(&dir.path().join("sentinel"), &certs, master.port).await;
+    let file = |name: &str| certs.join(name).display().to_string();
+    let redis = format!(
+        "[redis]\ntimeout = \"500ms\"\nca_file = \"{}\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n[redis.sentinel]\nnodes = [\"rediss://127.0.0.1:{sentinel_port}\"]\nmaster = \"{SENTINEL_MASTER}\"\n{NOTIFY_QUEUE}",
+        file("ca.pem"),
+        file("client.pem"),
+        file("client.key")
+    );
+    let backend = echo_backend().await;
+    let levee = per_user_levee(&backend, &redis).await;
+    for _ in 0..3 {
+        assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
+    }
+    let request = Request::post(levee.url("/notify.php"))
+        .body(full("like=1"))
+        .expect("request");
+    let queued = send(request).await;
+    assert_eq!(queued.status, 202, "{}", queued.text());
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(per_user_allowed(&metrics, "redis") >= 1.0, "{metrics}");
+    assert_eq!(per_user_allowed(&metrics, "fallback"), 0.0, "{metrics}");
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["redis"]["master"],
+        format!("127.0.0.1:{}", master.port),
+        "{status}"
+    );
 }

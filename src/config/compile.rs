@@ -1363,23 +1363,9 @@ fn compile_redis(
             }
             Some(tls_nodes > 0)
         }
-        Some(RedisTarget::Sentinel(_)) => {
-            let named = [&inner.ca_file, &inner.cert_file, &inner.key_file];
-            if let Some(first) = named.into_iter().flatten().next() {
-                compiler.error_hint(
-                    file,
-                    first.span(),
-                    "ca_file, cert_file and key_file do not apply to [redis.sentinel]",
-                    "levee reaches sentinels and their master over plain TCP; remove these keys",
-                );
-            }
-            None
-        }
+        Some(RedisTarget::Sentinel(sentinel)) => Some(sentinel.tls),
     };
-    let tls = match over_tls {
-        None => None,
-        over_tls => compile_redis_tls(compiler, file, inner, over_tls),
-    };
+    let tls = compile_redis_tls(compiler, file, inner, over_tls);
     Some(RedisSettings {
         tls,
         admit_ahead_above,
@@ -1406,16 +1392,26 @@ fn compile_sentinel(
     let errors_before = compiler.errors.len();
     let nodes = match &inner.nodes {
         Some(nodes) if !nodes.get_ref().is_empty() => {
+            let over_tls = |node: &String| node.starts_with("rediss://");
+            let tls_nodes = nodes.get_ref().iter().filter(|node| over_tls(node)).count();
+            if tls_nodes > 0 && tls_nodes < nodes.get_ref().len() {
+                compiler.error_hint(
+                    file,
+                    nodes.span(),
+                    "some sentinels are rediss:// (TLS) and some are not",
+                    "the sentinels and their master all speak TLS or none does: write every URL the same way",
+                );
+            }
             for node in nodes.get_ref() {
-                if !node.starts_with("redis://") {
+                if !node.starts_with("redis://") && !over_tls(node) {
                     compiler.error_hint(
                         file,
                         nodes.span(),
                         format!(
-                            "sentinel `{}` is not a redis:// URL",
+                            "sentinel `{}` is not a redis:// or rediss:// URL",
                             crate::redis_store::redact_url(node)
                         ),
-                        "write each sentinel as \"redis://host:26379\" (TLS and unix sockets are not supported for sentinels)",
+                        "write each sentinel as \"redis://host:26379\" (or rediss:// for TLS; unix sockets are not supported for sentinels)",
                     );
                 } else if redis::Client::open(node.as_str())
                     .is_ok_and(|client| client.get_connection_info().redis_settings().db() != 0)
@@ -1475,12 +1471,14 @@ fn compile_sentinel(
             "an ACL user logs in with both: add password = \"…\"",
         );
     }
+    let tls = !nodes.is_empty() && nodes.iter().all(|node| node.starts_with("rediss://"));
     (compiler.errors.len() == errors_before).then(|| SentinelTarget {
         nodes,
         master,
         username: inner.username.as_ref().map(|name| name.get_ref().clone()),
         password: inner.password.as_ref().map(|word| word.get_ref().clone()),
         db,
+        tls,
     })
 }
 

@@ -762,6 +762,40 @@ impl RedisSentinel {
     }
 }
 
+/// A sentinel that speaks TLS only, with the certificates [`make_certificates`] made in
+/// `certs` (also to the master, `tls-replication`), watching the TLS master on `master_port`
+/// as [`SENTINEL_MASTER`]. Its files go in `dir`; returns it and its port.
+pub async fn start_tls_sentinel(dir: &Path, certs: &Path, master_port: u16) -> (ChildGuard, u16) {
+    std::fs::create_dir_all(dir).expect("sentinel dir");
+    let port = free_port();
+    let file = |name: &str| certs.join(name).display().to_string();
+    let conf = dir.join("sentinel.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "port 0\ntls-port {port}\nbind 127.0.0.1\ndir {}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-replication yes\nsentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master_port} 1\n",
+            dir.display(),
+            file("server.pem"),
+            file("server.key"),
+            file("ca.pem")
+        ),
+    )
+    .expect("sentinel.conf");
+    let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
+    let sentinel = ChildGuard::spawn(
+        "redis-server (TLS sentinel)",
+        Command::new(binary)
+            .arg(&conf)
+            .args(["--sentinel", "--daemonize", "no"]),
+    );
+    wait_for_port(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        "the TLS sentinel to listen",
+    )
+    .await;
+    (sentinel, port)
+}
+
 /// A Redis Cluster of 3 masters (and a replica each, with `start_with_replicas`) on free
 /// ports whose bus ports (+10000) are free too.
 pub struct RedisCluster {
