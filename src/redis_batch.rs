@@ -122,11 +122,16 @@ impl BatchTarget {
 
     /// True when the sentinels named another master since `connection` was made.
     fn moved_from(&self, connection: &Option<Connection>) -> bool {
-        match (self, connection) {
-            (BatchTarget::Sentinel(sentinels), Some(open)) => {
-                open.generation != sentinels.generation()
-            }
-            _ => false,
+        connection
+            .as_ref()
+            .is_some_and(|open| self.moved_since(open.generation))
+    }
+
+    /// True when the sentinels named another master since `generation`.
+    fn moved_since(&self, generation: u64) -> bool {
+        match self {
+            BatchTarget::Sentinel(sentinels) => generation != sentinels.generation(),
+            BatchTarget::Fixed(_) => false,
         }
     }
 }
@@ -904,7 +909,15 @@ async fn send_last(
         None => {
             let open = async {
                 let (endpoint, generation) = shared.target.endpoint(call_bound).await?;
-                let mut opened = Connection::open(&endpoint, shared.script).await?;
+                let mut opened = match Connection::open(&endpoint, shared.script).await {
+                    Ok(opened) => opened,
+                    // The server named was found no master while the sentinels named
+                    // another: a failover under way, not a failing Redis.
+                    Err(BatchFailure::NoMaster(why)) if shared.target.moved_since(generation) => {
+                        return Err(BatchFailure::NotMaster(why))
+                    }
+                    Err(failure) => return Err(failure),
+                };
                 opened.generation = generation;
                 Ok::<_, BatchFailure>(opened)
             };

@@ -75,6 +75,16 @@ pub struct Sentinels {
     check_soon: Notify,
     /// The last ask of the watching task got no answer (to log the change once).
     unreachable: AtomicBool,
+    /// Per sentinel (in `target.nodes` order), the watching task's connection, kept between
+    /// asks (a TLS handshake and a read of the trust store each second would be wasted), and
+    /// whether its last ask failed (to log each sentinel going and coming once).
+    links: Vec<SentinelLink>,
+}
+
+#[derive(Default)]
+struct SentinelLink {
+    connection: std::sync::Mutex<Option<MultiplexedConnection>>,
+    failing: AtomicBool,
 }
 
 impl std::fmt::Debug for Sentinels {
@@ -91,6 +101,11 @@ impl Sentinels {
         let tls_client = target
             .tls
             .then(|| rustls_config(tls.as_ref()).map(Arc::new));
+        let links = target
+            .nodes
+            .iter()
+            .map(|_| SentinelLink::default())
+            .collect();
         Sentinels {
             tls_files: tls,
             tls_client,
@@ -100,6 +115,7 @@ impl Sentinels {
             watching: AtomicBool::new(false),
             check_soon: Notify::new(),
             unreachable: AtomicBool::new(false),
+            links,
         }
     }
 
@@ -131,12 +147,10 @@ impl Sentinels {
             }
         }
         let asks = self.target.nodes.iter().map(|node| {
-            Box::pin(ask(
-                self.client(node.as_str()),
-                node,
-                &self.target.master,
-                bound,
-            ))
+            Box::pin(async move {
+                let mut connection = self.connect(node, bound).await?;
+                ask(&mut connection, node, &self.target.master).await
+            })
         });
         let address = match tokio::time::timeout(bound, select_ok(asks)).await {
             Ok(Ok((address, _))) => address,
@@ -194,14 +208,7 @@ impl Sentinels {
     /// named before, on a tie), so that one sentinel that has not seen a failover, or is cut
     /// off from the others, does not move levee back and forth.
     async fn poll(&self) {
-        let asks = self.target.nodes.iter().map(|node| {
-            ask(
-                self.client(node.as_str()),
-                node,
-                &self.target.master,
-                WATCH_EVERY,
-            )
-        });
+        let asks = (0..self.target.nodes.len()).map(|index| self.ask_kept(index));
         let answers = futures_util::future::join_all(asks).await;
         let mut errors = Vec::new();
         let mut named = Vec::new();
@@ -254,6 +261,56 @@ impl Sentinels {
         *current = Some(address);
     }
 
+    /// Asks sentinel `index` on the connection kept for it (made when there is none, dropped
+    /// when an ask fails); logs the sentinel going and coming back.
+    async fn ask_kept(&self, index: usize) -> Result<MasterAddress, RedisFailure> {
+        let node = &self.target.nodes[index];
+        let link = &self.links[index];
+        let kept = crate::redis_batch::lock(&link.connection).clone();
+        let answer = async {
+            let mut connection = match kept {
+                Some(connection) => connection,
+                None => {
+                    let made = self.connect(node, WATCH_EVERY).await?;
+                    *crate::redis_batch::lock(&link.connection) = Some(made.clone());
+                    made
+                }
+            };
+            ask(&mut connection, node, &self.target.master).await
+        }
+        .await;
+        let failed = answer.is_err();
+        if failed {
+            *crate::redis_batch::lock(&link.connection) = None;
+        }
+        match (&answer, link.failing.swap(failed, Ordering::AcqRel)) {
+            (Err(error), false) => tracing::warn!("{error}; the other sentinels are asked still"),
+            (Ok(_), true) => tracing::info!(sentinel = %redact_url(node), "sentinel answers again"),
+            _ => {}
+        }
+        answer
+    }
+
+    /// A connection to one sentinel, within `bound` for connecting and for each answer.
+    async fn connect(
+        &self,
+        node: &str,
+        bound: Duration,
+    ) -> Result<MultiplexedConnection, RedisFailure> {
+        let unreachable =
+            |why: String| RedisFailure::Connection(format!("sentinel {}: {why}", redact_url(node)));
+        let client = self
+            .client(node)
+            .map_err(|error| unreachable(error.to_string()))?;
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(bound))
+            .set_response_timeout(Some(bound));
+        client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .map_err(|error| unreachable(error.to_string()))
+    }
+
     /// A client for a sentinel (its URL) or the master, over TLS with the policy's files
     /// when those are given.
     fn client<C: IntoConnectionInfo>(&self, info: C) -> redis::RedisResult<redis::Client> {
@@ -293,27 +350,18 @@ impl Sentinels {
     }
 }
 
-/// One sentinel's answer: the master's address, or why there is none.
+/// One sentinel's answer on `connection`: the master's address, or why there is none.
 async fn ask(
-    client: redis::RedisResult<redis::Client>,
+    connection: &mut MultiplexedConnection,
     node: &str,
     master: &str,
-    bound: Duration,
 ) -> Result<MasterAddress, RedisFailure> {
     let unknown =
         |why: String| RedisFailure::Connection(format!("sentinel {}: {why}", redact_url(node)));
-    let client = client.map_err(|error| unknown(error.to_string()))?;
-    let config = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(bound))
-        .set_response_timeout(Some(bound));
-    let mut connection: MultiplexedConnection = client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .map_err(|error| unknown(error.to_string()))?;
     let named: Option<(String, String)> = redis::cmd("SENTINEL")
         .arg("get-master-addr-by-name")
         .arg(master)
-        .query_async(&mut connection)
+        .query_async(connection)
         .await
         .map_err(|error| unknown(error.to_string()))?;
     let (host, port) =
@@ -325,7 +373,8 @@ async fn ask(
 }
 
 /// The address most of `named` give; on a tie, `current` when it is among the most named,
-/// else the first of them to answer. `None` when nobody named one.
+/// else the first of them in `named` (the order the sentinels are listed in). `None` when
+/// nobody named one.
 pub fn pick_master(
     named: &[MasterAddress],
     current: Option<&MasterAddress>,

@@ -241,7 +241,11 @@ impl Health {
                 true
             }
         };
-        Some(Permit { health, probe })
+        Some(Permit {
+            health,
+            probe,
+            generation: 0,
+        })
     }
 
     /// An open breaker lets the next call through as its probe, now.
@@ -278,6 +282,8 @@ impl Health {
 struct Permit<'a> {
     health: &'a Mutex<Health>,
     probe: bool,
+    /// With Redis Sentinel, the sentinels' generation when the call started (0 otherwise).
+    generation: u64,
 }
 
 impl Drop for Permit<'_> {
@@ -426,7 +432,16 @@ impl RedisStore {
     }
 
     fn permit(&self) -> Option<Permit<'_>> {
-        Health::permit(self.health())
+        let mut permit = Health::permit(self.health())?;
+        permit.generation = self.sentinel_generation();
+        Some(permit)
+    }
+
+    /// The sentinels' generation (see [`Sentinels::generation`]); 0 without Sentinel.
+    fn sentinel_generation(&self) -> u64 {
+        self.master_link
+            .as_ref()
+            .map_or(0, |link| link.sentinels.generation())
     }
 
     /// The health breaker of Redis as a whole. With Redis Sentinel, a breaker that a master's
@@ -445,8 +460,13 @@ impl RedisStore {
     /// Records how a call went: `failure` is why it failed, `None` when it answered. A call
     /// cut short because the master moved says nothing of Redis's health.
     fn record(&self, permit: Permit<'_>, failure: Option<&RedisFailure>, metrics: &Metrics) {
+        // A call that failed after the sentinels named another master failed at the old one.
+        let moved_since = permit.generation != self.sentinel_generation();
         drop(permit);
         if let Some(RedisFailure::MasterMoved(_)) = failure {
+            return;
+        }
+        if failure.is_some() && moved_since {
             return;
         }
         let change = lock(&self.health).record(failure.is_none(), &self.settings);
@@ -532,7 +552,10 @@ impl RedisStore {
             .map_or_else(|| self.health(), |(_, node)| &*node.health);
         let permit = match &guarded {
             Some(guard) => match Health::permit(health) {
-                Some(permit) => Some(permit),
+                Some(mut permit) => {
+                    permit.generation = self.sentinel_generation();
+                    Some(permit)
+                }
                 None => {
                     if let Some((cluster, _)) = &node {
                         // As for rate limits: a replica may have taken over the node's slots.

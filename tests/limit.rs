@@ -347,6 +347,13 @@ fn check_explains_what_redis_sentinel_needs() {
         "{stderr}"
     );
     let stderr = check_fails(&policy(
+        "[redis]\n[redis.sentinel]\nnodes = [\"rediss://10.0.0.5:26379/#insecure\"]\nmaster = \"mymaster\"",
+    ));
+    assert!(
+        stderr.contains("asks for TLS without checking certificates"),
+        "{stderr}"
+    );
+    let stderr = check_fails(&policy(
         "[redis]\nca_file = \"ca.pem\"\n[redis.sentinel]\nnodes = [\"redis://10.0.0.5:26379\"]\nmaster = \"mymaster\"",
     ));
     assert!(
@@ -437,10 +444,11 @@ async fn per_user_levee(backend: &Backend, redis: &str) -> Levee {
 }
 
 /// `[redis]` with `settings`, then `[redis.sentinel]` for `group`'s master with `login`,
-/// then `rest`.
+/// then `rest`. A second sentinel listed is down (nothing listens on port 9): levee follows
+/// the one that answers.
 fn sentinel_redis(group: &RedisSentinel, settings: &str, login: &str, rest: &str) -> String {
     format!(
-        "[redis]\n{settings}[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"\n{login}{rest}",
+        "[redis]\n{settings}[redis.sentinel]\nnodes = [\"{}\", \"redis://127.0.0.1:9\"]\nmaster = \"{SENTINEL_MASTER}\"\n{login}{rest}",
         group.sentinel_url()
     )
 }

@@ -1413,6 +1413,16 @@ fn compile_sentinel(
                         ),
                         "write each sentinel as \"redis://host:26379\" (or rediss:// for TLS; unix sockets are not supported for sentinels)",
                     );
+                } else if node.contains("#insecure") {
+                    compiler.error_hint(
+                        file,
+                        nodes.span(),
+                        format!(
+                            "sentinel `{}` asks for TLS without checking certificates",
+                            crate::redis_store::redact_url(node)
+                        ),
+                        "remove #insecure: the sentinels name the master, so they are checked like it; give their CA with ca_file",
+                    );
                 } else if redis::Client::open(node.as_str())
                     .is_ok_and(|client| client.get_connection_info().redis_settings().db() != 0)
                 {
