@@ -171,7 +171,7 @@ pub fn summarize(status: &serde_json::Value) -> String {
         let _ = writeln!(
             out,
             "redis    {} · {}",
-            redis["target"],
+            describe_redis_target(&redis["target"]),
             if redis["up"] == true {
                 "up"
             } else if redis["nodes"]
@@ -223,6 +223,33 @@ pub fn summarize(status: &serde_json::Value) -> String {
     out
 }
 
+/// `/status`'s `redis.target`: one URL, a cluster's nodes, or Sentinel's master name and
+/// sentinels.
+fn describe_redis_target(target: &serde_json::Value) -> String {
+    let list = |value: &serde_json::Value| {
+        value
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|item| item.as_str().unwrap_or("?").to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match target {
+        serde_json::Value::String(url) => url.clone(),
+        serde_json::Value::Array(_) => format!("cluster {}", list(target)),
+        serde_json::Value::Object(sentinel) => format!(
+            "master \"{}\" via sentinels {}",
+            sentinel
+                .get("master")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("?"),
+            list(&target["sentinels"])
+        ),
+        other => other.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +288,10 @@ mod tests {
         let text = summarize(&status);
         assert!(
             text.contains("master now 10.0.0.9:6379 (named by the sentinels)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("redis    master \"mymaster\" via sentinels redis://10.0.0.5:26379 · up"),
             "{text}"
         );
         // A levee from before `nodes` and `master` were sent.
