@@ -28,7 +28,7 @@ pub const WATCH_EVERY: Duration = Duration::from_secs(1);
 const LEAST_BETWEEN_ASKS: Duration = Duration::from_millis(200);
 
 /// `[redis.sentinel]`, compiled.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct SentinelTarget {
     /// The sentinels' URLs (a password in one is that sentinel's own).
     pub nodes: Vec<String>,
@@ -41,6 +41,27 @@ pub struct SentinelTarget {
     /// The sentinels' URLs are `rediss://`: the sentinels and the master speak TLS, checked
     /// with `[redis] ca_file` (and `cert_file`, `key_file` given to both).
     pub tls: bool,
+}
+
+/// Shown with the passwords hidden, should the settings ever be logged.
+impl std::fmt::Debug for SentinelTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelTarget")
+            .field(
+                "nodes",
+                &self
+                    .nodes
+                    .iter()
+                    .map(|node| redact_url(node))
+                    .collect::<Vec<_>>(),
+            )
+            .field("master", &self.master)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("db", &self.db)
+            .field("tls", &self.tls)
+            .finish()
+    }
 }
 
 /// The master's address, as the sentinels give it.

@@ -127,12 +127,31 @@ impl RedisTls {
 /// `[redis] admit_ahead_above` when the policy does not set it (and `instances` is 1 or 2).
 pub const DEFAULT_ADMIT_AHEAD_ABOVE: f64 = 0.5;
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub enum RedisTarget {
     Single(String),
     Cluster(Vec<String>),
     /// The master of a group that Redis Sentinel watches (`[redis.sentinel]`).
     Sentinel(SentinelTarget),
+}
+
+/// Shown with the passwords in URLs hidden, should the settings ever be logged.
+impl std::fmt::Debug for RedisTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RedisTarget::Single(url) => f.debug_tuple("Single").field(&redact_url(url)).finish(),
+            RedisTarget::Cluster(nodes) => f
+                .debug_tuple("Cluster")
+                .field(
+                    &nodes
+                        .iter()
+                        .map(|node| redact_url(node))
+                        .collect::<Vec<_>>(),
+                )
+                .finish(),
+            RedisTarget::Sentinel(target) => f.debug_tuple("Sentinel").field(target).finish(),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -1097,7 +1116,28 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod redact_tests {
-    use super::redact_url;
+    use super::{redact_url, RedisTarget, SentinelTarget};
+
+    #[test]
+    fn the_settings_never_show_a_password_when_printed() {
+        let sentinel = SentinelTarget {
+            nodes: vec!["redis://:sentinel-secret@10.0.0.5:26379".into()],
+            master: "mymaster".into(),
+            username: Some("levee".into()),
+            password: Some("master-secret".into()),
+            db: 0,
+            tls: false,
+        };
+        for target in [
+            RedisTarget::Single("redis://levee:url-secret@127.0.0.1:6379/0".into()),
+            RedisTarget::Cluster(vec!["redis://:node-secret@10.0.0.1:7000".into()]),
+            RedisTarget::Sentinel(sentinel),
+        ] {
+            let shown = format!("{target:?}");
+            assert!(!shown.contains("secret"), "{shown}");
+            assert!(shown.contains("***"), "{shown}");
+        }
+    }
 
     #[test]
     fn credentials_are_hidden_wherever_the_url_carries_them() {
