@@ -145,6 +145,17 @@ impl Sentinels {
         crate::redis_batch::lock(&self.named).clone()
     }
 
+    /// Starts from the master other sentinels of the same group named (a reload that changed
+    /// other `[redis]` settings), instead of the first sentinel that answers; the watching
+    /// task corrects it as ever.
+    pub fn start_from(&self, previous: &Sentinels) {
+        let same_group = previous.target.nodes == self.target.nodes
+            && previous.target.master == self.target.master;
+        if let (true, Some(address)) = (same_group, previous.last_named()) {
+            crate::redis_batch::lock(&self.named).get_or_insert(address);
+        }
+    }
+
     /// How many times the named master changed.
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)

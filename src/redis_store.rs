@@ -401,6 +401,14 @@ impl RedisStore {
             .collect()
     }
 
+    /// With Redis Sentinel on both: starts from the master `previous` follows (see
+    /// [`Sentinels::start_from`]).
+    pub fn start_from(&self, previous: &RedisStore) {
+        if let (Some(link), Some(before)) = (&self.master_link, &previous.master_link) {
+            link.sentinels.start_from(&before.sentinels);
+        }
+    }
+
     /// With Redis Sentinel, the master it named last (`None` before it was asked, and
     /// otherwise).
     pub fn sentinel_master(&self) -> Option<MasterAddress> {

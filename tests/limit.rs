@@ -1178,6 +1178,20 @@ async fn a_sentinel_and_its_master_that_ask_for_passwords() {
     assert_eq!(in_db_2(&["XLEN", "levee:queue:{notify}:jobs"]), "1");
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(per_user_allowed(&metrics, "redis"), 1.0, "{metrics}");
+
+    // A reload that changes another [redis] setting makes a new connection, which starts
+    // from the master in use (shown at once, before any request).
+    let policy = std::fs::read_to_string(levee.policy_file()).expect("policy");
+    let changed = policy.replacen("timeout = \"200ms\"", "timeout = \"300ms\"", 1);
+    assert_ne!(policy, changed);
+    std::fs::write(levee.policy_file(), changed).expect("policy");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["redis"]["master"],
+        format!("127.0.0.1:{}", group.master.port),
+        "{status}"
+    );
 }
 
 /// The master dies and its health breaker opens for an hour; once the sentinels promote the

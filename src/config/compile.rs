@@ -561,11 +561,15 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     let redis_store = redis.as_ref().and_then(|(file, spec)| {
         let settings = compile_redis(&mut compiler, *file, spec)?;
         // Keep the running connection when nothing about Redis changed.
-        let reused = previous
-            .and_then(|policy| policy.redis.as_ref())
-            .filter(|old| old.settings == settings)
-            .cloned();
-        Some(reused.unwrap_or_else(|| Arc::new(RedisStore::new(settings))))
+        let old = previous.and_then(|policy| policy.redis.as_ref());
+        if let Some(reused) = old.filter(|old| old.settings == settings) {
+            return Some(reused.clone());
+        }
+        let store = RedisStore::new(settings);
+        if let Some(old) = old {
+            store.start_from(old);
+        }
+        Some(Arc::new(store))
     });
     let identity_settings = match &identity {
         Some((file, spec)) => compile_identity(&mut compiler, *file, spec.get_ref()),
