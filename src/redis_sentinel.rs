@@ -16,11 +16,13 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use futures_util::future::select_ok;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::aio::{ConnectionManager, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, IntoConnectionInfo, RedisConnectionInfo};
 use tokio::sync::Notify;
 
-use crate::redis_store::{redact_url, rustls_config, RedisFailure, RedisTls};
+use crate::redis_store::{
+    client_for, connection_manager, redact_url, rustls_config, RedisFailure, RedisTls,
+};
 
 /// How often the sentinels are asked which server is master, calls failing or not.
 pub const WATCH_EVERY: Duration = Duration::from_secs(1);
@@ -108,14 +110,6 @@ struct SentinelLink {
     failing: AtomicBool,
 }
 
-impl std::fmt::Debug for Sentinels {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sentinels")
-            .field("target", &self.target)
-            .finish()
-    }
-}
-
 impl Sentinels {
     /// `tls`: `[redis] ca_file`, `cert_file` and `key_file`, for sentinels over TLS.
     pub fn new(target: SentinelTarget, tls: Option<RedisTls>) -> Sentinels {
@@ -190,19 +184,34 @@ impl Sentinels {
             Err(_elapsed) => return Err(self.no_answer(bound)),
         };
         let mut named = crate::redis_batch::lock(&self.named);
+        // The watching task (or another first ask) may have named one meanwhile: it stands.
+        if named.is_none() {
+            self.follow(&mut named, address.clone());
+        }
+        Ok((named.clone().unwrap_or(address), self.generation()))
+    }
+
+    /// Makes `address` the master named, in `named` (the guarded [`Self::named`]): logged,
+    /// and a change of master counted in [`Self::generation`].
+    fn follow(&self, named: &mut Option<MasterAddress>, address: MasterAddress) {
         match named.as_ref() {
-            // The watching task (or another first ask) named one meanwhile: it stands.
-            Some(address) => Ok((address.clone(), self.generation())),
-            None => {
-                tracing::info!(
+            Some(before) if *before == address => return,
+            None => tracing::info!(
+                master = %self.target.master,
+                address = %address,
+                "redis sentinel names the master"
+            ),
+            Some(before) => {
+                tracing::warn!(
                     master = %self.target.master,
-                    address = %address,
-                    "redis sentinel names the master"
+                    before = %before,
+                    now = %address,
+                    "redis sentinel names another master (a failover): levee follows it"
                 );
-                *named = Some(address.clone());
-                Ok((address, self.generation()))
+                self.generation.fetch_add(1, Ordering::AcqRel);
             }
         }
+        *named = Some(address);
     }
 
     fn no_answer(&self, bound: Duration) -> RedisFailure {
@@ -271,26 +280,7 @@ impl Sentinels {
         if was_unreachable {
             tracing::info!(master = %self.target.master, "the sentinels answer again");
         }
-        if current.as_ref() == Some(&address) {
-            return;
-        }
-        match current.as_ref() {
-            None => tracing::info!(
-                master = %self.target.master,
-                address = %address,
-                "redis sentinel names the master"
-            ),
-            Some(before) => {
-                tracing::warn!(
-                    master = %self.target.master,
-                    before = %before,
-                    now = %address,
-                    "redis sentinel names another master (a failover): levee follows it"
-                );
-                self.generation.fetch_add(1, Ordering::AcqRel);
-            }
-        }
-        *current = Some(address);
+        self.follow(&mut current, address);
     }
 
     /// Asks sentinel `index` on the connection kept for it (made when there is none, dropped
@@ -329,10 +319,8 @@ impl Sentinels {
         node: &str,
         bound: Duration,
     ) -> Result<MultiplexedConnection, RedisFailure> {
-        let unreachable =
-            |why: String| RedisFailure::Connection(format!("sentinel {}: {why}", redact_url(node)));
-        let client = self
-            .client(node)
+        let unreachable = |why: String| sentinel_failure(node, why);
+        let client = client_for(node, self.tls_files.as_ref())
             .map_err(|error| unreachable(error.to_string()))?;
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(bound))
@@ -343,19 +331,13 @@ impl Sentinels {
             .map_err(|error| unreachable(error.to_string()))
     }
 
-    /// A client for a sentinel (its URL) or the master, over TLS with the policy's files
-    /// when those are given.
-    fn client<C: IntoConnectionInfo>(&self, info: C) -> redis::RedisResult<redis::Client> {
-        match &self.tls_files {
-            Some(files) => redis::Client::build_with_tls(info, files.certificates()),
-            None => redis::Client::open(info),
-        }
-    }
-
     /// A client for the master at `address`: logged in, on its database, over TLS when the
     /// sentinels are.
     pub fn master_client(&self, address: &MasterAddress) -> Result<redis::Client, RedisFailure> {
-        Ok(self.client(self.master_info(address)?)?)
+        Ok(client_for(
+            self.master_info(address)?,
+            self.tls_files.as_ref(),
+        )?)
     }
 
     /// How to reach and log in to the master at `address`.
@@ -388,8 +370,7 @@ async fn ask(
     node: &str,
     master: &str,
 ) -> Result<MasterAddress, RedisFailure> {
-    let unknown =
-        |why: String| RedisFailure::Connection(format!("sentinel {}: {why}", redact_url(node)));
+    let unknown = |why: String| sentinel_failure(node, why);
     let named: Option<(String, String)> = redis::cmd("SENTINEL")
         .arg("get-master-addr-by-name")
         .arg(master)
@@ -402,6 +383,11 @@ async fn ask(
         .parse()
         .map_err(|_| unknown(format!("it gave the port `{port}`")))?;
     Ok(MasterAddress { host, port })
+}
+
+/// What went wrong with the sentinel at `node` (its password hidden).
+fn sentinel_failure(node: &str, why: String) -> RedisFailure {
+    RedisFailure::Connection(format!("sentinel {}: {why}", redact_url(node)))
 }
 
 /// The address most of `named` give; on a tie, `current` when it is among the most named,
@@ -484,11 +470,7 @@ impl MasterLink {
         timeout: Duration,
     ) -> Result<ConnectionManager, RedisFailure> {
         let client = self.sentinels.master_client(address)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout.max(Duration::from_millis(200))))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(2);
-        let mut connection = ConnectionManager::new_with_config(client, config).await?;
+        let mut connection = connection_manager(client, timeout).await?;
         let info: String = redis::cmd("INFO")
             .arg("replication")
             .query_async(&mut connection)

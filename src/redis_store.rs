@@ -425,17 +425,8 @@ impl RedisStore {
             .get_or_try_init(|| async {
                 match &self.settings.target {
                     RedisTarget::Single(url) => {
-                        let client = match &self.settings.tls {
-                            Some(tls) => {
-                                redis::Client::build_with_tls(url.as_str(), tls.certificates())?
-                            }
-                            None => redis::Client::open(url.as_str())?,
-                        };
-                        let config = redis::aio::ConnectionManagerConfig::new()
-                            .set_connection_timeout(Some(timeout.max(Duration::from_millis(200))))
-                            .set_response_timeout(Some(timeout))
-                            .set_number_of_retries(2);
-                        let manager = ConnectionManager::new_with_config(client, config).await?;
+                        let client = client_for(url.as_str(), self.settings.tls.as_ref())?;
+                        let manager = connection_manager(client, timeout).await?;
                         Ok::<_, RedisFailure>(Connection::Single(manager))
                     }
                     RedisTarget::Cluster(nodes) => {
@@ -815,6 +806,31 @@ impl RedisStore {
             }
         });
     }
+}
+
+/// A redis-rs client for `info`, with `[redis] ca_file`, `cert_file` and `key_file` when the
+/// policy gives them (a `rediss://` target without them uses the system's CAs).
+pub(crate) fn client_for<C: redis::IntoConnectionInfo>(
+    info: C,
+    tls: Option<&RedisTls>,
+) -> redis::RedisResult<redis::Client> {
+    match tls {
+        Some(tls) => redis::Client::build_with_tls(info, tls.certificates()),
+        None => redis::Client::open(info),
+    }
+}
+
+/// The shared connection to one server: each call bounded by `timeout`, connecting by at
+/// least 200 ms (a tight `timeout` must not keep it from ever connecting), two retries.
+pub(crate) async fn connection_manager(
+    client: redis::Client,
+    timeout: Duration,
+) -> Result<ConnectionManager, RedisFailure> {
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout.max(Duration::from_millis(200))))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(2);
+    Ok(ConnectionManager::new_with_config(client, config).await?)
 }
 
 /// Awaits `call` until `deadline`; a timeout (of `timeout`, the setting) after it.

@@ -1350,22 +1350,18 @@ fn compile_redis(
         None => None,
         Some(RedisTarget::Single(url)) => Some(url.starts_with("rediss://")),
         Some(RedisTarget::Cluster(nodes)) => {
-            let tls_nodes = nodes.iter().filter(|node| node.starts_with("rediss://"));
-            let tls_nodes = tls_nodes.count();
-            if tls_nodes > 0 && tls_nodes < nodes.len() {
-                let span = inner
-                    .cluster
-                    .as_ref()
-                    .map(Spanned::span)
-                    .unwrap_or_default();
-                compiler.error_hint(
-                    file,
-                    span,
-                    "some cluster nodes are rediss:// (TLS) and some are not",
-                    "a cluster's nodes all speak TLS or none does: write every URL the same way",
-                );
-            }
-            Some(tls_nodes > 0)
+            let span = inner
+                .cluster
+                .as_ref()
+                .map(Spanned::span)
+                .unwrap_or_default();
+            Some(all_over_tls(
+                compiler,
+                file,
+                (nodes, span),
+                "some cluster nodes are rediss:// (TLS) and some are not",
+                "a cluster's nodes all speak TLS or none does: write every URL the same way",
+            ))
         }
         Some(RedisTarget::Sentinel(sentinel)) => Some(sentinel.tls),
     };
@@ -1385,6 +1381,25 @@ fn compile_redis(
     })
 }
 
+/// Whether `urls` speak TLS (`rediss://`): all of them or none, a mix being an error (`mixed`,
+/// with `hint`) at their span.
+fn all_over_tls(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    (urls, span): (&[String], Range<usize>),
+    mixed: &str,
+    hint: &str,
+) -> bool {
+    let over_tls = urls
+        .iter()
+        .filter(|url| url.starts_with("rediss://"))
+        .count();
+    if over_tls > 0 && over_tls < urls.len() {
+        compiler.error_hint(file, span, mixed, hint);
+    }
+    over_tls > 0
+}
+
 /// `[redis.sentinel]`: every problem of the table is reported, and `None` comes back when
 /// there was one.
 fn compile_sentinel(
@@ -1394,20 +1409,18 @@ fn compile_sentinel(
 ) -> Option<SentinelTarget> {
     let inner = spec.get_ref();
     let errors_before = compiler.errors.len();
+    let mut tls = false;
     let nodes = match &inner.nodes {
         Some(nodes) if !nodes.get_ref().is_empty() => {
-            let over_tls = |node: &String| node.starts_with("rediss://");
-            let tls_nodes = nodes.get_ref().iter().filter(|node| over_tls(node)).count();
-            if tls_nodes > 0 && tls_nodes < nodes.get_ref().len() {
-                compiler.error_hint(
-                    file,
-                    nodes.span(),
-                    "some sentinels are rediss:// (TLS) and some are not",
-                    "the sentinels and their master all speak TLS or none does: write every URL the same way",
-                );
-            }
+            tls = all_over_tls(
+                compiler,
+                file,
+                (nodes.get_ref(), nodes.span()),
+                "some sentinels are rediss:// (TLS) and some are not",
+                "the sentinels and their master all speak TLS or none does: write every URL the same way",
+            );
             for node in nodes.get_ref() {
-                if !node.starts_with("redis://") && !over_tls(node) {
+                if !node.starts_with("redis://") && !node.starts_with("rediss://") {
                     compiler.error_hint(
                         file,
                         nodes.span(),
@@ -1485,7 +1498,6 @@ fn compile_sentinel(
             "an ACL user logs in with both: add password = \"…\"",
         );
     }
-    let tls = !nodes.is_empty() && nodes.iter().all(|node| node.starts_with("rediss://"));
     (compiler.errors.len() == errors_before).then(|| SentinelTarget {
         nodes,
         master,

@@ -683,19 +683,7 @@ impl RedisSentinel {
                 "sentinel auth-pass {SENTINEL_MASTER} {servers}\nrequirepass {own}\n"
             ));
         }
-        std::fs::write(&conf, text).expect("sentinel.conf");
-        let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
-        let sentinel = ChildGuard::spawn(
-            "redis-server (sentinel)",
-            Command::new(binary)
-                .arg(&conf)
-                .args(["--sentinel", "--daemonize", "no"]),
-        );
-        wait_for_port(
-            SocketAddr::from(([127, 0, 0, 1], sentinel_port)),
-            "the sentinel to listen",
-        )
-        .await;
+        let sentinel = spawn_sentinel(&conf, &text, sentinel_port).await;
         let group = RedisSentinel {
             master,
             replica,
@@ -762,6 +750,25 @@ impl RedisSentinel {
     }
 }
 
+/// Writes `text` to `conf` (a sentinel rewrites its own file, so it must be writable) and
+/// starts `redis-server --sentinel` on it; waits until it listens on `port`.
+async fn spawn_sentinel(conf: &Path, text: &str, port: u16) -> ChildGuard {
+    std::fs::write(conf, text).expect("sentinel.conf");
+    let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
+    let sentinel = ChildGuard::spawn(
+        "redis-server (sentinel)",
+        Command::new(binary)
+            .arg(conf)
+            .args(["--sentinel", "--daemonize", "no"]),
+    );
+    wait_for_port(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        "the sentinel to listen",
+    )
+    .await;
+    sentinel
+}
+
 /// A sentinel that speaks TLS only, with the certificates [`make_certificates`] made in
 /// `certs` (also to the master, `tls-replication`), watching the TLS master on `master_port`
 /// as [`SENTINEL_MASTER`]. Its files go in `dir`; returns it and its port.
@@ -769,30 +776,14 @@ pub async fn start_tls_sentinel(dir: &Path, certs: &Path, master_port: u16) -> (
     std::fs::create_dir_all(dir).expect("sentinel dir");
     let port = free_port();
     let file = |name: &str| certs.join(name).display().to_string();
-    let conf = dir.join("sentinel.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            "port 0\ntls-port {port}\nbind 127.0.0.1\ndir {}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-replication yes\nsentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master_port} 1\n",
-            dir.display(),
-            file("server.pem"),
-            file("server.key"),
-            file("ca.pem")
-        ),
-    )
-    .expect("sentinel.conf");
-    let binary = find_binary(&["redis-server", "/usr/bin/redis-server"]);
-    let sentinel = ChildGuard::spawn(
-        "redis-server (TLS sentinel)",
-        Command::new(binary)
-            .arg(&conf)
-            .args(["--sentinel", "--daemonize", "no"]),
+    let text = format!(
+        "port 0\ntls-port {port}\nbind 127.0.0.1\ndir {}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-replication yes\nsentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master_port} 1\n",
+        dir.display(),
+        file("server.pem"),
+        file("server.key"),
+        file("ca.pem")
     );
-    wait_for_port(
-        SocketAddr::from(([127, 0, 0, 1], port)),
-        "the TLS sentinel to listen",
-    )
-    .await;
+    let sentinel = spawn_sentinel(&dir.join("sentinel.conf"), &text, port).await;
     (sentinel, port)
 }
 
