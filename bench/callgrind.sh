@@ -11,30 +11,35 @@
 #   CASES="hide" bench/callgrind.sh    some of them
 #
 # Cases: pass (the 1 KiB answer passed through), page (the 50 KiB page passed through), hide
-# (the page with #ranking removed). Each runs levee (one worker thread) under callgrind behind
-# a backend nginx, sends WARMUP (3) seconds of wrk load, zeroes the counters, sends DURATION
-# (10) seconds of load (wrk -c 4), dumps the counters and divides by the requests wrk
-# completed. Prints a Markdown table, and the TOP (8) functions with the most instructions of
-# their own per request.
+# (the page with #ranking removed); and, as yardsticks for pass, nginx (proxy_pass with
+# upstream keep-alive) and haproxy (http mode, keep-alive), configured as in bench/run.sh, one
+# worker each. Each runs its proxy under callgrind behind a backend nginx, sends WARMUP (3)
+# seconds of wrk load, zeroes the counters, sends DURATION (10) seconds of load (wrk -c 4),
+# dumps the counters and divides by the requests wrk completed. Prints a Markdown table (with
+# pass against nginx and haproxy when they ran), and the TOP (8) functions with the most
+# instructions of their own per request.
 #
 # KEEP=DIR copies each case's callgrind dump to DIR/CASE.callgrind, for callgrind_annotate
 # --inclusive=yes (who calls what) after the run.
 #
-# Needs: valgrind, nginx, wrk, python3. LEVEE_BIN [target/release/levee].
+# Needs: valgrind, nginx, wrk, python3 (and haproxy for its case). LEVEE_BIN [target/release/levee].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LIB=bench/lib
-CASES=${CASES:-"pass page hide"}
+CASES=${CASES:-"pass page hide nginx haproxy"}
 WARMUP=${WARMUP:-3}
 MEASURED_SECONDS=${DURATION:-10}
 TOP=${TOP:-8}
 LEVEE_BIN=${LEVEE_BIN:-target/release/levee}
 
-for tool in valgrind callgrind_control nginx wrk python3; do
+tools="valgrind callgrind_control nginx wrk python3"
+case " $CASES " in *" haproxy "*) tools="$tools haproxy" ;; esac
+for tool in $tools; do
   command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] ||
-    { echo "callgrind.sh: $tool is not installed (apt-get install valgrind nginx wrk python3)" >&2; exit 1; }
+    { echo "callgrind.sh: $tool is not installed (apt-get install valgrind nginx wrk python3 haproxy)" >&2; exit 1; }
 done
+HAPROXY=$(command -v haproxy || echo /usr/sbin/haproxy)
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 [ -x "$LEVEE_BIN" ] || cargo build --release --quiet
 
@@ -67,12 +72,36 @@ policy() {
     "bench/policies/$template" > "$dir/levee.toml"
 }
 
-# measure NAME TEMPLATE PATH: prints one table row; the profile stays in $TMP/NAME.out.
+# The command that runs case NAME's proxy (in the foreground, one worker), rendered into $TMP.
+proxy_command() {
+  local name=$1
+  case $name in
+    pass | page) policy passthrough.toml.tmpl "$TMP/policy-$name" ;;
+    hide) policy hide.toml.tmpl "$TMP/policy-$name" ;;
+  esac
+  case $name in
+    nginx)
+      # run.sh's case 2, with no master process: callgrind then follows the one worker.
+      mkdir -p "$TMP/nginx"
+      sed -e "s#@DIR@#$TMP/nginx#g; s#@PORT@#$PORT#; s#@BACKEND_PORT@#$BACKEND_PORT#" \
+        bench/conf/proxy-nginx.conf.tmpl > "$TMP/nginx/nginx.conf"
+      printf 'master_process off;\ndaemon off;\n' >> "$TMP/nginx/nginx.conf"
+      echo "$NGINX -c $TMP/nginx/nginx.conf -p $TMP/nginx/ -e $TMP/nginx/error.log"
+      ;;
+    haproxy)
+      sed -e "s#@PORT@#$PORT#; s#@BACKEND_PORT@#$BACKEND_PORT#" bench/conf/haproxy.cfg.tmpl > "$TMP/haproxy.cfg"
+      echo "$HAPROXY -f $TMP/haproxy.cfg -db"
+      ;;
+    *) echo "$LEVEE_BIN run --policies $TMP/policy-$name --threads 1" ;;
+  esac
+}
+
+# measure NAME PATH: prints one table row; the profile stays in $TMP/NAME.out.
 measure() {
-  local name=$1 template=$2 path=$3
-  policy "$template" "$TMP/policy-$name"
-  valgrind --tool=callgrind --callgrind-out-file="$TMP/$name.out" \
-    "$LEVEE_BIN" run --policies "$TMP/policy-$name" --threads 1 >"$TMP/$name.log" 2>&1 &
+  local name=$1 path=$2 command
+  command=$(proxy_command "$name")
+  # shellcheck disable=SC2086 # the command is words without spaces in them
+  valgrind --tool=callgrind --callgrind-out-file="$TMP/$name.out" $command >"$TMP/$name.log" 2>&1 &
   local pid=$!
   local url="http://127.0.0.1:$PORT$path"
   for _ in $(seq 1 200); do
@@ -89,7 +118,8 @@ measure() {
   requests=$(grep -oE '^ +[0-9]+ requests' "$TMP/$name.wrk" | grep -oE '[0-9]+')
   local dump
   dump=$(ls -t "$TMP/$name.out".* | head -1)
-  python3 "$LIB/callgrind_per_request.py" "$dump" "$requests" "$name" "$TOP" "$TMP/$name.top"
+  python3 "$LIB/callgrind_per_request.py" "$dump" "$requests" "$name" "$TOP" "$TMP/$name.top" \
+    | tee "$TMP/$name.row"
   if [ -n "${KEEP:-}" ]; then
     mkdir -p "$KEEP"
     cp "$dump" "$KEEP/$name.callgrind"
@@ -104,11 +134,20 @@ echo "| case | requests | instructions / request |"
 echo "|---|---:|---:|"
 for case in $CASES; do
   case $case in
-    pass) measure pass passthrough.toml.tmpl / ;;
-    page) measure page passthrough.toml.tmpl /page.html ;;
-    hide) measure hide hide.toml.tmpl /page.html ;;
-    *) echo "callgrind.sh: unknown case $case (pass, page, hide)" >&2; exit 1 ;;
+    pass | nginx | haproxy) measure "$case" / ;;
+    page | hide) measure "$case" /page.html ;;
+    *) echo "callgrind.sh: unknown case $case (pass, page, hide, nginx, haproxy)" >&2; exit 1 ;;
   esac
+done
+per_request() { # NAME: the instructions per request of a case that ran
+  [ -f "$TMP/$1.row" ] && awk -F'|' '{ gsub(/[ ,]/, "", $4); print $4 }' "$TMP/$1.row"
+}
+echo
+for peer in nginx haproxy; do
+  if levee=$(per_request pass) && other=$(per_request "$peer"); then
+    awk -v l="$levee" -v o="$other" -v p="$peer" \
+      'BEGIN { printf "levee pass-through executes %.2fx the instructions per request of %s\n", l / o, p }'
+  fi
 done
 if [ "$TOP" -gt 0 ]; then
   echo
