@@ -142,9 +142,10 @@ done
 per_request() { # NAME: the instructions per request of a case that ran
   [ -f "$TMP/$1.row" ] && awk -F'|' '{ gsub(/[ ,]/, "", $4); print $4 }' "$TMP/$1.row"
 }
-echo
+blank=echo
 for peer in nginx haproxy; do
   if levee=$(per_request pass) && other=$(per_request "$peer"); then
+    $blank && blank=true
     awk -v l="$levee" -v o="$other" -v p="$peer" \
       'BEGIN { printf "levee pass-through executes %.2fx the instructions per request of %s\n", l / o, p }'
   fi
