@@ -272,7 +272,9 @@ impl Limiter {
         if let Some(verdicts) = redis.admit_ahead(&asks, &self.metrics) {
             return from_redis(verdicts, "ahead");
         }
-        match redis.decide_all(&asks, &self.metrics).await {
+        // Boxed: the Redis call's state is most of a limited request's future, which every
+        // request through `proxy::handle` would otherwise carry and copy (see `proxy::forward`).
+        match Box::pin(redis.decide_all(&asks, &self.metrics)).await {
             Ok(verdicts) => from_redis(verdicts, "redis"),
             Err(failure) => {
                 tracing::debug!("rate limit falls back: {failure}");

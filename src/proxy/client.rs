@@ -318,7 +318,9 @@ impl Client {
         let (connection, mut response_head, request_sent_at) = loop {
             let mut connection = match self.pool.take() {
                 Some(connection) => connection,
-                None => self.connect().await?,
+                // Boxed: a TLS handshake's state would double the size of every request's
+                // future (see `proxy::forward`); a new connection is rare and costly anyway.
+                None => Box::pin(self.connect()).await?,
             };
             let sent = send_on(
                 &mut connection,

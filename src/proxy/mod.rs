@@ -115,6 +115,13 @@ pub async fn handle(
 const READ_AHEAD: usize = 64 * 1024;
 
 /// Everything between routing and the upstream's response head.
+///
+/// Its future is part of every request's, which the connection boxes (a copy of all of it)
+/// and keeps while the upstream answers: the calls that only some requests make and whose
+/// state is large (Redis for a rate limit, a queue or a stale copy; a new upstream
+/// connection's TLS handshake) are boxed where they are made, so that pass-through requests
+/// do not carry their state. Measured with `-Zprint-type-sizes`: `handle`'s future went from
+/// 5,720 to 3,528 bytes.
 async fn forward(
     shared: &Shared,
     policy: &Policy,
@@ -220,7 +227,8 @@ async fn forward(
 
     if let (true, Some(action)) = (queue_now, &route.queue) {
         let wants_json = wants_json(request.headers());
-        return crate::queue::enqueue(
+        // Boxed, as the rate limit's Redis call is: see above `forward`.
+        return Box::pin(crate::queue::enqueue(
             policy,
             &route,
             action,
@@ -228,7 +236,7 @@ async fn forward(
             client_ip,
             wants_json,
             &shared.metrics,
-        )
+        ))
         .await
         .map(Answer::from);
     }
@@ -547,15 +555,14 @@ impl Stale {
         let (Some(key), Some(settings)) = (&self.key, &self.settings) else {
             return None;
         };
-        let copy = shared
-            .stale
-            .get(
-                key,
-                settings.max_age,
-                policy.redis.as_deref(),
-                &shared.metrics,
-            )
-            .await?;
+        // Boxed, as the rate limit's Redis call is: see above `forward`.
+        let copy = Box::pin(shared.stale.get(
+            key,
+            settings.max_age,
+            policy.redis.as_deref(),
+            &shared.metrics,
+        ))
+        .await?;
         (copy.age() <= settings.max_age).then(|| {
             without_switched_off_fragments(
                 copy.to_response(true),
