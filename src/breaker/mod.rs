@@ -68,10 +68,10 @@ impl Breaker {
         }
     }
 
-    /// Asks to send one request. `Err(retry_after)` while open (or half-open and full).
-    pub fn admit(self: &Arc<Self>, metrics: &Metrics) -> Result<Permit, Duration> {
-        // One clock read for both: reading the clock is a measurable share of a request.
-        let now = Instant::now();
+    /// Asks to send one request at `now` (the caller's reading of the clock: a request reads
+    /// it once for the breaker, the upstream pool and its response timer). `Err(retry_after)`
+    /// while open (or half-open and full).
+    pub fn admit(self: &Arc<Self>, now: Instant, metrics: &Metrics) -> Result<Permit, Duration> {
         let (admission, transition, round) = {
             let mut machine = self.lock();
             let (admission, transition) = machine.admit(now);
@@ -237,16 +237,16 @@ impl Permit {
         self.started = at;
     }
 
-    /// Records the outcome of an answered call (a failure status, or a success that may be
-    /// slow) and says whether the status counted as a failure.
-    pub fn record_status(self, status: u16, metrics: &Metrics) -> bool {
+    /// Records the outcome of a call answered at `at` (a failure status, or a success that
+    /// may be slow) and says whether the status counted as a failure.
+    pub fn record_status(self, status: u16, at: Instant, metrics: &Metrics) -> bool {
         let (failed, slow) = {
             let machine = self.breaker.lock();
             let failed = machine.settings.failure_statuses.contains(&status);
             let slow = machine
                 .settings
                 .slow_call
-                .is_some_and(|limit| self.started.elapsed() > limit);
+                .is_some_and(|limit| at.saturating_duration_since(self.started) > limit);
             (failed, slow)
         };
         let outcome = if failed {
@@ -254,22 +254,21 @@ impl Permit {
         } else {
             Outcome::Success { slow }
         };
-        self.record(outcome, metrics);
+        self.record(outcome, at, metrics);
         failed
     }
 
-    pub fn record(mut self, outcome: Outcome, metrics: &Metrics) {
+    /// Records the outcome of a call that ended at `at`.
+    pub fn record(mut self, outcome: Outcome, at: Instant, metrics: &Metrics) {
         self.recorded = true;
-        self.finish(outcome, Some(metrics));
+        self.finish(outcome, at, Some(metrics));
     }
 
-    fn finish(&self, outcome: Outcome, metrics: Option<&Metrics>) {
-        let transition = self.breaker.lock().record_in_round(
-            Instant::now(),
-            self.admission,
-            self.round,
-            outcome,
-        );
+    fn finish(&self, outcome: Outcome, at: Instant, metrics: Option<&Metrics>) {
+        let transition =
+            self.breaker
+                .lock()
+                .record_in_round(at, self.admission, self.round, outcome);
         let Some(metrics) = metrics else { return };
         if self.admission == Admission::Probe && outcome != Outcome::Abandoned {
             let result = if outcome == Outcome::Failure {
@@ -294,7 +293,7 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         if !self.recorded {
-            self.finish(Outcome::Abandoned, None);
+            self.finish(Outcome::Abandoned, Instant::now(), None);
         }
     }
 }
@@ -314,8 +313,8 @@ mod tests {
                 ..BreakerSettings::default()
             },
         ));
-        let permit = breaker.admit(&metrics).expect("closed");
-        permit.record(Outcome::Failure, &metrics);
+        let permit = breaker.admit(Instant::now(), &metrics).expect("closed");
+        permit.record(Outcome::Failure, Instant::now(), &metrics);
         assert_eq!(breaker.status().state, "open");
         tokio::time::advance(Duration::from_secs(6)).await;
         // No request came (its routes may be switched off): it may probe all the same.
@@ -324,11 +323,13 @@ mod tests {
             (status.state, status.ready_to_probe_ms),
             ("half_open", Some(1000))
         );
-        let probe = breaker.admit(&metrics).expect("the next request probes");
+        let probe = breaker
+            .admit(Instant::now(), &metrics)
+            .expect("the next request probes");
         assert_eq!(breaker.status().ready_to_probe_ms, None, "probing now");
         // The probe succeeds, but one is not enough to close (3 by default): half-open and
         // idle again, waiting for the next request, and said so.
-        probe.record(Outcome::Success { slow: false }, &metrics);
+        probe.record(Outcome::Success { slow: false }, Instant::now(), &metrics);
         tokio::time::advance(Duration::from_secs(2)).await;
         let status = breaker.status();
         assert_eq!(

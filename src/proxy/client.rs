@@ -221,8 +221,8 @@ struct Pool {
 }
 
 impl Pool {
-    fn take(&self) -> Option<Connection> {
-        let now = Instant::now();
+    /// The newest idle connection that is still usable at `now`.
+    fn take(&self, now: Instant) -> Option<Connection> {
         let mut idle = self.idle.lock().ok()?;
         while let Some(mut connection) = idle.pop_back() {
             if now.saturating_duration_since(connection.idle_since) >= self.idle_timeout {
@@ -293,7 +293,7 @@ impl Client {
         &self,
         request: Request<UpstreamBody>,
     ) -> Result<Response<Incoming>, ClientError> {
-        self.send_within(request, ResponseFields::Parsed, None)
+        self.send_within(request, ResponseFields::Parsed, None, Instant::now())
             .await
             .map(|answered| answered.response)
     }
@@ -303,11 +303,16 @@ impl Client {
     /// take each piece of the body. Time spent waiting for the client's own body is not
     /// counted: a slow upload is the client's (bounded by its idle timer), not a sign of a
     /// failing upstream, and must not open its breaker.
+    ///
+    /// `now` is the caller's reading of the clock: a request with no body that goes out on a
+    /// pooled connection counts as sent then, without reading the clock again (see
+    /// `proxy::RequestClock`).
     pub async fn send_within(
         &self,
         request: Request<UpstreamBody>,
         fields: ResponseFields,
         response_timeout: Option<Duration>,
+        now: Instant,
     ) -> Result<Answered, ClientError> {
         let (parts, mut body) = request.into_parts();
         let head = encode_request_head(&parts, &body, &self.settings.authority);
@@ -315,12 +320,19 @@ impl Client {
         let has_body = !body.is_end_stream();
         let upgrade = parts.headers.contains_key(header::UPGRADE);
         let mut retried = false;
+        // Whether sending may have taken time: a body streams at the client's pace, and a
+        // new connection or a second try takes round trips.
+        let mut waited = has_body;
         let (connection, mut response_head, request_sent_at) = loop {
-            let mut connection = match self.pool.take() {
+            let mut connection = match self.pool.take(now) {
                 Some(connection) => connection,
-                // Boxed: a TLS handshake's state would double the size of every request's
-                // future (see `proxy::forward`); a new connection is rare and costly anyway.
-                None => Box::pin(self.connect()).await?,
+                None => {
+                    waited = true;
+                    // Boxed: a TLS handshake's state would double the size of every
+                    // request's future (see `proxy::forward`); a new connection is rare and
+                    // costly anyway.
+                    Box::pin(self.connect()).await?
+                }
             };
             let sent = send_on(
                 &mut connection,
@@ -330,12 +342,12 @@ impl Client {
                 response_timeout,
             )
             .await;
-            let request_sent_at = Instant::now();
+            let request_sent_at = if waited { Instant::now() } else { now };
             let outcome = match sent {
                 Ok(()) => {
                     let reading = read_response_head(&mut connection, fields);
                     match response_timeout {
-                        Some(limit) => tokio::time::timeout(limit, reading)
+                        Some(limit) => tokio::time::timeout_at(request_sent_at + limit, reading)
                             .await
                             .unwrap_or(Err(ClientError::ResponseTimeout(limit))),
                         None => reading.await,
@@ -354,6 +366,7 @@ impl Client {
                         && matches!(&error, ClientError::Closed | ClientError::Io(_));
                     if race && !retried && !has_body && is_idempotent(&parts.method) {
                         retried = true;
+                        waited = true;
                         continue;
                     }
                     return Err(error);

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use super::job::{bytes_of, entries, Job};
 use super::{QueueKeys, QueueSettings};
@@ -644,7 +645,7 @@ impl Replay {
 /// Sends one job to the route's upstream, as the original client, with its idempotency key.
 async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
     let upstream = &route.upstream;
-    let Ok(permit) = upstream.breaker.admit(&shared.metrics) else {
+    let Ok(permit) = upstream.breaker.admit(Instant::now(), &shared.metrics) else {
         return Replay::Held;
     };
     let Ok(uri) = upstream.uri_for(&job.target) else {
@@ -683,19 +684,19 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
     let sent = upstream.client.send(request);
     match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
         Err(_) => {
-            permit.record(Outcome::Failure, &shared.metrics);
+            permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
             Replay::Retry(format!(
                 "no answer within {:?}",
                 upstream.settings.response_timeout
             ))
         }
         Ok(Err(error)) => {
-            permit.record(Outcome::Failure, &shared.metrics);
+            permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
             Replay::Retry(format!("upstream error: {error}"))
         }
         Ok(Ok(response)) => {
             let status = response.status();
-            permit.record_status(status.as_u16(), &shared.metrics);
+            permit.record_status(status.as_u16(), Instant::now(), &shared.metrics);
             // Drain the body so the connection can be reused, but not for longer than the
             // upstream's idle_body_timeout: the outcome is known, and the worker keeps its
             // hold on the batch while it waits here.
