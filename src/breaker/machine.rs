@@ -135,6 +135,10 @@ pub struct Machine {
     pub runtime_force: Option<Force>,
     epoch: Instant,
     buckets: [Bucket; BUCKETS as usize],
+    /// The latest slice with a failure or a slow call in its bucket: once it has left the
+    /// window, no ratio can be reached, and a success is recorded without summing the
+    /// buckets (what a healthy upstream's every call does).
+    last_bad_slice: Option<u64>,
     consecutive_failures: u32,
     /// Re-opens since the breaker last closed; each doubles `open_for`.
     reopens: u32,
@@ -154,6 +158,7 @@ impl Machine {
             runtime_force: None,
             epoch: now,
             buckets: [Bucket::default(); BUCKETS as usize],
+            last_bad_slice: None,
             consecutive_failures: 0,
             reopens: 0,
             probes_in_flight: 0,
@@ -305,6 +310,7 @@ impl Machine {
         self.reopens = 0;
         self.consecutive_failures = 0;
         self.buckets = [Bucket::default(); BUCKETS as usize];
+        self.last_bad_slice = None;
         self.epoch = now;
     }
 
@@ -331,8 +337,10 @@ impl Machine {
         match outcome {
             Outcome::Failure => bucket.failures += 1,
             Outcome::Success { slow: true } => bucket.slow += 1,
-            _ => {}
+            _ => return,
         }
+        // (Calls finish out of order across threads: the latest slice stays.)
+        self.last_bad_slice = Some(self.last_bad_slice.map_or(slice, |bad| bad.max(slice)));
     }
 
     /// Calls, failures and slow calls inside the window ending at `now`.
@@ -358,6 +366,17 @@ impl Machine {
             && self.consecutive_failures >= settings.consecutive_failures
         {
             return Some("consecutive failures");
+        }
+        // No failure and no slow call left in the window: both ratios are 0, below any
+        // threshold (the policy only accepts thresholds above 0).
+        let current = self.slice_of(now);
+        if settings.failure_ratio > 0.0
+            && settings.slow_ratio > 0.0
+            && self
+                .last_bad_slice
+                .is_none_or(|bad| current.saturating_sub(bad) >= u64::from(BUCKETS))
+        {
+            return None;
         }
         let (calls, failures, slow) = self.totals(now);
         if calls == 0 || calls < settings.min_requests {
@@ -406,6 +425,48 @@ mod tests {
             }
         );
         machine.record(now, admission, outcome)
+    }
+
+    #[test]
+    fn a_success_can_complete_a_failure_ratio_but_failures_gone_from_the_window_cannot() {
+        const OK: Outcome = Outcome::Success { slow: false };
+        let ratio_only = BreakerSettings {
+            consecutive_failures: 0,
+            min_requests: 4,
+            failure_ratio: 0.5,
+            ..settings()
+        };
+        let t0 = Instant::now();
+        let mut machine = Machine::new(ratio_only.clone(), t0);
+        for outcome in [Outcome::Failure, Outcome::Failure, OK] {
+            assert_eq!(call(&mut machine, t0, outcome), None, "under min_requests");
+        }
+        // The fourth call succeeds and brings the window to min_requests, half of them failed.
+        assert!(matches!(
+            call(&mut machine, t0, OK),
+            Some(Transition::Opened {
+                reason: "failure ratio",
+                ..
+            })
+        ));
+
+        let mut machine = Machine::new(ratio_only.clone(), t0);
+        assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
+        assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
+        // A window later both failures are out of it: successes alone never open it.
+        let later = t0 + ratio_only.window + MS;
+        for _ in 0..10 {
+            assert_eq!(call(&mut machine, later, OK), None);
+        }
+        assert_eq!(machine.state, State::Closed);
+        // A failure in the window counts again, with the successes beside it.
+        for _ in 0..9 {
+            assert_eq!(call(&mut machine, later, Outcome::Failure), None);
+        }
+        assert!(
+            call(&mut machine, later, Outcome::Failure).is_some(),
+            "10 of 20 failed"
+        );
     }
 
     #[test]

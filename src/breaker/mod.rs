@@ -239,22 +239,23 @@ impl Permit {
 
     /// Records the outcome of a call answered at `at` (a failure status, or a success that
     /// may be slow) and says whether the status counted as a failure.
-    pub fn record_status(self, status: u16, at: Instant, metrics: &Metrics) -> bool {
-        let (failed, slow) = {
-            let machine = self.breaker.lock();
-            let failed = machine.settings.failure_statuses.contains(&status);
+    pub fn record_status(mut self, status: u16, at: Instant, metrics: &Metrics) -> bool {
+        self.recorded = true;
+        // One lock for the settings and the record: this is every proxied request's path.
+        let mut machine = self.breaker.lock();
+        let failed = machine.settings.failure_statuses.contains(&status);
+        let outcome = if failed {
+            Outcome::Failure
+        } else {
             let slow = machine
                 .settings
                 .slow_call
                 .is_some_and(|limit| at.saturating_duration_since(self.started) > limit);
-            (failed, slow)
-        };
-        let outcome = if failed {
-            Outcome::Failure
-        } else {
             Outcome::Success { slow }
         };
-        self.record(outcome, at, metrics);
+        let transition = machine.record_in_round(at, self.admission, self.round, outcome);
+        drop(machine);
+        self.report(outcome, transition, Some(metrics));
         failed
     }
 
@@ -269,6 +270,11 @@ impl Permit {
             self.breaker
                 .lock()
                 .record_in_round(at, self.admission, self.round, outcome);
+        self.report(outcome, transition, metrics);
+    }
+
+    /// Counts a probe's result and a transition in the metrics.
+    fn report(&self, outcome: Outcome, transition: Option<Transition>, metrics: Option<&Metrics>) {
         let Some(metrics) = metrics else { return };
         if self.admission == Admission::Probe && outcome != Outcome::Abandoned {
             let result = if outcome == Outcome::Failure {

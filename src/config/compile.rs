@@ -655,7 +655,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         admin: admin_settings,
         upstreams,
         default_upstream,
-        routes: RouteTable { routes, fallback },
+        routes: RouteTable::new(routes, fallback),
         redis: redis_store,
         identity: identity_settings,
         limits,

@@ -193,7 +193,7 @@ async fn forward(
     // Route on the normalised path; the upstream still gets the original target.
     let normal_path = path::normalise(request.uri().path())
         .map_err(|error| ProxyError::BadRequest(error.to_string()))?;
-    let host = route::request_host(request.uri(), request.headers());
+    let host = policy.routes.host_of(request.uri(), request.headers());
     let route = policy
         .routes
         .find(host, request.method(), &normal_path)

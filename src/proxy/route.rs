@@ -142,10 +142,31 @@ pub struct RouteTable {
     /// Catch-all on the default upstream; `None` when the policy has no default upstream,
     /// in which case unmatched requests get 404.
     pub fallback: Option<Arc<Route>>,
+    /// Whether any route matches on the host: when none does, requests are routed without
+    /// looking for theirs (a lookup, a check of every byte and a search for the port).
+    by_host: bool,
 }
 
 impl RouteTable {
-    /// `host` is without port; `path` is normalised.
+    pub fn new(routes: Vec<Arc<Route>>, fallback: Option<Arc<Route>>) -> RouteTable {
+        let by_host = routes.iter().any(|route| !route.hosts.is_empty());
+        RouteTable {
+            routes,
+            fallback,
+            by_host,
+        }
+    }
+
+    /// The host a request names, as `find` needs it: `None` when no route matches on hosts.
+    pub fn host_of<'a>(&self, uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
+        if self.by_host {
+            request_host(uri, headers)
+        } else {
+            None
+        }
+    }
+
+    /// `host` is without port (see `host_of`); `path` is normalised.
     pub fn find(&self, host: Option<&str>, method: &Method, path: &str) -> Option<&Arc<Route>> {
         self.routes
             .iter()
@@ -156,7 +177,7 @@ impl RouteTable {
 
 /// The host a request names, without port: the `Host` header, or the authority of an
 /// absolute-form target.
-pub fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
+fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
     let raw = match headers.get(http::header::HOST) {
         Some(value) => value.to_str().ok()?,
         None => uri.host()?,
