@@ -27,9 +27,11 @@ use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpSocket, TcpStream};
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
+
+use super::deadline;
 
 use super::h1::chunked::{ChunkedDecoder, ChunkedError};
 use super::h1::encode::{encode_chunk_start, encode_field, LAST_CHUNK};
@@ -194,6 +196,9 @@ struct Connection {
     /// The upstream answered before the whole request was sent: not reusable.
     request_unfinished: bool,
     idle_since: Instant,
+    /// The response timer of the requests it carries, armed at the first (see
+    /// `proxy::deadline`).
+    response_timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl Connection {
@@ -344,15 +349,22 @@ impl Client {
             .await;
             let request_sent_at = if waited { Instant::now() } else { now };
             let outcome = match sent {
-                Ok(()) => {
-                    let reading = read_response_head(&mut connection, fields);
-                    match response_timeout {
-                        Some(limit) => tokio::time::timeout_at(request_sent_at + limit, reading)
-                            .await
-                            .unwrap_or(Err(ClientError::ResponseTimeout(limit))),
-                        None => reading.await,
+                Ok(()) => match response_timeout {
+                    Some(limit) => {
+                        let deadline = request_sent_at + limit;
+                        let mut timer = connection
+                            .response_timer
+                            .take()
+                            .unwrap_or_else(|| Box::pin(tokio::time::sleep_until(deadline)));
+                        let reading = read_response_head(&mut connection, fields);
+                        let read =
+                            deadline::within(deadline, timer.as_mut(), std::pin::pin!(reading))
+                                .await;
+                        connection.response_timer = Some(timer);
+                        read.unwrap_or(Err(ClientError::ResponseTimeout(limit)))
                     }
-                }
+                    None => read_response_head(&mut connection, fields).await,
+                },
                 Err(error) => Err(error),
             };
             match outcome {
@@ -437,6 +449,7 @@ impl Client {
             reused: false,
             request_unfinished: false,
             idle_since: Instant::now(),
+            response_timer: None,
         })
     }
 

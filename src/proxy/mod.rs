@@ -10,6 +10,7 @@
 
 pub mod body;
 pub mod client;
+mod deadline;
 pub mod h1;
 pub mod header;
 pub mod path;

@@ -20,6 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
 
 use super::chunked::ChunkedDecoder;
 use super::encode::{self, ResponseFraming};
@@ -28,6 +29,7 @@ use super::request_body::{BodyPiece, RequestBody, RequestBodyError};
 use super::upgrade::{ClientUpgrade, UpgradedClient};
 use crate::error::ProxyError;
 use crate::proxy::body::ResponseBody;
+use crate::proxy::deadline;
 use crate::proxy::server::ConnectionLimits;
 use crate::proxy::upstream_fields::UpstreamFields;
 
@@ -104,23 +106,30 @@ pub(super) async fn serve_connection<H, F>(
         switch: stop,
         stopping: false,
     };
+    // One timer for every head the connection reads: see `deadline::within`.
+    let head_timer = tokio::time::sleep(limits.header_read_timeout);
+    tokio::pin!(head_timer);
     loop {
         // The timeout also runs while a keep-alive connection waits for its next request,
         // so idle connections are closed after it, as with hyper before.
-        let reading = read_head(&mut stream, &mut read_buffer, max_head_bytes, &mut stop);
-        let head = match tokio::time::timeout(limits.header_read_timeout, reading).await {
-            Err(_elapsed) => {
+        let deadline = Instant::now() + limits.header_read_timeout;
+        let read = {
+            let reading = read_head(&mut stream, &mut read_buffer, max_head_bytes, &mut stop);
+            deadline::within(deadline, head_timer.as_mut(), std::pin::pin!(reading)).await
+        };
+        let head = match read {
+            None => {
                 tracing::debug!(%peer, "no complete request head within the header read timeout");
                 return;
             }
-            Ok(HeadRead::Closed) => return,
-            Ok(HeadRead::Refused(error)) => {
+            Some(HeadRead::Closed) => return,
+            Some(HeadRead::Refused(error)) => {
                 tracing::debug!(%peer, "request head refused: {error}");
                 Box::pin(refuse(&mut stream, error, limits.send_timeout)).await;
                 Box::pin(linger_close(stream)).await;
                 return;
             }
-            Ok(HeadRead::Head(head)) => head,
+            Some(HeadRead::Head(head)) => head,
         };
         let exchange = serve_request(
             &mut stream,
