@@ -11,7 +11,9 @@
 #   CASES="hide" bench/callgrind.sh    some of them
 #
 # Cases: pass (the 1 KiB answer passed through), page (the 50 KiB page passed through), hide
-# (the page with #ranking removed); and, as yardsticks for pass, nginx (proxy_pass with
+# (the page with #ranking removed), full (run.sh's case 5c, the full policy: the request matches
+# the last of 50 routes, two Redis limit rules, a breaker and a bulkhead; with its own Redis);
+# and, as yardsticks for pass, nginx (proxy_pass with
 # upstream keep-alive) and haproxy (http mode, keep-alive), configured as in bench/run.sh, one
 # worker each. Each runs its proxy under callgrind behind a backend nginx, sends WARMUP (3)
 # seconds of wrk load, zeroes the counters, sends DURATION (10) seconds of load (wrk -c 4),
@@ -22,12 +24,13 @@
 # KEEP=DIR copies each case's callgrind dump to DIR/CASE.callgrind, for callgrind_annotate
 # --inclusive=yes (who calls what) after the run.
 #
-# Needs: valgrind, nginx, wrk, python3 (and haproxy for its case). LEVEE_BIN [target/release/levee].
+# Needs: valgrind, nginx, wrk, python3 (and haproxy, redis-server for their cases).
+# LEVEE_BIN [target/release/levee].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LIB=bench/lib
-CASES=${CASES:-"pass page hide nginx haproxy"}
+CASES=${CASES:-"pass page hide full nginx haproxy"}
 WARMUP=${WARMUP:-3}
 MEASURED_SECONDS=${DURATION:-10}
 TOP=${TOP:-8}
@@ -35,6 +38,7 @@ LEVEE_BIN=${LEVEE_BIN:-target/release/levee}
 
 tools="valgrind callgrind_control nginx wrk python3"
 case " $CASES " in *" haproxy "*) tools="$tools haproxy" ;; esac
+case " $CASES " in *" full "*) tools="$tools redis-server" ;; esac
 for tool in $tools; do
   command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] ||
     { echo "callgrind.sh: $tool is not installed (apt-get install valgrind nginx wrk python3 haproxy)" >&2; exit 1; }
@@ -46,16 +50,19 @@ NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 TMP=$(mktemp -d)
 chmod 755 "$TMP"
 NGINX_STARTED=""
+REDIS_PID=""
 cleanup() {
   [ -z "$NGINX_STARTED" ] || "$NGINX" -c "$TMP/backend.conf" -p "$TMP" -s stop 2>/dev/null || true
-  rm -rf "$TMP"
+  [ -z "$REDIS_PID" ] || { kill "$REDIS_PID" 2>/dev/null; wait "$REDIS_PID" 2>/dev/null; } || true
+  [ -n "${KEEP_TMP:-}" ] || rm -rf "$TMP"
 }
 trap cleanup EXIT
 
-mapfile -t PORTS < <(python3 "$LIB/free_ports.py" 3)
+mapfile -t PORTS < <(python3 "$LIB/free_ports.py" 4)
 BACKEND_PORT=${PORTS[0]}
 PORT=${PORTS[1]}
 ADMIN_PORT=${PORTS[2]}
+REDIS_PORT=${PORTS[3]}
 
 mkdir -p "$TMP/www"
 python3 "$LIB/make_page.py" "$TMP/www/page.html" 51200
@@ -65,11 +72,41 @@ sed -e "s#@WORKERS@#1#; s#@DIR@#$TMP#g; s#@PORT@#$BACKEND_PORT#; s#@BODY_1K@#$BO
 "$NGINX" -c "$TMP/backend.conf" -p "$TMP" 2>/dev/null
 NGINX_STARTED=1
 
+# shellcheck source=lib/filler_routes.sh
+source "$LIB/filler_routes.sh" # filler_routes N
+
+# policy TEMPLATE DIR: renders one of run.sh's policy templates with run.sh's values (50 routes).
 policy() {
-  local template=$1 dir=$2
+  local template=$1 dir=$2 text
   mkdir -p "$dir"
-  sed -e "s/@PORT@/$PORT/; s/@ADMIN_PORT@/$ADMIN_PORT/; s/@BACKEND_PORT@/$BACKEND_PORT/" \
-    "bench/policies/$template" > "$dir/levee.toml"
+  text=$(<"bench/policies/$template")
+  text=${text//@PORT@/$PORT}
+  text=${text//@ADMIN_PORT@/$ADMIN_PORT}
+  text=${text//@BACKEND_PORT@/$BACKEND_PORT}
+  text=${text//@REDIS_PORT@/$REDIS_PORT}
+  text=${text//@STAMP@/0}
+  text=${text//@RESPONSE_TIMEOUT@/30s}
+  text=${text//@FILLER_ROUTES@/"$(filler_routes 49)"} # quoted: taken as it is
+  if [[ $text =~ @[A-Z0-9_]+@ ]]; then
+    echo "callgrind.sh: $template: placeholder ${BASH_REMATCH[0]} was not filled" >&2
+    exit 1
+  fi
+  printf '%s\n' "$text" > "$dir/levee.toml"
+}
+
+# The full policy's Redis: no persistence, on a free port, stopped with the backend.
+start_redis() {
+  mkdir -p "$TMP/redis"
+  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+    --dir "$TMP/redis" >"$TMP/redis/redis.log" 2>&1 &
+  REDIS_PID=$!
+  for _ in $(seq 1 50); do
+    redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  echo "callgrind.sh: redis-server did not start (see below)" >&2
+  cat "$TMP/redis/redis.log" >&2
+  exit 1
 }
 
 # The command that runs case NAME's proxy (in the foreground, one worker), rendered into $TMP.
@@ -78,6 +115,7 @@ proxy_command() {
   case $name in
     pass | page) policy passthrough.toml.tmpl "$TMP/policy-$name" ;;
     hide) policy hide.toml.tmpl "$TMP/policy-$name" ;;
+    full) policy full.toml.tmpl "$TMP/policy-$name" ;;
   esac
   case $name in
     nginx)
@@ -106,12 +144,25 @@ measure() {
   local url="http://127.0.0.1:$PORT$path"
   for _ in $(seq 1 200); do
     curl -s -o /dev/null "$url" && break
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "callgrind.sh: case $name: the proxy exited:" >&2
+      grep -v '^==' "$TMP/$name.log" >&2
+      exit 1
+    fi
     sleep 0.2
   done
   wrk -t1 -c4 -d"${WARMUP}s" "$url" >/dev/null
   callgrind_control -z "$pid" >/dev/null 2>&1
   wrk -t1 -c4 -d"${MEASURED_SECONDS}s" "$url" >"$TMP/$name.wrk"
   callgrind_control -d "$pid" >/dev/null 2>&1
+  if [ "$name" = full ]; then
+    # Under valgrind levee is some 50x slower: say when decisions missed Redis's timeout.
+    curl -s "http://127.0.0.1:$ADMIN_PORT/metrics" | awk '
+      /^levee_ratelimit_decisions_total[{]/ {
+        match($0, /source="[^"]*"/); by[substr($0, RSTART + 8, RLENGTH - 9)] += $NF }
+      END { for (s in by) printf "%s%s %d", (n++ ? ", " : "full: rate-limit decisions by source since start: "), s, by[s]
+            if (n) print "" }' > "$TMP/full.note" || true
+  fi
   kill "$pid"
   wait "$pid" 2>/dev/null || true
   local requests
@@ -136,7 +187,11 @@ for case in $CASES; do
   case $case in
     pass | nginx | haproxy) measure "$case" / ;;
     page | hide) measure "$case" /page.html ;;
-    *) echo "callgrind.sh: unknown case $case (pass, page, hide, nginx, haproxy)" >&2; exit 1 ;;
+    full)
+      [ -n "$REDIS_PID" ] || start_redis
+      measure full /shop/cart.php
+      ;;
+    *) echo "callgrind.sh: unknown case $case (pass, page, hide, full, nginx, haproxy)" >&2; exit 1 ;;
   esac
 done
 per_request() { # NAME: the instructions per request of a case that ran
@@ -150,6 +205,7 @@ for peer in nginx haproxy; do
       'BEGIN { printf "levee pass-through executes %.2fx the instructions per request of %s\n", l / o, p }'
   fi
 done
+[ ! -s "$TMP/full.note" ] || { echo; cat "$TMP/full.note"; }
 if [ "$TOP" -gt 0 ]; then
   echo
   for case in $CASES; do

@@ -144,9 +144,7 @@ async fn run(args: Args) -> Result<String, String> {
                     identity: &policy.identity,
                 };
                 let started = Instant::now();
-                let _ = limiter
-                    .check(rules, Some(redis), prefix, &facts, false)
-                    .await;
+                let _ = limiter.check(rules, Some(redis), prefix, &facts).await;
                 latencies_us.push(u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX));
             }
             latencies_us

@@ -1,6 +1,6 @@
 //! Prometheus metrics, served as text by the admin listener at `GET /metrics`.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -33,7 +33,8 @@ pub struct DecisionLabels {
     pub rule: RouteName,
     /// allowed, limited, dry_run_limited
     pub result: &'static str,
-    /// redis, local (embedded default), fallback (redis unavailable), cache (known refused)
+    /// redis, ahead (admitted at once, charged in the next script call), local (no Redis
+    /// configured), fallback (Redis unavailable), cache (known refused)
     pub source: &'static str,
 }
 
@@ -157,7 +158,46 @@ pub struct RouteSeries {
     ok: OnceLock<Counter>,
 }
 
+/// One rate-limit rule's most common decision series (admitted, by the three usual sources),
+/// looked up once per policy for the same reason as [`RouteSeries`]: a request with two rules
+/// otherwise hashed two label sets on every request.
+#[derive(Debug, Default)]
+pub struct DecisionSeries {
+    allowed_redis: OnceLock<Counter>,
+    allowed_ahead: OnceLock<Counter>,
+    allowed_local: OnceLock<Counter>,
+}
+
 impl Metrics {
+    /// Counts one rate-limit decision of `rule` (named `name`; `series` is its cache).
+    pub fn record_decision(
+        &self,
+        name: &Arc<str>,
+        series: &DecisionSeries,
+        result: &'static str,
+        source: &'static str,
+    ) {
+        let lookup = || {
+            self.ratelimit_decisions
+                .get_or_create(&DecisionLabels {
+                    rule: RouteName(name.clone()),
+                    result,
+                    source,
+                })
+                .clone()
+        };
+        let cached = match (result, source) {
+            ("allowed", "redis") => Some(&series.allowed_redis),
+            ("allowed", "ahead") => Some(&series.allowed_ahead),
+            ("allowed", "local") => Some(&series.allowed_local),
+            _ => None,
+        };
+        match cached {
+            Some(cell) => cell.get_or_init(lookup).inc(),
+            None => lookup().inc(),
+        };
+    }
+
     /// Counts one finished request of `route` and its duration. `series` is the route's cache
     /// of its own series (`None` for requests that matched no route).
     pub fn record_request(
@@ -417,6 +457,27 @@ impl Metrics {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn a_rules_cached_decision_series_are_the_families_own_across_reloads() {
+        let metrics = Metrics::new();
+        let rule: Arc<str> = Arc::from("per_ip");
+        let before_reload = DecisionSeries::default();
+        metrics.record_decision(&rule, &before_reload, "allowed", "ahead");
+        metrics.record_decision(&rule, &before_reload, "allowed", "ahead");
+        metrics.record_decision(&rule, &before_reload, "limited", "redis");
+        let after_reload = DecisionSeries::default();
+        metrics.record_decision(&rule, &after_reload, "allowed", "ahead");
+        metrics.record_decision(&rule, &after_reload, "allowed", "fallback");
+        let text = metrics.encode();
+        for line in [
+            "levee_ratelimit_decisions_total{rule=\"per_ip\",result=\"allowed\",source=\"ahead\"} 3",
+            "levee_ratelimit_decisions_total{rule=\"per_ip\",result=\"limited\",source=\"redis\"} 1",
+            "levee_ratelimit_decisions_total{rule=\"per_ip\",result=\"allowed\",source=\"fallback\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
+    }
 
     #[test]
     fn a_routes_cached_series_are_the_families_own_across_reloads() {

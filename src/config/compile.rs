@@ -1797,6 +1797,7 @@ fn compile_limit(
         status,
         body_html: inner.body_html.as_deref().map(Arc::from),
         body_json: inner.body_json.as_deref().map(Arc::from),
+        series: Default::default(),
     })
 }
 

@@ -25,7 +25,7 @@ use http::{HeaderValue, StatusCode};
 use tokio::time::Instant;
 
 use crate::error::ProxyError;
-use crate::metrics::{DecisionLabels, Metrics};
+use crate::metrics::{DecisionSeries, Metrics};
 use crate::redis_store::{RedisAsk, RedisStore, RemoteVerdict};
 use gcra::{Rate, Verdict};
 use key::{bucket_key, KeyPart, RequestFacts};
@@ -62,6 +62,8 @@ pub struct LimitRule {
     pub status: StatusCode,
     pub body_html: Option<Arc<str>>,
     pub body_json: Option<Arc<str>>,
+    /// This rule's cached `/metrics` series.
+    pub series: DecisionSeries,
 }
 
 /// A refusal, turned into a response by [`ProxyError::to_response`].
@@ -162,7 +164,6 @@ impl Limiter {
         redis: Option<&RedisStore>,
         prefix: &str,
         facts: &RequestFacts<'_>,
-        wants_json: bool,
     ) -> Result<Option<RateLimitHeaders>, ProxyError> {
         let planned: Vec<Planned<'_>> = rules
             .iter()
@@ -189,8 +190,8 @@ impl Limiter {
             if let Some((plan, refused)) = cached {
                 let wait = Duration::from_micros(refused.until.saturating_sub(now));
                 let reset = Duration::from_micros(refused.full_at.saturating_sub(now)).max(wait);
-                self.count(&plan.rule.name, "limited", "cache");
-                return Err(self.deny(plan.rule, wait, reset, wants_json));
+                self.count(plan.rule, "limited", "cache");
+                return Err(deny(plan.rule, wait, reset, facts));
             }
         }
 
@@ -207,7 +208,7 @@ impl Limiter {
                 (false, true) => "dry_run_limited",
                 (false, false) => "limited",
             };
-            self.count(&plan.rule.name, result, decision.source);
+            self.count(plan.rule, result, decision.source);
             if !decision.allowed && plan.rule.dry_run {
                 tracing::info!(rule = %plan.rule.name, key = %plan.key.key, "dry run: this request would have been rate limited");
             }
@@ -235,7 +236,7 @@ impl Limiter {
             }
         }
         if let Some((plan, decision)) = refusal {
-            return Err(self.deny(plan.rule, decision.retry_after, decision.reset, wants_json));
+            return Err(deny(plan.rule, decision.retry_after, decision.reset, facts));
         }
         Ok(tightest.and_then(|(plan, decision)| {
             let policy = HeaderValue::from_str(&policy_field(plan.rule)).ok()?;
@@ -369,31 +370,25 @@ impl Limiter {
             .collect()
     }
 
-    fn count(&self, rule: &Arc<str>, result: &'static str, source: &'static str) {
+    fn count(&self, rule: &LimitRule, result: &'static str, source: &'static str) {
         self.metrics
-            .ratelimit_decisions
-            .get_or_create(&DecisionLabels {
-                rule: crate::proxy::route::RouteName(rule.clone()),
-                result,
-                source,
-            })
-            .inc();
+            .record_decision(&rule.name, &rule.series, result, source);
     }
+}
 
-    fn deny(
-        &self,
-        rule: &Arc<LimitRule>,
-        retry_after: Duration,
-        reset: Duration,
-        wants_json: bool,
-    ) -> ProxyError {
-        ProxyError::RateLimited(Box::new(Denial {
-            rule: rule.clone(),
-            retry_after,
-            reset,
-            wants_json,
-        }))
-    }
+/// The 429 (or the rule's status) for `facts`' request; JSON when its `Accept` prefers it.
+fn deny(
+    rule: &Arc<LimitRule>,
+    retry_after: Duration,
+    reset: Duration,
+    facts: &RequestFacts<'_>,
+) -> ProxyError {
+    ProxyError::RateLimited(Box::new(Denial {
+        rule: rule.clone(),
+        retry_after,
+        reset,
+        wants_json: crate::proxy::wants_json(facts.headers),
+    }))
 }
 
 /// Starts the periodic sweep of idle buckets; it lasts until `stop` turns true.
@@ -473,6 +468,7 @@ mod tests {
             status: StatusCode::TOO_MANY_REQUESTS,
             body_html: None,
             body_json: None,
+            series: DecisionSeries::default(),
         };
         assert_eq!(policy_field(&rule), "\"post_per_user\";q=3;w=60");
         assert_eq!(

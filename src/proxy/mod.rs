@@ -246,7 +246,6 @@ async fn forward(
             query: request.uri().query(),
             identity: &policy.identity,
         };
-        let wants_json = wants_json(request.headers());
         allowed_headers = shared
             .limiter
             .check(
@@ -254,7 +253,6 @@ async fn forward(
                 policy.redis.as_deref(),
                 policy.key_prefix(),
                 &facts,
-                wants_json,
             )
             .await?;
         clock.waited();
@@ -815,7 +813,7 @@ fn expects_continue(headers: &http::HeaderMap) -> bool {
 }
 
 /// Does the client prefer JSON (an API client) over HTML (a browser)?
-fn wants_json(headers: &http::HeaderMap) -> bool {
+pub(crate) fn wants_json(headers: &http::HeaderMap) -> bool {
     let accept = headers
         .get(h::ACCEPT)
         .and_then(|value| value.to_str().ok())
