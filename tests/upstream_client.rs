@@ -1400,6 +1400,43 @@ async fn malformed_response_heads_get_a_502_with_the_reason() {
     stop(levee).await;
 }
 
+#[tokio::test]
+async fn a_repeated_content_length_reaches_the_client_once() {
+    // RFC 9110 8.6: a recipient that accepts the same length sent more than once replaces the
+    // repeats with one field before forwarding. Two lines would get the answer refused by a
+    // front nginx ("upstream sent duplicate header line") and leave others guessing. The
+    // `Connection` token makes levee parse the fields rather than relay them as received.
+    let backend = Scripted::start(|seen| match seen.path() {
+        "/twice" => Reply::keep(
+            "HTTP/1.1 200 OK\r\nConnection: x-extra\r\nX-Extra: 1\r\nContent-Length: 5\r\n\
+             Content-Length: 5\r\n\r\nhello",
+        ),
+        "/spelled-twice" => Reply::keep(
+            "HTTP/1.1 200 OK\r\nConnection: x-extra\r\nContent-Length: 5\r\n\
+             Content-Length: 005\r\n\r\nhello",
+        ),
+        _ => Reply::keep(ok("fine")),
+    })
+    .await;
+    let levee = levee_for(&backend, "").await;
+    for path in ["/twice", "/spelled-twice"] {
+        let raw = raw_exchange(
+            levee.public,
+            format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+            WITHIN,
+        )
+        .await;
+        let (head, body) = raw.split_once("\r\n\r\n").expect("a head");
+        let lengths: Vec<&str> = head
+            .lines()
+            .filter(|line| line.to_ascii_lowercase().starts_with("content-length:"))
+            .collect();
+        assert_eq!(lengths, ["content-length: 5"], "{path}: {head}");
+        assert_eq!(body, "hello", "{path}");
+    }
+    stop(levee).await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 9. Bodies cut off mid-way
 

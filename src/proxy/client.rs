@@ -1010,15 +1010,21 @@ fn parse_response_head(
     let head = buffer.split_to(length).freeze();
     // Room for the fields levee may add (rate-limit state, Date) without growing.
     let mut headers = HeaderMap::with_capacity(spans.len() + 3);
+    let mut length_kept = false;
     for span in &spans {
         let name = HeaderName::from_bytes(&head[span.name..span.name + span.name_len])
             .map_err(|_| ClientError::Protocol("invalid header name".into()))?;
         let value =
             HeaderValue::from_maybe_shared(head.slice(span.value..span.value + span.value_len))
                 .map_err(|_| ClientError::Protocol(format!("invalid value of {name}")))?;
-        if name == header::CONTENT_LENGTH && !length_stands {
-            // Chunked or another coding decides the end: the length is not passed on.
-            continue;
+        if name == header::CONTENT_LENGTH {
+            // Chunked or another coding decides the end: the length is not passed on. A
+            // length repeated (the same value, checked above) is passed on once (RFC 9110
+            // 8.6): two fields get the answer refused by a front nginx.
+            if !length_stands || length_kept {
+                continue;
+            }
+            length_kept = true;
         }
         headers.append(name, value);
     }
@@ -1268,6 +1274,19 @@ mod tests {
             .unwrap();
         assert!(!closing.keep_alive);
         assert!(head("HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n").is_err());
+        let repeated = head("HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 02\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(matches!(repeated.framing, Framing::Length(2)));
+        assert_eq!(
+            repeated
+                .headers
+                .get_all(header::CONTENT_LENGTH)
+                .iter()
+                .count(),
+            1,
+            "a repeated length is passed on once"
+        );
         assert!(head("HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").is_err());
         assert!(head("HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none());
         assert!(head("garbage\r\n\r\n").is_err());
