@@ -375,6 +375,50 @@ async fn a_client_that_stops_reading_is_cut_off_and_its_upstream_answer_let_go()
     assert_eq!(answer.status, 200);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_asked_in_http_1_0_is_not_passed_on() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    // A backend that switches protocols whenever it is asked to, and answers 200 otherwise.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let backend_addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut piece = [0u8; 1024];
+                while !head.windows(4).any(|end| end == b"\r\n\r\n") {
+                    match stream.read(&mut piece).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(read) => head.extend_from_slice(&piece[..read]),
+                    }
+                }
+                let answer: &[u8] = if String::from_utf8_lossy(&head)
+                    .to_ascii_lowercase()
+                    .contains("\r\nupgrade:")
+                {
+                    b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n"
+                } else {
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                };
+                let _ = stream.write_all(answer).await;
+            });
+        }
+    });
+    let levee = Levee::start(&policy_for(backend_addr, "", "")).await;
+    // RFC 9110 7.8: Upgrade in an HTTP/1.0 request is ignored; and no 1xx may be sent to an
+    // HTTP/1.0 client (15.2). The request is served as a plain one.
+    let answer = exchange(
+        &levee,
+        b"GET /chat HTTP/1.0\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    assert!(answer.ends_with("\r\n\r\nok"), "{answer}");
+}
+
 #[tokio::test]
 async fn an_idle_websocket_tunnel_is_closed_after_tunnel_idle_timeout() {
     use futures_util::{SinkExt, StreamExt};

@@ -304,7 +304,9 @@ async fn forward(
     // Page fragments of switched-off modules are cut out of the HTML on the way back.
     let hiding = hidden_fragments(shared, policy, &route);
 
-    let upgrading = header::is_upgrade(request.headers());
+    // HTTP/1.0 has no upgrade (RFC 9110 7.8): its `Upgrade` is hop-by-hop like any other and
+    // goes no further, or the upstream's 101 would reach a client that cannot take one.
+    let upgrading = request.version() == Version::HTTP_11 && header::is_upgrade(request.headers());
     // The connection hands itself over once the 101 is written (see `h1::upgrade`).
     let client_upgrade = upgrading
         .then(|| request.extensions_mut().remove::<ClientUpgrade>())
