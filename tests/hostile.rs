@@ -105,6 +105,30 @@ async fn malformed_requests_get_400_and_levee_keeps_serving() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_host_is_refused_with_400() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    // RFC 9112 3.2: a Host that is not `host[:port]` gets a 400. A PHP app building links
+    // from it would send its users to evil.example.
+    for host in ["a@evil.example", "evil.example/reset", "a b"] {
+        let answer = exchange(
+            &levee,
+            format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert_eq!(status_of(&answer), Some(400), "{host:?} => {answer}");
+        assert!(answer.contains("invalid Host field"), "{answer}");
+    }
+    assert_eq!(backend.hits(), 0, "no invalid Host reached the backend");
+    let answer = exchange(
+        &levee,
+        b"GET / HTTP/1.1\r\nHost: shop.example:8080\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_dodging_by_spelling_and_case_lands_where_the_backend_would() {
     let backend = echo_backend().await;
     let limited = echo_backend().await;

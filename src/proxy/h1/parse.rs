@@ -207,6 +207,12 @@ impl FieldMeaning {
             if self.host_seen {
                 return Err(HeadError::Malformed("more than one Host field"));
             }
+            // RFC 9112 3.2: an invalid Host is refused, not passed on. An app that builds its
+            // links from the Host it is given would otherwise write `a@evil.example` or
+            // `evil.example/x` into them.
+            if !is_host(value.as_bytes()) {
+                return Err(HeadError::Malformed("invalid Host field"));
+            }
             self.host_seen = true;
         }
         Ok(true)
@@ -278,6 +284,15 @@ pub(crate) fn parse_content_length(value: &[u8]) -> Option<u64> {
     value.iter().try_fold(0u64, |length, digit| {
         length.checked_mul(10)?.checked_add(u64::from(digit - b'0'))
     })
+}
+
+/// Does `value` consist only of the bytes a Host field can hold: `uri-host [ ":" port ]` (RFC
+/// 3986 3.2.2: a registered name's unreserved, percent-encoded and sub-delimiter bytes, an IP
+/// literal's brackets and colons, the port's digits). Empty is valid (RFC 9112 3.2).
+fn is_host(value: &[u8]) -> bool {
+    value
+        .iter()
+        .all(|&byte| byte.is_ascii_alphanumeric() || b"-._~%!$&'()*+,;=:[]".contains(&byte))
 }
 
 /// The non-empty items of a comma-separated field value, whitespace trimmed.
@@ -432,6 +447,39 @@ mod tests {
             "GET / HTTP/1.1\r\nX-User: a\x0bb\r\n\r\n",
         ] {
             assert!(matches!(refused(raw), HeadError::Malformed(_)), "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn host_values_are_checked() {
+        for host in [
+            "example.com",
+            "example.com:8080",
+            "[::1]:8080",
+            "127.0.0.1",
+            "my_host.example",
+            "xn--caf-dma.example",
+            "",
+        ] {
+            let raw = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            assert_eq!(head(&raw).headers["host"], host, "{host:?}");
+        }
+        for host in [
+            "a@evil.example",
+            "evil.example/x",
+            "a b",
+            "a\tb",
+            "evil.example?x",
+            "evil.example#x",
+            "a\\b",
+            "caf\u{e9}.example",
+        ] {
+            let raw = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            assert_eq!(
+                refused(&raw),
+                HeadError::Malformed("invalid Host field"),
+                "{host:?}"
+            );
         }
     }
 
