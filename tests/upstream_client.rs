@@ -1563,6 +1563,33 @@ async fn bytes_sent_right_behind_a_101_reach_the_client_first() {
     stop(levee).await;
 }
 
+#[tokio::test]
+async fn a_101_to_a_request_that_asked_for_no_upgrade_is_a_502() {
+    // RFC 9110 15.2.2: a server switches only to a protocol the request's Upgrade names. A 101
+    // nobody asked for is a broken answer; passed on, it reached a client that cannot take it
+    // (an HTTP/1.0 one may get no 1xx at all, RFC 9110 15.2).
+    let backend = Scripted::start(|seen| match seen.path() {
+        "/switch" => Reply::keep(
+            "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n",
+        ),
+        _ => Reply::keep(ok("fine")),
+    })
+    .await;
+    let levee = levee_for(&backend, "").await;
+    for version in ["HTTP/1.1", "HTTP/1.0"] {
+        let raw = raw_exchange(
+            levee.public,
+            format!("GET /switch {version}\r\nHost: app\r\nConnection: close\r\n\r\n").as_bytes(),
+            WITHIN,
+        )
+        .await;
+        assert_eq!(status_of(&raw), Some(502), "{version}: {raw}");
+        assert!(raw.contains("asked for no upgrade"), "{version}: {raw}");
+    }
+    assert_eq!(call(&levee, "GET", "/next").await.text(), "fine");
+    stop(levee).await;
+}
+
 /// Reads from `stream` into `received` until `done` says so; a hang fails the test.
 async fn read_into(
     stream: &mut TcpStream,

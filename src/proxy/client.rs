@@ -368,6 +368,16 @@ impl Client {
                 Err(error) => Err(error),
             };
             match outcome {
+                // RFC 9110 15.2.2: a switch only to what the request's Upgrade names. Passed
+                // on, a 101 nobody asked for would reach a client that cannot take it (an
+                // HTTP/1.0 one may get no 1xx at all).
+                Ok(response_head)
+                    if response_head.status == StatusCode::SWITCHING_PROTOCOLS && !upgrade =>
+                {
+                    return Err(ClientError::Protocol(
+                        "101 Switching Protocols to a request that asked for no upgrade".into(),
+                    ));
+                }
                 Ok(response_head) => break (connection, response_head, request_sent_at),
                 Err(error) => {
                     // A reused connection that the upstream had just closed: the request
