@@ -129,6 +129,35 @@ async fn an_invalid_host_is_refused_with_400() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absolute_form_target_is_routed_and_forwarded_by_its_own_host() {
+    let backend = echo_backend().await;
+    let admin = echo_backend().await;
+    let rest = format!(
+        "[upstream.admin]\nurl = \"http://{}\"\n[[route]]\nname = \"admin\"\nmatch = {{ host = \"admin.example\" }}\nupstream = \"admin\"\n",
+        admin.addr
+    );
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "default_upstream = \"app\"",
+        &rest,
+    ))
+    .await;
+    // RFC 9112 3.2.2: the request is for the target's host; Host is ignored. The route and
+    // the app both go by admin.example.
+    let answer = exchange(
+        &levee,
+        b"GET http://admin.example/panel HTTP/1.1\r\nHost: www.example\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    let (_, body) = answer.split_once("\r\n\r\n").expect("head and body");
+    let echo: serde_json::Value = serde_json::from_str(body).expect("echo json");
+    assert_eq!(echoed_header(&echo, "host"), ["admin.example"]);
+    assert_eq!(echo["target"], "/panel");
+    assert_eq!((admin.hits(), backend.hits()), (1, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_dodging_by_spelling_and_case_lands_where_the_backend_would() {
     let backend = echo_backend().await;
     let limited = echo_backend().await;

@@ -232,6 +232,20 @@ impl FieldMeaning {
                 "HTTP/1.1 request without a Host field",
             ));
         }
+        if let Some(authority) = uri.authority() {
+            // RFC 9112 3.2.2: with an absolute-form target, the host is the target's and the
+            // Host field is ignored; a proxy passes the target's on as Host. Routes and the app
+            // read Host, so both see the host the request is for.
+            let host = authority.as_str();
+            if host.contains('@') || !is_host(host.as_bytes()) {
+                return Err(HeadError::Malformed(
+                    "invalid authority in the request target",
+                ));
+            }
+            let host = HeaderValue::from_str(host)
+                .map_err(|_| HeadError::Malformed("invalid authority in the request target"))?;
+            headers.insert(header::HOST, host);
+        }
         let mut close_after = false;
         let framing = if self.transfer_encoding {
             if version == Version::HTTP_10 {
@@ -481,6 +495,28 @@ mod tests {
                 "{host:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_absolute_form_target_names_the_host() {
+        let absolute = head("GET http://b.example:8080/x?y HTTP/1.1\r\nHost: a\r\n\r\n");
+        assert_eq!(absolute.headers["host"], "b.example:8080");
+        assert_eq!(absolute.headers.get_all("host").iter().count(), 1);
+        assert_eq!(absolute.uri.path(), "/x");
+        assert_eq!(
+            refused("GET http://a@b.example/ HTTP/1.1\r\nHost: b.example\r\n\r\n"),
+            HeadError::Malformed("invalid authority in the request target")
+        );
+        // An HTTP/1.1 request still needs its Host field (RFC 9112 3.2).
+        assert!(matches!(
+            parse_all(b"GET http://b/ HTTP/1.1\r\n\r\n"),
+            Err(HeadError::Malformed(_))
+        ));
+        // HTTP/1.0 may send none: the target's host is the request's.
+        let old = parse_all(b"GET http://b/ HTTP/1.0\r\n\r\n")
+            .expect("accepted")
+            .expect("complete");
+        assert_eq!(old.headers["host"], "b");
     }
 
     #[test]
