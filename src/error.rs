@@ -34,6 +34,8 @@ pub enum ProxyError {
     HeadersTooLarge { size: usize, limit: usize },
     #[error("request has more than {limit} header fields")]
     TooManyHeaders { limit: usize },
+    #[error("request line is over the limit of {limit} bytes")]
+    TargetTooLong { limit: usize },
     #[error("request body is over the limit of {limit} bytes")]
     BodyTooLarge { limit: u64 },
     #[error("client sent the request body too slowly (no data for {after:?})")]
@@ -78,6 +80,7 @@ impl ProxyError {
             ProxyError::HeadersTooLarge { .. } | ProxyError::TooManyHeaders { .. } => {
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
             }
+            ProxyError::TargetTooLong { .. } => StatusCode::URI_TOO_LONG,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
@@ -102,6 +105,7 @@ impl ProxyError {
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::HeadersTooLarge { .. } => "headers_too_large",
             ProxyError::TooManyHeaders { .. } => "too_many_headers",
+            ProxyError::TargetTooLong { .. } => "target_too_long",
             ProxyError::BodyTooLarge { .. } => "body_too_large",
             ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
             ProxyError::NoRoute => "no_route",
@@ -122,6 +126,7 @@ impl ProxyError {
             ProxyError::BadRequest(_)
             | ProxyError::HeadersTooLarge { .. }
             | ProxyError::TooManyHeaders { .. }
+            | ProxyError::TargetTooLong { .. }
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::ClientBodyTimeout { .. }
             | ProxyError::NoRoute => ErrorSide::Client,
@@ -187,6 +192,7 @@ impl ProxyError {
                 | ProxyError::BadRequest(_)
                 | ProxyError::HeadersTooLarge { .. }
                 | ProxyError::TooManyHeaders { .. }
+                | ProxyError::TargetTooLong { .. }
                 | ProxyError::BodyTooLarge { .. }
         ) {
             response

@@ -158,6 +158,41 @@ async fn an_absolute_form_target_is_routed_and_forwarded_by_its_own_host() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_long_target_gets_414_and_over_large_fields_431() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    // RFC 9112 3: a target longer than the server will parse gets 414, with a reason that
+    // says so; too many header bytes stay a 431.
+    let long_target = format!(
+        "GET /{} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        "a".repeat(100 * 1024)
+    );
+    let answer = exchange(&levee, long_target.as_bytes()).await;
+    assert_eq!(
+        status_of(&answer),
+        Some(414),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    assert!(
+        answer.contains("request line is over the limit"),
+        "{answer}"
+    );
+    let large_fields = format!(
+        "GET / HTTP/1.1\r\nHost: a\r\nX-Big: {}\r\nConnection: close\r\n\r\n",
+        "b".repeat(100 * 1024)
+    );
+    let answer = exchange(&levee, large_fields.as_bytes()).await;
+    assert_eq!(
+        status_of(&answer),
+        Some(431),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    assert_eq!(backend.hits(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_dodging_by_spelling_and_case_lands_where_the_backend_would() {
     let backend = echo_backend().await;
     let limited = echo_backend().await;

@@ -245,7 +245,12 @@ fuzz_target!(|data: &[u8]| {
     let (split, split_end) = read(stream, limit, Some(&mut Pieces::new(control)));
     // The requests before the end are the same however the stream was cut.
     assert_eq!(whole, split, "limit {limit}, seed {control}");
-    let too_large = |end: &End| matches!(end, End::Refused(HeadError::TooLarge { .. }));
+    let too_large = |end: &End| {
+        matches!(
+            end,
+            End::Refused(HeadError::TooLarge { .. } | HeadError::TargetTooLong { .. })
+        )
+    };
     if too_large(&split_end) && !too_large(&whole_end) {
         // An incomplete head already over the limit is refused at once; seen whole, the same
         // head may show a malformed part, or too many fields, first.

@@ -240,6 +240,7 @@ async fn refuse(stream: &mut TcpStream, error: HeadError, send_timeout: Duration
     let error = match error {
         HeadError::TooLarge { size, limit } => ProxyError::HeadersTooLarge { size, limit },
         HeadError::TooManyHeaders { limit } => ProxyError::TooManyHeaders { limit },
+        HeadError::TargetTooLong { limit } => ProxyError::TargetTooLong { limit },
         HeadError::Malformed(reason) => ProxyError::BadRequest(reason.to_string()),
     };
     let (mut parts, body) = error.to_response().into_parts();

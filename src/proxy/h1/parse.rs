@@ -51,6 +51,10 @@ pub enum HeadError {
     TooLarge { size: usize, limit: usize },
     #[error("request has more than {limit} header fields")]
     TooManyHeaders { limit: usize },
+    /// The request line alone is over the head's limit: its target is too long (RFC 9112 3
+    /// asks for 414, and the client for a reason that names the target, not its fields).
+    #[error("request line is over the limit of {limit} bytes")]
+    TargetTooLong { limit: usize },
     #[error("{0}")]
     Malformed(&'static str),
 }
@@ -73,10 +77,7 @@ pub fn parse_head(
         Ok(httparse::Status::Complete(length)) => length,
         Ok(httparse::Status::Partial) => {
             if buffer.len() > max_head_bytes {
-                return Err(HeadError::TooLarge {
-                    size: buffer.len(),
-                    limit: max_head_bytes,
-                });
+                return Err(too_large(buffer, buffer.len(), max_head_bytes));
             }
             return Ok(None);
         }
@@ -86,10 +87,7 @@ pub fn parse_head(
         Err(error) => return Err(HeadError::Malformed(describe(error))),
     };
     if head_length > max_head_bytes {
-        return Err(HeadError::TooLarge {
-            size: head_length,
-            limit: max_head_bytes,
-        });
+        return Err(too_large(buffer, head_length, max_head_bytes));
     }
     let method = request
         .method
@@ -141,6 +139,20 @@ pub fn parse_head(
         }
     }
     meaning.finish(method, uri, version, headers).map(Some)
+}
+
+/// The refusal of a head of `size` bytes, over `limit`: the target's when the request line
+/// alone is over it (the same whether the line is whole in `buffer` or still arriving).
+fn too_large(buffer: &[u8], size: usize, limit: usize) -> HeadError {
+    let line = buffer
+        .iter()
+        .position(|&byte| byte == b'\n')
+        .unwrap_or(buffer.len());
+    if line > limit {
+        HeadError::TargetTooLong { limit }
+    } else {
+        HeadError::TooLarge { size, limit }
+    }
 }
 
 /// What the framing- and connection-related fields of one head add up to.
@@ -533,6 +545,16 @@ mod tests {
             parse_head(&mut buffer, 32),
             Err(HeadError::TooLarge { limit: 32, .. })
         ));
+        // A request line over the limit is the target's fault, whole or still arriving.
+        let long_line = format!("GET /{} HTTP/1.1\r\nHost: a\r\n\r\n", "a".repeat(40));
+        for end in [long_line.len(), 36] {
+            let mut buffer = BytesMut::from(&long_line.as_bytes()[..end]);
+            assert_eq!(
+                parse_head(&mut buffer, 32).map(|_| ()),
+                Err(HeadError::TargetTooLong { limit: 32 }),
+                "{end} bytes"
+            );
+        }
         let mut flood = String::from("GET / HTTP/1.1\r\n");
         for i in 0..=MAX_HEADERS {
             flood.push_str(&format!("X-{i}: y\r\n"));
