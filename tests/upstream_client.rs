@@ -1330,6 +1330,43 @@ async fn an_early_answer_to_an_upload_the_upstream_stops_reading_is_passed_on() 
     stop(levee).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_head_sent_during_an_upload_is_a_502_not_a_wait() {
+    // The upstream answers from the request head alone, with a head that never ends, while
+    // the client is still uploading. The head limit holds then too: levee stops reading at
+    // it and answers 502, instead of buffering all of it for as long as the upload lasts.
+    let mut endless = b"HTTP/1.1 200 OK\r\nX-Huge: ".to_vec();
+    endless.extend(std::iter::repeat_n(b'h', 256 * 1024));
+    let endless = Arc::new(endless);
+    let backend = Scripted::start(move |_| Reply {
+        writes: vec![endless.to_vec()],
+        then: Then::Hold,
+    })
+    .await;
+    let levee = levee_for(&backend, "").await;
+    // More than levee reads ahead before it connects; the rest of the upload never comes.
+    let first: Vec<Result<Frame<Bytes>, BoxError>> =
+        vec![Ok(Frame::data(Bytes::from(vec![b'u'; 128 * 1024])))];
+    let upload = StreamBody::new(futures_util::StreamExt::chain(
+        futures_util::stream::iter(first),
+        futures_util::stream::pending(),
+    ))
+    .boxed_unsync();
+    let answer = fetch(
+        Request::post(levee.url("/early-endless-head"))
+            .body(upload)
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(answer.status, 502, "{}", answer.text());
+    assert!(
+        answer.text().contains("response head over"),
+        "{}",
+        answer.text()
+    );
+    stop(levee).await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 8. Malformed response heads
 

@@ -635,7 +635,12 @@ async fn send_on(
         if let Poll::Ready(read) = std::pin::pin!(connection.stream.read_buf(buffer)).poll(cx) {
             match read {
                 Ok(0) => return Poll::Ready(Err(ClientError::Closed)),
-                Ok(_) if final_head_buffered(&connection.buffer) => {
+                // A head over the limit is an answer too: `read_response_head` refuses it.
+                // Read on, it would grow for as long as the client's upload lasts.
+                Ok(_)
+                    if connection.buffer.len() >= MAX_HEAD_BYTES
+                        || final_head_buffered(&connection.buffer) =>
+                {
                     connection.request_unfinished =
                         !body_done || !out.is_empty() || large.is_some();
                     return Poll::Ready(Ok(()));
