@@ -420,39 +420,40 @@ impl DecisionBatcher {
         if self.shared.uncounted.load(Ordering::Acquire) > 0 {
             return None;
         }
-        let verdicts = {
-            let ahead = asks.iter().all(|ask| {
-                headroom.get(ask.key).is_some_and(|known| {
-                    let left = known.remaining.saturating_sub(known.pending);
-                    known.burst == ask.burst
-                        && now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
-                        && (ask.dry_run
-                            || (left > 0
-                                && f64::from(left) > self.admit_ahead_above * f64::from(ask.burst)))
-                })
-            });
+        // One lookup per ask: each is admitted as it is checked, and the ones admitted are
+        // taken back if a later one cannot be.
+        let mut verdicts = Vec::with_capacity(asks.len());
+        for ask in asks {
+            let Some(known) = headroom.get_mut(ask.key) else {
+                break;
+            };
+            let left = known.remaining.saturating_sub(known.pending);
+            let ahead = known.burst == ask.burst
+                && now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
+                && (ask.dry_run
+                    || (left > 0
+                        && f64::from(left) > self.admit_ahead_above * f64::from(ask.burst)));
             if !ahead {
-                return None;
+                break;
             }
-            let mut verdicts = Vec::with_capacity(asks.len());
-            for ask in asks {
-                if let Some(known) = headroom.get_mut(ask.key) {
-                    // Only a dry-run rule gets here with nothing left: it would refuse.
-                    let allowed = known.remaining > known.pending;
-                    known.pending += 1;
-                    let remaining = known.remaining.saturating_sub(known.pending);
-                    let used = u64::from(ask.burst.saturating_sub(remaining));
-                    verdicts.push(RemoteVerdict {
-                        allowed,
-                        remaining,
-                        reset_ms: used.saturating_mul(ask.interval_us).div_ceil(1000),
-                        // A dry run's refusal is counted, never answered: no wait to say.
-                        retry_after_ms: 0,
-                    });
-                }
-            }
-            verdicts
-        };
+            // Only a dry-run rule gets here with nothing left: it would refuse.
+            let allowed = known.remaining > known.pending;
+            known.pending += 1;
+            let remaining = known.remaining.saturating_sub(known.pending);
+            let used = u64::from(ask.burst.saturating_sub(remaining));
+            verdicts.push(RemoteVerdict {
+                allowed,
+                remaining,
+                reset_ms: used.saturating_mul(ask.interval_us).div_ceil(1000),
+                // A dry run's refusal is counted, never answered: no wait to say.
+                retry_after_ms: 0,
+            });
+        }
+        if verdicts.len() < asks.len() {
+            let admitted = asks[..verdicts.len()].iter().map(|ask| ask.key);
+            take_off_pending(&mut headroom, admitted, 1);
+            return None;
+        }
         if self
             .enqueue(asks, Caller::Ahead(overruns.clone()), None)
             .is_err()
@@ -1855,6 +1856,28 @@ mod pipeline_tests {
         redis.answer(&allowed(9)).await;
         assert_eq!(remaining(other).await, 9);
         assert_eq!(batcher.shared.uncounted.load(Ordering::Acquire), 0);
+    }
+
+    #[tokio::test]
+    async fn a_request_with_one_bucket_unknown_is_not_admitted_ahead_and_takes_nothing() {
+        let (url, accepted) = StandIn::listen().await;
+        let batcher = batcher_with(&url, CALL_BOUND, 0.5);
+        let overruns = Counter::default();
+        let _redis = knowing_nine_left(&batcher, accepted).await;
+        // rl:k alone would be admitted ahead; with a bucket never answered for, the
+        // request waits for Redis, and rl:k keeps all of its headroom.
+        assert!(batcher
+            .admit_ahead(&[ask("rl:k"), ask("rl:unknown")], &overruns)
+            .is_none());
+        let pending = |key: &str| {
+            lock(&batcher.shared.headroom)
+                .get(key)
+                .map(|known| known.pending)
+        };
+        assert_eq!(pending("rl:k"), Some(0));
+        assert_eq!(pending("rl:unknown"), None);
+        assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_some());
+        assert_eq!(pending("rl:k"), Some(1));
     }
 
     #[tokio::test]
