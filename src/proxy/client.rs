@@ -932,7 +932,6 @@ fn parse_response_head(
     let mut keep_alive = version == Version::HTTP_11;
     let mut length_field: Option<u64> = None;
     let mut chunked = false;
-    let mut other_coding = false;
     for (index, field) in parsed.headers.iter().enumerate() {
         let kind = FieldKind::of(field.name.as_bytes());
         match kind {
@@ -947,9 +946,23 @@ fn parse_response_head(
                 length_field = Some(parsed);
             }
             FieldKind::TransferEncoding => {
-                let last = list_items(field.value).last().unwrap_or(b"");
-                chunked = last.eq_ignore_ascii_case(b"chunked");
-                other_coding |= !chunked;
+                // Only `chunked`, once. Another coding (`gzip, chunked`) would reach the client
+                // still coded and without its field (hop-by-hop), or, listed after `chunked`,
+                // with the chunk framing in the body: a 502 with the reason is the clear
+                // answer (no PHP stack sends them).
+                let mut codings = list_items(field.value).peekable();
+                if codings.peek().is_none() {
+                    return Err(ClientError::Protocol("empty transfer-encoding".into()));
+                }
+                for coding in codings {
+                    if chunked || !coding.eq_ignore_ascii_case(b"chunked") {
+                        return Err(ClientError::Protocol(format!(
+                            "unsupported transfer-encoding `{}` (only chunked, once)",
+                            String::from_utf8_lossy(field.value.trim_ascii())
+                        )));
+                    }
+                    chunked = true;
+                }
             }
             FieldKind::Connection => {
                 for token in list_items(field.value) {
@@ -979,15 +992,12 @@ fn parse_response_head(
             }
         }
     }
-    let framing = if chunked && !other_coding {
+    let framing = if chunked {
         // With both fields the length is ignored, and the connection is not trusted after.
         if length_field.is_some() {
             keep_alive = false;
         }
         Framing::Chunked(ChunkedDecoder::new())
-    } else if other_coding {
-        keep_alive = false;
-        Framing::UntilClose
     } else if let Some(length) = length_field {
         Framing::Length(length)
     } else {
@@ -1289,6 +1299,21 @@ mod tests {
             .unwrap();
         assert!(!closing.keep_alive);
         assert!(head("HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n").is_err());
+        // Codings other than one chunked: the body could not be passed on as it was meant.
+        for codings in [
+            "transfer-encoding: gzip, chunked",
+            "transfer-encoding: gzip\r\ntransfer-encoding: chunked",
+            "transfer-encoding: chunked, chunked",
+            "transfer-encoding: chunked\r\ntransfer-encoding: chunked",
+            "transfer-encoding: identity",
+            "transfer-encoding: ",
+        ] {
+            let text = format!("HTTP/1.1 200 OK\r\n{codings}\r\n\r\n");
+            assert!(
+                matches!(head(&text), Err(ClientError::Protocol(_))),
+                "{codings:?}"
+            );
+        }
         let repeated = head("HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 02\r\n\r\n")
             .unwrap()
             .unwrap();
@@ -1383,7 +1408,7 @@ mod tests {
         for text in [
             "HTTP/1.1 200 OK\r\nServer: a\r\nContent-Length: 3\r\nConnection: close\r\n\r\n",
             "HTTP/1.0 404 Not Found\r\nX-A: 1\r\nKeep-Alive: 2\r\nX-B: \t2\r\n\r\n",
-            "HTTP/1.1 500 Oops\r\nTransfer-Encoding: gzip, chunked\r\nX: é\r\n\r\n",
+            "HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\nX: é\r\n\r\n",
             "HTTP/1.1 200 OK\r\nconnection: upgrade, keep-alive\r\nupgrade: h2c\r\nvary: a\r\n\r\n",
         ] {
             let parsed = parse_response_head(&mut BytesMut::from(text), ResponseFields::Parsed)

@@ -146,16 +146,16 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
-            .filter_map(|value| value.to_str().ok())
-            .flat_map(|value| value.split(','))
-            .map(str::trim)
+            // As bytes: a value with one non-ASCII byte still names the fields it lists.
+            .flat_map(|value| value.as_bytes().split(|&byte| byte == b','))
+            .map(<[u8]>::trim_ascii)
             // The usual tokens name no header (`close`) or one removed below anyway.
             .filter(|token| {
-                !["keep-alive", "close", "upgrade"]
+                ![&b"keep-alive"[..], b"close", b"upgrade"]
                     .iter()
                     .any(|usual| token.eq_ignore_ascii_case(usual))
             })
-            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
+            .filter_map(|name| HeaderName::from_bytes(name).ok())
             .collect();
         for name in named {
             headers.remove(name);
@@ -390,6 +390,17 @@ mod tests {
         strip_hop_by_hop(&mut map, false);
         assert_eq!(map.len(), 1, "{map:?}");
         assert_eq!(map["cookie"], "a=1");
+
+        // A byte that is not ASCII elsewhere in the value does not hide the names it lists.
+        let mut map = HeaderMap::new();
+        map.insert(
+            header::CONNECTION,
+            HeaderValue::from_bytes(b"x-secret, \xe9t\xe9").unwrap(),
+        );
+        map.insert("x-secret", HeaderValue::from_static("1"));
+        map.insert("cookie", HeaderValue::from_static("a=1"));
+        strip_hop_by_hop(&mut map, false);
+        assert_eq!(map.len(), 1, "{map:?}");
     }
 
     #[test]

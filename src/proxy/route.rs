@@ -175,14 +175,17 @@ impl RouteTable {
     }
 }
 
-/// The host a request names, without port: the `Host` header, or the authority of an
+/// The host a request names, without port and without the trailing dot of a fully qualified
+/// name (`admin.example.` is `admin.example`, as DNS and nginx's `server_name` have it: a
+/// host route must not be dodged by a dot): the `Host` header, or the authority of an
 /// absolute-form target.
 fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
     let raw = match headers.get(http::header::HOST) {
         Some(value) => value.to_str().ok()?,
         None => uri.host()?,
     };
-    Some(strip_port(raw))
+    let host = strip_port(raw);
+    Some(host.strip_suffix('.').unwrap_or(host))
 }
 
 fn strip_port(host: &str) -> &str {
@@ -204,6 +207,22 @@ mod tests {
         assert!(HostMatch::parse("*.example.com").matches("www.example.com"));
         assert!(!HostMatch::parse("*.example.com").matches(".example.com"));
         assert!(!HostMatch::parse("*.example.com").matches("example.com"));
+    }
+
+    #[test]
+    fn a_fully_qualified_host_is_the_same_host() {
+        let uri: http::Uri = "/".parse().unwrap();
+        for (raw, host) in [
+            ("admin.example.", "admin.example"),
+            ("admin.example.:8080", "admin.example"),
+            ("admin.example", "admin.example"),
+            ("[::1]:80", "[::1]"),
+        ] {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(http::header::HOST, http::HeaderValue::from_static(raw));
+            assert_eq!(request_host(&uri, &headers), Some(host), "{raw}");
+        }
+        assert!(HostMatch::parse("*.example").matches("admin.example"));
     }
 
     #[test]
