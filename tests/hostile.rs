@@ -20,6 +20,19 @@ async fn get_target(levee: &Levee, target: &str) -> String {
     .await
 }
 
+/// levee in front of two echo backends: `app`, the default upstream, and `second`, for the
+/// requests `route_match` (a route's `match` table) matches, on a route named `route`.
+async fn levee_with_a_second_route(route: &str, route_match: &str) -> (Levee, Backend, Backend) {
+    let app = echo_backend().await;
+    let second = echo_backend().await;
+    let rest = format!(
+        "[upstream.second]\nurl = \"http://{}\"\n[[route]]\nname = \"{route}\"\nmatch = {route_match}\nupstream = \"second\"\n",
+        second.addr
+    );
+    let levee = Levee::start(&policy_for(app.addr, "default_upstream = \"app\"", &rest)).await;
+    (levee, app, second)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smuggling_attempts_are_refused_never_forwarded_ambiguously() {
     let backend = echo_backend().await;
@@ -130,18 +143,8 @@ async fn an_invalid_host_is_refused_with_400() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_absolute_form_target_is_routed_and_forwarded_by_its_own_host() {
-    let backend = echo_backend().await;
-    let admin = echo_backend().await;
-    let rest = format!(
-        "[upstream.admin]\nurl = \"http://{}\"\n[[route]]\nname = \"admin\"\nmatch = {{ host = \"admin.example\" }}\nupstream = \"admin\"\n",
-        admin.addr
-    );
-    let levee = Levee::start(&policy_for(
-        backend.addr,
-        "default_upstream = \"app\"",
-        &rest,
-    ))
-    .await;
+    let (levee, backend, admin) =
+        levee_with_a_second_route("admin", "{ host = \"admin.example\" }").await;
     // RFC 9112 3.2.2: the request is for the target's host; Host is ignored. The route and
     // the app both go by admin.example.
     let answer = exchange(
@@ -194,18 +197,8 @@ async fn an_over_long_target_gets_414_and_over_large_fields_431() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_dodging_by_spelling_and_case_lands_where_the_backend_would() {
-    let backend = echo_backend().await;
-    let limited = echo_backend().await;
-    let rest = format!(
-        "[upstream.guarded]\nurl = \"http://{}\"\n[[route]]\nname = \"ranking\"\nmatch = {{ path_prefix = \"/ranking\" }}\nupstream = \"guarded\"\n",
-        limited.addr
-    );
-    let levee = Levee::start(&policy_for(
-        backend.addr,
-        "default_upstream = \"app\"",
-        &rest,
-    ))
-    .await;
+    let (levee, backend, limited) =
+        levee_with_a_second_route("ranking", "{ path_prefix = \"/ranking\" }").await;
     for path in [
         "/ranking",
         "/./ranking",
@@ -295,18 +288,8 @@ async fn header_breaking_bytes_are_refused_or_passed_on_encoded_never_raw() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_utf8_and_percent_encoding_in_paths_get_400_or_pass_unchanged() {
-    let backend = echo_backend().await;
-    let ranking = echo_backend().await;
-    let rest = format!(
-        "[upstream.ranking]\nurl = \"http://{}\"\n[[route]]\nname = \"ranking\"\nmatch = {{ path_prefix = \"/ranking\" }}\nupstream = \"ranking\"\n",
-        ranking.addr
-    );
-    let levee = Levee::start(&policy_for(
-        backend.addr,
-        "default_upstream = \"app\"",
-        &rest,
-    ))
-    .await;
+    let (levee, backend, ranking) =
+        levee_with_a_second_route("ranking", "{ path_prefix = \"/ranking\" }").await;
 
     // Raw UTF-8 in the target is not valid HTTP, but nginx and PHP take it, so levee passes it
     // on byte for byte rather than break a site that has such links; bytes that are not
