@@ -690,7 +690,7 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
             cluster.toml_list()
         ),
     );
-    let key = |week: u32| format!("levee:stale:ranking:/ranking?week={week}");
+    let key = |week: u32| format!("levee:stale:ranking:127.0.0.1/ranking?week={week}");
     let out_node = cluster.owner(&key(0));
     let mut elsewhere = (1..).filter(|week| cluster.owner(&key(*week)) != out_node);
     let (kept, probe) = (
@@ -740,4 +740,56 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
         cluster.ports[out_node]
     );
     assert_eq!(metric_value(&metrics, &out), 0.0, "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_answers_only_the_host_it_was_fetched_for() {
+    // One PHP vhost often serves several sites (a forum per subdomain) under one route: the
+    // copy of one site's page must never answer for another.
+    let backend = Backend::start(|request: Request<Incoming>| {
+        let host = request
+            .headers()
+            .get("host")
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        async move {
+            Response::builder()
+                .header("content-type", "text/html")
+                .body(full(format!("ranking of {host}")))
+                .expect("response")
+        }
+    })
+    .await;
+    let routes = ROUTES.replace(
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    );
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    let for_host = |host: &'static str| {
+        let url = levee.url("/ranking");
+        async move {
+            send(
+                Request::get(url)
+                    .header("host", host)
+                    .body(full(""))
+                    .expect("request"),
+            )
+            .await
+        }
+    };
+    assert_eq!(for_host("a.example").await.text(), "ranking of a.example");
+
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let other = for_host("b.example").await;
+    assert_eq!(
+        (other.status, other.text().as_str()),
+        (503, "ranking is resting"),
+        "b.example has no copy of its own"
+    );
+    let own = for_host("a.example").await;
+    assert_eq!(
+        (own.status, own.text().as_str(), own.header("x-levee-stale")),
+        (200, "ranking of a.example", Some("1"))
+    );
 }

@@ -489,15 +489,19 @@ where
     }
 }
 
-/// The key of a route's copy: route, normalised path and query, and the `vary` values.
+/// The key of a route's copy: route, the `Host` the app is sent, normalised path and query,
+/// and the `vary` values.
 pub fn copy_key(
     prefix: &str,
     route: &str,
+    host: &str,
     path: &str,
     query: Option<&str>,
     vary: &[String],
 ) -> String {
-    let mut key = format!("{prefix}stale:{route}:{path}");
+    // A host never holds `/` and a normalised path starts with one: the two cannot run into
+    // each other.
+    let mut key = format!("{prefix}stale:{route}:{host}{path}");
     if let Some(query) = query {
         key.push('?');
         key.push_str(query);

@@ -575,9 +575,19 @@ impl Stale {
                         .unwrap_or_default()
                 })
                 .collect();
+            // One route may serve several sites of one vhost: the page is the one the app
+            // makes for the host it is sent, read as routes read it (without port, so every
+            // instance of a fleet reached on its own port shares the copy).
+            let host = match &route.upstream.settings.host {
+                Some(pinned) => pinned.to_str().ok(),
+                None => route::request_host(request.uri(), request.headers()),
+            }
+            .unwrap_or("")
+            .to_ascii_lowercase();
             copy_key(
                 policy.key_prefix(),
                 &route.name.0,
+                &host,
                 normal_path,
                 request.uri().query(),
                 &vary,

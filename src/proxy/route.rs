@@ -179,7 +179,10 @@ impl RouteTable {
 /// name (`admin.example.` is `admin.example`, as DNS and nginx's `server_name` have it: a
 /// host route must not be dodged by a dot): the `Host` header, or the authority of an
 /// absolute-form target.
-fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
+pub(crate) fn request_host<'a>(
+    uri: &'a http::Uri,
+    headers: &'a http::HeaderMap,
+) -> Option<&'a str> {
     let raw = match headers.get(http::header::HOST) {
         Some(value) => value.to_str().ok()?,
         None => uri.host()?,
