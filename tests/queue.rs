@@ -934,3 +934,46 @@ fn check_refuses_queues_without_redis() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_carries_the_forwarded_proto_levee_believes_not_the_clients() {
+    // The app sees a replayed job as it would have seen the request forwarded at once: a
+    // client levee does not trust cannot claim `https` (an app that marks cookies secure or
+    // skips its https redirect on that word would believe it).
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let protos: Arc<Mutex<Vec<Option<String>>>> = Arc::new(Mutex::new(Vec::new()));
+    let record = protos.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let proto = request
+            .headers()
+            .get("x-forwarded-proto")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        record.lock().expect("lock").push(proto);
+        async move { Response::new(full("applied")) }
+    })
+    .await;
+    let policy = queue_policy(backend.addr, &redis.url(), "").replace(
+        "access_log = false",
+        "access_log = false\ntrusted_proxies = []",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let request = Request::post(levee.url("/notify.php"))
+        .header("x-forwarded-proto", "https")
+        .body(full("like=1"))
+        .expect("request");
+    assert_eq!(send(request).await.status, 202);
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the job to be replayed",
+        || async { !protos.lock().expect("lock").is_empty() },
+    )
+    .await;
+    assert_eq!(
+        protos.lock().expect("lock").clone(),
+        vec![Some("http".to_string())]
+    );
+}

@@ -260,6 +260,11 @@ async fn forward(
 
     if let (true, Some(action)) = (queue_now, &route.queue) {
         let wants_json = wants_json(request.headers());
+        // The job is replayed with the headers it is stored with: the forwarded fields levee
+        // believes, as a request forwarded now carries them, not what an untrusted client
+        // claimed (its `X-Forwarded-Proto: https`).
+        header::strip_hop_by_hop(request.headers_mut(), false);
+        header::set_forwarded(request.headers_mut(), peer.ip(), peer_trusted, client_ip);
         // Boxed, as the rate limit's Redis call is: see above `forward`.
         return Box::pin(crate::queue::enqueue(
             policy,

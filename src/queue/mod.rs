@@ -25,7 +25,6 @@ use crate::error::{full_body, ProxyError};
 use crate::metrics::{Metrics, QueueLabels};
 use crate::proxy::body::{find_cause, BodyIdleTimeout, IdleTimeout, ResponseBody};
 use crate::proxy::h1::RequestBody;
-use crate::proxy::header::strip_hop_by_hop;
 use crate::proxy::route::Route;
 use crate::redis_store::{Guard, RedisFailure};
 pub use job::Job;
@@ -272,7 +271,9 @@ async fn settle_write(
 const DEFAULT_ACCEPTED_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Accepted</title></head>\n<body><h1>Accepted</h1><p>Your request was received and takes effect shortly.</p><p>Reference: {job}</p></body></html>\n";
 const DEFAULT_ACCEPTED_JSON: &str = "{\"status\":\"accepted\",\"job\":\"{job}\"}\n";
 
-/// Stores the request as a job and answers 202, or fails with 503 (not stored) / 413.
+/// Stores the request as a job and answers 202, or fails with 503 (not stored) / 413. The
+/// request's hop-by-hop fields are gone and its forwarded fields set (`header::set_forwarded`):
+/// the job is replayed with the headers it is stored with.
 pub async fn enqueue(
     policy: &Policy,
     route: &Route,
@@ -287,7 +288,7 @@ pub async fn enqueue(
             "queue route without [redis] and [queue]".into(),
         ));
     };
-    let (mut parts, body) = request.into_parts();
+    let (parts, body) = request.into_parts();
     let limit = settings
         .max_body
         .min(usize::try_from(route.max_body).unwrap_or(usize::MAX));
@@ -316,7 +317,6 @@ pub async fn enqueue(
             )));
         }
     };
-    strip_hop_by_hop(&mut parts.headers, false);
     let job = Job::from_request(&route.name.0, &parts, body, client_ip);
     let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
     // Writes are worth a little more patience than limit checks, but never unbounded.
