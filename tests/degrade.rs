@@ -793,3 +793,47 @@ async fn a_copy_answers_only_the_host_it_was_fetched_for() {
         (200, "ranking of a.example", Some("1"))
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_does_not_carry_the_rate_limit_state_of_the_client_it_was_fetched_for() {
+    // The RateLimit fields tell one client what is left of its own quota; a copy served to
+    // everyone else must not repeat them.
+    let (backend, _, _) = versioned().await;
+    let routes = ROUTES.replace(
+        "module = \"ranking\"",
+        "module = \"ranking\"\nlimits = [\"per_ip\"]",
+    );
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("[limit.per_ip]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 50\nheaders_on_allow = true\n{routes}"),
+    );
+    let levee = Levee::start(&policy).await;
+    let as_client = |ip: &'static str| {
+        let url = levee.url("/ranking");
+        async move {
+            send(
+                Request::get(url)
+                    .header("x-forwarded-for", ip)
+                    .body(full(""))
+                    .expect("request"),
+            )
+            .await
+        }
+    };
+    let fresh = as_client("203.0.113.1").await;
+    assert_eq!(fresh.text(), "/ranking v1");
+    assert!(fresh.header("ratelimit").is_some(), "{:?}", fresh.headers);
+
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let copy = as_client("203.0.113.2").await;
+    assert_eq!(
+        (copy.text().as_str(), copy.header("x-levee-stale")),
+        ("/ranking v1", Some("1"))
+    );
+    assert_eq!(
+        (copy.header("ratelimit"), copy.header("ratelimit-policy")),
+        (None, None),
+        "another client's quota in the copy"
+    );
+}

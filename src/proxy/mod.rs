@@ -504,18 +504,19 @@ async fn forward(
 
     let (mut parts, body) = response.into_parts();
     header::strip_hop_by_hop(&mut parts.headers, false);
-    if let Some(limit) = allowed_headers {
-        parts
-            .headers
-            .insert(header::RATELIMIT_POLICY.clone(), limit.policy);
-        parts.headers.insert(header::RATELIMIT.clone(), limit.state);
-    }
     let body = IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream");
     // A good answer of a stale route refreshes its copy as it streams past.
     let body = match stale.capture_target(shared, policy, parts.status, &parts.headers, fetch) {
         Some(target) => Capture::new(body, parts.status, &parts.headers, target).boxed_unsync(),
         None => body.boxed_unsync(),
     };
+    // After the copy took its headers: this client's quota is no one else's.
+    if let Some(limit) = allowed_headers {
+        parts
+            .headers
+            .insert(header::RATELIMIT_POLICY.clone(), limit.policy);
+        parts.headers.insert(header::RATELIMIT.clone(), limit.state);
+    }
     Ok(Answer {
         // A page that is rewritten has its fields parsed (`fields` above), never relayed.
         response: without_switched_off_fragments(Response::from_parts(parts, body), hiding),
