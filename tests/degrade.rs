@@ -837,3 +837,43 @@ async fn a_copy_does_not_carry_the_rate_limit_state_of_the_client_it_was_fetched
         "another client's quota in the copy"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_fetched_with_credentials_is_not_kept_for_everyone() {
+    // An answer to a request with `Authorization` is that user's (RFC 9111 3.5): a shared
+    // copy of it would show one user's page to every client.
+    let backend = Backend::start(|request: Request<Incoming>| {
+        let user = request
+            .headers()
+            .get("authorization")
+            .map(|_| "alice's ranking")
+            .unwrap_or("public ranking");
+        async move {
+            Response::builder()
+                .header("content-type", "text/html")
+                .body(full(user))
+                .expect("response")
+        }
+    })
+    .await;
+    let routes = ROUTES.replace(
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    );
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    let with_credentials = send(
+        Request::get(levee.url("/ranking"))
+            .header("authorization", "Basic YWxpY2U6c2VjcmV0")
+            .body(full(""))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(with_credentials.text(), "alice's ranking");
+
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let anonymous = get(&levee.url("/ranking")).await;
+    assert_eq!(
+        (anonymous.status, anonymous.text().as_str()),
+        (503, "ranking is resting")
+    );
+}

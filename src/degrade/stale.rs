@@ -327,8 +327,14 @@ impl StaleStore {
     }
 }
 
-/// Can this response be kept as the route's last good copy?
-pub fn storable(status: StatusCode, headers: &HeaderMap, settings: &StaleSettings) -> bool {
+/// Can this response be kept as the route's last good copy? `credentials`: the request
+/// carried `Authorization`.
+pub fn storable(
+    status: StatusCode,
+    headers: &HeaderMap,
+    settings: &StaleSettings,
+    credentials: bool,
+) -> bool {
     if status != StatusCode::OK {
         return false;
     }
@@ -340,6 +346,14 @@ pub fn storable(status: StatusCode, headers: &HeaderMap, settings: &StaleSetting
         .join(",")
         .to_ascii_lowercase();
     if cache_control.contains("private") || cache_control.contains("no-store") {
+        return false;
+    }
+    // The answer to a request with credentials is that user's page, unless the app says it
+    // may be shared (RFC 9111 3.5).
+    let shared_anyway = ["public", "s-maxage", "must-revalidate"]
+        .iter()
+        .any(|directive| cache_control.contains(directive));
+    if credentials && !shared_anyway {
         return false;
     }
     if !settings.allow_set_cookie && headers.contains_key(header::SET_COOKIE) {
@@ -557,18 +571,25 @@ mod tests {
             max_body: 100,
         };
         let mut headers = HeaderMap::new();
-        assert!(storable(StatusCode::OK, &headers, &settings));
-        assert!(!storable(StatusCode::NOT_FOUND, &headers, &settings));
+        assert!(storable(StatusCode::OK, &headers, &settings, false));
+        assert!(!storable(StatusCode::OK, &headers, &settings, true));
+        assert!(!storable(StatusCode::NOT_FOUND, &headers, &settings, false));
         headers.insert(
             header::CACHE_CONTROL,
             HeaderValue::from_static("private, max-age=0"),
         );
-        assert!(!storable(StatusCode::OK, &headers, &settings));
+        assert!(!storable(StatusCode::OK, &headers, &settings, false));
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CACHE_CONTROL,
+            HeaderValue::from_static("public, max-age=60"),
+        );
+        assert!(storable(StatusCode::OK, &headers, &settings, true));
         let mut headers = HeaderMap::new();
         headers.insert(header::SET_COOKIE, HeaderValue::from_static("a=1"));
-        assert!(!storable(StatusCode::OK, &headers, &settings));
+        assert!(!storable(StatusCode::OK, &headers, &settings, false));
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("101"));
-        assert!(!storable(StatusCode::OK, &headers, &settings));
+        assert!(!storable(StatusCode::OK, &headers, &settings, false));
     }
 }

@@ -548,6 +548,8 @@ fn without_switched_off_fragments(
 struct Stale {
     key: Option<String>,
     settings: Option<Arc<StaleSettings>>,
+    /// The request carried `Authorization`: its answer is kept only if the app allows it.
+    credentials: bool,
 }
 
 enum Joined {
@@ -568,6 +570,7 @@ impl Stale {
             return Stale {
                 key: None,
                 settings: None,
+                credentials: false,
             };
         };
         let key = (request.method() == Method::GET).then(|| {
@@ -602,6 +605,7 @@ impl Stale {
         Stale {
             key,
             settings: Some(settings.clone()),
+            credentials: request.headers().contains_key(h::AUTHORIZATION),
         }
     }
 
@@ -708,7 +712,7 @@ impl Stale {
         let (Some(key), Some(settings)) = (&self.key, &self.settings) else {
             return None;
         };
-        if !stale::storable(status, headers, settings) {
+        if !stale::storable(status, headers, settings, self.credentials) {
             return None;
         }
         Some(CaptureTarget {
