@@ -877,3 +877,66 @@ async fn a_page_fetched_with_credentials_is_not_kept_for_everyone() {
         (503, "ranking is resting")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_revalidating_its_cached_page_gets_the_page_as_the_switches_have_it_now() {
+    // A browser that cached the page while a module was on asks again with its validator; the
+    // app, whose page did not change, says 304 — and the browser would go on showing the block
+    // the operator switched off. Likewise a page cached while the module was off would come
+    // back without it once on.
+    const LAST_MODIFIED: &str = "Mon, 30 Nov 2026 10:00:00 GMT";
+    let backend = Backend::start(|request: Request<Incoming>| {
+        let conditional = request.headers().contains_key("if-modified-since")
+            || request.headers().contains_key("if-none-match");
+        async move {
+            if conditional {
+                return Response::builder()
+                    .status(304)
+                    .header("last-modified", LAST_MODIFIED)
+                    .header("etag", "\"v1\"")
+                    .body(full(""))
+                    .expect("response");
+            }
+            Response::builder()
+                .header("content-type", "text/html")
+                .header("last-modified", LAST_MODIFIED)
+                .header("etag", "\"v1\"")
+                .body(full("<p>home</p><div id=\"visitors\">42 online</div>"))
+                .expect("response")
+        }
+    })
+    .await;
+    let routes = ROUTES.replace(
+        "match = { path = \"/\" }",
+        "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }",
+    );
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    let revalidate = |url: String| async move {
+        send(
+            Request::get(url)
+                .header("if-modified-since", LAST_MODIFIED)
+                .header("if-none-match", "\"v1\"")
+                .body(full(""))
+                .expect("request"),
+        )
+        .await
+    };
+    let cached = get(&levee.url("/")).await;
+    assert_eq!(
+        cached.text(),
+        "<p>home</p><div id=\"visitors\">42 online</div>"
+    );
+
+    assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    let again = revalidate(levee.url("/")).await;
+    assert_eq!(
+        (again.status, again.text().as_str()),
+        (200, "<p>home</p>"),
+        "the module switched off is gone from a revalidated page too"
+    );
+    assert_eq!(
+        (again.header("etag"), again.header("last-modified")),
+        (None, None),
+        "a page cut by the switches carries no validator of the app's page"
+    );
+}

@@ -331,6 +331,13 @@ async fn forward(
         // answers clients of every kind; the front nginx may gzip it.
         parts.headers.remove(h::ACCEPT_ENCODING);
     }
+    if hiding.is_some() {
+        // A browser's validator names the app's page, which the app would confirm with a 304,
+        // and the browser would show the page it cached, blocks of switched-off modules and
+        // all: the page is asked for whole, to be cut.
+        parts.headers.remove(h::IF_NONE_MATCH);
+        parts.headers.remove(h::IF_MODIFIED_SINCE);
+    }
     // Most requests (GET) have no body: no limit or idle timer to set up for them.
     let body = if http_body::Body::is_end_stream(&body) {
         http_body_util::Empty::new()
@@ -538,9 +545,11 @@ fn without_switched_off_fragments(
         return response;
     }
     let (mut parts, body) = response.into_parts();
-    // The length changes, and the upstream's validator no longer describes this body.
+    // The length changes, and the upstream's validators no longer describe this body: one
+    // kept by a browser would have the app confirm a page with the blocks of other switches.
     parts.headers.remove(h::CONTENT_LENGTH);
     parts.headers.remove(h::ETAG);
+    parts.headers.remove(h::LAST_MODIFIED);
     Response::from_parts(parts, Hidden::new(body, &selectors, markers).boxed_unsync())
 }
 
