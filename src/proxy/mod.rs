@@ -337,6 +337,10 @@ async fn forward(
         // all: the page is asked for whole, to be cut.
         parts.headers.remove(h::IF_NONE_MATCH);
         parts.headers.remove(h::IF_MODIFIED_SINCE);
+        // A range of the app's page is no range of the page once cut (its Content-Range
+        // would count bytes that are gone).
+        parts.headers.remove(h::RANGE);
+        parts.headers.remove(h::IF_RANGE);
     }
     // Most requests (GET) have no body: no limit or idle timer to set up for them.
     let body = if http_body::Body::is_end_stream(&body) {
