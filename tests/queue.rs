@@ -977,3 +977,41 @@ async fn a_queued_request_carries_the_forwarded_proto_levee_believes_not_the_cli
         vec![Some("http".to_string())]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_own_idempotency_key_reaches_the_app_with_its_job() {
+    // A client told 503 that retries, or an API client that always sends a key, sends the
+    // same `Idempotency-Key` with each try: the app can tell the tries are one only if it sees
+    // that key, not a job id that differs from try to try.
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    switch(&levee, "off").await;
+    for _ in 0..2 {
+        let request = Request::post(levee.url("/notify.php"))
+            .header("idempotency-key", "order-7f3a")
+            .body(full("pay=1"))
+            .expect("request");
+        assert_eq!(send(request).await.status, 202);
+    }
+    let plain = post_as(&levee, "like=1", "198.51.100.7").await;
+    let job = plain.header("x-levee-job").expect("job id").to_string();
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the jobs to be replayed",
+        || async { seen.lock().expect("lock").len() >= 3 },
+    )
+    .await;
+    let mut keys: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(key, ..)| key.clone())
+        .collect();
+    keys.sort();
+    let mut expected = vec![job, "order-7f3a".to_string(), "order-7f3a".to_string()];
+    expected.sort();
+    assert_eq!(keys, expected);
+}

@@ -674,8 +674,12 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
         headers.insert(http::header::HOST, host.clone());
     }
     headers.remove(http::header::CONTENT_LENGTH);
-    if let Ok(key) = HeaderValue::from_str(job.idempotency_key()) {
-        headers.insert("idempotency-key", key);
+    // A key the client sent itself stays: it names the client's one operation across its
+    // retries (each a job of its own), which the job id cannot.
+    if !headers.contains_key("idempotency-key") {
+        if let Ok(key) = HeaderValue::from_str(job.idempotency_key()) {
+            headers.insert("idempotency-key", key);
+        }
     }
     if let Ok(client) = HeaderValue::from_str(&job.client_ip) {
         headers.insert("x-real-ip", client.clone());
