@@ -1015,3 +1015,48 @@ async fn a_clients_own_idempotency_key_reaches_the_app_with_its_job() {
     expected.sort();
     assert_eq!(keys, expected);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_applied_while_redis_restarts_is_finished_once_redis_is_back_not_applied_again() {
+    // The app applied the job, and Redis went away before the worker could mark it done. It
+    // comes back (with its data) well within claim_after: the worker finishes the job then,
+    // rather than leaving it to be taken over and sent to the app a second time.
+    let dir = tempfile::tempdir().expect("dir");
+    let port = free_port();
+    let redis = Arc::new(Mutex::new(Some(
+        RedisServer::start_persistent(dir.path(), port).await,
+    )));
+    let applied: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(Vec::new()));
+    let (record, to_kill) = (applied.clone(), redis.clone());
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let key = request
+            .headers()
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        record.lock().expect("lock").push(key);
+        if let Some(mut server) = to_kill.lock().expect("lock").take() {
+            server.kill();
+        }
+        async move { Response::new(full("applied")) }
+    })
+    .await;
+    let url = format!("redis://127.0.0.1:{port}/0");
+    let levee = Levee::start(&queue_policy(backend.addr, &url, "claim_after = \"3s\"")).await;
+    switch(&levee, "off").await;
+    assert_eq!(post_as(&levee, "like=1", "198.51.100.7").await.status, 202);
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the app to apply the job",
+        || async { !applied.lock().expect("lock").is_empty() },
+    )
+    .await;
+    let _back = RedisServer::start_persistent(dir.path(), port).await;
+    eventually(Duration::from_secs(20), "the queue to be empty", || async {
+        get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"] == 0
+    })
+    .await;
+    assert_eq!(applied.lock().expect("lock").len(), 1, "applied once");
+}

@@ -767,7 +767,25 @@ impl Pass<'_> {
         ];
         args.extend(rest);
         let script = format!("{IF_STILL_HELD}{script}");
-        if let redis::Value::Int(-1) = eval(self.redis, &script, keys, args).await? {
+        // The app has had the job by now: were the outcome left unrecorded because Redis
+        // failed this once (restarted, failed over, a broken connection), the job would be
+        // taken over after claim_after and sent to the app again. So it is tried again until
+        // Redis answers, for as long as no other worker could have taken the job over; the
+        // script does nothing if one has.
+        let give_up_at = Instant::now() + self.settings.claim_after;
+        let outcome = loop {
+            match eval(self.redis, &script, keys, args.clone()).await {
+                Err(error) if !is_no_group(&error) && Instant::now() < give_up_at => {
+                    tracing::debug!(
+                        id,
+                        "the outcome of a replayed job is not recorded yet, trying again: {error}"
+                    );
+                    tokio::time::sleep(self.settings.poll_interval).await;
+                }
+                outcome => break outcome?,
+            }
+        };
+        if let redis::Value::Int(-1) = outcome {
             tracing::warn!(
                 id,
                 "job taken over by another worker while its replay ran here; left to that one"
