@@ -575,15 +575,8 @@ async fn a_stale_copy_is_hidden_like_the_page_and_kept_uncompressed() {
         "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }\ndegrade = { action = \"stale\", max_age = \"1m\" }",
     );
     let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
-    let with_gzip = |url: String| async move {
-        send(
-            Request::get(url)
-                .header("accept-encoding", "gzip")
-                .body(full(""))
-                .expect("request"),
-        )
-        .await
-    };
+    let with_gzip =
+        |url: String| async move { get_with(&url, &[("accept-encoding", "gzip")]).await };
     let fresh = with_gzip(levee.url("/")).await;
     assert_eq!(
         fresh.text(),
@@ -768,15 +761,7 @@ async fn a_copy_answers_only_the_host_it_was_fetched_for() {
     let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
     let for_host = |host: &'static str| {
         let url = levee.url("/ranking");
-        async move {
-            send(
-                Request::get(url)
-                    .header("host", host)
-                    .body(full(""))
-                    .expect("request"),
-            )
-            .await
-        }
+        async move { get_with(&url, &[("host", host)]).await }
     };
     assert_eq!(for_host("a.example").await.text(), "ranking of a.example");
 
@@ -811,15 +796,7 @@ async fn a_copy_does_not_carry_the_rate_limit_state_of_the_client_it_was_fetched
     let levee = Levee::start(&policy).await;
     let as_client = |ip: &'static str| {
         let url = levee.url("/ranking");
-        async move {
-            send(
-                Request::get(url)
-                    .header("x-forwarded-for", ip)
-                    .body(full(""))
-                    .expect("request"),
-            )
-            .await
-        }
+        async move { get_with(&url, &[("x-forwarded-for", ip)]).await }
     };
     let fresh = as_client("203.0.113.1").await;
     assert_eq!(fresh.text(), "/ranking v1");
@@ -861,11 +838,9 @@ async fn a_page_fetched_with_credentials_is_not_kept_for_everyone() {
         "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
     );
     let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
-    let with_credentials = send(
-        Request::get(levee.url("/ranking"))
-            .header("authorization", "Basic YWxpY2U6c2VjcmV0")
-            .body(full(""))
-            .expect("request"),
+    let with_credentials = get_with(
+        &levee.url("/ranking"),
+        &[("authorization", "Basic YWxpY2U6c2VjcmV0")],
     )
     .await;
     assert_eq!(with_credentials.text(), "alice's ranking");
@@ -912,12 +887,12 @@ async fn a_browser_revalidating_its_cached_page_gets_the_page_as_the_switches_ha
     );
     let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
     let revalidate = |url: String| async move {
-        send(
-            Request::get(url)
-                .header("if-modified-since", LAST_MODIFIED)
-                .header("if-none-match", "\"v1\"")
-                .body(full(""))
-                .expect("request"),
+        get_with(
+            &url,
+            &[
+                ("if-modified-since", LAST_MODIFIED),
+                ("if-none-match", "\"v1\""),
+            ],
         )
         .await
     };
@@ -970,13 +945,7 @@ async fn a_range_of_a_page_with_modules_hidden_is_never_a_cut_up_piece_of_the_ap
     );
     let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
     assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
-    let ranged = send(
-        Request::get(levee.url("/"))
-            .header("range", "bytes=11-30")
-            .body(full(""))
-            .expect("request"),
-    )
-    .await;
+    let ranged = get_with(&levee.url("/"), &[("range", "bytes=11-30")]).await;
     assert_eq!(
         (ranged.status, ranged.text().as_str()),
         (200, "<p>home</p><p>end</p>"),

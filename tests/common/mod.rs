@@ -163,6 +163,15 @@ pub async fn get(url: &str) -> Answer {
     send(Request::get(url).body(full(Bytes::new())).expect("request")).await
 }
 
+/// `GET url` with these header fields.
+pub async fn get_with(url: &str, headers: &[(&str, &str)]) -> Answer {
+    let mut request = Request::get(url);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    send(request.body(full(Bytes::new())).expect("request")).await
+}
+
 pub async fn post(url: &str, body: &str) -> Answer {
     send(
         Request::post(url)
