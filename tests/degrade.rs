@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use common::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -59,10 +60,7 @@ async fn versioned() -> (Backend, Arc<AtomicUsize>, Arc<AtomicU8>) {
                 // Hangs: a dependency that accepts and never answers.
                 tokio::time::sleep(Duration::from_secs(30)).await;
             }
-            Response::builder()
-                .header("content-type", "text/html")
-                .body(full(body))
-                .expect("response")
+            html(body)
         }
     })
     .await;
@@ -75,6 +73,20 @@ async fn set(levee: &Levee, path: &str, value: &str) -> Answer {
         .body(full(value.to_string()))
         .expect("request");
     send(request).await
+}
+
+/// A `text/html` answer with `body`.
+fn html(body: impl Into<Bytes>) -> Response<TestBody> {
+    Response::builder()
+        .header("content-type", "text/html")
+        .body(full(body.into()))
+        .expect("response")
+}
+
+/// levee in front of `backend` with [`ROUTES`], `from` replaced by `to` in them.
+async fn levee_with_routes(backend: &Backend, from: &str, to: &str) -> Levee {
+    let routes = ROUTES.replace(from, to);
+    Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -211,11 +223,12 @@ async fn switch_changes_made_at_once_are_all_kept_in_effect_and_in_the_state_fil
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ranking_serves_its_last_good_copy_with_a_growing_age_until_max_age() {
     let (backend, version, failing) = versioned().await;
-    let routes = ROUTES.replace(
+    let levee = levee_with_routes(
+        &backend,
         "module = \"ranking\"",
         "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
-    );
-    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    )
+    .await;
     let fresh = get(&levee.url("/ranking?week=1")).await;
     assert_eq!(fresh.text(), "/ranking v1");
     assert!(fresh.header("x-levee-stale").is_none());
@@ -570,11 +583,7 @@ async fn a_stale_copy_is_hidden_like_the_page_and_kept_uncompressed() {
         }
     })
     .await;
-    let routes = ROUTES.replace(
-        "match = { path = \"/\" }",
-        "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }\ndegrade = { action = \"stale\", max_age = \"1m\" }",
-    );
-    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    let levee = levee_with_routes(&backend, "match = { path = \"/\" }", "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }\ndegrade = { action = \"stale\", max_age = \"1m\" }").await;
     let with_gzip =
         |url: String| async move { get_with(&url, &[("accept-encoding", "gzip")]).await };
     let fresh = with_gzip(levee.url("/")).await;
@@ -746,19 +755,15 @@ async fn a_copy_answers_only_the_host_it_was_fetched_for() {
             .and_then(|value| value.to_str().ok())
             .unwrap_or("")
             .to_string();
-        async move {
-            Response::builder()
-                .header("content-type", "text/html")
-                .body(full(format!("ranking of {host}")))
-                .expect("response")
-        }
+        async move { html(format!("ranking of {host}")) }
     })
     .await;
-    let routes = ROUTES.replace(
+    let levee = levee_with_routes(
+        &backend,
         "module = \"ranking\"",
         "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
-    );
-    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    )
+    .await;
     let for_host = |host: &'static str| {
         let url = levee.url("/ranking");
         async move { get_with(&url, &[("host", host)]).await }
@@ -825,19 +830,15 @@ async fn a_page_fetched_with_credentials_is_not_kept_for_everyone() {
             .get("authorization")
             .map(|_| "alice's ranking")
             .unwrap_or("public ranking");
-        async move {
-            Response::builder()
-                .header("content-type", "text/html")
-                .body(full(user))
-                .expect("response")
-        }
+        async move { html(user) }
     })
     .await;
-    let routes = ROUTES.replace(
+    let levee = levee_with_routes(
+        &backend,
         "module = \"ranking\"",
         "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
-    );
-    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    )
+    .await;
     let with_credentials = get_with(
         &levee.url("/ranking"),
         &[("authorization", "Basic YWxpY2U6c2VjcmV0")],
@@ -881,11 +882,12 @@ async fn a_browser_revalidating_its_cached_page_gets_the_page_as_the_switches_ha
         }
     })
     .await;
-    let routes = ROUTES.replace(
+    let levee = levee_with_routes(
+        &backend,
         "match = { path = \"/\" }",
         "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }",
-    );
-    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    )
+    .await;
     let revalidate = |url: String| async move {
         get_with(
             &url,
@@ -932,18 +934,16 @@ async fn a_range_of_a_page_with_modules_hidden_is_never_a_cut_up_piece_of_the_ap
                     .body(full(&PAGE[11..=30]))
                     .expect("response");
             }
-            Response::builder()
-                .header("content-type", "text/html")
-                .body(full(PAGE))
-                .expect("response")
+            html(PAGE)
         }
     })
     .await;
-    let routes = ROUTES.replace(
+    let levee = levee_with_routes(
+        &backend,
         "match = { path = \"/\" }",
         "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }",
-    );
-    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    )
+    .await;
     assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
     let ranged = get_with(&levee.url("/"), &[("range", "bytes=11-30")]).await;
     assert_eq!(
