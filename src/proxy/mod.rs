@@ -44,6 +44,18 @@ use client::ResponseFields;
 use h1::{Answer, ClientUpgrade, RequestBody, RequestBodyError};
 use route::{Route, RouteName};
 
+/// Boxes the future `make` returns, built in its box. `Box::pin(make())` builds the future on
+/// the stack first and then copies it into the box: the whole state machine, kilobytes for the
+/// request path's futures, on every request. Allocating first lets the compiler have `make`
+/// write straight into the box.
+#[inline(always)]
+pub(crate) fn boxed_in_place<F: std::future::Future>(
+    make: impl FnOnce() -> F,
+) -> std::pin::Pin<Box<F>> {
+    let room = Box::<F>::new_uninit();
+    Box::into_pin(Box::write(room, make()))
+}
+
 /// State shared by every connection of the public listener.
 pub struct Shared {
     pub store: Arc<PolicyStore>,

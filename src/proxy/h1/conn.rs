@@ -131,16 +131,18 @@ pub(super) async fn serve_connection<H, F>(
             }
             Some(HeadRead::Head(head)) => head,
         };
-        let exchange = serve_request(
-            &mut stream,
-            &mut read_buffer,
-            head,
-            peer,
-            &handler,
-            &mut stop,
-            limits.send_timeout,
-        );
-        match Box::pin(exchange).await {
+        let exchange = crate::proxy::boxed_in_place(|| {
+            serve_request(
+                &mut stream,
+                &mut read_buffer,
+                head,
+                peer,
+                &handler,
+                &mut stop,
+                limits.send_timeout,
+            )
+        });
+        match exchange.await {
             After::KeepAlive => {
                 if read_buffer.is_empty() {
                     // Nothing pipelined: give the buffer back while the connection idles.
@@ -326,7 +328,7 @@ where
         half: writer,
         send_timeout,
     };
-    let mut answering = Box::pin(handler(peer, request));
+    let mut answering = crate::proxy::boxed_in_place(|| handler(peer, request));
     let answer = loop {
         tokio::select! {
             biased;
