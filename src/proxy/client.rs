@@ -36,7 +36,10 @@ use super::deadline;
 use super::h1::chunked::{ChunkedDecoder, ChunkedError};
 use super::h1::encode::{encode_chunk_start, encode_field, LAST_CHUNK};
 use super::h1::parse::{list_items, parse_content_length};
-use super::header::{header_bytes, HOP_BY_HOP, RATELIMIT, RATELIMIT_POLICY};
+use super::header::{
+    header_bytes, ForwardedFrom, ForwardedWriter, FORWARDED_BYTES, HOP_BY_HOP, RATELIMIT,
+    RATELIMIT_POLICY,
+};
 use super::upstream::UpstreamBody;
 use super::upstream_fields::{FieldLines, UpstreamFields};
 use crate::error::BoxError;
@@ -298,7 +301,7 @@ impl Client {
         &self,
         request: Request<UpstreamBody>,
     ) -> Result<Response<Incoming>, ClientError> {
-        self.send_within(request, ResponseFields::Parsed, None, Instant::now())
+        self.send_within(request, ResponseFields::Parsed, None, None, Instant::now())
             .await
             .map(|answered| answered.response)
     }
@@ -316,14 +319,15 @@ impl Client {
         &self,
         request: Request<UpstreamBody>,
         fields: ResponseFields,
+        forwarded: Option<ForwardedFrom>,
         response_timeout: Option<Duration>,
         now: Instant,
     ) -> Result<Answered, ClientError> {
         let (parts, mut body) = request.into_parts();
-        let head = encode_request_head(&parts, &body, &self.settings.authority);
+        let head = encode_request_head(&parts, &body, &self.settings.authority, forwarded);
         let chunked = head.chunked;
         let has_body = !body.is_end_stream();
-        let upgrade = parts.headers.contains_key(header::UPGRADE);
+        let upgrade = head.upgrade;
         let mut retried = false;
         // Whether sending may have taken time: a body streams at the client's pace, and a
         // new connection or a second try takes round trips.
@@ -551,18 +555,23 @@ async fn connect_tcp(host: &str, port: u16) -> io::Result<TcpStream> {
 struct RequestHeadBytes {
     bytes: BytesMut,
     chunked: bool,
+    /// The request asks for an upgrade (has an `Upgrade` field).
+    upgrade: bool,
 }
 
+/// The request head as it goes upstream. `forwarded`: the forwarding fields to set on the way
+/// (see `header::ForwardedWriter`); `None` sends the request's own.
 fn encode_request_head(
     parts: &http::request::Parts,
     body: &UpstreamBody,
     authority: &HeaderValue,
+    forwarded: Option<ForwardedFrom>,
 ) -> RequestHeadBytes {
     let target = parts
         .uri
         .path_and_query()
         .map_or("/", |path_and_query| path_and_query.as_str());
-    let fields = header_bytes(&parts.headers);
+    let fields = header_bytes(&parts.headers) + forwarded.map_or(0, |_| FORWARDED_BYTES);
     let mut out = BytesMut::with_capacity(parts.method.as_str().len() + target.len() + fields + 80);
     out.put_slice(parts.method.as_str().as_bytes());
     out.put_u8(b' ');
@@ -571,15 +580,29 @@ fn encode_request_head(
     if !parts.headers.contains_key(header::HOST) {
         encode_field(&mut out, "host", authority.as_bytes());
     }
-    let mut chunked = false;
+    let mut forwarded = forwarded.map(ForwardedWriter::new);
+    // Noted on the way rather than looked up: each lookup hashes the name.
+    let mut has_length = false;
+    let mut upgrade = false;
     for (name, value) in &parts.headers {
         // levee frames the body itself; the client's framing fields were hop-by-hop.
         if name == header::TRANSFER_ENCODING {
             continue;
         }
+        has_length |= name == header::CONTENT_LENGTH;
+        upgrade |= name == header::UPGRADE;
+        if let Some(writer) = forwarded.as_mut() {
+            if !writer.passes(&mut out, &parts.headers, name) {
+                continue;
+            }
+        }
         encode_field(&mut out, name.as_str(), value.as_bytes());
     }
-    if !parts.headers.contains_key(header::CONTENT_LENGTH) {
+    if let Some(writer) = forwarded {
+        writer.finish(&mut out, &parts.headers);
+    }
+    let mut chunked = false;
+    if !has_length {
         match body.size_hint().exact() {
             Some(0) if body.is_end_stream() => {
                 // Methods that carry a body say that this one is empty, as browsers do.
@@ -601,6 +624,7 @@ fn encode_request_head(
     RequestHeadBytes {
         bytes: out,
         chunked,
+        upgrade,
     }
 }
 
@@ -1270,6 +1294,96 @@ mod tests {
 
     fn head(text: &str) -> Result<Option<ResponseHead>, ClientError> {
         parse_response_head(&mut BytesMut::from(text), ResponseFields::Parsed)
+    }
+
+    /// The field lines of an encoded request head, sorted (field order between different
+    /// names carries no meaning).
+    fn sent_fields(parts: &http::request::Parts, forwarded: Option<ForwardedFrom>) -> Vec<String> {
+        use http_body_util::BodyExt;
+        let body: UpstreamBody = http_body_util::Empty::new()
+            .map_err(|never| match never {})
+            .boxed_unsync();
+        let authority = HeaderValue::from_static("app.internal");
+        let head = encode_request_head(parts, &body, &authority, forwarded).bytes;
+        let text = String::from_utf8(head.to_vec()).expect("text");
+        let mut lines: Vec<String> = text.split("\r\n").skip(1).map(str::to_string).collect();
+        lines.sort();
+        lines
+    }
+
+    #[test]
+    fn forwarding_fields_written_by_the_encoder_are_those_set_forwarded_sets() {
+        let ip = |text: &str| text.parse::<std::net::IpAddr>().expect("ip");
+        // The client's fields; the peer, whether it is trusted; the client levee resolved.
+        type Case<'a> = (&'a [(&'a str, &'a [u8])], &'a str, bool, &'a str);
+        let cases: &[Case] = &[
+            (&[], "203.0.113.9", false, "203.0.113.9"),
+            (&[], "127.0.0.1", true, "127.0.0.1"),
+            (
+                &[
+                    ("x-forwarded-for", b"1.1.1.1"),
+                    ("x-real-ip", b"2.2.2.2"),
+                    ("x-forwarded-proto", b"https"),
+                ],
+                "203.0.113.9",
+                false,
+                "203.0.113.9",
+            ),
+            (
+                &[
+                    ("x-forwarded-for", b"6.6.6.6, 203.0.113.9"),
+                    ("cookie", b"a=1"),
+                    ("x-forwarded-for", b"198.51.100.1"),
+                    ("x-real-ip", b"203.0.113.9"),
+                    ("x-forwarded-proto", b"https"),
+                ],
+                "::ffff:127.0.0.1",
+                true,
+                "198.51.100.1",
+            ),
+            (
+                &[("x-forwarded-for", b"caf\xc3\xa9")],
+                "127.0.0.1",
+                true,
+                "127.0.0.1",
+            ),
+            (
+                &[("x-forwarded-proto", b"https")],
+                "::1",
+                true,
+                "2001:db8::7",
+            ),
+        ];
+        for (fields, peer, peer_trusted, client) in cases {
+            let mut request = Request::get("/page?x=1").body(()).expect("request");
+            for (name, value) in *fields {
+                request.headers_mut().append(
+                    HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                    HeaderValue::from_bytes(value).expect("value"),
+                );
+            }
+            request
+                .headers_mut()
+                .insert(header::USER_AGENT, HeaderValue::from_static("wrk"));
+            let (parts, ()) = request.into_parts();
+            let from = ForwardedFrom {
+                peer: ip(peer),
+                peer_trusted: *peer_trusted,
+                client: ip(client),
+            };
+            let mut set = parts.clone();
+            super::super::header::set_forwarded(
+                &mut set.headers,
+                from.peer,
+                from.peer_trusted,
+                from.client,
+            );
+            assert_eq!(
+                sent_fields(&parts, Some(from)),
+                sent_fields(&set, None),
+                "{fields:?} from {peer} (trusted: {peer_trusted})"
+            );
+        }
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! Client identity and the headers levee removes or sets on the way through.
 
-use std::cell::RefCell;
 use std::net::IpAddr;
 
+use bytes::{BufMut, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use ipnet::IpNet;
+
+use super::h1::encode::encode_field;
 
 /// Peers whose `X-Forwarded-For` / `X-Real-IP` / `X-Forwarded-Proto` levee believes.
 /// Default: loopback only (the front nginx on the same machine).
@@ -199,6 +201,9 @@ fn hop_by_hop_bit(name: &HeaderName) -> u8 {
 ///   else, just the peer (an untrusted chain is dropped, not passed on to fool the app).
 /// - `X-Real-IP`: the resolved client IP.
 /// - `X-Forwarded-Proto`: kept from a trusted peer, otherwise levee's listener scheme.
+///
+/// For requests stored to be sent later (the queue). A request forwarded now gets the same
+/// fields from [`ForwardedWriter`] as its head is encoded.
 pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, client: IpAddr) {
     let peer = canonical(peer);
     let existing: Vec<&[u8]> = if peer_trusted {
@@ -212,7 +217,7 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
         Vec::new()
     };
     let forwarded_for = if existing.is_empty() {
-        peer_value(peer)
+        ip_value(peer)
     } else {
         let mut text = [0u8; 64];
         let peer_text = format_ip(peer, &mut text);
@@ -228,12 +233,7 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
         // are always valid header values.
         HeaderValue::from_maybe_shared(bytes::Bytes::from(chain)).ok()
     };
-    let real_ip = if client == peer {
-        peer_value(peer)
-    } else {
-        let mut client_text = [0u8; 64];
-        HeaderValue::from_bytes(format_ip(canonical(client), &mut client_text)).ok()
-    };
+    let real_ip = ip_value(canonical(client));
     if let Some(value) = forwarded_for {
         headers.insert(X_FORWARDED_FOR.clone(), value);
     }
@@ -245,34 +245,103 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
     }
 }
 
-thread_local! {
-    /// The peer address last written on this thread, as a header value. A worker's requests
-    /// mostly come from a few peers (the front nginx, or one client's keep-alive connection),
-    /// and sharing the value costs less than formatting and allocating it twice a request.
-    static PEER_VALUE: RefCell<Option<(IpAddr, HeaderValue)>> = const { RefCell::new(None) };
+/// Whom a forwarded request came from: what the forwarding fields levee sets say.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardedFrom {
+    /// The connection's peer (the front nginx, or the client itself).
+    pub peer: IpAddr,
+    /// Whether `peer` is one of `trusted_proxies`.
+    pub peer_trusted: bool,
+    /// The client's address as levee resolved it.
+    pub client: IpAddr,
 }
 
-/// `peer` (canonical already) as a header value, from the cache when it was the last one.
-fn peer_value(peer: IpAddr) -> Option<HeaderValue> {
-    let formatted = || {
+/// [`set_forwarded`] as the upstream request head is encoded: the client's fields that it
+/// replaces are skipped as they come, and levee's are written. Inserting three fields into the
+/// `HeaderMap` (hashing each, growing the map) and looking the chain up cost more than any
+/// other header work of a pass-through request; this costs three name comparisons per field.
+/// What goes upstream is the same (a test holds the two to it).
+pub(crate) struct ForwardedWriter {
+    from: ForwardedFrom,
+    wrote_for: bool,
+    kept_proto: bool,
+}
+
+impl ForwardedWriter {
+    pub(crate) fn new(from: ForwardedFrom) -> ForwardedWriter {
+        ForwardedWriter {
+            from: ForwardedFrom {
+                peer: canonical(from.peer),
+                client: canonical(from.client),
+                ..from
+            },
+            wrote_for: false,
+            kept_proto: false,
+        }
+    }
+
+    /// Whether the client's field `name` (one of `headers`) is passed on as it is. A field
+    /// that levee sets is not; its `X-Forwarded-For` is written in place of the first one.
+    pub(crate) fn passes(
+        &mut self,
+        out: &mut BytesMut,
+        headers: &HeaderMap,
+        name: &HeaderName,
+    ) -> bool {
+        if *name == X_FORWARDED_FOR {
+            if !self.wrote_for {
+                self.write_for(out, headers);
+            }
+            false
+        } else if *name == X_REAL_IP {
+            false
+        } else if *name == X_FORWARDED_PROTO {
+            self.kept_proto = self.from.peer_trusted;
+            self.kept_proto
+        } else {
+            true
+        }
+    }
+
+    /// Writes the fields the client's did not stand in for.
+    pub(crate) fn finish(mut self, out: &mut BytesMut, headers: &HeaderMap) {
+        if !self.wrote_for {
+            self.write_for(out, headers);
+        }
         let mut text = [0u8; 64];
-        HeaderValue::from_maybe_shared(bytes::Bytes::copy_from_slice(format_ip(peer, &mut text)))
-            .ok()
-    };
-    PEER_VALUE.with(|cached| {
-        // Never borrowed twice (nothing here calls back); formatted afresh if it were.
-        let Ok(mut cached) = cached.try_borrow_mut() else {
-            return formatted();
-        };
-        if let Some((ip, value)) = cached.as_ref() {
-            if *ip == peer {
-                return Some(value.clone());
+        encode_field(out, "x-real-ip", format_ip(self.from.client, &mut text));
+        if !self.kept_proto {
+            encode_field(out, "x-forwarded-proto", b"http");
+        }
+    }
+
+    /// `X-Forwarded-For`: a trusted peer's chain (its values that are text) with the peer
+    /// appended, or else the peer alone.
+    fn write_for(&mut self, out: &mut BytesMut, headers: &HeaderMap) {
+        self.wrote_for = true;
+        out.put_slice(b"x-forwarded-for: ");
+        if self.from.peer_trusted {
+            for value in headers.get_all(&X_FORWARDED_FOR) {
+                if value.to_str().is_ok() {
+                    out.put_slice(value.as_bytes());
+                    out.put_slice(b", ");
+                }
             }
         }
-        let value = formatted()?;
-        *cached = Some((peer, value.clone()));
-        Some(value)
-    })
+        let mut text = [0u8; 64];
+        out.put_slice(format_ip(self.from.peer, &mut text));
+        out.put_slice(b"\r\n");
+    }
+}
+
+/// Bytes the fields written by [`ForwardedWriter`] may add to a head, besides the client's
+/// chain: three names, two addresses and `http`.
+pub(crate) const FORWARDED_BYTES: usize = 200;
+
+/// An address (canonical already) as a header value.
+fn ip_value(ip: IpAddr) -> Option<HeaderValue> {
+    let mut text = [0u8; 64];
+    HeaderValue::from_bytes(format_ip(ip, &mut text)).ok()
 }
 
 /// Writes an address as text into `buffer` and returns it. IPv4, on every request, is written

@@ -334,7 +334,12 @@ async fn forward(
     let (mut parts, body) = request.into_parts();
     parts.version = Version::HTTP_11;
     header::strip_hop_by_hop(&mut parts.headers, upgrading);
-    header::set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, client_ip);
+    // The forwarding fields are set as the head is encoded (see `header::ForwardedWriter`).
+    let forwarded = header::ForwardedFrom {
+        peer: peer.ip(),
+        peer_trusted,
+        client: client_ip,
+    };
     if let Some(host) = &upstream.settings.host {
         parts.headers.insert(h::HOST, host.clone());
     }
@@ -451,6 +456,7 @@ async fn forward(
     let sent = upstream.client.send_within(
         Request::from_parts(parts, body),
         fields,
+        Some(forwarded),
         Some(upstream.settings.response_timeout),
         sent_at,
     );
