@@ -2822,6 +2822,77 @@ mod tests {
     }
 
     #[test]
+    fn the_route_index_finds_what_walking_the_table_finds() {
+        let routes = [
+            r#"match = { path_prefix = "/ranking" }"#,
+            r#"match = { path_prefix = "/module-1/" }"#,
+            r#"match = { path = "/legacy/page-2.php" }"#,
+            r#"match = { path_regex = '^/archive/3/[0-9]+\.php$' }"#,
+            r#"match = { path_regex = "^/archive/?x" }"#,
+            r#"match = { path_regex = "(?i)^/Admin/" }"#,
+            r#"match = { path_regex = "^/a/|^/b/" }"#,
+            r#"match = { path_regex = "/shop/" }"#,
+            r#"match = { method = ["POST"], path_prefix = "/api/v1/" }"#,
+            r#"match = { host = "static.example.test", path_prefix = "/" }"#,
+            r#"match = { host = "*.cdn.example.test" }"#,
+            r#"match = { path = "/" }"#,
+            r#"match = { path_prefix = "/module-1/special/" }"#,
+            r#"match = { path_regex = "^/module-1/x$" }"#,
+            r#"match = { method = ["PUT"], path_prefix = "/" }"#,
+            r#"match = { path_prefix = "/module-10/" }"#,
+        ];
+        let mut text = APP.to_string();
+        for (at, matching) in routes.iter().enumerate() {
+            text.push_str(&format!(
+                "[[route]]\nname = \"r{at}\"\n{matching}\nupstream = \"app\"\n"
+            ));
+        }
+        let policy = compile(&files(&[("a.toml", &text)]), None).expect("compiles");
+        assert!(policy.routes.is_indexed());
+        let paths = [
+            "/",
+            "/ranking",
+            "/rankings/x",
+            "/module-1/",
+            "/module-1",
+            "/module-10/",
+            "/module-10",
+            "/legacy/page-2.php",
+            "/legacy/page-2.phpx",
+            "/archive/3/12.php",
+            "/archive/x",
+            "/archivex",
+            "/ADMIN/x",
+            "/admin/",
+            "/a/1",
+            "/b/2",
+            "/x/shop/y",
+            "/api/v1/z",
+            "/static/",
+            "//x",
+            "/module-1/x",
+            "/module-1/special/y",
+            "/unknown/page",
+        ];
+        for path in paths {
+            for method in [Method::GET, Method::POST, Method::PUT] {
+                for host in [
+                    None,
+                    Some("static.example.test"),
+                    Some("img.cdn.example.test"),
+                ] {
+                    let name = |found: Option<&Arc<Route>>| found.map(|r| r.name.to_string());
+                    assert_eq!(
+                        name(policy.routes.find(host, &method, path)),
+                        name(policy.routes.find_by_walking(host, &method, path)),
+                        "{method} {path} on {host:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn route_paths_match_as_browsers_send_them_and_queries_are_refused() {
         let policy = compile(
             &files(&[(

@@ -599,7 +599,7 @@ fn encode_request_head(
         encode_field(&mut out, name.as_str(), value.as_bytes());
     }
     if let Some(writer) = forwarded {
-        writer.finish(&mut out, &parts.headers);
+        writer.finish(&mut out);
     }
     let mut chunked = false;
     if !has_length {

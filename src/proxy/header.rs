@@ -290,7 +290,7 @@ impl ForwardedWriter {
     ) -> bool {
         if *name == X_FORWARDED_FOR {
             if !self.wrote_for {
-                self.write_for(out, headers);
+                self.write_for(out, Some(headers));
             }
             false
         } else if *name == X_REAL_IP {
@@ -304,9 +304,10 @@ impl ForwardedWriter {
     }
 
     /// Writes the fields the client's did not stand in for.
-    pub(crate) fn finish(mut self, out: &mut BytesMut, headers: &HeaderMap) {
+    pub(crate) fn finish(mut self, out: &mut BytesMut) {
         if !self.wrote_for {
-            self.write_for(out, headers);
+            // The client sent none: no chain to look up.
+            self.write_for(out, None);
         }
         let mut text = [0u8; 64];
         encode_field(out, "x-real-ip", format_ip(self.from.client, &mut text));
@@ -315,12 +316,12 @@ impl ForwardedWriter {
         }
     }
 
-    /// `X-Forwarded-For`: a trusted peer's chain (its values that are text) with the peer
-    /// appended, or else the peer alone.
-    fn write_for(&mut self, out: &mut BytesMut, headers: &HeaderMap) {
+    /// `X-Forwarded-For`: a trusted peer's chain (its values in `headers` that are text) with
+    /// the peer appended, or else the peer alone.
+    fn write_for(&mut self, out: &mut BytesMut, headers: Option<&HeaderMap>) {
         self.wrote_for = true;
         out.put_slice(b"x-forwarded-for: ");
-        if self.from.peer_trusted {
+        if let (true, Some(headers)) = (self.from.peer_trusted, headers) {
             for value in headers.get_all(&X_FORWARDED_FOR) {
                 if value.to_str().is_ok() {
                     out.put_slice(value.as_bytes());

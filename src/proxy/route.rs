@@ -1,6 +1,8 @@
 //! The compiled route table: first match wins, in the order the policy lists routes.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use http::Method;
@@ -145,15 +147,22 @@ pub struct RouteTable {
     /// Whether any route matches on the host: when none does, requests are routed without
     /// looking for theirs (a lookup, a check of every byte and a search for the port).
     by_host: bool,
+    /// The routes a path may match, by its first segment: `None` for short tables.
+    index: Option<SegmentIndex>,
 }
+
+/// Tables shorter than this are walked whole: the walk costs less than finding the segment.
+const ROUTES_WORTH_AN_INDEX: usize = 12;
 
 impl RouteTable {
     pub fn new(routes: Vec<Arc<Route>>, fallback: Option<Arc<Route>>) -> RouteTable {
         let by_host = routes.iter().any(|route| !route.hosts.is_empty());
+        let index = (routes.len() >= ROUTES_WORTH_AN_INDEX).then(|| SegmentIndex::new(&routes));
         RouteTable {
             routes,
             fallback,
             by_host,
+            index,
         }
     }
 
@@ -166,13 +175,167 @@ impl RouteTable {
         }
     }
 
-    /// `host` is without port (see `host_of`); `path` is normalised.
-    pub fn find(&self, host: Option<&str>, method: &Method, path: &str) -> Option<&Arc<Route>> {
+    /// `find` without the index: every route in order.
+    #[cfg(test)]
+    pub fn find_by_walking(
+        &self,
+        host: Option<&str>,
+        method: &Method,
+        path: &str,
+    ) -> Option<&Arc<Route>> {
         self.routes
             .iter()
             .find(|route| route.matches(host, method, path))
             .or(self.fallback.as_ref())
     }
+
+    /// Whether `find` looks paths up by their first segment.
+    #[cfg(test)]
+    pub fn is_indexed(&self) -> bool {
+        self.index.is_some()
+    }
+
+    /// `host` is without port (see `host_of`); `path` is normalised.
+    pub fn find(&self, host: Option<&str>, method: &Method, path: &str) -> Option<&Arc<Route>> {
+        let found = match &self.index {
+            Some(index) => index
+                .candidates(path)
+                .iter()
+                .filter_map(|at| self.routes.get(*at as usize))
+                .find(|route| route.matches(host, method, path)),
+            None => self
+                .routes
+                .iter()
+                .find(|route| route.matches(host, method, path)),
+        };
+        found.or(self.fallback.as_ref())
+    }
+}
+
+/// Which routes a path can match, by the path's first segment (`module-7` of
+/// `/module-7/list.php`). Most routes of a large table name their first segment: a `path`, a
+/// `path_prefix` that goes past it (`/module-7/`), a `path_regex` that starts with it
+/// (`^/archive/7/`). A path is tried against those of its segment and against the routes that
+/// name none, in policy order: first match still wins, and walking fifty routes (a few
+/// thousand instructions, most of a full policy's routing) becomes walking a handful.
+#[derive(Debug)]
+struct SegmentIndex {
+    /// Segment → positions in the table of the routes a path with it may match, in order.
+    by_segment: HashMap<Box<str>, Box<[u32]>, BuildHasherDefault<SegmentHasher>>,
+    /// Positions of the routes that name no segment: all a path of any other segment may match.
+    unnamed: Box<[u32]>,
+}
+
+impl SegmentIndex {
+    fn new(routes: &[Arc<Route>]) -> SegmentIndex {
+        let named: Vec<Option<String>> = routes
+            .iter()
+            .map(|route| route.path.first_segment())
+            .collect();
+        let positions = |keep: &dyn Fn(&Option<String>) -> bool| -> Box<[u32]> {
+            named
+                .iter()
+                .enumerate()
+                .filter(|(_, segment)| keep(segment))
+                .filter_map(|(at, _)| u32::try_from(at).ok())
+                .collect()
+        };
+        let mut by_segment = HashMap::default();
+        for segment in named.iter().flatten() {
+            if !by_segment.contains_key(segment.as_str()) {
+                let list = positions(&|named: &Option<String>| {
+                    named.as_ref().is_none_or(|named| named == segment)
+                });
+                by_segment.insert(segment.clone().into_boxed_str(), list);
+            }
+        }
+        SegmentIndex {
+            by_segment,
+            unnamed: positions(&|named: &Option<String>| named.is_none()),
+        }
+    }
+
+    fn candidates(&self, path: &str) -> &[u32] {
+        self.by_segment
+            .get(first_segment(path))
+            .unwrap_or(&self.unnamed)
+    }
+}
+
+/// FNV-1a, for the index's few short keys. The keys come from the policy and the map never
+/// changes after it is built, so a client's chosen paths cannot crowd it (what SipHash, the
+/// default, guards against, at several times the cost: more than walking the routes saved).
+#[derive(Default)]
+struct SegmentHasher(u64);
+
+impl Hasher for SegmentHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut hash = if self.0 == 0 {
+            0xcbf2_9ce4_8422_2325
+        } else {
+            self.0
+        };
+        for byte in bytes {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        self.0 = hash;
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// The first segment of a path: between its leading `/` and the next (or the end).
+fn first_segment(path: &str) -> &str {
+    let rest = path.strip_prefix('/').unwrap_or(path);
+    rest.split('/').next().unwrap_or(rest)
+}
+
+/// The segment a literal path start fixes: `/module-7/` and `/module-7/list` fix `module-7`;
+/// `/module-7` does not (`/module-70` starts with it too).
+fn fixed_segment(start: &str) -> Option<String> {
+    let rest = start.strip_prefix('/')?;
+    let (segment, _) = rest.split_once('/')?;
+    Some(segment.to_string())
+}
+
+impl PathMatch {
+    /// The first segment of every path this matches, when it is one and the same.
+    fn first_segment(&self) -> Option<String> {
+        match self {
+            PathMatch::Any => None,
+            PathMatch::Exact(exact) => exact
+                .starts_with('/')
+                .then(|| first_segment(exact).to_string()),
+            PathMatch::Prefix(prefix) => fixed_segment(prefix),
+            PathMatch::Regex(regex) => fixed_segment(&anchored_literal_start(regex.as_str())?),
+        }
+    }
+}
+
+/// The literal text every match of `pattern` begins with when the pattern is anchored at the
+/// start (`^/archive/7/[0-9]+` → `/archive/7/`); `None` when it is not anchored, or starts
+/// with anything but a literal (a class, a group, an alternation, a flag).
+fn anchored_literal_start(pattern: &str) -> Option<String> {
+    use regex_syntax::hir::{HirKind, Look};
+    let hir = regex_syntax::Parser::new().parse(pattern).ok()?;
+    let HirKind::Concat(parts) = hir.kind() else {
+        return None;
+    };
+    let mut parts = parts.iter();
+    if !matches!(parts.next()?.kind(), HirKind::Look(Look::Start)) {
+        return None;
+    }
+    let mut start = Vec::new();
+    for part in parts {
+        match part.kind() {
+            HirKind::Literal(literal) => start.extend_from_slice(&literal.0),
+            _ => break,
+        }
+    }
+    String::from_utf8(start).ok()
 }
 
 /// The host a request names, without port and without the trailing dot of a fully qualified
@@ -226,6 +389,35 @@ mod tests {
             assert_eq!(request_host(&uri, &headers), Some(host), "{raw}");
         }
         assert!(HostMatch::parse("*.example").matches("admin.example"));
+    }
+
+    #[test]
+    fn routes_name_a_first_segment_only_when_every_path_they_match_has_it() {
+        let regex = |pattern: &str| PathMatch::Regex(Regex::new(pattern).expect("regex"));
+        let cases = [
+            (PathMatch::Exact("/legacy/page.php".into()), Some("legacy")),
+            (PathMatch::Exact("/".into()), Some("")),
+            (PathMatch::Prefix("/module-7/".into()), Some("module-7")),
+            (PathMatch::Prefix("/module-7/list".into()), Some("module-7")),
+            (PathMatch::Prefix("/module-7".into()), None),
+            (PathMatch::Prefix("/".into()), None),
+            (PathMatch::Any, None),
+            (regex(r"^/archive/7/[0-9]+\.php$"), Some("archive")),
+            (regex(r"^/archive/?x"), None),
+            (regex(r"^/ab+/"), None),
+            (regex(r"(?i)^/admin/"), None),
+            (regex(r"(?m)^/admin/"), None),
+            (regex(r"^/a/|^/b/"), None),
+            (regex(r"/shop/"), None),
+            (regex(r"^/shop"), None),
+            (regex(r"^/(shop|store)/"), None),
+        ];
+        for (path, segment) in cases {
+            assert_eq!(path.first_segment().as_deref(), segment, "{path:?}");
+        }
+        assert_eq!(first_segment("/module-7/list.php"), "module-7");
+        assert_eq!(first_segment("/module-7"), "module-7");
+        assert_eq!(first_segment("/"), "");
     }
 
     #[test]
