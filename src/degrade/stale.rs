@@ -360,10 +360,15 @@ pub fn storable(
         return false;
     }
     // A copy answers any client, including one that cannot decode gzip: levee asks for an
-    // uncompressed page, and an upstream that compresses anyway is not kept.
+    // uncompressed page, and an upstream that compresses anyway is not kept. Every field line
+    // and every element counts: `identity` then `gzip` (two lines, or `identity, gzip`) is
+    // a gzipped body (RFC 9110 8.4).
     let encoded = headers
-        .get(header::CONTENT_ENCODING)
-        .is_some_and(|value| !value.as_bytes().eq_ignore_ascii_case(b"identity"));
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"));
     if encoded {
         return false;
     }
@@ -591,5 +596,29 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("101"));
         assert!(!storable(StatusCode::OK, &headers, &settings, false));
+    }
+
+    #[test]
+    fn every_content_encoding_counts_not_only_the_first() {
+        let settings = StaleSettings {
+            max_age: Duration::from_secs(60),
+            vary: vec![],
+            allow_set_cookie: false,
+            max_body: 100,
+        };
+        let encoded = |values: &[&'static str]| {
+            let mut headers = HeaderMap::new();
+            for value in values {
+                headers.append(header::CONTENT_ENCODING, HeaderValue::from_static(value));
+            }
+            !storable(StatusCode::OK, &headers, &settings, false)
+        };
+        assert!(!encoded(&[]));
+        assert!(!encoded(&["identity"]));
+        assert!(!encoded(&["Identity", " identity ,"]));
+        assert!(encoded(&["gzip"]));
+        assert!(encoded(&["identity", "gzip"]));
+        assert!(encoded(&["identity, gzip"]));
+        assert!(encoded(&["IDENTITY,br"]));
     }
 }
