@@ -692,7 +692,16 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
             cluster.toml_list()
         ),
     );
-    let key = |week: u32| format!("levee:stale:ranking:127.0.0.1/ranking?week={week}");
+    let key = |week: u32| {
+        levee::degrade::stale::copy_key(
+            "levee:",
+            "ranking",
+            "127.0.0.1",
+            "/ranking",
+            Some(&format!("week={week}")),
+            &[],
+        )
+    };
     let out_node = cluster.owner(&key(0));
     let mut elsewhere = (1..).filter(|week| cluster.owner(&key(*week)) != out_node);
     let (kept, probe) = (

@@ -510,6 +510,10 @@ where
 
 /// The key of a route's copy: route, the `Host` the app is sent, normalised path and query,
 /// and the `vary` values.
+///
+/// Every part is written with its length in front (`7:ranking`), and a missing query as `-`:
+/// parts come from clients and may hold any separator (a `vary` cookie with `|`, a query with
+/// `:`), and two different requests must never be given one key.
 pub fn copy_key(
     prefix: &str,
     route: &str,
@@ -518,18 +522,32 @@ pub fn copy_key(
     query: Option<&str>,
     vary: &[String],
 ) -> String {
-    // A host never holds `/` and a normalised path starts with one: the two cannot run into
-    // each other.
-    let mut key = format!("{prefix}stale:{route}:{host}{path}");
-    if let Some(query) = query {
-        key.push('?');
-        key.push_str(query);
+    let mut key = String::with_capacity(
+        prefix.len() + route.len() + host.len() + path.len() + query.map_or(0, str::len) + 32,
+    );
+    key.push_str(prefix);
+    key.push_str("stale:");
+    push_part(&mut key, route);
+    push_part(&mut key, host);
+    push_part(&mut key, path);
+    match query {
+        Some(query) => {
+            key.push('?');
+            push_part(&mut key, query);
+        }
+        None => key.push('-'),
     }
     for value in vary {
-        key.push('|');
-        key.push_str(value);
+        push_part(&mut key, value);
     }
     key
+}
+
+/// `len:part`: a part that reads the same whatever bytes it holds.
+fn push_part(key: &mut String, part: &str) {
+    use std::fmt::Write as _;
+    let _ = write!(key, "{}:", part.len());
+    key.push_str(part);
 }
 
 #[cfg(test)]
@@ -548,6 +566,34 @@ mod tests {
         assert_eq!(decoded.body, copy.body);
         assert_eq!(decoded.headers, copy.headers);
         assert_eq!(decoded.stored_at_ms, 42);
+    }
+
+    #[test]
+    fn different_requests_never_share_a_key() {
+        let key = |path: &str, query: Option<&str>, vary: &[&str]| {
+            let vary: Vec<String> = vary.iter().map(|value| value.to_string()).collect();
+            copy_key("levee:", "ranking", "example.com", path, query, &vary)
+        };
+        // A `|` in a vary value once ran into the next value.
+        assert_ne!(key("/r", None, &["a|b", ""]), key("/r", None, &["a", "b|"]));
+        assert_ne!(key("/r", None, &["a|", "b"]), key("/r", None, &["a", "|b"]));
+        // Nor may a query run into the vary values, or a missing query be an empty one.
+        assert_ne!(
+            key("/r", Some("x|en"), &[""]),
+            key("/r", Some("x"), &["en|"])
+        );
+        assert_ne!(key("/r", None, &[]), key("/r", Some(""), &[]));
+        assert_ne!(key("/r?x", None, &[]), key("/r", Some("x"), &[]));
+        // The same request is the same key.
+        assert_eq!(
+            key("/r", Some("x=1"), &["en"]),
+            key("/r", Some("x=1"), &["en"])
+        );
+        // Routes and hosts do not run into each other either.
+        assert_ne!(
+            copy_key("levee:", "a", "b.example", "/", None, &[]),
+            copy_key("levee:", "a:b", ".example", "/", None, &[])
+        );
     }
 
     #[test]
