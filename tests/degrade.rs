@@ -678,53 +678,70 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
 
 /// In a Redis Cluster, reads of stale copies follow the health breaker of the node holding
 /// each copy: with one node frozen, an instance that never saw the pages still serves the
-/// copies the other nodes hold, after the copies on the frozen node failed twice.
+/// copies the other nodes hold, after the copies on the frozen node failed twice. A route's
+/// copies share its hash tag, so the routes here are named to land on different nodes; the
+/// store script and its index work on the cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out() {
     let dir = tempfile::tempdir().expect("dir");
     let cluster = RedisCluster::start(dir.path()).await;
     let (backend, _, _) = versioned().await;
-    let policy = policy_for(
-        backend.addr,
-        "access_log = false",
-        &format!(
-            "[redis]\ncluster = [{}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n[degrade]\nsync_interval = \"100ms\"\n{ROUTES}",
-            cluster.toml_list()
-        ),
-    );
-    let key = |week: u32| {
+    let key = |route: &str, path: &str, week: u32| {
         levee::degrade::stale::copy_key(
             "levee:",
-            "ranking",
+            route,
             "127.0.0.1",
-            "/ranking",
+            path,
             Some(&format!("week={week}")),
             &[],
         )
     };
-    let out_node = cluster.owner(&key(0));
-    let mut elsewhere = (1..).filter(|week| cluster.owner(&key(*week)) != out_node);
-    let (kept, probe) = (
-        elsewhere.next().expect("a week on another node"),
-        elsewhere.next().expect("another week on another node"),
+    let out_node = cluster.owner(&key("ranking", "/ranking", 0).key);
+    let other = (1..)
+        .map(|n| format!("top{n}"))
+        .find(|name| cluster.owner(&key(name, "/top", 0).key) != out_node)
+        .expect("a route name on another node");
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\ncluster = [{}]\ntimeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n[degrade]\nsync_interval = \"100ms\"\n{ROUTES}\n[[route]]\nname = \"{other}\"\nmatch = {{ path_prefix = \"/top\" }}\ntier = 3\nmodule = \"ranking\"\ndegrade = {{ action = \"stale\", max_age = \"2s\" }}\n",
+            cluster.toml_list()
+        ),
     );
+    let (kept, probe) = (1, 2);
     let first = Levee::start(&policy).await;
-    for week in [0, kept, probe] {
-        let path = format!("/ranking?week={week}");
-        assert_eq!(get(&first.url(&path)).await.text(), "/ranking v1");
+    for (route, path, week) in [
+        ("ranking", "/ranking", 0),
+        (other.as_str(), "/top", kept),
+        (other.as_str(), "/top", probe),
+    ] {
+        assert_eq!(
+            get(&first.url(&format!("{path}?week={week}"))).await.text(),
+            format!("{path} v1")
+        );
+        let key = key(route, path, week);
         eventually(Duration::from_secs(3), "the copy in redis", || async {
             cluster
-                .cli(cluster.owner(&key(week)), &["EXISTS", &key(week)])
+                .cli(cluster.owner(&key.key), &["EXISTS", &key.key])
                 .trim()
                 == "1"
         })
         .await;
     }
+    let index = key(&other, "/top", 0).index;
+    assert_eq!(
+        cluster
+            .cli(cluster.owner(&index), &["ZCARD", &index])
+            .trim(),
+        "2",
+        "the route's index names its two copies"
+    );
     assert_eq!(set(&first, "/modules/ranking", "off").await.status, 200);
 
     // An instance that has no copy of its own: it reads them from the cluster.
     let second = Levee::start(&policy).await;
-    let probe_path = format!("/ranking?week={probe}");
+    let probe_path = format!("/top?week={probe}");
     eventually(Duration::from_secs(3), "the switch followed", || async {
         get(&second.url(&probe_path)).await.header("x-levee-stale") == Some("1")
     })
@@ -735,7 +752,7 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
         let missing = get(&second.url("/ranking?week=0")).await;
         assert_eq!(missing.header("x-levee-stale"), None, "{}", missing.text());
     }
-    let copy = get(&second.url(&format!("/ranking?week={kept}"))).await;
+    let copy = get(&second.url(&format!("/top?week={kept}"))).await;
     let metrics = get(&second.admin_url("/metrics")).await.text();
     cluster.pause(out_node, false);
     assert_eq!(
@@ -744,7 +761,7 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
             copy.text().as_str(),
             copy.header("x-levee-stale")
         ),
-        (200, "/ranking v1", Some("1"))
+        (200, "/top v1", Some("1"))
     );
     let out = format!(
         "levee_redis_node_up{{node=\"127.0.0.1:{}\"}}",
@@ -960,5 +977,83 @@ async fn a_range_of_a_page_with_modules_hidden_is_never_a_cut_up_piece_of_the_ap
         (200, "<p>home</p><p>end</p>"),
         "content-range {:?}",
         ranged.header("content-range")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_busting_queries_share_a_copy_and_a_route_keeps_at_most_max_copies() {
+    // `?week=N` selects the page; `_=…` and `utm_source` only bust caches. Before, each busted
+    // URL stored a copy of its own in Redis (and in memory) for max_age.
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, version, _) = versioned().await;
+    let routes = ROUTES.replace(
+        "module = \"ranking\"\ndegrade = { action = \"stale\", max_age = \"2s\" }",
+        "module = \"ranking\"\ndegrade = { action = \"stale\", max_age = \"60s\", query = [\"week\"], max_copies = 3 }\nfallback = { status = 503, body = \"ranking is resting\" }",
+    );
+    assert!(routes.contains("max_copies = 3"), "{routes}");
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("[redis]\nurl = \"{}\"\n{routes}", redis.url()),
+    );
+    let levee = Levee::start(&policy).await;
+    let key = |week: u32| {
+        levee::degrade::stale::copy_key(
+            "levee:",
+            "ranking",
+            "127.0.0.1",
+            "/ranking",
+            Some(&format!("week={week}")),
+            &[],
+        )
+    };
+    for week in 1..=5 {
+        for buster in 0..3 {
+            let path = format!("/ranking?_={week}{buster}&week={week}&utm_source=x{buster}");
+            assert_eq!(get(&levee.url(&path)).await.text(), "/ranking v1");
+        }
+        // Stored one after the other: the index orders them by store time.
+        let key = key(week).key;
+        eventually(Duration::from_secs(3), "the copy in redis", || async {
+            redis.cli(&["EXISTS", &key]).trim() == "1"
+        })
+        .await;
+    }
+    let index = key(1).index;
+    assert_eq!(redis.cli(&["ZCARD", &index]).trim(), "3");
+    let stored = redis.cli(&["KEYS", "levee:stale:*"]);
+    let mut stored: Vec<&str> = stored.lines().filter(|line| !line.is_empty()).collect();
+    stored.sort_unstable();
+    let mut expected = vec![key(3).key, key(4).key, key(5).key, index.clone()];
+    expected.sort_unstable();
+    assert_eq!(stored, expected, "three copies and the index, nothing else");
+
+    version.store(2, Ordering::SeqCst);
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    // Another order, another buster: the same copy.
+    let copy = get(&levee.url("/ranking?utm_source=y&week=5&_=999")).await;
+    assert_eq!(
+        (
+            copy.status,
+            copy.text().as_str(),
+            copy.header("x-levee-stale")
+        ),
+        (200, "/ranking v1", Some("1"))
+    );
+    // The oldest copies are gone from memory as from Redis.
+    for week in [1, 2] {
+        let gone = get(&levee.url(&format!("/ranking?week={week}"))).await;
+        assert_eq!(
+            (gone.status, gone.text().as_str()),
+            (503, "ranking is resting"),
+            "week {week}"
+        );
+    }
+    assert_eq!(
+        get(&levee.url("/ranking?week=3"))
+            .await
+            .header("x-levee-stale"),
+        Some("1")
     );
 }

@@ -28,7 +28,9 @@ use super::units::{parse_duration, parse_size};
 use crate::breaker::{Breaker, BreakerSettings, Force};
 use crate::degrade::bulkhead::BulkheadSettings;
 use crate::degrade::trigger::{Condition, Trigger};
-use crate::degrade::{DegradeAction, DegradeSettings, StaleSettings};
+use crate::degrade::{
+    CopyQuery, DegradeAction, DegradeSettings, StaleSettings, DEFAULT_MAX_COPIES,
+};
 use crate::limit::key::{Identity, KeyPart, Source};
 use crate::limit::{gcra::Rate, parse_rate, LimitRule, OnRedisError};
 use crate::proxy::header::TrustedProxies;
@@ -677,11 +679,13 @@ fn refuse_keys_that_do_not_apply(
         .action
         .as_ref()
         .map_or("reject", |action| action.get_ref().as_str());
-    let given: [(&str, bool); 9] = [
+    let given: [(&str, bool); 11] = [
         ("max_age", inner.max_age.is_some()),
         ("vary", inner.vary.is_some()),
         ("allow_set_cookie", inner.allow_set_cookie.is_some()),
         ("max_body", inner.max_body.is_some()),
+        ("query", inner.query.is_some()),
+        ("max_copies", inner.max_copies.is_some()),
         ("status", inner.status.is_some()),
         ("content_type", inner.content_type.is_some()),
         ("body", inner.body.is_some()),
@@ -689,7 +693,9 @@ fn refuse_keys_that_do_not_apply(
         ("body_json", inner.body_json.is_some()),
     ];
     let applies = |key: &str| match key {
-        "max_age" | "vary" | "allow_set_cookie" | "max_body" => action == "stale",
+        "max_age" | "vary" | "allow_set_cookie" | "max_body" | "query" | "max_copies" => {
+            action == "stale"
+        }
         "status" | "content_type" | "body" => action == "reject",
         // The 202 answer of a queued request: the queue action, or a route that always queues.
         _ => action == "queue" || always_queue,
@@ -699,7 +705,7 @@ fn refuse_keys_that_do_not_apply(
     }
     for (key, _) in given.iter().filter(|(key, given)| *given && !applies(key)) {
         let hint = match *key {
-            "max_age" | "vary" | "allow_set_cookie" | "max_body" => {
+            "max_age" | "vary" | "allow_set_cookie" | "max_body" | "query" | "max_copies" => {
                 "it belongs to action = \"stale\""
             }
             "status" | "content_type" | "body" => "it belongs to action = \"reject\"",
@@ -766,6 +772,8 @@ fn compile_route_degrade(
                 vary: compile_sources(compiler, file, &inner.vary),
                 allow_set_cookie: inner.allow_set_cookie.unwrap_or(false),
                 max_body: usize::try_from(max_body).unwrap_or(usize::MAX),
+                query: compile_copy_query(compiler, file, &inner.query),
+                max_copies: compile_max_copies(compiler, file, &inner.max_copies),
             })))
         }
         "queue" => {
@@ -784,6 +792,71 @@ fn compile_route_degrade(
             );
             None
         }
+    }
+}
+
+/// `query` of a `stale` route: `"all"`, `"none"`, or the names of the parameters that select
+/// copies (named as PHP names them, as `query:NAME` sources are).
+fn compile_copy_query(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    value: &Option<Spanned<OneOrMany>>,
+) -> CopyQuery {
+    let Some(value) = value else {
+        return CopyQuery::All;
+    };
+    match value.get_ref() {
+        OneOrMany::One(all) if all == "all" => CopyQuery::All,
+        OneOrMany::One(none) if none == "none" => CopyQuery::Ignored,
+        OneOrMany::One(other) => {
+            compiler.error_hint(
+                file,
+                value.span(),
+                format!("unknown value `{other}` for `query`"),
+                "use \"all\" (the whole query selects the copy), \"none\" (one copy per path) or a list of the parameters that select copies, e.g. [\"page\"]",
+            );
+            CopyQuery::All
+        }
+        OneOrMany::Many(names) => {
+            let mut kept = Vec::with_capacity(names.len());
+            for name in names {
+                let name = crate::limit::key::query_name(name);
+                if name.is_empty() {
+                    compiler.error_hint(
+                        file,
+                        value.span(),
+                        "`query` names an empty parameter",
+                        "list the names of the parameters that select copies, e.g. [\"page\"], or write \"none\"",
+                    );
+                    continue;
+                }
+                kept.push(name);
+            }
+            kept.sort();
+            kept.dedup();
+            CopyQuery::Only(kept)
+        }
+    }
+}
+
+/// `max_copies` of a `stale` route: at least 1, default [`DEFAULT_MAX_COPIES`].
+fn compile_max_copies(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    value: &Option<Spanned<u32>>,
+) -> usize {
+    match value {
+        None => DEFAULT_MAX_COPIES,
+        Some(max) if *max.get_ref() == 0 => {
+            compiler.error_hint(
+                file,
+                max.span(),
+                "max_copies must be at least 1",
+                "the most copies of this route kept at once (one per path, selecting query and vary values); leave it out for 1000",
+            );
+            1
+        }
+        Some(max) => usize::try_from(*max.get_ref()).unwrap_or(usize::MAX),
     }
 }
 
@@ -2624,6 +2697,83 @@ mod tests {
                 .iter()
                 .any(|e| e.contains("`max_age` does not apply to degrade action `reject`")),
             "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn stale_query_and_max_copies_are_checked_where_they_are_written() {
+        let with = |degrade: &str| {
+            format!("{APP}[[route]]\nname = \"n\"\nmatch = {{ path_prefix = \"/n\" }}\ntier = 3\n{degrade}\n")
+        };
+        let errors = errors(&[
+            (
+                "a.toml",
+                &with("degrade = { action = \"stale\", query = \"some\" }"),
+            ),
+            (
+                "b.toml",
+                &with("degrade = { action = \"stale\", max_copies = 0 }")
+                    .replace("name = \"n\"", "name = \"m\"")
+                    .replace("/n", "/m")
+                    .replace("[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n", ""),
+            ),
+            (
+                "c.toml",
+                &with("degrade = { action = \"reject\", query = \"none\", max_copies = 5 }")
+                    .replace("name = \"n\"", "name = \"o\"")
+                    .replace("/n", "/o")
+                    .replace("[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n", ""),
+            ),
+        ]);
+        assert_reported(
+            &errors,
+            &[
+                "a.toml:7:39: error: unknown value `some` for `query`",
+                "b.toml:5:44: error: max_copies must be at least 1",
+                "c.toml:5:11: error: `query` does not apply to degrade action `reject`",
+                "c.toml:5:11: error: `max_copies` does not apply to degrade action `reject`",
+            ],
+        );
+        let policy = compile(
+            &files(&[(
+                "a.toml",
+                &with("degrade = { action = \"stale\", query = [\"week\", \"page\", \"api.key\", \"tag[]\"], max_copies = 20 }"),
+            )]),
+            None,
+        )
+        .expect("compiles");
+        let route = policy
+            .routes
+            .find(None, &http::Method::GET, "/n")
+            .expect("route");
+        let Some(DegradeAction::Stale(settings)) = &route.degrade else {
+            panic!("a stale route: {:?}", route.degrade);
+        };
+        assert_eq!(
+            settings.query,
+            CopyQuery::Only(vec![
+                "api_key".into(),
+                "page".into(),
+                "tag".into(),
+                "week".into()
+            ])
+        );
+        assert_eq!(settings.max_copies, 20);
+        let defaults = compile(
+            &files(&[("a.toml", &with("degrade = { action = \"stale\" }"))]),
+            None,
+        )
+        .expect("compiles");
+        let route = defaults
+            .routes
+            .find(None, &http::Method::GET, "/n")
+            .expect("route");
+        let Some(DegradeAction::Stale(settings)) = &route.degrade else {
+            panic!("a stale route: {:?}", route.degrade);
+        };
+        assert_eq!(
+            (&settings.query, settings.max_copies),
+            (&CopyQuery::All, DEFAULT_MAX_COPIES)
         );
     }
 

@@ -238,6 +238,8 @@ pub struct RouteDegradeSpec {
     pub vary: Option<Spanned<OneOrMany>>,
     pub allow_set_cookie: Option<bool>,
     pub max_body: Option<Spanned<SizeSpec>>,
+    pub query: Option<Spanned<OneOrMany>>,
+    pub max_copies: Option<Spanned<u32>>,
     pub status: Option<Spanned<u16>>,
     pub content_type: Option<Spanned<String>>,
     pub body: Option<String>,

@@ -73,6 +73,26 @@ pub struct StaleSettings {
     pub allow_set_cookie: bool,
     /// Largest body stored. Default 1 MiB.
     pub max_body: usize,
+    /// Which query parameters select different copies. Default the whole query.
+    pub query: CopyQuery,
+    /// Most copies the route keeps, in memory and in Redis each; the oldest stored goes first.
+    /// Default 1000.
+    pub max_copies: usize,
+}
+
+/// Default `max_copies` of a `stale` route.
+pub const DEFAULT_MAX_COPIES: usize = 1000;
+
+/// Which part of a request's query selects its copy (`degrade.query` of a `stale` route).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CopyQuery {
+    /// The whole query as sent (`"all"`, the default): `?x=1` and `?x=2` are two copies.
+    All,
+    /// None of it (`"none"`): one copy per path.
+    Ignored,
+    /// Only these parameters (named as PHP names them, sorted); the others, such as a
+    /// cache-busting `?_=123` or `utm_source`, are left out of the key.
+    Only(Vec<String>),
 }
 
 /// A runtime switch and who set it when.

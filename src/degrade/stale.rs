@@ -5,7 +5,13 @@
 //! when the route is switched off, when its upstream's breaker is open, or when the upstream
 //! fails. Concurrent requests for a key that is being fetched wait for that one fetch
 //! instead of all going upstream.
+//!
+//! A route keeps at most `max_copies` copies, in memory and in Redis each: the one stored
+//! longest ago goes first. In Redis a route's copies and its index (a sorted set of the copy
+//! keys by store time) share one hash tag, so a store and its trimming run as one script on
+//! one node of a cluster.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -18,7 +24,9 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::sync::watch;
 
-use super::StaleSettings;
+use sha2::{Digest, Sha256};
+
+use super::{CopyQuery, StaleSettings};
 use crate::error::{full_body, BoxError};
 use crate::metrics::Metrics;
 use crate::proxy::body::ResponseBody;
@@ -100,10 +108,30 @@ impl StaleCopy {
     }
 }
 
+/// A copy in memory, with the number of its store (`order` entries naming another number are
+/// left over from an earlier store of the key, or from a copy since removed) and its route's
+/// index key.
+struct Entry {
+    copy: Arc<StaleCopy>,
+    stored: u64,
+    route: String,
+}
+
+/// One route's copies in memory, oldest store first (with left-over entries, see [`Entry`]).
+#[derive(Default)]
+struct RouteCopies {
+    order: VecDeque<(String, u64)>,
+    live: usize,
+}
+
 #[derive(Default)]
 struct L1 {
-    copies: HashMap<String, Arc<StaleCopy>>,
-    order: VecDeque<String>,
+    copies: HashMap<String, Entry>,
+    /// Every copy, oldest store first (with left-over entries, see [`Entry`]).
+    order: VecDeque<(String, u64)>,
+    /// By route index key: bounds each route to its `max_copies`.
+    routes: HashMap<String, RouteCopies>,
+    stores: u64,
     bytes: usize,
     /// Keys whose copy here is past `max_age` and for which Redis had nothing newer, with
     /// when it was asked (ms): it is not asked again for a moment (see `StaleStore::get`).
@@ -161,6 +189,29 @@ impl Drop for FetchGuard {
     }
 }
 
+impl L1 {
+    fn remove(&mut self, key: &str) {
+        let Some(entry) = self.copies.remove(key) else {
+            return;
+        };
+        self.bytes -= entry.copy.weight();
+        self.asked_redis.remove(key);
+        if let Some(route) = self.routes.get_mut(&entry.route) {
+            route.live -= 1;
+            if route.live == 0 {
+                self.routes.remove(&entry.route);
+            }
+        }
+    }
+
+    /// Is this `order` entry the key's current store?
+    fn current(&self, (key, stored): &(String, u64)) -> bool {
+        self.copies
+            .get(key)
+            .is_some_and(|entry| entry.stored == *stored)
+    }
+}
+
 impl StaleStore {
     pub fn new(max_bytes: usize) -> StaleStore {
         StaleStore {
@@ -177,14 +228,15 @@ impl StaleStore {
     /// not answer within its timeout, the copy in memory is all there is.
     pub async fn get(
         &self,
-        key: &str,
-        max_age: Duration,
+        copy_key: &CopyKey,
+        settings: &StaleSettings,
         redis: Option<&RedisStore>,
         metrics: &Metrics,
     ) -> Option<Arc<StaleCopy>> {
+        let (key, max_age) = (copy_key.key.as_str(), settings.max_age);
         let (in_memory, asked_at) = match self.l1.lock() {
             Ok(l1) => (
-                l1.copies.get(key).cloned(),
+                l1.copies.get(key).map(|entry| entry.copy.clone()),
                 l1.asked_redis.get(key).copied(),
             ),
             Err(_) => (None, None),
@@ -219,7 +271,7 @@ impl StaleStore {
         };
         match shared {
             // A fresher copy may have been stored here meanwhile: the newest wins.
-            Some(shared) => Some(self.remember_if_newer(key, shared)),
+            Some(shared) => Some(self.remember_if_newer(copy_key, shared, settings.max_copies)),
             None => {
                 if in_memory.is_some() {
                     if let Ok(mut l1) = self.l1.lock() {
@@ -234,71 +286,128 @@ impl StaleStore {
     }
 
     /// Keeps `copy` unless the copy in memory is at least as new; returns the one kept.
-    fn remember_if_newer(&self, key: &str, copy: Arc<StaleCopy>) -> Arc<StaleCopy> {
+    fn remember_if_newer(
+        &self,
+        key: &CopyKey,
+        copy: Arc<StaleCopy>,
+        max_copies: usize,
+    ) -> Arc<StaleCopy> {
         let Ok(mut l1) = self.l1.lock() else {
             return copy;
         };
-        if let Some(current) = l1.copies.get(key) {
-            if current.stored_at_ms >= copy.stored_at_ms {
-                let current = current.clone();
-                l1.asked_redis.insert(key.to_string(), now_ms());
+        if let Some(current) = l1.copies.get(&key.key) {
+            if current.copy.stored_at_ms >= copy.stored_at_ms {
+                let current = current.copy.clone();
+                l1.asked_redis.insert(key.key.clone(), now_ms());
                 return current;
             }
         }
-        self.insert(&mut l1, key, copy.clone());
+        self.insert(&mut l1, key, copy.clone(), max_copies);
         copy
     }
 
-    fn remember(&self, key: &str, copy: Arc<StaleCopy>) {
+    fn remember(&self, key: &CopyKey, copy: Arc<StaleCopy>, max_copies: usize) {
         if let Ok(mut l1) = self.l1.lock() {
-            self.insert(&mut l1, key, copy);
+            self.insert(&mut l1, key, copy, max_copies);
         }
     }
 
-    fn insert(&self, l1: &mut L1, key: &str, copy: Arc<StaleCopy>) {
+    /// Keeps `copy` as the newest store, then drops the route's oldest copies beyond
+    /// `max_copies` and everyone's oldest beyond the byte bound.
+    fn insert(&self, l1: &mut L1, key: &CopyKey, copy: Arc<StaleCopy>, max_copies: usize) {
         let weight = copy.weight();
         if weight > self.max_bytes {
             return;
         }
-        l1.asked_redis.remove(key);
-        if let Some(old) = l1.copies.insert(key.to_string(), copy) {
-            l1.bytes -= old.weight();
-        } else {
-            l1.order.push_back(key.to_string());
+        l1.asked_redis.remove(&key.key);
+        l1.stores += 1;
+        let stored = l1.stores;
+        let entry = Entry {
+            copy,
+            stored,
+            route: key.index.clone(),
+        };
+        match l1.copies.insert(key.key.clone(), entry) {
+            Some(old) => l1.bytes -= old.copy.weight(),
+            None => l1.routes.entry(key.index.clone()).or_default().live += 1,
         }
         l1.bytes += weight;
+        l1.order.push_back((key.key.clone(), stored));
+        if let Some(route) = l1.routes.get_mut(&key.index) {
+            route.order.push_back((key.key.clone(), stored));
+        }
+
+        loop {
+            let oldest = match l1.routes.get_mut(&key.index) {
+                Some(route) if route.live > max_copies => route.order.pop_front(),
+                _ => None,
+            };
+            let Some(oldest) = oldest else {
+                break;
+            };
+            if l1.current(&oldest) {
+                l1.remove(&oldest.0);
+            }
+        }
         while l1.bytes > self.max_bytes {
             let Some(oldest) = l1.order.pop_front() else {
                 break;
             };
-            l1.asked_redis.remove(&oldest);
-            if let Some(old) = l1.copies.remove(&oldest) {
-                l1.bytes -= old.weight();
+            if l1.current(&oldest) {
+                l1.remove(&oldest.0);
+            }
+        }
+
+        // Left-over entries (of keys stored again, or removed) are dropped once they are as
+        // many as the copies, so the queues stay within twice the copies kept.
+        if l1.order.len() > 2 * l1.copies.len() + 64 {
+            let order = std::mem::take(&mut l1.order);
+            l1.order = order
+                .into_iter()
+                .filter(|entry| l1.current(entry))
+                .collect();
+        }
+        let overgrown = l1
+            .routes
+            .get(&key.index)
+            .is_some_and(|route| route.order.len() > 2 * route.live + 16);
+        if overgrown {
+            if let Some(mut route) = l1.routes.remove(&key.index) {
+                route.order.retain(|entry| l1.current(entry));
+                l1.routes.insert(key.index.clone(), route);
             }
         }
     }
 
-    /// Stores a fresh copy in memory now and in Redis in the background.
+    /// Stores a fresh copy in memory now and in Redis in the background, where the route's
+    /// oldest copies beyond `max_copies` are deleted in the same script. When Redis fails or
+    /// does not answer within its timeout (at least 250 ms here, as no request waits for
+    /// it), the copy is kept in memory only: it still answers this instance's requests.
     pub fn put(
         &self,
-        key: &str,
+        key: &CopyKey,
         copy: Arc<StaleCopy>,
         redis: Option<Arc<RedisStore>>,
-        max_age: Duration,
+        settings: &StaleSettings,
     ) {
-        self.remember(key, copy.clone());
+        self.remember(key, copy.clone(), settings.max_copies);
         if let Some(redis) = redis {
-            let key = key.to_string();
+            let key = key.clone();
+            let (max_age, max_copies) = (settings.max_age, settings.max_copies);
             tokio::spawn(async move {
-                let mut command = redis::cmd("SET");
+                let mut command = redis::cmd("EVAL");
                 command
-                    .arg(&key)
+                    .arg(STORE_SCRIPT)
+                    .arg(2)
+                    .arg(&key.key)
+                    .arg(&key.index)
                     .arg(copy.encode())
-                    .arg("PX")
-                    .arg(max_age.as_millis().max(1) as u64);
+                    .arg(max_age.as_millis().max(1) as u64)
+                    .arg(copy.stored_at_ms)
+                    .arg(max_copies);
                 let timeout = redis.settings.timeout.max(Duration::from_millis(250));
-                if let Err(error) = redis.command::<()>(&command, timeout, None).await {
-                    tracing::debug!(%key, "stale copy not stored in redis: {error}");
+                if let Err(error) = redis.command::<i64>(&command, timeout, None).await {
+                    tracing::debug!(key = %key.key, "stale copy not stored in redis: {error}");
                 }
             });
         }
@@ -405,7 +514,7 @@ pin_project! {
 /// Where a finished capture goes.
 pub struct CaptureTarget {
     pub store: Arc<StaleStore>,
-    pub key: String,
+    pub key: CopyKey,
     pub redis: Option<Arc<RedisStore>>,
     pub settings: Arc<StaleSettings>,
     pub guard: Option<FetchGuard>,
@@ -450,7 +559,7 @@ fn complete(
         &target.key,
         copy.clone(),
         target.redis.clone(),
-        target.settings.max_age,
+        &target.settings,
     );
     if let Some(guard) = &target.guard {
         guard.finish(Some(copy));
@@ -508,12 +617,46 @@ where
     }
 }
 
-/// The key of a route's copy: route, the `Host` the app is sent, normalised path and query,
-/// and the `vary` values.
+/// Stores a copy and trims its route's index: KEYS[1] the copy, KEYS[2] the route's index (a
+/// sorted set of its copy keys by store time); ARGV the encoded copy, `max_age` in ms, the
+/// store time in ms and `max_copies`. Entries older than `max_age` (their copies expired)
+/// leave the index, then the oldest copies beyond `max_copies` are deleted with their
+/// entries. Every key it touches shares KEYS[2]'s hash tag, so in a cluster they are on the
+/// node the script runs on. Returns how many copies it deleted.
+const STORE_SCRIPT: &str = r"
+local max_age = tonumber(ARGV[2])
+local now = tonumber(ARGV[3])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', max_age)
+redis.call('ZADD', KEYS[2], now, KEYS[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - max_age)
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+if over > 0 then
+  for _, key in ipairs(redis.call('ZRANGE', KEYS[2], 0, over - 1)) do
+    redis.call('DEL', key)
+  end
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, over - 1)
+else
+  over = 0
+end
+redis.call('PEXPIRE', KEYS[2], max_age)
+return over
+";
+
+/// A copy's Redis key and its route's index key. Both begin `{prefix}stale:{route}:` — the
+/// route (or, for a name with braces, a hash of it) as the Redis Cluster hash tag — so a
+/// route's copies and index share one slot: a route's copies all live on one node.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct CopyKey {
+    pub key: String,
+    pub index: String,
+}
+
+/// The key of a route's copy: route, the `Host` the app is sent, normalised path, the query
+/// (as chosen by [`selected_query`]), and the `vary` values.
 ///
-/// Every part is written with its length in front (`7:ranking`), and a missing query as `-`:
-/// parts come from clients and may hold any separator (a `vary` cookie with `|`, a query with
-/// `:`), and two different requests must never be given one key.
+/// Every part after the route is written with its length in front (`9:127.0.0.1`), and a
+/// missing query as `-`: parts come from clients and may hold any separator (a `vary` cookie
+/// with `|`, a query with `:`), and two different requests must never be given one key.
 pub fn copy_key(
     prefix: &str,
     route: &str,
@@ -521,13 +664,17 @@ pub fn copy_key(
     path: &str,
     query: Option<&str>,
     vary: &[String],
-) -> String {
+) -> CopyKey {
+    let tag = route_tag(route);
     let mut key = String::with_capacity(
-        prefix.len() + route.len() + host.len() + path.len() + query.map_or(0, str::len) + 32,
+        prefix.len() + tag.len() + host.len() + path.len() + query.map_or(0, str::len) + 32,
     );
     key.push_str(prefix);
-    key.push_str("stale:");
-    push_part(&mut key, route);
+    key.push_str("stale:{");
+    key.push_str(&tag);
+    key.push_str("}:");
+    let index = format!("{key}index");
+    // After the tag, a copy key goes on with a digit and the index with `index`.
     push_part(&mut key, host);
     push_part(&mut key, path);
     match query {
@@ -540,7 +687,56 @@ pub fn copy_key(
     for value in vary {
         push_part(&mut key, value);
     }
-    key
+    CopyKey { key, index }
+}
+
+/// A route name as a hash tag: as it is, unless a brace would end the tag early (or make it
+/// the empty `{}`, which Redis does not take for a tag); then `#` and a hash of it, and a name
+/// that begins with `#` is hashed too so that it cannot pass for another's hash.
+fn route_tag(route: &str) -> Cow<'_, str> {
+    if !route.is_empty() && !route.starts_with('#') && !route.contains(['{', '}']) {
+        return Cow::Borrowed(route);
+    }
+    let digest = Sha256::digest(route.as_bytes());
+    let mut tag = String::from("#");
+    for byte in digest.iter().take(12) {
+        use std::fmt::Write as _;
+        let _ = write!(tag, "{byte:02x}");
+    }
+    Cow::Owned(tag)
+}
+
+/// The part of a request's query that selects its copy (`query` of the route's stale
+/// settings): all of it, none, or only the named parameters (named as PHP names them, an
+/// array's `[…]` left out), sorted by name so that their order does not matter; the values of
+/// one name keep their order (PHP reads the last one, or all of an array).
+pub fn selected_query<'a>(query: Option<&'a str>, select: &CopyQuery) -> Option<Cow<'a, str>> {
+    let query = query?;
+    let names = match select {
+        CopyQuery::All => return Some(Cow::Borrowed(query)),
+        CopyQuery::Ignored => return None,
+        CopyQuery::Only(names) => names,
+    };
+    let mut kept: Vec<(String, &str)> = query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .filter_map(|pair| {
+            let name = crate::limit::key::query_name(pair.split_once('=').map_or(pair, |(n, _)| n));
+            names.binary_search(&name).is_ok().then_some((name, pair))
+        })
+        .collect();
+    if kept.is_empty() {
+        return None;
+    }
+    kept.sort_by(|(a, _), (b, _)| a.cmp(b));
+    let mut out = String::with_capacity(query.len());
+    for (index, (_, pair)) in kept.iter().enumerate() {
+        if index > 0 {
+            out.push('&');
+        }
+        out.push_str(pair);
+    }
+    Some(Cow::Owned(out))
 }
 
 /// `len:part`: a part that reads the same whatever bytes it holds.
@@ -572,7 +768,7 @@ mod tests {
     fn different_requests_never_share_a_key() {
         let key = |path: &str, query: Option<&str>, vary: &[&str]| {
             let vary: Vec<String> = vary.iter().map(|value| value.to_string()).collect();
-            copy_key("levee:", "ranking", "example.com", path, query, &vary)
+            copy_key("levee:", "ranking", "example.com", path, query, &vary).key
         };
         // A `|` in a vary value once ran into the next value.
         assert_ne!(key("/r", None, &["a|b", ""]), key("/r", None, &["a", "b|"]));
@@ -597,6 +793,126 @@ mod tests {
     }
 
     #[test]
+    fn a_routes_copies_and_index_share_one_hash_tag() {
+        let tag = |key: &str| {
+            let start = key.find('{').expect("a tag") + 1;
+            let end = start + key[start..].find('}').expect("closed");
+            key[start..end].to_string()
+        };
+        for route in ["ranking", "odd}name", "{", "#abc", ""] {
+            let a = copy_key("levee:", route, "a.example", "/x", Some("p=1"), &[]);
+            let b = copy_key("levee:", route, "b.example", "/y", None, &["en".into()]);
+            assert_eq!(a.index, b.index, "{route}");
+            let tags = [tag(&a.key), tag(&b.key), tag(&a.index)];
+            assert!(
+                tags.iter().all(|t| *t == tags[0] && !t.is_empty()),
+                "{route}: {tags:?}"
+            );
+            assert_ne!(a.key, a.index);
+        }
+        assert_eq!(
+            copy_key("levee:", "ranking", "a", "/", None, &[]).index,
+            "levee:stale:{ranking}:index"
+        );
+        assert_ne!(
+            copy_key("levee:", "{", "a", "/", None, &[]).index,
+            copy_key("levee:", "}", "a", "/", None, &[]).index
+        );
+    }
+
+    #[test]
+    fn only_the_chosen_query_parameters_select_a_copy() {
+        let only = CopyQuery::Only(vec!["page".into(), "week".into()]);
+        let chosen = |query: &str| selected_query(Some(query), &only).map(Cow::into_owned);
+        // Cache-busting and tracking parameters do not make another copy; order does not
+        // matter; the values of the chosen ones do.
+        assert_eq!(chosen("week=1&_=123"), Some("week=1".into()));
+        assert_eq!(
+            chosen("utm_source=x&week=1&page=2"),
+            Some("page=2&week=1".into())
+        );
+        assert_eq!(chosen("page=2&week=1&x=9"), Some("page=2&week=1".into()));
+        assert_ne!(chosen("week=1"), chosen("week=2"));
+        // Named as PHP reads them: `w%65ek` is `week`, `page[]` is `page`.
+        assert_eq!(chosen("w%65ek=1"), Some("w%65ek=1".into()));
+        assert_eq!(
+            chosen("page[]=1&page[]=2"),
+            Some("page[]=1&page[]=2".into())
+        );
+        assert_eq!(chosen("_=1&&utm=2"), None);
+        assert_eq!(selected_query(None, &only), None);
+        assert_eq!(
+            selected_query(Some("b=1&a=2"), &CopyQuery::All).as_deref(),
+            Some("b=1&a=2")
+        );
+        assert_eq!(selected_query(Some("b=1"), &CopyQuery::Ignored), None);
+    }
+
+    fn key_of(route: &str, n: usize) -> CopyKey {
+        copy_key("levee:", route, "example.com", &format!("/{n}"), None, &[])
+    }
+
+    fn small_copy() -> Arc<StaleCopy> {
+        Arc::new(StaleCopy {
+            status: 200,
+            headers: vec![],
+            body: Bytes::from_static(b"page"),
+            stored_at_ms: 0,
+        })
+    }
+
+    #[test]
+    fn a_route_keeps_at_most_max_copies_in_memory_and_leaves_the_others_theirs() {
+        let store = StaleStore::new(L1_MAX_BYTES);
+        for n in 0..5 {
+            store.remember(&key_of("good", n), small_copy(), 1000);
+        }
+        // A flood of cache-busting keys on another route.
+        for n in 0..10_000 {
+            store.remember(&key_of("busted", n), small_copy(), 100);
+        }
+        let l1 = store.l1.lock().expect("lock");
+        let of = |route: &str| {
+            l1.copies
+                .values()
+                .filter(|entry| entry.route == key_of(route, 0).index)
+                .count()
+        };
+        assert_eq!((of("good"), of("busted")), (5, 100));
+        assert!(l1.copies.contains_key(&key_of("busted", 9_999).key));
+        assert!(!l1.copies.contains_key(&key_of("busted", 9_899).key));
+        assert!(
+            l1.order.len() <= 2 * l1.copies.len() + 64,
+            "{}",
+            l1.order.len()
+        );
+        assert_eq!(l1.routes[&key_of("busted", 0).index].live, 100);
+    }
+
+    #[test]
+    fn a_copy_stored_again_is_the_newest_and_queues_stay_bounded() {
+        let store = StaleStore::new(L1_MAX_BYTES);
+        for n in 0..3 {
+            store.remember(&key_of("r", n), small_copy(), 3);
+        }
+        // The first copy is refreshed many times: it is the newest, so a fourth key evicts
+        // the second.
+        for _ in 0..1000 {
+            store.remember(&key_of("r", 0), small_copy(), 3);
+        }
+        store.remember(&key_of("r", 3), small_copy(), 3);
+        let l1 = store.l1.lock().expect("lock");
+        let kept: Vec<bool> = (0..4)
+            .map(|n| l1.copies.contains_key(&key_of("r", n).key))
+            .collect();
+        assert_eq!(kept, [true, false, true, true]);
+        let route = &l1.routes[&key_of("r", 0).index];
+        assert_eq!(route.live, 3);
+        assert!(route.order.len() <= 2 * 3 + 16, "{}", route.order.len());
+        assert!(l1.order.len() <= 2 * 3 + 64, "{}", l1.order.len());
+    }
+
+    #[test]
     fn memory_is_bounded_by_bytes() {
         let store = StaleStore::new(1000);
         for i in 0..20 {
@@ -606,11 +922,14 @@ mod tests {
                 body: Bytes::from(vec![b'x'; 200]),
                 stored_at_ms: 0,
             };
-            store.remember(&format!("k{i}"), Arc::new(copy));
+            store.remember(&key_of("r", i), Arc::new(copy), 1000);
         }
         let l1 = store.l1.lock().expect("lock");
         assert!(l1.bytes <= 1000, "{}", l1.bytes);
-        assert!(l1.copies.contains_key("k19") && !l1.copies.contains_key("k0"));
+        assert!(
+            l1.copies.contains_key(&key_of("r", 19).key)
+                && !l1.copies.contains_key(&key_of("r", 0).key)
+        );
     }
 
     #[test]
@@ -620,6 +939,8 @@ mod tests {
             vary: vec![],
             allow_set_cookie: false,
             max_body: 100,
+            query: CopyQuery::All,
+            max_copies: 10,
         };
         let mut headers = HeaderMap::new();
         assert!(storable(StatusCode::OK, &headers, &settings, false));
@@ -651,6 +972,8 @@ mod tests {
             vary: vec![],
             allow_set_cookie: false,
             max_body: 100,
+            query: CopyQuery::All,
+            max_copies: 10,
         };
         let encoded = |values: &[&'static str]| {
             let mut headers = HeaderMap::new();

@@ -274,6 +274,16 @@ fn query_param<'a>(query: &'a str, name: &str) -> Option<Cow<'a, str>> {
         .map(|(_, value)| percent_decode(value))
 }
 
+/// A query parameter's name as PHP reads it, without the `[…]` of an array (`tag[]=a` and
+/// `tag[]=b` are both `tag`): what names a parameter in `degrade.query` of a `stale` route.
+pub(crate) fn query_name(raw: &str) -> String {
+    let name = php_name(&percent_decode(raw)).into_owned();
+    match name.find('[') {
+        Some(at) if at > 0 => name[..at].to_string(),
+        _ => name,
+    }
+}
+
 /// Decodes `%XX` and `+` the way PHP fills `$_GET`, so `?key=a%62c` and `?key=abc` are one key.
 fn percent_decode(text: &str) -> Cow<'_, str> {
     decode_percent(text, true)

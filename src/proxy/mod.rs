@@ -32,7 +32,7 @@ use crate::breaker::{Outcome, Permit};
 use crate::config::{Policy, PolicyStore};
 use crate::degrade::hide::{self, Hidden};
 use crate::degrade::stale::{
-    self, copy_key, Capture, CaptureTarget, Fetch, FetchGuard, StaleStore,
+    self, copy_key, selected_query, Capture, CaptureTarget, CopyKey, Fetch, FetchGuard, StaleStore,
 };
 use crate::degrade::{DegradeAction, StaleSettings};
 use crate::error::{text_response, ErrorSide, ProxyError};
@@ -577,7 +577,7 @@ fn without_switched_off_fragments(
 
 /// The stale-copy side of one request: its key (GET on a `stale` route only) and settings.
 struct Stale {
-    key: Option<String>,
+    key: Option<CopyKey>,
     settings: Option<Arc<StaleSettings>>,
     /// The request carried `Authorization`: its answer is kept only if the app allows it.
     credentials: bool,
@@ -629,7 +629,7 @@ impl Stale {
                 &route.name.0,
                 &host,
                 normal_path,
-                request.uri().query(),
+                selected_query(request.uri().query(), &settings.query).as_deref(),
                 &vary,
             )
         });
@@ -653,7 +653,7 @@ impl Stale {
         // Boxed, as the rate limit's Redis call is: see above `forward`.
         let copy = Box::pin(shared.stale.get(
             key,
-            settings.max_age,
+            settings,
             policy.redis.as_deref(),
             &shared.metrics,
         ))
@@ -710,7 +710,7 @@ impl Stale {
         let Some(key) = &self.key else {
             return Joined::Lead(None);
         };
-        let mut waiting = match shared.stale.fetch(key) {
+        let mut waiting = match shared.stale.fetch(&key.key) {
             Fetch::Lead(guard) => return Joined::Lead(Some(guard)),
             Fetch::Wait(receiver) => receiver,
         };
