@@ -814,7 +814,7 @@ async fn a_copy_answers_only_the_host_it_was_fetched_for() {
 async fn a_copy_does_not_carry_the_rate_limit_state_of_the_client_it_was_fetched_for() {
     // The RateLimit fields tell one client what is left of its own quota; a copy served to
     // everyone else must not repeat them.
-    let (backend, _, _) = versioned().await;
+    let (backend, _, failing) = versioned().await;
     let routes = ROUTES.replace(
         "module = \"ranking\"",
         "module = \"ranking\"\nlimits = [\"per_ip\"]",
@@ -843,6 +843,22 @@ async fn a_copy_does_not_carry_the_rate_limit_state_of_the_client_it_was_fetched
         (copy.header("ratelimit"), copy.header("ratelimit-policy")),
         (None, None),
         "another client's quota in the copy"
+    );
+
+    // Served because the app fails, after this client passed the limits: its own quota.
+    assert_eq!(set(&levee, "/modules/ranking", "on").await.status, 200);
+    failing.store(1, Ordering::SeqCst);
+    let if_error = as_client("203.0.113.3").await;
+    assert_eq!(
+        (if_error.text().as_str(), if_error.header("x-levee-stale")),
+        ("/ranking v1", Some("1"))
+    );
+    assert!(
+        if_error
+            .header("ratelimit")
+            .is_some_and(|state| state.contains(";r=49;")),
+        "{:?}",
+        if_error.headers
     );
 }
 
@@ -1056,4 +1072,87 @@ async fn cache_busting_queries_share_a_copy_and_a_route_keeps_at_most_max_copies
             .header("x-levee-stale"),
         Some("1")
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_wait_for_another_fetch_get_their_own_rate_limit_fields() {
+    // A request served the copy that another request was fetching passed the limits itself,
+    // and is told its own quota, as it would be on a page fetched for it.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let held = gate.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let held = held.clone();
+        async move {
+            if request.uri().path() == "/ranking/gated" {
+                held.acquire().await.expect("gate").forget();
+            }
+            html("ranking")
+        }
+    })
+    .await;
+    let routes = ROUTES.replace(
+        "module = \"ranking\"",
+        "module = \"ranking\"\nlimits = [\"per_ip\"]",
+    );
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("[limit.per_ip]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 50\nheaders_on_allow = true\n{routes}"),
+    );
+    let levee = Levee::start(&policy).await;
+    let as_client = |ip: &'static str, path: &'static str| {
+        let url = levee.url(path);
+        async move { get_with(&url, &[("x-forwarded-for", ip)]).await }
+    };
+    // The waiter has used some of its quota already.
+    for _ in 0..3 {
+        assert_eq!(as_client("203.0.113.2", "/ranking/other").await.status, 200);
+    }
+
+    let hits = backend.hits();
+    let leader = tokio::spawn(as_client("203.0.113.1", "/ranking/gated"));
+    eventually(Duration::from_secs(5), "the leader upstream", || async {
+        backend.hits() > hits
+    })
+    .await;
+    let waiter = tokio::spawn(as_client("203.0.113.2", "/ranking/gated"));
+    eventually(Duration::from_secs(5), "the waiter in levee", || async {
+        let metrics = get(&levee.admin_url("/metrics")).await.text();
+        metric_value(&metrics, "levee_inflight_requests") >= 2.0
+    })
+    .await;
+    gate.add_permits(1);
+    let (leader, waiter) = (leader.await.expect("leader"), waiter.await.expect("waiter"));
+    assert_eq!(
+        backend.hits(),
+        hits + 1,
+        "the waiter was served the leader's fetch"
+    );
+    assert_eq!(
+        (leader.text(), waiter.text()),
+        ("ranking".into(), "ranking".into())
+    );
+    let remaining = |answer: &Answer| {
+        answer
+            .header("ratelimit")
+            .and_then(|state| state.split(';').find_map(|part| part.strip_prefix("r=")))
+            .map(str::to_string)
+    };
+    assert_eq!(
+        remaining(&leader).as_deref(),
+        Some("49"),
+        "{:?}",
+        leader.headers
+    );
+    assert_eq!(
+        remaining(&waiter).as_deref(),
+        Some("46"),
+        "{:?}",
+        waiter.headers
+    );
+    assert_eq!(
+        waiter.header("ratelimit-policy"),
+        leader.header("ratelimit-policy")
+    );
+    assert!(waiter.header("ratelimit-policy").is_some());
 }

@@ -311,7 +311,12 @@ async fn forward(
             clock.waited();
         }
         match joined {
-            Joined::Served(response) => return Ok(response.into()),
+            // The copy carries no one's RateLimit fields: this client gets its own, as it
+            // would on an answer fetched for it.
+            Joined::Served(mut response) => {
+                set_rate_limit_fields(response.headers_mut(), allowed_headers.as_ref());
+                return Ok(response.into());
+            }
             Joined::Lead(guard) => guard,
         }
     } else {
@@ -405,7 +410,7 @@ async fn forward(
             return stale
                 .serve_or(shared, policy, &route, refusal)
                 .await
-                .map(Answer::from)
+                .map(|copy| with_rate_limit_fields(copy, allowed_headers.as_ref()).into())
         }
     };
 
@@ -438,7 +443,7 @@ async fn forward(
                 return stale
                     .serve_or(shared, policy, &route, refusal)
                     .await
-                    .map(Answer::from);
+                    .map(|copy| with_rate_limit_fields(copy, allowed_headers.as_ref()).into());
             }
         }
     }
@@ -509,13 +514,13 @@ async fn forward(
             return stale
                 .serve_or(shared, policy, &route, error)
                 .await
-                .map(Answer::from)
+                .map(|copy| with_rate_limit_fields(copy, allowed_headers.as_ref()).into())
         }
         Err(error) => return Err(error),
     };
     if failure_status {
         if let Some(copy) = stale.copy(shared, policy, &route).await {
-            return Ok(copy.into());
+            return Ok(with_rate_limit_fields(copy, allowed_headers.as_ref()).into());
         }
     }
 
@@ -540,17 +545,33 @@ async fn forward(
         None => body.boxed_unsync(),
     };
     // After the copy took its headers: this client's quota is no one else's.
-    if let Some(limit) = allowed_headers {
-        parts
-            .headers
-            .insert(header::RATELIMIT_POLICY.clone(), limit.policy);
-        parts.headers.insert(header::RATELIMIT.clone(), limit.state);
-    }
+    set_rate_limit_fields(&mut parts.headers, allowed_headers.as_ref());
     Ok(Answer {
         // A page that is rewritten has its fields parsed (`fields` above), never relayed.
         response: without_switched_off_fragments(Response::from_parts(parts, body), hiding),
         relayed,
     })
+}
+
+/// Sets the RateLimit fields of an admitted request whose rules ask for them (`limit`), in
+/// place of any the upstream sent. Every answer to a request that passed the limits gets its
+/// own: the app's page, or a copy (which never keeps them, see `Capture`) served to it.
+fn set_rate_limit_fields(
+    headers: &mut http::HeaderMap,
+    limit: Option<&crate::limit::RateLimitHeaders>,
+) {
+    if let Some(limit) = limit {
+        headers.insert(header::RATELIMIT_POLICY.clone(), limit.policy.clone());
+        headers.insert(header::RATELIMIT.clone(), limit.state.clone());
+    }
+}
+
+fn with_rate_limit_fields(
+    mut response: Response<ResponseBody>,
+    limit: Option<&crate::limit::RateLimitHeaders>,
+) -> Response<ResponseBody> {
+    set_rate_limit_fields(response.headers_mut(), limit);
+    response
 }
 
 /// Cuts the fragments of switched-off modules (`hiding`, from [`hidden_fragments`]) out of an
