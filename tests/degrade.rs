@@ -1156,3 +1156,57 @@ async fn requests_that_wait_for_another_fetch_get_their_own_rate_limit_fields() 
     );
     assert!(waiter.header("ratelimit-policy").is_some());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_for_a_copy_do_not_wait_on_a_leader_whose_client_stops_reading() {
+    // The copy is complete only once the leading request's client has read the whole page: a
+    // client that stops reading a large page held every request waiting for the copy until the
+    // upstream's response timeout (30 s here).
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const SIZE: usize = 12 << 20;
+    let page = Bytes::from(vec![b'x'; SIZE]);
+    let backend = Backend::start(move |_request: Request<Incoming>| {
+        let page = page.clone();
+        async move { html(page) }
+    })
+    .await;
+    let levee = levee_with_routes(
+        &backend,
+        "degrade = { action = \"stale\", max_age = \"2s\" }",
+        "degrade = { action = \"stale\", max_age = \"60s\", max_body = \"16MiB\" }",
+    )
+    .await;
+
+    // The leader reads the head of the page, then nothing more (and keeps its connection).
+    let mut leader = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    leader
+        .write_all(b"GET /ranking/big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .expect("write");
+    let mut head = Vec::new();
+    while !head.windows(4).any(|window| window == b"\r\n\r\n") {
+        let mut chunk = [0u8; 1024];
+        let read = leader.read(&mut chunk).await.expect("read");
+        assert!(read > 0, "levee closed the connection");
+        head.extend_from_slice(&chunk[..read]);
+    }
+    assert_eq!(status_of(&String::from_utf8_lossy(&head)), Some(200));
+    assert_eq!(backend.hits(), 1);
+
+    // A request for the same page waits for the copy a moment, then fetches it itself.
+    let waiter = tokio::time::timeout(Duration::from_secs(10), get(&levee.url("/ranking/big")))
+        .await
+        .expect("the waiter is answered long before the leader's fetch ends");
+    assert_eq!(
+        (
+            waiter.status,
+            waiter.body.len(),
+            waiter.header("x-levee-stale")
+        ),
+        (200, SIZE, None)
+    );
+    assert_eq!(backend.hits(), 2, "the waiter fetched the page itself");
+    drop(leader);
+}

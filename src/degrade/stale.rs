@@ -23,6 +23,7 @@ use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use sha2::{Digest, Sha256};
 
@@ -145,7 +146,66 @@ fn ask_redis_again_after(max_age: Duration) -> Duration {
     (max_age / 10).min(Duration::from_secs(1))
 }
 
-type Inflight = HashMap<String, watch::Receiver<Option<Arc<StaleCopy>>>>;
+type Inflight = HashMap<String, watch::Receiver<FetchState>>;
+
+/// How far the fetch of a copy has come, as its waiters see it.
+#[derive(Clone)]
+pub enum FetchState {
+    /// Upstream has not answered yet.
+    Fetching,
+    /// The answer's head is in, and it is being kept as the copy; its body comes at the pace
+    /// the leading request's client reads it.
+    Answered(Instant),
+    /// The copy is stored.
+    Done(Arc<StaleCopy>),
+}
+
+/// How long a request waits for a copy whose answer's head is in: the body then comes only as
+/// fast as the client of the request that fetches it reads, and a slow one (a phone on a bad
+/// line, a large page) would hold every waiter. A page from a healthy upstream read at a
+/// normal pace is in well within this; past it, the waiters go upstream themselves.
+pub const WAIT_FOR_BODY: Duration = Duration::from_secs(1);
+
+/// What a request that waited for another's fetch does next.
+#[derive(Debug)]
+pub enum Waited {
+    /// The fetch stored this copy: it answers the waiter too.
+    Copy(Arc<StaleCopy>),
+    /// No copy came in time (the fetch failed, was not kept, or its body is slow): go
+    /// upstream.
+    GoUpstream,
+}
+
+/// Waits for the fetch `receiver` follows: until its head is in for at most `for_head` (the
+/// wait the request would have for an answer of its own, the upstream's response timeout),
+/// then until the copy is stored for at most `for_body` from when the head came (see
+/// [`WAIT_FOR_BODY`]). A request that joins a fetch whose head came longer ago than
+/// `for_body` goes upstream at once.
+pub async fn wait_for_copy(
+    mut receiver: watch::Receiver<FetchState>,
+    for_head: Duration,
+    for_body: Duration,
+) -> Waited {
+    let head_deadline = Instant::now() + for_head;
+    loop {
+        let deadline = match &*receiver.borrow_and_update() {
+            FetchState::Done(copy) => return Waited::Copy(copy.clone()),
+            FetchState::Fetching => head_deadline,
+            FetchState::Answered(at) => *at + for_body,
+        };
+        match tokio::time::timeout_at(deadline, receiver.changed()).await {
+            Ok(Ok(())) => {}
+            // The leader let go without a copy (the channel closed).
+            Ok(Err(_)) => {
+                return match &*receiver.borrow() {
+                    FetchState::Done(copy) => Waited::Copy(copy.clone()),
+                    _ => Waited::GoUpstream,
+                }
+            }
+            Err(_elapsed) => return Waited::GoUpstream,
+        }
+    }
+}
 
 pub struct StaleStore {
     l1: Mutex<L1>,
@@ -157,8 +217,8 @@ pub struct StaleStore {
 pub enum Fetch {
     /// Go upstream; the guard tells the waiters what came of it.
     Lead(FetchGuard),
-    /// Someone else is fetching it: wait for their copy.
-    Wait(watch::Receiver<Option<Arc<StaleCopy>>>),
+    /// Someone else is fetching it: wait for their copy ([`wait_for_copy`]).
+    Wait(watch::Receiver<FetchState>),
 }
 
 /// Held by the one request that fetches a key; dropping it without a copy lets the waiters
@@ -166,12 +226,24 @@ pub enum Fetch {
 pub struct FetchGuard {
     store: Arc<StaleStore>,
     key: String,
-    sender: watch::Sender<Option<Arc<StaleCopy>>>,
+    sender: watch::Sender<FetchState>,
 }
 
 impl FetchGuard {
-    fn finish(&self, copy: Option<Arc<StaleCopy>>) {
-        let _ = self.sender.send(copy);
+    /// The answer's head is in and is being kept: from now, waiters wait at most their
+    /// `for_body` (see [`wait_for_copy`]).
+    pub fn answered(&self) {
+        self.sender.send_if_modified(|state| {
+            let fetching = matches!(state, FetchState::Fetching);
+            if fetching {
+                *state = FetchState::Answered(Instant::now());
+            }
+            fetching
+        });
+    }
+
+    fn finish(&self, copy: Arc<StaleCopy>) {
+        let _ = self.sender.send(FetchState::Done(copy));
         if let Ok(mut inflight) = self.store.inflight.lock() {
             inflight.remove(&self.key);
         }
@@ -180,8 +252,8 @@ impl FetchGuard {
 
 impl Drop for FetchGuard {
     fn drop(&mut self) {
-        if self.sender.borrow().is_none() {
-            // Wake waiters with "no copy" (the channel closes with None in it).
+        if !matches!(*self.sender.borrow(), FetchState::Done(_)) {
+            // Wake waiters with "no copy" (the channel closes without one).
             if let Ok(mut inflight) = self.store.inflight.lock() {
                 inflight.remove(&self.key);
             }
@@ -416,7 +488,7 @@ impl StaleStore {
     /// Either lead the fetch of `key` or wait for the one in flight.
     pub fn fetch(self: &Arc<Self>, key: &str) -> Fetch {
         let Ok(mut inflight) = self.inflight.lock() else {
-            let (sender, _) = watch::channel(None);
+            let (sender, _) = watch::channel(FetchState::Fetching);
             return Fetch::Lead(FetchGuard {
                 store: self.clone(),
                 key: key.to_string(),
@@ -426,7 +498,7 @@ impl StaleStore {
         if let Some(receiver) = inflight.get(key) {
             return Fetch::Wait(receiver.clone());
         }
-        let (sender, receiver) = watch::channel(None);
+        let (sender, receiver) = watch::channel(FetchState::Fetching);
         inflight.insert(key.to_string(), receiver);
         Fetch::Lead(FetchGuard {
             store: self.clone(),
@@ -562,7 +634,7 @@ fn complete(
         &target.settings,
     );
     if let Some(guard) = &target.guard {
-        guard.finish(Some(copy));
+        guard.finish(copy);
     }
 }
 
@@ -989,5 +1061,78 @@ mod tests {
         assert!(encoded(&["identity", "gzip"]));
         assert!(encoded(&["identity, gzip"]));
         assert!(encoded(&["IDENTITY,br"]));
+    }
+
+    fn lead_and_wait(store: &Arc<StaleStore>) -> (FetchGuard, watch::Receiver<FetchState>) {
+        let Fetch::Lead(guard) = store.fetch("k") else {
+            panic!("the first request leads");
+        };
+        let Fetch::Wait(receiver) = store.fetch("k") else {
+            panic!("the second one waits");
+        };
+        (guard, receiver)
+    }
+
+    const HEAD: Duration = Duration::from_secs(30);
+
+    #[tokio::test(start_paused = true)]
+    async fn waiters_stop_waiting_for_a_leader_whose_client_reads_its_body_slowly() {
+        let store = Arc::new(StaleStore::new(L1_MAX_BYTES));
+        let (guard, receiver) = lead_and_wait(&store);
+        let started = Instant::now();
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, WAIT_FOR_BODY));
+        // Upstream takes its time to answer: the waiter waits, as it would for its own fetch.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!waiter.is_finished());
+        // The head is in, and the leader's client then reads the body slowly (the copy is never
+        // finished here): the waiter goes upstream after WAIT_FOR_BODY, not after HEAD.
+        guard.answered();
+        let waited = waiter.await.expect("waiter");
+        assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
+        assert_eq!(started.elapsed(), Duration::from_secs(5) + WAIT_FOR_BODY);
+
+        // A request that comes once the head is older than the bound does not wait at all.
+        let Fetch::Wait(late) = store.fetch("k") else {
+            panic!("the fetch is still out");
+        };
+        let joined = Instant::now();
+        let waited = wait_for_copy(late, HEAD, WAIT_FOR_BODY).await;
+        assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
+        assert_eq!(joined.elapsed(), Duration::ZERO);
+        drop(guard);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiters_get_the_copy_stored_in_time_and_go_upstream_when_the_leader_gives_up() {
+        let store = Arc::new(StaleStore::new(L1_MAX_BYTES));
+        let (guard, receiver) = lead_and_wait(&store);
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, WAIT_FOR_BODY));
+        guard.answered();
+        tokio::time::sleep(WAIT_FOR_BODY / 2).await;
+        guard.finish(small_copy());
+        let waited = waiter.await.expect("waiter");
+        assert!(
+            matches!(waited, Waited::Copy(ref copy) if copy.body == "page"),
+            "{waited:?}"
+        );
+        drop(guard);
+
+        // The next fetch's leader lets go without a copy: the waiter goes at once.
+        let (guard, receiver) = lead_and_wait(&store);
+        let started = Instant::now();
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, WAIT_FOR_BODY));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        drop(guard);
+        let waited = waiter.await.expect("waiter");
+        assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
+        assert_eq!(started.elapsed(), Duration::from_millis(10));
+
+        // An upstream that never answers: the waiter gives up after HEAD.
+        let (guard, receiver) = lead_and_wait(&store);
+        let started = Instant::now();
+        let waited = wait_for_copy(receiver, HEAD, WAIT_FOR_BODY).await;
+        assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
+        assert_eq!(started.elapsed(), HEAD);
+        drop(guard);
     }
 }

@@ -33,6 +33,7 @@ use crate::config::{Policy, PolicyStore};
 use crate::degrade::hide::{self, Hidden};
 use crate::degrade::stale::{
     self, copy_key, selected_query, Capture, CaptureTarget, CopyKey, Fetch, FetchGuard, StaleStore,
+    Waited,
 };
 use crate::degrade::{DegradeAction, StaleSettings};
 use crate::error::{text_response, ErrorSide, ProxyError};
@@ -726,30 +727,31 @@ impl Stale {
         Err(refusal)
     }
 
-    /// Leads the fetch of this copy, or waits for the fetch already in flight.
+    /// Leads the fetch of this copy, or waits for the fetch already in flight: for its head at
+    /// most the upstream's response timeout, then for its body at most
+    /// [`stale::WAIT_FOR_BODY`], as the leader's client may read slowly.
     async fn join(&self, shared: &Shared, policy: &Policy, route: &Route) -> Joined {
         let Some(key) = &self.key else {
             return Joined::Lead(None);
         };
-        let mut waiting = match shared.stale.fetch(&key.key) {
+        let waiting = match shared.stale.fetch(&key.key) {
             Fetch::Lead(guard) => return Joined::Lead(Some(guard)),
             Fetch::Wait(receiver) => receiver,
         };
-        let waited = tokio::time::timeout(
+        let waited = stale::wait_for_copy(
+            waiting,
             route.upstream.settings.response_timeout,
-            waiting.wait_for(Option::is_some),
+            stale::WAIT_FOR_BODY,
         )
         .await;
         match waited {
-            Ok(Ok(copy)) => match copy.clone() {
-                Some(copy) => Joined::Served(without_switched_off_fragments(
-                    copy.to_response(false),
-                    hidden_fragments(shared, policy, route),
-                )),
-                None => Joined::Lead(None),
-            },
-            // The fetch failed or gave nothing to keep: go upstream ourselves.
-            _ => Joined::Lead(None),
+            Waited::Copy(copy) => Joined::Served(without_switched_off_fragments(
+                copy.to_response(false),
+                hidden_fragments(shared, policy, route),
+            )),
+            // The fetch failed, gave nothing to keep, or its body is slow: go upstream
+            // ourselves.
+            Waited::GoUpstream => Joined::Lead(None),
         }
     }
 
@@ -766,6 +768,9 @@ impl Stale {
         };
         if !stale::storable(status, headers, settings, self.credentials) {
             return None;
+        }
+        if let Some(guard) = &guard {
+            guard.answered();
         }
         Some(CaptureTarget {
             store: shared.stale.clone(),
