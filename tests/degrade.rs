@@ -1210,3 +1210,65 @@ async fn requests_waiting_for_a_copy_do_not_wait_on_a_leader_whose_client_stops_
     assert_eq!(backend.hits(), 2, "the waiter fetched the page itself");
     drop(leader);
 }
+
+/// With a route at `max_copies = 2`, three pages fetched one after the other leave the two
+/// newest copies and an index of two in Redis: the store script runs where `redis` points.
+async fn keeps_the_newest_copies_in(redis: &str, cli: impl Fn(&str, &[&str]) -> String) {
+    let (backend, _, _) = versioned().await;
+    let routes = ROUTES.replace(
+        "degrade = { action = \"stale\", max_age = \"2s\" }",
+        "degrade = { action = \"stale\", max_age = \"60s\", max_copies = 2 }",
+    );
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("{redis}\n{routes}"),
+    );
+    let levee = Levee::start(&policy).await;
+    let key = |week: u32| {
+        levee::degrade::stale::copy_key(
+            "levee:",
+            "ranking",
+            "127.0.0.1",
+            "/ranking",
+            Some(&format!("week={week}")),
+            &[],
+        )
+    };
+    for week in 1..=3 {
+        let path = format!("/ranking?week={week}");
+        assert_eq!(get(&levee.url(&path)).await.text(), "/ranking v1");
+        let key = key(week).key;
+        eventually(Duration::from_secs(5), "the copy in redis", || async {
+            cli(&key, &["EXISTS", &key]).trim() == "1"
+        })
+        .await;
+    }
+    // Deleted by the script that stored the third copy.
+    let first = key(1).key;
+    assert_eq!(cli(&first, &["EXISTS", &first]).trim(), "0");
+    assert_eq!(cli(&key(2).key, &["EXISTS", &key(2).key]).trim(), "1");
+    let index = key(1).index;
+    assert_eq!(cli(&index, &["ZCARD", &index]).trim(), "2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routes_oldest_copies_are_deleted_on_a_redis_cluster_and_behind_sentinel() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cluster = RedisCluster::start(&dir.path().join("cluster")).await;
+    keeps_the_newest_copies_in(
+        &format!("[redis]\ncluster = [{}]", cluster.toml_list()),
+        |key, args| cluster.cli(cluster.owner(key), args),
+    )
+    .await;
+
+    let group = RedisSentinel::start(&dir.path().join("sentinel")).await;
+    keeps_the_newest_copies_in(
+        &format!(
+            "[redis]\n[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"",
+            group.sentinel_url()
+        ),
+        |_, args| group.master.cli(args),
+    )
+    .await;
+}
