@@ -123,14 +123,14 @@ struct Entry {
 struct RouteCopies {
     order: VecDeque<(String, u64)>,
     live: usize,
+    bytes: usize,
 }
 
 #[derive(Default)]
 struct L1 {
     copies: HashMap<String, Entry>,
-    /// Every copy, oldest store first (with left-over entries, see [`Entry`]).
-    order: VecDeque<(String, u64)>,
-    /// By route index key: bounds each route to its `max_copies`.
+    /// By route index key: each route's copies, bounded by its `max_copies`; when memory is
+    /// full, the route holding the most gives up its oldest.
     routes: HashMap<String, RouteCopies>,
     stores: u64,
     bytes: usize,
@@ -270,6 +270,7 @@ impl L1 {
         self.asked_redis.remove(key);
         if let Some(route) = self.routes.get_mut(&entry.route) {
             route.live -= 1;
+            route.bytes -= entry.copy.weight();
             if route.live == 0 {
                 self.routes.remove(&entry.route);
             }
@@ -385,7 +386,9 @@ impl StaleStore {
     }
 
     /// Keeps `copy` as the newest store, then drops the route's oldest copies beyond
-    /// `max_copies` and everyone's oldest beyond the byte bound.
+    /// `max_copies`, and while memory is over its bound, the oldest copy of the route that
+    /// holds the most: a route flooded with keys (cache-busting queries) evicts its own copies
+    /// before any other route's.
     fn insert(&self, l1: &mut L1, key: &CopyKey, copy: Arc<StaleCopy>, max_copies: usize) {
         let weight = copy.weight();
         if weight > self.max_bytes {
@@ -399,14 +402,17 @@ impl StaleStore {
             stored,
             route: key.index.clone(),
         };
-        match l1.copies.insert(key.key.clone(), entry) {
-            Some(old) => l1.bytes -= old.copy.weight(),
-            None => l1.routes.entry(key.index.clone()).or_default().live += 1,
+        let replaced = l1.copies.insert(key.key.clone(), entry);
+        let route = l1.routes.entry(key.index.clone()).or_default();
+        match &replaced {
+            Some(old) => route.bytes -= old.copy.weight(),
+            None => route.live += 1,
         }
+        route.bytes += weight;
+        route.order.push_back((key.key.clone(), stored));
         l1.bytes += weight;
-        l1.order.push_back((key.key.clone(), stored));
-        if let Some(route) = l1.routes.get_mut(&key.index) {
-            route.order.push_back((key.key.clone(), stored));
+        if let Some(old) = replaced {
+            l1.bytes -= old.copy.weight();
         }
 
         loop {
@@ -422,7 +428,15 @@ impl StaleStore {
             }
         }
         while l1.bytes > self.max_bytes {
-            let Some(oldest) = l1.order.pop_front() else {
+            let largest = l1
+                .routes
+                .iter()
+                .max_by_key(|(_, route)| route.bytes)
+                .map(|(name, _)| name.clone());
+            let oldest = largest
+                .and_then(|name| l1.routes.get_mut(&name))
+                .and_then(|route| route.order.pop_front());
+            let Some(oldest) = oldest else {
                 break;
             };
             if l1.current(&oldest) {
@@ -430,15 +444,8 @@ impl StaleStore {
             }
         }
 
-        // Left-over entries (of keys stored again, or removed) are dropped once they are as
-        // many as the copies, so the queues stay within twice the copies kept.
-        if l1.order.len() > 2 * l1.copies.len() + 64 {
-            let order = std::mem::take(&mut l1.order);
-            l1.order = order
-                .into_iter()
-                .filter(|entry| l1.current(entry))
-                .collect();
-        }
+        // Left-over entries (of keys stored again, or removed) are dropped once they
+        // outnumber the route's copies, so its queue stays within twice the copies kept.
         let overgrown = l1
             .routes
             .get(&key.index)
@@ -953,12 +960,29 @@ mod tests {
         assert_eq!((of("good"), of("busted")), (5, 100));
         assert!(l1.copies.contains_key(&key_of("busted", 9_999).key));
         assert!(!l1.copies.contains_key(&key_of("busted", 9_899).key));
-        assert!(
-            l1.order.len() <= 2 * l1.copies.len() + 64,
-            "{}",
-            l1.order.len()
-        );
         assert_eq!(l1.routes[&key_of("busted", 0).index].live, 100);
+    }
+
+    #[test]
+    fn when_memory_is_full_the_route_holding_the_most_gives_up_its_oldest() {
+        // Room for 50 small copies. A route within its max_copies but flooding memory evicts
+        // its own copies, not the other route's.
+        let weight = small_copy().weight();
+        let store = StaleStore::new(50 * weight);
+        for n in 0..5 {
+            store.remember(&key_of("good", n), small_copy(), 1000);
+        }
+        for n in 0..10_000 {
+            store.remember(&key_of("busted", n), small_copy(), 1000);
+        }
+        let l1 = store.l1.lock().expect("lock");
+        assert!(l1.bytes <= 50 * weight, "{}", l1.bytes);
+        let good = l1.routes[&key_of("good", 0).index].live;
+        let busted = &l1.routes[&key_of("busted", 0).index];
+        assert_eq!((good, busted.live), (5, 45));
+        assert_eq!(busted.bytes, 45 * weight);
+        assert!(l1.copies.contains_key(&key_of("busted", 9_999).key));
+        assert!(busted.order.len() <= 2 * busted.live + 16);
     }
 
     #[test]
@@ -981,7 +1005,10 @@ mod tests {
         let route = &l1.routes[&key_of("r", 0).index];
         assert_eq!(route.live, 3);
         assert!(route.order.len() <= 2 * 3 + 16, "{}", route.order.len());
-        assert!(l1.order.len() <= 2 * 3 + 64, "{}", l1.order.len());
+        assert_eq!(
+            (route.bytes, l1.bytes),
+            (3 * small_copy().weight(), route.bytes)
+        );
     }
 
     #[test]
