@@ -22,10 +22,9 @@ use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio::time::Instant;
-
-use sha2::{Digest, Sha256};
 
 use super::{CopyQuery, StaleSettings};
 use crate::error::{full_body, BoxError};
