@@ -37,6 +37,23 @@ tier = 3
 module = "visitors"
 "#;
 
+/// ROUTES on `backend` and `redis`, the ranking route's degrade table being `degrade`, and
+/// "ranking is resting" (503) answering when it has no copy to serve.
+fn ranking_resting_with_redis(backend: &Backend, redis: &RedisServer, degrade: &str) -> String {
+    let routes = ROUTES.replace(
+        "module = \"ranking\"\ndegrade = { action = \"stale\", max_age = \"2s\" }",
+        &format!(
+            "module = \"ranking\"\n{degrade}\nfallback = {{ status = 503, body = \"ranking is resting\" }}"
+        ),
+    );
+    assert!(routes.contains(degrade), "{routes}");
+    policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("[redis]\nurl = \"{}\"\n{routes}", redis.url()),
+    )
+}
+
 /// A backend that names the path it served and a version the test can bump; mode 1 fails,
 /// 2 is slow, 3 hangs.
 async fn versioned() -> (Backend, Arc<AtomicUsize>, Arc<AtomicU8>) {
@@ -613,15 +630,10 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
     let (backend, version, failing) = versioned().await;
-    let routes = ROUTES.replace(
-        "module = \"ranking\"\ndegrade = { action = \"stale\", max_age = \"2s\" }",
-        "module = \"ranking\"\ndegrade = { action = \"stale\", max_age = \"1s\" }\nfallback = { status = 503, body = \"ranking is resting\" }",
-    );
-    assert!(routes.contains("max_age = \"1s\""), "{routes}");
-    let policy = policy_for(
-        backend.addr,
-        "access_log = false",
-        &format!("[redis]\nurl = \"{}\"\n{routes}", redis.url()),
+    let policy = ranking_resting_with_redis(
+        &backend,
+        &redis,
+        "degrade = { action = \"stale\", max_age = \"1s\" }",
     );
     let first = Levee::start(&policy).await;
     let second = Levee::start(&policy).await;
@@ -1003,15 +1015,10 @@ async fn cache_busting_queries_share_a_copy_and_a_route_keeps_at_most_max_copies
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
     let (backend, version, _) = versioned().await;
-    let routes = ROUTES.replace(
-        "module = \"ranking\"\ndegrade = { action = \"stale\", max_age = \"2s\" }",
-        "module = \"ranking\"\ndegrade = { action = \"stale\", max_age = \"60s\", query = [\"week\"], max_copies = 3 }\nfallback = { status = 503, body = \"ranking is resting\" }",
-    );
-    assert!(routes.contains("max_copies = 3"), "{routes}");
-    let policy = policy_for(
-        backend.addr,
-        "access_log = false",
-        &format!("[redis]\nurl = \"{}\"\n{routes}", redis.url()),
+    let policy = ranking_resting_with_redis(
+        &backend,
+        &redis,
+        "degrade = { action = \"stale\", max_age = \"60s\", query = [\"week\"], max_copies = 3 }",
     );
     let levee = Levee::start(&policy).await;
     let key = |week: u32| {

@@ -2734,46 +2734,35 @@ mod tests {
                 "c.toml:5:11: error: `max_copies` does not apply to degrade action `reject`",
             ],
         );
-        let policy = compile(
-            &files(&[(
-                "a.toml",
-                &with("degrade = { action = \"stale\", query = [\"week\", \"page\", \"api.key\", \"tag[]\"], max_copies = 20 }"),
-            )]),
-            None,
-        )
-        .expect("compiles");
-        let route = policy
-            .routes
-            .find(None, &http::Method::GET, "/n")
-            .expect("route");
-        let Some(DegradeAction::Stale(settings)) = &route.degrade else {
-            panic!("a stale route: {:?}", route.degrade);
+        // The stale settings route `n` compiles to, with `degrade` as its degrade table.
+        let settings_of = |degrade: &str| {
+            let policy = compile(&files(&[("a.toml", &with(degrade))]), None).expect("compiles");
+            let route = policy
+                .routes
+                .find(None, &http::Method::GET, "/n")
+                .expect("route");
+            match &route.degrade {
+                Some(DegradeAction::Stale(settings)) => {
+                    (settings.query.clone(), settings.max_copies)
+                }
+                other => panic!("a stale route: {other:?}"),
+            }
         };
         assert_eq!(
-            settings.query,
-            CopyQuery::Only(vec![
-                "api_key".into(),
-                "page".into(),
-                "tag".into(),
-                "week".into()
-            ])
+            settings_of("degrade = { action = \"stale\", query = [\"week\", \"page\", \"api.key\", \"tag[]\"], max_copies = 20 }"),
+            (
+                CopyQuery::Only(vec![
+                    "api_key".into(),
+                    "page".into(),
+                    "tag".into(),
+                    "week".into()
+                ]),
+                20
+            )
         );
-        assert_eq!(settings.max_copies, 20);
-        let defaults = compile(
-            &files(&[("a.toml", &with("degrade = { action = \"stale\" }"))]),
-            None,
-        )
-        .expect("compiles");
-        let route = defaults
-            .routes
-            .find(None, &http::Method::GET, "/n")
-            .expect("route");
-        let Some(DegradeAction::Stale(settings)) = &route.degrade else {
-            panic!("a stale route: {:?}", route.degrade);
-        };
         assert_eq!(
-            (&settings.query, settings.max_copies),
-            (&CopyQuery::All, DEFAULT_MAX_COPIES)
+            settings_of("degrade = { action = \"stale\" }"),
+            (CopyQuery::All, DEFAULT_MAX_COPIES)
         );
     }
 
