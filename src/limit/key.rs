@@ -40,13 +40,28 @@ impl Source {
         }
     }
 
+    /// The value as text; bytes that are not UTF-8 become U+FFFD, so two such values can
+    /// read the same. A rate-limit key reads [`Self::read_bytes`] instead.
     pub fn read<'a>(&self, headers: &'a HeaderMap, query: Option<&'a str>) -> Option<Cow<'a, str>> {
+        self.read_bytes(headers, query).map(|value| match value {
+            Cow::Borrowed(bytes) => String::from_utf8_lossy(bytes),
+            Cow::Owned(bytes) => Cow::Owned(String::from_utf8_lossy(&bytes).into_owned()),
+        })
+    }
+
+    /// The value byte for byte (percent-decoded for a cookie or a query parameter), as the
+    /// app receives it. Bytes beyond ASCII are kept, UTF-8 or not (a legacy site's Latin-1 or
+    /// GBK names): a value the app reads must not count as missing here, and two values the
+    /// app tells apart must not be one bucket.
+    pub fn read_bytes<'a>(
+        &self,
+        headers: &'a HeaderMap,
+        query: Option<&'a str>,
+    ) -> Option<Cow<'a, [u8]>> {
         let value = match self {
-            // Bytes beyond ASCII are kept (as replacement characters, then hashed by
-            // `safe_value`): a value the app reads must not count as missing here.
             Source::Header(name) => headers
                 .get(name)
-                .map(|value| lossy(value.as_bytes().trim_ascii())),
+                .map(|value| Cow::Borrowed(value.as_bytes().trim_ascii())),
             Source::Cookie(name) => cookie(headers, name),
             Source::Query(name) => query.and_then(|query| query_param(query, name)),
         };
@@ -115,14 +130,14 @@ pub struct RequestFacts<'a> {
 }
 
 impl RequestFacts<'_> {
-    fn part(&self, part: &KeyPart) -> Option<Cow<'_, str>> {
+    fn part(&self, part: &KeyPart) -> Option<Cow<'_, [u8]>> {
         match part {
-            KeyPart::Ip => Some(Cow::Owned(ip_key(self.client_ip))),
-            KeyPart::Route => Some(Cow::Borrowed(self.route)),
-            KeyPart::Method => Some(Cow::Borrowed(self.method.as_str())),
+            KeyPart::Ip => Some(Cow::Owned(ip_key(self.client_ip).into_bytes())),
+            KeyPart::Route => Some(Cow::Borrowed(self.route.as_bytes())),
+            KeyPart::Method => Some(Cow::Borrowed(self.method.as_str().as_bytes())),
             KeyPart::User => first_present(&self.identity.user, self.headers, self.query),
             KeyPart::ApiKey => first_present(&self.identity.api_key, self.headers, self.query),
-            KeyPart::Field(source) => source.read(self.headers, self.query),
+            KeyPart::Field(source) => source.read_bytes(self.headers, self.query),
         }
     }
 }
@@ -147,10 +162,10 @@ fn first_present<'a>(
     sources: &[Source],
     headers: &'a HeaderMap,
     query: Option<&'a str>,
-) -> Option<Cow<'a, str>> {
+) -> Option<Cow<'a, [u8]>> {
     sources
         .iter()
-        .find_map(|source| source.read(headers, query))
+        .find_map(|source| source.read_bytes(headers, query))
 }
 
 /// Builds the bucket key of `rule` for a request: `{prefix}rl:{tag}:{rule}:{part|part…}`.
@@ -168,7 +183,10 @@ pub fn bucket_key(
     for part in parts {
         let (part, value) = match facts.part(part) {
             Some(value) => (part, value),
-            None if fallback_ip => (&KeyPart::Ip, Cow::Owned(ip_key(facts.client_ip))),
+            None if fallback_ip => (
+                &KeyPart::Ip,
+                Cow::Owned(ip_key(facts.client_ip).into_bytes()),
+            ),
             None => return None,
         };
         if tag
@@ -184,7 +202,7 @@ pub fn bucket_key(
     // would land in different slots (CROSSSLOT). Its own name keeps it apart from other rules.
     let tag = match tag {
         Some((_, index)) => values[index].clone(),
-        None => safe_value(Cow::Borrowed(rule)),
+        None => safe_value(Cow::Borrowed(rule.as_bytes())),
     };
     let values_len: usize = values.iter().map(|value| value.len() + 1).sum();
     let mut key = String::with_capacity(prefix.len() + rule.len() + tag.len() + values_len + 8);
@@ -214,16 +232,24 @@ pub struct BucketKey {
 /// and control bytes are replaced by a hash, so a client cannot forge another key. `#` starts
 /// every hash, so a plain value may not contain it (else `#<hash of X>` sent as is would share
 /// X's bucket); an empty value is hashed too, so a hash tag is never the empty `{}`.
-fn safe_value(value: Cow<'_, str>) -> String {
+fn safe_value(value: Cow<'_, [u8]>) -> String {
     let plain = !value.is_empty()
         && value.len() <= 64
         && value
-            .bytes()
+            .iter()
             .all(|b| b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'|' | b':' | b'#'));
     if plain {
-        return value.into_owned();
+        // Printable ASCII, so UTF-8 as it is: an owned value (the client IP) is taken over
+        // without a copy.
+        return match value {
+            Cow::Borrowed(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            Cow::Owned(bytes) => String::from_utf8(bytes)
+                .unwrap_or_else(|error| String::from_utf8_lossy(error.as_bytes()).into_owned()),
+        };
     }
-    let digest = Sha256::digest(value.as_bytes());
+    // The bytes themselves, not a UTF-8 reading of them: Latin-1 `caf\xe9` and `caf\xe8`
+    // are two users.
+    let digest = Sha256::digest(&value);
     let mut out = String::from("#");
     for byte in digest.iter().take(12) {
         let _ = write!(out, "{byte:02x}");
@@ -248,7 +274,7 @@ fn php_name(name: &str) -> Cow<'_, str> {
 
 /// A cookie as PHP reads it into `$_COOKIE`: names and values percent-decoded, names as
 /// `php_name` makes them, and the first of several with one name wins.
-fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<Cow<'a, str>> {
+fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<Cow<'a, [u8]>> {
     headers
         .get_all(http::header::COOKIE)
         .iter()
@@ -258,20 +284,17 @@ fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<Cow<'a, str>> {
             Some((&pair[..at], pair[at + 1..].trim_ascii()))
         })
         .find(|(key, _)| php_name(&percent_decode(&lossy(key))) == name)
-        .map(|(_, value)| match lossy(value) {
-            Cow::Borrowed(text) => percent_decode(text),
-            Cow::Owned(text) => Cow::Owned(percent_decode(&text).into_owned()),
-        })
+        .map(|(_, value)| decode_percent_bytes(value, true))
 }
 
 /// A query parameter as PHP reads it into `$_GET`: names as `php_name` makes them, and the
 /// last of several with one name wins (`?api_key=decoy&api_key=real` is `real` to the app).
-fn query_param<'a>(query: &'a str, name: &str) -> Option<Cow<'a, str>> {
+fn query_param<'a>(query: &'a str, name: &str) -> Option<Cow<'a, [u8]>> {
     query
         .split('&')
         .filter_map(|pair| pair.split_once('=').or(Some((pair, ""))))
         .rfind(|(key, _)| php_name(&percent_decode(key)) == name)
-        .map(|(_, value)| percent_decode(value))
+        .map(|(_, value)| decode_percent_bytes(value.as_bytes(), true))
 }
 
 /// A query parameter's name as PHP reads it, without the `[…]` of an array (`tag[]=a` and
@@ -292,18 +315,26 @@ fn percent_decode(text: &str) -> Cow<'_, str> {
 /// Decodes `%XX` (and `+` as a space when `plus_is_space`, as in a query); a `%` not followed
 /// by two hex digits stays as it is, and bytes that are not UTF-8 become U+FFFD.
 pub(crate) fn decode_percent(text: &str, plus_is_space: bool) -> Cow<'_, str> {
-    let encoded = text.contains('%') || (plus_is_space && text.contains('+'));
-    if !encoded {
-        return Cow::Borrowed(text);
+    match decode_percent_bytes(text.as_bytes(), plus_is_space) {
+        Cow::Borrowed(_) => Cow::Borrowed(text),
+        Cow::Owned(bytes) => Cow::Owned(String::from_utf8_lossy(&bytes).into_owned()),
     }
-    let bytes = text.as_bytes();
+}
+
+/// [`decode_percent`] without the reading as UTF-8: the bytes as decoded.
+fn decode_percent_bytes(bytes: &[u8], plus_is_space: bool) -> Cow<'_, [u8]> {
+    let encoded = bytes.contains(&b'%') || (plus_is_space && bytes.contains(&b'+'));
+    if !encoded {
+        return Cow::Borrowed(bytes);
+    }
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
             b'+' if plus_is_space => out.push(b' '),
             b'%' if i + 2 < bytes.len() => {
-                match u8::from_str_radix(text.get(i + 1..i + 3).unwrap_or(""), 16) {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
                     Ok(byte) => {
                         out.push(byte);
                         i += 2;
@@ -315,7 +346,7 @@ pub(crate) fn decode_percent(text: &str, plus_is_space: bool) -> Cow<'_, str> {
         }
         i += 1;
     }
-    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+    Cow::Owned(out)
 }
 
 #[cfg(test)]
@@ -429,6 +460,38 @@ mod tests {
         assert!(bucket_key("", "r", &[KeyPart::User], &facts, false).is_none());
         let key = bucket_key("", "r", &[KeyPart::User], &facts, true).expect("key");
         assert_eq!(key.tag, "203.0.113.9");
+    }
+
+    #[test]
+    fn values_that_are_not_utf8_are_keyed_by_their_bytes() {
+        // Latin-1 user names from a legacy app's header, a GBK name in a query, a Latin-1
+        // cookie: each pair is two users to the app, and must be two buckets.
+        let key = |header: &[u8], cookie: &[u8], query: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert("x-user", HeaderValue::from_bytes(header).expect("header"));
+            headers.insert("cookie", HeaderValue::from_bytes(cookie).expect("cookie"));
+            let identity = Identity::default();
+            let facts = facts(&headers, Some(query), &identity);
+            let parts = ["header:x-user", "cookie:uid", "query:name"]
+                .map(|source| KeyPart::Field(Source::parse(source).expect("source")));
+            parts.map(|part| {
+                bucket_key("", "r", std::slice::from_ref(&part), &facts, false)
+                    .expect("key")
+                    .key
+            })
+        };
+        let a = key(b"caf\xe9", b"uid=caf%E9", "name=%C0%EE%CB%C4");
+        let b = key(b"caf\xe8", b"uid=caf%E8", "name=%D5%C5%C8%FD");
+        for (a, b) in a.iter().zip(&b) {
+            assert_ne!(a, b);
+        }
+        // A value that is UTF-8 keeps the key it always had.
+        let utf8 = key("café".as_bytes(), b"uid=caf%C3%A9", "name=caf%C3%A9");
+        let digest = Sha256::digest("café".as_bytes());
+        let hashed: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();
+        for key in utf8 {
+            assert!(key.ends_with(&format!(":r:#{hashed}")), "{key}");
+        }
     }
 
     #[test]
