@@ -857,6 +857,9 @@ async fn requests_without_the_key_part_skip_the_rule_or_use_the_ip() {
         statuses.push(send_as(&levee, None, None).await.status);
     }
     assert_eq!(statuses, [200, 200, 429]);
+    // A user id spelled like the client's IP is that user's bucket, not the IP's.
+    let spelled_like_the_ip = send_as(&levee, Some("127.0.0.1"), None).await;
+    assert_eq!(spelled_like_the_ip.status, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -178,14 +178,16 @@ pub fn bucket_key(
     fallback_ip: bool,
 ) -> Option<BucketKey> {
     // Built with plain pushes, not `format!`: this runs for every rule of every request.
-    let mut values: Vec<String> = Vec::with_capacity(parts.len());
+    // Each value says whether it is the client IP standing in for a missing part.
+    let mut values: Vec<(String, bool)> = Vec::with_capacity(parts.len());
     let mut tag: Option<(u8, usize)> = None;
     for part in parts {
-        let (part, value) = match facts.part(part) {
-            Some(value) => (part, value),
+        let (part, value, stands_in) = match facts.part(part) {
+            Some(value) => (part, value, false),
             None if fallback_ip => (
                 &KeyPart::Ip,
                 Cow::Owned(ip_key(facts.client_ip).into_bytes()),
+                true,
             ),
             None => return None,
         };
@@ -195,16 +197,21 @@ pub fn bucket_key(
         {
             tag = Some((part.specificity(), values.len()));
         }
-        values.push(safe_value(value));
+        values.push((safe_value(value), stands_in));
     }
     // A rule keyed by nothing (`key = []`, one bucket for everyone) still needs a hash tag: an
     // empty `{}` makes Redis Cluster hash the whole key, so two such rules asked in one script
     // would land in different slots (CROSSSLOT). Its own name keeps it apart from other rules.
+    // An IP standing in for a missing part tags the key as the IP itself does, so a request's
+    // per-IP buckets stay in one slot.
     let tag = match tag {
-        Some((_, index)) => values[index].clone(),
+        Some((_, index)) => values[index].0.clone(),
         None => safe_value(Cow::Borrowed(rule.as_bytes())),
     };
-    let values_len: usize = values.iter().map(|value| value.len() + 1).sum();
+    let values_len: usize = values
+        .iter()
+        .map(|(value, stands_in)| value.len() + 1 + usize::from(*stands_in) * IP_STAND_IN.len())
+        .sum();
     let mut key = String::with_capacity(prefix.len() + rule.len() + tag.len() + values_len + 8);
     key.push_str(prefix);
     key.push_str("rl:{");
@@ -212,14 +219,23 @@ pub fn bucket_key(
     key.push_str("}:");
     key.push_str(rule);
     key.push(':');
-    for (index, value) in values.iter().enumerate() {
+    for (index, (value, stands_in)) in values.iter().enumerate() {
         if index > 0 {
             key.push('|');
+        }
+        if *stands_in {
+            key.push_str(IP_STAND_IN);
         }
         key.push_str(value);
     }
     Some(BucketKey { key, tag })
 }
+
+/// Marks the client IP standing in for a missing part (`missing = "ip"`). A user id or API
+/// key is whatever the client or the app says, and may be spelled like an IP: without the
+/// mark, `?api_key=203.0.113.9` would spend the bucket of every anonymous request from
+/// 203.0.113.9. No value can start so: a plain value has no `#`, a hash is `#` and hex digits.
+const IP_STAND_IN: &str = "#ip=";
 
 /// A bucket's Redis key and its hash tag (keys with the same tag share a cluster slot).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -492,6 +508,27 @@ mod tests {
         for key in utf8 {
             assert!(key.ends_with(&format!(":r:#{hashed}")), "{key}");
         }
+    }
+
+    #[test]
+    fn an_ip_standing_in_for_a_missing_part_is_never_a_value_spelled_like_it() {
+        let identity = Identity {
+            user: vec![],
+            api_key: vec![Source::parse("query:api_key").expect("source")],
+        };
+        let headers = HeaderMap::new();
+        let anonymous = facts(&headers, None, &identity);
+        let spelled_like_the_ip = facts(&headers, Some("api_key=203.0.113.9"), &identity);
+        let key = |facts: &RequestFacts<'_>| {
+            bucket_key("", "api", &[KeyPart::ApiKey], facts, true).expect("key")
+        };
+        let stand_in = key(&anonymous);
+        let api_key = key(&spelled_like_the_ip);
+        assert_ne!(stand_in.key, api_key.key);
+        // Both still share the IP's slot with the client's per-IP buckets.
+        let per_ip = bucket_key("", "ip", &[KeyPart::Ip], &anonymous, false).expect("key");
+        assert_eq!(stand_in.tag, per_ip.tag);
+        assert_eq!(stand_in.key, "rl:{203.0.113.9}:api:#ip=203.0.113.9");
     }
 
     #[test]
