@@ -348,21 +348,27 @@ fn decode_percent_bytes(bytes: &[u8], plus_is_space: bool) -> Cow<'_, [u8]> {
     while i < bytes.len() {
         match bytes[i] {
             b'+' if plus_is_space => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
-                match u8::from_str_radix(hex, 16) {
-                    Ok(byte) => {
-                        out.push(byte);
-                        i += 2;
-                    }
-                    Err(_) => out.push(b'%'),
+            // Two hex digits and nothing else, as PHP decodes: `u8::from_str_radix` would
+            // also take `+4` in `%+41` for a number.
+            b'%' if i + 2 < bytes.len() => match (hex_digit(bytes[i + 1]), hex_digit(bytes[i + 2]))
+            {
+                (Some(high), Some(low)) => {
+                    out.push(high << 4 | low);
+                    i += 2;
                 }
-            }
+                _ => out.push(b'%'),
+            },
             other => out.push(other),
         }
         i += 1;
     }
     Cow::Owned(out)
+}
+
+fn hex_digit(byte: u8) -> Option<u8> {
+    char::from(byte)
+        .to_digit(16)
+        .and_then(|digit| u8::try_from(digit).ok())
 }
 
 #[cfg(test)]
@@ -456,6 +462,15 @@ mod tests {
             read("cookie:site.lang", b"site.lang=zh", None).as_deref(),
             Some("zh")
         );
+        // A `%` not followed by two hex digits stays, and the `+` after it is a space: PHP
+        // reads `%+41` as `% 41`, not as the byte 4 and `1`.
+        for (query, value) in [("q=%+41", "% 41"), ("q=%4+1", "%4 1"), ("q=%41", "A")] {
+            assert_eq!(
+                read("query:q", b"", Some(query)).as_deref(),
+                Some(value),
+                "{query}"
+            );
+        }
     }
 
     #[test]
