@@ -280,9 +280,13 @@ async fn admin_force_open_takes_effect_at_once_and_auto_returns_control() {
         404
     );
 
-    // The policy can pin it too.
+    // The policy can pin it too, and the metric says so as `/status` does.
     let pinned = Levee::start(&breaker_policy(&backend, "force = \"open\"", "")).await;
     assert_eq!(get(&pinned.url("/")).await.status, 503);
+    assert_eq!(
+        breaker_state_metric(&pinned.admin_url("/metrics")).await,
+        1.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,6 +310,7 @@ async fn reload_keeps_an_open_breaker_open_unless_its_settings_change() {
     assert_eq!(get(&url).await.text(), "down");
     mode.store(OK, Ordering::SeqCst);
     assert_eq!(get(&url).await.status, 503, "open");
+    assert_eq!(breaker_state_metric(&format!("{admin}/metrics")).await, 1.0);
 
     write(
         "consecutive_failures = 1, open_for = \"60s\"",
@@ -334,6 +339,18 @@ async fn reload_keeps_an_open_breaker_open_unless_its_settings_change() {
         "ok",
         "changed settings start the breaker fresh"
     );
+    // And the metric follows: the breaker that was open is gone.
+    assert_eq!(
+        breaker_state_metric(&format!("{admin}/metrics")).await,
+        0.0,
+        "levee_breaker_state of the fresh breaker"
+    );
+}
+
+/// `levee_breaker_state{upstream="app"}` as `url` (an admin `/metrics`) has it now.
+async fn breaker_state_metric(url: &str) -> f64 {
+    let metrics = get(url).await.text();
+    metric_value(&metrics, "levee_breaker_state{upstream=\"app\"}")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

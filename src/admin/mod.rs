@@ -78,6 +78,7 @@ pub async fn handle(
         (&Method::GET, "/" | "/dashboard") => dashboard(),
         (&Method::GET, "/status") => json_response(StatusCode::OK, &status(&shared)),
         (&Method::GET, "/metrics") => {
+            publish_breaker_states(&shared);
             let mut response = text_response(StatusCode::OK, shared.metrics.encode());
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -123,6 +124,24 @@ pub async fn handle(
             StatusCode::NOT_FOUND,
             "404 not found; admin paths: GET /dashboard, GET /status, GET /metrics, POST /reload, POST /breakers/NAME, POST /level, POST /modules/NAME\n",
         ),
+    }
+}
+
+/// Sets `levee_breaker_state` to what each breaker of the running policy says now. A
+/// transition sets it as it happens, but some changes are none: a reload that starts a
+/// breaker fresh (closed) or removes its upstream, a policy `force`, an open time that ran
+/// out with no request to probe yet. Without this the gauge kept saying "open" after a
+/// reload had replaced an open breaker, and "closed" for a breaker pinned open by the policy.
+fn publish_breaker_states(shared: &Shared) {
+    let policy = shared.store.load();
+    let gauges = &shared.metrics.breaker_state;
+    gauges.clear();
+    for upstream in policy.upstreams.values() {
+        gauges
+            .get_or_create(&crate::metrics::BreakerLabels {
+                upstream: upstream.name.clone(),
+            })
+            .set(upstream.breaker.state_value());
     }
 }
 

@@ -115,6 +115,20 @@ impl Breaker {
         tracing::warn!(upstream = %self.upstream, force = ?force, "breaker control changed at runtime");
     }
 
+    /// The state as `levee_breaker_state` has it (0 closed, 1 open, 2 half-open), read as
+    /// [`Self::status`] reads it: pinned by `force`, and half-open once the open time ran out.
+    pub fn state_value(&self) -> i64 {
+        let machine = self.lock();
+        match machine.force() {
+            Some(Force::Open) => 1,
+            Some(Force::Closed) => 0,
+            None => match machine.state {
+                State::Open { until } if until <= Instant::now() => 2,
+                state => state_value(state),
+            },
+        }
+    }
+
     pub fn status(&self) -> BreakerStatus {
         let now = Instant::now();
         let machine = self.lock();
@@ -328,6 +342,11 @@ mod tests {
         assert_eq!(
             (status.state, status.ready_to_probe_ms),
             ("half_open", Some(1000))
+        );
+        assert_eq!(
+            breaker.state_value(),
+            2,
+            "the metric says what /status says"
         );
         let probe = breaker
             .admit(Instant::now(), &metrics)
