@@ -688,6 +688,18 @@ async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
         .status,
         404
     );
+    // An id that is not one (a typo, a bare time, Redis's range words) is the operator's
+    // mistake, said as such: not a 503 as if Redis were down, nor an entry nobody named.
+    for typo in ["not-an-id", "1700000000000", "-", "+", "1-x", "+1-0"] {
+        for action in ["retry", "drop"] {
+            let answer = post(
+                &levee.admin_url(&format!("/queues/notify/dead/{typo}/{action}")),
+                "",
+            )
+            .await;
+            assert_eq!(answer.status, 400, "{typo} {action}: {}", answer.text());
+        }
+    }
     eventually(
         Duration::from_secs(10),
         "the retried job to be applied",

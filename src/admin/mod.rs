@@ -264,6 +264,15 @@ async fn dead_letter_request(
             ),
             Err(error) => text_response(StatusCode::SERVICE_UNAVAILABLE, format!("503 {error}\n")),
         },
+        (&Method::POST, [_, "dead", id, "retry" | "drop"]) if !is_entry_id(id) => {
+            text_response(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "400 `{}` is not a dead letter's id; GET /queues/ROUTE/dead lists them (like 1700000000000-0)\n",
+                    id.escape_debug()
+                ),
+            )
+        }
         (&Method::POST, [_, "dead", id, action @ ("retry" | "drop")]) => {
             match worker::resolve_dead_letter(redis, &keys, id, *action == "retry").await {
                 Ok(true) => json_response(
@@ -281,6 +290,17 @@ async fn dead_letter_request(
             "404 use GET /queues/ROUTE/dead, POST /queues/ROUTE/dead/ID/retry or /drop\n",
         ),
     }
+}
+
+/// A whole stream entry id, `MILLISECONDS-SEQUENCE`, as `GET /queues/ROUTE/dead` lists them.
+/// Anything else is the operator's typo: Redis would refuse it (answered 503, as if Redis were
+/// down), or read it as a range (`-`, `+`, a bare time) and act on an entry nobody named.
+fn is_entry_id(id: &str) -> bool {
+    id.split_once('-').is_some_and(|(time, sequence)| {
+        [time, sequence].iter().all(|number| {
+            number.bytes().all(|byte| byte.is_ascii_digit()) && number.parse::<u64>().is_ok()
+        })
+    })
 }
 
 /// A name from the admin path, percent-decoded: the dashboard encodes module, breaker and
