@@ -432,6 +432,20 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                         "clients cannot send it so; remove the spaces",
                     );
                 }
+                // `Authorization` is read as visible ASCII: a secret with anything else (a
+                // letter beyond ASCII, a tab, a line break) could never be presented, and would
+                // lock every operator out of the listener it protects.
+                if tokens
+                    .iter()
+                    .any(|(_, secret)| !secret.bytes().all(|byte| (b' '..=b'~').contains(&byte)))
+                {
+                    compiler.error_hint(
+                        *file,
+                        spec_tokens.span(),
+                        "an admin token holds a character that is not printable ASCII",
+                        "clients send tokens in the Authorization header, which carries ASCII only; use e.g. `openssl rand -hex 24`",
+                    );
+                }
                 if tokens.iter().any(|(_, secret)| secret.len() < 16) {
                     compiler.error_hint(
                         *file,
@@ -2618,6 +2632,33 @@ mod tests {
         assert_eq!(policy.server.max_header_bytes, 16 * 1024);
         assert!(policy.routes.fallback.is_some());
         assert_eq!(policy.hash.len(), 16);
+    }
+
+    #[test]
+    fn admin_tokens_are_printable_ascii_as_the_authorization_header_carries_them() {
+        let with_token = |secret: &str| {
+            format!("[admin]\nlisten = \"0.0.0.0:9901\"\ntokens = {{ ops = \"{secret}\" }}\n{APP}")
+        };
+        for unsendable in [
+            "密码密码密码密码密码密码",
+            "0123456789\\tabcdef",
+            "0123456789\\nabcdef",
+        ] {
+            let errors = match compile(&files(&[("a.toml", &with_token(unsendable))]), None) {
+                Ok(_) => panic!("a token no client can send compiled: {unsendable}"),
+                Err(diagnostics) => diagnostics.to_string(),
+            };
+            assert!(
+                errors.contains("an admin token holds a character that is not printable ASCII"),
+                "{errors}"
+            );
+        }
+        // A space inside is sent as it is.
+        assert!(compile(
+            &files(&[("a.toml", &with_token("0123456 789abcdef"))]),
+            None
+        )
+        .is_ok());
     }
 
     #[test]
