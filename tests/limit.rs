@@ -764,6 +764,28 @@ async fn two_instances_share_one_limit_through_redis() {
     assert_eq!(backend.hits(), 10);
 }
 
+/// Latin-1 user names, as a legacy app's header carries them (not UTF-8): two users, two
+/// buckets, through levee's own HTTP parser.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_ids_that_are_not_utf8_are_each_their_own_bucket() {
+    let backend = echo_backend().await;
+    let rules = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 1\n";
+    let levee = Levee::start(&limited_policy(&backend, "", "", rules, "\"per_user\"")).await;
+    let as_user = |user: &'static [u8]| {
+        let request = Request::get(levee.url("/limited"))
+            .header(
+                "x-user",
+                http::HeaderValue::from_bytes(user).expect("value"),
+            )
+            .body(full(""))
+            .expect("request");
+        send(request)
+    };
+    assert_eq!(as_user(b"jos\xe9").await.status, 200);
+    assert_eq!(as_user(b"jos\xe9").await.status, 429, "the same user again");
+    assert_eq!(as_user(b"jos\xe8").await.status, 200, "another user");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_carry_retry_after_and_ietf_ratelimit_fields() {
     let backend = echo_backend().await;
