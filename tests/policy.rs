@@ -393,3 +393,85 @@ async fn a_policy_directory_replaced_whole_is_watched_again_and_loaded() {
     .await;
     let _ = std::fs::remove_dir_all(&old);
 }
+
+/// A reload asked on the admin listener runs to its end even when the client that asked goes
+/// away meanwhile (`curl --max-time`, a dropped SSH tunnel): the outcome is recorded and a
+/// good policy swapped in, as if the client had stayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_reload_runs_to_its_end_when_its_client_goes_away() {
+    use tokio::io::AsyncWriteExt;
+
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let policy = dir.path().join("levee.toml");
+    std::fs::write(&policy, two_upstream_policy(&a, &b, "a")).expect("write");
+    let mut options = levee::Options::new(dir.path());
+    options.watch = false;
+    let running = levee::start(options).await.expect("start");
+    let admin = format!("http://{}", running.admin_addr);
+
+    // The next policy trusts a CA file that is a pipe: its compile waits until the test
+    // writes into it, long after the client is gone.
+    let fifo = dir.path().join("ca.pem");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    std::fs::write(
+        &policy,
+        format!(
+            "{}[upstream.pinned]\nurl = \"https://127.0.0.1:9\"\nca_files = [\"ca.pem\"]\n",
+            two_upstream_policy(&a, &b, "b")
+        ),
+    )
+    .expect("write");
+    let (opened, reading) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let writer = std::thread::spawn(move || {
+        use std::io::Write;
+        // Opening a pipe for writing waits for its reader: the compile.
+        let mut pipe = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&fifo)
+            .expect("open the pipe");
+        let _ = opened.send(());
+        let _ = released.recv();
+        pipe.write_all(b"not a certificate\n")
+            .expect("write the pipe");
+    });
+
+    let mut client = tokio::net::TcpStream::connect(running.admin_addr)
+        .await
+        .expect("connect");
+    client
+        .write_all(b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n")
+        .await
+        .expect("send");
+    tokio::task::spawn_blocking(move || reading.recv_timeout(Duration::from_secs(10)))
+        .await
+        .expect("join")
+        .expect("the reload reads the CA file");
+    // The client goes away while the compile waits.
+    drop(client);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = release.send(());
+    writer.join().expect("writer");
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = get(&format!("{admin}/status")).await.json();
+        let error = &status["policy"]["last_reload_error"];
+        if !error.is_null() {
+            assert_eq!(error["trigger"], "admin", "{status}");
+            assert_eq!(status["policy"]["generation"], 1, "the old policy stays");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the reload whose client left was never finished: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

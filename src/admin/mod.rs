@@ -88,7 +88,13 @@ pub async fn handle(
         }
         (&Method::POST, "/reload") => {
             tracing::info!(by = %peer_or_token(&request), "policy reload asked from the admin API");
-            match shared.store.reload(ReloadTrigger::Admin).await {
+            // In a task of its own, as switch changes: see `run_to_end`.
+            let store = shared.store.clone();
+            let reloaded = run_to_end(async move { store.reload(ReloadTrigger::Admin).await }).await;
+            let Some(reloaded) = reloaded else {
+                return text_response(StatusCode::INTERNAL_SERVER_ERROR, "500 the reload task failed; see the log\n");
+            };
+            match reloaded {
             Ok(outcome) => json_response(
                 StatusCode::OK,
                 &json!({ "ok": true, "generation": outcome.generation, "hash": outcome.hash, "changed": outcome.changed }),
@@ -466,9 +472,34 @@ async fn read_small_body(request: Request<Incoming>) -> Result<String, Response<
     })
 }
 
-async fn apply_switch(shared: &Shared, change: Change, by: &str) -> Response<ResponseBody> {
+/// Runs an admin action that changes state to its end in a task of its own. A client that
+/// goes away (its `--max-time`, a dropped SSH tunnel) closes the connection, and the
+/// request's future is dropped: a reload cut off while compiling was neither swapped in nor
+/// recorded, and a switch cut off while its state file was written was saved but not put in
+/// effect until the next start. `None` when the task panicked.
+async fn run_to_end<T: Send + 'static>(
+    action: impl std::future::Future<Output = T> + Send + 'static,
+) -> Option<T> {
+    match tokio::spawn(action).await {
+        Ok(done) => Some(done),
+        Err(error) => {
+            tracing::error!("admin action failed: {error}");
+            None
+        }
+    }
+}
+
+async fn apply_switch(shared: &Arc<Shared>, change: Change, by: &str) -> Response<ResponseBody> {
     let policy = shared.store.load();
-    match switches::apply(&shared.degrade, &policy, change, by, &shared.metrics).await {
+    let applied = {
+        let (shared, policy, by) = (shared.clone(), policy.clone(), by.to_string());
+        run_to_end(async move {
+            switches::apply(&shared.degrade, &policy, change, &by, &shared.metrics).await
+        })
+        .await
+        .unwrap_or_else(|| Err("the switch task failed; see the log".to_string()))
+    };
+    match applied {
         Ok(()) => json_response(
             StatusCode::OK,
             &json!({ "ok": true, "degrade": degrade_status(shared, &policy) }),
