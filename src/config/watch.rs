@@ -18,6 +18,7 @@ use super::store::{PolicyStore, ReloadTrigger};
 /// How long the directory must be quiet before a reload. Default 200ms.
 pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(200);
 
+#[derive(Debug, PartialEq, Eq)]
 enum WatchSignal {
     Changed,
     Broken,
@@ -108,32 +109,42 @@ fn start_watching(
 ) -> notify::Result<notify::RecommendedWatcher> {
     let watched_dir = dir.to_path_buf();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        let signal = match event {
-            Err(_) => WatchSignal::Broken,
-            Ok(event) => {
-                if matches!(event.kind, EventKind::Access(_)) {
-                    return;
-                }
-                // Anything that happens to the directory itself (removed, or moved away as
-                // in `mv policies policies.old; mv policies.new policies`) leaves the watch
-                // on the old one: set it up again on the path.
-                if event.paths.iter().any(|path| path == &watched_dir) {
-                    WatchSignal::Broken
-                } else if event
-                    .paths
-                    .iter()
-                    .any(|path| is_policy_file(path) || is_swapped_link(path))
-                {
-                    WatchSignal::Changed
-                } else {
-                    return;
-                }
-            }
-        };
-        let _ = sender.send(signal);
+        if let Some(signal) = signal_of(event, &watched_dir) {
+            let _ = sender.send(signal);
+        }
     })?;
     watcher.watch(dir, RecursiveMode::NonRecursive)?;
     Ok(watcher)
+}
+
+/// What an event on the watched directory means for the policy; `None`: nothing.
+fn signal_of(event: notify::Result<notify::Event>, watched_dir: &Path) -> Option<WatchSignal> {
+    let event = match event {
+        Err(_) => return Some(WatchSignal::Broken),
+        Ok(event) => event,
+    };
+    // The kernel's queue of events overflowed (inotify's IN_Q_OVERFLOW): events were lost,
+    // a policy file's among them perhaps. The event names no path; read the directory again.
+    if event.need_rescan() {
+        return Some(WatchSignal::Changed);
+    }
+    if matches!(event.kind, EventKind::Access(_)) {
+        return None;
+    }
+    // Anything that happens to the directory itself (removed, or moved away as in
+    // `mv policies policies.old; mv policies.new policies`) leaves the watch on the old one:
+    // set it up again on the path.
+    if event.paths.iter().any(|path| path == watched_dir) {
+        Some(WatchSignal::Broken)
+    } else if event
+        .paths
+        .iter()
+        .any(|path| is_policy_file(path) || is_swapped_link(path))
+    {
+        Some(WatchSignal::Changed)
+    } else {
+        None
+    }
 }
 
 /// Kubernetes mounts a ConfigMap as files linked through `..data`, which it swaps whole: the
@@ -151,4 +162,39 @@ fn is_policy_file(path: &Path) -> bool {
             .file_name()
             .and_then(|name| name.to_str())
             .is_some_and(|name| !name.starts_with('.'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use notify::event::{CreateKind, Flag};
+
+    #[test]
+    fn lost_events_mean_the_directory_is_read_again() {
+        let dir = Path::new("/policies");
+        let event = |kind, path: Option<&str>| {
+            let event = notify::Event::new(kind);
+            Ok(match path {
+                Some(path) => event.add_path(dir.join(path)),
+                None => event,
+            })
+        };
+        // An overflow names no path: before, it was taken for nothing to do.
+        let overflow = Ok(notify::Event::new(EventKind::Other).set_flag(Flag::Rescan));
+        assert_eq!(signal_of(overflow, dir), Some(WatchSignal::Changed));
+        let created = EventKind::Create(CreateKind::File);
+        assert_eq!(
+            signal_of(event(created, Some("levee.toml")), dir),
+            Some(WatchSignal::Changed)
+        );
+        assert_eq!(
+            signal_of(event(created, Some(".levee.toml.swp")), dir),
+            None
+        );
+        assert_eq!(signal_of(event(EventKind::Other, None), dir), None);
+        assert_eq!(
+            signal_of(Ok(notify::Event::new(created).add_path(dir.into())), dir),
+            Some(WatchSignal::Broken)
+        );
+    }
 }
