@@ -147,7 +147,7 @@ impl RequestFacts<'_> {
 /// by address, it would get a fresh bucket every time.
 fn ip_key(ip: IpAddr) -> String {
     match ip {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped().or_else(|| nat64_client(v6)) {
             Some(v4) => ip_string(IpAddr::V4(v4)),
             None => {
                 let [a, b, c, d, ..] = v6.segments();
@@ -156,6 +156,18 @@ fn ip_key(ip: IpAddr) -> String {
         },
         ip => ip_string(ip),
     }
+}
+
+/// The IPv4 client inside an address of the well-known NAT64 prefix `64:ff9b::/96` (RFC
+/// 6052), as an IPv6-only site behind a stateless translator (SIIT-DC) sees every IPv4
+/// visitor. Keyed by their /64, all of them would be one client.
+fn nat64_client(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+    let [a, b, c, d, e, f, g, h] = v6.segments();
+    ([a, b, c, d, e, f] == [0x64, 0xff9b, 0, 0, 0, 0]).then(|| {
+        let [g1, g2] = g.to_be_bytes();
+        let [h1, h2] = h.to_be_bytes();
+        std::net::Ipv4Addr::new(g1, g2, h1, h2)
+    })
 }
 
 fn first_present<'a>(
@@ -480,6 +492,11 @@ mod tests {
         assert_eq!(key("2001:db8:1:2:bbbb:cccc:dddd:eeee"), "2001:db8:1:2::/64");
         assert_ne!(key("2001:db8:1:3::1"), key("2001:db8:1:2::1"));
         assert_eq!(key("::ffff:203.0.113.9"), "203.0.113.9");
+        // IPv4 visitors of an IPv6-only site behind a NAT64 translator are each themselves,
+        // not one /64 between them.
+        assert_eq!(key("64:ff9b::203.0.113.9"), "203.0.113.9");
+        assert_eq!(key("64:ff9b::c000:201"), "192.0.2.1");
+        assert_eq!(key("64:ff9b:1::c000:201"), "64:ff9b:1:0::/64");
         assert_eq!(key("203.0.113.9"), "203.0.113.9");
     }
 
