@@ -967,7 +967,7 @@ async fn redis_killed_allow_and_deny_rules_behave_as_named() {
     let mut redis = RedisServer::start(dir.path()).await;
     let backend = echo_backend().await;
     let port = redis.port;
-    let rules = "[limit.open]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 1\non_redis_error = \"allow\"\n[limit.closed]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 100\non_redis_error = \"deny\"\n";
+    let rules = "[limit.open]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 1\non_redis_error = \"allow\"\nheaders_on_allow = true\n[limit.closed]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 100\non_redis_error = \"deny\"\n";
     let policy = policy_for(
         backend.addr,
         "access_log = false",
@@ -986,11 +986,12 @@ async fn redis_killed_allow_and_deny_rules_behave_as_named() {
 
     redis.guard.stop();
     for _ in 0..5 {
-        assert_eq!(
-            get(&levee.url("/open")).await.status,
-            200,
-            "allow: open while Redis is down"
-        );
+        let open = get(&levee.url("/open")).await;
+        assert_eq!(open.status, 200, "allow: open while Redis is down");
+        // Nothing is known of the bucket: no made-up `r=0;t=0` ("none left") on an answer
+        // that was let through.
+        assert_eq!(open.header("ratelimit"), None);
+        assert_eq!(open.header("ratelimit-policy"), None);
         let closed = get(&levee.url("/closed")).await;
         assert_eq!(closed.status, 429, "deny: closed while Redis is down");
         assert!(closed.header("retry-after").is_some());

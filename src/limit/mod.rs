@@ -128,6 +128,10 @@ struct Decided {
     reset: Duration,
     retry_after: Duration,
     source: &'static str,
+    /// A bucket was asked: `remaining` and `reset` say something. False for a rule let
+    /// through (or refused) by its `on_redis_error` without any bucket, whose fields would
+    /// tell a client "none left" about a bucket nobody looked at.
+    measured: bool,
 }
 
 impl Limiter {
@@ -229,6 +233,7 @@ impl Limiter {
                 }
             }
             if decision.allowed
+                && decision.measured
                 && plan.rule.headers_on_allow
                 && tightest.is_none_or(|(_, t)| decision.remaining < t.remaining)
             {
@@ -267,6 +272,7 @@ impl Limiter {
                     reset: Duration::from_millis(verdict.reset_ms),
                     retry_after: Duration::from_millis(verdict.retry_after_ms),
                     source,
+                    measured: true,
                 })
                 .collect()
         };
@@ -334,6 +340,7 @@ impl Limiter {
                         reset: Duration::ZERO,
                         retry_after: Duration::ZERO,
                         source,
+                        measured: false,
                     };
                 }
                 match verdicts.next() {
@@ -347,6 +354,7 @@ impl Limiter {
                         reset: Duration::from_micros(reset_us),
                         retry_after: Duration::ZERO,
                         source,
+                        measured: true,
                     },
                     Some(Verdict::Deny {
                         retry_after_us,
@@ -357,6 +365,7 @@ impl Limiter {
                         reset: Duration::from_micros(reset_us),
                         retry_after: Duration::from_micros(retry_after_us),
                         source,
+                        measured: true,
                     },
                     None => Decided {
                         allowed: true,
@@ -364,6 +373,7 @@ impl Limiter {
                         reset: Duration::ZERO,
                         retry_after: Duration::ZERO,
                         source,
+                        measured: false,
                     },
                 }
             })
