@@ -240,6 +240,22 @@ const DEFAULT_LIMIT_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"u
 const DEFAULT_LIMIT_JSON: &str =
     "{\"error\":\"rate_limited\",\"rule\":\"{rule}\",\"retry_after\":{retry_after}}\n";
 
+/// `text` with HTML's special characters written as references.
+fn html_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// A refusal by a rate-limit rule: the rule's template (HTML or JSON by `Accept`),
 /// `Retry-After`, and the IETF `RateLimit-Policy` / `RateLimit` fields unless the rule hides them.
 fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
@@ -257,10 +273,23 @@ fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
         )
     };
     // Placeholders are filled with numbers and the rule's own name only: nothing the
-    // client sent reaches the body.
+    // client sent reaches the body. The name is written as the body's language writes text,
+    // so a rule named `say "hi"` or `a<b` leaves a JSON body parseable and an HTML page whole.
+    let name = if !template.contains("{rule}") {
+        String::new()
+    } else if denial.wants_json {
+        let quoted = serde_json::to_string(&*rule.name).unwrap_or_default();
+        quoted
+            .strip_prefix('"')
+            .and_then(|inner| inner.strip_suffix('"'))
+            .unwrap_or_default()
+            .to_string()
+    } else {
+        html_text(&rule.name)
+    };
     let body = template
         .replace("{retry_after}", &retry_after.to_string())
-        .replace("{rule}", &rule.name);
+        .replace("{rule}", &name);
     let mut response = Response::new(full_body(body));
     *response.status_mut() = rule.status;
     let headers = response.headers_mut();
@@ -268,11 +297,13 @@ fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
     if rule.headers {
-        if let Ok(value) = HeaderValue::from_str(&policy_field(rule)) {
+        if let Some(Ok(value)) = policy_field(rule).map(|field| HeaderValue::from_str(&field)) {
             headers.insert(RATELIMIT_POLICY.clone(), value);
         }
         let reset = denial.reset.max(denial.retry_after);
-        if let Ok(value) = HeaderValue::from_str(&state_field(rule, 0, reset)) {
+        if let Some(Ok(value)) =
+            state_field(rule, 0, reset).map(|field| HeaderValue::from_str(&field))
+        {
             headers.insert(RATELIMIT.clone(), value);
         }
     }

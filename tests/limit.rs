@@ -786,6 +786,43 @@ async fn user_ids_that_are_not_utf8_are_each_their_own_bucket() {
     assert_eq!(as_user(b"jos\xe8").await.status, 200, "another user");
 }
 
+/// Rule names are the operator's own words: quoted and escaped in the structured fields,
+/// escaped in a JSON body, and fields left out for a name no structured field can carry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rule_names_with_quotes_or_beyond_ascii_keep_fields_and_bodies_well_formed() {
+    let backend = echo_backend().await;
+    let rules = "[limit.'say \"hi\"']\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 1\n[limit.\"发帖\"]\nkey = [\"route\"]\nrate = \"1/min\"\nburst = 1\n";
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("{rules}[[route]]\nname = \"quoted\"\nmatch = {{ path = \"/quoted\" }}\nlimits = ['say \"hi\"']\n[[route]]\nname = \"post\"\nmatch = {{ path = \"/post\" }}\nlimits = [\"发帖\"]\n"),
+    ))
+    .await;
+    let refuse = |path: &'static str| {
+        let request = Request::get(levee.url(path))
+            .header("accept", "application/json")
+            .body(full(""))
+            .expect("request");
+        send(request)
+    };
+    assert_eq!(refuse("/quoted").await.status, 200);
+    let quoted = refuse("/quoted").await;
+    assert_eq!(quoted.status, 429);
+    assert_eq!(
+        quoted.header("ratelimit-policy"),
+        Some("\"say \\\"hi\\\"\";q=1;w=60")
+    );
+    assert_eq!(quoted.json()["rule"], "say \"hi\"");
+
+    assert_eq!(refuse("/post").await.status, 200);
+    let post = refuse("/post").await;
+    assert_eq!(post.status, 429);
+    assert_eq!(post.header("ratelimit-policy"), None);
+    assert_eq!(post.header("ratelimit"), None);
+    assert!(post.header("retry-after").is_some());
+    assert_eq!(post.json()["rule"], "发帖");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_carry_retry_after_and_ietf_ratelimit_fields() {
     let backend = echo_backend().await;

@@ -18,6 +18,7 @@ pub mod gcra;
 pub mod key;
 pub mod local;
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,26 +83,50 @@ pub struct RateLimitHeaders {
     pub state: HeaderValue,
 }
 
-/// `"name";q=BURST;w=SECONDS` — the quota of the IETF `RateLimit-Policy` field.
-pub fn policy_field(rule: &LimitRule) -> String {
+/// `"name";q=BURST;w=SECONDS` — the quota of the IETF `RateLimit-Policy` field. `None` for a
+/// rule whose name a structured field cannot carry (see [`quoted_name`]).
+pub fn policy_field(rule: &LimitRule) -> Option<String> {
     let window = Duration::from_micros(rule.rate.capacity_us())
         .as_secs_f64()
         .ceil()
         .max(1.0);
-    format!(
-        "\"{}\";q={};w={}",
-        rule.name, rule.rate.burst, window as u64
-    )
+    let mut field = quoted_name(&rule.name)?;
+    let _ = write!(field, ";q={};w={}", rule.rate.burst, window as u64);
+    Some(field)
 }
 
-/// `"name";r=REMAINING;t=SECONDS` — the IETF `RateLimit` field.
-pub fn state_field(rule: &LimitRule, remaining: u32, reset: Duration) -> String {
-    format!(
-        "\"{}\";r={};t={}",
-        rule.name,
+/// `"name";r=REMAINING;t=SECONDS` — the IETF `RateLimit` field. `None` as for
+/// [`policy_field`].
+pub fn state_field(rule: &LimitRule, remaining: u32, reset: Duration) -> Option<String> {
+    let mut field = quoted_name(&rule.name)?;
+    let _ = write!(
+        field,
+        ";r={};t={}",
         remaining,
         reset.as_secs_f64().ceil() as u64
-    )
+    );
+    Some(field)
+}
+
+/// A rule's name as a structured-field string (RFC 8941 3.3.3): quoted, with `"` and `\`
+/// escaped. Such a string holds printable ASCII only: a name with anything else (`发帖`)
+/// has no spelling a client's parser would accept, so its fields are left out rather than
+/// sent broken (a client that reads them would reject the whole field).
+fn quoted_name(name: &str) -> Option<String> {
+    if !name.bytes().all(|byte| (b' '..=b'~').contains(&byte)) {
+        return None;
+    }
+    // Room for the parameters the caller writes after it.
+    let mut quoted = String::with_capacity(name.len() + 48);
+    quoted.push('"');
+    for c in name.chars() {
+        if matches!(c, '"' | '\\') {
+            quoted.push('\\');
+        }
+        quoted.push(c);
+    }
+    quoted.push('"');
+    Some(quoted)
 }
 
 /// Process-wide limiter state. It outlives policy reloads, so buckets survive them.
@@ -244,9 +269,9 @@ impl Limiter {
             return Err(deny(plan.rule, decision.retry_after, decision.reset, facts));
         }
         Ok(tightest.and_then(|(plan, decision)| {
-            let policy = HeaderValue::from_str(&policy_field(plan.rule)).ok()?;
+            let policy = HeaderValue::from_str(&policy_field(plan.rule)?).ok()?;
             let state =
-                HeaderValue::from_str(&state_field(plan.rule, decision.remaining, decision.reset))
+                HeaderValue::from_str(&state_field(plan.rule, decision.remaining, decision.reset)?)
                     .ok()?;
             Some(RateLimitHeaders { policy, state })
         }))
@@ -462,8 +487,8 @@ mod tests {
 
     #[test]
     fn ietf_fields() {
-        let rule = LimitRule {
-            name: Arc::from("post_per_user"),
+        let named = |name: &str| LimitRule {
+            name: Arc::from(name),
             parts: vec![KeyPart::User],
             rate: Rate {
                 interval_us: 20_000_000,
@@ -480,10 +505,22 @@ mod tests {
             body_json: None,
             series: DecisionSeries::default(),
         };
-        assert_eq!(policy_field(&rule), "\"post_per_user\";q=3;w=60");
+        let rule = named("post_per_user");
         assert_eq!(
-            state_field(&rule, 0, Duration::from_millis(19_500)),
-            "\"post_per_user\";r=0;t=20"
+            policy_field(&rule).as_deref(),
+            Some("\"post_per_user\";q=3;w=60")
         );
+        assert_eq!(
+            state_field(&rule, 0, Duration::from_millis(19_500)).as_deref(),
+            Some("\"post_per_user\";r=0;t=20")
+        );
+        // A name is a structured-field string: quotes and backslashes escaped; a name that
+        // cannot be one gives no field instead of a broken one.
+        assert_eq!(
+            policy_field(&named("say \"hi\" \\o/")).as_deref(),
+            Some("\"say \\\"hi\\\" \\\\o/\";q=3;w=60")
+        );
+        assert_eq!(policy_field(&named("发帖")), None);
+        assert_eq!(state_field(&named("a\tb"), 0, Duration::ZERO), None);
     }
 }
