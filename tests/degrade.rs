@@ -1279,3 +1279,47 @@ async fn a_routes_oldest_copies_are_deleted_on_a_redis_cluster_and_behind_sentin
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cookies_that_are_not_utf8_select_copies_of_their_own() {
+    // `lang=%E9` and `lang=%E8` are Latin-1 `é` and `è` to PHP. Read as text, both were U+FFFD:
+    // one copy, so while the app failed one language's visitors got the other's page.
+    let failing = Arc::new(AtomicU8::new(0));
+    let fail = failing.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let cookie = request
+            .headers()
+            .get("cookie")
+            .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+            .unwrap_or_default();
+        let failed = fail.load(Ordering::SeqCst) == 1;
+        async move {
+            if failed {
+                return Response::builder()
+                    .status(502)
+                    .body(full("php-fpm is gone"))
+                    .expect("response");
+            }
+            html(format!("page for {cookie}"))
+        }
+    })
+    .await;
+    let levee = levee_with_routes(
+        &backend,
+        "degrade = { action = \"stale\", max_age = \"2s\" }",
+        "degrade = { action = \"stale\", max_age = \"60s\", vary = \"cookie:lang\" }",
+    )
+    .await;
+    for lang in ["%E9", "%E8"] {
+        let cookie = format!("lang={lang}");
+        let page = get_with(&levee.url("/ranking"), &[("cookie", &cookie)]).await;
+        assert_eq!(page.text(), format!("page for {cookie}"));
+    }
+    failing.store(1, Ordering::SeqCst);
+    for lang in ["%E9", "%E8"] {
+        let cookie = format!("lang={lang}");
+        let copy = get_with(&levee.url("/ranking"), &[("cookie", &cookie)]).await;
+        assert_eq!(copy.header("x-levee-stale"), Some("1"), "{cookie}");
+        assert_eq!(copy.text(), format!("page for {cookie}"));
+    }
+}

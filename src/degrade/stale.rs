@@ -741,7 +741,7 @@ pub fn copy_key(
     host: &str,
     path: &str,
     query: Option<&str>,
-    vary: &[String],
+    vary: &[Vec<u8>],
 ) -> CopyKey {
     let tag = route_tag(route);
     let mut key = String::with_capacity(
@@ -763,7 +763,16 @@ pub fn copy_key(
         None => key.push('-'),
     }
     for value in vary {
-        push_part(&mut key, value);
+        match std::str::from_utf8(value) {
+            Ok(text) => push_part(&mut key, text),
+            // A legacy site's Latin-1 or GBK cookie, byte for byte (not read as text, where
+            // every such value would be U+FFFD, one copy for all of them): `~` and hex, which
+            // no text part can be, as each begins with its length.
+            Err(_) => {
+                key.push('~');
+                push_part(&mut key, &hex(value));
+            }
+        }
     }
     CopyKey { key, index }
 }
@@ -818,6 +827,15 @@ pub fn selected_query<'a>(query: Option<&'a str>, select: &CopyQuery) -> Option<
 }
 
 /// `len:part`: a part that reads the same whatever bytes it holds.
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(2 * bytes.len());
+    for byte in bytes {
+        let _ = write!(out, "{byte:02x}");
+    }
+    out
+}
+
 fn push_part(key: &mut String, part: &str) {
     use std::fmt::Write as _;
     let _ = write!(key, "{}:", part.len());
@@ -845,7 +863,7 @@ mod tests {
     #[test]
     fn different_requests_never_share_a_key() {
         let key = |path: &str, query: Option<&str>, vary: &[&str]| {
-            let vary: Vec<String> = vary.iter().map(|value| value.to_string()).collect();
+            let vary: Vec<Vec<u8>> = vary.iter().map(|value| value.as_bytes().to_vec()).collect();
             copy_key("levee:", "ranking", "example.com", path, query, &vary).key
         };
         // A `|` in a vary value once ran into the next value.
@@ -863,6 +881,22 @@ mod tests {
             key("/r", Some("x=1"), &["en"]),
             key("/r", Some("x=1"), &["en"])
         );
+        // Values that are not UTF-8 are told apart byte for byte, and from any text.
+        let bytes = |vary: &[u8]| {
+            copy_key(
+                "levee:",
+                "ranking",
+                "example.com",
+                "/r",
+                None,
+                &[vary.to_vec()],
+            )
+            .key
+        };
+        assert_ne!(bytes(b"jos\xe9"), bytes(b"jos\xe8"));
+        assert_ne!(bytes(b"\xe9"), key("/r", None, &["e9"]));
+        assert_ne!(bytes(b"\xe9"), key("/r", None, &["~2:e9"]));
+        assert_eq!(bytes("josé".as_bytes()), key("/r", None, &["josé"]));
         // Routes and hosts do not run into each other either.
         assert_ne!(
             copy_key("levee:", "a", "b.example", "/", None, &[]),

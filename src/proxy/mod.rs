@@ -627,12 +627,13 @@ impl Stale {
             };
         };
         let key = (request.method() == Method::GET).then(|| {
-            let vary: Vec<String> = settings
+            // Byte for byte, as rate-limit keys read them: two Latin-1 cookies are two pages.
+            let vary: Vec<Vec<u8>> = settings
                 .vary
                 .iter()
                 .map(|source| {
                     source
-                        .read(request.headers(), request.uri().query())
+                        .read_bytes(request.headers(), request.uri().query())
                         .map(|value| value.into_owned())
                         .unwrap_or_default()
                 })
