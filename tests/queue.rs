@@ -19,6 +19,11 @@ type Seen = Arc<Mutex<Vec<(String, String, String, Instant)>>>;
 /// (Cookie, X-Title) of every replayed request, as bytes.
 type HeaderBytes = Arc<Mutex<Vec<(Vec<u8>, Vec<u8>)>>>;
 
+/// A recording backend that answers every request at once with success.
+async fn recording_always_ok() -> (Backend, Seen) {
+    recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await
+}
+
 /// A backend that records jobs; `fail_first` failures per key (500), or always with `always_fail`.
 async fn recording(
     fail_first: u32,
@@ -107,7 +112,7 @@ async fn switch(levee: &Levee, state: &str) {
 async fn switched_off_posts_are_accepted_and_each_applied_exactly_once_later() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
-    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let (backend, seen) = recording_always_ok().await;
     let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
     switch(&levee, "off").await;
 
@@ -270,7 +275,7 @@ async fn jobs_of_a_killed_instance_are_reclaimed_and_none_is_lost() {
 async fn jobs_are_replayed_after_the_stream_disappeared_from_redis() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
-    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let (backend, seen) = recording_always_ok().await;
     let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
     let applied = |job: String| {
         let seen = seen.clone();
@@ -313,7 +318,7 @@ async fn jobs_are_replayed_after_the_stream_disappeared_from_redis() {
 async fn jobs_stored_before_a_reload_that_stops_the_route_queueing_are_still_applied() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
-    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let (backend, seen) = recording_always_ok().await;
     let policy = queue_policy(backend.addr, &redis.url(), "");
     let levee = Levee::start(&policy).await;
     switch(&levee, "off").await;
@@ -409,7 +414,7 @@ async fn applied_in_order(seen: &Seen, jobs: &[String]) {
 async fn jobs_left_by_a_route_that_stopped_queueing_while_levee_was_down_are_applied() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
-    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let (backend, seen) = recording_always_ok().await;
     let policy = queue_policy(backend.addr, &redis.url(), "")
         .replace("access_log = false", "access_log = false\ndrain = \"0s\"");
     let queue_action = "degrade = { action = \"queue\", body_json = '{\"queued\":\"{job}\"}' }";
@@ -578,7 +583,7 @@ fn check_refuses_a_claim_after_below_a_second() {
 async fn a_body_that_stalls_on_a_queue_route_gets_408_and_nothing_is_stored() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
-    let (backend, _) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let (backend, _) = recording_always_ok().await;
     let policy = queue_policy(backend.addr, &redis.url(), "").replace(
         "access_log = false",
         "access_log = false\nclient_body_timeout = \"300ms\"",
@@ -728,7 +733,7 @@ async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
 async fn without_redis_the_queue_answers_503_and_big_bodies_413() {
     let dir = tempfile::tempdir().expect("dir");
     let mut redis = RedisServer::start(dir.path()).await;
-    let (backend, _) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let (backend, _) = recording_always_ok().await;
     let levee = Levee::start(&queue_policy(
         backend.addr,
         &redis.url(),
@@ -769,7 +774,7 @@ async fn a_write_whose_answer_is_late_is_settled_before_the_client_is_answered()
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
     let relay = SlowAnswers::start(std::net::SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
-    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let (backend, seen) = recording_always_ok().await;
     // levee's own worker looks for work once, at start: the stream is the test's to read.
     let levee = Levee::start(&policy_for(
         backend.addr,
@@ -840,7 +845,7 @@ async fn a_write_whose_answer_is_late_is_settled_before_the_client_is_answered()
 async fn a_cluster_node_out_stops_only_the_queues_it_holds() {
     let dir = tempfile::tempdir().expect("dir");
     let cluster = RedisCluster::start(dir.path()).await;
-    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let (backend, seen) = recording_always_ok().await;
     let stream = |route: &str| format!("levee:queue:{{{route}}}:jobs");
     let out_node = cluster.owner(&stream("notify"));
     let other = (0..)
@@ -997,7 +1002,7 @@ async fn a_clients_own_idempotency_key_reaches_the_app_with_its_job() {
     // that key, not a job id that differs from try to try.
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
-    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(false)), Duration::ZERO).await;
+    let (backend, seen) = recording_always_ok().await;
     let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
     switch(&levee, "off").await;
     for _ in 0..2 {

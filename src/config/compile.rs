@@ -138,12 +138,7 @@ pub fn policy_hash(files: &[SourceFile]) -> String {
         hasher.update(file.text.as_bytes());
         hasher.update([0]);
     }
-    let digest = hasher.finalize();
-    digest
-        .iter()
-        .take(8)
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
+    crate::limit::key::hex(&hasher.finalize()[..8])
 }
 
 /// The policy's hash, with the contents of the CA files its upstreams trust and of the TLS
@@ -174,12 +169,7 @@ fn policy_hash_with_cas(
     for digest in digests {
         hasher.update(digest);
     }
-    hasher
-        .finalize()
-        .iter()
-        .take(8)
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
+    crate::limit::key::hex(&hasher.finalize()[..8])
 }
 
 /// Collects diagnostics while compiling.

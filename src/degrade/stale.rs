@@ -22,12 +22,12 @@ use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
-use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{CopyQuery, StaleSettings};
 use crate::error::{full_body, BoxError};
+use crate::limit::key::{hashed, hex};
 use crate::metrics::Metrics;
 use crate::proxy::body::ResponseBody;
 use crate::redis_store::RedisStore;
@@ -784,13 +784,7 @@ fn route_tag(route: &str) -> Cow<'_, str> {
     if !route.is_empty() && !route.starts_with('#') && !route.contains(['{', '}']) {
         return Cow::Borrowed(route);
     }
-    let digest = Sha256::digest(route.as_bytes());
-    let mut tag = String::from("#");
-    for byte in digest.iter().take(12) {
-        use std::fmt::Write as _;
-        let _ = write!(tag, "{byte:02x}");
-    }
-    Cow::Owned(tag)
+    Cow::Owned(hashed(route.as_bytes()))
 }
 
 /// The part of a request's query that selects its copy (`query` of the route's stale
@@ -827,15 +821,6 @@ pub fn selected_query<'a>(query: Option<&'a str>, select: &CopyQuery) -> Option<
 }
 
 /// `len:part`: a part that reads the same whatever bytes it holds.
-fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write as _;
-    let mut out = String::with_capacity(2 * bytes.len());
-    for byte in bytes {
-        let _ = write!(out, "{byte:02x}");
-    }
-    out
-}
-
 fn push_part(key: &mut String, part: &str) {
     use std::fmt::Write as _;
     let _ = write!(key, "{}:", part.len());

@@ -277,9 +277,23 @@ fn safe_value(value: Cow<'_, [u8]>) -> String {
     }
     // The bytes themselves, not a UTF-8 reading of them: Latin-1 `caf\xe9` and `caf\xe8`
     // are two users.
-    let digest = Sha256::digest(&value);
-    let mut out = String::from("#");
-    for byte in digest.iter().take(12) {
+    hashed(&value)
+}
+
+/// `#` and the start of the bytes' SHA-256 in hex: what stands in a Redis key for a value
+/// that cannot be written there as it is (a key part, a hash tag).
+pub(crate) fn hashed(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    let mut out = String::with_capacity(25);
+    out.push('#');
+    out.push_str(&hex(&digest[..12]));
+    out
+}
+
+/// The bytes as lowercase hex digits.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(2 * bytes.len());
+    for byte in bytes {
         let _ = write!(out, "{byte:02x}");
     }
     out

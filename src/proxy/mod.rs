@@ -315,7 +315,7 @@ async fn forward(
             // The copy carries no one's RateLimit fields: this client gets its own, as it
             // would on an answer fetched for it.
             Joined::Served(mut response) => {
-                set_rate_limit_fields(response.headers_mut(), allowed_headers.as_ref());
+                set_rate_limit_fields(response.headers_mut(), allowed_headers);
                 return Ok(response.into());
             }
             Joined::Lead(guard) => guard,
@@ -411,7 +411,7 @@ async fn forward(
             return stale
                 .serve_or(shared, policy, &route, refusal)
                 .await
-                .map(|copy| with_rate_limit_fields(copy, allowed_headers.as_ref()).into())
+                .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
         }
     };
 
@@ -444,7 +444,7 @@ async fn forward(
                 return stale
                     .serve_or(shared, policy, &route, refusal)
                     .await
-                    .map(|copy| with_rate_limit_fields(copy, allowed_headers.as_ref()).into());
+                    .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
             }
         }
     }
@@ -515,13 +515,13 @@ async fn forward(
             return stale
                 .serve_or(shared, policy, &route, error)
                 .await
-                .map(|copy| with_rate_limit_fields(copy, allowed_headers.as_ref()).into())
+                .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
         }
         Err(error) => return Err(error),
     };
     if failure_status {
         if let Some(copy) = stale.copy(shared, policy, &route).await {
-            return Ok(with_rate_limit_fields(copy, allowed_headers.as_ref()).into());
+            return Ok(with_rate_limit_fields(copy, allowed_headers).into());
         }
     }
 
@@ -546,7 +546,7 @@ async fn forward(
         None => body.boxed_unsync(),
     };
     // After the copy took its headers: this client's quota is no one else's.
-    set_rate_limit_fields(&mut parts.headers, allowed_headers.as_ref());
+    set_rate_limit_fields(&mut parts.headers, allowed_headers);
     Ok(Answer {
         // A page that is rewritten has its fields parsed (`fields` above), never relayed.
         response: without_switched_off_fragments(Response::from_parts(parts, body), hiding),
@@ -559,17 +559,17 @@ async fn forward(
 /// own: the app's page, or a copy (which never keeps them, see `Capture`) served to it.
 fn set_rate_limit_fields(
     headers: &mut http::HeaderMap,
-    limit: Option<&crate::limit::RateLimitHeaders>,
+    limit: Option<crate::limit::RateLimitHeaders>,
 ) {
     if let Some(limit) = limit {
-        headers.insert(header::RATELIMIT_POLICY.clone(), limit.policy.clone());
-        headers.insert(header::RATELIMIT.clone(), limit.state.clone());
+        headers.insert(header::RATELIMIT_POLICY.clone(), limit.policy);
+        headers.insert(header::RATELIMIT.clone(), limit.state);
     }
 }
 
 fn with_rate_limit_fields(
     mut response: Response<ResponseBody>,
-    limit: Option<&crate::limit::RateLimitHeaders>,
+    limit: Option<crate::limit::RateLimitHeaders>,
 ) -> Response<ResponseBody> {
     set_rate_limit_fields(response.headers_mut(), limit);
     response
