@@ -500,3 +500,85 @@ async fn a_client_that_expects_100_continue_is_refused_before_it_sends_its_body(
     assert!(!raw.contains("100 Continue"), "{raw}");
     assert_eq!(status_of(&raw), Some(503), "{raw}");
 }
+
+/// Sends `request` on a connection of its own and closes it after `patience` with no answer,
+/// as a front proxy whose read timeout ran out does.
+async fn give_up_after(levee: &Levee, request: &str, patience: Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .expect("request sent");
+    let mut first = [0u8; 1];
+    let read = tokio::time::timeout(patience, stream.read(&mut first)).await;
+    assert!(read.is_err(), "no answer from a hung dependency");
+}
+
+async fn breaker_window(levee: &Levee) -> (String, u64, u64) {
+    let status = get(&levee.admin_url("/status")).await.json();
+    let breaker = &status["upstreams"][0]["breaker"];
+    (
+        breaker["state"].as_str().unwrap_or_default().to_string(),
+        breaker["window_calls"].as_u64().unwrap_or_default(),
+        breaker["window_slow"].as_u64().unwrap_or_default(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_given_up_on_after_slow_call_count_as_slow_and_open_the_breaker() {
+    let (backend, mode) = switchable().await;
+    // The front proxy gives up long before levee's own response_timeout would make a 504.
+    let policy = breaker_policy(
+        &backend,
+        "consecutive_failures = 0, slow_call = \"100ms\", slow_ratio = 0.5, min_requests = 2, open_for = \"60s\"",
+        FRIENDLY,
+    )
+    .replace("response_timeout = \"200ms\"", "response_timeout = \"20s\"");
+    let levee = Levee::start(&policy).await;
+    mode.store(HANG, Ordering::SeqCst);
+    let get_request = "GET / HTTP/1.1\r\nHost: site\r\n\r\n";
+
+    // Given up before slow_call: no verdict on the dependency.
+    give_up_after(&levee, get_request, Duration::from_millis(20)).await;
+    // With a body, the wait cannot be told from the client's own upload: no verdict either.
+    give_up_after(
+        &levee,
+        "POST / HTTP/1.1\r\nHost: site\r\nContent-Length: 1\r\n\r\nx",
+        Duration::from_millis(300),
+    )
+    .await;
+    // levee sees the close a moment later: give it the time to drop both.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(breaker_window(&levee).await, ("closed".to_string(), 0, 0));
+
+    // Two GETs given up on after 300 ms: two slow calls of two, the ratio opens it.
+    for _ in 0..2 {
+        give_up_after(&levee, get_request, Duration::from_millis(300)).await;
+    }
+    let mut state = breaker_window(&levee).await;
+    for _ in 0..20 {
+        if state.0 == "open" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        state = breaker_window(&levee).await;
+    }
+    assert_eq!(state, ("open".to_string(), 2, 2));
+    let answer = get(&levee.url("/")).await;
+    assert_eq!(
+        (answer.status, answer.text().as_str()),
+        (503, "<p>稍后再试</p>"),
+        "the fallback, at once"
+    );
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_breaker_transitions_total{upstream=\"app\",to=\"open\"}"
+        ),
+        1.0
+    );
+}

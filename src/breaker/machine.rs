@@ -103,6 +103,10 @@ pub enum Outcome {
     Failure,
     /// The caller gave up before an answer (client went away): no verdict on the dependency.
     Abandoned,
+    /// The caller gave up after waiting longer than `slow_call` for the answer (a front proxy
+    /// with a shorter read timeout than `response_timeout` closed the connection): a slow
+    /// call, and a failed probe, but not a failure in a row, since nothing failed yet.
+    AbandonedSlow,
 }
 
 /// A change of state, for logs and metrics.
@@ -260,10 +264,10 @@ impl Machine {
         }
         self.count(now, outcome);
         let failed = outcome == Outcome::Failure;
-        self.consecutive_failures = if failed {
-            self.consecutive_failures + 1
-        } else {
-            0
+        self.consecutive_failures = match outcome {
+            Outcome::Failure => self.consecutive_failures + 1,
+            Outcome::Success { .. } => 0,
+            Outcome::Abandoned | Outcome::AbandonedSlow => self.consecutive_failures,
         };
 
         if self.force().is_some() {
@@ -271,7 +275,7 @@ impl Machine {
         }
         match (self.state, admission) {
             (State::HalfOpen, Admission::Probe) => {
-                if failed {
+                if failed || outcome == Outcome::AbandonedSlow {
                     self.reopens += 1;
                     return Some(self.open(now, "probe failed"));
                 }
@@ -336,7 +340,7 @@ impl Machine {
         bucket.calls += 1;
         match outcome {
             Outcome::Failure => bucket.failures += 1,
-            Outcome::Success { slow: true } => bucket.slow += 1,
+            Outcome::Success { slow: true } | Outcome::AbandonedSlow => bucket.slow += 1,
             _ => return,
         }
         // (Calls finish out of order across threads: the latest slice stays.)
@@ -692,6 +696,41 @@ mod tests {
         machine.record(t1, Admission::Probe, Outcome::Abandoned);
         assert_eq!(machine.state, State::HalfOpen);
         assert_eq!(machine.admit(t1).0, Admission::Probe);
+    }
+
+    #[test]
+    fn calls_given_up_on_after_slow_call_are_slow_calls_and_failed_probes() {
+        let t0 = Instant::now();
+        let mut machine = open_machine(t0);
+        let t1 = t0 + Duration::from_secs(10);
+        assert_eq!(machine.admit(t1).0, Admission::Probe);
+        assert!(matches!(
+            machine.record(t1, Admission::Probe, Outcome::AbandonedSlow),
+            Some(Transition::Opened {
+                reason: "probe failed",
+                ..
+            })
+        ));
+
+        // Closed: counted as slow, and neither a failure in a row nor the end of a run of them.
+        let mut machine = Machine::new(
+            BreakerSettings {
+                consecutive_failures: 2,
+                min_requests: 100,
+                ..settings()
+            },
+            t0,
+        );
+        assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
+        assert_eq!(call(&mut machine, t0, Outcome::AbandonedSlow), None);
+        assert_eq!(machine.window_counts(t0), (2, 1, 1));
+        assert!(matches!(
+            call(&mut machine, t0, Outcome::Failure),
+            Some(Transition::Opened {
+                reason: "consecutive failures",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -72,10 +72,15 @@ impl Breaker {
     /// it once for the breaker, the upstream pool and its response timer). `Err(retry_after)`
     /// while open (or half-open and full).
     pub fn admit(self: &Arc<Self>, now: Instant, metrics: &Metrics) -> Result<Permit, Duration> {
-        let (admission, transition, round) = {
+        let (admission, transition, round, slow_call) = {
             let mut machine = self.lock();
             let (admission, transition) = machine.admit(now);
-            (admission, transition, machine.probe_round())
+            (
+                admission,
+                transition,
+                machine.probe_round(),
+                machine.settings.slow_call,
+            )
         };
         if let Some(transition) = transition {
             self.report(transition, metrics);
@@ -91,6 +96,8 @@ impl Breaker {
                 round,
                 started: now,
                 recorded: false,
+                slow_call,
+                watched: None,
             }),
         }
     }
@@ -242,6 +249,10 @@ pub struct Permit {
     round: u32,
     started: Instant,
     recorded: bool,
+    /// The breaker's `slow_call` when the call was admitted.
+    slow_call: Option<Duration>,
+    /// Set by [`Permit::count_if_abandoned_slow`]: where a drop reports what it counted.
+    watched: Option<Arc<Metrics>>,
 }
 
 impl Permit {
@@ -249,6 +260,19 @@ impl Permit {
     /// client's time, and a slow client does not make a slow call.
     pub fn measure_from(&mut self, at: Instant) {
         self.started = at;
+    }
+
+    /// Counts the call as slow if it is dropped unanswered more than `slow_call` after
+    /// `sent_at`: a client (or a front proxy whose read timeout is shorter than
+    /// `response_timeout`) that gave up on a hung dependency otherwise leaves no trace, and the
+    /// breaker would never open. Only for requests without a body: for the others the drop
+    /// cannot tell the client's own slow upload from the dependency's wait. Costs nothing
+    /// without `slow_call`.
+    pub fn count_if_abandoned_slow(&mut self, sent_at: Instant, metrics: &Arc<Metrics>) {
+        if self.slow_call.is_some() {
+            self.started = sent_at;
+            self.watched = Some(metrics.clone());
+        }
     }
 
     /// Records the outcome of a call answered at `at` (a failure status, or a success that
@@ -291,10 +315,9 @@ impl Permit {
     fn report(&self, outcome: Outcome, transition: Option<Transition>, metrics: Option<&Metrics>) {
         let Some(metrics) = metrics else { return };
         if self.admission == Admission::Probe && outcome != Outcome::Abandoned {
-            let result = if outcome == Outcome::Failure {
-                "failure"
-            } else {
-                "success"
+            let result = match outcome {
+                Outcome::Failure | Outcome::AbandonedSlow => "failure",
+                _ => "success",
             };
             metrics
                 .breaker_probes
@@ -312,8 +335,19 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        if !self.recorded {
-            self.finish(Outcome::Abandoned, Instant::now(), None);
+        if self.recorded {
+            return;
+        }
+        let now = Instant::now();
+        let slow = self
+            .slow_call
+            .is_some_and(|limit| now.saturating_duration_since(self.started) > limit);
+        match self.watched.take() {
+            Some(metrics) if slow => {
+                tracing::debug!(upstream = %self.breaker.upstream, "a call given up on after slow_call counts as slow");
+                self.finish(Outcome::AbandonedSlow, now, Some(&metrics));
+            }
+            _ => self.finish(Outcome::Abandoned, now, None),
         }
     }
 }

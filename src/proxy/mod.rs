@@ -457,6 +457,9 @@ async fn forward(
         ResponseFields::Parsed
     };
     let sent_at = clock.now();
+    if http_body::Body::is_end_stream(&body) {
+        permit.count_if_abandoned_slow(sent_at, &shared.metrics);
+    }
     // The response timeout runs from when the request is sent whole: an upload as slow as
     // the client's idle timer allows is not the upstream's failure.
     let sent = upstream.client.send_within(
