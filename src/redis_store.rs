@@ -387,6 +387,17 @@ impl RedisStore {
                 .all(|(_, node_is_up)| *node_is_up)
     }
 
+    /// Whether a background call on `key` is worth trying: false while the health breaker of
+    /// Redis (in a cluster, of the node holding `key`) is open. Such calls take no probe
+    /// (requests probe): against a Redis known to be down, each would only wait out its
+    /// timeout in a task of its own, one per response while the outage lasts.
+    pub fn is_up_for(&self, key: &str) -> bool {
+        match &self.cluster {
+            Some(cluster) => lock(&cluster.node_for(key).health).is_closed(),
+            None => lock(self.health()).is_closed(),
+        }
+    }
+
     /// A cluster's master nodes as its slot map last listed them, and whether each is used
     /// for the rate-limit buckets, queue streams and stale copies it holds. Empty for a
     /// single server.

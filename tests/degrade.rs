@@ -1323,3 +1323,74 @@ async fn cookies_that_are_not_utf8_select_copies_of_their_own() {
         assert_eq!(copy.text(), format!("page for {cookie}"));
     }
 }
+
+/// While the Redis health breaker is open, fresh copies are kept in memory only: no store
+/// waits out its timeout in the background against a Redis known to be down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_are_not_stored_in_redis_while_its_health_breaker_is_open() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _, failing) = versioned().await;
+    let redis_url = format!("url = \"{}\"\n", redis.url());
+    let policy = ranking_resting_with_redis(
+        &backend,
+        &redis,
+        "degrade = { action = \"stale\", max_age = \"60s\" }",
+    )
+    .replace(
+        &redis_url,
+        &format!("{redis_url}timeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n"),
+    );
+    let levee = Levee::start(&policy).await;
+    let evals = || {
+        redis
+            .cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|line| line.strip_prefix("cmdstat_eval:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|calls| calls.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        get(&levee.url("/ranking?week=0")).await.text(),
+        "/ranking v1"
+    );
+    eventually(
+        Duration::from_secs(3),
+        "the first copy in redis",
+        || async { evals() == 1 },
+    )
+    .await;
+
+    // Redis stops answering; two reads of copies that are not in memory open its breaker.
+    failing.store(1, Ordering::SeqCst);
+    redis.pause(true);
+    for week in 1..=2 {
+        let answer = get(&levee.url(&format!("/ranking?week={week}"))).await;
+        assert_eq!(answer.status, 502, "no copy: the app's own error");
+    }
+    redis.pause(false);
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["redis"]["up"], false, "{status}");
+
+    // Redis answers again, but levee does not know it yet (cooldown): the pages it fetches
+    // now are kept in memory and served from there, and none is sent to Redis.
+    failing.store(0, Ordering::SeqCst);
+    for week in 3..=5 {
+        let path = format!("/ranking?week={week}");
+        assert_eq!(get(&levee.url(&path)).await.text(), "/ranking v1");
+    }
+    failing.store(1, Ordering::SeqCst);
+    let copy = get(&levee.url("/ranking?week=4")).await;
+    assert_eq!(
+        (copy.text().as_str(), copy.header("x-levee-stale")),
+        ("/ranking v1", Some("1"))
+    );
+    // A store would have been sent at once; give one the time to show up.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        evals(),
+        1,
+        "no copy went to redis while its breaker was open"
+    );
+}

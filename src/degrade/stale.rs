@@ -469,7 +469,10 @@ impl StaleStore {
         settings: &StaleSettings,
     ) {
         self.remember(key, copy.clone(), settings.max_copies);
-        if let Some(redis) = redis {
+        // While Redis is known to be down (its health breaker is open) the copy is kept in
+        // memory only, as when a store fails; the next fresh answer after Redis is back goes
+        // to Redis again.
+        if let Some(redis) = redis.filter(|redis| redis.is_up_for(&key.key)) {
             let key = key.clone();
             let (max_age, max_copies) = (settings.max_age, settings.max_copies);
             tokio::spawn(async move {
