@@ -197,3 +197,46 @@ async fn names_beyond_ascii_are_switched_through_encoded_admin_paths() {
     assert_eq!(status["degrade"]["modules"]["通知"]["off"], true);
     assert_ne!(get(&levee.url("/bell")).await.status, 200);
 }
+
+/// Beyond loopback, reading needs a token as changing state does: `/status` maps the site's
+/// dependencies and dead letters show clients' addresses. The dashboard page holds no data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_listener_beyond_loopback_answers_reads_only_with_a_token() {
+    let backend = echo_backend().await;
+    let policy = policy_for(backend.addr, "", "").replace(
+        "[admin]\nlisten = \"127.0.0.1:0\"",
+        &format!("[admin]\nlisten = \"0.0.0.0:0\"\ntokens = {{ ops = \"{TOKEN}\" }}"),
+    );
+    let levee = Levee::start(&policy).await;
+    let url = |path: &str| format!("http://127.0.0.1:{}{path}", levee.admin.port());
+    let bearer = format!("Bearer {TOKEN}");
+    for path in ["/status", "/metrics", "/queues"] {
+        let refused = get(&url(path)).await;
+        assert_eq!(
+            (refused.status, refused.header("www-authenticate")),
+            (401, Some("Bearer")),
+            "{path}"
+        );
+        let wrong = get_with(
+            &url(path),
+            &[("authorization", "Bearer not-the-token-at-all")],
+        )
+        .await;
+        assert_eq!(wrong.status, 401, "{path}");
+        let read = get_with(&url(path), &[("authorization", &bearer)]).await;
+        assert_eq!(read.status, 200, "{path}");
+    }
+    assert_eq!(get(&url("/dashboard")).await.status, 200);
+
+    // The CLI sends its token on reads too.
+    let admin: std::net::SocketAddr = ([127, 0, 0, 1], levee.admin.port()).into();
+    let (ok, out, err) =
+        tokio::task::spawn_blocking(move || levee_cli(&["status"], admin, Some(TOKEN)))
+            .await
+            .expect("cli");
+    assert!(ok && out.contains("policy   generation 1"), "{out}{err}");
+    let (ok, _, err) = tokio::task::spawn_blocking(move || levee_cli(&["status"], admin, None))
+        .await
+        .expect("cli");
+    assert!(!ok && err.contains("401"), "{err}");
+}

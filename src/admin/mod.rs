@@ -3,6 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub mod client;
 
@@ -30,9 +31,15 @@ pub async fn handle(
     if let Err(response) = loopback_host(&shared, &request) {
         return *response;
     }
-    // Reading is open (the listener is loopback unless tokens are set); changing state needs
-    // a token whenever tokens are configured.
-    let token_name = if request.method() == Method::GET || request.method() == Method::HEAD {
+    // Changing state needs a token whenever tokens are configured. Reading is open on a
+    // loopback listener (whoever can reach it can read the process anyway), but beyond
+    // loopback it needs a token too: `/status` maps the site's dependencies and the dead
+    // letters show clients' addresses and queries. The dashboard page itself holds no data.
+    let reading = request.method() == Method::GET || request.method() == Method::HEAD;
+    let open_read = reading
+        && (matches!(request.uri().path(), "/" | "/dashboard")
+            || shared.store.load().admin.listen.ip().is_loopback());
+    let token_name = if open_read {
         None
     } else {
         match authorize(&shared, &request) {
@@ -47,7 +54,7 @@ pub async fn handle(
     match (request.method(), request.uri().path()) {
         (&Method::POST, "/level") => {
             let by = peer_or_token(&request);
-            let wanted = match read_small_body(request).await {
+            let wanted = match read_word(request).await {
                 Ok(wanted) => wanted,
                 Err(response) => return response,
             };
@@ -63,7 +70,7 @@ pub async fn handle(
         (&Method::POST, path) if path.starts_with("/modules/") => {
             let name = path_segment(path.trim_start_matches("/modules/"));
             let by = peer_or_token(&request);
-            let wanted = match read_small_body(request).await {
+            let wanted = match read_word(request).await {
                 Ok(wanted) => wanted,
                 Err(response) => return response,
             };
@@ -445,30 +452,49 @@ fn operator(request: &Request<Incoming>, peer: std::net::SocketAddr) -> String {
         .map_or_else(|| peer.to_string(), |name| format!("{name} ({peer})"))
 }
 
-/// The trimmed body of a small admin request (a word like `off`), or a ready 400.
-async fn read_small_body(request: Request<Incoming>) -> Result<String, Response<ResponseBody>> {
+/// How long an admin request's body may take to arrive. The bodies are one word; a client
+/// that sends its head and then nothing would otherwise hold its connection and task open.
+const ADMIN_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The one word an admin action sends (`off`, `2`, `open`): the trimmed body, or with an empty
+/// body the value of the query's parameter (`?force=open`); else a ready 400 or 408.
+async fn read_word<B>(request: Request<B>) -> Result<String, Response<ResponseBody>>
+where
+    B: hyper::body::Body,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let from_query = request.uri().query().and_then(|query| {
         query
             .split('&')
-            .find_map(|pair| pair.split_once('=').map(|(_, v)| v.to_string()))
+            .find_map(|pair| pair.split_once('=').map(|(_, value)| value.to_string()))
     });
-    let body = http_body_util::Limited::new(request.into_body(), 1024)
-        .collect()
-        .await
-        .map_err(|_| {
-            text_response(
+    let reading = http_body_util::Limited::new(request.into_body(), 1024).collect();
+    let body = match tokio::time::timeout(ADMIN_BODY_TIMEOUT, reading).await {
+        Ok(Ok(body)) => body.to_bytes(),
+        Ok(Err(_)) => {
+            return Err(text_response(
                 StatusCode::BAD_REQUEST,
-                "400 body too large or unreadable\n",
-            )
-        })?;
-    let body = String::from_utf8_lossy(&body.to_bytes())
+                "400 body too large or unreadable; send one word, like off\n",
+            ))
+        }
+        Err(_) => {
+            tracing::warn!("admin request body not received in time");
+            return Err(text_response(
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "408 the body did not arrive within {}s\n",
+                    ADMIN_BODY_TIMEOUT.as_secs()
+                ),
+            ));
+        }
+    };
+    let body = String::from_utf8_lossy(&body)
         .trim()
         .trim_matches('"')
         .to_string();
-    Ok(if body.is_empty() {
-        from_query.unwrap_or_default()
-    } else {
-        body
+    Ok(match (body.is_empty(), from_query) {
+        (true, Some(from_query)) => path_segment(&from_query),
+        _ => body,
     })
 }
 
@@ -563,29 +589,11 @@ async fn set_breaker(
     request: Request<Incoming>,
     by: &str,
 ) -> Response<ResponseBody> {
-    let from_query = request
-        .uri()
-        .query()
-        .and_then(|query| {
-            query
-                .split('&')
-                .find_map(|pair| pair.strip_prefix("force="))
-        })
-        .map(str::to_string);
-    let body = match http_body_util::Limited::new(request.into_body(), 1024)
-        .collect()
-        .await
-    {
-        Ok(body) => String::from_utf8_lossy(&body.to_bytes()).trim().to_string(),
-        Err(_) => {
-            return text_response(
-                StatusCode::BAD_REQUEST,
-                "400 body too large or unreadable\n",
-            )
-        }
+    let wanted = match read_word(request).await {
+        Ok(wanted) => wanted,
+        Err(response) => return response,
     };
-    let wanted = from_query.unwrap_or(body);
-    let wanted = wanted.trim_matches('"');
+    let wanted = wanted.as_str();
     let force = match wanted {
         "open" => Some(Force::Open),
         "closed" => Some(Force::Closed),
@@ -719,4 +727,53 @@ fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<Resp
         .headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use http_body_util::{Full, StreamBody};
+
+    async fn word(uri: &str, body: &'static str) -> Result<String, u16> {
+        let request = Request::post(uri)
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .expect("request");
+        read_word(request)
+            .await
+            .map_err(|answer| answer.status().as_u16())
+    }
+
+    #[tokio::test]
+    async fn the_word_is_the_body_or_else_the_query_parameter() {
+        assert_eq!(word("/level", " 2\n").await, Ok("2".into()));
+        assert_eq!(word("/level", "\"off\"").await, Ok("off".into()));
+        assert_eq!(
+            word("/breakers/app?force=open", "").await,
+            Ok("open".into())
+        );
+        assert_eq!(word("/modules/m?state=%6Fff", "").await, Ok("off".into()));
+        assert_eq!(
+            word("/breakers/app?force=open", "closed").await,
+            Ok("closed".into()),
+            "the body wins, as everywhere"
+        );
+        assert_eq!(word("/level", "").await, Ok(String::new()));
+        let long: &'static str = "x".repeat(2000).leak();
+        assert_eq!(word("/level", long).await, Err(400));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_never_comes_is_a_408_after_the_time_limit() {
+        let never = futures_util::stream::pending::<
+            Result<hyper::body::Frame<Bytes>, std::convert::Infallible>,
+        >();
+        let request = Request::post("/level")
+            .body(StreamBody::new(never))
+            .expect("request");
+        let started = tokio::time::Instant::now();
+        let answer = read_word(request).await.expect_err("no word");
+        assert_eq!(answer.status(), StatusCode::REQUEST_TIMEOUT);
+        assert_eq!(started.elapsed(), ADMIN_BODY_TIMEOUT);
+    }
 }

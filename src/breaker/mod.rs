@@ -105,8 +105,12 @@ impl Breaker {
     /// Pins the breaker at runtime (`Some`) or hands it back to the policy (`None`, "auto").
     pub fn set_runtime_force(&self, force: Option<Force>, metrics: &Metrics) {
         let mut machine = self.lock();
+        let was_pinned = machine.runtime_force.is_some();
         machine.runtime_force = force;
-        if force.is_none() {
+        // Handed back after a pin, it starts afresh: what it counted while pinned says
+        // nothing of the dependency now. Asked for `auto` when it already was, it keeps its
+        // state: an operator's "auto" must not close a breaker that opened by itself.
+        if force.is_none() && was_pinned {
             machine.reset(Instant::now());
         }
         let state = match machine.force() {
@@ -355,6 +359,36 @@ impl Drop for Permit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn auto_hands_a_pinned_breaker_back_but_leaves_one_that_opened_by_itself_open() {
+        let metrics = Metrics::new();
+        let breaker = Arc::new(Breaker::new(
+            "app",
+            BreakerSettings {
+                consecutive_failures: 1,
+                ..BreakerSettings::default()
+            },
+        ));
+        let permit = breaker.admit(Instant::now(), &metrics).expect("closed");
+        permit.record(Outcome::Failure, Instant::now(), &metrics);
+        breaker.set_runtime_force(None, &metrics);
+        assert_eq!(
+            breaker.status().state,
+            "open",
+            "auto on auto changes nothing"
+        );
+
+        breaker.set_runtime_force(Some(Force::Closed), &metrics);
+        assert_eq!(breaker.status().state, "closed");
+        breaker.set_runtime_force(None, &metrics);
+        assert_eq!(
+            breaker.status().state,
+            "closed",
+            "unpinned, it starts afresh"
+        );
+        assert!(breaker.admit(Instant::now(), &metrics).is_ok());
+    }
 
     #[tokio::test(start_paused = true)]
     async fn an_open_breaker_whose_time_ran_out_says_so_without_waiting_for_a_request() {
