@@ -189,9 +189,10 @@ pub fn bucket_key(
     facts: &RequestFacts<'_>,
     fallback_ip: bool,
 ) -> Option<BucketKey> {
-    // Built with plain pushes, not `format!`: this runs for every rule of every request.
-    // Each value says whether it is the client IP standing in for a missing part.
-    let mut values: Vec<(String, bool)> = Vec::with_capacity(parts.len());
+    // Built with plain pushes into one string, values borrowed from the request where they
+    // can be written as they are: this runs for every rule of every request. Each value says
+    // whether it is the client IP standing in for a missing part.
+    let mut values: Vec<(Cow<'_, str>, bool)> = Vec::with_capacity(parts.len());
     let mut tag: Option<(u8, usize)> = None;
     for part in parts {
         let (part, value, stands_in) = match facts.part(part) {
@@ -216,18 +217,25 @@ pub fn bucket_key(
     // would land in different slots (CROSSSLOT). Its own name keeps it apart from other rules.
     // An IP standing in for a missing part tags the key as the IP itself does, so a request's
     // per-IP buckets stay in one slot.
-    let tag = match tag {
-        Some((_, index)) => values[index].0.clone(),
-        None => safe_value(Cow::Borrowed(rule.as_bytes())),
+    let by_name;
+    let tag_text: &str = match tag {
+        Some((_, index)) => &values[index].0,
+        None => {
+            by_name = safe_value(Cow::Borrowed(rule.as_bytes()));
+            &by_name
+        }
     };
     let values_len: usize = values
         .iter()
         .map(|(value, stands_in)| value.len() + 1 + usize::from(*stands_in) * IP_STAND_IN.len())
         .sum();
-    let mut key = String::with_capacity(prefix.len() + rule.len() + tag.len() + values_len + 8);
+    let mut key =
+        String::with_capacity(prefix.len() + rule.len() + tag_text.len() + values_len + 8);
     key.push_str(prefix);
     key.push_str("rl:{");
-    key.push_str(&tag);
+    let tag_start = key.len();
+    key.push_str(tag_text);
+    let tag = tag_start..key.len();
     key.push_str("}:");
     key.push_str(rule);
     key.push(':');
@@ -249,35 +257,50 @@ pub fn bucket_key(
 /// 203.0.113.9. No value can start so: a plain value has no `#`, a hash is `#` and hex digits.
 const IP_STAND_IN: &str = "#ip=";
 
-/// A bucket's Redis key and its hash tag (keys with the same tag share a cluster slot).
+/// A bucket's Redis key and where its hash tag is in it (keys with the same tag share a
+/// cluster slot).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct BucketKey {
     pub key: String,
-    pub tag: String,
+    tag: std::ops::Range<usize>,
+}
+
+impl BucketKey {
+    /// The hash tag: what is between the key's braces.
+    pub fn tag(&self) -> &str {
+        self.key.get(self.tag.clone()).unwrap_or_default()
+    }
 }
 
 /// Key parts come from clients: long values, braces (which would break hash tags), separators
 /// and control bytes are replaced by a hash, so a client cannot forge another key. `#` starts
 /// every hash, so a plain value may not contain it (else `#<hash of X>` sent as is would share
 /// X's bucket); an empty value is hashed too, so a hash tag is never the empty `{}`.
-fn safe_value(value: Cow<'_, [u8]>) -> String {
+fn safe_value(value: Cow<'_, [u8]>) -> Cow<'_, str> {
     let plain = !value.is_empty()
         && value.len() <= 64
         && value
             .iter()
             .all(|b| b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'|' | b':' | b'#'));
     if plain {
-        // Printable ASCII, so UTF-8 as it is: an owned value (the client IP) is taken over
-        // without a copy.
-        return match value {
-            Cow::Borrowed(bytes) => String::from_utf8_lossy(bytes).into_owned(),
-            Cow::Owned(bytes) => String::from_utf8(bytes)
-                .unwrap_or_else(|error| String::from_utf8_lossy(error.as_bytes()).into_owned()),
-        };
+        // Printable ASCII, so UTF-8 as it is: borrowed from the request, and an owned value
+        // (the client IP) taken over, without a copy either way.
+        match value {
+            Cow::Borrowed(bytes) => {
+                if let Ok(text) = std::str::from_utf8(bytes) {
+                    return Cow::Borrowed(text);
+                }
+            }
+            Cow::Owned(bytes) => {
+                return Cow::Owned(
+                    String::from_utf8(bytes).unwrap_or_else(|error| hashed(error.as_bytes())),
+                )
+            }
+        }
     }
     // The bytes themselves, not a UTF-8 reading of them: Latin-1 `caf\xe9` and `caf\xe8`
     // are two users.
-    hashed(&value)
+    Cow::Owned(hashed(&value))
 }
 
 /// `#` and the start of the bytes' SHA-256 in hex: what stands in a Redis key for a value
@@ -521,7 +544,7 @@ mod tests {
         let facts = facts(&headers, None, &identity);
         assert!(bucket_key("", "r", &[KeyPart::User], &facts, false).is_none());
         let key = bucket_key("", "r", &[KeyPart::User], &facts, true).expect("key");
-        assert_eq!(key.tag, "203.0.113.9");
+        assert_eq!(key.tag(), "203.0.113.9");
     }
 
     #[test]
@@ -573,7 +596,7 @@ mod tests {
         assert_ne!(stand_in.key, api_key.key);
         // Both still share the IP's slot with the client's per-IP buckets.
         let per_ip = bucket_key("", "ip", &[KeyPart::Ip], &anonymous, false).expect("key");
-        assert_eq!(stand_in.tag, per_ip.tag);
+        assert_eq!(stand_in.tag(), per_ip.tag());
         assert_eq!(stand_in.key, "rl:{203.0.113.9}:api:#ip=203.0.113.9");
     }
 
@@ -594,7 +617,7 @@ mod tests {
         )
         .expect("key");
         assert!(
-            key.tag.starts_with('#') && !key.key.contains("evil"),
+            key.tag().starts_with('#') && !key.key.contains("evil"),
             "{key:?}"
         );
         let key = bucket_key(
@@ -605,7 +628,7 @@ mod tests {
             false,
         )
         .expect("key");
-        assert_eq!(key.tag, "abc");
+        assert_eq!(key.tag(), "abc");
     }
 
     #[test]

@@ -282,7 +282,7 @@ impl Limiter {
             .iter()
             .map(|plan| RedisAsk {
                 key: &plan.key.key,
-                tag: &plan.key.tag,
+                tag: plan.key.tag(),
                 interval_us: plan.rule.rate.interval_us,
                 burst: plan.rule.rate.burst,
                 dry_run: plan.rule.dry_run,
