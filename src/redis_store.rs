@@ -412,11 +412,21 @@ impl RedisStore {
             .collect()
     }
 
-    /// With Redis Sentinel on both: starts from the master `previous` follows (see
-    /// [`Sentinels::start_from`]).
+    /// Starts from what `previous`, which a reload replaces, knew of the same servers: with
+    /// Redis Sentinel, the master it follows (see [`Sentinels::start_from`]); and for the same
+    /// target, its health breaker. A reload that changed only a timeout while Redis was down
+    /// would otherwise make requests wait on it again until `failures_to_open` more failures.
+    /// A changed target (a standby) starts afresh. (A cluster's per-node breakers start
+    /// afresh too: its slot map is read anew.)
     pub fn start_from(&self, previous: &RedisStore) {
         if let (Some(link), Some(before)) = (&self.master_link, &previous.master_link) {
             link.sentinels.start_from(&before.sentinels);
+        }
+        if self.settings.target == previous.settings.target {
+            let before = lock(&previous.health);
+            let mut health = lock(&self.health);
+            health.consecutive_failures = before.consecutive_failures;
+            health.open_until = before.open_until;
         }
     }
 
@@ -1147,6 +1157,47 @@ pub fn redact_url(url: &str) -> String {
         out.push_str(&pairs.join("&"));
     }
     out
+}
+
+#[cfg(test)]
+mod reload_tests {
+    use super::*;
+
+    fn settings(url: &str, timeout_ms: u64) -> RedisSettings {
+        RedisSettings {
+            target: RedisTarget::Single(url.into()),
+            timeout: Duration::from_millis(timeout_ms),
+            failures_to_open: 1,
+            cooldown: Duration::from_secs(60),
+            key_prefix: "levee:".into(),
+            instances: 1,
+            admit_ahead_above: 1.0,
+            tls: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reload_of_the_same_redis_keeps_what_its_health_breaker_knows() {
+        let metrics = Metrics::new();
+        // Nothing listens on port 1: the first guarded call fails and opens the breaker.
+        let down = RedisStore::new(settings("redis://127.0.0.1:1/0", 100));
+        let guard = Guard {
+            key: "k",
+            metrics: &metrics,
+        };
+        let failed = down
+            .command::<String>(&redis::cmd("PING"), Duration::from_millis(100), Some(guard))
+            .await;
+        assert!(failed.is_err());
+        assert!(!down.is_up());
+
+        let new_timeout = RedisStore::new(settings("redis://127.0.0.1:1/0", 50));
+        new_timeout.start_from(&down);
+        assert!(!new_timeout.is_up(), "still known to be down");
+        let standby = RedisStore::new(settings("redis://127.0.0.1:2/0", 100));
+        standby.start_from(&down);
+        assert!(standby.is_up(), "another server is tried");
+    }
 }
 
 #[cfg(test)]
