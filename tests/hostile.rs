@@ -558,3 +558,26 @@ fn a_zero_send_or_tunnel_timeout_is_refused_with_its_line() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_header_naming_host_or_forwarding_fields_takes_none_of_them_away() {
+    let (levee, _, admin) =
+        levee_with_a_second_route("admin", "{ host = \"admin.example\" }").await;
+    let answer = exchange(
+        &levee,
+        b"GET /panel HTTP/1.1\r\nHost: admin.example\r\nX-Forwarded-For: 203.0.113.9\r\nConnection: Host, X-Forwarded-For, X-Real-IP, close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    assert_eq!(admin.hits(), 1, "routed by its host");
+    let (_, body) = answer.split_once("\r\n\r\n").expect("head and body");
+    let echo: serde_json::Value = serde_json::from_str(body).expect("echo json");
+    // The app gets the host the request was routed by, and a chain that agrees with
+    // X-Real-IP (the loopback peer is a trusted proxy by default).
+    assert_eq!(echoed_header(&echo, "host"), ["admin.example"]);
+    assert_eq!(
+        echoed_header(&echo, "x-forwarded-for"),
+        ["203.0.113.9, 127.0.0.1"]
+    );
+    assert_eq!(echoed_header(&echo, "x-real-ip"), ["203.0.113.9"]);
+}

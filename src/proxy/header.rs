@@ -123,6 +123,14 @@ pub(crate) fn connection_has(headers: &HeaderMap, token: &str) -> bool {
         .any(|part| part.trim().eq_ignore_ascii_case(token))
 }
 
+/// Fields a `Connection` header may not take away (see [`strip_hop_by_hop`]).
+fn is_end_to_end(name: &HeaderName) -> bool {
+    *name == header::HOST
+        || *name == X_FORWARDED_FOR
+        || *name == X_REAL_IP
+        || *name == X_FORWARDED_PROTO
+}
+
 /// Removes hop-by-hop headers (RFC 9110 7.6.1): `Connection` and every header it names,
 /// `Proxy-Connection`, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`.
 /// Framing is redone by levee's own HTTP stack on each side.
@@ -158,6 +166,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
                     .any(|usual| token.eq_ignore_ascii_case(usual))
             })
             .filter_map(|name| HeaderName::from_bytes(name).ok())
+            // Fields meant for every recipient that levee routes by or writes itself stay: a
+            // client naming `Host` would send the app another host than the one its request
+            // was routed (and limited) by, and one naming `X-Forwarded-For` would leave the
+            // app a chain that disagrees with `X-Real-IP` (RFC 9110 7.6.1 forbids naming them).
+            .filter(|name| !is_end_to_end(name))
             .collect();
         for name in named {
             headers.remove(name);
@@ -471,6 +484,22 @@ mod tests {
         map.insert("cookie", HeaderValue::from_static("a=1"));
         strip_hop_by_hop(&mut map, false);
         assert_eq!(map.len(), 1, "{map:?}");
+
+        // Naming the host or the forwarding fields takes none of them away.
+        let mut map = headers(&[
+            (
+                "connection",
+                "Host, X-Forwarded-For, x-real-ip, X-Forwarded-Proto, x-secret",
+            ),
+            ("host", "site.example"),
+            ("x-forwarded-for", "203.0.113.9"),
+            ("x-real-ip", "203.0.113.9"),
+            ("x-forwarded-proto", "https"),
+            ("x-secret", "1"),
+        ]);
+        strip_hop_by_hop(&mut map, false);
+        assert_eq!(map.len(), 4, "{map:?}");
+        assert_eq!(map["host"], "site.example");
     }
 
     #[test]
