@@ -6,8 +6,8 @@
 //! follows stays in the buffer). Anything that is not exactly the chunked syntax is an error,
 //! because a proxy and its backend that disagree on where a body ends is how requests are
 //! smuggled: bare LF line ends, missing CRLF after data, non-hex sizes and sizes that do not
-//! fit 64 bits are refused. Chunk extensions and trailer fields are skipped (levee forwards
-//! neither), within bounds.
+//! fit 64 bits are refused. Chunk extensions and trailer fields are checked (no control bytes;
+//! trailers are field lines) and skipped (levee forwards neither), within bounds.
 
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -34,6 +34,10 @@ pub enum ChunkedError {
     InvalidLineEnd,
     #[error("trailer fields are over {MAX_TRAILER_BYTES} bytes")]
     TrailersTooLong,
+    #[error("control byte in a chunk extension")]
+    InvalidExtension,
+    #[error("invalid trailer field line")]
+    InvalidTrailer,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +67,9 @@ enum State {
     DataLf,
     /// After the last chunk: either the empty line that ends the body, or a trailer field.
     TrailerStart,
+    /// A trailer field's name, up to its colon.
+    TrailerName,
+    /// A trailer field's value, up to CR.
     TrailerLine,
     TrailerLf,
     EndLf,
@@ -156,6 +163,7 @@ impl ChunkedDecoder {
             State::Extension { size, length } => match byte {
                 b'\r' => State::SizeLf { size },
                 b'\n' => return Err(ChunkedError::InvalidLineEnd),
+                _ if is_control(byte) => return Err(ChunkedError::InvalidExtension),
                 _ if length >= MAX_EXTENSION_BYTES => return Err(ChunkedError::ExtensionTooLong),
                 _ => State::Extension {
                     size,
@@ -175,15 +183,25 @@ impl ChunkedDecoder {
                 b'\n' => State::Size { size: 0, digits: 0 },
                 _ => return Err(ChunkedError::MissingDataEnd),
             },
+            // Trailer lines are field lines (RFC 9112 7.1.2): a token, a colon, a value without
+            // control bytes. Dropped all the same, but a line that is none (a request line, a
+            // folded line, a NUL) is a client out of step with the syntax, and refused.
             State::TrailerStart => match byte {
                 b'\r' => State::EndLf,
                 b'\n' => return Err(ChunkedError::InvalidLineEnd),
-                _ => self.count_trailer_byte()?,
+                _ if is_token_byte(byte) => self.count_trailer_byte(State::TrailerName)?,
+                _ => return Err(ChunkedError::InvalidTrailer),
+            },
+            State::TrailerName => match byte {
+                b':' => self.count_trailer_byte(State::TrailerLine)?,
+                _ if is_token_byte(byte) => self.count_trailer_byte(State::TrailerName)?,
+                _ => return Err(ChunkedError::InvalidTrailer),
             },
             State::TrailerLine => match byte {
                 b'\r' => State::TrailerLf,
                 b'\n' => return Err(ChunkedError::InvalidLineEnd),
-                _ => self.count_trailer_byte()?,
+                _ if is_control(byte) => return Err(ChunkedError::InvalidTrailer),
+                _ => self.count_trailer_byte(State::TrailerLine)?,
             },
             State::TrailerLf => match byte {
                 b'\n' => State::TrailerStart,
@@ -199,13 +217,24 @@ impl ChunkedDecoder {
         Ok(state)
     }
 
-    fn count_trailer_byte(&mut self) -> Result<State, ChunkedError> {
+    fn count_trailer_byte(&mut self, next: State) -> Result<State, ChunkedError> {
         self.trailer_bytes += 1;
         if self.trailer_bytes > MAX_TRAILER_BYTES {
             return Err(ChunkedError::TrailersTooLong);
         }
-        Ok(State::TrailerLine)
+        Ok(next)
     }
+}
+
+/// A control byte other than tab (RFC 9110 5.5: never in a field value; RFC 9112 7.1.1: never
+/// in a chunk extension, whose tokens and quoted strings exclude them).
+fn is_control(byte: u8) -> bool {
+    (byte < b' ' && byte != b'\t') || byte == 0x7f
+}
+
+/// A `tchar` of RFC 9110 5.6.2, what field names are made of.
+fn is_token_byte(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte)
 }
 
 #[cfg(test)]
@@ -275,7 +304,7 @@ mod tests {
 
     #[test]
     fn refuses_what_is_not_exactly_chunked() {
-        let cases: [(&[u8], ChunkedError); 10] = [
+        let cases: [(&[u8], ChunkedError); 16] = [
             (b"\r\n", ChunkedError::InvalidSize),
             (b"x\r\n", ChunkedError::InvalidSize),
             (b"-5\r\n", ChunkedError::InvalidSize),
@@ -286,6 +315,15 @@ mod tests {
             (b"0\r\n\n", ChunkedError::InvalidLineEnd),
             (b"0\r\nX: 1\n\r\n", ChunkedError::InvalidLineEnd),
             (b"5\rX", ChunkedError::InvalidLineEnd),
+            (b"3;a\x00b\r\n", ChunkedError::InvalidExtension),
+            (
+                b"0\r\nGET /smuggled HTTP/1.1\r\n",
+                ChunkedError::InvalidTrailer,
+            ),
+            (b"0\r\n X: folded\r\n", ChunkedError::InvalidTrailer),
+            (b"0\r\n: no name\r\n", ChunkedError::InvalidTrailer),
+            (b"0\r\nX: \x00\r\n", ChunkedError::InvalidTrailer),
+            (b"0\r\nX : 1\r\n", ChunkedError::InvalidTrailer),
         ];
         for (input, expected) in cases {
             let (result, _) = decode_split(input, &[]);
