@@ -764,6 +764,30 @@ async fn a_backend_that_resets_or_stalls_mid_body_aborts_the_response_never_a_cl
         );
     }
 
+    // An HTTP/1.0 client gets a body of unknown length delimited by the connection's end:
+    // only a reset, never a FIN, tells it the body was cut short.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut client = tokio::net::TcpStream::connect(levee.public)
+            .await
+            .expect("connect");
+        client
+            .write_all(b"GET /chunked-reset?late HTTP/1.0\r\nHost: a\r\n\r\n")
+            .await
+            .expect("request");
+        let mut received = Vec::new();
+        let read = tokio::time::timeout(within, client.read_to_end(&mut received))
+            .await
+            .expect("the HTTP/1.0 client hung");
+        let head = String::from_utf8_lossy(&received);
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(
+            read.as_ref()
+                .is_err_and(|error| error.kind() == std::io::ErrorKind::ConnectionReset),
+            "a cut-off close-delimited body ended with {read:?}, as if whole"
+        );
+    }
+
     // Many resets: every one aborted, levee keeps serving, its memory stays flat.
     let burst = |count: usize| {
         let url = levee.url("/reset");

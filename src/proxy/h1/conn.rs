@@ -82,6 +82,9 @@ impl From<Response<ResponseBody>> for Answer {
 enum After {
     KeepAlive,
     Close,
+    /// The response was cut short where only the connection's end marks the body's end: a
+    /// reset, not a FIN, so the client does not take the part it got for the whole.
+    Abort,
     Upgrade(oneshot::Sender<UpgradedClient>),
 }
 
@@ -151,6 +154,14 @@ pub(super) async fn serve_connection<H, F>(
             }
             After::Close => {
                 Box::pin(linger_close(stream)).await;
+                return;
+            }
+            After::Abort => {
+                // SO_LINGER 0: closing sends RST at once (and cannot block: nothing waits to
+                // be sent out).
+                if let Err(error) = stream.set_zero_linger() {
+                    tracing::debug!(%peer, "cannot reset the connection: {error}");
+                }
                 return;
             }
             After::Upgrade(sender) => {
@@ -419,7 +430,14 @@ where
     )
     .await;
     if !complete {
-        return After::Close;
+        // An HTTP/1.1 client sees a short length or a missing last chunk; a close-delimited
+        // body (an HTTP/1.0 client's, when the upstream's length was not known) ends at the
+        // connection's end, and a FIN would make the part look whole.
+        return if framing == ResponseFraming::UntilClose {
+            After::Abort
+        } else {
+            After::Close
+        };
     }
     if switching {
         return match upgrade {
