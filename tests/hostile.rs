@@ -488,6 +488,15 @@ async fn an_upgrade_asked_in_http_1_0_is_not_passed_on() {
     .await;
     assert_eq!(status_of(&answer), Some(200), "{answer}");
     assert!(answer.ends_with("\r\n\r\nok"), "{answer}");
+
+    // Only WebSocket is passed on: a switch to h2c would carry the requests that follow past
+    // levee's routes and limits. The request is served as a plain one here too.
+    for offered in ["h2c", "websocket, h2c"] {
+        let raw = format!("GET / HTTP/1.1\r\nHost: a\r\nConnection: Upgrade, HTTP2-Settings, close\r\nUpgrade: {offered}\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n");
+        let answer = exchange(&levee, raw.as_bytes()).await;
+        assert_eq!(status_of(&answer), Some(200), "{offered}: {answer}");
+        assert!(answer.ends_with("\r\n\r\nok"), "{offered}: {answer}");
+    }
 }
 
 #[tokio::test]

@@ -109,9 +109,22 @@ fn parse_forwarded_ip(text: &str) -> Option<IpAddr> {
     v4.parse::<std::net::Ipv4Addr>().ok().map(IpAddr::V4)
 }
 
-/// Is this a protocol upgrade (`Connection: upgrade` with an `Upgrade` header)?
+/// Is this an upgrade levee passes on: `Connection: upgrade` with `Upgrade: websocket`
+/// (RFC 6455)? Every protocol the request offers must be WebSocket: the app picks one, and
+/// a switch to another (`h2c`, anything an app might speak) would carry requests past
+/// levee's routes and limits unseen. Other upgrades are dropped as hop-by-hop fields, and
+/// the request is served as a plain one.
 pub fn is_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE) && connection_has(headers, "upgrade")
+    let mut offered = headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&byte| byte == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|protocol| !protocol.is_empty())
+        .peekable();
+    offered.peek().is_some()
+        && offered.all(|protocol| protocol.eq_ignore_ascii_case(b"websocket"))
+        && connection_has(headers, "upgrade")
 }
 
 pub(crate) fn connection_has(headers: &HeaderMap, token: &str) -> bool {

@@ -609,6 +609,22 @@ mod tests {
                 .wants_upgrade
         );
         assert!(!head("GET / HTTP/1.1\r\nUpgrade: websocket\r\n\r\n").wants_upgrade);
+        // Only WebSocket: a tunnel of another protocol would carry requests past the routes.
+        for offered in [
+            "h2c",
+            "websocket, h2c",
+            "h2c\r\nUpgrade: websocket",
+            "",
+            "tls/1.2",
+        ] {
+            let raw =
+                format!("GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: {offered}\r\n\r\n");
+            assert!(!head(&raw).wants_upgrade, "{offered}");
+        }
+        assert!(
+            head("GET / HTTP/1.1\r\nConnection: keep-alive, Upgrade\r\nUpgrade: WebSocket\r\n\r\n")
+                .wants_upgrade
+        );
         assert!(
             !head("GET / HTTP/1.0\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
                 .wants_upgrade
