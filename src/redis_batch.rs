@@ -428,11 +428,11 @@ impl DecisionBatcher {
                 break;
             };
             let left = known.remaining.saturating_sub(known.pending);
-            let ahead = known.burst == ask.burst
+            let ahead = known.burst == ask.rule.burst
                 && now.saturating_duration_since(known.as_of) <= HEADROOM_FRESH
-                && (ask.dry_run
+                && (ask.rule.dry_run
                     || (left > 0
-                        && f64::from(left) > self.admit_ahead_above * f64::from(ask.burst)));
+                        && f64::from(left) > self.admit_ahead_above * f64::from(ask.rule.burst)));
             if !ahead {
                 break;
             }
@@ -440,11 +440,11 @@ impl DecisionBatcher {
             let allowed = known.remaining > known.pending;
             known.pending += 1;
             let remaining = known.remaining.saturating_sub(known.pending);
-            let used = u64::from(ask.burst.saturating_sub(remaining));
+            let used = u64::from(ask.rule.burst.saturating_sub(remaining));
             verdicts.push(RemoteVerdict {
                 allowed,
                 remaining,
-                reset_ms: used.saturating_mul(ask.interval_us).div_ceil(1000),
+                reset_ms: used.saturating_mul(ask.rule.interval_us).div_ceil(1000),
                 // A dry run's refusal is counted, never answered: no wait to say.
                 retry_after_ms: 0,
             });
@@ -570,7 +570,7 @@ impl Shared {
             headroom.insert(
                 ask.key.to_owned(),
                 Headroom {
-                    burst: ask.burst,
+                    burst: ask.rule.burst,
                     remaining: 0,
                     pending: 1,
                     as_of: now,
@@ -1051,11 +1051,36 @@ fn encode_asks(out: &mut Vec<u8>, asks: &[RedisAsk<'_>]) -> usize {
     }
     let rules_at = out.len();
     for ask in asks {
-        put_number(out, ask.interval_us);
-        put_number(out, u64::from(ask.burst));
-        put_bulk(out, if ask.dry_run { b"1" } else { b"0" });
+        out.extend_from_slice(&ask.rule.encoded);
     }
     rules_at
+}
+
+/// A limit rule as the rate-limit script takes it: the interval between tokens, the burst and
+/// the dry-run flag. Every request's part of a script call carries them, so they are encoded
+/// once, when the policy is compiled, not per request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisRule {
+    pub interval_us: u64,
+    pub burst: u32,
+    pub dry_run: bool,
+    /// The three, as the bulk strings of a script call.
+    encoded: Box<[u8]>,
+}
+
+impl RedisRule {
+    pub fn new(interval_us: u64, burst: u32, dry_run: bool) -> RedisRule {
+        let mut encoded = Vec::with_capacity(48);
+        put_number(&mut encoded, interval_us);
+        put_number(&mut encoded, u64::from(burst));
+        put_bulk(&mut encoded, if dry_run { b"1" } else { b"0" });
+        RedisRule {
+            interval_us,
+            burst,
+            dry_run,
+            encoded: encoded.into_boxed_slice(),
+        }
+    }
 }
 
 /// `EVALSHA sha numkeys keys… requests args…`, from the parts each decision encoded.
@@ -1448,16 +1473,14 @@ mod tests {
     #[test]
     fn a_call_carries_each_request_keys_first_then_counts_and_rules() {
         let waiting = |keys: &[&str], rules: &[(u64, u32, bool)], ahead: bool| {
+            let rules: Vec<RedisRule> = rules
+                .iter()
+                .map(|&(interval_us, burst, dry_run)| RedisRule::new(interval_us, burst, dry_run))
+                .collect();
             let asks: Vec<RedisAsk<'_>> = keys
                 .iter()
-                .zip(rules)
-                .map(|(key, (interval_us, burst, dry_run))| RedisAsk {
-                    key,
-                    tag: "",
-                    interval_us: *interval_us,
-                    burst: *burst,
-                    dry_run: *dry_run,
-                })
+                .zip(&rules)
+                .map(|(key, rule)| RedisAsk { key, tag: "", rule })
                 .collect();
             let caller = if ahead {
                 Caller::Ahead(Counter::default())
@@ -1629,13 +1652,15 @@ mod pipeline_tests {
         Arc::new(batcher)
     }
 
+    /// The rule every test ask is decided by: 10 at once, then one per millisecond.
+    static RULE: std::sync::LazyLock<RedisRule> =
+        std::sync::LazyLock::new(|| RedisRule::new(1000, 10, false));
+
     fn ask(key: &str) -> RedisAsk<'_> {
         RedisAsk {
             key,
             tag: key,
-            interval_us: 1000,
-            burst: 10,
-            dry_run: false,
+            rule: &RULE,
         }
     }
 

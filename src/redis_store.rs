@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use crate::metrics::Metrics;
 use crate::proxy::upstream::{ca_certificates, client_tls, system_roots};
-use crate::redis_batch::{lock, read_answer, BatchTarget, DecisionBatcher, Endpoint};
+use crate::redis_batch::{lock, read_answer, BatchTarget, DecisionBatcher, Endpoint, RedisRule};
 use crate::redis_cluster::{parse_slots, ClusterHealth, Node};
 use crate::redis_sentinel::{MasterAddress, MasterLink, SentinelTarget, Sentinels};
 
@@ -205,9 +205,7 @@ impl RedisFailure {
 pub struct RedisAsk<'a> {
     pub key: &'a str,
     pub tag: &'a str,
-    pub interval_us: u64,
-    pub burst: u32,
-    pub dry_run: bool,
+    pub rule: &'a RedisRule,
 }
 
 /// A call on the request path: it follows the health breaker (in a cluster, that of the node
@@ -869,9 +867,7 @@ async fn within<T>(
 struct OwnedAsk {
     key: String,
     tag: String,
-    interval_us: u64,
-    burst: u32,
-    dry_run: bool,
+    rule: RedisRule,
 }
 
 impl From<&RedisAsk<'_>> for OwnedAsk {
@@ -879,9 +875,7 @@ impl From<&RedisAsk<'_>> for OwnedAsk {
         OwnedAsk {
             key: ask.key.to_string(),
             tag: ask.tag.to_string(),
-            interval_us: ask.interval_us,
-            burst: ask.burst,
-            dry_run: ask.dry_run,
+            rule: ask.rule.clone(),
         }
     }
 }
@@ -891,9 +885,7 @@ impl OwnedAsk {
         RedisAsk {
             key: &self.key,
             tag: &self.tag,
-            interval_us: self.interval_us,
-            burst: self.burst,
-            dry_run: self.dry_run,
+            rule: &self.rule,
         }
     }
 }
@@ -1008,9 +1000,9 @@ async fn invoke(
             command.arg(1).arg(asks.len()).arg(0);
             for ask in &asks {
                 command
-                    .arg(ask.interval_us)
-                    .arg(ask.burst)
-                    .arg(if ask.dry_run { "1" } else { "0" });
+                    .arg(ask.rule.interval_us)
+                    .arg(ask.rule.burst)
+                    .arg(if ask.rule.dry_run { "1" } else { "0" });
             }
         })
         .await?;
@@ -1035,7 +1027,7 @@ async fn give_back(
                 command.arg(asks[index].key);
             }
             for &index in members {
-                command.arg(asks[index].interval_us);
+                command.arg(asks[index].rule.interval_us);
             }
         });
         match tokio::time::timeout(bound, call).await {

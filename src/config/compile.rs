@@ -1875,6 +1875,11 @@ fn compile_limit(
         body_html: inner.body_html.as_deref().map(Arc::from),
         body_json: inner.body_json.as_deref().map(Arc::from),
         series: Default::default(),
+        redis: crate::redis_batch::RedisRule::new(
+            interval_us,
+            burst,
+            inner.dry_run.unwrap_or(false),
+        ),
     })
 }
 

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 
 use crate::error::ProxyError;
 use crate::metrics::{DecisionSeries, Metrics};
+use crate::redis_batch::RedisRule;
 use crate::redis_store::{RedisAsk, RedisStore, RemoteVerdict};
 use gcra::{Rate, Verdict};
 use key::{bucket_key, KeyPart, RequestFacts};
@@ -65,6 +66,8 @@ pub struct LimitRule {
     pub body_json: Option<Arc<str>>,
     /// This rule's cached `/metrics` series.
     pub series: DecisionSeries,
+    /// `rate` and `dry_run` as the Redis script takes them.
+    pub redis: RedisRule,
 }
 
 /// A refusal, turned into a response by [`ProxyError::to_response`].
@@ -283,9 +286,7 @@ impl Limiter {
             .map(|plan| RedisAsk {
                 key: &plan.key.key,
                 tag: plan.key.tag(),
-                interval_us: plan.rule.rate.interval_us,
-                burst: plan.rule.rate.burst,
-                dry_run: plan.rule.dry_run,
+                rule: &plan.rule.redis,
             })
             .collect();
         let from_redis = |verdicts: Vec<RemoteVerdict>, source: &'static str| -> Vec<Decided> {
@@ -504,6 +505,7 @@ mod tests {
             body_html: None,
             body_json: None,
             series: DecisionSeries::default(),
+            redis: RedisRule::new(20_000_000, 3, false),
         };
         let rule = named("post_per_user");
         assert_eq!(
