@@ -195,13 +195,20 @@ impl RouteTable {
         self.index.is_some()
     }
 
+    /// How many route positions the index holds in all.
+    #[cfg(test)]
+    pub fn index_entries(&self) -> usize {
+        self.index.as_ref().map_or(0, |index| {
+            index.unnamed.len() + index.by_segment.values().map(|at| at.len()).sum::<usize>()
+        })
+    }
+
     /// `host` is without port (see `host_of`); `path` is normalised.
     pub fn find(&self, host: Option<&str>, method: &Method, path: &str) -> Option<&Arc<Route>> {
         let found = match &self.index {
             Some(index) => index
                 .candidates(path)
-                .iter()
-                .filter_map(|at| self.routes.get(*at as usize))
+                .filter_map(|at| self.routes.get(at as usize))
                 .find(|route| route.matches(host, method, path)),
             None => self
                 .routes
@@ -220,45 +227,74 @@ impl RouteTable {
 /// thousand instructions, most of a full policy's routing) becomes walking a handful.
 #[derive(Debug)]
 struct SegmentIndex {
-    /// Segment → positions in the table of the routes a path with it may match, in order.
+    /// Segment → positions in the table of the routes that name it, in order.
     by_segment: HashMap<Box<str>, Box<[u32]>, BuildHasherDefault<SegmentHasher>>,
-    /// Positions of the routes that name no segment: all a path of any other segment may match.
+    /// Positions of the routes that name no segment: a path of any segment may match them.
     unnamed: Box<[u32]>,
 }
 
 impl SegmentIndex {
+    /// Built in one pass, each route listed once: a table of thousands of segments and
+    /// thousands of routes that name none stays as small as the table itself (the candidates
+    /// of a segment are merged from the two lists as a path is looked up).
     fn new(routes: &[Arc<Route>]) -> SegmentIndex {
-        let named: Vec<Option<String>> = routes
-            .iter()
-            .map(|route| route.path.first_segment())
-            .collect();
-        let positions = |keep: &dyn Fn(&Option<String>) -> bool| -> Box<[u32]> {
-            named
-                .iter()
-                .enumerate()
-                .filter(|(_, segment)| keep(segment))
-                .filter_map(|(at, _)| u32::try_from(at).ok())
-                .collect()
-        };
-        let mut by_segment = HashMap::default();
-        for segment in named.iter().flatten() {
-            if !by_segment.contains_key(segment.as_str()) {
-                let list = positions(&|named: &Option<String>| {
-                    named.as_ref().is_none_or(|named| named == segment)
-                });
-                by_segment.insert(segment.clone().into_boxed_str(), list);
+        let mut by_segment: HashMap<Box<str>, Vec<u32>, BuildHasherDefault<SegmentHasher>> =
+            HashMap::default();
+        let mut unnamed = Vec::new();
+        for (at, route) in routes.iter().enumerate() {
+            let Ok(at) = u32::try_from(at) else { break };
+            match route.path.first_segment() {
+                Some(segment) => by_segment
+                    .entry(segment.into_boxed_str())
+                    .or_default()
+                    .push(at),
+                None => unnamed.push(at),
             }
         }
         SegmentIndex {
-            by_segment,
-            unnamed: positions(&|named: &Option<String>| named.is_none()),
+            by_segment: by_segment
+                .into_iter()
+                .map(|(segment, positions)| (segment, positions.into_boxed_slice()))
+                .collect(),
+            unnamed: unnamed.into_boxed_slice(),
         }
     }
 
-    fn candidates(&self, path: &str) -> &[u32] {
-        self.by_segment
+    /// The positions of the routes `path` may match, in table order.
+    fn candidates(&self, path: &str) -> InOrder<'_> {
+        let named = self
+            .by_segment
             .get(first_segment(path))
-            .unwrap_or(&self.unnamed)
+            .map_or(&[][..], |positions| &positions[..]);
+        InOrder {
+            named,
+            unnamed: &self.unnamed,
+        }
+    }
+}
+
+/// Two ascending lists of positions, merged.
+struct InOrder<'a> {
+    named: &'a [u32],
+    unnamed: &'a [u32],
+}
+
+impl Iterator for InOrder<'_> {
+    type Item = u32;
+
+    fn next(&mut self) -> Option<u32> {
+        let take_named = match (self.named.first(), self.unnamed.first()) {
+            (Some(named), Some(unnamed)) => named < unnamed,
+            (named, _) => named.is_some(),
+        };
+        let list = if take_named {
+            &mut self.named
+        } else {
+            &mut self.unnamed
+        };
+        let (first, rest) = list.split_first()?;
+        *list = rest;
+        Some(*first)
     }
 }
 
