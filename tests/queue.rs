@@ -1077,3 +1077,54 @@ async fn a_job_applied_while_redis_restarts_is_finished_once_redis_is_back_not_a
     .await;
     assert_eq!(applied.lock().expect("lock").len(), 1, "applied once");
 }
+
+/// Two routes' jobs never meet under one `Idempotency-Key`: stream entry ids are unique only
+/// within one route's stream (and a clock reading a client could guess), so an app that drops
+/// duplicates by key had thrown away the second of two jobs stored in the same millisecond.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_of_two_routes_reach_the_app_under_keys_of_their_own() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let policy = queue_policy(backend.addr, &redis.url(), "")
+        + "[[route]]\nname = \"comment\"\nmatch = { method = [\"POST\"], path_prefix = \"/comment\" }\ntier = 2\nmodule = \"notifications\"\ndegrade = { action = \"queue\" }\n";
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let mut answered = Vec::new();
+    for round in 0..20 {
+        let posts = ["/notify.php", "/comment.php"].map(|path| {
+            send(
+                Request::post(levee.url(path))
+                    .body(full(format!("n={round}")))
+                    .expect("request"),
+            )
+        });
+        for answer in futures_util::future::join_all(posts).await {
+            assert_eq!(answer.status, 202, "{}", answer.text());
+            answered.push(answer.header("x-levee-job").expect("job").to_string());
+        }
+    }
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the jobs to be replayed",
+        || async { seen.lock().expect("lock").len() >= 40 },
+    )
+    .await;
+    let mut keys: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(key, ..)| key.clone())
+        .collect();
+    assert!(
+        keys.iter()
+            .all(|key| key.len() == 32 && key.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{keys:?}"
+    );
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 40, "every job under a key of its own");
+    answered.sort();
+    assert_eq!(keys, answered, "the client was told the key the app sees");
+}

@@ -20,9 +20,27 @@ pub struct Job {
     pub client_ip: String,
     pub enqueued_at_ms: u64,
     pub attempts: u32,
-    /// The id the job got when first stored: the `Idempotency-Key`, kept across retries.
+    /// The `Idempotency-Key` the app sees, kept across retries: random, given when the job
+    /// is made (jobs stored by earlier versions have none: theirs is their first entry id).
     pub key: Option<String>,
     pub last_error: Option<String>,
+}
+
+/// A job's `Idempotency-Key`: 128 random bits in hex. Not the stream entry id: ids are unique
+/// only within one route's stream, so two routes' jobs met under one key at the app, which
+/// dropped the second as a duplicate; and ids are a clock reading, so a client could send a
+/// coming job's id as its own key and have the app drop another client's job.
+fn new_key() -> String {
+    let mut bytes = [0u8; 16];
+    if getrandom::getrandom(&mut bytes).is_err() {
+        // No system randomness (never seen on Linux): the time and a counter are unique to
+        // this process at least.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let next = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        bytes[..8].copy_from_slice(&now_ms().to_be_bytes());
+        bytes[8..].copy_from_slice(&(u64::from(std::process::id()) << 40 ^ next).to_be_bytes());
+    }
+    crate::limit::key::hex(&bytes)
 }
 
 fn now_ms() -> u64 {
@@ -55,7 +73,7 @@ impl Job {
             client_ip: client_ip.to_string(),
             enqueued_at_ms: now_ms(),
             attempts: 0,
-            key: None,
+            key: Some(new_key()),
             last_error: None,
         }
     }

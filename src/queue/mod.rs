@@ -423,13 +423,15 @@ pub async fn enqueue(
             "text/html; charset=utf-8",
         )
     };
-    // The job id is made by Redis (`<ms>-<seq>`): safe to put in a body and a header.
-    let mut response = Response::new(full_body(template.replace("{job}", &id)));
+    // The client learns the job by the key the app will see it under (hex: safe in a body and
+    // a header); the stream entry id is Redis's bookkeeping, logged and listed in dead letters.
+    tracing::debug!(route = %route.name, entry = %id, job = job.idempotency_key(), "job stored");
+    let mut response = Response::new(full_body(template.replace("{job}", job.idempotency_key())));
     *response.status_mut() = StatusCode::ACCEPTED;
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
-    if let Ok(value) = HeaderValue::from_str(&id) {
+    if let Ok(value) = HeaderValue::from_str(job.idempotency_key()) {
         response.headers_mut().insert("x-levee-job", value);
     }
     Ok(response)

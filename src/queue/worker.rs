@@ -829,7 +829,10 @@ return redis.call('XDEL', KEYS[1], ARGV[2])
             client_ip: String::new(),
             enqueued_at_ms: now_ms(),
             attempts: 0,
-            key: Some(id.to_string()),
+            key: Some(fields.get("key").map_or_else(
+                || id.to_string(),
+                |key| String::from_utf8_lossy(key).into_owned(),
+            )),
             last_error: Some("unreadable job".into()),
         };
         self.dead_letter(id, &job).await
