@@ -1128,3 +1128,23 @@ async fn jobs_of_two_routes_reach_the_app_under_keys_of_their_own() {
     answered.sort();
     assert_eq!(keys, answered, "the client was told the key the app sees");
 }
+
+/// During a rolling deploy an instance of the new policy, where the route no longer queues,
+/// runs beside an old one that still stores jobs for it. When the old one stops, the new one
+/// finds its queue in the registry, read again while it runs, not only at its start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_an_instance_of_the_old_policy_left_during_a_rolling_deploy_are_applied() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let old_policy = queue_policy(backend.addr, &redis.url(), "");
+    let queueing = "degrade = { action = \"queue\", body_json = '{\"queued\":\"{job}\"}' }";
+    assert!(old_policy.contains(queueing), "{old_policy}");
+    let new = Levee::start(&old_policy.replace(queueing, "")).await;
+    // The new instance has read the registry (empty) by now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let old = Levee::start(&old_policy).await;
+    let jobs = store_jobs_then_stop(old, 3, 0).await;
+    switch(&new, "on").await;
+    applied_in_order(&seen, &jobs).await;
+}

@@ -148,6 +148,11 @@ fn queues_to_serve(
     serve
 }
 
+/// How often the registry of queues is read again, in passes of `poll_interval` (10 s at
+/// the default 200 ms): one `SMEMBERS`, and a look at the queues it names that this instance
+/// does not serve.
+const REGISTRY_EVERY_PASSES: u32 = 50;
+
 /// Starts the replay loop; it lasts until `stop`.
 pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     tokio::spawn(async move {
@@ -156,9 +161,12 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         // The queue routes of the last pass: one gone from the policy since leaves its queue
         // to `former_queues`, so the jobs stored in it are not stranded.
         let mut served_before: Vec<(QueueKeys, Arc<Route>)> = Vec::new();
-        // Until Redis has answered once: the queues left by routes that stopped queueing
-        // while no instance ran are looked for in the registry on each pass.
-        let mut registry_read = false;
+        // Passes until the registry is read again (0: this pass). It names the queues every
+        // instance stored jobs in: one left by a route that stopped queueing while no
+        // instance ran, or by an instance of another policy (during a rolling deploy, an old
+        // instance still queueing for a route this one does not) is taken on from there.
+        let mut registry_in: u32 = 0;
+        let mut registry_read_once = false;
         loop {
             let policy = shared.store.load();
             let interval = policy
@@ -181,9 +189,26 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             let (Some(redis), Some(settings)) = (policy.redis.clone(), policy.queue.clone()) else {
                 continue;
             };
-            if !registry_read {
-                registry_read = take_on_stranded_queues(&shared, &redis, &policy, &queueing).await;
-            }
+            registry_in = match registry_in.checked_sub(1) {
+                Some(left) => left,
+                None => {
+                    let read = take_on_stranded_queues(
+                        &shared,
+                        &redis,
+                        &policy,
+                        &queueing,
+                        !registry_read_once,
+                    )
+                    .await;
+                    registry_read_once |= read;
+                    // Tried again on the next pass when Redis did not answer.
+                    if read {
+                        REGISTRY_EVERY_PASSES
+                    } else {
+                        0
+                    }
+                }
+            };
             route_unrouted_queues(&shared, &redis, &policy, &queueing).await;
             for (keys, route, former) in queues_to_serve(&shared, &policy, queueing) {
                 if *stop.borrow() {
@@ -244,14 +269,18 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     });
 }
 
-/// At start: takes on the queues listed in the registry whose routes no longer queue (the
-/// policy changed while no instance ran), so the jobs in them are still replayed. `false`
-/// when Redis did not answer (the next pass tries again).
+/// Takes on the queues listed in the registry whose routes do not queue here (the policy
+/// changed while no instance ran, or another instance runs another policy), so the jobs in
+/// them are still replayed. `false` when Redis did not answer (the next pass tries again).
+/// `forget_empty` (the first read): empty queues are taken off the registry. Not on later
+/// reads: another instance that still queues for the route may be storing a job in it right
+/// then, and would list it again only after the job was stored.
 async fn take_on_stranded_queues(
     shared: &Shared,
     redis: &RedisStore,
     policy: &Policy,
     queueing: &[(QueueKeys, Arc<Route>)],
+    forget_empty: bool,
 ) -> bool {
     let registry = QueueKeys::registry_of(policy.key_prefix());
     let mut members = redis::cmd("SMEMBERS");
@@ -269,7 +298,9 @@ async fn take_on_stranded_queues(
             continue;
         }
         if queue_is_empty(redis, &keys).await {
-            unregister(redis, &keys, &name).await;
+            if forget_empty {
+                unregister(redis, &keys, &name).await;
+            }
             continue;
         }
         match route_named(policy, &name) {
