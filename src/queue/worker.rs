@@ -183,7 +183,11 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 if !queueing.iter().any(|(now, _)| now.stream == keys.stream)
                     && shared.former_queues.adopt(keys.clone(), Arc::clone(&route))
                 {
-                    tracing::warn!(route = %route.name, stream = %keys.stream, "this route no longer queues under these keys (its action changed, or it was renamed or removed, or key_prefix changed); the jobs stored in its queue are still replayed until it is empty");
+                    if policy.redis.is_some() {
+                        tracing::warn!(route = %route.name, stream = %keys.stream, "this route no longer queues under these keys (its action changed, or it was renamed or removed, or key_prefix changed); the jobs stored in its queue are still replayed until it is empty");
+                    } else {
+                        tracing::warn!(route = %route.name, stream = %keys.stream, "the policy no longer has [redis]: the jobs stored in this route's queue wait in redis, not replayed, until a policy with [redis] is loaded again");
+                    }
                 }
             }
             let (Some(redis), Some(settings)) = (policy.redis.clone(), policy.queue.clone()) else {
