@@ -1555,7 +1555,7 @@ async fn bytes_sent_right_behind_a_101_reach_the_client_first() {
     let backend = Scripted::start(|seen| match seen.path() {
         "/upgrade" => Reply {
             writes: vec![
-                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\nEARLY"
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\nEARLY"
                     .to_vec(),
             ],
             then: Then::Echo,
@@ -1568,7 +1568,7 @@ async fn bytes_sent_right_behind_a_101_reach_the_client_first() {
     let mut stream = TcpStream::connect(levee.public).await.expect("connect");
     stream
         .write_all(
-            b"GET /upgrade HTTP/1.1\r\nHost: app\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n",
+            b"GET /upgrade HTTP/1.1\r\nHost: app\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
         )
         .await
         .expect("write");
@@ -1581,7 +1581,7 @@ async fn bytes_sent_right_behind_a_101_reach_the_client_first() {
     let text = String::from_utf8_lossy(&received).into_owned();
     assert!(text.starts_with("HTTP/1.1 101"), "{text}");
     assert!(
-        text.to_ascii_lowercase().contains("upgrade: echo"),
+        text.to_ascii_lowercase().contains("upgrade: websocket"),
         "{text}"
     );
     assert!(text.ends_with("\r\n\r\nEARLY"), "nothing else came: {text}");
@@ -1592,7 +1592,7 @@ async fn bytes_sent_right_behind_a_101_reach_the_client_first() {
     assert_eq!(received, b"ping");
 
     let upgraded = backend.last();
-    assert_eq!(upgraded.header("upgrade"), ["echo"]);
+    assert_eq!(upgraded.header("upgrade"), ["websocket"]);
     drop(stream);
     // The upgraded connection is not pooled: the next request has a connection of its own.
     assert_eq!(call(&levee, "GET", "/next").await.text(), "fine");

@@ -605,6 +605,48 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             routes.push(Arc::new(route));
         }
     }
+    // A request no route matches goes to the default upstream; without one it gets a 404,
+    // which for a site is every page nobody thought to route: an empty or truncated file, or
+    // a second upstream added (with one, it is the default by itself).
+    let catch_all = |route: &Arc<Route>| {
+        route.hosts.is_empty()
+            && route.methods.is_empty()
+            && match &route.path {
+                PathMatch::Any => true,
+                PathMatch::Prefix(prefix) => prefix == "/",
+                _ => false,
+            }
+    };
+    if default_upstream.is_none()
+        && !routes.iter().any(catch_all)
+        && compiler.errors.is_empty()
+        && !files.is_empty()
+    {
+        let (file, span) = server
+            .as_ref()
+            .map_or((0, 0..0), |(file, spec)| (*file, spec.span()));
+        if upstream_specs.is_empty() {
+            compiler.error_hint(
+                0,
+                0..0,
+                "the policy defines no upstream: levee would answer every request 404",
+                "add the PHP app: [upstream.app] with url = \"http://127.0.0.1:8081\"",
+            );
+        } else {
+            compiler.error_hint(
+                file,
+                span,
+                format!(
+                    "{} upstreams and no default_upstream: requests no route matches would get 404",
+                    upstream_specs.len()
+                ),
+                format!(
+                    "set default_upstream = \"NAME\" in [server] (defined upstreams: {}), or end the routes with one that has no match",
+                    known_names("upstream", &upstream_specs)
+                ),
+            );
+        }
+    }
     let upstream_names: Vec<String> = upstream_specs.keys().cloned().collect();
     let bounded_upstreams: Vec<String> = upstream_specs
         .iter()
@@ -2714,6 +2756,30 @@ mod tests {
             .expect("bulkhead");
         assert!(Arc::ptr_eq(&old, &new));
         assert_eq!(new.inflight(), 1);
+    }
+
+    #[test]
+    fn a_policy_that_would_answer_404_to_what_no_route_matches_is_refused() {
+        // An empty (or truncated) file: nothing to forward to at all.
+        assert_eq!(
+            errors(&[("a.toml", "")]),
+            ["a.toml:1:1: error: the policy defines no upstream: levee would answer every request 404\n  hint: add the PHP app: [upstream.app] with url = \"http://127.0.0.1:8081\""],
+        );
+        // A second upstream takes away the first one's being the default by itself.
+        let two = format!("[server]\nlisten = \"127.0.0.1:0\"\n{APP}[upstream.ai]\nurl = \"http://127.0.0.1:9\"\n[[route]]\nname = \"ai\"\nmatch = {{ path_prefix = \"/ai/\" }}\nupstream = \"ai\"\n");
+        let refused = errors(&[("a.toml", &two)]);
+        assert!(
+            refused.len() == 1
+                && refused[0].starts_with("a.toml:1:1: error: 2 upstreams and no default_upstream"),
+            "{refused:?}"
+        );
+        for fixed in [
+            two.replace("[server]\n", "[server]\ndefault_upstream = \"app\"\n"),
+            format!("{two}[[route]]\nname = \"rest\"\nupstream = \"app\"\n"),
+            format!("{two}[[route]]\nname = \"rest\"\nmatch = {{ path_prefix = \"/\" }}\nupstream = \"app\"\n"),
+        ] {
+            assert!(compile(&files(&[("a.toml", &fixed)]), None).is_ok(), "{fixed}");
+        }
     }
 
     #[test]
