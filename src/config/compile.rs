@@ -1309,26 +1309,86 @@ fn compile_breaker(
             None
         }
     };
-    let open_for = compiler.duration(file, &inner.open_for, defaults.open_for);
+    // Values that would quietly make the breaker do nothing (or trip on everything) are
+    // refused rather than taken.
+    let mut positive =
+        |value: &Option<Spanned<String>>, default: Duration, key: &str, why: &str| {
+            let duration = compiler.duration(file, value, default);
+            match value {
+                Some(value) if duration.is_zero() => {
+                    compiler.error_hint(
+                        file,
+                        value.span(),
+                        format!("`{key}` must be more than 0"),
+                        why,
+                    );
+                    default
+                }
+                _ => duration,
+            }
+        };
+    let open_for = positive(
+        &inner.open_for,
+        defaults.open_for,
+        "open_for",
+        "a breaker open for no time protects nothing; e.g. \"10s\"",
+    );
+    let window = positive(
+        &inner.window,
+        defaults.window,
+        "window",
+        "the ratios count the calls of this much time; e.g. \"10s\"",
+    );
+    let slow_call = inner.slow_call.as_ref().map(|_| {
+        positive(
+            &inner.slow_call,
+            Duration::from_secs(2),
+            "slow_call",
+            "every call would count as slow; e.g. \"2s\"",
+        )
+    });
+    let max_open_for = compiler.duration(file, &inner.max_open_for, defaults.max_open_for);
+    if let Some(value) = &inner.max_open_for {
+        if max_open_for < open_for {
+            compiler.error_hint(
+                file,
+                value.span(),
+                format!("max_open_for ({}) is shorter than open_for ({})", value.get_ref(), humantime(open_for)),
+                "max_open_for bounds open_for as it doubles on each re-open; make it at least open_for",
+            );
+        }
+    }
+    if let (Some(value), None) = (&inner.slow_ratio, &inner.slow_call) {
+        compiler.error_hint(
+            file,
+            value.span(),
+            "slow_ratio has no effect without slow_call",
+            "set slow_call = \"2s\" (calls slower than this count as slow), or remove slow_ratio",
+        );
+    }
     BreakerSettings {
         consecutive_failures: inner
             .consecutive_failures
             .unwrap_or(defaults.consecutive_failures),
         failure_ratio,
-        window: compiler.duration(file, &inner.window, defaults.window),
+        window,
         min_requests: inner.min_requests.unwrap_or(defaults.min_requests),
-        slow_call: inner
-            .slow_call
-            .as_ref()
-            .map(|_| compiler.duration(file, &inner.slow_call, Duration::from_secs(2))),
+        slow_call,
         slow_ratio,
         open_for,
-        max_open_for: compiler
-            .duration(file, &inner.max_open_for, defaults.max_open_for)
-            .max(open_for),
+        max_open_for: max_open_for.max(open_for),
         half_open_probes,
         failure_statuses,
         force,
+    }
+}
+
+/// A duration as the policy would write it (`"30s"`, `"250ms"`), for messages.
+fn humantime(duration: Duration) -> String {
+    if duration.subsec_millis() == 0 {
+        format!("{}s", duration.as_secs())
+    } else {
+        format!("{}ms", duration.as_millis())
     }
 }
 
@@ -2780,6 +2840,38 @@ mod tests {
         ] {
             assert!(compile(&files(&[("a.toml", &fixed)]), None).is_ok(), "{fixed}");
         }
+    }
+
+    #[test]
+    fn breaker_values_that_would_do_nothing_are_refused() {
+        let breaker = |settings: &str| {
+            errors(&[(
+                "a.toml",
+                &format!(
+                    "[upstream.app]\nurl = \"http://127.0.0.1:9\"\nbreaker = {{ {settings} }}\n"
+                ),
+            )])
+        };
+        for (settings, expected) in [
+            ("open_for = \"0s\"", "`open_for` must be more than 0"),
+            ("window = \"0s\"", "`window` must be more than 0"),
+            ("slow_call = \"0ms\"", "`slow_call` must be more than 0"),
+            (
+                "open_for = \"1m\", max_open_for = \"30s\"",
+                "max_open_for (30s) is shorter than open_for (60s)",
+            ),
+            (
+                "slow_ratio = 0.5",
+                "slow_ratio has no effect without slow_call",
+            ),
+        ] {
+            let refused = breaker(settings);
+            assert!(
+                refused.len() == 1 && refused[0].contains(expected),
+                "{settings}: {refused:?}"
+            );
+        }
+        assert!(breaker("slow_call = \"2s\", slow_ratio = 0.5, open_for = \"5m\"").is_empty());
     }
 
     #[test]
