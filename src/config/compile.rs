@@ -2039,6 +2039,16 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
     let mut path_setting = |value: &Option<Spanned<String>>, default: &str| -> String {
         match value {
             None => default.to_string(),
+            // Answered by levee itself, never proxied: `/` would take the site's home page.
+            Some(path) if path.get_ref() == "/" => {
+                compiler.error_hint(
+                    file,
+                    path.span(),
+                    "a health path of `/` would answer the site's home page itself",
+                    "use a path no page has, like \"/livez\"",
+                );
+                default.to_string()
+            }
             Some(path) if path.get_ref().starts_with('/') => path.get_ref().clone(),
             Some(path) => {
                 compiler.error_hint(
@@ -2053,6 +2063,19 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
     };
     let livez_path = path_setting(&spec.livez_path, &defaults.livez_path);
     let readyz_path = path_setting(&spec.readyz_path, &defaults.readyz_path);
+    if livez_path == readyz_path {
+        let span = spec
+            .readyz_path
+            .as_ref()
+            .or(spec.livez_path.as_ref())
+            .map_or(0..0, Spanned::span);
+        compiler.error_hint(
+            file,
+            span,
+            format!("livez_path and readyz_path are both `{livez_path}`"),
+            "liveness (the process runs) and readiness (take traffic) need a path each",
+        );
+    }
     ServerSettings {
         listen: compiler.socket_addr(file, &spec.listen, defaults.listen),
         trusted_proxies,
@@ -2840,6 +2863,28 @@ mod tests {
         ] {
             assert!(compile(&files(&[("a.toml", &fixed)]), None).is_ok(), "{fixed}");
         }
+    }
+
+    #[test]
+    fn health_paths_may_not_take_the_home_page_or_each_other() {
+        let server = |keys: &str| {
+            errors(&[(
+                "a.toml",
+                &format!("[server]\n{keys}\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n"),
+            )])
+        };
+        let refused = server("livez_path = \"/\"");
+        assert!(
+            refused.len() == 1 && refused[0].contains("home page"),
+            "{refused:?}"
+        );
+        let refused = server("readyz_path = \"/livez\"");
+        assert!(
+            refused.len() == 1
+                && refused[0].contains("livez_path and readyz_path are both `/livez`"),
+            "{refused:?}"
+        );
+        assert!(server("livez_path = \"/alive\"\nreadyz_path = \"/ready\"").is_empty());
     }
 
     #[test]
