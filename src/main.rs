@@ -233,7 +233,7 @@ fn admin_command(
             ExitCode::SUCCESS
         }
         Ok((status, text)) => {
-            eprint!("levee: {status}: {text}");
+            eprint!("levee: {status}: {}", refusal_text(&text));
             ExitCode::FAILURE
         }
         Err(error) => {
@@ -241,6 +241,33 @@ fn admin_command(
             ExitCode::FAILURE
         }
     }
+}
+
+/// A refused reload's answer as `levee check` prints errors (`file:line:col: error: …` and
+/// the hint under it); any other answer as it came.
+fn refusal_text(text: &str) -> String {
+    let Ok(answer) = serde_json::from_str::<serde_json::Value>(text) else {
+        return text.to_string();
+    };
+    let Some(errors) = answer["errors"].as_array() else {
+        return text.to_string();
+    };
+    let mut out = format!(
+        "the policy was refused; generation {} keeps running\n",
+        answer["active_generation"]
+    );
+    for error in errors {
+        let field = |name: &str| error[name].as_str().unwrap_or_default().to_string();
+        out.push_str(&format!(
+            "{}: error: {}\n",
+            field("location"),
+            field("message")
+        ));
+        if let Some(hint) = error["hint"].as_str() {
+            out.push_str(&format!("  hint: {hint}\n"));
+        }
+    }
+    out
 }
 
 fn check(policies: &std::path::Path) -> ExitCode {

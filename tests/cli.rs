@@ -240,3 +240,28 @@ async fn an_admin_listener_beyond_loopback_answers_reads_only_with_a_token() {
         .expect("cli");
     assert!(!ok && err.contains("401"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_reload_prints_its_errors_as_check_does() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    std::fs::write(
+        levee.policy_file(),
+        policy_for(backend.addr, "", "").replace("[upstream.app]", "[upstream.app]\nretries = 3"),
+    )
+    .expect("write");
+    let admin = levee.admin;
+    let (ok, _, err) = tokio::task::spawn_blocking(move || levee_cli(&["reload"], admin, None))
+        .await
+        .expect("cli");
+    assert!(!ok);
+    assert!(
+        err.starts_with("levee: 422: the policy was refused; generation 1 keeps running\n"),
+        "{err}"
+    );
+    assert!(
+        err.contains("levee.toml:8:1: error: unknown field `retries`"),
+        "{err}"
+    );
+    assert!(err.contains("\n  hint: "), "{err}");
+}

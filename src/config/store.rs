@@ -121,16 +121,26 @@ impl PolicyStore {
                 });
         match compiled {
             Ok(mut policy) => {
-                if let Ok(mut record) = self.record.lock() {
-                    record.last_failure = None;
+                let failed_before = self.record.lock().ok().and_then(|mut record| {
                     record.last_success_unix = Some(now_unix());
-                }
+                    record.last_failure.take()
+                });
                 if policy.hash == previous.hash {
-                    tracing::debug!(
-                        ?trigger,
-                        generation = previous.generation,
-                        "policy files unchanged"
-                    );
+                    if failed_before.is_some() {
+                        // The files are back as they were (a refused edit undone): said at
+                        // the level of the error it ends, or the error stays the last word.
+                        tracing::info!(
+                            ?trigger,
+                            generation = previous.generation,
+                            "policy files are valid again, as the running policy: nothing to reload"
+                        );
+                    } else {
+                        tracing::debug!(
+                            ?trigger,
+                            generation = previous.generation,
+                            "policy files unchanged"
+                        );
+                    }
                     return Ok(ReloadOutcome {
                         generation: previous.generation,
                         hash: previous.hash.clone(),
