@@ -341,6 +341,45 @@ impl<'a> Compiler<'a> {
     }
 }
 
+/// A TOML or shape error as an operator can act on it: the parser's words, and what to write.
+fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (String, String) {
+    let message = message.trim();
+    // `[route]` where `[[route]]` is meant: the parser says only that a map is no sequence.
+    if message.contains("invalid type: map, expected a sequence") {
+        let line = text
+            .get(span.start..)
+            .and_then(|rest| rest.lines().next())
+            .unwrap_or_default()
+            .trim();
+        if let Some(name) = line
+            .strip_prefix('[')
+            .and_then(|rest| rest.strip_suffix(']'))
+            .filter(|name| !name.starts_with('['))
+        {
+            return (
+                format!("`[{name}]` is a list: each entry is written `[[{name}]]`"),
+                format!("write `[[{name}]]` (double brackets) for every {name}"),
+            );
+        }
+    }
+    let hint = if message.contains("unknown field") {
+        "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing"
+    } else if message.contains("invalid type: string")
+        && ["expected u", "expected i", "expected f"]
+            .iter()
+            .any(|number| message.contains(number))
+    {
+        "write the number without quotes, like tier = 3"
+    } else if message.contains("invalid type: string") && message.contains("expected a boolean") {
+        "write true or false without quotes"
+    } else if message.contains("invalid type: integer") && message.contains("expected a string") {
+        "durations, sizes and rates are written in quotes with a unit, like \"30s\", \"1MiB\" or \"10/s\""
+    } else {
+        "this is not valid TOML for a levee policy; see docs/policy.md"
+    };
+    (message.to_string(), hint.to_string())
+}
+
 /// Compiles parsed files into a policy, or returns every error found.
 pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy, Diagnostics> {
     let mut compiler = Compiler {
@@ -355,12 +394,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             Ok(spec) => specs.push((index, spec)),
             Err(error) => {
                 let span = error.span().unwrap_or(0..0);
-                let message = error.message().trim().to_string();
-                let hint = if message.contains("unknown field") {
-                    "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing"
-                } else {
-                    "this is not valid TOML for a levee policy; see docs/policy.md"
-                };
+                let (message, hint) = explain_parse_error(&file.text, &span, error.message());
                 compiler.error_hint(index, span, message, hint);
             }
         }
@@ -2862,6 +2896,39 @@ mod tests {
             format!("{two}[[route]]\nname = \"rest\"\nmatch = {{ path_prefix = \"/\" }}\nupstream = \"app\"\n"),
         ] {
             assert!(compile(&files(&[("a.toml", &fixed)]), None).is_ok(), "{fixed}");
+        }
+    }
+
+    #[test]
+    fn common_shape_mistakes_are_explained() {
+        let app = "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n";
+        for (text, expected) in [
+            (
+                format!("{app}[route]\nname = \"x\"\n"),
+                "a.toml:3:1: error: `[route]` is a list: each entry is written `[[route]]`\n  hint: write `[[route]]` (double brackets) for every route",
+            ),
+            (
+                format!("{app}[degrade]\n[degrade.trigger]\nwhen = \"x\"\n"),
+                "error: `[degrade.trigger]` is a list: each entry is written `[[degrade.trigger]]`",
+            ),
+            (
+                format!("{app}[[route]]\nname = \"x\"\ntier = \"3\"\n"),
+                "hint: write the number without quotes, like tier = 3",
+            ),
+            (
+                format!("{app}[server]\naccess_log = \"no\"\n"),
+                "hint: write true or false without quotes",
+            ),
+            (
+                format!("[upstream.app]\nurl = \"http://127.0.0.1:9\"\nresponse_timeout = 30\n"),
+                "hint: durations, sizes and rates are written in quotes with a unit",
+            ),
+        ] {
+            let refused = errors(&[("a.toml", &text)]);
+            assert!(
+                refused.len() == 1 && refused[0].contains(expected),
+                "{text}: {refused:?}"
+            );
         }
     }
 
