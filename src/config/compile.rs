@@ -2920,7 +2920,7 @@ mod tests {
                 "hint: write true or false without quotes",
             ),
             (
-                format!("[upstream.app]\nurl = \"http://127.0.0.1:9\"\nresponse_timeout = 30\n"),
+                format!("{app}response_timeout = 30\n"),
                 "hint: durations, sizes and rates are written in quotes with a unit",
             ),
         ] {
