@@ -1148,3 +1148,41 @@ async fn jobs_an_instance_of_the_old_policy_left_during_a_rolling_deploy_are_app
     switch(&new, "on").await;
     applied_in_order(&seen, &jobs).await;
 }
+
+/// A job waiting for its retry still counts as the oldest waiting job: it had left the stream
+/// (and comes back under a new entry id), and the age read 0 while it kept failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_waiting_for_its_retry_keeps_its_age() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(true)), Duration::ZERO).await;
+    let policy = queue_policy(
+        backend.addr,
+        &redis.url(),
+        "backoff_base = \"5s\"\nmax_attempts = 5",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    assert_eq!(post_as(&levee, "flaky", "192.0.2.9").await.status, 202);
+    // Stored more than a second before its first attempt.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    switch(&levee, "on").await;
+    eventually(Duration::from_secs(10), "the first attempt", || async {
+        !seen.lock().expect("lock").is_empty()
+    })
+    .await;
+    let queue = get(&levee.admin_url("/queues")).await.json();
+    assert_eq!(queue["notify"]["backlog"], 0, "{queue}");
+    assert!(
+        queue["notify"]["oldest_job_age_seconds"].as_u64() >= Some(1),
+        "{queue}"
+    );
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        metric_value(
+            &metrics,
+            "levee_queue_oldest_job_age_seconds{route=\"notify\"}"
+        ) >= 1.0,
+        "{metrics}"
+    );
+}

@@ -463,23 +463,45 @@ async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, r
     }
 }
 
-/// Seconds since the oldest job in the stream was stored (0 when the stream is empty).
+/// The time (ms) the oldest waiting job was first stored: its `at` field, which a retry keeps
+/// (a retry goes back into the stream under a new entry id, and waits for its time in the
+/// delayed set, where the stream's first entry id never shows it). Looks at the first 100
+/// entries of the stream and of the delayed set (which is in due order): past that, an
+/// estimate. 0 when nothing waits. KEYS: stream, delayed zset.
+const OLDEST_STORED: &str = r#"
+local oldest = 0
+local function take(at)
+  at = tonumber(at)
+  if at and at > 0 and (oldest == 0 or at < oldest) then oldest = at end
+end
+for _, entry in ipairs(redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 100)) do
+  local fields = entry[2]
+  local found = false
+  for i = 1, #fields, 2 do
+    if fields[i] == 'at' then take(fields[i + 1]); found = true end
+  end
+  if not found then take(string.match(entry[1], '^(%d+)')) end
+end
+for _, job_key in ipairs(redis.call('ZRANGE', KEYS[2], 0, 99)) do
+  take(redis.call('HGET', job_key, 'at'))
+end
+return oldest
+"#;
+
+/// Seconds since the oldest waiting job (retries included) was stored; 0 when none waits.
 async fn oldest_job_age(redis: &RedisStore, keys: &QueueKeys) -> Option<u64> {
-    let mut oldest = redis::cmd("XRANGE");
+    let mut oldest = redis::cmd("EVAL");
     oldest
+        .arg(OLDEST_STORED)
+        .arg(2)
         .arg(&keys.stream)
-        .arg("-")
-        .arg("+")
-        .arg("COUNT")
-        .arg(1);
-    let value: redis::Value = redis.command(&oldest, QUEUE_TIMEOUT, None).await.ok()?;
-    // Stream ids start with the milliseconds at which Redis stored the entry.
-    Some(
-        entries(&value)
-            .first()
-            .and_then(|(id, _)| id.split('-').next().and_then(|ms| ms.parse::<u64>().ok()))
-            .map_or(0, |ms| now_ms().saturating_sub(ms) / 1000),
-    )
+        .arg(&keys.delayed);
+    let stored_ms: u64 = redis.command(&oldest, QUEUE_TIMEOUT, None).await.ok()?;
+    Some(if stored_ms == 0 {
+        0
+    } else {
+        now_ms().saturating_sub(stored_ms) / 1000
+    })
 }
 
 /// One worker's pass over one queue route: what its replays and their outcomes act on.
