@@ -639,6 +639,31 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             routes.push(Arc::new(route));
         }
     }
+    // Routes are tried in order and the first match wins: every route after one that matches
+    // every request (a `[[route]]` with no `match`, or a file that sorts first) is dead.
+    if let Some(first) = routes.iter().position(|route| {
+        route.hosts.is_empty()
+            && route.methods.is_empty()
+            && match &route.path {
+                PathMatch::Any => true,
+                PathMatch::Prefix(prefix) => prefix == "/",
+                _ => false,
+            }
+    }) {
+        for later in &routes[first + 1..] {
+            if let Some((file, span)) = route_names.get(&*later.name.0) {
+                compiler.error_hint(
+                    *file,
+                    span.clone(),
+                    format!(
+                        "route `{}` is never reached: route `{}` before it matches every request",
+                        later.name, routes[first].name
+                    ),
+                    "routes are tried in order (files by name, then as written); move the catch-all last",
+                );
+            }
+        }
+    }
     // A request no route matches goes to the default upstream; without one it gets a 404,
     // which for a site is every page nobody thought to route: an empty or truncated file, or
     // a second upstream added (with one, it is the default by itself).
@@ -2897,6 +2922,30 @@ mod tests {
         ] {
             assert!(compile(&files(&[("a.toml", &fixed)]), None).is_ok(), "{fixed}");
         }
+    }
+
+    #[test]
+    fn routes_after_one_that_matches_everything_are_refused() {
+        let refused = errors(&[
+            (
+                "10-all.toml",
+                &format!("{APP}[[route]]\nname = \"all\"\nmatch = {{ path_prefix = \"/\" }}\n"),
+            ),
+            (
+                "20-ranking.toml",
+                "[[route]]\nname = \"ranking\"\nmatch = { path_prefix = \"/ranking\" }\n",
+            ),
+        ]);
+        assert_eq!(
+            refused,
+            ["20-ranking.toml:2:8: error: route `ranking` is never reached: route `all` before it matches every request\n  hint: routes are tried in order (files by name, then as written); move the catch-all last"]
+        );
+        // Last, it is the site's fallback.
+        assert!(errors(&[(
+            "a.toml",
+            &format!("{APP}[[route]]\nname = \"ranking\"\nmatch = {{ path_prefix = \"/ranking\" }}\n[[route]]\nname = \"all\"\n")
+        )])
+        .is_empty());
     }
 
     #[test]
