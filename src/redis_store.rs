@@ -328,6 +328,8 @@ pub struct RedisStore {
     master_link: Option<MasterLink>,
     /// The sentinels' generation `health` last saw (see [`Self::health`]).
     health_generation: AtomicU64,
+    /// Redis's `maxmemory-policy`, once read (see [`Self::read_eviction_policy`]).
+    eviction_policy: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -370,6 +372,7 @@ impl RedisStore {
             settings,
             connection: OnceCell::new(),
             health: Mutex::new(Health::default()),
+            eviction_policy: Mutex::new(None),
             script: Arc::new(KeyedScript::new(SCRIPT)),
             refund: Arc::new(KeyedScript::new(include_str!("limit/refund.lua"))),
         }
@@ -383,6 +386,49 @@ impl RedisStore {
                 .cluster_nodes()
                 .iter()
                 .all(|(_, node_is_up)| *node_is_up)
+    }
+
+    /// Reads Redis's `maxmemory-policy` once (`None` until Redis answered) and warns when it
+    /// lets Redis evict keys that have no expiry: queued jobs, which levee answered 202 for,
+    /// and the operators' switches. `true` once read.
+    pub async fn read_eviction_policy(&self) -> bool {
+        if lock(&self.eviction_policy).is_some() {
+            return true;
+        }
+        let mut info = redis::cmd("INFO");
+        info.arg("memory");
+        let text: String = match self
+            .command(
+                &info,
+                self.settings.timeout.max(Duration::from_millis(500)),
+                None,
+            )
+            .await
+        {
+            Ok(text) => text,
+            Err(error) => {
+                tracing::debug!("redis memory settings not read: {error}");
+                return false;
+            }
+        };
+        let policy = text
+            .lines()
+            .find_map(|line| line.trim().strip_prefix("maxmemory_policy:"))
+            .unwrap_or("unknown")
+            .to_string();
+        if policy.starts_with("allkeys-") {
+            tracing::warn!(
+                maxmemory_policy = %policy,
+                "redis evicts any key when it fills up: queued jobs (already answered 202) and the operators' switches may be dropped; set maxmemory-policy noeviction (or volatile-lru)"
+            );
+        }
+        *lock(&self.eviction_policy) = Some(policy);
+        true
+    }
+
+    /// Redis's `maxmemory-policy`, when read (see [`Self::read_eviction_policy`]).
+    pub fn eviction_policy(&self) -> Option<String> {
+        lock(&self.eviction_policy).clone()
     }
 
     /// Whether a background call on `key` is worth trying: false while the health breaker of

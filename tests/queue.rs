@@ -1186,3 +1186,18 @@ async fn a_job_waiting_for_its_retry_keeps_its_age() {
         "{metrics}"
     );
 }
+
+/// A Redis that evicts any key when full may drop jobs already answered 202: levee reads the
+/// policy once, warns, and shows it in `/status`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_may_evict_queued_jobs_is_named_in_status() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"]);
+    let (backend, _) = recording_always_ok().await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    eventually(Duration::from_secs(5), "the policy to be read", || async {
+        get(&levee.admin_url("/status")).await.json()["redis"]["maxmemory_policy"] == "allkeys-lru"
+    })
+    .await;
+}

@@ -692,6 +692,7 @@ fn status(shared: &Shared) -> serde_json::Value {
             },
             "master": redis.sentinel_master().map(|address| address.to_string()),
             "up": redis.is_up(),
+            "maxmemory_policy": redis.eviction_policy(),
             "nodes": redis.cluster_nodes().into_iter().map(|(node, up)| json!({"node": node, "up": up})).collect::<Vec<_>>(),
         })
     });
