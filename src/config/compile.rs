@@ -341,6 +341,17 @@ impl<'a> Compiler<'a> {
     }
 }
 
+/// A route that takes every request: no host, no method, and no path or only `/` as prefix.
+fn matches_every_request(route: &Route) -> bool {
+    route.hosts.is_empty()
+        && route.methods.is_empty()
+        && match &route.path {
+            PathMatch::Any => true,
+            PathMatch::Prefix(prefix) => prefix == "/",
+            _ => false,
+        }
+}
+
 /// A TOML or shape error as an operator can act on it: the parser's words, and what to write.
 fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (String, String) {
     let message = message.trim();
@@ -641,15 +652,12 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     }
     // Routes are tried in order and the first match wins: every route after one that matches
     // every request (a `[[route]]` with no `match`, or a file that sorts first) is dead.
-    if let Some(first) = routes.iter().position(|route| {
-        route.hosts.is_empty()
-            && route.methods.is_empty()
-            && match &route.path {
-                PathMatch::Any => true,
-                PathMatch::Prefix(prefix) => prefix == "/",
-                _ => false,
-            }
-    }) {
+    // (Only on routes that compiled cleanly: a duplicate name would be reported twice.)
+    let catch_all_at = compiler
+        .errors
+        .is_empty()
+        .then(|| routes.iter().position(|route| matches_every_request(route)));
+    if let Some(first) = catch_all_at.flatten() {
         for later in &routes[first + 1..] {
             if let Some((file, span)) = route_names.get(&*later.name.0) {
                 compiler.error_hint(
@@ -667,17 +675,8 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     // A request no route matches goes to the default upstream; without one it gets a 404,
     // which for a site is every page nobody thought to route: an empty or truncated file, or
     // a second upstream added (with one, it is the default by itself).
-    let catch_all = |route: &Arc<Route>| {
-        route.hosts.is_empty()
-            && route.methods.is_empty()
-            && match &route.path {
-                PathMatch::Any => true,
-                PathMatch::Prefix(prefix) => prefix == "/",
-                _ => false,
-            }
-    };
     if default_upstream.is_none()
-        && !routes.iter().any(catch_all)
+        && !routes.iter().any(|route| matches_every_request(route))
         && compiler.errors.is_empty()
         && !files.is_empty()
     {
