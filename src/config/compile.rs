@@ -1059,6 +1059,20 @@ fn compile_degrade(
         || dir.join(".levee-state.json"),
         |path| dir.join(path.get_ref()),
     );
+    // Found out at the first switch otherwise, in an incident, as a 503.
+    if let Some(path) = &inner.state_file {
+        let parent = state_file
+            .parent()
+            .filter(|parent| !parent.as_os_str().is_empty());
+        if parent.is_some_and(|parent| !parent.is_dir()) {
+            compiler.error_hint(
+                file,
+                path.span(),
+                format!("the directory of state_file `{}` does not exist", path.get_ref()),
+                "create it (levee writes the file, not its directory), or name a file in an existing directory levee can write",
+            );
+        }
+    }
     DegradeSettings {
         level,
         modules_off,
@@ -2978,6 +2992,24 @@ mod tests {
                 "{text}: {refused:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_state_file_in_a_directory_that_does_not_exist_is_refused() {
+        let refused = errors(&[(
+            "a.toml",
+            &format!("{APP}[degrade]\nstate_file = \"/nonexistent-levee-dir/state.json\"\n"),
+        )]);
+        assert!(
+            refused.len() == 1 && refused[0].contains("the directory of state_file `/nonexistent-levee-dir/state.json` does not exist"),
+            "{refused:?}"
+        );
+        let dir = tempfile::tempdir().expect("dir");
+        let fine = format!(
+            "{APP}[degrade]\nstate_file = \"{}\"\n",
+            dir.path().join("state.json").display()
+        );
+        assert!(errors(&[("a.toml", &fine)]).is_empty());
     }
 
     #[test]
