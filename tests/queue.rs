@@ -99,6 +99,25 @@ async fn post_as(levee: &Levee, body: &str, client: &str) -> Answer {
     send(request).await
 }
 
+/// Switches the queue route on and waits for `count` replays; their keys, sorted.
+async fn replayed_keys(levee: &Levee, seen: &Seen, count: usize) -> Vec<String> {
+    switch(levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the jobs to be replayed",
+        || async { seen.lock().expect("lock").len() >= count },
+    )
+    .await;
+    let mut keys: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(key, ..)| key.clone())
+        .collect();
+    keys.sort();
+    keys
+}
+
 async fn switch(levee: &Levee, state: &str) {
     assert_eq!(
         post(&levee.admin_url("/modules/notifications"), state)
@@ -1014,20 +1033,7 @@ async fn a_clients_own_idempotency_key_reaches_the_app_with_its_job() {
     }
     let plain = post_as(&levee, "like=1", "198.51.100.7").await;
     let job = plain.header("x-levee-job").expect("job id").to_string();
-    switch(&levee, "on").await;
-    eventually(
-        Duration::from_secs(10),
-        "the jobs to be replayed",
-        || async { seen.lock().expect("lock").len() >= 3 },
-    )
-    .await;
-    let mut keys: Vec<String> = seen
-        .lock()
-        .expect("lock")
-        .iter()
-        .map(|(key, ..)| key.clone())
-        .collect();
-    keys.sort();
+    let keys = replayed_keys(&levee, &seen, 3).await;
     let mut expected = vec![job, "order-7f3a".to_string(), "order-7f3a".to_string()];
     expected.sort();
     assert_eq!(keys, expected);
@@ -1104,25 +1110,12 @@ async fn jobs_of_two_routes_reach_the_app_under_keys_of_their_own() {
             answered.push(answer.header("x-levee-job").expect("job").to_string());
         }
     }
-    switch(&levee, "on").await;
-    eventually(
-        Duration::from_secs(10),
-        "the jobs to be replayed",
-        || async { seen.lock().expect("lock").len() >= 40 },
-    )
-    .await;
-    let mut keys: Vec<String> = seen
-        .lock()
-        .expect("lock")
-        .iter()
-        .map(|(key, ..)| key.clone())
-        .collect();
+    let mut keys = replayed_keys(&levee, &seen, 40).await;
     assert!(
         keys.iter()
             .all(|key| key.len() == 32 && key.bytes().all(|b| b.is_ascii_hexdigit())),
         "{keys:?}"
     );
-    keys.sort();
     keys.dedup();
     assert_eq!(keys.len(), 40, "every job under a key of its own");
     answered.sort();

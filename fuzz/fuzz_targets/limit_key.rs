@@ -86,11 +86,11 @@ fn run(input: &mut Unstructured<'_>) -> Result<()> {
         );
         return Ok(());
     };
-    let head = format!("levee:rl:{{{}}}:rule:", key.tag);
+    let head = format!("levee:rl:{{{}}}:rule:", key.tag());
     assert!(key.key.starts_with(&head), "{key:?}");
-    assert!(!key.tag.is_empty(), "{key:?}");
-    assert_eq!(redis_hash_tag(&key.key), key.tag, "{key:?}");
-    for text in [key.tag.as_str(), &key.key[head.len()..]] {
+    assert!(!key.tag().is_empty(), "{key:?}");
+    assert_eq!(redis_hash_tag(&key.key), key.tag(), "{key:?}");
+    for text in [key.tag(), &key.key[head.len()..]] {
         assert!(
             text.bytes()
                 .all(|b| b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b':')),
