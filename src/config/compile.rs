@@ -288,6 +288,24 @@ impl<'a> Compiler<'a> {
         default: Duration,
         key: &str,
     ) -> Duration {
+        self.positive_duration(
+            file,
+            value,
+            default,
+            key,
+            "a bound of 0 would cut every connection at its first wait; leave the key out for the default",
+        )
+    }
+
+    /// A duration that must not be zero, `why` saying what 0 would do.
+    fn positive_duration(
+        &mut self,
+        file: usize,
+        value: &Option<Spanned<String>>,
+        default: Duration,
+        key: &str,
+        why: &str,
+    ) -> Duration {
         let duration = self.duration(file, value, default);
         match value {
             Some(value) if duration.is_zero() => {
@@ -295,7 +313,7 @@ impl<'a> Compiler<'a> {
                     file,
                     value.span(),
                     format!("`{key}` must be more than 0"),
-                    "a bound of 0 would cut every connection at its first wait; leave the key out for the default",
+                    why,
                 );
                 default
             }
@@ -1383,36 +1401,23 @@ fn compile_breaker(
     };
     // Values that would quietly make the breaker do nothing (or trip on everything) are
     // refused rather than taken.
-    let mut positive =
-        |value: &Option<Spanned<String>>, default: Duration, key: &str, why: &str| {
-            let duration = compiler.duration(file, value, default);
-            match value {
-                Some(value) if duration.is_zero() => {
-                    compiler.error_hint(
-                        file,
-                        value.span(),
-                        format!("`{key}` must be more than 0"),
-                        why,
-                    );
-                    default
-                }
-                _ => duration,
-            }
-        };
-    let open_for = positive(
+    let open_for = compiler.positive_duration(
+        file,
         &inner.open_for,
         defaults.open_for,
         "open_for",
         "a breaker open for no time protects nothing; e.g. \"10s\"",
     );
-    let window = positive(
+    let window = compiler.positive_duration(
+        file,
         &inner.window,
         defaults.window,
         "window",
         "the ratios count the calls of this much time; e.g. \"10s\"",
     );
     let slow_call = inner.slow_call.as_ref().map(|_| {
-        positive(
+        compiler.positive_duration(
+            file,
             &inner.slow_call,
             Duration::from_secs(2),
             "slow_call",

@@ -193,13 +193,12 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             let (Some(redis), Some(settings)) = (policy.redis.clone(), policy.queue.clone()) else {
                 continue;
             };
-            if !queueing.is_empty() || !shared.former_queues.list().is_empty() {
-                // Once per Redis: one that evicts any key may drop jobs answered 202.
-                redis.read_eviction_policy().await;
-            }
             registry_in = match registry_in.checked_sub(1) {
                 Some(left) => left,
                 None => {
+                    // Read once per Redis (a call only until it answers): one that evicts any
+                    // key may drop jobs answered 202.
+                    redis.read_eviction_policy().await;
                     let read = take_on_stranded_queues(
                         &shared,
                         &redis,
