@@ -241,6 +241,7 @@ impl<'a> Compiler<'a> {
         sections: BTreeMap<String, Spanned<T>>,
     ) {
         for (name, section) in sections {
+            self.check_name(what, &name, file, section.span());
             if let Some((first, first_spec)) = into.get(&name) {
                 let other = self.location(*first, &first_spec.span());
                 self.error_hint(
@@ -253,6 +254,30 @@ impl<'a> Compiler<'a> {
                 into.insert(name, (file, section));
             }
         }
+    }
+
+    /// Refuses a name of a route, upstream, limit or module that could not be told apart or
+    /// used: an empty one, one with spaces at an end or control characters (each would show
+    /// in logs, metrics and admin paths as another name than the one written), or with a
+    /// brace, which would split a queue's Redis keys over Cluster hash slots.
+    fn check_name(&mut self, what: &str, name: &str, file: usize, span: Range<usize>) {
+        let problem = if name.is_empty() {
+            "is empty"
+        } else if name.trim() != name {
+            "starts or ends with a space"
+        } else if name.chars().any(char::is_control) {
+            "has a control character"
+        } else if name.contains(['{', '}']) {
+            "has a brace"
+        } else {
+            return;
+        };
+        self.error_hint(
+            file,
+            span,
+            format!("{what} name {name:?} {problem}"),
+            "names appear in logs, metrics, admin paths and Redis keys; use letters, digits, `-`, `_` or `.`",
+        );
     }
 
     fn location(&self, file: usize, span: &Range<usize>) -> String {
@@ -391,6 +416,45 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
             );
         }
     }
+    let line_start = text
+        .get(..span.start)
+        .and_then(|before| before.rfind('\n'))
+        .map_or(0, |at| at + 1);
+    let before_on_line = text.get(line_start..span.start).unwrap_or_default();
+    // The parser names no key: read it where it points.
+    if message == "duplicate key" {
+        let rest = text.get(span.start..).unwrap_or_default();
+        let key: String = rest
+            .chars()
+            .take_while(|c| !matches!(c, '=' | ']' | '.' | '\n' | '\r') && !c.is_whitespace())
+            .collect();
+        let in_header = before_on_line.trim_start().starts_with('[');
+        return if in_header {
+            (
+                format!("the table `{key}` is written twice in this file"),
+                "write each [table] once and put all its keys under it (a list of tables is written [[name]])".to_string(),
+            )
+        } else {
+            (
+                format!("`{key}` is set twice in the same table"),
+                "a key may appear once per table; remove one of the two".to_string(),
+            )
+        };
+    }
+    // A quoted number or boolean: the value as it should be written, under its own key
+    // (`burst = "5"` → `burst = 5`), read from the line (in an inline table, after its `{`).
+    let unquoted = || {
+        let key = before_on_line
+            .trim_end()
+            .strip_suffix('=')?
+            .trim_end()
+            .rsplit([' ', '{', ','])
+            .next()
+            .filter(|key| !key.is_empty())?;
+        let value = text.get(span.clone())?.trim().trim_matches(['"', '\'']);
+        let written_right = value.parse::<f64>().is_ok() || value == "true" || value == "false";
+        written_right.then(|| format!("write it without quotes: {key} = {value}"))
+    };
     let hint = if message.contains("unknown field") {
         "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing"
     } else if message.contains("invalid type: string")
@@ -398,9 +462,15 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
             .iter()
             .any(|number| message.contains(number))
     {
-        "write the number without quotes, like tier = 3"
+        return (
+            message.to_string(),
+            unquoted().unwrap_or_else(|| "write the number without quotes, like tier = 3".into()),
+        );
     } else if message.contains("invalid type: string") && message.contains("expected a boolean") {
-        "write true or false without quotes"
+        return (
+            message.to_string(),
+            unquoted().unwrap_or_else(|| "write true or false without quotes".into()),
+        );
     } else if message.contains("invalid type: integer") && message.contains("expected a string") {
         "durations, sizes and rates are written in quotes with a unit, like \"30s\", \"1MiB\" or \"10/s\""
     } else {
@@ -421,10 +491,19 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     for (index, file) in files.iter().enumerate() {
         match toml::from_str::<FileSpec>(&file.text) {
             Ok(spec) => specs.push((index, spec)),
-            Err(error) => {
-                let span = error.span().unwrap_or(0..0);
-                let (message, hint) = explain_parse_error(&file.text, &span, error.message());
-                compiler.error_hint(index, span, message, hint);
+            Err(first) => {
+                let mut errors = FileSpec::shape_errors(&file.text);
+                // serde stops at the first error; when it lies outside every section that
+                // shape_errors reads (an unknown top-level key), it is kept as well.
+                if !errors.iter().any(|error| error.span() == first.span()) {
+                    errors.push(first);
+                }
+                errors.sort_by_key(|error| error.span().map_or(0, |span| span.start));
+                for error in errors {
+                    let span = error.span().unwrap_or(0..0);
+                    let (message, hint) = explain_parse_error(&file.text, &span, error.message());
+                    compiler.error_hint(index, span, message, hint);
+                }
             }
         }
     }
@@ -659,6 +738,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         default_upstream: default_upstream.as_deref(),
         limits: &limits,
         limit_specs: &limit_specs,
+        module_specs: &module_specs,
         queues: queue_settings.is_some(),
     };
     let mut routes = Vec::with_capacity(route_specs.len());
@@ -2062,6 +2142,52 @@ fn compile_limit(
     })
 }
 
+/// A module comes to be by being named, so a typo (`rankng`) would silently make a second
+/// module that the dashboard lists and nobody switches off. A name that is not declared but is
+/// one or two letters from a declared one is taken for such a typo; declaring it (`[module.NAME]`)
+/// says it is meant.
+fn check_module_name(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    name: &str,
+    span: Range<usize>,
+    context: &RouteContext<'_>,
+) {
+    compiler.check_name("module", name, file, span.clone());
+    if context.module_specs.contains_key(name) {
+        return;
+    }
+    let near = context.module_specs.keys().find(|declared| {
+        let distance = edit_distance(name, declared);
+        distance <= 2 && distance < name.chars().count().min(declared.chars().count()) / 2 + 1
+    });
+    if let Some(declared) = near {
+        compiler.error_hint(
+            file,
+            span,
+            format!("module `{name}` is not declared, and `{declared}` is"),
+            format!("write `{declared}`; if `{name}` is a module of its own, declare it with [module.{name}]"),
+        );
+    }
+}
+
+/// Levenshtein distance in characters: the fewest insertions, deletions and substitutions
+/// that turn one name into the other.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut previous: Vec<usize> = (0..=b.len()).collect();
+    for (i, a_char) in a.chars().enumerate() {
+        let mut current = Vec::with_capacity(b.len() + 1);
+        current.push(i + 1);
+        for (j, b_char) in b.iter().enumerate() {
+            let substitution = previous[j] + usize::from(a_char != *b_char);
+            current.push(substitution.min(previous[j + 1] + 1).min(current[j] + 1));
+        }
+        previous = current;
+    }
+    previous[b.len()]
+}
+
 fn known_names<T>(what: &str, map: &BTreeMap<String, T>) -> String {
     if map.is_empty() {
         format!("none (add a [{what}.NAME] section)")
@@ -2434,6 +2560,7 @@ struct RouteContext<'a> {
     default_upstream: Option<&'a str>,
     limits: &'a BTreeMap<String, Arc<LimitRule>>,
     limit_specs: &'a BTreeMap<String, (usize, Spanned<LimitSpec>)>,
+    module_specs: &'a BTreeMap<String, (usize, Spanned<ModuleSpec>)>,
     /// Queues can be used (there is `[redis]`).
     queues: bool,
 }
@@ -2465,8 +2592,8 @@ fn compile_route(
             "route name `default` is reserved",
             "it names the route of requests no route matches; pick another name",
         );
-    } else if name.get_ref().is_empty() {
-        compiler.error(file, name.span(), "route name is empty");
+    } else {
+        compiler.check_name("route", name.get_ref(), file, name.span());
     }
     if let Some((first_file, first_span)) = names.get(name.get_ref()) {
         let other = compiler.location(*first_file, first_span);
@@ -2554,6 +2681,14 @@ fn compile_route(
             1
         }
     };
+    if let Some(module) = &inner.module {
+        check_module_name(compiler, file, module.get_ref(), module.span(), context);
+    }
+    if let Some(hide_spec) = &inner.hide {
+        for module in hide_spec.get_ref().keys() {
+            check_module_name(compiler, file, module, hide_spec.span(), context);
+        }
+    }
     if tier == 1 {
         if let Some(module) = &inner.module {
             compiler.error_hint(file, module.span(), "a tier-1 route cannot belong to a module", "tier-1 routes (view, post, login) are never switched off; give the route tier = 2 or 3");
@@ -2967,6 +3102,36 @@ mod tests {
     }
 
     #[test]
+    fn shape_errors_in_several_sections_of_one_file_are_reported_at_once() {
+        let refused = errors(&[(
+            "a.toml",
+            "bogus = 1\n[server]\nacces_log = true\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\nresponse_timeout = 30\n[upstream.api]\nurll = \"x\"\n[[route]]\nname = \"a\"\ntier = \"3\"\n[[route]]\nname = \"b\"\nmatch = { path_prefx = \"/b\" }\n",
+        )]);
+        let places: Vec<&str> = refused
+            .iter()
+            .map(|error| error.split(": error").next().unwrap_or_default())
+            .collect();
+        assert_eq!(
+            places,
+            [
+                "a.toml:1:1",
+                "a.toml:3:1",
+                "a.toml:6:20",
+                "a.toml:8:1",
+                "a.toml:11:8",
+                "a.toml:14:11"
+            ],
+            "{refused:#?}"
+        );
+        // A file with broken TOML gets its first syntax error only: what follows it is
+        // read wrongly anyway.
+        assert_eq!(
+            errors(&[("a.toml", "[server\nx = \"\n[[route]]\ntier = \"3\"\n")]).len(),
+            1
+        );
+    }
+
+    #[test]
     fn common_shape_mistakes_are_explained() {
         let app = "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n";
         for (text, expected) in [
@@ -2980,7 +3145,15 @@ mod tests {
             ),
             (
                 format!("{app}[[route]]\nname = \"x\"\ntier = \"3\"\n"),
-                "hint: write the number without quotes, like tier = 3",
+                "hint: write it without quotes: tier = 3",
+            ),
+            (
+                format!("{app}[server]\naccess_log = \"false\"\n"),
+                "hint: write it without quotes: access_log = false",
+            ),
+            (
+                format!("{app}[upstream.api]\nurl = \"http://127.0.0.1:9\"\nbreaker = {{ consecutive_failures = \"5\" }}\n"),
+                "hint: write it without quotes: consecutive_failures = 5",
             ),
             (
                 format!("{app}[server]\naccess_log = \"no\"\n"),
@@ -2990,6 +3163,14 @@ mod tests {
                 format!("{app}response_timeout = 30\n"),
                 "hint: durations, sizes and rates are written in quotes with a unit",
             ),
+            (
+                format!("{app}url = \"http://127.0.0.1:10\"\n"),
+                "a.toml:3:1: error: `url` is set twice in the same table",
+            ),
+            (
+                format!("{app}[upstream.app]\nurl = \"http://127.0.0.1:10\"\n"),
+                "a.toml:3:11: error: the table `app` is written twice in this file",
+            ),
         ] {
             let refused = errors(&[("a.toml", &text)]);
             assert!(
@@ -2997,6 +3178,58 @@ mod tests {
                 "{text}: {refused:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_module_name_one_letter_from_a_declared_one_is_taken_for_a_typo() {
+        let route = |module: &str| {
+            format!("[[route]]\nname = \"r-{module}\"\nmatch = {{ path_prefix = \"/{module}\" }}\ntier = 3\nmodule = \"{module}\"\n")
+        };
+        let declared = "[module.ranking]\ndescription = \"top sellers\"\n";
+        let refused = errors(&[("a.toml", &format!("{APP}{declared}{}", route("rankng")))]);
+        assert_eq!(
+            refused,
+            ["a.toml:9:10: error: module `rankng` is not declared, and `ranking` is\n  hint: write `ranking`; if `rankng` is a module of its own, declare it with [module.rankng]"]
+        );
+        // In a page's hide list too.
+        let refused = errors(&[(
+            "a.toml",
+            &format!(
+                "{APP}{declared}[[route]]\nname = \"home\"\nhide = {{ rankin = \"#ranking\" }}\n"
+            ),
+        )]);
+        assert!(
+            refused.len() == 1 && refused[0].contains("module `rankin` is not declared"),
+            "{refused:?}"
+        );
+        // Declared, or far from every declared name, a module is meant.
+        for policy in [
+            format!("{APP}{declared}[module.rankng]\n{}", route("rankng")),
+            format!("{APP}{declared}{}", route("ads")),
+            format!("{APP}{}{}", route("ads1"), route("ads2")),
+        ] {
+            assert!(errors(&[("a.toml", &policy)]).is_empty(), "{policy}");
+        }
+        assert_eq!(edit_distance("ranking", "rankng"), 1);
+        assert_eq!(edit_distance("ads", "ranking"), 6);
+    }
+
+    #[test]
+    fn names_that_could_not_be_told_apart_or_used_are_refused() {
+        let refused = errors(&[(
+            "a.toml",
+            "[upstream.\"\"]\nurl = \"http://127.0.0.1:9\"\n[upstream.\"app \"]\nurl = \"http://127.0.0.1:9\"\n[limit.\"a\\tb\"]\nkey = [\"ip\"]\nrate = \"1/s\"\n[[route]]\nname = \"}jobs\"\nupstream = \"\"\n[[route]]\nname = \"\"\nupstream = \"\"\n",
+        )]);
+        assert_reported(
+            &refused,
+            &[
+                "a.toml:1:1: error: upstream name \"\" is empty",
+                "a.toml:3:1: error: upstream name \"app \" starts or ends with a space",
+                "a.toml:5:1: error: limit name \"a\\tb\" has a control character",
+                "a.toml:9:8: error: route name \"}jobs\" has a brace",
+                "a.toml:12:8: error: route name \"\" is empty",
+            ],
+        );
     }
 
     #[test]

@@ -30,6 +30,67 @@ pub struct FileSpec {
     pub route: Vec<Spanned<RouteSpec>>,
 }
 
+impl FileSpec {
+    /// Every shape error of a file that parses as TOML but not as a policy: one per section,
+    /// table entry or `[[route]]`, not only the first, so an operator fixes a file in one go.
+    /// Empty when the file's TOML is broken (its first syntax error is the one to fix) or when
+    /// the error is in no section (an unknown top-level key; the caller keeps serde's error).
+    pub fn shape_errors(text: &str) -> Vec<toml::de::Error> {
+        let Ok(root) = toml::de::DeTable::parse(text) else {
+            return Vec::new();
+        };
+        let mut errors = Vec::new();
+        for (key, value) in root.get_ref() {
+            match key.get_ref().as_ref() {
+                "server" => try_shape::<ServerSpec>(value, &mut errors),
+                "admin" => try_shape::<AdminSpec>(value, &mut errors),
+                "redis" => try_shape::<RedisSpec>(value, &mut errors),
+                "identity" => try_shape::<IdentitySpec>(value, &mut errors),
+                "degrade" => try_shape::<DegradeSpec>(value, &mut errors),
+                "queue" => try_shape::<QueueSpec>(value, &mut errors),
+                "upstream" => try_each_entry::<UpstreamSpec>(value, &mut errors),
+                "limit" => try_each_entry::<LimitSpec>(value, &mut errors),
+                "module" => try_each_entry::<ModuleSpec>(value, &mut errors),
+                "route" => match value.get_ref() {
+                    toml::de::DeValue::Array(routes) => {
+                        for route in routes.iter() {
+                            try_shape::<RouteSpec>(route, &mut errors);
+                        }
+                    }
+                    _ => try_shape::<Vec<RouteSpec>>(value, &mut errors),
+                },
+                _ => {}
+            }
+        }
+        errors
+    }
+}
+
+fn try_shape<'de, T: Deserialize<'de>>(
+    value: &Spanned<toml::de::DeValue<'de>>,
+    errors: &mut Vec<toml::de::Error>,
+) {
+    let deserializer = toml::de::ValueDeserializer::from(value.clone());
+    if let Err(error) = T::deserialize(deserializer) {
+        errors.push(error);
+    }
+}
+
+/// Each `[section.NAME]` on its own, so that one bad upstream does not hide the next.
+fn try_each_entry<'de, T: Deserialize<'de>>(
+    value: &Spanned<toml::de::DeValue<'de>>,
+    errors: &mut Vec<toml::de::Error>,
+) {
+    match value.get_ref() {
+        toml::de::DeValue::Table(entries) => {
+            for entry in entries.values() {
+                try_shape::<T>(entry, errors);
+            }
+        }
+        _ => try_shape::<BTreeMap<String, T>>(value, errors),
+    }
+}
+
 /// `[redis]`: shared state. Without it levee runs on its embedded default.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -26,6 +26,22 @@ impl Source {
         if name.is_empty() {
             return Err(format!("`{text}` names nothing after `{kind}:`"));
         }
+        // A cookie's or a parameter's name ends at these bytes in a request, so a name
+        // written with one (`cookie:sid; path=/`, copied from a Set-Cookie) would never be
+        // found; the character itself is written percent-encoded.
+        let ends_a_name: &[char] = match kind {
+            "cookie" => &[';', '=', ','],
+            "query" => &['&', '=', '#'],
+            _ => &[],
+        };
+        if let Some(bad) = name
+            .chars()
+            .find(|c| ends_a_name.contains(c) || c.is_control() || *c == ' ')
+        {
+            return Err(format!(
+                "`{text}`: a {kind} name cannot hold {bad:?}; write the name alone, like `{kind}:sid`, and a character the name really has percent-encoded"
+            ));
+        }
         match kind {
             "header" => HeaderName::from_bytes(name.as_bytes())
                 .map(Source::Header)
@@ -639,6 +655,15 @@ mod tests {
             .unwrap_err()
             .contains("unknown key part"));
         assert!(KeyPart::parse("cookie:").is_err());
+        // Copied from a Set-Cookie: no request's Cookie field can hold that name.
+        assert!(KeyPart::parse("cookie:sid; path=/")
+            .unwrap_err()
+            .contains("cannot hold"));
+        assert!(KeyPart::parse("query:page=1").is_err());
+        assert!(KeyPart::parse("query:a\tb").is_err());
+        // Percent-encoded, the same characters are names PHP can read.
+        assert!(KeyPart::parse("cookie:a%3Bb").is_ok());
+        assert!(KeyPart::parse("query:api.key").is_ok());
         assert!(KeyPart::parse("body:x").is_err());
     }
 }
