@@ -749,7 +749,7 @@ async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_redis_the_queue_answers_503_and_big_bodies_413() {
+async fn without_redis_the_queue_and_its_figures_answer_503_and_big_bodies_413() {
     let dir = tempfile::tempdir().expect("dir");
     let mut redis = RedisServer::start(dir.path()).await;
     let (backend, _) = recording_always_ok().await;
@@ -783,6 +783,14 @@ async fn without_redis_the_queue_answers_503_and_big_bodies_413() {
         assert!(answer.header("retry-after").is_some());
     }
     assert_eq!(backend.hits(), 0);
+    // The queues' figures are in Redis: none are made up while it is down.
+    let figures = get(&levee.admin_url("/queues")).await;
+    assert_eq!(figures.status, 503, "{}", figures.text());
+    assert!(
+        figures.text().contains("queue figures are unreadable"),
+        "{}",
+        figures.text()
+    );
 }
 
 /// Redis runs a write in time but its answer is slow to come back: levee settles the write

@@ -21,6 +21,7 @@ use crate::proxy::body::ResponseBody;
 use crate::proxy::route::PathMatch;
 use crate::proxy::Shared;
 use crate::queue::{worker, QueueKeys};
+use crate::redis_store::RedisFailure;
 
 /// Answers one admin request.
 pub async fn handle(
@@ -193,10 +194,10 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
         .filter(|route| route.queue.is_some())
     {
         let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
-        out.insert(
-            route.name.to_string(),
-            worker::stats(redis, &keys, settings).await,
-        );
+        match worker::stats(redis, &keys, settings).await {
+            Ok(stats) => out.insert(route.name.to_string(), stats),
+            Err(failure) => return queues_unreadable(&failure),
+        };
     }
     // Queues of routes that stopped queueing, still replayed until empty, and queues found in
     // Redis for routes the policy does not have (kept, not replayed).
@@ -211,7 +212,10 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
                 .map(|(route, keys)| (route, keys, true)),
         );
     for (route, keys, route_missing) in kept {
-        let mut stats = worker::stats(redis, &keys, settings).await;
+        let mut stats = match worker::stats(redis, &keys, settings).await {
+            Ok(stats) => stats,
+            Err(failure) => return queues_unreadable(&failure),
+        };
         if let Some(fields) = stats.as_object_mut() {
             fields.insert("stopped_queueing".into(), json!(true));
             if route_missing {
@@ -221,6 +225,16 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
         out.entry(route).or_insert(stats);
     }
     json_response(StatusCode::OK, &serde_json::Value::Object(out))
+}
+
+/// The queues' figures live in Redis alone: without it there are none to show, and 200 with
+/// made-up counts would tell a monitor the queues are fine.
+fn queues_unreadable(failure: &RedisFailure) -> Response<ResponseBody> {
+    tracing::warn!(%failure, "GET /queues: Redis did not give the queues' figures");
+    text_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("503 queue figures are unreadable: {failure}\n"),
+    )
 }
 
 /// `GET /queues/ROUTE/dead`, `POST /queues/ROUTE/dead/ID/retry`, `POST /queues/ROUTE/dead/ID/drop`.

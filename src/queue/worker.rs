@@ -980,12 +980,14 @@ return 1
     }
 }
 
-/// Backlog figures of one route for `/status` and the admin API.
+/// Backlog figures of one route for the admin API. The first call Redis fails ends it: a
+/// figure Redis did not give is not shown as a number (it had read -1, a count of jobs), and
+/// the other calls would each wait out their timeout against a Redis that is down.
 pub async fn stats(
     redis: &RedisStore,
     keys: &QueueKeys,
     settings: &QueueSettings,
-) -> serde_json::Value {
+) -> Result<serde_json::Value, RedisFailure> {
     let count = |name: &'static str, key: &str| {
         let mut command = redis::cmd(name);
         command.arg(key);
@@ -993,18 +995,16 @@ pub async fn stats(
     };
     let backlog: i64 = redis
         .command(&count("XLEN", &keys.stream), QUEUE_TIMEOUT, None)
-        .await
-        .unwrap_or(-1);
+        .await?;
     let delayed: i64 = redis
         .command(&count("ZCARD", &keys.delayed), QUEUE_TIMEOUT, None)
-        .await
-        .unwrap_or(-1);
+        .await?;
     let dead: i64 = redis
         .command(&count("XLEN", &keys.dead), QUEUE_TIMEOUT, None)
-        .await
-        .unwrap_or(-1);
+        .await?;
     let mut pending = redis::cmd("XPENDING");
     pending.arg(&keys.stream).arg(&settings.group);
+    // A queue whose group is not made yet (nothing stored since) has nothing in flight.
     let in_flight = match redis
         .command::<redis::Value>(&pending, QUEUE_TIMEOUT, None)
         .await
@@ -1014,16 +1014,18 @@ pub async fn stats(
             .and_then(bytes_of)
             .and_then(|b| String::from_utf8_lossy(&b).parse::<i64>().ok())
             .unwrap_or(0),
-        _ => 0,
+        Ok(_) => 0,
+        Err(RedisFailure::Redis(error)) if error.code() == Some("NOGROUP") => 0,
+        Err(failure) => return Err(failure),
     };
     let oldest_age_s = oldest_job_age(redis, keys).await;
-    serde_json::json!({
+    Ok(serde_json::json!({
         "backlog": backlog,
         "delayed": delayed,
         "in_flight": in_flight,
         "dead_letters": dead,
         "oldest_job_age_seconds": oldest_age_s,
-    })
+    }))
 }
 
 #[cfg(test)]
