@@ -8,6 +8,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -634,8 +636,10 @@ impl Pass<'_> {
                 continue;
             }
             let Some(mut job) = Job::from_fields(&id, &fields) else {
-                tracing::warn!(route = %route.name, %id, "unreadable job moved to dead letters");
-                self.dead_letter_raw(&id, &fields).await?;
+                if self.dead_letter_raw(&id, &fields).await? {
+                    tracing::warn!(route = %route.name, %id, "unreadable job moved to dead letters");
+                    self.count(&shared.metrics.queue_dead_lettered);
+                }
                 continue;
             };
             let result = replay(shared, route, &job).await;
@@ -645,31 +649,23 @@ impl Pass<'_> {
             };
             shared.metrics.queue_replayed.get_or_create(&labels).inc();
             match result {
-                Replay::Done => self.finish(&id).await?,
+                Replay::Done => {
+                    self.finish(&id).await?;
+                }
                 Replay::Retry(error) | Replay::Permanent(error) => {
                     job.attempts += 1;
                     job.last_error = Some(error.clone());
                     let permanent = matches!(labels.result, "permanent");
                     if permanent || job.attempts >= settings.max_attempts {
-                        tracing::warn!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
-                        shared
-                            .metrics
-                            .queue_dead_lettered
-                            .get_or_create(&QueueLabels {
-                                route: route.name.to_string(),
-                            })
-                            .inc();
-                        self.dead_letter(&id, &job).await?;
-                    } else {
-                        shared
-                            .metrics
-                            .queue_retries
-                            .get_or_create(&QueueLabels {
-                                route: route.name.to_string(),
-                            })
-                            .inc();
-                        self.delay(&id, &job, backoff(settings, job.attempts))
-                            .await?;
+                        if self.dead_letter(&id, &job).await? {
+                            tracing::warn!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
+                            self.count(&shared.metrics.queue_dead_lettered);
+                        }
+                    } else if self
+                        .delay(&id, &job, backoff(settings, job.attempts))
+                        .await?
+                    {
+                        self.count(&shared.metrics.queue_retries);
                     }
                 }
                 Replay::Held => {
@@ -813,13 +809,15 @@ impl Pass<'_> {
     /// only while this worker still holds the entry `id`. One that lost it (another instance took
     /// the job over while the replay ran: this worker could not renew its hold for claim_after)
     /// leaves the job to the new holder, whose replay decides what becomes of it.
+    /// `Ok(false)` when another worker holds the job now (the script did nothing), so what
+    /// this worker would have done is not counted.
     async fn eval_if_still_held(
         &self,
         script: &str,
         keys: &[&str],
         id: &str,
         rest: Vec<Vec<u8>>,
-    ) -> Result<(), RedisFailure> {
+    ) -> Result<bool, RedisFailure> {
         let mut args = vec![
             self.settings.group.clone().into_bytes(),
             id.as_bytes().to_vec(),
@@ -850,17 +848,27 @@ impl Pass<'_> {
                 id,
                 "job taken over by another worker while its replay ran here; left to that one"
             );
+            return Ok(false);
         }
-        Ok(())
+        Ok(true)
     }
 
-    async fn finish(&self, id: &str) -> Result<(), RedisFailure> {
+    /// Counts one outcome of this pass's route in a per-route counter.
+    fn count(&self, counter: &Family<QueueLabels, Counter>) {
+        counter
+            .get_or_create(&QueueLabels {
+                route: self.route.name.to_string(),
+            })
+            .inc();
+    }
+
+    async fn finish(&self, id: &str) -> Result<bool, RedisFailure> {
         self.eval_if_still_held(FINISH, &[&self.keys.stream], id, Vec::new())
             .await
     }
 
     /// Moves a job to the dead-letter stream with its last error, atomically with the ack.
-    async fn dead_letter(&self, id: &str, job: &Job) -> Result<(), RedisFailure> {
+    async fn dead_letter(&self, id: &str, job: &Job) -> Result<bool, RedisFailure> {
         const SCRIPT: &str = r#"
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
@@ -879,7 +887,7 @@ return redis.call('XDEL', KEYS[1], ARGV[2])
         &self,
         id: &str,
         fields: &std::collections::HashMap<String, Vec<u8>>,
-    ) -> Result<(), RedisFailure> {
+    ) -> Result<bool, RedisFailure> {
         let job = Job {
             route: String::new(),
             method: String::new(),
@@ -899,7 +907,7 @@ return redis.call('XDEL', KEYS[1], ARGV[2])
     }
 
     /// Parks a job until its retry time, atomically with the ack.
-    async fn delay(&self, id: &str, job: &Job, wait: Duration) -> Result<(), RedisFailure> {
+    async fn delay(&self, id: &str, job: &Job, wait: Duration) -> Result<bool, RedisFailure> {
         const SCRIPT: &str = r#"
 redis.call('HSET', KEYS[3], unpack(ARGV, 5))
 redis.call('ZADD', KEYS[2], ARGV[4], KEYS[3])
