@@ -1115,18 +1115,22 @@ fn put_call(command: &mut Vec<u8>, sha: &str, batch: &[Waiting]) {
 
 /// Splits the script's reply among the batch, in order, and sends each its answer.
 fn hand_out(shared: &Shared, reply: &[u8], batch: &mut Vec<Waiting>) -> Result<(), BatchFailure> {
-    let text = std::str::from_utf8(reply)
-        .map_err(|_| BatchFailure::Reply("the rate-limit script's reply is not text".into()))?;
-    let mut numbers = text.split(' ');
+    let mut numbers = reply_numbers(reply);
     let mut answers = Vec::with_capacity(batch.len());
+    let shown = || String::from_utf8_lossy(reply.get(..80).unwrap_or(reply)).into_owned();
     for waiting in batch.iter() {
         match read_answer(&mut numbers, waiting.rules) {
             Some(answer) => answers.push(answer),
-            None => return Err(BatchFailure::Reply(format!("unreadable reply: {text:.80}"))),
+            None => {
+                return Err(BatchFailure::Reply(format!(
+                    "unreadable reply: {}",
+                    shown()
+                )))
+            }
         }
     }
     if numbers.next().is_some() {
-        return Err(BatchFailure::Reply(format!("reply too long: {text:.80}")));
+        return Err(BatchFailure::Reply(format!("reply too long: {}", shown())));
     }
     shared.learn(batch, &answers, Instant::now());
     for (waiting, (blocked, verdicts)) in batch.drain(..).zip(answers) {
@@ -1141,10 +1145,10 @@ fn hand_out(shared: &Shared, reply: &[u8], batch: &mut Vec<Waiting>) -> Result<(
 /// requests admitted ahead), then four numbers per rule (see `limit/script.lua`). `None`
 /// when the numbers run out or one is not a number.
 pub fn read_answer<'a>(
-    numbers: &mut impl Iterator<Item = &'a str>,
+    numbers: &mut impl Iterator<Item = &'a [u8]>,
     rules: usize,
 ) -> Option<(u64, Vec<RemoteVerdict>)> {
-    let mut next = || numbers.next()?.parse::<i64>().ok();
+    let mut next = || integer(numbers.next()?);
     let blocked = u64::try_from(next()?).unwrap_or(0);
     let mut verdicts = Vec::with_capacity(rules);
     for _ in 0..rules {
@@ -1160,6 +1164,39 @@ pub fn read_answer<'a>(
         });
     }
     Some((blocked, verdicts))
+}
+
+/// The space-separated numbers of the script's reply, read as bytes: every request's answer
+/// passes through here, and checking the whole reply for UTF-8 first, then searching it as
+/// text, cost more than reading the digits.
+pub fn reply_numbers(reply: &[u8]) -> impl Iterator<Item = &[u8]> {
+    reply.split(|byte| *byte == b' ')
+}
+
+/// A decimal integer with an optional `-`, as Redis writes one; `None` for anything else
+/// (an empty word, a `+`, a digit beyond ASCII, a value beyond i64).
+fn integer(word: &[u8]) -> Option<i64> {
+    let (negative, digits) = match word.split_first()? {
+        (b'-', digits) => (true, digits),
+        _ => (false, word),
+    };
+    if digits.is_empty() {
+        return None;
+    }
+    let mut value: i64 = 0;
+    for digit in digits {
+        if !digit.is_ascii_digit() {
+            return None;
+        }
+        let digit = i64::from(digit - b'0');
+        value = value.checked_mul(10)?;
+        value = if negative {
+            value.checked_sub(digit)?
+        } else {
+            value.checked_add(digit)?
+        };
+    }
+    Some(value)
 }
 
 trait Duplex: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -1334,10 +1371,8 @@ pub fn read_replies_for_fuzzing(bytes: &[u8], rules: usize) -> usize {
     while let Ok(Some(reply)) = take_reply(&mut read) {
         replies += 1;
         if let Reply::Bulk(Some(text)) = reply {
-            if let Ok(text) = std::str::from_utf8(&text) {
-                let mut numbers = text.split(' ');
-                while read_answer(&mut numbers, rules).is_some() {}
-            }
+            let mut numbers = reply_numbers(&text);
+            while read_answer(&mut numbers, rules).is_some() {}
         }
     }
     replies
@@ -1355,15 +1390,14 @@ fn take_reply(read: &mut BytesMut) -> Result<Option<Reply>, BatchFailure> {
     let reply = match read.first() {
         Some(b'+') => Reply::Status(line(read)),
         Some(b'-') => Reply::Error(line(read)),
-        Some(b':') => Reply::Integer(
-            line(read)
-                .parse()
-                .map_err(|_| BatchFailure::Reply(format!("bad integer reply {:?}", line(read))))?,
-        ),
+        Some(b':') => {
+            Reply::Integer(integer(&read[1..line_end]).ok_or_else(|| {
+                BatchFailure::Reply(format!("bad integer reply {:?}", line(read)))
+            })?)
+        }
         Some(b'$') => {
-            let length: i64 = line(read)
-                .parse()
-                .map_err(|_| BatchFailure::Reply(format!("bad bulk length {:?}", line(read))))?;
+            let length = integer(&read[1..line_end])
+                .ok_or_else(|| BatchFailure::Reply(format!("bad bulk length {:?}", line(read))))?;
             if length < 0 {
                 read.advance(line_end + 2);
                 return Ok(Some(Reply::Bulk(None)));
@@ -1514,7 +1548,7 @@ mod tests {
 
     #[test]
     fn answers_are_split_in_order_and_a_short_reply_is_refused() {
-        let mut numbers = "0 1 4 100 0 1 0 0 5 7".split(' ');
+        let mut numbers = reply_numbers(b"0 1 4 100 0 1 0 0 5 7");
         let first = read_answer(&mut numbers, 1).expect("first");
         assert_eq!(first.0, 0);
         assert_eq!(
@@ -1531,7 +1565,28 @@ mod tests {
         assert!(!second.1[0].allowed);
         assert_eq!(second.1[0].retry_after_ms, 7);
         assert!(read_answer(&mut numbers, 1).is_none());
-        assert!(read_answer(&mut "0 1 x 0 0".split(' '), 1).is_none());
+        assert!(read_answer(&mut reply_numbers(b"0 1 x 0 0"), 1).is_none());
+        assert!(read_answer(&mut reply_numbers(b"0 1 +4 0 0"), 1).is_none());
+        assert!(read_answer(&mut reply_numbers(b"0 1  0 0"), 1).is_none());
+    }
+
+    #[test]
+    fn integers_are_read_as_redis_writes_them() {
+        assert_eq!(integer(b"0"), Some(0));
+        assert_eq!(integer(b"-1"), Some(-1));
+        assert_eq!(integer(b"9223372036854775807"), Some(i64::MAX));
+        assert_eq!(integer(b"-9223372036854775808"), Some(i64::MIN));
+        for bad in [
+            &b""[..],
+            b"-",
+            b"+1",
+            b"1.5",
+            b"9223372036854775808",
+            b"\xd9\xa3",
+            b" 1",
+        ] {
+            assert_eq!(integer(bad), None, "{bad:?}");
+        }
     }
 }
 

@@ -19,7 +19,9 @@ use tokio::time::Instant;
 
 use crate::metrics::Metrics;
 use crate::proxy::upstream::{ca_certificates, client_tls, system_roots};
-use crate::redis_batch::{lock, read_answer, BatchTarget, DecisionBatcher, Endpoint, RedisRule};
+use crate::redis_batch::{
+    lock, read_answer, reply_numbers, BatchTarget, DecisionBatcher, Endpoint, RedisRule,
+};
 use crate::redis_cluster::{parse_slots, ClusterHealth, Node};
 use crate::redis_sentinel::{MasterAddress, MasterLink, SentinelTarget, Sentinels};
 
@@ -1145,7 +1147,7 @@ async fn query<T: redis::FromRedisValue>(
 
 /// Reads the script's reply for one request (see `limit/script.lua`).
 fn parse_reply(text: &str, count: usize) -> Result<(bool, Vec<RemoteVerdict>), RedisFailure> {
-    let mut numbers = text.split(' ');
+    let mut numbers = reply_numbers(text.as_bytes());
     match read_answer(&mut numbers, count) {
         Some((blocked, verdicts)) if numbers.next().is_none() => Ok((blocked > 0, verdicts)),
         _ => Err(RedisFailure::BadReply(format!(
