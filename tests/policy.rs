@@ -475,3 +475,93 @@ async fn an_admin_reload_runs_to_its_end_when_its_client_goes_away() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Every key has its default and an example: a table row alone leaves an operator guessing how
+/// the value is written (a duration in quotes with a unit, a list, an inline table).
+///
+/// Keys are the backticked names in the first column of table rows (rows that start with
+/// "| `"; a row may name several keys, as `status`, `content_type`, `body` does). A table's
+/// heading row is skipped even when it starts so (`[redis.sentinel]` key), as it names no key.
+/// A plain name must be written as a key at any depth of some ```toml block (`window` inside
+/// `breaker = { … }` counts). A name in brackets (`[redis.sentinel]`, `[[route]]`) is a table:
+/// its whole path must be written from the top, as a header or inline. A segment in capitals
+/// (`NAME` in `[upstream.NAME]`) is a placeholder and stands for any name. A key is looked for
+/// by name, not in its own section: `max_body` in `[server]` also counts for `[queue]`.
+#[test]
+fn every_key_in_the_policy_reference_tables_has_an_example() {
+    fn written_paths(value: &toml::Value, path: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+        match value {
+            toml::Value::Table(table) => {
+                for (key, value) in table {
+                    path.push(key.clone());
+                    out.push(path.clone());
+                    written_paths(value, path, out);
+                    path.pop();
+                }
+            }
+            // An array of tables (`[[route]]`) adds no segment: `route.match.path`.
+            toml::Value::Array(items) => {
+                for item in items {
+                    written_paths(item, path, out);
+                }
+            }
+            _ => {}
+        }
+    }
+    fn segment_matches(pattern: &str, written: &str) -> bool {
+        let placeholder = !pattern.is_empty() && pattern.chars().all(|c| c.is_ascii_uppercase());
+        placeholder || pattern == written
+    }
+
+    let reference = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/policy.md"))
+        .expect("docs/policy.md");
+    let mut written = Vec::new();
+    for (index, block) in reference.split("```toml\n").skip(1).enumerate() {
+        let text = block.split("```").next().unwrap_or_default();
+        let table: toml::Table = text.parse().unwrap_or_else(|error| {
+            panic!("docs/policy.md example {index} is not valid TOML: {error}\n{text}")
+        });
+        written_paths(&toml::Value::Table(table), &mut Vec::new(), &mut written);
+    }
+
+    let lines: Vec<&str> = reference.lines().collect();
+    let mut keys = 0;
+    let mut missing = Vec::new();
+    for (index, line) in lines.iter().enumerate() {
+        let heading = lines
+            .get(index + 1)
+            .is_some_and(|next| next.starts_with("|---"));
+        if !line.starts_with("| `") || heading {
+            continue;
+        }
+        let first_column = line.split('|').nth(1).unwrap_or_default();
+        for name in first_column.split('`').skip(1).step_by(2) {
+            keys += 1;
+            let table = name.starts_with('[');
+            let pattern: Vec<&str> = name.trim_matches(['[', ']']).split('.').collect();
+            let found = written.iter().any(|path| {
+                let tail = if table {
+                    path.len() == pattern.len()
+                } else {
+                    path.len() >= pattern.len()
+                };
+                tail && pattern
+                    .iter()
+                    .rev()
+                    .zip(path.iter().rev())
+                    .all(|(pattern, written)| segment_matches(pattern, written))
+            });
+            if !found {
+                missing.push(format!("docs/policy.md:{}: `{name}`", index + 1));
+            }
+        }
+    }
+    // A change to the tables' layout must not leave this test checking nothing.
+    assert!(keys >= 50, "found only {keys} keys in the reference tables");
+    assert!(
+        missing.is_empty(),
+        "{} key(s) with a table row appear in no ```toml example:\n{}",
+        missing.len(),
+        missing.join("\n")
+    );
+}
