@@ -733,7 +733,7 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
             format!("{path} v1")
         );
         let key = key(route, path, week);
-        eventually(Duration::from_secs(3), "the copy in redis", || async {
+        eventually(Duration::from_secs(10), "the copy in redis", || async {
             cluster
                 .cli(cluster.owner(&key.key), &["EXISTS", &key.key])
                 .trim()
@@ -754,7 +754,7 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
     // An instance that has no copy of its own: it reads them from the cluster.
     let second = Levee::start(&policy).await;
     let probe_path = format!("/top?week={probe}");
-    eventually(Duration::from_secs(3), "the switch followed", || async {
+    eventually(Duration::from_secs(10), "the switch followed", || async {
         get(&second.url(&probe_path)).await.header("x-levee-stale") == Some("1")
     })
     .await;
@@ -1038,7 +1038,7 @@ async fn cache_busting_queries_share_a_copy_and_a_route_keeps_at_most_max_copies
         }
         // Stored one after the other: the index orders them by store time.
         let key = key(week).key;
-        eventually(Duration::from_secs(3), "the copy in redis", || async {
+        eventually(Duration::from_secs(10), "the copy in redis", || async {
             redis.cli(&["EXISTS", &key]).trim() == "1"
         })
         .await;

@@ -69,7 +69,10 @@ impl StaleCopy {
                 HeaderName::from_bytes(name.as_bytes()),
                 HeaderValue::from_bytes(value),
             ) {
-                headers.append(name, value);
+                // Copies stored in Redis by older versions may still hold a cookie.
+                if name != header::SET_COOKIE {
+                    headers.append(name, value);
+                }
             }
         }
         headers.insert(header::AGE, HeaderValue::from(self.age().as_secs()));
@@ -570,12 +573,14 @@ pub fn storable(
 }
 
 /// The headers kept with a copy: everything but `Date`/`Age` (set fresh when served) and
-/// cookies unless the route allows them.
-fn kept_headers(headers: &HeaderMap, allow_set_cookie: bool) -> Vec<(String, Vec<u8>)> {
+/// `Set-Cookie`. A copy answers every client, and a cookie the app set for one (its session)
+/// must never reach another; with `allow_set_cookie` the page is kept, its cookies are not.
+fn kept_headers(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
     headers
         .iter()
-        .filter(|(name, _)| **name != header::DATE && **name != header::AGE)
-        .filter(|(name, _)| allow_set_cookie || **name != header::SET_COOKIE)
+        .filter(|(name, _)| {
+            **name != header::DATE && **name != header::AGE && **name != header::SET_COOKIE
+        })
         .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
         .collect()
 }
@@ -611,10 +616,7 @@ impl<B> Capture<B> {
         Capture {
             inner,
             buffer: Some(BytesMut::new()),
-            head: Some((
-                status.as_u16(),
-                kept_headers(headers, target.settings.allow_set_cookie),
-            )),
+            head: Some((status.as_u16(), kept_headers(headers))),
             finish: Some(target),
         }
     }
@@ -1083,6 +1085,30 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("101"));
         assert!(!storable(StatusCode::OK, &headers, &settings, false));
+    }
+
+    #[test]
+    fn a_copy_never_keeps_or_sends_a_cookie() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::SET_COOKIE,
+            HeaderValue::from_static("PHPSESSID=alice"),
+        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html"));
+        let kept = kept_headers(&headers);
+        assert_eq!(kept, [("content-type".to_string(), b"text/html".to_vec())]);
+        // One stored with its cookie (by an older version) is served without it.
+        let copy = StaleCopy {
+            status: 200,
+            headers: vec![("set-cookie".into(), b"PHPSESSID=alice".to_vec())],
+            body: Bytes::from_static(b"page"),
+            stored_at_ms: now_ms(),
+        };
+        assert!(copy
+            .to_response(true)
+            .headers()
+            .get(header::SET_COOKIE)
+            .is_none());
     }
 
     #[test]
