@@ -161,7 +161,7 @@ fn main() -> ExitCode {
             http::Method::POST,
             "/reload".into(),
             String::new(),
-            |body| body.to_string(),
+            reload_text,
         ),
         Command::Run {
             policies,
@@ -245,6 +245,31 @@ fn admin_command(
 
 /// A refused reload's answer as `levee check` prints errors (`file:line:col: error: …` and
 /// the hint under it); any other answer as it came.
+/// `POST /reload`'s answer as a line to read, then the policy's warnings as `levee check`
+/// prints them.
+fn reload_text(text: &str) -> String {
+    let Ok(answer) = serde_json::from_str::<serde_json::Value>(text) else {
+        return text.to_string();
+    };
+    let mut out = if answer["changed"] == true {
+        format!(
+            "levee: policy reloaded: generation {}, hash {}\n",
+            answer["generation"],
+            answer["hash"].as_str().unwrap_or("?")
+        )
+    } else {
+        format!(
+            "levee: policy unchanged: generation {} keeps running\n",
+            answer["generation"]
+        )
+    };
+    for warning in answer["warnings"].as_array().into_iter().flatten() {
+        out.push_str(warning.as_str().unwrap_or_default());
+        out.push('\n');
+    }
+    out
+}
+
 fn refusal_text(text: &str) -> String {
     let Ok(answer) = serde_json::from_str::<serde_json::Value>(text) else {
         return text.to_string();
@@ -273,8 +298,15 @@ fn refusal_text(text: &str) -> String {
 fn check(policies: &std::path::Path) -> ExitCode {
     match levee::config::load_dir(policies, None) {
         Ok(policy) => {
+            for warning in &policy.warnings {
+                eprintln!("{warning}");
+            }
+            let warnings = match policy.warnings.len() {
+                0 => String::new(),
+                count => format!(" with {count} warning(s)"),
+            };
             println!(
-                "levee: policy in {} is valid: {} file(s), {} route(s), {} upstream(s), hash {}",
+                "levee: policy in {} is valid{warnings}: {} file(s), {} route(s), {} upstream(s), hash {}",
                 policies.display(),
                 policy.files.len(),
                 policy.routes.routes.len(),

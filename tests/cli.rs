@@ -95,7 +95,7 @@ async fn status_level_module_breaker_and_reload_from_the_command_line() {
     );
     let (ok, out, err) = run(&["reload"], Some(TOKEN)).await.expect("cli");
     assert!(ok, "{err}");
-    assert!(out.contains("\"changed\": false"), "{out}");
+    assert_eq!(out, "levee: policy unchanged: generation 1 keeps running\n");
 
     // A wrong token is refused like none.
     let (ok, _, err) = run(&["breaker", "app", "auto"], Some("wrong-token-wrong-token"))
@@ -264,4 +264,57 @@ async fn a_refused_reload_prints_its_errors_as_check_does() {
         "{err}"
     );
     assert!(err.contains("\n  hint: "), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_policy_defines_and_nothing_uses_is_a_warning_in_check_reload_and_status() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    let unused = format!(
+        "{}[limit.login]\nkey = [\"ip\"]\nrate = \"10/min\"\n",
+        policy_for(backend.addr, "", "")
+    );
+    std::fs::write(levee.policy_file(), &unused).expect("write");
+    let warning = "levee.toml:";
+    let expected = "warning: limit `login` is used by no route: it limits nothing";
+
+    // check: valid (exit 0), the warning with its place and hint.
+    let dir = levee.policy_file().parent().expect("dir").to_path_buf();
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .args(["check", "--policies"])
+        .arg(&dir)
+        .output()
+        .expect("run levee check");
+    let (out, err) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "{err}");
+    assert!(out.contains("is valid with 1 warning(s)"), "{out}");
+    assert!(err.contains(warning) && err.contains(expected), "{err}");
+    assert!(
+        err.contains("hint: list it in a route's limits = [\"login\"]"),
+        "{err}"
+    );
+
+    // reload: loaded (by the file watcher already, or by this), and the warning printed.
+    let admin = levee.admin;
+    let (ok, out, err) = tokio::task::spawn_blocking(move || levee_cli(&["reload"], admin, None))
+        .await
+        .expect("cli");
+    assert!(ok, "{err}");
+    assert!(
+        out.starts_with("levee: policy reloaded: generation 2")
+            || out.starts_with("levee: policy unchanged: generation 2"),
+        "{out}"
+    );
+    assert!(out.contains(expected), "{out}");
+
+    // status: listed with the running policy.
+    let status = get(&levee.admin_url("/status")).await.json();
+    let listed = status["policy"]["warnings"][0]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(listed.contains(expected), "{status}");
 }

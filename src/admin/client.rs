@@ -147,6 +147,11 @@ pub fn summarize(status: &serde_json::Value) -> String {
             );
         }
     }
+    for warning in policy["warnings"].as_array().into_iter().flatten() {
+        // A warning's hint is on its second line; the summary keeps to one line each.
+        let first_line = warning.as_str().unwrap_or("").lines().next().unwrap_or("");
+        let _ = writeln!(out, "         {first_line}");
+    }
     let degrade = &status["degrade"];
     let _ = writeln!(
         out,

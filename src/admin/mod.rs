@@ -105,7 +105,7 @@ pub async fn handle(
             match reloaded {
             Ok(outcome) => json_response(
                 StatusCode::OK,
-                &json!({ "ok": true, "generation": outcome.generation, "hash": outcome.hash, "changed": outcome.changed }),
+                &json!({ "ok": true, "generation": outcome.generation, "hash": outcome.hash, "changed": outcome.changed, "warnings": outcome.warnings.iter().map(ToString::to_string).collect::<Vec<_>>() }),
             ),
             Err(diagnostics) => json_response(
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -720,6 +720,7 @@ fn status(shared: &Shared) -> serde_json::Value {
             "files": policy.files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
             "last_reload_ok_unix": shared.store.last_success_unix(),
             "last_reload_error": shared.store.last_failure(),
+            "warnings": policy.warnings.iter().map(ToString::to_string).collect::<Vec<_>>(),
         },
         "routes": routes,
         "upstreams": upstreams,

@@ -176,6 +176,7 @@ fn policy_hash_with_cas(
 struct Compiler<'a> {
     files: &'a [SourceFile],
     errors: Vec<Diagnostic>,
+    warnings: Vec<Diagnostic>,
 }
 
 impl<'a> Compiler<'a> {
@@ -197,6 +198,18 @@ impl<'a> Compiler<'a> {
             .push(Diagnostic::at(&self.files[file], span, message));
         let last = self.errors.len() - 1;
         &mut self.errors[last]
+    }
+
+    fn warning_hint(
+        &mut self,
+        file: usize,
+        span: Range<usize>,
+        message: impl Into<String>,
+        hint: impl Into<String>,
+    ) {
+        let mut warning = Diagnostic::at(&self.files[file], span, message).hint(hint);
+        warning.severity = super::diag::Severity::Warning;
+        self.warnings.push(warning);
     }
 
     fn error_hint(
@@ -484,6 +497,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     let mut compiler = Compiler {
         files,
         errors: Vec::new(),
+        warnings: Vec::new(),
     };
 
     // Parse every file; a file that does not parse still lets the others be checked.
@@ -840,11 +854,19 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             })
         });
 
+    warn_of_what_does_nothing(
+        &mut compiler,
+        &routes,
+        default_upstream.as_deref(),
+        (&upstream_specs, &limit_specs, &module_specs),
+    );
     if !compiler.errors.is_empty() {
         let mut errors = compiler.errors;
         errors.sort_by(|a, b| (&a.file, a.line, a.col).cmp(&(&b.file, b.line, b.col)));
         return Err(Diagnostics(errors));
     }
+    let mut warnings = compiler.warnings;
+    warnings.sort_by(|a, b| (&a.file, a.line, a.col).cmp(&(&b.file, b.line, b.col)));
     Ok(Policy {
         generation: 0,
         hash: policy_hash_with_cas(
@@ -865,7 +887,66 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         limits,
         degrade: degrade_settings,
         queue: queue_settings,
+        warnings,
     })
+}
+
+type NamedSpecs<'a, T> = &'a BTreeMap<String, (usize, Spanned<T>)>;
+
+/// Sections that load but do nothing, most often an edit left half done: a limit no route
+/// lists limits nobody, a module no route belongs to and no page hides is switched off to no
+/// effect, an upstream no route names (and not the default) gets no request. They are
+/// warnings, not errors: a rule kept for later, or an upstream being brought in, is a
+/// policy an operator may mean.
+fn warn_of_what_does_nothing(
+    compiler: &mut Compiler<'_>,
+    routes: &[Arc<Route>],
+    default_upstream: Option<&str>,
+    (upstream_specs, limit_specs, module_specs): (
+        NamedSpecs<'_, UpstreamSpec>,
+        NamedSpecs<'_, LimitSpec>,
+        NamedSpecs<'_, ModuleSpec>,
+    ),
+) {
+    for (name, (file, spec)) in limit_specs {
+        let used = routes
+            .iter()
+            .any(|route| route.limits.iter().any(|rule| *rule.name == **name));
+        if !used {
+            compiler.warning_hint(
+                *file,
+                spec.span(),
+                format!("limit `{name}` is used by no route: it limits nothing"),
+                format!("list it in a route's limits = [\"{name}\"], or remove it"),
+            );
+        }
+    }
+    for (name, (file, spec)) in module_specs {
+        let used = routes.iter().any(|route| {
+            route.module.as_deref() == Some(name.as_str())
+                || route.hide.iter().any(|(module, _)| module == name)
+        });
+        if !used {
+            compiler.warning_hint(
+                *file,
+                spec.span(),
+                format!("module `{name}` has no route and no page that hides it: switching it off does nothing"),
+                format!("give its routes module = \"{name}\", or hide it in a page with hide = {{ {name} = \"#its-id\" }}"),
+            );
+        }
+    }
+    for (name, (file, spec)) in upstream_specs {
+        let used = default_upstream == Some(name.as_str())
+            || routes.iter().any(|route| route.upstream.name == *name);
+        if !used {
+            compiler.warning_hint(
+                *file,
+                spec.span(),
+                format!("upstream `{name}` gets no request: no route names it and it is not the default_upstream"),
+                format!("name it in a route's upstream = \"{name}\", or remove it"),
+            );
+        }
+    }
 }
 
 /// A `degrade` key the chosen action never reads is an error, not silence: an operator who
@@ -3212,6 +3293,26 @@ mod tests {
         }
         assert_eq!(edit_distance("ranking", "rankng"), 1);
         assert_eq!(edit_distance("ads", "ranking"), 6);
+    }
+
+    #[test]
+    fn what_is_defined_and_used_by_nothing_is_a_warning_not_an_error() {
+        let policy = compile(
+            &files(&[(
+                "a.toml",
+                &format!("{APP}[upstream.old]\nurl = \"http://127.0.0.1:9\"\n[server]\ndefault_upstream = \"app\"\n[limit.login]\nkey = [\"ip\"]\nrate = \"1/s\"\n[limit.used]\nkey = [\"ip\"]\nrate = \"1/s\"\n[module.ads]\n[module.hidden]\n[[route]]\nname = \"home\"\nmatch = {{ path = \"/\" }}\nlimits = [\"used\"]\nhide = {{ hidden = \"#h\" }}\n"),
+            )]),
+            None,
+        )
+        .expect("warnings do not refuse a policy");
+        let warnings: Vec<String> = policy.warnings.iter().map(ToString::to_string).collect();
+        assert_eq!(warnings.len(), 3, "{warnings:#?}");
+        assert!(warnings[0].starts_with("a.toml:3:1: warning: upstream `old` gets no request"));
+        assert!(warnings[1].starts_with("a.toml:7:1: warning: limit `login` is used by no route"));
+        assert!(warnings[2].starts_with("a.toml:13:1: warning: module `ads` has no route"));
+        // The embedded default and a plain policy have none.
+        let plain = compile(&files(&[("a.toml", APP)]), None).expect("compiles");
+        assert!(plain.warnings.is_empty());
     }
 
     #[test]

@@ -36,6 +36,16 @@ pub struct Diagnostic {
     pub message: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hint: Option<String>,
+    /// An error refuses the policy; a warning lets it load and names something in it that
+    /// does nothing (a limit no route uses), which is most often a mistake.
+    pub severity: Severity,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Error,
+    Warning,
 }
 
 impl Diagnostic {
@@ -47,6 +57,7 @@ impl Diagnostic {
             col,
             message: message.into(),
             hint: None,
+            severity: Severity::Error,
         }
     }
 
@@ -58,6 +69,7 @@ impl Diagnostic {
             col: 0,
             message: message.into(),
             hint: None,
+            severity: Severity::Error,
         }
     }
 
@@ -78,7 +90,11 @@ impl Diagnostic {
 
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: error: {}", self.location(), self.message)?;
+        let severity = match self.severity {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        };
+        write!(f, "{}: {severity}: {}", self.location(), self.message)?;
         if let Some(hint) = &self.hint {
             write!(f, "\n  hint: {hint}")?;
         }

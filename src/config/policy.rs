@@ -33,6 +33,9 @@ pub struct Policy {
     pub degrade: crate::degrade::DegradeSettings,
     /// Queue settings; `Some` whenever `[redis]` is configured.
     pub queue: Option<crate::queue::QueueSettings>,
+    /// What in the policy does nothing (a limit no route uses…): logged at each load, printed
+    /// by `levee check`, shown in `/status`.
+    pub warnings: Vec<super::Diagnostic>,
 }
 
 impl Policy {

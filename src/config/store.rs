@@ -39,6 +39,8 @@ pub struct ReloadOutcome {
     pub hash: String,
     /// False when the files were byte-identical to the active policy (nothing swapped).
     pub changed: bool,
+    /// The loaded policy's warnings (see [`super::Policy::warnings`]).
+    pub warnings: Vec<Diagnostic>,
 }
 
 #[derive(Debug, Default)]
@@ -62,11 +64,20 @@ fn now_unix() -> u64 {
         .map_or(0, |elapsed| elapsed.as_secs())
 }
 
+/// Each warning once per load that brings it: a policy that loads is still worth a look when
+/// part of it does nothing.
+fn log_warnings(policy: &Policy) {
+    for warning in &policy.warnings {
+        tracing::warn!("policy: {warning}");
+    }
+}
+
 impl PolicyStore {
     /// Loads the policy directory for the first time (generation 1).
     pub fn open(dir: &Path, metrics: Arc<Metrics>) -> Result<PolicyStore, Diagnostics> {
         let mut policy = load_dir(dir, None)?;
         policy.generation = 1;
+        log_warnings(&policy);
         metrics.policy_generation.set(1);
         Ok(PolicyStore {
             dir: dir.to_path_buf(),
@@ -145,6 +156,7 @@ impl PolicyStore {
                         generation: previous.generation,
                         hash: previous.hash.clone(),
                         changed: false,
+                        warnings: previous.warnings.clone(),
                     });
                 }
                 if policy.server.listen != previous.server.listen
@@ -163,7 +175,9 @@ impl PolicyStore {
                     generation: policy.generation,
                     hash: policy.hash.clone(),
                     changed: true,
+                    warnings: policy.warnings.clone(),
                 };
+                log_warnings(&policy);
                 self.current.store(Arc::new(policy));
                 self.metrics.policy_reloads.inc();
                 self.metrics
