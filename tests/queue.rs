@@ -1202,3 +1202,121 @@ async fn a_redis_that_may_evict_queued_jobs_is_named_in_status() {
     })
     .await;
 }
+
+/// Every levee process joins each queue's consumer group under a name of its own, so each
+/// restart left a consumer behind in Redis for good. Those idle over the bound and holding no
+/// job are removed. One holding a job is kept (its removal would drop the job from the group's
+/// pending list, and no worker could take it over) until another worker has taken its job
+/// over; a live one and the worker's own are kept too. On one server, and in a cluster, where
+/// the node holding the stream runs the script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_consumers_holding_no_job_are_removed_from_a_queues_group() {
+    use levee::redis_store::RedisTarget;
+    let dir = tempfile::tempdir().expect("dir");
+    let keys = levee::queue::QueueKeys::new("levee:", "notify");
+    let redis = RedisServer::start(dir.path()).await;
+    let single = redis_store_for(RedisTarget::Single(redis.url()));
+    remove_idle_consumers_of(&single, &keys, |args| redis.cli(args)).await;
+
+    let cluster = RedisCluster::start(&dir.path().join("cluster")).await;
+    let node = cluster.owner(&keys.stream);
+    let clustered = redis_store_for(RedisTarget::Cluster(cluster.urls()));
+    remove_idle_consumers_of(&clustered, &keys, |args| cluster.cli(node, args)).await;
+}
+
+fn redis_store_for(target: levee::redis_store::RedisTarget) -> levee::redis_store::RedisStore {
+    levee::redis_store::RedisStore::new(levee::redis_store::RedisSettings {
+        target,
+        timeout: Duration::from_millis(500),
+        failures_to_open: 3,
+        cooldown: Duration::from_secs(1),
+        key_prefix: "levee:".into(),
+        instances: 1,
+        admit_ahead_above: 1.0,
+        tls: None,
+    })
+}
+
+/// The scenario of `idle_consumers_holding_no_job_are_removed_from_a_queues_group` against one
+/// Redis; `cli` runs redis-cli on the server that holds the queue's stream.
+async fn remove_idle_consumers_of(
+    redis: &levee::redis_store::RedisStore,
+    keys: &levee::queue::QueueKeys,
+    cli: impl Fn(&[&str]) -> String,
+) {
+    use levee::queue::worker::{remove_consumers_if_idle, remove_idle_consumers};
+    let stream = keys.stream.as_str();
+    let names = || -> Vec<String> {
+        let listed = cli(&["XINFO", "CONSUMERS", stream, "levee"]);
+        let lines: Vec<&str> = listed.lines().collect();
+        let mut names: Vec<String> = lines
+            .windows(2)
+            .filter(|pair| pair[0] == "name")
+            .map(|pair| pair[1].to_string())
+            .collect();
+        names.sort();
+        names
+    };
+    cli(&["XGROUP", "CREATE", stream, "levee", "0", "MKSTREAM"]);
+    cli(&["XADD", stream, "*", "body", "like=1"]);
+    // An instance that stopped holding nothing, one that died holding a job, this worker.
+    cli(&["XGROUP", "CREATECONSUMER", stream, "levee", "stopped"]);
+    let read = cli(&[
+        "XREADGROUP",
+        "GROUP",
+        "levee",
+        "died-holding-a-job",
+        "COUNT",
+        "1",
+        "STREAMS",
+        stream,
+        ">",
+    ]);
+    assert!(read.contains("like=1"), "{read}");
+    cli(&["XGROUP", "CREATECONSUMER", stream, "levee", "this-worker"]);
+    // Idle time cannot be faked: the bound is short instead, and these pass it.
+    let bound = Duration::from_millis(300);
+    tokio::time::sleep(bound * 2).await;
+    cli(&["XGROUP", "CREATECONSUMER", stream, "levee", "live"]);
+
+    // Whatever names it is given, the script removes no consumer holding a job or not idle
+    // over the bound, and counts none that is not there.
+    let not_to_remove = ["died-holding-a-job", "live", "removed-already"].map(String::from);
+    let removed = remove_consumers_if_idle(redis, keys, "levee", &not_to_remove, bound)
+        .await
+        .expect("redis answers");
+    assert_eq!(removed, 0);
+
+    let removed = remove_idle_consumers(redis, keys, "levee", "this-worker", bound)
+        .await
+        .expect("redis answers");
+    assert_eq!(removed, 1);
+    assert_eq!(names(), ["died-holding-a-job", "live", "this-worker"]);
+    assert_eq!(
+        cli(&["XPENDING", stream, "levee"]).lines().next(),
+        Some("1")
+    );
+
+    // Once another worker has taken its job over, the dead one holds nothing and goes too.
+    let claimed = cli(&[
+        "XAUTOCLAIM",
+        stream,
+        "levee",
+        "this-worker",
+        "0",
+        "0-0",
+        "JUSTID",
+    ]);
+    assert!(claimed.lines().count() >= 2, "{claimed}");
+    let removed = remove_idle_consumers(redis, keys, "levee", "this-worker", bound)
+        .await
+        .expect("redis answers");
+    assert_eq!(removed, 1);
+    assert_eq!(names(), ["live", "this-worker"]);
+    let held = cli(&["XPENDING", stream, "levee", "-", "+", "10", "this-worker"]);
+    assert_eq!(
+        held.lines().count(),
+        4,
+        "the job, held by this worker: {held}"
+    );
+}

@@ -10,6 +10,7 @@ use http::{HeaderName, HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use redis::streams::{StreamInfoConsumer, StreamInfoConsumersReply};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -67,6 +68,33 @@ end
 const FINISH: &str = r#"
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return redis.call('XDEL', KEYS[1], ARGV[2])
+"#;
+
+/// Removes those of the consumers named that still hold no job and are still idle over the
+/// bound: `XGROUP DELCONSUMER` drops a consumer's pending entries with it, and no worker could
+/// take those jobs over or finish them any more. The consumers were chosen from a list read
+/// earlier; one that has read a job since holds it, and one that has read at all since is
+/// alive, so each is looked at again in the same script as its removal. (`XINFO` may be called
+/// in a script: Redis replicates scripts by their effects, by default since 5.0 and always
+/// since 7.0, and the queue needs 6.2 for `XAUTOCLAIM`.)
+/// KEYS: stream. ARGV: group, idle bound (ms), names. Returns how many were removed.
+const REMOVE_IF_IDLE: &str = r#"
+local named = {}
+for i = 3, #ARGV do
+  named[ARGV[i]] = true
+end
+local removed = 0
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for i = 1, #consumer, 2 do
+    info[consumer[i]] = consumer[i + 1]
+  end
+  if named[info['name']] and info['pending'] == 0 and info['idle'] > tonumber(ARGV[2]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+    removed = removed + 1
+  end
+end
+return removed
 "#;
 
 fn now_ms() -> u64 {
@@ -155,6 +183,112 @@ fn queues_to_serve(
 /// does not serve.
 const REGISTRY_EVERY_PASSES: u32 = 50;
 
+/// How long a consumer of a queue's group must have been idle to be removed: well beyond what
+/// a live worker shows. A live worker reads its queues every `poll_interval`, and renews its
+/// hold on the jobs it has every third of `claim_after`; each call resets its idle time. Ten
+/// times the longer of the two, and at least an hour, leaves room for a slow Redis or a
+/// stalled process. A live worker does pass it while its route is off or its upstream's
+/// breaker is open, as it reads nothing then; removing its consumer costs nothing, as one is
+/// removed only while it holds no job, and Redis makes it again on the worker's next read.
+fn idle_consumer_bound(settings: &QueueSettings) -> Duration {
+    settings
+        .claim_after
+        .max(settings.poll_interval)
+        .saturating_mul(10)
+        .max(Duration::from_secs(3600))
+}
+
+/// The consumers to remove from a queue's group, of those `XINFO CONSUMERS` listed: idle over
+/// `idle_bound` and holding no job, other than this worker's own (`own`).
+fn idle_consumers_to_remove(
+    consumers: &[StreamInfoConsumer],
+    own: &str,
+    idle_bound: Duration,
+) -> Vec<String> {
+    consumers
+        .iter()
+        .filter(|consumer| {
+            consumer.name != own
+                && consumer.pending == 0
+                && Duration::from_millis(consumer.idle as u64) > idle_bound
+        })
+        .map(|consumer| consumer.name.clone())
+        .collect()
+}
+
+/// Removes the consumers of the queue's group that have been idle over `idle_bound` and hold no
+/// job, other than `own`; returns how many were removed. Every levee process joins the group
+/// under a name of its own ([`consumer_name`]), so each restart leaves one behind, and Redis
+/// keeps them for ever. One that still holds jobs stays until another worker takes them over.
+pub async fn remove_idle_consumers(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    group: &str,
+    own: &str,
+    idle_bound: Duration,
+) -> Result<usize, RedisFailure> {
+    let mut list = redis::cmd("XINFO");
+    list.arg("CONSUMERS").arg(&keys.stream).arg(group);
+    let listed: StreamInfoConsumersReply = redis.command(&list, QUEUE_TIMEOUT, None).await?;
+    let names = idle_consumers_to_remove(&listed.consumers, own, idle_bound);
+    if names.is_empty() {
+        return Ok(0);
+    }
+    remove_consumers_if_idle(redis, keys, group, &names, idle_bound).await
+}
+
+/// Removes those of `names` that hold no job and have been idle over `idle_bound` in the
+/// queue's group, both checked in one script with the removal ([`REMOVE_IF_IDLE`]); returns
+/// how many were removed.
+pub async fn remove_consumers_if_idle(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    group: &str,
+    names: &[String],
+    idle_bound: Duration,
+) -> Result<usize, RedisFailure> {
+    let mut args = vec![
+        group.as_bytes().to_vec(),
+        (idle_bound.as_millis() as u64).to_string().into_bytes(),
+    ];
+    args.extend(names.iter().map(|name| name.as_bytes().to_vec()));
+    let removed = eval(redis, REMOVE_IF_IDLE, &[&keys.stream], args).await?;
+    match removed {
+        redis::Value::Int(removed) => Ok(usize::try_from(removed).unwrap_or(0)),
+        other => Err(RedisFailure::BadReply(format!(
+            "removing idle consumers: {other:?}"
+        ))),
+    }
+}
+
+/// [`remove_idle_consumers`] for the worker, bounded by [`idle_consumer_bound`]. Best effort:
+/// what Redis did not do is tried again on the next look.
+async fn remove_consumers_left_behind(
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    settings: &QueueSettings,
+    own: &str,
+    route: &str,
+) {
+    let bound = idle_consumer_bound(settings);
+    match remove_idle_consumers(redis, keys, &settings.group, own, bound).await {
+        Ok(0) => {}
+        Ok(removed) => tracing::info!(
+            route,
+            stream = %keys.stream,
+            "removed {removed} consumers from the queue's consumer group, idle for over {}s \
+             with no job pending (left by instances that stopped)",
+            bound.as_secs()
+        ),
+        Err(error) => {
+            tracing::debug!(
+                route,
+                "the queue's idle consumers could not be removed: {error}"
+            )
+        }
+    }
+}
+
 /// Starts the replay loop; it lasts until `stop`.
 pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     tokio::spawn(async move {
@@ -195,6 +329,10 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             let (Some(redis), Some(settings)) = (policy.redis.clone(), policy.queue.clone()) else {
                 continue;
             };
+            // Consumers that stopped instances left in the groups are looked for on the passes
+            // that read the registry, when Redis answered that read: rare work, and none while
+            // Redis is down.
+            let mut look_for_consumers_left = false;
             registry_in = match registry_in.checked_sub(1) {
                 Some(left) => left,
                 None => {
@@ -210,6 +348,7 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                     )
                     .await;
                     registry_read_once |= read;
+                    look_for_consumers_left = read;
                     // Tried again on the next pass when Redis did not answer.
                     if read {
                         REGISTRY_EVERY_PASSES
@@ -245,6 +384,16 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 // Every pass, former queues included (they are not empty here): listed again
                 // should anything have taken the name off while jobs are stored.
                 register(&redis, &keys, &route.name.0, QUEUE_TIMEOUT).await;
+                if look_for_consumers_left {
+                    remove_consumers_left_behind(
+                        &redis,
+                        &keys,
+                        &settings,
+                        &consumer,
+                        &route.name.0,
+                    )
+                    .await;
+                }
                 // Paused while the route is off or its dependency's breaker is open; resumes
                 // by itself.
                 if shared.degrade.view(&policy).route_off(route)
@@ -1055,5 +1204,44 @@ mod tests {
             );
         }
         assert!(backoff(&settings, 30) <= Duration::from_secs(10));
+    }
+
+    #[test]
+    fn only_consumers_idle_over_the_bound_and_holding_no_job_are_removed_never_our_own() {
+        let hour = Duration::from_secs(3600);
+        let consumer = |name: &str, pending: usize, idle: Duration| StreamInfoConsumer {
+            name: name.into(),
+            pending,
+            idle: idle.as_millis() as usize,
+        };
+        let listed = [
+            consumer("stopped-empty", 0, hour * 24),
+            consumer("stopped-holding-a-job", 1, hour * 24),
+            consumer("live", 0, Duration::from_millis(200)),
+            consumer("at-the-bound", 0, hour),
+            consumer("just-over-the-bound", 0, hour + Duration::from_millis(1)),
+            consumer("this-worker", 0, hour * 24),
+        ];
+        assert_eq!(
+            idle_consumers_to_remove(&listed, "this-worker", hour),
+            ["stopped-empty", "just-over-the-bound"]
+        );
+        assert!(idle_consumers_to_remove(&[], "this-worker", hour).is_empty());
+    }
+
+    #[test]
+    fn the_idle_bound_is_an_hour_or_ten_times_the_longest_gap_of_a_live_worker() {
+        let hour = Duration::from_secs(3600);
+        assert_eq!(idle_consumer_bound(&QueueSettings::default()), hour);
+        let slow_claims = QueueSettings {
+            claim_after: Duration::from_secs(600),
+            ..QueueSettings::default()
+        };
+        assert_eq!(idle_consumer_bound(&slow_claims), Duration::from_secs(6000));
+        let slow_polls = QueueSettings {
+            poll_interval: hour,
+            ..QueueSettings::default()
+        };
+        assert_eq!(idle_consumer_bound(&slow_polls), hour * 10);
     }
 }
