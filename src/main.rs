@@ -243,8 +243,6 @@ fn admin_command(
     }
 }
 
-/// A refused reload's answer as `levee check` prints errors (`file:line:col: error: …` and
-/// the hint under it); any other answer as it came.
 /// `POST /reload`'s answer as a line to read, then the policy's warnings as `levee check`
 /// prints them.
 fn reload_text(text: &str) -> String {
@@ -270,6 +268,8 @@ fn reload_text(text: &str) -> String {
     out
 }
 
+/// A refused reload's answer as `levee check` prints errors (`file:line:col: error: …` and
+/// the hint under it); any other answer as it came.
 fn refusal_text(text: &str) -> String {
     let Ok(answer) = serde_json::from_str::<serde_json::Value>(text) else {
         return text.to_string();

@@ -270,9 +270,8 @@ impl<'a> Compiler<'a> {
     }
 
     /// Refuses a name of a route, upstream, limit or module that could not be told apart or
-    /// used: an empty one, one with spaces at an end or control characters (each would show
-    /// in logs, metrics and admin paths as another name than the one written), or with a
-    /// brace, which would split a queue's Redis keys over Cluster hash slots.
+    /// used: an empty one, or one with spaces at an end or control characters (each would show
+    /// in logs, metrics and admin paths as another name than the one written).
     fn check_name(&mut self, what: &str, name: &str, file: usize, span: Range<usize>) {
         let problem = if name.is_empty() {
             "is empty"
@@ -280,8 +279,6 @@ impl<'a> Compiler<'a> {
             "starts or ends with a space"
         } else if name.chars().any(char::is_control) {
             "has a control character"
-        } else if name.contains(['{', '}']) {
-            "has a brace"
         } else {
             return;
         };
@@ -289,7 +286,7 @@ impl<'a> Compiler<'a> {
             file,
             span,
             format!("{what} name {name:?} {problem}"),
-            "names appear in logs, metrics, admin paths and Redis keys; use letters, digits, `-`, `_` or `.`",
+            "names appear in logs, metrics and admin paths; use letters, digits, `-`, `_` or `.`",
         );
     }
 
@@ -437,14 +434,32 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
     // The parser names no key: read it where it points.
     if message == "duplicate key" {
         let rest = text.get(span.start..).unwrap_or_default();
-        let key: String = rest
-            .chars()
-            .take_while(|c| !matches!(c, '=' | ']' | '.' | '\n' | '\r') && !c.is_whitespace())
-            .collect();
+        // A quoted key (`"ops team"`) up to its closing quote, else a bare one.
+        let key: String = match rest.chars().next() {
+            Some(quote @ ('"' | '\'')) => {
+                let inner: String = rest[1..].chars().take_while(|c| *c != quote).collect();
+                format!("{quote}{inner}{quote}")
+            }
+            _ => rest
+                .chars()
+                .take_while(|c| !matches!(c, '=' | ']' | '.' | '\n' | '\r') && !c.is_whitespace())
+                .collect(),
+        };
         let in_header = before_on_line.trim_start().starts_with('[');
         return if in_header {
+            // The whole header names the table (`[upstream.app.breaker]`, not `breaker`).
+            let line = text
+                .get(line_start..)
+                .and_then(|line| line.lines().next())
+                .unwrap_or_default();
+            let table = line
+                .split(']')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .trim_start_matches('[');
             (
-                format!("the table `{key}` is written twice in this file"),
+                format!("the table `[{table}]` is written twice in this file"),
                 "write each [table] once and put all its keys under it (a list of tables is written [[name]])".to_string(),
             )
         } else {
@@ -465,7 +480,19 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
             .next()
             .filter(|key| !key.is_empty())?;
         let value = text.get(span.clone())?.trim().trim_matches(['"', '\'']);
-        let written_right = value.parse::<f64>().is_ok() || value == "true" || value == "false";
+        // Only a value the field would then take: digits for an integer, digits with one
+        // point for a number, true or false (not `NaN`, `1e3` or `+5`).
+        let digits = |text: &str| !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+        let written_right = if message.contains("expected a boolean") {
+            value == "true" || value == "false"
+        } else if message.contains("expected f") {
+            let (whole, fraction) = value.split_once('.').unwrap_or((value, "0"));
+            digits(whole) && digits(fraction)
+        } else if message.contains("expected i") {
+            digits(value.strip_prefix('-').unwrap_or(value))
+        } else {
+            digits(value)
+        };
         written_right.then(|| format!("write it without quotes: {key} = {value}"))
     };
     let hint = if message.contains("unknown field") {
@@ -507,15 +534,14 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             Ok(spec) => specs.push((index, spec)),
             Err(first) => {
                 let mut errors = FileSpec::shape_errors(&file.text);
-                // serde stops at the first error; when it lies outside every section that
-                // shape_errors reads (an unknown top-level key), it is kept as well.
-                if !errors.iter().any(|error| error.span() == first.span()) {
-                    errors.push(first);
+                // A syntax error, or one shape_errors would not see: serde's own is kept.
+                if !errors.iter().any(|(span, _)| *span == first.span()) {
+                    errors.push((first.span(), first.message().to_string()));
                 }
-                errors.sort_by_key(|error| error.span().map_or(0, |span| span.start));
-                for error in errors {
-                    let span = error.span().unwrap_or(0..0);
-                    let (message, hint) = explain_parse_error(&file.text, &span, error.message());
+                errors.sort_by_key(|(span, _)| span.as_ref().map_or(0, |span| span.start));
+                for (span, message) in errors {
+                    let span = span.unwrap_or(0..0);
+                    let (message, hint) = explain_parse_error(&file.text, &span, &message);
                     compiler.error_hint(index, span, message, hint);
                 }
             }
@@ -754,6 +780,12 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         limit_specs: &limit_specs,
         module_specs: &module_specs,
         queues: queue_settings.is_some(),
+        cluster: redis_store.as_ref().is_some_and(|store| {
+            matches!(
+                store.settings.target,
+                crate::redis_store::RedisTarget::Cluster(_)
+            )
+        }),
     };
     let mut routes = Vec::with_capacity(route_specs.len());
     let mut route_names: BTreeMap<String, (usize, Range<usize>)> = BTreeMap::new();
@@ -858,6 +890,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         &mut compiler,
         &routes,
         default_upstream.as_deref(),
+        &degrade_settings.triggers,
         (&upstream_specs, &limit_specs, &module_specs),
     );
     if !compiler.errors.is_empty() {
@@ -902,6 +935,7 @@ fn warn_of_what_does_nothing(
     compiler: &mut Compiler<'_>,
     routes: &[Arc<Route>],
     default_upstream: Option<&str>,
+    triggers: &[crate::degrade::trigger::Trigger],
     (upstream_specs, limit_specs, module_specs): (
         NamedSpecs<'_, UpstreamSpec>,
         NamedSpecs<'_, LimitSpec>,
@@ -936,8 +970,11 @@ fn warn_of_what_does_nothing(
         }
     }
     for (name, (file, spec)) in upstream_specs {
+        // One that only a degrade trigger watches is a switch an operator may pin
+        // (`levee breaker NAME open` raises the level): it is used.
         let used = default_upstream == Some(name.as_str())
-            || routes.iter().any(|route| route.upstream.name == *name);
+            || routes.iter().any(|route| route.upstream.name == *name)
+            || triggers.iter().any(|trigger| trigger.upstream == *name);
         if !used {
             compiler.warning_hint(
                 *file,
@@ -2225,8 +2262,9 @@ fn compile_limit(
 
 /// A module comes to be by being named, so a typo (`rankng`) would silently make a second
 /// module that the dashboard lists and nobody switches off. A name that is not declared but is
-/// one or two letters from a declared one is taken for such a typo; declaring it (`[module.NAME]`)
-/// says it is meant.
+/// a letter or two from a declared one is warned of as a likely typo; declaring it
+/// (`[module.NAME]`) says it is meant. A warning, not an error: names a letter apart can be
+/// meant, and a policy that loaded before must still load.
 fn check_module_name(
     compiler: &mut Compiler<'_>,
     file: usize,
@@ -2238,16 +2276,32 @@ fn check_module_name(
     if context.module_specs.contains_key(name) {
         return;
     }
+    // Short names are often one letter apart by design (`ads`/`abs`, `cart`/`card`): one
+    // letter counts from 6 letters on, two from 10.
+    let shortest = |declared: &str| name.chars().count().min(declared.chars().count());
     let near = context.module_specs.keys().find(|declared| {
         let distance = edit_distance(name, declared);
-        distance <= 2 && distance < name.chars().count().min(declared.chars().count()) / 2 + 1
+        let allowed = match shortest(declared) {
+            0..=5 => 0,
+            6..=9 => 1,
+            _ => 2,
+        };
+        (1..=allowed).contains(&distance)
     });
     if let Some(declared) = near {
-        compiler.error_hint(
+        let header = if name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            format!("[module.{name}]")
+        } else {
+            format!("[module.{name:?}]")
+        };
+        compiler.warning_hint(
             file,
             span,
-            format!("module `{name}` is not declared, and `{declared}` is"),
-            format!("write `{declared}`; if `{name}` is a module of its own, declare it with [module.{name}]"),
+            format!("module `{name}` is not declared, and `{declared}` is: a typo makes a module of its own"),
+            format!("write `{declared}`; if `{name}` is meant as a module of its own, declare it with {header}"),
         );
     }
 }
@@ -2644,6 +2698,8 @@ struct RouteContext<'a> {
     module_specs: &'a BTreeMap<String, (usize, Spanned<ModuleSpec>)>,
     /// Queues can be used (there is `[redis]`).
     queues: bool,
+    /// `[redis]` is a Redis Cluster.
+    cluster: bool,
 }
 
 fn compile_route(
@@ -2796,7 +2852,19 @@ fn compile_route(
             );
         }
     }
-    let queue = if matches!(degrade, Some(DegradeAction::Queue)) || always_queue {
+    let queues = matches!(degrade, Some(DegradeAction::Queue)) || always_queue;
+    // A queue's keys carry its route's name as their Cluster hash tag (`queue:{NAME}:jobs`);
+    // a brace in it would end the tag early or empty it, and the stream and its dead letters
+    // would land in different slots, where the scripts that move jobs between them fail.
+    if queues && context.cluster && name.get_ref().contains(['{', '}']) {
+        compiler.error_hint(
+            file,
+            name.span(),
+            format!("queue route name {:?} has a brace", name.get_ref()),
+            "in a Redis Cluster a queue's keys take the route's name as their hash tag; rename the route without `{` or `}`",
+        );
+    }
+    let queue = if queues {
         let spec = inner.degrade.as_ref().map(|spec| spec.get_ref());
         Some(Arc::new(QueueAction {
             body_html: spec
@@ -3204,6 +3272,18 @@ mod tests {
             ],
             "{refused:#?}"
         );
+        // An unknown section is reported with the errors of the others.
+        let refused = errors(&[(
+            "a.toml",
+            "[server]\naccess_log = \"x\"\n[upstreams]\n[upstream.app]\nurl = \"http://127.0.0.1:9\"\n",
+        )]);
+        assert_eq!(refused.len(), 2, "{refused:#?}");
+        assert!(
+            refused[1].starts_with(
+                "a.toml:3:2: error: unknown field `upstreams`, expected one of `server`"
+            ),
+            "{refused:#?}"
+        );
         // A file with broken TOML gets its first syntax error only: what follows it is
         // read wrongly anyway.
         assert_eq!(
@@ -3241,6 +3321,22 @@ mod tests {
                 "hint: write true or false without quotes",
             ),
             (
+                format!("{app}[admin]\ntokens = {{ \"ops team\" = \"0123456789abcdef0\", \"ops team\" = \"0123456789abcdef1\" }}\n"),
+                "error: `\"ops team\"` is set twice in the same table",
+            ),
+            (
+                format!("{app}[upstream.app.breaker]\nwindow = \"10s\"\n[upstream.app.breaker]\nopen_for = \"5s\"\n"),
+                "error: the table `[upstream.app.breaker]` is written twice in this file",
+            ),
+            (
+                format!("{app}[[route]]\nname = \"x\"\ntier = \"3.5\"\n"),
+                "hint: write the number without quotes, like tier = 3",
+            ),
+            (
+                format!("{app}[limit.x]\nkey = [\"ip\"]\nrate = \"1/s\"\nburst = \"NaN\"\n"),
+                "hint: write the number without quotes, like tier = 3",
+            ),
+            (
                 format!("{app}response_timeout = 30\n"),
                 "hint: durations, sizes and rates are written in quotes with a unit",
             ),
@@ -3250,7 +3346,7 @@ mod tests {
             ),
             (
                 format!("{app}[upstream.app]\nurl = \"http://127.0.0.1:10\"\n"),
-                "a.toml:3:11: error: the table `app` is written twice in this file",
+                "a.toml:3:11: error: the table `[upstream.app]` is written twice in this file",
             ),
         ] {
             let refused = errors(&[("a.toml", &text)]);
@@ -3262,37 +3358,46 @@ mod tests {
     }
 
     #[test]
-    fn a_module_name_one_letter_from_a_declared_one_is_taken_for_a_typo() {
+    fn a_module_name_a_letter_from_a_declared_one_is_warned_of_as_a_typo() {
         let route = |module: &str| {
             format!("[[route]]\nname = \"r-{module}\"\nmatch = {{ path_prefix = \"/{module}\" }}\ntier = 3\nmodule = \"{module}\"\n")
         };
+        let warnings = |policy: &str| -> Vec<String> {
+            compile(&files(&[("a.toml", policy)]), None)
+                .expect("a likely typo still loads")
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .filter(|warning| warning.contains("is not declared"))
+                .collect()
+        };
         let declared = "[module.ranking]\ndescription = \"top sellers\"\n";
-        let refused = errors(&[("a.toml", &format!("{APP}{declared}{}", route("rankng")))]);
+        let typo = warnings(&format!("{APP}{declared}{}", route("rankng")));
         assert_eq!(
-            refused,
-            ["a.toml:9:10: error: module `rankng` is not declared, and `ranking` is\n  hint: write `ranking`; if `rankng` is a module of its own, declare it with [module.rankng]"]
+            typo,
+            ["a.toml:9:10: warning: module `rankng` is not declared, and `ranking` is: a typo makes a module of its own\n  hint: write `ranking`; if `rankng` is meant as a module of its own, declare it with [module.rankng]"]
         );
         // In a page's hide list too.
-        let refused = errors(&[(
-            "a.toml",
-            &format!(
-                "{APP}{declared}[[route]]\nname = \"home\"\nhide = {{ rankin = \"#ranking\" }}\n"
-            ),
-        )]);
+        let typo = warnings(&format!(
+            "{APP}{declared}[[route]]\nname = \"home\"\nhide = {{ rankin = \"#ranking\" }}\n"
+        ));
         assert!(
-            refused.len() == 1 && refused[0].contains("module `rankin` is not declared"),
-            "{refused:?}"
+            typo.iter()
+                .any(|w| w.contains("module `rankin` is not declared")),
+            "{typo:?}"
         );
-        // Declared, or far from every declared name, a module is meant.
+        // Declared, far from every declared name, or short names a letter apart by design.
         for policy in [
             format!("{APP}{declared}[module.rankng]\n{}", route("rankng")),
             format!("{APP}{declared}{}", route("ads")),
-            format!("{APP}{}{}", route("ads1"), route("ads2")),
+            format!("{APP}[module.cart]\n{}{}", route("cart"), route("card")),
+            format!("{APP}[module.ads]\n{}{}", route("ads"), route("abs")),
         ] {
-            assert!(errors(&[("a.toml", &policy)]).is_empty(), "{policy}");
+            assert!(warnings(&policy).is_empty(), "{policy}");
         }
         assert_eq!(edit_distance("ranking", "rankng"), 1);
         assert_eq!(edit_distance("ads", "ranking"), 6);
+        assert_eq!(edit_distance("排行榜", "排行"), 1);
     }
 
     #[test]
@@ -3327,10 +3432,29 @@ mod tests {
                 "a.toml:1:1: error: upstream name \"\" is empty",
                 "a.toml:3:1: error: upstream name \"app \" starts or ends with a space",
                 "a.toml:5:1: error: limit name \"a\\tb\" has a control character",
-                "a.toml:9:8: error: route name \"}jobs\" has a brace",
                 "a.toml:12:8: error: route name \"\" is empty",
             ],
         );
+    }
+
+    #[test]
+    fn a_queue_route_with_a_brace_in_its_name_is_refused_only_in_a_redis_cluster() {
+        let policy = |redis: &str| {
+            format!("{APP}{redis}[[route]]\nname = \"jobs}}\"\nmatch = {{ path = \"/notify.php\" }}\nalways_queue = true\n")
+        };
+        let refused = errors(&[(
+            "a.toml",
+            &policy("[redis]\ncluster = [\"redis://127.0.0.1:7000\"]\n"),
+        )]);
+        assert!(
+            refused.len() == 1 && refused[0].contains("queue route name \"jobs}\" has a brace"),
+            "{refused:?}"
+        );
+        assert!(errors(&[(
+            "a.toml",
+            &policy("[redis]\nurl = \"redis://127.0.0.1:6379\"\n")
+        )])
+        .is_empty());
     }
 
     #[test]

@@ -33,13 +33,14 @@ pub struct FileSpec {
 impl FileSpec {
     /// Every shape error of a file that parses as TOML but not as a policy: one per section,
     /// table entry or `[[route]]`, not only the first, so an operator fixes a file in one go.
-    /// Empty when the file's TOML is broken (its first syntax error is the one to fix) or when
-    /// the error is in no section (an unknown top-level key; the caller keeps serde's error).
-    pub fn shape_errors(text: &str) -> Vec<toml::de::Error> {
+    /// Each is its place in the text and the parser's message. Empty when the file's TOML is
+    /// broken: its first syntax error is the one to fix.
+    pub fn shape_errors(text: &str) -> Vec<(Option<std::ops::Range<usize>>, String)> {
         let Ok(root) = toml::de::DeTable::parse(text) else {
             return Vec::new();
         };
         let mut errors = Vec::new();
+        let mut unknown = Vec::new();
         for (key, value) in root.get_ref() {
             match key.get_ref().as_ref() {
                 "server" => try_shape::<ServerSpec>(value, &mut errors),
@@ -59,12 +60,22 @@ impl FileSpec {
                     }
                     _ => try_shape::<Vec<RouteSpec>>(value, &mut errors),
                 },
-                _ => {}
+                other => unknown.push((
+                    Some(key.span()),
+                    format!("unknown field `{other}`, expected one of {TOP_LEVEL_KEYS}"),
+                )),
             }
         }
         errors
+            .into_iter()
+            .map(|error| (error.span(), error.message().to_string()))
+            .chain(unknown)
+            .collect()
     }
 }
+
+/// The sections a policy file may have, as serde names them in its own message.
+const TOP_LEVEL_KEYS: &str = "`server`, `admin`, `redis`, `identity`, `upstream`, `limit`, `degrade`, `module`, `queue`, `route`";
 
 fn try_shape<'de, T: Deserialize<'de>>(
     value: &Spanned<toml::de::DeValue<'de>>,

@@ -68,7 +68,16 @@ fn now_unix() -> u64 {
 /// part of it does nothing.
 fn log_warnings(policy: &Policy) {
     for warning in &policy.warnings {
-        tracing::warn!("policy: {warning}");
+        // One line each, as log lines are read and searched.
+        let hint = warning
+            .hint
+            .as_deref()
+            .map_or(String::new(), |hint| format!(" (hint: {hint})"));
+        tracing::warn!(
+            "policy: {}: warning: {}{hint}",
+            warning.location(),
+            warning.message
+        );
     }
 }
 

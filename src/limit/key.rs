@@ -29,14 +29,16 @@ impl Source {
         // A cookie's or a parameter's name ends at these bytes in a request, so a name
         // written with one (`cookie:sid; path=/`, copied from a Set-Cookie) would never be
         // found; the character itself is written percent-encoded.
+        // (A header name is checked as a header name below; a space in a cookie's or a
+        // parameter's name is read as PHP reads it, as `_`.)
         let ends_a_name: &[char] = match kind {
-            "cookie" => &[';', '=', ','],
+            "cookie" => &[';', '='],
             "query" => &['&', '=', '#'],
             _ => &[],
         };
         if let Some(bad) = name
             .chars()
-            .find(|c| ends_a_name.contains(c) || c.is_control() || *c == ' ')
+            .find(|c| !ends_a_name.is_empty() && (ends_a_name.contains(c) || c.is_control()))
         {
             return Err(format!(
                 "`{text}`: a {kind} name cannot hold {bad:?}; write the name alone, like `{kind}:sid`, and a character the name really has percent-encoded"
@@ -661,6 +663,12 @@ mod tests {
             .contains("cannot hold"));
         assert!(KeyPart::parse("query:page=1").is_err());
         assert!(KeyPart::parse("query:a\tb").is_err());
+        // A comma or a space does not end a cookie's name; a header name gets its own answer.
+        assert!(KeyPart::parse("cookie:a,b").is_ok());
+        assert!(KeyPart::parse("cookie:my sid").is_ok());
+        assert!(KeyPart::parse("header:X Api")
+            .unwrap_err()
+            .contains("is not a header name"));
         // Percent-encoded, the same characters are names PHP can read.
         assert!(KeyPart::parse("cookie:a%3Bb").is_ok());
         assert!(KeyPart::parse("query:api.key").is_ok());

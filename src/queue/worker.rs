@@ -980,9 +980,11 @@ impl Pass<'_> {
         // Redis answers, for as long as no other worker could have taken the job over; the
         // script does nothing if one has.
         let give_up_at = Instant::now() + self.settings.claim_after;
+        let mut tried_before = false;
         let outcome = loop {
             match eval(self.redis, &script, keys, args.clone()).await {
                 Err(error) if !is_no_group(&error) && Instant::now() < give_up_at => {
+                    tried_before = true;
                     tracing::debug!(
                         id,
                         "the outcome of a replayed job is not recorded yet, trying again: {error}"
@@ -993,6 +995,15 @@ impl Pass<'_> {
             }
         };
         if let redis::Value::Int(-1) = outcome {
+            if tried_before {
+                // An earlier try whose answer was lost may have run the script: the job is
+                // no longer this worker's either way, and most likely by its own doing.
+                tracing::debug!(
+                    id,
+                    "the outcome of a replayed job was recorded by an earlier try, or the job was taken over meanwhile"
+                );
+                return Ok(true);
+            }
             tracing::warn!(
                 id,
                 "job taken over by another worker while its replay ran here; left to that one"
