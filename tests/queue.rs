@@ -947,7 +947,13 @@ async fn a_cluster_node_out_stops_only_the_queues_it_holds() {
     )
     .await;
     let metrics = get(&levee.admin_url("/metrics")).await.text();
+    // /queues shows the queue on the node still up, and the other's reason.
+    let queues = get(&levee.admin_url("/queues")).await;
     cluster.pause(out_node, false);
+    assert_eq!(queues.status, 200, "{}", queues.text());
+    let queues = queues.json();
+    assert!(queues["notify"]["error"].is_string(), "{queues}");
+    assert!(queues[other.as_str()]["backlog"].is_i64(), "{queues}");
 
     assert_eq!(node_up(&metrics, out_node), 0.0, "{metrics}");
     assert_eq!(

@@ -187,6 +187,17 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
         return json_response(StatusCode::OK, &json!({}));
     };
     let mut out = serde_json::Map::new();
+    // A queue Redis does not answer for (its Cluster node is out) gets its reason, not
+    // figures; the others are still shown. Only when none answered is the whole a 503.
+    let mut failed: Option<RedisFailure> = None;
+    let mut figures = |stats: Result<serde_json::Value, RedisFailure>| match stats {
+        Ok(stats) => stats,
+        Err(failure) => {
+            let shown = json!({ "error": failure.to_string() });
+            failed = Some(failure);
+            shown
+        }
+    };
     for route in policy
         .routes
         .routes
@@ -194,10 +205,8 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
         .filter(|route| route.queue.is_some())
     {
         let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
-        match worker::stats(redis, &keys, settings).await {
-            Ok(stats) => out.insert(route.name.to_string(), stats),
-            Err(failure) => return queues_unreadable(&failure),
-        };
+        let stats = figures(worker::stats(redis, &keys, settings).await);
+        out.insert(route.name.to_string(), stats);
     }
     // Queues of routes that stopped queueing, still replayed until empty, and queues found in
     // Redis for routes the policy does not have (kept, not replayed).
@@ -212,10 +221,7 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
                 .map(|(route, keys)| (route, keys, true)),
         );
     for (route, keys, route_missing) in kept {
-        let mut stats = match worker::stats(redis, &keys, settings).await {
-            Ok(stats) => stats,
-            Err(failure) => return queues_unreadable(&failure),
-        };
+        let mut stats = figures(worker::stats(redis, &keys, settings).await);
         if let Some(fields) = stats.as_object_mut() {
             fields.insert("stopped_queueing".into(), json!(true));
             if route_missing {
@@ -224,7 +230,15 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
         }
         out.entry(route).or_insert(stats);
     }
-    json_response(StatusCode::OK, &serde_json::Value::Object(out))
+    let answered = out.values().any(|stats| stats.get("error").is_none());
+    match failed {
+        Some(failure) if !answered => queues_unreadable(&failure),
+        Some(failure) => {
+            tracing::warn!(%failure, "GET /queues: Redis did not give some queues' figures");
+            json_response(StatusCode::OK, &serde_json::Value::Object(out))
+        }
+        None => json_response(StatusCode::OK, &serde_json::Value::Object(out)),
+    }
 }
 
 /// The queues' figures live in Redis alone: without it there are none to show, and 200 with
