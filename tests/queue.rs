@@ -1326,3 +1326,37 @@ async fn remove_idle_consumers_of(
         "the job, held by this worker: {held}"
     );
 }
+
+/// An entry the worker cannot read as a job (written by hand, or by a broken tool) goes to
+/// the dead letters, where an operator sees it, and is counted as a dead letter once Redis
+/// has recorded the move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_job_is_dead_lettered_and_counted() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    // One job stored and applied first makes the stream and its group.
+    switch(&levee, "off").await;
+    assert_eq!(post_as(&levee, "like=1", "192.0.2.1").await.status, 202);
+    switch(&levee, "on").await;
+    replayed_keys(&levee, &seen, 1).await;
+
+    let stream = "levee:queue:{notify}:jobs";
+    redis.cli(&["XADD", stream, "*", "body", "no method, no target"]);
+    let dead_lettered = "levee_queue_dead_lettered_total{route=\"notify\"}";
+    eventually(
+        Duration::from_secs(10),
+        "the unreadable entry dead-lettered",
+        || async {
+            let metrics = get(&levee.admin_url("/metrics")).await.text();
+            metrics.contains(dead_lettered) && metric_value(&metrics, dead_lettered) == 1.0
+        },
+    )
+    .await;
+    let dead = get(&levee.admin_url("/queues/notify/dead")).await.json();
+    assert_eq!(dead.as_array().map(Vec::len), Some(1), "{dead}");
+    assert!(dead.to_string().contains("unreadable job"), "{dead}");
+    assert_eq!(redis.cli(&["XLEN", stream]).trim(), "0");
+    assert_eq!(seen.lock().expect("lock").len(), 1, "never sent to the app");
+}
