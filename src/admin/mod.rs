@@ -190,8 +190,12 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
     // A queue Redis does not answer for (its Cluster node is out) gets its reason, not
     // figures; the others are still shown. Only when none answered is the whole a 503.
     let mut failed: Option<RedisFailure> = None;
+    let mut answered = false;
     let mut figures = |stats: Result<serde_json::Value, RedisFailure>| match stats {
-        Ok(stats) => stats,
+        Ok(stats) => {
+            answered = true;
+            stats
+        }
         Err(failure) => {
             let shown = json!({ "error": failure.to_string() });
             failed = Some(failure);
@@ -230,7 +234,6 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
         }
         out.entry(route).or_insert(stats);
     }
-    let answered = out.values().any(|stats| stats.get("error").is_none());
     match failed {
         Some(failure) if !answered => queues_unreadable(&failure),
         Some(failure) => {

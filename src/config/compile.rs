@@ -433,18 +433,6 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
     let before_on_line = text.get(line_start..span.start).unwrap_or_default();
     // The parser names no key: read it where it points.
     if message == "duplicate key" {
-        let rest = text.get(span.start..).unwrap_or_default();
-        // A quoted key (`"ops team"`) up to its closing quote, else a bare one.
-        let key: String = match rest.chars().next() {
-            Some(quote @ ('"' | '\'')) => {
-                let inner: String = rest[1..].chars().take_while(|c| *c != quote).collect();
-                format!("{quote}{inner}{quote}")
-            }
-            _ => rest
-                .chars()
-                .take_while(|c| !matches!(c, '=' | ']' | '.' | '\n' | '\r') && !c.is_whitespace())
-                .collect(),
-        };
         let in_header = before_on_line.trim_start().starts_with('[');
         return if in_header {
             // The whole header names the table (`[upstream.app.breaker]`, not `breaker`).
@@ -463,6 +451,18 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
                 "write each [table] once and put all its keys under it (a list of tables is written [[name]])".to_string(),
             )
         } else {
+            let rest = text.get(span.start..).unwrap_or_default();
+            // A quoted key (`"ops team"`) up to its closing quote, else a bare one.
+            let key: String = match rest.chars().next() {
+                Some(quote @ ('"' | '\'')) => {
+                    let inner: String = rest[1..].chars().take_while(|c| *c != quote).collect();
+                    format!("{quote}{inner}{quote}")
+                }
+                _ => rest
+                    .chars()
+                    .take_while(|c| !matches!(c, '=' | '.' | '\n' | '\r') && !c.is_whitespace())
+                    .collect(),
+            };
             (
                 format!("`{key}` is set twice in the same table"),
                 "a key may appear once per table; remove one of the two".to_string(),
@@ -495,28 +495,23 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
         };
         written_right.then(|| format!("write it without quotes: {key} = {value}"))
     };
+    let quoted = message.contains("invalid type: string");
     let hint = if message.contains("unknown field") {
-        "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing"
-    } else if message.contains("invalid type: string")
+        "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing".to_string()
+    } else if quoted
         && ["expected u", "expected i", "expected f"]
             .iter()
             .any(|number| message.contains(number))
     {
-        return (
-            message.to_string(),
-            unquoted().unwrap_or_else(|| "write the number without quotes, like tier = 3".into()),
-        );
-    } else if message.contains("invalid type: string") && message.contains("expected a boolean") {
-        return (
-            message.to_string(),
-            unquoted().unwrap_or_else(|| "write true or false without quotes".into()),
-        );
+        unquoted().unwrap_or_else(|| "write the number without quotes, like tier = 3".into())
+    } else if quoted && message.contains("expected a boolean") {
+        unquoted().unwrap_or_else(|| "write true or false without quotes".into())
     } else if message.contains("invalid type: integer") && message.contains("expected a string") {
-        "durations, sizes and rates are written in quotes with a unit, like \"30s\", \"1MiB\" or \"10/s\""
+        "durations, sizes and rates are written in quotes with a unit, like \"30s\", \"1MiB\" or \"10/s\"".to_string()
     } else {
-        "this is not valid TOML for a levee policy; see docs/policy.md"
+        "this is not valid TOML for a levee policy; see docs/policy.md".to_string()
     };
-    (message.to_string(), hint.to_string())
+    (message.to_string(), hint)
 }
 
 /// Compiles parsed files into a policy, or returns every error found.
@@ -893,13 +888,14 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         &degrade_settings.triggers,
         (&upstream_specs, &limit_specs, &module_specs),
     );
+    let in_file_order = |mut diagnostics: Vec<Diagnostic>| {
+        diagnostics.sort_by(|a, b| (&a.file, a.line, a.col).cmp(&(&b.file, b.line, b.col)));
+        diagnostics
+    };
     if !compiler.errors.is_empty() {
-        let mut errors = compiler.errors;
-        errors.sort_by(|a, b| (&a.file, a.line, a.col).cmp(&(&b.file, b.line, b.col)));
-        return Err(Diagnostics(errors));
+        return Err(Diagnostics(in_file_order(compiler.errors)));
     }
-    let mut warnings = compiler.warnings;
-    warnings.sort_by(|a, b| (&a.file, a.line, a.col).cmp(&(&b.file, b.line, b.col)));
+    let warnings = in_file_order(compiler.warnings);
     Ok(Policy {
         generation: 0,
         hash: policy_hash_with_cas(

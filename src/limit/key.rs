@@ -26,32 +26,12 @@ impl Source {
         if name.is_empty() {
             return Err(format!("`{text}` names nothing after `{kind}:`"));
         }
-        // A cookie's or a parameter's name ends at these bytes in a request, so a name
-        // written with one (`cookie:sid; path=/`, copied from a Set-Cookie) would never be
-        // found; the character itself is written percent-encoded.
-        // (A header name is checked as a header name below; a space in a cookie's or a
-        // parameter's name is read as PHP reads it, as `_`.)
-        let ends_a_name: &[char] = match kind {
-            "cookie" => &[';', '='],
-            "query" => &['&', '=', '#'],
-            _ => &[],
-        };
-        if let Some(bad) = name
-            .chars()
-            .find(|c| !ends_a_name.is_empty() && (ends_a_name.contains(c) || c.is_control()))
-        {
-            return Err(format!(
-                "`{text}`: a {kind} name cannot hold {bad:?}; write the name alone, like `{kind}:sid`, and a character the name really has percent-encoded"
-            ));
-        }
         match kind {
             "header" => HeaderName::from_bytes(name.as_bytes())
                 .map(Source::Header)
                 .map_err(|_| format!("`{name}` is not a header name")),
-            // Named as PHP names them (`api.key` is `$_GET['api_key']`): requests' names are
-            // read that way, so a name written otherwise would never be found.
-            "cookie" => Ok(Source::Cookie(php_name(&percent_decode(name)).into_owned())),
-            "query" => Ok(Source::Query(php_name(&percent_decode(name)).into_owned())),
+            "cookie" => php_field_name(text, kind, name, &[';', '=']).map(Source::Cookie),
+            "query" => php_field_name(text, kind, name, &['&', '=', '#']).map(Source::Query),
             other => Err(format!(
                 "unknown source `{other}`; use header:, cookie: or query:"
             )),
@@ -85,6 +65,28 @@ impl Source {
         };
         value.filter(|value| !value.is_empty())
     }
+}
+
+/// A cookie's or a query parameter's name, as PHP names it (`api.key` is `$_GET['api_key']`):
+/// requests' names are read that way, so a name written otherwise would never be found. A
+/// request ends such a name at `ends_a_name` (and a control byte), so a name written with one
+/// (`cookie:sid; path=/`, copied from a Set-Cookie) would never be found either: refused; the
+/// character itself is written percent-encoded. A space is read as PHP reads it, as `_`.
+fn php_field_name(
+    text: &str,
+    kind: &str,
+    name: &str,
+    ends_a_name: &[char],
+) -> Result<String, String> {
+    if let Some(bad) = name
+        .chars()
+        .find(|c| ends_a_name.contains(c) || c.is_control())
+    {
+        return Err(format!(
+            "`{text}`: a {kind} name cannot hold {bad:?}; write the name alone, like `{kind}:sid`, and a character the name really has percent-encoded"
+        ));
+    }
+    Ok(php_name(&percent_decode(name)).into_owned())
 }
 
 /// Where levee finds who the user is and which API key a request uses. Each list is tried in
