@@ -715,6 +715,39 @@ async fn a_request_that_must_not_be_repeated_is_not_sent_again() {
     stop(levee).await;
 }
 
+#[tokio::test]
+async fn a_close_after_an_interim_answer_is_not_taken_for_the_pool_race() {
+    // The upstream had the request (it sent 103 or 100) and then closed: a GET on a reused
+    // connection is not sent again, as it would be after a close with nothing read.
+    let backend = Scripted::start(|seen| match (seen.nth, seen.path()) {
+        (0, _) => Reply::keep(ok("fine")),
+        (_, "/hints-then-close") => Reply::close(
+            "HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n".as_bytes(),
+        ),
+        (_, _) => Reply::close("HTTP/1.1 100 Continue\r\n\r\n".as_bytes()),
+    })
+    .await;
+    let levee = levee_for(&backend, "").await;
+
+    for path in ["/hints-then-close", "/continue-then-close"] {
+        assert_eq!(call(&levee, "GET", "/warm").await.text(), "fine");
+        let answer = call(&levee, "GET", path).await;
+        assert_eq!(answer.status, 502, "{path}: {}", answer.text());
+        let sent = backend
+            .seen()
+            .into_iter()
+            .filter(|seen| seen.target == path)
+            .count();
+        assert_eq!(sent, 1, "{path} reached the upstream exactly once");
+        assert!(
+            answer.text().contains("after an interim (1xx) answer"),
+            "{path}: {}",
+            answer.text()
+        );
+    }
+    stop(levee).await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 3. Response framings
 
@@ -966,6 +999,14 @@ async fn answers_that_end_their_connection_are_not_reused() {
         "/no-content-with-body" => {
             Reply::keep("HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\nhello")
         }
+        // A 204 that announces a body it has not sent yet: whatever comes later must not
+        // answer the next request.
+        "/no-content-with-length" => {
+            Reply::keep("HTTP/1.1 204 No Content\r\nContent-Length: 44\r\n\r\n")
+        }
+        "/no-content-chunked" => {
+            Reply::keep("HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n")
+        }
         _ => Reply::keep(ok("fine")),
     })
     .await;
@@ -976,6 +1017,8 @@ async fn answers_that_end_their_connection_are_not_reused() {
         ("GET", "/http-1-0", 200, "old"),
         ("HEAD", "/head-with-body", 200, ""),
         ("GET", "/no-content-with-body", 204, ""),
+        ("GET", "/no-content-with-length", 204, ""),
+        ("GET", "/no-content-chunked", 204, ""),
     ] {
         assert_eq!(call(&levee, "GET", "/warm").await.text(), "fine");
         let answer = call(&levee, method, path).await;

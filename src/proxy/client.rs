@@ -198,6 +198,9 @@ struct Connection {
     reused: bool,
     /// The upstream answered before the whole request was sent: not reusable.
     request_unfinished: bool,
+    /// The upstream sent an interim (1xx) answer to the request in flight: it has the
+    /// request, so a close before the final answer is not the pool's race.
+    interim_seen: bool,
     idle_since: Instant,
     /// The response timer of the requests it carries, armed at the first (see
     /// `proxy::deadline`).
@@ -389,6 +392,7 @@ impl Client {
                     // it is lost (no body) and sending twice is harmless.
                     let race = connection.reused
                         && connection.buffer.is_empty()
+                        && !connection.interim_seen
                         && matches!(&error, ClientError::Closed | ClientError::Io(_));
                     if race && !retried && !has_body && is_idempotent(&parts.method) {
                         retried = true;
@@ -462,6 +466,7 @@ impl Client {
             buffer: BytesMut::new(),
             reused: false,
             request_unfinished: false,
+            interim_seen: false,
             idle_since: Instant::now(),
             response_timer: None,
         })
@@ -488,6 +493,11 @@ impl Client {
                 ))))));
             return response;
         }
+        // A 204 may frame no body (RFC 9110 8.6, RFC 9112 6.1): one that announces a length
+        // or chunks is not read, and the body it may still send would answer the next
+        // request on the connection.
+        let announced_body = head.status == StatusCode::NO_CONTENT
+            && !matches!(head.framing, Framing::UntilClose | Framing::Length(0));
         let framing = if *method == Method::HEAD
             || head.status.is_informational()
             || head.status == StatusCode::NO_CONTENT
@@ -504,6 +514,7 @@ impl Client {
         // that ends with the connection leaves nothing to reuse.
         let reusable = head.keep_alive
             && !head.status.is_informational()
+            && !announced_body
             && !matches!(framing, Framing::UntilClose);
         let mut body = Incoming {
             connection: Some(connection),
@@ -818,8 +829,10 @@ async fn read_response_head(
             if let Some(head) = parse_response_head(&mut connection.buffer, fields)? {
                 if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS
                 {
+                    connection.interim_seen = true;
                     continue;
                 }
+                connection.interim_seen = false;
                 return Ok(head);
             }
             if connection.buffer.len() >= MAX_HEAD_BYTES {
@@ -833,7 +846,12 @@ async fn read_response_head(
         }
         let read = connection.stream.read_buf(&mut connection.buffer).await?;
         if read == 0 {
-            return Err(if connection.buffer.is_empty() {
+            return Err(if connection.interim_seen {
+                ClientError::Protocol(
+                    "the connection closed after an interim (1xx) answer, before the final one"
+                        .into(),
+                )
+            } else if connection.buffer.is_empty() {
                 ClientError::Closed
             } else {
                 ClientError::Protocol("the connection closed inside the response head".into())
