@@ -179,7 +179,13 @@ async fn forward(
     let mut clock = RequestClock::reading(exchange.started);
 
     // Limits on what the client sent. The HTTP layer bounds the head while parsing (431);
-    // this is the operator's own, usually lower, limit.
+    // this is the operator's own, usually lower, limit, for the request line (414, as nginx
+    // answers a line over its header buffer) and for the fields (431).
+    if request_line_bytes(&request) > server.max_header_bytes {
+        return Err(ProxyError::TargetTooLong {
+            limit: server.max_header_bytes,
+        });
+    }
     let header_size = header::header_bytes(request.headers());
     if header_size > server.max_header_bytes {
         return Err(ProxyError::HeadersTooLarge {
@@ -889,6 +895,22 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 }
 
 /// Did the client ask to be told before it sends its body?
+/// The bytes of the request line as the client sent it (`GET /target HTTP/1.1` and CRLF);
+/// an absolute-form target (`http://host/…`) counts whole.
+fn request_line_bytes<B>(request: &Request<B>) -> usize {
+    let uri = request.uri();
+    let target = uri
+        .path_and_query()
+        .map_or(1, |target| target.as_str().len())
+        + uri
+            .scheme_str()
+            .map_or(0, |scheme| scheme.len() + "://".len())
+        + uri
+            .authority()
+            .map_or(0, |authority| authority.as_str().len());
+    request.method().as_str().len() + " ".len() + target + " HTTP/1.1\r\n".len()
+}
+
 fn expects_continue(headers: &http::HeaderMap) -> bool {
     headers
         .get(h::EXPECT)

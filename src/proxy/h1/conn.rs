@@ -127,6 +127,7 @@ pub(super) async fn serve_connection<H, F>(
             }
             Some(HeadRead::Closed) => return,
             Some(HeadRead::Refused(error)) => {
+                let error = error.naming_limit(limits.max_header_bytes);
                 tracing::debug!(%peer, "request head refused: {error}");
                 Box::pin(refuse(&mut stream, error, limits.send_timeout)).await;
                 Box::pin(linger_close(stream)).await;

@@ -59,6 +59,24 @@ pub enum HeadError {
     Malformed(&'static str),
 }
 
+impl HeadError {
+    /// The refusal as the client reads it: a head over the parser's own bound (far above
+    /// the operator's) is over the operator's `max_header_bytes` too, and that is the limit
+    /// the client and the log should see.
+    pub fn naming_limit(self, operator_limit: usize) -> HeadError {
+        match self {
+            HeadError::TooLarge { size, .. } => HeadError::TooLarge {
+                size,
+                limit: operator_limit,
+            },
+            HeadError::TargetTooLong { .. } => HeadError::TargetTooLong {
+                limit: operator_limit,
+            },
+            other => other,
+        }
+    }
+}
+
 /// Parses the request head at the front of `buffer`.
 ///
 /// `Ok(None)`: the head is not complete yet (and still within `max_head_bytes`). On success
