@@ -132,6 +132,17 @@ async fn an_invalid_host_is_refused_with_400() {
         assert_eq!(status_of(&answer), Some(400), "{host:?} => {answer}");
         assert!(answer.contains("invalid Host field"), "{answer}");
     }
+    // RFC 9110 9.3.2: refused as its head is read, a HEAD request still gets no body.
+    let answer = exchange(
+        &levee,
+        b"HEAD / HTTP/1.1\r\nHost: a b\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status_of(&answer), Some(400), "{answer}");
+    assert!(
+        answer.ends_with("\r\n\r\n"),
+        "no body after the head: {answer:?}"
+    );
     assert_eq!(backend.hits(), 0, "no invalid Host reached the backend");
     let answer = exchange(
         &levee,

@@ -126,10 +126,10 @@ pub(super) async fn serve_connection<H, F>(
                 return;
             }
             Some(HeadRead::Closed) => return,
-            Some(HeadRead::Refused(error)) => {
+            Some(HeadRead::Refused { error, method }) => {
                 let error = error.naming_limit(limits.max_header_bytes);
                 tracing::debug!(%peer, "request head refused: {error}");
-                Box::pin(refuse(&mut stream, error, limits.send_timeout)).await;
+                Box::pin(refuse(&mut stream, error, &method, limits.send_timeout)).await;
                 Box::pin(linger_close(stream)).await;
                 return;
             }
@@ -178,7 +178,12 @@ pub(super) async fn serve_connection<H, F>(
 #[allow(clippy::large_enum_variant)]
 enum HeadRead {
     Head(RequestHead),
-    Refused(HeadError),
+    /// With the method to answer as: a HEAD request still gets no body (RFC 9110 9.3.2),
+    /// or its client would take the body for its next answer.
+    Refused {
+        error: HeadError,
+        method: Method,
+    },
     Closed,
 }
 
@@ -192,10 +197,15 @@ async fn read_head(
 ) -> HeadRead {
     loop {
         if !buffer.is_empty() {
+            // Read before parsing: a head refused half-way has been split off the buffer.
+            let asks_head = buffer.starts_with(b"HEAD ");
             match parse_head(buffer, max_head_bytes) {
                 Ok(Some(head)) => return HeadRead::Head(head),
                 Ok(None) => {}
-                Err(error) => return HeadRead::Refused(error),
+                Err(error) => {
+                    let method = if asks_head { Method::HEAD } else { Method::GET };
+                    return HeadRead::Refused { error, method };
+                }
             }
         }
         if buffer.capacity() != 0 && buffer.capacity() - buffer.len() < 512 {
@@ -250,7 +260,7 @@ async fn read_some(stream: &mut TcpStream, buffer: &mut BytesMut) -> std::io::Re
 }
 
 /// Answers a head that could not be accepted, through the one place errors become responses.
-async fn refuse(stream: &mut TcpStream, error: HeadError, send_timeout: Duration) {
+async fn refuse(stream: &mut TcpStream, error: HeadError, method: &Method, send_timeout: Duration) {
     let error = match error {
         HeadError::TooLarge { size, limit } => ProxyError::HeadersTooLarge { size, limit },
         HeadError::TooManyHeaders { limit } => ProxyError::TooManyHeaders { limit },
@@ -260,7 +270,7 @@ async fn refuse(stream: &mut TcpStream, error: HeadError, send_timeout: Duration
     let (mut parts, body) = error.to_response().into_parts();
     let mut keep_alive = false;
     let framing = encode::frame_response(
-        &Method::GET,
+        method,
         Version::HTTP_11,
         parts.status,
         &mut parts.headers,
