@@ -233,7 +233,13 @@ fn admin_command(
             ExitCode::SUCCESS
         }
         Ok((status, text)) => {
-            eprint!("levee: {status}: {}", refusal_text(&text));
+            // Admin reasons start with their status already ("404 no module named …").
+            let reason = refusal_text(&text);
+            if reason.starts_with(&status.to_string()) {
+                eprint!("levee: {reason}");
+            } else {
+                eprint!("levee: {status}: {reason}");
+            }
             ExitCode::FAILURE
         }
         Err(error) => {

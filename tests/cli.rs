@@ -60,10 +60,15 @@ async fn status_level_module_breaker_and_reload_from_the_command_line() {
     );
     assert!(out.contains("upstream app"), "{out}");
 
-    // Changing state needs the token.
+    // Changing state needs the token, and the refusal says how to give it (once, not
+    // `401: 401`).
     let (ok, _, err) = run(&["module", "ranking", "off"], None).await.expect("cli");
     assert!(!ok);
-    assert!(err.contains("401"), "{err}");
+    assert!(
+        err.starts_with("levee: 401 this admin action needs a token"),
+        "{err}"
+    );
+    assert!(err.contains("--token or LEVEE_ADMIN_TOKEN"), "{err}");
     let (ok, out, err) = run(&["module", "ranking", "off"], Some(TOKEN))
         .await
         .expect("cli");
@@ -97,11 +102,29 @@ async fn status_level_module_breaker_and_reload_from_the_command_line() {
     assert!(ok, "{err}");
     assert_eq!(out, "levee: policy unchanged: generation 1 keeps running\n");
 
-    // A wrong token is refused like none.
+    // A wrong token is refused like none, and told apart from none.
     let (ok, _, err) = run(&["breaker", "app", "auto"], Some("wrong-token-wrong-token"))
         .await
         .expect("cli");
-    assert!(!ok && err.contains("401"), "{err}");
+    assert!(
+        !ok && err.contains("401 the token was not accepted"),
+        "{err}"
+    );
+
+    // Pointed at the public listener by mistake, the CLI's POST reaches the site, which
+    // answers 200: that is not taken for levee's answer.
+    let public = levee.public;
+    let (ok, out, err) =
+        tokio::task::spawn_blocking(move || levee_cli(&["level", "1"], public, Some(TOKEN)))
+            .await
+            .expect("cli");
+    assert!(!ok, "{out}");
+    assert!(
+        err.contains("did not come from levee's admin listener, so nothing was changed"),
+        "{err}"
+    );
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["degrade"]["level"], 2, "{status}");
 }
 
 #[test]

@@ -99,13 +99,21 @@ pub async fn call(
         .map_err(|_| format!("the admin listener at {admin} did not answer within 10s"))?
         .map_err(|error| format!("cannot reach the admin listener at {admin}: {error} (is levee running? is --admin right?)"))?;
     let status = response.status().as_u16();
+    let from_levee = response.headers().contains_key(&crate::admin::ADMIN_MARK);
     let body = response
         .into_body()
         .collect()
         .await
         .map_err(|error| error.to_string())?
         .to_bytes();
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    let text = String::from_utf8_lossy(&body).into_owned();
+    // Not levee's body shape: a site's own JSON would pass for it.
+    if !from_levee {
+        return Err(format!(
+            "the answer from {admin} (HTTP {status}) did not come from levee's admin listener, so nothing was changed in levee; is --admin (or [admin] listen) the admin address, not the public one?"
+        ));
+    }
+    Ok((status, text))
 }
 
 /// A readable summary of `GET /status`.

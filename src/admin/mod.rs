@@ -24,7 +24,25 @@ use crate::queue::{worker, QueueKeys};
 use crate::redis_store::RedisFailure;
 
 /// Answers one admin request.
+/// Marks every answer of the admin listener, so the CLI can tell it from the site: pointed at
+/// the public listener by mistake, `levee level 1` would get the app's 200 for its POST and
+/// report a level set that nothing set.
+pub static ADMIN_MARK: http::HeaderName = http::HeaderName::from_static("x-levee-admin");
+
 pub async fn handle(
+    shared: Arc<Shared>,
+    peer: std::net::SocketAddr,
+    request: Request<Incoming>,
+) -> Response<ResponseBody> {
+    let mut response = answer(shared, peer, request).await;
+    response.headers_mut().insert(
+        ADMIN_MARK.clone(),
+        HeaderValue::from_static(env!("CARGO_PKG_VERSION")),
+    );
+    response
+}
+
+async fn answer(
     shared: Arc<Shared>,
     peer: std::net::SocketAddr,
     request: Request<Incoming>,
@@ -446,11 +464,13 @@ fn authorize(
     match matched {
         Some(name) => Ok(Some(name)),
         None => {
-            tracing::warn!(path = %request.uri().path(), "admin request refused: missing or wrong token");
-            let mut response = text_response(
-                StatusCode::UNAUTHORIZED,
-                "401 this admin action needs a token: Authorization: Bearer <token>\n",
-            );
+            let reason = if presented.is_some() {
+                "401 the token was not accepted: it is none of [admin] tokens\n"
+            } else {
+                "401 this admin action needs a token: send Authorization: Bearer <token> (the levee CLI: --token or LEVEE_ADMIN_TOKEN)\n"
+            };
+            tracing::warn!(path = %request.uri().path(), token_sent = presented.is_some(), "admin request refused: missing or wrong token");
+            let mut response = text_response(StatusCode::UNAUTHORIZED, reason);
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
