@@ -620,3 +620,20 @@ async fn a_connection_header_naming_host_or_forwarding_fields_takes_none_of_them
     );
     assert_eq!(echoed_header(&echo, "x-real-ip"), ["203.0.113.9"]);
 }
+
+/// `OPTIONS *` and `CONNECT host:port` name no path: refused with 400 as a front nginx
+/// refuses them, with a reason that says so, and never forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targets_without_a_path_are_refused_with_the_reason() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    for raw in [
+        &b"OPTIONS * HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"[..],
+        &b"CONNECT db.internal:3306 HTTP/1.1\r\nHost: db.internal:3306\r\nConnection: close\r\n\r\n"[..],
+    ] {
+        let answer = exchange(&levee, raw).await;
+        assert_eq!(status_of(&answer), Some(400), "{answer}");
+        assert!(answer.contains("names no path"), "{answer}");
+    }
+    assert_eq!(backend.hits(), 0);
+}

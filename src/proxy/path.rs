@@ -11,7 +11,9 @@ use std::borrow::Cow;
 pub enum PathError {
     #[error("invalid percent-encoding in path")]
     BadPercentEncoding,
-    #[error("path does not start with '/'")]
+    /// `OPTIONS *` (about the server as a whole) and `CONNECT host:port` (a tunnel): a front
+    /// nginx refuses both with 400 too, and levee has no path to route them by.
+    #[error("the request target names no path (as `*` and `host:port` do); levee routes requests by path and opens no tunnels")]
     NotAbsolute,
 }
 
@@ -23,7 +25,6 @@ pub enum PathError {
 /// Returns the input unchanged (borrowed) in the common case where nothing needs doing.
 pub fn normalise(path: &str) -> Result<Cow<'_, str>, PathError> {
     if !path.starts_with('/') {
-        // `OPTIONS *` and absolute-form targets are handled by the caller.
         return Err(PathError::NotAbsolute);
     }
     if is_already_normal(path) {

@@ -15,6 +15,10 @@ use crate::proxy::path::hex;
 
 /// Longest chunk extension accepted on one size line (nobody sends them in practice).
 pub const MAX_EXTENSION_BYTES: usize = 4096;
+/// Most chunk extension bytes accepted over a whole body: each line's bound alone let a
+/// body of one-byte chunks carry thousands of times its size in extensions, through the
+/// decoder and past `max_body`, which counts data only.
+pub const MAX_EXTENSION_BYTES_IN_ALL: usize = 16 * 1024;
 /// Most trailer bytes accepted after the last chunk.
 pub const MAX_TRAILER_BYTES: usize = 16 * 1024;
 /// A chunk size with more hex digits than this cannot fit in 64 bits.
@@ -28,6 +32,8 @@ pub enum ChunkedError {
     SizeTooLarge,
     #[error("chunk extension is over {MAX_EXTENSION_BYTES} bytes")]
     ExtensionTooLong,
+    #[error("chunk extensions are over {MAX_EXTENSION_BYTES_IN_ALL} bytes in all")]
+    ExtensionsTooLong,
     #[error("chunk data is not followed by CRLF")]
     MissingDataEnd,
     #[error("invalid line end (bare LF or CR)")]
@@ -80,6 +86,7 @@ enum State {
 #[derive(Debug, Clone)]
 pub struct ChunkedDecoder {
     state: State,
+    extension_bytes: usize,
     trailer_bytes: usize,
 }
 
@@ -93,6 +100,7 @@ impl ChunkedDecoder {
     pub fn new() -> ChunkedDecoder {
         ChunkedDecoder {
             state: State::Size { size: 0, digits: 0 },
+            extension_bytes: 0,
             trailer_bytes: 0,
         }
     }
@@ -165,10 +173,16 @@ impl ChunkedDecoder {
                 b'\n' => return Err(ChunkedError::InvalidLineEnd),
                 _ if is_control(byte) => return Err(ChunkedError::InvalidExtension),
                 _ if length >= MAX_EXTENSION_BYTES => return Err(ChunkedError::ExtensionTooLong),
-                _ => State::Extension {
-                    size,
-                    length: length + 1,
-                },
+                _ => {
+                    self.extension_bytes += 1;
+                    if self.extension_bytes > MAX_EXTENSION_BYTES_IN_ALL {
+                        return Err(ChunkedError::ExtensionsTooLong);
+                    }
+                    State::Extension {
+                        size,
+                        length: length + 1,
+                    }
+                }
             },
             State::SizeLf { size } => match byte {
                 b'\n' if size == 0 => State::TrailerStart,
@@ -354,6 +368,19 @@ mod tests {
         long_extension.extend(std::iter::repeat_n(b'e', MAX_EXTENSION_BYTES + 1));
         let (result, _) = decode_split(&long_extension, &[]);
         assert_eq!(result, Err(ChunkedError::ExtensionTooLong));
+
+        // Each line within its bound, but too many of them: one-byte chunks with long
+        // extensions would carry thousands of times the body's size.
+        let mut many_extensions = Vec::new();
+        let line_extension = "e".repeat(MAX_EXTENSION_BYTES - 1);
+        for _ in 0..=MAX_EXTENSION_BYTES_IN_ALL / MAX_EXTENSION_BYTES {
+            many_extensions.extend_from_slice(format!("1;{line_extension}\r\nx\r\n").as_bytes());
+        }
+        let (result, _) = decode_split(&many_extensions, &[]);
+        assert_eq!(result, Err(ChunkedError::ExtensionsTooLong));
+        // A few short ones, as some clients send, are fine.
+        let (result, _) = decode_split(b"1;a=1\r\nx\r\n1;b=2\r\ny\r\n0;c\r\n\r\n", &[]);
+        assert_eq!(result, Ok(b"xy".to_vec()));
 
         let mut long_trailers = b"0\r\n".to_vec();
         for _ in 0..=MAX_TRAILER_BYTES / 9 {
