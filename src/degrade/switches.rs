@@ -299,7 +299,7 @@ pub async fn spawn_sync(
             let seen = degrade.runtime();
             match load(&policy).await {
                 Ok(switches) if switches != *seen => {
-                    tracing::info!("degrade switches changed elsewhere in the fleet; following");
+                    log_fleet_change(&seen, &switches);
                     // Not in the middle of an operator's change here, whose state file write
                     // this one's would race.
                     let _changing = degrade.lock_changes().await;
@@ -317,9 +317,96 @@ pub async fn spawn_sync(
     });
 }
 
+/// Says what another instance (or an operator through it) changed. Redis holding no
+/// switches at all where there were some is told apart: a Redis restarted without its data
+/// looks exactly like that, and the operator should know their switches are gone.
+fn log_fleet_change(seen: &RuntimeSwitches, now: &RuntimeSwitches) {
+    let changes = describe_changes(seen, now);
+    if *now == RuntimeSwitches::default() {
+        tracing::warn!(
+            changes = %changes,
+            "redis now holds no degrade switches: every runtime switch is back to the policy (handed back by an operator, or redis restarted without its data); following"
+        );
+    } else {
+        tracing::info!(changes = %changes, "degrade switches changed elsewhere in the fleet; following");
+    }
+}
+
+/// `level 1 -> policy, ranking off -> on (by alice)`: what differs between two sets of
+/// switches, in words.
+fn describe_changes(seen: &RuntimeSwitches, now: &RuntimeSwitches) -> String {
+    let level = |switch: &Option<Switch<u8>>| {
+        switch
+            .as_ref()
+            .map_or_else(|| "policy".to_string(), |switch| switch.value.to_string())
+    };
+    let module = |switch: Option<&Switch<bool>>| match switch {
+        Some(switch) if switch.value => "off",
+        Some(_) => "on",
+        None => "policy",
+    };
+    let by = |by: Option<&str>| by.map(|by| format!(" (by {by})")).unwrap_or_default();
+    let mut changes = Vec::new();
+    if seen.level != now.level {
+        changes.push(format!(
+            "level {} -> {}{}",
+            level(&seen.level),
+            level(&now.level),
+            by(now.level.as_ref().map(|switch| switch.by.as_str()))
+        ));
+    }
+    let names: std::collections::BTreeSet<&String> =
+        seen.modules.keys().chain(now.modules.keys()).collect();
+    for name in names {
+        let (before, after) = (seen.modules.get(name), now.modules.get(name));
+        if before != after {
+            changes.push(format!(
+                "{name} {} -> {}{}",
+                module(before),
+                module(after),
+                by(after.map(|switch| switch.by.as_str()))
+            ));
+        }
+    }
+    changes.join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fleet_change_is_told_in_words() {
+        let switch = |value, by: &str| Switch {
+            value,
+            by: by.to_string(),
+            at_unix: 1,
+        };
+        let seen = RuntimeSwitches {
+            level: Some(Switch {
+                value: 1,
+                by: "alice".into(),
+                at_unix: 1,
+            }),
+            modules: [("ranking".to_string(), switch(true, "alice"))].into(),
+        };
+        let now = RuntimeSwitches {
+            level: None,
+            modules: [
+                ("ranking".to_string(), switch(false, "bob")),
+                ("ads".to_string(), switch(true, "bob")),
+            ]
+            .into(),
+        };
+        assert_eq!(
+            describe_changes(&seen, &now),
+            "level 1 -> policy, ads policy -> off (by bob), ranking off -> on (by bob)"
+        );
+        assert_eq!(
+            describe_changes(&seen, &RuntimeSwitches::default()),
+            "level 1 -> policy, ranking off -> policy"
+        );
+    }
 
     #[test]
     fn state_file_is_replaced_whole_and_leaves_no_temporary_files() {
