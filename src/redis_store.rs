@@ -201,6 +201,23 @@ impl RedisFailure {
             RedisFailure::BadReply(_) | RedisFailure::Down | RedisFailure::Overloaded(_) => false,
         }
     }
+
+    /// Whether the call went out at all: not when the health breaker held it back or too
+    /// many decisions were waiting already.
+    fn was_sent(&self) -> bool {
+        !matches!(self, RedisFailure::Down | RedisFailure::Overloaded(_))
+    }
+}
+
+/// What the latest call to Redis found, whatever made it: rate limits, switches, queues,
+/// stale copies. The operator's "is Redis up": the health breaker alone follows rate-limit
+/// calls only, so without limited traffic it said "up" for a Redis that refused every
+/// switch and queue call, or "down" long after Redis was back.
+#[derive(Debug, Default)]
+struct Reach {
+    /// Why the latest call failed (no answer, or a refusal such as a wrong password);
+    /// `None` when it succeeded (or before any).
+    failure: Option<String>,
 }
 
 /// One bucket to decide in Redis.
@@ -332,6 +349,7 @@ pub struct RedisStore {
     health_generation: AtomicU64,
     /// Redis's `maxmemory-policy`, once read (see [`Self::read_eviction_policy`]).
     eviction_policy: Mutex<Option<String>>,
+    reach: Mutex<Reach>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -375,19 +393,44 @@ impl RedisStore {
             connection: OnceCell::new(),
             health: Mutex::new(Health::default()),
             eviction_policy: Mutex::new(None),
+            reach: Mutex::new(Reach::default()),
             script: Arc::new(KeyedScript::new(SCRIPT)),
             refund: Arc::new(KeyedScript::new(include_str!("limit/refund.lua"))),
         }
     }
 
-    /// True while the health breaker is closed (Redis is being used); in a cluster, while
-    /// every master node's is closed too.
+    /// True while Redis answers: its latest call of any kind succeeded (see [`Reach`]); in
+    /// a cluster, while no master node's health breaker is open either.
     pub fn is_up(&self) -> bool {
-        lock(&self.health).is_closed()
+        lock(&self.reach).failure.is_none()
             && self
                 .cluster_nodes()
                 .iter()
                 .all(|(_, node_is_up)| *node_is_up)
+    }
+
+    /// Why the latest call failed, while that is so.
+    pub fn last_error(&self) -> Option<String> {
+        lock(&self.reach).failure.clone()
+    }
+
+    /// True while rate-limit decisions go to Redis: its health breaker is closed.
+    pub fn decides_rate_limits(&self) -> bool {
+        lock(&self.health).is_closed()
+    }
+
+    /// Notes what a call found (`failure`: `None` when it answered). A background call that
+    /// got an answer while the health breaker is open lets the next rate-limit call probe at
+    /// once: Redis is back, and limits need not stay on their fallbacks for the rest of the
+    /// cool-down, nor, without limited traffic, until one comes.
+    fn note_call(&self, failure: Option<&RedisFailure>) {
+        if failure.is_some_and(|failure| !failure.was_sent()) {
+            return;
+        }
+        lock(&self.reach).failure = failure.map(ToString::to_string);
+        if failure.is_none() {
+            lock(self.health()).probe_now();
+        }
     }
 
     /// Reads Redis's `maxmemory-policy` once (`None` until Redis answered) and warns when it
@@ -545,6 +588,7 @@ impl RedisStore {
     /// Records how a call went: `failure` is why it failed, `None` when it answered. A call
     /// cut short because the master moved says nothing of Redis's health.
     fn record(&self, permit: Permit<'_>, failure: Option<&RedisFailure>, metrics: &Metrics) {
+        self.note_call(failure);
         // A call that failed after the sentinels named another master failed at the old one.
         let moved_since = permit.generation != self.sentinel_generation();
         drop(permit);
@@ -559,7 +603,7 @@ impl RedisStore {
             None => return,
             Some(Change::Up) => {
                 tracing::info!("redis answers again: rate limits are shared through redis");
-                metrics.redis_up.set(1);
+                metrics.redis_up.set(i64::from(self.is_up()));
                 "up"
             }
             Some(Change::Down { failures }) => {
@@ -569,7 +613,7 @@ impl RedisStore {
                     last_error = %failure.map(ToString::to_string).unwrap_or_default(),
                     "redis is failing: rate limits use each rule's on_redis_error fallback"
                 );
-                metrics.redis_up.set(0);
+                metrics.redis_up.set(i64::from(self.is_up()));
                 "down"
             }
         };
@@ -590,6 +634,7 @@ impl RedisStore {
         metrics: &Metrics,
     ) {
         drop(permit);
+        self.note_call(failure);
         let change = lock(&node.health).record(failure.is_none(), &self.settings);
         let up = match change {
             None => return,
@@ -664,15 +709,18 @@ impl RedisStore {
                 link.sentinels.check_soon();
             }
         }
-        if let (Some(permit), Some(guard)) = (permit, guarded) {
-            let failure = result.as_ref().err();
-            match &node {
-                Some((cluster, node)) => {
-                    self.record_node(node, permit, failure, guard.metrics);
-                    self.read_slot_map_when_due(cluster, failure.is_some(), guard.metrics);
+        match (permit, guarded) {
+            (Some(permit), Some(guard)) => {
+                let failure = result.as_ref().err();
+                match &node {
+                    Some((cluster, node)) => {
+                        self.record_node(node, permit, failure, guard.metrics);
+                        self.read_slot_map_when_due(cluster, failure.is_some(), guard.metrics);
+                    }
+                    None => self.record(permit, failure, guard.metrics),
                 }
-                None => self.record(permit, failure, guard.metrics),
             }
+            _ => self.note_call(result.as_ref().err()),
         }
         result
     }

@@ -1118,3 +1118,74 @@ async fn a_policy_caught_half_written_is_refused_and_the_finished_one_applied_un
     assert!(log.len() > 100, "the load was too light ({})", log.len());
     assert!(reload_failures(&levee).await >= 2.0);
 }
+
+/// `/status` `redis.up` and `levee_redis_up` follow every call to Redis, not only rate-limit
+/// calls: with no limited route at all, a frozen Redis shows as down (the switch sync finds
+/// it so), and as up again as soon as it answers, with no request needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_up_follows_every_call_even_without_limited_traffic() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let policy = policy_for(
+        backend.addr,
+        "",
+        &format!(
+            "[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\n[degrade]\nsync_interval = \"100ms\"\n",
+            redis.url()
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    let redis_view = || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        let metrics = get(&levee.admin_url("/metrics")).await.text();
+        (
+            status["redis"].clone(),
+            metric_value(&metrics, "levee_redis_up"),
+        )
+    };
+    let (view, up) = redis_view().await;
+    assert_eq!(
+        (view["up"].clone(), up),
+        (serde_json::json!(true), 1.0),
+        "{view}"
+    );
+
+    redis.pause(true);
+    eventually(Duration::from_secs(10), "redis seen down", || async {
+        let (view, up) = redis_view().await;
+        view["up"] == false && up == 0.0 && view["last_error"].is_string()
+    })
+    .await;
+
+    redis.pause(false);
+    eventually(Duration::from_secs(10), "redis seen up again", || async {
+        let (view, up) = redis_view().await;
+        view["up"] == true && up == 1.0 && view["last_error"].is_null()
+    })
+    .await;
+    assert_eq!(backend.hits(), 0, "no request was needed to see either");
+}
+
+/// Started with a Redis that nobody listens on, levee says so at once, not "up".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_redis_at_start_shows_as_down() {
+    let backend = echo_backend().await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
+    let port = closed.local_addr().expect("addr").port();
+    drop(closed);
+    let policy = policy_for(
+        backend.addr,
+        "",
+        &format!("[redis]\nurl = \"redis://127.0.0.1:{port}\"\ntimeout = \"100ms\"\n[degrade]\nsync_interval = \"100ms\"\n"),
+    );
+    let levee = Levee::start(&policy).await;
+    eventually(Duration::from_secs(10), "redis seen down", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["redis"]["up"] == false
+            && status["redis"]["last_error"]
+                .as_str()
+                .is_some_and(|error| !error.is_empty())
+    })
+    .await;
+}

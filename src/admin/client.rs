@@ -37,15 +37,47 @@ pub fn admin_address(explicit: Option<SocketAddr>, policies: &Path) -> SocketAdd
     }
 }
 
-/// `[admin] listen` as written in a policy directory, read file by file without compiling:
-/// the one file that sets it need only be valid TOML.
+/// `[admin] listen` as written in a policy directory, read file by file without compiling.
+/// A file that is not valid TOML (a save with a typo, often the one `levee reload` is run
+/// to explain) is read line by line.
 fn written_admin_listen(policies: &Path) -> Option<SocketAddr> {
     let paths = crate::config::compile::policy_file_paths(policies).ok()?;
     paths.iter().find_map(|path| {
         let text = std::fs::read_to_string(path).ok()?;
-        let table: toml::Table = toml::from_str(&text).ok()?;
-        table.get("admin")?.get("listen")?.as_str()?.parse().ok()
+        match toml::from_str::<toml::Table>(&text) {
+            Ok(table) => table.get("admin")?.get("listen")?.as_str()?.parse().ok(),
+            Err(_) => listen_line_in_admin_table(&text),
+        }
     })
+}
+
+/// `listen = "ADDRESS"` on a line of its own within an `[admin]` table, in text that may
+/// not parse as TOML.
+fn listen_line_in_admin_table(text: &str) -> Option<SocketAddr> {
+    let mut in_admin = false;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            let header = line.split('#').next().unwrap_or_default().trim();
+            in_admin = header.trim_start_matches('[').trim_end_matches(']').trim() == "admin"
+                && !header.starts_with("[[");
+            continue;
+        }
+        if !in_admin {
+            continue;
+        }
+        let Some((key, value)) = line.split_once('=') else {
+            continue;
+        };
+        if key.trim() != "listen" {
+            continue;
+        }
+        let value = value.trim();
+        let quoted = value.strip_prefix('"')?;
+        let address = &quoted[..quoted.find('"')?];
+        return address.parse().ok();
+    }
+    None
 }
 
 /// `name` as one segment of an admin path: bytes other than letters, digits and `-._~`
@@ -97,7 +129,7 @@ pub async fn call(
     let response = tokio::time::timeout(Duration::from_secs(10), client.send(request))
         .await
         .map_err(|_| format!("the admin listener at {admin} did not answer within 10s"))?
-        .map_err(|error| format!("cannot reach the admin listener at {admin}: {error} (is levee running? is --admin right?)"))?;
+        .map_err(|error| format!("cannot reach the admin listener at {admin}: {error} (is levee running? is --admin right? A changed [admin] listen takes effect only when levee restarts: until then pass --admin with the address it started with)"))?;
     let status = response.status().as_u16();
     let from_levee = response.headers().contains_key(&crate::admin::ADMIN_MARK);
     let body = response
@@ -170,10 +202,16 @@ pub fn summarize(status: &serde_json::Value) -> String {
     if let Some(modules) = degrade["modules"].as_object() {
         for (name, module) in modules {
             let state = if module["off"] == true { "OFF" } else { "on" };
+            // The origin is the on/off state's, not the tier's: said so, with who switched it.
+            let by = module["changed_by"]
+                .as_str()
+                .map(|by| format!(", by {by}"))
+                .unwrap_or_default();
             let _ = writeln!(
                 out,
-                "         module {name:<16} {state:<4} tier {} ({})",
+                "         module {name:<16} {state:<4} tier {} · {} from {}{by}",
                 module["tier"],
+                if module["off"] == true { "off" } else { "on" },
                 module["origin"].as_str().unwrap_or("?")
             );
         }
@@ -193,9 +231,19 @@ pub fn summarize(status: &serde_json::Value) -> String {
             {
                 "PARTLY DOWN"
             } else {
-                "DOWN (fallbacks in use)"
+                "DOWN"
             }
         );
+        if let Some(error) = redis["last_error"].as_str() {
+            let _ = writeln!(out, "         last call: {error}");
+        }
+        // An older levee sends no `rate_limits`: its `up` said the same.
+        if redis["rate_limits"] == "fallback" {
+            let _ = writeln!(
+                out,
+                "         rate limits on their on_redis_error fallbacks (the health breaker is open)"
+            );
+        }
         if let Some(master) = redis["master"].as_str() {
             let _ = writeln!(out, "         master now {master} (named by the sentinels)");
         }
@@ -310,7 +358,8 @@ mod tests {
         // A levee from before `nodes` and `master` were sent.
         let older = serde_json::json!({"redis": {"target": "redis://10.0.0.1:6379", "up": false}});
         let text = summarize(&older);
-        assert!(text.contains("DOWN (fallbacks in use)"), "{text}");
+        assert!(text.contains("redis://10.0.0.1:6379 · DOWN"), "{text}");
+        assert!(!text.contains("rate limits on their"), "{text}");
         assert!(!text.contains("master now"), "{text}");
     }
 
@@ -331,6 +380,16 @@ mod tests {
         assert_eq!(
             admin_address(None, dir.path()),
             SocketAddr::from(([127, 0, 0, 1], 19901))
+        );
+        // The file that sets it does not parse (a typo elsewhere in it): still read.
+        std::fs::write(
+            dir.path().join("10-admin.toml"),
+            "[server]\nlisten = \"127.0.0.1:8080\"\n[admin] # the admin listener\nlisten = \"127.0.0.1:19902\" # loopback\n[redis]\nburst = 3,\n",
+        )
+        .expect("write");
+        assert_eq!(
+            admin_address(None, dir.path()),
+            SocketAddr::from(([127, 0, 0, 1], 19902))
         );
         // Without any file that sets it: the default.
         std::fs::remove_file(dir.path().join("10-admin.toml")).expect("remove");

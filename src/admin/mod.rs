@@ -105,6 +105,11 @@ async fn answer(
         (&Method::GET, "/status") => json_response(StatusCode::OK, &status(&shared)),
         (&Method::GET, "/metrics") => {
             publish_breaker_states(&shared);
+            // Read now: a background call may have found Redis back, or gone, since the
+            // last rate-limit call set it.
+            if let Some(redis) = &shared.store.load().redis {
+                shared.metrics.redis_up.set(i64::from(redis.is_up()));
+            }
             let mut response = text_response(StatusCode::OK, shared.metrics.encode());
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -743,6 +748,8 @@ fn status(shared: &Shared) -> serde_json::Value {
             },
             "master": redis.sentinel_master().map(|address| address.to_string()),
             "up": redis.is_up(),
+            "last_error": redis.last_error(),
+            "rate_limits": if redis.decides_rate_limits() { "redis" } else { "fallback" },
             "maxmemory_policy": redis.eviction_policy(),
             "nodes": redis.cluster_nodes().into_iter().map(|(node, up)| json!({"node": node, "up": up})).collect::<Vec<_>>(),
         })
