@@ -236,7 +236,7 @@ pub fn full_body(body: impl Into<Bytes>) -> ResponseBody {
         .boxed_unsync()
 }
 
-const DEFAULT_LIMIT_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Too many requests</title></head>\n<body><h1>Too many requests</h1><p>Please wait {retry_after} seconds and try again.</p></body></html>\n";
+const DEFAULT_LIMIT_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Too many requests</title></head>\n<body><h1>Too many requests</h1><p>Please try again in {retry_after} s.</p></body></html>\n";
 const DEFAULT_LIMIT_JSON: &str =
     "{\"error\":\"rate_limited\",\"rule\":\"{rule}\",\"retry_after\":{retry_after}}\n";
 

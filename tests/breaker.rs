@@ -117,7 +117,13 @@ async fn failures_open_the_breaker_fallback_is_served_then_it_recovers() {
     )
     .await;
     assert_eq!(breaker_state(&levee, "app").await, "closed");
-    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    let scraped = get(&levee.admin_url("/metrics")).await;
+    // Named as what it is, so Prometheus reads its counters as counters.
+    assert_eq!(
+        scraped.header("content-type"),
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    );
+    let metrics = scraped.text();
     assert_eq!(
         metric_value(
             &metrics,

@@ -111,9 +111,14 @@ async fn answer(
                 shared.metrics.redis_up.set(i64::from(redis.is_up()));
             }
             let mut response = text_response(StatusCode::OK, shared.metrics.encode());
+            // The body is OpenMetrics text (`_total` samples under a `# TYPE x counter`, and
+            // `# EOF`): named as such, Prometheus parses it as such. Called 0.0.4 text, its
+            // counters read as untyped.
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
             );
             response
         }
