@@ -887,14 +887,17 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(inner) = source {
-        text.push_str(": ");
-        text.push_str(&inner.to_string());
+        // Some errors print their source as part of their own message already.
+        let inner_text = inner.to_string();
+        if !text.ends_with(&inner_text) {
+            text.push_str(": ");
+            text.push_str(&inner_text);
+        }
         source = inner.source();
     }
     text
 }
 
-/// Did the client ask to be told before it sends its body?
 /// The bytes of the request line as the client sent it (`GET /target HTTP/1.1` and CRLF);
 /// an absolute-form target (`http://host/…`) counts whole.
 fn request_line_bytes<B>(request: &Request<B>) -> usize {
@@ -911,6 +914,7 @@ fn request_line_bytes<B>(request: &Request<B>) -> usize {
     request.method().as_str().len() + " ".len() + target + " HTTP/1.1\r\n".len()
 }
 
+/// Did the client ask to be told before it sends its body?
 fn expects_continue(headers: &http::HeaderMap) -> bool {
     headers
         .get(h::EXPECT)
@@ -1046,5 +1050,21 @@ impl Exchange {
                 error = self.error.unwrap_or("-"),
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_chain_names_each_cause_once() {
+        let refused = client::ClientError::Connect {
+            target: "127.0.0.1:8081".into(),
+            source: std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused"),
+        };
+        assert_eq!(error_chain(&refused), "connect to 127.0.0.1:8081: refused");
+        let wrapped = std::io::Error::other(refused);
+        assert_eq!(error_chain(&wrapped), "connect to 127.0.0.1:8081: refused");
     }
 }
