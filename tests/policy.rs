@@ -333,6 +333,31 @@ async fn admin_reload_answers_with_the_errors_or_the_new_generation() {
     assert_eq!(get(&format!("{admin}/nope")).await.status, 404);
     // The admin API is not reachable through the public listener.
     assert_eq!(get(&format!("{public}/status")).await.text(), "b");
+
+    // A new listen address is accepted but not moved to: the reload says so, and /status
+    // keeps saying so, where the operator who changed it looks.
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        two_upstream_policy(&a, &b, "b").replacen("127.0.0.1:0", "127.0.0.1:1", 1),
+    )
+    .expect("write");
+    let moved = post(&format!("{admin}/reload"), "").await;
+    assert_eq!(moved.status, 200);
+    assert!(
+        moved.json()["warnings"]
+            .to_string()
+            .contains("take effect only after a restart"),
+        "{}",
+        moved.text()
+    );
+    let status = get(&format!("{admin}/status")).await.json();
+    assert!(
+        status["policy"]["warnings"]
+            .to_string()
+            .contains("take effect only after a restart"),
+        "{status}"
+    );
+    assert_eq!(get(&format!("{public}/")).await.text(), "b");
 }
 
 #[test]

@@ -154,6 +154,13 @@ impl PolicyStore {
                             generation = previous.generation,
                             "policy files are valid again, as the running policy: nothing to reload"
                         );
+                    } else if matches!(trigger, ReloadTrigger::Sighup | ReloadTrigger::Admin) {
+                        // Asked for by someone, who should see that the ask arrived.
+                        tracing::info!(
+                            ?trigger,
+                            generation = previous.generation,
+                            "policy files unchanged: nothing to reload"
+                        );
                     } else {
                         tracing::debug!(
                             ?trigger,
@@ -174,6 +181,21 @@ impl PolicyStore {
                     tracing::warn!(
                         "listen addresses changed in the policy; they take effect after a restart"
                     );
+                    // Also among the policy's warnings, so `levee reload` and `/status` say so
+                    // where the operator who made the change looks.
+                    let mut warning = super::diag::Diagnostic::whole(
+                        &self.dir,
+                        format!(
+                            "the policy's listen addresses (public {}, admin {}) take effect only after a restart; levee still listens on {} and {}",
+                            policy.server.listen,
+                            policy.admin.listen,
+                            previous.server.listen,
+                            previous.admin.listen
+                        ),
+                    )
+                    .hint("restart levee to move its listeners; until then the levee CLI reaches the admin listener with --admin and the address it listens on");
+                    warning.severity = super::diag::Severity::Warning;
+                    policy.warnings.push(warning);
                     // The listeners stay where they are bound: the policy says so, and later
                     // reloads are checked against them (see the admin token check).
                     policy.server.listen = previous.server.listen;
