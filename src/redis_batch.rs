@@ -905,6 +905,14 @@ async fn send_last(
     };
     // Connecting and writing count against the oldest call's answer: that is when it fails.
     let answer_due = oldest.sent_at + call_bound;
+    // A connection that sat idle may have been closed by Redis meanwhile (a restart, a
+    // `timeout` in redis.conf, a proxy in between): nothing reads it while no call is out.
+    // Found now, a new one is opened; found after sending, the call would fail, and with it
+    // every decision of the batch, and a healthy Redis could be taken for a failing one.
+    if in_flight.len() == 1 && connection.as_mut().is_some_and(|idle| !idle.is_usable()) {
+        tracing::debug!("the idle rate-limit connection to redis was closed; opening another");
+        *connection = None;
+    }
     let connection = match connection {
         Some(connection) => connection,
         None => {
@@ -1299,6 +1307,18 @@ impl Connection {
         let reply = connection.read_reply().await?;
         connection.take_script_sha(reply)?;
         Ok(connection)
+    }
+
+    /// Whether an idle connection can carry a call: the socket has nothing to say. A close,
+    /// a reset or bytes nobody asked for all end it. Asks without waiting.
+    fn is_usable(&mut self) -> bool {
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut probe = [0u8; 64];
+        let mut room = tokio::io::ReadBuf::new(&mut probe);
+        self.stream
+            .as_mut()
+            .poll_read(&mut context, &mut room)
+            .is_pending()
     }
 
     /// Takes in the answer to `SCRIPT LOAD`: the script's SHA1, used by every call after it.

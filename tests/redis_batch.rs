@@ -573,6 +573,38 @@ async fn a_redis_restarted_on_the_same_port_is_used_again() {
     assert!(evalsha_calls(&connection) >= 1);
 }
 
+/// Redis closed levee's connection while it sat idle (a restart between two requests, a
+/// `timeout` in redis.conf): the next decision opens another and is made by Redis, with no
+/// fallback and no health-breaker alarm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_redis_closed_while_idle_is_replaced_before_the_next_call() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let port_text = redis.port.to_string();
+    let connection = ["-p", port_text.as_str()];
+    let backend = echo_backend().await;
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        &waiting_redis_section(&redis.url(), "failures_to_open = 1\ncooldown = \"1h\"\n"),
+        GENEROUS,
+        "\"wide\"",
+    ))
+    .await;
+    for round in 1..=3 {
+        assert_eq!(send_as(&levee, None).await.status, 200);
+        assert_eq!(
+            decisions(&levee, "wide", "allowed", "redis").await,
+            f64::from(round)
+        );
+        // Every client but redis-cli itself: levee's connections are closed under it.
+        cli(&[&connection[..], &["CLIENT", "KILL", "TYPE", "normal"]].concat());
+        // The close reaches levee's socket.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(decisions_from(&levee, "wide", "fallback").await, 0.0);
+    assert_eq!(redis_up(&levee).await, 1.0);
+}
+
 // ---------------------------------------------------------------------------------------
 // 7. A reload that changes `[redis]`
 
