@@ -516,6 +516,7 @@ impl RedisStore {
             let mut health = lock(&self.health);
             health.consecutive_failures = before.consecutive_failures;
             health.open_until = before.open_until;
+            lock(&self.reach).failure = lock(&previous.reach).failure.clone();
         }
     }
 
@@ -1282,6 +1283,7 @@ mod reload_tests {
         let new_timeout = RedisStore::new(settings("redis://127.0.0.1:1/0", 50));
         new_timeout.start_from(&down);
         assert!(!new_timeout.is_up(), "still known to be down");
+        assert!(!new_timeout.decides_rate_limits(), "its breaker still open");
         let standby = RedisStore::new(settings("redis://127.0.0.1:2/0", 100));
         standby.start_from(&down);
         assert!(standby.is_up(), "another server is tried");

@@ -27,13 +27,37 @@ pub fn admin_address(explicit: Option<SocketAddr>, policies: &Path) -> SocketAdd
             Some(address) => address,
             None => {
                 eprintln!(
-                    "warning: the policy in {} does not compile ({} error(s), see `levee check`) and no file of it that parses sets [admin] listen; using {default} (pass --admin ADDRESS to choose)",
-                    policies.display(),
-                    diagnostics.0.len()
+                    "warning: {}; using {default} (pass --admin ADDRESS to choose)",
+                    why_no_admin_listen(policies, &diagnostics)
                 );
                 default
             }
         },
+    }
+}
+
+/// Why the policy directory names no admin listener: the directory itself when that is the
+/// problem (it does not exist, holds no policy file), else that the policy does not compile.
+fn why_no_admin_listen(policies: &Path, diagnostics: &crate::config::Diagnostics) -> String {
+    match diagnostics.0.as_slice() {
+        [only] if only.line == 0 && only.file == policies => {
+            format!("{}: {}", policies.display(), only.message)
+        }
+        _ => format!(
+            "the policy in {} does not compile ({} error(s), see `levee check`) and no file of it that parses sets [admin] listen",
+            policies.display(),
+            diagnostics.0.len()
+        ),
+    }
+}
+
+/// Where a diagnostic of `/status` is: `file:line:col`, or the file alone for one about a
+/// whole file or directory (line 0), as `levee check` prints it.
+fn json_location(diagnostic: &serde_json::Value) -> String {
+    let file = diagnostic["file"].as_str().unwrap_or("?");
+    match diagnostic["line"].as_u64() {
+        Some(line) if line > 0 => format!("{file}:{line}:{}", diagnostic["col"]),
+        _ => file.to_string(),
     }
 }
 
@@ -179,10 +203,8 @@ pub fn summarize(status: &serde_json::Value) -> String {
         for item in error["errors"].as_array().into_iter().flatten() {
             let _ = writeln!(
                 out,
-                "           {}:{}:{}: {}",
-                item["file"].as_str().unwrap_or("?"),
-                item["line"],
-                item["col"],
+                "           {}: {}",
+                json_location(item),
                 item["message"].as_str().unwrap_or("")
             );
         }
@@ -361,6 +383,56 @@ mod tests {
         assert!(text.contains("redis://10.0.0.1:6379 · DOWN"), "{text}");
         assert!(!text.contains("rate limits on their"), "{text}");
         assert!(!text.contains("master now"), "{text}");
+    }
+
+    #[test]
+    fn a_refused_reload_about_the_whole_directory_is_shown_without_line_and_column() {
+        let status = serde_json::json!({
+            "policy": {
+                "generation": 1,
+                "last_reload_error": {"errors": [
+                    {"file": "policies", "line": 0, "col": 0, "message": "no *.toml policy files in this directory"},
+                    {"file": "policies/a.toml", "line": 3, "col": 7, "message": "unknown field `x`"},
+                ]},
+            },
+        });
+        let text = summarize(&status);
+        assert!(
+            text.contains("           policies: no *.toml policy files in this directory\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("           policies/a.toml:3:7: unknown field `x`\n"),
+            "{text}"
+        );
+        assert!(!text.contains(":0:0"), "{text}");
+    }
+
+    #[test]
+    fn a_policy_directory_that_does_not_exist_is_named_so_not_as_a_policy_that_does_not_compile() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let missing = dir.path().join("policies");
+        let diagnostics = match crate::config::load_dir(&missing, None) {
+            Ok(_) => panic!("a missing directory cannot load"),
+            Err(diagnostics) => diagnostics,
+        };
+        let why = why_no_admin_listen(&missing, &diagnostics);
+        assert_eq!(
+            why,
+            format!("{}: the policy directory does not exist", missing.display())
+        );
+        std::fs::create_dir(&missing).expect("mkdir");
+        let diagnostics = match crate::config::load_dir(&missing, None) {
+            Ok(_) => panic!("an empty directory cannot load"),
+            Err(diagnostics) => diagnostics,
+        };
+        assert_eq!(
+            why_no_admin_listen(&missing, &diagnostics),
+            format!(
+                "{}: no *.toml policy files in this directory",
+                missing.display()
+            )
+        );
     }
 
     #[test]

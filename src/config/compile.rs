@@ -22,7 +22,7 @@ use super::policy::{AdminSettings, Policy, ServerSettings};
 use super::spec::{
     AboveSpec, BreakerSpec, DegradeSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, ModuleSpec,
     OneOrMany, QueueSpec, RedisSpec, RouteDegradeSpec, RouteSpec, SentinelSpec, ServerSpec,
-    SizeSpec, StaticResponseSpec, TriggerSpec, UpstreamSpec,
+    ShapeError, SizeSpec, StaticResponseSpec, TriggerSpec, UpstreamSpec, SIZE_TAKES,
 };
 use super::units::{parse_duration, parse_size};
 use crate::breaker::{Breaker, BreakerSettings, Force};
@@ -67,11 +67,12 @@ pub fn policy_file_paths(dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>>
 /// Reads every `*.toml` file of `dir`, in file-name order.
 pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
     let paths = policy_file_paths(dir).map_err(|error| {
-        Diagnostics(vec![Diagnostic::whole(
-            dir,
-            format!("cannot read policy directory: {error}"),
-        )
-        .hint(
+        let message = match error.kind() {
+            std::io::ErrorKind::NotFound => "the policy directory does not exist".to_string(),
+            std::io::ErrorKind::NotADirectory => "this is not a directory".to_string(),
+            _ => format!("cannot read the policy directory: {error}"),
+        };
+        Diagnostics(vec![Diagnostic::whole(dir, message).hint(
             "pass the directory that holds the *.toml policy files with --policies DIR",
         )])
     })?;
@@ -273,20 +274,27 @@ impl<'a> Compiler<'a> {
     /// used: an empty one, or one with spaces at an end or control characters (each would show
     /// in logs, metrics and admin paths as another name than the one written).
     fn check_name(&mut self, what: &str, name: &str, file: usize, span: Range<usize>) {
-        let problem = if name.is_empty() {
-            "is empty"
+        let (problem, fix) = if name.is_empty() {
+            ("is empty", "give it a name")
         } else if name.trim() != name {
-            "starts or ends with a space"
+            (
+                "starts or ends with a space",
+                "remove the spaces at its ends",
+            )
         } else if name.chars().any(char::is_control) {
-            "has a control character"
+            (
+                "has a control character",
+                "remove the tab, line break or other control character",
+            )
         } else {
             return;
         };
+        // Said as what is accepted: any other text is a name (`排行`, `my api` too).
         self.error_hint(
             file,
             span,
             format!("{what} name {name:?} {problem}"),
-            "names appear in logs, metrics and admin paths; use letters, digits, `-`, `_` or `.`",
+            format!("{fix}; a name is any text without control characters or spaces at its ends, like \"checkout\" or \"排行\""),
         );
     }
 
@@ -365,7 +373,7 @@ impl<'a> Compiler<'a> {
                     file,
                     value.span(),
                     message,
-                    "write bytes as a number or with a unit: \"16KiB\", \"10MB\"",
+                    "write whole bytes as a number, or a whole number with a unit: \"16KiB\", \"10MB\"",
                 );
                 default
             }
@@ -405,8 +413,15 @@ fn matches_every_request(route: &Route) -> bool {
         }
 }
 
-/// A TOML or shape error as an operator can act on it: the parser's words, and what to write.
-fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (String, String) {
+/// A TOML or shape error as an operator can act on it: where it is, the parser's words put in
+/// an operator's (never a Rust type name), and what to write. `key` is the key the parser
+/// tracked to the error, when it did.
+fn explain_parse_error(
+    text: &str,
+    span: &Range<usize>,
+    message: &str,
+    key: Option<&str>,
+) -> (Range<usize>, String, String) {
     let message = message.trim();
     // `[route]` where `[[route]]` is meant: the parser says only that a map is no sequence.
     if message.contains("invalid type: map, expected a sequence") {
@@ -420,10 +435,8 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
             .and_then(|rest| rest.strip_suffix(']'))
             .filter(|name| !name.starts_with('['))
         {
-            return (
-                format!("`[{name}]` is a list: each entry is written `[[{name}]]`"),
-                format!("write `[[{name}]]` (double brackets) for every {name}"),
-            );
+            let (message, hint) = written_as_list(name);
+            return (span.clone(), message, hint);
         }
     }
     let line_start = text
@@ -445,8 +458,18 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
                 .next()
                 .unwrap_or_default()
                 .trim()
-                .trim_start_matches('[');
+                .trim_start_matches('[')
+                .trim();
+            // `[route]` once among `[[route]]` entries: written once, but as a table where
+            // the file makes a list of it. Pointed at where the single brackets are.
+            let single = header_offsets(text, table, false);
+            if !single.is_empty() && !header_offsets(text, table, true).is_empty() {
+                let (message, hint) = written_as_list(table);
+                let at = single[0];
+                return (at..at + 1, message, hint);
+            }
             (
+                span.clone(),
                 format!("the table `[{table}]` is written twice in this file"),
                 "write each [table] once and put all its keys under it (a list of tables is written [[name]])".to_string(),
             )
@@ -464,54 +487,212 @@ fn explain_parse_error(text: &str, span: &Range<usize>, message: &str) -> (Strin
                     .collect(),
             };
             (
+                span.clone(),
                 format!("`{key}` is set twice in the same table"),
                 "a key may appear once per table; remove one of the two".to_string(),
             )
         };
     }
-    // A quoted number or boolean: the value as it should be written, under its own key
-    // (`burst = "5"` → `burst = 5`), read from the line (in an inline table, after its `{`).
-    let unquoted = || {
-        let key = before_on_line
-            .trim_end()
-            .strip_suffix('=')?
-            .trim_end()
-            .rsplit([' ', '{', ','])
-            .next()
-            .filter(|key| !key.is_empty())?;
-        let value = text.get(span.clone())?.trim().trim_matches(['"', '\'']);
-        // Only a value the field would then take: digits for an integer, digits with one
-        // point for a number, true or false (not `NaN`, `1e3` or `+5`).
-        let digits = |text: &str| !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
-        let written_right = if message.contains("expected a boolean") {
-            value == "true" || value == "false"
-        } else if message.contains("expected f") {
-            let (whole, fraction) = value.split_once('.').unwrap_or((value, "0"));
-            digits(whole) && digits(fraction)
-        } else if message.contains("expected i") {
-            digits(value.strip_prefix('-').unwrap_or(value))
-        } else {
-            digits(value)
-        };
-        written_right.then(|| format!("write it without quotes: {key} = {value}"))
+    if message.contains("unknown field") {
+        return (
+            span.clone(),
+            message.to_string(),
+            "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing".to_string(),
+        );
+    }
+    // A value of the wrong kind (`invalid type: string "50%", expected f64`): what the key
+    // takes, said in an operator's words, and how to write it.
+    let expected = (message.starts_with("invalid type: ")
+        || message.starts_with("invalid value: "))
+    .then(|| message.rsplit_once(", expected "))
+    .flatten();
+    let Some((invalid, expected)) = expected else {
+        return (
+            span.clone(),
+            message.to_string(),
+            "this is not valid TOML for a levee policy; see docs/policy.md".to_string(),
+        );
     };
-    let quoted = message.contains("invalid type: string");
-    let hint = if message.contains("unknown field") {
-        "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing".to_string()
-    } else if quoted
-        && ["expected u", "expected i", "expected f"]
-            .iter()
-            .any(|number| message.contains(number))
-    {
-        unquoted().unwrap_or_else(|| "write the number without quotes, like tier = 3".into())
-    } else if quoted && message.contains("expected a boolean") {
-        unquoted().unwrap_or_else(|| "write true or false without quotes".into())
-    } else if message.contains("invalid type: integer") && message.contains("expected a string") {
+    // What serde found, as it names it: `string "50%"`, `integer `-1``, `map`.
+    let found = invalid
+        .trim_start_matches("invalid type: ")
+        .trim_start_matches("invalid value: ");
+    let key_on_line = key_before_value(before_on_line);
+    // A key the parser names but the line does not show before the value: the value is an
+    // item of a list (`failure_statuses = ["5xx"]`).
+    let in_list = key.is_some() && key_on_line.is_none();
+    let key = key.or(key_on_line);
+    let takes = key
+        .and_then(|key| key_takes(key, expected))
+        .map_or_else(|| type_takes(expected), Cow::Borrowed);
+    let message = match key {
+        Some(key) if in_list => format!("each item of `{key}` is {takes}"),
+        Some(key) => format!("`{key}` is {takes}"),
+        None => format!("this value must be {takes}"),
+    };
+    let written = text
+        .get(span.clone())
+        .map(str::trim)
+        .filter(|written| !written.is_empty() && written.len() <= 60 && !written.contains('\n'));
+    let value = written.map(|written| written.trim_matches(['"', '\'']));
+    let quoted = found.starts_with("string ");
+    let number = ["u8", "u16", "u32", "u64", "i64", "f64"].contains(&expected);
+    let key_text = key.unwrap_or("key");
+    let hint = if let Some(fix) = unquoted(key, value, expected).filter(|_| quoted && !in_list) {
+        fix
+    } else if let Some(share) = key.filter(|key| is_share(key)) {
+        match value.and_then(|value| value.strip_suffix('%')?.trim().parse::<f64>().ok()) {
+            Some(percent) => format!(
+                "a share is a fraction of 1, written without quotes: {percent}% is {share} = {}",
+                percent / 100.0
+            ),
+            None => {
+                format!("a share is a fraction of 1, written without quotes: half is {share} = 0.5")
+            }
+        }
+    } else if key == Some("failure_statuses") {
+        "list each status as a number: failure_statuses = [500, 502, 503, 504] (a range like \"5xx\" is not read)".to_string()
+    } else if key == Some("fallback") && quoted {
+        format!(
+            "put the page in `body`: fallback = {{ body = {} }}",
+            written.unwrap_or("\"…\"")
+        )
+    } else if key == Some("match") && quoted {
+        format!(
+            "for the paths under it: match = {{ path_prefix = {} }}",
+            written.unwrap_or("\"/shop\"")
+        )
+    } else if expected == SIZE_TAKES {
+        format!(
+            "write whole bytes ({key_text} = 1048576) or a whole number with a unit ({key_text} = \"1MiB\"; 1.5 MiB is \"1536KiB\")"
+        )
+    } else if quoted && number {
+        "write the number without quotes, like tier = 3".to_string()
+    } else if quoted && expected == "a boolean" {
+        "write true or false without quotes".to_string()
+    } else if found.starts_with("integer") && expected == "a string" {
         "durations, sizes and rates are written in quotes with a unit, like \"30s\", \"1MiB\" or \"10/s\"".to_string()
     } else {
-        "this is not valid TOML for a levee policy; see docs/policy.md".to_string()
+        match written {
+            Some(written) => {
+                format!("it is written {written} here; see `{key_text}` in docs/policy.md")
+            }
+            None => format!("see `{key_text}` in docs/policy.md"),
+        }
     };
-    (message.to_string(), hint)
+    (span.clone(), message, hint)
+}
+
+/// `[name]` written where the file has a list of such tables.
+fn written_as_list(name: &str) -> (String, String) {
+    (
+        format!("`[{name}]` is a list: each entry is written `[[{name}]]`"),
+        format!("write `[[{name}]]` (double brackets) for every {name}"),
+    )
+}
+
+/// Byte offsets of the lines that open a table `[name]` (or, with `list`, an entry `[[name]]`).
+fn header_offsets(text: &str, name: &str, list: bool) -> Vec<usize> {
+    let (open, close) = if list { ("[[", "]]") } else { ("[", "]") };
+    let mut offsets = Vec::new();
+    let mut line_start = 0;
+    for line in text.split_inclusive('\n') {
+        let indent = line.len() - line.trim_start().len();
+        let header = line.trim_start();
+        let is_list = header.starts_with("[[");
+        if list == is_list {
+            let written = header
+                .strip_prefix(open)
+                .and_then(|rest| rest.split_once(close))
+                .map(|(inner, _)| inner.trim());
+            if written == Some(name) {
+                offsets.push(line_start + indent);
+            }
+        }
+        line_start += line.len();
+    }
+    offsets
+}
+
+/// The key of `key = ` just before a value on its line (after a `{` or `,` in an inline
+/// table); none when the value is an item of a list.
+fn key_before_value(before_on_line: &str) -> Option<&str> {
+    before_on_line
+        .trim_end()
+        .strip_suffix('=')?
+        .trim_end()
+        .rsplit([' ', '{', ','])
+        .next()
+        .filter(|key| !key.is_empty())
+}
+
+/// A quoted number or boolean as it should be written, under its own key (`burst = "5"` →
+/// `burst = 5`): only a value the key would then take (digits for an integer, digits with one
+/// point for a number, true or false; not `NaN`, `1e3` or `+5`).
+fn unquoted(key: Option<&str>, value: Option<&str>, expected: &str) -> Option<String> {
+    let (key, value) = (key?, value?);
+    let digits = |text: &str| !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+    let written_right = match expected {
+        "a boolean" => value == "true" || value == "false",
+        "f64" => {
+            let (whole, fraction) = value.split_once('.').unwrap_or((value, "0"));
+            digits(whole) && digits(fraction)
+        }
+        "i64" => digits(value.strip_prefix('-').unwrap_or(value)),
+        "u8" | "u16" | "u32" | "u64" => digits(value),
+        _ => false,
+    };
+    written_right.then(|| format!("write it without quotes: {key} = {value}"))
+}
+
+/// Keys that hold a share of 1 (`0.5` is half), the ones an operator may write as `"50%"`.
+fn is_share(key: &str) -> bool {
+    matches!(
+        key,
+        "failure_ratio" | "slow_ratio" | "shed_reserve" | "admit_ahead_above"
+    )
+}
+
+/// What a key takes where its type alone would say too little (`u16` for a status).
+fn key_takes(key: &str, expected: &str) -> Option<&'static str> {
+    Some(match (key, expected) {
+        ("failure_ratio" | "slow_ratio", "f64") => {
+            "a share of calls above 0 and at most 1, like 0.5"
+        }
+        ("shed_reserve", "f64") => "a share from 0 to below 0.5, like 0.2",
+        ("admit_ahead_above", "f64") => "a share from 0 to 1, like 0.5",
+        ("replay_rate", "f64") => "a number of replays per second, like 20",
+        ("failure_statuses", "u16") => "an HTTP status, like 503",
+        ("failure_statuses", _) => "a list of HTTP statuses, like [502, 503, 504]",
+        ("route", "a sequence") => {
+            "a list of tables: each route is written under its own [[route]] line"
+        }
+        ("trigger", "a sequence") => {
+            "a list of tables: each trigger is written under its own [[degrade.trigger]] line"
+        }
+        ("limits", "a sequence") => "a list of limit names, like [\"login_per_ip\"]",
+        ("status", "u16") => "an HTTP status, like 503",
+        ("tier", "u8") => "a tier: 1, 2 or 3",
+        ("level", "u8") => "a degrade level, like 1",
+        _ => return None,
+    })
+}
+
+/// A type as serde names it (`u16`, `a sequence`) in an operator's words; the policy's own
+/// types already say it so (their `expecting`).
+fn type_takes(expected: &str) -> Cow<'static, str> {
+    Cow::Borrowed(match expected {
+        "u8" => "a whole number from 0 to 255",
+        "u16" => "a whole number from 0 to 65535",
+        "u32" => "a whole number from 0 to 4294967295",
+        "u64" | "i64" => "a whole number",
+        "f64" => "a number, like 0.5 or 20",
+        "a boolean" => "true or false",
+        "a string" => "a string in quotes",
+        "a sequence" => "a list, like [\"a\", \"b\"]",
+        "a map" => "a table, like { name = \"value\" }",
+        other => return Cow::Owned(other.to_string()),
+    })
 }
 
 /// Compiles parsed files into a policy, or returns every error found.
@@ -530,13 +711,22 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             Err(first) => {
                 let mut errors = FileSpec::shape_errors(&file.text);
                 // A syntax error, or one shape_errors would not see: serde's own is kept.
-                if !errors.iter().any(|(span, _)| *span == first.span()) {
-                    errors.push((first.span(), first.message().to_string()));
+                if !errors.iter().any(|error| error.span == first.span()) {
+                    errors.push(ShapeError {
+                        span: first.span(),
+                        message: first.message().to_string(),
+                        key: None,
+                    });
                 }
-                errors.sort_by_key(|(span, _)| span.as_ref().map_or(0, |span| span.start));
-                for (span, message) in errors {
-                    let span = span.unwrap_or(0..0);
-                    let (message, hint) = explain_parse_error(&file.text, &span, &message);
+                errors.sort_by_key(|error| error.span.as_ref().map_or(0, |span| span.start));
+                for error in errors {
+                    let span = error.span.unwrap_or(0..0);
+                    let (span, message, hint) = explain_parse_error(
+                        &file.text,
+                        &span,
+                        &error.message,
+                        error.key.as_deref(),
+                    );
                     compiler.error_hint(index, span, message, hint);
                 }
             }
@@ -1104,7 +1294,7 @@ fn compile_route_degrade(
                 file,
                 action_span,
                 format!("unknown degrade action `{other}`"),
-                "use \"stale\" (serve the last good copy) or \"reject\" (a page from the policy)",
+                "use \"stale\" (serve the last good copy), \"reject\" (a page from the policy) or \"queue\" (accept now with 202, apply later; needs [redis])",
             );
             None
         }
@@ -1527,11 +1717,21 @@ fn compile_breaker(
     let mut ratio = |value: &Option<Spanned<f64>>, default: f64, what: &str| -> f64 {
         match value {
             Some(value) if !(0.0 < *value.get_ref() && *value.get_ref() <= 1.0) => {
+                let written = *value.get_ref();
+                // `50` is most often a percentage: say how it is written as a share.
+                let hint = if 1.0 < written && written <= 100.0 {
+                    format!(
+                        "a share is a fraction of 1: {written}% is {what} = {}",
+                        written / 100.0
+                    )
+                } else {
+                    format!("a share of calls, e.g. {what} = 0.5 for half")
+                };
                 compiler.error_hint(
                     file,
                     value.span(),
                     format!("{what} must be above 0 and at most 1"),
-                    "a share of calls, e.g. 0.5 for half",
+                    hint,
                 );
                 default
             }
@@ -2158,7 +2358,7 @@ fn compile_limit(
                     file,
                     rate.span(),
                     message,
-                    "write it as \"3/min\", \"10/s\" or \"0.05/s\"",
+                    "write requests per s, min, h or day, like \"10/s\", \"3/min\" or \"2/day\"; from 0.0087/day up to 1000000/s",
                 );
                 None
             }
@@ -3351,6 +3551,202 @@ mod tests {
                 "{text}: {refused:?}"
             );
         }
+    }
+
+    /// The first error of a one-file policy, with its hint.
+    fn first_error(text: &str) -> String {
+        errors(&[("a.toml", text)])
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_kind_is_explained_in_operator_words_not_rust_types() {
+        let route = |line: &str| format!("{APP}[[route]]\nname = \"r\"\n{line}\n");
+        for (text, expected) in [
+            (
+                route("max_body = -1"),
+                "a.toml:5:12: error: `max_body` is a size: a whole number of bytes or a string like \"10MiB\"\n  hint: write whole bytes (max_body = 1048576) or a whole number with a unit (max_body = \"1MiB\"; 1.5 MiB is \"1536KiB\")",
+            ),
+            (route("max_body = true"), "error: `max_body` is a size: a whole number of bytes"),
+            (route("max_body = 1.5"), "error: `max_body` is a size: a whole number of bytes"),
+            (
+                format!("{APP}[server]\nmax_header_bytes = [16]\n"),
+                "error: `max_header_bytes` is a size: a whole number of bytes",
+            ),
+            (
+                route("match = \"/\""),
+                "error: `match` is a table, like match = { path_prefix = \"/shop\" }\n  hint: for the paths under it: match = { path_prefix = \"/\" }",
+            ),
+            (
+                route("fallback = \"<p>Later</p>\""),
+                "error: `fallback` is a table, like fallback = { status = 503, body = \"<p>Back soon.</p>\" }\n  hint: put the page in `body`: fallback = { body = \"<p>Later</p>\" }",
+            ),
+            (route("degrade = \"stale\""), "error: `degrade` is a table, like degrade = { action = \"stale\""),
+            (route("match = { method = 5 }"), "error: `method` is a string or a list of strings"),
+            (
+                route("match = { method = [\"GET\", 1] }"),
+                "a.toml:5:28: error: each item of `method` is a string in quotes",
+            ),
+            (route("limits = \"login\""), "error: `limits` is a list of limit names"),
+            (route("hide = \"#ads\""), "error: `hide` is a table"),
+            (route("tier = \"high\""), "error: `tier` is a tier: 1, 2 or 3"),
+            (
+                format!("{APP}breaker = 5\n"),
+                "error: `breaker` is a table, like breaker = { consecutive_failures = 5",
+            ),
+            (format!("server = 5\n{APP}"), "error: `server` is a table: [server] on a line of its own"),
+            (format!("route = 5\n{APP}"), "error: `route` is a list of tables: each route is written under its own [[route]] line"),
+            (format!("{APP}[redis]\nsentinel = 5\n"), "error: `sentinel` is a table: [redis.sentinel]"),
+            (format!("{APP}[identity]\nuser = 5\n"), "error: `user` is a string or a list of strings"),
+            (format!("{APP}[degrade]\ntrigger = 5\n"), "error: `trigger` is a list of tables: each trigger is written under its own [[degrade.trigger]] line"),
+            (
+                format!("{APP}[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"inflight\"\nabove = true\n"),
+                "error: `above` is a duration in quotes, like \"800ms\", or a share, like 0.8",
+            ),
+            (format!("{APP}[admin]\ntokens = 5\n"), "error: `tokens` is a table"),
+            (format!("{APP}[queue]\nmax_attempts = -1\n"), "error: `max_attempts` is a whole number from 0 to 4294967295"),
+        ] {
+            let error = first_error(&text);
+            assert!(error.contains(expected), "{text}\n{error}");
+        }
+    }
+
+    #[test]
+    fn every_policy_type_says_what_it_takes_without_its_rust_name() {
+        fn refused<T: serde::de::DeserializeOwned>(value: toml::Value) -> String {
+            match value.try_into::<T>() {
+                Ok(_) => String::new(),
+                Err(error) => error.message().to_string(),
+            }
+        }
+        let wrong = || toml::Value::Boolean(true);
+        let messages = [
+            refused::<ServerSpec>(wrong()),
+            refused::<super::super::spec::AdminSpec>(wrong()),
+            refused::<RedisSpec>(wrong()),
+            refused::<SentinelSpec>(wrong()),
+            refused::<IdentitySpec>(wrong()),
+            refused::<UpstreamSpec>(wrong()),
+            refused::<BreakerSpec>(wrong()),
+            refused::<LimitSpec>(wrong()),
+            refused::<DegradeSpec>(wrong()),
+            refused::<TriggerSpec>(wrong()),
+            refused::<ModuleSpec>(wrong()),
+            refused::<QueueSpec>(wrong()),
+            refused::<RouteSpec>(wrong()),
+            refused::<MatchSpec>(wrong()),
+            refused::<StaticResponseSpec>(wrong()),
+            refused::<RouteDegradeSpec>(wrong()),
+            refused::<SizeSpec>(wrong()),
+            refused::<OneOrMany>(wrong()),
+            refused::<AboveSpec>(wrong()),
+        ];
+        for message in messages {
+            assert!(
+                message.starts_with("invalid type: boolean `true`, expected a"),
+                "{message}"
+            );
+            for rust in ["struct", "enum", "Spec", "variant"] {
+                assert!(!message.contains(rust), "{message}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_single_table_among_list_entries_is_called_a_list_not_written_twice() {
+        let expected = "error: `[route]` is a list: each entry is written `[[route]]`\n  hint: write `[[route]]` (double brackets) for every route";
+        // After the list, and before it: pointed at the single brackets either way.
+        for (text, place) in [
+            (format!("{APP}[[route]]\nname = \"a\"\n[route]\nname = \"b\"\n[[route]]\nname = \"c\"\n"), "a.toml:5:1: "),
+            (format!("{APP}[route]\nname = \"b\"\n[[route]]\nname = \"c\"\n"), "a.toml:3:1: "),
+        ] {
+            let error = first_error(&text);
+            assert!(error.starts_with(place) && error.contains(expected), "{text}\n{error}");
+        }
+        let error = first_error(&format!(
+            "{APP}[degrade]\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\n[degrade.trigger]\nupstream = \"app\"\n"
+        ));
+        assert!(
+            error.contains(
+                "error: `[degrade.trigger]` is a list: each entry is written `[[degrade.trigger]]`"
+            ),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn an_unknown_degrade_action_is_told_every_action() {
+        let error = first_error(&format!(
+            "{APP}[[route]]\nname = \"r\"\ntier = 2\ndegrade = {{ action = \"cache\" }}\n"
+        ));
+        assert!(error.contains("unknown degrade action `cache`"), "{error}");
+        for action in ["\"stale\"", "\"reject\"", "\"queue\""] {
+            assert!(error.contains(action), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_share_written_as_a_percentage_is_told_its_fraction() {
+        let breaker = |settings: &str| first_error(&format!("{APP}breaker = {{ {settings} }}\n"));
+        for (settings, expected) in [
+            (
+                "failure_ratio = \"50%\"",
+                "error: `failure_ratio` is a share of calls above 0 and at most 1, like 0.5\n  hint: a share is a fraction of 1, written without quotes: 50% is failure_ratio = 0.5",
+            ),
+            ("slow_call = \"1s\", slow_ratio = \"80 %\"", "hint: a share is a fraction of 1, written without quotes: 80% is slow_ratio = 0.8"),
+            ("failure_ratio = \"0.5\"", "hint: write it without quotes: failure_ratio = 0.5"),
+            (
+                "failure_ratio = 50",
+                "error: failure_ratio must be above 0 and at most 1\n  hint: a share is a fraction of 1: 50% is failure_ratio = 0.5",
+            ),
+            (
+                "failure_statuses = [\"5xx\"]",
+                "error: each item of `failure_statuses` is an HTTP status, like 503\n  hint: list each status as a number: failure_statuses = [500, 502, 503, 504]",
+            ),
+            ("failure_statuses = 503", "error: `failure_statuses` is a list of HTTP statuses, like [502, 503, 504]"),
+        ] {
+            let error = breaker(settings);
+            assert!(error.contains(expected), "{settings}\n{error}");
+        }
+    }
+
+    #[test]
+    fn rate_and_size_errors_give_the_forms_and_range_levee_takes() {
+        let limit = |rate: &str| {
+            first_error(&format!("{APP}[limit.l]\nkey = [\"ip\"]\nrate = \"{rate}\"\n[[route]]\nname = \"r\"\nlimits = [\"l\"]\n"))
+        };
+        for (rate, expected) in [
+            ("inf/s", "error: rate `inf/s` does not start with a number"),
+            ("300 per minute", "error: rate `300 per minute` is not written as N/s, N/min, N/h or N/day"),
+            ("1000000000/s", "error: rate `1000000000/s` is above the fastest rate levee counts, 1000000/s"),
+            ("0.001/day", "error: rate `0.001/day` is below the slowest rate levee counts, one request per 10000000 s (0.0087/day)"),
+        ] {
+            let error = limit(rate);
+            assert!(error.contains(expected), "{rate}\n{error}");
+            assert!(error.contains("from 0.0087/day up to 1000000/s"), "{error}");
+        }
+        let error = first_error(&format!("{APP}[server]\nmax_body = \"1.5MiB\"\n"));
+        assert!(
+            error.contains("error: size `1.5MiB` is not a whole number: sizes take whole numbers (`1.5MiB` is \"1536KiB\")"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn the_name_hint_says_what_names_are_accepted() {
+        let error = first_error(&format!("{APP}[[route]]\nname = \"\"\n"));
+        assert!(
+            error.contains("error: route name \"\" is empty\n  hint: give it a name; a name is any text without control characters or spaces at its ends, like \"checkout\" or \"排行\""),
+            "{error}"
+        );
+        // As the hint says: a name beyond ASCII is a name.
+        assert!(errors(&[(
+            "a.toml",
+            &format!("{APP}[[route]]\nname = \"排行\"\nmatch = {{ path_prefix = \"/排行\" }}\n")
+        )])
+        .is_empty());
     }
 
     #[test]

@@ -33,9 +33,8 @@ pub struct FileSpec {
 impl FileSpec {
     /// Every shape error of a file that parses as TOML but not as a policy: one per section,
     /// table entry or `[[route]]`, not only the first, so an operator fixes a file in one go.
-    /// Each is its place in the text and the parser's message. Empty when the file's TOML is
-    /// broken: its first syntax error is the one to fix.
-    pub fn shape_errors(text: &str) -> Vec<(Option<std::ops::Range<usize>>, String)> {
+    /// Empty when the file's TOML is broken: its first syntax error is the one to fix.
+    pub fn shape_errors(text: &str) -> Vec<ShapeError> {
         let Ok(root) = toml::de::DeTable::parse(text) else {
             return Vec::new();
         };
@@ -60,18 +59,46 @@ impl FileSpec {
                     }
                     _ => try_shape::<Vec<RouteSpec>>(value, &mut errors),
                 },
-                other => unknown.push((
-                    Some(key.span()),
-                    format!("unknown field `{other}`, expected one of {TOP_LEVEL_KEYS}"),
-                )),
+                other => unknown.push(ShapeError {
+                    span: Some(key.span()),
+                    message: format!("unknown field `{other}`, expected one of {TOP_LEVEL_KEYS}"),
+                    key: None,
+                }),
             }
         }
         errors
             .into_iter()
-            .map(|error| (error.span(), error.message().to_string()))
+            .map(|error| ShapeError {
+                span: error.span(),
+                message: error.message().to_string(),
+                key: key_of(&error),
+            })
             .chain(unknown)
             .collect()
     }
+}
+
+/// A place where a file's TOML does not fit a policy's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShapeError {
+    pub span: Option<std::ops::Range<usize>>,
+    /// The parser's message (`invalid type: string "50%", expected f64`).
+    pub message: String,
+    /// The key whose value is wrong (`failure_ratio`), when the parser knows it: a value
+    /// inside a list (`failure_statuses = ["5xx"]`) cannot be read back from its line.
+    pub key: Option<String>,
+}
+
+/// The last key of the path the parser tracked to an error. The toml crate offers it only in
+/// its display (`in `breaker.failure_ratio``, written when the error has no input text), so it
+/// is read from there; without it the key is read from the text instead.
+fn key_of(error: &toml::de::Error) -> Option<String> {
+    let shown = error.to_string();
+    let path = shown
+        .lines()
+        .rev()
+        .find_map(|line| line.strip_prefix("in `")?.strip_suffix('`'))?;
+    path.rsplit('.').next().map(str::to_string)
 }
 
 /// The sections a policy file may have, as serde names them in its own message.
@@ -104,7 +131,10 @@ fn try_each_entry<'de, T: Deserialize<'de>>(
 
 /// `[redis]`: shared state. Without it levee runs on its embedded default.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [redis] on a line of its own, its keys on the lines under it"
+)]
 pub struct RedisSpec {
     pub url: Option<Spanned<String>>,
     pub cluster: Option<Spanned<Vec<String>>>,
@@ -122,7 +152,10 @@ pub struct RedisSpec {
 
 /// `[redis.sentinel]`: the master of a group that Redis Sentinel watches.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [redis.sentinel] on a line of its own, with nodes and master under it"
+)]
 pub struct SentinelSpec {
     pub nodes: Option<Spanned<Vec<String>>>,
     pub master: Option<Spanned<String>>,
@@ -133,7 +166,10 @@ pub struct SentinelSpec {
 
 /// `[identity]`: where the user id and API key of a request are read from.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [identity] on a line of its own, its keys on the lines under it"
+)]
 pub struct IdentitySpec {
     pub user: Option<Spanned<OneOrMany>>,
     pub api_key: Option<Spanned<OneOrMany>>,
@@ -141,7 +177,10 @@ pub struct IdentitySpec {
 
 /// `[limit.NAME]`: a rate-limit rule that routes refer to.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [limit.NAME] on a line of its own, its keys on the lines under it"
+)]
 pub struct LimitSpec {
     pub key: Option<Spanned<OneOrMany>>,
     pub rate: Option<Spanned<String>>,
@@ -158,7 +197,10 @@ pub struct LimitSpec {
 
 /// `[server]`: the public listener and what it accepts.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [server] on a line of its own, its keys on the lines under it"
+)]
 pub struct ServerSpec {
     pub listen: Option<Spanned<String>>,
     pub trusted_proxies: Option<Vec<Spanned<String>>>,
@@ -178,7 +220,10 @@ pub struct ServerSpec {
 
 /// `[admin]`: the operator listener, never the public one.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [admin] on a line of its own, its keys on the lines under it"
+)]
 pub struct AdminSpec {
     pub listen: Option<Spanned<String>>,
     pub tokens: Option<Spanned<BTreeMap<String, String>>>,
@@ -186,7 +231,10 @@ pub struct AdminSpec {
 
 /// `[upstream.NAME]`: a dependency levee forwards to.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [upstream.NAME] on a line of its own, its keys on the lines under it"
+)]
 pub struct UpstreamSpec {
     pub url: Option<Spanned<String>>,
     pub host: Option<Spanned<String>>,
@@ -204,7 +252,10 @@ pub struct UpstreamSpec {
 
 /// `breaker = { … }` of an upstream.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table, like breaker = { consecutive_failures = 5, open_for = \"30s\" }"
+)]
 pub struct BreakerSpec {
     pub consecutive_failures: Option<u32>,
     pub failure_ratio: Option<Spanned<f64>>,
@@ -221,7 +272,10 @@ pub struct BreakerSpec {
 
 /// A response written in the policy (breaker fallback, degrade `reject`).
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table, like fallback = { status = 503, body = \"<p>Back soon.</p>\" }"
+)]
 pub struct StaticResponseSpec {
     pub status: Option<Spanned<u16>>,
     pub content_type: Option<Spanned<String>>,
@@ -230,7 +284,10 @@ pub struct StaticResponseSpec {
 
 /// `[[route]]`: which requests go where, first match wins.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: each route is written under its own [[route]] line"
+)]
 pub struct RouteSpec {
     pub name: Option<Spanned<String>>,
     #[serde(rename = "match", default)]
@@ -248,7 +305,10 @@ pub struct RouteSpec {
 
 /// `[queue]`: how queued work is stored and replayed (needs `[redis]`).
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [queue] on a line of its own, its keys on the lines under it"
+)]
 pub struct QueueSpec {
     pub group: Option<String>,
     pub claim_after: Option<Spanned<String>>,
@@ -262,7 +322,10 @@ pub struct QueueSpec {
 
 /// `[degrade]`: the policy's level and module switches.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [degrade] on a line of its own, its keys on the lines under it"
+)]
 pub struct DegradeSpec {
     pub level: Option<Spanned<u8>>,
     pub modules_off: Option<Spanned<Vec<String>>>,
@@ -275,7 +338,10 @@ pub struct DegradeSpec {
 
 /// `[[degrade.trigger]]`: raise the level when an upstream shows distress.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: each trigger is written under its own [[degrade.trigger]] line"
+)]
 pub struct TriggerSpec {
     pub upstream: Option<Spanned<String>>,
     pub when: Option<Spanned<String>>,
@@ -286,16 +352,43 @@ pub struct TriggerSpec {
 }
 
 /// A trigger threshold: a duration (`"800ms"`) or a share (`0.8`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum AboveSpec {
     Share(f64),
     Duration(String),
 }
 
+impl<'de> Deserialize<'de> for AboveSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct AboveVisitor;
+        impl serde::de::Visitor<'_> for AboveVisitor {
+            type Value = AboveSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a duration in quotes, like \"800ms\", or a share, like 0.8")
+            }
+            fn visit_f64<E: serde::de::Error>(self, share: f64) -> Result<AboveSpec, E> {
+                Ok(AboveSpec::Share(share))
+            }
+            fn visit_i64<E: serde::de::Error>(self, share: i64) -> Result<AboveSpec, E> {
+                Ok(AboveSpec::Share(share as f64))
+            }
+            fn visit_u64<E: serde::de::Error>(self, share: u64) -> Result<AboveSpec, E> {
+                Ok(AboveSpec::Share(share as f64))
+            }
+            fn visit_str<E: serde::de::Error>(self, duration: &str) -> Result<AboveSpec, E> {
+                Ok(AboveSpec::Duration(duration.to_string()))
+            }
+        }
+        deserializer.deserialize_any(AboveVisitor)
+    }
+}
+
 /// `[module.NAME]`: a feature that can be switched off.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table: [module.NAME] on a line of its own, its keys on the lines under it"
+)]
 pub struct ModuleSpec {
     pub tier: Option<Spanned<u8>>,
     pub description: Option<String>,
@@ -303,7 +396,10 @@ pub struct ModuleSpec {
 
 /// `degrade = { … }` of a route: what it answers while it is off.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table, like degrade = { action = \"stale\", max_age = \"10m\" }"
+)]
 pub struct RouteDegradeSpec {
     pub action: Option<Spanned<String>>,
     pub max_age: Option<Spanned<String>>,
@@ -321,7 +417,10 @@ pub struct RouteDegradeSpec {
 
 /// `match = { … }` of a route. All given conditions must hold.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table, like match = { path_prefix = \"/shop\" }"
+)]
 pub struct MatchSpec {
     pub host: Option<Spanned<OneOrMany>>,
     pub method: Option<Spanned<OneOrMany>>,
@@ -331,11 +430,39 @@ pub struct MatchSpec {
 }
 
 /// A value that may be written as one string or a list of strings.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum OneOrMany {
     One(String),
     Many(Vec<String>),
+}
+
+// Written by hand rather than `#[serde(untagged)]`: an untagged enum's error names the Rust
+// type ("did not match any variant of untagged enum …"), and a list with one wrong item could
+// not point at that item.
+impl<'de> Deserialize<'de> for OneOrMany {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct OneOrManyVisitor;
+        impl<'de> serde::de::Visitor<'de> for OneOrManyVisitor {
+            type Value = OneOrMany;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string or a list of strings, like \"a\" or [\"a\", \"b\"]")
+            }
+            fn visit_str<E: serde::de::Error>(self, one: &str) -> Result<OneOrMany, E> {
+                Ok(OneOrMany::One(one.to_string()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut items: A,
+            ) -> Result<OneOrMany, A::Error> {
+                let mut many = Vec::with_capacity(items.size_hint().unwrap_or(0));
+                while let Some(item) = items.next_element::<String>()? {
+                    many.push(item);
+                }
+                Ok(OneOrMany::Many(many))
+            }
+        }
+        deserializer.deserialize_any(OneOrManyVisitor)
+    }
 }
 
 impl OneOrMany {
@@ -348,9 +475,35 @@ impl OneOrMany {
 }
 
 /// A byte size: a plain integer, or a string such as `"16KiB"`, `"10MB"`, `"1GiB"`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum SizeSpec {
     Bytes(u64),
     Text(String),
+}
+
+/// What a size key takes, as its errors say it.
+pub const SIZE_TAKES: &str = "a size: a whole number of bytes or a string like \"10MiB\"";
+
+impl<'de> Deserialize<'de> for SizeSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct SizeVisitor;
+        impl serde::de::Visitor<'_> for SizeVisitor {
+            type Value = SizeSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(SIZE_TAKES)
+            }
+            fn visit_u64<E: serde::de::Error>(self, bytes: u64) -> Result<SizeSpec, E> {
+                Ok(SizeSpec::Bytes(bytes))
+            }
+            fn visit_i64<E: serde::de::Error>(self, bytes: i64) -> Result<SizeSpec, E> {
+                u64::try_from(bytes)
+                    .map(SizeSpec::Bytes)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(bytes), &self))
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<SizeSpec, E> {
+                Ok(SizeSpec::Text(text.to_string()))
+            }
+        }
+        deserializer.deserialize_any(SizeVisitor)
+    }
 }

@@ -45,7 +45,32 @@ pub fn parse_size(spec: &SizeSpec) -> Result<u64, String> {
     let value: u64 = number
         .parse()
         .map_err(|_| format!("size `{text}` does not start with a whole number"))?;
-    let multiplier: u64 = match unit.trim() {
+    // A fraction (`"1.5MiB"`) is refused rather than rounded: a limit is a count of bytes, and
+    // the operator is told the whole number that says the same.
+    if let Some(fraction) = unit.strip_prefix('.') {
+        let digits = fraction
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(fraction.len());
+        let (decimals, unit) = fraction.split_at(digits);
+        let written = format!("{number}.{decimals}").parse::<f64>().ok();
+        let same = written
+            .zip(size_unit(unit.trim()))
+            .and_then(|(written, multiplier)| whole_size(written * multiplier as f64))
+            .map_or(String::new(), |whole| format!(" (`{text}` is \"{whole}\")"));
+        return Err(format!(
+            "size `{text}` is not a whole number: sizes take whole numbers{same}"
+        ));
+    }
+    let multiplier = size_unit(unit.trim())
+        .ok_or_else(|| format!("unknown size unit `{}` in `{text}`", unit.trim()))?;
+    value
+        .checked_mul(multiplier)
+        .ok_or_else(|| format!("size `{text}` is too large"))
+}
+
+/// Bytes per unit of a size: `KB`/`MB`/`GB` decimal, `KiB`/`MiB`/`GiB` binary, `B` or none bytes.
+fn size_unit(unit: &str) -> Option<u64> {
+    Some(match unit {
         "" | "B" => 1,
         "KB" | "kB" => 1_000,
         "MB" => 1_000_000,
@@ -53,11 +78,34 @@ pub fn parse_size(spec: &SizeSpec) -> Result<u64, String> {
         "KiB" => 1 << 10,
         "MiB" => 1 << 20,
         "GiB" => 1 << 30,
-        other => return Err(format!("unknown size unit `{other}` in `{text}`")),
-    };
-    value
-        .checked_mul(multiplier)
-        .ok_or_else(|| format!("size `{text}` is too large"))
+        _ => return None,
+    })
+}
+
+/// A whole number of bytes written in the largest unit it fills exactly (`1572864` →
+/// `1536KiB`); none when the bytes are not whole.
+fn whole_size(bytes: f64) -> Option<String> {
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes.fract() == 0.0 && bytes < 1e18) {
+        return None;
+    }
+    let bytes = bytes as u64;
+    let units = [
+        ("GiB", 1u64 << 30),
+        ("GB", 1_000_000_000),
+        ("MiB", 1 << 20),
+        ("MB", 1_000_000),
+        ("KiB", 1 << 10),
+        ("KB", 1_000),
+    ];
+    Some(
+        units
+            .iter()
+            .find(|(_, size)| bytes.is_multiple_of(*size))
+            .map_or_else(
+                || bytes.to_string(),
+                |(unit, size)| format!("{}{unit}", bytes / size),
+            ),
+    )
 }
 
 #[cfg(test)]
@@ -84,5 +132,27 @@ mod tests {
         assert_eq!(parse_size(&SizeSpec::Text("1 GiB".into())), Ok(1 << 30));
         assert!(parse_size(&SizeSpec::Text("10 apples".into())).is_err());
         assert!(parse_size(&SizeSpec::Text("99999999999999GiB".into())).is_err());
+    }
+
+    #[test]
+    fn a_fractional_size_is_refused_with_the_whole_number_that_says_it() {
+        let size = |text: &str| parse_size(&SizeSpec::Text(text.into()));
+        assert_eq!(
+            size("1.5MiB"),
+            Err("size `1.5MiB` is not a whole number: sizes take whole numbers (`1.5MiB` is \"1536KiB\")".into())
+        );
+        assert_eq!(
+            size("2.5 MB"),
+            Err("size `2.5 MB` is not a whole number: sizes take whole numbers (`2.5 MB` is \"2500KB\")".into())
+        );
+        // Not whole in bytes either: no number to offer.
+        assert_eq!(
+            size("1.0001KiB"),
+            Err("size `1.0001KiB` is not a whole number: sizes take whole numbers".into())
+        );
+        assert_eq!(
+            size("10 apples"),
+            Err("unknown size unit `apples` in `10 apples`".into())
+        );
     }
 }

@@ -444,11 +444,17 @@ pub fn spawn_sweeper(
     });
 }
 
-/// Parses `"3/min"`, `"0.05/s"`, `"100/h"` into a GCRA interval.
+/// The fastest rate a bucket can count: one request per microsecond, its interval's unit.
+pub const MAX_RATE_PER_SECOND: f64 = 1_000_000.0;
+/// The slowest: one request per 10,000,000 seconds (about 116 days), so that a bucket's
+/// timestamps stay within what Redis and the in-process store keep exactly.
+pub const MIN_RATE_PER_SECOND: f64 = 1e-7;
+
+/// Parses `"3/min"`, `"0.05/s"`, `"100/h"`, `"2/day"` into a GCRA interval.
 pub fn parse_rate(text: &str) -> Result<(f64, u64), String> {
     let (count, unit) = text
         .split_once('/')
-        .ok_or_else(|| format!("rate `{text}` is not written as N/s, N/min or N/h"))?;
+        .ok_or_else(|| format!("rate `{text}` is not written as N/s, N/min, N/h or N/day"))?;
     let count: f64 = count
         .trim()
         .parse()
@@ -460,14 +466,27 @@ pub fn parse_rate(text: &str) -> Result<(f64, u64), String> {
         "d" | "day" => 86_400.0,
         other => return Err(format!("unknown rate unit `{other}`; use s, min, h or day")),
     };
-    if !(count.is_finite() && count > 0.0) {
+    // `inf` and `NaN` parse as numbers; neither is a count of requests.
+    if !count.is_finite() {
+        return Err(format!("rate `{text}` does not start with a number"));
+    }
+    if count <= 0.0 {
         return Err(format!("rate `{text}` must be above zero"));
     }
     let per_second = count / seconds;
-    let interval_us = (1_000_000.0 / per_second).round();
-    if !(1.0..=1e13).contains(&interval_us) {
-        return Err(format!("rate `{text}` is out of range"));
+    // Checked before rounding: `"1500000/s"` would round to one request per microsecond and
+    // silently count as 1000000/s.
+    if per_second > MAX_RATE_PER_SECOND {
+        return Err(format!(
+            "rate `{text}` is above the fastest rate levee counts, 1000000/s"
+        ));
     }
+    if per_second < MIN_RATE_PER_SECOND {
+        return Err(format!(
+            "rate `{text}` is below the slowest rate levee counts, one request per 10000000 s (0.0087/day)"
+        ));
+    }
+    let interval_us = (1_000_000.0 / per_second).round();
     Ok((per_second, interval_us as u64))
 }
 
@@ -484,6 +503,34 @@ mod tests {
         assert!(parse_rate("3 per minute").is_err());
         assert!(parse_rate("0/s").is_err());
         assert!(parse_rate("5/fortnight").is_err());
+    }
+
+    #[test]
+    fn rate_errors_say_the_accepted_forms_and_range() {
+        assert_eq!(parse_rate("1000000/s").map(|r| r.1), Ok(1));
+        assert_eq!(parse_rate("0.0087/day").map(|r| r.1), Ok(9_931_034_482_759));
+        assert_eq!(
+            parse_rate("inf/s"),
+            Err("rate `inf/s` does not start with a number".into())
+        );
+        assert_eq!(
+            parse_rate("NaN/s"),
+            Err("rate `NaN/s` does not start with a number".into())
+        );
+        assert_eq!(
+            parse_rate("300 per minute"),
+            Err("rate `300 per minute` is not written as N/s, N/min, N/h or N/day".into())
+        );
+        assert_eq!(
+            parse_rate("1000000000/s"),
+            Err("rate `1000000000/s` is above the fastest rate levee counts, 1000000/s".into())
+        );
+        // Once rounded to a microsecond this was 1000000/s, taken without a word.
+        assert!(parse_rate("1500000/s").is_err());
+        assert_eq!(
+            parse_rate("0.001/day"),
+            Err("rate `0.001/day` is below the slowest rate levee counts, one request per 10000000 s (0.0087/day)".into())
+        );
     }
 
     #[test]
