@@ -1345,19 +1345,67 @@ async fn an_unreadable_job_is_dead_lettered_and_counted() {
 
     let stream = "levee:queue:{notify}:jobs";
     redis.cli(&["XADD", stream, "*", "body", "no method, no target"]);
+    // Whole but for its headers: kept among the dead letters with everything readable.
+    redis.cli(&[
+        "XADD",
+        stream,
+        "*",
+        "route",
+        "notify",
+        "method",
+        "POST",
+        "target",
+        "/notify.php?x=1",
+        "header_lines",
+        "no colon and no line end",
+        "body",
+        "like=2",
+    ]);
     let dead_lettered = "levee_queue_dead_lettered_total{route=\"notify\"}";
     eventually(
         Duration::from_secs(10),
-        "the unreadable entry dead-lettered",
+        "the unreadable entries dead-lettered",
         || async {
             let metrics = get(&levee.admin_url("/metrics")).await.text();
-            metrics.contains(dead_lettered) && metric_value(&metrics, dead_lettered) == 1.0
+            metrics.contains(dead_lettered) && metric_value(&metrics, dead_lettered) == 2.0
         },
     )
     .await;
     let dead = get(&levee.admin_url("/queues/notify/dead")).await.json();
-    assert_eq!(dead.as_array().map(Vec::len), Some(1), "{dead}");
-    assert!(dead.to_string().contains("unreadable job"), "{dead}");
+    assert_eq!(dead.as_array().map(Vec::len), Some(2), "{dead}");
+    let text = dead.to_string();
+    assert!(
+        text.contains("unreadable job: no `route` field, no `method` field, no `target` field"),
+        "{dead}"
+    );
+    assert!(
+        text.contains("unreadable job: its headers cannot be read"),
+        "{dead}"
+    );
+    assert!(
+        text.contains("/notify.php?x=1"),
+        "what could be read is kept: {dead}"
+    );
     assert_eq!(redis.cli(&["XLEN", stream]).trim(), "0");
     assert_eq!(seen.lock().expect("lock").len(), 1, "never sent to the app");
+
+    // Queued again, it would come straight back: refused with the reason; dropped, it goes.
+    let id = dead[0]["id"].as_str().expect("id").to_string();
+    let retried = post(
+        &levee.admin_url(&format!("/queues/notify/dead/{id}/retry")),
+        "",
+    )
+    .await;
+    assert_eq!(retried.status, 409, "{}", retried.text());
+    assert!(
+        retried.text().contains("not a whole job"),
+        "{}",
+        retried.text()
+    );
+    let dropped = post(
+        &levee.admin_url(&format!("/queues/notify/dead/{id}/drop")),
+        "",
+    )
+    .await;
+    assert_eq!(dropped.status, 200, "{}", dropped.text());
 }

@@ -347,11 +347,17 @@ async fn dead_letter_request(
         }
         (&Method::POST, [_, "dead", id, action @ ("retry" | "drop")]) => {
             match worker::resolve_dead_letter(redis, &keys, id, *action == "retry").await {
-                Ok(true) => json_response(
+                Ok(worker::Resolved::Done) => json_response(
                     StatusCode::OK,
                     &json!({ "ok": true, "id": id, "action": action }),
                 ),
-                Ok(false) => text_response(StatusCode::NOT_FOUND, "404 no such dead letter\n"),
+                Ok(worker::Resolved::NotFound) => {
+                    text_response(StatusCode::NOT_FOUND, "404 no such dead letter\n")
+                }
+                Ok(worker::Resolved::Unreadable(reason)) => text_response(
+                    StatusCode::CONFLICT,
+                    format!("409 this dead letter is not a whole job ({reason}) and cannot be queued again; drop it\n"),
+                ),
                 Err(error) => {
                     text_response(StatusCode::SERVICE_UNAVAILABLE, format!("503 {error}\n"))
                 }

@@ -24,6 +24,9 @@ pub struct Job {
     /// is made (jobs stored by earlier versions have none: theirs is their first entry id).
     pub key: Option<String>,
     pub last_error: Option<String>,
+    /// Set on the dead letter of an entry that was not a whole job (see [`UnreadableJob`]):
+    /// why. Such a letter is never queued again.
+    pub unreadable: Option<String>,
 }
 
 /// A job's `Idempotency-Key`: 128 random bits in hex. Not the stream entry id: ids are unique
@@ -75,6 +78,7 @@ impl Job {
             attempts: 0,
             key: Some(new_key()),
             last_error: None,
+            unreadable: None,
         }
     }
 
@@ -105,6 +109,9 @@ impl Job {
         if let Some(error) = &self.last_error {
             command.arg("error").arg(error);
         }
+        if let Some(reason) = &self.unreadable {
+            command.arg("unreadable").arg(reason);
+        }
     }
 
     /// The headers as HTTP/1.1 field lines, `name: value\r\n` each: lossless, because a
@@ -134,38 +141,96 @@ impl Job {
     }
 
     /// Reads a job from stream fields; `id` is the entry id (the key of a first attempt).
-    /// Jobs stored by older versions carry only the JSON `headers`.
-    pub fn from_fields(id: &str, fields: &HashMap<String, Vec<u8>>) -> Option<Job> {
+    /// Jobs stored by older versions carry only the JSON `headers`. A job that lacks what a
+    /// replay needs is [`UnreadableJob`]: what could be read of it, and what could not.
+    pub fn from_fields(
+        id: &str,
+        fields: &HashMap<String, Vec<u8>>,
+    ) -> Result<Job, Box<UnreadableJob>> {
         let text = |name: &str| {
             fields
                 .get(name)
                 .map(|value| String::from_utf8_lossy(value).into_owned())
         };
-        let headers = match fields.get("header_lines") {
-            Some(lines) => parse_header_lines(lines)?,
-            None => serde_json::from_str::<Vec<(String, String)>>(&text("headers")?)
-                .ok()?
-                .into_iter()
-                .map(|(name, value)| (name, value.into_bytes()))
-                .collect(),
+        let mut missing: Vec<&str> = Vec::new();
+        let mut required = |name: &'static str| {
+            text(name).unwrap_or_else(|| {
+                missing.push(name);
+                String::new()
+            })
         };
-        Some(Job {
-            route: text("route")?,
-            method: text("method")?,
-            target: text("target")?,
-            headers,
+        let (route, method, target) = (required("route"), required("method"), required("target"));
+        let headers = match fields.get("header_lines") {
+            Some(lines) => parse_header_lines(lines),
+            None => text("headers").and_then(|json| {
+                serde_json::from_str::<Vec<(String, String)>>(&json)
+                    .ok()
+                    .map(|pairs| {
+                        pairs
+                            .into_iter()
+                            .map(|(name, value)| (name, value.into_bytes()))
+                            .collect()
+                    })
+            }),
+        };
+        let headers_readable = headers.is_some();
+        let job = Job {
+            route,
+            method,
+            target,
+            headers: headers.unwrap_or_default(),
             body: Bytes::from(fields.get("body").cloned().unwrap_or_default()),
             client_ip: text("client").unwrap_or_default(),
             enqueued_at_ms: text("at").and_then(|v| v.parse().ok()).unwrap_or(0),
             attempts: text("attempts").and_then(|v| v.parse().ok()).unwrap_or(0),
             key: Some(text("key").unwrap_or_else(|| id.to_string())),
             last_error: text("error"),
-        })
+            unreadable: None,
+        };
+        let mut reasons: Vec<String> = missing
+            .iter()
+            .map(|name| format!("no `{name}` field"))
+            .collect();
+        if !headers_readable {
+            reasons.push("its headers cannot be read".into());
+        }
+        // The dead letter of an unreadable entry: whole again to look at, but not a job.
+        if let Some(reason) = text("unreadable") {
+            reasons.push(reason);
+        }
+        if reasons.is_empty() {
+            return Ok(job);
+        }
+        Err(Box::new(UnreadableJob {
+            reason: reasons.join(", "),
+            salvaged: job,
+        }))
     }
 
     /// The key the app sees in `Idempotency-Key`.
     pub fn idempotency_key(&self) -> &str {
         self.key.as_deref().unwrap_or("")
+    }
+}
+
+/// A stream entry that is not a whole job (written by hand, cut short, or by a levee that
+/// stored other fields): it cannot be replayed, and goes to the dead letters as it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnreadableJob {
+    /// What is missing or broken, in words.
+    pub reason: String,
+    /// Every field that could be read; empty strings for the ones that could not.
+    pub salvaged: Job,
+}
+
+impl UnreadableJob {
+    /// The job as it is kept among the dead letters: what could be read, and why it was
+    /// not replayed.
+    pub fn into_dead_letter(self) -> Job {
+        let mut job = self.salvaged;
+        job.last_error = Some(format!("unreadable job: {}", self.reason));
+        job.unreadable = Some(self.reason);
+        job
     }
 }
 
@@ -252,6 +317,7 @@ mod tests {
             attempts: 2,
             key: Some("1-0".into()),
             last_error: None,
+            unreadable: None,
         };
         let mut command = redis::cmd("XADD");
         job.write_fields(&mut command);
@@ -272,7 +338,7 @@ mod tests {
                 )
             })
             .collect();
-        assert_eq!(Job::from_fields("9-9", &fields), Some(job));
+        assert_eq!(Job::from_fields("9-9", &fields), Ok(job));
     }
 
     /// A job as the versions before `header_lines` stored it: the headers only as JSON.
@@ -316,6 +382,60 @@ mod tests {
         assert_eq!(job.last_error.as_deref(), Some("the app answered 500"));
     }
 
+    /// An entry that is not a whole job keeps what could be read, says what could not, and
+    /// its dead letter stays unreadable when read back (never queued again as a job).
+    #[test]
+    fn an_unreadable_entry_keeps_what_could_be_read_and_stays_unreadable() {
+        let fields: HashMap<String, Vec<u8>> = [
+            ("method", &b"POST"[..]),
+            ("target", b"/notify.php"),
+            ("header_lines", b"broken"),
+            ("body", b"like=1"),
+        ]
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value.to_vec()))
+        .collect();
+        let unreadable = Job::from_fields("5-0", &fields).expect_err("not a whole job");
+        assert_eq!(
+            unreadable.reason,
+            "no `route` field, its headers cannot be read"
+        );
+        assert_eq!(
+            (
+                unreadable.salvaged.method.as_str(),
+                &unreadable.salvaged.body[..]
+            ),
+            ("POST", &b"like=1"[..])
+        );
+
+        let letter = unreadable.into_dead_letter();
+        let mut command = redis::cmd("XADD");
+        letter.write_fields(&mut command);
+        let written: Vec<Vec<u8>> = command
+            .args_iter()
+            .skip(1)
+            .filter_map(|arg| match arg {
+                redis::Arg::Simple(bytes) => Some(bytes.to_vec()),
+                _ => None,
+            })
+            .collect();
+        let read_back: HashMap<String, Vec<u8>> = written
+            .chunks(2)
+            .map(|pair| {
+                (
+                    String::from_utf8_lossy(&pair[0]).into_owned(),
+                    pair[1].clone(),
+                )
+            })
+            .collect();
+        let again = Job::from_fields("6-0", &read_back).expect_err("still unreadable");
+        assert!(
+            again.reason.contains("its headers cannot be read"),
+            "{}",
+            again.reason
+        );
+    }
+
     /// An older levee replaying next to this one (a rolling upgrade) reads the JSON headers.
     #[test]
     fn the_json_headers_older_versions_read_are_still_written() {
@@ -333,6 +453,7 @@ mod tests {
             attempts: 0,
             key: None,
             last_error: None,
+            unreadable: None,
         };
         let old: Vec<(String, String)> =
             serde_json::from_str(&job.headers_json()).expect("json headers");

@@ -5,7 +5,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
 use prometheus_client::metrics::counter::Counter;
@@ -784,12 +783,19 @@ impl Pass<'_> {
                 tracing::warn!(route = %route.name, %id, "job taken over by another worker before its replay here; left to that one");
                 continue;
             }
-            let Some(mut job) = Job::from_fields(&id, &fields) else {
-                if self.dead_letter_raw(&id, &fields).await? {
-                    tracing::warn!(route = %route.name, %id, "unreadable job moved to dead letters");
-                    self.count(&shared.metrics.queue_dead_lettered);
+            let mut job = match Job::from_fields(&id, &fields) {
+                Ok(job) => job,
+                Err(unreadable) => {
+                    let reason = unreadable.reason.clone();
+                    if self
+                        .dead_letter(&id, &unreadable.into_dead_letter())
+                        .await?
+                    {
+                        tracing::warn!(route = %route.name, %id, %reason, "unreadable job moved to dead letters");
+                        self.count(&shared.metrics.queue_dead_lettered);
+                    }
+                    continue;
                 }
-                continue;
             };
             let result = replay(shared, route, &job).await;
             let labels = QueueResultLabels {
@@ -1043,29 +1049,6 @@ return redis.call('XDEL', KEYS[1], ARGV[2])
         .await
     }
 
-    async fn dead_letter_raw(
-        &self,
-        id: &str,
-        fields: &std::collections::HashMap<String, Vec<u8>>,
-    ) -> Result<bool, RedisFailure> {
-        let job = Job {
-            route: String::new(),
-            method: String::new(),
-            target: String::new(),
-            headers: Vec::new(),
-            body: Bytes::from(fields.get("body").cloned().unwrap_or_default()),
-            client_ip: String::new(),
-            enqueued_at_ms: now_ms(),
-            attempts: 0,
-            key: Some(fields.get("key").map_or_else(
-                || id.to_string(),
-                |key| String::from_utf8_lossy(key).into_owned(),
-            )),
-            last_error: Some("unreadable job".into()),
-        };
-        self.dead_letter(id, &job).await
-    }
-
     /// Parks a job until its retry time, atomically with the ack.
     async fn delay(&self, id: &str, job: &Job, wait: Duration) -> Result<bool, RedisFailure> {
         const SCRIPT: &str = r#"
@@ -1104,8 +1087,29 @@ pub async fn dead_letters(
     let value: redis::Value = redis.command(&command, QUEUE_TIMEOUT, None).await?;
     Ok(entries(&value)
         .into_iter()
-        .filter_map(|(id, fields)| Job::from_fields(&id, &fields).map(|job| (id, job)))
+        // Listed with what could be read, not left out: an operator must see every letter.
+        .map(|(id, fields)| {
+            let job = Job::from_fields(&id, &fields).unwrap_or_else(|unreadable| {
+                let mut salvaged = unreadable.salvaged;
+                salvaged.last_error = salvaged
+                    .last_error
+                    .or_else(|| Some(format!("unreadable job: {}", unreadable.reason)));
+                salvaged
+            });
+            (id, job)
+        })
         .collect())
+}
+
+/// What became of a dead letter an operator retried or dropped.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Resolved {
+    Done,
+    /// No such letter (already retried or dropped, or never there).
+    NotFound,
+    /// A letter that is not a whole job cannot be queued again (it would be a dead letter
+    /// again at once); it can be dropped.
+    Unreadable(String),
 }
 
 /// Puts a dead letter back in the queue (attempts reset) or drops it.
@@ -1114,16 +1118,17 @@ pub async fn resolve_dead_letter(
     keys: &QueueKeys,
     id: &str,
     retry: bool,
-) -> Result<bool, RedisFailure> {
+) -> Result<Resolved, RedisFailure> {
     let mut read = redis::cmd("XRANGE");
     read.arg(&keys.dead).arg(id).arg(id);
     let value: redis::Value = redis.command(&read, QUEUE_TIMEOUT, None).await?;
     let Some((_, fields)) = entries(&value).into_iter().next() else {
-        return Ok(false);
+        return Ok(Resolved::NotFound);
     };
     if retry {
-        let Some(mut job) = Job::from_fields(id, &fields) else {
-            return Ok(false);
+        let mut job = match Job::from_fields(id, &fields) {
+            Ok(job) => job,
+            Err(unreadable) => return Ok(Resolved::Unreadable(unreadable.reason)),
         };
         job.attempts = 0;
         job.last_error = None;
@@ -1139,12 +1144,20 @@ return 1
         let mut args = vec![id.as_bytes().to_vec()];
         args.extend(job_args(&job));
         let queued = eval(redis, SCRIPT, &[&keys.stream, &keys.dead], args).await?;
-        Ok(matches!(queued, redis::Value::Int(1)))
+        Ok(if matches!(queued, redis::Value::Int(1)) {
+            Resolved::Done
+        } else {
+            Resolved::NotFound
+        })
     } else {
         let mut delete = redis::cmd("XDEL");
         delete.arg(&keys.dead).arg(id);
         let deleted: i64 = redis.command(&delete, QUEUE_TIMEOUT, None).await?;
-        Ok(deleted == 1)
+        Ok(if deleted == 1 {
+            Resolved::Done
+        } else {
+            Resolved::NotFound
+        })
     }
 }
 
