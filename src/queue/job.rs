@@ -292,6 +292,28 @@ pub fn bytes_of(value: &redis::Value) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
 
+    /// The fields `job` is stored with, as a stream entry gives them back.
+    fn stored_fields(job: &Job) -> HashMap<String, Vec<u8>> {
+        let mut command = redis::cmd("XADD");
+        job.write_fields(&mut command);
+        let args: Vec<Vec<u8>> = command
+            .args_iter()
+            .skip(1)
+            .filter_map(|arg| match arg {
+                redis::Arg::Simple(bytes) => Some(bytes.to_vec()),
+                _ => None,
+            })
+            .collect();
+        args.chunks(2)
+            .map(|pair| {
+                (
+                    String::from_utf8_lossy(&pair[0]).into_owned(),
+                    pair[1].clone(),
+                )
+            })
+            .collect()
+    }
+
     #[test]
     fn fields_round_trip() {
         let job = Job {
@@ -319,26 +341,7 @@ mod tests {
             last_error: None,
             unreadable: None,
         };
-        let mut command = redis::cmd("XADD");
-        job.write_fields(&mut command);
-        let args: Vec<Vec<u8>> = command
-            .args_iter()
-            .skip(1)
-            .filter_map(|arg| match arg {
-                redis::Arg::Simple(bytes) => Some(bytes.to_vec()),
-                _ => None,
-            })
-            .collect();
-        let fields: HashMap<String, Vec<u8>> = args
-            .chunks(2)
-            .map(|pair| {
-                (
-                    String::from_utf8_lossy(&pair[0]).into_owned(),
-                    pair[1].clone(),
-                )
-            })
-            .collect();
-        assert_eq!(Job::from_fields("9-9", &fields), Ok(job));
+        assert_eq!(Job::from_fields("9-9", &stored_fields(&job)), Ok(job));
     }
 
     /// A job as the versions before `header_lines` stored it: the headers only as JSON.
@@ -409,26 +412,7 @@ mod tests {
         );
 
         let letter = unreadable.into_dead_letter();
-        let mut command = redis::cmd("XADD");
-        letter.write_fields(&mut command);
-        let written: Vec<Vec<u8>> = command
-            .args_iter()
-            .skip(1)
-            .filter_map(|arg| match arg {
-                redis::Arg::Simple(bytes) => Some(bytes.to_vec()),
-                _ => None,
-            })
-            .collect();
-        let read_back: HashMap<String, Vec<u8>> = written
-            .chunks(2)
-            .map(|pair| {
-                (
-                    String::from_utf8_lossy(&pair[0]).into_owned(),
-                    pair[1].clone(),
-                )
-            })
-            .collect();
-        let again = Job::from_fields("6-0", &read_back).expect_err("still unreadable");
+        let again = Job::from_fields("6-0", &stored_fields(&letter)).expect_err("still unreadable");
         assert!(
             again.reason.contains("its headers cannot be read"),
             "{}",
