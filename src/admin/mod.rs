@@ -688,7 +688,7 @@ async fn set_breaker(
         );
     };
     upstream.breaker.set_runtime_force(force, &shared.metrics);
-    tracing::warn!(upstream = %name, force = ?force, %by, "breaker pinned from the admin API");
+    tracing::warn!(upstream = %name, force = crate::breaker::Force::word(force), %by, "breaker pinned from the admin API");
     json_response(
         StatusCode::OK,
         &json!({ "ok": true, "upstream": name, "breaker": upstream.breaker.status() }),

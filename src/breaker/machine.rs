@@ -65,6 +65,18 @@ pub enum Force {
     Closed,
 }
 
+impl Force {
+    /// A pin in the words the CLI and the admin API take: `open`, `closed`, or `auto` for
+    /// none.
+    pub fn word(force: Option<Force>) -> &'static str {
+        match force {
+            Some(Force::Open) => "open",
+            Some(Force::Closed) => "closed",
+            None => "auto",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
     Closed,

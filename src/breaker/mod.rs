@@ -123,7 +123,7 @@ impl Breaker {
             .breaker_state
             .get_or_create(&self.labels())
             .set(state);
-        tracing::warn!(upstream = %self.upstream, force = ?force, "breaker control changed at runtime");
+        tracing::warn!(upstream = %self.upstream, force = Force::word(force), "breaker control changed at runtime");
     }
 
     /// The state as `levee_breaker_state` has it (0 closed, 1 open, 2 half-open), read as

@@ -25,6 +25,19 @@ pub enum Change {
     Module(String, Option<bool>),
 }
 
+impl std::fmt::Display for Change {
+    /// In the words the CLI takes: `level 2`, `level policy`, `module ranking off`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Change::Level(Some(level)) => write!(f, "level {level}"),
+            Change::Level(None) => write!(f, "level policy"),
+            Change::Module(name, Some(true)) => write!(f, "module {name} off"),
+            Change::Module(name, Some(false)) => write!(f, "module {name} on"),
+            Change::Module(name, None) => write!(f, "module {name} policy"),
+        }
+    }
+}
+
 fn now_unix() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -88,7 +101,7 @@ pub async fn apply(
         None => save_to_file(&policy.degrade.state_file, &switches).await?,
     }
     degrade.replace_runtime(switches);
-    tracing::warn!(?change, by, "degrade switch changed");
+    tracing::warn!(change = %change, by, "degrade switch changed");
     publish(degrade, policy, metrics);
     Ok(())
 }
