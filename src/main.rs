@@ -124,6 +124,8 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+use levee::admin::client::{changed_text, Changed};
+
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Check { policies } => check(&policies),
@@ -137,24 +139,26 @@ fn main() -> ExitCode {
                 _ => body.to_string(),
             },
         ),
-        Command::Level { level, admin } => {
-            admin_command(admin, http::Method::POST, "/level".into(), level, |_| {
-                "level set\n".into()
-            })
-        }
+        Command::Level { level, admin } => admin_command(
+            admin,
+            http::Method::POST,
+            "/level".into(),
+            level,
+            |answer| changed_text(answer, Changed::Level),
+        ),
         Command::Module { name, state, admin } => admin_command(
             admin,
             http::Method::POST,
             format!("/modules/{}", levee::admin::client::path_segment(&name)),
             state,
-            |_| "module switched\n".into(),
+            |answer| changed_text(answer, Changed::Module(&name)),
         ),
         Command::Breaker { name, state, admin } => admin_command(
             admin,
             http::Method::POST,
             format!("/breakers/{}", levee::admin::client::path_segment(&name)),
             state,
-            |_| "breaker set\n".into(),
+            |answer| changed_text(answer, Changed::Breaker(&name)),
         ),
         Command::Reload { admin } => admin_command(
             admin,

@@ -73,7 +73,11 @@ async fn status_level_module_breaker_and_reload_from_the_command_line() {
         .await
         .expect("cli");
     assert!(ok, "{err}");
-    assert_eq!(out, "module switched\n");
+    // What is in effect now, and on whose word.
+    assert!(
+        out.starts_with("module ranking OFF (runtime, by ops"),
+        "{out}"
+    );
     assert_eq!(get(&levee.url("/ranking")).await.status, 503);
     let status = get(&levee.admin_url("/status")).await.json();
     assert!(
@@ -84,14 +88,16 @@ async fn status_level_module_breaker_and_reload_from_the_command_line() {
         "{status}"
     );
 
-    let (ok, _, err) = run(&["level", "2"], Some(TOKEN)).await.expect("cli");
+    let (ok, out, err) = run(&["level", "2"], Some(TOKEN)).await.expect("cli");
     assert!(ok, "{err}");
+    assert_eq!(out, "level 2 in effect (runtime)\n");
     let (ok, _, err) = run(&["level", "9"], Some(TOKEN)).await.expect("cli");
     assert!(!ok && err.contains("400"), "{err}");
-    let (ok, _, err) = run(&["breaker", "app", "open"], Some(TOKEN))
+    let (ok, out, err) = run(&["breaker", "app", "open"], Some(TOKEN))
         .await
         .expect("cli");
     assert!(ok, "{err}");
+    assert_eq!(out, "breaker app open (pinned open at runtime)\n");
     assert_eq!(get(&levee.url("/anything")).await.status, 503);
     let (ok, out, _) = run(&["status"], None).await.expect("cli");
     assert!(

@@ -172,6 +172,58 @@ pub async fn call(
     Ok((status, text))
 }
 
+/// What an admin change was about, to say what is in effect after it.
+pub enum Changed<'a> {
+    Level,
+    Module(&'a str),
+    Breaker(&'a str),
+}
+
+/// What is in effect after a change, read from the admin API's answer to it: `level 1 in
+/// effect (runtime)`, `module ranking OFF (runtime, by alice)`, `breaker app open (pinned
+/// open at runtime)`. An answer without those figures (an older levee) gets a plain "done".
+pub fn changed_text(answer: &str, changed: Changed<'_>) -> String {
+    let answer: serde_json::Value = serde_json::from_str(answer).unwrap_or_default();
+    let degrade = &answer["degrade"];
+    let text = match changed {
+        Changed::Level => degrade["level"].as_u64().map(|level| {
+            format!(
+                "level {level} in effect ({})",
+                degrade["level_origin"].as_str().unwrap_or("?")
+            )
+        }),
+        Changed::Module(name) => {
+            let module = &degrade["modules"][name];
+            module["off"].as_bool().map(|off| {
+                let by = module["changed_by"]
+                    .as_str()
+                    .map(|by| format!(", by {by}"))
+                    .unwrap_or_default();
+                format!(
+                    "module {name} {} ({}{by})",
+                    if off { "OFF" } else { "on" },
+                    module["origin"].as_str().unwrap_or("?")
+                )
+            })
+        }
+        Changed::Breaker(name) => {
+            let breaker = &answer["breaker"];
+            breaker["state"].as_str().map(|state| {
+                let control = match breaker["force"].as_str() {
+                    Some("auto") | None => "automatic".to_string(),
+                    Some(force) => match breaker["forced_by"].as_str() {
+                        Some("runtime") => format!("pinned {force} at runtime"),
+                        Some("policy") => format!("pinned {force} by the policy"),
+                        other => format!("pinned {force} by {}", other.unwrap_or("?")),
+                    },
+                };
+                format!("breaker {name} {state} ({control})")
+            })
+        }
+    };
+    format!("{}\n", text.unwrap_or_else(|| "done".into()))
+}
+
 /// A readable summary of `GET /status`.
 pub fn summarize(status: &serde_json::Value) -> String {
     use std::fmt::Write as _;
