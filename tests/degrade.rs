@@ -1395,3 +1395,92 @@ async fn copies_are_not_stored_in_redis_while_its_health_breaker_is_open() {
         "no copy went to redis while its breaker was open"
     );
 }
+
+/// An answer that says it differs by the client's cookies (`Vary: Cookie`) is that client's
+/// page: requests that arrive together each get their own, and none is kept as a copy for
+/// others (RFC 9111 4.1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_that_varies_by_cookie_is_never_shared() {
+    let backend = Backend::start(|request: Request<Incoming>| {
+        let cookie = request
+            .headers()
+            .get("cookie")
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        async move {
+            // Slow enough for the three requests to be in flight together.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Response::builder()
+                .header("content-type", "text/html")
+                .header("vary", "Cookie")
+                .body(full(Bytes::from(format!("page for {cookie}"))))
+                .expect("response")
+        }
+    })
+    .await;
+    let levee = levee_with_routes(
+        &backend,
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    )
+    .await;
+    let url = levee.url("/ranking");
+    let pages = tokio::join!(
+        get_with(&url, &[("cookie", "user=alice")]),
+        get_with(&url, &[("cookie", "user=bob")]),
+        get_with(&url, &[("cookie", "user=carol")]),
+    );
+    assert_eq!(
+        [pages.0.text(), pages.1.text(), pages.2.text()],
+        [
+            "page for user=alice",
+            "page for user=bob",
+            "page for user=carol"
+        ]
+    );
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let anonymous = get(&url).await;
+    assert_eq!(
+        (anonymous.status, anonymous.text().as_str()),
+        (503, "ranking is resting"),
+        "no copy was kept"
+    );
+}
+
+/// A HEAD on a route that is off gets the copy's head, as a GET gets the copy; a GET whose
+/// client says `Cache-Control: no-store` is answered but not kept (RFC 9111 5.2.1.5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_request_gets_the_copy_and_a_no_store_request_leaves_none() {
+    let backend = Backend::start(|_| async { html("the ranking") }).await;
+    let levee = levee_with_routes(
+        &backend,
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    )
+    .await;
+    let url = levee.url("/ranking");
+    let private = get_with(&url, &[("cache-control", "no-store")]).await;
+    assert_eq!(private.text(), "the ranking");
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    assert_eq!(
+        get(&url).await.status,
+        503,
+        "the no-store answer was not kept"
+    );
+
+    assert_eq!(set(&levee, "/modules/ranking", "on").await.status, 200);
+    assert_eq!(get(&url).await.text(), "the ranking");
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let head = send(
+        Request::head(&url)
+            .body(full(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(
+        (head.status, head.header("x-levee-stale"), head.body.len()),
+        (200, Some("1"), 0)
+    );
+    assert_eq!(get(&url).await.text(), "the ranking");
+}

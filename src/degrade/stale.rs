@@ -552,6 +552,9 @@ pub fn storable(
     if !settings.allow_set_cookie && headers.contains_key(header::SET_COOKIE) {
         return false;
     }
+    if !vary_is_keyed(headers, settings) {
+        return false;
+    }
     // A copy answers any client, including one that cannot decode gzip: levee asks for an
     // uncompressed page, and an upstream that compresses anyway is not kept. Every field line
     // and every element counts: `identity` then `gzip` (two lines, or `identity, gzip`) is
@@ -570,6 +573,32 @@ pub fn storable(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
     length.is_none_or(|length| length <= settings.max_body)
+}
+
+/// Whether every field the answer's `Vary` names also selects its copy (RFC 9111 4.1): the
+/// app says the page differs by them, and a copy kept under a key without them would answer
+/// one client with another's page (`Vary: Cookie` on a personal page). Keyed are:
+/// `Accept-Encoding` (copies are fetched and kept uncompressed, see `storable`), a field that
+/// `vary` names as `header:NAME`, and `Cookie` when `vary` names one of its cookies (the
+/// operator's word that those are the cookies the page depends on). `Vary: *` never is.
+fn vary_is_keyed(headers: &HeaderMap, settings: &StaleSettings) -> bool {
+    let keyed = |field: &str| {
+        field.eq_ignore_ascii_case("accept-encoding")
+            || settings.vary.iter().any(|source| match source {
+                crate::limit::key::Source::Header(name) => {
+                    field.eq_ignore_ascii_case(name.as_str())
+                }
+                crate::limit::key::Source::Cookie(_) => field.eq_ignore_ascii_case("cookie"),
+                crate::limit::key::Source::Query(_) => false,
+            })
+    };
+    headers
+        .get_all(header::VARY)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|field| !field.is_empty())
+        .all(|field| std::str::from_utf8(field).is_ok_and(|field| field != "*" && keyed(field)))
 }
 
 /// The headers kept with a copy: everything but `Date`/`Age` (set fresh when served) and
@@ -1085,6 +1114,50 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("101"));
         assert!(!storable(StatusCode::OK, &headers, &settings, false));
+    }
+
+    #[test]
+    fn an_answer_that_varies_by_what_the_key_leaves_out_is_not_kept() {
+        let mut settings = StaleSettings {
+            max_age: Duration::from_secs(60),
+            vary: vec![],
+            allow_set_cookie: false,
+            max_body: 100,
+            query: CopyQuery::All,
+            max_copies: 10,
+        };
+        let varying = |fields: &str| {
+            let mut headers = HeaderMap::new();
+            for field in fields.split('|') {
+                headers.append(header::VARY, HeaderValue::from_str(field).expect("value"));
+            }
+            headers
+        };
+        let kept = |fields: &str, settings: &StaleSettings| {
+            storable(StatusCode::OK, &varying(fields), settings, false)
+        };
+        // Copies are fetched uncompressed: Accept-Encoding selects nothing.
+        assert!(kept("Accept-Encoding", &settings));
+        for personal in [
+            "Cookie",
+            "*",
+            "Accept-Language",
+            "accept-encoding, User-Agent",
+            "Accept-Encoding|Cookie",
+        ] {
+            assert!(!kept(personal, &settings), "{personal}");
+        }
+        settings.vary = vec![
+            crate::limit::key::Source::parse("header:accept-language").expect("source"),
+            crate::limit::key::Source::parse("cookie:lang").expect("source"),
+        ];
+        assert!(kept("Accept-Language, Accept-Encoding", &settings));
+        assert!(
+            kept("cookie", &settings),
+            "the operator named the cookies that count"
+        );
+        assert!(!kept("*", &settings));
+        assert!(!kept("User-Agent", &settings));
     }
 
     #[test]

@@ -606,12 +606,18 @@ fn without_switched_off_fragments(
     Response::from_parts(parts, Hidden::new(body, &selectors, markers).boxed_unsync())
 }
 
-/// The stale-copy side of one request: its key (GET on a `stale` route only) and settings.
+/// The stale-copy side of one request: its key (GET or HEAD on a `stale` route only) and
+/// settings.
 struct Stale {
     key: Option<CopyKey>,
     settings: Option<Arc<StaleSettings>>,
     /// The request carried `Authorization`: its answer is kept only if the app allows it.
     credentials: bool,
+    /// What the answer to this request may do for the copy: a GET fetches it and keeps what
+    /// comes back; a HEAD is answered from it but its answer (no body) is no copy; a GET
+    /// whose client said `Cache-Control: no-store` (RFC 9111 5.2.1.5) is answered from a
+    /// copy too, but its answer is not kept.
+    keeps: bool,
 }
 
 enum Joined {
@@ -633,9 +639,11 @@ impl Stale {
                 key: None,
                 settings: None,
                 credentials: false,
+                keeps: false,
             };
         };
-        let key = (request.method() == Method::GET).then(|| {
+        let method = request.method();
+        let key = (method == Method::GET || method == Method::HEAD).then(|| {
             // Byte for byte, as rate-limit keys read them: two Latin-1 cookies are two pages.
             let vary: Vec<Vec<u8>> = settings
                 .vary
@@ -665,10 +673,17 @@ impl Stale {
                 &vary,
             )
         });
+        let client_says_no_store = request
+            .headers()
+            .get_all(h::CACHE_CONTROL)
+            .iter()
+            .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
+            .any(|directive| directive.trim_ascii().eq_ignore_ascii_case(b"no-store"));
         Stale {
             key,
             settings: Some(settings.clone()),
             credentials: request.headers().contains_key(h::AUTHORIZATION),
+            keeps: method == Method::GET && !client_says_no_store,
         }
     }
 
@@ -741,7 +756,7 @@ impl Stale {
     /// most the upstream's response timeout, then for its body at most
     /// [`stale::WAIT_FOR_BODY`], as the leader's client may read slowly.
     async fn join(&self, shared: &Shared, policy: &Policy, route: &Route) -> Joined {
-        let Some(key) = &self.key else {
+        let Some(key) = self.key.as_ref().filter(|_| self.keeps) else {
             return Joined::Lead(None);
         };
         let waiting = match shared.stale.fetch(&key.key) {
@@ -773,7 +788,7 @@ impl Stale {
         headers: &http::HeaderMap,
         guard: Option<FetchGuard>,
     ) -> Option<CaptureTarget> {
-        let (Some(key), Some(settings)) = (&self.key, &self.settings) else {
+        let (Some(key), Some(settings), true) = (&self.key, &self.settings, self.keeps) else {
             return None;
         };
         if !stale::storable(status, headers, settings, self.credentials) {
