@@ -12,7 +12,7 @@ use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap};
 use http_body::{Body, Frame, SizeHint};
 use lol_html::send::{HtmlRewriter, Settings};
-use lol_html::{doc_comments, doc_text, element, end_tag, OutputSink};
+use lol_html::{doc_comments, doc_text, element, end_tag, AsciiCompatibleEncoding, OutputSink};
 use pin_project_lite::pin_project;
 
 use super::cut::{self, Cut, Found, Holder, IdSelector, Step};
@@ -73,7 +73,8 @@ impl OutputSink for Sink {
     }
 }
 
-/// Should this response be rewritten at all? Only uncompressed HTML.
+/// Should this response be rewritten at all? Only uncompressed HTML in an encoding the
+/// rewriter can read.
 pub fn rewritable(headers: &HeaderMap) -> bool {
     let html = headers
         .get(header::CONTENT_TYPE)
@@ -84,11 +85,43 @@ pub fn rewritable(headers: &HeaderMap) -> bool {
                 .to_ascii_lowercase()
                 .starts_with("text/html")
         });
+    // Every field line and every coding in it counts: `identity` then `gzip` (two lines,
+    // or `identity, gzip`) is a gzipped body (RFC 9110 8.4).
     let encoded = headers
-        .get(header::CONTENT_ENCODING)
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"));
+    html && !encoded && page_encoding(headers).is_some()
+}
+
+/// The encoding the rewriter reads the page in and writes it back: the `charset` its
+/// `Content-Type` names, else windows-1252. The rewriter writes back the text it keeps as it
+/// decoded it, so reading a page in another encoding than its own broke every byte that is
+/// not valid in the one read (a Latin-1 `é` became U+FFFD). Windows-1252 gives each of the
+/// 256 byte values a character of its own and back, so a page of undeclared encoding (UTF-8,
+/// Latin-1, Shift_JIS with a `<meta charset>`…) comes out byte for byte; selectors match on
+/// ASCII names either way. `None`: a charset the rewriter cannot read (UTF-16, ISO-2022-JP),
+/// whose page is passed on untouched.
+pub fn page_encoding(headers: &HeaderMap) -> Option<AsciiCompatibleEncoding> {
+    let charset = headers
+        .get(header::CONTENT_TYPE)
         .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| !value.trim().eq_ignore_ascii_case("identity"));
-    html && !encoded
+        .and_then(|value| {
+            value.split(';').skip(1).find_map(|parameter| {
+                let (name, value) = parameter.split_once('=')?;
+                name.trim()
+                    .eq_ignore_ascii_case("charset")
+                    .then(|| value.trim().trim_matches('"'))
+            })
+        });
+    match charset {
+        Some(label) => AsciiCompatibleEncoding::new(
+            encoding_rs::Encoding::for_label_no_replacement(label.as_bytes())?,
+        ),
+        None => AsciiCompatibleEncoding::new(encoding_rs::WINDOWS_1252),
+    }
 }
 
 fn marker_of(comment: &str) -> Option<(bool, &str)> {
@@ -303,6 +336,7 @@ struct Hider {
     stage: Stage,
     plan: Plan,
     settings: Option<(Vec<String>, Vec<String>)>,
+    encoding: AsciiCompatibleEncoding,
     ended: Arc<AtomicUsize>,
     output: Arc<Mutex<Output>>,
     /// Bytes kept back at the end of each chunk while scanning: `CARRY` (tests use less, so
@@ -322,10 +356,11 @@ pin_project! {
 fn rewriter(
     selectors: &[String],
     markers: &[String],
+    encoding: AsciiCompatibleEncoding,
     output: &Arc<Mutex<Output>>,
     ended: &Arc<AtomicUsize>,
 ) -> HtmlRewriter<'static, Sink> {
-    let mut settings = Settings::new_send();
+    let mut settings = Settings::new_send().with_encoding(encoding);
     for selector in selectors {
         let ended = ended.clone();
         settings =
@@ -386,11 +421,17 @@ fn rewriter(
 }
 
 impl<B> Hidden<B> {
-    /// `selectors`: CSS selectors to remove; `markers`: module names hidden by comments.
-    pub fn new(inner: B, selectors: &[String], markers: Vec<String>) -> Hidden<B> {
+    /// `selectors`: CSS selectors to remove; `markers`: module names hidden by comments;
+    /// `encoding`: the page's (see [`page_encoding`]).
+    pub fn new(
+        inner: B,
+        selectors: &[String],
+        markers: Vec<String>,
+        encoding: AsciiCompatibleEncoding,
+    ) -> Hidden<B> {
         Hidden {
             inner,
-            hider: Hider::new(selectors, markers, true),
+            hider: Hider::new(selectors, markers, encoding, true),
         }
     }
 }
@@ -420,7 +461,12 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 impl Hider {
     /// `fast`: scan for the needles and use the tag-scanner fast path when the selectors
     /// allow it (tests turn it off to compare against the rewriter over the whole page).
-    fn new(selectors: &[String], markers: Vec<String>, fast: bool) -> Hider {
+    fn new(
+        selectors: &[String],
+        markers: Vec<String>,
+        encoding: AsciiCompatibleEncoding,
+        fast: bool,
+    ) -> Hider {
         let mut plan = plan(selectors, &markers);
         if !fast {
             plan.ids.clear();
@@ -433,6 +479,7 @@ impl Hider {
             Stage::Rewrite(Box::new(rewriter(
                 &settings.0,
                 &settings.1,
+                encoding,
                 &output,
                 &ended,
             )))
@@ -443,6 +490,7 @@ impl Hider {
             stage,
             plan,
             settings: Some(settings),
+            encoding,
             ended,
             output,
             carry: CARRY,
@@ -673,7 +721,13 @@ impl Hider {
 
     fn start_rewriter(&mut self) {
         let (selectors, markers) = self.settings.take().unwrap_or_default();
-        let rewriter = rewriter(&selectors, &markers, &self.output, &self.ended);
+        let rewriter = rewriter(
+            &selectors,
+            &markers,
+            self.encoding,
+            &self.output,
+            &self.ended,
+        );
         self.stage = Stage::Rewrite(Box::new(rewriter));
     }
 
@@ -818,8 +872,25 @@ mod tests {
         markers: &[&str],
         chunk: usize,
     ) -> String {
-        let chunks: Vec<Result<Frame<Bytes>, BoxError>> = html
-            .as_bytes()
+        let bytes = rewrite_bytes(
+            html.as_bytes(),
+            selectors,
+            markers,
+            chunk,
+            AsciiCompatibleEncoding::utf_8(),
+        )
+        .await;
+        String::from_utf8(bytes).expect("utf-8")
+    }
+
+    async fn rewrite_bytes(
+        page: &[u8],
+        selectors: &[&str],
+        markers: &[&str],
+        chunk: usize,
+        encoding: AsciiCompatibleEncoding,
+    ) -> Vec<u8> {
+        let chunks: Vec<Result<Frame<Bytes>, BoxError>> = page
             .chunks(chunk)
             .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
             .collect();
@@ -829,9 +900,46 @@ mod tests {
             body,
             &selectors,
             markers.iter().map(|s| s.to_string()).collect(),
+            encoding,
         );
-        let bytes = hidden.collect().await.expect("rewrites").to_bytes();
-        String::from_utf8(bytes.to_vec()).expect("utf-8")
+        hidden
+            .collect()
+            .await
+            .expect("rewrites")
+            .to_bytes()
+            .to_vec()
+    }
+
+    fn content_type(value: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, value.parse().expect("value"));
+        headers
+    }
+
+    #[tokio::test]
+    async fn pages_in_other_encodings_come_out_byte_for_byte() {
+        // Latin-1 without a declared charset, and Shift_JIS declared: every byte the rewriter
+        // keeps comes out as it came in (it had become U+FFFD, read as UTF-8).
+        let latin1: &[u8] = b"<p>caf\xe9 cr\xe8me</p><!-- levee:module ads --><div>pub \xe0 gauche</div><!-- /levee:module ads --><div class=\"box x\">\xa9 2024</div><p>fin \xe9t\xe9</p>";
+        let undeclared = page_encoding(&content_type("text/html")).expect("readable");
+        for chunk in [1, 5, 4096] {
+            let out = rewrite_bytes(latin1, &["div.box"], &["ads"], chunk, undeclared).await;
+            assert_eq!(
+                out,
+                b"<p>caf\xe9 cr\xe8me</p><p>fin \xe9t\xe9</p>".to_vec(),
+                "chunk {chunk}"
+            );
+        }
+        let shift_jis: &[u8] = b"<p>\x83\x89\x83\x93\x83L\x83\x93\x83O</p><!-- levee:module ads --><i>ad</i><!-- /levee:module ads --><p>\x88\xea</p>";
+        let declared =
+            page_encoding(&content_type("text/html; charset=Shift_JIS")).expect("readable");
+        let out = rewrite_bytes(shift_jis, &[], &["ads"], 3, declared).await;
+        assert_eq!(
+            out,
+            b"<p>\x83\x89\x83\x93\x83L\x83\x93\x83O</p><p>\x88\xea</p>".to_vec()
+        );
+        // A UTF-16 page cannot be read by the rewriter: passed on untouched.
+        assert!(!rewritable(&content_type("text/html; charset=utf-16le")));
     }
 
     const PAGE: &str = "<html><body><h1>论坛</h1><div id=\"ranking\"><ol><li>a</li></ol></div><p>keep</p><div data-module=\"visitors\">42 online</div></body></html>";
@@ -869,6 +977,10 @@ mod tests {
         );
         assert!(rewritable(&headers));
         headers.insert(header::CONTENT_ENCODING, "gzip".parse().expect("value"));
+        assert!(!rewritable(&headers));
+        // Every Content-Encoding line counts, not the first alone.
+        headers.insert(header::CONTENT_ENCODING, "identity".parse().expect("value"));
+        headers.append(header::CONTENT_ENCODING, "gzip".parse().expect("value"));
         assert!(!rewritable(&headers));
         let mut json = HeaderMap::new();
         json.insert(
@@ -936,7 +1048,12 @@ mod tests {
         carry: usize,
     ) -> Vec<u8> {
         let selectors: Vec<String> = selectors.iter().map(|s| s.to_string()).collect();
-        let mut hider = Hider::new(&selectors, Vec::new(), fast);
+        let mut hider = Hider::new(
+            &selectors,
+            Vec::new(),
+            AsciiCompatibleEncoding::utf_8(),
+            fast,
+        );
         hider.carry = carry;
         // The reference runs the rewriter to the end of the page, as the fast path scans it.
         hider.plan.stop_after = 0;
@@ -1143,7 +1260,12 @@ mod tests {
         let filler = "<p class=\"post\">text of a post, <a href=\"/x\">a link</a></p>\n";
         let page = format!("{}{module}{}", filler.repeat(300), filler.repeat(3000));
         let selectors = vec!["#ranking".to_string()];
-        let mut hider = Hider::new(&selectors, Vec::new(), true);
+        let mut hider = Hider::new(
+            &selectors,
+            Vec::new(),
+            AsciiCompatibleEncoding::utf_8(),
+            true,
+        );
         let (mut out, mut shared) = (Vec::new(), 0);
         let chunks: Vec<Bytes> = page
             .as_bytes()

@@ -594,16 +594,21 @@ fn without_switched_off_fragments(
     let Some((selectors, markers)) = hiding else {
         return response;
     };
-    if !hide::rewritable(response.headers()) {
+    let Some(encoding) =
+        hide::page_encoding(response.headers()).filter(|_| hide::rewritable(response.headers()))
+    else {
         return response;
-    }
+    };
     let (mut parts, body) = response.into_parts();
     // The length changes, and the upstream's validators no longer describe this body: one
     // kept by a browser would have the app confirm a page with the blocks of other switches.
     parts.headers.remove(h::CONTENT_LENGTH);
     parts.headers.remove(h::ETAG);
     parts.headers.remove(h::LAST_MODIFIED);
-    Response::from_parts(parts, Hidden::new(body, &selectors, markers).boxed_unsync())
+    Response::from_parts(
+        parts,
+        Hidden::new(body, &selectors, markers, encoding).boxed_unsync(),
+    )
 }
 
 /// The stale-copy side of one request: its key (GET or HEAD on a `stale` route only) and
