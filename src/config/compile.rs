@@ -3089,6 +3089,8 @@ fn compile_route(
                 && (selector.trim().is_empty() || selector.parse::<lol_html::Selector>().is_err())
             {
                 compiler.error_hint(file, hide_spec.span(), format!("`{selector}` (module `{module}`) is not a CSS selector levee can match"), "use an id, class, element or attribute selector: \"#ranking\", \".visitors\", \"[data-module=visitors]\"");
+            } else if let Some(element) = crate::degrade::hide::element_left_in_place(selector) {
+                compiler.warning_hint(file, hide_spec.span(), format!("`{selector}` (module `{module}`) selects <{element}> elements, which hide leaves in place: their end tag may be left out of a page, and removing one could remove the rest of it"), "select the element around it (a div or section), or use \"marker\"");
             }
         }
     }

@@ -363,8 +363,14 @@ fn rewriter(
     let mut settings = Settings::new_send().with_encoding(encoding);
     for selector in selectors {
         let ended = ended.clone();
+        let selector_text = selector.clone();
         settings =
             settings.append_element_content_handler(element!(selector.as_str(), move |el| {
+                let name = el.tag_name();
+                if end_tag_may_be_left_out(&name) {
+                    warn_once_of_an_element_left_in(&selector_text, &name);
+                    return Ok(());
+                }
                 el.remove();
                 let ended = ended.clone();
                 // Void elements have no end: count them as ended at once.
@@ -418,6 +424,65 @@ fn rewriter(
             }));
     }
     HtmlRewriter::new(settings, Sink(output.clone()))
+}
+
+/// Elements whose end tag HTML lets a page leave out (`<li>a<li>b`, `<p>a<div>`): the parser
+/// closes them where the next one starts, but the rewriter removes up to an end tag written
+/// out, so removing one whose end tag is left out took the rest of its list or page with it.
+/// Such an element is left in place; the operator is told to hide the element around it.
+fn end_tag_may_be_left_out(name: &str) -> bool {
+    matches!(
+        name.to_ascii_lowercase().as_str(),
+        "p" | "li"
+            | "dt"
+            | "dd"
+            | "option"
+            | "optgroup"
+            | "tr"
+            | "td"
+            | "th"
+            | "thead"
+            | "tbody"
+            | "tfoot"
+            | "colgroup"
+            | "caption"
+            | "rb"
+            | "rt"
+            | "rtc"
+            | "rp"
+            | "html"
+            | "head"
+            | "body"
+    )
+}
+
+/// The element a selector names by type, when `hide` would leave such elements in place
+/// (`li.ad`, `p#promo`, `td`): for `levee check` to warn of.
+pub fn element_left_in_place(selector: &str) -> Option<String> {
+    let selector = selector.trim();
+    // The element the selector picks is named last (`ul > li.ad` picks an `li`).
+    let last = selector
+        .rsplit([' ', '>', '+', '~'])
+        .next()
+        .unwrap_or(selector);
+    let name: String = last
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+        .collect();
+    (!name.is_empty() && end_tag_may_be_left_out(&name)).then(|| name.to_ascii_lowercase())
+}
+
+/// Says once per process (a page is served thousands of times) that a selector matched an
+/// element `hide` leaves in place (see [`end_tag_may_be_left_out`]).
+fn warn_once_of_an_element_left_in(selector: &str, name: &str) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            selector,
+            element = name,
+            "hide left a <{name}> in place: its end tag may be left out of a page, and removing it could remove the rest of the page; select the element around it (a div or section) instead (said once)"
+        );
+    }
 }
 
 impl<B> Hidden<B> {
@@ -956,6 +1021,43 @@ mod tests {
         }
         let out = rewrite(PAGE, &["#ranking", "[data-module=visitors]"], &[], 16).await;
         assert_eq!(out, "<html><body><h1>论坛</h1><p>keep</p></body></html>");
+    }
+
+    #[tokio::test]
+    async fn elements_whose_end_tag_may_be_left_out_are_left_in_place() {
+        // Removed up to an end tag that never comes, each took the rest of its list or page.
+        for page in [
+            "<p id=\"ads\">ad<div>block</div><p>after</p>",
+            "<ul><li id=\"ads\">ad<li>item2<li>item3</ul><p>after</p>",
+            "<table><tr><td class=\"ads\">ad<td>cell</table>",
+        ] {
+            for selector in ["#ads", ".ads", "li#ads"] {
+                assert_eq!(rewrite(page, &[selector], &[], 7).await, page, "{selector}");
+            }
+        }
+        // The element around it is removed as always.
+        let page = "<div id=\"box\"><p>ad<p>more</div><p>after";
+        assert_eq!(rewrite(page, &["#box"], &[], 3).await, "<p>after");
+    }
+
+    #[test]
+    fn selectors_of_elements_left_in_place_are_named() {
+        for (selector, element) in [
+            ("li.ad", Some("li")),
+            ("ul > LI#x", Some("li")),
+            ("p", Some("p")),
+            ("td[data-x=1]", Some("td")),
+            ("#ads", None),
+            (".ads", None),
+            ("div.box", None),
+            ("picture", None),
+        ] {
+            assert_eq!(
+                element_left_in_place(selector).as_deref(),
+                element,
+                "{selector}"
+            );
+        }
     }
 
     #[tokio::test]
