@@ -763,6 +763,15 @@ async fn without_redis_the_queue_and_its_figures_answer_503_and_big_bodies_413()
 
     let too_big = post_as(&levee, &"x".repeat(2000), "192.0.2.1").await;
     assert_eq!(too_big.status, 413);
+    // Announced over the limit with `Expect: 100-continue`: refused at once, no `100
+    // Continue` asking the client to upload what would be refused.
+    let expecting = raw_exchange(
+        levee.public,
+        b"POST /notify.php HTTP/1.1\r\nHost: a\r\nContent-Length: 5000\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(expecting.starts_with("HTTP/1.1 413"), "{expecting}");
     assert_eq!(
         get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"],
         0,
@@ -1408,4 +1417,38 @@ async fn an_unreadable_job_is_dead_lettered_and_counted() {
     )
     .await;
     assert_eq!(dropped.status, 200, "{}", dropped.text());
+}
+
+/// A queued request passed the route's limits as a forwarded one does, and its 202 carries
+/// the same `RateLimit` fields (`headers_on_allow`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_answer_carries_the_rate_limit_fields() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _) = recording_always_ok().await;
+    let policy = queue_policy(
+        backend.addr,
+        &redis.url(),
+        "[limit.posts]\nkey = [\"ip\"]\nrate = \"10/min\"\nburst = 5\nheaders_on_allow = true\n",
+    )
+    .replace(
+        "module = \"notifications\"\n",
+        "module = \"notifications\"\nlimits = [\"posts\"]\n",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let accepted = post_as(&levee, "like=1", "192.0.2.1").await;
+    assert_eq!(accepted.status, 202, "{}", accepted.text());
+    assert!(
+        accepted.header("ratelimit-policy").is_some(),
+        "{:?}",
+        accepted.headers
+    );
+    assert!(
+        accepted
+            .header("ratelimit")
+            .is_some_and(|state| state.contains("r=4")),
+        "{:?}",
+        accepted.headers
+    );
 }

@@ -295,7 +295,7 @@ async fn forward(
             &shared.metrics,
         ))
         .await
-        .map(Answer::from);
+        .map(|accepted| with_rate_limit_fields(accepted, allowed_headers).into());
     }
 
     if let Some(length) = content_length(request.headers()) {

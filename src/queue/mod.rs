@@ -292,6 +292,18 @@ pub async fn enqueue(
     let limit = settings
         .max_body
         .min(usize::try_from(route.max_body).unwrap_or(usize::MAX));
+    // A body announced over the limit is refused before it is read: a client that sent
+    // `Expect: 100-continue` is told 413 instead of `100 Continue` and an upload for nothing.
+    let announced = parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse::<u64>().ok());
+    if announced.is_some_and(|length| length > limit as u64) {
+        return Err(ProxyError::BodyTooLarge {
+            limit: limit as u64,
+        });
+    }
     // A client that sends the head and then stalls its body is cut off with 408 as on a
     // forwarded request, instead of holding its connection and this task for ever.
     let client_body_timeout = policy.server.client_body_timeout;
