@@ -1484,3 +1484,30 @@ async fn a_head_request_gets_the_copy_and_a_no_store_request_leaves_none() {
     );
     assert_eq!(get(&url).await.text(), "the ranking");
 }
+
+/// A copy keeps the app's `Date` (when the page was made) and counts the age the answer came
+/// with (its `Age`, from a cache in front of the app) into its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_keeps_the_apps_date_and_the_age_it_came_with() {
+    const MADE: &str = "Tue, 01 Dec 2026 10:00:00 GMT";
+    let backend = Backend::start(|_| async {
+        Response::builder()
+            .header("content-type", "text/html")
+            .header("date", MADE)
+            .header("age", "1")
+            .body(full(Bytes::from_static(b"the ranking")))
+            .expect("response")
+    })
+    .await;
+    let levee = levee_with_routes(&backend, "max_age = \"2s\"", "max_age = \"60s\"").await;
+    assert_eq!(get(&levee.url("/ranking")).await.text(), "the ranking");
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let copy = get(&levee.url("/ranking")).await;
+    assert_eq!(copy.header("x-levee-stale"), Some("1"));
+    assert_eq!(copy.header("date"), Some(MADE));
+    let age: u64 = copy
+        .header("age")
+        .and_then(|age| age.parse().ok())
+        .expect("an Age");
+    assert!((1..60).contains(&age), "{age}");
+}

@@ -601,15 +601,15 @@ fn vary_is_keyed(headers: &HeaderMap, settings: &StaleSettings) -> bool {
         .all(|field| std::str::from_utf8(field).is_ok_and(|field| field != "*" && keyed(field)))
 }
 
-/// The headers kept with a copy: everything but `Date`/`Age` (set fresh when served) and
-/// `Set-Cookie`. A copy answers every client, and a cookie the app set for one (its session)
+/// The headers kept with a copy: everything but `Age` (the copy's own is set when it is
+/// served, from the age it came with: see `Capture::new`) and `Set-Cookie`. `Date` stays the
+/// app's, when the page was made (RFC 9110 6.6.1), so a cache downstream reckons the copy's
+/// age right. A copy answers every client, and a cookie the app set for one (its session)
 /// must never reach another; with `allow_set_cookie` the page is kept, its cookies are not.
 fn kept_headers(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
     headers
         .iter()
-        .filter(|(name, _)| {
-            **name != header::DATE && **name != header::AGE && **name != header::SET_COOKIE
-        })
+        .filter(|(name, _)| **name != header::AGE && **name != header::SET_COOKIE)
         .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
         .collect()
 }
@@ -622,6 +622,9 @@ pin_project! {
         inner: B,
         buffer: Option<BytesMut>,
         head: Option<StoredHead>,
+        // The age the answer already had (its `Age`: a cache between levee and the app
+        // kept it that long), counted into the copy's.
+        arrived_aged_ms: u64,
         finish: Option<CaptureTarget>,
     }
 }
@@ -642,10 +645,16 @@ impl<B> Capture<B> {
         headers: &HeaderMap,
         target: CaptureTarget,
     ) -> Capture<B> {
+        let arrived_aged_ms = headers
+            .get(header::AGE)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.trim().parse::<u64>().ok())
+            .map_or(0, |seconds| seconds.saturating_mul(1000));
         Capture {
             inner,
             buffer: Some(BytesMut::new()),
             head: Some((status.as_u16(), kept_headers(headers))),
+            arrived_aged_ms,
             finish: Some(target),
         }
     }
@@ -654,6 +663,7 @@ impl<B> Capture<B> {
 fn complete(
     buffer: &mut Option<BytesMut>,
     head: &mut Option<StoredHead>,
+    arrived_aged_ms: u64,
     finish: &mut Option<CaptureTarget>,
 ) {
     let (Some(body), Some((status, headers)), Some(target)) =
@@ -665,7 +675,7 @@ fn complete(
         status,
         headers,
         body: body.freeze(),
-        stored_at_ms: now_ms(),
+        stored_at_ms: now_ms().saturating_sub(arrived_aged_ms),
     });
     target.store.put(
         &target.key,
@@ -707,10 +717,12 @@ where
                     }
                 }
                 if this.inner.is_end_stream() {
-                    complete(this.buffer, this.head, this.finish);
+                    complete(this.buffer, this.head, *this.arrived_aged_ms, this.finish);
                 }
             }
-            Poll::Ready(None) => complete(this.buffer, this.head, this.finish),
+            Poll::Ready(None) => {
+                complete(this.buffer, this.head, *this.arrived_aged_ms, this.finish)
+            }
             Poll::Ready(Some(Err(_))) => {
                 *this.buffer = None;
                 *this.finish = None;
