@@ -736,7 +736,9 @@ impl RedisStore {
         metrics: &Metrics,
     ) -> Option<Vec<RemoteVerdict>> {
         let batcher = self.batcher.as_ref()?;
-        if !self.is_up() {
+        // The health breaker's word (not `is_up`, which a background call's failure also
+        // moves): decisions are admitted ahead only while Redis decides them.
+        if !self.decides_rate_limits() {
             return None;
         }
         batcher.admit_ahead(asks, &metrics.ratelimit_ahead_overruns)
