@@ -1095,16 +1095,21 @@ mod tests {
         );
     }
 
-    #[test]
-    fn only_good_public_responses_are_kept() {
-        let settings = StaleSettings {
+    /// Settings that keep bodies up to 100 bytes, keyed by nothing but the request.
+    fn small_settings() -> StaleSettings {
+        StaleSettings {
             max_age: Duration::from_secs(60),
             vary: vec![],
             allow_set_cookie: false,
             max_body: 100,
             query: CopyQuery::All,
             max_copies: 10,
-        };
+        }
+    }
+
+    #[test]
+    fn only_good_public_responses_are_kept() {
+        let settings = small_settings();
         let mut headers = HeaderMap::new();
         assert!(storable(StatusCode::OK, &headers, &settings, false));
         assert!(!storable(StatusCode::OK, &headers, &settings, true));
@@ -1130,14 +1135,7 @@ mod tests {
 
     #[test]
     fn an_answer_that_varies_by_what_the_key_leaves_out_is_not_kept() {
-        let mut settings = StaleSettings {
-            max_age: Duration::from_secs(60),
-            vary: vec![],
-            allow_set_cookie: false,
-            max_body: 100,
-            query: CopyQuery::All,
-            max_copies: 10,
-        };
+        let mut settings = small_settings();
         let varying = |fields: &str| {
             let mut headers = HeaderMap::new();
             for field in fields.split('|') {
@@ -1198,14 +1196,7 @@ mod tests {
 
     #[test]
     fn every_content_encoding_counts_not_only_the_first() {
-        let settings = StaleSettings {
-            max_age: Duration::from_secs(60),
-            vary: vec![],
-            allow_set_cookie: false,
-            max_body: 100,
-            query: CopyQuery::All,
-            max_copies: 10,
-        };
+        let settings = small_settings();
         let encoded = |values: &[&'static str]| {
             let mut headers = HeaderMap::new();
             for value in values {
