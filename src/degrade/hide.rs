@@ -85,15 +85,7 @@ pub fn rewritable(headers: &HeaderMap) -> bool {
                 .to_ascii_lowercase()
                 .starts_with("text/html")
         });
-    // Every field line and every coding in it counts: `identity` then `gzip` (two lines,
-    // or `identity, gzip`) is a gzipped body (RFC 9110 8.4).
-    let encoded = headers
-        .get_all(header::CONTENT_ENCODING)
-        .iter()
-        .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
-        .map(<[u8]>::trim_ascii)
-        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"));
-    html && !encoded && page_encoding(headers).is_some()
+    html && !crate::proxy::header::is_content_coded(headers) && page_encoding(headers).is_some()
 }
 
 /// The encoding the rewriter reads the page in and writes it back: the `charset` its

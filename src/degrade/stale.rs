@@ -556,16 +556,8 @@ pub fn storable(
         return false;
     }
     // A copy answers any client, including one that cannot decode gzip: levee asks for an
-    // uncompressed page, and an upstream that compresses anyway is not kept. Every field line
-    // and every element counts: `identity` then `gzip` (two lines, or `identity, gzip`) is
-    // a gzipped body (RFC 9110 8.4).
-    let encoded = headers
-        .get_all(header::CONTENT_ENCODING)
-        .iter()
-        .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
-        .map(<[u8]>::trim_ascii)
-        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"));
-    if encoded {
+    // uncompressed page, and an upstream that compresses anyway is not kept.
+    if crate::proxy::header::is_content_coded(headers) {
         return false;
     }
     let length = headers
@@ -592,12 +584,7 @@ fn vary_is_keyed(headers: &HeaderMap, settings: &StaleSettings) -> bool {
                 crate::limit::key::Source::Query(_) => false,
             })
     };
-    headers
-        .get_all(header::VARY)
-        .iter()
-        .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
-        .map(<[u8]>::trim_ascii)
-        .filter(|field| !field.is_empty())
+    crate::proxy::header::list_elements(headers, &header::VARY)
         .all(|field| std::str::from_utf8(field).is_ok_and(|field| field != "*" && keyed(field)))
 }
 

@@ -127,6 +127,27 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
         && connection_has(headers, "upgrade")
 }
 
+/// The elements of a comma-separated field (RFC 9110 5.6.1) over all its lines, trimmed,
+/// empty ones left out: `Vary: Accept-Encoding` and `Vary: Cookie` are two lines of one list.
+pub(crate) fn list_elements<'a>(
+    headers: &'a HeaderMap,
+    name: &HeaderName,
+) -> impl Iterator<Item = &'a [u8]> {
+    headers
+        .get_all(name)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|element| !element.is_empty())
+}
+
+/// Is the body content-coded? Every line and every coding counts: `identity` then `gzip`
+/// (two lines, or `identity, gzip`) is a gzipped body (RFC 9110 8.4).
+pub(crate) fn is_content_coded(headers: &HeaderMap) -> bool {
+    list_elements(headers, &header::CONTENT_ENCODING)
+        .any(|coding| !coding.eq_ignore_ascii_case(b"identity"))
+}
+
 pub(crate) fn connection_has(headers: &HeaderMap, token: &str) -> bool {
     headers
         .get_all(header::CONNECTION)

@@ -678,12 +678,8 @@ impl Stale {
                 &vary,
             )
         });
-        let client_says_no_store = request
-            .headers()
-            .get_all(h::CACHE_CONTROL)
-            .iter()
-            .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
-            .any(|directive| directive.trim_ascii().eq_ignore_ascii_case(b"no-store"));
+        let client_says_no_store = header::list_elements(request.headers(), &h::CACHE_CONTROL)
+            .any(|directive| directive.eq_ignore_ascii_case(b"no-store"));
         Stale {
             key,
             settings: Some(settings.clone()),
@@ -956,7 +952,7 @@ pub(crate) fn wants_json(headers: &http::HeaderMap) -> bool {
     }
 }
 
-fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+pub(crate) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
     headers
         .get(h::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())

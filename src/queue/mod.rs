@@ -294,12 +294,7 @@ pub async fn enqueue(
         .min(usize::try_from(route.max_body).unwrap_or(usize::MAX));
     // A body announced over the limit is refused before it is read: a client that sent
     // `Expect: 100-continue` is told 413 instead of `100 Continue` and an upload for nothing.
-    let announced = parts
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.trim().parse::<u64>().ok());
-    if announced.is_some_and(|length| length > limit as u64) {
+    if crate::proxy::content_length(&parts.headers).is_some_and(|length| length > limit as u64) {
         return Err(ProxyError::BodyTooLarge {
             limit: limit as u64,
         });
