@@ -41,6 +41,160 @@ fn is_one_of(name: &[u8], set: &[&[u8]]) -> bool {
     set.contains(&name)
 }
 
+/// Where an element whose end tag HTML lets a page leave out (`<li>a<li>b`, `<p>a<div>`) ends
+/// when it is left out, as HTML's tree builder ends it: before the start tag of a sibling
+/// (`starts`), or before the end tag of an element around it (`ends`). Only the plain case
+/// is taken: the element is the innermost one open, or the start tag is nested inside a list
+/// or table opened within it (`nests`). Anything else (an implied end with elements still
+/// open inside, which HTML may re-open after it) is handed to the rewriter, which leaves
+/// the element in place.
+#[derive(Debug)]
+pub struct OptionalEnd {
+    starts: Names,
+    ends: Names,
+    nests: Names,
+    /// Table rows, cells and sections: their implied end closes whatever is open inside
+    /// them, and nothing of it is re-opened after (formatting elements stop at a cell).
+    closes_inner: bool,
+}
+
+impl OptionalEnd {
+    /// Whether the end tag `name` (lower case), matching nothing open inside the element,
+    /// closes it. `</li>`, `</dd>` and `</dt>` close a `<p>` inside the item too.
+    fn ended_by(&self, name: &[u8], removed: &[u8]) -> bool {
+        is_one_of(name, self.ends) || (removed == b"p" && matches!(name, b"li" | b"dd" | b"dt"))
+    }
+}
+
+/// End tags that close every element HTML lets go unclosed inside them (they "generate
+/// implied end tags"): the block containers, tables and their parts, forms, the body.
+const CLOSING_ENDS: &[&[u8]] = &[
+    b"address",
+    b"article",
+    b"aside",
+    b"blockquote",
+    b"body",
+    b"button",
+    b"caption",
+    b"center",
+    b"details",
+    b"dialog",
+    b"dir",
+    b"div",
+    b"dl",
+    b"fieldset",
+    b"figcaption",
+    b"figure",
+    b"footer",
+    b"form",
+    b"header",
+    b"hgroup",
+    b"html",
+    b"listing",
+    b"main",
+    b"menu",
+    b"nav",
+    b"ol",
+    b"pre",
+    b"search",
+    b"section",
+    b"summary",
+    b"table",
+    b"tbody",
+    b"td",
+    b"tfoot",
+    b"th",
+    b"thead",
+    b"tr",
+    b"ul",
+];
+
+/// Start tags that end an open `<p>` (HTML: "close a p element"). `<table>` is left out: in
+/// quirks mode, which many legacy pages are in, it does not.
+const P_CLOSING_STARTS: &[&[u8]] = &[
+    b"address",
+    b"article",
+    b"aside",
+    b"blockquote",
+    b"center",
+    b"dd",
+    b"details",
+    b"dialog",
+    b"dir",
+    b"div",
+    b"dl",
+    b"dt",
+    b"fieldset",
+    b"figcaption",
+    b"figure",
+    b"footer",
+    b"form",
+    b"h1",
+    b"h2",
+    b"h3",
+    b"h4",
+    b"h5",
+    b"h6",
+    b"header",
+    b"hgroup",
+    b"hr",
+    b"li",
+    b"listing",
+    b"main",
+    b"menu",
+    b"nav",
+    b"ol",
+    b"p",
+    b"pre",
+    b"search",
+    b"section",
+    b"summary",
+    b"ul",
+];
+
+/// A set of lower-case element names.
+type Names = &'static [&'static [u8]];
+
+const TABLE_PARTS: &[&[u8]] = &[b"tbody", b"thead", b"tfoot"];
+const IN_TABLE: &[&[u8]] = &[b"table"];
+
+fn optional_end(name: &[u8]) -> Option<OptionalEnd> {
+    let (starts, ends, nests): (Names, Names, Names) = match name {
+        b"li" => (&[b"li"], CLOSING_ENDS, &[b"ul", b"ol", b"menu"]),
+        b"dt" | b"dd" => (&[b"dt", b"dd"], CLOSING_ENDS, &[b"dl"]),
+        // `</li>`, `</dd>` and `</dt>` close a `<p>` inside the item too.
+        b"p" => (P_CLOSING_STARTS, CLOSING_ENDS, &[]),
+        b"option" => (
+            &[b"option", b"optgroup"],
+            &[b"select", b"optgroup", b"datalist"],
+            &[],
+        ),
+        b"tr" => (
+            &[b"tr", b"tbody", b"thead", b"tfoot"],
+            &[b"tbody", b"thead", b"tfoot", b"table"],
+            IN_TABLE,
+        ),
+        b"td" | b"th" => (
+            &[b"td", b"th", b"tr", b"tbody", b"thead", b"tfoot"],
+            &[b"tr", b"tbody", b"thead", b"tfoot", b"table"],
+            IN_TABLE,
+        ),
+        b"tbody" | b"thead" | b"tfoot" => (TABLE_PARTS, &[b"table"], IN_TABLE),
+        _ => return None,
+    };
+    Some(OptionalEnd {
+        starts,
+        ends,
+        nests,
+        closes_inner: nests == IN_TABLE,
+    })
+}
+
+/// Whether the fast path removes elements of this (lower-case) name.
+fn is_cut_whole(name: &[u8]) -> bool {
+    is_void(name) || is_one_of(name, CONTAINERS) || optional_end(name).is_some()
+}
+
 /// Has this element (lower-case name) no end tag? Removing one removes its start tag only.
 /// (One `match`, which the compiler turns into a switch on the length: it runs for every
 /// start tag of a removed module.)
@@ -419,7 +573,7 @@ pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Fou
             resume: tag.end.max(at + len),
         };
     }
-    if is_void(&tag.name) || is_one_of(&tag.name, CONTAINERS) {
+    if is_cut_whole(&tag.name) {
         Found::Element { start, tag }
     } else {
         Found::Unsure { start }
@@ -436,14 +590,64 @@ pub struct Cut {
     pub open: Vec<TagName>,
     /// Where scanning continues in the held bytes.
     pub cursor: usize,
+    /// How the removed element ends when its end tag is left out, if HTML allows that.
+    optional: Option<OptionalEnd>,
 }
 
 impl Cut {
     pub fn new(name: TagName, cursor: usize) -> Cut {
         Cut {
+            optional: optional_end(&name),
             open: vec![name],
             cursor,
         }
+    }
+
+    /// What the start tag `name` does to a removed element whose end tag may be left out:
+    /// `Some` ends the cut (or gives up), `None` lets the tag open inside it.
+    fn start_ends(&self, name: &[u8], at: usize) -> Option<Step> {
+        let optional = self.optional.as_ref()?;
+        if name == b"table" && *self.open[0] == *b"p" {
+            // Not in P_CLOSING_STARTS, but a `<table>` does end a `<p>` outside quirks mode;
+            // which mode the page is in is not known here.
+            return Some(Step::GiveUp);
+        }
+        if !is_one_of(name, optional.starts) {
+            return None;
+        }
+        let inside = &self.open[1..];
+        if inside.is_empty() {
+            return Some(Step::Ended(at));
+        }
+        if inside.iter().any(|open| is_one_of(open, optional.nests)) {
+            // A list or table of its own inside the element: the tag is nested in it.
+            return None;
+        }
+        Some(if optional.closes_inner {
+            Step::Ended(at)
+        } else {
+            Step::GiveUp
+        })
+    }
+
+    /// What the end tag `name`, matching nothing open inside, does to a removed element whose
+    /// end tag may be left out (`None`: it is ignored, as HTML ignores a stray end tag).
+    fn end_ends(&self, name: &[u8], at: usize) -> Option<Step> {
+        let optional = self.optional.as_ref()?;
+        if !optional.ended_by(name, &self.open[0]) {
+            return None;
+        }
+        let inside = &self.open[1..];
+        Some(
+            if inside.is_empty()
+                || (optional.closes_inner
+                    && !inside.iter().any(|open| is_one_of(open, optional.nests)))
+            {
+                Step::Ended(at)
+            } else {
+                Step::GiveUp
+            },
+        )
     }
 }
 
@@ -542,17 +746,17 @@ impl Cut {
                         return Step::More;
                     };
                     self.cursor = tag.end;
-                    let name = &held[at + 2..tag.name_end];
-                    // An end tag nothing open matches is ignored. (Open names are lower case.)
-                    if let Some(index) = self
-                        .open
-                        .iter()
-                        .rposition(|open| open.eq_ignore_ascii_case(name))
-                    {
-                        if index == 0 {
-                            return Step::Ended(tag.end);
+                    let name = TagName::lowercase(&held[at + 2..tag.name_end]);
+                    // An end tag nothing open matches is ignored, unless it closes an element
+                    // whose own end tag was left out.
+                    match self.open.iter().rposition(|open| *open == name) {
+                        Some(0) => return Step::Ended(tag.end),
+                        Some(index) => self.open.truncate(index),
+                        None => {
+                            if let Some(step) = self.end_ends(&name, at) {
+                                return step;
+                            }
                         }
-                        self.open.truncate(index);
                     }
                 }
                 letter if letter.is_ascii_alphabetic() => {
@@ -561,6 +765,9 @@ impl Cut {
                         return Step::More;
                     };
                     let name = TagName::lowercase(&held[at + 1..tag.name_end]);
+                    if let Some(step) = self.start_ends(&name, at) {
+                        return step;
+                    }
                     if is_not_markup(&name) {
                         return Step::GiveUp;
                     }
@@ -707,5 +914,60 @@ mod tests {
         // `<div/>` opens a div like `<div>`; an unclosed inner element ends with the outer one.
         assert_eq!(cut_all(b"<div id=r><div/></div></div>x"), Step::Ended(28));
         assert_eq!(cut_all(b"<div id=r><span><li>a</div>x"), Step::Ended(27));
+    }
+
+    /// Where the cut of the element starting `held` ends, as the text left of the page.
+    fn left_after_cut(held: &str) -> Option<String> {
+        match cut_all(held.as_bytes()) {
+            Step::Ended(end) => Some(held[end..].to_string()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn elements_whose_end_tag_is_left_out_end_where_html_ends_them() {
+        for (held, left) in [
+            ("<li id=a>ad<li>next</ul>", "<li>next</ul>"),
+            ("<li id=a>ad</LI><li>next", "<li>next"),
+            ("<li id=a>ad</ul><p>after", "</ul><p>after"),
+            (
+                "<li id=a><a href=x>ad</a> <span>x</span><li>next",
+                "<li>next",
+            ),
+            ("<li id=a>ad<ul><li>x<li>y</ul>z<li>next", "<li>next"),
+            ("<li id=a>ad</span>still<li>next", "<li>next"),
+            ("<p id=a>ad<div>block</div>", "<div>block</div>"),
+            ("<p id=a>ad<P>next", "<P>next"),
+            ("<p id=a>ad</li><li>next", "</li><li>next"),
+            ("<p id=a><b>ad</b></p>after", "after"),
+            ("<dt id=a>term<dd>text", "<dd>text"),
+            ("<dd id=a>text</dl>", "</dl>"),
+            ("<option id=a>x<option>y", "<option>y"),
+            ("<tr id=a><td>x<td><b>y<tr><td>z", "<tr><td>z"),
+            ("<tr id=a><td>x</td></tr><tr>", "<tr>"),
+            ("<td id=a>x<td>y", "<td>y"),
+            ("<td id=a><span>x</tr><tr>", "</tr><tr>"),
+            ("<td id=a><table><tr><td>in</table>x<td>y", "<td>y"),
+            ("<tbody id=a><tr><td>x<tbody><tr>", "<tbody><tr>"),
+        ] {
+            assert_eq!(left_after_cut(held).as_deref(), Some(left), "{held}");
+        }
+        // An implied end with elements still open that HTML may open again after it, or a
+        // `<table>` in a `<p>` (inside it only in quirks mode): the rewriter is asked, which
+        // leaves the element in place.
+        for held in [
+            "<li id=a><b>ad<li>next",
+            "<li id=a><div>ad</ul>",
+            "<p id=a><span>ad<div>",
+            "<p id=a>ad<table><tr><td>x</table>",
+            "<li id=a><script>x</script><li>",
+        ] {
+            assert_eq!(cut_all(held.as_bytes()), Step::GiveUp, "{held}");
+        }
+        // Containers still end at their own end tag only.
+        assert_eq!(
+            left_after_cut("<div id=a><li>x</ul>y</div>z").as_deref(),
+            Some("z")
+        );
     }
 }

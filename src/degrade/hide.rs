@@ -451,6 +451,10 @@ fn end_tag_may_be_left_out(name: &str) -> bool {
 /// The element a selector names by type, when `hide` would leave such elements in place
 /// (`li.ad`, `p#promo`, `td`): for `levee check` to warn of.
 pub fn element_left_in_place(selector: &str) -> Option<String> {
+    if IdSelector::parse(selector).is_some() {
+        // Cut by the scanner, which ends such an element where HTML does.
+        return None;
+    }
     let selector = selector.trim();
     // The element the selector picks is named last (`ul > li.ad` picks an `li`).
     let last = selector
@@ -1019,11 +1023,13 @@ mod tests {
     async fn elements_whose_end_tag_may_be_left_out_are_left_in_place() {
         // Removed up to an end tag that never comes, each took the rest of its list or page.
         for page in [
-            "<p id=\"ads\">ad<div>block</div><p>after</p>",
-            "<ul><li id=\"ads\">ad<li>item2<li>item3</ul><p>after</p>",
+            "<p class=\"ads\">ad<div>block</div><p>after</p>",
+            "<ul><li class=\"ads\">ad<li>item2<li>item3</ul><p>after</p>",
             "<table><tr><td class=\"ads\">ad<td>cell</table>",
+            // Chosen by id, but with a script inside, which only the rewriter reads.
+            "<ul><li id=\"ads\"><script>ad()</script><li>item2</ul>",
         ] {
-            for selector in ["#ads", ".ads", "li#ads"] {
+            for selector in [".ads", "#ads", "li#ads"] {
                 assert_eq!(rewrite(page, &[selector], &[], 7).await, page, "{selector}");
             }
         }
@@ -1032,11 +1038,49 @@ mod tests {
         assert_eq!(rewrite(page, &["#box"], &[], 3).await, "<p>after");
     }
 
+    #[tokio::test]
+    async fn elements_chosen_by_id_end_where_html_ends_them() {
+        for (page, cut) in [
+            (
+                "<ul><li id=\"ads\">ad<li>item2<li>item3</ul><p>after</p>",
+                "<ul><li>item2<li>item3</ul><p>after</p>",
+            ),
+            (
+                "<ul><li>one<li id=\"ads\">ad</ul><p>after</p>",
+                "<ul><li>one</ul><p>after</p>",
+            ),
+            (
+                "<p id=\"ads\">ad<div>block</div><p>after</p>",
+                "<div>block</div><p>after</p>",
+            ),
+            (
+                "<table><tr id=\"ads\"><td>ad<td>ad<tr><td>cell</table>",
+                "<table><tr><td>cell</table>",
+            ),
+        ] {
+            for selector in ["#ads", "li#ads", "p#ads", "tr#ads"] {
+                let tag = selector.split('#').next().unwrap_or_default();
+                let picks = tag.is_empty() || page.contains(&format!("<{tag} id=\"ads\""));
+                let expected = if picks { cut } else { page };
+                for chunk in [1, 3, 7, 64] {
+                    assert_eq!(
+                        rewrite(page, &[selector], &[], chunk).await,
+                        expected,
+                        "{selector} in {page}, chunks of {chunk}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn selectors_of_elements_left_in_place_are_named() {
         for (selector, element) in [
             ("li.ad", Some("li")),
             ("ul > LI#x", Some("li")),
+            // Plain id selectors are cut where HTML ends the element.
+            ("li#x", None),
+            ("TD#x", None),
             ("p", Some("p")),
             ("td[data-x=1]", Some("td")),
             ("#ads", None),
