@@ -746,17 +746,22 @@ impl Cut {
                         return Step::More;
                     };
                     self.cursor = tag.end;
-                    let name = TagName::lowercase(&held[at + 2..tag.name_end]);
+                    let name = &held[at + 2..tag.name_end];
                     // An end tag nothing open matches is ignored, unless it closes an element
-                    // whose own end tag was left out.
-                    match self.open.iter().rposition(|open| *open == name) {
+                    // whose own end tag was left out. (Open names are lower case.)
+                    match self
+                        .open
+                        .iter()
+                        .rposition(|open| open.eq_ignore_ascii_case(name))
+                    {
                         Some(0) => return Step::Ended(tag.end),
                         Some(index) => self.open.truncate(index),
-                        None => {
-                            if let Some(step) = self.end_ends(&name, at) {
+                        None if self.optional.is_some() => {
+                            if let Some(step) = self.end_ends(&TagName::lowercase(name), at) {
                                 return step;
                             }
                         }
+                        None => {}
                     }
                 }
                 letter if letter.is_ascii_alphabetic() => {
@@ -765,8 +770,10 @@ impl Cut {
                         return Step::More;
                     };
                     let name = TagName::lowercase(&held[at + 1..tag.name_end]);
-                    if let Some(step) = self.start_ends(&name, at) {
-                        return step;
+                    if self.optional.is_some() {
+                        if let Some(step) = self.start_ends(&name, at) {
+                            return step;
+                        }
                     }
                     if is_not_markup(&name) {
                         return Step::GiveUp;
