@@ -739,6 +739,42 @@ async fn a_refusal_by_one_rule_consumes_no_tokens_of_the_others() {
     denied_rule_consumes_nothing_else(&on_redis, "on Redis").await;
 }
 
+/// Both rules of a route refuse: every refusal names the one that refuses longest, also
+/// when it comes from the refusals levee remembers rather than from Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_by_two_rules_name_the_longer_wait() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let rules = "[limit.quick]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 1\n[limit.slow]\nkey = [\"ip\"]\nrate = \"1/hour\"\nburst = 1\n";
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis_section(&redis.url(), ""),
+        rules,
+        "\"quick\", \"slow\"",
+    ))
+    .await;
+    assert_eq!(send_as(&levee, None, None).await.status, 200);
+    for attempt in ["decided by Redis", "remembered", "remembered again"] {
+        let refused = send_as(&levee, None, None).await;
+        assert_eq!(refused.status, 429, "{attempt}");
+        let wait: u64 = refused
+            .header("retry-after")
+            .and_then(|value| value.parse().ok())
+            .expect("retry-after");
+        assert!(wait > 3500, "{attempt}: retry-after {wait}");
+        assert!(
+            refused
+                .header("ratelimit")
+                .is_some_and(|field| field.starts_with("\"slow\"")),
+            "{attempt}: {:?}",
+            refused.header("ratelimit")
+        );
+    }
+    assert_eq!(backend.hits(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_share_one_limit_through_redis() {
     let dir = tempfile::tempdir().expect("dir");

@@ -209,16 +209,21 @@ impl Limiter {
         }
         let now = self.now_us();
 
-        // Keys that Redis already refused until a known time: refuse without a round trip.
+        // Keys that Redis already refused until a known time: refuse without a round trip,
+        // naming the rule that refuses longest (a client told the quick rule's wait would
+        // come back to the slow rule's refusal).
         if redis.is_some() {
-            let cached = planned.iter().find_map(|plan| {
-                if plan.rule.dry_run {
-                    return None;
-                }
-                self.denied
-                    .refused(&plan.key.key, plan.rule.rate, now)
-                    .map(|refused| (plan, refused))
-            });
+            let cached = planned
+                .iter()
+                .filter_map(|plan| {
+                    if plan.rule.dry_run {
+                        return None;
+                    }
+                    self.denied
+                        .refused(&plan.key.key, plan.rule.rate, now)
+                        .map(|refused| (plan, refused))
+                })
+                .max_by_key(|(_, refused)| refused.until);
             if let Some((plan, refused)) = cached {
                 let wait = Duration::from_micros(refused.until.saturating_sub(now));
                 let reset = Duration::from_micros(refused.full_at.saturating_sub(now)).max(wait);
