@@ -726,6 +726,30 @@ impl RedisStore {
         result
     }
 
+    /// A deadline on Redis's own clock (µs) for a write that must not run once levee has given
+    /// up on it: a plain write that times out is not cancelled, and a Redis that was only
+    /// frozen or slow runs it later, after the caller was told it did not happen. Reads
+    /// Redis's `TIME` (through the node holding `key`) and leaves half of what remains of
+    /// `timeout` for the write's answer to travel back. Also returns that remaining time,
+    /// the write's own timeout.
+    pub async fn write_deadline(
+        &self,
+        key: &str,
+        timeout: Duration,
+        guarded: Option<Guard<'_>>,
+    ) -> Result<(u64, Duration), RedisFailure> {
+        let started = tokio::time::Instant::now();
+        let mut clock = redis::cmd("EVAL");
+        clock.arg("return redis.call('TIME')").arg(1).arg(key);
+        let (seconds, micros): (u64, u64) = self.command(&clock, timeout, guarded).await?;
+        let remaining = timeout.saturating_sub(started.elapsed());
+        let deadline_us = seconds
+            .saturating_mul(1_000_000)
+            .saturating_add(micros)
+            .saturating_add(u64::try_from((remaining / 2).as_micros()).unwrap_or(u64::MAX));
+        Ok((deadline_us, remaining))
+    }
+
     /// Admits every ask at once when Redis's last answers left each bucket more than
     /// `admit_ahead_above` of its burst; the decision still goes to Redis, in the next batch,
     /// and its answer updates what levee knows. `None`: decide with [`Self::decide_all`].

@@ -1189,3 +1189,44 @@ async fn an_unreachable_redis_at_start_shows_as_down() {
     })
     .await;
 }
+
+/// A switch refused because Redis did not answer (frozen: SIGSTOP) is not saved later when
+/// Redis wakes: the operator was told it is not in effect, and no instance of the fleet
+/// follows it afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_refused_while_redis_is_frozen_never_lands_later() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let policy = policy_for(
+        backend.addr,
+        "",
+        &format!(
+            "[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\n[degrade]\nsync_interval = \"100ms\"\n",
+            redis.url()
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    let admin = levee.admin_url("");
+    redis.pause(true);
+    let refused = admin_set(&admin, "/level", "2").await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(refused.text().contains("not"), "{}", refused.text());
+    redis.pause(false);
+    eventually(Duration::from_secs(10), "redis seen up again", || async {
+        get(&levee.admin_url("/status")).await.json()["redis"]["up"] == true
+    })
+    .await;
+    // Whatever waited on levee's connections has run by now (a call after it was answered).
+    assert_eq!(
+        redis_cli(redis.port, &["HGET", "levee:switches", "level"]).trim(),
+        ""
+    );
+    assert_eq!(
+        get(&levee.admin_url("/status")).await.json()["degrade"]["level"],
+        0
+    );
+    // And a switch saved with Redis awake is in effect at once.
+    assert_eq!(admin_set(&admin, "/level", "1").await.status, 200);
+    assert!(redis_cli(redis.port, &["HGET", "levee:switches", "level"]).contains("\"value\":1"));
+}

@@ -122,25 +122,70 @@ async fn save_to_redis(
             switches.modules.get(name).map(serde_json::to_string),
         ),
     };
-    let command = match value {
-        Some(Ok(json)) => {
-            let mut command = redis::cmd("HSET");
-            command.arg(&key).arg(&field).arg(json);
-            command
-        }
+    // The stored value; none clears the field (back to the policy's word).
+    let value = match value {
+        Some(Ok(json)) => Some(json),
         Some(Err(error)) => return Err(format!("cannot encode the switch: {error}")),
-        None => {
-            let mut command = redis::cmd("HDEL");
-            command.arg(&key).arg(&field);
-            command
-        }
+        None => None,
     };
-    let _: i64 = redis
-        .command(&command, SWITCH_TIMEOUT, None)
+    let not_saved =
+        |why: String| format!("the switch was not saved, so it is not in effect: {why}");
+    let (deadline_us, remaining) = redis
+        .write_deadline(&key, SWITCH_TIMEOUT, None)
         .await
-        .map_err(|error| format!("the switch was not saved, so it is not in effect: {error}"))?;
-    Ok(())
+        .map_err(|error| not_saved(error.to_string()))?;
+    let mut command = redis::cmd("EVAL");
+    command
+        .arg(SAVE_SWITCH_BEFORE)
+        .arg(1)
+        .arg(&key)
+        .arg(deadline_us)
+        .arg(&field)
+        .arg(value.as_deref().unwrap_or(""));
+    let written = redis.command::<i64>(&command, remaining, None).await;
+    let error = match written {
+        Ok(SAVED) => return Ok(()),
+        Ok(_) => return Err(not_saved("redis ran the write after its deadline".into())),
+        Err(error) => error,
+    };
+    // The answer was lost or late. Past its deadline the write can no longer run, so what
+    // Redis holds now says whether it did.
+    let mut read = redis::cmd("HGET");
+    read.arg(&key).arg(&field);
+    match redis
+        .command::<Option<String>>(&read, SWITCH_TIMEOUT, None)
+        .await
+    {
+        Ok(stored) if stored == value => Ok(()),
+        Ok(_) => Err(not_saved(format!(
+            "{error}; Redis holds the switch as it was"
+        ))),
+        Err(checking) => Err(format!(
+            "redis did not answer ({error}), nor when asked what it holds ({checking}): the \
+             switch is saved only if Redis ran the write before its deadline, a second at most; \
+             if it did, every instance follows it (see `levee status`), and if not, it never will"
+        )),
+    }
 }
+
+/// What [`SAVE_SWITCH_BEFORE`] answers when it saved the switch.
+const SAVED: i64 = 1;
+
+/// Saves a switch only if Redis runs the write by the deadline (µs, Redis's clock): a write
+/// levee gave up on must not land later, for the whole fleet, after the operator was told it
+/// was not saved. KEYS: the switches hash. ARGV: deadline, field, value (empty: clear it).
+const SAVE_SWITCH_BEFORE: &str = r#"
+local now = redis.call('TIME')
+if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
+  return 0
+end
+if ARGV[3] == '' then
+  redis.call('HDEL', KEYS[1], ARGV[2])
+else
+  redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+end
+return 1
+"#;
 
 async fn save_to_file(path: &Path, switches: &RuntimeSwitches) -> Result<(), String> {
     let json = serde_json::to_vec_pretty(switches).map_err(|error| error.to_string())?;

@@ -345,20 +345,10 @@ pub async fn enqueue(
         key: &keys.stream,
         metrics,
     };
-    let mut clock = redis::cmd("EVAL");
-    clock
-        .arg("return redis.call('TIME')")
-        .arg(1)
-        .arg(&keys.stream);
-    let (seconds, micros): (u64, u64) = redis
-        .command(&clock, timeout, Some(guard))
+    let (deadline_us, remaining) = redis
+        .write_deadline(&keys.stream, timeout, Some(guard))
         .await
         .map_err(|error| not_stored(error.to_string()))?;
-    let remaining = timeout.saturating_sub(started.elapsed());
-    let deadline_us = seconds
-        .saturating_mul(1_000_000)
-        .saturating_add(micros)
-        .saturating_add((remaining / 2).as_micros() as u64);
     let record = keys.write_record(&write_token());
     let mut command = redis::cmd("EVAL");
     command
