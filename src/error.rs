@@ -145,7 +145,17 @@ impl ProxyError {
     /// The rescue: the only place a request-path error becomes a response. The body is one
     /// plain-text line that says what happened; internal details stay in the log.
     pub fn to_response(&self) -> Response<ResponseBody> {
-        match self {
+        let retry_after = match self {
+            ProxyError::BreakerOpen { retry_after, .. } => {
+                Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
+            }
+            // How long a switch stays off is an operator's call; ask clients to come back later.
+            ProxyError::Degraded { .. } => Some(30),
+            ProxyError::Shed { .. } => Some(1),
+            ProxyError::QueueUnavailable { .. } => Some(5),
+            _ => None,
+        };
+        let mut response = match self {
             ProxyError::RateLimited(denial) => return rate_limited_response(denial),
             ProxyError::BreakerOpen {
                 fallback: Some(fallback),
@@ -159,25 +169,24 @@ impl ProxyError {
                 fallback: Some(fallback),
                 ..
             } => {
-                return static_response(fallback);
+                let mut response = static_response(fallback);
+                // The operator's own page says "later" too: as the default one, it tells
+                // clients when (a status that is not a refusal has no use for it).
+                if let (Some(seconds), 429 | 503) = (retry_after, fallback.status.as_u16()) {
+                    response
+                        .headers_mut()
+                        .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+                }
+                return response;
             }
-            _ => {}
-        }
-        let status = self.status();
-        let reason = match self {
-            ProxyError::Internal(_) => "internal error in levee".to_string(),
-            other => other.to_string(),
-        };
-        let mut response = text_response(status, format!("{} {}\n", status.as_u16(), reason));
-        let retry_after = match self {
-            ProxyError::BreakerOpen { retry_after, .. } => {
-                Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
+            _ => {
+                let status = self.status();
+                let reason = match self {
+                    ProxyError::Internal(_) => "internal error in levee".to_string(),
+                    other => other.to_string(),
+                };
+                text_response(status, format!("{} {}\n", status.as_u16(), reason))
             }
-            // How long a switch stays off is an operator's call; ask clients to come back later.
-            ProxyError::Degraded { .. } => Some(30),
-            ProxyError::Shed { .. } => Some(1),
-            ProxyError::QueueUnavailable { .. } => Some(5),
-            _ => None,
         };
         if let Some(seconds) = retry_after {
             response

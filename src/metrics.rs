@@ -301,7 +301,7 @@ impl Metrics {
         redis_up.set(1);
         registry.register(
             "redis_up",
-            "1 while Redis is used for shared limits, 0 while its health breaker is open",
+            "1 while levee's latest call to Redis (of any kind) got an answer, 0 while it failed",
             redis_up.clone(),
         );
         let ratelimit_ahead_overruns = Counter::default();

@@ -139,6 +139,8 @@ async fn levels_and_module_switches_turn_routes_off_by_tier() {
         notifications.header("content-type"),
         Some("application/json")
     );
+    // The operator's own page tells clients when to come back, as the default one does.
+    assert_eq!(notifications.header("retry-after"), Some("30"));
     assert_eq!(get(&levee.url("/")).await.status, 200);
 
     let status = get(&levee.admin_url("/status")).await.json();
