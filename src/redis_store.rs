@@ -49,8 +49,8 @@ pub struct RedisSettings {
     pub instances: u32,
     /// Share of a bucket's burst that must be left, by Redis's last answer less levee's own
     /// requests since, for a request to be admitted at once and charged in the background.
-    /// 1 turns it off. Default [`DEFAULT_ADMIT_AHEAD_ABOVE`], or `1 - 1/instances` when
-    /// that is higher.
+    /// 1 turns it off. Default [`DEFAULT_ADMIT_AHEAD_ABOVE`] for one instance, 1 for a fleet
+    /// (see the policy compiler).
     pub admit_ahead_above: f64,
     /// `ca_file`, `cert_file` and `key_file`, for a `rediss://` target.
     pub tls: Option<RedisTls>,

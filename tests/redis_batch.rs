@@ -819,13 +819,14 @@ async fn near_the_limit_every_decision_waits_and_the_burst_is_exact() {
     let port = redis.port.to_string();
     let connection = ["-p", port.as_str()];
     let backend = echo_backend().await;
-    // admit_ahead_above 0.5 (the default), 0, and the default for four instances (0.75):
-    // ahead while more than half the burst (5 of 10) is left, while any token is, or while
-    // more than 7.5 are (9 and 8 left: 2 requests).
+    // admit_ahead_above 0.5 (the default), 0, 0.75, and the default for a fleet (1: off):
+    // ahead while more than half the burst (5 of 10) is left, while any token is, while
+    // more than 7.5 are (9 and 8 left: 2 requests), or never.
     for (setting, expected_ahead) in [
         ("", 4.0),
         ("admit_ahead_above = 0\n", 9.0),
-        ("instances = 4\n", 2.0),
+        ("admit_ahead_above = 0.75\n", 2.0),
+        ("instances = 4\n", 0.0),
     ] {
         cli(&["-p", &port, "flushall"]);
         let hits_before = backend.hits();

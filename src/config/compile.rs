@@ -1976,9 +1976,16 @@ fn compile_redis(
         }
     }
     let instances = positive(compiler, &inner.instances, 1, "instances");
-    // With n instances each may admit ahead what it saw left above the share, in the same
-    // round trip: above 1 - 1/n the fleet together cannot take more than the bucket holds.
-    let default_admit_ahead_above = DEFAULT_ADMIT_AHEAD_ABOVE.max(1.0 - 1.0 / f64::from(instances));
+    // One instance never admits ahead what Redis would refuse: its charges reach Redis in the
+    // order it decided. With several, another instance's decisions that wait for Redis can
+    // take the last tokens before this one's charges arrive, whatever the share (a flood of
+    // one key through three instances took 1.6x the bucket at 1 - 1/3), so a fleet waits
+    // for Redis unless told otherwise.
+    let default_admit_ahead_above = if instances == 1 {
+        DEFAULT_ADMIT_AHEAD_ABOVE
+    } else {
+        1.0
+    };
     let admit_ahead_above = match &inner.admit_ahead_above {
         Some(value) if !(0.0..=1.0).contains(value.get_ref()) => {
             compiler.error_hint(
@@ -3311,6 +3318,26 @@ mod tests {
         assert_eq!(policy.server.max_header_bytes, 16 * 1024);
         assert!(policy.routes.fallback.is_some());
         assert_eq!(policy.hash.len(), 16);
+    }
+
+    #[test]
+    fn a_fleet_waits_for_redis_unless_told_to_admit_ahead() {
+        let admit_ahead_above = |redis: &str| {
+            let text = format!("[redis]\nurl = \"redis://127.0.0.1:1\"\n{redis}{APP}");
+            let policy = compile(&files(&[("a.toml", &text)]), None).expect("compiles");
+            policy
+                .redis
+                .as_ref()
+                .expect("redis")
+                .settings
+                .admit_ahead_above
+        };
+        assert_eq!(admit_ahead_above(""), 0.5);
+        assert_eq!(admit_ahead_above("instances = 3\n"), 1.0);
+        assert_eq!(
+            admit_ahead_above("instances = 3\nadmit_ahead_above = 0.8\n"),
+            0.8
+        );
     }
 
     #[test]
