@@ -244,8 +244,12 @@ fn hop_by_hop_bit(name: &HeaderName) -> u8 {
 }
 
 /// Sets the forwarding headers the app relies on:
-/// - `X-Forwarded-For`: from a trusted peer, its chain with the peer appended; from anyone
-///   else, just the peer (an untrusted chain is dropped, not passed on to fool the app).
+/// - `X-Forwarded-For`: from a trusted peer, its chain as it came (levee stands beside the
+///   front proxy: appending the front's address, the app's last entry would be the front,
+///   and a backend that takes the last entry as the client, as nginx's `real_ip_header`
+///   without `real_ip_recursive` or "trust the proxy in front" frameworks do, would see every
+///   visitor as the front); from anyone else, or a trusted peer that sent none, just the peer
+///   (an untrusted chain is dropped, not passed on to fool the app).
 /// - `X-Real-IP`: the resolved client IP.
 /// - `X-Forwarded-Proto`: kept from a trusted peer, otherwise levee's listener scheme.
 ///
@@ -257,28 +261,21 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
         headers
             .get_all(&X_FORWARDED_FOR)
             .iter()
-            .filter(|value| value.to_str().is_ok())
+            .filter(|value| is_chain_text(value))
             .map(HeaderValue::as_bytes)
             .collect()
     } else {
         Vec::new()
     };
-    let forwarded_for = if existing.is_empty() {
-        ip_value(peer)
-    } else {
-        let mut text = [0u8; 64];
-        let peer_text = format_ip(peer, &mut text);
-        let mut chain = Vec::with_capacity(
-            existing.iter().map(|part| part.len() + 2).sum::<usize>() + peer_text.len(),
-        );
-        for part in &existing {
-            chain.extend_from_slice(part);
-            chain.extend_from_slice(b", ");
+    let forwarded_for = match existing.as_slice() {
+        [] => ip_value(peer),
+        // One field line: passed as it came.
+        [only] => HeaderValue::from_bytes(only).ok(),
+        parts => {
+            // Values that were valid header values already, joined, are one.
+            let chain = parts.join(&b", "[..]);
+            HeaderValue::from_maybe_shared(bytes::Bytes::from(chain)).ok()
         }
-        chain.extend_from_slice(peer_text);
-        // Addresses formatted by levee, after values that were valid header values already,
-        // are always valid header values.
-        HeaderValue::from_maybe_shared(bytes::Bytes::from(chain)).ok()
     };
     let real_ip = ip_value(canonical(client));
     if let Some(value) = forwarded_for {
@@ -363,23 +360,34 @@ impl ForwardedWriter {
         }
     }
 
-    /// `X-Forwarded-For`: a trusted peer's chain (its values in `headers` that are text) with
-    /// the peer appended, or else the peer alone.
+    /// `X-Forwarded-For`: a trusted peer's chain as it came (its values in `headers` that are
+    /// text), or else the peer alone (see [`set_forwarded`]).
     fn write_for(&mut self, out: &mut BytesMut, headers: Option<&HeaderMap>) {
         self.wrote_for = true;
         out.put_slice(b"x-forwarded-for: ");
+        let mut chained = false;
         if let (true, Some(headers)) = (self.from.peer_trusted, headers) {
             for value in headers.get_all(&X_FORWARDED_FOR) {
-                if value.to_str().is_ok() {
+                if is_chain_text(value) {
+                    if chained {
+                        out.put_slice(b", ");
+                    }
                     out.put_slice(value.as_bytes());
-                    out.put_slice(b", ");
+                    chained = true;
                 }
             }
         }
-        let mut text = [0u8; 64];
-        out.put_slice(format_ip(self.from.peer, &mut text));
+        if !chained {
+            let mut text = [0u8; 64];
+            out.put_slice(format_ip(self.from.peer, &mut text));
+        }
         out.put_slice(b"\r\n");
     }
+}
+
+/// An `X-Forwarded-For` line of a trusted chain that is passed on: text, not blank.
+fn is_chain_text(value: &HeaderValue) -> bool {
+    value.to_str().is_ok_and(|text| !text.trim().is_empty())
 }
 
 /// Bytes the fields written by [`ForwardedWriter`] may add to a head, besides the client's
@@ -580,9 +588,25 @@ mod tests {
             ("x-forwarded-proto", "https"),
         ]);
         set_forwarded(&mut map, ip("127.0.0.1"), true, ip("1.1.1.1"));
-        assert_eq!(map["x-forwarded-for"], "1.1.1.1, 127.0.0.1");
+        // A trusted front's chain goes on as it came: the app's last entry stays the client
+        // the front saw, as it was without levee.
+        assert_eq!(map["x-forwarded-for"], "1.1.1.1");
         assert_eq!(map["x-real-ip"], "1.1.1.1");
         assert_eq!(map["x-forwarded-proto"], "https");
+
+        for (lines, chain) in [
+            (&["10.0.0.1, 1.1.1.1"][..], "10.0.0.1, 1.1.1.1"),
+            (&["10.0.0.1", "1.1.1.1"][..], "10.0.0.1, 1.1.1.1"),
+            (&["", " "][..], "127.0.0.1"),
+            (&["", "1.1.1.1"][..], "1.1.1.1"),
+        ] {
+            let mut map = HeaderMap::new();
+            for line in lines {
+                map.append("x-forwarded-for", line.parse().expect("value"));
+            }
+            set_forwarded(&mut map, ip("127.0.0.1"), true, ip("1.1.1.1"));
+            assert_eq!(map["x-forwarded-for"], chain, "{lines:?}");
+        }
     }
 
     #[test]
