@@ -12,7 +12,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 
 const OK: u8 = 0;
-const FAIL_503: u8 = 1;
+const FAIL_502: u8 = 1;
 const HANG: u8 = 2;
 const SLOW: u8 = 3;
 
@@ -24,8 +24,8 @@ async fn switchable() -> (Backend, Arc<AtomicU8>) {
         let mode = current.load(Ordering::SeqCst);
         async move {
             match mode {
-                FAIL_503 => Response::builder()
-                    .status(503)
+                FAIL_502 => Response::builder()
+                    .status(502)
                     .body(full("down"))
                     .expect("response"),
                 HANG => {
@@ -81,7 +81,7 @@ async fn failures_open_the_breaker_fallback_is_served_then_it_recovers() {
     .await;
     assert_eq!(get(&levee.url("/")).await.text(), "ok");
 
-    mode.store(FAIL_503, Ordering::SeqCst);
+    mode.store(FAIL_502, Ordering::SeqCst);
     for _ in 0..3 {
         assert_eq!(
             get(&levee.url("/")).await.text(),
@@ -193,8 +193,8 @@ async fn half_open_lets_exactly_the_probes_through_under_100_concurrent_requests
     )
     .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
     let levee = Levee::start(&policy).await;
-    mode.store(FAIL_503, Ordering::SeqCst);
-    assert_eq!(get(&levee.url("/")).await.status, 503);
+    mode.store(FAIL_502, Ordering::SeqCst);
+    assert_eq!(get(&levee.url("/")).await.status, 502);
     assert_eq!(breaker_state(&levee, "app").await, "open");
     // Slow answers keep the probes in flight while the other 97 requests arrive.
     mode.store(SLOW, Ordering::SeqCst);
@@ -312,7 +312,7 @@ async fn reload_keeps_an_open_breaker_open_unless_its_settings_change() {
     let running = levee::start(options).await.expect("start");
     let url = format!("http://{}/", running.public_addr);
     let admin = format!("http://{}", running.admin_addr);
-    mode.store(FAIL_503, Ordering::SeqCst);
+    mode.store(FAIL_502, Ordering::SeqCst);
     assert_eq!(get(&url).await.text(), "down");
     mode.store(OK, Ordering::SeqCst);
     assert_eq!(get(&url).await.status, 503, "open");
@@ -587,4 +587,72 @@ async fn calls_given_up_on_after_slow_call_count_as_slow_and_open_the_breaker() 
         ),
         1.0
     );
+}
+
+/// A PHP app answers 503 on purpose (maintenance mode, a security plugin's block): by
+/// default that is the app's answer, passed on, not a failure of the dependency. Counted,
+/// one visitor asking for such a page a few times would cut every page off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apps_own_503s_do_not_open_the_breaker_by_default() {
+    let backend = Backend::start(|request: Request<Incoming>| async move {
+        if request.uri().path() == "/maintenance.php" {
+            Response::builder()
+                .status(503)
+                .body(full("back soon"))
+                .expect("response")
+        } else {
+            Response::new(full("ok"))
+        }
+    })
+    .await;
+    let levee = Levee::start(&breaker_policy(&backend, "consecutive_failures = 3", "")).await;
+    for _ in 0..10 {
+        let answer = get(&levee.url("/maintenance.php")).await;
+        assert_eq!((answer.status, answer.text().as_str()), (503, "back soon"));
+    }
+    assert_eq!(breaker_state(&levee, "app").await, "closed");
+    assert_eq!(get(&levee.url("/forum.php")).await.status, 200);
+}
+
+/// A page that reflects a visitor's input into a header (a DEL byte in `Location`) gets a
+/// 502, as levee cannot pass the field on; but the app did answer, so it is not a failure of
+/// the upstream, and asking for it again and again leaves every other page served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_with_a_field_levee_cannot_pass_on_is_not_held_against_the_upstream() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let answer: &[u8] = if head.starts_with(b"GET /redirect.php") {
+                    b"HTTP/1.1 302 Found\r\nLocation: /next.php?q=a\x7fb\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                } else {
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+                };
+                let _ = stream.write_all(answer).await;
+            });
+        }
+    });
+    let policy = policy_for(
+        addr,
+        "access_log = false",
+        "breaker = { consecutive_failures = 3 }\n",
+    );
+    let levee = Levee::start(&policy).await;
+    for _ in 0..10 {
+        assert_eq!(get(&levee.url("/redirect.php")).await.status, 502);
+    }
+    assert_eq!(breaker_state(&levee, "app").await, "closed");
+    assert_eq!(get(&levee.url("/forum.php")).await.status, 200);
 }

@@ -10,7 +10,8 @@ use common::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
 
-/// `/slow…` takes a second; everything else answers at once; `failing` turns on 503s.
+/// `/slow…` takes a second; everything else answers at once; `failing` turns on 502s (what
+/// the app's nginx answers with php-fpm down).
 async fn backend(failing: Arc<AtomicBool>) -> Backend {
     Backend::start(move |request: Request<Incoming>| {
         let slow = request.uri().path().starts_with("/slow");
@@ -18,7 +19,7 @@ async fn backend(failing: Arc<AtomicBool>) -> Backend {
         async move {
             if fail {
                 return Response::builder()
-                    .status(503)
+                    .status(502)
                     .body(full("overloaded"))
                     .expect("response");
             }
@@ -123,7 +124,7 @@ async fn a_trigger_raises_the_level_and_lowers_it_after_the_cool_down() {
 
     failing.store(true, Ordering::SeqCst);
     for _ in 0..2 {
-        assert_eq!(get(&levee.url("/")).await.status, 503);
+        assert_eq!(get(&levee.url("/")).await.status, 502);
     }
     eventually(
         Duration::from_secs(5),
@@ -193,7 +194,7 @@ async fn a_level_that_switched_off_every_route_of_a_broken_upstream_comes_down_t
     );
     let levee = Levee::start(&policy).await;
     for _ in 0..2 {
-        assert_eq!(get(&levee.url("/ai")).await.status, 503);
+        assert_eq!(get(&levee.url("/ai")).await.status, 502);
     }
     eventually(
         Duration::from_secs(5),
@@ -211,7 +212,7 @@ async fn a_level_that_switched_off_every_route_of_a_broken_upstream_comes_down_t
     )
     .await;
     // The next request probes; still failing, the breaker opens again and the level follows.
-    assert_eq!(get(&levee.url("/ai")).await.status, 503);
+    assert_eq!(get(&levee.url("/ai")).await.status, 502);
     eventually(
         Duration::from_secs(5),
         "the level to rise again",

@@ -34,7 +34,10 @@ pub struct BreakerSettings {
     pub max_open_for: Duration,
     /// Probes let through at a time when half-open; all must succeed to close. Default 3.
     pub half_open_probes: u32,
-    /// Statuses that count as failures. Default 502, 503, 504.
+    /// Statuses that count as failures. Default 502 and 504: what a PHP app's own nginx
+    /// answers when php-fpm is down or hung. A 503 is left out: PHP apps answer it on purpose
+    /// (maintenance mode, a blocked visitor, "try later"), and one visitor could open the
+    /// breaker for every page by asking for such a page five times.
     pub failure_statuses: Vec<u16>,
     /// Pinned state from the policy. Default: automatic.
     pub force: Option<Force>,
@@ -52,7 +55,7 @@ impl Default for BreakerSettings {
             open_for: Duration::from_secs(10),
             max_open_for: Duration::from_secs(120),
             half_open_probes: 3,
-            failure_statuses: vec![502, 503, 504],
+            failure_statuses: vec![502, 504],
             force: None,
         }
     }

@@ -2573,7 +2573,7 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
                 file,
                 value.span(),
                 "max_header_bytes must be between 1KiB and 1MiB",
-                "the default, 16KiB, suits almost every site",
+                "the default, 32KiB (what nginx reads by default), suits almost every site",
             );
         }
     }
@@ -3315,7 +3315,7 @@ mod tests {
     fn minimal_policy_compiles_with_defaults() {
         let policy = compile(&files(&[("a.toml", APP)]), None).expect("compiles");
         assert_eq!(policy.default_upstream.as_deref(), Some("app"));
-        assert_eq!(policy.server.max_header_bytes, 16 * 1024);
+        assert_eq!(policy.server.max_header_bytes, 32 * 1024);
         assert!(policy.routes.fallback.is_some());
         assert_eq!(policy.hash.len(), 16);
     }

@@ -86,7 +86,7 @@ impl Default for ServerSettings {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             trusted_proxies: TrustedProxies::default(),
             header_read_timeout: Duration::from_secs(10),
-            max_header_bytes: 16 * 1024,
+            max_header_bytes: 32 * 1024,
             max_body: 10 * 1024 * 1024,
             client_body_timeout: Duration::from_secs(30),
             send_timeout: Duration::from_secs(60),

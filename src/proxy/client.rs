@@ -44,8 +44,9 @@ use super::upstream::UpstreamBody;
 use super::upstream_fields::{FieldLines, UpstreamFields};
 use crate::error::BoxError;
 
-/// Most header fields accepted in a response head.
-const MAX_HEADERS: usize = 100;
+/// Most header fields accepted in a response head. nginx counts none: a PHP page may set a
+/// few hundred cookies, and refusing the answer would be levee's failure, not the app's.
+const MAX_HEADERS: usize = 512;
 /// Longest response head accepted.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// Room made for each read of a response head.
@@ -88,6 +89,11 @@ pub enum ClientError {
     /// The response could not be read as HTTP/1.1.
     #[error("malformed response: {0}")]
     Protocol(String),
+    /// The app answered, with a header field levee cannot pass on (a name that is not a
+    /// token, a control byte in a value, or too many fields). A page's own doing, so not
+    /// held against the upstream's breaker.
+    #[error("malformed response: {0}")]
+    UnpassableField(String),
     /// The upstream did not answer within the response timeout after the request was sent
     /// whole, or stopped reading the request's body for that long.
     #[error("no answer within {0:?}")]
@@ -95,6 +101,13 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// Does this failure say the upstream is failing (for its breaker)? Not when the app
+    /// answered and only its header fields could not be passed on: one page reflecting a
+    /// visitor's input into a header must not cut every page off.
+    pub fn is_upstream_failure(&self) -> bool {
+        !matches!(self, ClientError::UnpassableField(_))
+    }
+
     /// Did the call fail before a connection existed?
     pub fn is_connect(&self) -> bool {
         matches!(self, ClientError::Connect { .. })
@@ -946,6 +959,11 @@ fn parse_response_head(
     ) {
         Ok(httparse::Status::Complete(length)) => length,
         Ok(httparse::Status::Partial) => return Ok(None),
+        Err(
+            error @ (httparse::Error::HeaderName
+            | httparse::Error::HeaderValue
+            | httparse::Error::TooManyHeaders),
+        ) => return Err(ClientError::UnpassableField(error.to_string())),
         Err(error) => return Err(ClientError::Protocol(error.to_string())),
     };
     let status = parsed

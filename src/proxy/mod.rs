@@ -477,15 +477,19 @@ async fn forward(
     );
     // The upstream's own header lines, when they are relayed as received (`fields`).
     let mut relayed = None;
+    let mut counts_against_upstream = true;
     let (answer, waited_from) = match sent.await {
-        Err(error) => (
-            Err(classify_client_error(
-                &route,
-                server.client_body_timeout,
-                &error,
-            )),
-            sent_at,
-        ),
+        Err(error) => {
+            counts_against_upstream = error.is_upstream_failure();
+            (
+                Err(classify_client_error(
+                    &route,
+                    server.client_body_timeout,
+                    &error,
+                )),
+                sent_at,
+            )
+        }
         Ok(answered) => {
             relayed = answered.relayed;
             (Ok(answered.response), answered.request_sent_at)
@@ -508,7 +512,7 @@ async fn forward(
             permit.measure_from(waited_from);
             permit.record_status(response.status().as_u16(), answered_at, &shared.metrics)
         }
-        Err(error) if error.side() == ErrorSide::Upstream => {
+        Err(error) if error.side() == ErrorSide::Upstream && counts_against_upstream => {
             permit.record(Outcome::Failure, answered_at, &shared.metrics);
             false
         }

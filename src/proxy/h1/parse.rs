@@ -16,8 +16,9 @@ use bytes::BytesMut;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Uri, Version};
 
-/// Most header fields in one request head; more is refused with 431.
-pub const MAX_HEADERS: usize = 100;
+/// Most header fields in one request head; more is refused with 431. nginx counts none (only
+/// bytes): a few hundred leaves room for what a front proxy adds to a client's many.
+pub const MAX_HEADERS: usize = 256;
 
 /// How the request body is delimited on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
