@@ -543,3 +543,30 @@ async fn a_100_mb_body_streams_both_ways_in_flat_memory() {
         growth / (1024 * 1024)
     );
 }
+
+/// A PHP page may set a couple of hundred cookies (nginx counts no fields): every one
+/// reaches the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_with_hundreds_of_cookies_passes_whole() {
+    let backend = Backend::start(|_request: Request<Incoming>| async move {
+        let mut response = Response::builder().status(200);
+        for n in 0..300 {
+            response = response.header("set-cookie", format!("c{n}=v{n}; path=/"));
+        }
+        response.body(full("ok")).expect("response")
+    })
+    .await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    // Read raw: the test's own HTTP client stops at 100 fields.
+    let answer = raw_exchange(
+        levee.public,
+        b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(
+        answer.to_ascii_lowercase().matches("set-cookie: c").count(),
+        300
+    );
+}
