@@ -130,15 +130,23 @@ fn decode_unreserved(path: &str) -> Result<String, PathError> {
         if decoded.is_ascii_alphanumeric() || matches!(decoded, b'-' | b'.' | b'_' | b'~') {
             out.push(decoded);
         } else {
-            out.push(b'%');
-            out.push(b"0123456789ABCDEF"[usize::from(hi)]);
-            out.push(b"0123456789ABCDEF"[usize::from(lo)]);
+            push_percent_encoded(&mut out, decoded);
         }
         i += 3;
     }
     // Only ASCII escapes were replaced (by ASCII), so the bytes are still the input's UTF-8;
     // the error arm cannot be reached and is there only to avoid an unwrap.
     String::from_utf8(out).map_err(|_| PathError::BadPercentEncoding)
+}
+
+/// Writes `byte` as `%XX` (upper-case hex, as RFC 3986 recommends).
+pub(crate) fn push_percent_encoded(out: &mut Vec<u8>, byte: u8) {
+    const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
+    out.extend_from_slice(&[
+        b'%',
+        DIGITS[usize::from(byte >> 4)],
+        DIGITS[usize::from(byte & 15)],
+    ]);
 }
 
 /// The value of one hex digit, either case.

@@ -78,6 +78,51 @@ impl HeadError {
     }
 }
 
+/// A path target with bytes a URI does not allow raw (`"`, `<`, `>`, a backtick, `{`, `|`,
+/// `\`, `^`…), which nginx passes to the app and server-to-server callers send unencoded
+/// (`cb.php?d={"a":1}`): those bytes percent-encoded, which the app decodes to the same
+/// `$_GET`. `None` for anything else that is not a URI.
+fn lenient_target(target: &[u8]) -> Option<Uri> {
+    if !target.starts_with(b"/") {
+        return None;
+    }
+    let mut encoded = Vec::with_capacity(target.len() + 16);
+    for &byte in target {
+        let allowed = byte.is_ascii_alphanumeric()
+            || matches!(
+                byte,
+                b'-' | b'.'
+                    | b'_'
+                    | b'~'
+                    | b':'
+                    | b'/'
+                    | b'?'
+                    | b'#'
+                    | b'['
+                    | b']'
+                    | b'@'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+                    | b'%'
+            );
+        if allowed {
+            encoded.push(byte);
+        } else {
+            crate::proxy::path::push_percent_encoded(&mut encoded, byte);
+        }
+    }
+    Uri::from_maybe_shared(bytes::Bytes::from(encoded)).ok()
+}
+
 /// Parses the request head at the front of `buffer`.
 ///
 /// `Ok(None)`: the head is not complete yet (and still within `max_head_bytes`). On success
@@ -143,8 +188,11 @@ pub fn parse_head(
         .collect();
     let head = buffer.split_to(head_length).freeze();
 
-    let uri = Uri::from_maybe_shared(head.slice(target_range))
-        .map_err(|_| HeadError::Malformed("invalid request target"))?;
+    let uri = match Uri::from_maybe_shared(head.slice(target_range.clone())) {
+        Ok(uri) => uri,
+        Err(_) => lenient_target(&head[target_range])
+            .ok_or(HeadError::Malformed("invalid request target"))?,
+    };
     // Room for the fields levee adds on the way (forwarded-for, real IP, proto) without growing.
     let mut headers = HeaderMap::with_capacity(field_count + 4);
     let mut meaning = FieldMeaning::new();
@@ -427,6 +475,24 @@ mod tests {
             Err(error) => error,
             other => panic!("{raw:?} was accepted: {other:?}"),
         }
+    }
+
+    #[test]
+    fn targets_with_bytes_a_uri_does_not_allow_raw_reach_the_app_encoded() {
+        for (target, sent) in [
+            ("/cb.php?d={\"a\":1}", "/cb.php?d=%7B%22a%22:1%7D"),
+            ("/s.php?q=<b>&x=`y`", "/s.php?q=%3Cb%3E&x=%60y%60"),
+            // What the URI parser takes stays as it came.
+            ("/a|b^c\\d", "/a|b^c\\d"),
+            ("/a%20b?c=d+e&f[]=1", "/a%20b?c=d+e&f[]=1"),
+        ] {
+            assert_eq!(head(&format!("GET {target} HTTP/1.1\r\n\r\n")).uri, sent, "{target}");
+        }
+        // Not a path: refused as before.
+        assert!(matches!(
+            refused("GET http://a/<b> HTTP/1.1\r\n\r\n"),
+            HeadError::Malformed(_)
+        ));
     }
 
     #[test]
