@@ -113,6 +113,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
             crate::degrade::stale::L1_MAX_BYTES,
         )),
         draining: AtomicBool::new(false),
+        cutting_off: AtomicBool::new(false),
         former_queues: Default::default(),
     });
     let (stop_accepting, stop) = watch::channel(false);
@@ -187,6 +188,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
             .await
             .is_err()
         {
+            lifecycle_shared.cutting_off.store(true, Ordering::Relaxed);
             tracing::warn!(timeout = ?settings.shutdown_timeout, "in-flight requests did not finish in time; stopping anyway");
         }
         tracing::info!("levee stopped");

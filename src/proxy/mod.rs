@@ -69,6 +69,9 @@ pub struct Shared {
     pub stale: Arc<StaleStore>,
     /// Set on SIGTERM: `/readyz` answers 503 while traffic still flows.
     pub draining: AtomicBool,
+    /// Set when `shutdown_timeout` ran out: requests still running are cut off by levee, not
+    /// by their clients.
+    pub cutting_off: AtomicBool,
     /// Queues whose route stopped queueing with jobs still stored: replayed until empty.
     pub former_queues: crate::queue::FormerQueues,
 }
@@ -1024,8 +1027,14 @@ impl OnBodyEnd for Exchange {
 impl Drop for Exchange {
     fn drop(&mut self) {
         if !self.reported {
-            self.status = StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST);
-            self.error = Some("client_closed");
+            if self.shared.cutting_off.load(Ordering::Relaxed) {
+                // levee stopped before it answered: its failure, not the client's going.
+                self.status = StatusCode::SERVICE_UNAVAILABLE;
+                self.error = Some("cut_off_at_shutdown");
+            } else {
+                self.status = StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST);
+                self.error = Some("client_closed");
+            }
             self.report(0, false);
         }
     }

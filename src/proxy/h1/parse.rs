@@ -486,7 +486,11 @@ mod tests {
             ("/a|b^c\\d", "/a|b^c\\d"),
             ("/a%20b?c=d+e&f[]=1", "/a%20b?c=d+e&f[]=1"),
         ] {
-            assert_eq!(head(&format!("GET {target} HTTP/1.1\r\n\r\n")).uri, sent, "{target}");
+            assert_eq!(
+                head(&format!("GET {target} HTTP/1.1\r\n\r\n")).uri,
+                sent,
+                "{target}"
+            );
         }
         // Not a path: refused as before.
         assert!(matches!(
