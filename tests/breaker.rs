@@ -619,31 +619,14 @@ async fn an_apps_own_503s_do_not_open_the_breaker_by_default() {
 /// the upstream, and asking for it again and again leaves every other page served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_with_a_field_levee_cannot_pass_on_is_not_held_against_the_upstream() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let answer: &[u8] = if head.starts_with(b"GET /redirect.php") {
-                    b"HTTP/1.1 302 Found\r\nLocation: /next.php?q=a\x7fb\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                } else {
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
-                };
-                let _ = stream.write_all(answer).await;
-            });
+    let addr = raw_backend(|head| {
+        if head.starts_with(b"GET /redirect.php") {
+            b"HTTP/1.1 302 Found\r\nLocation: /next.php?q=a\x7fb\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec()
+        } else {
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok".to_vec()
         }
-    });
+    })
+    .await;
     let policy = policy_for(
         addr,
         "access_log = false",

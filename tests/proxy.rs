@@ -570,3 +570,33 @@ async fn an_answer_with_hundreds_of_cookies_passes_whole() {
         300
     );
 }
+
+/// A PHP page's own reason phrase (`header("HTTP/1.1 404 Not Here")`) reaches the client as
+/// written, as through nginx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_lines_own_wording_is_passed_on() {
+    let backend = raw_backend(|head| {
+        let line = if head.starts_with(b"GET /teapot") {
+            "HTTP/1.1 418 I am a teapot"
+        } else if head.starts_with(b"GET /custom") {
+            "HTTP/1.1 299 Custom Reason"
+        } else if head.starts_with(b"GET /plain") {
+            "HTTP/1.1 200 OK"
+        } else {
+            "HTTP/1.1 404 Not Here"
+        };
+        format!("{line}\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok").into_bytes()
+    })
+    .await;
+    let levee = Levee::start(&policy_for(backend, "", "")).await;
+    for (path, line) in [
+        ("/teapot", "HTTP/1.1 418 I am a teapot\r\n"),
+        ("/custom", "HTTP/1.1 299 Custom Reason\r\n"),
+        ("/plain", "HTTP/1.1 200 OK\r\n"),
+        ("/missing.php", "HTTP/1.1 404 Not Here\r\n"),
+    ] {
+        let request = format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+        let answer = raw_exchange(levee.public, request.as_bytes(), Duration::from_secs(5)).await;
+        assert!(answer.starts_with(line), "{path}: {answer}");
+    }
+}

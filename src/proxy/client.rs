@@ -496,6 +496,12 @@ impl Client {
         *response.status_mut() = head.status;
         *response.version_mut() = head.version;
         *response.headers_mut() = head.headers;
+        if let Some(reason) = head.reason {
+            response.extensions_mut().insert(UpstreamReason {
+                status: head.status,
+                reason,
+            });
+        }
         if head.status == StatusCode::SWITCHING_PROTOCOLS && upgrade {
             let rest = connection.buffer.split().freeze();
             response
@@ -813,11 +819,31 @@ enum Framing {
 struct ResponseHead {
     status: StatusCode,
     version: Version,
+    /// The status line's reason phrase, when it is not the standard one for the status.
+    reason: Option<Bytes>,
     /// Empty when the fields are relayed.
     headers: HeaderMap,
     relayed: Option<UpstreamFields>,
     framing: Framing,
     keep_alive: bool,
+}
+
+/// The reason phrase the upstream wrote on its status line, when it is not the standard one:
+/// passed on with the status it came with (a status levee changed gets the standard phrase).
+#[derive(Debug, Clone)]
+pub struct UpstreamReason {
+    pub status: StatusCode,
+    pub reason: Bytes,
+}
+
+impl UpstreamReason {
+    /// The phrase to write for `status`, from a response's extensions.
+    pub fn for_status(extensions: &http::Extensions, status: StatusCode) -> Option<&[u8]> {
+        extensions
+            .get::<UpstreamReason>()
+            .filter(|upstream| upstream.status == status)
+            .map(|upstream| &upstream.reason[..])
+    }
 }
 
 /// What the caller of [`Client::send_within`] does with the response's header fields.
@@ -975,6 +1001,11 @@ fn parse_response_head(
     } else {
         Version::HTTP_11
     };
+    // A PHP page's own wording (`header("HTTP/1.1 404 Not Here")`) goes back as written.
+    let reason = parsed
+        .reason
+        .filter(|reason| Some(*reason) != status.canonical_reason())
+        .map(|reason| Bytes::copy_from_slice(reason.as_bytes()));
     // One pass over the fields, while the parser still borrows the buffer: what the framing
     // and connection fields say, and, when the caller only passes the fields on, which lines
     // to relay. Lines are kept as offsets, so the head can then be split off the buffer.
@@ -1074,6 +1105,7 @@ fn parse_response_head(
         return Ok(Some(ResponseHead {
             status,
             version,
+            reason,
             headers: HeaderMap::new(),
             relayed: Some(kept.over(head, content_length)),
             framing,
@@ -1098,10 +1130,10 @@ fn parse_response_head(
     let mut length_kept = false;
     for span in &spans {
         let name = HeaderName::from_bytes(&head[span.name..span.name + span.name_len])
-            .map_err(|_| ClientError::Protocol("invalid header name".into()))?;
+            .map_err(|_| ClientError::UnpassableField("invalid header name".into()))?;
         let value =
             HeaderValue::from_maybe_shared(head.slice(span.value..span.value + span.value_len))
-                .map_err(|_| ClientError::Protocol(format!("invalid value of {name}")))?;
+                .map_err(|_| ClientError::UnpassableField(format!("invalid value of {name}")))?;
         if name == header::CONTENT_LENGTH {
             // Chunked or another coding decides the end: the length is not passed on. A
             // length repeated (the same value, checked above) is passed on once (RFC 9110
@@ -1116,6 +1148,7 @@ fn parse_response_head(
     Ok(Some(ResponseHead {
         status,
         version,
+        reason,
         headers,
         relayed: None,
         framing,

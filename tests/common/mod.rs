@@ -189,6 +189,31 @@ pub fn status_of(raw: &str) -> Option<u16> {
         .and_then(|code| code.parse().ok())
 }
 
+/// A backend that writes raw bytes (what a hyper backend cannot send: odd status lines,
+/// fields no library allows): for each request head, `answer(head)`, then it closes the
+/// connection.
+pub async fn raw_backend(answer: fn(&[u8]) -> Vec<u8>) -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = stream.write_all(&answer(&head)).await;
+            });
+        }
+    });
+    addr
+}
+
 pub async fn raw_exchange(addr: SocketAddr, request: &[u8], within: Duration) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");

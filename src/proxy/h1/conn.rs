@@ -29,6 +29,7 @@ use super::request_body::{BodyPiece, RequestBody, RequestBodyError};
 use super::upgrade::{ClientUpgrade, UpgradedClient};
 use crate::error::ProxyError;
 use crate::proxy::body::ResponseBody;
+use crate::proxy::client::UpstreamReason;
 use crate::proxy::deadline;
 use crate::proxy::server::ConnectionLimits;
 use crate::proxy::upstream_fields::UpstreamFields;
@@ -279,7 +280,7 @@ async fn refuse(stream: &mut TcpStream, error: HeadError, method: &Method, send_
         &mut keep_alive,
     );
     let mut out = BytesMut::new();
-    encode::encode_head(&mut out, parts.status, &parts.headers, None, 0);
+    encode::encode_head(&mut out, (parts.status, None), &parts.headers, None, 0);
     let (mut reader, writer) = stream.split();
     let mut writer = ClientWriter {
         half: writer,
@@ -422,7 +423,10 @@ where
     };
     encode::encode_head(
         &mut out,
-        parts.status,
+        (
+            parts.status,
+            UpstreamReason::for_status(&parts.extensions, parts.status),
+        ),
         &parts.headers,
         relayed.as_ref(),
         body_room,

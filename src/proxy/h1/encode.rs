@@ -144,17 +144,24 @@ impl LengthField<'_> {
 /// `out`, reserved with the head's.
 pub fn encode_head(
     out: &mut BytesMut,
-    status: StatusCode,
+    (status, reason): (StatusCode, Option<&[u8]>),
     headers: &HeaderMap,
     relayed: Option<&UpstreamFields>,
     body_room: usize,
 ) {
     let relayed_bytes = relayed.map_or(0, |relayed| relayed.len() + 40);
-    out.reserve(64 + crate::proxy::header::header_bytes(headers) + relayed_bytes + 40 + body_room);
+    let reason = reason.unwrap_or(status.canonical_reason().unwrap_or("").as_bytes());
+    out.reserve(
+        64 + reason.len()
+            + crate::proxy::header::header_bytes(headers)
+            + relayed_bytes
+            + 40
+            + body_room,
+    );
     out.put_slice(b"HTTP/1.1 ");
     out.put_slice(status.as_str().as_bytes());
     out.put_u8(b' ');
-    out.put_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.put_slice(reason);
     out.put_slice(b"\r\n");
     let mut has_date = false;
     if let Some(relayed) = relayed {
@@ -392,7 +399,7 @@ mod tests {
             Some(2),
         );
         let mut out = BytesMut::new();
-        encode_head(&mut out, StatusCode::OK, &headers, Some(&fields), 0);
+        encode_head(&mut out, (StatusCode::OK, None), &headers, Some(&fields), 0);
         assert_eq!(
             &out[..],
             b"HTTP/1.1 200 OK\r\nServer: a\r\nDate: Tue, 01 Dec 2026 10:00:00 GMT\r\n\
@@ -403,7 +410,7 @@ mod tests {
         let mut out = BytesMut::new();
         encode_head(
             &mut out,
-            StatusCode::OK,
+            (StatusCode::OK, None),
             &HeaderMap::new(),
             Some(&fields),
             0,
@@ -420,7 +427,7 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(2u64));
         let mut out = BytesMut::new();
-        encode_head(&mut out, StatusCode::NOT_FOUND, &headers, None, 0);
+        encode_head(&mut out, (StatusCode::NOT_FOUND, None), &headers, None, 0);
         let text = String::from_utf8(out.to_vec()).expect("ascii");
         assert!(
             text.starts_with("HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\ndate: "),
