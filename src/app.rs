@@ -227,11 +227,14 @@ pub async fn run(options: Options) -> Result<(), StartError> {
         _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
     }
     running.shutdown();
+    let shared = running.shared.clone();
     tokio::select! {
-        () = running.wait() => {}
+        () = running.wait() => return Ok(()),
         () = next_signal(&mut terminate) => tracing::warn!("second SIGTERM: stopping now, without waiting for requests in flight"),
         _ = tokio::signal::ctrl_c() => tracing::warn!("second SIGINT: stopping now, without waiting for requests in flight"),
     }
+    // Requests still running are cut off by levee, not by their clients.
+    shared.cutting_off.store(true, Ordering::Relaxed);
     Ok(())
 }
 

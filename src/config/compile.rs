@@ -551,7 +551,7 @@ fn explain_parse_error(
             }
         }
     } else if key == Some("failure_statuses") {
-        "list each status as a number: failure_statuses = [500, 502, 503, 504] (a range like \"5xx\" is not read)".to_string()
+        "list each status as a number: failure_statuses = [500, 502, 504] (a range like \"5xx\" is not read)".to_string()
     } else if key == Some("fallback") && quoted {
         format!(
             "put the page in `body`: fallback = {{ body = {} }}",
@@ -663,7 +663,7 @@ fn key_takes(key: &str, expected: &str) -> Option<&'static str> {
         ("admit_ahead_above", "f64") => "a share from 0 to 1, like 0.5",
         ("replay_rate", "f64") => "a number of replays per second, like 20",
         ("failure_statuses", "u16") => "an HTTP status, like 503",
-        ("failure_statuses", _) => "a list of HTTP statuses, like [502, 503, 504]",
+        ("failure_statuses", _) => "a list of HTTP statuses, like [502, 504]",
         ("route", "a sequence") => {
             "a list of tables: each route is written under its own [[route]] line"
         }
@@ -3091,12 +3091,19 @@ fn compile_route(
         })
         .unwrap_or_default();
     if let Some(hide_spec) = &inner.hide {
+        // Pages of a route whose modules are all chosen by plain id are cut by the scanner.
+        let scanned = hide_spec.get_ref().values().all(|selector| {
+            selector != crate::degrade::hide::MARKER
+                && crate::degrade::cut::IdSelector::parse(selector).is_some()
+        });
         for (module, selector) in hide_spec.get_ref() {
             if selector != crate::degrade::hide::MARKER
                 && (selector.trim().is_empty() || selector.parse::<lol_html::Selector>().is_err())
             {
                 compiler.error_hint(file, hide_spec.span(), format!("`{selector}` (module `{module}`) is not a CSS selector levee can match"), "use an id, class, element or attribute selector: \"#ranking\", \".visitors\", \"[data-module=visitors]\"");
-            } else if let Some(element) = crate::degrade::hide::element_left_in_place(selector) {
+            } else if let Some(element) =
+                crate::degrade::hide::element_left_in_place(selector, scanned)
+            {
                 compiler.warning_hint(file, hide_spec.span(), format!("`{selector}` (module `{module}`) selects <{element}> elements, which hide leaves in place: their end tag may be left out of a page, and removing one could remove the rest of it"), "select the element around it (a div or section), or use \"marker\"");
             }
         }
@@ -3732,9 +3739,9 @@ mod tests {
             ),
             (
                 "failure_statuses = [\"5xx\"]",
-                "error: each item of `failure_statuses` is an HTTP status, like 503\n  hint: list each status as a number: failure_statuses = [500, 502, 503, 504]",
+                "error: each item of `failure_statuses` is an HTTP status, like 503\n  hint: list each status as a number: failure_statuses = [500, 502, 504]",
             ),
-            ("failure_statuses = 503", "error: `failure_statuses` is a list of HTTP statuses, like [502, 503, 504]"),
+            ("failure_statuses = 503", "error: `failure_statuses` is a list of HTTP statuses, like [502, 504]"),
         ] {
             let error = breaker(settings);
             assert!(error.contains(expected), "{settings}\n{error}");

@@ -56,7 +56,7 @@ pub struct ServerSettings {
     pub trusted_proxies: TrustedProxies,
     /// Time a client has to send its whole request head. Default 10s.
     pub header_read_timeout: Duration,
-    /// Total request header bytes accepted (431 above). Default 16 KiB.
+    /// Total request header bytes accepted (431 above). Default 32 KiB.
     pub max_header_bytes: usize,
     /// Default body limit of routes that set none (413 above). Default 10 MiB.
     pub max_body: u64,

@@ -87,13 +87,21 @@ const CLOSING_ENDS: &[&[u8]] = &[
     b"figure",
     b"footer",
     b"form",
+    b"h1",
+    b"h2",
+    b"h3",
+    b"h4",
+    b"h5",
+    b"h6",
     b"header",
     b"hgroup",
     b"html",
     b"listing",
     b"main",
+    b"marquee",
     b"menu",
     b"nav",
+    b"object",
     b"ol",
     b"pre",
     b"search",
@@ -102,11 +110,13 @@ const CLOSING_ENDS: &[&[u8]] = &[
     b"table",
     b"tbody",
     b"td",
+    b"template",
     b"tfoot",
     b"th",
     b"thead",
     b"tr",
     b"ul",
+    b"applet",
 ];
 
 /// Start tags that end an open `<p>` (HTML: "close a p element"). `<table>` is left out: in
@@ -155,7 +165,6 @@ const P_CLOSING_STARTS: &[&[u8]] = &[
 /// A set of lower-case element names.
 type Names = &'static [&'static [u8]];
 
-const TABLE_PARTS: &[&[u8]] = &[b"tbody", b"thead", b"tfoot"];
 const IN_TABLE: &[&[u8]] = &[b"table"];
 
 fn optional_end(name: &[u8]) -> Option<OptionalEnd> {
@@ -164,22 +173,61 @@ fn optional_end(name: &[u8]) -> Option<OptionalEnd> {
         b"dt" | b"dd" => (&[b"dt", b"dd"], CLOSING_ENDS, &[b"dl"]),
         // `</li>`, `</dd>` and `</dt>` close a `<p>` inside the item too.
         b"p" => (P_CLOSING_STARTS, CLOSING_ENDS, &[]),
+        // In a select, `<hr>` ends an option, and `<input>`, `<textarea>`, `<select>` end the
+        // select itself.
         b"option" => (
-            &[b"option", b"optgroup"],
+            &[
+                b"option",
+                b"optgroup",
+                b"hr",
+                b"input",
+                b"keygen",
+                b"select",
+                b"textarea",
+            ],
             &[b"select", b"optgroup", b"datalist"],
             &[],
         ),
         b"tr" => (
-            &[b"tr", b"tbody", b"thead", b"tfoot"],
+            &[
+                b"tr",
+                b"tbody",
+                b"thead",
+                b"tfoot",
+                b"caption",
+                b"colgroup",
+                b"col",
+            ],
             &[b"tbody", b"thead", b"tfoot", b"table"],
             IN_TABLE,
         ),
         b"td" | b"th" => (
-            &[b"td", b"th", b"tr", b"tbody", b"thead", b"tfoot"],
+            &[
+                b"td",
+                b"th",
+                b"tr",
+                b"tbody",
+                b"thead",
+                b"tfoot",
+                b"caption",
+                b"colgroup",
+                b"col",
+            ],
             &[b"tr", b"tbody", b"thead", b"tfoot", b"table"],
             IN_TABLE,
         ),
-        b"tbody" | b"thead" | b"tfoot" => (TABLE_PARTS, &[b"table"], IN_TABLE),
+        b"tbody" | b"thead" | b"tfoot" => (
+            &[
+                b"tbody",
+                b"thead",
+                b"tfoot",
+                b"caption",
+                b"colgroup",
+                b"col",
+            ],
+            &[b"table"],
+            IN_TABLE,
+        ),
         _ => return None,
     };
     Some(OptionalEnd {
@@ -191,7 +239,7 @@ fn optional_end(name: &[u8]) -> Option<OptionalEnd> {
 }
 
 /// Whether the fast path removes elements of this (lower-case) name.
-fn is_cut_whole(name: &[u8]) -> bool {
+pub fn is_cut_whole(name: &[u8]) -> bool {
     is_void(name) || is_one_of(name, CONTAINERS) || optional_end(name).is_some()
 }
 
@@ -956,6 +1004,13 @@ mod tests {
             ("<td id=a><span>x</tr><tr>", "</tr><tr>"),
             ("<td id=a><table><tr><td>in</table>x<td>y", "<td>y"),
             ("<tbody id=a><tr><td>x<tbody><tr>", "<tbody><tr>"),
+            // Headings, marquees, objects and templates close what HTML lets go unclosed.
+            ("<p id=a>promo</h2>After heading", "</h2>After heading"),
+            ("<p id=a>news</MARQUEE>after", "</MARQUEE>after"),
+            ("<li id=a>x</template><ul>", "</template><ul>"),
+            ("<option id=a>Ad<hr><option>b", "<hr><option>b"),
+            ("<option id=a>x<input name=q>", "<input name=q>"),
+            ("<tr id=a><td>x<colgroup><col>", "<colgroup><col>"),
         ] {
             assert_eq!(left_after_cut(held).as_deref(), Some(left), "{held}");
         }

@@ -449,11 +449,15 @@ fn end_tag_may_be_left_out(name: &str) -> bool {
 }
 
 /// The element a selector names by type, when `hide` would leave such elements in place
-/// (`li.ad`, `p#promo`, `td`): for `levee check` to warn of.
-pub fn element_left_in_place(selector: &str) -> Option<String> {
-    if IdSelector::parse(selector).is_some() {
-        // Cut by the scanner, which ends such an element where HTML does.
-        return None;
+/// (`li.ad`, `p#promo`, `td`): for `levee check` to warn of. `scanned`: every selector of the
+/// route is a plain id (no marker), so pages are cut by the scanner, which ends an `li`, `p`,
+/// table row… chosen by id where HTML does; otherwise the rewriter reads the page, and it
+/// leaves them all in place.
+pub fn element_left_in_place(selector: &str, scanned: bool) -> Option<String> {
+    if let Some(id) = IdSelector::parse(selector).filter(|_| scanned) {
+        if id.tag.as_deref().is_none_or(cut::is_cut_whole) {
+            return None;
+        }
     }
     let selector = selector.trim();
     // The element the selector picks is named last (`ul > li.ad` picks an `li`).
@@ -1078,9 +1082,6 @@ mod tests {
         for (selector, element) in [
             ("li.ad", Some("li")),
             ("ul > LI#x", Some("li")),
-            // Plain id selectors are cut where HTML ends the element.
-            ("li#x", None),
-            ("TD#x", None),
             ("p", Some("p")),
             ("td[data-x=1]", Some("td")),
             ("#ads", None),
@@ -1089,9 +1090,24 @@ mod tests {
             ("picture", None),
         ] {
             assert_eq!(
-                element_left_in_place(selector).as_deref(),
+                element_left_in_place(selector, false).as_deref(),
                 element,
                 "{selector}"
+            );
+        }
+        // Plain id selectors on a route the scanner cuts: ended where HTML ends the element,
+        // but for elements it never cuts. On a route the rewriter reads, left in place.
+        for (selector, scanned, element) in [
+            ("li#x", true, None),
+            ("TD#x", true, None),
+            ("#x", true, None),
+            ("optgroup#x", true, Some("optgroup")),
+            ("li#x", false, Some("li")),
+        ] {
+            assert_eq!(
+                element_left_in_place(selector, scanned).as_deref(),
+                element,
+                "{selector} {scanned}"
             );
         }
     }

@@ -91,7 +91,8 @@ fn is_already_normal(path: &str) -> bool {
     let mut at = 0;
     while at < bytes.len() {
         match bytes[at] {
-            b'%' => return false,
+            // Raw bytes beyond ASCII are matched percent-encoded, as route paths are written.
+            b'%' | 0x80.. => return false,
             b'/' => {
                 // What follows this slash up to the next one: empty, `.` or `..` need work.
                 let rest = &bytes[at + 1..];
@@ -116,6 +117,12 @@ fn decode_unreserved(path: &str) -> Result<String, PathError> {
     let mut i = 0;
     while i < bytes.len() {
         let byte = bytes[i];
+        if byte >= 0x80 {
+            // `/论坛` and `/%E8%AE%BA%E5%9D%9B` are one path to the backend: one route here.
+            push_percent_encoded(&mut out, byte);
+            i += 1;
+            continue;
+        }
         if byte != b'%' {
             out.push(byte);
             i += 1;
@@ -180,6 +187,19 @@ mod tests {
         assert_eq!(
             with_encoded_slashes_decoded("/a%2F%zz"),
             Err(PathError::BadPercentEncoding)
+        );
+    }
+
+    #[test]
+    fn raw_bytes_beyond_ascii_match_as_route_paths_are_written() {
+        // Routes are compiled percent-encoded; a browser may send the same path raw.
+        assert_eq!(
+            normalise("/论坛//x").expect("valid").as_ref(),
+            "/%E8%AE%BA%E5%9D%9B/x"
+        );
+        assert_eq!(
+            normalise("/论坛/x").expect("valid"),
+            normalise("/%e8%ae%ba%e5%9d%9b/x").expect("valid")
         );
     }
 

@@ -86,9 +86,16 @@ fn lenient_target(target: &[u8]) -> Option<Uri> {
     if !target.starts_with(b"/") {
         return None;
     }
+    // UTF-8 stays raw where the URI parser takes it (as without the odd bytes), else it is
+    // encoded too.
+    encode_target(target, true).or_else(|| encode_target(target, false))
+}
+
+fn encode_target(target: &[u8], keep_beyond_ascii: bool) -> Option<Uri> {
     let mut encoded = Vec::with_capacity(target.len() + 16);
     for &byte in target {
-        let allowed = byte.is_ascii_alphanumeric()
+        let allowed = (keep_beyond_ascii && byte >= 0x80)
+            || byte.is_ascii_alphanumeric()
             || matches!(
                 byte,
                 b'-' | b'.'
@@ -484,6 +491,7 @@ mod tests {
             ("/s.php?q=<b>&x=`y`", "/s.php?q=%3Cb%3E&x=%60y%60"),
             // What the URI parser takes stays as it came.
             ("/a|b^c\\d", "/a|b^c\\d"),
+            ("/论坛/<x>", "/论坛/%3Cx%3E"),
             ("/a%20b?c=d+e&f[]=1", "/a%20b?c=d+e&f[]=1"),
         ] {
             assert_eq!(
