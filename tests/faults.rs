@@ -16,7 +16,7 @@ use common::*;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 /// Idempotency keys of every replayed job the backend saw, in order.
 type Applied = Arc<Mutex<Vec<String>>>;
@@ -577,14 +577,9 @@ async fn raw_backend() -> (SocketAddr, tokio::task::JoinHandle<()>) {
                 continue;
             };
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
+                let Some(head) = read_request_head(&mut stream).await else {
+                    return;
+                };
                 let text = String::from_utf8_lossy(&head).into_owned();
                 let target = text.split_whitespace().nth(1).unwrap_or("/").to_string();
                 let path = target.split('?').next().unwrap_or("/").to_string();
@@ -1127,14 +1122,7 @@ async fn redis_up_follows_every_call_even_without_limited_traffic() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
     let backend = echo_backend().await;
-    let policy = policy_for(
-        backend.addr,
-        "",
-        &format!(
-            "[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\n[degrade]\nsync_interval = \"100ms\"\n",
-            redis.url()
-        ),
-    );
+    let policy = switches_on_redis(backend.addr, &redis.url());
     let levee = Levee::start(&policy).await;
     let redis_view = || async {
         let status = get(&levee.admin_url("/status")).await.json();
@@ -1198,14 +1186,7 @@ async fn a_switch_refused_while_redis_is_frozen_never_lands_later() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
     let backend = echo_backend().await;
-    let policy = policy_for(
-        backend.addr,
-        "",
-        &format!(
-            "[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\n[degrade]\nsync_interval = \"100ms\"\n",
-            redis.url()
-        ),
-    );
+    let policy = switches_on_redis(backend.addr, &redis.url());
     let levee = Levee::start(&policy).await;
     let admin = levee.admin_url("");
     redis.pause(true);

@@ -189,29 +189,49 @@ pub fn status_of(raw: &str) -> Option<u16> {
         .and_then(|code| code.parse().ok())
 }
 
+/// Reads a request head (up to its blank line) off `stream`; `None` if it closes first.
+pub async fn read_request_head(stream: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    Some(head)
+}
+
 /// A backend that writes raw bytes (what a hyper backend cannot send: odd status lines,
 /// fields no library allows): for each request head, `answer(head)`, then it closes the
 /// connection.
 pub async fn raw_backend(answer: fn(&[u8]) -> Vec<u8>) -> SocketAddr {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
+                if let Some(head) = read_request_head(&mut stream).await {
+                    let _ = stream.write_all(&answer(&head)).await;
                 }
-                let _ = stream.write_all(&answer(&head)).await;
             });
         }
     });
     addr
+}
+
+/// A policy with Redis at `url` (100 ms timeout) and switches synced every 100 ms, for an
+/// app at `backend`.
+pub fn switches_on_redis(backend: SocketAddr, url: &str) -> String {
+    policy_for(
+        backend,
+        "",
+        &format!(
+            "[redis]\nurl = \"{url}\"\ntimeout = \"100ms\"\n[degrade]\nsync_interval = \"100ms\"\n"
+        ),
+    )
 }
 
 pub async fn raw_exchange(addr: SocketAddr, request: &[u8], within: Duration) -> String {

@@ -95,32 +95,8 @@ fn encode_target(target: &[u8], keep_beyond_ascii: bool) -> Option<Uri> {
     let mut encoded = Vec::with_capacity(target.len() + 16);
     for &byte in target {
         let allowed = (keep_beyond_ascii && byte >= 0x80)
-            || byte.is_ascii_alphanumeric()
-            || matches!(
-                byte,
-                b'-' | b'.'
-                    | b'_'
-                    | b'~'
-                    | b':'
-                    | b'/'
-                    | b'?'
-                    | b'#'
-                    | b'['
-                    | b']'
-                    | b'@'
-                    | b'!'
-                    | b'$'
-                    | b'&'
-                    | b'\''
-                    | b'('
-                    | b')'
-                    | b'*'
-                    | b'+'
-                    | b','
-                    | b';'
-                    | b'='
-                    | b'%'
-            );
+            || is_unreserved_or_sub_delim(byte)
+            || matches!(byte, b':' | b'/' | b'?' | b'#' | b'[' | b']' | b'@');
         if allowed {
             encoded.push(byte);
         } else {
@@ -393,34 +369,37 @@ fn is_host(value: &[u8]) -> bool {
     value.iter().all(|&byte| HOST_BYTES[usize::from(byte)])
 }
 
+/// RFC 3986's unreserved and sub-delimiter bytes, and the `%` of an escape: what a URI's
+/// parts all allow.
+const fn is_unreserved_or_sub_delim(b: u8) -> bool {
+    b.is_ascii_alphanumeric()
+        || matches!(
+            b,
+            b'-' | b'.'
+                | b'_'
+                | b'~'
+                | b'%'
+                | b'!'
+                | b'$'
+                | b'&'
+                | b'\''
+                | b'('
+                | b')'
+                | b'*'
+                | b'+'
+                | b','
+                | b';'
+                | b'='
+        )
+}
+
 /// The bytes [`is_host`] allows, as a table: every request is checked, byte by byte.
 const HOST_BYTES: [bool; 256] = {
     let mut table = [false; 256];
     let mut byte = 0;
     while byte < 256 {
         let b = byte as u8;
-        table[byte] = b.is_ascii_alphanumeric()
-            || matches!(
-                b,
-                b'-' | b'.'
-                    | b'_'
-                    | b'~'
-                    | b'%'
-                    | b'!'
-                    | b'$'
-                    | b'&'
-                    | b'\''
-                    | b'('
-                    | b')'
-                    | b'*'
-                    | b'+'
-                    | b','
-                    | b';'
-                    | b'='
-                    | b':'
-                    | b'['
-                    | b']'
-            );
+        table[byte] = is_unreserved_or_sub_delim(b) || matches!(b, b':' | b'[' | b']');
         byte += 1;
     }
     table
