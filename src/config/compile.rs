@@ -3274,15 +3274,16 @@ fn encode_for_request_path(text: &str) -> Cow<'_, str> {
     if text.bytes().all(|byte| byte.is_ascii_graphic()) {
         return Cow::Borrowed(text);
     }
-    let mut out = String::with_capacity(text.len() * 3);
+    let mut out = Vec::with_capacity(text.len() * 3);
     for byte in text.bytes() {
         if byte.is_ascii_graphic() {
-            out.push(char::from(byte));
+            out.push(byte);
         } else {
-            out.push_str(&format!("%{byte:02X}"));
+            crate::proxy::path::push_percent_encoded(&mut out, byte);
         }
     }
-    Cow::Owned(out)
+    // Graphic ASCII and escapes only: always UTF-8.
+    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@ fn is_one_of(name: &[u8], set: &[&[u8]]) -> bool {
 /// open inside, which HTML may re-open after it) is handed to the rewriter, which leaves
 /// the element in place.
 #[derive(Debug)]
-pub struct OptionalEnd {
+struct OptionalEnd {
     starts: Names,
     ends: Names,
     nests: Names,
