@@ -1034,6 +1034,45 @@ async fn redis_paused_then_back_local_fallback_never_waits_past_the_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_redis_was_refusing_gets_no_fresh_burst_when_redis_stalls() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    // 20 saved up, refilled at 4/s: empty, the bucket is full again 5 s later.
+    let section = format!("[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\nfailures_to_open = 1\ncooldown = \"30s\"\nadmit_ahead_above = 1\n", redis.url());
+    let rule = "[limit.shared]\nkey = [\"route\"]\nrate = \"4/s\"\nburst = 20\n";
+    let levee = Levee::start(&limited_policy(&backend, "", &section, rule, "\"shared\"")).await;
+    let mut from_redis = 0;
+    while send_as(&levee, None, None).await.status == 200 {
+        from_redis += 1;
+    }
+    assert!(from_redis >= 20, "the burst first: {from_redis}");
+
+    // Redis stalls while the client keeps flooding. Its refusal ends a quarter second later;
+    // then the fallback decides, from a bucket as empty as Redis's: about 4 in the second,
+    // where a fresh local bucket gave the whole burst of 20 at once.
+    redis.pause(true);
+    let started = Instant::now();
+    let mut admitted = 0;
+    while started.elapsed() < Duration::from_secs(1) {
+        if send_as(&levee, None, None).await.status == 200 {
+            admitted += 1;
+        }
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    redis.pause(false);
+    let from_fallback = metric_value(
+        &metrics,
+        "levee_ratelimit_decisions_total{rule=\"shared\",result=\"allowed\",source=\"fallback\"}",
+    );
+    assert!(from_fallback >= 1.0, "the fallback decided: {metrics}");
+    assert!(
+        admitted <= 8,
+        "a stall gave the refused client {admitted} in a second at 4/s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_allow_and_deny_rules_behave_as_named() {
     let dir = tempfile::tempdir().expect("dir");
     let mut redis = RedisServer::start(dir.path()).await;

@@ -15,6 +15,11 @@ pub struct Ask<'a> {
     pub key: &'a str,
     pub rate: Rate,
     pub dry_run: bool,
+    /// A TAT the bucket is at least at, known from elsewhere: for the fallback, when Redis's
+    /// last refusal of the key said its shared bucket is full again (levee's clock). Without
+    /// it, each switch to the fallback found a full bucket and gave a flooding client a fresh
+    /// burst.
+    pub at_least: Option<u64>,
 }
 
 pub struct LocalStore {
@@ -99,7 +104,7 @@ impl LocalStore {
             .iter()
             .map(|ask| {
                 let shard = Self::shard_of(ask.key);
-                let tat = guards
+                let stored = guards
                     .iter_mut()
                     .find(|(id, _)| *id == shard)
                     .and_then(|(_, map)| map.get_mut(ask.key))
@@ -114,6 +119,10 @@ impl LocalStore {
                         }
                         bucket.tat
                     });
+                let tat = match (stored, ask.at_least) {
+                    (Some(stored), Some(known)) => Some(stored.max(known)),
+                    (stored, known) => stored.or(known),
+                };
                 decide(tat, now, ask.rate)
             })
             .collect();
@@ -179,7 +188,10 @@ impl LocalStore {
 }
 
 /// Keys known to be over their limit until a time: refused without asking Redis, so a flood
-/// from one key does not become a flood on Redis. Bounded to `max` entries.
+/// from one key does not become a flood on Redis. An entry is kept until its bucket is full
+/// again, past the refusal: the fallback starts the key's in-process bucket as full as Redis
+/// last said, if Redis stops answering meanwhile. Bounded to `max` entries; when full, the
+/// refusals that still hold are kept first.
 pub struct DenyCache {
     entries: Mutex<HashMap<String, Refused>>,
     max: usize,
@@ -210,7 +222,7 @@ impl DenyCache {
             .entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if entries.len() >= self.max {
+        if entries.len() >= self.max && !entries.contains_key(key) {
             entries.retain(|_, entry| entry.until > now);
             if entries.len() >= self.max {
                 return;
@@ -231,12 +243,25 @@ impl DenyCache {
             .filter(|entry| entry.until > now && entry.rate == rate)
     }
 
+    /// When Redis's last refusal of `key` under `rate` said its bucket is full again: the
+    /// TAT the fallback's bucket is at least at (a time already past means nothing more).
+    pub fn full_at(&self, key: &str, rate: Rate) -> Option<u64> {
+        let entries = self
+            .entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        entries
+            .get(key)
+            .filter(|entry| entry.rate == rate)
+            .map(|entry| entry.full_at)
+    }
+
     pub fn sweep(&self, now: u64) {
         let mut entries = self
             .entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        entries.retain(|_, entry| entry.until > now);
+        entries.retain(|_, entry| entry.full_at > now);
     }
 }
 
@@ -263,11 +288,13 @@ mod tests {
                     key: "ip",
                     rate: per_ip,
                     dry_run: false,
+                    at_least: None,
                 },
                 Ask {
                     key: user,
                     rate: per_user,
                     dry_run: false,
+                    at_least: None,
                 },
             ]
         };
@@ -294,6 +321,7 @@ mod tests {
                 key,
                 rate,
                 dry_run: false,
+                at_least: None,
             }
         }
         let slow = Rate {
@@ -331,6 +359,7 @@ mod tests {
                 key: "alice",
                 rate,
                 dry_run: false,
+                at_least: None,
             }]
         };
         let per_day = Rate {
@@ -361,6 +390,7 @@ mod tests {
                 key: "dry",
                 rate: one,
                 dry_run: true,
+                at_least: None,
             },
             Ask {
                 key: "real",
@@ -369,6 +399,7 @@ mod tests {
                     burst: 5,
                 },
                 dry_run: false,
+                at_least: None,
             },
         ];
         let now = 100 * SECOND;
@@ -393,6 +424,7 @@ mod tests {
                     key: &key,
                     rate,
                     dry_run: false,
+                    at_least: None,
                 }],
                 || 100 * SECOND,
             );
@@ -431,6 +463,7 @@ mod tests {
                             key: &key,
                             rate,
                             dry_run: false,
+                            at_least: None,
                         }];
                         start.wait();
                         if !store.decide_all(&ask, clock)[0].allowed() {
@@ -469,5 +502,44 @@ mod tests {
         assert_eq!(cache.refused("c", rate, 15), Some(refused(30)));
         let loosened = Rate { burst: 10, ..rate };
         assert_eq!(cache.refused("c", loosened, 15), None, "the rule changed");
+        // Past the refusal, until the bucket is full again, it still says how full it is.
+        assert_eq!(cache.full_at("c", rate), Some(130));
+        assert_eq!(cache.full_at("c", loosened), None);
+        cache.sweep(100);
+        assert_eq!(cache.refused("c", rate, 100), None);
+        assert_eq!(cache.full_at("c", rate), Some(130));
+        cache.sweep(130);
+        assert_eq!(cache.full_at("c", rate), None);
+    }
+
+    #[test]
+    fn a_bucket_known_fuller_elsewhere_starts_from_there() {
+        let store = LocalStore::new(1000);
+        let rate = Rate {
+            interval_us: SECOND,
+            burst: 10,
+        };
+        let now = 100 * SECOND;
+        let ask = |at_least| {
+            [Ask {
+                key: "flood",
+                rate,
+                dry_run: false,
+                at_least,
+            }]
+        };
+        // Redis said full again in 8.5 s: one token is there (not the ten of a new bucket).
+        let seeded = ask(Some(now + 8 * SECOND + SECOND / 2));
+        assert!(store.decide_all(&seeded, || now)[0].allowed());
+        assert!(!store.decide_all(&seeded, || now)[0].allowed());
+        // What the store holds counts when it is the fuller of the two.
+        assert!(!store.decide_all(&ask(Some(now)), || now)[0].allowed());
+        // A time already past is a full bucket.
+        let other = LocalStore::new(1000);
+        let verdicts = other.decide_all(&ask(Some(now - SECOND)), || now);
+        assert!(
+            matches!(verdicts[0], Verdict::Allow { remaining: 9, .. }),
+            "{verdicts:?}"
+        );
     }
 }

@@ -10,8 +10,8 @@
 //!    requests' decisions on a single server); while Redis's last answers left every bucket
 //!    more than `[redis] admit_ahead_above` of its burst, the request is admitted at once and
 //!    the script charges it in the background (`source="ahead"`); without Redis (or while its
-//!    health breaker is open), each rule's `on_redis_error` decides: an in-process share,
-//!    allow or deny;
+//!    health breaker is open), each rule's `on_redis_error` decides: an in-process share
+//!    (its bucket no fuller than Redis's last refusal of the key left it), allow or deny;
 //! 4. dry-run rules are counted and logged, never enforced.
 
 pub mod gcra;
@@ -356,6 +356,13 @@ impl Limiter {
                     plan.rule.rate
                 },
                 dry_run: plan.rule.dry_run,
+                // As full as Redis's last refusal left the shared bucket: a switch to the
+                // fallback is no fresh burst for a client Redis was holding back.
+                at_least: if fallback {
+                    self.denied.full_at(&plan.key.key, plan.rule.rate)
+                } else {
+                    None
+                },
             })
             .collect();
         let mut verdicts = store.decide_all(&asks, || self.now_us()).into_iter();
