@@ -216,12 +216,15 @@ impl DenyCache {
         }
     }
 
+    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<String, Refused>> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// Remembers that `key` is refused until `refused.until`.
     pub fn insert(&self, key: &str, refused: Refused, now: u64) {
-        let mut entries = self
-            .entries
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut entries = self.entries();
         if entries.len() >= self.max && !entries.contains_key(key) {
             entries.retain(|_, entry| entry.until > now);
             if entries.len() >= self.max {
@@ -231,37 +234,28 @@ impl DenyCache {
         entries.insert(key.to_string(), refused);
     }
 
-    /// What is known of `key`'s refusal under `rate`, if it still holds at `now`.
-    pub fn refused(&self, key: &str, rate: Rate, now: u64) -> Option<Refused> {
-        let entries = self
-            .entries
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        entries
+    /// Redis's last refusal of `key`, if it was made under `rate` (a reload that changed the
+    /// rule makes it unknown).
+    fn known(&self, key: &str, rate: Rate) -> Option<Refused> {
+        self.entries()
             .get(key)
             .copied()
-            .filter(|entry| entry.until > now && entry.rate == rate)
+            .filter(|entry| entry.rate == rate)
+    }
+
+    /// What is known of `key`'s refusal under `rate`, if it still holds at `now`.
+    pub fn refused(&self, key: &str, rate: Rate, now: u64) -> Option<Refused> {
+        self.known(key, rate).filter(|entry| entry.until > now)
     }
 
     /// When Redis's last refusal of `key` under `rate` said its bucket is full again: the
     /// TAT the fallback's bucket is at least at (a time already past means nothing more).
     pub fn full_at(&self, key: &str, rate: Rate) -> Option<u64> {
-        let entries = self
-            .entries
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        entries
-            .get(key)
-            .filter(|entry| entry.rate == rate)
-            .map(|entry| entry.full_at)
+        self.known(key, rate).map(|entry| entry.full_at)
     }
 
     pub fn sweep(&self, now: u64) {
-        let mut entries = self
-            .entries
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        entries.retain(|_, entry| entry.full_at > now);
+        self.entries().retain(|_, entry| entry.full_at > now);
     }
 }
 
