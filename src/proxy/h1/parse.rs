@@ -362,11 +362,39 @@ pub(crate) fn parse_content_length(value: &[u8]) -> Option<u64> {
     })
 }
 
-/// Does `value` consist only of the bytes a Host field can hold: `uri-host [ ":" port ]` (RFC
-/// 3986 3.2.2: a registered name's unreserved, percent-encoded and sub-delimiter bytes, an IP
-/// literal's brackets and colons, the port's digits). Empty is valid (RFC 9112 3.2).
+/// Is `value` a Host field: `uri-host [ ":" port ]` (RFC 3986 3.2.2), that is a registered
+/// name (or IPv4 address) of unreserved, percent-encoded and sub-delimiter bytes, or an IP
+/// literal in brackets; then at most one `:` and the port's digits. Empty is valid (RFC 9112
+/// 3.2). The shape matters, not only the bytes: nginx ends the host at the first colon
+/// (`admin.example:1:2` is its `admin.example`), so a second colon would let a client reach a
+/// host's site while levee matched none of that host's routes.
 fn is_host(value: &[u8]) -> bool {
-    value.iter().all(|&byte| HOST_BYTES[usize::from(byte)])
+    let (name, port) = match value.first() {
+        Some(b'[') => match value.iter().position(|&byte| byte == b']') {
+            Some(end) => {
+                let literal = &value[1..end];
+                let literal_ok = !literal.is_empty()
+                    && literal
+                        .iter()
+                        .all(|&byte| byte.is_ascii_hexdigit() || matches!(byte, b':' | b'.'));
+                if !literal_ok {
+                    return false;
+                }
+                (&value[..0], &value[end + 1..])
+            }
+            None => return false,
+        },
+        _ => match value.iter().position(|&byte| byte == b':') {
+            Some(colon) => (&value[..colon], &value[colon..]),
+            None => (value, &value[value.len()..]),
+        },
+    };
+    let port_ok = match port.split_first() {
+        None => true,
+        Some((b':', digits)) => digits.iter().all(u8::is_ascii_digit),
+        Some(_) => false,
+    };
+    port_ok && name.iter().all(|&byte| HOST_BYTES[usize::from(byte)])
 }
 
 /// RFC 3986's unreserved and sub-delimiter bytes, and the `%` of an escape: what a URI's
@@ -393,13 +421,14 @@ const fn is_unreserved_or_sub_delim(b: u8) -> bool {
         )
 }
 
-/// The bytes [`is_host`] allows, as a table: every request is checked, byte by byte.
+/// The bytes [`is_host`] allows in a registered name, as a table: every request is checked,
+/// byte by byte.
 const HOST_BYTES: [bool; 256] = {
     let mut table = [false; 256];
     let mut byte = 0;
     while byte < 256 {
         let b = byte as u8;
-        table[byte] = is_unreserved_or_sub_delim(b) || matches!(b, b':' | b'[' | b']');
+        table[byte] = is_unreserved_or_sub_delim(b);
         byte += 1;
     }
     table
@@ -593,6 +622,9 @@ mod tests {
             "my_host.example",
             "xn--caf-dma.example",
             "",
+            "example.com:",
+            "[::1]",
+            "[::ffff:127.0.0.1]:80",
         ] {
             let raw = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
             assert_eq!(head(&raw).headers["host"], host, "{host:?}");
@@ -606,6 +638,18 @@ mod tests {
             "evil.example#x",
             "a\\b",
             "caf\u{e9}.example",
+            // nginx serves `admin.example`'s site for these (the host ends at the first colon):
+            // levee must not see another host.
+            "admin.example:1:2",
+            "admin.example:80:",
+            "admin.example:8x",
+            "[::1]x",
+            "[::1]:80:1",
+            "[::1",
+            "[]",
+            "[evil.example]",
+            "a]b",
+            "a[b",
         ] {
             let raw = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
             assert_eq!(
