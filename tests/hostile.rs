@@ -634,3 +634,42 @@ async fn targets_without_a_path_are_refused_with_the_reason() {
     }
     assert_eq!(backend.hits(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spellings_that_run_a_routes_php_script_stay_on_its_route() {
+    let (levee, app, login) = levee_with_a_second_route(
+        "login",
+        "{ method = [\"GET\"], path = \"/wp-login.php\", host = \"admin.example\" }",
+    )
+    .await;
+    let send = |target: &str, method: &str, host: &str| {
+        let raw =
+            format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let levee = &levee;
+        async move { exchange(levee, raw.as_bytes()).await }
+    };
+    // PATH_INFO runs the script in the usual PHP-FPM setup: the route holds for it.
+    for target in ["/wp-login.php", "/wp-login.php/", "/wp-login.php/x/y"] {
+        let answer = send(target, "GET", "admin.example").await;
+        assert_eq!(status_of(&answer), Some(200), "{target}: {answer}");
+    }
+    assert_eq!((login.hits(), app.hits()), (3, 0));
+    // HEAD is a GET without the body: PHP runs the whole script for it.
+    let answer = send("/wp-login.php", "HEAD", "admin.example").await;
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    assert_eq!((login.hits(), app.hits()), (4, 0));
+    // An encoded slash that the app reads as PATH_INFO: the route differs by reading, 400.
+    let answer = send("/wp-login.php%2fx", "GET", "admin.example").await;
+    assert_eq!(status_of(&answer), Some(400), "{answer}");
+    // nginx ends the host at the first colon, so these reach admin.example's site: refused.
+    for host in ["admin.example:1:2", "admin.example:80:", "admin.example:x"] {
+        let answer = send("/wp-login.php", "GET", host).await;
+        assert_eq!(status_of(&answer), Some(400), "{host}: {answer}");
+    }
+    // Not the script: another route.
+    for target in ["/wp-login.phpx", "/wp-login.php.bak"] {
+        let answer = send(target, "GET", "admin.example").await;
+        assert_eq!(status_of(&answer), Some(200), "{target}: {answer}");
+    }
+    assert_eq!((login.hits(), app.hits()), (4, 2));
+}

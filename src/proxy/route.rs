@@ -48,11 +48,22 @@ impl PathMatch {
     fn matches(&self, path: &str) -> bool {
         match self {
             PathMatch::Any => true,
-            PathMatch::Exact(exact) => path == exact,
+            PathMatch::Exact(exact) => path == exact || runs_script(path, exact),
             PathMatch::Prefix(prefix) => path.starts_with(prefix.as_str()),
             PathMatch::Regex(regex) => regex.is_match(path),
         }
     }
+}
+
+/// Does `path` name the PHP script `exact` with PATH_INFO after it (`/wp-login.php/x`): the
+/// common PHP-FPM setup (`location ~ [^/]\.php(/|$)` with `fastcgi_split_path_info`) runs the
+/// script for it, so a route written for the script must hold for these spellings too.
+fn runs_script(path: &str, exact: &str) -> bool {
+    path.len() > exact.len()
+        && path.as_bytes()[exact.len()] == b'/'
+        && path.starts_with(exact)
+        && exact.len() >= 4
+        && exact.as_bytes()[exact.len() - 4..].eq_ignore_ascii_case(b".php")
 }
 
 /// A host pattern: `example.com` or `*.example.com`, compared without port, ignoring case.
@@ -124,7 +135,12 @@ pub struct StaticResponse {
 
 impl Route {
     fn matches(&self, host: Option<&str>, method: &Method, path: &str) -> bool {
-        if !self.methods.is_empty() && !self.methods.contains(method) {
+        // HEAD is a GET without the body (the app runs the same script): a route for GET
+        // holds for it, as nginx's `limit_except GET` does.
+        if !self.methods.is_empty()
+            && !self.methods.contains(method)
+            && !(*method == Method::HEAD && self.methods.contains(&Method::GET))
+        {
             return false;
         }
         if !self.hosts.is_empty() {
@@ -454,6 +470,27 @@ mod tests {
         assert_eq!(first_segment("/module-7/list.php"), "module-7");
         assert_eq!(first_segment("/module-7"), "module-7");
         assert_eq!(first_segment("/"), "");
+    }
+
+    #[test]
+    fn a_php_scripts_path_also_matches_it_with_path_info() {
+        let login = PathMatch::Exact("/wp-login.php".into());
+        for path in ["/wp-login.php", "/wp-login.php/", "/wp-login.php/x/y"] {
+            assert!(login.matches(path), "{path}");
+        }
+        for path in [
+            "/wp-login.phpx",
+            "/wp-login.ph",
+            "/wp-login.php.bak",
+            "/x/wp-login.php",
+        ] {
+            assert!(!login.matches(path), "{path}");
+        }
+        // Only scripts: a page's exact path stays exact.
+        let page = PathMatch::Exact("/about".into());
+        assert!(!page.matches("/about/x"));
+        assert!(PathMatch::Exact("/Index.PHP".into()).matches("/Index.PHP/x"));
+        assert!(!PathMatch::Exact("/".into()).matches("//"));
     }
 
     #[test]
