@@ -137,10 +137,10 @@ impl Route {
     fn matches(&self, host: Option<&str>, method: &Method, path: &str) -> bool {
         // HEAD is a GET without the body (the app runs the same script): a route for GET
         // holds for it, as nginx's `limit_except GET` does.
-        if !self.methods.is_empty()
-            && !self.methods.contains(method)
-            && !(*method == Method::HEAD && self.methods.contains(&Method::GET))
-        {
+        let method_holds = self.methods.is_empty()
+            || self.methods.contains(method)
+            || (*method == Method::HEAD && self.methods.contains(&Method::GET));
+        if !method_holds {
             return false;
         }
         if !self.hosts.is_empty() {
