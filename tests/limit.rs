@@ -1073,6 +1073,27 @@ async fn a_client_redis_was_refusing_gets_no_fresh_burst_when_redis_stalls() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_the_app_may_read_otherwise_is_refused_not_guessed() {
+    let backend = echo_backend().await;
+    let rule = "[limit.per_user]\nkey = [\"user\"]\nrate = \"1/min\"\nburst = 1\n";
+    let levee = Levee::start(&limited_policy(&backend, "", "", rule, "\"per_user\"")).await;
+    let as_user = |users: &[&str]| {
+        let mut request = Request::get(levee.url("/limited"));
+        for user in users {
+            request = request.header("x-user", *user);
+        }
+        send(request.body(full("")).expect("request"))
+    };
+    assert_eq!(as_user(&["alice"]).await.status, 200);
+    assert_eq!(as_user(&["alice"]).await.status, 429);
+    // A decoy field before the real one: the app's server may pass either (or both joined).
+    let answer = as_user(&["decoy-1", "alice"]).await;
+    assert_eq!(answer.status, 400, "{}", answer.text());
+    assert!(answer.text().contains("two `x-user` fields"), "{}", answer.text());
+    assert_eq!(backend.hits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_allow_and_deny_rules_behave_as_named() {
     let dir = tempfile::tempdir().expect("dir");
     let mut redis = RedisServer::start(dir.path()).await;

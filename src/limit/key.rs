@@ -346,50 +346,153 @@ fn lossy(bytes: &[u8]) -> Cow<'_, str> {
     String::from_utf8_lossy(bytes)
 }
 
-/// The name PHP gives a request variable: leading spaces dropped, `.` and spaces made `_`, so
-/// `api.key` names `$_GET['api_key']` for the app and for levee alike.
+/// The name PHP gives a request variable (PHP 8's `php_register_variable_ex`): cut at a NUL
+/// byte, leading spaces dropped, `.` and spaces made `_`; an array's name (`api_key[]`,
+/// `ap[i]`) is the name before its first `[`, and a `[` that no `]` closes is a `_`, as is
+/// every `.`, space and `[` after it (`api[key` is `api_key`). So `api.key` names
+/// `$_GET['api_key']` for the app and for levee alike.
 fn php_name(name: &str) -> Cow<'_, str> {
+    let name = name.split('\0').next().unwrap_or_default();
     let name = name.trim_start_matches(' ');
-    if name.contains(['.', ' ']) {
-        Cow::Owned(name.replace(['.', ' '], "_"))
-    } else {
-        Cow::Borrowed(name)
+    let bracket = name.find('[');
+    if let Some(at) = bracket {
+        if name[at + 1..].contains(']') {
+            return Cow::Owned(name[..at].replace(['.', ' '], "_"));
+        }
     }
+    if !name.contains(['.', ' ', '[']) {
+        return Cow::Borrowed(name);
+    }
+    let mut named = String::with_capacity(name.len());
+    for (at, c) in name.char_indices() {
+        let made_underscore = match c {
+            '.' | ' ' => true,
+            // Only past the unclosed bracket (which is one itself) is a `[` a `_`.
+            '[' => bracket.is_some_and(|first| at >= first),
+            _ => false,
+        };
+        named.push(if made_underscore { '_' } else { c });
+    }
+    Cow::Owned(named)
+}
+
+/// PHP's default `max_input_vars`: PHP registers the first this many variables of a query
+/// string (or of the cookies) and drops the rest.
+const PHP_MAX_INPUT_VARS: usize = 1000;
+
+/// The `name=value` pairs of a cookie header, as PHP counts them (empty pieces are no
+/// variable).
+fn cookie_pairs(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value
+        .split(|byte| *byte == b';')
+        .filter(|pair| !pair.trim_ascii().is_empty())
+}
+
+/// A cookie's name and value, when the pair has a `=`.
+fn cookie_name_value(pair: &[u8]) -> Option<(&[u8], &[u8])> {
+    let at = pair.iter().position(|byte| *byte == b'=')?;
+    Some((&pair[..at], pair[at + 1..].trim_ascii()))
 }
 
 /// A cookie as PHP reads it into `$_COOKIE`: names and values percent-decoded, names as
-/// `php_name` makes them, and the first of several with one name wins.
+/// `php_name` makes them, the first of several with one name wins, and only the first
+/// `PHP_MAX_INPUT_VARS` count.
 fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<Cow<'a, [u8]>> {
     headers
         .get_all(http::header::COOKIE)
         .iter()
-        .flat_map(|value| value.as_bytes().split(|byte| *byte == b';'))
-        .filter_map(|pair| {
-            let at = pair.iter().position(|byte| *byte == b'=')?;
-            Some((&pair[..at], pair[at + 1..].trim_ascii()))
-        })
+        .flat_map(|value| cookie_pairs(value.as_bytes()))
+        .take(PHP_MAX_INPUT_VARS)
+        .filter_map(cookie_name_value)
         .find(|(key, _)| php_name(&percent_decode(&lossy(key))) == name)
         .map(|(_, value)| decode_percent_bytes(value, true))
 }
 
-/// A query parameter as PHP reads it into `$_GET`: names as `php_name` makes them, and the
-/// last of several with one name wins (`?api_key=decoy&api_key=real` is `real` to the app).
-fn query_param<'a>(query: &'a str, name: &str) -> Option<Cow<'a, [u8]>> {
+/// The pairs of a query string as PHP counts them (empty pieces between `&`s are none).
+fn query_pairs(query: &str) -> impl Iterator<Item = (&str, &str)> {
     query
         .split('&')
-        .filter_map(|pair| pair.split_once('=').or(Some((pair, ""))))
-        .rfind(|(key, _)| php_name(&percent_decode(key)) == name)
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| pair.split_once('=').unwrap_or((pair, "")))
+}
+
+/// A query parameter as PHP reads it into `$_GET`: names as `php_name` makes them, the last
+/// of several with one name wins (`?api_key=decoy&api_key=real` is `real` to the app), and
+/// only the first `PHP_MAX_INPUT_VARS` count.
+fn query_param<'a>(query: &'a str, name: &str) -> Option<Cow<'a, [u8]>> {
+    query_pairs(query)
+        .take(PHP_MAX_INPUT_VARS)
+        .filter(|(key, _)| php_name(&percent_decode(key)) == name)
+        .last()
         .map(|(_, value)| decode_percent_bytes(value.as_bytes(), true))
 }
 
-/// A query parameter's name as PHP reads it, without the `[…]` of an array (`tag[]=a` and
-/// `tag[]=b` are both `tag`): what names a parameter in `degrade.query` of a `stale` route.
+/// A query parameter's name as PHP reads it (`tag[]=a` and `tag[]=b` are both `tag`): what
+/// names a parameter in `degrade.query` of a `stale` route.
 pub(crate) fn query_name(raw: &str) -> String {
-    let name = php_name(&percent_decode(raw)).into_owned();
-    match name.find('[') {
-        Some(at) if at > 0 => name[..at].to_string(),
-        _ => name,
+    php_name(&percent_decode(raw)).into_owned()
+}
+
+/// Why levee cannot tell which value the app will read for a key part of a rule, if it
+/// cannot: the key would then be one value while the app acts on another, and a client could
+/// spend a fresh bucket per decoy. A request so spelled is refused (400) rather than guessed.
+/// - Two fields of a header a part is read from: nginx before 1.23 passes the app the last,
+///   later versions (and Apache) both joined; levee cannot know which the app gets.
+/// - The part's cookie or query parameter past PHP's first `PHP_MAX_INPUT_VARS` variables:
+///   a site that raised `max_input_vars` (common for shops) reads it, one on the default
+///   does not.
+pub fn unreadable_part(parts: &[KeyPart], facts: &RequestFacts<'_>) -> Option<String> {
+    parts.iter().find_map(|part| {
+        let sources: &[Source] = match part {
+            KeyPart::User => &facts.identity.user,
+            KeyPart::ApiKey => &facts.identity.api_key,
+            KeyPart::Field(source) => std::slice::from_ref(source),
+            KeyPart::Ip | KeyPart::Route | KeyPart::Method => &[],
+        };
+        sources
+            .iter()
+            .find_map(|source| source.unreadable(facts.headers, facts.query))
+    })
+}
+
+impl Source {
+    /// See [`unreadable_part`].
+    fn unreadable(&self, headers: &HeaderMap, query: Option<&str>) -> Option<String> {
+        let repeated = |name: &HeaderName| {
+            (headers.get_all(name).iter().nth(1).is_some()).then(|| {
+                format!("the request has two `{name}` fields, and a rate limit is keyed by it: which one the app reads depends on its server")
+            })
+        };
+        match self {
+            Source::Header(name) => repeated(name),
+            Source::Cookie(name) => repeated(&http::header::COOKIE).or_else(|| {
+                let cookies = headers.get(http::header::COOKIE)?.as_bytes();
+                // A header this short cannot hold that many pairs: no need to read it.
+                if cookies.len() < 2 * PHP_MAX_INPUT_VARS {
+                    return None;
+                }
+                cookie_pairs(cookies)
+                    .skip(PHP_MAX_INPUT_VARS)
+                    .filter_map(cookie_name_value)
+                    .any(|(key, _)| php_name(&percent_decode(&lossy(key))) == *name)
+                    .then(|| past_input_vars("cookie", name))
+            }),
+            Source::Query(name) => {
+                let query = query?;
+                if query.len() < 2 * PHP_MAX_INPUT_VARS {
+                    return None;
+                }
+                query_pairs(query)
+                    .skip(PHP_MAX_INPUT_VARS)
+                    .any(|(key, _)| php_name(&percent_decode(key)) == *name)
+                    .then(|| past_input_vars("query parameter", name))
+            }
+        }
     }
+}
+
+fn past_input_vars(kind: &str, name: &str) -> String {
+    format!("the {kind} `{name}`, which a rate limit is keyed by, comes after the first {PHP_MAX_INPUT_VARS} variables: whether the app reads it depends on its max_input_vars")
 }
 
 /// Decodes `%XX` and `+` the way PHP fills `$_GET`, so `?key=a%62c` and `?key=abc` are one key.
@@ -540,6 +643,102 @@ mod tests {
                 "{query}"
             );
         }
+    }
+
+    #[test]
+    fn names_are_made_as_php_8_makes_them() {
+        // Each checked against PHP 8.2's parse_str, which fills $_GET the same way.
+        for (raw, php) in [
+            ("api[key", "api_key"),
+            ("a[b.c", "a_b_c"),
+            ("a[b[c", "a_b_c"),
+            ("api_key[x", "api_key_x"),
+            ("api_key[", "api_key_"),
+            ("api_key[]", "api_key"),
+            ("ap[i]_key", "ap"),
+            ("api_key]", "api_key]"),
+            ("api_key\0x", "api_key"),
+            ("  api.key", "api_key"),
+            ("api key", "api_key"),
+        ] {
+            assert_eq!(php_name(raw), php, "{raw:?}");
+        }
+        assert_eq!(query_name("tag%5B%5D"), "tag");
+    }
+
+    #[test]
+    fn a_query_key_is_the_value_php_reads() {
+        let value = |query: &str| {
+            query_param(query, "api_key").map(|value| String::from_utf8_lossy(&value).into_owned())
+        };
+        for query in [
+            "api[key=V",
+            "api_key=fk1&api[key=V",
+            "api_key%00x=V",
+            "api_key=fk1&api_key%00=V",
+            "api_key=fk1&api_key[]=V",
+        ] {
+            assert_eq!(value(query).as_deref(), Some("V"), "{query}");
+        }
+        // PHP registers the first 1000 variables; empty pieces are none.
+        let mut query = String::from("&&api_key=V");
+        for i in 0..998 {
+            query.push_str(&format!("&p{i}=1&"));
+        }
+        assert_eq!(value(&format!("{query}&api_key=B")).as_deref(), Some("B"));
+        assert_eq!(
+            value(&format!("{query}&p=1&api_key=B")).as_deref(),
+            Some("V")
+        );
+    }
+
+    #[test]
+    fn a_key_the_app_may_read_otherwise_is_named_unreadable() {
+        let identity = Identity {
+            user: vec![Source::parse("cookie:PHPSESSID").expect("source")],
+            api_key: vec![
+                Source::parse("header:X-Api-Key").expect("source"),
+                Source::parse("query:api_key").expect("source"),
+            ],
+        };
+        let check = |headers: &[(&str, &str)], query: Option<&str>, part: KeyPart| {
+            let mut map = HeaderMap::new();
+            for (name, value) in headers {
+                map.append(
+                    HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                    HeaderValue::from_str(value).expect("value"),
+                );
+            }
+            unreadable_part(&[KeyPart::Ip, part], &facts(&map, query, &identity))
+        };
+        let two_keys = [("x-api-key", "fk1"), ("x-api-key", "V")];
+        assert!(check(&two_keys, None, KeyPart::ApiKey)
+            .is_some_and(|why| why.contains("two `x-api-key` fields")));
+        assert_eq!(
+            check(&two_keys, None, KeyPart::User),
+            None,
+            "not a key here"
+        );
+        let two_cookies = [("cookie", "PHPSESSID=fk1"), ("cookie", "PHPSESSID=V")];
+        assert!(check(&two_cookies, None, KeyPart::User).is_some());
+        assert_eq!(
+            check(&[("cookie", "a=1; PHPSESSID=V")], None, KeyPart::User),
+            None
+        );
+        let mut crowded = String::from("api_key=fk1");
+        for i in 0..1000 {
+            crowded.push_str(&format!("&p{i}=1"));
+        }
+        assert_eq!(check(&[], Some(&crowded), KeyPart::ApiKey), None);
+        crowded.push_str("&api_key=V");
+        assert!(check(&[], Some(&crowded), KeyPart::ApiKey)
+            .is_some_and(|why| why.contains("max_input_vars")));
+        assert!(check(
+            &[],
+            Some(&crowded),
+            KeyPart::Field(Source::parse("query:api.key").expect("source"))
+        )
+        .is_some());
     }
 
     #[test]

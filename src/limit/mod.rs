@@ -197,6 +197,14 @@ impl Limiter {
         prefix: &str,
         facts: &RequestFacts<'_>,
     ) -> Result<Option<RateLimitHeaders>, ProxyError> {
+        // A key the app may read otherwise than levee would be a fresh bucket per decoy.
+        if let Some(reason) = rules
+            .iter()
+            .filter(|rule| !rule.dry_run)
+            .find_map(|rule| key::unreadable_part(&rule.parts, facts))
+        {
+            return Err(ProxyError::BadRequest(reason));
+        }
         let planned: Vec<Planned<'_>> = rules
             .iter()
             .filter_map(|rule| {
