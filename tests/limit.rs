@@ -1089,7 +1089,11 @@ async fn a_key_the_app_may_read_otherwise_is_refused_not_guessed() {
     // A decoy field before the real one: the app's server may pass either (or both joined).
     let answer = as_user(&["decoy-1", "alice"]).await;
     assert_eq!(answer.status, 400, "{}", answer.text());
-    assert!(answer.text().contains("two `x-user` fields"), "{}", answer.text());
+    assert!(
+        answer.text().contains("two `x-user` fields"),
+        "{}",
+        answer.text()
+    );
     assert_eq!(backend.hits(), 1);
 }
 

@@ -601,6 +601,185 @@ fn ends_raw_text(rest: &[u8]) -> bool {
     })
 }
 
+/// Where the page's bytes read so far leave HTML's tokenizer, as far as hiding needs it: in
+/// markup, or inside a comment or an element whose text is not markup (`<script>`, `<style>`,
+/// `<title>`, `<textarea>` …). A module's start tag or marker found inside one of those is
+/// text (`$('body').append('<div id="ranking">')`, a commented-out `<!-- <div id="ranking"> -->`
+/// of an old template): taken for the module, it would have cut the rest of the page.
+///
+/// Read forward over every byte the scan passes on, a `<` at a time. What it cannot place
+/// errs to the safe side: a `<script` inside an attribute value reads as a script, so a module
+/// after it is left in place until `</script`, never a page cut short.
+#[derive(Debug, Clone, Default)]
+pub struct TokenizerState {
+    inside: Inside,
+    /// The last bytes of what was fed, when they may begin something the next bytes finish
+    /// (`<scr`, `--`): at most a dozen.
+    pending: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Inside {
+    #[default]
+    Markup,
+    Comment,
+    /// The lower-case name of the raw-text element whose end tag ends it.
+    RawText(&'static [u8]),
+    /// `<plaintext>`: text to the end of the page.
+    Plaintext,
+}
+
+/// Raw-text and escapable raw-text elements, and `noscript` (raw text where scripts run, as
+/// in every browser that matters here).
+const RAW_TEXT: &[&[u8]] = &[
+    b"script",
+    b"style",
+    b"textarea",
+    b"title",
+    b"xmp",
+    b"iframe",
+    b"noembed",
+    b"noframes",
+    b"noscript",
+];
+
+/// The longest name worth reading after a `<` (`plaintext`), and one byte more.
+const LONGEST_RAW_NAME: usize = 10;
+
+/// What a `<` at the start of `rest` opens.
+enum Opens {
+    /// `rest` ends before that can be told.
+    NeedMore,
+    Comment,
+    RawText(&'static [u8]),
+    Plaintext,
+    /// A tag or anything else that leaves the tokenizer in markup.
+    Markup,
+}
+
+fn opens(rest: &[u8]) -> Opens {
+    match rest.get(1) {
+        None => Opens::NeedMore,
+        Some(b'!') => match rest.get(..4) {
+            None if b"<!--".starts_with(rest) => Opens::NeedMore,
+            Some(b"<!--") => Opens::Comment,
+            _ => Opens::Markup,
+        },
+        Some(first) if first.is_ascii_alphabetic() => {
+            let name_len = rest[1..]
+                .iter()
+                .take(LONGEST_RAW_NAME + 1)
+                .take_while(|byte| byte.is_ascii_alphanumeric())
+                .count();
+            if name_len > LONGEST_RAW_NAME {
+                return Opens::Markup;
+            }
+            let Some(&after) = rest.get(1 + name_len) else {
+                return Opens::NeedMore;
+            };
+            if !matches!(after, b'>' | b'/' | b' ' | b'\t' | b'\n' | b'\r' | b'\x0c') {
+                return Opens::Markup;
+            }
+            let name = &rest[1..1 + name_len];
+            if name.eq_ignore_ascii_case(b"plaintext") {
+                return Opens::Plaintext;
+            }
+            RAW_TEXT
+                .iter()
+                .find(|raw| name.eq_ignore_ascii_case(raw))
+                .map_or(Opens::Markup, |raw| Opens::RawText(raw))
+        }
+        Some(_) => Opens::Markup,
+    }
+}
+
+impl TokenizerState {
+    /// Reads `bytes`, which follow everything fed before.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        if self.pending.is_empty() {
+            let read = self.advance(bytes);
+            self.pending.extend_from_slice(&bytes[read..]);
+        } else {
+            let mut joined = std::mem::take(&mut self.pending);
+            joined.extend_from_slice(bytes);
+            let read = self.advance(&joined);
+            joined.drain(..read);
+            self.pending = joined;
+        }
+    }
+
+    /// Whether the bytes fed so far, followed by `next`, leave the tokenizer in markup: where
+    /// a module's start tag (or marker) that begins right after them is one.
+    pub fn in_markup_after(&self, next: &[u8]) -> bool {
+        let mut probe = self.clone();
+        probe.feed(next);
+        // What is still pending opens nothing yet: a tag starts where the caller stands.
+        probe.inside == Inside::Markup
+    }
+
+    /// Reads as far into `buf` as can be told; returns how many bytes that was (the rest may
+    /// begin something the next bytes finish).
+    fn advance(&mut self, buf: &[u8]) -> usize {
+        let mut at = 0;
+        loop {
+            match self.inside {
+                Inside::Markup => {
+                    let Some(found) = memchr::memchr(b'<', &buf[at..]) else {
+                        return buf.len();
+                    };
+                    let lt = at + found;
+                    match opens(&buf[lt..]) {
+                        Opens::NeedMore => return lt,
+                        Opens::Markup => at = lt + 1,
+                        // `<!-->` is a whole (empty) comment: its end is looked for from `--`.
+                        Opens::Comment => {
+                            self.inside = Inside::Comment;
+                            at = lt + 2;
+                        }
+                        Opens::RawText(name) => {
+                            self.inside = Inside::RawText(name);
+                            at = lt + 1 + name.len();
+                        }
+                        Opens::Plaintext => {
+                            self.inside = Inside::Plaintext;
+                            return buf.len();
+                        }
+                    }
+                }
+                Inside::Comment => match memchr::memmem::find(&buf[at..], b"-->") {
+                    Some(end) => {
+                        self.inside = Inside::Markup;
+                        at += end + 3;
+                    }
+                    None => return buf.len().saturating_sub(2).max(at),
+                },
+                Inside::RawText(name) => {
+                    let mut from = at;
+                    loop {
+                        let Some(found) = memchr::memmem::find(&buf[from..], b"</") else {
+                            return buf.len().saturating_sub(1).max(from);
+                        };
+                        let lt = from + found;
+                        let Some(after) = buf.get(lt + 2 + name.len()) else {
+                            return lt;
+                        };
+                        let named = buf[lt + 2..lt + 2 + name.len()].eq_ignore_ascii_case(name);
+                        if named
+                            && matches!(after, b'>' | b'/' | b' ' | b'\t' | b'\n' | b'\r' | b'\x0c')
+                        {
+                            self.inside = Inside::Markup;
+                            at = lt + 2 + name.len();
+                            break;
+                        }
+                        from = lt + 2;
+                    }
+                }
+                Inside::Plaintext => return buf.len(),
+            }
+        }
+    }
+}
+
 /// Looks at the needle found at `at` (length `len`) in `buf`: is it inside a start tag, as
 /// the id one of `selectors` picks?
 pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Found {

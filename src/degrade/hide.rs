@@ -248,6 +248,9 @@ enum Stage {
 /// The scan stage's bytes not passed on yet, and what is known of them.
 struct Scan {
     carry: BytesMut,
+    /// Where the bytes passed on so far leave the tokenizer: a needle inside a comment or a
+    /// script is text, not a module.
+    passed: cut::TokenizerState,
     /// Per needle (as in `Plan::needles`): where it next occurs in `carry`, once found.
     sought: Vec<Sought>,
     /// While a start tag that has not ended is held: look again once `carry` is this long.
@@ -269,6 +272,7 @@ impl Scan {
     fn new(carry: BytesMut, needles: usize) -> Scan {
         Scan {
             carry,
+            passed: cut::TokenizerState::default(),
             sought: vec![Sought::NotBefore(0); needles],
             look_again_at: 0,
         }
@@ -312,7 +316,15 @@ impl Scan {
             };
         }
         self.look_again_at = self.look_again_at.saturating_sub(n);
-        self.carry.split_to(n)
+        let taken = self.carry.split_to(n);
+        self.passed.feed(&taken);
+        taken
+    }
+
+    /// Whether a tag starting at `start` of `carry` is in markup (not in a comment or in an
+    /// element whose text is not markup).
+    fn in_markup_at(&self, start: usize) -> bool {
+        self.passed.in_markup_after(&self.carry[..start])
     }
 
     /// Holds the bytes from `start` (an unfinished tag) until about as many more have come,
@@ -618,6 +630,8 @@ impl Hider {
         };
         let tail_from = data.len() - self.carry;
         let keep_from = unfinished.map_or(tail_from, |start| start.min(tail_from));
+        scan.passed.feed(&scan.carry);
+        scan.passed.feed(&data[..keep_from]);
         emit_shared(&self.output, std::mem::take(&mut scan.carry));
         emit_shared(&self.output, data.slice(..keep_from));
         scan.carry = BytesMut::from(&data[keep_from..]);
@@ -702,6 +716,13 @@ impl Hider {
                         emit_shared(&self.output, before);
                         continue;
                     }
+                    Found::Element { start, .. } | Found::Unsure { start }
+                        if !scan.in_markup_at(start) =>
+                    {
+                        let before = scan.take(at + len);
+                        emit_shared(&self.output, before);
+                        continue;
+                    }
                     Found::Element { start, tag } => {
                         let before = scan.take(start);
                         emit_shared(&self.output, before);
@@ -728,6 +749,12 @@ impl Hider {
                 Holder::Tag { start, .. } | Holder::Incomplete { start } => start,
                 Holder::None => memchr::memrchr(b'<', &scan.carry[..at]).unwrap_or(0),
             };
+            if !scan.in_markup_at(start) {
+                // A marker (or an id) in a script's string or a comment: text, passed on.
+                let before = scan.take(at + len);
+                emit_shared(&self.output, before);
+                continue;
+            }
             let before = scan.take(start);
             emit_shared(&self.output, before);
             let rest = scan.carry.split();
@@ -1325,6 +1352,81 @@ mod tests {
             }
         }
         html
+    }
+
+    #[test]
+    fn a_module_spelled_inside_a_script_comment_title_or_textarea_is_text() {
+        let pages = [
+            "<script>$('body').append('<div id=\"ranking\">');</script><p>content</p><div id=\"ranking\">r</div><p>after</p>",
+            "<!-- <div id=\"ranking\"> --><p>content</p><div id=\"ranking\">r</div><p>after</p>",
+            "<!--> <div id=\"ranking\">r</div><p>after</p>",
+            "<title>About <div id=\"ranking\"></title><p>content</p><div id=\"ranking\">r</div><p>after</p>",
+            "<TEXTAREA name=t><div id=\"ranking\"></textarea ><p>content</p><div id=\"ranking\">r</div><p>after</p>",
+            "<style>/* <div id=\"ranking\"> */</style><script>if (a</scripts) x='<div id=\"ranking\">'</script><div id=\"ranking\">r</div><p>after</p>",
+            "<script>var s='<!-- levee:module ads -->';</script><p>content</p><!-- levee:module ads -->AD<!-- /levee:module ads --><p>after</p>",
+        ];
+        for page in pages {
+            let expected = page
+                .replace("<div id=\"ranking\">r</div>", "")
+                .replace("<!-- levee:module ads -->AD<!-- /levee:module ads -->", "");
+            assert!(expected.contains("<p>after</p>"), "{page}");
+            for chunk in [1, 3, 7, 64, 1 << 20] {
+                let selectors = ["#ranking".to_string()];
+                let mut hider = Hider::new(
+                    &selectors,
+                    vec!["ads".to_string()],
+                    AsciiCompatibleEncoding::utf_8(),
+                    true,
+                );
+                hider.plan.stop_after = 0;
+                let mut out = Vec::new();
+                for piece in page.as_bytes().chunks(chunk) {
+                    hider
+                        .feed_shared(Bytes::copy_from_slice(piece))
+                        .expect("feeds");
+                    while let Some(piece) = take(&hider.output) {
+                        out.extend_from_slice(&piece);
+                    }
+                }
+                hider.end().expect("ends");
+                while let Some(piece) = take(&hider.output) {
+                    out.extend_from_slice(&piece);
+                }
+                assert_eq!(String::from_utf8_lossy(&out), expected, "chunk {chunk}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_tokenizer_state_follows_comments_and_raw_text_across_chunks() {
+        let page =
+            b"<p>a</p><!-- x --><ScRiPt type=x>if (a<b) '</scr' + 'ipt>'</script ><plaintext><div>";
+        let markup_at = |text: &[u8], chunk: usize| {
+            let mut state = cut::TokenizerState::default();
+            for piece in text.chunks(chunk) {
+                state.feed(piece);
+            }
+            state.in_markup_after(b"")
+        };
+        for chunk in [1, 2, 5, 1 << 20] {
+            for (upto, markup) in [
+                (8, true),
+                (12, false),
+                (18, true),
+                (40, false),
+                (60, false),
+                (68, true),
+                (78, true),
+                (page.len(), false),
+            ] {
+                assert_eq!(
+                    markup_at(&page[..upto], chunk),
+                    markup,
+                    "after {:?}, chunk {chunk}",
+                    String::from_utf8_lossy(&page[..upto])
+                );
+            }
+        }
     }
 
     #[test]
