@@ -149,7 +149,10 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         alive,
     ));
     crate::limit::spawn_sweeper(limiter, Duration::from_secs(10), stop.clone());
-    crate::queue::worker::spawn_workers(shared.clone(), stop.clone());
+    // Queue workers stop taking jobs as soon as the drain starts (the instance is going away;
+    // the jobs wait in Redis for the next one), and the one in flight is waited for below.
+    let (stop_replaying, replaying_stop) = watch::channel(false);
+    let queue_task = crate::queue::worker::spawn_workers(shared.clone(), replaying_stop);
     crate::degrade::trigger::spawn_triggers(
         degrade,
         store.clone(),
@@ -177,19 +180,24 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         let _ = shutdown_requested.wait_for(|requested| *requested).await;
         let settings = lifecycle_shared.store.load().server.clone();
         lifecycle_shared.draining.store(true, Ordering::Relaxed);
+        let _ = stop_replaying.send(true);
         tracing::info!(drain = ?settings.drain, "shutting down: /readyz now answers 503, still serving");
         tokio::time::sleep(settings.drain).await;
         tracing::info!("drain over: no longer accepting connections");
         let _ = stop_accepting.send(true);
         let _ = public_task.await;
         let _ = admin_task.await;
+        let deadline = tokio::time::Instant::now() + settings.shutdown_timeout;
         // `recv` yields None once every connection task has dropped its sender.
-        if tokio::time::timeout(settings.shutdown_timeout, all_closed.recv())
+        if tokio::time::timeout_at(deadline, all_closed.recv())
             .await
             .is_err()
         {
             lifecycle_shared.cutting_off.store(true, Ordering::Relaxed);
             tracing::warn!(timeout = ?settings.shutdown_timeout, "in-flight requests did not finish in time; stopping anyway");
+        }
+        if tokio::time::timeout_at(deadline, queue_task).await.is_err() {
+            tracing::warn!(timeout = ?settings.shutdown_timeout, "a queued job's replay did not finish in time; stopping anyway (another worker replays it after claim_after, with the same Idempotency-Key)");
         }
         tracing::info!("levee stopped");
     });

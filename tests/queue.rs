@@ -1452,3 +1452,49 @@ async fn a_queued_answer_carries_the_rate_limit_fields() {
         accepted.headers
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_finishes_the_replay_in_flight_and_starts_no_other() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    // The app takes 700 ms per job: a shutdown comes while one is being applied.
+    let (backend, seen) = recording(
+        0,
+        Arc::new(AtomicBool::new(false)),
+        Duration::from_millis(700),
+    )
+    .await;
+    let policy = queue_policy(backend.addr, &redis.url(), "")
+        .replace("access_log = false", "access_log = false\ndrain = \"0s\"");
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    for i in 0..3 {
+        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+    }
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "a replay to reach the app",
+        || async { backend.hits() >= 1 },
+    )
+    .await;
+    stop(levee).await;
+    // Stopped only once the job in flight was applied and acknowledged; none begun after.
+    assert_eq!(
+        seen.lock().expect("lock").len(),
+        1,
+        "the job in flight was finished"
+    );
+    let stream = "levee:queue:{notify}:jobs";
+    assert_eq!(backend.hits(), 1, "no other job was begun");
+    // The finished job is gone from the stream; the two read with it but not begun wait
+    // there (held by this worker until claim_after, when any other takes them).
+    assert_eq!(
+        redis.cli(&["XLEN", stream]).trim(),
+        "2",
+        "the rest wait in redis"
+    );
+    let pending = redis.cli(&["XPENDING", stream, "levee"]);
+    assert!(pending.starts_with('2'), "{pending}");
+}

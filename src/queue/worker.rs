@@ -288,8 +288,14 @@ async fn remove_consumers_left_behind(
     }
 }
 
-/// Starts the replay loop; it lasts until `stop`.
-pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+/// Starts the replay loop; it lasts until `stop`. A job whose replay has begun is finished
+/// (and acknowledged, or retried, or dead-lettered) first: the task ends after it, so a
+/// shutdown that waits for the task never cuts a replay off halfway, which the app may still
+/// complete and another worker would then replay again.
+pub fn spawn_workers(
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let consumer = consumer_name();
         let mut groups_made: HashSet<String> = HashSet::new();
@@ -423,7 +429,7 @@ pub fn spawn_workers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 }
             }
         }
-    });
+    })
 }
 
 /// Takes on the queues listed in the registry whose routes do not queue here (the policy
