@@ -1498,3 +1498,49 @@ async fn a_shutdown_finishes_the_replay_in_flight_and_starts_no_other() {
     let pending = redis.cli(&["XPENDING", stream, "levee"]);
     assert!(pending.starts_with('2'), "{pending}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_drains_at_replay_rate_without_waiting_between_batches() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    // Batches are 20 jobs. A pass that replayed a whole batch is followed at once, not after
+    // poll_interval; jobs start 1 / replay_rate apart.
+    let policy = queue_policy(backend.addr, &redis.url(), "")
+        .replace("poll_interval = \"50ms\"", "poll_interval = \"5s\"")
+        .replace("replay_rate = 2000", "replay_rate = 20");
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    for i in 0..45 {
+        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+    }
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(20),
+        "the backlog to be applied",
+        || async { seen.lock().expect("lock").len() >= 45 },
+    )
+    .await;
+    let times: Vec<Instant> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|seen| seen.3)
+        .collect();
+    let gaps: Vec<Duration> = times.windows(2).map(|pair| pair[1] - pair[0]).collect();
+    for (after, gap) in gaps.iter().enumerate() {
+        // 50 ms apart at 20/s (the backend's clock sees a little jitter).
+        assert!(
+            *gap >= Duration::from_millis(30),
+            "job {after} and the next {gap:?} apart"
+        );
+    }
+    for batch_end in [19, 39] {
+        assert!(
+            gaps[batch_end] < Duration::from_millis(2500),
+            "the next batch waited {:?} (poll_interval is 5 s)",
+            gaps[batch_end]
+        );
+    }
+}

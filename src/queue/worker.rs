@@ -1,7 +1,7 @@
 //! Replay workers: every levee instance runs one loop that serves all queue routes as a member
 //! of each route's consumer group.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -288,6 +288,9 @@ async fn remove_consumers_left_behind(
     }
 }
 
+/// Jobs read from a queue at a time (claimed from silent workers, and new ones, each).
+const BATCH: usize = 20;
+
 /// Starts the replay loop; it lasts until `stop`. A job whose replay has begun is finished
 /// (and acknowledged, or retried, or dead-lettered) first: the task ends after it, so a
 /// shutdown that waits for the task never cuts a replay off halfway, which the app may still
@@ -308,15 +311,27 @@ pub fn spawn_workers(
         // instance still queueing for a route this one does not) is taken on from there.
         let mut registry_in: u32 = 0;
         let mut registry_read_once = false;
+        // A route replayed a whole batch on the last pass: a backlog is draining, and the next
+        // pass follows at once rather than after `poll_interval`.
+        let mut backlog = false;
+        // Per queue (stream key): when its next job may start, so that `replay_rate` holds
+        // across batches and passes too.
+        let mut next_starts: HashMap<String, Instant> = HashMap::new();
         loop {
             let policy = shared.store.load();
             let interval = policy
                 .queue
                 .as_ref()
                 .map_or(Duration::from_secs(1), |q| q.poll_interval);
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = stop.wait_for(|stopped| *stopped) => return,
+            if std::mem::take(&mut backlog) {
+                if *stop.borrow() {
+                    return;
+                }
+            } else {
+                tokio::select! {
+                    _ = tokio::time::sleep(interval) => {}
+                    _ = stop.wait_for(|stopped| *stopped) => return,
+                }
             }
             let policy = shared.store.load();
             let queueing = queue_routes(&policy);
@@ -414,8 +429,11 @@ pub fn spawn_workers(
                     route,
                     consumer: &consumer,
                 };
-                match pass.replay_route(&mut stop).await {
-                    Ok(()) => {}
+                let next_start = next_starts
+                    .entry(keys.stream.clone())
+                    .or_insert_with(Instant::now);
+                match pass.replay_route(&mut stop, next_start).await {
+                    Ok(more) => backlog |= more,
                     // The stream went away (a Redis restarted without persistence, a
                     // FLUSHALL, an evicted key) and the next XADD made it again without the
                     // group: made again on the next pass, or its jobs would never run.
@@ -675,7 +693,13 @@ struct Pass<'a> {
 }
 
 impl Pass<'_> {
-    async fn replay_route(&self, stop: &mut watch::Receiver<bool>) -> Result<(), RedisFailure> {
+    /// Replays one batch of the route's jobs. `Ok(true)`: a whole batch was replayed, so
+    /// more may be waiting and the next pass should not wait `poll_interval`.
+    async fn replay_route(
+        &self,
+        stop: &mut watch::Receiver<bool>,
+        next_start: &mut Instant,
+    ) -> Result<bool, RedisFailure> {
         let Pass {
             redis,
             settings,
@@ -703,7 +727,7 @@ impl Pass<'_> {
             .arg(settings.claim_after.as_millis() as u64)
             .arg("0-0")
             .arg("COUNT")
-            .arg(20);
+            .arg(BATCH);
         let claimed: redis::Value = redis.command(&claim, QUEUE_TIMEOUT, None).await?;
         let mut batch = match &claimed {
             redis::Value::Array(parts) if parts.len() >= 2 => entries(&parts[1]),
@@ -714,7 +738,7 @@ impl Pass<'_> {
             .arg(&settings.group)
             .arg(consumer)
             .arg("COUNT")
-            .arg(20)
+            .arg(BATCH)
             .arg("STREAMS")
             .arg(&keys.stream)
             .arg(">");
@@ -730,8 +754,9 @@ impl Pass<'_> {
         }
 
         if batch.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
+        let full = batch.len() >= BATCH;
         // The batch is replayed one job after another, each for up to the upstream's
         // response_timeout: the jobs still waiting, and the one being replayed, would sit idle
         // longer than claim_after, and another instance would take them over and replay them a
@@ -749,8 +774,8 @@ impl Pass<'_> {
             }
         };
         tokio::select! {
-            result = self.replay_batch(stop, batch) => result,
-            _ = keep_hold => Ok(()),
+            result = self.replay_batch(stop, batch, next_start) => result.map(|all_done| all_done && full),
+            _ = keep_hold => Ok(false),
         }
     }
 
@@ -767,22 +792,30 @@ impl Pass<'_> {
         self.redis.command(&command, QUEUE_TIMEOUT, None).await
     }
 
+    /// Replays `batch` in order, starting at most `replay_rate` jobs a second: none before
+    /// `next_start`, which it moves on. `Ok(true)`: every job was taken up (none left held by
+    /// the breaker or by a stop).
     async fn replay_batch(
         &self,
         stop: &mut watch::Receiver<bool>,
-        batch: Vec<(String, std::collections::HashMap<String, Vec<u8>>)>,
-    ) -> Result<(), RedisFailure> {
+        batch: Vec<(String, HashMap<String, Vec<u8>>)>,
+        next_start: &mut Instant,
+    ) -> Result<bool, RedisFailure> {
         let Pass {
             shared,
             settings,
             route,
             ..
         } = *self;
+        // Jobs start `pause` apart, counted from one start to the next: a pause after each job
+        // on top of its own Redis calls and replay held a backlog far below `replay_rate`.
         let pause = Duration::from_secs_f64(1.0 / settings.replay_rate.max(0.001));
         for (id, fields) in batch {
+            tokio::time::sleep_until(*next_start).await;
             if *stop.borrow() {
-                break;
+                return Ok(false);
             }
+            *next_start = Instant::now() + pause;
             // Right before sending: a job another instance took over (this one could not renew
             // its hold in time) is that one's to replay now, not this one's too.
             if self.renew_hold(std::slice::from_ref(&id)).await?.is_empty() {
@@ -832,12 +865,11 @@ impl Pass<'_> {
                 Replay::Held => {
                     // The breaker refused the call: the job stays pending and is taken up again
                     // after claim_after, with no attempt spent.
-                    break;
+                    return Ok(false);
                 }
             }
-            tokio::time::sleep(pause).await;
         }
-        Ok(())
+        Ok(true)
     }
 }
 
