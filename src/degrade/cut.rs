@@ -607,9 +607,11 @@ fn ends_raw_text(rest: &[u8]) -> bool {
 /// text (`$('body').append('<div id="ranking">')`, a commented-out `<!-- <div id="ranking"> -->`
 /// of an old template): taken for the module, it would have cut the rest of the page.
 ///
-/// Read forward over every byte the scan passes on, a `<` at a time. What it cannot place
-/// errs to the safe side: a `<script` inside an attribute value reads as a script, so a module
-/// after it is left in place until `</script`, never a page cut short.
+/// Read forward over every byte the scan passes on: in markup from one `<` to the next (a
+/// word at a time, most `<` dismissed by the byte after them), in a comment or raw text
+/// straight to its end. What it misplaces errs to the safe side: a `<script` inside an
+/// attribute value reads as a script, so a module after it is left in place until `</script`,
+/// never a page cut short.
 #[derive(Debug, Clone, Default)]
 pub struct TokenizerState {
     inside: Inside,
@@ -657,9 +659,48 @@ enum Opens {
     Markup,
 }
 
+/// Bytes that may follow the `<` of a comment or of a raw-text element's start tag: `!` and
+/// the first letters of their names. Any other `<` is dismissed at once.
+const MAY_OPEN: [bool; 256] = {
+    let mut table = [false; 256];
+    let firsts = b"!sStTxXiInNpP";
+    let mut i = 0;
+    while i < firsts.len() {
+        table[firsts[i] as usize] = true;
+        i += 1;
+    }
+    table
+};
+
+/// The position of the first `<` in `buf` from `from`, read eight bytes at a time: most of a
+/// page's `<` are a few dozen bytes apart, where a vector search's start-up costs more than
+/// the search.
+fn next_lt(buf: &[u8], from: usize) -> Option<usize> {
+    const LT: u64 = u64::from_ne_bytes([b'<'; 8]);
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+    let mut at = from;
+    while let Some(word) = buf.get(at..at + 8) {
+        let word = u64::from_le_bytes(word.try_into().ok()?);
+        let zeroed = word ^ LT;
+        // The lowest byte that is `<` is exactly the lowest flagged (a borrow only flags
+        // bytes above a real one).
+        let flagged = zeroed.wrapping_sub(ONES) & !zeroed & HIGHS;
+        if flagged != 0 {
+            return Some(at + (flagged.trailing_zeros() / 8) as usize);
+        }
+        at += 8;
+    }
+    buf.get(at..)?
+        .iter()
+        .position(|&byte| byte == b'<')
+        .map(|found| at + found)
+}
+
 fn opens(rest: &[u8]) -> Opens {
     match rest.get(1) {
         None => Opens::NeedMore,
+        Some(&next) if !MAY_OPEN[usize::from(next)] => Opens::Markup,
         Some(b'!') => match rest.get(..4) {
             None if b"<!--".starts_with(rest) => Opens::NeedMore,
             Some(b"<!--") => Opens::Comment,
@@ -686,7 +727,7 @@ fn opens(rest: &[u8]) -> Opens {
             }
             RAW_TEXT
                 .iter()
-                .find(|raw| name.eq_ignore_ascii_case(raw))
+                .find(|raw| raw.len() == name_len && name.eq_ignore_ascii_case(raw))
                 .map_or(Opens::Markup, |raw| Opens::RawText(raw))
         }
         Some(_) => Opens::Markup,
@@ -724,10 +765,9 @@ impl TokenizerState {
         loop {
             match self.inside {
                 Inside::Markup => {
-                    let Some(found) = memchr::memchr(b'<', &buf[at..]) else {
+                    let Some(lt) = next_lt(buf, at) else {
                         return buf.len();
                     };
-                    let lt = at + found;
                     match opens(&buf[lt..]) {
                         Opens::NeedMore => return lt,
                         Opens::Markup => at = lt + 1,

@@ -250,7 +250,7 @@ struct Scan {
     carry: BytesMut,
     /// Where the bytes passed on so far leave the tokenizer: a needle inside a comment or a
     /// script is text, not a module.
-    passed: cut::TokenizerState,
+    passed: Passed,
     /// Per needle (as in `Plan::needles`): where it next occurs in `carry`, once found.
     sought: Vec<Sought>,
     /// While a start tag that has not ended is held: look again once `carry` is this long.
@@ -272,7 +272,7 @@ impl Scan {
     fn new(carry: BytesMut, needles: usize) -> Scan {
         Scan {
             carry,
-            passed: cut::TokenizerState::default(),
+            passed: Passed::default(),
             sought: vec![Sought::NotBefore(0); needles],
             look_again_at: 0,
         }
@@ -307,7 +307,7 @@ impl Scan {
 
     /// Takes the first `n` bytes off `carry` (to pass them on), keeping what is known of the
     /// rest.
-    fn take(&mut self, n: usize) -> BytesMut {
+    fn take(&mut self, n: usize) -> Bytes {
         for sought in &mut self.sought {
             *sought = match *sought {
                 Sought::At(at) if at >= n => Sought::At(at - n),
@@ -316,15 +316,15 @@ impl Scan {
             };
         }
         self.look_again_at = self.look_again_at.saturating_sub(n);
-        let taken = self.carry.split_to(n);
-        self.passed.feed(&taken);
+        let taken = self.carry.split_to(n).freeze();
+        self.passed.note(taken.clone());
         taken
     }
 
     /// Whether a tag starting at `start` of `carry` is in markup (not in a comment or in an
     /// element whose text is not markup).
-    fn in_markup_at(&self, start: usize) -> bool {
-        self.passed.in_markup_after(&self.carry[..start])
+    fn in_markup_at(&mut self, start: usize) -> bool {
+        self.passed.state().in_markup_after(&self.carry[..start])
     }
 
     /// Holds the bytes from `start` (an unfinished tag) until about as many more have come,
@@ -332,6 +332,46 @@ impl Scan {
     fn hold_from(&mut self, start: usize) {
         let held = self.carry.len() - start;
         self.look_again_at = (self.carry.len() + held.max(1)).min(start + MAX_HELD + 1);
+    }
+}
+
+/// The bytes the scan has passed on, as far as the tokenizer's state goes. They are read
+/// only when a needle asks where it stands (or when many have gathered): a page whose module
+/// is found early and once, the usual case, is never read past it.
+#[derive(Default)]
+struct Passed {
+    read: cut::TokenizerState,
+    /// Passed on, not read yet (shared with the output, not copied).
+    unread: Vec<Bytes>,
+    unread_len: usize,
+}
+
+/// Unread bytes kept at most: past this they are read, so a long page holds no more.
+const MOST_UNREAD: usize = 64 * 1024;
+
+impl Passed {
+    fn note(&mut self, bytes: Bytes) {
+        if bytes.is_empty() {
+            return;
+        }
+        self.unread_len += bytes.len();
+        self.unread.push(bytes);
+        if self.unread_len > MOST_UNREAD {
+            self.read_all();
+        }
+    }
+
+    fn read_all(&mut self) {
+        for bytes in self.unread.drain(..) {
+            self.read.feed(&bytes);
+        }
+        self.unread_len = 0;
+    }
+
+    /// The state after every byte passed on.
+    fn state(&mut self) -> &cut::TokenizerState {
+        self.read_all();
+        &self.read
     }
 }
 
@@ -630,10 +670,12 @@ impl Hider {
         };
         let tail_from = data.len() - self.carry;
         let keep_from = unfinished.map_or(tail_from, |start| start.min(tail_from));
-        scan.passed.feed(&scan.carry);
-        scan.passed.feed(&data[..keep_from]);
-        emit_shared(&self.output, std::mem::take(&mut scan.carry));
-        emit_shared(&self.output, data.slice(..keep_from));
+        let held = std::mem::take(&mut scan.carry).freeze();
+        let passed = data.slice(..keep_from);
+        scan.passed.note(held.clone());
+        scan.passed.note(passed.clone());
+        emit_shared(&self.output, held);
+        emit_shared(&self.output, passed);
         scan.carry = BytesMut::from(&data[keep_from..]);
         let kept = scan.carry.len();
         for (needle, sought) in self.plan.needles.iter().zip(scan.sought.iter_mut()) {
