@@ -1544,3 +1544,55 @@ async fn a_backlog_drains_at_replay_rate_without_waiting_between_batches() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_job_carries_the_forwarded_fields_a_forwarded_request_does() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    type Fields = Arc<Mutex<Vec<(String, String)>>>;
+    let fields: Fields = Arc::new(Mutex::new(Vec::new()));
+    let record = fields.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let record = record.clone();
+        async move {
+            let field = |name: &str| {
+                request
+                    .headers()
+                    .get_all(name)
+                    .iter()
+                    .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            };
+            let seen = (field("x-forwarded-for"), field("x-real-ip"));
+            record.lock().expect("lock").push(seen);
+            Response::new(full("applied"))
+        }
+    })
+    .await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    let send_through_front = |chain: &'static str| {
+        let request = Request::post(levee.url("/notify.php"))
+            .header("x-forwarded-for", chain)
+            .body(full("like=1"))
+            .expect("request");
+        send(request)
+    };
+    for chain in ["10.0.0.5, 203.0.113.9", "203.0.113.9"] {
+        assert_eq!(send_through_front(chain).await.status, 200);
+        switch(&levee, "off").await;
+        assert_eq!(send_through_front(chain).await.status, 202);
+        switch(&levee, "on").await;
+        eventually(
+            Duration::from_secs(10),
+            "the job to be replayed",
+            || async { fields.lock().expect("lock").len().is_multiple_of(2) },
+        )
+        .await;
+        let seen = fields.lock().expect("lock").clone();
+        let (forwarded, replayed) = (&seen[seen.len() - 2], &seen[seen.len() - 1]);
+        assert_eq!(replayed, forwarded, "the chain {chain}");
+        assert_eq!(replayed.0, chain);
+        assert_eq!(replayed.1, "203.0.113.9");
+    }
+}

@@ -930,9 +930,16 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
             headers.insert("idempotency-key", key);
         }
     }
+    // The job holds the forwarded fields a request forwarded then would have carried (the
+    // trusted front's chain as it came): kept, so the app reads the client as it would have.
+    // A job stored without them gets the client's address.
     if let Ok(client) = HeaderValue::from_str(&job.client_ip) {
-        headers.insert("x-real-ip", client.clone());
-        headers.insert("x-forwarded-for", client);
+        if !headers.contains_key("x-real-ip") {
+            headers.insert("x-real-ip", client.clone());
+        }
+        if !headers.contains_key("x-forwarded-for") {
+            headers.insert("x-forwarded-for", client);
+        }
     }
     let sent = upstream.client.send(request);
     match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
