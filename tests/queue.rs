@@ -1596,3 +1596,40 @@ async fn a_replayed_job_carries_the_forwarded_fields_a_forwarded_request_does() 
         assert_eq!(replayed.1, "203.0.113.9");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn page_views_on_a_queue_route_are_never_queued() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let policy = queue_policy(backend.addr, &redis.url(), "").replace("method = [\"POST\"], ", "");
+    assert!(!policy.contains("method ="), "{policy}");
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    for method in ["GET", "HEAD", "OPTIONS"] {
+        let request = Request::builder()
+            .method(method)
+            .uri(levee.url("/notify.php"))
+            .body(full(""))
+            .expect("request");
+        let answer = send(request).await;
+        assert_eq!(answer.status, 503, "{method}: {}", answer.text());
+    }
+    assert_eq!(
+        redis.cli(&["EXISTS", "levee:queue:{notify}:jobs"]).trim(),
+        "0"
+    );
+    // Work is: a DELETE is queued like a POST.
+    let request = Request::delete(levee.url("/notify.php?id=1"))
+        .body(full(""))
+        .expect("request");
+    assert_eq!(send(request).await.status, 202);
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the DELETE to be applied",
+        || async { seen.lock().expect("lock").len() == 1 },
+    )
+    .await;
+    assert_eq!(backend.hits(), 1, "no page view reached the app while off");
+}

@@ -240,8 +240,12 @@ async fn forward(
     let stale = Stale::for_request(policy, &route, &request, &normal_path);
     let route_off = shared.degrade.view(policy).route_off(&route);
     // Queue routes accept the work now and apply it later instead (after the rate limit).
-    let queue_now =
-        route.always_queue || (route_off && matches!(route.degrade, Some(DegradeAction::Queue)));
+    // Only work is queued: a page view (GET, HEAD, OPTIONS) answered "accepted" and fetched
+    // later for nobody would be neither. Off, it gets the route's refusal; on an
+    // `always_queue` route, it is forwarded.
+    let queue_now = !request.method().is_safe()
+        && (route.always_queue
+            || (route_off && matches!(route.degrade, Some(DegradeAction::Queue))));
     if route_off && !queue_now {
         let fallback = match &route.degrade {
             Some(DegradeAction::Reject(response)) => response.clone(),
