@@ -281,12 +281,21 @@ async fn the_ranking_serves_its_last_good_copy_with_a_growing_age_until_max_age(
     // Back on, the backend fails (php-fpm gone behind nginx): stale-if-error.
     assert_eq!(set(&levee, "/modules/ranking", "on").await.status, 200);
     failing.store(1, Ordering::SeqCst);
+    let stale_served = || async {
+        metric_value(
+            &get(&levee.admin_url("/metrics")).await.text(),
+            "levee_degraded_responses_total{route=\"ranking\",action=\"stale\"}",
+        )
+    };
+    let before = stale_served().await;
     let if_error = get(&levee.url("/ranking?week=1")).await;
     assert_eq!(
         (if_error.status, if_error.text().as_str()),
         (200, "/ranking v1")
     );
     assert_eq!(if_error.header("x-levee-stale"), Some("1"));
+    // A copy served in place of the app's error page is counted like any other.
+    assert_eq!(stale_served().await, before + 1.0);
 
     // After max_age the copy is too old: the route's fallback answers instead.
     assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);

@@ -57,6 +57,18 @@ pub(crate) fn boxed_in_place<F: std::future::Future>(
     Box::into_pin(Box::write(room, make()))
 }
 
+/// Counts an answer a degrade action gave (`stale`, `stale_missing`, `reject`).
+fn count_degraded(shared: &Shared, route: &Route, action: &'static str) {
+    shared
+        .metrics
+        .degraded_responses
+        .get_or_create(&DegradedLabels {
+            route: route.name.clone(),
+            action,
+        })
+        .inc();
+}
+
 /// State shared by every connection of the public listener.
 pub struct Shared {
     pub store: Arc<PolicyStore>,
@@ -539,8 +551,18 @@ async fn forward(
         }
         Err(error) => return Err(error),
     };
-    if failure_status {
-        if let Some(copy) = stale.copy(shared, policy, &route).await {
+    if failure_status && stale.settings.is_some() {
+        let copy = stale.copy(shared, policy, &route).await;
+        count_degraded(
+            shared,
+            &route,
+            if copy.is_some() {
+                "stale"
+            } else {
+                "stale_missing"
+            },
+        );
+        if let Some(copy) = copy {
             return Ok(with_rate_limit_fields(copy, allowed_headers).into());
         }
     }
@@ -725,7 +747,8 @@ impl Stale {
         })
     }
 
-    /// Serves the last good copy, or answers with `refusal` when there is none.
+    /// Serves the last good copy, or answers with `refusal` when there is none. (The caller
+    /// counts nothing: this does, in `levee_degraded_responses_total`.)
     async fn serve_or(
         &self,
         shared: &Shared,
@@ -740,26 +763,12 @@ impl Stale {
             } else {
                 "stale_missing"
             };
-            shared
-                .metrics
-                .degraded_responses
-                .get_or_create(&DegradedLabels {
-                    route: route.name.clone(),
-                    action,
-                })
-                .inc();
+            count_degraded(shared, route, action);
             if let Some(response) = served {
                 return Ok(response);
             }
         } else if matches!(refusal, ProxyError::Degraded { .. }) {
-            shared
-                .metrics
-                .degraded_responses
-                .get_or_create(&DegradedLabels {
-                    route: route.name.clone(),
-                    action: "reject",
-                })
-                .inc();
+            count_degraded(shared, route, "reject");
         }
         Err(refusal)
     }
