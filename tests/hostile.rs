@@ -673,3 +673,30 @@ async fn spellings_that_run_a_routes_php_script_stay_on_its_route() {
     }
     assert_eq!((login.hits(), app.hits()), (4, 2));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_egress_route_for_the_app_alone_is_not_reachable_through_the_front() {
+    let (levee, app, egress) = levee_with_a_second_route(
+        "ai_egress",
+        "{ host = \"ai.egress\", client = [\"127.0.0.1/32\", \"::1/128\"] }",
+    )
+    .await;
+    let send = |forwarded_for: Option<&str>| {
+        let mut raw = String::from("GET /v1/secret HTTP/1.1\r\nHost: ai.egress\r\n");
+        if let Some(chain) = forwarded_for {
+            raw.push_str(&format!("X-Forwarded-For: {chain}\r\n"));
+        }
+        raw.push_str("Connection: close\r\n\r\n");
+        let levee = &levee;
+        async move { exchange(levee, raw.as_bytes()).await }
+    };
+    // The PHP app on this machine calls levee itself: the route is its.
+    assert_eq!(status_of(&send(None).await), Some(200));
+    assert_eq!((egress.hits(), app.hits()), (1, 0));
+    // A visitor through the front nginx (which names the visitor in X-Forwarded-For) with
+    // the same Host is not: the request goes where any other would.
+    for chain in ["203.0.113.9", "127.0.0.1, 203.0.113.9"] {
+        assert_eq!(status_of(&send(Some(chain)).await), Some(200));
+    }
+    assert_eq!((egress.hits(), app.hits()), (1, 2));
+}

@@ -1057,6 +1057,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 hosts: Vec::new(),
                 methods: Vec::new(),
                 path: PathMatch::Any,
+                clients: Vec::new(),
                 upstream: upstream.clone(),
                 max_body: server_settings.max_body,
                 limits: Vec::new(),
@@ -2537,6 +2538,13 @@ fn known_names<T>(what: &str, map: &BTreeMap<String, T>) -> String {
     }
 }
 
+/// An IP address or a CIDR range, as `trusted_proxies` and a route's `client` take them.
+fn parse_network(text: &str) -> Option<IpNet> {
+    text.parse::<IpNet>()
+        .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from))
+        .ok()
+}
+
 fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -> ServerSettings {
     let defaults = ServerSettings::default();
     let trusted_proxies = match &spec.trusted_proxies {
@@ -2545,12 +2553,9 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
             let mut nets = Vec::with_capacity(list.len());
             for entry in list {
                 let text = entry.get_ref().trim();
-                let parsed = text
-                    .parse::<IpNet>()
-                    .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
-                match parsed {
-                    Ok(net) => nets.push(net),
-                    Err(_) => compiler.error_hint(
+                match parse_network(text) {
+                    Some(net) => nets.push(net),
+                    None => compiler.error_hint(
                         file,
                         entry.span(),
                         format!("`{text}` is not an IP address or CIDR range"),
@@ -2951,6 +2956,12 @@ fn compile_route(
         None => Some((Vec::new(), Vec::new(), PathMatch::Any)),
         Some(matcher) => compile_match(compiler, file, matcher),
     };
+    let clients = inner
+        .matcher
+        .as_ref()
+        .and_then(|matcher| matcher.get_ref().client.as_ref())
+        .map(|list| compile_clients(compiler, file, list))
+        .unwrap_or_default();
 
     let upstream_name = match &inner.upstream {
         Some(upstream) => {
@@ -3110,11 +3121,25 @@ fn compile_route(
     }
     let upstream = context.upstreams.get(upstream_name?)?.clone();
     let (hosts, methods, path) = matched?;
+    // An `https://` upstream behind a host route is how an egress route looks: reachable
+    // through the front by anyone who sends its Host, unless it is the app's alone.
+    if upstream.settings.scheme == http::uri::Scheme::HTTPS
+        && !hosts.is_empty()
+        && clients.is_empty()
+    {
+        compiler.warning_hint(
+            file,
+            name.span(),
+            format!("route `{}` sends requests to an https:// upstream for any client that names its host: through the front nginx, visitors can too", name.get_ref()),
+            "if it is an egress route for the PHP app, add client = [\"127.0.0.1/32\", \"::1/128\"] to its match",
+        );
+    }
     Some(Route {
         name: RouteName(Arc::from(name.get_ref().as_str())),
         hosts,
         methods,
         path,
+        clients,
         upstream,
         max_body: compiler.size(file, &inner.max_body, context.server.max_body),
         limits,
@@ -3130,6 +3155,27 @@ fn compile_route(
         always_queue,
         series: Default::default(),
     })
+}
+
+/// A route's `client` list: the addresses or CIDR ranges its requests must come from.
+fn compile_clients(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    list: &Spanned<OneOrMany>,
+) -> Vec<IpNet> {
+    let mut nets = Vec::new();
+    for text in list.get_ref().clone().into_vec() {
+        match parse_network(text.trim()) {
+            Some(net) => nets.push(net),
+            None => compiler.error_hint(
+                file,
+                list.span(),
+                format!("client `{text}` is not an IP address or CIDR range"),
+                "write \"127.0.0.1/32\", \"10.0.0.0/8\" or \"::1/128\"",
+            ),
+        }
+    }
+    nets
 }
 
 fn compile_match(
@@ -3318,6 +3364,45 @@ mod tests {
     }
 
     const APP: &str = "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n";
+
+    #[test]
+    fn a_routes_client_list_holds_addresses_and_ranges() {
+        let route = |client: &str| {
+            format!("{APP}[[route]]\nname = \"ai\"\nmatch = {{ host = \"ai.egress\", client = {client} }}\n")
+        };
+        let policy = compile(
+            &files(&[(
+                "a.toml",
+                &route("[\"127.0.0.1\", \"::1/128\", \"10.0.0.0/8\"]"),
+            )]),
+            None,
+        )
+        .expect("compiles");
+        assert_eq!(policy.routes.routes[0].clients.len(), 3);
+        assert!(policy.warnings.is_empty(), "{:?}", policy.warnings);
+        // Without one, a host route to an https:// upstream (an egress route) is warned of.
+        let egress = format!("[server]\ndefault_upstream = \"app\"\n{APP}[upstream.ai]\nurl = \"https://api.example\"\n[[route]]\nname = \"ai\"\nmatch = {{ host = \"ai.egress\" }}\nupstream = \"ai\"\n");
+        let open = compile(&files(&[("a.toml", &egress)]), None).expect("compiles");
+        let warnings: Vec<String> = open.warnings.iter().map(ToString::to_string).collect();
+        assert!(
+            warnings
+                .iter()
+                .any(|warning| warning.contains("visitors can too")),
+            "{warnings:?}"
+        );
+        let closed = egress.replace(
+            "host = \"ai.egress\"",
+            "host = \"ai.egress\", client = \"127.0.0.1\"",
+        );
+        let closed = compile(&files(&[("a.toml", &closed)]), None).expect("compiles");
+        assert!(closed.warnings.is_empty(), "{:?}", closed.warnings);
+        let refused = errors(&[("a.toml", &route("\"the app\""))]);
+        assert!(
+            refused.iter().any(|error| error.starts_with("a.toml:5:40:")
+                && error.contains("client `the app` is not an IP address or CIDR range")),
+            "{refused:?}"
+        );
+    }
 
     #[test]
     fn minimal_policy_compiles_with_defaults() {

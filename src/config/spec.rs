@@ -423,6 +423,7 @@ pub struct RouteDegradeSpec {
 )]
 pub struct MatchSpec {
     pub host: Option<Spanned<OneOrMany>>,
+    pub client: Option<Spanned<OneOrMany>>,
     pub method: Option<Spanned<OneOrMany>>,
     pub path: Option<Spanned<String>>,
     pub path_prefix: Option<Spanned<String>>,

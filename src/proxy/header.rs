@@ -24,9 +24,14 @@ impl Default for TrustedProxies {
 
 impl TrustedProxies {
     pub fn contains(&self, ip: IpAddr) -> bool {
-        let ip = canonical(ip);
-        self.0.iter().any(|net| net.contains(&ip))
+        in_networks(ip, &self.0)
     }
+}
+
+/// Whether `ip` (an IPv4-mapped IPv6 address as the IPv4 one) is in one of `networks`.
+pub fn in_networks(ip: IpAddr, networks: &[IpNet]) -> bool {
+    let ip = canonical(ip);
+    networks.iter().any(|net| net.contains(&ip))
 }
 
 /// IPv4-mapped IPv6 peers (`::ffff:1.2.3.4`) are treated as the IPv4 address they carry.

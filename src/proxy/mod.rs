@@ -231,7 +231,7 @@ async fn forward(
     let host = policy.routes.host_of(request.uri(), request.headers());
     let route = policy
         .routes
-        .find(host, request.method(), &normal_path)
+        .find_from(host, request.method(), &normal_path, Some(client_ip))
         .ok_or(ProxyError::NoRoute)?
         .clone();
     // `/%2Fpost.php` is `/post.php` to nginx but not to an app that keeps `%2F` in a segment:
@@ -239,7 +239,10 @@ async fn forward(
     if let Some(decoded) = path::with_encoded_slashes_decoded(request.uri().path())
         .map_err(|error| ProxyError::BadRequest(error.to_string()))?
     {
-        let decoded_route = policy.routes.find(host, request.method(), &decoded);
+        let decoded_route =
+            policy
+                .routes
+                .find_from(host, request.method(), &decoded, Some(client_ip));
         if !decoded_route.is_some_and(|other| Arc::ptr_eq(other, &route)) {
             return Err(ProxyError::BadRequest(
                 "an encoded slash (%2F) in the path changes which route applies".into(),

@@ -102,6 +102,8 @@ pub struct Route {
     pub hosts: Vec<HostMatch>,
     pub methods: Vec<Method>,
     pub path: PathMatch,
+    /// Where its requests must come from (the client as levee resolved it); empty: anyone.
+    pub clients: Vec<ipnet::IpNet>,
     pub upstream: Arc<Upstream>,
     /// Largest request body accepted, in bytes (413 above it).
     pub max_body: u64,
@@ -134,7 +136,18 @@ pub struct StaticResponse {
 }
 
 impl Route {
-    fn matches(&self, host: Option<&str>, method: &Method, path: &str) -> bool {
+    fn matches(
+        &self,
+        host: Option<&str>,
+        method: &Method,
+        path: &str,
+        client: Option<std::net::IpAddr>,
+    ) -> bool {
+        if !self.clients.is_empty()
+            && !client.is_some_and(|client| super::header::in_networks(client, &self.clients))
+        {
+            return false;
+        }
         // HEAD is a GET without the body (the app runs the same script): a route for GET
         // holds for it, as nginx's `limit_except GET` does.
         let method_holds = self.methods.is_empty()
@@ -201,7 +214,7 @@ impl RouteTable {
     ) -> Option<&Arc<Route>> {
         self.routes
             .iter()
-            .find(|route| route.matches(host, method, path))
+            .find(|route| route.matches(host, method, path, None))
             .or(self.fallback.as_ref())
     }
 
@@ -219,17 +232,30 @@ impl RouteTable {
         })
     }
 
-    /// `host` is without port (see `host_of`); `path` is normalised.
+    /// `find_from` for a client levee does not know: routes limited to some clients are
+    /// not found.
     pub fn find(&self, host: Option<&str>, method: &Method, path: &str) -> Option<&Arc<Route>> {
+        self.find_from(host, method, path, None)
+    }
+
+    /// `host` is without port (see `host_of`); `path` is normalised; `client` is the client's
+    /// address as levee resolved it.
+    pub fn find_from(
+        &self,
+        host: Option<&str>,
+        method: &Method,
+        path: &str,
+        client: Option<std::net::IpAddr>,
+    ) -> Option<&Arc<Route>> {
         let found = match &self.index {
             Some(index) => index
                 .candidates(path)
                 .filter_map(|at| self.routes.get(at as usize))
-                .find(|route| route.matches(host, method, path)),
+                .find(|route| route.matches(host, method, path, client)),
             None => self
                 .routes
                 .iter()
-                .find(|route| route.matches(host, method, path)),
+                .find(|route| route.matches(host, method, path, client)),
         };
         found.or(self.fallback.as_ref())
     }
