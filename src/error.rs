@@ -25,6 +25,15 @@ pub enum ErrorSide {
     Internal,
 }
 
+/// The words of a queue route's 503: "nothing was stored" only when levee knows it.
+fn queue_unavailable(route: &str, unsettled: bool) -> String {
+    if unsettled {
+        format!("the queue of route `{route}` could not confirm the work was stored: it may still be applied; send it again only with the same Idempotency-Key")
+    } else {
+        format!("the queue of route `{route}` cannot store work right now; nothing was stored")
+    }
+}
+
 /// Everything that can stop a request from being answered by its upstream.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -60,8 +69,13 @@ pub enum ProxyError {
         tier: u8,
         fallback: Option<Arc<StaticResponse>>,
     },
-    #[error("the queue of route `{route}` cannot store work right now; nothing was stored")]
-    QueueUnavailable { route: String },
+    #[error("{}", queue_unavailable(route, *unsettled))]
+    QueueUnavailable {
+        route: String,
+        /// The write went out, its answer was lost, and asking Redis what became of it
+        /// failed too: Redis may have stored it (and kept it through a crash).
+        unsettled: bool,
+    },
     #[error("route `{route}` is switched off for now")]
     Degraded {
         route: String,

@@ -332,6 +332,7 @@ pub async fn enqueue(
         tracing::warn!(route = %route.name, "job not stored, answering 503: {error}");
         ProxyError::QueueUnavailable {
             route: route.name.to_string(),
+            unsettled: false,
         }
     };
     // A plain XADD that times out here is not cancelled: a Redis that was only frozen or slow
@@ -388,11 +389,17 @@ pub async fn enqueue(
                 )))
             }
             Err(settling) => {
-                return Err(not_stored(format!(
-                    "{error}; what became of the write could not be checked either \
-                     ({settling}): if Redis ran it, the check withdraws it when it runs, \
-                     unless a worker read the job first"
-                )))
+                // Redis may hold the job: a check queued behind the write withdraws it if it
+                // runs, but a Redis that saved the write and died before answering keeps it.
+                tracing::warn!(
+                    route = %route.name,
+                    "job perhaps stored, answering 503: {error}; what became of the write \
+                     could not be checked either ({settling})"
+                );
+                return Err(ProxyError::QueueUnavailable {
+                    route: route.name.to_string(),
+                    unsettled: true,
+                });
             }
         },
     };
