@@ -18,7 +18,8 @@ pub enum PathError {
 }
 
 /// Normalises a request path (without query) for matching:
-/// percent-decodes unreserved characters (RFC 3986 2.3), upper-cases the hex digits of the
+/// percent-decodes the characters a path segment holds raw (unreserved, sub-delimiters, `:`
+/// and `@`; RFC 3986 2.3 and 3.3), upper-cases the hex digits of the
 /// escapes it keeps, collapses repeated slashes and resolves `.` and `..` segments
 /// (RFC 3986 5.2.4; `..` never climbs above the root).
 ///
@@ -134,7 +135,30 @@ fn decode_unreserved(path: &str) -> Result<String, PathError> {
             return Err(PathError::BadPercentEncoding);
         };
         let decoded = hi * 16 + lo;
-        if decoded.is_ascii_alphanumeric() || matches!(decoded, b'-' | b'.' | b'_' | b'~') {
+        // Unreserved characters, and the sub-delimiters, `:` and `@` that a path segment
+        // holds raw as well (RFC 3986 3.3): nginx decodes every escape before it looks for
+        // the file, so `/x%28y%29.php` runs `/x(y).php` and must be its route.
+        if decoded.is_ascii_alphanumeric()
+            || matches!(
+                decoded,
+                b'-' | b'.'
+                    | b'_'
+                    | b'~'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+                    | b':'
+                    | b'@'
+            )
+        {
             out.push(decoded);
         } else {
             push_percent_encoded(&mut out, decoded);
@@ -254,6 +278,10 @@ mod tests {
     fn reserved_escapes_stay_encoded() {
         assert_eq!(norm("/a%2fb"), "/a%2Fb");
         assert_eq!(norm("/a%20b"), "/a%20b");
+        assert_eq!(norm("/a%3fb%23c%25d"), "/a%3Fb%23c%25d");
+        // What a segment holds raw is the same character escaped: nginx runs the same file.
+        assert_eq!(norm("/x%28y%29.php"), "/x(y).php");
+        assert_eq!(norm("/%40admin/a%3Ab%2C%3B%3D%21%24%26%27%2A%2B"), "/@admin/a:b,;=!$&'*+");
     }
 
     #[test]
