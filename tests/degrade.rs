@@ -1522,3 +1522,23 @@ async fn a_copy_keeps_the_apps_date_and_the_age_it_came_with() {
         .expect("an Age");
     assert!((1..60).contains(&age), "{age}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_left_for_a_module_the_policy_dropped_can_be_handed_back() {
+    let backend = echo_backend().await;
+    let policy = policy_for(backend.addr, "access_log = false", ROUTES);
+    let levee = Levee::start(&policy).await;
+    assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    // The route (and so the module) leaves the policy; its switch stays saved.
+    let without = policy.replace("module = \"visitors\"", "");
+    assert_ne!(without, policy);
+    std::fs::write(levee.policy_file(), &without).expect("rewrite the policy");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    // Switching it on or off is refused (no such module), handing it back is not.
+    assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 400);
+    assert_eq!(set(&levee, "/modules/visitors", "policy").await.status, 200);
+    // Back in the policy, the module is on: nothing was left to hide it again.
+    std::fs::write(levee.policy_file(), &policy).expect("rewrite the policy");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    assert_eq!(get(&levee.url("/visitors")).await.status, 200);
+}

@@ -71,8 +71,12 @@ pub async fn apply(
             ));
         }
     }
-    if let Change::Module(name, _) = &change {
-        if !policy.degrade.modules.contains_key(name) {
+    if let Change::Module(name, off) = &change {
+        // A switch left for a module the policy no longer has can still be handed back
+        // (`policy`): otherwise it would stay saved, unseen, and hide the module again the
+        // day a policy brings the module back.
+        let clearing_a_leftover = off.is_none() && degrade.runtime().modules.contains_key(name);
+        if !policy.degrade.modules.contains_key(name) && !clearing_a_leftover {
             let known: Vec<&str> = policy.degrade.modules.keys().map(String::as_str).collect();
             return Err(format!(
                 "no module named `{name}`; modules: {}",

@@ -281,7 +281,10 @@ mod tests {
         assert_eq!(norm("/a%3fb%23c%25d"), "/a%3Fb%23c%25d");
         // What a segment holds raw is the same character escaped: nginx runs the same file.
         assert_eq!(norm("/x%28y%29.php"), "/x(y).php");
-        assert_eq!(norm("/%40admin/a%3Ab%2C%3B%3D%21%24%26%27%2A%2B"), "/@admin/a:b,;=!$&'*+");
+        assert_eq!(
+            norm("/%40admin/a%3Ab%2C%3B%3D%21%24%26%27%2A%2B"),
+            "/@admin/a:b,;=!$&'*+"
+        );
     }
 
     #[test]

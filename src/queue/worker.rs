@@ -855,11 +855,12 @@ impl Pass<'_> {
                             tracing::warn!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
                             self.count(&shared.metrics.queue_dead_lettered);
                         }
-                    } else if self
-                        .delay(&id, &job, backoff(settings, job.attempts))
-                        .await?
-                    {
-                        self.count(&shared.metrics.queue_retries);
+                    } else {
+                        let wait = backoff(settings, job.attempts);
+                        if self.delay(&id, &job, wait).await? {
+                            tracing::info!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, retry_in = ?wait, "replay failed, to be tried again: {error}");
+                            self.count(&shared.metrics.queue_retries);
+                        }
                     }
                 }
                 Replay::Held => {
