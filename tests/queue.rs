@@ -1633,3 +1633,49 @@ async fn page_views_on_a_queue_route_are_never_queued() {
     .await;
     assert_eq!(backend.hits(), 1, "no page view reached the app while off");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_page_by_page() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    let dead = "levee:queue:{notify}:dead";
+    for id in 1..=5 {
+        redis.cli(&["XADD", dead, &format!("{id}-0"), "error", "x"]);
+    }
+    let page = |query: &str| {
+        let url = levee.admin_url(&format!("/queues/notify/dead{query}"));
+        async move { get(&url).await }
+    };
+    let ids = |answer: &Answer| -> Vec<String> {
+        answer
+            .json()
+            .as_array()
+            .expect("list")
+            .iter()
+            .map(|letter| letter["id"].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    let first = page("?limit=2").await;
+    assert_eq!(ids(&first), ["5-0", "4-0"]);
+    let next = first.header("link").expect("a next page").to_string();
+    assert_eq!(
+        next,
+        "</queues/notify/dead?limit=2&before=4-0>; rel=\"next\""
+    );
+    let second = page("?limit=2&before=4-0").await;
+    assert_eq!(ids(&second), ["3-0", "2-0"]);
+    let last = page("?limit=2&before=2-0").await;
+    assert_eq!(ids(&last), ["1-0"]);
+    assert_eq!(
+        last.header("link"),
+        None,
+        "the oldest letter is on this page"
+    );
+    assert_eq!(ids(&page("").await).len(), 5);
+    for bad in ["?limit=0", "?limit=1001", "?before=x", "?page=2"] {
+        let answer = page(bad).await;
+        assert_eq!(answer.status, 400, "{bad}: {}", answer.text());
+    }
+}

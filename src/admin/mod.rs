@@ -152,7 +152,7 @@ async fn answer(
             if *method == Method::POST {
                 tracing::warn!(%path, by = %peer_or_token(&request), "dead letter retry or drop asked from the admin API");
             }
-            dead_letter_request(&shared, method, path).await
+            dead_letter_request(&shared, method, path, request.uri().query()).await
         }
         (&Method::POST, path) if path.starts_with("/breakers/") => {
             let name = path_segment(path.trim_start_matches("/breakers/"));
@@ -272,6 +272,57 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
     }
 }
 
+/// Which dead letters `GET /queues/ROUTE/dead` lists: the newest `limit` older than `before`.
+struct DeadLetterPage {
+    limit: usize,
+    before: Option<String>,
+}
+
+impl DeadLetterPage {
+    fn parse(query: Option<&str>) -> Result<DeadLetterPage, String> {
+        let mut page = DeadLetterPage {
+            limit: DEAD_LETTERS_LISTED,
+            before: None,
+        };
+        for pair in query
+            .unwrap_or_default()
+            .split('&')
+            .filter(|pair| !pair.is_empty())
+        {
+            match pair.split_once('=') {
+                Some(("limit", value)) => {
+                    page.limit = value
+                        .parse()
+                        .ok()
+                        .filter(|limit| (1..=MOST_DEAD_LETTERS_LISTED).contains(limit))
+                        .ok_or_else(|| {
+                            format!(
+                                "limit `{}` is not a number from 1 to {MOST_DEAD_LETTERS_LISTED}",
+                                value.escape_debug()
+                            )
+                        })?;
+                }
+                Some(("before", value)) if is_entry_id(value) => {
+                    page.before = Some(value.to_string())
+                }
+                Some(("before", value)) => {
+                    return Err(format!(
+                        "before `{}` is not a dead letter's id (like 1700000000000-0)",
+                        value.escape_debug()
+                    ))
+                }
+                _ => {
+                    return Err(format!(
+                        "unknown parameter `{}`; use limit and before",
+                        pair.escape_debug()
+                    ))
+                }
+            }
+        }
+        Ok(page)
+    }
+}
+
 /// The queues' figures live in Redis alone: without it there are none to show, and 200 with
 /// made-up counts would tell a monitor the queues are fine.
 fn queues_unreadable(failure: &RedisFailure) -> Response<ResponseBody> {
@@ -282,11 +333,18 @@ fn queues_unreadable(failure: &RedisFailure) -> Response<ResponseBody> {
     )
 }
 
-/// `GET /queues/ROUTE/dead`, `POST /queues/ROUTE/dead/ID/retry`, `POST /queues/ROUTE/dead/ID/drop`.
+/// Dead letters listed at once when `limit` does not say: the newest.
+const DEAD_LETTERS_LISTED: usize = 100;
+/// The most `limit` may ask for.
+const MOST_DEAD_LETTERS_LISTED: usize = 1000;
+
+/// `GET /queues/ROUTE/dead[?limit=N&before=ID]`, `POST /queues/ROUTE/dead/ID/retry`,
+/// `POST /queues/ROUTE/dead/ID/drop`.
 async fn dead_letter_request(
     shared: &Shared,
     method: &Method,
     path: &str,
+    query: Option<&str>,
 ) -> Response<ResponseBody> {
     let policy = shared.store.load();
     let parts: Vec<String> = path
@@ -317,8 +375,20 @@ async fn dead_letter_request(
         );
     };
     match (method, parts.as_slice()) {
-        (&Method::GET, [_, "dead"]) => match worker::dead_letters(redis, &keys, 100).await {
-            Ok(jobs) => json_response(
+        (&Method::GET, [_, "dead"]) => {
+            let page = match DeadLetterPage::parse(query) {
+                Ok(page) => page,
+                Err(reason) => return text_response(StatusCode::BAD_REQUEST, format!("400 {reason}\n")),
+            };
+            // One more than asked: whether there are older letters, and where they start.
+            let listed = worker::dead_letters(redis, &keys, page.limit + 1, page.before.as_deref()).await;
+            let Ok(mut jobs) = listed else {
+                let error = listed.err().map(|error| error.to_string()).unwrap_or_default();
+                return text_response(StatusCode::SERVICE_UNAVAILABLE, format!("503 {error}\n"));
+            };
+            let more = jobs.len() > page.limit;
+            jobs.truncate(page.limit);
+            let mut response = json_response(
                 StatusCode::OK,
                 &json!(jobs
                     .iter()
@@ -333,9 +403,16 @@ async fn dead_letter_request(
                         "body_bytes": job.body.len(),
                     }))
                     .collect::<Vec<_>>()),
-            ),
-            Err(error) => text_response(StatusCode::SERVICE_UNAVAILABLE, format!("503 {error}\n")),
-        },
+            );
+            // Older letters are there: the next page, as a `Link` (RFC 8288) a script follows.
+            if let (true, Some((last, _))) = (more, jobs.last()) {
+                let next = format!("</queues/{}/dead?limit={}&before={last}>; rel=\"next\"", parts[0], page.limit);
+                if let Ok(value) = http::HeaderValue::from_str(&next) {
+                    response.headers_mut().insert(http::header::LINK, value);
+                }
+            }
+            response
+        }
         (&Method::POST, [_, "dead", id, "retry" | "drop"]) if !is_entry_id(id) => {
             text_response(
                 StatusCode::BAD_REQUEST,

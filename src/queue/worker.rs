@@ -1118,15 +1118,17 @@ return redis.call('XDEL', KEYS[1], ARGV[2])
 }
 
 /// Dead letters of a route, newest first (at most `count`).
+/// The newest `count` dead letters, or the newest older than the letter `before`.
 pub async fn dead_letters(
     redis: &RedisStore,
     keys: &QueueKeys,
     count: usize,
+    before: Option<&str>,
 ) -> Result<Vec<(String, Job)>, RedisFailure> {
     let mut command = redis::cmd("XREVRANGE");
     command
         .arg(&keys.dead)
-        .arg("+")
+        .arg(before.map_or_else(|| "+".to_string(), |id| format!("({id}")))
         .arg("-")
         .arg("COUNT")
         .arg(count);
