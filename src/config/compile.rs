@@ -1690,12 +1690,47 @@ fn compile_queue(
             "a live worker renews its hold on its jobs every third of claim_after; \"30s\" is the default",
         );
     }
+    let backoff_base = compiler.duration(file, &inner.backoff_base, defaults.backoff_base);
+    let backoff_max = compiler.duration(file, &inner.backoff_max, defaults.backoff_max);
+    if backoff_base > backoff_max {
+        let at = inner
+            .backoff_base
+            .as_ref()
+            .or(inner.backoff_max.as_ref())
+            .map_or(spec.span(), |value| value.span());
+        compiler.error_hint(
+            file,
+            at,
+            format!("backoff_base ({backoff_base:?}) is longer than backoff_max ({backoff_max:?})"),
+            "the first retry waits backoff_base, then twice as long each time, up to backoff_max",
+        );
+    }
+    if max_body == 0 {
+        let at = inner
+            .max_body
+            .as_ref()
+            .map_or(spec.span(), |value| value.span());
+        compiler.error(
+            file,
+            at,
+            "[queue] max_body must be above 0: no request could be queued",
+        );
+    }
+    let group = inner.group.clone().unwrap_or(defaults.group);
+    if group.trim().is_empty() {
+        compiler.error_hint(
+            file,
+            spec.span(),
+            "[queue] group is empty",
+            "name the consumer group the fleet shares; \"levee\" is the default",
+        );
+    }
     Some(QueueSettings {
-        group: inner.group.clone().unwrap_or(defaults.group),
+        group,
         claim_after,
         max_attempts,
-        backoff_base: compiler.duration(file, &inner.backoff_base, defaults.backoff_base),
-        backoff_max: compiler.duration(file, &inner.backoff_max, defaults.backoff_max),
+        backoff_base,
+        backoff_max,
         max_body: usize::try_from(max_body).unwrap_or(usize::MAX),
         replay_rate,
         poll_interval: compiler.nonzero_duration(
@@ -3401,6 +3436,32 @@ mod tests {
             refused.iter().any(|error| error.starts_with("a.toml:5:40:")
                 && error.contains("client `the app` is not an IP address or CIDR range")),
             "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn queue_settings_that_cannot_work_are_refused() {
+        let queue = |settings: &str| {
+            let text =
+                format!("[redis]\nurl = \"redis://127.0.0.1:1\"\n[queue]\n{settings}\n{APP}");
+            errors(&[("a.toml", &text)])
+        };
+        let said = |settings: &str, words: &str| {
+            let errors = queue(settings);
+            assert!(
+                errors.iter().any(|error| error.contains(words)),
+                "{settings}: {errors:?}"
+            );
+        };
+        said(
+            "backoff_base = \"10m\"\nbackoff_max = \"1s\"",
+            "backoff_base (600s) is longer than backoff_max (1s)",
+        );
+        said("max_body = \"0\"", "max_body must be above 0");
+        said("group = \" \"", "group is empty");
+        assert_eq!(
+            queue("backoff_base = \"1s\"\nbackoff_max = \"1s\"\ngroup = \"site\""),
+            Vec::<String>::new()
         );
     }
 
