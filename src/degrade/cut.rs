@@ -573,8 +573,10 @@ pub fn holder_walk(buf: &[u8], at: usize) -> (Holder, bool) {
     (found, false)
 }
 
-/// Elements whose text is not markup: their end tag bounds how far back `holder` reads.
-const RAW_TEXT_ENDS: &[&[u8]] = &[
+/// Elements whose text is not markup (raw-text and escapable raw-text elements, and
+/// `noscript`, raw text where scripts run, as in every browser that matters here): their end
+/// tag bounds how far back `holder` reads, and their text holds no module.
+const RAW_TEXT: &[&[u8]] = &[
     b"script",
     b"style",
     b"textarea",
@@ -591,7 +593,7 @@ fn ends_raw_text(rest: &[u8]) -> bool {
     let Some(name) = rest.strip_prefix(b"</") else {
         return false;
     };
-    RAW_TEXT_ENDS.iter().any(|end| {
+    RAW_TEXT.iter().any(|end| {
         name.len() > end.len()
             && name[..end.len()].eq_ignore_ascii_case(end)
             && matches!(
@@ -630,20 +632,6 @@ enum Inside {
     /// `<plaintext>`: text to the end of the page.
     Plaintext,
 }
-
-/// Raw-text and escapable raw-text elements, and `noscript` (raw text where scripts run, as
-/// in every browser that matters here).
-const RAW_TEXT: &[&[u8]] = &[
-    b"script",
-    b"style",
-    b"textarea",
-    b"title",
-    b"xmp",
-    b"iframe",
-    b"noembed",
-    b"noframes",
-    b"noscript",
-];
 
 /// The longest name worth reading after a `<` (`plaintext`), and one byte more.
 const LONGEST_RAW_NAME: usize = 10;

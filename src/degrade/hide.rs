@@ -1278,7 +1278,12 @@ mod tests {
             fast,
         );
         hider.carry = carry;
-        // The reference runs the rewriter to the end of the page, as the fast path scans it.
+        run_hider(hider, page, chunk)
+    }
+
+    /// `page` through `hider` in pieces of `chunk` bytes, to the end. The rewriter runs to the
+    /// end of the page too (the reference), as the fast path scans it.
+    fn run_hider(mut hider: Hider, page: &[u8], chunk: usize) -> Vec<u8> {
         hider.plan.stop_after = 0;
         let mut out = Vec::new();
         for piece in page.chunks(chunk) {
@@ -1414,26 +1419,13 @@ mod tests {
             assert!(expected.contains("<p>after</p>"), "{page}");
             for chunk in [1, 3, 7, 64, 1 << 20] {
                 let selectors = ["#ranking".to_string()];
-                let mut hider = Hider::new(
+                let hider = Hider::new(
                     &selectors,
                     vec!["ads".to_string()],
                     AsciiCompatibleEncoding::utf_8(),
                     true,
                 );
-                hider.plan.stop_after = 0;
-                let mut out = Vec::new();
-                for piece in page.as_bytes().chunks(chunk) {
-                    hider
-                        .feed_shared(Bytes::copy_from_slice(piece))
-                        .expect("feeds");
-                    while let Some(piece) = take(&hider.output) {
-                        out.extend_from_slice(&piece);
-                    }
-                }
-                hider.end().expect("ends");
-                while let Some(piece) = take(&hider.output) {
-                    out.extend_from_slice(&piece);
-                }
+                let out = run_hider(hider, page.as_bytes(), chunk);
                 assert_eq!(String::from_utf8_lossy(&out), expected, "chunk {chunk}");
             }
         }

@@ -138,27 +138,7 @@ fn decode_unreserved(path: &str) -> Result<String, PathError> {
         // Unreserved characters, and the sub-delimiters, `:` and `@` that a path segment
         // holds raw as well (RFC 3986 3.3): nginx decodes every escape before it looks for
         // the file, so `/x%28y%29.php` runs `/x(y).php` and must be its route.
-        if decoded.is_ascii_alphanumeric()
-            || matches!(
-                decoded,
-                b'-' | b'.'
-                    | b'_'
-                    | b'~'
-                    | b'!'
-                    | b'$'
-                    | b'&'
-                    | b'\''
-                    | b'('
-                    | b')'
-                    | b'*'
-                    | b'+'
-                    | b','
-                    | b';'
-                    | b'='
-                    | b':'
-                    | b'@'
-            )
-        {
+        if is_unreserved_or_sub_delim(decoded) || matches!(decoded, b':' | b'@') {
             out.push(decoded);
         } else {
             push_percent_encoded(&mut out, decoded);
@@ -168,6 +148,28 @@ fn decode_unreserved(path: &str) -> Result<String, PathError> {
     // Only ASCII escapes were replaced (by ASCII), so the bytes are still the input's UTF-8;
     // the error arm cannot be reached and is there only to avoid an unwrap.
     String::from_utf8(out).map_err(|_| PathError::BadPercentEncoding)
+}
+
+/// RFC 3986's unreserved (2.3) and sub-delimiter (2.2) characters.
+pub(crate) const fn is_unreserved_or_sub_delim(b: u8) -> bool {
+    b.is_ascii_alphanumeric()
+        || matches!(
+            b,
+            b'-' | b'.'
+                | b'_'
+                | b'~'
+                | b'!'
+                | b'$'
+                | b'&'
+                | b'\''
+                | b'('
+                | b')'
+                | b'*'
+                | b'+'
+                | b','
+                | b';'
+                | b'='
+        )
 }
 
 /// Writes `byte` as `%XX` (upper-case hex, as RFC 3986 recommends).

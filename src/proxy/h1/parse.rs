@@ -400,25 +400,7 @@ fn is_host(value: &[u8]) -> bool {
 /// RFC 3986's unreserved and sub-delimiter bytes, and the `%` of an escape: what a URI's
 /// parts all allow.
 const fn is_unreserved_or_sub_delim(b: u8) -> bool {
-    b.is_ascii_alphanumeric()
-        || matches!(
-            b,
-            b'-' | b'.'
-                | b'_'
-                | b'~'
-                | b'%'
-                | b'!'
-                | b'$'
-                | b'&'
-                | b'\''
-                | b'('
-                | b')'
-                | b'*'
-                | b'+'
-                | b','
-                | b';'
-                | b'='
-        )
+    crate::proxy::path::is_unreserved_or_sub_delim(b) || b == b'%'
 }
 
 /// The bytes [`is_host`] allows in a registered name, as a table: every request is checked,
