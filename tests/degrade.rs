@@ -1542,3 +1542,46 @@ async fn a_switch_left_for_a_module_the_policy_dropped_can_be_handed_back() {
     assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
     assert_eq!(get(&levee.url("/visitors")).await.status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_level_redis_holds_that_does_not_exist_is_not_followed() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n{ROUTES}",
+            redis.url()
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    // Written by hand (or another program): a level that does not exist, next to a module
+    // switch that does, which shows when the sync has read them.
+    redis.cli(&[
+        "HSET",
+        "levee:switches",
+        "level",
+        "{\"value\":9,\"by\":\"script\",\"at_unix\":1}",
+        "module:visitors",
+        "{\"value\":true,\"by\":\"script\",\"at_unix\":1}",
+    ]);
+    eventually(
+        Duration::from_secs(5),
+        "the sync to read the switches",
+        || async { get(&levee.url("/visitors")).await.status != 200 },
+    )
+    .await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_degrade_level"),
+        0.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        get(&levee.url("/notifications")).await.status,
+        200,
+        "tier 2 stays on"
+    );
+}

@@ -273,16 +273,55 @@ pub async fn load(policy: &Policy) -> Result<RuntimeSwitches, String> {
             let mut switches = RuntimeSwitches::default();
             for (field, value) in fields {
                 if field == "level" {
-                    switches.level = serde_json::from_str(&value).ok();
+                    switches.level = match serde_json::from_str(&value) {
+                        Ok(level) => Some(level),
+                        Err(error) => {
+                            ignored_once(&format!(
+                                "redis holds a level switch levee cannot read ({error}): {value:?}"
+                            ));
+                            None
+                        }
+                    };
                 } else if let Some(name) = field.strip_prefix("module:") {
-                    if let Ok(switch) = serde_json::from_str(&value) {
-                        switches.modules.insert(name.to_string(), switch);
+                    match serde_json::from_str(&value) {
+                        Ok(switch) => {
+                            switches.modules.insert(name.to_string(), switch);
+                        }
+                        Err(error) => ignored_once(&format!("redis holds a switch of module `{name}` levee cannot read ({error}): {value:?}")),
                     }
                 }
             }
-            Ok(switches)
+            Ok(within_levels(switches, "redis"))
         }
         None => load_file(&policy.degrade.state_file),
+    }
+}
+
+/// A saved level that does not exist (written by hand, or by another program) is not put in
+/// effect: levels are 0 to `MAX_LEVEL`, as `apply` holds operators to.
+fn within_levels(mut switches: RuntimeSwitches, from: &str) -> RuntimeSwitches {
+    if let Some(level) = switches
+        .level
+        .as_ref()
+        .filter(|level| level.value > MAX_LEVEL)
+    {
+        ignored_once(&format!(
+            "{from} holds level {} (by {}), which does not exist; levels are 0 to {MAX_LEVEL}",
+            level.value, level.by
+        ));
+        switches.level = None;
+    }
+    switches
+}
+
+/// Warns that a saved switch is ignored, once for each different one: the sync reads the
+/// switches every `sync_interval`, and the same broken one would be told every time.
+fn ignored_once(what: &str) {
+    static LAST: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+    let mut last = LAST.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if *last != what {
+        tracing::warn!("{what}: ignored; the policy's setting holds until an operator switches it");
+        *last = what.to_string();
     }
 }
 
@@ -290,6 +329,7 @@ pub async fn load(policy: &Policy) -> Result<RuntimeSwitches, String> {
 fn load_file(path: &Path) -> Result<RuntimeSwitches, String> {
     match std::fs::read(path) {
         Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(|switches| within_levels(switches, &format!("state file {}", path.display())))
             .map_err(|error| format!("state file {} is not valid: {error}", path.display())),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
             Ok(RuntimeSwitches::default())
@@ -436,6 +476,20 @@ fn describe_changes(seen: &RuntimeSwitches, now: &RuntimeSwitches) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_saved_level_that_does_not_exist_is_not_put_in_effect() {
+        let dir = tempfile::tempdir().expect("dir");
+        let file = dir.path().join("state.json");
+        for (level, kept) in [(2, true), (7, false)] {
+            let saved = format!(
+                "{{\"level\":{{\"value\":{level},\"by\":\"x\",\"at_unix\":1}},\"modules\":{{}}}}"
+            );
+            std::fs::write(&file, saved).expect("write");
+            let loaded = load_file(&file).expect("loads");
+            assert_eq!(loaded.level.is_some(), kept, "level {level}");
+        }
+    }
 
     #[test]
     fn a_fleet_change_is_told_in_words() {
