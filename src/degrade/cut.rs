@@ -590,17 +590,24 @@ const RAW_TEXT: &[&[u8]] = &[
 
 /// Does `rest` begin with the end tag of an element whose text is not markup?
 fn ends_raw_text(rest: &[u8]) -> bool {
-    let Some(name) = rest.strip_prefix(b"</") else {
-        return false;
+    RAW_TEXT
+        .iter()
+        .any(|name| end_tag_named(rest, name) == Some(true))
+}
+
+/// Does `rest` begin with `name`'s end tag (`</script>`, `</SCRIPT `)? `None`: `rest` ends
+/// before that can be told.
+fn end_tag_named(rest: &[u8], name: &[u8]) -> Option<bool> {
+    let Some(tail) = rest.strip_prefix(b"</") else {
+        return Some(false);
     };
-    RAW_TEXT.iter().any(|end| {
-        name.len() > end.len()
-            && name[..end.len()].eq_ignore_ascii_case(end)
-            && matches!(
-                name[end.len()],
-                b'>' | b'/' | b' ' | b'\t' | b'\n' | b'\r' | b'\x0c'
-            )
-    })
+    let after = *tail.get(name.len())?;
+    Some(tail[..name.len()].eq_ignore_ascii_case(name) && ends_tag_name(after))
+}
+
+/// Does `byte` end a tag's name (HTML's tag name state: whitespace, `/` or `>`)?
+fn ends_tag_name(byte: u8) -> bool {
+    matches!(byte, b'>' | b'/' | b' ' | b'\t' | b'\n' | b'\r' | b'\x0c')
 }
 
 /// Where the page's bytes read so far leave HTML's tokenizer, as far as hiding needs it: in
@@ -706,7 +713,7 @@ fn opens(rest: &[u8]) -> Opens {
             let Some(&after) = rest.get(1 + name_len) else {
                 return Opens::NeedMore;
             };
-            if !matches!(after, b'>' | b'/' | b' ' | b'\t' | b'\n' | b'\r' | b'\x0c') {
+            if !ends_tag_name(after) {
                 return Opens::Markup;
             }
             let name = &rest[1..1 + name_len];
@@ -788,18 +795,15 @@ impl TokenizerState {
                             return buf.len().saturating_sub(1).max(from);
                         };
                         let lt = from + found;
-                        let Some(after) = buf.get(lt + 2 + name.len()) else {
-                            return lt;
-                        };
-                        let named = buf[lt + 2..lt + 2 + name.len()].eq_ignore_ascii_case(name);
-                        if named
-                            && matches!(after, b'>' | b'/' | b' ' | b'\t' | b'\n' | b'\r' | b'\x0c')
-                        {
-                            self.inside = Inside::Markup;
-                            at = lt + 2 + name.len();
-                            break;
+                        match end_tag_named(&buf[lt..], name) {
+                            None => return lt,
+                            Some(true) => {
+                                self.inside = Inside::Markup;
+                                at = lt + 2 + name.len();
+                                break;
+                            }
+                            Some(false) => from = lt + 2,
                         }
-                        from = lt + 2;
                     }
                 }
                 Inside::Plaintext => return buf.len(),

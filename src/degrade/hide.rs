@@ -758,9 +758,8 @@ impl Hider {
                         emit_shared(&self.output, before);
                         continue;
                     }
-                    Found::Element { start, .. } | Found::Unsure { start }
-                        if !scan.in_markup_at(start) =>
-                    {
+                    // (An unsure one is looked at where the rewriter would take over, below.)
+                    Found::Element { start, .. } if !scan.in_markup_at(start) => {
                         let before = scan.take(at + len);
                         emit_shared(&self.output, before);
                         continue;

@@ -119,11 +119,8 @@ impl LocalStore {
                         }
                         bucket.tat
                     });
-                let tat = match (stored, ask.at_least) {
-                    (Some(stored), Some(known)) => Some(stored.max(known)),
-                    (stored, known) => stored.or(known),
-                };
-                decide(tat, now, ask.rate)
+                // `None` (no bucket) is below any time: the later of the two, or the one there.
+                decide(stored.max(ask.at_least), now, ask.rate)
             })
             .collect();
         let blocked = asks

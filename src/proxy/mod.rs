@@ -554,18 +554,8 @@ async fn forward(
         }
         Err(error) => return Err(error),
     };
-    if failure_status && stale.settings.is_some() {
-        let copy = stale.copy(shared, policy, &route).await;
-        count_degraded(
-            shared,
-            &route,
-            if copy.is_some() {
-                "stale"
-            } else {
-                "stale_missing"
-            },
-        );
-        if let Some(copy) = copy {
+    if failure_status {
+        if let Some(copy) = stale.counted_copy(shared, policy, &route).await {
             return Ok(with_rate_limit_fields(copy, allowed_headers).into());
         }
     }
@@ -760,20 +750,32 @@ impl Stale {
         refusal: ProxyError,
     ) -> Result<Response<ResponseBody>, ProxyError> {
         if self.settings.is_some() {
-            let served = self.copy(shared, policy, route).await;
-            let action = if served.is_some() {
-                "stale"
-            } else {
-                "stale_missing"
-            };
-            count_degraded(shared, route, action);
-            if let Some(response) = served {
+            if let Some(response) = self.counted_copy(shared, policy, route).await {
                 return Ok(response);
             }
         } else if matches!(refusal, ProxyError::Degraded { .. }) {
             count_degraded(shared, route, "reject");
         }
         Err(refusal)
+    }
+
+    /// [`Self::copy`] on a stale route, counted as the degrade action's answer: `stale`, or
+    /// `stale_missing` when there is none to serve.
+    async fn counted_copy(
+        &self,
+        shared: &Shared,
+        policy: &Policy,
+        route: &Route,
+    ) -> Option<Response<ResponseBody>> {
+        self.settings.as_ref()?;
+        let served = self.copy(shared, policy, route).await;
+        let action = if served.is_some() {
+            "stale"
+        } else {
+            "stale_missing"
+        };
+        count_degraded(shared, route, action);
+        served
     }
 
     /// Leads the fetch of this copy, or waits for the fetch already in flight: for its head at
