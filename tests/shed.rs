@@ -292,3 +292,70 @@ async fn clients_trickling_small_forms_hold_no_slot() {
     );
     drop(stalled);
 }
+
+/// php-fpm runs a script to its end whether or not the client still waits for it: a client
+/// that asks and hangs up must not free the slot while the app is still busy with its request,
+/// or a few such clients put any number of scripts on a pool that `max_inflight` bounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_leaves_its_slot_taken_until_the_app_answers() {
+    use tokio::io::AsyncWriteExt;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let backend = {
+        let gate = gate.clone();
+        Backend::start(move |request: Request<Incoming>| {
+            let gate = gate.clone();
+            async move {
+                if request.uri().path() == "/busy.php" {
+                    let _opened = gate.acquire().await;
+                }
+                Response::new(full("ok"))
+            }
+        })
+        .await
+    };
+    let policy = policy_for(
+        backend.addr,
+        "",
+        &format!("max_inflight = 1\nshed_reserve = 0.0\nqueue_wait = \"50ms\"\n{ROUTES}"),
+    );
+    let levee = Levee::start(&policy).await;
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET /busy.php HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .expect("write");
+    eventually(
+        Duration::from_secs(5),
+        "the request to reach the app",
+        || async { backend.hits() == 1 },
+    )
+    .await;
+    drop(stream);
+    eventually(
+        Duration::from_secs(5),
+        "levee to see the client go",
+        || async {
+            let metrics = get(&levee.admin_url("/metrics")).await.text();
+            metric_value(
+                &metrics,
+                "levee_requests_total{route=\"view\",status=\"499\"}",
+            ) == 1.0
+        },
+    )
+    .await;
+    // The app is still running the script: its slot is taken.
+    let shed = get(&levee.url("/stats")).await;
+    assert_eq!(shed.status, 503, "{}", shed.text());
+    assert_eq!(backend.hits(), 1, "the shed request never reached the app");
+
+    // The script ends: the slot is free again.
+    gate.add_permits(1);
+    eventually(
+        Duration::from_secs(5),
+        "the slot to be freed once the app answered",
+        || async { get(&levee.url("/stats")).await.status == 200 },
+    )
+    .await;
+}

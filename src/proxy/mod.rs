@@ -15,6 +15,7 @@ pub mod h1;
 pub mod header;
 pub mod path;
 pub mod route;
+mod run_on;
 pub mod server;
 pub mod upgrade;
 pub mod upstream;
@@ -444,13 +445,15 @@ async fn forward(
     };
 
     // Bulkhead: at max_inflight, tier 3 is shed first, tier 1 keeps its reserve. The slot is
-    // held until the response body has been sent, like the php-fpm worker it stands for.
+    // held until the response body has been sent, like the php-fpm worker it stands for, and
+    // until the upstream answered even when the client went away first (see `run_on`).
+    let mut slot = None;
     if let Some(bulkhead) = &route.upstream.bulkhead {
         let acquired = bulkhead.acquire(route.tier).await;
         // It may have queued for a slot.
         clock.waited();
         match acquired {
-            Some(slot) => exchange.slot = Some(slot),
+            Some(taken) => slot = Some(taken),
             None => {
                 shared
                     .metrics
@@ -490,17 +493,32 @@ async fn forward(
     }
     // The response timeout runs from when the request is sent whole: an upload as slow as
     // the client's idle timer allows is not the upstream's failure.
-    let sent = upstream.client.send_within(
-        Request::from_parts(parts, body),
-        fields,
-        Some(forwarded),
-        Some(upstream.settings.response_timeout),
-        sent_at,
-    );
+    let request = Request::from_parts(parts, body);
+    let sent = match slot {
+        None => {
+            upstream
+                .client
+                .send_within(
+                    request,
+                    fields,
+                    Some(forwarded),
+                    Some(upstream.settings.response_timeout),
+                    sent_at,
+                )
+                .await
+        }
+        Some(slot) => {
+            let (sent, slot) =
+                run_on::call_holding(upstream.clone(), request, fields, forwarded, sent_at, slot)
+                    .await;
+            exchange.slot = slot;
+            sent
+        }
+    };
     // The upstream's own header lines, when they are relayed as received (`fields`).
     let mut relayed = None;
     let mut counts_against_upstream = true;
-    let (answer, waited_from) = match sent.await {
+    let (answer, waited_from) = match sent {
         Err(error) => {
             counts_against_upstream = error.is_upstream_failure();
             (
