@@ -344,7 +344,40 @@ async fn admin_reload_answers_with_the_errors_or_the_new_generation() {
     assert_eq!(status["policy"]["hash"].as_str().map(str::len), Some(16));
     assert_eq!(status["routes"][0]["name"], "switching");
     assert_eq!(status["routes"][0]["upstream"], "b");
-    assert_eq!(get(&format!("{admin}/reload")).await.status, 405);
+    let wrong_method = get(&format!("{admin}/reload")).await;
+    assert_eq!(
+        (wrong_method.status, wrong_method.header("allow")),
+        (405, Some("POST"))
+    );
+    for (method, path, allow) in [
+        ("POST", "/status", "GET"),
+        ("DELETE", "/queues", "GET"),
+        ("GET", "/level", "POST"),
+        ("GET", "/modules/ranking", "POST"),
+        ("GET", "/breakers/b", "POST"),
+    ] {
+        let request = http::Request::builder()
+            .method(method)
+            .uri(format!("{admin}{path}"))
+            .body(full(""))
+            .expect("request");
+        let answer = send(request).await;
+        assert_eq!(
+            (answer.status, answer.header("allow")),
+            (405, Some(allow)),
+            "{method} {path}: {}",
+            answer.text()
+        );
+    }
+    let head = send(
+        http::Request::builder()
+            .method("HEAD")
+            .uri(format!("{admin}/status"))
+            .body(full(""))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!((head.status, head.text().as_str()), (200, ""));
     assert_eq!(get(&format!("{admin}/nope")).await.status, 404);
     // The admin API is not reachable through the public listener.
     assert_eq!(get(&format!("{public}/status")).await.text(), "b");

@@ -692,6 +692,11 @@ async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
     // Retried from the admin API once the app is fixed: applied with the same key.
     never.store(false, Ordering::SeqCst);
     let id = dead[0]["id"].as_str().expect("id").to_string();
+    // A GET cannot retry it, nor a POST list the letters: each is told the method it needs.
+    let wrong = get(&levee.admin_url(&format!("/queues/notify/dead/{id}/retry"))).await;
+    assert_eq!((wrong.status, wrong.header("allow")), (405, Some("POST")));
+    let wrong = post(&levee.admin_url("/queues/notify/dead"), "").await;
+    assert_eq!((wrong.status, wrong.header("allow")), (405, Some("GET")));
     assert_eq!(
         post(
             &levee.admin_url(&format!("/queues/notify/dead/{id}/retry")),

@@ -70,7 +70,13 @@ async fn answer(
         Some(name) => format!("{name} ({peer})"),
         None => operator(request, peer),
     };
-    match (request.method(), request.uri().path()) {
+    // A HEAD is answered as its GET, without the body (the server leaves it out).
+    let method = if request.method() == Method::HEAD {
+        Method::GET
+    } else {
+        request.method().clone()
+    };
+    match (&method, request.uri().path()) {
         (&Method::POST, "/level") => {
             let by = peer_or_token(&request);
             let wanted = match read_word(request).await {
@@ -159,8 +165,10 @@ async fn answer(
             let by = peer_or_token(&request);
             set_breaker(&shared, &name, request, &by).await
         }
-        (_, "/status" | "/metrics" | "/reload") => {
-            text_response(StatusCode::METHOD_NOT_ALLOWED, "405 method not allowed\n")
+        (_, "/" | "/dashboard" | "/status" | "/metrics" | "/queues") => method_not_allowed("GET"),
+        (_, "/reload" | "/level") => method_not_allowed("POST"),
+        (_, path) if path.starts_with("/modules/") || path.starts_with("/breakers/") => {
+            method_not_allowed("POST")
         }
         _ => text_response(
             StatusCode::NOT_FOUND,
@@ -440,11 +448,25 @@ async fn dead_letter_request(
                 }
             }
         }
+        (_, [_, "dead"]) => method_not_allowed("GET"),
+        (_, [_, "dead", _, "retry" | "drop"]) => method_not_allowed("POST"),
         _ => text_response(
             StatusCode::NOT_FOUND,
             "404 use GET /queues/ROUTE/dead, POST /queues/ROUTE/dead/ID/retry or /drop\n",
         ),
     }
+}
+
+/// 405, naming the method the path takes (RFC 9110 15.5.6 asks for `Allow`).
+fn method_not_allowed(allow: &'static str) -> Response<ResponseBody> {
+    let mut response = text_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("405 method not allowed; this path takes {allow}\n"),
+    );
+    response
+        .headers_mut()
+        .insert(http::header::ALLOW, HeaderValue::from_static(allow));
+    response
 }
 
 /// A whole stream entry id, `MILLISECONDS-SEQUENCE`, as `GET /queues/ROUTE/dead` lists them.
