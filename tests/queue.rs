@@ -677,6 +677,13 @@ async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
         .expect("job")
         .to_string();
     switch(&levee, "on").await;
+    // While it waits for a retry it is still work to do: counted in the backlog, as in
+    // `levee_queue_backlog`, and shown apart as delayed.
+    eventually(Duration::from_secs(10), "a retry waiting", || async {
+        let queues = get(&levee.admin_url("/queues")).await.json();
+        queues["notify"]["delayed"] == 1 && queues["notify"]["backlog"] == 1
+    })
+    .await;
     eventually(Duration::from_secs(10), "a dead letter", || async {
         get(&levee.admin_url("/queues")).await.json()["notify"]["dead_letters"] == 1
     })

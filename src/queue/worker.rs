@@ -1249,7 +1249,9 @@ pub async fn stats(
     };
     let oldest_age_s = oldest_job_age(redis, keys).await;
     Ok(serde_json::json!({
-        "backlog": backlog,
+        // Jobs not applied yet, retries waiting for their time included, as
+        // `levee_queue_backlog` counts them.
+        "backlog": backlog + delayed,
         "delayed": delayed,
         "in_flight": in_flight,
         "dead_letters": dead,
