@@ -220,18 +220,20 @@ impl DegradeView<'_> {
     }
 
     /// Where a module's state comes from, for `/status`.
+    /// What decided it: a switch that turns it off wins, then the level; a runtime `on`
+    /// decides only when the level leaves the module's tier on.
     pub fn module_origin(&self, module: &str) -> &'static str {
-        if self.runtime.modules.contains_key(module) {
-            "runtime"
-        } else if self.settings.modules_off.contains(module) {
-            "policy"
-        } else if tier_off(
+        let runtime = self.runtime.modules.get(module).map(|switch| switch.value);
+        let level_off = tier_off(
             self.settings.modules.get(module).copied().unwrap_or(3),
             self.level,
-        ) {
-            "level"
-        } else {
-            "default"
+        );
+        match runtime {
+            Some(true) => "runtime",
+            None if self.settings.modules_off.contains(module) => "policy",
+            _ if level_off => "level",
+            Some(false) => "runtime",
+            None => "default",
         }
     }
 
@@ -243,5 +245,45 @@ impl DegradeView<'_> {
             .module
             .as_deref()
             .is_some_and(|module| self.module_off(module))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_module_s_origin_names_what_switched_it_off() {
+        let settings = DegradeSettings {
+            level: 0,
+            modules_off: BTreeSet::new(),
+            modules: BTreeMap::from([("ranking".to_string(), 3)]),
+            state_file: PathBuf::new(),
+            sync_interval: Duration::from_millis(500),
+            triggers: Vec::new(),
+            cool_down: Duration::from_secs(30),
+        };
+        let switched_on = RuntimeSwitches {
+            level: None,
+            modules: BTreeMap::from([(
+                "ranking".to_string(),
+                Switch {
+                    value: false,
+                    by: "ops".to_string(),
+                    at_unix: 0,
+                },
+            )]),
+        };
+        let view = |level| DegradeView {
+            level,
+            runtime: Arc::new(switched_on.clone()),
+            settings: &settings,
+        };
+        // Switched on at runtime, and level 1 turns tier 3 off: the level decided.
+        assert!(view(1).module_off("ranking"));
+        assert_eq!(view(1).module_origin("ranking"), "level");
+        // At level 0 the runtime `on` is what holds.
+        assert!(!view(0).module_off("ranking"));
+        assert_eq!(view(0).module_origin("ranking"), "runtime");
     }
 }
