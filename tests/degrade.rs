@@ -833,6 +833,70 @@ async fn a_copy_answers_only_the_host_it_was_fetched_for() {
     );
 }
 
+/// Apps behind a trusted front build their links from `X-Forwarded-Host` (and the scheme
+/// from `X-Forwarded-Proto`). nginx passes a visitor's own `X-Forwarded-Host` on unless told
+/// otherwise: kept for everyone, the page it made would send every visitor's browser to the
+/// host that one visitor named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_made_for_another_forwarded_host_or_scheme_answers_only_those() {
+    let backend = Backend::start(|request: Request<Incoming>| {
+        let said = |name: &str| {
+            request
+                .headers()
+                .get(name)
+                .and_then(|value| value.to_str().ok())
+                .unwrap_or("-")
+                .to_string()
+        };
+        let page = format!(
+            "<script src=\"{}://{}/app.js\">",
+            said("x-forwarded-proto"),
+            said("x-forwarded-host")
+        );
+        async move { html(page) }
+    })
+    .await;
+    let levee = levee_with_routes(
+        &backend,
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    )
+    .await;
+    let fetch = |claims: &'static [(&'static str, &'static str)]| {
+        let url = levee.url("/ranking");
+        async move { get_with(&url, claims).await }
+    };
+    let evil: &[(&str, &str)] = &[("x-forwarded-host", "evil.example")];
+    assert_eq!(
+        fetch(evil).await.text(),
+        "<script src=\"http://evil.example/app.js\">"
+    );
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    for others in [
+        &[][..],
+        &[("x-forwarded-host", "shop.example")][..],
+        &[
+            ("x-forwarded-host", "evil.example"),
+            ("x-forwarded-proto", "https"),
+        ][..],
+        &[("forwarded", "host=evil.example")][..],
+    ] {
+        let answer = fetch(others).await;
+        assert_eq!(
+            (answer.status, answer.text().as_str()),
+            (503, "ranking is resting"),
+            "{others:?} has no copy of its own"
+        );
+    }
+    let own = fetch(evil).await;
+    assert_eq!(
+        (own.status, own.header("x-levee-stale")),
+        (200, Some("1")),
+        "{}",
+        own.text()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_does_not_carry_the_rate_limit_state_of_the_client_it_was_fetched_for() {
     // The RateLimit fields tell one client what is left of its own quota; a copy served to

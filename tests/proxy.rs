@@ -176,12 +176,19 @@ async fn spoofed_forwarded_headers_from_untrusted_peers_are_ignored() {
         .header("x-forwarded-for", "6.6.6.6")
         .header("x-real-ip", "6.6.6.6")
         .header("x-forwarded-proto", "https")
+        .header("x-forwarded-host", "evil.example")
+        .header("forwarded", "for=6.6.6.6;host=evil.example;proto=https")
+        .header("x-forwarded-ssl", "on")
         .body(full(""))
         .expect("request");
     let echo = send(request).await.json();
     assert_eq!(echoed_header(&echo, "x-real-ip"), ["127.0.0.1"]);
     assert_eq!(echoed_header(&echo, "x-forwarded-for"), ["127.0.0.1"]);
     assert_eq!(echoed_header(&echo, "x-forwarded-proto"), ["http"]);
+    // Nor does the app hear from it which host or scheme the visitor used.
+    for claim in ["x-forwarded-host", "forwarded", "x-forwarded-ssl"] {
+        assert!(echoed_header(&echo, claim).is_empty(), "{claim}: {echo}");
+    }
 
     // From a trusted front, the chain is believed and passed on as it came (its last entry
     // stays the client the front saw, as the app saw it without levee).
@@ -189,12 +196,14 @@ async fn spoofed_forwarded_headers_from_untrusted_peers_are_ignored() {
     let request = Request::get(trusted.url("/"))
         .header("x-forwarded-for", "203.0.113.7")
         .header("x-forwarded-proto", "https")
+        .header("x-forwarded-host", "shop.example")
         .body(full(""))
         .expect("request");
     let echo = send(request).await.json();
     assert_eq!(echoed_header(&echo, "x-real-ip"), ["203.0.113.7"]);
     assert_eq!(echoed_header(&echo, "x-forwarded-for"), ["203.0.113.7"]);
     assert_eq!(echoed_header(&echo, "x-forwarded-proto"), ["https"]);
+    assert_eq!(echoed_header(&echo, "x-forwarded-host"), ["shop.example"]);
 }
 
 #[tokio::test]

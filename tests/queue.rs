@@ -1017,11 +1017,15 @@ async fn a_queued_request_carries_the_forwarded_proto_levee_believes_not_the_cli
     let protos: Arc<Mutex<Vec<Option<String>>>> = Arc::new(Mutex::new(Vec::new()));
     let record = protos.clone();
     let backend = Backend::start(move |request: Request<Incoming>| {
-        let proto = request
-            .headers()
-            .get("x-forwarded-proto")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        let claims = |name: &str| {
+            request
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        // An untrusted client's `Forwarded` is gone too.
+        let proto = claims("x-forwarded-proto").filter(|_| claims("forwarded").is_none());
         record.lock().expect("lock").push(proto);
         async move { Response::new(full("applied")) }
     })
@@ -1034,6 +1038,7 @@ async fn a_queued_request_carries_the_forwarded_proto_levee_believes_not_the_cli
     switch(&levee, "off").await;
     let request = Request::post(levee.url("/notify.php"))
         .header("x-forwarded-proto", "https")
+        .header("forwarded", "proto=https")
         .body(full("like=1"))
         .expect("request");
     assert_eq!(send(request).await.status, 202);

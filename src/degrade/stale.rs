@@ -576,6 +576,12 @@ pub fn storable(
 fn vary_is_keyed(headers: &HeaderMap, settings: &StaleSettings) -> bool {
     let keyed = |field: &str| {
         field.eq_ignore_ascii_case("accept-encoding")
+            // Keyed by what a trusted front says of them (`forwarded_description`); from
+            // anyone else they never reach the app.
+            || field.eq_ignore_ascii_case("x-forwarded-proto")
+            || crate::proxy::header::FORWARDED_CLAIMS[1..]
+                .iter()
+                .any(|claim| field.eq_ignore_ascii_case(claim.as_str()))
             || settings.vary.iter().any(|source| match source {
                 crate::limit::key::Source::Header(name) => {
                     field.eq_ignore_ascii_case(name.as_str())
@@ -854,11 +860,22 @@ pub fn selected_query<'a>(query: Option<&'a str>, select: &CopyQuery) -> Option<
 }
 
 /// `len:part`: a part that reads the same whatever bytes it holds.
+/// A part of a copy key: its length, `:` and itself; or, longer than [`LONG_PART`], `#` and
+/// its hash (`#` tells it from a length), so that a client's 30 KiB query does not make a
+/// 30 KiB Redis key, stored twice (the copy and its index).
 fn push_part(key: &mut String, part: &str) {
     use std::fmt::Write as _;
+    if part.len() > LONG_PART {
+        key.push_str(&crate::limit::key::hashed(part.as_bytes()));
+        key.push(':');
+        return;
+    }
     let _ = write!(key, "{}:", part.len());
     key.push_str(part);
 }
+
+/// The longest part written into a copy key as it is.
+const LONG_PART: usize = 64;
 
 #[cfg(test)]
 mod tests {
@@ -915,6 +932,14 @@ mod tests {
         assert_ne!(bytes(b"\xe9"), key("/r", None, &["e9"]));
         assert_ne!(bytes(b"\xe9"), key("/r", None, &["~2:e9"]));
         assert_eq!(bytes("josé".as_bytes()), key("/r", None, &["josé"]));
+        // A long part is its hash: short keys, still one per value, and never a short part
+        // spelled like a hash.
+        let long = "q=".repeat(15_000);
+        let long_key = key("/r", Some(&long), &[]);
+        assert!(long_key.len() < 100, "{long_key}");
+        assert_ne!(long_key, key("/r", Some(&format!("{long}x")), &[]));
+        let hash = crate::limit::key::hashed(long.as_bytes());
+        assert_ne!(long_key, key("/r", Some(&hash), &[]));
         // Routes and hosts do not run into each other either.
         assert_ne!(
             copy_key("levee:", "a", "b.example", "/", None, &[]),

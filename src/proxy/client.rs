@@ -1422,6 +1422,25 @@ mod tests {
                 true,
                 "2001:db8::7",
             ),
+            (
+                &[
+                    ("forwarded", b"host=evil.example"),
+                    ("x-forwarded-host", b"evil.example"),
+                    ("front-end-https", b"on"),
+                ],
+                "203.0.113.9",
+                false,
+                "203.0.113.9",
+            ),
+            (
+                &[
+                    ("x-forwarded-host", b"shop.example"),
+                    ("x-forwarded-port", b"443"),
+                ],
+                "127.0.0.1",
+                true,
+                "198.51.100.1",
+            ),
         ];
         for (fields, peer, peer_trusted, client) in cases {
             let mut request = Request::get("/page?x=1").body(()).expect("request");

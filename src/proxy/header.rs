@@ -46,6 +46,59 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+
+/// Fields in which a proxy tells how the visitor reached it besides `X-Forwarded-Proto`: the
+/// host, port, path prefix and scheme the visitor used. Apps behind a trusted proxy build
+/// their links and redirects from them (Symfony's and Laravel's trusted proxies, WordPress
+/// plugins), so levee believes them as it believes `X-Forwarded-Proto`: from
+/// `trusted_proxies` only. From anyone else they are dropped; kept, a visitor could have the
+/// app write links to a host of his choosing into a page that levee keeps as a stale copy
+/// and serves to everyone.
+pub(crate) static FORWARDED_CLAIMS: [HeaderName; 7] = [
+    HeaderName::from_static("forwarded"),
+    HeaderName::from_static("x-forwarded-host"),
+    HeaderName::from_static("x-forwarded-port"),
+    HeaderName::from_static("x-forwarded-prefix"),
+    HeaderName::from_static("x-forwarded-ssl"),
+    HeaderName::from_static("x-forwarded-scheme"),
+    HeaderName::from_static("front-end-https"),
+];
+
+/// Is `name` one of [`FORWARDED_CLAIMS`]?
+fn is_forwarded_claim(name: &HeaderName) -> bool {
+    FORWARDED_CLAIMS.contains(name)
+}
+
+/// What a trusted proxy's forwarding fields say the visitor asked for (`X-Forwarded-Proto`
+/// and the [`FORWARDED_CLAIMS`], `Forwarded` by its `host` and `proto` only, as its `for`
+/// names each visitor): the app's page may differ by it, so a stale copy is keyed by it.
+/// `None` when the request has none of them.
+pub(crate) fn forwarded_description(headers: &HeaderMap) -> Option<Vec<u8>> {
+    let mut described = Vec::new();
+    for name in std::iter::once(&X_FORWARDED_PROTO).chain(&FORWARDED_CLAIMS) {
+        for value in headers.get_all(name) {
+            if *name == FORWARDED_CLAIMS[0] {
+                for pair in value.as_bytes().split(|&byte| byte == b';' || byte == b',') {
+                    let pair = pair.trim_ascii();
+                    let is_named = |wanted: &[u8]| {
+                        pair.len() > wanted.len()
+                            && pair[..wanted.len()].eq_ignore_ascii_case(wanted)
+                    };
+                    if is_named(b"host=") || is_named(b"proto=") {
+                        described.extend_from_slice(pair);
+                        described.push(b'\n');
+                    }
+                }
+            } else {
+                described.extend_from_slice(name.as_str().as_bytes());
+                described.push(b'=');
+                described.extend_from_slice(value.as_bytes());
+                described.push(b'\n');
+            }
+        }
+    }
+    (!described.is_empty()).then_some(described)
+}
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
 /// The hop-by-hop fields (RFC 9110 7.6.1) besides `Connection` and the fields it names:
@@ -292,6 +345,11 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
     if !(peer_trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
         headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
     }
+    if !peer_trusted {
+        for name in &FORWARDED_CLAIMS {
+            headers.remove(name);
+        }
+    }
 }
 
 /// Whom a forwarded request came from: what the forwarding fields levee sets say.
@@ -348,7 +406,8 @@ impl ForwardedWriter {
             self.kept_proto = self.from.peer_trusted;
             self.kept_proto
         } else {
-            true
+            // Most requests come through a trusted front: one test of a flag for them.
+            self.from.peer_trusted || !is_forwarded_claim(name)
         }
     }
 
@@ -612,6 +671,41 @@ mod tests {
             set_forwarded(&mut map, ip("127.0.0.1"), true, ip("1.1.1.1"));
             assert_eq!(map["x-forwarded-for"], chain, "{lines:?}");
         }
+    }
+
+    #[test]
+    fn what_a_proxy_says_of_the_visitor_s_host_and_scheme_is_believed_from_trusted_peers_only() {
+        let claims = [
+            ("forwarded", "for=6.6.6.6;host=evil.example;proto=https"),
+            ("x-forwarded-host", "evil.example"),
+            ("x-forwarded-port", "8443"),
+            ("x-forwarded-prefix", "/evil"),
+            ("x-forwarded-ssl", "on"),
+            ("x-forwarded-scheme", "https"),
+            ("front-end-https", "on"),
+            ("x-other", "kept"),
+        ];
+        let mut map = headers(&claims);
+        set_forwarded(&mut map, ip("203.0.113.9"), false, ip("203.0.113.9"));
+        let left: Vec<&str> = map.keys().map(HeaderName::as_str).collect();
+        assert!(
+            claims[..7].iter().all(|(name, _)| !left.contains(name)) && left.contains(&"x-other"),
+            "{left:?}"
+        );
+        let mut map = headers(&claims);
+        set_forwarded(&mut map, ip("127.0.0.1"), true, ip("203.0.113.9"));
+        assert!(claims.iter().all(|(name, _)| map.contains_key(*name)));
+
+        // A stale copy is keyed by what they say, `Forwarded` by its host and scheme alone.
+        assert_eq!(
+            forwarded_description(&headers(&claims[..2])).as_deref(),
+            Some(&b"host=evil.example\nproto=https\nx-forwarded-host=evil.example\n"[..])
+        );
+        assert_eq!(
+            forwarded_description(&headers(&[("forwarded", "for=6.6.6.6")])),
+            None
+        );
+        assert_eq!(forwarded_description(&headers(&claims[7..])), None);
     }
 
     #[test]

@@ -253,7 +253,7 @@ async fn forward(
     exchange.route = Some(route.clone());
 
     // Degrade: a route that is switched off answers with its action, without the upstream.
-    let stale = Stale::for_request(policy, &route, &request, &normal_path);
+    let stale = Stale::for_request(policy, &route, &request, &normal_path, peer_trusted);
     let route_off = shared.degrade.view(policy).route_off(&route);
     // Queue routes accept the work now and apply it later instead (after the rate limit).
     // Only work is queued: a page view (GET, HEAD, OPTIONS) answered "accepted" and fetched
@@ -682,6 +682,7 @@ impl Stale {
         route: &Route,
         request: &Request<RequestBody>,
         normal_path: &str,
+        peer_trusted: bool,
     ) -> Stale {
         let Some(DegradeAction::Stale(settings)) = &route.degrade else {
             return Stale {
@@ -694,7 +695,7 @@ impl Stale {
         let method = request.method();
         let key = (method == Method::GET || method == Method::HEAD).then(|| {
             // Byte for byte, as rate-limit keys read them: two Latin-1 cookies are two pages.
-            let vary: Vec<Vec<u8>> = settings
+            let mut vary: Vec<Vec<u8>> = settings
                 .vary
                 .iter()
                 .map(|source| {
@@ -704,6 +705,12 @@ impl Stale {
                         .unwrap_or_default()
                 })
                 .collect();
+            // The host and scheme a trusted front says the visitor used: the app may build
+            // its links from them (an untrusted peer's are dropped before the app sees them).
+            // Last, and only when there are some: the keys of other requests stay as they were.
+            if peer_trusted {
+                vary.extend(header::forwarded_description(request.headers()));
+            }
             // One route may serve several sites of one vhost: the page is the one the app
             // makes for the host it is sent, read as routes read it (without port, so every
             // instance of a fleet reached on its own port shares the copy).
