@@ -132,6 +132,7 @@ pub struct Metrics {
     pub queue_replayed: Family<QueueResultLabels, Counter>,
     pub queue_retries: Family<QueueLabels, Counter>,
     pub queue_dead_lettered: Family<QueueLabels, Counter>,
+    pub queue_dead_letters_dropped: Family<QueueLabels, Counter>,
     pub queue_backlog: Family<QueueLabels, Gauge>,
     pub queue_oldest_age: Family<QueueLabels, Gauge>,
 }
@@ -400,6 +401,12 @@ impl Metrics {
             "Jobs moved to the dead-letter stream",
             queue_dead_lettered.clone(),
         );
+        let queue_dead_letters_dropped = Family::<QueueLabels, Counter>::default();
+        registry.register(
+            "queue_dead_letters_dropped",
+            "Oldest dead letters dropped to keep max_dead_letters",
+            queue_dead_letters_dropped.clone(),
+        );
         let queue_backlog = Family::<QueueLabels, Gauge>::default();
         registry.register(
             "queue_backlog",
@@ -418,6 +425,7 @@ impl Metrics {
             queue_replayed,
             queue_retries,
             queue_dead_lettered,
+            queue_dead_letters_dropped,
             queue_backlog,
             queue_oldest_age,
             degrade_level_changes,

@@ -1700,3 +1700,51 @@ async fn dead_letters_are_listed_page_by_page() {
         assert_eq!(answer.status, 400, "{bad}: {}", answer.text());
     }
 }
+
+/// A dead letter keeps its whole body until an operator retries or drops it: a client sending
+/// work the app refuses must not fill Redis with them, which would stop every queue, switch
+/// and shared limit. The oldest go beyond `max_dead_letters`, counted and logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_beyond_max_dead_letters_drop_the_oldest() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording(0, Arc::new(AtomicBool::new(true)), Duration::ZERO).await;
+    let policy = queue_policy(
+        backend.addr,
+        &redis.url(),
+        "max_attempts = 1\nmax_dead_letters = 2",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let mut jobs = Vec::new();
+    for i in 0..3 {
+        let answer = post_as(&levee, &format!("refused={i}"), "192.0.2.9").await;
+        jobs.push(answer.header("x-levee-job").expect("job").to_string());
+    }
+    switch(&levee, "on").await;
+    eventually(Duration::from_secs(10), "three refusals", || async {
+        seen.lock().expect("lock").len() >= 3
+    })
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the oldest letter dropped",
+        || async {
+            let metrics = get(&levee.admin_url("/metrics")).await.text();
+            metric_value(
+                &metrics,
+                "levee_queue_dead_letters_dropped_total{route=\"notify\"}",
+            ) == 1.0
+        },
+    )
+    .await;
+    let dead = get(&levee.admin_url("/queues/notify/dead")).await.json();
+    let kept: Vec<&str> = dead
+        .as_array()
+        .expect("letters")
+        .iter()
+        .filter_map(|letter| letter["idempotency_key"].as_str())
+        .collect();
+    // Replayed in order, dead-lettered in order: the newest two are kept, newest first.
+    assert_eq!(kept, [jobs[2].as_str(), jobs[1].as_str()], "{dead}");
+}

@@ -1716,6 +1716,19 @@ fn compile_queue(
             "[queue] max_body must be above 0: no request could be queued",
         );
     }
+    let max_dead_letters = match &inner.max_dead_letters {
+        Some(value) if *value.get_ref() == 0 => {
+            compiler.error_hint(
+                file,
+                value.span(),
+                "max_dead_letters must be at least 1",
+                "the dead letters are the jobs the app refused, kept for an operator to retry or drop; 1000 is the default",
+            );
+            defaults.max_dead_letters
+        }
+        Some(value) => *value.get_ref(),
+        None => defaults.max_dead_letters,
+    };
     let group = inner.group.clone().unwrap_or(defaults.group);
     if group.trim().is_empty() {
         compiler.error_hint(
@@ -1739,6 +1752,7 @@ fn compile_queue(
             defaults.poll_interval,
             "poll_interval",
         ),
+        max_dead_letters,
     })
 }
 

@@ -318,6 +318,7 @@ pub struct QueueSpec {
     pub max_body: Option<Spanned<SizeSpec>>,
     pub replay_rate: Option<Spanned<f64>>,
     pub poll_interval: Option<Spanned<String>>,
+    pub max_dead_letters: Option<Spanned<u32>>,
 }
 
 /// `[degrade]`: the policy's level and module switches.

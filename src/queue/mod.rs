@@ -52,6 +52,8 @@ pub struct QueueSettings {
     pub replay_rate: f64,
     /// How often workers look for work. Default 200ms.
     pub poll_interval: Duration,
+    /// Dead letters kept per route; the oldest beyond it are dropped. Default 1000.
+    pub max_dead_letters: u32,
 }
 
 impl Default for QueueSettings {
@@ -65,6 +67,7 @@ impl Default for QueueSettings {
             max_body: 1 << 20,
             replay_rate: 50.0,
             poll_interval: Duration::from_millis(200),
+            max_dead_letters: 1000,
         }
     }
 }

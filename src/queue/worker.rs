@@ -832,6 +832,7 @@ impl Pass<'_> {
                     {
                         tracing::warn!(route = %route.name, %id, %reason, "unreadable job moved to dead letters");
                         self.count(&shared.metrics.queue_dead_lettered);
+                        self.keep_dead_letters_within_bound(shared).await;
                     }
                     continue;
                 }
@@ -854,6 +855,7 @@ impl Pass<'_> {
                         if self.dead_letter(&id, &job).await? {
                             tracing::warn!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
                             self.count(&shared.metrics.queue_dead_lettered);
+                            self.keep_dead_letters_within_bound(shared).await;
                         }
                     } else {
                         let wait = backoff(settings, job.attempts);
@@ -1072,6 +1074,33 @@ impl Pass<'_> {
                 route: self.route.name.to_string(),
             })
             .inc();
+    }
+
+    /// Drops the oldest dead letters beyond `max_dead_letters`. Each keeps its whole body
+    /// (up to `max_body`) until an operator retries or drops it: without a bound, a client
+    /// sending work the app refuses (a 4xx goes there at once) fills Redis, and a full Redis
+    /// stops every queue, switch and shared limit. A failure here is left to the next letter.
+    async fn keep_dead_letters_within_bound(&self, shared: &Shared) {
+        let mut trim = redis::cmd("XTRIM");
+        trim.arg(&self.keys.dead)
+            .arg("MAXLEN")
+            .arg(self.settings.max_dead_letters);
+        match self.redis.command::<u64>(&trim, QUEUE_TIMEOUT, None).await {
+            Ok(0) => {}
+            Ok(dropped) => {
+                tracing::warn!(route = %self.route.name, dropped, max_dead_letters = self.settings.max_dead_letters, "oldest dead letters dropped to keep max_dead_letters");
+                shared
+                    .metrics
+                    .queue_dead_letters_dropped
+                    .get_or_create(&QueueLabels {
+                        route: self.route.name.to_string(),
+                    })
+                    .inc_by(dropped);
+            }
+            Err(error) => {
+                tracing::debug!(route = %self.route.name, "dead letters not trimmed: {error}");
+            }
+        }
     }
 
     async fn finish(&self, id: &str) -> Result<bool, RedisFailure> {
