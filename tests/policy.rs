@@ -638,3 +638,93 @@ fn every_key_in_the_policy_reference_tables_has_an_example() {
         missing.join("\n")
     );
 }
+
+/// A file written in place (`cp`, `scp`, `rsync --inplace`, `cat >`) is empty, then holds part
+/// of the policy, until the writer closes it. What is left may still compile: read then, it
+/// would drop the routes and limits of the missing part until the writer is done. It is read
+/// once closed; an empty file is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_file_written_in_place_is_read_once_it_is_closed() {
+    use std::io::Write as _;
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let levee = Levee::start(&two_upstream_policy(&a, &b, "b")).await;
+    assert_eq!(get(&levee.url("/page")).await.text(), "b");
+    let generation = levee.generation();
+
+    let next = two_upstream_policy(&a, &b, "b").replace("\"switching\"", "\"switched\"");
+    let (head, routes) = next.split_at(next.find("[[route]]").expect("routes"));
+    let mut file = std::fs::File::create(levee.policy_file()).expect("open");
+    file.write_all(head.as_bytes()).expect("write");
+    file.flush().expect("flush");
+    // The writer pauses (a slow link) for longer than the watch's debounce: what is there so
+    // far compiles (no routes: every page to `a`), and must not be loaded.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(levee.generation(), generation, "half a file was loaded");
+    assert_eq!(get(&levee.url("/page")).await.text(), "b");
+    file.write_all(routes.as_bytes()).expect("write");
+    drop(file);
+    eventually(Duration::from_secs(10), "the whole file", || async {
+        levee.generation() > generation
+    })
+    .await;
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["routes"][0]["name"], "switched", "{status}");
+    assert_eq!(
+        levee.generation(),
+        generation + 1,
+        "one reload, of the whole file"
+    );
+
+    // Emptied and closed: refused, the policy serves on.
+    std::fs::write(levee.policy_file(), "").expect("empty");
+    eventually(
+        Duration::from_secs(10),
+        "the empty file refused",
+        || async {
+            get(&levee.admin_url("/status")).await.json()["policy"]["last_reload_error"]["errors"]
+                [0]["message"]
+                .as_str()
+                .is_some_and(|error| error.contains("the file is empty"))
+        },
+    )
+    .await;
+    assert_eq!(get(&levee.url("/page")).await.text(), "b");
+}
+
+/// A policy directory reached through a symlink that a deploy switches to another target: the
+/// new target is loaded, and edits in it are seen from then on (not the old target's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_symlink_switched_to_another_directory_is_followed() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let root = tempfile::tempdir().expect("dir");
+    let (first, second) = (root.path().join("v1"), root.path().join("v2"));
+    for (dir, target) in [(&first, "a"), (&second, "b")] {
+        std::fs::create_dir(dir).expect("dir");
+        std::fs::write(dir.join("levee.toml"), two_upstream_policy(&a, &b, target)).expect("write");
+    }
+    let current = root.path().join("current");
+    std::os::unix::fs::symlink(&first, &current).expect("link");
+    let running = levee::start(levee::Options::new(&current))
+        .await
+        .expect("start");
+    let url = format!("http://{}/page", running.public_addr);
+    assert_eq!(get(&url).await.text(), "a");
+
+    // `ln -s v2 next && mv -T next current`
+    let next = root.path().join("next");
+    std::os::unix::fs::symlink(&second, &next).expect("link");
+    std::fs::rename(&next, &current).expect("switch");
+    eventually(Duration::from_secs(10), "the new target", || async {
+        get(&url).await.text() == "b"
+    })
+    .await;
+    std::fs::write(second.join("levee.toml"), two_upstream_policy(&a, &b, "a")).expect("edit");
+    eventually(
+        Duration::from_secs(10),
+        "an edit in the new target",
+        || async { get(&url).await.text() == "a" },
+    )
+    .await;
+}

@@ -80,6 +80,13 @@ pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
     let mut errors = Vec::new();
     for path in paths {
         match std::fs::read(&path).map(String::from_utf8) {
+            // Most often a file caught between a save's truncation and its write: read as
+            // a policy that sets nothing, it would drop every route and limit it held.
+            Ok(Ok(text)) if text.trim().is_empty() => errors.push(
+                Diagnostic::whole(&path, "the file is empty (caught while it is written?)").hint(
+                    "a policy file sets something; delete the file to drop its settings, or write a comment into it",
+                ),
+            ),
             Ok(Ok(text)) => files.push(SourceFile { path, text }),
             Ok(Err(not_utf8)) => errors.push(not_utf8_at(path, &not_utf8)),
             Err(error) => errors.push(Diagnostic::whole(&path, format!("cannot read: {error}"))),

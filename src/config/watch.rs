@@ -2,14 +2,19 @@
 //!
 //! The directory is watched, not the files, so an editor's write-to-temp-then-rename is seen.
 //! Events are debounced until the directory has been quiet for a moment, so a save that
-//! touches the file several times causes one reload. A bad file never stops the watcher;
-//! if the watch itself breaks (the directory was removed, or replaced by another moved into
-//! its place), it is set up again on the path, and what is there then is loaded.
+//! touches the file several times causes one reload; a file written in place (truncated,
+//! then written) is read once it is closed, not in between, where what is left of it may
+//! still compile and would drop the routes and limits of its missing part. A bad file never
+//! stops the watcher. If the watch itself breaks, or the path comes to name another directory
+//! (moved or swapped into place, deleted and made again, a symlink switched to another
+//! target), it is set up again on the path, and what is there then is loaded.
 
-use std::path::Path;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind};
 use notify::{EventKind, RecursiveMode, Watcher};
 use tokio::sync::{mpsc, watch};
 
@@ -18,10 +23,32 @@ use super::store::{PolicyStore, ReloadTrigger};
 /// How long the directory must be quiet before a reload. Default 200ms.
 pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(200);
 
+/// How long a file written in place may stay open, quiet, before it is read as it is: a
+/// writer that holds it open without writing (or a truncation by path, which no close
+/// follows) must not hold its reload back for ever.
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
+
+/// How often the watcher checks that the path still names the directory it watches. A
+/// directory moved or swapped into place, or a symlink switched, gives the old watch no event
+/// that says so on every system; a `stat` a second costs nothing.
+const IDENTITY_CHECK: Duration = Duration::from_secs(1);
+
 #[derive(Debug, PartialEq, Eq)]
 enum WatchSignal {
     Changed,
+    /// A policy file is being written in place (opened for writing, written, created).
+    Writing(PathBuf),
+    /// A policy file opened for writing was closed.
+    Closed(PathBuf),
     Broken,
+}
+
+/// Which directory a path names now: its device and inode, through symlinks.
+fn identity_of(dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(dir)
+        .ok()
+        .map(|metadata| (metadata.dev(), metadata.ino()))
 }
 
 /// Starts the watcher task; it lasts until `stop` turns true.
@@ -33,18 +60,19 @@ pub fn spawn_watcher(
     // The first watch is set up before this returns, not when the task first runs: a change
     // made right after levee started (an edit, or the directory swapped whole) is seen, where
     // a busy runtime could otherwise start the task after it and watch the new state only.
-    let mut first = Some(watch_dir(&store));
+    let mut first = Some((identity_of(store.dir()), watch_dir(&store)));
     tokio::spawn(async move {
         let mut lost = false;
         loop {
-            let attempt = match first.take() {
-                Some(attempt) => attempt,
-                None => watch_dir(&store),
+            let (watched, attempt) = match first.take() {
+                Some(first) => first,
+                None => (identity_of(store.dir()), watch_dir(&store)),
             };
             let (watcher, mut events) = match attempt {
                 Ok(watching) => watching,
                 Err(error) => {
                     tracing::warn!(dir = %store.dir().display(), "cannot watch the policy directory ({error}); retrying");
+                    lost = true;
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_secs(2)) => continue,
                         _ = stop.wait_for(|stopped| *stopped) => return,
@@ -57,23 +85,47 @@ pub fn spawn_watcher(
                 // seen by the watch.
                 let _ = store.reload(ReloadTrigger::Watch).await;
             }
+            let mut identity_check = tokio::time::interval(IDENTITY_CHECK);
+            identity_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // Policy files opened for writing and not closed yet.
+            let mut writing = HashSet::new();
             loop {
                 let signal = tokio::select! {
                     signal = events.recv() => signal,
+                    _ = identity_check.tick() => {
+                        if identity_of(store.dir()) == watched {
+                            continue;
+                        }
+                        Some(WatchSignal::Broken)
+                    }
                     _ = stop.wait_for(|stopped| *stopped) => return,
                 };
                 match signal {
-                    Some(WatchSignal::Changed) => {
-                        // Debounce: wait until no event has come for `debounce`.
+                    Some(WatchSignal::Broken) | None => break,
+                    Some(signal) => {
+                        note(&mut writing, signal);
+                        // Debounce: wait until no event has come for `debounce`, and no file
+                        // is left open for writing (for up to CLOSE_WAIT of quiet).
                         let mut broken = false;
                         loop {
-                            match tokio::time::timeout(debounce, events.recv()).await {
-                                Ok(Some(WatchSignal::Changed)) => {}
+                            let quiet = if writing.is_empty() {
+                                debounce
+                            } else {
+                                CLOSE_WAIT
+                            };
+                            match tokio::time::timeout(quiet, events.recv()).await {
                                 Ok(Some(WatchSignal::Broken)) | Ok(None) => {
                                     broken = true;
                                     break;
                                 }
-                                Err(_quiet) => break,
+                                Ok(Some(signal)) => note(&mut writing, signal),
+                                Err(_quiet) => {
+                                    if !writing.is_empty() {
+                                        tracing::warn!(files = ?writing, "a policy file written in place was left open, unchanged, for {CLOSE_WAIT:?}; reading it as it is");
+                                        writing.clear();
+                                    }
+                                    break;
+                                }
                             }
                         }
                         if broken {
@@ -82,14 +134,26 @@ pub fn spawn_watcher(
                         // Errors are logged, counted and kept by the store.
                         let _ = store.reload(ReloadTrigger::Watch).await;
                     }
-                    Some(WatchSignal::Broken) | None => break,
                 }
             }
             drop(watcher);
-            tracing::warn!(dir = %store.dir().display(), "policy directory watch was lost; setting it up again");
+            tracing::warn!(dir = %store.dir().display(), "policy directory watch was lost, or the path names another directory now; setting it up again");
             lost = true;
         }
     })
+}
+
+/// Keeps `writing` (the files open for writing) up to date with a signal.
+fn note(writing: &mut HashSet<PathBuf>, signal: WatchSignal) {
+    match signal {
+        WatchSignal::Writing(path) => {
+            writing.insert(path);
+        }
+        WatchSignal::Closed(path) => {
+            writing.remove(&path);
+        }
+        WatchSignal::Changed | WatchSignal::Broken => {}
+    }
 }
 
 /// A watch on the store's directory and the channel its signals arrive on.
@@ -128,23 +192,44 @@ fn signal_of(event: notify::Result<notify::Event>, watched_dir: &Path) -> Option
     if event.need_rescan() {
         return Some(WatchSignal::Changed);
     }
-    if matches!(event.kind, EventKind::Access(_)) {
-        return None;
+    let policy_file = || {
+        event
+            .paths
+            .iter()
+            .find(|path| is_policy_file(path))
+            .cloned()
+    };
+    match event.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => {
+            return policy_file().map(WatchSignal::Closed)
+        }
+        EventKind::Access(_) => return None,
+        _ => {}
     }
     // Anything that happens to the directory itself (removed, or moved away as in
     // `mv policies policies.old; mv policies.new policies`) leaves the watch on the old one:
     // set it up again on the path.
     if event.paths.iter().any(|path| path == watched_dir) {
-        Some(WatchSignal::Broken)
-    } else if event
+        return Some(WatchSignal::Broken);
+    }
+    // Written in place, or made (and so open for writing) — a symlink made is none of these.
+    let written = matches!(
+        event.kind,
+        EventKind::Modify(ModifyKind::Data(_)) | EventKind::Create(CreateKind::File)
+    );
+    if let Some(path) = policy_file() {
+        let is_link = std::fs::symlink_metadata(&path).is_ok_and(|meta| meta.is_symlink());
+        return Some(if written && !is_link {
+            WatchSignal::Writing(path)
+        } else {
+            WatchSignal::Changed
+        });
+    }
+    event
         .paths
         .iter()
-        .any(|path| is_policy_file(path) || is_swapped_link(path))
-    {
-        Some(WatchSignal::Changed)
-    } else {
-        None
-    }
+        .any(|path| is_swapped_link(path))
+        .then_some(WatchSignal::Changed)
 }
 
 /// Kubernetes mounts a ConfigMap as files linked through `..data`, which it swaps whole: the
@@ -185,6 +270,20 @@ mod tests {
         let created = EventKind::Create(CreateKind::File);
         assert_eq!(
             signal_of(event(created, Some("levee.toml")), dir),
+            Some(WatchSignal::Writing(dir.join("levee.toml")))
+        );
+        let closed = EventKind::Access(AccessKind::Close(AccessMode::Write));
+        assert_eq!(
+            signal_of(event(closed, Some("levee.toml")), dir),
+            Some(WatchSignal::Closed(dir.join("levee.toml")))
+        );
+        let renamed = EventKind::Modify(ModifyKind::Name(notify::event::RenameMode::To));
+        assert_eq!(
+            signal_of(event(renamed, Some("levee.toml")), dir),
+            Some(WatchSignal::Changed)
+        );
+        assert_eq!(
+            signal_of(event(created, Some("..data_tmp")), dir),
             Some(WatchSignal::Changed)
         );
         assert_eq!(
