@@ -13,6 +13,7 @@ pub mod config;
 pub mod degrade;
 pub mod error;
 pub mod limit;
+pub mod log_throttle;
 pub mod metrics;
 pub mod proxy;
 pub mod queue;

@@ -111,8 +111,11 @@ enum LogFormat {
 }
 
 fn init_logging(format: LogFormat) {
+    // The Redis client's own lines are held to errors by default: during a Cluster node's
+    // failover it logs each reconnection attempt (about a hundred a second), where levee says
+    // once what failed and what that means (`LEVEE_LOG=info,redis=info` shows them).
     let filter = tracing_subscriber::EnvFilter::try_from_env("LEVEE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,redis=error"));
     // Logs go to stderr; colours only when a person is watching a terminal, never into files.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -17,6 +17,7 @@ use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
+use crate::log_throttle::LogThrottle;
 use crate::metrics::Metrics;
 use crate::proxy::upstream::{ca_certificates, client_tls, system_roots};
 use crate::redis_batch::{
@@ -427,7 +428,23 @@ impl RedisStore {
         if failure.is_some_and(|failure| !failure.was_sent()) {
             return;
         }
-        lock(&self.reach).failure = failure.map(ToString::to_string);
+        let was_failing = {
+            let mut reach = lock(&self.reach);
+            std::mem::replace(&mut reach.failure, failure.map(ToString::to_string)).is_some()
+        };
+        // Said once per outage, whatever call meets it first: on a site whose limited
+        // routes are quiet, the switch sync and the queue workers fail unseen otherwise.
+        // A Redis flapping call by call says it at most once per interval.
+        static FAILING: LogThrottle = LogThrottle::new(Duration::from_secs(30));
+        match failure {
+            Some(error) if !was_failing => {
+                if let Some(held_back) = FAILING.allow(std::time::Instant::now()) {
+                    tracing::warn!(held_back, "redis calls fail: {error}; switches are not synced, queue routes answer 503 and replays wait, stale copies are not shared, until it answers");
+                }
+            }
+            None if was_failing => tracing::info!("redis calls answer again"),
+            _ => {}
+        }
         if failure.is_none() {
             lock(self.health()).probe_now();
         }

@@ -159,3 +159,63 @@ fn the_binary_refuses_to_start_on_a_broken_policy() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("levee.toml:2:10"), "{stderr}");
 }
+
+/// A site whose limited routes are quiet still hears of a Redis outage: the switch sync fails
+/// and says so once, not once per attempt, and says when Redis answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_is_logged_once_without_any_traffic() {
+    let backend = echo_backend().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let redis_dir = tempfile::tempdir().expect("redis dir");
+    let mut redis = RedisServer::start(redis_dir.path()).await;
+    let (public, admin) = (free_port(), free_port());
+    binary_policy(dir.path(), public, admin, backend.addr, "/page");
+    let policy = dir.path().join("levee.toml");
+    let text = std::fs::read_to_string(&policy).expect("read");
+    std::fs::write(
+        &policy,
+        format!(
+            "{text}[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n",
+            redis.url()
+        ),
+    )
+    .expect("write");
+    let log_path = dir.path().join("levee.log");
+    let log = std::fs::File::create(&log_path).expect("log");
+    let _levee = ChildGuard::spawn(
+        "levee",
+        Command::new(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(dir.path())
+            .env_remove("LEVEE_LOG")
+            .stderr(log),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+        "levee to listen",
+    )
+    .await;
+    let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    redis.guard.stop();
+    eventually(Duration::from_secs(10), "the outage in the log", || async {
+        read_log().contains("redis calls fail")
+    })
+    .await;
+    // Ten syncs later, still one line.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(
+        read_log().matches("redis calls fail").count(),
+        1,
+        "{}",
+        read_log()
+    );
+
+    let _back = RedisServer::start_on(redis_dir.path(), redis.port).await;
+    eventually(
+        Duration::from_secs(10),
+        "the recovery in the log",
+        || async { read_log().contains("redis calls answer again") },
+    )
+    .await;
+}

@@ -13,6 +13,7 @@
 pub mod job;
 pub mod worker;
 
+use crate::log_throttle::LogThrottle;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -332,7 +333,19 @@ pub async fn enqueue(
     // Writes are worth a little more patience than limit checks, but never unbounded.
     let timeout = redis.settings.timeout.max(Duration::from_millis(500));
     let not_stored = |error: String| {
-        tracing::warn!(route = %route.name, "job not stored, answering 503: {error}");
+        // One line per refused POST would flood the log while Redis is down.
+        static NOT_STORED: LogThrottle = LogThrottle::new(Duration::from_secs(10));
+        match NOT_STORED.allow(std::time::Instant::now()) {
+            Some(0) => {
+                tracing::warn!(route = %route.name, "job not stored, answering 503: {error}")
+            }
+            Some(held_back) => {
+                tracing::warn!(route = %route.name, held_back, "job not stored, answering 503: {error} (and {held_back} more since the last such line)")
+            }
+            None => {
+                tracing::debug!(route = %route.name, "job not stored, answering 503: {error}")
+            }
+        }
         ProxyError::QueueUnavailable {
             route: route.name.to_string(),
             unsettled: false,

@@ -1,0 +1,53 @@
+//! Warnings that would come once per request during an outage (a queue write refused for
+//! every POST while Redis is down) are let through at most once per interval, each saying how
+//! many like it were held back: the log stays readable during the incident it is read for.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+pub struct LogThrottle {
+    every: Duration,
+    /// When a line was last let through, and how many were held back since.
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl LogThrottle {
+    pub const fn new(every: Duration) -> LogThrottle {
+        LogThrottle {
+            every,
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// Whether a line may be logged at `now`: `Some(held back since the last one)`, or `None`
+    /// (it is counted instead).
+    pub fn allow(&self, now: Instant) -> Option<u64> {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (last, held_back) = &mut *state;
+        if last.is_some_and(|last| now.saturating_duration_since(last) < self.every) {
+            *held_back += 1;
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(held_back))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_line_per_interval_with_the_count_of_those_held_back() {
+        let throttle = LogThrottle::new(Duration::from_secs(10));
+        let start = Instant::now();
+        assert_eq!(throttle.allow(start), Some(0));
+        assert_eq!(throttle.allow(start + Duration::from_secs(1)), None);
+        assert_eq!(throttle.allow(start + Duration::from_secs(9)), None);
+        assert_eq!(throttle.allow(start + Duration::from_secs(10)), Some(2));
+        assert_eq!(throttle.allow(start + Duration::from_secs(11)), None);
+    }
+}
