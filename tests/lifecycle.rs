@@ -49,6 +49,9 @@ async fn drain_answers_readyz_503_while_traffic_still_flows_then_stops() {
         (200, "done"),
         "new requests are served during drain"
     );
+    // ...on connections the front is told not to reuse, so that few are left idle for the
+    // drain's end to close under a request being sent.
+    assert_eq!(during.header("connection"), Some("close"));
 
     tokio::time::timeout(Duration::from_secs(10), running.wait())
         .await

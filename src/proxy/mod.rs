@@ -133,7 +133,16 @@ pub async fn handle(
             Err(error) => rescue(&shared, &mut exchange, error).into(),
         };
     exchange.status = response.status();
-    let (parts, body) = response.into_parts();
+    let (mut parts, body) = response.into_parts();
+    // Draining: the front stops reusing this connection after this answer and opens new ones
+    // while levee still accepts them, so few idle connections are left for the end of the
+    // drain to close under a request the front is just sending (which it could not retry
+    // if it is a POST).
+    if shared.draining.load(Ordering::Relaxed) && parts.status != StatusCode::SWITCHING_PROTOCOLS {
+        parts
+            .headers
+            .insert(h::CONNECTION, http::HeaderValue::from_static("close"));
+    }
     Answer {
         response: Response::from_parts(parts, Observed::new(body, exchange).boxed_unsync()),
         relayed,
