@@ -196,6 +196,23 @@ async fn other_sites_cannot_drive_the_admin_api_from_a_browser() {
         .body(full("off"))
         .expect("request");
     assert_eq!(send(cross_site).await.status, 403);
+    // A second `Origin` is checked too, and a cross-site fetch that names no origin is
+    // refused.
+    let two_origins = http::Request::post(levee.admin_url("/modules/ranking"))
+        .header("origin", format!("http://{}", levee.admin))
+        .header("origin", "http://evil.example")
+        .body(full("off"))
+        .expect("request");
+    assert_eq!(send(two_origins).await.status, 403);
+    let no_origin = http::Request::post(levee.admin_url("/modules/ranking"))
+        .header("sec-fetch-site", "cross-site")
+        .body(full("off"))
+        .expect("request");
+    let refused = send(no_origin).await;
+    assert_eq!(
+        (refused.status, refused.header("x-content-type-options")),
+        (403, Some("nosniff"))
+    );
     assert_eq!(
         get(&levee.url("/ranking")).await.status,
         200,

@@ -183,7 +183,7 @@ pub enum Changed<'a> {
 /// effect (runtime)`, `module ranking OFF (runtime, by alice)`, `breaker app open (pinned
 /// open at runtime)`. An answer without those figures (an older levee) gets a plain "done".
 pub fn changed_text(answer: &str, changed: Changed<'_>) -> String {
-    let answer: serde_json::Value = serde_json::from_str(answer).unwrap_or_default();
+    let answer = printable(&serde_json::from_str(answer).unwrap_or_default());
     let degrade = &answer["degrade"];
     let text = match changed {
         Changed::Level => degrade["level"].as_u64().map(|level| {
@@ -224,9 +224,44 @@ pub fn changed_text(answer: &str, changed: Changed<'_>) -> String {
     format!("{}\n", text.unwrap_or_else(|| "done".into()))
 }
 
+/// `value` with the control characters of its texts (and keys) escaped (`\n`, `\u{1b}`).
+/// What `/status` shows partly comes from Redis (who switched a module, the module names a
+/// switch names), which anyone who can write there controls: printed as it is, a newline
+/// would forge a line of the summary and an escape sequence would act on the operator's
+/// terminal.
+pub fn printable(value: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    let text = |text: &str| -> String {
+        if text.chars().any(char::is_control) {
+            text.chars()
+                .map(|c| {
+                    if c.is_control() {
+                        c.escape_debug().to_string()
+                    } else {
+                        c.to_string()
+                    }
+                })
+                .collect()
+        } else {
+            text.to_string()
+        }
+    };
+    match value {
+        Value::String(string) => Value::String(text(string)),
+        Value::Array(items) => Value::Array(items.iter().map(printable).collect()),
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(key, item)| (text(key), printable(item)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
 /// A readable summary of `GET /status`.
 pub fn summarize(status: &serde_json::Value) -> String {
     use std::fmt::Write as _;
+    let status = &printable(status);
     let mut out = String::new();
     let policy = &status["policy"];
     let _ = writeln!(
@@ -388,6 +423,26 @@ fn describe_redis_target(target: &serde_json::Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_from_redis_cannot_forge_lines_or_reach_the_terminal() {
+        let status = serde_json::json!({
+            "degrade": {"level": 0, "level_origin": "policy", "modules": {
+                "evil\u{1b}[31m\nFAKE": {"off": true, "tier": 3, "origin": "runtime",
+                    "changed_by": "\u{1b}[2J\u{1b}]0;pwned\u{7}\nfake line"}
+            }}
+        });
+        let text = summarize(&status);
+        assert!(
+            !text.contains('\u{1b}') && !text.contains('\u{7}'),
+            "{text:?}"
+        );
+        assert!(
+            !text.contains("\nFAKE") && !text.contains("\nfake line"),
+            "{text:?}"
+        );
+        assert!(text.contains("by \\u{1b}[2J"), "{text}");
+    }
 
     #[test]
     fn a_cluster_node_out_is_named() {

@@ -39,6 +39,12 @@ pub async fn handle(
         ADMIN_MARK.clone(),
         HeaderValue::from_static(env!("CARGO_PKG_VERSION")),
     );
+    // A refusal echoes what it refuses (`` `<script>` is not a level ``): as text/plain
+    // only, never sniffed into a page.
+    response.headers_mut().insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
     response
 }
 
@@ -534,23 +540,32 @@ fn authorize(
 ) -> Result<Option<String>, Box<Response<ResponseBody>>> {
     // A web page the operator happens to have open must not be able to flip switches on a
     // loopback admin listener: browsers name the page's origin on cross-site requests.
-    if let Some(origin) = request.headers().get(header::ORIGIN) {
-        let host = request
-            .headers()
-            .get(header::HOST)
-            .and_then(|value| value.to_str().ok());
-        let same_origin = origin
+    // Every `Origin` field is checked (a browser sends one; two is no browser's doing), and
+    // a browser that sent none but says the request is cross-site (`Sec-Fetch-Site`, sent
+    // by browsers that may leave `Origin` out) is refused as well.
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|value| value.to_str().ok());
+    let same_origin = |origin: &HeaderValue| {
+        origin
             .to_str()
             .ok()
             .and_then(|origin| origin.strip_prefix("http://"))
-            .is_some_and(|origin_host| Some(origin_host) == host);
-        if !same_origin {
-            tracing::warn!(origin = ?origin, "admin request from another site refused");
-            return Err(Box::new(text_response(
-                StatusCode::FORBIDDEN,
-                "403 admin actions are only accepted from the admin listener's own pages or from tools\n",
-            )));
-        }
+            .is_some_and(|origin_host| Some(origin_host) == host)
+    };
+    let origins = request.headers().get_all(header::ORIGIN);
+    let cross_site_fetch = request
+        .headers()
+        .get("sec-fetch-site")
+        .is_some_and(|site| site.as_bytes() == b"cross-site" || site.as_bytes() == b"same-site");
+    let foreign = origins.iter().find(|origin| !same_origin(origin));
+    if foreign.is_some() || (origins.iter().next().is_none() && cross_site_fetch) {
+        tracing::warn!(origin = ?foreign, "admin request from another site refused");
+        return Err(Box::new(text_response(
+            StatusCode::FORBIDDEN,
+            "403 admin actions are only accepted from the admin listener's own pages or from tools\n",
+        )));
     }
     let policy = shared.store.load();
     if policy.admin.tokens.is_empty() {

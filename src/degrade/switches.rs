@@ -426,11 +426,13 @@ fn log_fleet_change(seen: &RuntimeSwitches, now: &RuntimeSwitches) {
     let changes = describe_changes(seen, now);
     if *now == RuntimeSwitches::default() {
         tracing::warn!(
-            changes = %changes,
+            changes = ?changes,
             "redis now holds no degrade switches: every runtime switch is back to the policy (handed back by an operator, or redis restarted without its data); following"
         );
     } else {
-        tracing::info!(changes = %changes, "degrade switches changed elsewhere in the fleet; following");
+        // Debug-quoted: the names and `by` texts come from Redis, where a newline or an
+        // escape sequence would forge a log line or act on a terminal showing the log.
+        tracing::info!(changes = ?changes, "degrade switches changed elsewhere in the fleet; following");
     }
 }
 
