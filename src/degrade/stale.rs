@@ -613,12 +613,34 @@ pin_project! {
     pub struct Capture<B> {
         #[pin]
         inner: B,
-        buffer: Option<BytesMut>,
+        // The body's frames as they passed (shared with the response, not copied), put
+        // together once, in a buffer of the body's exact size, when the body is complete.
+        buffer: Option<Frames>,
         head: Option<StoredHead>,
         // The age the answer already had (its `Age`: a cache between levee and the app
         // kept it that long), counted into the copy's.
         arrived_aged_ms: u64,
         finish: Option<CaptureTarget>,
+    }
+}
+
+/// The frames of a body being kept, and their length in all.
+#[derive(Default)]
+struct Frames {
+    frames: Vec<Bytes>,
+    len: usize,
+}
+
+impl Frames {
+    /// One buffer of exactly the body's size. A buffer grown frame by frame doubles its
+    /// room, and a frame kept as it is may be a slice of a larger read buffer: either way a
+    /// copy would hold up to twice its size in memory, beyond what the store's budget counts.
+    fn joined(self) -> Bytes {
+        let mut body = BytesMut::with_capacity(self.len);
+        for frame in self.frames {
+            body.extend_from_slice(&frame);
+        }
+        body.freeze()
     }
 }
 
@@ -645,7 +667,7 @@ impl<B> Capture<B> {
             .map_or(0, |seconds| seconds.saturating_mul(1000));
         Capture {
             inner,
-            buffer: Some(BytesMut::new()),
+            buffer: Some(Frames::default()),
             head: Some((status.as_u16(), kept_headers(headers))),
             arrived_aged_ms,
             finish: Some(target),
@@ -654,7 +676,7 @@ impl<B> Capture<B> {
 }
 
 fn complete(
-    buffer: &mut Option<BytesMut>,
+    buffer: &mut Option<Frames>,
     head: &mut Option<StoredHead>,
     arrived_aged_ms: u64,
     finish: &mut Option<CaptureTarget>,
@@ -667,7 +689,7 @@ fn complete(
     let copy = Arc::new(StaleCopy {
         status,
         headers,
-        body: body.freeze(),
+        body: body.joined(),
         stored_at_ms: now_ms().saturating_sub(arrived_aged_ms),
     });
     target.store.put(
@@ -701,12 +723,13 @@ where
                         .finish
                         .as_ref()
                         .map_or(0, |target| target.settings.max_body);
-                    if buffer.len() + data.len() > limit {
+                    if buffer.len + data.len() > limit {
                         // Too big to keep: pass it on, store nothing.
                         *this.buffer = None;
                         *this.finish = None;
-                    } else {
-                        buffer.extend_from_slice(data);
+                    } else if !data.is_empty() {
+                        buffer.len += data.len();
+                        buffer.frames.push(data.clone());
                     }
                 }
                 if this.inner.is_end_stream() {
