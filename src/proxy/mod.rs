@@ -504,18 +504,7 @@ async fn forward(
     // the client's idle timer allows is not the upstream's failure.
     let request = Request::from_parts(parts, body);
     let sent = match slot {
-        None => {
-            upstream
-                .client
-                .send_within(
-                    request,
-                    fields,
-                    Some(forwarded),
-                    Some(upstream.settings.response_timeout),
-                    sent_at,
-                )
-                .await
-        }
+        None => run_on::send(upstream, request, fields, forwarded, sent_at).await,
         Some(slot) => {
             let (sent, slot) =
                 run_on::call_holding(upstream.clone(), request, fields, forwarded, sent_at, slot)

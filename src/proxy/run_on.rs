@@ -43,21 +43,29 @@ pub(super) fn call_holding(
     let idle_body_timeout = upstream.settings.idle_body_timeout;
     HeldCall {
         call: Some(Box::pin(async move {
-            upstream
-                .client
-                .send_within(
-                    request,
-                    fields,
-                    Some(forwarded),
-                    Some(response_timeout),
-                    sent_at,
-                )
-                .await
+            send(&upstream, request, fields, forwarded, sent_at).await
         })),
         slot: Some(slot),
         response_timeout,
         idle_body_timeout,
     }
+}
+
+/// The call itself: `request` sent to `upstream`, within its response timeout.
+pub(super) fn send<'a>(
+    upstream: &'a Upstream,
+    request: Request<UpstreamBody>,
+    fields: ResponseFields,
+    forwarded: ForwardedFrom,
+    sent_at: Instant,
+) -> impl Future<Output = Result<Answered, ClientError>> + 'a {
+    upstream.client.send_within(
+        request,
+        fields,
+        Some(forwarded),
+        Some(upstream.settings.response_timeout),
+        sent_at,
+    )
 }
 
 pub(super) struct HeldCall {
