@@ -34,6 +34,10 @@ fn queue_unavailable(route: &str, unsettled: bool) -> String {
     }
 }
 
+/// The `Retry-After` of a refusal whose end is an operator's call (a module or level switched
+/// off, a breaker pinned open): nothing tells when it ends, so clients are asked back later.
+pub const OPERATORS_CALL: Duration = Duration::from_secs(30);
+
 /// Everything that can stop a request from being answered by its upstream.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -164,7 +168,7 @@ impl ProxyError {
                 Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
             }
             // How long a switch stays off is an operator's call; ask clients to come back later.
-            ProxyError::Degraded { .. } => Some(30),
+            ProxyError::Degraded { .. } => Some(OPERATORS_CALL.as_secs()),
             ProxyError::Shed { .. } => Some(1),
             ProxyError::QueueUnavailable { .. } => Some(5),
             _ => None,

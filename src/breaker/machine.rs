@@ -200,9 +200,10 @@ impl Machine {
     pub fn admit(&mut self, now: Instant) -> (Admission, Option<Transition>) {
         match self.force() {
             Some(Force::Open) => {
+                // Pinned: it opens again only when an operator says so, not after open_for.
                 return (
                     Admission::Rejected {
-                        retry_after: self.settings.open_for,
+                        retry_after: crate::error::OPERATORS_CALL,
                     },
                     None,
                 );
@@ -758,7 +759,13 @@ mod tests {
             },
             t0,
         );
-        assert!(matches!(machine.admit(t0).0, Admission::Rejected { .. }));
+        // A pin has no end that open_for would tell: clients are asked back as for a switch.
+        assert_eq!(
+            machine.admit(t0).0,
+            Admission::Rejected {
+                retry_after: crate::error::OPERATORS_CALL
+            }
+        );
         machine.runtime_force = Some(Force::Closed);
         for _ in 0..10 {
             assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
