@@ -359,3 +359,159 @@ async fn a_client_that_hangs_up_leaves_its_slot_taken_until_the_app_answers() {
     )
     .await;
 }
+
+/// A client that goes away before its request is sent whole cuts the call off: the app never
+/// gets a request the client did not finish. (A chunked body used to end cleanly when its
+/// connection went: the app got 30 complete, empty POSTs here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_whose_client_vanishes_never_reaches_the_app_as_complete() {
+    use http_body_util::BodyExt;
+    use tokio::io::AsyncWriteExt;
+    let outcomes: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let record = outcomes.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let record = record.clone();
+        async move {
+            let seen = match request.into_body().collect().await {
+                Ok(collected) => format!("complete, {} bytes", collected.to_bytes().len()),
+                Err(error) => format!("broken: {error}"),
+            };
+            record.lock().expect("lock").push(seen);
+            Response::new(full("ok"))
+        }
+    })
+    .await;
+    let policy = policy_for(
+        backend.addr,
+        "",
+        &format!("max_inflight = 4\nshed_reserve = 0.0\nqueue_wait = \"50ms\"\n{ROUTES}"),
+    );
+    let levee = Levee::start(&policy).await;
+    for head in [
+        &b"POST /form.php HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+        b"POST /form.php HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nname=",
+        b"POST /form.php HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nname=",
+    ] {
+        for _ in 0..5 {
+            let mut stream = tokio::net::TcpStream::connect(levee.public)
+                .await
+                .expect("connect");
+            stream.write_all(head).await.expect("write");
+            // Reset, not closed: as a client that vanished (a zero linger does not block).
+            #[allow(deprecated)]
+            stream.set_linger(Some(Duration::ZERO)).expect("linger");
+            drop(stream);
+        }
+    }
+    // Every one of them gone, and counted.
+    eventually(
+        Duration::from_secs(10),
+        "the clients to be seen going",
+        || async {
+            let metrics = get(&levee.admin_url("/metrics")).await.text();
+            let counted: f64 = ["400", "499"]
+                .iter()
+                .map(|status| {
+                    metric_value(
+                        &metrics,
+                        &format!("levee_requests_total{{route=\"view\",status=\"{status}\"}}"),
+                    )
+                })
+                .sum();
+            counted >= 15.0 && metric_value(&metrics, "levee_inflight_requests") == 0.0
+        },
+    )
+    .await;
+    // Whatever reached the app meanwhile reached it broken.
+    let seen = outcomes.lock().expect("lock").clone();
+    assert!(
+        !seen.iter().any(|outcome| outcome.starts_with("complete")),
+        "{seen:#?}"
+    );
+    // And the slots are all free.
+    assert_eq!(get(&levee.url("/stats")).await.status, 200);
+}
+
+/// PHP sends its page's head at its first flush, long before the script ends: a client that
+/// hangs up while the page streams leaves the slot taken until the upstream's body ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_while_the_page_streams_leaves_its_slot_taken() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let backend = {
+        let gate = gate.clone();
+        Backend::start(move |request: Request<Incoming>| {
+            let gate = gate.clone();
+            async move {
+                if request.uri().path() != "/streaming.php" {
+                    return Response::new(full("ok"));
+                }
+                // The head and a first piece now, the rest when the script ends.
+                let pieces = futures_util::stream::unfold(0, move |step| {
+                    let gate = gate.clone();
+                    async move {
+                        let text: &'static [u8] = match step {
+                            0 => b"<html>first part",
+                            1 => {
+                                let _opened = gate.acquire().await;
+                                b" and the rest</html>"
+                            }
+                            _ => return None,
+                        };
+                        let frame = hyper::body::Frame::data(bytes::Bytes::from_static(text));
+                        Some((Ok::<_, BoxError>(frame), step + 1))
+                    }
+                });
+                let body = http_body_util::StreamBody::new(pieces);
+                Response::new(http_body_util::BodyExt::boxed_unsync(body))
+            }
+        })
+        .await
+    };
+    let policy = policy_for(
+        backend.addr,
+        "",
+        &format!("max_inflight = 1\nshed_reserve = 0.0\nqueue_wait = \"50ms\"\n{ROUTES}"),
+    );
+    let levee = Levee::start(&policy).await;
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET /streaming.php HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .expect("write");
+    let mut head = vec![0u8; 1024];
+    let read = stream.read(&mut head).await.expect("read");
+    assert!(
+        head[..read].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        &head[..read]
+    );
+    drop(stream);
+    eventually(
+        Duration::from_secs(5),
+        "levee to see the client go",
+        || async {
+            let metrics = get(&levee.admin_url("/metrics")).await.text();
+            metric_value(
+                &metrics,
+                "levee_requests_total{route=\"view\",status=\"200\"}",
+            ) >= 1.0
+                && metric_value(&metrics, "levee_inflight_requests") == 0.0
+        },
+    )
+    .await;
+    assert_eq!(
+        get(&levee.url("/stats")).await.status,
+        503,
+        "the script still runs: its slot is taken"
+    );
+    gate.add_permits(1);
+    eventually(
+        Duration::from_secs(5),
+        "the slot to be freed once the page ended",
+        || async { get(&levee.url("/stats")).await.status == 200 },
+    )
+    .await;
+}

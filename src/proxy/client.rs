@@ -317,9 +317,16 @@ impl Client {
         &self,
         request: Request<UpstreamBody>,
     ) -> Result<Response<Incoming>, ClientError> {
-        self.send_within(request, ResponseFields::Parsed, None, None, Instant::now())
-            .await
-            .map(|answered| answered.response)
+        self.send_within(
+            request,
+            ResponseFields::Parsed,
+            None,
+            None,
+            Instant::now(),
+            None,
+        )
+        .await
+        .map(|answered| answered.response)
     }
 
     /// Sends `request` and reads the response head, waiting at most `response_timeout` for
@@ -330,7 +337,8 @@ impl Client {
     ///
     /// `now` is the caller's reading of the clock: a request with no body that goes out on a
     /// pooled connection counts as sent then, without reading the clock again (see
-    /// `proxy::RequestClock`).
+    /// `proxy::RequestClock`). `sent_whole`, when given, is set once the whole request has
+    /// been written.
     pub async fn send_within(
         &self,
         request: Request<UpstreamBody>,
@@ -338,6 +346,7 @@ impl Client {
         forwarded: Option<ForwardedFrom>,
         response_timeout: Option<Duration>,
         now: Instant,
+        sent_whole: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<Answered, ClientError> {
         let (parts, mut body) = request.into_parts();
         let head = encode_request_head(&parts, &body, &self.settings.authority, forwarded);
@@ -368,6 +377,9 @@ impl Client {
             )
             .await;
             let request_sent_at = if waited { Instant::now() } else { now };
+            if let (Ok(()), Some(flag)) = (&sent, sent_whole) {
+                flag.store(true, std::sync::atomic::Ordering::Release);
+            }
             let outcome = match sent {
                 Ok(()) => match response_timeout {
                     Some(limit) => {

@@ -504,7 +504,7 @@ async fn forward(
     // the client's idle timer allows is not the upstream's failure.
     let request = Request::from_parts(parts, body);
     let sent = match slot {
-        None => run_on::send(upstream, request, fields, forwarded, sent_at).await,
+        None => run_on::send(upstream, request, fields, forwarded, sent_at, None).await,
         Some(slot) => {
             let (sent, slot) =
                 run_on::call_holding(upstream.clone(), request, fields, forwarded, sent_at, slot)
@@ -591,10 +591,15 @@ async fn forward(
     let (mut parts, body) = response.into_parts();
     header::strip_hop_by_hop(&mut parts.headers, false);
     let body = IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream");
+    // The slot stays taken while the page streams: the script may still be running.
+    let body = match exchange.slot.take() {
+        Some(slot) => run_on::SlotHeld::new(body, slot, upstream).boxed_unsync(),
+        None => body.boxed_unsync(),
+    };
     // A good answer of a stale route refreshes its copy as it streams past.
     let body = match stale.capture_target(shared, policy, parts.status, &parts.headers, fetch) {
         Some(target) => Capture::new(body, parts.status, &parts.headers, target).boxed_unsync(),
-        None => body.boxed_unsync(),
+        None => body,
     };
     // After the copy took its headers: this client's quota is no one else's.
     set_rate_limit_fields(&mut parts.headers, allowed_headers);

@@ -4,19 +4,24 @@
 //! stays busy until the script is done (or tries to write, with `ignore_user_abort` off). A
 //! slot freed when the client hangs up would let a client that asks and hangs up at once
 //! put any number of scripts on a pool that `max_inflight` says holds a few: the pool fills
-//! behind levee's back and legitimate requests queue inside php-fpm. So the call goes on
-//! without the client, as nginx's `proxy_ignore_client_abort on` does, and the slot is freed
-//! when the upstream has answered and its body has been read (the connection then goes back
-//! to the pool). The breaker is not told anything more: the client's going is judged where
-//! it happens (see `Permit`), and a call nobody waits for is no second verdict.
+//! behind levee's back and legitimate requests queue inside php-fpm. So a call the upstream
+//! has been sent whole goes on without the client, as nginx's `proxy_ignore_client_abort on`
+//! does: its answer is read to the end (the connection then goes back to the pool), and the
+//! slot is freed then. A call not sent whole yet is cut off as before: the app must never get
+//! a request the client did not finish, nor one nobody waits for any more. The breaker is
+//! told nothing more: the client's going is judged where it happens (see `Permit`), and a
+//! call nobody waits for is no second verdict.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::Request;
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
 
@@ -25,12 +30,33 @@ use super::client::{Answered, ClientError, ResponseFields};
 use super::header::ForwardedFrom;
 use super::upstream::{Upstream, UpstreamBody};
 use crate::degrade::bulkhead::Slot;
+use crate::error::BoxError;
 
 type Call = Pin<Box<dyn Future<Output = Result<Answered, ClientError>> + Send>>;
 
-/// Sends `request` to `upstream` as [`super::client::Client::send_within`] does, holding
-/// `slot` until the answer's head is in; dropped before that, it leaves the call running on
-/// a task of its own with the slot (see the module's text).
+/// The call itself: `request` sent to `upstream`, within its response timeout; `sent_whole`
+/// is set once the whole request is written.
+pub(super) fn send<'a>(
+    upstream: &'a Upstream,
+    request: Request<UpstreamBody>,
+    fields: ResponseFields,
+    forwarded: ForwardedFrom,
+    sent_at: Instant,
+    sent_whole: Option<&'a AtomicBool>,
+) -> impl Future<Output = Result<Answered, ClientError>> + 'a {
+    upstream.client.send_within(
+        request,
+        fields,
+        Some(forwarded),
+        Some(upstream.settings.response_timeout),
+        sent_at,
+        sent_whole,
+    )
+}
+
+/// Sends `request` to `upstream` as [`send`] does, holding `slot` until the answer's head is
+/// in; dropped before that, once the request was sent whole, it leaves the call running on a
+/// task of its own with the slot (see the module's text).
 pub(super) fn call_holding(
     upstream: Arc<Upstream>,
     request: Request<UpstreamBody>,
@@ -39,46 +65,46 @@ pub(super) fn call_holding(
     sent_at: Instant,
     slot: Slot,
 ) -> HeldCall {
-    let response_timeout = upstream.settings.response_timeout;
-    let idle_body_timeout = upstream.settings.idle_body_timeout;
+    let sent_whole = Arc::new(AtomicBool::new(false));
+    let flag = sent_whole.clone();
+    let bounds = RunOnBounds::of(&upstream);
     HeldCall {
         call: Some(Box::pin(async move {
-            send(&upstream, request, fields, forwarded, sent_at).await
+            send(&upstream, request, fields, forwarded, sent_at, Some(&flag)).await
         })),
         slot: Some(slot),
-        response_timeout,
-        idle_body_timeout,
+        sent_whole,
+        bounds,
     }
 }
 
-/// The call itself: `request` sent to `upstream`, within its response timeout.
-pub(super) fn send<'a>(
-    upstream: &'a Upstream,
-    request: Request<UpstreamBody>,
-    fields: ResponseFields,
-    forwarded: ForwardedFrom,
-    sent_at: Instant,
-) -> impl Future<Output = Result<Answered, ClientError>> + 'a {
-    upstream.client.send_within(
-        request,
-        fields,
-        Some(forwarded),
-        Some(upstream.settings.response_timeout),
-        sent_at,
-    )
+/// How long a call nobody waits for may go on.
+#[derive(Clone, Copy)]
+struct RunOnBounds {
+    /// For the answer's head, and then again for its whole body...
+    response_timeout: Duration,
+    /// ...with its frames at most this far apart.
+    idle_body_timeout: Duration,
+}
+
+impl RunOnBounds {
+    fn of(upstream: &Upstream) -> RunOnBounds {
+        RunOnBounds {
+            response_timeout: upstream.settings.response_timeout,
+            idle_body_timeout: upstream.settings.idle_body_timeout,
+        }
+    }
 }
 
 pub(super) struct HeldCall {
     call: Option<Call>,
     slot: Option<Slot>,
-    /// Bounds on a call nobody waits for: its body is read for at most this long...
-    response_timeout: Duration,
-    /// ...and while its frames come at most this far apart.
-    idle_body_timeout: Duration,
+    sent_whole: Arc<AtomicBool>,
+    bounds: RunOnBounds,
 }
 
 impl Future for HeldCall {
-    /// The answer, and the slot, which the caller holds on until the body is sent.
+    /// The answer, and the slot, which the caller holds on until the body is read.
     type Output = (Result<Answered, ClientError>, Option<Slot>);
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -98,24 +124,127 @@ impl Drop for HeldCall {
         let (Some(call), Some(slot)) = (self.call.take(), self.slot.take()) else {
             return;
         };
-        // Outside a runtime (it is shutting down), the call ends here with the process.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        // Not sent whole: cut off here, as the client was (its body, if any, ends in an error
+        // and the upstream sees a request that never completed).
+        if !self.sent_whole.load(Ordering::Acquire) {
             return;
-        };
-        let (response_timeout, idle_body_timeout) = (self.response_timeout, self.idle_body_timeout);
-        runtime.spawn(async move {
+        }
+        let bounds = self.bounds;
+        spawn_or_drop(async move {
             if let Ok(answered) = call.await {
-                let body =
-                    IdleTimeout::new(answered.response.into_body(), idle_body_timeout, "upstream");
-                // Read, not kept: the body ends, and the connection is reused.
-                let _ = tokio::time::timeout(response_timeout, read_to_end(body)).await;
+                let body = IdleTimeout::new(
+                    answered.response.into_body(),
+                    bounds.idle_body_timeout,
+                    "upstream",
+                );
+                read_to_end(body, bounds.response_timeout).await;
             }
             drop(slot);
         });
     }
 }
 
-/// Reads a body to its end (or its first error), keeping nothing.
-async fn read_to_end<B: http_body::Body + Unpin>(mut body: B) {
-    while let Some(Ok(_)) = body.frame().await {}
+/// Runs `task` on the runtime; outside one (it is shutting down) the work ends here with the
+/// process.
+fn spawn_or_drop(task: impl Future<Output = ()> + Send + 'static) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(task);
+    }
+}
+
+/// Reads a body to its end (or its first error, or for at most `within`), keeping nothing:
+/// the body ends, and its connection is reused.
+async fn read_to_end<B: Body + Unpin>(mut body: B, within: Duration) {
+    let reading = async { while let Some(Ok(_)) = body.frame().await {} };
+    let _ = tokio::time::timeout(within, reading).await;
+}
+
+pin_project_lite::pin_project! {
+    /// An upstream answer's body that holds the call's bulkhead slot until it ends: the
+    /// script may still be running while its page streams (PHP sends the head at its first
+    /// flush). Dropped before its end (the client hung up), it is read on to its end by a
+    /// task of its own, which frees the slot then.
+    pub(super) struct SlotHeld<B>
+    where
+        B: Body,
+        B: Unpin,
+        B: Send,
+        B: 'static,
+    {
+        inner: Option<B>,
+        slot: Option<Slot>,
+        within: Duration,
+    }
+
+    impl<B> PinnedDrop for SlotHeld<B>
+    where
+        B: Body,
+        B: Unpin,
+        B: Send,
+        B: 'static,
+    {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            let (Some(inner), Some(slot)) = (this.inner.take(), this.slot.take()) else {
+                return;
+            };
+            if inner.is_end_stream() {
+                return;
+            }
+            let within = *this.within;
+            spawn_or_drop(async move {
+                read_to_end(inner, within).await;
+                drop(slot);
+            });
+        }
+    }
+}
+
+impl<B> SlotHeld<B>
+where
+    B: Body + Unpin + Send + 'static,
+{
+    /// Once nobody waits for it, the rest is read for at most `upstream`'s response timeout.
+    pub(super) fn new(inner: B, slot: Slot, upstream: &Upstream) -> SlotHeld<B> {
+        SlotHeld {
+            inner: Some(inner),
+            slot: Some(slot),
+            within: upstream.settings.response_timeout,
+        }
+    }
+}
+
+impl<B> Body for SlotHeld<B>
+where
+    B: Body<Data = Bytes, Error = BoxError> + Unpin + Send + 'static,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = ready!(Pin::new(inner).poll_frame(cx));
+        if !matches!(polled, Some(Ok(_))) {
+            // Ended, or failed (the connection is gone): the upstream is done with it.
+            *this.inner = None;
+            *this.slot = None;
+        }
+        Poll::Ready(polled)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.as_ref().is_none_or(Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
+    }
 }

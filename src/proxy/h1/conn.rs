@@ -853,10 +853,15 @@ impl RequestBodyReader {
                 Some(sender) => sender.reserve().await.ok(),
                 None => None,
             };
+            let chunked = matches!(wire, WireBody::Chunked(_));
             let piece = next_piece(wire, reader, buffer).await;
             match (piece, permit) {
                 (Ok(Some(data)), Some(permit)) => permit.send(Ok(data)),
                 (Ok(Some(data)), None) => *discarded += data.len() as u64,
+                // The last chunk came: said in so many words, as a channel that closes is
+                // also what the body sees when this task ends mid-body (the client went
+                // away, levee stopped), and a chunked body has no length to tell them apart.
+                (Ok(None), Some(permit)) if chunked => permit.send(Ok(Bytes::new())),
                 (Ok(None), _) => {}
                 (Err(error), permit) => {
                     tracing::debug!("request body ended early: {error}");

@@ -100,6 +100,11 @@ impl Body for RequestBody {
         }
         match pieces.poll_recv(cx) {
             Poll::Pending => Poll::Pending,
+            // A chunked body's end, as the connection task marks it (no data piece is empty).
+            Poll::Ready(Some(Ok(data))) if data.is_empty() && remaining.is_none() => {
+                *ended = true;
+                Poll::Ready(None)
+            }
             Poll::Ready(Some(Ok(data))) => {
                 if let Some(remaining) = remaining {
                     *remaining = remaining.saturating_sub(data.len() as u64);
@@ -112,10 +117,12 @@ impl Body for RequestBody {
             }
             Poll::Ready(None) => {
                 *ended = true;
-                // The connection task ends a body early only after sending the reason.
+                // Closed before the end: the connection task is gone (the client went away,
+                // levee stopped). A body it ended itself said why, or had all its bytes (a
+                // length), or its end marker (chunked).
                 match remaining {
-                    Some(left) if *left > 0 => Poll::Ready(Some(Err(RequestBodyError::Incomplete))),
-                    _ => Poll::Ready(None),
+                    Some(0) => Poll::Ready(None),
+                    _ => Poll::Ready(Some(Err(RequestBodyError::Incomplete))),
                 }
             }
         }
