@@ -13,6 +13,7 @@ header('Content-Type: application/json');
 echo json_encode([
     'remote_addr' => $_SERVER['REMOTE_ADDR'],
     'x_forwarded_for' => $_SERVER['HTTP_X_FORWARDED_FOR'] ?? null,
+    'x_forwarded_host' => $_SERVER['HTTP_X_FORWARDED_HOST'] ?? null,
     'method' => $_SERVER['REQUEST_METHOD'],
     'body' => file_get_contents('php://input'),
 ]);
@@ -109,6 +110,14 @@ async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it(
         },
     )
     .await;
+    // A visitor's own X-Forwarded-Host never reaches the app: the front sets the real one.
+    let claimed = get_with(&site, &[("x-forwarded-host", "evil.example")]).await;
+    assert_eq!(
+        claimed.json()["x_forwarded_host"],
+        "127.0.0.1",
+        "{}",
+        claimed.text()
+    );
 
     // A client that sends no Host (HTTP/1.0 allows it) still gets the page: nginx gives levee
     // one, which levee needs on the HTTP/1.1 it receives.

@@ -710,7 +710,9 @@ impl Stale {
                 .collect();
             // The host and scheme a trusted front says the visitor used: the app may build
             // its links from them (an untrusted peer's are dropped before the app sees them).
-            // Last, and only when there are some: the keys of other requests stay as they were.
+            // Last, and only when there are some. (A front that sets `X-Forwarded-Proto`, as
+            // most do, gives every key this part: copies kept by a levee without it are not
+            // found again, and are fetched anew once.)
             if peer_trusted {
                 vary.extend(header::forwarded_description(request.headers()));
             }
