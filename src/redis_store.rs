@@ -219,6 +219,8 @@ struct Reach {
     /// Why the latest call failed (no answer, or a refusal such as a wrong password);
     /// `None` when it succeeded (or before any).
     failure: Option<String>,
+    /// The log said the calls fail, and has not said yet that they answer again.
+    outage_logged: bool,
 }
 
 /// One bucket to decide in Redis.
@@ -351,6 +353,8 @@ pub struct RedisStore {
     /// Redis's `maxmemory-policy`, once read (see [`Self::read_eviction_policy`]).
     eviction_policy: Mutex<Option<String>>,
     reach: Mutex<Reach>,
+    /// Bounds the "redis calls fail" lines of a Redis that fails and answers by turns.
+    failing_log: LogThrottle,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -395,6 +399,7 @@ impl RedisStore {
             health: Mutex::new(Health::default()),
             eviction_policy: Mutex::new(None),
             reach: Mutex::new(Reach::default()),
+            failing_log: LogThrottle::new(Duration::from_secs(30)),
             script: Arc::new(KeyedScript::new(SCRIPT)),
             refund: Arc::new(KeyedScript::new(include_str!("limit/refund.lua"))),
         }
@@ -428,22 +433,27 @@ impl RedisStore {
         if failure.is_some_and(|failure| !failure.was_sent()) {
             return;
         }
-        let was_failing = {
-            let mut reach = lock(&self.reach);
-            std::mem::replace(&mut reach.failure, failure.map(ToString::to_string)).is_some()
-        };
         // Said once per outage, whatever call meets it first: on a site whose limited
         // routes are quiet, the switch sync and the queue workers fail unseen otherwise.
-        // A Redis flapping call by call says it at most once per interval.
-        static FAILING: LogThrottle = LogThrottle::new(Duration::from_secs(30));
-        match failure {
-            Some(error) if !was_failing => {
-                if let Some(held_back) = FAILING.allow(std::time::Instant::now()) {
-                    tracing::warn!(held_back, "redis calls fail: {error}; switches are not synced, queue routes answer 503 and replays wait, stale copies are not shared, until it answers");
+        // A Redis flapping call by call says it at most once per interval; its end is said
+        // only of an outage that was.
+        {
+            let mut reach = lock(&self.reach);
+            let was_failing =
+                std::mem::replace(&mut reach.failure, failure.map(ToString::to_string)).is_some();
+            match failure {
+                Some(error) if !was_failing => {
+                    if let Some(held_back) = self.failing_log.allow(std::time::Instant::now()) {
+                        reach.outage_logged = true;
+                        tracing::warn!(held_back, "redis calls fail: {error}; switches are not synced, queue routes answer 503 and replays wait, stale copies are not shared, until it answers");
+                    }
                 }
+                None if reach.outage_logged => {
+                    reach.outage_logged = false;
+                    tracing::info!("redis calls answer again");
+                }
+                _ => {}
             }
-            None if was_failing => tracing::info!("redis calls answer again"),
-            _ => {}
         }
         if failure.is_none() {
             lock(self.health()).probe_now();

@@ -37,7 +37,14 @@ async fn drain_answers_readyz_503_while_traffic_still_flows_then_stops() {
     let running = levee.running.take().expect("running");
     running.shutdown();
     let ready = get(&levee.url("/readyz")).await;
-    assert_eq!((ready.status, ready.text().as_str()), (503, "draining\n"));
+    assert_eq!(
+        (
+            ready.status,
+            ready.text().as_str(),
+            ready.header("connection")
+        ),
+        (503, "draining\n", Some("close"))
+    );
     assert_eq!(
         get(&levee.url("/livez")).await.status,
         200,

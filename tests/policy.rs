@@ -676,7 +676,15 @@ async fn a_policy_file_written_in_place_is_read_once_it_is_closed() {
         "one reload, of the whole file"
     );
 
-    // Emptied and closed: refused, the policy serves on.
+    // An empty placeholder (an empty ConfigMap key) sets nothing and loses nothing: loaded.
+    std::fs::write(levee.dir.path().join("overrides.toml"), "").expect("placeholder");
+    eventually(
+        Duration::from_secs(10),
+        "the placeholder loaded",
+        || async { levee.generation() == generation + 2 },
+    )
+    .await;
+    // A file that held the policy, emptied and closed: refused, the policy serves on.
     std::fs::write(levee.policy_file(), "").expect("empty");
     eventually(
         Duration::from_secs(10),

@@ -80,13 +80,6 @@ pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
     let mut errors = Vec::new();
     for path in paths {
         match std::fs::read(&path).map(String::from_utf8) {
-            // Most often a file caught between a save's truncation and its write: read as
-            // a policy that sets nothing, it would drop every route and limit it held.
-            Ok(Ok(text)) if text.trim().is_empty() => errors.push(
-                Diagnostic::whole(&path, "the file is empty (caught while it is written?)").hint(
-                    "a policy file sets something; delete the file to drop its settings, or write a comment into it",
-                ),
-            ),
             Ok(Ok(text)) => files.push(SourceFile { path, text }),
             Ok(Err(not_utf8)) => errors.push(not_utf8_at(path, &not_utf8)),
             Err(error) => errors.push(Diagnostic::whole(&path, format!("cannot read: {error}"))),
@@ -129,6 +122,30 @@ fn not_utf8_at(path: std::path::PathBuf, error: &std::string::FromUtf8Error) -> 
 /// connection pools across a reload.
 pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnostics> {
     let files = read_dir(dir)?;
+    // A file that held settings and is empty now was most often caught between a save's
+    // truncation and its write: read as a policy that sets nothing, it would drop every
+    // route and limit it held. (An empty placeholder, as an empty ConfigMap key makes, is a
+    // file like any other.)
+    if let Some(previous) = previous {
+        let emptied: Vec<Diagnostic> = files
+            .iter()
+            .filter(|file| {
+                file.text.trim().is_empty()
+                    && previous.files.contains(&file.path)
+                    && !previous.empty_files.contains(&file.path)
+            })
+            .map(|file| {
+                Diagnostic::whole(
+                    &file.path,
+                    "the file is empty now (caught while it is written?)",
+                )
+                .hint("delete the file to drop its settings, or leave a comment in it")
+            })
+            .collect();
+        if !emptied.is_empty() {
+            return Err(Diagnostics(emptied));
+        }
+    }
     compile(&files, previous)
 }
 
@@ -1104,6 +1121,11 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 .and_then(|store| store.settings.tls.as_ref()),
         ),
         files: files.iter().map(|file| file.path.clone()).collect(),
+        empty_files: files
+            .iter()
+            .filter(|file| file.text.trim().is_empty())
+            .map(|file| file.path.clone())
+            .collect(),
         server: server_settings,
         admin: admin_settings,
         upstreams,

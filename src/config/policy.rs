@@ -21,6 +21,8 @@ pub struct Policy {
     /// Short hash of the policy files' names and contents.
     pub hash: String,
     pub files: Vec<PathBuf>,
+    /// Those of `files` that were empty (a placeholder): emptied later, they lose nothing.
+    pub empty_files: Vec<PathBuf>,
     pub server: ServerSettings,
     pub admin: AdminSettings,
     pub upstreams: BTreeMap<String, Arc<Upstream>>,

@@ -45,10 +45,22 @@ enum WatchSignal {
 
 /// Which directory a path names now: its device and inode, through symlinks.
 fn identity_of(dir: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt as _;
     std::fs::metadata(dir)
         .ok()
-        .map(|metadata| (metadata.dev(), metadata.ino()))
+        .map(|metadata| identity(&metadata))
+}
+
+/// [`identity_of`] off the runtime's threads: on a network mount a `stat` may block.
+async fn identity_now(dir: &Path) -> Option<(u64, u64)> {
+    tokio::fs::metadata(dir)
+        .await
+        .ok()
+        .map(|metadata| identity(&metadata))
+}
+
+fn identity(metadata: &std::fs::Metadata) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt as _;
+    (metadata.dev(), metadata.ino())
 }
 
 /// Starts the watcher task; it lasts until `stop` turns true.
@@ -90,15 +102,16 @@ pub fn spawn_watcher(
             // Policy files opened for writing and not closed yet.
             let mut writing = HashSet::new();
             loop {
-                let signal = tokio::select! {
-                    signal = events.recv() => signal,
-                    _ = identity_check.tick() => {
-                        if identity_of(store.dir()) == watched {
-                            continue;
-                        }
-                        Some(WatchSignal::Broken)
-                    }
+                // `None`: the time to check the directory's identity.
+                let woke = tokio::select! {
+                    signal = events.recv() => Some(signal),
+                    _ = identity_check.tick() => None,
                     _ = stop.wait_for(|stopped| *stopped) => return,
+                };
+                let signal = match woke {
+                    Some(signal) => signal,
+                    None if identity_now(store.dir()).await == watched => continue,
+                    None => Some(WatchSignal::Broken),
                 };
                 match signal {
                     Some(WatchSignal::Broken) | None => break,
@@ -213,10 +226,13 @@ fn signal_of(event: notify::Result<notify::Event>, watched_dir: &Path) -> Option
         return Some(WatchSignal::Broken);
     }
     // Written in place, or made (and so open for writing) — a symlink made is none of these.
-    let written = matches!(
-        event.kind,
-        EventKind::Modify(ModifyKind::Data(_)) | EventKind::Create(CreateKind::File)
-    );
+    // Only Linux's inotify tells when a file written is closed; elsewhere a write is a
+    // change like any other.
+    let written = cfg!(target_os = "linux")
+        && matches!(
+            event.kind,
+            EventKind::Modify(ModifyKind::Data(_)) | EventKind::Create(CreateKind::File)
+        );
     if let Some(path) = policy_file() {
         let is_link = std::fs::symlink_metadata(&path).is_ok_and(|meta| meta.is_symlink());
         return Some(if written && !is_link {

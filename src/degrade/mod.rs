@@ -212,11 +212,15 @@ impl DegradeView<'_> {
             Some(switch) => switch.value,
             None => self.settings.modules_off.contains(module),
         };
-        switched
-            || tier_off(
-                self.settings.modules.get(module).copied().unwrap_or(3),
-                self.level,
-            )
+        switched || self.level_turns_off(module)
+    }
+
+    /// Does the level turn off the tier of `module` (3 when the policy does not name it)?
+    fn level_turns_off(&self, module: &str) -> bool {
+        tier_off(
+            self.settings.modules.get(module).copied().unwrap_or(3),
+            self.level,
+        )
     }
 
     /// Where a module's state comes from, for `/status`.
@@ -224,10 +228,7 @@ impl DegradeView<'_> {
     /// decides only when the level leaves the module's tier on.
     pub fn module_origin(&self, module: &str) -> &'static str {
         let runtime = self.runtime.modules.get(module).map(|switch| switch.value);
-        let level_off = tier_off(
-            self.settings.modules.get(module).copied().unwrap_or(3),
-            self.level,
-        );
+        let level_off = self.level_turns_off(module);
         match runtime {
             Some(true) => "runtime",
             None if self.settings.modules_off.contains(module) => "policy",

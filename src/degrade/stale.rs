@@ -578,10 +578,7 @@ fn vary_is_keyed(headers: &HeaderMap, settings: &StaleSettings) -> bool {
         field.eq_ignore_ascii_case("accept-encoding")
             // Keyed by what a trusted front says of them (`forwarded_description`); from
             // anyone else they never reach the app.
-            || field.eq_ignore_ascii_case("x-forwarded-proto")
-            || crate::proxy::header::FORWARDED_CLAIMS[1..]
-                .iter()
-                .any(|claim| field.eq_ignore_ascii_case(claim.as_str()))
+            || crate::proxy::header::keys_copies(field)
             || settings.vary.iter().any(|source| match source {
                 crate::limit::key::Source::Header(name) => {
                     field.eq_ignore_ascii_case(name.as_str())

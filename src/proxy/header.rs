@@ -55,7 +55,7 @@ static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 /// app write links to a host of his choosing into a page that levee keeps as a stale copy
 /// and serves to everyone.
 pub(crate) static FORWARDED_CLAIMS: [HeaderName; 7] = [
-    HeaderName::from_static("forwarded"),
+    FORWARDED,
     HeaderName::from_static("x-forwarded-host"),
     HeaderName::from_static("x-forwarded-port"),
     HeaderName::from_static("x-forwarded-prefix"),
@@ -64,9 +64,25 @@ pub(crate) static FORWARDED_CLAIMS: [HeaderName; 7] = [
     HeaderName::from_static("front-end-https"),
 ];
 
-/// Is `name` one of [`FORWARDED_CLAIMS`]?
+/// RFC 7239's field, whose `for` names each visitor (so it does not key a copy, its `host`
+/// and `proto` do).
+const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
+
+/// Is `name` one of [`FORWARDED_CLAIMS`]? Their lengths tell most fields apart before any
+/// comparison: a direct client's every field is asked.
 fn is_forwarded_claim(name: &HeaderName) -> bool {
-    FORWARDED_CLAIMS.contains(name)
+    let text = name.as_str();
+    matches!(text.len(), 9 | 15 | 16 | 18)
+        && FORWARDED_CLAIMS.iter().any(|claim| claim.as_str() == text)
+}
+
+/// Does a copy's key hold what the field `name` says (see [`forwarded_description`])? An
+/// answer that varies by it may then be kept.
+pub(crate) fn keys_copies(name: &str) -> bool {
+    name.eq_ignore_ascii_case(X_FORWARDED_PROTO.as_str())
+        || FORWARDED_CLAIMS
+            .iter()
+            .any(|claim| *claim != FORWARDED && name.eq_ignore_ascii_case(claim.as_str()))
 }
 
 /// What a trusted proxy's forwarding fields say the visitor asked for (`X-Forwarded-Proto`
@@ -77,7 +93,7 @@ pub(crate) fn forwarded_description(headers: &HeaderMap) -> Option<Vec<u8>> {
     let mut described = Vec::new();
     for name in std::iter::once(&X_FORWARDED_PROTO).chain(&FORWARDED_CLAIMS) {
         for value in headers.get_all(name) {
-            if *name == FORWARDED_CLAIMS[0] {
+            if *name == FORWARDED {
                 for pair in value.as_bytes().split(|&byte| byte == b';' || byte == b',') {
                     let pair = pair.trim_ascii();
                     let is_named = |wanted: &[u8]| {

@@ -102,15 +102,18 @@ pub async fn handle(
     // route table or a down backend cannot make levee look dead.
     let raw_path = request.uri().path();
     if raw_path == policy.server.livez_path {
-        return text_response(StatusCode::OK, "ok\n").into();
+        let mut answer = text_response(StatusCode::OK, "ok\n");
+        close_if_draining(&shared, answer.headers_mut());
+        return answer.into();
     }
     if raw_path == policy.server.readyz_path {
-        return if shared.draining.load(Ordering::Relaxed) {
+        let mut answer = if shared.draining.load(Ordering::Relaxed) {
             text_response(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
         } else {
             text_response(StatusCode::OK, "ready\n")
-        }
-        .into();
+        };
+        close_if_draining(&shared, answer.headers_mut());
+        return answer.into();
     }
 
     shared.metrics.inflight.inc();
@@ -134,18 +137,22 @@ pub async fn handle(
         };
     exchange.status = response.status();
     let (mut parts, body) = response.into_parts();
-    // Draining: the front stops reusing this connection after this answer and opens new ones
-    // while levee still accepts them, so few idle connections are left for the end of the
-    // drain to close under a request the front is just sending (which it could not retry
-    // if it is a POST).
-    if shared.draining.load(Ordering::Relaxed) && parts.status != StatusCode::SWITCHING_PROTOCOLS {
-        parts
-            .headers
-            .insert(h::CONNECTION, http::HeaderValue::from_static("close"));
+    if parts.status != StatusCode::SWITCHING_PROTOCOLS {
+        close_if_draining(&shared, &mut parts.headers);
     }
     Answer {
         response: Response::from_parts(parts, Observed::new(body, exchange).boxed_unsync()),
         relayed,
+    }
+}
+
+/// Draining: the client (the front) stops reusing this connection after this answer and
+/// opens new ones while levee still accepts them, so few idle connections are left for the
+/// end of the drain to close under a request the front is just sending (which it could not
+/// retry if it is a POST).
+fn close_if_draining(shared: &Shared, headers: &mut http::HeaderMap) {
+    if shared.draining.load(Ordering::Relaxed) {
+        headers.insert(h::CONNECTION, http::HeaderValue::from_static("close"));
     }
 }
 
