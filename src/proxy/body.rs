@@ -194,10 +194,12 @@ pub fn find_cause<'a, T: std::error::Error + 'static>(
 /// Reads `body` until it ends or more than `limit` bytes have come, then gives it back: what
 /// was read, followed by the rest still streaming. Its size hint stays the original one, so
 /// the request goes upstream framed as the client framed it (a chunked body stays chunked).
+/// With `keep`, a body read whole also comes back as a copy that can be sent again.
 pub async fn read_ahead(
     mut body: UnsyncBoxBody<Bytes, BoxError>,
     limit: usize,
-) -> Result<UnsyncBoxBody<Bytes, BoxError>, BoxError> {
+    keep: bool,
+) -> Result<(UnsyncBoxBody<Bytes, BoxError>, Option<ResendableBody>), BoxError> {
     use http_body_util::BodyExt;
     let hint = body.size_hint();
     let mut read: std::collections::VecDeque<Bytes> = std::collections::VecDeque::new();
@@ -216,13 +218,35 @@ pub async fn read_ahead(
             }
         }
     }
-    Ok(Prefixed {
+    let copy = (keep && ended).then(|| ResendableBody(read.iter().cloned().collect()));
+    let body = Prefixed {
         read,
         hint,
         ended,
         rest: body,
     }
-    .boxed_unsync())
+    .boxed_unsync();
+    Ok((body, copy))
+}
+
+/// A request body read whole before it was sent (see [`read_ahead`]): an idempotent request
+/// (a PUT) that met a pooled connection the upstream had just closed is sent again with it,
+/// as a bodiless one is.
+#[derive(Clone)]
+pub struct ResendableBody(Vec<Bytes>);
+
+impl ResendableBody {
+    /// The body again, as one piece.
+    pub fn body(&self) -> UnsyncBoxBody<Bytes, BoxError> {
+        let mut whole = bytes::BytesMut::with_capacity(self.0.iter().map(Bytes::len).sum());
+        for piece in &self.0 {
+            whole.extend_from_slice(piece);
+        }
+        use http_body_util::BodyExt as _;
+        http_body_util::Full::new(whole.freeze())
+            .map_err(|never| match never {})
+            .boxed_unsync()
+    }
 }
 
 pin_project! {

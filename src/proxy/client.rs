@@ -31,6 +31,7 @@ use tokio::time::{Instant, Sleep};
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 
+use super::body::ResendableBody;
 use super::deadline;
 
 use super::h1::chunked::{ChunkedDecoder, ChunkedError};
@@ -414,15 +415,26 @@ impl Client {
                 Err(error) => {
                     // A reused connection that the upstream had just closed: the request
                     // never reached it. Sent again once on a new connection, when nothing of
-                    // it is lost (no body) and sending twice is harmless.
+                    // it is lost (no body, or one read whole before it was sent) and sending
+                    // twice is harmless.
                     let race = connection.reused
                         && connection.buffer.is_empty()
                         && !connection.interim_seen
                         && matches!(&error, ClientError::Closed | ClientError::Io(_));
-                    if race && !retried && !has_body && is_idempotent(&parts.method) {
-                        retried = true;
-                        waited = true;
-                        continue;
+                    if race && !retried && is_idempotent(&parts.method) {
+                        let again = match parts.extensions.get::<ResendableBody>() {
+                            _ if !has_body => true,
+                            Some(copy) => {
+                                body = copy.body();
+                                true
+                            }
+                            None => false,
+                        };
+                        if again {
+                            retried = true;
+                            waited = true;
+                            continue;
+                        }
                     }
                     return Err(error);
                 }
@@ -560,7 +572,7 @@ impl Client {
     }
 }
 
-fn is_idempotent(method: &Method) -> bool {
+pub(crate) fn is_idempotent(method: &Method) -> bool {
     matches!(
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE

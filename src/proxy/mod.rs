@@ -428,13 +428,18 @@ async fn forward(
         // 100-continue` is not read ahead: reading would tell it to send a body that an open
         // breaker or a full pool may refuse.
         let read = if expects_continue(&parts.headers) {
-            Ok(body)
+            Ok((body, None))
         } else {
             clock.waited();
-            body::read_ahead(body, READ_AHEAD).await
+            body::read_ahead(body, READ_AHEAD, client::is_idempotent(&parts.method)).await
         };
         match read {
-            Ok(body) => body,
+            Ok((body, copy)) => {
+                if let Some(copy) = copy {
+                    parts.extensions.insert(copy);
+                }
+                body
+            }
             Err(error) => {
                 return Err(
                     classify_body_error(&route, server.client_body_timeout, &*error)
