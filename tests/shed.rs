@@ -104,6 +104,26 @@ async fn a_full_pool_sheds_tier_3_first_and_keeps_tier_1_going() {
     );
 }
 
+/// levee in front of `backend` with [`ROUTES`] and one bulkhead slot, no tier's reserve.
+async fn one_slot_levee(backend: &Backend) -> Levee {
+    Levee::start(&policy_for(
+        backend.addr,
+        "",
+        &format!("max_inflight = 1\nshed_reserve = 0.0\nqueue_wait = \"50ms\"\n{ROUTES}"),
+    ))
+    .await
+}
+
+/// A connection to levee that has sent `request`.
+async fn asked(levee: &Levee, request: &[u8]) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream.write_all(request).await.expect("write");
+    stream
+}
+
 async fn get_owned(url: String) -> Answer {
     get(&url).await
 }
@@ -298,7 +318,6 @@ async fn clients_trickling_small_forms_hold_no_slot() {
 /// or a few such clients put any number of scripts on a pool that `max_inflight` bounds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_leaves_its_slot_taken_until_the_app_answers() {
-    use tokio::io::AsyncWriteExt;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let backend = {
         let gate = gate.clone();
@@ -313,19 +332,8 @@ async fn a_client_that_hangs_up_leaves_its_slot_taken_until_the_app_answers() {
         })
         .await
     };
-    let policy = policy_for(
-        backend.addr,
-        "",
-        &format!("max_inflight = 1\nshed_reserve = 0.0\nqueue_wait = \"50ms\"\n{ROUTES}"),
-    );
-    let levee = Levee::start(&policy).await;
-    let mut stream = tokio::net::TcpStream::connect(levee.public)
-        .await
-        .expect("connect");
-    stream
-        .write_all(b"GET /busy.php HTTP/1.1\r\nHost: a\r\n\r\n")
-        .await
-        .expect("write");
+    let levee = one_slot_levee(&backend).await;
+    let stream = asked(&levee, b"GET /busy.php HTTP/1.1\r\nHost: a\r\n\r\n").await;
     eventually(
         Duration::from_secs(5),
         "the request to reach the app",
@@ -436,7 +444,7 @@ async fn an_upload_whose_client_vanishes_never_reaches_the_app_as_complete() {
 /// hangs up while the page streams leaves the slot taken until the upstream's body ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_while_the_page_streams_leaves_its_slot_taken() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let backend = {
         let gate = gate.clone();
@@ -468,19 +476,8 @@ async fn a_client_that_hangs_up_while_the_page_streams_leaves_its_slot_taken() {
         })
         .await
     };
-    let policy = policy_for(
-        backend.addr,
-        "",
-        &format!("max_inflight = 1\nshed_reserve = 0.0\nqueue_wait = \"50ms\"\n{ROUTES}"),
-    );
-    let levee = Levee::start(&policy).await;
-    let mut stream = tokio::net::TcpStream::connect(levee.public)
-        .await
-        .expect("connect");
-    stream
-        .write_all(b"GET /streaming.php HTTP/1.1\r\nHost: a\r\n\r\n")
-        .await
-        .expect("write");
+    let levee = one_slot_levee(&backend).await;
+    let mut stream = asked(&levee, b"GET /streaming.php HTTP/1.1\r\nHost: a\r\n\r\n").await;
     let mut head = vec![0u8; 1024];
     let read = stream.read(&mut head).await.expect("read");
     assert!(

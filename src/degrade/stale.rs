@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
@@ -621,24 +621,14 @@ pin_project! {
     }
 }
 
-/// The frames of a body being kept, and their length in all.
+/// The frames of a body being kept, and their length in all. The copy is put together in a
+/// buffer of exactly the body's size (`joined`): a buffer grown frame by frame doubles its
+/// room, and a frame kept as it is may be a slice of a larger read buffer; either way a copy
+/// would hold up to twice its size in memory, beyond what the store's budget counts.
 #[derive(Default)]
 struct Frames {
     frames: Vec<Bytes>,
     len: usize,
-}
-
-impl Frames {
-    /// One buffer of exactly the body's size. A buffer grown frame by frame doubles its
-    /// room, and a frame kept as it is may be a slice of a larger read buffer: either way a
-    /// copy would hold up to twice its size in memory, beyond what the store's budget counts.
-    fn joined(self) -> Bytes {
-        let mut body = BytesMut::with_capacity(self.len);
-        for frame in self.frames {
-            body.extend_from_slice(&frame);
-        }
-        body.freeze()
-    }
 }
 
 /// Where a finished capture goes.
@@ -686,7 +676,7 @@ fn complete(
     let copy = Arc::new(StaleCopy {
         status,
         headers,
-        body: body.joined(),
+        body: crate::proxy::body::joined(&body.frames),
         stored_at_ms: now_ms().saturating_sub(arrived_aged_ms),
     });
     target.store.put(

@@ -238,15 +238,21 @@ pub struct ResendableBody(Vec<Bytes>);
 impl ResendableBody {
     /// The body again, as one piece.
     pub fn body(&self) -> UnsyncBoxBody<Bytes, BoxError> {
-        let mut whole = bytes::BytesMut::with_capacity(self.0.iter().map(Bytes::len).sum());
-        for piece in &self.0 {
-            whole.extend_from_slice(piece);
-        }
         use http_body_util::BodyExt as _;
-        http_body_util::Full::new(whole.freeze())
+        http_body_util::Full::new(joined(&self.0))
             .map_err(|never| match never {})
             .boxed_unsync()
     }
+}
+
+/// `pieces` put together in one buffer of exactly their size (one grown piece by piece
+/// doubles its room).
+pub(crate) fn joined(pieces: &[Bytes]) -> Bytes {
+    let mut whole = bytes::BytesMut::with_capacity(pieces.iter().map(Bytes::len).sum());
+    for piece in pieces {
+        whole.extend_from_slice(piece);
+    }
+    whole.freeze()
 }
 
 pin_project! {

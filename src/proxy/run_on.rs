@@ -137,9 +137,8 @@ impl Drop for HeldCall {
                     bounds.idle_body_timeout,
                     "upstream",
                 );
-                read_to_end(body, bounds.response_timeout).await;
+                read_rest(body, slot, bounds.response_timeout).await;
             }
-            drop(slot);
         });
     }
 }
@@ -152,11 +151,13 @@ fn spawn_or_drop(task: impl Future<Output = ()> + Send + 'static) {
     }
 }
 
-/// Reads a body to its end (or its first error, or for at most `within`), keeping nothing:
-/// the body ends, and its connection is reused.
-async fn read_to_end<B: Body + Unpin>(mut body: B, within: Duration) {
+/// Reads the rest of an answer nobody waits for (to its end, its first error, or for at most
+/// `within`), keeping nothing: the body ends and its connection is reused. Then the slot it
+/// held is freed.
+async fn read_rest<B: Body + Unpin>(mut body: B, slot: Slot, within: Duration) {
     let reading = async { while let Some(Ok(_)) = body.frame().await {} };
     let _ = tokio::time::timeout(within, reading).await;
+    drop(slot);
 }
 
 pin_project_lite::pin_project! {
@@ -191,11 +192,7 @@ pin_project_lite::pin_project! {
             if inner.is_end_stream() {
                 return;
             }
-            let within = *this.within;
-            spawn_or_drop(async move {
-                read_to_end(inner, within).await;
-                drop(slot);
-            });
+            spawn_or_drop(read_rest(inner, slot, *this.within));
         }
     }
 }

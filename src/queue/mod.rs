@@ -336,11 +336,8 @@ pub async fn enqueue(
         // One line per refused POST would flood the log while Redis is down.
         static NOT_STORED: LogThrottle = LogThrottle::new(Duration::from_secs(10));
         match NOT_STORED.allow(std::time::Instant::now()) {
-            Some(0) => {
-                tracing::warn!(route = %route.name, "job not stored, answering 503: {error}")
-            }
             Some(held_back) => {
-                tracing::warn!(route = %route.name, held_back, "job not stored, answering 503: {error} (and {held_back} more since the last such line)")
+                tracing::warn!(route = %route.name, held_back, "job not stored, answering 503: {error}")
             }
             None => {
                 tracing::debug!(route = %route.name, "job not stored, answering 503: {error}")
