@@ -2,7 +2,8 @@
 //! a node that is down or frozen sends to `on_redis_error` only the requests whose buckets it
 //! holds, while the other nodes go on deciding theirs.
 //!
-//! levee reads the cluster's slot map (`CLUSTER SLOTS`) once connected, again soon after a
+//! levee reads the cluster's slot map (`CLUSTER SLOTS`) before its first call that counts
+//! against a node's health (that call waits for the read), again soon after a
 //! call fails (a failover or a resharding moves slots), and every [`REFRESH_EVERY`] while
 //! decisions are made. The map only says whose health a call counts against: redis-rs routes
 //! the calls themselves, following redirections, so a stale map never sends a call astray.
@@ -125,6 +126,11 @@ impl ClusterHealth {
             Some((_, last, node)) if slot <= last => map.nodes[node].clone(),
             _ => self.unmapped.clone(),
         }
+    }
+
+    /// Whether a map was ever read: until then every call counts against the stand-in.
+    pub fn was_read(&self) -> bool {
+        lock(&self.map).read_at.is_some()
     }
 
     /// Every node the map knows, and the stand-in for unplaced slots while it is in use

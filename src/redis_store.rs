@@ -12,13 +12,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use crate::log_throttle::LogThrottle;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RedisNodeLabels};
 use crate::proxy::upstream::{ca_certificates, client_tls, system_roots};
 use crate::redis_batch::{
     lock, read_answer, reply_numbers, BatchTarget, DecisionBatcher, Endpoint, RedisRule,
@@ -702,7 +704,11 @@ impl RedisStore {
         guarded: Option<Guard<'_>>,
     ) -> Result<T, RedisFailure> {
         let node = match (&self.cluster, &guarded) {
-            (Some(cluster), Some(guard)) => Some((cluster, cluster.node_for(guard.key))),
+            (Some(cluster), Some(guard)) => {
+                self.read_first_slot_map(cluster, timeout, guard.metrics)
+                    .await;
+                Some((cluster, cluster.node_for(guard.key)))
+            }
             _ => None,
         };
         let health = node
@@ -845,6 +851,8 @@ impl RedisStore {
         asks: &[RedisAsk<'_>],
         metrics: &Metrics,
     ) -> Result<Vec<RemoteVerdict>, RedisFailure> {
+        self.read_first_slot_map(cluster, self.settings.timeout, metrics)
+            .await;
         let groups = slot_groups(asks);
         // The nodes the request needs, once each, and for each group its node's index.
         let mut nodes: Vec<Node> = Vec::with_capacity(groups.len());
@@ -953,27 +961,59 @@ impl RedisStore {
         let cluster = cluster.clone();
         let node_up = metrics.redis_node_up.clone();
         tokio::spawn(async move {
-            let mut slots = redis::cmd("CLUSTER");
-            slots.arg("SLOTS");
-            let read = query::<redis::Value>(&connection, &slots);
-            let ranges = match tokio::time::timeout(OFF_PATH_BOUND, read).await {
-                Ok(Ok(reply)) => parse_slots(&reply)
-                    .ok_or_else(|| "CLUSTER SLOTS answered something not a slot map".to_string()),
-                Ok(Err(error)) => Err(format!("CLUSTER SLOTS failed: {error}")),
-                Err(_elapsed) => Err(format!(
-                    "CLUSTER SLOTS got no answer within {OFF_PATH_BOUND:?}"
-                )),
-            };
-            match ranges {
-                Ok(ranges) => cluster.install(ranges, &node_up),
-                Err(reason) => {
-                    tracing::warn!(
-                        "{reason}; rate-limit calls keep following the slot map read before"
-                    );
-                    cluster.read_failed();
-                }
-            }
+            read_slot_map(&connection, &cluster, &node_up, OFF_PATH_BOUND).await;
         });
+    }
+
+    /// Waits, within `timeout`, for the first read of the slot map. Until a map is read every
+    /// key counts against the one stand-in node, so a single node frozen before the map came
+    /// in would open the breaker of them all: a read run in the background after the first
+    /// call could lose that race. Once a read was claimed (by this call or another), later
+    /// calls do not wait; a failed first read is tried again a second later, as any read.
+    async fn read_first_slot_map(
+        &self,
+        cluster: &Arc<ClusterHealth>,
+        timeout: Duration,
+        metrics: &Metrics,
+    ) {
+        if cluster.was_read() || !cluster.claim_read(false) {
+            return;
+        }
+        let connection = match tokio::time::timeout(timeout, self.connect()).await {
+            Ok(Ok(connection)) => connection,
+            Ok(Err(_)) | Err(_) => {
+                // The call itself meets the same failure and counts it.
+                cluster.read_failed();
+                return;
+            }
+        };
+        read_slot_map(&connection, cluster, &metrics.redis_node_up, timeout).await;
+    }
+}
+
+/// Reads the cluster's slot map (`CLUSTER SLOTS`, within `bound`) and installs it, or ends the
+/// claimed read as failed and keeps the map read before.
+async fn read_slot_map(
+    connection: &Connection,
+    cluster: &ClusterHealth,
+    node_up: &Family<RedisNodeLabels, Gauge>,
+    bound: Duration,
+) {
+    let mut slots = redis::cmd("CLUSTER");
+    slots.arg("SLOTS");
+    let read = query::<redis::Value>(connection, &slots);
+    let ranges = match tokio::time::timeout(bound, read).await {
+        Ok(Ok(reply)) => parse_slots(&reply)
+            .ok_or_else(|| "CLUSTER SLOTS answered something not a slot map".to_string()),
+        Ok(Err(error)) => Err(format!("CLUSTER SLOTS failed: {error}")),
+        Err(_elapsed) => Err(format!("CLUSTER SLOTS got no answer within {bound:?}")),
+    };
+    match ranges {
+        Ok(ranges) => cluster.install(ranges, node_up),
+        Err(reason) => {
+            tracing::warn!("{reason}; calls keep following the slot map read before");
+            cluster.read_failed();
+        }
     }
 }
 
