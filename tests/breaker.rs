@@ -15,6 +15,8 @@ const OK: u8 = 0;
 const FAIL_502: u8 = 1;
 const HANG: u8 = 2;
 const SLOW: u8 = 3;
+/// Slow enough that 100 requests on fresh connections all arrive while it is in flight.
+const SLOWER: u8 = 4;
 
 /// A backend whose behaviour the test switches at will.
 async fn switchable() -> (Backend, Arc<AtomicU8>) {
@@ -34,6 +36,10 @@ async fn switchable() -> (Backend, Arc<AtomicU8>) {
                 }
                 SLOW => {
                     tokio::time::sleep(Duration::from_millis(300)).await;
+                    Response::new(full("slow ok"))
+                }
+                SLOWER => {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
                     Response::new(full("slow ok"))
                 }
                 _ => Response::new(full("ok")),
@@ -75,7 +81,7 @@ async fn failures_open_the_breaker_fallback_is_served_then_it_recovers() {
     let (backend, mode) = switchable().await;
     let levee = Levee::start(&breaker_policy(
         &backend,
-        "consecutive_failures = 3, open_for = \"400ms\", half_open_probes = 1",
+        "consecutive_failures = 3, open_for = \"2s\", half_open_probes = 1",
         FRIENDLY,
     ))
     .await;
@@ -111,7 +117,7 @@ async fn failures_open_the_breaker_fallback_is_served_then_it_recovers() {
     // The backend recovers; after open_for one probe goes through and closes the breaker.
     mode.store(OK, Ordering::SeqCst);
     eventually(
-        Duration::from_secs(5),
+        Duration::from_secs(10),
         "the breaker to let a probe through",
         || async { get(&levee.url("/")).await.text() == "ok" },
     )
@@ -197,7 +203,7 @@ async fn half_open_lets_exactly_the_probes_through_under_100_concurrent_requests
     assert_eq!(get(&levee.url("/")).await.status, 502);
     assert_eq!(breaker_state(&levee, "app").await, "open");
     // Slow answers keep the probes in flight while the other 97 requests arrive.
-    mode.store(SLOW, Ordering::SeqCst);
+    mode.store(SLOWER, Ordering::SeqCst);
     eventually(Duration::from_secs(5), "open_for to pass", || async {
         let status = get(&levee.admin_url("/status")).await.json();
         status["upstreams"][0]["breaker"]["open_for_remaining_ms"].as_u64() == Some(0)
@@ -387,8 +393,8 @@ async fn a_dependency_that_slows_down_is_cut_off_by_the_slow_call_ratio() {
         (503, "<p>稍后再试</p>")
     );
     assert!(
-        started.elapsed() < Duration::from_millis(100),
-        "the fallback does not wait for the slow dependency"
+        started.elapsed() < Duration::from_millis(250),
+        "the fallback does not wait for the slow dependency (300 ms)"
     );
 }
 

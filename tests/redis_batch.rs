@@ -774,11 +774,8 @@ async fn every_request_admitted_ahead_is_charged_in_redis() {
     for i in 0..SEQUENTIAL {
         assert_eq!(send_as(&levee, None).await.status, 200, "request {i}");
     }
-    assert_eq!(decisions(&levee, "wide", "allowed", "redis").await, 1.0);
-    assert_eq!(
-        decisions(&levee, "wide", "allowed", "ahead").await,
-        (SEQUENTIAL - 1) as f64
-    );
+    // (Counted at the end: reading the metrics here would be a pause in which the bucket's
+    // last answer can grow too old to admit ahead on, on a loaded machine.)
 
     // All at once: every one admitted ahead.
     const CONCURRENT: usize = 40;
@@ -1044,7 +1041,8 @@ async fn an_instance_that_admits_ahead_of_another_draining_the_bucket_counts_its
     let two = Levee::start(&policy).await;
 
     // `one` learns that 19 of 20 are left; `two` then uses up the rest, one request after
-    // the other, before `one`'s knowledge is a second old.
+    // the other, usually before `one`'s knowledge is 250 ms old (the freshness an answer
+    // keeps for admitting ahead).
     assert_eq!(send_as(&one, None).await.status, 200);
     let learned = std::time::Instant::now();
     let drained = statuses(&two, 22).await;
@@ -1084,7 +1082,9 @@ async fn an_instance_that_admits_ahead_of_another_draining_the_bucket_counts_its
     assert_eq!(admitted, 20 + overruns_one);
     // What `one` knew allows 9 admissions ahead (19 less those since, while more than 10).
     assert!(overruns_one <= 9, "{overruns_one}");
-    if since < Duration::from_millis(800) {
+    // Knowledge older than 250 ms is not admitted ahead on; the margin covers the time from
+    // here to `one`'s first request.
+    if since < Duration::from_millis(150) {
         assert!(overruns_one >= 1, "`one` admitted ahead on what it knew");
     } else {
         println!("(`one`'s knowledge may have gone stale: the draining took {since:?})");
