@@ -89,6 +89,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
                 source,
             })
     };
+    server::warn_if_files_run_short(policy.server.max_connections);
     let public = bind("server.listen", policy.server.listen).await?;
     let admin = bind("admin.listen", policy.admin.listen).await?;
     let public_addr = public.local_addr().map_err(|source| StartError::Listen {
@@ -139,6 +140,10 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         move |peer, request| proxy::handle(public_shared.clone(), peer, request),
         stop.clone(),
         alive.clone(),
+        server::ConnectionCount::new(
+            shared.metrics.connections_open.clone(),
+            shared.metrics.connection_cap_waits.clone(),
+        ),
     ));
     let admin_shared = shared.clone();
     let admin_task = tokio::spawn(server::serve(

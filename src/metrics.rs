@@ -110,6 +110,8 @@ pub struct Metrics {
     pub request_duration: Family<RouteLabels, Histogram>,
     pub upstream_errors: Family<UpstreamErrorLabels, Counter>,
     pub inflight: Gauge,
+    pub connections_open: Gauge,
+    pub connection_cap_waits: Counter,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
     pub policy_generation: Gauge,
@@ -266,6 +268,18 @@ impl Metrics {
             "inflight_requests",
             "Requests being handled right now",
             inflight.clone(),
+        );
+        let connections_open = Gauge::default();
+        registry.register(
+            "connections_open",
+            "Client connections open on the public listener, upgraded tunnels included",
+            connections_open.clone(),
+        );
+        let connection_cap_waits = Counter::default();
+        registry.register(
+            "connection_cap_waits",
+            "Times the public listener stopped accepting because max_connections were open",
+            connection_cap_waits.clone(),
         );
         let policy_reloads = Counter::default();
         registry.register(
@@ -442,6 +456,8 @@ impl Metrics {
             redis_up,
             ratelimit_ahead_overruns,
             redis_transitions,
+            connections_open,
+            connection_cap_waits,
             redis_node_up,
             requests,
             request_duration,

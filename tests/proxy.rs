@@ -487,7 +487,119 @@ async fn websocket_echo_passes_through() {
         let echoed = socket.next().await.expect("a message").expect("no error");
         assert_eq!(echoed.into_text().expect("text").as_str(), text);
     }
+    // The tunnel counts as a connection towards max_connections while it lives.
+    let open = || async {
+        metric_value(
+            &get(&levee.admin_url("/metrics")).await.text(),
+            "levee_connections_open",
+        )
+    };
+    assert_eq!(open().await, 1.0);
     socket.close(None).await.expect("close");
+    drop(socket);
+    eventually(
+        Duration::from_secs(10),
+        "the tunnel to be let go",
+        || async { open().await == 0.0 },
+    )
+    .await;
+}
+
+/// Sends one keep-alive GET on `stream` and reads until its (small) answer is whole.
+async fn get_on(stream: &mut tokio::net::TcpStream, path: &str) -> String {
+    use tokio::io::AsyncWriteExt;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: a\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    read_answer(stream).await
+}
+
+/// Reads one answer with a `Content-Length` from `stream`.
+async fn read_answer(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut seen = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&seen).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|line| {
+                    line.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .map(str::to_string)
+                })
+                .and_then(|value| value.trim().parse::<usize>().ok());
+            if length.is_some_and(|length| body.len() >= length) {
+                return text;
+            }
+        }
+        let read = stream.read(&mut chunk).await.expect("read");
+        assert!(read > 0, "closed before the answer was whole: {text}");
+        seen.extend_from_slice(&chunk[..read]);
+    }
+}
+
+/// At `max_connections`, a new connection waits in the listen backlog, its request
+/// unanswered, until one of the open ones closes; then it is served. The admin listener is
+/// not counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_max_connections_a_new_connection_waits_until_one_closes() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false\nmax_connections = 2",
+        "",
+    ))
+    .await;
+    let connect = || async {
+        tokio::net::TcpStream::connect(levee.public)
+            .await
+            .expect("connect")
+    };
+    let mut first = connect().await;
+    let mut second = connect().await;
+    assert!(get_on(&mut first, "/one").await.starts_with("HTTP/1.1 200"));
+    assert!(get_on(&mut second, "/two")
+        .await
+        .starts_with("HTTP/1.1 200"));
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_connections_open"),
+        2.0,
+        "{metrics}"
+    );
+    eventually(
+        Duration::from_secs(5),
+        "the listener to stop accepting",
+        || async {
+            let metrics = get(&levee.admin_url("/metrics")).await.text();
+            metric_value(&metrics, "levee_connection_cap_waits_total") == 1.0
+        },
+    )
+    .await;
+
+    let mut third = connect().await;
+    let waiting = {
+        use tokio::io::AsyncWriteExt;
+        third
+            .write_all(b"GET /three HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        tokio::time::timeout(Duration::from_millis(300), read_answer(&mut third)).await
+    };
+    assert!(waiting.is_err(), "answered past the cap: {waiting:?}");
+    assert_eq!(get(&levee.admin_url("/status")).await.status, 200);
+
+    drop(first);
+    let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut third))
+        .await
+        .expect("the waiting connection is served once one closed");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(get_on(&mut second, "/two-again")
+        .await
+        .starts_with("HTTP/1.1 200"));
 }
 
 /// Resident memory of this test process, in bytes.

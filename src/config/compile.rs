@@ -2700,6 +2700,19 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
             "liveness (the process runs) and readiness (take traffic) need a path each",
         );
     }
+    let max_connections = match &spec.max_connections {
+        Some(value) if *value.get_ref() == 0 => {
+            compiler.error_hint(
+                file,
+                value.span(),
+                "max_connections must be at least 1",
+                "the default, 10000, suits a site behind one front nginx; keep it under half of levee's open-file limit",
+            );
+            defaults.max_connections
+        }
+        Some(value) => *value.get_ref(),
+        None => defaults.max_connections,
+    };
     ServerSettings {
         listen: compiler.socket_addr(file, &spec.listen, defaults.listen),
         trusted_proxies,
@@ -2729,6 +2742,7 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
             defaults.tunnel_idle_timeout,
             "tunnel_idle_timeout",
         ),
+        max_connections,
         drain: compiler.duration(file, &spec.drain, defaults.drain),
         shutdown_timeout: compiler.duration(
             file,
@@ -4246,6 +4260,26 @@ mod tests {
                 "a.toml:5:20: error: `response_timeout` must be more than 0",
                 "a.toml:7:17: error: `sync_interval` must be more than 0",
             ],
+        );
+    }
+
+    #[test]
+    fn max_connections_is_at_least_one_and_a_whole_number() {
+        let zero = errors(&[(
+            "a.toml",
+            "[server]\nmax_connections = 0\n[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n",
+        )]);
+        assert_reported(
+            &zero,
+            &["a.toml:2:19: error: max_connections must be at least 1"],
+        );
+        let negative = errors(&[(
+            "a.toml",
+            "[server]\nmax_connections = -5\n[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n",
+        )]);
+        assert!(
+            negative.iter().any(|error| error.starts_with("a.toml:2:")),
+            "{negative:?}"
         );
     }
 

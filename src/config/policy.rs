@@ -70,6 +70,9 @@ pub struct ServerSettings {
     /// Longest silence both ways on an upgraded (WebSocket) connection; then both sides are
     /// closed. Default 5m.
     pub tunnel_idle_timeout: Duration,
+    /// Client connections open at once on the public listener (tunnels included); more wait
+    /// in the listen backlog. Default 10000.
+    pub max_connections: u32,
     /// How long `/readyz` says 503 before levee stops accepting. Default 5s.
     pub drain: Duration,
     /// Longest wait for in-flight requests after drain. Default 30s.
@@ -93,6 +96,7 @@ impl Default for ServerSettings {
             client_body_timeout: Duration::from_secs(30),
             send_timeout: Duration::from_secs(60),
             tunnel_idle_timeout: Duration::from_secs(300),
+            max_connections: 10_000,
             drain: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(30),
             livez_path: "/livez".into(),

@@ -211,6 +211,7 @@ pub struct ServerSpec {
     pub client_body_timeout: Option<Spanned<String>>,
     pub send_timeout: Option<Spanned<String>>,
     pub tunnel_idle_timeout: Option<Spanned<String>>,
+    pub max_connections: Option<Spanned<u32>>,
     pub drain: Option<Spanned<String>>,
     pub shutdown_timeout: Option<Spanned<String>>,
     pub livez_path: Option<Spanned<String>>,

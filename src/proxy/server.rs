@@ -12,11 +12,139 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Notify};
 
 use super::body::ResponseBody;
 use crate::config::PolicyStore;
+use crate::log_throttle::LogThrottle;
+
+/// The public listener's open client connections, upgraded tunnels included, held to
+/// `[server] max_connections`: past it, new connections wait in the kernel's listen backlog
+/// until one closes, instead of levee running out of file descriptors (then it could open
+/// neither upstream connections nor Redis ones, and every request would fail).
+pub struct ConnectionCount {
+    open: Gauge,
+    waits: Counter,
+    closed: Notify,
+    full_log: LogThrottle,
+}
+
+impl ConnectionCount {
+    /// `open` is `levee_connections_open`, `waits` `levee_connection_cap_waits_total`.
+    pub fn new(open: Gauge, waits: Counter) -> Arc<ConnectionCount> {
+        Arc::new(ConnectionCount {
+            open,
+            waits,
+            closed: Notify::new(),
+            full_log: LogThrottle::new(Duration::from_secs(10)),
+        })
+    }
+
+    fn admit(self: &Arc<Self>) -> ConnectionSlot {
+        self.open.inc();
+        ConnectionSlot(Some(self.clone()))
+    }
+
+    /// Waits until fewer than the active policy's `max_connections` are open; false when
+    /// `stop` turned true meanwhile.
+    async fn room(&self, store: &PolicyStore, stop: &mut watch::Receiver<bool>) -> bool {
+        let mut waited = false;
+        loop {
+            let closed = self.closed.notified();
+            tokio::pin!(closed);
+            closed.as_mut().enable();
+            let cap = store.load().server.max_connections;
+            let open = self.open.get();
+            if open < i64::from(cap) {
+                return true;
+            }
+            if !waited {
+                waited = true;
+                self.waits.inc();
+                if let Some(held_back) = self.full_log.allow(std::time::Instant::now()) {
+                    tracing::warn!(
+                        open,
+                        max_connections = cap,
+                        held_back,
+                        "connection cap reached: new connections wait in the listen backlog until one closes"
+                    );
+                }
+            }
+            tokio::select! {
+                _ = closed => {}
+                // A reload may have raised the cap.
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = stop.wait_for(|stopped| *stopped) => return false,
+            }
+        }
+    }
+}
+
+/// Warns at start when the process's open-file limit is below what `max_connections` needs:
+/// a client connection and one to the app each, plus Redis, the log and the policy files.
+/// Past the limit, accepting fails and so does every upstream connection. (levee does not
+/// raise the limit itself: that takes a system call the house rules keep out.)
+pub fn warn_if_files_run_short(max_connections: u32) {
+    let Some(limit) = open_file_limit() else {
+        return;
+    };
+    let needed = 2 * u64::from(max_connections) + 256;
+    if limit < needed {
+        tracing::warn!(
+            open_file_limit = limit,
+            max_connections,
+            needed,
+            "the open-file limit is below what max_connections needs: raise it (LimitNOFILE= in the systemd unit, ulimit -n) or lower [server] max_connections"
+        );
+    }
+}
+
+/// The soft `Max open files` of this process, from `/proc/self/limits` (Linux); `None`
+/// elsewhere, or unlimited.
+fn open_file_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    soft_open_files(&limits)
+}
+
+fn soft_open_files(limits: &str) -> Option<u64> {
+    limits
+        .lines()
+        .find_map(|line| line.strip_prefix("Max open files"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|soft| soft.parse().ok())
+}
+
+/// One client connection counted in a [`ConnectionCount`] until it is dropped; it goes with
+/// the connection into an upgraded tunnel. The admin listener's are not counted.
+pub struct ConnectionSlot(Option<Arc<ConnectionCount>>);
+
+impl ConnectionSlot {
+    pub fn uncounted() -> ConnectionSlot {
+        ConnectionSlot(None)
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        if let Some(count) = self.0.take() {
+            count.open.dec();
+            count.closed.notify_one();
+        }
+    }
+}
+
+impl std::fmt::Debug for ConnectionSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "ConnectionSlot(counted)"
+        } else {
+            "ConnectionSlot(uncounted)"
+        })
+    }
+}
 
 /// Per-connection limits, read from the active policy when the connection is accepted.
 #[derive(Debug, Clone, Copy)]
@@ -41,18 +169,25 @@ impl ConnectionLimits {
 /// the limits of the policy active at accept time. Shared by both listeners.
 ///
 /// Every connection task holds a clone of `alive`; the caller learns that all connections
-/// have finished when the receiving side sees the channel close.
+/// have finished when the receiving side sees the channel close. With `count`, connections
+/// are counted and held to `max_connections`.
 pub(crate) async fn accept_loop<C, Fut>(
     listener: TcpListener,
     store: Arc<PolicyStore>,
     mut stop: watch::Receiver<bool>,
     alive: mpsc::Sender<()>,
+    count: Option<Arc<ConnectionCount>>,
     serve_connection: C,
 ) where
-    C: Fn(TcpStream, SocketAddr, ConnectionLimits, watch::Receiver<bool>) -> Fut,
+    C: Fn(TcpStream, SocketAddr, ConnectionLimits, ConnectionSlot, watch::Receiver<bool>) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
     loop {
+        if let Some(count) = &count {
+            if !count.room(&store, &mut stop).await {
+                break;
+            }
+        }
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             _ = stop.wait_for(|stopped| *stopped) => break,
@@ -68,7 +203,10 @@ pub(crate) async fn accept_loop<C, Fut>(
         };
         let _ = stream.set_nodelay(true);
         let limits = ConnectionLimits::from_store(&store);
-        let connection = serve_connection(stream, peer, limits, stop.clone());
+        let slot = count
+            .as_ref()
+            .map_or_else(ConnectionSlot::uncounted, |count| count.admit());
+        let connection = serve_connection(stream, peer, limits, slot, stop.clone());
         let alive = alive.clone();
         tokio::spawn(async move {
             let _alive = alive;
@@ -97,7 +235,8 @@ pub async fn serve<H, F>(
         store,
         stop,
         alive,
-        move |stream, peer, limits, mut stop| {
+        None,
+        move |stream, peer, limits, _slot, mut stop| {
             let handler = handler.clone();
             async move {
                 let service = service_fn(move |request| {
@@ -134,4 +273,19 @@ pub async fn serve<H, F>(
         },
     )
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_soft_open_file_limit_is_read_from_proc_limits() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \nMax processes             95641                95641                processes \nMax open files            1024                 524288               files     \n";
+        assert_eq!(soft_open_files(limits), Some(1024));
+        let unlimited =
+            "Max open files            unlimited            unlimited            files\n";
+        assert_eq!(soft_open_files(unlimited), None);
+        assert_eq!(soft_open_files(""), None);
+    }
 }

@@ -31,7 +31,7 @@ use crate::error::ProxyError;
 use crate::proxy::body::ResponseBody;
 use crate::proxy::client::UpstreamReason;
 use crate::proxy::deadline;
-use crate::proxy::server::ConnectionLimits;
+use crate::proxy::server::{ConnectionLimits, ConnectionSlot};
 use crate::proxy::upstream_fields::UpstreamFields;
 
 /// Room for reading a request head: the first read lands on the stack (so an idle
@@ -90,11 +90,14 @@ enum After {
 }
 
 /// Serves requests on `stream` until the client or levee closes it.
+///
+/// `slot` counts the connection while it lives, and goes with it into a tunnel after a 101.
 pub(super) async fn serve_connection<H, F>(
     mut stream: TcpStream,
     peer: SocketAddr,
     handler: H,
     limits: ConnectionLimits,
+    slot: ConnectionSlot,
     stop: watch::Receiver<bool>,
 ) where
     H: Fn(SocketAddr, Request<RequestBody>) -> F,
@@ -167,7 +170,7 @@ pub(super) async fn serve_connection<H, F>(
                 return;
             }
             After::Upgrade(sender) => {
-                let _ = sender.send(UpgradedClient::new(stream, read_buffer.freeze()));
+                let _ = sender.send(UpgradedClient::new(stream, read_buffer.freeze(), slot));
                 return;
             }
         }
@@ -1002,7 +1005,15 @@ mod tests {
         let (stop_sender, stop) = watch::channel(false);
         tokio::spawn(async move {
             if let Ok((stream, peer)) = listener.accept().await {
-                serve_connection(stream, peer, handler, LIMITS, stop).await;
+                serve_connection(
+                    stream,
+                    peer,
+                    handler,
+                    LIMITS,
+                    ConnectionSlot::uncounted(),
+                    stop,
+                )
+                .await;
             }
         });
         let client = TcpStream::connect(address).await.expect("connect");
@@ -1381,7 +1392,15 @@ mod tests {
                     Response::new(full_body("too late"))
                 }
             };
-            serve_connection(stream, peer, handler, LIMITS, stop).await;
+            serve_connection(
+                stream,
+                peer,
+                handler,
+                LIMITS,
+                ConnectionSlot::uncounted(),
+                stop,
+            )
+            .await;
         });
         let mut client = TcpStream::connect(address).await.expect("connect");
         client
@@ -1411,8 +1430,14 @@ mod tests {
         };
         let (_stop_sender, stop) = watch::channel(false);
         let (stream, peer) = server;
-        let connection =
-            serve_connection(stream, peer, |_peer, request| echo(request), LIMITS, stop);
+        let connection = serve_connection(
+            stream,
+            peer,
+            |_peer, request| echo(request),
+            LIMITS,
+            ConnectionSlot::uncounted(),
+            stop,
+        );
         // The task's whole state while idle: everything per request is boxed on demand.
         let size = std::mem::size_of_val(&connection);
         assert!(size < 2048, "connection future is {size} bytes");

@@ -33,11 +33,11 @@ pub use conn::Answer;
 pub use request_body::{RequestBody, RequestBodyError};
 pub use upgrade::{ClientUpgrade, UpgradedClient};
 
-use super::server::accept_loop;
+use super::server::{accept_loop, ConnectionCount};
 use crate::config::PolicyStore;
 
 /// The public listener: accepts connections until `stop` turns true, serving each with
-/// `handler` on levee's own HTTP/1.1 layer.
+/// `handler` on levee's own HTTP/1.1 layer, at most `max_connections` at a time (`count`).
 ///
 /// Every connection task holds a clone of `alive`; the caller learns that all connections
 /// have finished when the receiving side sees the channel close. On stop, idle keep-alive
@@ -48,6 +48,7 @@ pub async fn serve<H, F>(
     handler: H,
     stop: watch::Receiver<bool>,
     alive: mpsc::Sender<()>,
+    count: Arc<ConnectionCount>,
 ) where
     H: Fn(SocketAddr, Request<RequestBody>) -> F + Clone + Send + Sync + 'static,
     F: Future + Send + 'static,
@@ -58,8 +59,9 @@ pub async fn serve<H, F>(
         store,
         stop,
         alive,
-        move |stream, peer, limits, stop| {
-            conn::serve_connection(stream, peer, handler.clone(), limits, stop)
+        Some(count),
+        move |stream, peer, limits, slot, stop| {
+            conn::serve_connection(stream, peer, handler.clone(), limits, slot, stop)
         },
     )
     .await;

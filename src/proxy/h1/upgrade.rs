@@ -14,6 +14,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
+use crate::proxy::server::ConnectionSlot;
+
 /// The promise of the client connection once the response to this request is a 101.
 ///
 /// Request extensions must be `Clone`; the receiving end is shared and can be taken once.
@@ -67,11 +69,17 @@ impl Future for PendingUpgrade {
 pub struct UpgradedClient {
     stream: TcpStream,
     buffered: Bytes,
+    /// The connection stays counted against `max_connections` while the tunnel lives.
+    _slot: ConnectionSlot,
 }
 
 impl UpgradedClient {
-    pub(super) fn new(stream: TcpStream, buffered: Bytes) -> UpgradedClient {
-        UpgradedClient { stream, buffered }
+    pub(super) fn new(stream: TcpStream, buffered: Bytes, slot: ConnectionSlot) -> UpgradedClient {
+        UpgradedClient {
+            stream,
+            buffered,
+            _slot: slot,
+        }
     }
 }
 
