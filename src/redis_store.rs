@@ -976,18 +976,30 @@ impl RedisStore {
         timeout: Duration,
         metrics: &Metrics,
     ) {
-        if cluster.was_read() || !cluster.claim_read(false) {
+        if cluster.was_read() {
             return;
         }
+        // Connected before the read is claimed: a request dropped meanwhile (its client hung
+        // up) leaves no claim behind.
         let connection = match tokio::time::timeout(timeout, self.connect()).await {
             Ok(Ok(connection)) => connection,
-            Ok(Err(_)) | Err(_) => {
-                // The call itself meets the same failure and counts it.
-                cluster.read_failed();
+            Ok(Err(error)) => {
+                tracing::debug!("slot map not read: {error}");
                 return;
             }
+            Err(_elapsed) => return,
         };
-        read_slot_map(&connection, cluster, &metrics.redis_node_up, timeout).await;
+        if !cluster.claim_read(false) {
+            return;
+        }
+        // The read runs in a task of its own, which ends the claim however it goes, even when
+        // this request is dropped while waiting for it.
+        let reader = cluster.clone();
+        let node_up = metrics.redis_node_up.clone();
+        let read = tokio::spawn(async move {
+            read_slot_map(&connection, &reader, &node_up, OFF_PATH_BOUND).await;
+        });
+        let _ = tokio::time::timeout(timeout, read).await;
     }
 }
 
