@@ -104,6 +104,8 @@ pub struct ClusterHealth {
     unmapped: Node,
     /// A read of the map is under way (one at a time).
     reading: AtomicBool,
+    /// A map was installed once (asked on every call, so without taking `map`'s lock).
+    read_once: AtomicBool,
 }
 
 impl Default for ClusterHealth {
@@ -112,6 +114,7 @@ impl Default for ClusterHealth {
             map: Mutex::new(SlotMap::default()),
             unmapped: Node::new(UNMAPPED),
             reading: AtomicBool::new(false),
+            read_once: AtomicBool::new(false),
         }
     }
 }
@@ -130,7 +133,7 @@ impl ClusterHealth {
 
     /// Whether a map was ever read: until then every call counts against the stand-in.
     pub fn was_read(&self) -> bool {
-        lock(&self.map).read_at.is_some()
+        self.read_once.load(Ordering::Acquire)
     }
 
     /// Every node the map knows, and the stand-in for unplaced slots while it is in use
@@ -210,6 +213,7 @@ impl ClusterHealth {
         map.nodes = nodes;
         map.read_at = Some(Instant::now());
         drop(map);
+        self.read_once.store(true, Ordering::Release);
         self.reading.store(false, Ordering::Release);
     }
 

@@ -945,24 +945,23 @@ impl RedisStore {
     }
 
     /// Reads the cluster's slot map again in the background when it is due (see
-    /// [`ClusterHealth::claim_read`]).
+    /// [`ClusterHealth::claim_read`]); the read's task, when one was started. The task ends
+    /// the claim however it goes, even when whoever waits for it is dropped.
     fn read_slot_map_when_due(
         &self,
         cluster: &Arc<ClusterHealth>,
         failed: bool,
         metrics: &Metrics,
-    ) {
-        let Some(connection) = self.connection.get().cloned() else {
-            return;
-        };
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let connection = self.connection.get().cloned()?;
         if !cluster.claim_read(failed) {
-            return;
+            return None;
         }
         let cluster = cluster.clone();
         let node_up = metrics.redis_node_up.clone();
-        tokio::spawn(async move {
+        Some(tokio::spawn(async move {
             read_slot_map(&connection, &cluster, &node_up, OFF_PATH_BOUND).await;
-        });
+        }))
     }
 
     /// Waits, within `timeout`, for the first read of the slot map. Until a map is read every
@@ -981,25 +980,17 @@ impl RedisStore {
         }
         // Connected before the read is claimed: a request dropped meanwhile (its client hung
         // up) leaves no claim behind.
-        let connection = match tokio::time::timeout(timeout, self.connect()).await {
-            Ok(Ok(connection)) => connection,
+        match tokio::time::timeout(timeout, self.connect()).await {
+            Ok(Ok(_)) => {}
             Ok(Err(error)) => {
                 tracing::debug!("slot map not read: {error}");
                 return;
             }
             Err(_elapsed) => return,
-        };
-        if !cluster.claim_read(false) {
-            return;
         }
-        // The read runs in a task of its own, which ends the claim however it goes, even when
-        // this request is dropped while waiting for it.
-        let reader = cluster.clone();
-        let node_up = metrics.redis_node_up.clone();
-        let read = tokio::spawn(async move {
-            read_slot_map(&connection, &reader, &node_up, OFF_PATH_BOUND).await;
-        });
-        let _ = tokio::time::timeout(timeout, read).await;
+        if let Some(read) = self.read_slot_map_when_due(cluster, false, metrics) {
+            let _ = tokio::time::timeout(timeout, read).await;
+        }
     }
 }
 

@@ -364,6 +364,30 @@ impl<'a> Compiler<'a> {
         )
     }
 
+    /// A count that must be at least 1 (`key must be at least 1`, with `hint`), or `default`.
+    fn count_at_least_one(
+        &mut self,
+        file: usize,
+        value: &Option<Spanned<u32>>,
+        default: u32,
+        key: &str,
+        hint: &str,
+    ) -> u32 {
+        match value {
+            Some(value) if *value.get_ref() == 0 => {
+                self.error_hint(
+                    file,
+                    value.span(),
+                    format!("{key} must be at least 1"),
+                    hint,
+                );
+                default
+            }
+            Some(value) => *value.get_ref(),
+            None => default,
+        }
+    }
+
     /// A duration that must not be zero, `why` saying what 0 would do.
     fn positive_duration(
         &mut self,
@@ -1745,19 +1769,13 @@ fn compile_queue(
             "[queue] max_body must be above 0: no request could be queued",
         );
     }
-    let max_dead_letters = match &inner.max_dead_letters {
-        Some(value) if *value.get_ref() == 0 => {
-            compiler.error_hint(
-                file,
-                value.span(),
-                "max_dead_letters must be at least 1",
-                "the dead letters are the jobs the app refused, kept for an operator to retry or drop; 1000 is the default",
-            );
-            defaults.max_dead_letters
-        }
-        Some(value) => *value.get_ref(),
-        None => defaults.max_dead_letters,
-    };
+    let max_dead_letters = compiler.count_at_least_one(
+        file,
+        &inner.max_dead_letters,
+        defaults.max_dead_letters,
+        "max_dead_letters",
+        "the dead letters are the jobs the app refused, kept for an operator to retry or drop; 1000 is the default",
+    );
     let group = inner.group.clone().unwrap_or(defaults.group);
     if group.trim().is_empty() {
         compiler.error_hint(
@@ -2700,19 +2718,13 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
             "liveness (the process runs) and readiness (take traffic) need a path each",
         );
     }
-    let max_connections = match &spec.max_connections {
-        Some(value) if *value.get_ref() == 0 => {
-            compiler.error_hint(
-                file,
-                value.span(),
-                "max_connections must be at least 1",
-                "the default, 10000, suits a site behind one front nginx; keep it under half of levee's open-file limit",
-            );
-            defaults.max_connections
-        }
-        Some(value) => *value.get_ref(),
-        None => defaults.max_connections,
-    };
+    let max_connections = compiler.count_at_least_one(
+        file,
+        &spec.max_connections,
+        defaults.max_connections,
+        "max_connections",
+        "the default, 10000, suits a site behind one front nginx; keep it under half of levee's open-file limit",
+    );
     ServerSettings {
         listen: compiler.socket_addr(file, &spec.listen, defaults.listen),
         trusted_proxies,

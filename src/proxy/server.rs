@@ -51,8 +51,12 @@ impl ConnectionCount {
     /// Waits until fewer than the active policy's `max_connections` are open; false when
     /// `stop` turned true meanwhile.
     async fn room(&self, store: &PolicyStore, stop: &mut watch::Receiver<bool>) -> bool {
+        if self.open.get() < i64::from(store.load().server.max_connections) {
+            return true;
+        }
         let mut waited = false;
         loop {
+            // Registered before the count is read again, so a close in between is not missed.
             let closed = self.closed.notified();
             tokio::pin!(closed);
             closed.as_mut().enable();

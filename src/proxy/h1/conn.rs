@@ -974,6 +974,28 @@ mod tests {
         max_header_bytes: 16 * 1024,
     };
 
+    /// [`serve_connection`] with the test limits, not counted against any cap.
+    fn serve_test_connection<H, F>(
+        stream: TcpStream,
+        peer: SocketAddr,
+        handler: H,
+        stop: watch::Receiver<bool>,
+    ) -> impl Future<Output = ()>
+    where
+        H: Fn(SocketAddr, Request<RequestBody>) -> F,
+        F: Future + Send + 'static,
+        F::Output: Into<Answer> + Send,
+    {
+        serve_connection(
+            stream,
+            peer,
+            handler,
+            LIMITS,
+            ConnectionSlot::uncounted(),
+            stop,
+        )
+    }
+
     /// Answers `METHOD PATH body=N`, reading the body unless the path is `/ignore`.
     async fn echo(request: Request<RequestBody>) -> Response<ResponseBody> {
         let line = format!("{} {}", request.method(), request.uri().path());
@@ -1005,15 +1027,7 @@ mod tests {
         let (stop_sender, stop) = watch::channel(false);
         tokio::spawn(async move {
             if let Ok((stream, peer)) = listener.accept().await {
-                serve_connection(
-                    stream,
-                    peer,
-                    handler,
-                    LIMITS,
-                    ConnectionSlot::uncounted(),
-                    stop,
-                )
-                .await;
+                serve_test_connection(stream, peer, handler, stop).await;
             }
         });
         let client = TcpStream::connect(address).await.expect("connect");
@@ -1392,15 +1406,7 @@ mod tests {
                     Response::new(full_body("too late"))
                 }
             };
-            serve_connection(
-                stream,
-                peer,
-                handler,
-                LIMITS,
-                ConnectionSlot::uncounted(),
-                stop,
-            )
-            .await;
+            serve_test_connection(stream, peer, handler, stop).await;
         });
         let mut client = TcpStream::connect(address).await.expect("connect");
         client
@@ -1430,14 +1436,7 @@ mod tests {
         };
         let (_stop_sender, stop) = watch::channel(false);
         let (stream, peer) = server;
-        let connection = serve_connection(
-            stream,
-            peer,
-            |_peer, request| echo(request),
-            LIMITS,
-            ConnectionSlot::uncounted(),
-            stop,
-        );
+        let connection = serve_test_connection(stream, peer, |_peer, request| echo(request), stop);
         // The task's whole state while idle: everything per request is boxed on demand.
         let size = std::mem::size_of_val(&connection);
         assert!(size < 2048, "connection future is {size} bytes");
