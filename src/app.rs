@@ -75,6 +75,9 @@ impl Running {
 
 /// Loads the policy, binds both listeners and starts serving.
 pub async fn start(options: Options) -> Result<Running, StartError> {
+    // Before the policy is read: its check of max_connections against the limit sees the
+    // raised one.
+    crate::open_files::raise_and_log();
     let metrics = Arc::new(Metrics::new());
     let store = Arc::new(
         PolicyStore::open(&options.policies, metrics.clone()).map_err(StartError::Policy)?,
@@ -89,7 +92,6 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
                 source,
             })
     };
-    server::warn_if_files_run_short(policy.server.max_connections);
     let public = bind("server.listen", policy.server.listen).await?;
     let admin = bind("admin.listen", policy.admin.listen).await?;
     let public_addr = public.local_addr().map_err(|source| StartError::Listen {

@@ -15,6 +15,7 @@ pub mod error;
 pub mod limit;
 pub mod log_throttle;
 pub mod metrics;
+pub mod open_files;
 pub mod proxy;
 pub mod queue;
 pub mod redis_batch;

@@ -229,3 +229,110 @@ async fn a_redis_outage_is_logged_once_without_any_traffic() {
     )
     .await;
 }
+
+/// Started with a soft open-file limit of 1024 under a higher hard one (as systemd starts
+/// services), levee raises its soft limit to the hard one; a `max_connections` that needs
+/// more still is a policy warning, at start and after a reload, gone once the cap fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_open_file_limit_is_raised_to_the_hard_one_and_a_cap_beyond_it_is_warned_of() {
+    let backend = echo_backend().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (public, admin) = (free_port(), free_port());
+    let with_cap = |max_connections: u32| {
+        binary_policy(dir.path(), public, admin, backend.addr, "/page");
+        let policy = dir.path().join("levee.toml");
+        let text = std::fs::read_to_string(&policy).expect("read");
+        let text = text.replacen(
+            "[server]\n",
+            &format!("[server]\nmax_connections = {max_connections}\n"),
+            1,
+        );
+        std::fs::write(&policy, text).expect("write");
+    };
+    // 3000 connections need 6256 files; the hard limit is 4096.
+    with_cap(3000);
+    let levee = ChildGuard::spawn(
+        "levee under prlimit",
+        Command::new("prlimit")
+            .arg("--nofile=1024:4096")
+            .arg("--")
+            .arg(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(dir.path())
+            .arg("--no-watch")
+            .env("LEVEE_LOG", "warn"),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+        "levee to listen",
+    )
+    .await;
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", levee.pid()))
+        .expect("read the process's limits");
+    let open_files = limits
+        .lines()
+        .find(|line| line.starts_with("Max open files"))
+        .expect("an open-files line");
+    assert_eq!(
+        open_files.split_whitespace().collect::<Vec<_>>()[3..5],
+        ["4096", "4096"],
+        "{open_files}"
+    );
+    let status_url = format!("http://127.0.0.1:{admin}/status");
+    let warnings = |status: &serde_json::Value| status["policy"]["warnings"].to_string();
+    let status = get(&status_url).await.json();
+    assert!(
+        warnings(&status).contains(
+            "max_connections = 3000 needs about 6256 open files, but levee may open only 4096"
+        ),
+        "{status}"
+    );
+
+    with_cap(1000);
+    signal(levee.pid(), "HUP");
+    eventually(
+        Duration::from_secs(10),
+        "SIGHUP to reload the policy",
+        || async { get(&status_url).await.json()["policy"]["generation"] == 2 },
+    )
+    .await;
+    let status = get(&status_url).await.json();
+    assert!(!warnings(&status).contains("open files"), "{status}");
+}
+
+/// The shipped systemd unit is one systemd accepts as written (pointed at this build's
+/// binary), and gives the drain time to finish before systemd kills levee.
+#[test]
+fn the_shipped_systemd_unit_verifies_and_outlasts_the_default_drain() {
+    let unit = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/systemd/levee.service"
+    ))
+    .expect("read examples/systemd/levee.service");
+    let stop_timeout: u64 = unit
+        .lines()
+        .find_map(|line| line.strip_prefix("TimeoutStopSec="))
+        .and_then(|seconds| seconds.trim().parse().ok())
+        .expect("TimeoutStopSec= in seconds");
+    // [server] drain 5 s + shutdown_timeout 30 s, their defaults.
+    assert!(stop_timeout > 35, "TimeoutStopSec={stop_timeout}");
+    assert!(unit.contains("\nLimitNOFILE="), "{unit}");
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("levee.service");
+    std::fs::write(
+        &path,
+        unit.replace("/usr/local/bin/levee", env!("CARGO_BIN_EXE_levee")),
+    )
+    .expect("write the unit");
+    let output = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+        .expect("run systemd-analyze (package systemd; see .ci/run)");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    // A key systemd cannot parse is only a warning, with the file's name in it.
+    assert!(!stderr.contains("levee.service"), "{stderr}");
+}

@@ -81,11 +81,28 @@ fn log_warnings(policy: &Policy) {
     }
 }
 
+/// Warns, where the operator reads the policy's warnings (the log, `levee reload`, `/status`),
+/// when `max_connections` needs more open files than this process may open. Here rather than
+/// in the compiler: `levee check` runs in a shell whose limit is not the service's.
+fn warn_of_open_files(dir: &Path, policy: &mut Policy) {
+    let max_connections = policy.server.max_connections;
+    if let Some(message) =
+        crate::open_files::shortfall(max_connections, crate::open_files::soft_limit())
+    {
+        let mut warning = super::diag::Diagnostic::whole(dir, message).hint(
+            "raise the service's open-file limit (LimitNOFILE= in its systemd unit; levee raises its soft limit to the hard one itself) or lower [server] max_connections",
+        );
+        warning.severity = super::diag::Severity::Warning;
+        policy.warnings.push(warning);
+    }
+}
+
 impl PolicyStore {
     /// Loads the policy directory for the first time (generation 1).
     pub fn open(dir: &Path, metrics: Arc<Metrics>) -> Result<PolicyStore, Diagnostics> {
         let mut policy = load_dir(dir, None)?;
         policy.generation = 1;
+        warn_of_open_files(dir, &mut policy);
         log_warnings(&policy);
         metrics.policy_generation.set(1);
         Ok(PolicyStore {
@@ -202,6 +219,7 @@ impl PolicyStore {
                     policy.admin.listen = previous.admin.listen;
                 }
                 policy.generation = previous.generation + 1;
+                warn_of_open_files(&self.dir, &mut policy);
                 let outcome = ReloadOutcome {
                     generation: policy.generation,
                     hash: policy.hash.clone(),

@@ -87,40 +87,6 @@ impl ConnectionCount {
     }
 }
 
-/// Warns at start when the process's open-file limit is below what `max_connections` needs:
-/// a client connection and one to the app each, plus Redis, the log and the policy files.
-/// Past the limit, accepting fails and so does every upstream connection. (levee does not
-/// raise the limit itself: that takes a system call the house rules keep out.)
-pub fn warn_if_files_run_short(max_connections: u32) {
-    let Some(limit) = open_file_limit() else {
-        return;
-    };
-    let needed = 2 * u64::from(max_connections) + 256;
-    if limit < needed {
-        tracing::warn!(
-            open_file_limit = limit,
-            max_connections,
-            needed,
-            "the open-file limit is below what max_connections needs: raise it (LimitNOFILE= in the systemd unit, ulimit -n) or lower [server] max_connections"
-        );
-    }
-}
-
-/// The soft `Max open files` of this process, from `/proc/self/limits` (Linux); `None`
-/// elsewhere, or unlimited.
-fn open_file_limit() -> Option<u64> {
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    soft_open_files(&limits)
-}
-
-fn soft_open_files(limits: &str) -> Option<u64> {
-    limits
-        .lines()
-        .find_map(|line| line.strip_prefix("Max open files"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|soft| soft.parse().ok())
-}
-
 /// One client connection counted in a [`ConnectionCount`] until it is dropped; it goes with
 /// the connection into an upgraded tunnel. The admin listener's are not counted.
 pub struct ConnectionSlot(Option<Arc<ConnectionCount>>);
@@ -277,19 +243,4 @@ pub async fn serve<H, F>(
         },
     )
     .await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_soft_open_file_limit_is_read_from_proc_limits() {
-        let limits = "Limit                     Soft Limit           Hard Limit           Units     \nMax processes             95641                95641                processes \nMax open files            1024                 524288               files     \n";
-        assert_eq!(soft_open_files(limits), Some(1024));
-        let unlimited =
-            "Max open files            unlimited            unlimited            files\n";
-        assert_eq!(soft_open_files(unlimited), None);
-        assert_eq!(soft_open_files(""), None);
-    }
 }

@@ -1,0 +1,130 @@
+//! The process's open-file limit, which bounds how many connections levee can hold.
+//!
+//! Every client connection takes a file descriptor, and so does its connection to the app.
+//! Past the soft limit `accept` fails, and so does every new connection to the app and to
+//! Redis. systemd starts services with a soft limit of 1024 however high the hard limit is
+//! (it keeps old `select()` programs safe; levee uses epoll), so levee raises its own soft
+//! limit to the hard one at start, as Go programs and nginx's `worker_rlimit_nofile` do.
+
+use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+
+/// Open files `max_connections` needs: a client connection and one to the app each, plus
+/// Redis, the log, the policy files and the listeners.
+pub fn needed(max_connections: u32) -> u64 {
+    2 * u64::from(max_connections) + 256
+}
+
+/// What raising the soft limit did, for the start-up log.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Raised {
+    /// The soft limit already was the hard one (or unlimited).
+    AlreadyAtHard(Option<u64>),
+    /// Raised from the first to the second.
+    From(u64, u64),
+    /// The kernel refused; the soft limit stays.
+    Refused {
+        soft: u64,
+        wanted: u64,
+        reason: String,
+    },
+}
+
+/// Raises the soft open-file limit to the hard limit. An unlimited hard limit is capped at
+/// the kernel's `fs.nr_open` (a soft limit above it is refused).
+pub fn raise_to_hard() -> Raised {
+    let limit = getrlimit(Resource::Nofile);
+    let Some(soft) = limit.current else {
+        return Raised::AlreadyAtHard(None);
+    };
+    let wanted = match limit.maximum {
+        Some(hard) => hard,
+        None => match kernel_nr_open() {
+            Some(nr_open) => nr_open,
+            None => return Raised::AlreadyAtHard(Some(soft)),
+        },
+    };
+    if wanted <= soft {
+        return Raised::AlreadyAtHard(Some(soft));
+    }
+    match setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(wanted),
+            maximum: limit.maximum,
+        },
+    ) {
+        Ok(()) => Raised::From(soft, wanted),
+        Err(error) => Raised::Refused {
+            soft,
+            wanted,
+            reason: error.to_string(),
+        },
+    }
+}
+
+/// Logs what [`raise_to_hard`] did: an operator who sees connections refused looks here.
+pub fn raise_and_log() {
+    match raise_to_hard() {
+        Raised::AlreadyAtHard(_) => {}
+        Raised::From(from, to) => {
+            tracing::info!(from, to, "raised the open-file limit to its hard limit")
+        }
+        Raised::Refused {
+            soft,
+            wanted,
+            reason,
+        } => tracing::warn!(
+            open_file_limit = soft,
+            wanted,
+            reason,
+            "could not raise the open-file limit"
+        ),
+    }
+}
+
+/// The soft open-file limit now in force; `None` when unlimited.
+pub fn soft_limit() -> Option<u64> {
+    getrlimit(Resource::Nofile).current
+}
+
+/// A warning when `max_connections` needs more open files than the soft limit allows.
+pub fn shortfall(max_connections: u32, soft_limit: Option<u64>) -> Option<String> {
+    let limit = soft_limit?;
+    let needed = needed(max_connections);
+    (limit < needed).then(|| {
+        format!(
+            "[server] max_connections = {max_connections} needs about {needed} open files, but levee may open only {limit}: past that, new connections (and those to the app and Redis) fail"
+        )
+    })
+}
+
+fn kernel_nr_open() -> Option<u64> {
+    std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cap_needs_two_files_per_connection_and_some_to_spare() {
+        assert_eq!(needed(10_000), 20_256);
+        assert_eq!(shortfall(10_000, Some(1024)).map(|_| ()), Some(()));
+        assert_eq!(shortfall(10_000, Some(20_256)), None);
+        assert_eq!(shortfall(10_000, None), None);
+        let message = shortfall(500, Some(1024)).unwrap_or_default();
+        assert!(message.contains("needs about 1256"), "{message}");
+    }
+
+    #[test]
+    fn raising_twice_leaves_the_soft_limit_at_the_hard_one() {
+        raise_to_hard();
+        let limit = getrlimit(Resource::Nofile);
+        assert!(matches!(raise_to_hard(), Raised::AlreadyAtHard(_)));
+        assert_eq!(getrlimit(Resource::Nofile), limit);
+    }
+}
