@@ -3,9 +3,9 @@
 //! holds, while the other nodes go on deciding theirs.
 //!
 //! levee reads the cluster's slot map (`CLUSTER SLOTS`) before its first call that counts
-//! against a node's health (that call waits for the read), again soon after a
-//! call fails (a failover or a resharding moves slots), and every [`REFRESH_EVERY`] while
-//! decisions are made. The map only says whose health a call counts against: redis-rs routes
+//! against a node's health (that call, and those that come meanwhile, wait for the read),
+//! again soon after a call fails (a failover or a resharding moves slots), and every
+//! [`REFRESH_EVERY`] while decisions are made. The map only says whose health a call counts against: redis-rs routes
 //! the calls themselves, following redirections, so a stale map never sends a call astray.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -106,6 +106,9 @@ pub struct ClusterHealth {
     reading: AtomicBool,
     /// A map was installed once (asked on every call, so without taking `map`'s lock).
     read_once: AtomicBool,
+    /// Counts the reads that ended, installed or failed: calls that came while the first read
+    /// was under way wait on it (see [`Self::wait_for_read_under_way`]).
+    reads_ended: tokio::sync::watch::Sender<u64>,
 }
 
 impl Default for ClusterHealth {
@@ -115,6 +118,7 @@ impl Default for ClusterHealth {
             unmapped: Node::new(UNMAPPED),
             reading: AtomicBool::new(false),
             read_once: AtomicBool::new(false),
+            reads_ended: tokio::sync::watch::Sender::new(0),
         }
     }
 }
@@ -214,12 +218,32 @@ impl ClusterHealth {
         map.read_at = Some(Instant::now());
         drop(map);
         self.read_once.store(true, Ordering::Release);
-        self.reading.store(false, Ordering::Release);
+        self.end_read();
     }
 
     /// Ends a claimed read that failed; the map stays as it was.
     pub fn read_failed(&self) {
+        self.end_read();
+    }
+
+    fn end_read(&self) {
         self.reading.store(false, Ordering::Release);
+        self.reads_ended.send_modify(|ended| *ended += 1);
+    }
+
+    /// Waits, up to `timeout`, for the read of the map under way to end; whether one was under
+    /// way and ended in that time. Returns at once when no read is under way.
+    pub async fn wait_for_read_under_way(&self, timeout: Duration) -> bool {
+        // Subscribed before `reading` is looked at: a read that ends in between still wakes
+        // this wait.
+        let mut ended = self.reads_ended.subscribe();
+        if !self.reading.load(Ordering::Acquire) {
+            return false;
+        }
+        matches!(
+            tokio::time::timeout(timeout, ended.changed()).await,
+            Ok(Ok(()))
+        )
     }
 }
 
@@ -275,6 +299,35 @@ pub fn parse_slots(reply: &redis::Value) -> Option<Vec<(u16, u16, String)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_call_that_comes_while_the_first_read_runs_waits_for_its_end() {
+        let cluster = Arc::new(ClusterHealth::default());
+        assert!(
+            !cluster
+                .wait_for_read_under_way(Duration::from_secs(5))
+                .await
+        );
+        assert!(cluster.claim_read(false));
+        let waiting = {
+            let cluster = cluster.clone();
+            tokio::spawn(async move {
+                cluster
+                    .wait_for_read_under_way(Duration::from_secs(5))
+                    .await
+            })
+        };
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished());
+        cluster.install(
+            vec![(0, SLOTS - 1, "10.0.0.1:7000".to_string())],
+            &Family::default(),
+        );
+        assert!(matches!(waiting.await, Ok(true)));
+        assert!(cluster.was_read());
+    }
 
     #[test]
     fn slots_are_redis_clusters() {

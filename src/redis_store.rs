@@ -967,8 +967,9 @@ impl RedisStore {
     /// Waits, within `timeout`, for the first read of the slot map. Until a map is read every
     /// key counts against the one stand-in node, so a single node frozen before the map came
     /// in would open the breaker of them all: a read run in the background after the first
-    /// call could lose that race. Once a read was claimed (by this call or another), later
-    /// calls do not wait; a failed first read is tried again a second later, as any read.
+    /// call could lose that race. Calls that come while the first read runs wait for it too,
+    /// within the same `timeout`; a failed first read is tried again a second later, as any
+    /// read, and calls in that second go on against the stand-in without waiting.
     async fn read_first_slot_map(
         &self,
         cluster: &Arc<ClusterHealth>,
@@ -988,8 +989,13 @@ impl RedisStore {
             }
             Err(_elapsed) => return,
         }
-        if let Some(read) = self.read_slot_map_when_due(cluster, false, metrics) {
-            let _ = tokio::time::timeout(timeout, read).await;
+        match self.read_slot_map_when_due(cluster, false, metrics) {
+            Some(read) => {
+                let _ = tokio::time::timeout(timeout, read).await;
+            }
+            None => {
+                cluster.wait_for_read_under_way(timeout).await;
+            }
         }
     }
 }
