@@ -721,3 +721,53 @@ async fn a_status_lines_own_wording_is_passed_on() {
         assert!(answer.starts_with(line), "{path}: {answer}");
     }
 }
+
+/// The app gets each field named as the client spelled it (PHP's `getallheaders()` under
+/// Apache's mod_php keys its array by that spelling), levee's own forwarding fields in their
+/// usual capitalisation, and a 304 goes back with the app's spelling too, as through nginx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn field_names_keep_their_spelling_both_ways() {
+    let backend = raw_backend(|head| {
+        if head.starts_with(b"GET /cached") {
+            return b"HTTP/1.1 304 Not Modified\r\nETag: \"v1\"\r\nX-Page-Cache: HIT\r\n\r\n".to_vec();
+        }
+        // The request head, as the app got it, in the body.
+        let mut answer = format!(
+            "HTTP/1.1 200 OK\r\nX-Page-Cache: MISS\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            head.len()
+        )
+        .into_bytes();
+        answer.extend_from_slice(head);
+        answer
+    })
+    .await;
+    let levee = Levee::start(&policy_for(backend, "", "")).await;
+    let request = b"GET /form.php HTTP/1.1\r\nHost: shop.example\r\nX-Requested-With:XMLHttpRequest\r\nX-API-Key:  k1\r\nauthorization: Basic eA==\r\nDNT: 1\r\nAccept: */*\r\nAccept: text/html\r\nConnection: close\r\n\r\n";
+    let answer = raw_exchange(levee.public, request, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+    assert!(answer.contains("\r\nX-Page-Cache: MISS\r\n"), "{answer}");
+    let (_, seen) = answer.split_once("\r\n\r\n").expect("a body");
+    for line in [
+        "\r\nHost: shop.example\r\n",
+        "\r\nX-Requested-With: XMLHttpRequest\r\n",
+        "\r\nX-API-Key: k1\r\n",
+        "\r\nauthorization: Basic eA==\r\n",
+        "\r\nDNT: 1\r\n",
+        "\r\nAccept: */*\r\n",
+        "\r\nAccept: text/html\r\n",
+        "\r\nX-Forwarded-For: 127.0.0.1\r\n",
+        "\r\nX-Real-IP: 127.0.0.1\r\n",
+        "\r\nX-Forwarded-Proto: http\r\n",
+    ] {
+        assert!(seen.contains(line), "{line:?} in {seen}");
+    }
+
+    let request = b"GET /cached HTTP/1.1\r\nHost: shop.example\r\nIf-None-Match: \"v1\"\r\nConnection: close\r\n\r\n";
+    let answer = raw_exchange(levee.public, request, Duration::from_secs(5)).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 304 Not Modified\r\n"),
+        "{answer}"
+    );
+    assert!(answer.contains("\r\nETag: \"v1\"\r\n"), "{answer}");
+    assert!(answer.contains("\r\nX-Page-Cache: HIT\r\n"), "{answer}");
+}

@@ -35,11 +35,11 @@ use super::body::ResendableBody;
 use super::deadline;
 
 use super::h1::chunked::{ChunkedDecoder, ChunkedError};
-use super::h1::encode::{encode_chunk_start, encode_field, LAST_CHUNK};
+use super::h1::encode::{encode_chunk_start, encode_field, encode_field_named, LAST_CHUNK};
 use super::h1::parse::{list_items, parse_content_length};
 use super::header::{
-    header_bytes, ForwardedFrom, ForwardedWriter, FORWARDED_BYTES, HOP_BY_HOP, RATELIMIT,
-    RATELIMIT_POLICY,
+    header_bytes, upstream_spelling, ForwardedFrom, ForwardedWriter, FORWARDED_BYTES, HOP_BY_HOP,
+    RATELIMIT, RATELIMIT_POLICY,
 };
 use super::upstream::UpstreamBody;
 use super::upstream_fields::{FieldLines, UpstreamFields};
@@ -625,15 +625,20 @@ fn encode_request_head(
         .uri
         .path_and_query()
         .map_or("/", |path_and_query| path_and_query.as_str());
-    let fields = header_bytes(&parts.headers) + forwarded.map_or(0, |_| FORWARDED_BYTES);
+    let fields = header_bytes(&parts.headers) + forwarded.as_ref().map_or(0, |_| FORWARDED_BYTES);
     let mut out = BytesMut::with_capacity(parts.method.as_str().len() + target.len() + fields + 80);
     out.put_slice(parts.method.as_str().as_bytes());
     out.put_u8(b' ');
     out.put_slice(target.as_bytes());
     out.put_slice(b" HTTP/1.1\r\n");
     if !parts.headers.contains_key(header::HOST) {
-        encode_field(&mut out, "host", authority.as_bytes());
+        encode_field(&mut out, "Host", authority.as_bytes());
     }
+    // Names go as the client spelled them (see `header::upstream_spelling`).
+    let received_head = forwarded
+        .as_ref()
+        .map(|from| from.received_head.clone())
+        .unwrap_or_default();
     let mut forwarded = forwarded.map(ForwardedWriter::new);
     // Noted on the way rather than looked up: each lookup hashes the name.
     let mut has_length = false;
@@ -650,7 +655,12 @@ fn encode_request_head(
                 continue;
             }
         }
-        encode_field(&mut out, name.as_str(), value.as_bytes());
+        let value = value.as_bytes();
+        encode_field_named(
+            &mut out,
+            upstream_spelling(&received_head, name, value),
+            value,
+        );
     }
     if let Some(writer) = forwarded {
         writer.finish(&mut out);
@@ -661,15 +671,15 @@ fn encode_request_head(
             Some(0) if body.is_end_stream() => {
                 // Methods that carry a body say that this one is empty, as browsers do.
                 if matches!(parts.method, Method::POST | Method::PUT | Method::PATCH) {
-                    encode_field(&mut out, "content-length", b"0");
+                    encode_field(&mut out, "Content-Length", b"0");
                 }
             }
             Some(length) => {
                 // Rare: a client body of known size comes with its own Content-Length.
-                let _ = write!(out, "content-length: {length}\r\n");
+                let _ = write!(out, "Content-Length: {length}\r\n");
             }
             None => {
-                encode_field(&mut out, "transfer-encoding", b"chunked");
+                encode_field(&mut out, "Transfer-Encoding", b"chunked");
                 chunked = true;
             }
         }
@@ -1035,13 +1045,11 @@ fn parse_response_head(
     // to relay. Lines are kept as offsets, so the head can then be split off the buffer.
     let base = buffer.as_ptr() as usize;
     let offset = |bytes: &[u8]| bytes.as_ptr() as usize - base;
-    // Relayed: bodiless statuses keep the parsed path, whose framing rules drop or add the
-    // length; fields named by `Connection` must go, which the parsed path does by name.
-    let mut lines = (wanted == ResponseFields::Relayed
-        && !status.is_informational()
-        && status != StatusCode::NO_CONTENT
-        && status != StatusCode::NOT_MODIFIED)
-        .then(FieldLines::new);
+    // Relayed: interim heads keep the parsed path (a 101 is only read when upgrading, which
+    // parses); fields named by `Connection` must go, which the parsed path does by name. A
+    // 204 or 304 is relayed too, its length field set by the same framing rules.
+    let mut lines =
+        (wanted == ResponseFields::Relayed && !status.is_informational()).then(FieldLines::new);
     // A line runs from its name to the next line's name; the last one to the blank line.
     let fields_end = length - 2;
     let mut keep_alive = version == Version::HTTP_11;
@@ -1482,6 +1490,7 @@ mod tests {
                 peer: ip(peer),
                 peer_trusted: *peer_trusted,
                 client: ip(client),
+                received_head: bytes::Bytes::new(),
             };
             let mut set = parts.clone();
             super::super::header::set_forwarded(
@@ -1598,6 +1607,21 @@ mod tests {
         assert!(!fields.has_date());
     }
 
+    /// A 304 keeps its fields as the app spelled them, as a 200 does; the length it gives
+    /// (of the page a GET would get) goes with it.
+    #[test]
+    fn bodiless_answers_are_relayed_as_received() {
+        let fields = relayed(
+            "HTTP/1.1 304 Not Modified\r\nETag: \"1\"\r\nX-Custom: a\r\nContent-Length: 1234\r\n\r\n",
+        )
+        .expect("relayed");
+        assert_eq!(relayed_text(&fields), "ETag: \"1\"\r\nX-Custom: a\r\n");
+        assert_eq!(fields.content_length, Some(1234));
+        let fields = relayed("HTTP/1.1 204 No Content\r\nX-Custom: a\r\n\r\n").expect("relayed");
+        assert_eq!(relayed_text(&fields), "X-Custom: a\r\n");
+        assert_eq!(fields.content_length, None);
+    }
+
     #[test]
     fn heads_that_cannot_be_relayed_as_received_are_parsed() {
         for text in [
@@ -1606,9 +1630,6 @@ mod tests {
             "HTTP/1.1 200 OK\r\nA: 1\r\nContent-Length: 0\n\n",
             // A field named by Connection is hop-by-hop too.
             "HTTP/1.1 200 OK\r\nConnection: x-secret\r\nX-Secret: 1\r\n\r\n",
-            // Bodiless statuses take the parsed path's framing rules.
-            "HTTP/1.1 204 No Content\r\nA: 1\r\n\r\n",
-            "HTTP/1.1 304 Not Modified\r\nA: 1\r\n\r\n",
             "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
             // Fields levee may set in place of the upstream's.
             "HTTP/1.1 200 OK\r\nRateLimit: limit=9\r\nContent-Length: 0\r\n\r\n",

@@ -2,7 +2,7 @@
 
 use std::net::IpAddr;
 
-use bytes::{BufMut, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use ipnet::IpNet;
 
@@ -368,8 +368,9 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
     }
 }
 
-/// Whom a forwarded request came from: what the forwarding fields levee sets say.
-#[derive(Debug, Clone, Copy)]
+/// Whom a forwarded request came from: what the forwarding fields levee sets say, and how the
+/// client spelled the fields it sent.
+#[derive(Debug, Clone)]
 pub struct ForwardedFrom {
     /// The connection's peer (the front nginx, or the client itself).
     pub peer: IpAddr,
@@ -377,6 +378,63 @@ pub struct ForwardedFrom {
     pub peer_trusted: bool,
     /// The client's address as levee resolved it.
     pub client: IpAddr,
+    /// The request head as levee received it (see [`upstream_spelling`]).
+    pub received_head: Bytes,
+}
+
+/// The name of a field as it goes upstream: as the client spelled it when `value` is the
+/// client's own (a slice of `received_head`, right after `Name:` and its blanks); else the
+/// usual capitalisation of a field levee sets itself; else as `HeaderName` keeps it, in lower
+/// case. nginx passes names as they came, and an app that reads them by their exact spelling
+/// (PHP's `getallheaders()` under Apache's mod_php: `$headers['X-Requested-With']`) must see
+/// what it saw without levee.
+pub(crate) fn upstream_spelling<'a>(
+    received_head: &'a [u8],
+    name: &'a HeaderName,
+    value: &[u8],
+) -> &'a [u8] {
+    let lower = name.as_str().as_bytes();
+    // Addresses compared as numbers: where the value lies says whether it was received.
+    let start = received_head.as_ptr() as usize;
+    let at = (value.as_ptr() as usize).wrapping_sub(start);
+    if !value.is_empty() && at <= received_head.len() {
+        let before = received_head[..at].trim_ascii_end();
+        if let Some(spelled) = before
+            .strip_suffix(b":")
+            .and_then(|line| {
+                line.len()
+                    .checked_sub(lower.len())
+                    .map(|from| line.split_at(from))
+            })
+            .filter(|(line_start, spelled)| {
+                line_start.ends_with(b"\n") && spelled.eq_ignore_ascii_case(lower)
+            })
+            .map(|(_, spelled)| spelled)
+        {
+            return spelled;
+        }
+    }
+    levee_spelling(name).unwrap_or(lower)
+}
+
+/// The usual capitalisation of the fields levee writes itself.
+pub(crate) fn levee_spelling(name: &HeaderName) -> Option<&'static [u8]> {
+    let spelled: &'static [u8] = if *name == header::HOST {
+        b"Host"
+    } else if *name == header::CONTENT_LENGTH {
+        b"Content-Length"
+    } else if *name == header::TRANSFER_ENCODING {
+        b"Transfer-Encoding"
+    } else if *name == X_FORWARDED_FOR {
+        b"X-Forwarded-For"
+    } else if *name == X_REAL_IP {
+        b"X-Real-IP"
+    } else if *name == X_FORWARDED_PROTO {
+        b"X-Forwarded-Proto"
+    } else {
+        return None;
+    };
+    Some(spelled)
 }
 
 /// [`set_forwarded`] as the upstream request head is encoded: the client's fields that it
@@ -434,9 +492,9 @@ impl ForwardedWriter {
             self.write_for(out, None);
         }
         let mut text = [0u8; 64];
-        encode_field(out, "x-real-ip", format_ip(self.from.client, &mut text));
+        encode_field(out, "X-Real-IP", format_ip(self.from.client, &mut text));
         if !self.kept_proto {
-            encode_field(out, "x-forwarded-proto", b"http");
+            encode_field(out, "X-Forwarded-Proto", b"http");
         }
     }
 
@@ -444,7 +502,7 @@ impl ForwardedWriter {
     /// text), or else the peer alone (see [`set_forwarded`]).
     fn write_for(&mut self, out: &mut BytesMut, headers: Option<&HeaderMap>) {
         self.wrote_for = true;
-        out.put_slice(b"x-forwarded-for: ");
+        out.put_slice(b"X-Forwarded-For: ");
         let mut chained = false;
         if let (true, Some(headers)) = (self.from.peer_trusted, headers) {
             for value in headers.get_all(&X_FORWARDED_FOR) {
@@ -533,6 +591,33 @@ pub fn header_bytes(headers: &HeaderMap) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_are_spelled_as_received_when_their_value_is_the_received_one() {
+        let head = Bytes::from_static(
+            b"GET http://a.example/ HTTP/1.1\r\nX-API-Key:\t k1\r\nhost: a.example\r\nA-X-Api-Key: k2\r\n\r\n",
+        );
+        let text = std::str::from_utf8(&head).expect("text");
+        let value_at = |value: &str| {
+            let start = text.find(value).expect("in the head");
+            head.slice(start..start + value.len())
+        };
+        let key = HeaderName::from_static("x-api-key");
+        let spelled = |name: &HeaderName, value: &[u8]| {
+            String::from_utf8_lossy(upstream_spelling(&head, name, value)).into_owned()
+        };
+        assert_eq!(spelled(&key, &value_at("k1")), "X-API-Key");
+        // The name before the value is another one's tail: not this field's line.
+        assert_eq!(spelled(&key, &value_at("k2")), "x-api-key");
+        // A value levee made, or one from elsewhere in the head (the target's authority).
+        assert_eq!(spelled(&key, b"k1"), "x-api-key");
+        assert_eq!(spelled(&header::HOST, &value_at("a.example/")[..9]), "Host");
+        assert_eq!(
+            spelled(&header::HOST, &value_at("a.example\r")[..9]),
+            "host"
+        );
+        assert_eq!(spelled(&X_REAL_IP, b"10.0.0.1"), "X-Real-IP");
+    }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut map = HeaderMap::new();

@@ -390,6 +390,7 @@ async fn forward(
         peer: peer.ip(),
         peer_trusted,
         client: client_ip,
+        received_head: body.received_head().clone(),
     };
     if let Some(host) = &upstream.settings.host {
         parts.headers.insert(h::HOST, host.clone());

@@ -329,6 +329,7 @@ where
         expect_continue,
         wants_upgrade,
         close_after,
+        received,
     } = head;
     let (mut continue_wanted, wanted) = if expect_continue {
         let (sender, receiver) = oneshot::channel();
@@ -337,6 +338,7 @@ where
         (None, None)
     };
     let (mut body_reader, body) = RequestBodyReader::new(framing, wanted);
+    let body = body.with_received_head(received);
     let mut request = Request::new(body);
     *request.method_mut() = method.clone();
     *request.uri_mut() = uri;

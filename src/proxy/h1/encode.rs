@@ -183,7 +183,12 @@ pub fn encode_head(
 
 /// One `name: value` line of a head.
 pub fn encode_field(out: &mut BytesMut, name: &str, value: &[u8]) {
-    out.put_slice(name.as_bytes());
+    encode_field_named(out, name.as_bytes(), value);
+}
+
+/// [`encode_field`] with the name as bytes (a name spelled as a client sent it).
+pub fn encode_field_named(out: &mut BytesMut, name: &[u8], value: &[u8]) {
+    out.put_slice(name);
     out.put_slice(b": ");
     out.put_slice(value);
     out.put_slice(b"\r\n");
@@ -385,6 +390,11 @@ mod tests {
         assert_eq!((framing, length), (ResponseFraming::None, Some(1234)));
         let (framing, length, _) = frame(Method::HEAD, 200, Some(0), None);
         assert_eq!((framing, length), (ResponseFraming::None, Some(0)));
+        // A relayed 304 keeps the length it gave; a 204 has none.
+        let (framing, length, _) = frame(Method::GET, 304, Some(0), Some(1234));
+        assert_eq!((framing, length), (ResponseFraming::None, Some(1234)));
+        let (framing, length, _) = frame(Method::GET, 204, Some(0), Some(0));
+        assert_eq!((framing, length), (ResponseFraming::None, None));
         let (framing, length, headers) = frame(Method::GET, 200, None, None);
         assert_eq!((framing, length), (ResponseFraming::Chunked, None));
         assert_eq!(headers[header::TRANSFER_ENCODING], "chunked");

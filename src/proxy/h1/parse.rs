@@ -44,6 +44,9 @@ pub struct RequestHead {
     pub wants_upgrade: bool,
     /// Framed both ways: answered, then the connection is closed (RFC 9112 6.1).
     pub close_after: bool,
+    /// The head's bytes as received: the header values are slices of them, and the upstream
+    /// request spells each field's name as the client did (see `h1::received_spelling`).
+    pub received: bytes::Bytes,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -188,7 +191,9 @@ pub fn parse_head(
             headers.append(name, value);
         }
     }
-    meaning.finish(method, uri, version, headers).map(Some)
+    meaning
+        .finish(method, uri, version, headers, head)
+        .map(Some)
 }
 
 /// The refusal of a head of `size` bytes, over `limit`: the target's when the request line
@@ -286,6 +291,7 @@ impl FieldMeaning {
         uri: Uri,
         version: Version,
         mut headers: HeaderMap,
+        received: bytes::Bytes,
     ) -> Result<RequestHead, HeadError> {
         if version == Version::HTTP_11 && !self.host_seen {
             // RFC 9112 3.2: routes match on the host, and the app reads it; nginx refuses the
@@ -348,6 +354,7 @@ impl FieldMeaning {
                 && framing != BodyFraming::Empty,
             wants_upgrade,
             close_after,
+            received,
         })
     }
 }

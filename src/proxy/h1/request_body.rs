@@ -32,6 +32,9 @@ pub(super) type BodyPiece = Result<Bytes, RequestBodyError>;
 #[derive(Debug)]
 pub struct RequestBody {
     kind: Kind,
+    /// The request's head as received (see `RequestHead::received`); empty when the request
+    /// was not read from a client.
+    received_head: Bytes,
 }
 
 #[derive(Debug)]
@@ -50,7 +53,23 @@ enum Kind {
 
 impl RequestBody {
     pub fn empty() -> RequestBody {
-        RequestBody { kind: Kind::Empty }
+        RequestBody {
+            kind: Kind::Empty,
+            received_head: Bytes::new(),
+        }
+    }
+
+    /// The body of a request that came with the head `received`.
+    pub(super) fn with_received_head(self, received: Bytes) -> RequestBody {
+        RequestBody {
+            received_head: received,
+            ..self
+        }
+    }
+
+    /// The head its request came with, as received; empty when there was none.
+    pub fn received_head(&self) -> &Bytes {
+        &self.received_head
     }
 
     pub(super) fn streaming(
@@ -65,6 +84,7 @@ impl RequestBody {
                 wanted,
                 ended: false,
             },
+            received_head: Bytes::new(),
         }
     }
 }
