@@ -14,6 +14,13 @@ pub fn needed(max_connections: u32) -> u64 {
     2 * u64::from(max_connections) + 256
 }
 
+/// The most connections `limit` open files hold (the inverse of [`needed`]), at least 1.
+pub fn connections_allowed(limit: u64) -> u32 {
+    u32::try_from(limit.saturating_sub(256) / 2)
+        .unwrap_or(u32::MAX)
+        .max(1)
+}
+
 /// What raising the soft limit did, for the start-up log.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Raised {
@@ -113,6 +120,10 @@ mod tests {
     #[test]
     fn a_cap_needs_two_files_per_connection_and_some_to_spare() {
         assert_eq!(needed(10_000), 20_256);
+        assert_eq!(connections_allowed(20_256), 10_000);
+        assert_eq!(connections_allowed(1024), 384);
+        assert_eq!(connections_allowed(100), 1);
+        assert_eq!(shortfall(connections_allowed(1024), Some(1024)), None);
         assert_eq!(shortfall(10_000, Some(1024)).map(|_| ()), Some(()));
         assert_eq!(shortfall(10_000, Some(20_256)), None);
         assert_eq!(shortfall(10_000, None), None);

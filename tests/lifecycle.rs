@@ -299,6 +299,44 @@ async fn the_open_file_limit_is_raised_to_the_hard_one_and_a_cap_beyond_it_is_wa
     .await;
     let status = get(&status_url).await.json();
     assert!(!warnings(&status).contains("open files"), "{status}");
+    assert_eq!(status["connections"]["max"], 1000);
+}
+
+/// Under a limit that cannot hold the default 10000 connections, the default comes down to
+/// what the limit holds, without a warning: only a cap the policy sets is warned of.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_connection_cap_fits_the_open_file_limit() {
+    let backend = echo_backend().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (public, admin) = (free_port(), free_port());
+    binary_policy(dir.path(), public, admin, backend.addr, "/page");
+    let _levee = ChildGuard::spawn(
+        "levee under prlimit",
+        Command::new("prlimit")
+            .arg("--nofile=1024:1024")
+            .arg("--")
+            .arg(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(dir.path())
+            .arg("--no-watch")
+            .env("LEVEE_LOG", "warn"),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+        "levee to listen",
+    )
+    .await;
+    let status = get(&format!("http://127.0.0.1:{admin}/status"))
+        .await
+        .json();
+    // (1024 - 256) / 2
+    assert_eq!(status["connections"]["max"], 384, "{status}");
+    assert_eq!(
+        status["policy"]["warnings"],
+        serde_json::json!([]),
+        "{status}"
+    );
 }
 
 /// The shipped systemd unit is one systemd accepts as written (pointed at this build's

@@ -882,6 +882,10 @@ fn status(shared: &Shared) -> serde_json::Value {
     json!({
         "version": env!("CARGO_PKG_VERSION"),
         "draining": shared.draining.load(Ordering::Relaxed),
+        "connections": {
+            "open": shared.metrics.connections_open.get(),
+            "max": policy.server.max_connections,
+        },
         "policy": {
             "dir": shared.store.dir().display().to_string(),
             "generation": policy.generation,

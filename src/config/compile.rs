@@ -2755,6 +2755,7 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
             "tunnel_idle_timeout",
         ),
         max_connections,
+        max_connections_given: spec.max_connections.is_some(),
         drain: compiler.duration(file, &spec.drain, defaults.drain),
         shutdown_timeout: compiler.duration(
             file,

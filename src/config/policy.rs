@@ -71,8 +71,11 @@ pub struct ServerSettings {
     /// closed. Default 5m.
     pub tunnel_idle_timeout: Duration,
     /// Client connections open at once on the public listener (tunnels included); more wait
-    /// in the listen backlog. Default 10000.
+    /// in the listen backlog. Default 10000, or what the open-file limit allows when that is
+    /// less (see `config::store`).
     pub max_connections: u32,
+    /// `max_connections` was set in the policy, not taken as the default.
+    pub max_connections_given: bool,
     /// How long `/readyz` says 503 before levee stops accepting. Default 5s.
     pub drain: Duration,
     /// Longest wait for in-flight requests after drain. Default 30s.
@@ -97,6 +100,7 @@ impl Default for ServerSettings {
             send_timeout: Duration::from_secs(60),
             tunnel_idle_timeout: Duration::from_secs(300),
             max_connections: 10_000,
+            max_connections_given: false,
             drain: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(30),
             livez_path: "/livez".into(),

@@ -81,20 +81,31 @@ fn log_warnings(policy: &Policy) {
     }
 }
 
-/// Warns, where the operator reads the policy's warnings (the log, `levee reload`, `/status`),
-/// when `max_connections` needs more open files than this process may open. Here rather than
+/// Fits `max_connections` to the open files this process may have. The default comes down to
+/// what the limit allows (logged); a value the policy sets is kept, with a warning where the
+/// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
 /// in the compiler: `levee check` runs in a shell whose limit is not the service's.
-fn warn_of_open_files(dir: &Path, policy: &mut Policy) {
+fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy) {
+    let soft_limit = crate::open_files::soft_limit();
     let max_connections = policy.server.max_connections;
-    if let Some(message) =
-        crate::open_files::shortfall(max_connections, crate::open_files::soft_limit())
-    {
-        let mut warning = super::diag::Diagnostic::whole(dir, message).hint(
-            "raise the service's open-file limit (LimitNOFILE= in its systemd unit; levee raises its soft limit to the hard one itself) or lower [server] max_connections",
+    let Some(message) = crate::open_files::shortfall(max_connections, soft_limit) else {
+        return;
+    };
+    if !policy.server.max_connections_given {
+        let allowed = soft_limit.map_or(max_connections, crate::open_files::connections_allowed);
+        tracing::info!(
+            max_connections = allowed,
+            open_file_limit = soft_limit,
+            "[server] max_connections defaults to what the open-file limit allows"
         );
-        warning.severity = super::diag::Severity::Warning;
-        policy.warnings.push(warning);
+        policy.server.max_connections = allowed;
+        return;
     }
+    let mut warning = super::diag::Diagnostic::whole(dir, message).hint(
+        "raise the service's open-file limit (LimitNOFILE= in its systemd unit; levee raises its soft limit to the hard one itself) or lower [server] max_connections",
+    );
+    warning.severity = super::diag::Severity::Warning;
+    policy.warnings.push(warning);
 }
 
 impl PolicyStore {
@@ -102,7 +113,7 @@ impl PolicyStore {
     pub fn open(dir: &Path, metrics: Arc<Metrics>) -> Result<PolicyStore, Diagnostics> {
         let mut policy = load_dir(dir, None)?;
         policy.generation = 1;
-        warn_of_open_files(dir, &mut policy);
+        fit_connections_to_open_files(dir, &mut policy);
         log_warnings(&policy);
         metrics.policy_generation.set(1);
         Ok(PolicyStore {
@@ -219,7 +230,7 @@ impl PolicyStore {
                     policy.admin.listen = previous.admin.listen;
                 }
                 policy.generation = previous.generation + 1;
-                warn_of_open_files(&self.dir, &mut policy);
+                fit_connections_to_open_files(&self.dir, &mut policy);
                 let outcome = ReloadOutcome {
                     generation: policy.generation,
                     hash: policy.hash.clone(),
