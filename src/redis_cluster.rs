@@ -231,6 +231,11 @@ impl ClusterHealth {
         self.reads_ended.send_modify(|ended| *ended += 1);
     }
 
+    /// Whether a read of the map ended, installed or failed.
+    pub fn a_read_ended(&self) -> bool {
+        *self.reads_ended.borrow() > 0
+    }
+
     /// Waits, up to `timeout`, for the read of the map under way to end; whether one was under
     /// way and ended in that time. Returns at once when no read is under way.
     pub async fn wait_for_read_under_way(&self, timeout: Duration) -> bool {
@@ -326,7 +331,7 @@ mod tests {
             &Family::default(),
         );
         assert!(matches!(waiting.await, Ok(true)));
-        assert!(cluster.was_read());
+        assert!(cluster.was_read() && cluster.a_read_ended());
     }
 
     #[test]

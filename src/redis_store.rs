@@ -968,8 +968,9 @@ impl RedisStore {
     /// key counts against the one stand-in node, so a single node frozen before the map came
     /// in would open the breaker of them all: a read run in the background after the first
     /// call could lose that race. Calls that come while the first read runs wait for it too,
-    /// within the same `timeout`; a failed first read is tried again a second later, as any
-    /// read, and calls in that second go on against the stand-in without waiting.
+    /// within the same `timeout`. Once a read failed, none waits: the next reads run in the
+    /// background (at most one a second) while calls go by the stand-in's breaker, which
+    /// answers at once when it is open.
     async fn read_first_slot_map(
         &self,
         cluster: &Arc<ClusterHealth>,
@@ -977,6 +978,10 @@ impl RedisStore {
         metrics: &Metrics,
     ) {
         if cluster.was_read() {
+            return;
+        }
+        if cluster.a_read_ended() {
+            self.read_slot_map_when_due(cluster, false, metrics);
             return;
         }
         // Connected before the read is claimed: a request dropped meanwhile (its client hung

@@ -356,6 +356,15 @@ fn the_shipped_systemd_unit_verifies_and_outlasts_the_default_drain() {
     // [server] drain 5 s + shutdown_timeout 30 s, their defaults.
     assert!(stop_timeout > 35, "TimeoutStopSec={stop_timeout}");
     assert!(unit.contains("\nLimitNOFILE="), "{unit}");
+    // Read-only but for the state directory, which the comment names as the state_file's.
+    assert!(
+        unit.contains("\nProtectSystem=strict\nStateDirectory=levee\n"),
+        "{unit}"
+    );
+    assert!(
+        unit.contains("state_file = \"/var/lib/levee/state.json\""),
+        "{unit}"
+    );
 
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("levee.service");

@@ -1750,3 +1750,73 @@ async fn dead_letters_beyond_max_dead_letters_drop_the_oldest() {
     // Replayed in order, dead-lettered in order: the newest two are kept, newest first.
     assert_eq!(kept, [jobs[2].as_str(), jobs[1].as_str()], "{dead}");
 }
+
+/// A replayed job names its fields as the client spelled them, as the request forwarded
+/// straight away does (PHP's `getallheaders()` under Apache's mod_php keys by that spelling).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_job_spells_its_field_names_as_the_client_did() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    // Each request head the app got, as text.
+    let heads: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(Vec::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let app = listener.local_addr().expect("addr");
+    let record = heads.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let record = record.clone();
+            tokio::spawn(async move {
+                let Some(head) = read_request_head(&mut stream).await else {
+                    return;
+                };
+                let text = String::from_utf8_lossy(&head).into_owned();
+                // The body too (6 bytes), so the answer is not cut off by a reset.
+                let end = text.find("\r\n\r\n").map_or(0, |at| at + 4);
+                let mut body = head.len() - end;
+                let mut buf = [0u8; 64];
+                while body < 6 {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => body += n,
+                    }
+                }
+                record.lock().expect("lock").push(text);
+                let _ = stream
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\nConnection: close\r\n\r\napplied",
+                    )
+                    .await;
+            });
+        }
+    });
+    let levee = Levee::start(&queue_policy(app, &redis.url(), "")).await;
+    let request = b"POST /notify.php HTTP/1.1\r\nHost: forum.example\r\nX-Requested-With: XMLHttpRequest\r\nX-API-Key: k1\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 6\r\nConnection: close\r\n\r\nlike=1";
+    let answer = raw_exchange(levee.public, request, Duration::from_secs(5)).await;
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    switch(&levee, "off").await;
+    let answer = raw_exchange(levee.public, request, Duration::from_secs(5)).await;
+    assert_eq!(status_of(&answer), Some(202), "{answer}");
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the job to be replayed",
+        || async { heads.lock().expect("lock").len() == 2 },
+    )
+    .await;
+    let heads = heads.lock().expect("lock").clone();
+    for head in &heads {
+        for line in [
+            "\r\nHost: forum.example\r\n",
+            "\r\nX-Requested-With: XMLHttpRequest\r\n",
+            "\r\nX-API-Key: k1\r\n",
+            "\r\nContent-Type: application/x-www-form-urlencoded\r\n",
+            "\r\nX-Real-IP: 127.0.0.1\r\n",
+        ] {
+            assert!(head.contains(line), "{line:?} in {head}");
+        }
+    }
+    assert!(heads[1].contains("\r\nIdempotency-Key: "), "{}", heads[1]);
+}

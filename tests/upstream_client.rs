@@ -1553,7 +1553,7 @@ async fn a_repeated_content_length_reaches_the_client_once() {
             .lines()
             .filter(|line| line.to_ascii_lowercase().starts_with("content-length:"))
             .collect();
-        assert_eq!(lengths, ["content-length: 5"], "{path}: {head}");
+        assert_eq!(lengths, ["Content-Length: 5"], "{path}: {head}");
         assert_eq!(body, "hello", "{path}");
     }
     stop(levee).await;

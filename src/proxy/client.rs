@@ -38,7 +38,7 @@ use super::h1::chunked::{ChunkedDecoder, ChunkedError};
 use super::h1::encode::{encode_chunk_start, encode_field, encode_field_named, LAST_CHUNK};
 use super::h1::parse::{list_items, parse_content_length};
 use super::header::{
-    header_bytes, upstream_spelling, ForwardedFrom, ForwardedWriter, FORWARDED_BYTES, HOP_BY_HOP,
+    header_bytes, upstream_spelling, ForwardedWriter, FromClient, FORWARDED_BYTES, HOP_BY_HOP,
     RATELIMIT, RATELIMIT_POLICY,
 };
 use super::upstream::UpstreamBody;
@@ -321,7 +321,7 @@ impl Client {
         self.send_within(
             request,
             ResponseFields::Parsed,
-            None,
+            FromClient::default(),
             None,
             Instant::now(),
             None,
@@ -344,13 +344,15 @@ impl Client {
         &self,
         request: Request<UpstreamBody>,
         fields: ResponseFields,
-        forwarded: Option<ForwardedFrom>,
+        from_client: FromClient,
         response_timeout: Option<Duration>,
         now: Instant,
         sent_whole: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<Answered, ClientError> {
         let (parts, mut body) = request.into_parts();
-        let head = encode_request_head(&parts, &body, &self.settings.authority, forwarded);
+        let head = encode_request_head(&parts, &body, &self.settings.authority, &from_client);
+        // Not kept while the request is sent and answered.
+        drop(from_client);
         let chunked = head.chunked;
         let has_body = !body.is_end_stream();
         let upgrade = head.upgrade;
@@ -619,13 +621,14 @@ fn encode_request_head(
     parts: &http::request::Parts,
     body: &UpstreamBody,
     authority: &HeaderValue,
-    forwarded: Option<ForwardedFrom>,
+    from_client: &FromClient,
 ) -> RequestHeadBytes {
+    let forwarded = from_client.forwarded;
     let target = parts
         .uri
         .path_and_query()
         .map_or("/", |path_and_query| path_and_query.as_str());
-    let fields = header_bytes(&parts.headers) + forwarded.as_ref().map_or(0, |_| FORWARDED_BYTES);
+    let fields = header_bytes(&parts.headers) + forwarded.map_or(0, |_| FORWARDED_BYTES);
     let mut out = BytesMut::with_capacity(parts.method.as_str().len() + target.len() + fields + 80);
     out.put_slice(parts.method.as_str().as_bytes());
     out.put_u8(b' ');
@@ -635,10 +638,7 @@ fn encode_request_head(
         encode_field(&mut out, "Host", authority.as_bytes());
     }
     // Names go as the client spelled them (see `header::upstream_spelling`).
-    let received_head = forwarded
-        .as_ref()
-        .map(|from| from.received_head.clone())
-        .unwrap_or_default();
+    let received_head = &from_client.received_head;
     let mut forwarded = forwarded.map(ForwardedWriter::new);
     // Noted on the way rather than looked up: each lookup hashes the name.
     let mut has_length = false;
@@ -658,7 +658,7 @@ fn encode_request_head(
         let value = value.as_bytes();
         encode_field_named(
             &mut out,
-            upstream_spelling(&received_head, name, value),
+            upstream_spelling(received_head, name, value),
             value,
         );
     }
@@ -1399,13 +1399,20 @@ mod tests {
 
     /// The field lines of an encoded request head, sorted (field order between different
     /// names carries no meaning).
-    fn sent_fields(parts: &http::request::Parts, forwarded: Option<ForwardedFrom>) -> Vec<String> {
+    fn sent_fields(
+        parts: &http::request::Parts,
+        forwarded: Option<super::super::header::ForwardedFrom>,
+    ) -> Vec<String> {
         use http_body_util::BodyExt;
         let body: UpstreamBody = http_body_util::Empty::new()
             .map_err(|never| match never {})
             .boxed_unsync();
         let authority = HeaderValue::from_static("app.internal");
-        let head = encode_request_head(parts, &body, &authority, forwarded).bytes;
+        let from_client = FromClient {
+            forwarded,
+            received_head: bytes::Bytes::new(),
+        };
+        let head = encode_request_head(parts, &body, &authority, &from_client).bytes;
         let text = String::from_utf8(head.to_vec()).expect("text");
         let mut lines: Vec<String> = text.split("\r\n").skip(1).map(str::to_string).collect();
         lines.sort();
@@ -1486,11 +1493,10 @@ mod tests {
                 .headers_mut()
                 .insert(header::USER_AGENT, HeaderValue::from_static("wrk"));
             let (parts, ()) = request.into_parts();
-            let from = ForwardedFrom {
+            let from = super::super::header::ForwardedFrom {
                 peer: ip(peer),
                 peer_trusted: *peer_trusted,
                 client: ip(client),
-                received_head: bytes::Bytes::new(),
             };
             let mut set = parts.clone();
             super::super::header::set_forwarded(

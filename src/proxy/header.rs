@@ -368,9 +368,8 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
     }
 }
 
-/// Whom a forwarded request came from: what the forwarding fields levee sets say, and how the
-/// client spelled the fields it sent.
-#[derive(Debug, Clone)]
+/// Whom a forwarded request came from: what the forwarding fields levee sets say.
+#[derive(Debug, Clone, Copy)]
 pub struct ForwardedFrom {
     /// The connection's peer (the front nginx, or the client itself).
     pub peer: IpAddr,
@@ -378,7 +377,16 @@ pub struct ForwardedFrom {
     pub peer_trusted: bool,
     /// The client's address as levee resolved it.
     pub client: IpAddr,
-    /// The request head as levee received it (see [`upstream_spelling`]).
+}
+
+/// What an upstream request keeps of the client's beyond its `HeaderMap`.
+#[derive(Debug, Clone, Default)]
+pub struct FromClient {
+    /// The forwarding fields to set as the head is encoded; `None` for a request that carries
+    /// its own (a replayed job) or none.
+    pub forwarded: Option<ForwardedFrom>,
+    /// The head the fields were read from, whose spelling of their names the upstream request
+    /// keeps (see [`upstream_spelling`]); empty when there is none.
     pub received_head: Bytes,
 }
 
@@ -431,6 +439,9 @@ pub(crate) fn levee_spelling(name: &HeaderName) -> Option<&'static [u8]> {
         b"X-Real-IP"
     } else if *name == X_FORWARDED_PROTO {
         b"X-Forwarded-Proto"
+    } else if name.as_str() == "idempotency-key" {
+        // Set on a replayed job that the client sent none for.
+        b"Idempotency-Key"
     } else {
         return None;
     };

@@ -382,15 +382,17 @@ async fn forward(
         .and_then(|upgrade| upgrade.take());
     let upstream = &route.upstream;
     // The request target stays the client's (the client sends its path and query only).
-    let (mut parts, body) = request.into_parts();
+    let (mut parts, mut body) = request.into_parts();
     parts.version = Version::HTTP_11;
     header::strip_hop_by_hop(&mut parts.headers, upgrading);
     // The forwarding fields are set as the head is encoded (see `header::ForwardedWriter`).
-    let forwarded = header::ForwardedFrom {
-        peer: peer.ip(),
-        peer_trusted,
-        client: client_ip,
-        received_head: body.received_head().clone(),
+    let from_client = header::FromClient {
+        forwarded: Some(header::ForwardedFrom {
+            peer: peer.ip(),
+            peer_trusted,
+            client: client_ip,
+        }),
+        received_head: body.take_received_head(),
     };
     if let Some(host) = &upstream.settings.host {
         parts.headers.insert(h::HOST, host.clone());
@@ -517,11 +519,17 @@ async fn forward(
     // the client's idle timer allows is not the upstream's failure.
     let request = Request::from_parts(parts, body);
     let sent = match slot {
-        None => run_on::send(upstream, request, fields, forwarded, sent_at, None).await,
+        None => run_on::send(upstream, request, fields, from_client, sent_at, None).await,
         Some(slot) => {
-            let (sent, slot) =
-                run_on::call_holding(upstream.clone(), request, fields, forwarded, sent_at, slot)
-                    .await;
+            let (sent, slot) = run_on::call_holding(
+                upstream.clone(),
+                request,
+                fields,
+                from_client,
+                sent_at,
+                slot,
+            )
+            .await;
             exchange.slot = slot;
             sent
         }

@@ -27,7 +27,7 @@ use tokio::time::Instant;
 
 use super::body::IdleTimeout;
 use super::client::{Answered, ClientError, ResponseFields};
-use super::header::ForwardedFrom;
+use super::header::FromClient;
 use super::upstream::{Upstream, UpstreamBody};
 use crate::degrade::bulkhead::Slot;
 use crate::error::BoxError;
@@ -40,14 +40,14 @@ pub(super) fn send<'a>(
     upstream: &'a Upstream,
     request: Request<UpstreamBody>,
     fields: ResponseFields,
-    forwarded: ForwardedFrom,
+    from_client: FromClient,
     sent_at: Instant,
     sent_whole: Option<&'a AtomicBool>,
 ) -> impl Future<Output = Result<Answered, ClientError>> + 'a {
     upstream.client.send_within(
         request,
         fields,
-        Some(forwarded),
+        from_client,
         Some(upstream.settings.response_timeout),
         sent_at,
         sent_whole,
@@ -61,7 +61,7 @@ pub(super) fn call_holding(
     upstream: Arc<Upstream>,
     request: Request<UpstreamBody>,
     fields: ResponseFields,
-    forwarded: ForwardedFrom,
+    from_client: FromClient,
     sent_at: Instant,
     slot: Slot,
 ) -> HeldCall {
@@ -70,7 +70,15 @@ pub(super) fn call_holding(
     let bounds = RunOnBounds::of(&upstream);
     HeldCall {
         call: Some(Box::pin(async move {
-            send(&upstream, request, fields, forwarded, sent_at, Some(&flag)).await
+            send(
+                &upstream,
+                request,
+                fields,
+                from_client,
+                sent_at,
+                Some(&flag),
+            )
+            .await
         })),
         slot: Some(slot),
         sent_whole,

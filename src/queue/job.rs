@@ -4,7 +4,10 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::proxy::header::upstream_spelling;
 
 /// A request stored for later.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,9 +56,12 @@ fn now_ms() -> u64 {
 }
 
 impl Job {
+    /// The job of a request whose head came as `received_head` (field names are kept as the
+    /// client spelled them, for the replay to send so).
     pub fn from_request(
         route: &str,
         parts: &http::request::Parts,
+        received_head: &[u8],
         body: Bytes,
         client_ip: IpAddr,
     ) -> Job {
@@ -70,7 +76,14 @@ impl Job {
             headers: parts
                 .headers
                 .iter()
-                .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
+                .map(|(name, value)| {
+                    let value = value.as_bytes();
+                    let spelled = upstream_spelling(received_head, name, value);
+                    (
+                        String::from_utf8_lossy(spelled).into_owned(),
+                        value.to_vec(),
+                    )
+                })
                 .collect(),
             body,
             client_ip: client_ip.to_string(),
@@ -112,6 +125,33 @@ impl Job {
         if let Some(reason) = &self.unreadable {
             command.arg("unreadable").arg(reason);
         }
+    }
+
+    /// The fields to replay, and the lines they are slices of: the upstream request spells
+    /// each name as stored (see `proxy::header::upstream_spelling`). A field that is no longer
+    /// valid is left out.
+    pub fn replayed_fields(&self) -> (HeaderMap, Bytes) {
+        // The lines start after a line end, as a head's fields do after the request line.
+        let mut lines = BytesMut::from(&b"\r\n"[..]);
+        let mut spans = Vec::with_capacity(self.headers.len());
+        for (name, value) in &self.headers {
+            lines.extend_from_slice(name.as_bytes());
+            lines.extend_from_slice(b": ");
+            spans.push((name, lines.len(), lines.len() + value.len()));
+            lines.extend_from_slice(value);
+            lines.extend_from_slice(b"\r\n");
+        }
+        let lines = lines.freeze();
+        let mut headers = HeaderMap::with_capacity(spans.len());
+        for (name, start, end) in spans {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_maybe_shared(lines.slice(start..end)),
+            ) {
+                headers.append(name, value);
+            }
+        }
+        (headers, lines)
     }
 
     /// The headers as HTTP/1.1 field lines, `name: value\r\n` each: lossless, because a

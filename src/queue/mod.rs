@@ -292,7 +292,8 @@ pub async fn enqueue(
             "queue route without [redis] and [queue]".into(),
         ));
     };
-    let (parts, body) = request.into_parts();
+    let (parts, mut body) = request.into_parts();
+    let received_head = body.take_received_head();
     let limit = settings
         .max_body
         .min(usize::try_from(route.max_body).unwrap_or(usize::MAX));
@@ -328,7 +329,7 @@ pub async fn enqueue(
             )));
         }
     };
-    let job = Job::from_request(&route.name.0, &parts, body, client_ip);
+    let job = Job::from_request(&route.name.0, &parts, &received_head, body, client_ip);
     let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
     // Writes are worth a little more patience than limit checks, but never unbounded.
     let timeout = redis.settings.timeout.max(Duration::from_millis(500));

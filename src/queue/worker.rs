@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use http::{HeaderName, HeaderValue, Method, Request};
+use http::{HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -913,15 +913,9 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
     );
     *request.method_mut() = method;
     *request.uri_mut() = uri;
+    let (fields, spelled) = job.replayed_fields();
+    *request.headers_mut() = fields;
     let headers = request.headers_mut();
-    for (name, value) in &job.headers {
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_bytes(value),
-        ) {
-            headers.append(name, value);
-        }
-    }
     if let Some(host) = &upstream.settings.host {
         headers.insert(http::header::HOST, host.clone());
     }
@@ -944,7 +938,19 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
             headers.insert("x-forwarded-for", client);
         }
     }
-    let sent = upstream.client.send(request);
+    // The names go as the client spelled them; the forwarding fields are the job's own.
+    let from_client = crate::proxy::header::FromClient {
+        forwarded: None,
+        received_head: spelled,
+    };
+    let sent = upstream.client.send_within(
+        request,
+        crate::proxy::client::ResponseFields::Parsed,
+        from_client,
+        None,
+        Instant::now(),
+        None,
+    );
     match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
         Err(_) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
@@ -957,7 +963,8 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
             Replay::Retry(format!("upstream error: {error}"))
         }
-        Ok(Ok(response)) => {
+        Ok(Ok(answered)) => {
+            let response = answered.response;
             let status = response.status();
             permit.record_status(status.as_u16(), Instant::now(), &shared.metrics);
             // Drain the body so the connection can be reused, but not for longer than the

@@ -1204,7 +1204,7 @@ mod tests {
             4,
             "{answers}"
         );
-        assert!(!answers.contains("connection: close"), "{answers}");
+        assert!(!answers.contains("Connection: close"), "{answers}");
     }
 
     #[tokio::test]
@@ -1251,7 +1251,7 @@ mod tests {
             .expect("write");
         let answer = read_responses(&mut client, 1).await;
         assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
-        assert!(answer.contains("connection: close"), "{answer}");
+        assert!(answer.contains("Connection: close"), "{answer}");
         assert!(is_closed(&mut client).await);
     }
 
@@ -1273,8 +1273,8 @@ mod tests {
             .await
             .expect("write");
         let answer = read_responses(&mut client, 1).await;
-        assert!(answer.contains("connection: keep-alive\r\n"), "{answer}");
-        assert!(answer.contains("content-length: 13\r\n"), "{answer}");
+        assert!(answer.contains("Connection: keep-alive\r\n"), "{answer}");
+        assert!(answer.contains("Content-Length: 13\r\n"), "{answer}");
         client
             .write_all(b"GET /b HTTP/1.0\r\n\r\n")
             .await
@@ -1293,7 +1293,7 @@ mod tests {
             .expect("write");
         let answers = read_responses(&mut client, 1).await;
         let (first, second) = answers.split_once("\r\n\r\n").expect("a head");
-        assert!(first.contains("content-length: 14"), "{first}");
+        assert!(first.contains("Content-Length: 14"), "{first}");
         assert!(
             second.starts_with("HTTP/1.1 200 OK"),
             "no body after a HEAD head: {second}"

@@ -4,7 +4,7 @@ use std::cell::Cell;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::{BufMut, BytesMut};
-use http::header::{self, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, StatusCode, Version};
 
 use crate::proxy::upstream_fields::UpstreamFields;
@@ -168,17 +168,33 @@ pub fn encode_head(
         relayed.write_to(out);
         if let Some(length) = relayed.content_length {
             let mut digits = itoa::Buffer::new();
-            encode_field(out, "content-length", digits.format(length).as_bytes());
+            encode_field(out, "Content-Length", digits.format(length).as_bytes());
         }
         has_date = relayed.has_date();
     }
     for (name, value) in headers {
-        encode_field(out, name.as_str(), value.as_bytes());
+        encode_field(out, response_spelling(name), value.as_bytes());
     }
     if !has_date && !headers.contains_key(header::DATE) {
-        encode_field(out, "date", &http_date_now());
+        encode_field(out, "Date", &http_date_now());
     }
     out.put_slice(b"\r\n");
+}
+
+/// The name of a response field as written: the framing fields levee sets itself in their
+/// usual capitalisation (as the app and nginx write them), any other as `HeaderName` keeps it.
+fn response_spelling(name: &HeaderName) -> &str {
+    if *name == header::CONTENT_LENGTH {
+        "Content-Length"
+    } else if *name == header::CONNECTION {
+        "Connection"
+    } else if *name == header::TRANSFER_ENCODING {
+        "Transfer-Encoding"
+    } else if *name == header::DATE {
+        "Date"
+    } else {
+        name.as_str()
+    }
 }
 
 /// One `name: value` line of a head.
@@ -413,7 +429,7 @@ mod tests {
         assert_eq!(
             &out[..],
             b"HTTP/1.1 200 OK\r\nServer: a\r\nDate: Tue, 01 Dec 2026 10:00:00 GMT\r\n\
-              content-length: 2\r\nratelimit: limit=1\r\n\r\n"
+              Content-Length: 2\r\nratelimit: limit=1\r\n\r\n"
         );
         // Without the upstream's Date, levee adds its own.
         let fields = relayed("Server: a\r\n", None);
@@ -427,7 +443,7 @@ mod tests {
         );
         let text = String::from_utf8(out.to_vec()).expect("ascii");
         assert!(
-            text.starts_with("HTTP/1.1 200 OK\r\nServer: a\r\ndate: "),
+            text.starts_with("HTTP/1.1 200 OK\r\nServer: a\r\nDate: "),
             "{text}"
         );
     }
@@ -440,11 +456,11 @@ mod tests {
         encode_head(&mut out, (StatusCode::NOT_FOUND, None), &headers, None, 0);
         let text = String::from_utf8(out.to_vec()).expect("ascii");
         assert!(
-            text.starts_with("HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\ndate: "),
+            text.starts_with("HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\nDate: "),
             "{text}"
         );
         assert!(text.ends_with(" GMT\r\n\r\n"), "{text}");
-        let date = &text[text.find("date: ").expect("date") + 6..text.len() - 4];
+        let date = &text[text.find("Date: ").expect("date") + 6..text.len() - 4];
         assert!(httpdate::parse_http_date(date).is_ok(), "{date}");
         let mut out = BytesMut::new();
         encode_chunk_start(&mut out, 255);

@@ -45,7 +45,7 @@ pub struct RequestHead {
     /// Framed both ways: answered, then the connection is closed (RFC 9112 6.1).
     pub close_after: bool,
     /// The head's bytes as received: the header values are slices of them, and the upstream
-    /// request spells each field's name as the client did (see `h1::received_spelling`).
+    /// request spells each field's name as the client did (see `header::upstream_spelling`).
     pub received: bytes::Bytes,
 }
 

@@ -67,9 +67,10 @@ impl RequestBody {
         }
     }
 
-    /// The head its request came with, as received; empty when there was none.
-    pub fn received_head(&self) -> &Bytes {
-        &self.received_head
+    /// The head its request came with, as received (empty when there was none), taken out:
+    /// the body itself does not need it.
+    pub fn take_received_head(&mut self) -> Bytes {
+        std::mem::take(&mut self.received_head)
     }
 
     pub(super) fn streaming(
