@@ -205,6 +205,13 @@ impl RedisFailure {
         }
     }
 
+    /// Redis answered with a refusal its caller expects and handles: a queue's consumer group
+    /// that exists already (`BUSYGROUP`, at every start), or that is gone with its stream
+    /// (`NOGROUP`, made again). Redis is up.
+    fn is_expected_refusal(&self) -> bool {
+        matches!(self, RedisFailure::Redis(error) if matches!(error.code(), Some("BUSYGROUP" | "NOGROUP")))
+    }
+
     /// Whether the call went out at all: not when the health breaker held it back or too
     /// many decisions were waiting already.
     fn was_sent(&self) -> bool {
@@ -435,6 +442,9 @@ impl RedisStore {
         if failure.is_some_and(|failure| !failure.was_sent()) {
             return;
         }
+        // An expected refusal is an answer: without this, every start of a levee whose queue
+        // group existed logged "redis calls fail".
+        let failure = failure.filter(|failure| !failure.is_expected_refusal());
         // Said once per outage, whatever call meets it first: on a site whose limited
         // routes are quiet, the switch sync and the queue workers fail unseen otherwise.
         // A Redis flapping call by call says it at most once per interval; its end is said

@@ -383,3 +383,53 @@ fn the_shipped_systemd_unit_verifies_and_outlasts_the_default_drain() {
     // A key systemd cannot parse is only a warning, with the file's name in it.
     assert!(!stderr.contains("levee.service"), "{stderr}");
 }
+
+/// A levee that starts where its queue's consumer group exists already (every start but the
+/// first) hears Redis refuse to make it again: an answer, not an outage to warn of.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_group_made_before_is_no_redis_outage_in_the_log() {
+    let backend = echo_backend().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let redis_dir = tempfile::tempdir().expect("redis dir");
+    let redis = RedisServer::start(redis_dir.path()).await;
+    let stream = "levee:queue:{notify}:jobs";
+    redis.cli(&["XGROUP", "CREATE", stream, "levee", "0", "MKSTREAM"]);
+    let (public, admin) = (free_port(), free_port());
+    binary_policy(dir.path(), public, admin, backend.addr, "/page");
+    let policy = dir.path().join("levee.toml");
+    let text = std::fs::read_to_string(&policy).expect("read");
+    std::fs::write(
+        &policy,
+        format!(
+            "{text}[redis]\nurl = \"{}\"\n[queue]\npoll_interval = \"50ms\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+            redis.url()
+        ),
+    )
+    .expect("write");
+    let log_path = dir.path().join("levee.log");
+    let log = std::fs::File::create(&log_path).expect("log");
+    let _levee = ChildGuard::spawn(
+        "levee",
+        Command::new(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(dir.path())
+            .arg("--no-watch")
+            .env_remove("LEVEE_LOG")
+            .stderr(log),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+        "levee to listen",
+    )
+    .await;
+    // A job stored and applied: the worker has made (tried to make) its group by then.
+    let job = post(&format!("http://127.0.0.1:{public}/notify"), "like=1").await;
+    assert_eq!(job.status, 202, "{}", job.text());
+    eventually(Duration::from_secs(10), "the job to be applied", || async {
+        backend.hits() >= 1
+    })
+    .await;
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(!log.contains("redis calls fail"), "{log}");
+}
