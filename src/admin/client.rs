@@ -301,6 +301,19 @@ pub fn summarize(status: &serde_json::Value) -> String {
         let first_line = warning.as_str().unwrap_or("").lines().next().unwrap_or("");
         let _ = writeln!(out, "         {first_line}");
     }
+    // A levee from before `connections` was sent has none to show.
+    let connections = &status["connections"];
+    if let (Some(open), Some(max)) = (connections["open"].as_i64(), connections["max"].as_i64()) {
+        let _ = writeln!(
+            out,
+            "clients  {open} connection(s) open of at most {max}{}",
+            if open >= max {
+                " · AT THE CAP: new ones wait"
+            } else {
+                ""
+            }
+        );
+    }
     let degrade = &status["degrade"];
     let _ = writeln!(
         out,
@@ -484,12 +497,27 @@ mod tests {
             text.contains("redis    master \"mymaster\" via sentinels redis://10.0.0.5:26379 · up"),
             "{text}"
         );
+        assert!(!text.contains("clients"), "{text}");
         // A levee from before `nodes` and `master` were sent.
         let older = serde_json::json!({"redis": {"target": "redis://10.0.0.1:6379", "up": false}});
         let text = summarize(&older);
         assert!(text.contains("redis://10.0.0.1:6379 · DOWN"), "{text}");
         assert!(!text.contains("rate limits on their"), "{text}");
         assert!(!text.contains("master now"), "{text}");
+    }
+
+    #[test]
+    fn connections_are_shown_with_their_cap() {
+        let text = summarize(&serde_json::json!({"connections": {"open": 12, "max": 10000}}));
+        assert!(
+            text.contains("clients  12 connection(s) open of at most 10000\n"),
+            "{text}"
+        );
+        let text = summarize(&serde_json::json!({"connections": {"open": 2, "max": 2}}));
+        assert!(
+            text.contains("of at most 2 · AT THE CAP: new ones wait\n"),
+            "{text}"
+        );
     }
 
     #[test]
