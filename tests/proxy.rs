@@ -742,7 +742,7 @@ async fn field_names_keep_their_spelling_both_ways() {
     })
     .await;
     let levee = Levee::start(&policy_for(backend, "", "")).await;
-    let request = b"GET /form.php HTTP/1.1\r\nHost: shop.example\r\nX-Requested-With:XMLHttpRequest\r\nX-API-Key:  k1\r\nauthorization: Basic eA==\r\nDNT: 1\r\nAccept: */*\r\nAccept: text/html\r\nConnection: close\r\n\r\n";
+    let request = b"GET /form.php HTTP/1.1\r\nHost: shop.example\r\nX-Requested-With:XMLHttpRequest\r\nX-API-Key:  k1\r\nauthorization: Basic eA==\r\nDNT: 1\r\nX-Empty:\r\nAccept: */*\r\nAccept: text/html\r\nConnection: close\r\n\r\n";
     let answer = raw_exchange(levee.public, request, Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
     assert!(answer.contains("\r\nX-Page-Cache: MISS\r\n"), "{answer}");
@@ -753,6 +753,7 @@ async fn field_names_keep_their_spelling_both_ways() {
         "\r\nX-API-Key: k1\r\n",
         "\r\nauthorization: Basic eA==\r\n",
         "\r\nDNT: 1\r\n",
+        "\r\nX-Empty: \r\n",
         "\r\nAccept: */*\r\n",
         "\r\nAccept: text/html\r\n",
         "\r\nX-Forwarded-For: 127.0.0.1\r\n",

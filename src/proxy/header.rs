@@ -421,8 +421,23 @@ pub(crate) fn upstream_spelling<'a>(
         {
             return spelled;
         }
+    } else if value.is_empty() {
+        // An empty value is no slice of the head (an empty `Bytes` points nowhere): the
+        // first line of that name with nothing after its colon stands for it (rare).
+        if let Some(spelled) = empty_field_spelling(received_head, lower) {
+            return spelled;
+        }
     }
     levee_spelling(name).unwrap_or(lower)
+}
+
+/// The name of the first field line of `head` named `lower` (case-blind) whose value is empty.
+fn empty_field_spelling<'a>(head: &'a [u8], lower: &[u8]) -> Option<&'a [u8]> {
+    head.split(|&byte| byte == b'\n').skip(1).find_map(|line| {
+        let (spelled, value) = line.split_at(line.iter().position(|&byte| byte == b':')?);
+        (spelled.eq_ignore_ascii_case(lower) && value[1..].trim_ascii().is_empty())
+            .then_some(spelled)
+    })
 }
 
 /// The usual capitalisation of the fields levee writes itself.
@@ -433,6 +448,9 @@ pub(crate) fn levee_spelling(name: &HeaderName) -> Option<&'static [u8]> {
         b"Content-Length"
     } else if *name == header::TRANSFER_ENCODING {
         b"Transfer-Encoding"
+    } else if *name == header::CONNECTION {
+        // `Connection: upgrade`, set on an upgrade request.
+        b"Connection"
     } else if *name == X_FORWARDED_FOR {
         b"X-Forwarded-For"
     } else if *name == X_REAL_IP {
@@ -628,6 +646,15 @@ mod tests {
             "host"
         );
         assert_eq!(spelled(&X_REAL_IP, b"10.0.0.1"), "X-Real-IP");
+        assert_eq!(spelled(&header::CONNECTION, b"upgrade"), "Connection");
+        // An empty value: the first line of that name with nothing after its colon.
+        let head = Bytes::from_static(
+            b"GET / HTTP/1.1\r\nX-Emptyish: a\r\nX-Empty:\t \r\nx-empty:\r\n\r\n",
+        );
+        let empty = HeaderName::from_static("x-empty");
+        assert_eq!(upstream_spelling(&head, &empty, b""), b"X-Empty");
+        let none = HeaderName::from_static("x-none");
+        assert_eq!(upstream_spelling(&head, &none, b""), b"x-none");
     }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {

@@ -921,8 +921,12 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
     }
     headers.remove(http::header::CONTENT_LENGTH);
     // A key the client sent itself stays: it names the client's one operation across its
-    // retries (each a job of its own), which the job id cannot.
-    if !headers.contains_key("idempotency-key") {
+    // retries (each a job of its own), which the job id cannot. A blank one names nothing,
+    // and the app could not tell a replay sent twice: the job id stands in for it.
+    let clients_key = headers
+        .get("idempotency-key")
+        .is_some_and(|key| !key.as_bytes().trim_ascii().is_empty());
+    if !clients_key {
         if let Ok(key) = HeaderValue::from_str(job.idempotency_key()) {
             headers.insert("idempotency-key", key);
         }
