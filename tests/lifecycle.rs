@@ -95,6 +95,38 @@ fn binary_policy(
     .expect("write policy");
 }
 
+/// The binary on `binary_policy` (route `/page`) and `extra` policy text, its log (the default
+/// filter) in `dir`'s levee.log; returned listening, with the log's path and its public port.
+async fn start_logging(
+    dir: &std::path::Path,
+    upstream: std::net::SocketAddr,
+    extra: &str,
+) -> (ChildGuard, std::path::PathBuf, u16) {
+    let (public, admin) = (free_port(), free_port());
+    binary_policy(dir, public, admin, upstream, "/page");
+    let policy = dir.join("levee.toml");
+    let text = std::fs::read_to_string(&policy).expect("read");
+    std::fs::write(&policy, format!("{text}{extra}")).expect("write");
+    let log_path = dir.join("levee.log");
+    let log = std::fs::File::create(&log_path).expect("log");
+    let levee = ChildGuard::spawn(
+        "levee",
+        Command::new(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(dir)
+            .arg("--no-watch")
+            .env_remove("LEVEE_LOG")
+            .stderr(log),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+        "levee to listen",
+    )
+    .await;
+    (levee, log_path, public)
+}
+
 fn signal(pid: u32, name: &str) {
     let status = Command::new("kill")
         .arg(format!("-{name}"))
@@ -178,34 +210,11 @@ async fn a_redis_outage_is_logged_once_without_any_traffic() {
     let dir = tempfile::tempdir().expect("temp dir");
     let redis_dir = tempfile::tempdir().expect("redis dir");
     let mut redis = RedisServer::start(redis_dir.path()).await;
-    let (public, admin) = (free_port(), free_port());
-    binary_policy(dir.path(), public, admin, backend.addr, "/page");
-    let policy = dir.path().join("levee.toml");
-    let text = std::fs::read_to_string(&policy).expect("read");
-    std::fs::write(
-        &policy,
-        format!(
-            "{text}[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n",
-            redis.url()
-        ),
-    )
-    .expect("write");
-    let log_path = dir.path().join("levee.log");
-    let log = std::fs::File::create(&log_path).expect("log");
-    let _levee = ChildGuard::spawn(
-        "levee",
-        Command::new(env!("CARGO_BIN_EXE_levee"))
-            .arg("run")
-            .arg("--policies")
-            .arg(dir.path())
-            .env_remove("LEVEE_LOG")
-            .stderr(log),
+    let extra = format!(
+        "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n",
+        redis.url()
     );
-    wait_for_port(
-        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
-        "levee to listen",
-    )
-    .await;
+    let (_levee, log_path, _) = start_logging(dir.path(), backend.addr, &extra).await;
     let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     redis.guard.stop();
     eventually(Duration::from_secs(10), "the outage in the log", || async {
@@ -394,35 +403,11 @@ async fn a_queue_group_made_before_is_no_redis_outage_in_the_log() {
     let redis = RedisServer::start(redis_dir.path()).await;
     let stream = "levee:queue:{notify}:jobs";
     redis.cli(&["XGROUP", "CREATE", stream, "levee", "0", "MKSTREAM"]);
-    let (public, admin) = (free_port(), free_port());
-    binary_policy(dir.path(), public, admin, backend.addr, "/page");
-    let policy = dir.path().join("levee.toml");
-    let text = std::fs::read_to_string(&policy).expect("read");
-    std::fs::write(
-        &policy,
-        format!(
-            "{text}[redis]\nurl = \"{}\"\n[queue]\npoll_interval = \"50ms\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
-            redis.url()
-        ),
-    )
-    .expect("write");
-    let log_path = dir.path().join("levee.log");
-    let log = std::fs::File::create(&log_path).expect("log");
-    let _levee = ChildGuard::spawn(
-        "levee",
-        Command::new(env!("CARGO_BIN_EXE_levee"))
-            .arg("run")
-            .arg("--policies")
-            .arg(dir.path())
-            .arg("--no-watch")
-            .env_remove("LEVEE_LOG")
-            .stderr(log),
+    let extra = format!(
+        "[redis]\nurl = \"{}\"\n[queue]\npoll_interval = \"50ms\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+        redis.url()
     );
-    wait_for_port(
-        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
-        "levee to listen",
-    )
-    .await;
+    let (_levee, log_path, public) = start_logging(dir.path(), backend.addr, &extra).await;
     // A job stored and applied: the worker has made (tried to make) its group by then.
     let job = post(&format!("http://127.0.0.1:{public}/notify"), "like=1").await;
     assert_eq!(job.status, 202, "{}", job.text());
