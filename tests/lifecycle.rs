@@ -127,6 +127,40 @@ async fn start_logging(
     (levee, log_path, public)
 }
 
+/// The binary on the policy in `dir` with the open-file limit `soft:hard`, once it listens on
+/// `public`.
+async fn start_with_open_files(dir: &std::path::Path, public: u16, limit: &str) -> ChildGuard {
+    let levee = ChildGuard::spawn(
+        "levee under prlimit",
+        Command::new("prlimit")
+            .arg(format!("--nofile={limit}"))
+            .arg("--")
+            .arg(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(dir)
+            .arg("--no-watch")
+            .env("LEVEE_LOG", "warn"),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+        "levee to listen",
+    )
+    .await;
+    levee
+}
+
+/// SIGHUP, then waits for `/status` (at `status_url`) to show policy `generation`.
+async fn reload_by_sighup(levee: &ChildGuard, status_url: &str, generation: u64) {
+    signal(levee.pid(), "HUP");
+    eventually(
+        Duration::from_secs(10),
+        "SIGHUP to reload the policy",
+        || async { get(status_url).await.json()["policy"]["generation"] == generation },
+    )
+    .await;
+}
+
 fn signal(pid: u32, name: &str) {
     let status = Command::new("kill")
         .arg(format!("-{name}"))
@@ -160,13 +194,7 @@ async fn the_binary_reloads_on_sighup_and_exits_0_on_sigterm() {
     assert_eq!(get(&format!("http://{public_addr}/x")).await.status, 200);
 
     binary_policy(dir.path(), public, admin, backend.addr, "/second");
-    signal(levee.pid(), "HUP");
-    eventually(
-        Duration::from_secs(10),
-        "SIGHUP to reload the policy",
-        || async { get(&status_url).await.json()["policy"]["generation"] == 2 },
-    )
-    .await;
+    reload_by_sighup(&levee, &status_url, 2).await;
     assert_eq!(
         get(&status_url).await.json()["routes"][0]["match"]["path"],
         "/second"
@@ -260,23 +288,7 @@ async fn the_open_file_limit_is_raised_to_the_hard_one_and_a_cap_beyond_it_is_wa
     };
     // 3000 connections need 6256 files; the hard limit is 4096.
     with_cap(3000);
-    let levee = ChildGuard::spawn(
-        "levee under prlimit",
-        Command::new("prlimit")
-            .arg("--nofile=1024:4096")
-            .arg("--")
-            .arg(env!("CARGO_BIN_EXE_levee"))
-            .arg("run")
-            .arg("--policies")
-            .arg(dir.path())
-            .arg("--no-watch")
-            .env("LEVEE_LOG", "warn"),
-    );
-    wait_for_port(
-        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
-        "levee to listen",
-    )
-    .await;
+    let levee = start_with_open_files(dir.path(), public, "1024:4096").await;
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", levee.pid()))
         .expect("read the process's limits");
     let open_files = limits
@@ -299,13 +311,7 @@ async fn the_open_file_limit_is_raised_to_the_hard_one_and_a_cap_beyond_it_is_wa
     );
 
     with_cap(1000);
-    signal(levee.pid(), "HUP");
-    eventually(
-        Duration::from_secs(10),
-        "SIGHUP to reload the policy",
-        || async { get(&status_url).await.json()["policy"]["generation"] == 2 },
-    )
-    .await;
+    reload_by_sighup(&levee, &status_url, 2).await;
     let status = get(&status_url).await.json();
     assert!(!warnings(&status).contains("open files"), "{status}");
     assert_eq!(status["connections"]["max"], 1000);
@@ -319,23 +325,7 @@ async fn the_default_connection_cap_fits_the_open_file_limit() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (public, admin) = (free_port(), free_port());
     binary_policy(dir.path(), public, admin, backend.addr, "/page");
-    let _levee = ChildGuard::spawn(
-        "levee under prlimit",
-        Command::new("prlimit")
-            .arg("--nofile=1024:1024")
-            .arg("--")
-            .arg(env!("CARGO_BIN_EXE_levee"))
-            .arg("run")
-            .arg("--policies")
-            .arg(dir.path())
-            .arg("--no-watch")
-            .env("LEVEE_LOG", "warn"),
-    );
-    wait_for_port(
-        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
-        "levee to listen",
-    )
-    .await;
+    let _levee = start_with_open_files(dir.path(), public, "1024:1024").await;
     let status = get(&format!("http://127.0.0.1:{admin}/status"))
         .await
         .json();
