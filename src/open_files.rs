@@ -25,7 +25,7 @@ pub fn connections_allowed(limit: u64) -> u32 {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Raised {
     /// The soft limit already was the hard one (or unlimited).
-    AlreadyAtHard(Option<u64>),
+    AlreadyAtHard,
     /// Raised from the first to the second.
     From(u64, u64),
     /// The kernel refused; the soft limit stays.
@@ -41,17 +41,17 @@ pub enum Raised {
 pub fn raise_to_hard() -> Raised {
     let limit = getrlimit(Resource::Nofile);
     let Some(soft) = limit.current else {
-        return Raised::AlreadyAtHard(None);
+        return Raised::AlreadyAtHard;
     };
     let wanted = match limit.maximum {
         Some(hard) => hard,
         None => match kernel_nr_open() {
             Some(nr_open) => nr_open,
-            None => return Raised::AlreadyAtHard(Some(soft)),
+            None => return Raised::AlreadyAtHard,
         },
     };
     if wanted <= soft {
-        return Raised::AlreadyAtHard(Some(soft));
+        return Raised::AlreadyAtHard;
     }
     match setrlimit(
         Resource::Nofile,
@@ -72,7 +72,7 @@ pub fn raise_to_hard() -> Raised {
 /// Logs what [`raise_to_hard`] did: an operator who sees connections refused looks here.
 pub fn raise_and_log() {
     match raise_to_hard() {
-        Raised::AlreadyAtHard(_) => {}
+        Raised::AlreadyAtHard => {}
         Raised::From(from, to) => {
             tracing::info!(from, to, "raised the open-file limit to its hard limit")
         }
@@ -135,7 +135,7 @@ mod tests {
     fn raising_twice_leaves_the_soft_limit_at_the_hard_one() {
         raise_to_hard();
         let limit = getrlimit(Resource::Nofile);
-        assert!(matches!(raise_to_hard(), Raised::AlreadyAtHard(_)));
+        assert!(matches!(raise_to_hard(), Raised::AlreadyAtHard));
         assert_eq!(getrlimit(Resource::Nofile), limit);
     }
 }

@@ -5,8 +5,9 @@
 //! levee reads the cluster's slot map (`CLUSTER SLOTS`) before its first call that counts
 //! against a node's health (that call, and those that come meanwhile, wait for the read),
 //! again soon after a call fails (a failover or a resharding moves slots), and every
-//! [`REFRESH_EVERY`] while decisions are made. The map only says whose health a call counts against: redis-rs routes
-//! the calls themselves, following redirections, so a stale map never sends a call astray.
+//! [`REFRESH_EVERY`] while decisions are made. The map only says whose health a call counts
+//! against: redis-rs routes the calls themselves, following redirections, so a stale map
+//! never sends a call astray.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -391,8 +391,8 @@ pub struct FromClient {
 }
 
 /// The name of a field as it goes upstream: as the client spelled it when `value` is the
-/// client's own (a slice of `received_head`, right after `Name:` and its blanks); else the
-/// usual capitalisation of a field levee sets itself; else as `HeaderName` keeps it, in lower
+/// client's own (a slice of `received_head`, right after `Name:` and its blanks, at a line's
+/// start); else the usual capitalisation of a field levee sets itself; else as `HeaderName` keeps it, in lower
 /// case. nginx passes names as they came, and an app that reads them by their exact spelling
 /// (PHP's `getallheaders()` under Apache's mod_php: `$headers['X-Requested-With']`) must see
 /// what it saw without levee.
@@ -415,7 +415,8 @@ pub(crate) fn upstream_spelling<'a>(
                     .map(|from| line.split_at(from))
             })
             .filter(|(line_start, spelled)| {
-                line_start.ends_with(b"\n") && spelled.eq_ignore_ascii_case(lower)
+                (line_start.is_empty() || line_start.ends_with(b"\n"))
+                    && spelled.eq_ignore_ascii_case(lower)
             })
             .map(|(_, spelled)| spelled)
         {
@@ -428,38 +429,42 @@ pub(crate) fn upstream_spelling<'a>(
             return spelled;
         }
     }
-    levee_spelling(name).unwrap_or(lower)
+    usual_spelling(name).map_or(lower, str::as_bytes)
 }
 
 /// The name of the first field line of `head` named `lower` (case-blind) whose value is empty.
+/// (A request line never matches: it holds a space before any colon.)
 fn empty_field_spelling<'a>(head: &'a [u8], lower: &[u8]) -> Option<&'a [u8]> {
-    head.split(|&byte| byte == b'\n').skip(1).find_map(|line| {
+    head.split(|&byte| byte == b'\n').find_map(|line| {
         let (spelled, value) = line.split_at(line.iter().position(|&byte| byte == b':')?);
         (spelled.eq_ignore_ascii_case(lower) && value[1..].trim_ascii().is_empty())
             .then_some(spelled)
     })
 }
 
-/// The usual capitalisation of the fields levee writes itself.
-pub(crate) fn levee_spelling(name: &HeaderName) -> Option<&'static [u8]> {
-    let spelled: &'static [u8] = if *name == header::HOST {
-        b"Host"
-    } else if *name == header::CONTENT_LENGTH {
-        b"Content-Length"
-    } else if *name == header::TRANSFER_ENCODING {
-        b"Transfer-Encoding"
+/// The usual capitalisation (as browsers, PHP and nginx write them) of the fields levee sets
+/// itself, both ways; `None` for any other.
+pub(crate) fn usual_spelling(name: &HeaderName) -> Option<&'static str> {
+    // The framing fields first: every response has some of them.
+    let spelled = if *name == header::CONTENT_LENGTH {
+        "Content-Length"
     } else if *name == header::CONNECTION {
-        // `Connection: upgrade`, set on an upgrade request.
-        b"Connection"
+        "Connection"
+    } else if *name == header::TRANSFER_ENCODING {
+        "Transfer-Encoding"
+    } else if *name == header::DATE {
+        "Date"
+    } else if *name == header::HOST {
+        "Host"
     } else if *name == X_FORWARDED_FOR {
-        b"X-Forwarded-For"
+        "X-Forwarded-For"
     } else if *name == X_REAL_IP {
-        b"X-Real-IP"
+        "X-Real-IP"
     } else if *name == X_FORWARDED_PROTO {
-        b"X-Forwarded-Proto"
+        "X-Forwarded-Proto"
     } else if name.as_str() == "idempotency-key" {
         // Set on a replayed job that the client sent none for.
-        b"Idempotency-Key"
+        "Idempotency-Key"
     } else {
         return None;
     };

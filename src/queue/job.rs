@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::proxy::header::upstream_spelling;
@@ -131,22 +131,16 @@ impl Job {
     /// each name as stored (see `proxy::header::upstream_spelling`). A field that is no longer
     /// valid is left out.
     pub fn replayed_fields(&self) -> (HeaderMap, Bytes) {
-        // The lines start after a line end, as a head's fields do after the request line.
-        let mut lines = BytesMut::from(&b"\r\n"[..]);
-        let mut spans = Vec::with_capacity(self.headers.len());
+        let lines = Bytes::from(self.header_lines());
+        let mut headers = HeaderMap::with_capacity(self.headers.len());
+        // Each value's place in the lines: after its name and `: `, before `\r\n`.
+        let mut at = 0;
         for (name, value) in &self.headers {
-            lines.extend_from_slice(name.as_bytes());
-            lines.extend_from_slice(b": ");
-            spans.push((name, lines.len(), lines.len() + value.len()));
-            lines.extend_from_slice(value);
-            lines.extend_from_slice(b"\r\n");
-        }
-        let lines = lines.freeze();
-        let mut headers = HeaderMap::with_capacity(spans.len());
-        for (name, start, end) in spans {
+            let start = at + name.len() + 2;
+            at = start + value.len() + 2;
             if let (Ok(name), Ok(value)) = (
                 HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_maybe_shared(lines.slice(start..end)),
+                HeaderValue::from_maybe_shared(lines.slice(start..start + value.len())),
             ) {
                 headers.append(name, value);
             }

@@ -4,7 +4,7 @@ use std::cell::Cell;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::{BufMut, BytesMut};
-use http::header::{self, HeaderName, HeaderValue};
+use http::header::{self, HeaderValue};
 use http::{HeaderMap, Method, StatusCode, Version};
 
 use crate::proxy::upstream_fields::UpstreamFields;
@@ -173,28 +173,14 @@ pub fn encode_head(
         has_date = relayed.has_date();
     }
     for (name, value) in headers {
-        encode_field(out, response_spelling(name), value.as_bytes());
+        // levee's own framing fields in their usual capitalisation, as the app and nginx write them.
+        let spelled = crate::proxy::header::usual_spelling(name).unwrap_or(name.as_str());
+        encode_field(out, spelled, value.as_bytes());
     }
     if !has_date && !headers.contains_key(header::DATE) {
         encode_field(out, "Date", &http_date_now());
     }
     out.put_slice(b"\r\n");
-}
-
-/// The name of a response field as written: the framing fields levee sets itself in their
-/// usual capitalisation (as the app and nginx write them), any other as `HeaderName` keeps it.
-fn response_spelling(name: &HeaderName) -> &str {
-    if *name == header::CONTENT_LENGTH {
-        "Content-Length"
-    } else if *name == header::CONNECTION {
-        "Connection"
-    } else if *name == header::TRANSFER_ENCODING {
-        "Transfer-Encoding"
-    } else if *name == header::DATE {
-        "Date"
-    } else {
-        name.as_str()
-    }
 }
 
 /// One `name: value` line of a head.
