@@ -144,7 +144,9 @@ async fn run(args: Args) -> Result<String, String> {
                     identity: &policy.identity,
                 };
                 let started = Instant::now();
-                let _ = limiter.check(rules, Some(redis), prefix, &facts).await;
+                let _ = limiter
+                    .check(rules, &[], Some(redis), prefix, &facts, started.into())
+                    .await;
                 latencies_us.push(u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX));
             }
             latencies_us

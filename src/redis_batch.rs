@@ -294,14 +294,25 @@ enum Caller {
 }
 
 impl Waiting {
-    /// `uncounted`: `None` when the request is in its buckets' pending counts (a charge
-    /// always is).
+    #[cfg(test)]
     fn new(asks: &[RedisAsk<'_>], caller: Caller, uncounted: Option<Uncounted>) -> Waiting {
-        let mut encoded =
-            Vec::with_capacity(asks.iter().map(|ask| ask.key.len() + 48).sum::<usize>());
+        let mut encoded = Vec::new();
         let rules_at = encode_asks(&mut encoded, asks);
+        Waiting::encoded(asks.len(), encoded, rules_at, caller, uncounted)
+    }
+
+    /// From its part of a script call (`encode_asks`), which starts its `rules` rules at
+    /// `rules_at`. `uncounted`: `None` when the request is in its buckets' pending counts (a
+    /// charge always is).
+    fn encoded(
+        rules: usize,
+        encoded: Vec<u8>,
+        rules_at: usize,
+        caller: Caller,
+        uncounted: Option<Uncounted>,
+    ) -> Waiting {
         Waiting {
-            rules: asks.len(),
+            rules,
             encoded,
             rules_at,
             ahead: u32::from(matches!(caller, Caller::Ahead(_))),
@@ -401,16 +412,16 @@ impl DecisionBatcher {
     /// A dry-run rule refuses nothing, so it never makes a request wait: with fresh headroom
     /// its verdict is given at once whatever is left, "would be refused" when nothing is
     /// (told from the same answer, and charged in Redis like the rest: never past a full
-    /// bucket).
+    /// bucket). `now` is the request's reading of the clock.
     pub fn admit_ahead(
         &self,
         asks: &[RedisAsk<'_>],
         overruns: &Counter,
+        now: Instant,
     ) -> Option<Vec<RemoteVerdict>> {
         if self.admit_ahead_above >= 1.0 || asks.is_empty() {
             return None;
         }
-        let now = Instant::now();
         // The charge is queued before the headroom lock goes. Otherwise a decision counted
         // after this admission (so relying on Redis to refuse it once this request's token
         // is gone) could be queued ahead of the charge, take that token at Redis, and leave
@@ -465,59 +476,55 @@ impl DecisionBatcher {
         Some(verdicts)
     }
 
-    /// `uncounted`: see [`Waiting::new`].
+    /// `uncounted`: see [`Waiting::encoded`].
     fn enqueue(
         &self,
         asks: &[RedisAsk<'_>],
         caller: Caller,
         uncounted: Option<Uncounted>,
     ) -> Result<(), RedisFailure> {
-        if matches!(caller, Caller::Ahead(_)) && self.join_last_charge(asks) {
-            return Ok(());
-        }
-        let waiting = Waiting::new(asks, caller, uncounted);
-        let mut queue = self.shared.lock();
-        if queue.waiting.len() >= MOST_WAITING {
-            return Err(RedisFailure::Overloaded(MOST_WAITING));
-        }
-        let decision = waiting.ahead == 0;
-        queue.waiting.push(waiting);
-        if !queue.worker_started {
-            queue.worker_started = true;
-            tokio::spawn(work(Arc::clone(&self.shared), self.call_bound));
-        }
-        if decision {
-            queue.decisions += 1;
-        }
-        // Wake the worker when there is something new to send: the first entry, or the first
-        // decision, which ends a hold on the charges before it.
-        if queue.waiting.len() == 1 || (decision && queue.decisions == 1) {
-            self.shared.wake.notify_one();
-        }
-        Ok(())
-    }
-}
-
-impl DecisionBatcher {
-    /// A charge like the one queued last joins it: under load most of the queue is charges
-    /// for the same buckets, and they go to Redis as one, in their place in the order. The
-    /// charge is encoded, to compare, in a buffer of the thread's, before the lock.
-    fn join_last_charge(&self, asks: &[RedisAsk<'_>]) -> bool {
+        // Encoded once, in a buffer of the thread's, before the lock: a charge like the one
+        // queued last joins it (under load most of the queue is charges for the same
+        // buckets, and they go to Redis as one, in their place in the order), and anything
+        // else is queued with a copy of it.
         thread_local! {
             static ENCODED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
         }
         ENCODED.with_borrow_mut(|encoded| {
             encoded.clear();
-            encode_asks(encoded, asks);
+            let rules_at = encode_asks(encoded, asks);
+            let ahead = matches!(caller, Caller::Ahead(_));
             let mut queue = self.shared.lock();
-            match queue.waiting.last_mut() {
+            if let Some(last) = queue.waiting.last_mut() {
                 // Not into a charge queued again after a failure: a second failure drops it.
-                Some(last) if last.ahead > 0 && !last.charged_again && last.encoded == *encoded => {
+                if ahead && last.ahead > 0 && !last.charged_again && last.encoded == *encoded {
                     last.ahead = last.ahead.saturating_add(1);
-                    true
+                    return Ok(());
                 }
-                _ => false,
             }
+            if queue.waiting.len() >= MOST_WAITING {
+                return Err(RedisFailure::Overloaded(MOST_WAITING));
+            }
+            queue.waiting.push(Waiting::encoded(
+                asks.len(),
+                encoded.clone(),
+                rules_at,
+                caller,
+                uncounted,
+            ));
+            if !queue.worker_started {
+                queue.worker_started = true;
+                tokio::spawn(work(Arc::clone(&self.shared), self.call_bound));
+            }
+            if !ahead {
+                queue.decisions += 1;
+            }
+            // Wake the worker when there is something new to send: the first entry, or the
+            // first decision, which ends a hold on the charges before it.
+            if queue.waiting.len() == 1 || (!ahead && queue.decisions == 1) {
+                self.shared.wake.notify_one();
+            }
+            Ok(())
         })
     }
 }
@@ -1903,7 +1910,9 @@ mod pipeline_tests {
         assert_eq!(keys_of(&redis.command().await), ["rl:k"]);
         redis.answer(&allowed(9)).await;
         assert_eq!(remaining(first).await, 9);
-        assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_some());
+        assert!(batcher
+            .admit_ahead(&[ask("rl:k")], &overruns, Instant::now())
+            .is_some());
         let pending = || {
             lock(&batcher.shared.headroom)
                 .get("rl:k")
@@ -1952,7 +1961,9 @@ mod pipeline_tests {
         // (were it a rule both share), so nothing is admitted ahead while it is out.
         let other = decide(&batcher, "rl:new");
         assert_eq!(keys_of(&redis.command().await), ["rl:new"]);
-        assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_none());
+        assert!(batcher
+            .admit_ahead(&[ask("rl:k")], &overruns, Instant::now())
+            .is_none());
         redis.answer(&allowed(9)).await;
         assert_eq!(remaining(other).await, 9);
         assert_eq!(batcher.shared.uncounted.load(Ordering::Acquire), 0);
@@ -1967,7 +1978,7 @@ mod pipeline_tests {
         // rl:k alone would be admitted ahead; with a bucket never answered for, the
         // request waits for Redis, and rl:k keeps all of its headroom.
         assert!(batcher
-            .admit_ahead(&[ask("rl:k"), ask("rl:unknown")], &overruns)
+            .admit_ahead(&[ask("rl:k"), ask("rl:unknown")], &overruns, Instant::now())
             .is_none());
         let pending = |key: &str| {
             lock(&batcher.shared.headroom)
@@ -1976,7 +1987,9 @@ mod pipeline_tests {
         };
         assert_eq!(pending("rl:k"), Some(0));
         assert_eq!(pending("rl:unknown"), None);
-        assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_some());
+        assert!(batcher
+            .admit_ahead(&[ask("rl:k")], &overruns, Instant::now())
+            .is_some());
         assert_eq!(pending("rl:k"), Some(1));
     }
 
@@ -1987,7 +2000,9 @@ mod pipeline_tests {
         let overruns = Counter::default();
         let mut redis = knowing_nine_left(&batcher, accepted).await;
         // Admitted at once; its charge goes out as a call of its own (nothing else is out).
-        assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_some());
+        assert!(batcher
+            .admit_ahead(&[ask("rl:k")], &overruns, Instant::now())
+            .is_some());
         let charge = redis.command().await;
         assert_eq!(
             (keys_of(&charge), aheads_of(&charge)),
@@ -1995,7 +2010,9 @@ mod pipeline_tests {
         );
         // While that call is out, a second charge waits: the second call is kept for a
         // decision, which takes the charge along.
-        assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_some());
+        assert!(batcher
+            .admit_ahead(&[ask("rl:k")], &overruns, Instant::now())
+            .is_some());
         let decision = decide(&batcher, "rl:other");
         let both = redis.command().await;
         assert_eq!(keys_of(&both), ["rl:k", "rl:other"]);
@@ -2012,7 +2029,9 @@ mod pipeline_tests {
         let batcher = batcher_with(&url, CALL_BOUND, 0.5);
         let overruns = Counter::default();
         let mut redis = knowing_nine_left(&batcher, accepted).await;
-        assert!(batcher.admit_ahead(&[ask("rl:k")], &overruns).is_some());
+        assert!(batcher
+            .admit_ahead(&[ask("rl:k")], &overruns, Instant::now())
+            .is_some());
         // A reload replaced `[redis]`: the admitted request is charged all the same.
         drop(batcher);
         let charge = redis.command().await;

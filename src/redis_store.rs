@@ -801,6 +801,7 @@ impl RedisStore {
         &self,
         asks: &[RedisAsk<'_>],
         metrics: &Metrics,
+        now: Instant,
     ) -> Option<Vec<RemoteVerdict>> {
         let batcher = self.batcher.as_ref()?;
         // The health breaker's word (not `is_up`, which a background call's failure also
@@ -808,7 +809,7 @@ impl RedisStore {
         if !self.decides_rate_limits() {
             return None;
         }
-        batcher.admit_ahead(asks, &metrics.ratelimit_ahead_overruns)
+        batcher.admit_ahead(asks, &metrics.ratelimit_ahead_overruns, now)
     }
 
     /// Decides every ask. In a cluster, asks are grouped by hash tag (one slot each) and the

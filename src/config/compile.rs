@@ -1019,6 +1019,11 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 crate::redis_store::RedisTarget::Cluster(_)
             )
         }),
+        key_prefix: redis_store
+            .as_ref()
+            .map_or(super::policy::DEFAULT_KEY_PREFIX, |store| {
+                store.settings.key_prefix.as_str()
+            }),
     };
     let mut routes = Vec::with_capacity(route_specs.len());
     let mut route_names: BTreeMap<String, (usize, Range<usize>)> = BTreeMap::new();
@@ -1109,6 +1114,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 upstream: upstream.clone(),
                 max_body: server_settings.max_body,
                 limits: Vec::new(),
+                fixed_keys: Vec::new(),
                 fallback: None,
                 tier: 1,
                 module: None,
@@ -2127,10 +2133,10 @@ fn compile_redis(
         timeout,
         failures_to_open,
         cooldown,
-        key_prefix: inner
-            .key_prefix
-            .as_ref()
-            .map_or_else(|| "levee:".to_string(), |prefix| prefix.get_ref().clone()),
+        key_prefix: inner.key_prefix.as_ref().map_or_else(
+            || super::policy::DEFAULT_KEY_PREFIX.to_string(),
+            |prefix| prefix.get_ref().clone(),
+        ),
         instances,
     })
 }
@@ -3013,6 +3019,8 @@ struct RouteContext<'a> {
     queues: bool,
     /// `[redis]` is a Redis Cluster.
     cluster: bool,
+    /// What bucket keys start with (`Policy::key_prefix`).
+    key_prefix: &'a str,
 }
 
 fn compile_route(
@@ -3247,6 +3255,17 @@ fn compile_route(
         clients,
         upstream,
         max_body: compiler.size(file, &inner.max_body, context.server.max_body),
+        fixed_keys: limits
+            .iter()
+            .map(|rule| {
+                crate::limit::key::fixed_bucket_key(
+                    context.key_prefix,
+                    &rule.name,
+                    &rule.parts,
+                    name.get_ref(),
+                )
+            })
+            .collect(),
         limits,
         fallback,
         tier,
@@ -4493,6 +4512,10 @@ mod tests {
             r#"match = { path_regex = "^/module-1/x$" }"#,
             r#"match = { method = ["PUT"], path_prefix = "/" }"#,
             r#"match = { path_prefix = "/module-10/" }"#,
+            r#"match = { host = ["a.example.test", "B.Example.Test"] }"#,
+            r#"match = { host = ["c.example.test", "*.c.example.test"], method = ["GET"] }"#,
+            r#"match = { host = "a.example.test", path_prefix = "/ranking/" }"#,
+            r#"match = { host = "static.example.test", method = ["POST"] }"#,
         ];
         let mut text = APP.to_string();
         for (at, matching) in routes.iter().enumerate() {
@@ -4532,7 +4555,13 @@ mod tests {
                 for host in [
                     None,
                     Some("static.example.test"),
+                    Some("STATIC.example.test"),
                     Some("img.cdn.example.test"),
+                    Some("a.example.test"),
+                    Some("b.example.test"),
+                    Some("c.example.test"),
+                    Some("x.c.example.test"),
+                    Some("other.example.test"),
                 ] {
                     let name = |found: Option<&Arc<Route>>| found.map(|r| r.name.to_string());
                     assert_eq!(

@@ -40,12 +40,15 @@ pub struct Policy {
     pub warnings: Vec<super::Diagnostic>,
 }
 
+/// `[redis] key_prefix` when the policy sets none.
+pub const DEFAULT_KEY_PREFIX: &str = "levee:";
+
 impl Policy {
     /// Prefix of every Redis key levee writes (`[redis] key_prefix`, default `levee:`).
     pub fn key_prefix(&self) -> &str {
-        self.redis
-            .as_ref()
-            .map_or("levee:", |redis| redis.settings.key_prefix.as_str())
+        self.redis.as_ref().map_or(DEFAULT_KEY_PREFIX, |redis| {
+            redis.settings.key_prefix.as_str()
+        })
     }
 }
 

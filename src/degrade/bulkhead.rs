@@ -78,6 +78,11 @@ impl Bulkhead {
             })
     }
 
+    /// A slot for a request of `tier` if one is free now, without waiting.
+    pub fn take_free(self: &Arc<Self>, tier: u8) -> Option<Slot> {
+        self.try_take(self.limit_for(tier))
+    }
+
     /// Takes a slot for a request of `tier`, or `None` when it must be shed.
     pub async fn acquire(self: &Arc<Self>, tier: u8) -> Option<Slot> {
         let limit = self.limit_for(tier);

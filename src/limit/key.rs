@@ -6,6 +6,7 @@ use std::net::IpAddr;
 
 use http::{HeaderMap, HeaderName, Method};
 use sha2::{Digest, Sha256};
+use smallvec::SmallVec;
 
 use crate::proxy::header::ip_string;
 
@@ -150,9 +151,11 @@ pub struct RequestFacts<'a> {
 }
 
 impl RequestFacts<'_> {
+    /// A part's value as the request gives it, but for the client IP.
     fn part(&self, part: &KeyPart) -> Option<Cow<'_, [u8]>> {
         match part {
-            KeyPart::Ip => Some(Cow::Owned(ip_key(self.client_ip).into_bytes())),
+            // `bucket_key` writes the client itself, once per key (see `client_key`).
+            KeyPart::Ip => None,
             KeyPart::Route => Some(Cow::Borrowed(self.route.as_bytes())),
             KeyPart::Method => Some(Cow::Borrowed(self.method.as_str().as_bytes())),
             KeyPart::User => first_present(&self.identity.user, self.headers, self.query),
@@ -166,15 +169,76 @@ impl RequestFacts<'_> {
 /// subscriber gets a whole /64 and may send each request from another address of it; keyed
 /// by address, it would get a fresh bucket every time.
 fn ip_key(ip: IpAddr) -> String {
+    match ipv4_client(ip) {
+        Some(v4) => ip_string(IpAddr::V4(v4)),
+        None => {
+            let IpAddr::V6(v6) = ip else {
+                return ip_string(ip);
+            };
+            let [a, b, c, d, ..] = v6.segments();
+            format!("{a:x}:{b:x}:{c:x}:{d:x}::/64")
+        }
+    }
+}
+
+/// The IPv4 client an address is: itself, or the one inside an IPv4-mapped or NAT64 address.
+fn ipv4_client(ip: IpAddr) -> Option<std::net::Ipv4Addr> {
     match ip {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped().or_else(|| nat64_client(v6)) {
-            Some(v4) => ip_string(IpAddr::V4(v4)),
-            None => {
-                let [a, b, c, d, ..] = v6.segments();
-                format!("{a:x}:{b:x}:{c:x}:{d:x}::/64")
+        IpAddr::V4(v4) => Some(v4),
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().or_else(|| nat64_client(v6)),
+    }
+}
+
+/// `ip_key` as a key part (`safe_value`). An IPv4 client, keyed on most requests, is
+/// written straight into the key digit by digit: dotted digits are a plain value as they
+/// are, and the formatting, allocation and check of the general way cost more than the rest
+/// of the key.
+fn client_key(ip: IpAddr) -> KeyText<'static> {
+    match ipv4_client(ip) {
+        Some(v4) => KeyText::Ipv4(v4),
+        None => KeyText::Text(safe_value(Cow::Owned(ip_key(ip).into_bytes()))),
+    }
+}
+
+/// A key part as it is written into a key: a safe value (`safe_value`), or an IPv4 client.
+#[derive(Debug, Clone)]
+enum KeyText<'a> {
+    Text(Cow<'a, str>),
+    Ipv4(std::net::Ipv4Addr),
+}
+
+impl KeyText<'_> {
+    fn len(&self) -> usize {
+        match self {
+            KeyText::Text(text) => text.len(),
+            KeyText::Ipv4(v4) => {
+                3 + v4
+                    .octets()
+                    .iter()
+                    .map(|octet| 1 + usize::from(*octet >= 10) + usize::from(*octet >= 100))
+                    .sum::<usize>()
             }
-        },
-        ip => ip_string(ip),
+        }
+    }
+
+    fn write_to(&self, key: &mut String) {
+        match self {
+            KeyText::Text(text) => key.push_str(text),
+            KeyText::Ipv4(v4) => {
+                for (index, octet) in v4.octets().into_iter().enumerate() {
+                    if index > 0 {
+                        key.push('.');
+                    }
+                    if octet >= 100 {
+                        key.push(char::from(b'0' + octet / 100));
+                    }
+                    if octet >= 10 {
+                        key.push(char::from(b'0' + octet / 10 % 10));
+                    }
+                    key.push(char::from(b'0' + octet % 10));
+                }
+            }
+        }
     }
 }
 
@@ -209,20 +273,25 @@ pub fn bucket_key(
     facts: &RequestFacts<'_>,
     fallback_ip: bool,
 ) -> Option<BucketKey> {
-    // Built with plain pushes into one string, values borrowed from the request where they
-    // can be written as they are: this runs for every rule of every request. Each value says
-    // whether it is the client IP standing in for a missing part.
-    let mut values: Vec<(Cow<'_, str>, bool)> = Vec::with_capacity(parts.len());
+    // Values are borrowed from the request where they can be written as they are, and kept
+    // off the heap: this runs for every rule of every request. Each value says whether it is
+    // the client IP standing in for a missing part.
+    let client = if fallback_ip || parts.contains(&KeyPart::Ip) {
+        client_key(facts.client_ip)
+    } else {
+        KeyText::Text(Cow::Borrowed(""))
+    };
+    let mut values: KeyValues<'_> = SmallVec::new();
     let mut tag: Option<(u8, usize)> = None;
     for part in parts {
-        let (part, value, stands_in) = match facts.part(part) {
-            Some(value) => (part, value, false),
-            None if fallback_ip => (
-                &KeyPart::Ip,
-                Cow::Owned(ip_key(facts.client_ip).into_bytes()),
-                true,
-            ),
-            None => return None,
+        let (part, value, stands_in) = if *part == KeyPart::Ip {
+            (part, client.clone(), false)
+        } else {
+            match facts.part(part) {
+                Some(value) => (part, KeyText::Text(safe_value(value)), false),
+                None if fallback_ip => (&KeyPart::Ip, client.clone(), true),
+                None => return None,
+            }
         };
         if tag
             .as_ref()
@@ -230,18 +299,60 @@ pub fn bucket_key(
         {
             tag = Some((part.specificity(), values.len()));
         }
-        values.push((safe_value(value), stands_in));
+        values.push((value, stands_in));
     }
+    Some(assemble_key(
+        prefix,
+        rule,
+        &values,
+        tag.map(|(_, index)| index),
+    ))
+}
+
+/// A key's values in order, each marked when it is the client IP standing in for a missing
+/// part. Rules have one or two.
+type KeyValues<'a> = SmallVec<[(KeyText<'a>, bool); 3]>;
+
+/// The bucket key of a rule keyed by the route alone (or by nothing), for requests on
+/// `route`: the same for all of them, so built once per policy and not per request.
+/// `None` for a rule keyed by anything a request brings.
+pub fn fixed_bucket_key(
+    prefix: &str,
+    rule: &str,
+    parts: &[KeyPart],
+    route: &str,
+) -> Option<BucketKey> {
+    if !parts.iter().all(|part| *part == KeyPart::Route) {
+        return None;
+    }
+    let value = KeyText::Text(safe_value(Cow::Borrowed(route.as_bytes())));
+    let values: KeyValues<'_> = parts.iter().map(|_| (value.clone(), false)).collect();
+    Some(assemble_key(
+        prefix,
+        rule,
+        &values,
+        (!values.is_empty()).then_some(0),
+    ))
+}
+
+/// `{prefix}rl:{tag}:{rule}:{value|value…}` of safe values, the hash tag being the value at
+/// `tag`.
+fn assemble_key(
+    prefix: &str,
+    rule: &str,
+    values: &[(KeyText<'_>, bool)],
+    tag: Option<usize>,
+) -> BucketKey {
     // A rule keyed by nothing (`key = []`, one bucket for everyone) still needs a hash tag: an
     // empty `{}` makes Redis Cluster hash the whole key, so two such rules asked in one script
     // would land in different slots (CROSSSLOT). Its own name keeps it apart from other rules.
     // An IP standing in for a missing part tags the key as the IP itself does, so a request's
     // per-IP buckets stay in one slot.
     let by_name;
-    let tag_text: &str = match tag {
-        Some((_, index)) => &values[index].0,
+    let tag_text: &KeyText<'_> = match tag.and_then(|index| values.get(index)) {
+        Some((value, _)) => value,
         None => {
-            by_name = safe_value(Cow::Borrowed(rule.as_bytes()));
+            by_name = KeyText::Text(safe_value(Cow::Borrowed(rule.as_bytes())));
             &by_name
         }
     };
@@ -254,7 +365,7 @@ pub fn bucket_key(
     key.push_str(prefix);
     key.push_str("rl:{");
     let tag_start = key.len();
-    key.push_str(tag_text);
+    tag_text.write_to(&mut key);
     let tag = tag_start..key.len();
     key.push_str("}:");
     key.push_str(rule);
@@ -266,9 +377,9 @@ pub fn bucket_key(
         if *stands_in {
             key.push_str(IP_STAND_IN);
         }
-        key.push_str(value);
+        value.write_to(&mut key);
     }
-    Some(BucketKey { key, tag })
+    BucketKey { key, tag }
 }
 
 /// Marks the client IP standing in for a missing part (`missing = "ip"`). A user id or API
@@ -754,6 +865,61 @@ mod tests {
         assert_eq!(key("64:ff9b::c000:201"), "192.0.2.1");
         assert_eq!(key("64:ff9b:1::c000:201"), "64:ff9b:1:0::/64");
         assert_eq!(key("203.0.113.9"), "203.0.113.9");
+    }
+
+    #[test]
+    fn a_client_is_the_same_key_part_written_directly_or_formatted() {
+        for ip in [
+            "203.0.113.9",
+            "10.0.0.1",
+            "255.255.255.255",
+            "0.0.0.0",
+            "::ffff:192.0.2.1",
+            "64:ff9b::c000:201",
+            "2001:db8:1:2::1",
+        ] {
+            let ip: IpAddr = ip.parse().expect("ip");
+            let client = client_key(ip);
+            let mut written = String::new();
+            client.write_to(&mut written);
+            assert_eq!(
+                written,
+                safe_value(Cow::Owned(ip_key(ip).into_bytes())),
+                "{ip}"
+            );
+            assert_eq!(client.len(), written.len(), "{ip}");
+        }
+    }
+
+    #[test]
+    fn a_key_the_route_alone_decides_is_built_once_and_alike() {
+        let headers = HeaderMap::new();
+        let identity = Identity::default();
+        let facts = facts(&headers, None, &identity);
+        for parts in [
+            vec![KeyPart::Route],
+            vec![],
+            vec![KeyPart::Route, KeyPart::Route],
+        ] {
+            assert_eq!(
+                fixed_bucket_key("levee:", "per_route", &parts, facts.route),
+                bucket_key("levee:", "per_route", &parts, &facts, false),
+                "{parts:?}"
+            );
+        }
+        assert_eq!(
+            fixed_bucket_key("levee:", "per_route", &[KeyPart::Route], "post")
+                .expect("fixed")
+                .key,
+            "levee:rl:{post}:per_route:post"
+        );
+        for parts in [
+            vec![KeyPart::Ip],
+            vec![KeyPart::Route, KeyPart::Method],
+            vec![KeyPart::User],
+        ] {
+            assert!(fixed_bucket_key("levee:", "r", &parts, "post").is_none());
+        }
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod gcra;
 pub mod key;
 pub mod local;
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,7 +31,7 @@ use crate::metrics::{DecisionSeries, Metrics};
 use crate::redis_batch::RedisRule;
 use crate::redis_store::{RedisAsk, RedisStore, RemoteVerdict};
 use gcra::{Rate, Verdict};
-use key::{bucket_key, KeyPart, RequestFacts};
+use key::{bucket_key, BucketKey, KeyPart, RequestFacts};
 use local::{Ask, DenyCache, LocalStore, Refused};
 
 /// What a rule does while Redis cannot be used.
@@ -146,7 +147,7 @@ pub const MAX_LOCAL_KEYS: usize = 100_000;
 
 struct Planned<'a> {
     rule: &'a Arc<LimitRule>,
-    key: key::BucketKey,
+    key: Cow<'a, BucketKey>,
 }
 
 /// Per rule: allowed?, remaining, reset, retry-after, and where the decision came from.
@@ -175,7 +176,12 @@ impl Limiter {
 
     /// levee's clock in µs (tokio's, so tests can pause and advance it).
     fn now_us(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros())
+        self.micros_at(Instant::now())
+    }
+
+    /// A reading of levee's clock in µs.
+    fn micros_at(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_micros())
             .unwrap_or(u64::MAX)
             .saturating_add(1)
     }
@@ -190,12 +196,17 @@ impl Limiter {
 
     /// Decides a request against `rules`. `Ok(headers)` admits it (with `RateLimit` headers
     /// when a rule asks for them on admitted answers); `Err` is the 429.
+    /// `fixed_keys`: per rule, its key when the route alone decides it (`Route::fixed_keys`).
+    /// `now`: the request's reading of the clock, microseconds old (a read costs as much as
+    /// a tenth of the decision).
     pub async fn check(
         &self,
         rules: &[Arc<LimitRule>],
+        fixed_keys: &[Option<BucketKey>],
         redis: Option<&RedisStore>,
         prefix: &str,
         facts: &RequestFacts<'_>,
+        now: Instant,
     ) -> Result<Option<RateLimitHeaders>, ProxyError> {
         // A key the app may read otherwise than levee would be a fresh bucket per decoy.
         if let Some(reason) = rules
@@ -207,15 +218,26 @@ impl Limiter {
         }
         let planned: Vec<Planned<'_>> = rules
             .iter()
-            .filter_map(|rule| {
-                bucket_key(prefix, &rule.name, &rule.parts, facts, rule.missing_uses_ip)
-                    .map(|key| Planned { rule, key })
+            .enumerate()
+            .filter_map(|(at, rule)| {
+                let key = match fixed_keys.get(at) {
+                    Some(Some(fixed)) => Cow::Borrowed(fixed),
+                    _ => Cow::Owned(bucket_key(
+                        prefix,
+                        &rule.name,
+                        &rule.parts,
+                        facts,
+                        rule.missing_uses_ip,
+                    )?),
+                };
+                Some(Planned { rule, key })
             })
             .collect();
         if planned.is_empty() {
             return Ok(None);
         }
-        let now = self.now_us();
+        let read_at = now;
+        let now = self.micros_at(read_at);
 
         // Keys that Redis already refused until a known time: refuse without a round trip,
         // naming the rule that refuses longest (a client told the quick rule's wait would
@@ -241,7 +263,7 @@ impl Limiter {
         }
 
         let decided = match redis {
-            Some(redis) => self.decide_with_redis(&planned, redis).await,
+            Some(redis) => self.decide_with_redis(&planned, redis, read_at).await,
             None => self.decide_locally(&planned, false, 1),
         };
 
@@ -293,7 +315,12 @@ impl Limiter {
         }))
     }
 
-    async fn decide_with_redis(&self, planned: &[Planned<'_>], redis: &RedisStore) -> Vec<Decided> {
+    async fn decide_with_redis(
+        &self,
+        planned: &[Planned<'_>],
+        redis: &RedisStore,
+        now: Instant,
+    ) -> Vec<Decided> {
         let asks: Vec<RedisAsk<'_>> = planned
             .iter()
             .map(|plan| RedisAsk {
@@ -315,7 +342,7 @@ impl Limiter {
                 })
                 .collect()
         };
-        if let Some(verdicts) = redis.admit_ahead(&asks, &self.metrics) {
+        if let Some(verdicts) = redis.admit_ahead(&asks, &self.metrics, now) {
             return from_redis(verdicts, "ahead");
         }
         // Boxed: the Redis call's state is most of a limited request's future, which every

@@ -611,7 +611,9 @@ pub(crate) fn format_ip(ip: IpAddr, buffer: &mut [u8; 64]) -> &[u8] {
 /// An address as an owned string, through `format_ip`.
 pub(crate) fn ip_string(ip: IpAddr) -> String {
     let mut buffer = [0u8; 64];
-    String::from_utf8_lossy(format_ip(ip, &mut buffer)).into_owned()
+    std::str::from_utf8(format_ip(ip, &mut buffer))
+        .map(str::to_owned)
+        .unwrap_or_else(|_| ip.to_string())
 }
 
 /// Bytes of all request header names and values, as counted against `max_header_bytes`.

@@ -308,9 +308,11 @@ async fn forward(
             .limiter
             .check(
                 &route.limits,
+                &route.fixed_keys,
                 policy.redis.as_deref(),
                 policy.key_prefix(),
                 &facts,
+                clock.now(),
             )
             .await?;
         clock.waited();
@@ -473,9 +475,15 @@ async fn forward(
     // until the upstream answered even when the client went away first (see `run_on`).
     let mut slot = None;
     if let Some(bulkhead) = &route.upstream.bulkhead {
-        let acquired = bulkhead.acquire(route.tier).await;
-        // It may have queued for a slot.
-        clock.waited();
+        let acquired = match bulkhead.take_free(route.tier) {
+            Some(slot) => Some(slot),
+            None => {
+                let acquired = bulkhead.acquire(route.tier).await;
+                // It may have queued for a slot.
+                clock.waited();
+                acquired
+            }
+        };
         match acquired {
             Some(taken) => slot = Some(taken),
             None => {

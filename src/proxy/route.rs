@@ -109,6 +109,9 @@ pub struct Route {
     pub max_body: u64,
     /// Rate-limit rules, all decided together.
     pub limits: Vec<Arc<crate::limit::LimitRule>>,
+    /// Per rule of `limits`, its bucket key when the route alone decides it (a rule keyed by
+    /// `route` or by nothing): built with the policy, not for every request.
+    pub fixed_keys: Vec<Option<crate::limit::key::BucketKey>>,
     /// Answer while the upstream's breaker is open; `None`: 503 with `Retry-After`.
     pub fallback: Option<Arc<StaticResponse>>,
     /// 1 never degraded (default), 2 may be delayed, 3 may be switched off.
@@ -228,7 +231,9 @@ impl RouteTable {
     #[cfg(test)]
     pub fn index_entries(&self) -> usize {
         self.index.as_ref().map_or(0, |index| {
-            index.unnamed.len() + index.by_segment.values().map(|at| at.len()).sum::<usize>()
+            index.unnamed.len()
+                + index.by_segment.values().map(|at| at.len()).sum::<usize>()
+                + index.by_host.values().map(|at| at.len()).sum::<usize>()
         })
     }
 
@@ -249,7 +254,7 @@ impl RouteTable {
     ) -> Option<&Arc<Route>> {
         let found = match &self.index {
             Some(index) => index
-                .candidates(path)
+                .candidates(host, path)
                 .filter_map(|at| self.routes.get(at as usize))
                 .find(|route| route.matches(host, method, path, client)),
             None => self
@@ -261,79 +266,122 @@ impl RouteTable {
     }
 }
 
-/// Which routes a path can match, by the path's first segment (`module-7` of
-/// `/module-7/list.php`). Most routes of a large table name their first segment: a `path`, a
-/// `path_prefix` that goes past it (`/module-7/`), a `path_regex` that starts with it
-/// (`^/archive/7/`). A path is tried against those of its segment and against the routes that
-/// name none, in policy order: first match still wins, and walking fifty routes (a few
-/// thousand instructions, most of a full policy's routing) becomes walking a handful.
+/// Which routes a request can match, by its path's first segment (`module-7` of
+/// `/module-7/list.php`) and by its host. Most routes of a large table name their first
+/// segment: a `path`, a `path_prefix` that goes past it (`/module-7/`), a `path_regex` that
+/// starts with it (`^/archive/7/`). Of those that name none, most that name a host name
+/// exact hosts (`host = "static.example.com"` with `path_prefix = "/"`). A request is tried
+/// against the routes of its segment, those of its host and those that name neither, in
+/// policy order: first match still wins, and walking fifty routes (a few thousand
+/// instructions, most of a full policy's routing) becomes walking a handful.
 #[derive(Debug)]
 struct SegmentIndex {
     /// Segment → positions in the table of the routes that name it, in order.
     by_segment: HashMap<Box<str>, Box<[u32]>, BuildHasherDefault<SegmentHasher>>,
-    /// Positions of the routes that name no segment: a path of any segment may match them.
+    /// Host (lower case) → positions of the routes that name no segment and match only
+    /// exact hosts, this one among them.
+    by_host: HashMap<Box<str>, Box<[u32]>, BuildHasherDefault<SegmentHasher>>,
+    /// Positions of the other routes: a request of any segment and host may match them.
     unnamed: Box<[u32]>,
 }
 
 impl SegmentIndex {
-    /// Built in one pass, each route listed once: a table of thousands of segments and
-    /// thousands of routes that name none stays as small as the table itself (the candidates
-    /// of a segment are merged from the two lists as a path is looked up).
+    /// Built in one pass, each route listed once per key it names: a table of thousands of
+    /// segments and thousands of routes that name none stays as small as the table itself
+    /// (the candidates of a request are merged from the lists as it is looked up).
     fn new(routes: &[Arc<Route>]) -> SegmentIndex {
-        let mut by_segment: HashMap<Box<str>, Vec<u32>, BuildHasherDefault<SegmentHasher>> =
-            HashMap::default();
+        type Lists = HashMap<Box<str>, Vec<u32>, BuildHasherDefault<SegmentHasher>>;
+        let mut by_segment = Lists::default();
+        let mut by_host = Lists::default();
         let mut unnamed = Vec::new();
         for (at, route) in routes.iter().enumerate() {
             let Ok(at) = u32::try_from(at) else { break };
-            match route.path.first_segment() {
-                Some(segment) => by_segment
+            if let Some(segment) = route.path.first_segment() {
+                by_segment
                     .entry(segment.into_boxed_str())
                     .or_default()
-                    .push(at),
+                    .push(at);
+                continue;
+            }
+            let exact_hosts: Option<Vec<&str>> = (!route.hosts.is_empty())
+                .then(|| {
+                    route
+                        .hosts
+                        .iter()
+                        .map(|host| match host {
+                            HostMatch::Exact(exact) => Some(exact.as_str()),
+                            HostMatch::Suffix(_) => None,
+                        })
+                        .collect()
+                })
+                .flatten();
+            match exact_hosts {
+                Some(hosts) => {
+                    for host in hosts {
+                        let positions = by_host.entry(host.into()).or_default();
+                        // A host listed twice lists the route once.
+                        if positions.last() != Some(&at) {
+                            positions.push(at);
+                        }
+                    }
+                }
                 None => unnamed.push(at),
             }
         }
-        SegmentIndex {
-            by_segment: by_segment
+        let frozen = |lists: Lists| {
+            lists
                 .into_iter()
-                .map(|(segment, positions)| (segment, positions.into_boxed_slice()))
-                .collect(),
+                .map(|(key, positions)| (key, positions.into_boxed_slice()))
+                .collect()
+        };
+        SegmentIndex {
+            by_segment: frozen(by_segment),
+            by_host: frozen(by_host),
             unnamed: unnamed.into_boxed_slice(),
         }
     }
 
-    /// The positions of the routes `path` may match, in table order.
-    fn candidates(&self, path: &str) -> InOrder<'_> {
+    /// The positions of the routes a request for `path` on `host` may match, in table order.
+    fn candidates(&self, host: Option<&str>, path: &str) -> InOrder<'_> {
         let named = self
             .by_segment
             .get(first_segment(path))
             .map_or(&[][..], |positions| &positions[..]);
+        let hosted = match host {
+            Some(host) if !self.by_host.is_empty() => self.of_host(host),
+            _ => &[][..],
+        };
         InOrder {
-            named,
-            unnamed: &self.unnamed,
+            lists: [named, hosted, &self.unnamed],
         }
+    }
+
+    /// The routes listed under `host`, whatever its case: looked up in lower case, which
+    /// most hosts already are.
+    fn of_host(&self, host: &str) -> &[u32] {
+        let found = if host.bytes().any(|byte| byte.is_ascii_uppercase()) {
+            self.by_host.get(host.to_ascii_lowercase().as_str())
+        } else {
+            self.by_host.get(host)
+        };
+        found.map_or(&[][..], |positions| &positions[..])
     }
 }
 
-/// Two ascending lists of positions, merged.
+/// Ascending lists of positions, merged.
 struct InOrder<'a> {
-    named: &'a [u32],
-    unnamed: &'a [u32],
+    lists: [&'a [u32]; 3],
 }
 
 impl Iterator for InOrder<'_> {
     type Item = u32;
 
     fn next(&mut self) -> Option<u32> {
-        let take_named = match (self.named.first(), self.unnamed.first()) {
-            (Some(named), Some(unnamed)) => named < unnamed,
-            (named, _) => named.is_some(),
-        };
-        let list = if take_named {
-            &mut self.named
-        } else {
-            &mut self.unnamed
-        };
+        let list = self
+            .lists
+            .iter_mut()
+            .filter(|list| !list.is_empty())
+            .min_by_key(|list| list.first().copied())?;
         let (first, rest) = list.split_first()?;
         *list = rest;
         Some(*first)
