@@ -76,6 +76,9 @@ LOAD_CPUS=${LOAD_CPUS:-1}
 BACKEND_CPUS=${BACKEND_CPUS:-1}
 BACKEND_WORKERS=${BACKEND_WORKERS:-1}
 ROUTES=${ROUTES:-50}
+# What every 1 KiB case asks for: the path the full policy's last route matches, so that the
+# full policy against pass-through is the policy's cost alone, not also a longer path's.
+REQUEST_PATH=/shop/cart.php
 RELOAD_ROUTES=${RELOAD_ROUTES:-500}
 RELOADS=${RELOADS:-20}
 IDLE_CONNS=${IDLE_CONNS:-5000}
@@ -766,7 +769,7 @@ section_reload_load() { # failed requests while levee reloads RELOADS times unde
 	# starts, the last one two intervals before wrk stops (pacing against the clock, not a
 	# wait for something a poll could see).
 	interval=$((secs * 1000000 / (RELOADS + 2)))
-	wrk_start "http://127.0.0.1:$SEC_PORT/shop/cart.php" "$secs" "$out"
+	wrk_start "http://127.0.0.1:$SEC_PORT$REQUEST_PATH" "$secs" "$out"
 	wrk_pid=$LAST_PID
 	t0=$(now_us)
 	for ((i = 1; i <= RELOADS; i++)); do
@@ -979,7 +982,8 @@ report_header() {
 	out "- pinning: every proxy on CPU $PROXY_CPUS with one worker (nginx worker_processes 1, HAProxy nbthread 1, levee --threads 1); wrk on CPU $LOAD_CPUS; backend nginx ($BACKEND_WORKERS worker) and Redis on CPU $BACKEND_CPUS."
 	out "  The proxy owns its core alone; wrk and the backend share the other, so their cost is the same in every case and ratios compare proxies. Absolute numbers are lower than on a larger machine."
 	out "- load: wrk -t $WRK_THREADS -c $CONNECTIONS -d ${DURATION}s --latency, ${WARMUP} s warm-up per case, $ROUNDS round(s) interleaved across the cases (round 1 of every case, then round 2 in reverse order, …), median of rounds"
-	out "- backend: nginx \`return 200\` with a 1 KiB body at / and a 50 KiB static page (with a \`<div id=\"ranking\">\` module) at /page.html"
+	out "- backend: nginx \`return 200\` with a 1 KiB body at every path but /page.html, a 50 KiB static page (with a \`<div id=\"ranking\">\` module)"
+	out "- request: every 1 KiB case asks for $REQUEST_PATH (the path the full policy's last route matches); the page cases for /page.html"
 }
 
 report_cases() {
@@ -1289,19 +1293,19 @@ started "redis-server" $! "$TMP/redis/redis.log" "$PORT_REDIS" || die "Redis did
 [[ $(redis-cli -h 127.0.0.1 -p "$PORT_REDIS" ping) == PONG ]] || die "Redis does not answer PING"
 
 # The cases. Each proxy is started fresh and warmed up; then the measured rounds of all of them,
-# interleaved (measure_cases); then each is stopped.
-run_case 1 "backend direct (no proxy)" backend - / 1024
-run_case 2 "nginx proxy_pass, keepalive 64" nginx proxy-nginx.conf.tmpl / 1024
-run_case 3 "HAProxy http-keep-alive, http-reuse always" haproxy haproxy.cfg.tmpl / 1024
-run_case 4 "levee pass-through" levee passthrough.toml.tmpl / 1024
+# interleaved (measure_cases); then each is stopped. Every 1 KiB case asks for REQUEST_PATH.
+run_case 1 "backend direct (no proxy)" backend - "$REQUEST_PATH" 1024
+run_case 2 "nginx proxy_pass, keepalive 64" nginx proxy-nginx.conf.tmpl "$REQUEST_PATH" 1024
+run_case 3 "HAProxy http-keep-alive, http-reuse always" haproxy haproxy.cfg.tmpl "$REQUEST_PATH" 1024
+run_case 4 "levee pass-through" levee passthrough.toml.tmpl "$REQUEST_PATH" 1024
 # Case 5 and its growth into the full policy: routes only; + two Redis limit rules and a
 # breaker; + a bulkhead (slot until levee has bulkheads).
-run_case 5 "levee $ROUTES routes (routes only)" levee routes.toml.tmpl /shop/cart.php 1024
-slot_case 5b "levee $ROUTES routes + 2 Redis limits + breaker" routes-limits.toml.tmpl /shop/cart.php 1024
-slot_case 5c "levee full policy (5b + bulkhead)" full.toml.tmpl /shop/cart.php 1024
+run_case 5 "levee $ROUTES routes (routes only)" levee routes.toml.tmpl "$REQUEST_PATH" 1024
+slot_case 5b "levee $ROUTES routes + 2 Redis limits + breaker" routes-limits.toml.tmpl "$REQUEST_PATH" 1024
+slot_case 5c "levee full policy (5b + bulkhead)" full.toml.tmpl "$REQUEST_PATH" 1024
 slot_case 6 "levee hide #ranking, 50 KiB page" hide.toml.tmpl /page.html "$PAGE_BYTES" 'id="ranking"'
-run_case 7 "nginx limit_req (single node)" nginx proxy-nginx-limit.conf.tmpl / 1024
-slot_case 7b "levee Redis limit, one rule" limit.toml.tmpl / 1024
+run_case 7 "nginx limit_req (single node)" nginx proxy-nginx-limit.conf.tmpl "$REQUEST_PATH" 1024
+slot_case 7b "levee Redis limit, one rule" limit.toml.tmpl "$REQUEST_PATH" 1024
 run_case 8a "nginx proxy_pass, 50 KiB page" nginx proxy-nginx.conf.tmpl /page.html "$PAGE_BYTES"
 run_case 8b "levee pass-through, 50 KiB page" levee passthrough.toml.tmpl /page.html "$PAGE_BYTES"
 measure_cases

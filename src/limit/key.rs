@@ -348,8 +348,9 @@ fn assemble_key(
     // would land in different slots (CROSSSLOT). Its own name keeps it apart from other rules.
     // An IP standing in for a missing part tags the key as the IP itself does, so a request's
     // per-IP buckets stay in one slot.
+    let tag_at = tag.filter(|index| *index < values.len());
     let by_name;
-    let tag_text: &KeyText<'_> = match tag.and_then(|index| values.get(index)) {
+    let tag_text: &KeyText<'_> = match tag_at.and_then(|index| values.get(index)) {
         Some((value, _)) => value,
         None => {
             by_name = KeyText::Text(safe_value(Cow::Borrowed(rule.as_bytes())));
@@ -377,7 +378,12 @@ fn assemble_key(
         if *stands_in {
             key.push_str(IP_STAND_IN);
         }
-        value.write_to(&mut key);
+        if Some(index) == tag_at {
+            // Already written once, as the hash tag (usually the client's address).
+            key.extend_from_within(tag.clone());
+        } else {
+            value.write_to(&mut key);
+        }
     }
     BucketKey { key, tag }
 }
