@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -31,11 +31,65 @@ pub struct UpstreamErrorLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
     pub rule: RouteName,
-    /// allowed, limited, dry_run_limited
-    pub result: &'static str,
-    /// redis, ahead (admitted at once, charged in the next script call), local (no Redis
-    /// configured), fallback (Redis unavailable), cache (known refused)
-    pub source: &'static str,
+    pub result: DecisionResult,
+    pub source: DecisionSource,
+}
+
+/// What a rate-limit decision said: its `result` label.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum DecisionResult {
+    Allowed,
+    Limited,
+    /// A dry-run rule would have refused.
+    DryRunLimited,
+}
+
+/// Who made a rate-limit decision: its `source` label.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum DecisionSource {
+    Redis,
+    /// Admitted at once, charged in the next script call.
+    Ahead,
+    /// No Redis configured.
+    Local,
+    /// Redis unavailable.
+    Fallback,
+    /// Known refused.
+    Cache,
+}
+
+impl DecisionResult {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionResult::Allowed => "allowed",
+            DecisionResult::Limited => "limited",
+            DecisionResult::DryRunLimited => "dry_run_limited",
+        }
+    }
+}
+
+impl DecisionSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionSource::Redis => "redis",
+            DecisionSource::Ahead => "ahead",
+            DecisionSource::Local => "local",
+            DecisionSource::Fallback => "fallback",
+            DecisionSource::Cache => "cache",
+        }
+    }
+}
+
+impl EncodeLabelValue for DecisionResult {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
+}
+
+impl EncodeLabelValue for DecisionSource {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -177,8 +231,8 @@ impl Metrics {
         &self,
         name: &Arc<str>,
         series: &DecisionSeries,
-        result: &'static str,
-        source: &'static str,
+        result: DecisionResult,
+        source: DecisionSource,
     ) {
         let lookup = || {
             self.ratelimit_decisions
@@ -190,9 +244,9 @@ impl Metrics {
                 .clone()
         };
         let cached = match (result, source) {
-            ("allowed", "redis") => Some(&series.allowed_redis),
-            ("allowed", "ahead") => Some(&series.allowed_ahead),
-            ("allowed", "local") => Some(&series.allowed_local),
+            (DecisionResult::Allowed, DecisionSource::Redis) => Some(&series.allowed_redis),
+            (DecisionResult::Allowed, DecisionSource::Ahead) => Some(&series.allowed_ahead),
+            (DecisionResult::Allowed, DecisionSource::Local) => Some(&series.allowed_local),
             _ => None,
         };
         match cached {
@@ -487,12 +541,37 @@ mod tests {
         let metrics = Metrics::new();
         let rule: Arc<str> = Arc::from("per_ip");
         let before_reload = DecisionSeries::default();
-        metrics.record_decision(&rule, &before_reload, "allowed", "ahead");
-        metrics.record_decision(&rule, &before_reload, "allowed", "ahead");
-        metrics.record_decision(&rule, &before_reload, "limited", "redis");
+        metrics.record_decision(
+            &rule,
+            &before_reload,
+            DecisionResult::Allowed,
+            DecisionSource::Ahead,
+        );
+        metrics.record_decision(
+            &rule,
+            &before_reload,
+            DecisionResult::Allowed,
+            DecisionSource::Ahead,
+        );
+        metrics.record_decision(
+            &rule,
+            &before_reload,
+            DecisionResult::Limited,
+            DecisionSource::Redis,
+        );
         let after_reload = DecisionSeries::default();
-        metrics.record_decision(&rule, &after_reload, "allowed", "ahead");
-        metrics.record_decision(&rule, &after_reload, "allowed", "fallback");
+        metrics.record_decision(
+            &rule,
+            &after_reload,
+            DecisionResult::Allowed,
+            DecisionSource::Ahead,
+        );
+        metrics.record_decision(
+            &rule,
+            &after_reload,
+            DecisionResult::Allowed,
+            DecisionSource::Fallback,
+        );
         let text = metrics.encode();
         for line in [
             "levee_ratelimit_decisions_total{rule=\"per_ip\",result=\"allowed\",source=\"ahead\"} 3",

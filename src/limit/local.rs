@@ -4,6 +4,7 @@
 //! nearest to full again, rather than growing without end.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use super::gcra::{decide, Rate, Verdict};
@@ -191,6 +192,9 @@ impl LocalStore {
 /// refusals that still hold are kept first.
 pub struct DenyCache {
     entries: Mutex<HashMap<String, Refused>>,
+    /// Whether `entries` holds any: set under its lock. Nearly always false (nobody is over
+    /// a limit), and then a lookup takes neither the lock nor a hash of the key.
+    any: AtomicBool,
     max: usize,
 }
 
@@ -209,6 +213,7 @@ impl DenyCache {
     pub fn new(max: usize) -> DenyCache {
         DenyCache {
             entries: Mutex::new(HashMap::new()),
+            any: AtomicBool::new(false),
             max,
         }
     }
@@ -229,11 +234,15 @@ impl DenyCache {
             }
         }
         entries.insert(key.to_string(), refused);
+        self.any.store(true, Ordering::Release);
     }
 
     /// Redis's last refusal of `key`, if it was made under `rate` (a reload that changed the
     /// rule makes it unknown).
     fn known(&self, key: &str, rate: Rate) -> Option<Refused> {
+        if !self.any.load(Ordering::Acquire) {
+            return None;
+        }
         self.entries()
             .get(key)
             .copied()
@@ -252,7 +261,9 @@ impl DenyCache {
     }
 
     pub fn sweep(&self, now: u64) {
-        self.entries().retain(|_, entry| entry.full_at > now);
+        let mut entries = self.entries();
+        entries.retain(|_, entry| entry.full_at > now);
+        self.any.store(!entries.is_empty(), Ordering::Release);
     }
 }
 

@@ -27,7 +27,7 @@ use http::{HeaderValue, StatusCode};
 use tokio::time::Instant;
 
 use crate::error::ProxyError;
-use crate::metrics::{DecisionSeries, Metrics};
+use crate::metrics::{DecisionResult, DecisionSeries, DecisionSource, Metrics};
 use crate::redis_batch::RedisRule;
 use crate::redis_store::{RedisAsk, RedisStore, RemoteVerdict};
 use gcra::{Rate, Verdict};
@@ -156,7 +156,7 @@ struct Decided {
     remaining: u32,
     reset: Duration,
     retry_after: Duration,
-    source: &'static str,
+    source: DecisionSource,
     /// A bucket was asked: `remaining` and `reset` say something. False for a rule let
     /// through (or refused) by its `on_redis_error` without any bucket, whose fields would
     /// tell a client "none left" about a bucket nobody looked at.
@@ -257,7 +257,7 @@ impl Limiter {
             if let Some((plan, refused)) = cached {
                 let wait = Duration::from_micros(refused.until.saturating_sub(now));
                 let reset = Duration::from_micros(refused.full_at.saturating_sub(now)).max(wait);
-                self.count(plan.rule, "limited", "cache");
+                self.count(plan.rule, DecisionResult::Limited, DecisionSource::Cache);
                 return Err(deny(plan.rule, wait, reset, facts));
             }
         }
@@ -271,16 +271,16 @@ impl Limiter {
         let mut tightest: Option<(&Planned<'_>, &Decided)> = None;
         for (plan, decision) in planned.iter().zip(&decided) {
             let result = match (decision.allowed, plan.rule.dry_run) {
-                (true, _) => "allowed",
-                (false, true) => "dry_run_limited",
-                (false, false) => "limited",
+                (true, _) => DecisionResult::Allowed,
+                (false, true) => DecisionResult::DryRunLimited,
+                (false, false) => DecisionResult::Limited,
             };
             self.count(plan.rule, result, decision.source);
             if !decision.allowed && plan.rule.dry_run {
                 tracing::info!(rule = %plan.rule.name, key = %plan.key.key, "dry run: this request would have been rate limited");
             }
             if !decision.allowed && !plan.rule.dry_run {
-                if redis.is_some() && decision.source == "redis" {
+                if redis.is_some() && decision.source == DecisionSource::Redis {
                     let after = |wait: Duration| {
                         now.saturating_add(u64::try_from(wait.as_micros()).unwrap_or(u64::MAX))
                     };
@@ -329,7 +329,7 @@ impl Limiter {
                 rule: &plan.rule.redis,
             })
             .collect();
-        let from_redis = |verdicts: Vec<RemoteVerdict>, source: &'static str| -> Vec<Decided> {
+        let from_redis = |verdicts: Vec<RemoteVerdict>, source: DecisionSource| -> Vec<Decided> {
             verdicts
                 .into_iter()
                 .map(|verdict| Decided {
@@ -343,12 +343,12 @@ impl Limiter {
                 .collect()
         };
         if let Some(verdicts) = redis.admit_ahead(&asks, &self.metrics, now) {
-            return from_redis(verdicts, "ahead");
+            return from_redis(verdicts, DecisionSource::Ahead);
         }
         // Boxed: the Redis call's state is most of a limited request's future, which every
         // request through `proxy::handle` would otherwise carry and copy (see `proxy::forward`).
         match Box::pin(redis.decide_all(&asks, &self.metrics)).await {
-            Ok(verdicts) => from_redis(verdicts, "redis"),
+            Ok(verdicts) => from_redis(verdicts, DecisionSource::Redis),
             Err(failure) => {
                 tracing::debug!("rate limit falls back: {failure}");
                 self.decide_locally(planned, true, redis.settings.instances)
@@ -401,7 +401,11 @@ impl Limiter {
             })
             .collect();
         let mut verdicts = store.decide_all(&asks, || self.now_us()).into_iter();
-        let source = if fallback { "fallback" } else { "local" };
+        let source = if fallback {
+            DecisionSource::Fallback
+        } else {
+            DecisionSource::Local
+        };
         planned
             .iter()
             .map(|plan| {
@@ -453,7 +457,7 @@ impl Limiter {
             .collect()
     }
 
-    fn count(&self, rule: &LimitRule, result: &'static str, source: &'static str) {
+    fn count(&self, rule: &LimitRule, result: DecisionResult, source: DecisionSource) {
         self.metrics
             .record_decision(&rule.name, &rule.series, result, source);
     }

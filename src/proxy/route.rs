@@ -416,7 +416,11 @@ impl Hasher for SegmentHasher {
 /// The first segment of a path: between its leading `/` and the next (or the end).
 fn first_segment(path: &str) -> &str {
     let rest = path.strip_prefix('/').unwrap_or(path);
-    rest.split('/').next().unwrap_or(rest)
+    // A byte loop: `split` sets up a searcher that costs more than these few bytes.
+    match rest.bytes().position(|byte| byte == b'/') {
+        Some(end) => rest.get(..end).unwrap_or(rest),
+        None => rest,
+    }
 }
 
 /// The segment a literal path start fixes: `/module-7/` and `/module-7/list` fix `module-7`;
@@ -485,7 +489,11 @@ fn strip_port(host: &str) -> &str {
         // IPv6 literal: keep the brackets, drop the port.
         return host.find(']').map_or(host, |end| &host[..=end]);
     }
-    host.rsplit_once(':').map_or(host, |(name, _port)| name)
+    // A byte loop: `rsplit_once` sets up a searcher that costs more than a host's bytes.
+    match host.bytes().rposition(|byte| byte == b':') {
+        Some(colon) => host.get(..colon).unwrap_or(host),
+        None => host,
+    }
 }
 
 #[cfg(test)]
