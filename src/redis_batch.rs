@@ -210,6 +210,10 @@ impl Endpoint {
 /// A batch's answer for one request: whether any rule blocked it, and each rule's verdict.
 pub type Answer = (bool, Vec<RemoteVerdict>);
 
+/// The verdicts of a request admitted ahead, one per rule: kept off the heap (rules are
+/// few), as this is every request's path while its buckets are far from their limits.
+pub type AheadVerdicts = smallvec::SmallVec<[RemoteVerdict; 2]>;
+
 /// The queue of decisions and the worker that sends them to Redis in batches.
 pub struct DecisionBatcher {
     shared: Arc<Shared>,
@@ -418,7 +422,7 @@ impl DecisionBatcher {
         asks: &[RedisAsk<'_>],
         overruns: &Counter,
         now: Instant,
-    ) -> Option<Vec<RemoteVerdict>> {
+    ) -> Option<AheadVerdicts> {
         if self.admit_ahead_above >= 1.0 || asks.is_empty() {
             return None;
         }
@@ -433,7 +437,7 @@ impl DecisionBatcher {
         }
         // One lookup per ask: each is admitted as it is checked, and the ones admitted are
         // taken back if a later one cannot be.
-        let mut verdicts = Vec::with_capacity(asks.len());
+        let mut verdicts = AheadVerdicts::new();
         for ask in asks {
             let Some(known) = headroom.get_mut(ask.key) else {
                 break;

@@ -802,7 +802,7 @@ impl RedisStore {
         asks: &[RedisAsk<'_>],
         metrics: &Metrics,
         now: Instant,
-    ) -> Option<Vec<RemoteVerdict>> {
+    ) -> Option<crate::redis_batch::AheadVerdicts> {
         let batcher = self.batcher.as_ref()?;
         // The health breaker's word (not `is_up`, which a background call's failure also
         // moves): decisions are admitted ahead only while Redis decides them.

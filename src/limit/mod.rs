@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderValue, StatusCode};
+use smallvec::SmallVec;
 use tokio::time::Instant;
 
 use crate::error::ProxyError;
@@ -150,6 +151,9 @@ struct Planned<'a> {
     key: Cow<'a, BucketKey>,
 }
 
+/// A request's decisions, one per rule: kept off the heap, as rules are few.
+type Decisions = SmallVec<[Decided; 2]>;
+
 /// Per rule: allowed?, remaining, reset, retry-after, and where the decision came from.
 struct Decided {
     allowed: bool,
@@ -216,7 +220,7 @@ impl Limiter {
         {
             return Err(ProxyError::BadRequest(reason));
         }
-        let planned: Vec<Planned<'_>> = rules
+        let planned: SmallVec<[Planned<'_>; 2]> = rules
             .iter()
             .enumerate()
             .filter_map(|(at, rule)| {
@@ -320,8 +324,8 @@ impl Limiter {
         planned: &[Planned<'_>],
         redis: &RedisStore,
         now: Instant,
-    ) -> Vec<Decided> {
-        let asks: Vec<RedisAsk<'_>> = planned
+    ) -> Decisions {
+        let asks: SmallVec<[RedisAsk<'_>; 2]> = planned
             .iter()
             .map(|plan| RedisAsk {
                 key: &plan.key.key,
@@ -329,9 +333,9 @@ impl Limiter {
                 rule: &plan.rule.redis,
             })
             .collect();
-        let from_redis = |verdicts: Vec<RemoteVerdict>, source: DecisionSource| -> Vec<Decided> {
+        let from_redis = |verdicts: &[RemoteVerdict], source: DecisionSource| -> Decisions {
             verdicts
-                .into_iter()
+                .iter()
                 .map(|verdict| Decided {
                     allowed: verdict.allowed,
                     remaining: verdict.remaining,
@@ -343,12 +347,12 @@ impl Limiter {
                 .collect()
         };
         if let Some(verdicts) = redis.admit_ahead(&asks, &self.metrics, now) {
-            return from_redis(verdicts, DecisionSource::Ahead);
+            return from_redis(&verdicts, DecisionSource::Ahead);
         }
         // Boxed: the Redis call's state is most of a limited request's future, which every
         // request through `proxy::handle` would otherwise carry and copy (see `proxy::forward`).
         match Box::pin(redis.decide_all(&asks, &self.metrics)).await {
-            Ok(verdicts) => from_redis(verdicts, DecisionSource::Redis),
+            Ok(verdicts) => from_redis(&verdicts, DecisionSource::Redis),
             Err(failure) => {
                 tracing::debug!("rate limit falls back: {failure}");
                 self.decide_locally(planned, true, redis.settings.instances)
@@ -367,12 +371,7 @@ impl Limiter {
 
     /// In-process decisions. As a Redis fallback (`fallback`), each rule follows its
     /// `on_redis_error`, and `local` rules get `rate / instances`.
-    fn decide_locally(
-        &self,
-        planned: &[Planned<'_>],
-        fallback: bool,
-        instances: u32,
-    ) -> Vec<Decided> {
+    fn decide_locally(&self, planned: &[Planned<'_>], fallback: bool, instances: u32) -> Decisions {
         let store = if fallback {
             &self.fallback
         } else {

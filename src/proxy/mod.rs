@@ -529,16 +529,16 @@ async fn forward(
     let sent = match slot {
         None => run_on::send(upstream, request, fields, from_client, sent_at, None).await,
         Some(slot) => {
-            let (sent, slot) = run_on::call_holding(
+            let mut held = run_on::call_holding(
                 upstream.clone(),
                 request,
                 fields,
                 from_client,
                 sent_at,
                 slot,
-            )
-            .await;
-            exchange.slot = slot;
+            );
+            let sent = (&mut held).await;
+            exchange.slot = held.take_slot();
             sent
         }
     };

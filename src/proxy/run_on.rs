@@ -111,9 +111,20 @@ pub(super) struct HeldCall {
     bounds: RunOnBounds,
 }
 
+impl HeldCall {
+    /// The slot, once the call answered: the caller holds on to it until the body is read.
+    /// (Not part of the answer, which is large, and moved less the fewer things travel with
+    /// it.)
+    pub(super) fn take_slot(&mut self) -> Option<Slot> {
+        if self.call.is_some() {
+            return None;
+        }
+        self.slot.take()
+    }
+}
+
 impl Future for HeldCall {
-    /// The answer, and the slot, which the caller holds on until the body is read.
-    type Output = (Result<Answered, ClientError>, Option<Slot>);
+    type Output = Result<Answered, ClientError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
@@ -123,7 +134,7 @@ impl Future for HeldCall {
         };
         let answered = ready!(call.as_mut().poll(cx));
         this.call = None;
-        Poll::Ready((answered, this.slot.take()))
+        Poll::Ready(answered)
     }
 }
 
