@@ -983,7 +983,7 @@ report_header() {
 	out "  The proxy owns its core alone; wrk and the backend share the other, so their cost is the same in every case and ratios compare proxies. Absolute numbers are lower than on a larger machine."
 	out "- load: wrk -t $WRK_THREADS -c $CONNECTIONS -d ${DURATION}s --latency, ${WARMUP} s warm-up per case, $ROUNDS round(s) interleaved across the cases (round 1 of every case, then round 2 in reverse order, …), median of rounds"
 	out "- backend: nginx \`return 200\` with a 1 KiB body at every path but /page.html, a 50 KiB static page (with a \`<div id=\"ranking\">\` module)"
-	out "- request: every 1 KiB case asks for $REQUEST_PATH (the path the full policy's last route matches); the page cases for /page.html"
+	out "- request: every 1 KiB case of the table below asks for $REQUEST_PATH (the path the full policy's last route matches); the page cases for /page.html"
 }
 
 report_cases() {

@@ -494,10 +494,14 @@ impl DecisionBatcher {
         thread_local! {
             static ENCODED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
         }
+        // (Nothing in the closure enters `enqueue` again, which would find the buffer taken.)
         ENCODED.with_borrow_mut(|encoded| {
             encoded.clear();
             let rules_at = encode_asks(encoded, asks);
             let ahead = matches!(caller, Caller::Ahead(_));
+            // A decision never joins a charge: its copy is made before the lock, which every
+            // request and the worker take. Only a charge that does not join is copied under it.
+            let mut copy = (!ahead).then(|| encoded.clone());
             let mut queue = self.shared.lock();
             if let Some(last) = queue.waiting.last_mut() {
                 // Not into a charge queued again after a failure: a second failure drops it.
@@ -511,7 +515,7 @@ impl DecisionBatcher {
             }
             queue.waiting.push(Waiting::encoded(
                 asks.len(),
-                encoded.clone(),
+                copy.take().unwrap_or_else(|| encoded.clone()),
                 rules_at,
                 caller,
                 uncounted,

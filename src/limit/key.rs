@@ -276,20 +276,21 @@ pub fn bucket_key(
     // Values are borrowed from the request where they can be written as they are, and kept
     // off the heap: this runs for every rule of every request. Each value says whether it is
     // the client IP standing in for a missing part.
-    let client = if fallback_ip || parts.contains(&KeyPart::Ip) {
-        client_key(facts.client_ip)
-    } else {
-        KeyText::Text(Cow::Borrowed(""))
-    };
+    // Made when first needed: an IPv6 client's is a hash.
+    let mut client: Option<KeyText<'static>> = None;
     let mut values: KeyValues<'_> = SmallVec::new();
     let mut tag: Option<(u8, usize)> = None;
     for part in parts {
         let (part, value, stands_in) = if *part == KeyPart::Ip {
+            let client = client.get_or_insert_with(|| client_key(facts.client_ip));
             (part, client.clone(), false)
         } else {
             match facts.part(part) {
                 Some(value) => (part, KeyText::Text(safe_value(value)), false),
-                None if fallback_ip => (&KeyPart::Ip, client.clone(), true),
+                None if fallback_ip => {
+                    let client = client.get_or_insert_with(|| client_key(facts.client_ip));
+                    (&KeyPart::Ip, client.clone(), true)
+                }
                 None => return None,
             }
         };

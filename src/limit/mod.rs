@@ -200,7 +200,8 @@ impl Limiter {
 
     /// Decides a request against `rules`. `Ok(headers)` admits it (with `RateLimit` headers
     /// when a rule asks for them on admitted answers); `Err` is the 429.
-    /// `fixed_keys`: per rule, its key when the route alone decides it (`Route::fixed_keys`).
+    /// `fixed_keys`: per rule, its key when the route alone decides it (`Route::fixed_keys`,
+    /// built with the same `prefix`), or empty.
     /// `now`: the request's reading of the clock, microseconds old (a read costs as much as
     /// a tenth of the decision).
     pub async fn check(
@@ -220,6 +221,7 @@ impl Limiter {
         {
             return Err(ProxyError::BadRequest(reason));
         }
+        debug_assert!(fixed_keys.is_empty() || fixed_keys.len() == rules.len());
         let planned: SmallVec<[Planned<'_>; 2]> = rules
             .iter()
             .enumerate()
