@@ -8,7 +8,7 @@ use http::{HeaderMap, HeaderName, Method};
 use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
-use crate::proxy::header::ip_string;
+use crate::proxy::header::{ip_string, write_ipv4};
 
 /// Where an identity (user id, API key) or a key part is read from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -169,15 +169,13 @@ impl RequestFacts<'_> {
 /// subscriber gets a whole /64 and may send each request from another address of it; keyed
 /// by address, it would get a fresh bucket every time.
 fn ip_key(ip: IpAddr) -> String {
-    match ipv4_client(ip) {
-        Some(v4) => ip_string(IpAddr::V4(v4)),
-        None => {
-            let IpAddr::V6(v6) = ip else {
-                return ip_string(ip);
-            };
+    match (ipv4_client(ip), ip) {
+        (Some(v4), _) => ip_string(IpAddr::V4(v4)),
+        (None, IpAddr::V6(v6)) => {
             let [a, b, c, d, ..] = v6.segments();
             format!("{a:x}:{b:x}:{c:x}:{d:x}::/64")
         }
+        (None, ip) => ip_string(ip),
     }
 }
 
@@ -212,11 +210,9 @@ impl KeyText<'_> {
         match self {
             KeyText::Text(text) => text.len(),
             KeyText::Ipv4(v4) => {
-                3 + v4
-                    .octets()
-                    .iter()
-                    .map(|octet| 1 + usize::from(*octet >= 10) + usize::from(*octet >= 100))
-                    .sum::<usize>()
+                let mut len = 0;
+                write_ipv4(*v4, |_| len += 1);
+                len
             }
         }
     }
@@ -224,20 +220,7 @@ impl KeyText<'_> {
     fn write_to(&self, key: &mut String) {
         match self {
             KeyText::Text(text) => key.push_str(text),
-            KeyText::Ipv4(v4) => {
-                for (index, octet) in v4.octets().into_iter().enumerate() {
-                    if index > 0 {
-                        key.push('.');
-                    }
-                    if octet >= 100 {
-                        key.push(char::from(b'0' + octet / 100));
-                    }
-                    if octet >= 10 {
-                        key.push(char::from(b'0' + octet / 10 % 10));
-                    }
-                    key.push(char::from(b'0' + octet % 10));
-                }
-            }
+            KeyText::Ipv4(v4) => write_ipv4(*v4, |byte| key.push(char::from(byte))),
         }
     }
 }
@@ -275,8 +258,8 @@ pub fn bucket_key(
 ) -> Option<BucketKey> {
     // Values are borrowed from the request where they can be written as they are, and kept
     // off the heap: this runs for every rule of every request. Each value says whether it is
-    // the client IP standing in for a missing part.
-    // Made when first needed: an IPv6 client's is a hash.
+    // the client IP standing in for a missing part. The client's value is made when first
+    // needed (an IPv6 client's is a hash).
     let mut client: Option<KeyText<'static>> = None;
     let mut values: KeyValues<'_> = SmallVec::new();
     let mut tag: Option<(u8, usize)> = None;
@@ -342,14 +325,13 @@ fn assemble_key(
     prefix: &str,
     rule: &str,
     values: &[(KeyText<'_>, bool)],
-    tag: Option<usize>,
+    tag_at: Option<usize>,
 ) -> BucketKey {
     // A rule keyed by nothing (`key = []`, one bucket for everyone) still needs a hash tag: an
     // empty `{}` makes Redis Cluster hash the whole key, so two such rules asked in one script
     // would land in different slots (CROSSSLOT). Its own name keeps it apart from other rules.
     // An IP standing in for a missing part tags the key as the IP itself does, so a request's
     // per-IP buckets stay in one slot.
-    let tag_at = tag.filter(|index| *index < values.len());
     let by_name;
     let tag_text: &KeyText<'_> = match tag_at.and_then(|index| values.get(index)) {
         Some((value, _)) => value,

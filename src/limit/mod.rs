@@ -202,8 +202,8 @@ impl Limiter {
     /// when a rule asks for them on admitted answers); `Err` is the 429.
     /// `fixed_keys`: per rule, its key when the route alone decides it (`Route::fixed_keys`,
     /// built with the same `prefix`), or empty.
-    /// `now`: the request's reading of the clock, microseconds old (a read costs as much as
-    /// a tenth of the decision).
+    /// `read_at`: the request's reading of the clock, microseconds old (a read costs as much
+    /// as a tenth of the decision).
     pub async fn check(
         &self,
         rules: &[Arc<LimitRule>],
@@ -211,7 +211,7 @@ impl Limiter {
         redis: Option<&RedisStore>,
         prefix: &str,
         facts: &RequestFacts<'_>,
-        now: Instant,
+        read_at: Instant,
     ) -> Result<Option<RateLimitHeaders>, ProxyError> {
         // A key the app may read otherwise than levee would be a fresh bucket per decoy.
         if let Some(reason) = rules
@@ -242,7 +242,6 @@ impl Limiter {
         if planned.is_empty() {
             return Ok(None);
         }
-        let read_at = now;
         let now = self.micros_at(read_at);
 
         // Keys that Redis already refused until a known time: refuse without a round trip,

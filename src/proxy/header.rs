@@ -579,22 +579,10 @@ pub(crate) fn format_ip(ip: IpAddr, buffer: &mut [u8; 64]) -> &[u8] {
     match ip {
         IpAddr::V4(v4) => {
             let mut len = 0;
-            for (index, octet) in v4.octets().into_iter().enumerate() {
-                if index > 0 {
-                    buffer[len] = b'.';
-                    len += 1;
-                }
-                if octet >= 100 {
-                    buffer[len] = b'0' + octet / 100;
-                    len += 1;
-                }
-                if octet >= 10 {
-                    buffer[len] = b'0' + octet / 10 % 10;
-                    len += 1;
-                }
-                buffer[len] = b'0' + octet % 10;
+            write_ipv4(v4, |byte| {
+                buffer[len] = byte;
                 len += 1;
-            }
+            });
             &buffer[..len]
         }
         IpAddr::V6(v6) => {
@@ -605,6 +593,22 @@ pub(crate) fn format_ip(ip: IpAddr, buffer: &mut [u8; 64]) -> &[u8] {
             let len = usize::try_from(cursor.position()).unwrap_or(0);
             &buffer[..len]
         }
+    }
+}
+
+/// Gives the dotted digits of `v4` one byte at a time.
+pub(crate) fn write_ipv4(v4: std::net::Ipv4Addr, mut put: impl FnMut(u8)) {
+    for (index, octet) in v4.octets().into_iter().enumerate() {
+        if index > 0 {
+            put(b'.');
+        }
+        if octet >= 100 {
+            put(b'0' + octet / 100);
+        }
+        if octet >= 10 {
+            put(b'0' + octet / 10 % 10);
+        }
+        put(b'0' + octet % 10);
     }
 }
 

@@ -303,29 +303,23 @@ impl SegmentIndex {
                     .push(at);
                 continue;
             }
-            let exact_hosts: Option<Vec<&str>> = (!route.hosts.is_empty())
-                .then(|| {
-                    route
-                        .hosts
-                        .iter()
-                        .map(|host| match host {
-                            HostMatch::Exact(exact) => Some(exact.as_str()),
-                            HostMatch::Suffix(_) => None,
-                        })
-                        .collect()
-                })
-                .flatten();
-            match exact_hosts {
-                Some(hosts) => {
-                    for host in hosts {
-                        let positions = by_host.entry(host.into()).or_default();
-                        // A host listed twice lists the route once.
-                        if positions.last() != Some(&at) {
-                            positions.push(at);
-                        }
+            let only_exact_hosts = !route.hosts.is_empty()
+                && route
+                    .hosts
+                    .iter()
+                    .all(|host| matches!(host, HostMatch::Exact(_)));
+            if !only_exact_hosts {
+                unnamed.push(at);
+                continue;
+            }
+            for host in &route.hosts {
+                if let HostMatch::Exact(exact) = host {
+                    let positions = by_host.entry(exact.as_str().into()).or_default();
+                    // A host listed twice lists the route once.
+                    if positions.last() != Some(&at) {
+                        positions.push(at);
                     }
                 }
-                None => unnamed.push(at),
             }
         }
         let frozen = |lists: Lists| {
