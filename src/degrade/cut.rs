@@ -320,22 +320,103 @@ pub enum TagName {
     Long(Vec<u8>),
 }
 
-const SHORT_NAME: usize = 22;
+const SHORT_NAME: usize = 16;
 
 impl TagName {
     pub fn lowercase(raw: &[u8]) -> TagName {
         if raw.len() <= SHORT_NAME {
-            let mut bytes = [0; SHORT_NAME];
-            for (to, from) in bytes.iter_mut().zip(raw) {
-                *to = from.to_ascii_lowercase();
-            }
             TagName::Short {
                 // At most SHORT_NAME, which fits.
                 len: raw.len() as u8,
-                bytes,
+                bytes: lowercase_word(raw).to_le_bytes(),
             }
         } else {
             TagName::Long(raw.to_ascii_lowercase())
+        }
+    }
+}
+
+/// `raw` (at most 16 bytes) lower-cased into one word, zero past its end: gathered and
+/// lower-cased in registers, so that it is stored once, whole (see [`OpenName`]).
+fn lowercase_word(raw: &[u8]) -> u128 {
+    debug_assert!(raw.len() <= 16);
+    let mut word = 0u128;
+    for (at, &byte) in raw.iter().enumerate().take(16) {
+        word |= u128::from(byte) << (8 * at);
+    }
+    ascii_lowercase_word(word)
+}
+
+/// [`lowercase_word`] of `buf[start..start + len]` (`len` at most 16), read with one load
+/// when 16 bytes are there to read.
+fn lowercase_word_at(buf: &[u8], start: usize, len: usize) -> u128 {
+    debug_assert!(len <= 16);
+    match buf
+        .get(start..start + 16)
+        .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
+    {
+        Some(bytes) => {
+            let keep = if len >= 16 {
+                u128::MAX
+            } else {
+                (1u128 << (8 * len)) - 1
+            };
+            ascii_lowercase_word(u128::from_le_bytes(bytes) & keep)
+        }
+        None => lowercase_word(&buf[start..start + len]),
+    }
+}
+
+/// `to_ascii_lowercase` of each of the 16 bytes of `word` at once: bytes `A`–`Z` get the
+/// 0x20 bit, every other byte (non-ASCII ones included) stays as it is.
+fn ascii_lowercase_word(word: u128) -> u128 {
+    const LOW_SEVEN: u128 = u128::from_ne_bytes([0x7f; 16]);
+    const HIGH: u128 = u128::from_ne_bytes([0x80; 16]);
+    // Added to a byte's low seven bits, these set its high bit from `A` on and from past `Z`
+    // on; no sum reaches the next byte (at most 0x7f + 0x3f).
+    const FROM_A: u128 = u128::from_ne_bytes([0x80 - b'A'; 16]);
+    const PAST_Z: u128 = u128::from_ne_bytes([0x80 - b'Z' - 1; 16]);
+    let low = word & LOW_SEVEN;
+    let upper = (low + FROM_A) & !(low + PAST_Z) & !word & HIGH;
+    word | (upper >> 2)
+}
+
+/// An element open inside a removed one, as one 16-byte word: its lower-case name when that
+/// is at most `INLINE` bytes, with the length in the top byte, or else `LONG` in the top byte
+/// and the name's index in [`Cut::long_names`]. A name is pushed for each start tag of a
+/// removed module, and an enum of its bytes was copied in pieces that the CPU could not serve
+/// from the stores just made (a load spanning several stores stalls it): that stall cost
+/// more than the rest of the tag's scanning. One word, built in registers, is stored and
+/// loaded whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OpenName(u128);
+
+impl OpenName {
+    const INLINE: usize = 15;
+    const LONG: u128 = 0xff;
+
+    /// The inline word of `buf[start..start + len]`, if it is short enough to have one.
+    fn inline_at(buf: &[u8], start: usize, len: usize) -> Option<OpenName> {
+        (len <= OpenName::INLINE)
+            .then(|| OpenName::of_word(lowercase_word_at(buf, start, len), len))
+    }
+
+    /// The inline name whose lower-case bytes are `word` (`len` at most `INLINE`).
+    fn of_word(word: u128, len: usize) -> OpenName {
+        OpenName(word | ((len as u128) << 120))
+    }
+
+    /// The index of a long name in `Cut::long_names`.
+    fn long_index(self) -> Option<usize> {
+        (self.0 >> 120 == OpenName::LONG).then_some((self.0 & u128::from(u32::MAX)) as usize)
+    }
+
+    /// Whether this element's name is one of `set` (lower case; every name in a set is
+    /// inline).
+    fn is_one_of(self, set: &[&[u8]]) -> bool {
+        self.long_index().is_none() && {
+            let bytes = self.0.to_le_bytes();
+            is_one_of(&bytes[..usize::from(bytes[15])], set)
         }
     }
 }
@@ -842,11 +923,15 @@ pub fn judge(buf: &[u8], at: usize, len: usize, selectors: &[IdSelector]) -> Fou
 /// Progress of removing one element whose start tag has been read.
 #[derive(Debug)]
 pub struct Cut {
-    /// Lower-case names of the elements open inside the removed one, which is first. An end
-    /// tag closes the innermost open element of its name and everything opened after it, as
-    /// the rewriter's own stack does, so a module with an unclosed `<span>` or `<li>` ends
-    /// where the rewriter would end it.
-    pub open: Vec<TagName>,
+    /// The removed element's (lower-case) name.
+    removed: TagName,
+    /// The elements open inside the removed one, which is first. An end tag closes the
+    /// innermost open element of its name and everything opened after it, as the rewriter's
+    /// own stack does, so a module with an unclosed `<span>` or `<li>` ends where the
+    /// rewriter would end it.
+    open: Vec<OpenName>,
+    /// The names of open elements too long for an inline [`OpenName`] (custom elements).
+    long_names: Vec<Vec<u8>>,
     /// Where scanning continues in the held bytes.
     pub cursor: usize,
     /// How the removed element ends when its end tag is left out, if HTML allows that.
@@ -855,10 +940,35 @@ pub struct Cut {
 
 impl Cut {
     pub fn new(name: TagName, cursor: usize) -> Cut {
-        Cut {
+        let mut cut = Cut {
             optional: optional_end(&name),
-            open: vec![name],
+            removed: name,
+            open: Vec::new(),
+            long_names: Vec::new(),
             cursor,
+        };
+        let removed = cut.open_name(&cut.removed.clone());
+        cut.open.push(removed);
+        cut
+    }
+
+    /// The [`OpenName`] of `name` (lower case), keeping it aside when it is long.
+    fn open_name(&mut self, name: &[u8]) -> OpenName {
+        OpenName::inline_at(name, 0, name.len()).unwrap_or_else(|| {
+            self.long_names.push(name.to_vec());
+            OpenName((OpenName::LONG << 120) | (self.long_names.len() - 1) as u128)
+        })
+    }
+
+    /// Whether the open element `open` is named `name` (any case).
+    fn is_named(&self, open: OpenName, inline: Option<OpenName>, name: &[u8]) -> bool {
+        match (inline, open.long_index()) {
+            (Some(inline), _) => open == inline,
+            (None, Some(index)) => self
+                .long_names
+                .get(index)
+                .is_some_and(|long| long.eq_ignore_ascii_case(name)),
+            (None, None) => false,
         }
     }
 
@@ -866,7 +976,7 @@ impl Cut {
     /// `Some` ends the cut (or gives up), `None` lets the tag open inside it.
     fn start_ends(&self, name: &[u8], at: usize) -> Option<Step> {
         let optional = self.optional.as_ref()?;
-        if name == b"table" && *self.open[0] == *b"p" {
+        if name == b"table" && *self.removed == *b"p" {
             // Not in P_CLOSING_STARTS, but a `<table>` does end a `<p>` outside quirks mode;
             // which mode the page is in is not known here.
             return Some(Step::GiveUp);
@@ -878,7 +988,7 @@ impl Cut {
         if inside.is_empty() {
             return Some(Step::Ended(at));
         }
-        if inside.iter().any(|open| is_one_of(open, optional.nests)) {
+        if inside.iter().any(|open| open.is_one_of(optional.nests)) {
             // A list or table of its own inside the element: the tag is nested in it.
             return None;
         }
@@ -893,14 +1003,14 @@ impl Cut {
     /// end tag may be left out (`None`: it is ignored, as HTML ignores a stray end tag).
     fn end_ends(&self, name: &[u8], at: usize) -> Option<Step> {
         let optional = self.optional.as_ref()?;
-        if !optional.ended_by(name, &self.open[0]) {
+        if !optional.ended_by(name, &self.removed) {
             return None;
         }
         let inside = &self.open[1..];
         Some(
             if inside.is_empty()
                 || (optional.closes_inner
-                    && !inside.iter().any(|open| is_one_of(open, optional.nests)))
+                    && !inside.iter().any(|open| open.is_one_of(optional.nests)))
             {
                 Step::Ended(at)
             } else {
@@ -1008,10 +1118,11 @@ impl Cut {
                     let name = &held[at + 2..tag.name_end];
                     // An end tag nothing open matches is ignored, unless it closes an element
                     // whose own end tag was left out. (Open names are lower case.)
+                    let inline = OpenName::inline_at(held, at + 2, name.len());
                     match self
                         .open
                         .iter()
-                        .rposition(|open| open.eq_ignore_ascii_case(name))
+                        .rposition(|&open| self.is_named(open, inline, name))
                     {
                         Some(0) => return Step::Ended(tag.end),
                         Some(index) => self.open.truncate(index),
@@ -1028,18 +1139,37 @@ impl Cut {
                         self.cursor = at;
                         return Step::More;
                     };
-                    let name = TagName::lowercase(&held[at + 1..tag.name_end]);
+                    // The name lower-cased: as a word when it is short (the usual case), pushed
+                    // whole below.
+                    let name_len = tag.name_end - (at + 1);
+                    let word = (name_len <= OpenName::INLINE)
+                        .then(|| lowercase_word_at(held, at + 1, name_len));
+                    let (bytes, long);
+                    let name: &[u8] = match word {
+                        Some(word) => {
+                            bytes = word.to_le_bytes();
+                            &bytes[..name_len]
+                        }
+                        None => {
+                            long = held[at + 1..tag.name_end].to_ascii_lowercase();
+                            &long
+                        }
+                    };
                     if self.optional.is_some() {
-                        if let Some(step) = self.start_ends(&name, at) {
+                        if let Some(step) = self.start_ends(name, at) {
                             return step;
                         }
                     }
-                    if is_not_markup(&name) {
+                    if is_not_markup(name) {
                         return Step::GiveUp;
                     }
                     // `/>` does not close a non-void HTML element; void ones never open.
-                    if !is_void(&name) {
-                        self.open.push(name);
+                    if !is_void(name) {
+                        let open = match word {
+                            Some(word) => OpenName::of_word(word, name_len),
+                            None => self.open_name(name),
+                        };
+                        self.open.push(open);
                     }
                     self.cursor = tag.end;
                 }
@@ -1078,6 +1208,43 @@ mod tests {
     #[test]
     fn tag_names_are_lower_case_and_long_ones_kept_whole() {
         assert_eq!(&*TagName::lowercase(b"DiV"), b"div");
+        // Every byte value, in every position of the inline word, lower-cased as
+        // `to_ascii_lowercase` does (non-ASCII bytes and `@`, `[`, `` ` ``, `{` untouched).
+        for first in (0..=255u8).step_by(16) {
+            let raw: Vec<u8> = (first..=first.saturating_add(15)).collect();
+            for len in 0..=raw.len() {
+                assert_eq!(
+                    &*TagName::lowercase(&raw[..len]),
+                    &raw[..len].to_ascii_lowercase()[..]
+                );
+            }
+            let mut reversed = raw.clone();
+            reversed.reverse();
+            assert_eq!(
+                &*TagName::lowercase(&reversed),
+                &reversed.to_ascii_lowercase()[..]
+            );
+        }
+        // Inline up to 16 bytes, kept whole past that; equal names are equal either way.
+        let sixteen = TagName::lowercase(b"SIXTEEN-BYTES-ON");
+        assert!(matches!(sixteen, TagName::Short { .. }));
+        assert_eq!(&*sixteen, b"sixteen-bytes-on");
+        let seventeen = TagName::lowercase(b"seventeen-BYTES-x");
+        assert!(matches!(seventeen, TagName::Long(_)));
+        assert_eq!(&*seventeen, b"seventeen-bytes-x");
+        assert_eq!(TagName::lowercase(b"Td"), TagName::lowercase(b"tD"));
+        assert_ne!(TagName::lowercase(b"td"), TagName::lowercase(b"td\0"));
+        // Read with one load where 16 bytes follow, byte by byte at the buffer's end: the same.
+        let buf = b"<DIV class=x><Table><tR></TR></table></Div>";
+        for start in 0..buf.len() {
+            for len in 0..=16.min(buf.len() - start) {
+                assert_eq!(
+                    lowercase_word_at(buf, start, len),
+                    lowercase_word(&buf[start..start + len]),
+                    "{start} {len}"
+                );
+            }
+        }
         let long_a = TagName::lowercase(b"my-very-long-component-name-a");
         let long_b = TagName::lowercase(b"my-very-long-component-name-b");
         assert_eq!(&*long_a, b"my-very-long-component-name-a");
@@ -1164,6 +1331,26 @@ mod tests {
             }
         }
         assert_eq!(ended, Some(module.len()));
+        // Names in any case, and long (custom) names, are matched as HTML matches them: an end
+        // tag closes the innermost open element of its name and what was opened after it.
+        for module in [
+            &br#"<DIV id="r"><Div><sPaN>x</SPAN></dIV></div>"#[..],
+            br"<div id=r><my-very-long-element-a><my-very-long-element-b><span></MY-VERY-LONG-ELEMENT-A></div>",
+            br"<div id=r><a-name-of-15-byte><a-name-of-16-bytes></A-NAME-OF-15-BYTE></div>",
+            br"<div id=r><my-very-long-element-a><div></div></my-very-long-element-b></DIV>",
+        ] {
+            let page = [module, &tail[..]].concat();
+            assert_eq!(
+                cut_all(&page),
+                Step::Ended(module.len()),
+                "{}",
+                String::from_utf8_lossy(module)
+            );
+        }
+        // A long name is not taken for a short one it begins with, nor the other way round.
+        let module = br"<div id=r><div-of-a-long-name-here><div></div-of-a-long-name-here></div>";
+        let page = [&module[..], b"</div>", &tail[..]].concat();
+        assert_eq!(cut_all(&page), Step::Ended(module.len()));
     }
 
     #[test]
