@@ -548,8 +548,8 @@ pub fn walk_tag(
         }
         let &first = buf.get(i)?;
         let value = if first == b'"' || first == b'\'' {
-            let close = memchr::memchr(first, &buf[i + 1..])?;
-            let value = (i + 1, i + 1 + close);
+            let close = next_byte(buf, i + 1, first)?;
+            let value = (i + 1, close);
             i = value.1 + 1;
             value
         } else {
@@ -752,13 +752,20 @@ const MAY_OPEN: [bool; 256] = {
 /// page's `<` are a few dozen bytes apart, where a vector search's start-up costs more than
 /// the search.
 fn next_lt(buf: &[u8], from: usize) -> Option<usize> {
-    const LT: u64 = u64::from_ne_bytes([b'<'; 8]);
+    next_byte(buf, from, b'<')
+}
+
+/// The position of the first `byte` in `buf` from `from`, read eight bytes at a time (see
+/// [`next_lt`]; the closing quote of an attribute's value is a few bytes on, too).
+#[inline]
+fn next_byte(buf: &[u8], from: usize, byte: u8) -> Option<usize> {
     const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
     const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+    let pattern = u64::from_ne_bytes([byte; 8]);
     let mut at = from;
     while let Some(word) = buf.get(at..at + 8) {
         let word = u64::from_le_bytes(word.try_into().ok()?);
-        let zeroed = word ^ LT;
+        let zeroed = word ^ pattern;
         // The lowest byte that is `<` is exactly the lowest flagged (a borrow only flags
         // bytes above a real one).
         let flagged = zeroed.wrapping_sub(ONES) & !zeroed & HIGHS;
@@ -769,7 +776,7 @@ fn next_lt(buf: &[u8], from: usize) -> Option<usize> {
     }
     buf.get(at..)?
         .iter()
-        .position(|&byte| byte == b'<')
+        .position(|&found| found == byte)
         .map(|found| at + found)
 }
 
@@ -1034,11 +1041,10 @@ impl Cut {
     /// Scans `held` (which starts with the removed element's start tag) from the cursor.
     pub fn advance(&mut self, held: &[u8]) -> Step {
         loop {
-            let Some(offset) = memchr::memchr(b'<', &held[self.cursor..]) else {
+            let Some(at) = next_lt(held, self.cursor) else {
                 self.cursor = held.len();
                 return Step::More;
             };
-            let at = self.cursor + offset;
             let Some(&next) = held.get(at + 1) else {
                 self.cursor = at;
                 return Step::More;
