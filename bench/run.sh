@@ -584,8 +584,9 @@ WARM=() # the cases started and warmed up, in order
 # measure_cases: the measured rounds of every warmed-up case, interleaved: round 1 of every
 # case, then round 2 in reverse order, and so on. A slow spell of the machine (this VM has
 # them) then lands on all cases alike instead of on the few measured during it, which is what
-# the ratios between cases need. Then each case's figures (the proxies stay up for
-# measure_pairs; stop_cases stops them).
+# the ratios between cases need. Then each case's figures and rate-limit notes (before the
+# paired runs, whose load the notes' Redis shares do not count); the proxies stay up for
+# measure_pairs, and stop_cases stops them.
 measure_cases() {
 	local round id
 	local -a order
@@ -602,13 +603,13 @@ measure_cases() {
 	done
 	for id in "${WARM[@]}"; do
 		[[ ${STATUS[$id]} != warm ]] || finish_measure "$id"
+		[[ ${KIND_OF[$id]} != levee || ${STATUS[$id]} != ok ]] || limit_note "$id" "${CASE_ADMIN[$id]}"
 	done
 }
 
-stop_cases() { # after measure_cases and measure_pairs: the rate-limit notes, and every proxy stopped
+stop_cases() { # after measure_cases and measure_pairs: every proxy stopped
 	local id
 	for id in "${WARM[@]}"; do
-		[[ ${KIND_OF[$id]} != levee || ${STATUS[$id]} != ok ]] || limit_note "$id" "${CASE_ADMIN[$id]}"
 		[[ ${KIND_OF[$id]} == backend ]] || stop_pid "${PROC_OF[$id]}"
 	done
 }
@@ -616,6 +617,7 @@ stop_cases() { # after measure_cases and measure_pairs: the rate-limit notes, an
 # The pairs of cases whose req/s the targets compare: "A B" judges A against B.
 TARGET_PAIRS=("4 2" "4 3" "5c 4" "6 8b")
 declare -A PAIR_RATIOS=() PAIR_CPU_RATIOS=() # "A B" -> space-separated per-pair ratios of A to B
+declare -A PAIR_FAILED=()                      # ID -> 1 once a paired run of the case failed
 
 # measure_pairs: the req/s targets' own measurement. However the rounds of measure_cases are
 # ordered, the two cases of a target can sit minutes apart, and this machine's speed drifts by a
@@ -628,10 +630,16 @@ measure_pairs() {
 	for pair in "${TARGET_PAIRS[@]}"; do
 		read -r a b <<<"$pair"
 		[[ ${STATUS[$a]:-} == ok && ${STATUS[$b]:-} == ok ]] || continue
+		[[ -z ${PAIR_FAILED[$a]:-}${PAIR_FAILED[$b]:-} ]] || continue
 		log "paired runs: case $a against case $b"
 		for ((run = 1; run <= PAIR_RUNS; run++)); do
 			for id in $( ((run % 2)) && echo "$a $b" || echo "$b $a"); do
-				pair_run "$id" "$run" || continue 3
+				if ! pair_run "$id" "$run"; then
+					# A pair cut short is judged on no ratio at all, not on its first runs.
+					PAIR_FAILED[$id]=1
+					unset "PAIR_RATIOS[$pair]" "PAIR_CPU_RATIOS[$pair]"
+					continue 3
+				fi
 				rps[$id]=$PAIR_RPS cpu[$id]=$PAIR_CPU
 			done
 			PAIR_RATIOS[$pair]+=" $(calc "printf \"%.4f\", ${rps[$a]} / ${rps[$b]}")"

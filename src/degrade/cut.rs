@@ -766,7 +766,7 @@ fn next_byte(buf: &[u8], from: usize, byte: u8) -> Option<usize> {
     while let Some(word) = buf.get(at..at + 8) {
         let word = u64::from_le_bytes(word.try_into().ok()?);
         let zeroed = word ^ pattern;
-        // The lowest byte that is `<` is exactly the lowest flagged (a borrow only flags
+        // The lowest byte equal to `byte` is exactly the lowest flagged (a borrow only flags
         // bytes above a real one).
         let flagged = zeroed.wrapping_sub(ONES) & !zeroed & HIGHS;
         if flagged != 0 {
@@ -967,6 +967,22 @@ impl Cut {
         })
     }
 
+    /// Drops the long names of elements no longer open, so that a module of many closed
+    /// custom elements holds no more names than are open. Long names are kept in the order
+    /// their elements opened, so those still open are the first few.
+    fn forget_closed_long_names(&mut self) {
+        if self.long_names.is_empty() {
+            return;
+        }
+        let still_open = self
+            .open
+            .iter()
+            .rev()
+            .find_map(|open| open.long_index())
+            .map_or(0, |index| index + 1);
+        self.long_names.truncate(still_open);
+    }
+
     /// Whether the open element `open` is named `name` (any case).
     fn is_named(&self, open: OpenName, inline: Option<OpenName>, name: &[u8]) -> bool {
         match (inline, open.long_index()) {
@@ -1131,7 +1147,10 @@ impl Cut {
                         .rposition(|&open| self.is_named(open, inline, name))
                     {
                         Some(0) => return Step::Ended(tag.end),
-                        Some(index) => self.open.truncate(index),
+                        Some(index) => {
+                            self.open.truncate(index);
+                            self.forget_closed_long_names();
+                        }
                         None if self.optional.is_some() => {
                             if let Some(step) = self.end_ends(&TagName::lowercase(name), at) {
                                 return step;
@@ -1214,8 +1233,9 @@ mod tests {
     #[test]
     fn tag_names_are_lower_case_and_long_ones_kept_whole() {
         assert_eq!(&*TagName::lowercase(b"DiV"), b"div");
-        // Every byte value, in every position of the inline word, lower-cased as
-        // `to_ascii_lowercase` does (non-ASCII bytes and `@`, `[`, `` ` ``, `{` untouched).
+        // Every byte value, at two positions of the inline word and in names of every length,
+        // lower-cased as `to_ascii_lowercase` does (non-ASCII bytes and `@`, `[`, `` ` ``,
+        // `{` untouched).
         for first in (0..=255u8).step_by(16) {
             let raw: Vec<u8> = (first..=first.saturating_add(15)).collect();
             for len in 0..=raw.len() {
@@ -1353,6 +1373,21 @@ mod tests {
                 String::from_utf8_lossy(module)
             );
         }
+        // Closed long names are not kept: a module of many custom elements holds only the
+        // names still open.
+        let mut held = b"<div id=r>".to_vec();
+        for _ in 0..1000 {
+            held.extend_from_slice(b"<My-Custom-Element-Name><b>x</b></my-custom-element-name>");
+        }
+        held.extend_from_slice(b"<my-outer-custom-element><my-custom-element-name>");
+        let Read::Tag(tag) = read_tag(&held, 1) else {
+            panic!("complete")
+        };
+        let mut cut = Cut::new(tag.name, tag.end);
+        assert_eq!(cut.advance(&held), Step::More);
+        assert_eq!(cut.long_names.len(), 2);
+        held.extend_from_slice(b"</MY-OUTER-CUSTOM-ELEMENT></div>");
+        assert_eq!(cut.advance(&held), Step::Ended(held.len()));
         // A long name is not taken for a short one it begins with, nor the other way round.
         let module = br"<div id=r><div-of-a-long-name-here><div></div-of-a-long-name-here></div>";
         let page = [&module[..], b"</div>", &tail[..]].concat();
