@@ -421,6 +421,14 @@ impl OpenName {
     }
 }
 
+/// The [`OpenName`] of `name` (lower case), kept aside in `long_names` when it is long.
+fn open_name(long_names: &mut Vec<Vec<u8>>, name: &[u8]) -> OpenName {
+    OpenName::inline_at(name, 0, name.len()).unwrap_or_else(|| {
+        long_names.push(name.to_vec());
+        OpenName((OpenName::LONG << 120) | (long_names.len() - 1) as u128)
+    })
+}
+
 impl std::ops::Deref for TagName {
     type Target = [u8];
 
@@ -947,24 +955,15 @@ pub struct Cut {
 
 impl Cut {
     pub fn new(name: TagName, cursor: usize) -> Cut {
-        let mut cut = Cut {
+        let mut long_names = Vec::new();
+        let removed = open_name(&mut long_names, &name);
+        Cut {
             optional: optional_end(&name),
             removed: name,
-            open: Vec::new(),
-            long_names: Vec::new(),
+            open: vec![removed],
+            long_names,
             cursor,
-        };
-        let removed = cut.open_name(&cut.removed.clone());
-        cut.open.push(removed);
-        cut
-    }
-
-    /// The [`OpenName`] of `name` (lower case), keeping it aside when it is long.
-    fn open_name(&mut self, name: &[u8]) -> OpenName {
-        OpenName::inline_at(name, 0, name.len()).unwrap_or_else(|| {
-            self.long_names.push(name.to_vec());
-            OpenName((OpenName::LONG << 120) | (self.long_names.len() - 1) as u128)
-        })
+        }
     }
 
     /// Drops the long names of elements no longer open, so that a module of many closed
@@ -1192,7 +1191,7 @@ impl Cut {
                     if !is_void(name) {
                         let open = match word {
                             Some(word) => OpenName::of_word(word, name_len),
-                            None => self.open_name(name),
+                            None => open_name(&mut self.long_names, name),
                         };
                         self.open.push(open);
                     }
