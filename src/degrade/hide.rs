@@ -62,6 +62,62 @@ impl Output {
     }
 }
 
+/// Bytes of the page held back: one of the upstream's chunks (or a piece of it), shared and not
+/// copied, until more must be joined to it; then a buffer of its own, which grows. Most pages
+/// are held this way for their first chunk, where the module is, and for each chunk's tail.
+enum Held {
+    Shared(Bytes),
+    Owned(BytesMut),
+}
+
+impl Default for Held {
+    fn default() -> Held {
+        Held::Shared(Bytes::new())
+    }
+}
+
+impl std::ops::Deref for Held {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Held::Shared(bytes) => bytes,
+            Held::Owned(buf) => buf,
+        }
+    }
+}
+
+impl Held {
+    /// Joins `data` to what is held: kept as it is when nothing is held, copied otherwise.
+    fn append(&mut self, data: Bytes) {
+        match self {
+            Held::Shared(bytes) if bytes.is_empty() => *bytes = data,
+            Held::Shared(bytes) => {
+                let mut buf = BytesMut::with_capacity(bytes.len() + data.len());
+                buf.extend_from_slice(bytes);
+                buf.extend_from_slice(&data);
+                *self = Held::Owned(buf);
+            }
+            Held::Owned(buf) => buf.extend_from_slice(&data),
+        }
+    }
+
+    /// The first `n` bytes, taken off.
+    fn split_to(&mut self, n: usize) -> Bytes {
+        match self {
+            Held::Shared(bytes) => bytes.split_to(n),
+            Held::Owned(buf) => buf.split_to(n).freeze(),
+        }
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Held::Shared(bytes) => bytes,
+            Held::Owned(buf) => buf.freeze(),
+        }
+    }
+}
+
 /// Collects the rewriter's output for the next body frame.
 struct Sink(Arc<Mutex<Output>>);
 
@@ -233,7 +289,7 @@ enum Stage {
     /// Removing an element found by the fast path: `held` starts with its start tag and is
     /// dropped up to its end tag once that is found.
     Cut {
-        held: BytesMut,
+        held: Held,
         cut: Cut,
         /// While the scanner waits for the end of a tag or comment: look again once `held`
         /// is this long (see `Scan::look_again_at`).
@@ -247,7 +303,7 @@ enum Stage {
 
 /// The scan stage's bytes not passed on yet, and what is known of them.
 struct Scan {
-    carry: BytesMut,
+    carry: Held,
     /// Where the bytes passed on so far leave the tokenizer: a needle inside a comment or a
     /// script is text, not a module.
     passed: Passed,
@@ -269,7 +325,7 @@ enum Sought {
 }
 
 impl Scan {
-    fn new(carry: BytesMut, needles: usize) -> Scan {
+    fn new(carry: Held, needles: usize) -> Scan {
         Scan {
             carry,
             passed: Passed::default(),
@@ -316,7 +372,7 @@ impl Scan {
             };
         }
         self.look_again_at = self.look_again_at.saturating_sub(n);
-        let taken = self.carry.split_to(n).freeze();
+        let taken = self.carry.split_to(n);
         self.passed.note(taken.clone());
         taken
     }
@@ -601,7 +657,7 @@ impl Hider {
                 &ended,
             )))
         } else {
-            Stage::Scan(Scan::new(BytesMut::new(), plan.needles.len()))
+            Stage::Scan(Scan::new(Held::default(), plan.needles.len()))
         };
         Hider {
             stage,
@@ -621,7 +677,7 @@ impl Hider {
         if self.scan_in_place(&data) {
             return Ok(());
         }
-        self.feed(&data)
+        self.feed(data)
     }
 
     /// The scan stage's work for `data` when it can be done without joining `data` to the
@@ -670,13 +726,13 @@ impl Hider {
         };
         let tail_from = data.len() - self.carry;
         let keep_from = unfinished.map_or(tail_from, |start| start.min(tail_from));
-        let held = std::mem::take(&mut scan.carry).freeze();
+        let held = std::mem::take(&mut scan.carry).into_bytes();
         let passed = data.slice(..keep_from);
         scan.passed.note(held.clone());
         scan.passed.note(passed.clone());
         emit_shared(&self.output, held);
         emit_shared(&self.output, passed);
-        scan.carry = BytesMut::from(&data[keep_from..]);
+        scan.carry = Held::Shared(data.slice(keep_from..));
         let kept = scan.carry.len();
         for (needle, sought) in self.plan.needles.iter().zip(scan.sought.iter_mut()) {
             *sought = Sought::NotBefore((kept + 1).saturating_sub(needle.len()));
@@ -689,10 +745,10 @@ impl Hider {
     }
 
     /// Feeds one chunk through the current stage; output lands in `output`.
-    fn feed(&mut self, data: &[u8]) -> Result<(), BoxError> {
+    fn feed(&mut self, data: Bytes) -> Result<(), BoxError> {
         match &mut self.stage {
             Stage::Scan(scan) => {
-                scan.carry.extend_from_slice(data);
+                scan.carry.append(data);
                 if scan.carry.len() < scan.look_again_at {
                     return Ok(());
                 }
@@ -703,15 +759,15 @@ impl Hider {
                 look_again_at,
                 ..
             } => {
-                held.extend_from_slice(data);
+                held.append(data);
                 if held.len() < *look_again_at {
                     return Ok(());
                 }
                 self.cut()
             }
-            Stage::Rewrite(_) => self.rewrite(data),
+            Stage::Rewrite(_) => self.rewrite(&data),
             Stage::Pass => {
-                emit(&self.output, data);
+                emit_shared(&self.output, data);
                 Ok(())
             }
             Stage::Done => Ok(()),
@@ -767,7 +823,7 @@ impl Hider {
                     Found::Element { start, tag } => {
                         let before = scan.take(start);
                         emit_shared(&self.output, before);
-                        let held = scan.carry.split();
+                        let held = std::mem::take(&mut scan.carry);
                         // Offsets in `held`, which begins at the start tag.
                         let tag_end = tag.end - start;
                         let void = cut::is_void(&tag.name);
@@ -798,7 +854,7 @@ impl Hider {
             }
             let before = scan.take(start);
             emit_shared(&self.output, before);
-            let rest = scan.carry.split();
+            let rest = std::mem::take(&mut scan.carry);
             self.start_rewriter();
             return self.rewrite(&rest);
         }
@@ -845,7 +901,7 @@ impl Hider {
         let ended = self.ended.fetch_add(1, Ordering::Relaxed) + 1;
         if self.plan.stop_after > 0 && ended >= self.plan.stop_after {
             self.stage = Stage::Pass;
-            emit_shared(&self.output, rest);
+            emit_shared(&self.output, rest.into_bytes());
             return Ok(());
         }
         self.stage = Stage::Scan(Scan::new(rest, self.plan.needles.len()));
@@ -872,7 +928,7 @@ impl Hider {
             _ => {}
         }
         match std::mem::replace(&mut self.stage, Stage::Done) {
-            Stage::Scan(scan) => emit_shared(&self.output, scan.carry),
+            Stage::Scan(scan) => emit_shared(&self.output, scan.carry.into_bytes()),
             // The page ended inside a removed element: it is removed to the end, as the
             // rewriter would.
             Stage::Cut { .. } => {}
