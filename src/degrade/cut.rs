@@ -349,6 +349,7 @@ fn lowercase_word(raw: &[u8]) -> u128 {
 
 /// [`lowercase_word`] of `buf[start..start + len]` (`len` at most 16), read with one load
 /// when 16 bytes are there to read.
+#[inline(always)]
 fn lowercase_word_at(buf: &[u8], start: usize, len: usize) -> u128 {
     debug_assert!(len <= 16);
     match buf
@@ -356,26 +357,47 @@ fn lowercase_word_at(buf: &[u8], start: usize, len: usize) -> u128 {
         .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
     {
         Some(bytes) => {
-            let keep = if len >= 16 {
-                u128::MAX
+            let word = u128::from_le_bytes(bytes) & KEEP_FIRST[len];
+            // Most names fit in the low half: the high half is then zero, and stays so.
+            if len <= 8 {
+                u128::from(ascii_lowercase_half(word as u64))
             } else {
-                (1u128 << (8 * len)) - 1
-            };
-            ascii_lowercase_word(u128::from_le_bytes(bytes) & keep)
+                ascii_lowercase_word(word)
+            }
         }
         None => lowercase_word(&buf[start..start + len]),
     }
 }
 
+/// `KEEP_FIRST[n]` keeps the first `n` bytes of a word (a table: a shift of a 128-bit word by a
+/// variable amount takes several instructions, and this runs for every tag of a module).
+const KEEP_FIRST: [u128; 17] = {
+    let mut masks = [0u128; 17];
+    let mut n = 1;
+    while n < 17 {
+        masks[n] = (masks[n - 1] << 8) | 0xff;
+        n += 1;
+    }
+    masks
+};
+
 /// `to_ascii_lowercase` of each of the 16 bytes of `word` at once: bytes `A`–`Z` get the
 /// 0x20 bit, every other byte (non-ASCII ones included) stays as it is.
 fn ascii_lowercase_word(word: u128) -> u128 {
-    const LOW_SEVEN: u128 = u128::from_ne_bytes([0x7f; 16]);
-    const HIGH: u128 = u128::from_ne_bytes([0x80; 16]);
+    let low = ascii_lowercase_half(word as u64);
+    let high = ascii_lowercase_half((word >> 64) as u64);
+    u128::from(low) | (u128::from(high) << 64)
+}
+
+/// [`ascii_lowercase_word`] of eight bytes.
+#[inline]
+fn ascii_lowercase_half(word: u64) -> u64 {
+    const LOW_SEVEN: u64 = u64::from_ne_bytes([0x7f; 8]);
+    const HIGH: u64 = u64::from_ne_bytes([0x80; 8]);
     // Added to a byte's low seven bits, these set its high bit from `A` on and from past `Z`
     // on; no sum reaches the next byte (at most 0x7f + 0x3f).
-    const FROM_A: u128 = u128::from_ne_bytes([0x80 - b'A'; 16]);
-    const PAST_Z: u128 = u128::from_ne_bytes([0x80 - b'Z' - 1; 16]);
+    const FROM_A: u64 = u64::from_ne_bytes([0x80 - b'A'; 8]);
+    const PAST_Z: u64 = u64::from_ne_bytes([0x80 - b'Z' - 1; 8]);
     let low = word & LOW_SEVEN;
     let upper = (low + FROM_A) & !(low + PAST_Z) & !word & HIGH;
     word | (upper >> 2)
@@ -396,6 +418,7 @@ impl OpenName {
     const LONG: u128 = 0xff;
 
     /// The inline word of `buf[start..start + len]`, if it is short enough to have one.
+    #[inline(always)]
     fn inline_at(buf: &[u8], start: usize, len: usize) -> Option<OpenName> {
         (len <= OpenName::INLINE)
             .then(|| OpenName::of_word(lowercase_word_at(buf, start, len), len))
@@ -417,6 +440,100 @@ impl OpenName {
         self.long_index().is_none() && {
             let bytes = self.0.to_le_bytes();
             is_one_of(&bytes[..usize::from(bytes[15])], set)
+        }
+    }
+}
+
+/// What a start tag's name means to the scanner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NameKind {
+    /// [`is_void`]: never open.
+    Void,
+    /// [`is_not_markup`]: the scanner gives up.
+    NotMarkup,
+    Other,
+}
+
+/// The inline [`OpenName`] word of a lower-case name of at most `OpenName::INLINE` bytes, at
+/// compile time, so that names are told apart by comparing words.
+const fn inline_word(name: &[u8]) -> u128 {
+    let mut word = (name.len() as u128) << 120;
+    let mut at = 0;
+    while at < name.len() {
+        word |= (name[at] as u128) << (8 * at);
+        at += 1;
+    }
+    word
+}
+
+/// The inline names [`NameKind`] tells apart from the rest (those of [`is_void`] and
+/// [`is_not_markup`]).
+const KINDS: &[(&[u8], NameKind)] = &[
+    (b"area", NameKind::Void),
+    (b"base", NameKind::Void),
+    (b"br", NameKind::Void),
+    (b"col", NameKind::Void),
+    (b"embed", NameKind::Void),
+    (b"hr", NameKind::Void),
+    (b"img", NameKind::Void),
+    (b"input", NameKind::Void),
+    (b"link", NameKind::Void),
+    (b"meta", NameKind::Void),
+    (b"source", NameKind::Void),
+    (b"track", NameKind::Void),
+    (b"wbr", NameKind::Void),
+    (b"script", NameKind::NotMarkup),
+    (b"style", NameKind::NotMarkup),
+    (b"textarea", NameKind::NotMarkup),
+    (b"title", NameKind::NotMarkup),
+    (b"xmp", NameKind::NotMarkup),
+    (b"iframe", NameKind::NotMarkup),
+    (b"noembed", NameKind::NotMarkup),
+    (b"noframes", NameKind::NotMarkup),
+    (b"noscript", NameKind::NotMarkup),
+    (b"plaintext", NameKind::NotMarkup),
+    (b"svg", NameKind::NotMarkup),
+    (b"math", NameKind::NotMarkup),
+    (b"template", NameKind::NotMarkup),
+];
+
+/// A multiplier that sends each name of `KINDS` to a slot of its own in `KIND_TABLE` (found by
+/// trying odd numbers; the table's construction fails to compile if two names share a slot).
+/// A start tag's name is then looked up with one multiplication and one comparison: matching
+/// it against the 26 words took some 35 instructions a tag.
+const KIND_HASH: u64 = 0x842e_7fc2_2954_0a6f;
+
+const fn kind_slot(word: u128) -> usize {
+    (((word as u64) ^ ((word >> 64) as u64)).wrapping_mul(KIND_HASH) >> 58) as usize
+}
+
+/// Per slot, the inline word of the name of `KINDS` there (0, which no name's word is, when
+/// none is) and its kind.
+const KIND_TABLE: [(u128, NameKind); 64] = {
+    let mut table = [(0u128, NameKind::Other); 64];
+    let mut at = 0;
+    while at < KINDS.len() {
+        let (name, kind) = KINDS[at];
+        let word = inline_word(name);
+        let slot = kind_slot(word);
+        assert!(
+            table[slot].0 == 0,
+            "two names of KINDS share a slot: pick another KIND_HASH"
+        );
+        table[slot] = (word, kind);
+        at += 1;
+    }
+    table
+};
+
+impl OpenName {
+    /// [`is_void`] and [`is_not_markup`] of this (inline) name.
+    fn kind(self) -> NameKind {
+        let (word, kind) = KIND_TABLE[kind_slot(self.0)];
+        if word == self.0 {
+            kind
+        } else {
+            NameKind::Other
         }
     }
 }
@@ -624,7 +741,10 @@ pub fn holder(buf: &[u8], at: usize) -> Holder {
 /// the walk back ran out of buffer before it stopped on its own, so a `<` earlier in the page
 /// could still change the answer.
 pub fn holder_walk(buf: &[u8], at: usize) -> (Holder, bool) {
-    let mut found = Holder::None;
+    // The tag found so far: where it starts, and where it ends if it does. Tags are walked
+    // without reading their names and ids, which only the one found needs (at chunk ends the
+    // walk reads a few tags back, and usually finds none).
+    let mut found: Option<(usize, Option<Walked>)> = None;
     // The position the next tag back must reach past to hold what was found so far.
     let mut target = at;
     let mut before = at;
@@ -633,33 +753,43 @@ pub fn holder_walk(buf: &[u8], at: usize) -> (Holder, bool) {
         before = start;
         if ends_raw_text(&buf[start..]) {
             // What came before may be script or style text, where a `<` opens nothing.
-            return (found, true);
+            return (holder_of(buf, found), true);
         }
         if !buf.get(start + 1).is_some_and(u8::is_ascii_alphabetic) {
             continue;
         }
         read += 1;
         if read > TAGS_READ_BACK {
-            return (found, true);
+            return (holder_of(buf, found), true);
         }
-        let reaches = match read_tag(buf, start + 1) {
-            Read::Incomplete => None,
-            Read::Tag(tag) if tag.end > target => Some(tag),
-            Read::Tag(_) => continue,
+        let reaches = match walk_tag(buf, start + 1, |_, _| {}) {
+            None => None,
+            Some(walked) if walked.end > target => Some(walked),
+            Some(_) => continue,
         };
         // A tag read across a comment's end is not trusted: its `<` is most likely inside that
         // comment (`<!-- <div title="old --><div id="ranking">`), and HTML gives a `-->` in a
         // quoted value no reason to be there.
         if memchr::memmem::find(&buf[start..target], b"-->").is_some() {
-            return (found, true);
+            return (holder_of(buf, found), true);
         }
-        found = match reaches {
-            Some(tag) => Holder::Tag { start, tag },
-            None => Holder::Incomplete { start },
-        };
+        found = Some((start, reaches));
         target = start;
     }
-    (found, false)
+    (holder_of(buf, found), false)
+}
+
+/// The [`Holder`] a walk back found: the tag starting there read whole (name and id), or an
+/// incomplete one.
+fn holder_of(buf: &[u8], found: Option<(usize, Option<Walked>)>) -> Holder {
+    match found {
+        None => Holder::None,
+        Some((start, Some(_))) => match read_tag(buf, start + 1) {
+            Read::Tag(tag) => Holder::Tag { start, tag },
+            Read::Incomplete => Holder::Incomplete { start },
+        },
+        Some((start, None)) => Holder::Incomplete { start },
+    }
 }
 
 /// Elements whose text is not markup (raw-text and escapable raw-text elements, and
@@ -679,9 +809,10 @@ const RAW_TEXT: &[&[u8]] = &[
 
 /// Does `rest` begin with the end tag of an element whose text is not markup?
 fn ends_raw_text(rest: &[u8]) -> bool {
-    RAW_TEXT
-        .iter()
-        .any(|name| end_tag_named(rest, name) == Some(true))
+    rest.get(1) == Some(&b'/')
+        && RAW_TEXT
+            .iter()
+            .any(|name| end_tag_named(rest, name) == Some(true))
 }
 
 /// Does `rest` begin with `name`'s end tag (`</script>`, `</SCRIPT `)? `None`: `rest` ends
@@ -1042,6 +1173,26 @@ impl Cut {
     }
 }
 
+impl Cut {
+    /// What a start tag with a long `name` (lower case) does: `Some` ends the cut or gives up;
+    /// otherwise the element is open, unless it is void.
+    fn start_tag(&mut self, name: &[u8], at: usize) -> Option<Step> {
+        if self.optional.is_some() {
+            if let Some(step) = self.start_ends(name, at) {
+                return Some(step);
+            }
+        }
+        if is_not_markup(name) {
+            return Some(Step::GiveUp);
+        }
+        if !is_void(name) {
+            let open = open_name(&mut self.long_names, name);
+            self.open.push(open);
+        }
+        None
+    }
+}
+
 #[derive(Debug, PartialEq, Eq)]
 pub enum Step {
     /// The element ends just before this offset.
@@ -1163,39 +1314,29 @@ impl Cut {
                         self.cursor = at;
                         return Step::More;
                     };
-                    // The name lower-cased: as a word when it is short (the usual case), pushed
-                    // whole below.
+                    self.cursor = tag.end;
                     let name_len = tag.name_end - (at + 1);
-                    let word = (name_len <= OpenName::INLINE)
-                        .then(|| lowercase_word_at(held, at + 1, name_len));
-                    let (bytes, long);
-                    let name: &[u8] = match word {
-                        Some(word) => {
-                            bytes = word.to_le_bytes();
-                            &bytes[..name_len]
+                    // The name lower-cased as a word when it is short (the usual case): told
+                    // apart from the names that matter by comparing words, and pushed whole.
+                    let Some(open) = OpenName::inline_at(held, at + 1, name_len) else {
+                        let name = held[at + 1..tag.name_end].to_ascii_lowercase();
+                        if let Some(step) = self.start_tag(&name, at) {
+                            return step;
                         }
-                        None => {
-                            long = held[at + 1..tag.name_end].to_ascii_lowercase();
-                            &long
-                        }
+                        continue;
                     };
                     if self.optional.is_some() {
-                        if let Some(step) = self.start_ends(name, at) {
+                        let bytes = open.0.to_le_bytes();
+                        if let Some(step) = self.start_ends(&bytes[..name_len], at) {
                             return step;
                         }
                     }
-                    if is_not_markup(name) {
-                        return Step::GiveUp;
+                    match open.kind() {
+                        NameKind::NotMarkup => return Step::GiveUp,
+                        // `/>` does not close a non-void HTML element; void ones never open.
+                        NameKind::Void => {}
+                        NameKind::Other => self.open.push(open),
                     }
-                    // `/>` does not close a non-void HTML element; void ones never open.
-                    if !is_void(name) {
-                        let open = match word {
-                            Some(word) => OpenName::of_word(word, name_len),
-                            None => open_name(&mut self.long_names, name),
-                        };
-                        self.open.push(open);
-                    }
-                    self.cursor = tag.end;
                 }
                 // A `<` that starts no tag is text.
                 _ => self.cursor = at + 1,
@@ -1226,6 +1367,55 @@ mod tests {
         assert!(IdSelector::parse("#a-b_c").is_some());
         for other in ["#", ".x", "div", "#a b", "#a:hover", "div.x#y", "#a,#b"] {
             assert_eq!(IdSelector::parse(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn start_tag_names_are_told_apart_by_their_word_as_by_their_bytes() {
+        let expected = |name: &[u8]| {
+            if is_void(name) {
+                NameKind::Void
+            } else if is_not_markup(name) {
+                NameKind::NotMarkup
+            } else {
+                NameKind::Other
+            }
+        };
+        let kind = |raw: &[u8]| {
+            OpenName::inline_at(raw, 0, raw.len())
+                .expect("inline")
+                .kind()
+        };
+        for (name, listed) in KINDS {
+            assert_eq!(expected(name), *listed, "{}", String::from_utf8_lossy(name));
+            assert_eq!(kind(name), *listed);
+            assert_eq!(kind(&name.to_ascii_uppercase()), *listed);
+        }
+        // Every name of up to three letters, and near misses of listed names.
+        let letters = b"abcdefghijklmnopqrstuvwxyz";
+        let mut names: Vec<Vec<u8>> = Vec::new();
+        for &a in letters {
+            names.push(vec![a]);
+            for &b in letters {
+                names.push(vec![a, b]);
+                for &c in letters {
+                    names.push(vec![a, b, c]);
+                }
+            }
+        }
+        for (name, _) in KINDS {
+            names.push([*name, b"\0"].concat());
+            names.push([*name, b"x"].concat());
+            names.push(name[..name.len() - 1].to_vec());
+        }
+        names.push(b"plaintext-and-more".to_vec()[..15].to_vec());
+        for name in &names {
+            assert_eq!(
+                kind(name),
+                expected(name),
+                "{}",
+                String::from_utf8_lossy(name)
+            );
         }
     }
 
@@ -1266,6 +1456,16 @@ mod tests {
                 assert_eq!(
                     lowercase_word_at(buf, start, len),
                     lowercase_word(&buf[start..start + len]),
+                    "{start} {len}"
+                );
+            }
+        }
+        let every_byte: Vec<u8> = (0..=255u8).chain(0..=255u8).collect();
+        for start in 0..every_byte.len() {
+            for len in 0..=16.min(every_byte.len() - start) {
+                assert_eq!(
+                    lowercase_word_at(&every_byte, start, len),
+                    lowercase_word(&every_byte[start..start + len]),
                     "{start} {len}"
                 );
             }
