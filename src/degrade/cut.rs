@@ -1371,6 +1371,33 @@ mod tests {
     }
 
     #[test]
+    fn searching_a_word_at_a_time_finds_what_a_byte_loop_finds() {
+        // Buffers drawn from bytes that look close to the ones sought, at every offset.
+        let alphabet = b"ab/>< \t\n\x0b\x0c\r\0\x1f!\"'=\x80\xff?.";
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        for _ in 0..2_000 {
+            let len = (state % 40) as usize;
+            let buf: Vec<u8> = (0..len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    alphabet[(state % alphabet.len() as u64) as usize]
+                })
+                .collect();
+            for from in 0..=buf.len() {
+                for byte in [b'<', b'"'] {
+                    let next = buf[from..]
+                        .iter()
+                        .position(|&found| found == byte)
+                        .map(|found| from + found);
+                    assert_eq!(next_byte(&buf, from, byte), next, "{buf:?} from {from}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn start_tag_names_are_told_apart_by_their_word_as_by_their_bytes() {
         let expected = |name: &[u8]| {
             if is_void(name) {
