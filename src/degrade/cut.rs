@@ -244,47 +244,13 @@ pub fn is_cut_whole(name: &[u8]) -> bool {
 }
 
 /// Has this element (lower-case name) no end tag? Removing one removes its start tag only.
-/// (One `match`, which the compiler turns into a switch on the length: it runs for every
-/// start tag of a removed module.)
 pub fn is_void(name: &[u8]) -> bool {
-    matches!(
-        name,
-        b"area"
-            | b"base"
-            | b"br"
-            | b"col"
-            | b"embed"
-            | b"hr"
-            | b"img"
-            | b"input"
-            | b"link"
-            | b"meta"
-            | b"source"
-            | b"track"
-            | b"wbr"
-    )
+    kind_of(name) == NameKind::Void
 }
 
-/// Is this element's (lower-case name) content something other than markup, or does it change
-/// how markup is read? The scanner cannot count tags inside such an element, so meeting one
-/// hands the work back to the rewriter.
-fn is_not_markup(name: &[u8]) -> bool {
-    matches!(
-        name,
-        b"script"
-            | b"style"
-            | b"textarea"
-            | b"title"
-            | b"xmp"
-            | b"iframe"
-            | b"noembed"
-            | b"noframes"
-            | b"noscript"
-            | b"plaintext"
-            | b"svg"
-            | b"math"
-            | b"template"
-    )
+/// The [`NameKind`] of a name (names longer than any listed one are `Other`).
+fn kind_of(name: &[u8]) -> NameKind {
+    OpenName::inline_at(name, 0, name.len()).map_or(NameKind::Other, OpenName::kind)
 }
 
 /// An id selector the fast path can handle: `#id` or `tag#id`.
@@ -357,7 +323,7 @@ fn lowercase_word_at(buf: &[u8], start: usize, len: usize) -> u128 {
         .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
     {
         Some(bytes) => {
-            let word = u128::from_le_bytes(bytes) & KEEP_FIRST[len];
+            let word = u128::from_le_bytes(bytes) & KEEP_FIRST[len.min(16)];
             // Most names fit in the low half: the high half is then zero, and stays so.
             if len <= 8 {
                 u128::from(ascii_lowercase_half(word as u64))
@@ -447,9 +413,10 @@ impl OpenName {
 /// What a start tag's name means to the scanner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum NameKind {
-    /// [`is_void`]: never open.
+    /// A void element: it has no end tag, and never opens.
     Void,
-    /// [`is_not_markup`]: the scanner gives up.
+    /// An element whose content is not markup (raw text, foreign content, templates): the
+    /// scanner gives up.
     NotMarkup,
     Other,
 }
@@ -457,6 +424,7 @@ enum NameKind {
 /// The inline [`OpenName`] word of a lower-case name of at most `OpenName::INLINE` bytes, at
 /// compile time, so that names are told apart by comparing words.
 const fn inline_word(name: &[u8]) -> u128 {
+    assert!(name.len() <= OpenName::INLINE, "not an inline name");
     let mut word = (name.len() as u128) << 120;
     let mut at = 0;
     while at < name.len() {
@@ -466,8 +434,8 @@ const fn inline_word(name: &[u8]) -> u128 {
     word
 }
 
-/// The inline names [`NameKind`] tells apart from the rest (those of [`is_void`] and
-/// [`is_not_markup`]).
+/// The names [`NameKind`] tells apart from the rest, HTML's void elements and the elements
+/// whose content is not markup: the one list behind [`is_void`] and [`OpenName::kind`].
 const KINDS: &[(&[u8], NameKind)] = &[
     (b"area", NameKind::Void),
     (b"base", NameKind::Void),
@@ -527,7 +495,7 @@ const KIND_TABLE: [(u128, NameKind); 64] = {
 };
 
 impl OpenName {
-    /// [`is_void`] and [`is_not_markup`] of this (inline) name.
+    /// What this (inline) name means to the scanner.
     fn kind(self) -> NameKind {
         let (word, kind) = KIND_TABLE[kind_slot(self.0)];
         if word == self.0 {
@@ -741,10 +709,10 @@ pub fn holder(buf: &[u8], at: usize) -> Holder {
 /// the walk back ran out of buffer before it stopped on its own, so a `<` earlier in the page
 /// could still change the answer.
 pub fn holder_walk(buf: &[u8], at: usize) -> (Holder, bool) {
-    // The tag found so far: where it starts, and where it ends if it does. Tags are walked
+    // The tag found so far: where it starts, and whether it ends within `buf`. Tags are walked
     // without reading their names and ids, which only the one found needs (at chunk ends the
     // walk reads a few tags back, and usually finds none).
-    let mut found: Option<(usize, Option<Walked>)> = None;
+    let mut found: Option<(usize, bool)> = None;
     // The position the next tag back must reach past to hold what was found so far.
     let mut target = at;
     let mut before = at;
@@ -762,9 +730,9 @@ pub fn holder_walk(buf: &[u8], at: usize) -> (Holder, bool) {
         if read > TAGS_READ_BACK {
             return (holder_of(buf, found), true);
         }
-        let reaches = match walk_tag(buf, start + 1, |_, _| {}) {
-            None => None,
-            Some(walked) if walked.end > target => Some(walked),
+        let ends = match walk_tag(buf, start + 1, |_, _| {}) {
+            None => false,
+            Some(walked) if walked.end > target => true,
             Some(_) => continue,
         };
         // A tag read across a comment's end is not trusted: its `<` is most likely inside that
@@ -773,22 +741,22 @@ pub fn holder_walk(buf: &[u8], at: usize) -> (Holder, bool) {
         if memchr::memmem::find(&buf[start..target], b"-->").is_some() {
             return (holder_of(buf, found), true);
         }
-        found = Some((start, reaches));
+        found = Some((start, ends));
         target = start;
     }
     (holder_of(buf, found), false)
 }
 
-/// The [`Holder`] a walk back found: the tag starting there read whole (name and id), or an
-/// incomplete one.
-fn holder_of(buf: &[u8], found: Option<(usize, Option<Walked>)>) -> Holder {
+/// The [`Holder`] a walk back found (its start, and whether it ends): a tag that ends is read
+/// again whole, name and id, by `read_tag`, which walks it as the walk back did.
+fn holder_of(buf: &[u8], found: Option<(usize, bool)>) -> Holder {
     match found {
         None => Holder::None,
-        Some((start, Some(_))) => match read_tag(buf, start + 1) {
+        Some((start, true)) => match read_tag(buf, start + 1) {
             Read::Tag(tag) => Holder::Tag { start, tag },
             Read::Incomplete => Holder::Incomplete { start },
         },
-        Some((start, None)) => Holder::Incomplete { start },
+        Some((start, false)) => Holder::Incomplete { start },
     }
 }
 
@@ -1173,26 +1141,6 @@ impl Cut {
     }
 }
 
-impl Cut {
-    /// What a start tag with a long `name` (lower case) does: `Some` ends the cut or gives up;
-    /// otherwise the element is open, unless it is void.
-    fn start_tag(&mut self, name: &[u8], at: usize) -> Option<Step> {
-        if self.optional.is_some() {
-            if let Some(step) = self.start_ends(name, at) {
-                return Some(step);
-            }
-        }
-        if is_not_markup(name) {
-            return Some(Step::GiveUp);
-        }
-        if !is_void(name) {
-            let open = open_name(&mut self.long_names, name);
-            self.open.push(open);
-        }
-        None
-    }
-}
-
 #[derive(Debug, PartialEq, Eq)]
 pub enum Step {
     /// The element ends just before this offset.
@@ -1319,10 +1267,11 @@ impl Cut {
                     // The name lower-cased as a word when it is short (the usual case): told
                     // apart from the names that matter by comparing words, and pushed whole.
                     let Some(open) = OpenName::inline_at(held, at + 1, name_len) else {
+                        // A long (custom) name: no element the scanner reacts to, void, not
+                        // markup or ending the removed one, has a name this long. It opens.
                         let name = held[at + 1..tag.name_end].to_ascii_lowercase();
-                        if let Some(step) = self.start_tag(&name, at) {
-                            return step;
-                        }
+                        let open = open_name(&mut self.long_names, &name);
+                        self.open.push(open);
                         continue;
                     };
                     if self.optional.is_some() {
@@ -1399,24 +1348,58 @@ mod tests {
 
     #[test]
     fn start_tag_names_are_told_apart_by_their_word_as_by_their_bytes() {
+        // HTML's void elements, and those whose content the scanner cannot read as markup.
+        const VOID: &[&[u8]] = &[
+            b"area", b"base", b"br", b"col", b"embed", b"hr", b"img", b"input", b"link", b"meta",
+            b"source", b"track", b"wbr",
+        ];
+        const NOT_MARKUP: &[&[u8]] = &[
+            b"script",
+            b"style",
+            b"textarea",
+            b"title",
+            b"xmp",
+            b"iframe",
+            b"noembed",
+            b"noframes",
+            b"noscript",
+            b"plaintext",
+            b"svg",
+            b"math",
+            b"template",
+        ];
         let expected = |name: &[u8]| {
-            if is_void(name) {
+            let lower = name.to_ascii_lowercase();
+            if VOID.contains(&&lower[..]) {
                 NameKind::Void
-            } else if is_not_markup(name) {
+            } else if NOT_MARKUP.contains(&&lower[..]) {
                 NameKind::NotMarkup
             } else {
                 NameKind::Other
             }
         };
+        // Read from a page as the scanner reads it: with one load when 16 bytes follow, byte
+        // by byte at the buffer's end.
         let kind = |raw: &[u8]| {
-            OpenName::inline_at(raw, 0, raw.len())
-                .expect("inline")
-                .kind()
+            let at_end = OpenName::inline_at(raw, 0, raw.len()).expect("inline");
+            let page = [raw, b" class=x>0123456789"].concat();
+            let in_page = OpenName::inline_at(&page, 0, raw.len()).expect("inline");
+            assert_eq!(at_end, in_page, "{}", String::from_utf8_lossy(raw));
+            assert_eq!(
+                is_void(&raw.to_ascii_lowercase()),
+                at_end.kind() == NameKind::Void
+            );
+            at_end.kind()
         };
-        for (name, listed) in KINDS {
-            assert_eq!(expected(name), *listed, "{}", String::from_utf8_lossy(name));
-            assert_eq!(kind(name), *listed);
-            assert_eq!(kind(&name.to_ascii_uppercase()), *listed);
+        assert_eq!(KINDS.len(), VOID.len() + NOT_MARKUP.len());
+        for name in VOID.iter().chain(NOT_MARKUP) {
+            assert_eq!(
+                kind(name),
+                expected(name),
+                "{}",
+                String::from_utf8_lossy(name)
+            );
+            assert_eq!(kind(&name.to_ascii_uppercase()), expected(name));
         }
         // Every name of up to three letters, and near misses of listed names.
         let letters = b"abcdefghijklmnopqrstuvwxyz";
@@ -1430,7 +1413,7 @@ mod tests {
                 }
             }
         }
-        for (name, _) in KINDS {
+        for name in VOID.iter().chain(NOT_MARKUP) {
             names.push([*name, b"\0"].concat());
             names.push([*name, b"x"].concat());
             names.push(name[..name.len() - 1].to_vec());
@@ -1588,7 +1571,8 @@ mod tests {
         for module in [
             &br#"<DIV id="r"><Div><sPaN>x</SPAN></dIV></div>"#[..],
             br"<div id=r><my-very-long-element-a><my-very-long-element-b><span></MY-VERY-LONG-ELEMENT-A></div>",
-            br"<div id=r><a-name-of-15-byte><a-name-of-16-bytes></A-NAME-OF-15-BYTE></div>",
+            br"<div id=r><name-of-15-byte><name-of-16-bytes></NAME-OF-15-BYTE></div>",
+            br"<div id=r><name-of-16-bytes><name-of-15-byte></NAME-OF-16-BYTES></div>",
             br"<div id=r><my-very-long-element-a><div></div></my-very-long-element-b></DIV>",
         ] {
             let page = [module, &tail[..]].concat();
