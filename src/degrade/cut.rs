@@ -1348,31 +1348,22 @@ mod tests {
 
     #[test]
     fn start_tag_names_are_told_apart_by_their_word_as_by_their_bytes() {
-        // HTML's void elements, and those whose content the scanner cannot read as markup.
+        // HTML's void elements, and those whose content the scanner cannot read as markup:
+        // raw text, and elements that change how markup is read.
         const VOID: &[&[u8]] = &[
             b"area", b"base", b"br", b"col", b"embed", b"hr", b"img", b"input", b"link", b"meta",
             b"source", b"track", b"wbr",
         ];
-        const NOT_MARKUP: &[&[u8]] = &[
-            b"script",
-            b"style",
-            b"textarea",
-            b"title",
-            b"xmp",
-            b"iframe",
-            b"noembed",
-            b"noframes",
-            b"noscript",
-            b"plaintext",
-            b"svg",
-            b"math",
-            b"template",
-        ];
+        let not_markup: Vec<&[u8]> = RAW_TEXT
+            .iter()
+            .copied()
+            .chain([&b"plaintext"[..], b"svg", b"math", b"template"])
+            .collect();
         let expected = |name: &[u8]| {
             let lower = name.to_ascii_lowercase();
             if VOID.contains(&&lower[..]) {
                 NameKind::Void
-            } else if NOT_MARKUP.contains(&&lower[..]) {
+            } else if not_markup.contains(&&lower[..]) {
                 NameKind::NotMarkup
             } else {
                 NameKind::Other
@@ -1391,8 +1382,8 @@ mod tests {
             );
             at_end.kind()
         };
-        assert_eq!(KINDS.len(), VOID.len() + NOT_MARKUP.len());
-        for name in VOID.iter().chain(NOT_MARKUP) {
+        assert_eq!(KINDS.len(), VOID.len() + not_markup.len());
+        for name in VOID.iter().chain(&not_markup) {
             assert_eq!(
                 kind(name),
                 expected(name),
@@ -1413,7 +1404,7 @@ mod tests {
                 }
             }
         }
-        for name in VOID.iter().chain(NOT_MARKUP) {
+        for name in VOID.iter().chain(&not_markup) {
             names.push([*name, b"\0"].concat());
             names.push([*name, b"x"].concat());
             names.push(name[..name.len() - 1].to_vec());
