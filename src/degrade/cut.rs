@@ -303,12 +303,15 @@ impl TagName {
 }
 
 /// `raw` (at most 16 bytes) lower-cased into one word, zero past its end: gathered and
-/// lower-cased in registers, so that it is stored once, whole (see [`OpenName`]).
-fn lowercase_word(raw: &[u8]) -> u128 {
+/// lower-cased in registers, so that it is stored once, whole (see [`OpenName`]). A `const fn`:
+/// the words of the names in `KIND_TABLE` are made by it too.
+const fn lowercase_word(raw: &[u8]) -> u128 {
     debug_assert!(raw.len() <= 16);
     let mut word = 0u128;
-    for (at, &byte) in raw.iter().enumerate().take(16) {
-        word |= u128::from(byte) << (8 * at);
+    let mut at = 0;
+    while at < raw.len() && at < 16 {
+        word |= (raw[at] as u128) << (8 * at);
+        at += 1;
     }
     ascii_lowercase_word(word)
 }
@@ -349,15 +352,15 @@ const KEEP_FIRST: [u128; 17] = {
 
 /// `to_ascii_lowercase` of each of the 16 bytes of `word` at once: bytes `A`–`Z` get the
 /// 0x20 bit, every other byte (non-ASCII ones included) stays as it is.
-fn ascii_lowercase_word(word: u128) -> u128 {
+const fn ascii_lowercase_word(word: u128) -> u128 {
     let low = ascii_lowercase_half(word as u64);
     let high = ascii_lowercase_half((word >> 64) as u64);
-    u128::from(low) | (u128::from(high) << 64)
+    (low as u128) | ((high as u128) << 64)
 }
 
 /// [`ascii_lowercase_word`] of eight bytes.
 #[inline]
-fn ascii_lowercase_half(word: u64) -> u64 {
+const fn ascii_lowercase_half(word: u64) -> u64 {
     const LOW_SEVEN: u64 = u64::from_ne_bytes([0x7f; 8]);
     const HIGH: u64 = u64::from_ne_bytes([0x80; 8]);
     // Added to a byte's low seven bits, these set its high bit from `A` on and from past `Z`
@@ -391,7 +394,7 @@ impl OpenName {
     }
 
     /// The inline name whose lower-case bytes are `word` (`len` at most `INLINE`).
-    fn of_word(word: u128, len: usize) -> OpenName {
+    const fn of_word(word: u128, len: usize) -> OpenName {
         OpenName(word | ((len as u128) << 120))
     }
 
@@ -421,17 +424,11 @@ enum NameKind {
     Other,
 }
 
-/// The inline [`OpenName`] word of a lower-case name of at most `OpenName::INLINE` bytes, at
-/// compile time, so that names are told apart by comparing words.
+/// The inline [`OpenName`] word of a name of at most `OpenName::INLINE` bytes, at compile
+/// time, so that names are told apart by comparing words.
 const fn inline_word(name: &[u8]) -> u128 {
     assert!(name.len() <= OpenName::INLINE, "not an inline name");
-    let mut word = (name.len() as u128) << 120;
-    let mut at = 0;
-    while at < name.len() {
-        word |= (name[at] as u128) << (8 * at);
-        at += 1;
-    }
-    word
+    OpenName::of_word(lowercase_word(name), name.len()).0
 }
 
 /// The names [`NameKind`] tells apart from the rest, HTML's void elements and the elements
