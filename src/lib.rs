@@ -22,5 +22,6 @@ pub mod redis_batch;
 pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_store;
+pub mod redis_wait;
 
 pub use app::{run, start, Options, Running};

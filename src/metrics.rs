@@ -189,6 +189,7 @@ pub struct Metrics {
     pub queue_retries: Family<QueueLabels, Counter>,
     pub queue_dead_lettered: Family<QueueLabels, Counter>,
     pub queue_dead_letters_dropped: Family<QueueLabels, Counter>,
+    pub queue_unconfirmed: Family<QueueResultLabels, Counter>,
     pub queue_backlog: Family<QueueLabels, Gauge>,
     pub queue_oldest_age: Family<QueueLabels, Gauge>,
 }
@@ -475,6 +476,12 @@ impl Metrics {
             "Oldest dead letters dropped to keep max_dead_letters",
             queue_dead_letters_dropped.clone(),
         );
+        let queue_unconfirmed = Family::<QueueResultLabels, Counter>::default();
+        registry.register(
+            "queue_unconfirmed",
+            "Jobs fewer than wait_replicas replicas confirmed within wait_timeout, by result (withdrawn, accepted, kept, unsettled)",
+            queue_unconfirmed.clone(),
+        );
         let queue_backlog = Family::<QueueLabels, Gauge>::default();
         registry.register(
             "queue_backlog",
@@ -494,6 +501,7 @@ impl Metrics {
             queue_retries,
             queue_dead_lettered,
             queue_dead_letters_dropped,
+            queue_unconfirmed,
             queue_backlog,
             queue_oldest_age,
             degrade_level_changes,

@@ -412,11 +412,13 @@ pub fn is_master(info: &str) -> bool {
     info.lines().any(|line| line.trim_end() == "role:master")
 }
 
-/// The shared connection (queue writes, switches, stale copies) to the master the sentinels
-/// name, made anew when they name another.
+/// The connections to the master the sentinels name, made anew when they name another: the
+/// shared one (queue writes, switches, stale copies), and the one queue writes that wait for
+/// replicas have to themselves (see `redis_wait`).
 pub struct MasterLink {
     pub sentinels: Arc<Sentinels>,
     current: tokio::sync::Mutex<Option<Current>>,
+    waiting_writes: tokio::sync::Mutex<Option<Current>>,
 }
 
 struct Current {
@@ -431,14 +433,35 @@ impl MasterLink {
         MasterLink {
             sentinels,
             current: tokio::sync::Mutex::new(None),
+            waiting_writes: tokio::sync::Mutex::new(None),
         }
     }
 
-    /// The connection to the master named last (the connection reconnects by itself to the
-    /// same server; a failed call asks the watching task to check the sentinels).
+    /// The shared connection to the master named last (the connection reconnects by itself
+    /// to the same server; a failed call asks the watching task to check the sentinels).
     pub async fn connection(&self, timeout: Duration) -> Result<ConnectionManager, RedisFailure> {
+        self.connection_in(&self.current, timeout, Some(timeout))
+            .await
+    }
+
+    /// The connection of the writes that wait for replicas, to the master named last. Its
+    /// calls have no response timeout of their own: each batch is bounded by its caller.
+    pub async fn waiting_writes_connection(
+        &self,
+        timeout: Duration,
+    ) -> Result<ConnectionManager, RedisFailure> {
+        self.connection_in(&self.waiting_writes, timeout, None)
+            .await
+    }
+
+    async fn connection_in(
+        &self,
+        slot: &tokio::sync::Mutex<Option<Current>>,
+        timeout: Duration,
+        response_timeout: Option<Duration>,
+    ) -> Result<ConnectionManager, RedisFailure> {
         self.sentinels.watch();
-        let mut current = self.current.lock().await;
+        let mut current = slot.lock().await;
         if let Some(known) = current.as_ref() {
             if known.generation == self.sentinels.generation() {
                 return Ok(known.connection.clone());
@@ -452,7 +475,7 @@ impl MasterLink {
             }
         }
         let connection = self
-            .connect_to(&address, timeout)
+            .connect_to(&address, timeout, response_timeout)
             .await
             .inspect_err(|_| self.sentinels.check_soon())?;
         *current = Some(Current {
@@ -468,9 +491,10 @@ impl MasterLink {
         &self,
         address: &MasterAddress,
         timeout: Duration,
+        response_timeout: Option<Duration>,
     ) -> Result<ConnectionManager, RedisFailure> {
         let client = self.sentinels.master_client(address)?;
-        let mut connection = connection_manager(client, timeout).await?;
+        let mut connection = connection_manager(client, timeout, response_timeout).await?;
         let info: String = redis::cmd("INFO")
             .arg("replication")
             .query_async(&mut connection)

@@ -27,6 +27,7 @@ use crate::redis_batch::{
 };
 use crate::redis_cluster::{parse_slots, ClusterHealth, Node};
 use crate::redis_sentinel::{MasterAddress, MasterLink, SentinelTarget, Sentinels};
+use crate::redis_wait::{Confirmed, WaitingWrites};
 
 /// Shortest bound on a call off the request path: a refund (see `give_back`), a read of a
 /// cluster's slot map.
@@ -345,6 +346,10 @@ impl Drop for Permit<'_> {
 pub struct RedisStore {
     pub settings: RedisSettings,
     connection: OnceCell<Connection>,
+    /// Queue writes that wait for replicas, and their own connection to a single server
+    /// (with Sentinel, `master_link` keeps it).
+    waiting_writes: WaitingWrites,
+    waiting_writes_connection: OnceCell<ConnectionManager>,
     health: Mutex<Health>,
     script: Arc<KeyedScript>,
     refund: Arc<KeyedScript>,
@@ -405,6 +410,8 @@ impl RedisStore {
             health_generation: AtomicU64::new(0),
             settings,
             connection: OnceCell::new(),
+            waiting_writes: WaitingWrites::default(),
+            waiting_writes_connection: OnceCell::new(),
             health: Mutex::new(Health::default()),
             eviction_policy: Mutex::new(None),
             reach: Mutex::new(Reach::default()),
@@ -576,7 +583,7 @@ impl RedisStore {
                 match &self.settings.target {
                     RedisTarget::Single(url) => {
                         let client = client_for(url.as_str(), self.settings.tls.as_ref())?;
-                        let manager = connection_manager(client, timeout).await?;
+                        let manager = connection_manager(client, timeout, Some(timeout)).await?;
                         Ok::<_, RedisFailure>(Connection::Single(manager))
                     }
                     RedisTarget::Cluster(nodes) => {
@@ -713,6 +720,58 @@ impl RedisStore {
         timeout: Duration,
         guarded: Option<Guard<'_>>,
     ) -> Result<T, RedisFailure> {
+        let call = async {
+            let connection = self.connect().await?;
+            Ok::<T, RedisFailure>(query(&connection, command).await?)
+        };
+        self.guarded_call(timeout, guarded, call).await
+    }
+
+    /// Runs a write over the connection of writes that wait for replicas (see `redis_wait`),
+    /// guarded like [`Self::command`]: Redis's answer, and how many replicas had the write
+    /// (at most `replicas`) when `WAIT` returned, within `wait`. `timeout` bounds the whole,
+    /// waiting for replicas included. A single server or Sentinel's master only: a cluster
+    /// routes `WAIT` to every master over connections of its own.
+    pub async fn command_confirmed(
+        &self,
+        command: redis::Cmd,
+        replicas: u32,
+        wait: Duration,
+        timeout: Duration,
+        guarded: Option<Guard<'_>>,
+    ) -> Result<Confirmed, RedisFailure> {
+        let connect = || async {
+            if let Some(link) = &self.master_link {
+                return link.waiting_writes_connection(self.settings.timeout).await;
+            }
+            let RedisTarget::Single(url) = &self.settings.target else {
+                return Err(RedisFailure::Connection(
+                    "writes that wait for replicas need a single server or Sentinel".into(),
+                ));
+            };
+            let connection = self
+                .waiting_writes_connection
+                .get_or_try_init(|| async {
+                    let client = client_for(url.as_str(), self.settings.tls.as_ref())?;
+                    connection_manager(client, self.settings.timeout, None).await
+                })
+                .await?;
+            Ok(connection.clone())
+        };
+        let call = self
+            .waiting_writes
+            .write(command, replicas, wait, timeout, connect);
+        self.guarded_call(timeout, guarded, call).await
+    }
+
+    /// Runs `call` within `timeout`, through the health breaker when `guarded` (see
+    /// [`Self::command`]), and records how it went.
+    async fn guarded_call<T>(
+        &self,
+        timeout: Duration,
+        guarded: Option<Guard<'_>>,
+        call: impl std::future::Future<Output = Result<T, RedisFailure>>,
+    ) -> Result<T, RedisFailure> {
         let node = match (&self.cluster, &guarded) {
             (Some(cluster), Some(guard)) => {
                 self.read_first_slot_map(cluster, timeout, guard.metrics)
@@ -739,10 +798,6 @@ impl RedisStore {
                 }
             },
             None => None,
-        };
-        let call = async {
-            let connection = self.connect().await?;
-            Ok::<T, RedisFailure>(query(&connection, command).await?)
         };
         let result = match tokio::time::timeout(timeout, call).await {
             Ok(result) => result,
@@ -1054,15 +1109,17 @@ pub(crate) fn client_for<C: redis::IntoConnectionInfo>(
     }
 }
 
-/// The shared connection to one server: each call bounded by `timeout`, connecting by at
-/// least 200 ms (a tight `timeout` must not keep it from ever connecting), two retries.
+/// A connection to one server that connects again by itself: connecting by at least 200 ms (a
+/// tight `timeout` must not keep it from ever connecting), each call bounded by
+/// `response_timeout` (the shared connection's is `timeout`), two retries.
 pub(crate) async fn connection_manager(
     client: redis::Client,
     timeout: Duration,
+    response_timeout: Option<Duration>,
 ) -> Result<ConnectionManager, RedisFailure> {
     let config = redis::aio::ConnectionManagerConfig::new()
         .set_connection_timeout(Some(timeout.max(Duration::from_millis(200))))
-        .set_response_timeout(Some(timeout))
+        .set_response_timeout(response_timeout)
         .set_number_of_retries(2);
     Ok(ConnectionManager::new_with_config(client, config).await?)
 }

@@ -1833,3 +1833,217 @@ async fn a_replayed_job_spells_its_field_names_as_the_client_did() {
     }
     assert!(heads[1].contains("\r\nIdempotency-Key: "), "{}", heads[1]);
 }
+
+/// A master and a replica of it, in sync.
+async fn master_and_replica(dir: &std::path::Path) -> (RedisServer, RedisServer) {
+    let own_dir = |name: &str| {
+        let path = dir.join(name);
+        std::fs::create_dir_all(&path).expect("dir");
+        path
+    };
+    let master = RedisServer::start(&own_dir("master")).await;
+    let replica = RedisServer::start(&own_dir("replica")).await;
+    replica.cli(&["REPLICAOF", "127.0.0.1", &master.port.to_string()]);
+    eventually(Duration::from_secs(10), "the replica in sync", || async {
+        replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+    })
+    .await;
+    (master, replica)
+}
+
+const STREAM: &str = "levee:queue:{notify}:jobs";
+
+/// With `wait_replicas`, a 202 means the replica holds the job: it is there the moment the
+/// client hears. Jobs that come together wait for the replicas together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_is_answered_202_only_once_a_replica_holds_it() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (master, replica) = master_and_replica(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let levee = Levee::start(&queue_policy(
+        backend.addr,
+        &master.url(),
+        "wait_replicas = 1\nwait_timeout = \"2s\"",
+    ))
+    .await;
+    switch(&levee, "off").await;
+
+    let answer = post_as(&levee, "like=1", "192.0.2.1").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    assert_eq!(replica.cli(&["XLEN", STREAM]).trim(), "1");
+
+    let posts: Vec<_> = (0..40)
+        .map(|n| {
+            let url = levee.url("/notify.php");
+            tokio::spawn(async move {
+                let request = Request::post(url)
+                    .header("content-type", "application/x-www-form-urlencoded")
+                    .body(full(format!("like={n}")))
+                    .expect("request");
+                send(request).await.status
+            })
+        })
+        .collect();
+    for post in posts {
+        assert_eq!(post.await.expect("post"), 202);
+    }
+    assert_eq!(replica.cli(&["XLEN", STREAM]).trim(), "41");
+    let stats = master.cli(&["INFO", "commandstats"]);
+    let waits = stats
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_wait:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|calls| calls.parse::<u32>().ok())
+        .expect("WAIT was called");
+    eprintln!("41 jobs, 40 of them at once, confirmed by {waits} WAIT calls");
+    assert!((1..=41).contains(&waits), "{waits}");
+
+    let keys = replayed_keys(&levee, &seen, 41).await;
+    assert_eq!(keys.len(), 41);
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_queue_unconfirmed_total{route=\"notify\",result=\"withdrawn\"}"
+        ),
+        0.0
+    );
+}
+
+/// A replica that does not confirm a job in time (frozen here): by default the job is
+/// withdrawn and the client told 503 — nothing stored, never applied; with
+/// `when_unconfirmed = "accept"` it is answered 202 all the same, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_no_replica_confirms_is_withdrawn_unless_the_policy_accepts_it() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (mut master, replica) = master_and_replica(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let refusing = Levee::start(&queue_policy(
+        backend.addr,
+        &master.url(),
+        "wait_replicas = 1\nwait_timeout = \"100ms\"",
+    ))
+    .await;
+    let accepting = Levee::start(&queue_policy(
+        backend.addr,
+        &master.url(),
+        "wait_replicas = 1\nwait_timeout = \"100ms\"\nwhen_unconfirmed = \"accept\"",
+    ))
+    .await;
+    switch(&refusing, "off").await;
+
+    replica.pause(true);
+    let refused = post_as(&refusing, "like=1", "192.0.2.1").await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(master.cli(&["XLEN", STREAM]).trim(), "0", "withdrawn");
+    let metrics = get(&refusing.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_queue_unconfirmed_total{route=\"notify\",result=\"withdrawn\"}"
+        ),
+        1.0
+    );
+
+    let accepted = post_as(&accepting, "like=2", "192.0.2.1").await;
+    assert_eq!(accepted.status, 202, "{}", accepted.text());
+    assert_eq!(master.cli(&["XLEN", STREAM]).trim(), "1");
+    let metrics = get(&accepting.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_queue_unconfirmed_total{route=\"notify\",result=\"accepted\"}"
+        ),
+        1.0
+    );
+
+    // Back: jobs are confirmed again, and only those answered 202 are applied.
+    replica.pause(false);
+    let answer = post_as(&refusing, "like=3", "192.0.2.1").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    replayed_keys(&refusing, &seen, 2).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let bodies: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(_, body, ..)| body.clone())
+        .collect();
+    assert_eq!(bodies.len(), 2, "{bodies:?}");
+    assert!(!bodies.contains(&"like=1".to_string()), "{bodies:?}");
+
+    // The master gone: nothing can be stored, and the client is told so.
+    switch(&refusing, "off").await;
+    master.kill();
+    let answer = post_as(&refusing, "like=4", "192.0.2.1").await;
+    assert_eq!(answer.status, 503, "{}", answer.text());
+    assert!(answer.header("retry-after").is_some());
+}
+
+/// With Redis Sentinel, the writes that wait for replicas go to the master the sentinel
+/// names, over a connection of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_waits_for_the_replica_of_the_master_redis_sentinel_names() {
+    let dir = tempfile::tempdir().expect("dir");
+    let group = RedisSentinel::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let policy = queue_policy(backend.addr, "redis://127.0.0.1:9", "wait_replicas = 1").replace(
+        "[redis]\nurl = \"redis://127.0.0.1:9\"",
+        &format!(
+            "[redis.sentinel]\nnodes = [\"{}\"]\nmaster = \"{SENTINEL_MASTER}\"\n[redis]",
+            group.sentinel_url()
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let answer = post_as(&levee, "like=1", "192.0.2.1").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    assert_eq!(group.replica.cli(&["XLEN", STREAM]).trim(), "1");
+
+    group.replica.pause(true);
+    let answer = post_as(&levee, "like=2", "192.0.2.1").await;
+    assert_eq!(answer.status, 503, "{}", answer.text());
+    assert_eq!(group.master.cli(&["XLEN", STREAM]).trim(), "1", "withdrawn");
+    group.replica.pause(false);
+}
+
+#[test]
+fn check_refuses_wait_settings_it_cannot_keep() {
+    let policy = |redis: &str, queue: &str| {
+        format!(
+            "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[redis]\n{redis}\n[queue]\n{queue}\n"
+        )
+    };
+    let single = "url = \"redis://127.0.0.1:6390\"";
+    let stderr = check_fails(&policy(
+        "cluster = [\"redis://127.0.0.1:7000\"]",
+        "wait_replicas = 1",
+    ));
+    assert!(
+        stderr.contains(
+            "levee.toml:6:17: error: wait_replicas needs a single Redis server or Sentinel"
+        ),
+        "{stderr}"
+    );
+    let stderr = check_fails(&policy(
+        single,
+        "wait_replicas = 1\nwhen_unconfirmed = \"maybe\"",
+    ));
+    assert!(
+        stderr.contains("levee.toml:7:20: error: when_unconfirmed = `maybe` is not known"),
+        "{stderr}"
+    );
+    let stderr = check_fails(&policy(single, "wait_timeout = \"0s\""));
+    assert!(
+        stderr.contains("levee.toml:6:16: error: `wait_timeout` must be more than 0"),
+        "{stderr}"
+    );
+    let stderr = check_fails(&policy(single, "wait_timeout = \"30s\""));
+    assert!(
+        stderr.contains("levee.toml:6:16: error: wait_timeout must be at most 10s"),
+        "{stderr}"
+    );
+}

@@ -37,7 +37,7 @@ use crate::proxy::header::TrustedProxies;
 use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
 use crate::proxy::upstream::{ca_certificates, read_ca_file, Upstream, UpstreamSettings};
-use crate::queue::{QueueAction, QueueSettings, MIN_CLAIM_AFTER};
+use crate::queue::{QueueAction, QueueSettings, Unconfirmed, MAX_WAIT_TIMEOUT, MIN_CLAIM_AFTER};
 use crate::redis_sentinel::SentinelTarget;
 use crate::redis_store::{
     RedisSettings, RedisStore, RedisTarget, RedisTls, DEFAULT_ADMIT_AHEAD_ABOVE,
@@ -1003,7 +1003,11 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         }
     }
 
-    let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_store.is_some());
+    let queue_settings = compile_queue(
+        &mut compiler,
+        queue.as_ref(),
+        redis_store.as_ref().map(|store| &store.settings.target),
+    );
     let context = RouteContext {
         server: &server_settings,
         upstreams: &upstreams,
@@ -1695,14 +1699,14 @@ fn compile_trigger(
 fn compile_queue(
     compiler: &mut Compiler<'_>,
     spec: Option<&(usize, Spanned<QueueSpec>)>,
-    redis: bool,
+    redis: Option<&RedisTarget>,
 ) -> Option<QueueSettings> {
     let defaults = QueueSettings::default();
     let Some((file, spec)) = spec else {
-        return redis.then_some(defaults);
+        return redis.map(|_| defaults);
     };
     let file = *file;
-    if !redis {
+    let Some(redis) = redis else {
         compiler.error_hint(
             file,
             spec.span(),
@@ -1710,7 +1714,7 @@ fn compile_queue(
             "queued work is stored durably in Redis Streams; add a [redis] section",
         );
         return None;
-    }
+    };
     let inner = spec.get_ref();
     let max_attempts = match &inner.max_attempts {
         Some(value) if *value.get_ref() == 0 => {
@@ -1782,6 +1786,57 @@ fn compile_queue(
         "max_dead_letters",
         "the dead letters are the jobs the app refused, kept for an operator to retry or drop; 1000 is the default",
     );
+    let wait_replicas = inner
+        .wait_replicas
+        .as_ref()
+        .map_or(defaults.wait_replicas, |value| *value.get_ref());
+    if let (Some(value), RedisTarget::Cluster(_)) = (&inner.wait_replicas, redis) {
+        if wait_replicas > 0 {
+            compiler.error_hint(
+                file,
+                value.span(),
+                "wait_replicas needs a single Redis server or Sentinel, not a Redis Cluster",
+                "a cluster sends WAIT to every master over connections of its own, where it \
+                 counts nothing of the job's write; leave wait_replicas out (0)",
+            );
+        }
+    }
+    let wait_timeout = compiler.positive_duration(
+        file,
+        &inner.wait_timeout,
+        defaults.wait_timeout,
+        "wait_timeout",
+        "Redis reads a WAIT of 0 as \"wait for ever\"; leave the key out for the default, \"100ms\"",
+    );
+    if let Some(value) = inner
+        .wait_timeout
+        .as_ref()
+        .filter(|_| wait_timeout > MAX_WAIT_TIMEOUT)
+    {
+        compiler.error_hint(
+            file,
+            value.span(),
+            format!("wait_timeout must be at most {MAX_WAIT_TIMEOUT:?}"),
+            "the client waits for the replicas before it hears 202 or 503",
+        );
+    }
+    let unconfirmed = match inner
+        .when_unconfirmed
+        .as_ref()
+        .map(|value| (value.get_ref().as_str(), value.span()))
+    {
+        None | Some(("refuse", _)) => Unconfirmed::Refuse,
+        Some(("accept", _)) => Unconfirmed::Accept,
+        Some((other, span)) => {
+            compiler.error_hint(
+                file,
+                span,
+                format!("when_unconfirmed = `{other}` is not known"),
+                "use \"refuse\" (withdraw the job, answer 503) or \"accept\" (answer 202 all the same)",
+            );
+            Unconfirmed::Refuse
+        }
+    };
     let group = inner.group.clone().unwrap_or(defaults.group);
     if group.trim().is_empty() {
         compiler.error_hint(
@@ -1806,6 +1861,9 @@ fn compile_queue(
             "poll_interval",
         ),
         max_dead_letters,
+        wait_replicas,
+        wait_timeout,
+        unconfirmed,
     })
 }
 

@@ -320,6 +320,9 @@ pub struct QueueSpec {
     pub replay_rate: Option<Spanned<f64>>,
     pub poll_interval: Option<Spanned<String>>,
     pub max_dead_letters: Option<Spanned<u32>>,
+    pub wait_replicas: Option<Spanned<u32>>,
+    pub wait_timeout: Option<Spanned<String>>,
+    pub when_unconfirmed: Option<Spanned<String>>,
 }
 
 /// `[degrade]`: the policy's level and module switches.

@@ -23,7 +23,7 @@ use http_body_util::{BodyExt, Limited};
 
 use crate::config::Policy;
 use crate::error::{full_body, ProxyError};
-use crate::metrics::{Metrics, QueueLabels};
+use crate::metrics::{Metrics, QueueLabels, QueueResultLabels};
 use crate::proxy::body::{find_cause, BodyIdleTimeout, IdleTimeout, ResponseBody};
 use crate::proxy::h1::RequestBody;
 use crate::proxy::route::Route;
@@ -55,7 +55,28 @@ pub struct QueueSettings {
     pub poll_interval: Duration,
     /// Dead letters kept per route; the oldest beyond it are dropped. Default 1000.
     pub max_dead_letters: u32,
+    /// Replicas that must hold a job before it is answered 202. Default 0: the master's
+    /// answer is enough.
+    pub wait_replicas: u32,
+    /// How long a job waits for `wait_replicas`. Default 100ms.
+    pub wait_timeout: Duration,
+    /// What fewer replicas than `wait_replicas` within `wait_timeout` mean. Default refuse.
+    pub unconfirmed: Unconfirmed,
 }
+
+/// `[queue] when_unconfirmed`: the answer for a job fewer than `wait_replicas` replicas
+/// confirmed in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unconfirmed {
+    /// The job is withdrawn (unless a worker has it already) and the client gets 503: a 202
+    /// always means the replicas hold it.
+    Refuse,
+    /// The client gets 202 all the same; levee warns and counts it.
+    Accept,
+}
+
+/// The longest `[queue] wait_timeout`: the client waits that long for its answer.
+pub const MAX_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for QueueSettings {
     fn default() -> Self {
@@ -69,6 +90,9 @@ impl Default for QueueSettings {
             replay_rate: 50.0,
             poll_interval: Duration::from_millis(200),
             max_dead_letters: 1000,
+            wait_replicas: 0,
+            wait_timeout: Duration::from_millis(100),
+            unconfirmed: Unconfirmed::Refuse,
         }
     }
 }
@@ -217,20 +241,37 @@ return id
 /// Settles a write whose answer levee did not get, in one step, so that the client's answer
 /// is true: a write that has not run is barred from running later (a tombstone), and one
 /// stored that no worker has read yet is withdrawn; both answer `absent`. A job a worker has
-/// read (pending), or has already replayed, stands: `stands <id>`.
-/// KEYS: stream, write record. ARGV: consumer group, record TTL (ms).
+/// read (pending), or has already replayed, stands: `stands <id>`. A job that waits for
+/// replicas is withdrawn even once read while Redis's clock is before its `confirm_by`: no
+/// worker replays it before then (see `worker::HOLD_WHEN_DECIDED`).
+/// KEYS: stream, write record. ARGV: consumer group, record TTL (ms), and the job's
+/// `confirm_by` (µs, Redis clock) when it waits for replicas.
 const SETTLE_WRITE: &str = r#"
 local id = redis.call('GET', KEYS[2])
 if id and id ~= '' then
-  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], id, id, 1)
-  local read = type(pending) == 'table' and pending.err == nil and #pending > 0
-  if read or redis.call('XDEL', KEYS[1], id) == 0 then
-    return {'stands', id}
+  local undecided = false
+  if ARGV[3] then
+    local now = redis.call('TIME')
+    undecided = tonumber(now[1]) * 1000000 + tonumber(now[2]) < tonumber(ARGV[3])
+  end
+  if undecided then
+    redis.pcall('XACK', KEYS[1], ARGV[1], id)
+    redis.call('XDEL', KEYS[1], id)
+  else
+    local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+    local read = type(pending) == 'table' and pending.err == nil and #pending > 0
+    if read or redis.call('XDEL', KEYS[1], id) == 0 then
+      return {'stands', id}
+    end
   end
 end
 redis.call('SET', KEYS[2], '', 'PX', ARGV[2])
 return {'absent'}
 "#;
+
+/// The job field that holds when a job that waits for replicas is decided (µs, Redis's
+/// clock): its writer withdraws it only before then, and no worker replays it before then.
+pub const CONFIRM_BY_FIELD: &str = "confirm_by";
 
 /// How long a write's record lives: far longer than a write and its settling can take (the
 /// deadline bars a late write after a few hundred milliseconds at most).
@@ -252,6 +293,7 @@ async fn settle_write(
     keys: &QueueKeys,
     record: &str,
     group: &str,
+    confirm_by: Option<u64>,
     timeout: Duration,
 ) -> Result<Option<String>, RedisFailure> {
     let mut command = redis::cmd("EVAL");
@@ -262,6 +304,9 @@ async fn settle_write(
         .arg(record)
         .arg(group)
         .arg(WRITE_RECORD_TTL_MS);
+    if let Some(confirm_by) = confirm_by {
+        command.arg(confirm_by);
+    }
     let answer: Vec<String> = redis.command(&command, timeout, None).await?;
     match answer.as_slice() {
         [absent] if absent == "absent" => Ok(None),
@@ -269,6 +314,85 @@ async fn settle_write(
         _ => Err(RedisFailure::BadReply(format!(
             "settling a write: {answer:?}"
         ))),
+    }
+}
+
+/// Why a job fewer replicas confirmed than `wait_replicas` asks for is not answered 202.
+enum Refused {
+    /// Withdrawn from Redis: nothing stored, nothing applied later.
+    Withdrawn,
+    /// Could not be withdrawn: Redis may keep it.
+    Unsettled,
+}
+
+/// What is known of a job fewer replicas confirmed than `wait_replicas` asks for.
+struct Decision<'a> {
+    /// The job's entry id.
+    id: String,
+    /// The write's record (see [`QueueKeys::write_record`]).
+    record: &'a str,
+    /// See [`CONFIRM_BY_FIELD`].
+    confirm_by: Option<u64>,
+    /// How many replicas confirmed it, in words.
+    short: &'a str,
+}
+
+/// A job stored at the master that fewer replicas than `wait_replicas` confirmed in time.
+/// With `when_unconfirmed = "accept"` it stands; with "refuse" it is withdrawn, unless
+/// withdrawing came too late (past its `confirm_by`, a worker may be replaying it: it
+/// stands). The job's id when it stands.
+async fn unconfirmed(
+    redis: &crate::redis_store::RedisStore,
+    keys: &QueueKeys,
+    settings: &QueueSettings,
+    route: &Route,
+    decision: Decision<'_>,
+    timeout: Duration,
+    metrics: &Metrics,
+) -> Result<String, Refused> {
+    let (id, short) = (decision.id, decision.short);
+    // Every job while a replica is away: one line per ten seconds is enough to say so.
+    static UNCONFIRMED: LogThrottle = LogThrottle::new(Duration::from_secs(10));
+    let count = |result: &'static str| {
+        metrics
+            .queue_unconfirmed
+            .get_or_create(&QueueResultLabels {
+                route: route.name.to_string(),
+                result,
+            })
+            .inc();
+    };
+    if settings.unconfirmed == Unconfirmed::Accept {
+        count("accepted");
+        if let Some(held_back) = UNCONFIRMED.allow(std::time::Instant::now()) {
+            tracing::warn!(route = %route.name, job = %id, held_back, "job stored at the master only: {short}; answering 202 (when_unconfirmed = \"accept\")");
+        }
+        return Ok(id);
+    }
+    let settled = settle_write(
+        redis,
+        keys,
+        decision.record,
+        &settings.group,
+        decision.confirm_by,
+        timeout,
+    )
+    .await;
+    match settled {
+        Ok(None) => {
+            count("withdrawn");
+            Err(Refused::Withdrawn)
+        }
+        Ok(Some(id)) => {
+            count("kept");
+            tracing::warn!(route = %route.name, job = %id, "{short}, but it was too late to withdraw the job (a worker may be replaying it): answering 202");
+            Ok(id)
+        }
+        Err(error) => {
+            count("unsettled");
+            tracing::warn!(route = %route.name, job = %id, "job perhaps stored, answering 503: {short}, and withdrawing it failed ({error})");
+            Err(Refused::Unsettled)
+        }
     }
 }
 
@@ -360,8 +484,16 @@ pub async fn enqueue(
         key: &keys.stream,
         metrics,
     };
+    // A job that waits for replicas may wait for them twice: for the batch at Redis when it
+    // came (see `redis_wait`), then for its own.
+    let confirming = settings.wait_replicas > 0;
+    let write_timeout = if confirming {
+        timeout + 2 * settings.wait_timeout
+    } else {
+        timeout
+    };
     let (deadline_us, remaining) = redis
-        .write_deadline(&keys.stream, timeout, Some(guard))
+        .write_deadline(&keys.stream, write_timeout, Some(guard))
         .await
         .map_err(|error| not_stored(error.to_string()))?;
     let record = keys.write_record(&write_token());
@@ -374,10 +506,59 @@ pub async fn enqueue(
         .arg(deadline_us)
         .arg(WRITE_RECORD_TTL_MS);
     job.write_fields(&mut command);
-    let written: Result<Option<String>, RedisFailure> =
-        redis.command(&command, remaining, Some(guard)).await;
+    // Past the write's deadline, its wait for replicas and two calls' time to withdraw it: by
+    // then this writer has withdrawn the job or stopped trying. Workers replay it only after.
+    let confirm_by = confirming.then(|| {
+        let after = settings.wait_timeout + 2 * timeout;
+        deadline_us.saturating_add(u64::try_from(after.as_micros()).unwrap_or(u64::MAX))
+    });
+    if let Some(confirm_by) = confirm_by {
+        command.arg(CONFIRM_BY_FIELD).arg(confirm_by);
+    }
+    let (written, confirmed_by) = if confirming {
+        match redis
+            .command_confirmed(
+                command,
+                settings.wait_replicas,
+                settings.wait_timeout,
+                remaining,
+                Some(guard),
+            )
+            .await
+        {
+            Ok(confirmed) => (
+                redis::from_redis_value::<Option<String>>(confirmed.answer)
+                    .map_err(|error| RedisFailure::BadReply(error.to_string())),
+                confirmed.replicas,
+            ),
+            Err(error) => (Err(error), 0),
+        }
+    } else {
+        (redis.command(&command, remaining, Some(guard)).await, 0)
+    };
     let id = match written {
-        Ok(Some(id)) => id,
+        Ok(Some(id)) if !confirming || confirmed_by >= settings.wait_replicas => id,
+        Ok(Some(id)) => {
+            let short = format!(
+                "{confirmed_by} of the {} replicas wait_replicas asks for confirmed it within {:?}",
+                settings.wait_replicas, settings.wait_timeout
+            );
+            let decision = Decision {
+                id,
+                record: &record,
+                confirm_by,
+                short: &short,
+            };
+            unconfirmed(redis, &keys, settings, route, decision, timeout, metrics)
+                .await
+                .map_err(|refused| match refused {
+                    Refused::Withdrawn => not_stored(format!("the job was withdrawn: {short}")),
+                    Refused::Unsettled => ProxyError::QueueUnavailable {
+                        route: route.name.to_string(),
+                        unsettled: true,
+                    },
+                })?
+        }
         Ok(None) => return Err(not_stored("redis ran the write after its deadline".into())),
         // Not sent at all: nothing to settle.
         Err(error @ (RedisFailure::Down | RedisFailure::Overloaded(_))) => {
@@ -386,36 +567,40 @@ pub async fn enqueue(
         // Sent, but its answer did not come: Redis may have run it (say the answer was slow
         // to travel back). Its fate is settled with Redis before the client hears anything:
         // the same connection carries the question after the write, so Redis answers it
-        // after running the write, if it ever does.
-        Err(error) => match settle_write(redis, &keys, &record, &settings.group, timeout).await {
-            Ok(Some(id)) => {
-                tracing::info!(
-                    route = %route.name,
-                    job = %id,
-                    "the write's answer was lost ({error}), but Redis stored the job and a \
-                     worker has it: answering 202"
-                );
-                id
+        // after running the write, if it ever does. (A write that waits for replicas has a
+        // connection of its own, but it checks the write's record before it stores anything:
+        // once the question has left its mark there, the write stores nothing.)
+        Err(error) => {
+            match settle_write(redis, &keys, &record, &settings.group, confirm_by, timeout).await {
+                Ok(Some(id)) => {
+                    tracing::info!(
+                        route = %route.name,
+                        job = %id,
+                        "the write's answer was lost ({error}), but Redis stored the job and a \
+                         worker has it: answering 202"
+                    );
+                    id
+                }
+                Ok(None) => {
+                    return Err(not_stored(format!(
+                        "{error}; Redis holds no such job and will not store it"
+                    )))
+                }
+                Err(settling) => {
+                    // Redis may hold the job: a check queued behind the write withdraws it if it
+                    // runs, but a Redis that saved the write and died before answering keeps it.
+                    tracing::warn!(
+                        route = %route.name,
+                        "job perhaps stored, answering 503: {error}; what became of the write \
+                         could not be checked either ({settling})"
+                    );
+                    return Err(ProxyError::QueueUnavailable {
+                        route: route.name.to_string(),
+                        unsettled: true,
+                    });
+                }
             }
-            Ok(None) => {
-                return Err(not_stored(format!(
-                    "{error}; Redis holds no such job and will not store it"
-                )))
-            }
-            Err(settling) => {
-                // Redis may hold the job: a check queued behind the write withdraws it if it
-                // runs, but a Redis that saved the write and died before answering keeps it.
-                tracing::warn!(
-                    route = %route.name,
-                    "job perhaps stored, answering 503: {error}; what became of the write \
-                     could not be checked either ({settling})"
-                );
-                return Err(ProxyError::QueueUnavailable {
-                    route: route.name.to_string(),
-                    unsettled: true,
-                });
-            }
-        },
+        }
     };
     // Listed after the job is written, so an instance that starts later finds this queue even
     // if the route stops queueing meanwhile (see `QueueKeys::registry`). The job is stored

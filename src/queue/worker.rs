@@ -55,6 +55,27 @@ end
 return held
 "#;
 
+/// Right before replaying a job that waits for replicas: whether its writer has decided
+/// (Redis's clock is past the job's `confirm_by`, after which the writer no longer withdraws
+/// it), checked in the same step as this worker's hold, which it renews. Answers 0 (replay
+/// it), the µs left until `confirm_by`, -1 (held by another worker now) or -2 (withdrawn).
+/// KEYS: stream. ARGV: group, consumer, id, confirm_by.
+pub(super) const HOLD_WHEN_DECIDED: &str = r#"
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2]) == 0 then
+  if #redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3]) == 0 then
+    return -2
+  end
+  return -1
+end
+local now = redis.call('TIME')
+local left = tonumber(ARGV[4]) - (tonumber(now[1]) * 1000000 + tonumber(now[2]))
+if left > 0 then
+  return left
+end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return 0
+"#;
+
 /// Opening of the scripts that act on a replay's outcome: they do nothing (and answer -1)
 /// unless this worker still holds the entry. ARGV: group, id, consumer, …
 const IF_STILL_HELD: &str = r#"
@@ -779,6 +800,51 @@ impl Pass<'_> {
         }
     }
 
+    /// Renews the hold on the job `id` right before its replay. A job that waits for replicas
+    /// (it has a `confirm_by`) is held back until its writer has decided (see
+    /// [`HOLD_WHEN_DECIDED`]): its replay waits a second or so after it was stored.
+    async fn hold_when_decided(
+        &self,
+        stop: &watch::Receiver<bool>,
+        id: &str,
+        fields: &HashMap<String, Vec<u8>>,
+    ) -> Result<Hold, RedisFailure> {
+        let confirm_by = fields
+            .get(super::CONFIRM_BY_FIELD)
+            .and_then(|value| std::str::from_utf8(value).ok())
+            .and_then(|value| value.parse::<u64>().ok());
+        let Some(confirm_by) = confirm_by else {
+            let held = !self.renew_hold(&[id.to_string()]).await?.is_empty();
+            return Ok(if held { Hold::Held } else { Hold::Lost });
+        };
+        loop {
+            let mut command = redis::cmd("EVAL");
+            command
+                .arg(HOLD_WHEN_DECIDED)
+                .arg(1)
+                .arg(&self.keys.stream)
+                .arg(&self.settings.group)
+                .arg(self.consumer)
+                .arg(id)
+                .arg(confirm_by);
+            let left: i64 = self.redis.command(&command, QUEUE_TIMEOUT, None).await?;
+            match left {
+                0 => return Ok(Hold::Held),
+                -2 => return Ok(Hold::Withdrawn),
+                left if left < 0 => return Ok(Hold::Lost),
+                left => {
+                    // `confirm_by` is a second or two after the write; a clock far off on
+                    // one side is not waited out in one sleep.
+                    let micros = u64::try_from(left).unwrap_or(0).min(1_000_000);
+                    tokio::time::sleep(Duration::from_micros(micros)).await;
+                    if *stop.borrow() {
+                        return Ok(Hold::Stopped);
+                    }
+                }
+            }
+        }
+    }
+
     /// Renews the hold on `ids` (see [`RENEW_HOLD`]); returns those this worker still holds.
     async fn renew_hold(&self, ids: &[String]) -> Result<Vec<String>, RedisFailure> {
         let mut command = redis::cmd("EVAL");
@@ -818,9 +884,17 @@ impl Pass<'_> {
             *next_start = Instant::now() + pause;
             // Right before sending: a job another instance took over (this one could not renew
             // its hold in time) is that one's to replay now, not this one's too.
-            if self.renew_hold(std::slice::from_ref(&id)).await?.is_empty() {
-                tracing::warn!(route = %route.name, %id, "job taken over by another worker before its replay here; left to that one");
-                continue;
+            match self.hold_when_decided(stop, &id, &fields).await? {
+                Hold::Held => {}
+                Hold::Lost => {
+                    tracing::warn!(route = %route.name, %id, "job taken over by another worker before its replay here; left to that one");
+                    continue;
+                }
+                Hold::Withdrawn => {
+                    tracing::debug!(route = %route.name, %id, "job withdrawn by its writer (its replicas did not confirm it): not replayed");
+                    continue;
+                }
+                Hold::Stopped => return Ok(false),
             }
             let mut job = match Job::from_fields(&id, &fields) {
                 Ok(job) => job,
@@ -874,6 +948,17 @@ impl Pass<'_> {
         }
         Ok(true)
     }
+}
+
+/// Whether this worker may replay a job now (see [`Pass::hold_when_decided`]).
+enum Hold {
+    Held,
+    /// Another worker holds it now.
+    Lost,
+    /// Its writer withdrew it: its replicas did not confirm it.
+    Withdrawn,
+    /// levee is stopping.
+    Stopped,
 }
 
 enum Replay {
