@@ -8,6 +8,7 @@
 //! Redis for `cooldown`; then a single probe goes through, and Redis is used again as soon
 //! as it answers.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -346,10 +347,11 @@ impl Drop for Permit<'_> {
 pub struct RedisStore {
     pub settings: RedisSettings,
     connection: OnceCell<Connection>,
-    /// Queue writes that wait for replicas, and their own connection to a single server
+    /// Queue writes that wait for replicas, with their own connection to a single server
     /// (with Sentinel, `master_link` keeps it).
     waiting_writes: WaitingWrites,
-    waiting_writes_connection: OnceCell<ConnectionManager>,
+    /// With a Redis Cluster, those writes per master node (by its address).
+    waiting_writes_by_node: Mutex<HashMap<Arc<str>, Arc<WaitingWrites>>>,
     health: Mutex<Health>,
     script: Arc<KeyedScript>,
     refund: Arc<KeyedScript>,
@@ -411,7 +413,7 @@ impl RedisStore {
             settings,
             connection: OnceCell::new(),
             waiting_writes: WaitingWrites::default(),
-            waiting_writes_connection: OnceCell::new(),
+            waiting_writes_by_node: Mutex::new(HashMap::new()),
             health: Mutex::new(Health::default()),
             eviction_policy: Mutex::new(None),
             reach: Mutex::new(Reach::default()),
@@ -730,38 +732,88 @@ impl RedisStore {
     /// Runs a write over the connection of writes that wait for replicas (see `redis_wait`),
     /// guarded like [`Self::command`]: Redis's answer, and how many replicas had the write
     /// (at most `replicas`) when `WAIT` returned, within `wait`. `timeout` bounds the whole,
-    /// waiting for replicas included. A single server or Sentinel's master only: a cluster
-    /// routes `WAIT` to every master over connections of its own.
+    /// waiting for replicas included. In a cluster the write goes to the master node holding
+    /// the guard's key, over a connection of its own to that node: redis-rs would send `WAIT`
+    /// to every master, over connections that made no write.
     pub async fn command_confirmed(
         &self,
         command: redis::Cmd,
         replicas: u32,
         wait: Duration,
         timeout: Duration,
-        guarded: Option<Guard<'_>>,
+        guard: Guard<'_>,
     ) -> Result<Confirmed, RedisFailure> {
-        let connect = || async {
-            if let Some(link) = &self.master_link {
-                return link.waiting_writes_connection(self.settings.timeout).await;
+        let node = match &self.cluster {
+            Some(cluster) => {
+                self.read_first_slot_map(cluster, timeout, guard.metrics)
+                    .await;
+                Some(cluster.node_for(guard.key).address)
             }
-            let RedisTarget::Single(url) = &self.settings.target else {
-                return Err(RedisFailure::Connection(
-                    "writes that wait for replicas need a single server or Sentinel".into(),
-                ));
-            };
-            let connection = self
-                .waiting_writes_connection
-                .get_or_try_init(|| async {
-                    let client = client_for(url.as_str(), self.settings.tls.as_ref())?;
-                    connection_manager(client, self.settings.timeout, None).await
-                })
-                .await?;
-            Ok(connection.clone())
+            None => None,
         };
-        let call = self
-            .waiting_writes
-            .write(command, replicas, wait, timeout, connect);
-        self.guarded_call(timeout, guarded, call).await
+        let node_writes = node.as_ref().map(|address| {
+            lock(&self.waiting_writes_by_node)
+                .entry(address.clone())
+                .or_default()
+                .clone()
+        });
+        let writes = node_writes.as_deref().unwrap_or(&self.waiting_writes);
+        let connect = || async {
+            match &self.master_link {
+                Some(link) => link.waiting_writes_connection(self.settings.timeout).await,
+                None => {
+                    let client = || self.waiting_writes_client(node.as_deref());
+                    writes.fixed_connection(client, self.settings.timeout).await
+                }
+            }
+        };
+        let call = writes.write(command, replicas, wait, timeout, connect);
+        self.guarded_call(timeout, Some(guard), call).await
+    }
+
+    /// A client for the server writes that wait for replicas go to: the single server, or the
+    /// cluster node at `node` (`host:port`, as the slot map names it), logged in as the
+    /// policy's first cluster URL says.
+    fn waiting_writes_client(&self, node: Option<&str>) -> Result<redis::Client, RedisFailure> {
+        let tls = self.settings.tls.as_ref();
+        let urls = match (&self.settings.target, node) {
+            (RedisTarget::Single(url), _) => return Ok(client_for(url.as_str(), tls)?),
+            (RedisTarget::Cluster(urls), Some(node)) if node != crate::redis_cluster::UNMAPPED => {
+                urls
+            }
+            (RedisTarget::Cluster(_), _) => return Err(RedisFailure::Connection(
+                "which cluster node holds the queue is not known yet (the slot map was not read)"
+                    .into(),
+            )),
+            (RedisTarget::Sentinel(_), _) => {
+                return Err(RedisFailure::Connection(
+                    "a sentinel target connects through its master link".into(),
+                ))
+            }
+        };
+        let node = node.unwrap_or_default();
+        let unusable = |why: &str| RedisFailure::Connection(format!("cluster node {node}: {why}"));
+        let (host, port) = node
+            .rsplit_once(':')
+            .and_then(|(host, port)| Some((host.to_string(), port.parse::<u16>().ok()?)))
+            .ok_or_else(|| unusable("not a host:port address"))?;
+        let first = urls.first().ok_or_else(|| unusable("no cluster URL"))?;
+        let info = redis::IntoConnectionInfo::into_connection_info(first.as_str())?;
+        let address = match info.addr() {
+            redis::ConnectionAddr::Tcp(..) => redis::ConnectionAddr::Tcp(host, port),
+            redis::ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => redis::ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => return Err(unusable("the first cluster URL is not a TCP address")),
+        };
+        Ok(client_for(info.set_addr(address), tls)?)
     }
 
     /// Runs `call` within `timeout`, through the health breaker when `guarded` (see

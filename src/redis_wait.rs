@@ -46,15 +46,35 @@ struct Pending {
     answer: oneshot::Sender<Result<Confirmed, RedisFailure>>,
 }
 
-/// The writes waiting for the connection, and whose turn it is to send them.
+/// The writes waiting for the connection to one server, and whose turn it is to send them.
 #[derive(Default)]
 pub struct WaitingWrites {
     pending: Mutex<Vec<Pending>>,
     /// Held by the batch at Redis: one at a time, since a WAIT holds the connection anyway.
     turn: Arc<tokio::sync::Mutex<()>>,
+    /// The connection to a fixed server (a single one, or a cluster node), once made. With
+    /// Sentinel, the master link keeps it instead, to follow the master the sentinels name.
+    connection: tokio::sync::OnceCell<ConnectionManager>,
 }
 
 impl WaitingWrites {
+    /// The connection to the fixed server `client` leads to, made the first time. It
+    /// connects again by itself; its calls have no response timeout of their own, since
+    /// each batch is bounded by its writers.
+    pub async fn fixed_connection(
+        &self,
+        client: impl FnOnce() -> Result<redis::Client, RedisFailure>,
+        timeout: Duration,
+    ) -> Result<ConnectionManager, RedisFailure> {
+        let connection = self
+            .connection
+            .get_or_try_init(|| async {
+                crate::redis_store::connection_manager(client()?, timeout, None).await
+            })
+            .await?;
+        Ok(connection.clone())
+    }
+
     /// Sends `command` in the next batch, and waits for that batch's WAIT for `replicas`
     /// replicas (at most `wait`). `connect` gives the connection of these writes when this
     /// writer sends the batch. The caller bounds the whole; the batch itself is bounded by

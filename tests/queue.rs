@@ -2012,38 +2012,86 @@ async fn a_job_waits_for_the_replica_of_the_master_redis_sentinel_names() {
 
 #[test]
 fn check_refuses_wait_settings_it_cannot_keep() {
-    let policy = |redis: &str, queue: &str| {
+    let policy = |queue: &str| {
         format!(
-            "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[redis]\n{redis}\n[queue]\n{queue}\n"
+            "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[redis]\nurl = \"redis://127.0.0.1:6390\"\n[queue]\n{queue}\n"
         )
     };
-    let single = "url = \"redis://127.0.0.1:6390\"";
-    let stderr = check_fails(&policy(
-        "cluster = [\"redis://127.0.0.1:7000\"]",
-        "wait_replicas = 1",
-    ));
-    assert!(
-        stderr.contains(
-            "levee.toml:6:17: error: wait_replicas needs a single Redis server or Sentinel"
-        ),
-        "{stderr}"
-    );
-    let stderr = check_fails(&policy(
-        single,
-        "wait_replicas = 1\nwhen_unconfirmed = \"maybe\"",
-    ));
+    let stderr = check_fails(&policy("wait_replicas = 1\nwhen_unconfirmed = \"maybe\""));
     assert!(
         stderr.contains("levee.toml:7:20: error: when_unconfirmed = `maybe` is not known"),
         "{stderr}"
     );
-    let stderr = check_fails(&policy(single, "wait_timeout = \"0s\""));
+    let stderr = check_fails(&policy("wait_timeout = \"0s\""));
     assert!(
         stderr.contains("levee.toml:6:16: error: `wait_timeout` must be more than 0"),
         "{stderr}"
     );
-    let stderr = check_fails(&policy(single, "wait_timeout = \"30s\""));
+    let stderr = check_fails(&policy("wait_timeout = \"30s\""));
     assert!(
         stderr.contains("levee.toml:6:16: error: wait_timeout must be at most 10s"),
         "{stderr}"
     );
+}
+
+/// In a Redis Cluster, a job waits for the replica of the master node holding its route's
+/// stream, and for no other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_cluster_a_job_waits_for_the_replica_of_the_node_holding_its_stream() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cluster = RedisCluster::start_with_replicas(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let owner = cluster.owner(STREAM);
+    let replica = cluster.replica_of(owner).expect("the owner's replica");
+    let other_replica = (0..cluster.ports.len())
+        .filter(|&node| node != owner && node != replica)
+        .find_map(|node| cluster.replica_of(node))
+        .expect("another master's replica");
+    for node in [replica, other_replica] {
+        eventually(Duration::from_secs(10), "the replicas in sync", || async {
+            cluster
+                .cli(node, &["INFO", "replication"])
+                .contains("master_link_status:up")
+        })
+        .await;
+    }
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\ncluster = [{}]\ntimeout = \"200ms\"\n[queue]\npoll_interval = \"50ms\"\nwait_replicas = 1\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+            cluster.toml_list()
+        ),
+    ))
+    .await;
+    let post_body = |body: &'static str| {
+        let request = Request::post(levee.url("/notify.php"))
+            .body(full(body))
+            .expect("request");
+        send(request)
+    };
+    let first = post_body("first=1").await;
+    assert_eq!(first.status, 202, "{}", first.text());
+    cluster.pause(other_replica, true);
+    assert_eq!(post_body("second=1").await.status, 202);
+    cluster.pause(other_replica, false);
+    cluster.pause(replica, true);
+    let refused = post_body("refused=1").await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    cluster.pause(replica, false);
+    assert_eq!(post_body("third=1").await.status, 202);
+    eventually(
+        Duration::from_secs(10),
+        "the jobs answered 202 applied",
+        || async { seen.lock().expect("lock").len() >= 3 },
+    )
+    .await;
+    // Jobs are replayed in order: the withdrawn one, stored before the third, would be in.
+    let bodies: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(_, body, ..)| body.clone())
+        .collect();
+    assert_eq!(bodies, ["first=1", "second=1", "third=1"]);
 }

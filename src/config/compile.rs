@@ -1003,11 +1003,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         }
     }
 
-    let queue_settings = compile_queue(
-        &mut compiler,
-        queue.as_ref(),
-        redis_store.as_ref().map(|store| &store.settings.target),
-    );
+    let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_store.is_some());
     let context = RouteContext {
         server: &server_settings,
         upstreams: &upstreams,
@@ -1699,14 +1695,14 @@ fn compile_trigger(
 fn compile_queue(
     compiler: &mut Compiler<'_>,
     spec: Option<&(usize, Spanned<QueueSpec>)>,
-    redis: Option<&RedisTarget>,
+    redis: bool,
 ) -> Option<QueueSettings> {
     let defaults = QueueSettings::default();
     let Some((file, spec)) = spec else {
-        return redis.map(|_| defaults);
+        return redis.then_some(defaults);
     };
     let file = *file;
-    let Some(redis) = redis else {
+    if !redis {
         compiler.error_hint(
             file,
             spec.span(),
@@ -1714,7 +1710,7 @@ fn compile_queue(
             "queued work is stored durably in Redis Streams; add a [redis] section",
         );
         return None;
-    };
+    }
     let inner = spec.get_ref();
     let max_attempts = match &inner.max_attempts {
         Some(value) if *value.get_ref() == 0 => {
@@ -1790,17 +1786,6 @@ fn compile_queue(
         .wait_replicas
         .as_ref()
         .map_or(defaults.wait_replicas, |value| *value.get_ref());
-    if let (Some(value), RedisTarget::Cluster(_)) = (&inner.wait_replicas, redis) {
-        if wait_replicas > 0 {
-            compiler.error_hint(
-                file,
-                value.span(),
-                "wait_replicas needs a single Redis server or Sentinel, not a Redis Cluster",
-                "a cluster sends WAIT to every master over connections of its own, where it \
-                 counts nothing of the job's write; leave wait_replicas out (0)",
-            );
-        }
-    }
     let wait_timeout = compiler.positive_duration(
         file,
         &inner.wait_timeout,

@@ -522,7 +522,7 @@ pub async fn enqueue(
                 settings.wait_replicas,
                 settings.wait_timeout,
                 remaining,
-                Some(guard),
+                guard,
             )
             .await
         {
