@@ -14,8 +14,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind};
+use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RenameMode};
 use notify::{EventKind, RecursiveMode, Watcher};
+use std::os::unix::fs::MetadataExt;
 use tokio::sync::{mpsc, watch};
 
 use super::store::{PolicyStore, ReloadTrigger};
@@ -40,6 +41,12 @@ enum WatchSignal {
     Writing(PathBuf),
     /// A policy file opened for writing was closed.
     Closed(PathBuf),
+    /// A file was renamed within the directory: one open for writing is closed under its new
+    /// name.
+    Renamed {
+        from: PathBuf,
+        to: PathBuf,
+    },
     Broken,
 }
 
@@ -165,6 +172,11 @@ fn note(writing: &mut HashSet<PathBuf>, signal: WatchSignal) {
         WatchSignal::Closed(path) => {
             writing.remove(&path);
         }
+        WatchSignal::Renamed { from, to } => {
+            if writing.remove(&from) && is_policy_file(&to) {
+                writing.insert(to);
+            }
+        }
         WatchSignal::Changed | WatchSignal::Broken => {}
     }
 }
@@ -219,6 +231,18 @@ fn signal_of(event: notify::Result<notify::Event>, watched_dir: &Path) -> Option
         EventKind::Access(_) => return None,
         _ => {}
     }
+    // The pair of a rename within the directory (its two halves came before, each a change).
+    if let (EventKind::Modify(ModifyKind::Name(RenameMode::Both)), [from, to]) =
+        (event.kind, event.paths.as_slice())
+    {
+        let ours = is_policy_file(from) || is_policy_file(to);
+        if ours && from != watched_dir && to != watched_dir {
+            return Some(WatchSignal::Renamed {
+                from: from.clone(),
+                to: to.clone(),
+            });
+        }
+    }
     // Anything that happens to the directory itself (removed, or moved away as in
     // `mv policies policies.old; mv policies.new policies`) leaves the watch on the old one:
     // set it up again on the path.
@@ -228,13 +252,14 @@ fn signal_of(event: notify::Result<notify::Event>, watched_dir: &Path) -> Option
     // Written in place, or made (and so open for writing) — a symlink made is none of these.
     // Only Linux's inotify tells when a file written is closed; elsewhere a write is a
     // change like any other.
+    let created_file = matches!(event.kind, EventKind::Create(CreateKind::File));
     let written = cfg!(target_os = "linux")
-        && matches!(
-            event.kind,
-            EventKind::Modify(ModifyKind::Data(_)) | EventKind::Create(CreateKind::File)
-        );
+        && (created_file || matches!(event.kind, EventKind::Modify(ModifyKind::Data(_))));
     if let Some(path) = policy_file() {
-        let is_link = std::fs::symlink_metadata(&path).is_ok_and(|meta| meta.is_symlink());
+        // A symlink, or a hard link to a file already there (`ln`), is made without being
+        // opened: no close follows it.
+        let is_link = std::fs::symlink_metadata(&path)
+            .is_ok_and(|meta| meta.is_symlink() || (created_file && meta.nlink() > 1));
         return Some(if written && !is_link {
             WatchSignal::Writing(path)
         } else {
@@ -307,9 +332,80 @@ mod tests {
             None
         );
         assert_eq!(signal_of(event(EventKind::Other, None), dir), None);
+        let both = EventKind::Modify(ModifyKind::Name(RenameMode::Both));
+        let pair = |from: &str, to: &str| {
+            Ok(notify::Event::new(both)
+                .add_path(dir.join(from))
+                .add_path(dir.join(to)))
+        };
+        assert_eq!(
+            signal_of(pair("new.toml", "levee.toml"), dir),
+            Some(WatchSignal::Renamed {
+                from: dir.join("new.toml"),
+                to: dir.join("levee.toml")
+            })
+        );
+        assert_eq!(signal_of(pair("a.tmp", "b.tmp"), dir), None);
+        assert_eq!(
+            signal_of(pair("..data_tmp", "..data"), dir),
+            Some(WatchSignal::Changed)
+        );
         assert_eq!(
             signal_of(Ok(notify::Event::new(created).add_path(dir.into())), dir),
             Some(WatchSignal::Broken)
+        );
+    }
+
+    /// A file renamed while open for writing is closed under its new name: its reload waits
+    /// for that close, not for `CLOSE_WAIT`.
+    #[test]
+    fn a_file_open_for_writing_is_followed_through_a_rename() {
+        let dir = Path::new("/policies");
+        let mut writing = HashSet::new();
+        note(&mut writing, WatchSignal::Writing(dir.join("new.toml")));
+        note(
+            &mut writing,
+            WatchSignal::Renamed {
+                from: dir.join("new.toml"),
+                to: dir.join("levee.toml"),
+            },
+        );
+        assert_eq!(writing, HashSet::from([dir.join("levee.toml")]));
+        note(&mut writing, WatchSignal::Closed(dir.join("levee.toml")));
+        assert!(writing.is_empty());
+        // Renamed away from a policy name: no longer a policy file being written.
+        note(&mut writing, WatchSignal::Writing(dir.join("levee.toml")));
+        note(
+            &mut writing,
+            WatchSignal::Renamed {
+                from: dir.join("levee.toml"),
+                to: dir.join("levee.toml~"),
+            },
+        );
+        assert!(writing.is_empty());
+    }
+
+    /// A hard link made to a policy file (`ln`) is not a file opened for writing: no close
+    /// follows it, so it is a change like a symlink made.
+    #[test]
+    fn a_hard_link_made_is_a_change_not_a_write() {
+        let dir = tempfile::tempdir().expect("dir");
+        let made = dir.path().join("made.toml");
+        std::fs::write(&made, "").expect("write");
+        let created =
+            |path: &Path| {
+                Ok(notify::Event::new(EventKind::Create(CreateKind::File))
+                    .add_path(path.to_path_buf()))
+            };
+        assert_eq!(
+            signal_of(created(&made), dir.path()),
+            Some(WatchSignal::Writing(made.clone()))
+        );
+        let linked = dir.path().join("linked.toml");
+        std::fs::hard_link(&made, &linked).expect("link");
+        assert_eq!(
+            signal_of(created(&linked), dir.path()),
+            Some(WatchSignal::Changed)
         );
     }
 }
