@@ -495,10 +495,16 @@ impl MasterLink {
     ) -> Result<ConnectionManager, RedisFailure> {
         let client = self.sentinels.master_client(address)?;
         let mut connection = connection_manager(client, timeout, response_timeout).await?;
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query_async(&mut connection)
-            .await?;
+        // Bounded here: the connection of writes that wait for replicas has no response
+        // timeout of its own.
+        let info: String = tokio::time::timeout(
+            timeout,
+            redis::cmd("INFO")
+                .arg("replication")
+                .query_async(&mut connection),
+        )
+        .await
+        .map_err(|_| RedisFailure::Timeout(timeout))??;
         if !is_master(&info) {
             return Err(RedisFailure::Connection(format!(
                 "the sentinels named {address} as master of `{}`, but it is not a master (yet)",

@@ -180,7 +180,7 @@ pub enum RedisFailure {
     Down,
     #[error("redis connection failed: {0}")]
     Connection(String),
-    #[error("{0} rate-limit decisions are already waiting for redis")]
+    #[error("{0} calls are already waiting for redis")]
     Overloaded(usize),
     /// The server is no longer the master (Redis Sentinel named another, or it answered
     /// `READONLY`). Not counted against Redis's health: the next call goes to the new master.

@@ -12,12 +12,14 @@
 //! this: the first writer to find the connection free sends what is waiting, in a task of its
 //! own, so a writer that gives up (its client left) takes nobody's answer with it.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use tokio::sync::oneshot;
 
+use crate::log_throttle::LogThrottle;
 use crate::redis_batch::lock;
 use crate::redis_store::RedisFailure;
 
@@ -49,7 +51,7 @@ struct Pending {
 /// The writes waiting for the connection to one server, and whose turn it is to send them.
 #[derive(Default)]
 pub struct WaitingWrites {
-    pending: Mutex<Vec<Pending>>,
+    pending: Arc<Mutex<VecDeque<Pending>>>,
     /// Held by the batch at Redis: one at a time, since a WAIT holds the connection anyway.
     turn: Arc<tokio::sync::Mutex<()>>,
     /// The connection to a fixed server (a single one, or a cluster node), once made. With
@@ -95,9 +97,14 @@ impl WaitingWrites {
         {
             let mut pending = lock(&self.pending);
             if pending.len() >= MOST_WAITING {
+                // Writes whose writers left count for nothing (else a stall that outlived
+                // its writers would refuse every write after it, with nobody left to send).
+                pending.retain(|write| !write.answer.is_closed());
+            }
+            if pending.len() >= MOST_WAITING {
                 return Err(RedisFailure::Overloaded(pending.len()));
             }
-            pending.push(Pending {
+            pending.push_back(Pending {
                 command,
                 replicas,
                 wait,
@@ -124,7 +131,8 @@ impl WaitingWrites {
                 // Nothing was sent. The others are told at once rather than each trying a
                 // connection that just failed.
                 let message = error.to_string();
-                for other in take_batch(&self.pending) {
+                let everyone = std::mem::take(&mut *lock(&self.pending));
+                for other in everyone {
                     let _ = other
                         .answer
                         .send(Err(RedisFailure::Connection(message.clone())));
@@ -136,9 +144,17 @@ impl WaitingWrites {
                 };
             }
         };
-        let batch = take_batch(&self.pending);
+        // Until none is left: a write that came while the turn was taken may have no writer
+        // of its own waiting for the turn (this one's among them).
+        let pending = self.pending.clone();
         tokio::spawn(async move {
-            send_batch(connection, batch).await;
+            loop {
+                let batch = take_batch(&pending);
+                if batch.is_empty() {
+                    break;
+                }
+                send_batch(connection.clone(), batch).await;
+            }
             drop(turn);
         });
         answered.await.unwrap_or_else(|_| Err(lost()))
@@ -146,7 +162,7 @@ impl WaitingWrites {
 }
 
 /// The oldest waiting writes, up to a batch, whose writers still wait.
-fn take_batch(pending: &Mutex<Vec<Pending>>) -> Vec<Pending> {
+fn take_batch(pending: &Mutex<VecDeque<Pending>>) -> Vec<Pending> {
     let mut pending = lock(pending);
     pending.retain(|write| !write.answer.is_closed());
     let count = pending.len().min(MOST_PER_BATCH);
@@ -212,7 +228,11 @@ async fn send_batch(mut connection: ConnectionManager, batch: Vec<Pending>) {
         Some(Ok(redis::Value::Int(count))) => u32::try_from(count).unwrap_or(0),
         other => {
             // The writes ran; only their confirmation is unknown, so none counts as confirmed.
-            tracing::warn!("redis's answer to WAIT was not a count of replicas: {other:?}");
+            // (Redis refuses WAIT to a user whose ACL lacks it, and on a replica.)
+            static NOT_A_COUNT: LogThrottle = LogThrottle::new(Duration::from_secs(10));
+            if let Some(held_back) = NOT_A_COUNT.allow(std::time::Instant::now()) {
+                tracing::warn!(held_back, "redis's answer to WAIT was not a count of replicas, so no job counts as confirmed: {other:?}");
+            }
             0
         }
     };
@@ -254,12 +274,12 @@ mod tests {
 
     #[tokio::test]
     async fn writes_whose_writers_left_are_not_sent() {
-        let pending = Mutex::new(Vec::new());
+        let pending = Mutex::new(VecDeque::new());
         let (kept, _kept_answer) = oneshot::channel();
         let (left, left_answer) = oneshot::channel();
         drop(left_answer);
         for answer in [left, kept] {
-            lock(&pending).push(Pending {
+            lock(&pending).push_back(Pending {
                 command: redis::cmd("PING"),
                 replicas: 1,
                 wait: Duration::from_millis(1),

@@ -2095,3 +2095,84 @@ async fn in_a_cluster_a_job_waits_for_the_replica_of_the_node_holding_its_stream
         .collect();
     assert_eq!(bodies, ["first=1", "second=1", "third=1"]);
 }
+
+/// Withdrawing a job that waits for replicas (its writer's `SETTLE_WRITE`) and a worker's
+/// go-ahead to replay it (`HOLD_WHEN_DECIDED`) exclude each other, whichever comes first —
+/// also when Redis's clock says the job is still undecided (a clock stepped back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_withdrawal_and_a_replay_of_one_job_exclude_each_other() {
+    use levee::queue::worker::HOLD_WHEN_DECIDED;
+    use levee::queue::SETTLE_WRITE;
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (stream, group) = ("t:queue:{r}:jobs", "g");
+    redis.cli(&["XGROUP", "CREATE", stream, group, "$", "MKSTREAM"]);
+    // A `confirm_by` far ahead of Redis's clock, and one long past.
+    let (ahead, past) = ("9000000000000000", "0");
+    let stored = |record: &str| {
+        let id = redis
+            .cli(&["XADD", stream, "*", "body", "x"])
+            .trim()
+            .to_string();
+        redis.cli(&["SET", record, &id, "PX", "60000"]);
+        redis.cli(&[
+            "XREADGROUP",
+            "GROUP",
+            group,
+            "c",
+            "COUNT",
+            "1",
+            "STREAMS",
+            stream,
+            ">",
+        ]);
+        id
+    };
+    let hold = |record: &str, id: &str, confirm_by: &str| {
+        let args = [
+            "EVAL",
+            HOLD_WHEN_DECIDED,
+            "2",
+            stream,
+            record,
+            group,
+            "c",
+            id,
+            confirm_by,
+        ];
+        redis.cli(&args).trim().to_string()
+    };
+    let settle = |record: &str| {
+        redis.cli(&[
+            "EVAL",
+            SETTLE_WRITE,
+            "2",
+            stream,
+            record,
+            group,
+            "60000",
+            ahead,
+        ])
+    };
+
+    // Replayed first: the withdrawal that follows finds it decided, and it stands.
+    let replayed = stored("t:queue:{r}:write:1");
+    let left: i64 = hold("t:queue:{r}:write:1", &replayed, ahead)
+        .parse()
+        .expect("µs left");
+    assert!(left > 0, "{left}");
+    assert_eq!(hold("t:queue:{r}:write:1", &replayed, past), "0");
+    let settled = settle("t:queue:{r}:write:1");
+    assert_eq!(
+        settled.split_whitespace().collect::<Vec<_>>(),
+        ["stands", &replayed]
+    );
+    assert_eq!(redis.cli(&["XLEN", stream]).trim(), "1");
+
+    // Withdrawn first: gone from the stream and from the worker's pending jobs; the worker
+    // then finds nothing to replay.
+    let withdrawn = stored("t:queue:{r}:write:2");
+    assert_eq!(settle("t:queue:{r}:write:2").trim(), "absent");
+    assert_eq!(redis.cli(&["XLEN", stream]).trim(), "1");
+    assert_eq!(hold("t:queue:{r}:write:2", &withdrawn, past), "-2");
+}

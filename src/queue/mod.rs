@@ -68,14 +68,15 @@ pub struct QueueSettings {
 /// confirmed in time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unconfirmed {
-    /// The job is withdrawn (unless a worker has it already) and the client gets 503: a 202
-    /// always means the replicas hold it.
+    /// The job is withdrawn and the client gets 503 (unless withdrawing it failed or came
+    /// too late, see `SETTLE_WRITE`): as a rule a 202 means the replicas hold it.
     Refuse,
     /// The client gets 202 all the same; levee warns and counts it.
     Accept,
 }
 
-/// The longest `[queue] wait_timeout`: the client waits that long for its answer.
+/// The longest `[queue] wait_timeout`. A client may wait twice that for its answer (its job
+/// waits for the batch before its own), on top of the write's and a withdrawal's time.
 pub const MAX_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for QueueSettings {
@@ -242,12 +243,16 @@ return id
 /// is true: a write that has not run is barred from running later (a tombstone), and one
 /// stored that no worker has read yet is withdrawn; both answer `absent`. A job a worker has
 /// read (pending), or has already replayed, stands: `stands <id>`. A job that waits for
-/// replicas is withdrawn even once read while Redis's clock is before its `confirm_by`: no
-/// worker replays it before then (see `worker::HOLD_WHEN_DECIDED`).
+/// replicas is withdrawn even once read while Redis's clock is before its `confirm_by` and no
+/// worker has marked its record `decided:<id>`: no worker replays it before both (see
+/// `worker::HOLD_WHEN_DECIDED`), so whichever comes first wins, whatever the clock does.
 /// KEYS: stream, write record. ARGV: consumer group, record TTL (ms), and the job's
 /// `confirm_by` (µs, Redis clock) when it waits for replicas.
-const SETTLE_WRITE: &str = r#"
+pub const SETTLE_WRITE: &str = r#"
 local id = redis.call('GET', KEYS[2])
+if id and string.sub(id, 1, 8) == 'decided:' then
+  return {'stands', string.sub(id, 9)}
+end
 if id and id ~= '' then
   local undecided = false
   if ARGV[3] then
@@ -272,6 +277,9 @@ return {'absent'}
 /// The job field that holds when a job that waits for replicas is decided (µs, Redis's
 /// clock): its writer withdraws it only before then, and no worker replays it before then.
 pub const CONFIRM_BY_FIELD: &str = "confirm_by";
+/// The job field that names its write's record, which the worker that replays a job that
+/// waited for replicas marks `decided:<id>` first (see [`SETTLE_WRITE`]).
+pub const CONFIRM_RECORD_FIELD: &str = "confirm_record";
 
 /// How long a write's record lives: far longer than a write and its settling can take (the
 /// deadline bars a late write after a few hundred milliseconds at most).
@@ -317,83 +325,15 @@ async fn settle_write(
     }
 }
 
-/// Why a job fewer replicas confirmed than `wait_replicas` asks for is not answered 202.
-enum Refused {
-    /// Withdrawn from Redis: nothing stored, nothing applied later.
-    Withdrawn,
-    /// Could not be withdrawn: Redis may keep it.
-    Unsettled,
-}
-
-/// What is known of a job fewer replicas confirmed than `wait_replicas` asks for.
-struct Decision<'a> {
-    /// The job's entry id.
-    id: String,
-    /// The write's record (see [`QueueKeys::write_record`]).
-    record: &'a str,
-    /// See [`CONFIRM_BY_FIELD`].
-    confirm_by: Option<u64>,
-    /// How many replicas confirmed it, in words.
-    short: &'a str,
-}
-
-/// A job stored at the master that fewer replicas than `wait_replicas` confirmed in time.
-/// With `when_unconfirmed = "accept"` it stands; with "refuse" it is withdrawn, unless
-/// withdrawing came too late (past its `confirm_by`, a worker may be replaying it: it
-/// stands). The job's id when it stands.
-async fn unconfirmed(
-    redis: &crate::redis_store::RedisStore,
-    keys: &QueueKeys,
-    settings: &QueueSettings,
-    route: &Route,
-    decision: Decision<'_>,
-    timeout: Duration,
-    metrics: &Metrics,
-) -> Result<String, Refused> {
-    let (id, short) = (decision.id, decision.short);
-    // Every job while a replica is away: one line per ten seconds is enough to say so.
-    static UNCONFIRMED: LogThrottle = LogThrottle::new(Duration::from_secs(10));
-    let count = |result: &'static str| {
-        metrics
-            .queue_unconfirmed
-            .get_or_create(&QueueResultLabels {
-                route: route.name.to_string(),
-                result,
-            })
-            .inc();
-    };
-    if settings.unconfirmed == Unconfirmed::Accept {
-        count("accepted");
-        if let Some(held_back) = UNCONFIRMED.allow(std::time::Instant::now()) {
-            tracing::warn!(route = %route.name, job = %id, held_back, "job stored at the master only: {short}; answering 202 (when_unconfirmed = \"accept\")");
-        }
-        return Ok(id);
-    }
-    let settled = settle_write(
-        redis,
-        keys,
-        decision.record,
-        &settings.group,
-        decision.confirm_by,
-        timeout,
-    )
-    .await;
-    match settled {
-        Ok(None) => {
-            count("withdrawn");
-            Err(Refused::Withdrawn)
-        }
-        Ok(Some(id)) => {
-            count("kept");
-            tracing::warn!(route = %route.name, job = %id, "{short}, but it was too late to withdraw the job (a worker may be replaying it): answering 202");
-            Ok(id)
-        }
-        Err(error) => {
-            count("unsettled");
-            tracing::warn!(route = %route.name, job = %id, "job perhaps stored, answering 503: {short}, and withdrawing it failed ({error})");
-            Err(Refused::Unsettled)
-        }
-    }
+/// Counts a job fewer replicas confirmed than `wait_replicas` asks for, by what became of it.
+fn count_unconfirmed(metrics: &Metrics, route: &Route, result: &'static str) {
+    metrics
+        .queue_unconfirmed
+        .get_or_create(&QueueResultLabels {
+            route: route.name.to_string(),
+            result,
+        })
+        .inc();
 }
 
 const DEFAULT_ACCEPTED_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Accepted</title></head>\n<body><h1>Accepted</h1><p>Your request was received and takes effect shortly.</p><p>Reference: {job}</p></body></html>\n";
@@ -513,7 +453,11 @@ pub async fn enqueue(
         deadline_us.saturating_add(u64::try_from(after.as_micros()).unwrap_or(u64::MAX))
     });
     if let Some(confirm_by) = confirm_by {
-        command.arg(CONFIRM_BY_FIELD).arg(confirm_by);
+        command
+            .arg(CONFIRM_BY_FIELD)
+            .arg(confirm_by)
+            .arg(CONFIRM_RECORD_FIELD)
+            .arg(&record);
     }
     let (written, confirmed_by) = if confirming {
         match redis
@@ -536,28 +480,25 @@ pub async fn enqueue(
     } else {
         (redis.command(&command, remaining, Some(guard)).await, 0)
     };
-    let id = match written {
-        Ok(Some(id)) if !confirming || confirmed_by >= settings.wait_replicas => id,
+    // A write in doubt (why, and whether for want of replicas) is settled with Redis below.
+    let in_doubt = match written {
+        Ok(Some(id)) if confirmed_by >= settings.wait_replicas => Ok(id),
         Ok(Some(id)) => {
             let short = format!(
-                "{confirmed_by} of the {} replicas wait_replicas asks for confirmed it within {:?}",
+                "{confirmed_by} of the {} replicas wait_replicas asks for confirmed the job within {:?}",
                 settings.wait_replicas, settings.wait_timeout
             );
-            let decision = Decision {
-                id,
-                record: &record,
-                confirm_by,
-                short: &short,
-            };
-            unconfirmed(redis, &keys, settings, route, decision, timeout, metrics)
-                .await
-                .map_err(|refused| match refused {
-                    Refused::Withdrawn => not_stored(format!("the job was withdrawn: {short}")),
-                    Refused::Unsettled => ProxyError::QueueUnavailable {
-                        route: route.name.to_string(),
-                        unsettled: true,
-                    },
-                })?
+            if settings.unconfirmed == Unconfirmed::Accept {
+                count_unconfirmed(metrics, route, "accepted");
+                // Every job while a replica is away: one line per ten seconds says it.
+                static ACCEPTED: LogThrottle = LogThrottle::new(Duration::from_secs(10));
+                if let Some(held_back) = ACCEPTED.allow(std::time::Instant::now()) {
+                    tracing::warn!(route = %route.name, job = %id, held_back, "job stored at the master only: {short}; answering 202 (when_unconfirmed = \"accept\")");
+                }
+                Ok(id)
+            } else {
+                Err((short, true))
+            }
         }
         Ok(None) => return Err(not_stored("redis ran the write after its deadline".into())),
         // Not sent at all: nothing to settle.
@@ -565,33 +506,47 @@ pub async fn enqueue(
             return Err(not_stored(error.to_string()))
         }
         // Sent, but its answer did not come: Redis may have run it (say the answer was slow
-        // to travel back). Its fate is settled with Redis before the client hears anything:
-        // the same connection carries the question after the write, so Redis answers it
-        // after running the write, if it ever does. (A write that waits for replicas has a
-        // connection of its own, but it checks the write's record before it stores anything:
-        // once the question has left its mark there, the write stores nothing.)
-        Err(error) => {
-            match settle_write(redis, &keys, &record, &settings.group, confirm_by, timeout).await {
+        // to travel back). The same connection carries the question after the write, so
+        // Redis answers it after running the write, if it ever does. (A write that waits for
+        // replicas has a connection of its own, but it checks the write's record before it
+        // stores anything: once the question has left its mark there, it stores nothing.)
+        Err(error) => Err((format!("the write's answer was lost ({error})"), false)),
+    };
+    // Its fate is settled with Redis before the client hears anything.
+    let id = match in_doubt {
+        Ok(id) => id,
+        Err((doubt, unconfirmed)) => {
+            let settled =
+                settle_write(redis, &keys, &record, &settings.group, confirm_by, timeout).await;
+            if unconfirmed {
+                let result = match &settled {
+                    Ok(None) => "withdrawn",
+                    Ok(Some(_)) => "kept",
+                    Err(_) => "unsettled",
+                };
+                count_unconfirmed(metrics, route, result);
+            }
+            match settled {
                 Ok(Some(id)) => {
                     tracing::info!(
                         route = %route.name,
                         job = %id,
-                        "the write's answer was lost ({error}), but Redis stored the job and a \
-                         worker has it: answering 202"
+                        "{doubt}, but Redis keeps the job and a worker has it: answering 202"
                     );
                     id
                 }
                 Ok(None) => {
                     return Err(not_stored(format!(
-                        "{error}; Redis holds no such job and will not store it"
+                        "{doubt}; Redis holds no such job and will not store it"
                     )))
                 }
                 Err(settling) => {
-                    // Redis may hold the job: a check queued behind the write withdraws it if it
-                    // runs, but a Redis that saved the write and died before answering keeps it.
+                    // Redis may hold the job: a check queued behind the write withdraws it if
+                    // it runs, but a Redis that saved the write and died before answering
+                    // keeps it.
                     tracing::warn!(
                         route = %route.name,
-                        "job perhaps stored, answering 503: {error}; what became of the write \
+                        "job perhaps stored, answering 503: {doubt}; what became of the write \
                          could not be checked either ({settling})"
                     );
                     return Err(ProxyError::QueueUnavailable {

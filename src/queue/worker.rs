@@ -57,10 +57,13 @@ return held
 
 /// Right before replaying a job that waits for replicas: whether its writer has decided
 /// (Redis's clock is past the job's `confirm_by`, after which the writer no longer withdraws
-/// it), checked in the same step as this worker's hold, which it renews. Answers 0 (replay
-/// it), the µs left until `confirm_by`, -1 (held by another worker now) or -2 (withdrawn).
-/// KEYS: stream. ARGV: group, consumer, id, confirm_by.
-pub(super) const HOLD_WHEN_DECIDED: &str = r#"
+/// it), checked in the same step as this worker's hold, which it renews. Going ahead, it marks
+/// the write's record `decided:<id>` (if the record is still there), which bars a withdrawal
+/// even should Redis's clock step back. Answers 0 (replay it), the µs left until
+/// `confirm_by`, -1 (held by another worker now) or -2 (no longer in the stream: withdrawn by
+/// its writer, or finished by another worker). KEYS: stream, write record. ARGV: group,
+/// consumer, id, confirm_by.
+pub const HOLD_WHEN_DECIDED: &str = r#"
 if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2]) == 0 then
   if #redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3]) == 0 then
     return -2
@@ -72,6 +75,7 @@ local left = tonumber(ARGV[4]) - (tonumber(now[1]) * 1000000 + tonumber(now[2]))
 if left > 0 then
   return left
 end
+redis.call('SET', KEYS[2], 'decided:' .. ARGV[3], 'XX', 'KEEPTTL')
 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
 return 0
 "#;
@@ -809,11 +813,14 @@ impl Pass<'_> {
         id: &str,
         fields: &HashMap<String, Vec<u8>>,
     ) -> Result<Hold, RedisFailure> {
-        let confirm_by = fields
-            .get(super::CONFIRM_BY_FIELD)
-            .and_then(|value| std::str::from_utf8(value).ok())
-            .and_then(|value| value.parse::<u64>().ok());
-        let Some(confirm_by) = confirm_by else {
+        let text = |name: &str| {
+            fields
+                .get(name)
+                .and_then(|value| std::str::from_utf8(value).ok())
+        };
+        let confirm_by = text(super::CONFIRM_BY_FIELD).and_then(|value| value.parse::<u64>().ok());
+        let record = text(super::CONFIRM_RECORD_FIELD);
+        let (Some(confirm_by), Some(record)) = (confirm_by, record) else {
             let held = !self.renew_hold(&[id.to_string()]).await?.is_empty();
             return Ok(if held { Hold::Held } else { Hold::Lost });
         };
@@ -821,8 +828,9 @@ impl Pass<'_> {
             let mut command = redis::cmd("EVAL");
             command
                 .arg(HOLD_WHEN_DECIDED)
-                .arg(1)
+                .arg(2)
                 .arg(&self.keys.stream)
+                .arg(record)
                 .arg(&self.settings.group)
                 .arg(self.consumer)
                 .arg(id)
@@ -830,7 +838,7 @@ impl Pass<'_> {
             let left: i64 = self.redis.command(&command, QUEUE_TIMEOUT, None).await?;
             match left {
                 0 => return Ok(Hold::Held),
-                -2 => return Ok(Hold::Withdrawn),
+                -2 => return Ok(Hold::Gone),
                 left if left < 0 => return Ok(Hold::Lost),
                 left => {
                     // `confirm_by` is a second or two after the write; a clock far off on
@@ -890,8 +898,8 @@ impl Pass<'_> {
                     tracing::warn!(route = %route.name, %id, "job taken over by another worker before its replay here; left to that one");
                     continue;
                 }
-                Hold::Withdrawn => {
-                    tracing::debug!(route = %route.name, %id, "job withdrawn by its writer (its replicas did not confirm it): not replayed");
+                Hold::Gone => {
+                    tracing::debug!(route = %route.name, %id, "job no longer in the stream (withdrawn by its writer, its replicas not confirming it, or finished by another worker): not replayed");
                     continue;
                 }
                 Hold::Stopped => return Ok(false),
@@ -955,8 +963,9 @@ enum Hold {
     Held,
     /// Another worker holds it now.
     Lost,
-    /// Its writer withdrew it: its replicas did not confirm it.
-    Withdrawn,
+    /// No longer in the stream: its writer withdrew it (its replicas did not confirm it), or
+    /// another worker finished it.
+    Gone,
     /// levee is stopping.
     Stopped,
 }
