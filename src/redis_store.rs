@@ -186,6 +186,9 @@ pub enum RedisFailure {
     /// `READONLY`). Not counted against Redis's health: the next call goes to the new master.
     #[error("redis is no longer the master: {0}")]
     MasterMoved(String),
+    /// No connection could be made, so nothing was sent (and nothing needs settling).
+    #[error("no connection to redis, nothing sent: {0}")]
+    NotSent(String),
 }
 
 impl RedisFailure {
@@ -195,6 +198,7 @@ impl RedisFailure {
         match self {
             RedisFailure::Timeout(_)
             | RedisFailure::Connection(_)
+            | RedisFailure::NotSent(_)
             | RedisFailure::MasterMoved(_) => true,
             RedisFailure::Redis(error) => {
                 error.is_io_error()
@@ -217,7 +221,10 @@ impl RedisFailure {
     /// Whether the call went out at all: not when the health breaker held it back or too
     /// many decisions were waiting already.
     fn was_sent(&self) -> bool {
-        !matches!(self, RedisFailure::Down | RedisFailure::Overloaded(_))
+        !matches!(
+            self,
+            RedisFailure::Down | RedisFailure::Overloaded(_) | RedisFailure::NotSent(_)
+        )
     }
 }
 
@@ -747,16 +754,27 @@ impl RedisStore {
             Some(cluster) => {
                 self.read_first_slot_map(cluster, timeout, guard.metrics)
                     .await;
-                Some(cluster.node_for(guard.key).address)
+                let address = cluster.node_for(guard.key).address;
+                if *address == *crate::redis_cluster::UNMAPPED {
+                    return Err(RedisFailure::NotSent(
+                        "which cluster node holds the queue is not known yet (the slot map was not read)"
+                            .into(),
+                    ));
+                }
+                Some((address, cluster))
             }
             None => None,
         };
-        let node_writes = node.as_ref().map(|address| {
-            lock(&self.waiting_writes_by_node)
-                .entry(address.clone())
-                .or_default()
-                .clone()
+        let node_writes = node.as_ref().map(|(address, cluster)| {
+            let mut by_node = lock(&self.waiting_writes_by_node);
+            if !by_node.contains_key(address) {
+                // Masters gone from the slot map take their connections with them.
+                let masters = cluster.nodes();
+                by_node.retain(|known, _| masters.iter().any(|node| node.address == *known));
+            }
+            by_node.entry(address.clone()).or_default().clone()
         });
+        let node = node.map(|(address, _)| address);
         let writes = node_writes.as_deref().unwrap_or(&self.waiting_writes);
         let connect = || async {
             match &self.master_link {
@@ -778,21 +796,15 @@ impl RedisStore {
         let tls = self.settings.tls.as_ref();
         let urls = match (&self.settings.target, node) {
             (RedisTarget::Single(url), _) => return Ok(client_for(url.as_str(), tls)?),
-            (RedisTarget::Cluster(urls), Some(node)) if node != crate::redis_cluster::UNMAPPED => {
-                urls
-            }
-            (RedisTarget::Cluster(_), _) => return Err(RedisFailure::Connection(
-                "which cluster node holds the queue is not known yet (the slot map was not read)"
-                    .into(),
-            )),
-            (RedisTarget::Sentinel(_), _) => {
+            (RedisTarget::Cluster(urls), Some(_)) => urls,
+            _ => {
                 return Err(RedisFailure::Connection(
                     "a sentinel target connects through its master link".into(),
                 ))
             }
         };
         let node = node.unwrap_or_default();
-        let unusable = |why: &str| RedisFailure::Connection(format!("cluster node {node}: {why}"));
+        let unusable = |why: &str| RedisFailure::NotSent(format!("cluster node {node}: {why}"));
         let (host, port) = node
             .rsplit_once(':')
             .and_then(|(host, port)| Some((host.to_string(), port.parse::<u16>().ok()?)))

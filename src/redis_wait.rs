@@ -11,6 +11,8 @@
 //! and a replica outage costs each write one timeout, not a queue of them. No task runs for
 //! this: the first writer to find the connection free sends what is waiting, in a task of its
 //! own, so a writer that gives up (its client left) takes nobody's answer with it.
+//! Each batch is followed by a new turn, and a new connect (with Sentinel, to the master named
+//! since): a writer whose write is left for a later batch waits for the turn again.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -78,8 +80,8 @@ impl WaitingWrites {
     }
 
     /// Sends `command` in the next batch, and waits for that batch's WAIT for `replicas`
-    /// replicas (at most `wait`). `connect` gives the connection of these writes when this
-    /// writer sends the batch. The caller bounds the whole; the batch itself is bounded by
+    /// replicas (at most `wait`). `connect` gives the connection of these writes each time
+    /// this writer sends a batch. The caller bounds the whole; the batch itself is bounded by
     /// `bound`, so a write whose writer gave up never holds the others.
     pub async fn write<F, C>(
         &self,
@@ -90,7 +92,7 @@ impl WaitingWrites {
         connect: C,
     ) -> Result<Confirmed, RedisFailure>
     where
-        C: FnOnce() -> F,
+        C: Fn() -> F,
         F: std::future::Future<Output = Result<ConnectionManager, RedisFailure>>,
     {
         let (answer, mut answered) = oneshot::channel();
@@ -113,51 +115,47 @@ impl WaitingWrites {
             });
         }
         let lost = || RedisFailure::Connection("the write's batch ended without an answer".into());
-        let turn = tokio::select! {
-            biased;
-            answer = &mut answered => return answer.unwrap_or_else(|_| Err(lost())),
-            turn = self.turn.clone().lock_owned() => turn,
-        };
-        // Another writer may have sent this write already, while this one waited for its turn.
-        if lock(&self.pending).is_empty() {
-            drop(turn);
-            return answered.await.unwrap_or_else(|_| Err(lost()));
-        }
-        // Connecting happens before the batch is taken: a writer that gives up meanwhile
-        // leaves the writes where the next one finds them.
-        let connection = match connect().await {
-            Ok(connection) => connection,
-            Err(error) => {
-                // Nothing was sent. The others are told at once rather than each trying a
-                // connection that just failed.
-                let message = error.to_string();
-                let everyone = std::mem::take(&mut *lock(&self.pending));
-                for other in everyone {
-                    let _ = other
-                        .answer
-                        .send(Err(RedisFailure::Connection(message.clone())));
-                }
+        loop {
+            let turn = tokio::select! {
+                biased;
+                answer = &mut answered => return answer.unwrap_or_else(|_| Err(lost())),
+                turn = self.turn.clone().lock_owned() => turn,
+            };
+            // No batch is out while this writer has the turn: with none waiting either, its
+            // own write was sent, and answered.
+            if lock(&self.pending).is_empty() {
                 drop(turn);
-                return match answered.try_recv() {
-                    Ok(answer) => answer,
-                    Err(_) => Err(error),
-                };
+                return answered.await.unwrap_or_else(|_| Err(lost()));
             }
-        };
-        // Until none is left: a write that came while the turn was taken may have no writer
-        // of its own waiting for the turn (this one's among them).
-        let pending = self.pending.clone();
-        tokio::spawn(async move {
-            loop {
-                let batch = take_batch(&pending);
-                if batch.is_empty() {
-                    break;
+            // Connected anew for each batch (a cached connection, as a rule): with Sentinel, a
+            // master named since is followed. Connecting happens before the batch is taken, so
+            // a writer that gives up meanwhile leaves the writes where the next one finds
+            // them. One batch, then the turn goes to the writers waiting for it, this one
+            // among them while its own write waits.
+            let connection = match connect().await {
+                Ok(connection) => connection,
+                Err(error) => {
+                    // Nothing was sent: every write waiting is told so at once, rather than
+                    // each trying a connection that just failed.
+                    let message = error.to_string();
+                    let everyone = std::mem::take(&mut *lock(&self.pending));
+                    for write in everyone {
+                        let _ = write
+                            .answer
+                            .send(Err(RedisFailure::NotSent(message.clone())));
+                    }
+                    drop(turn);
+                    return answered
+                        .await
+                        .unwrap_or_else(|_| Err(RedisFailure::NotSent(message)));
                 }
-                send_batch(connection.clone(), batch).await;
-            }
-            drop(turn);
-        });
-        answered.await.unwrap_or_else(|_| Err(lost()))
+            };
+            let batch = take_batch(&self.pending);
+            tokio::spawn(async move {
+                send_batch(connection, batch).await;
+                drop(turn);
+            });
+        }
     }
 }
 

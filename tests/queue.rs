@@ -1984,7 +1984,7 @@ async fn a_job_no_replica_confirms_is_withdrawn_unless_the_policy_accepts_it() {
 }
 
 /// With Redis Sentinel, the writes that wait for replicas go to the master the sentinel
-/// names, over a connection of their own.
+/// names, over a connection of their own, and follow a failover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_waits_for_the_replica_of_the_master_redis_sentinel_names() {
     let dir = tempfile::tempdir().expect("dir");
@@ -2008,6 +2008,33 @@ async fn a_job_waits_for_the_replica_of_the_master_redis_sentinel_names() {
     assert_eq!(answer.status, 503, "{}", answer.text());
     assert_eq!(group.master.cli(&["XLEN", STREAM]).trim(), "1", "withdrawn");
     group.replica.pause(false);
+
+    // A failover: the writes go to the promoted replica. (The old master, its replica now,
+    // takes a full copy first, which takes seconds: meanwhile jobs are accepted unconfirmed.)
+    let generation = levee.generation();
+    std::fs::write(
+        levee.policy_file(),
+        policy.replace(
+            "wait_replicas = 1",
+            "wait_replicas = 1\nwhen_unconfirmed = \"accept\"",
+        ),
+    )
+    .expect("policy");
+    eventually(Duration::from_secs(10), "the policy reloaded", || async {
+        levee.generation() > generation
+    })
+    .await;
+    group.fail_over().await;
+    eventually(
+        Duration::from_secs(15),
+        "a job stored on the new master",
+        || async {
+            post_as(&levee, "like=3", "192.0.2.1").await.status == 202
+                && group.replica.cli(&["XLEN", STREAM]).trim() == "2"
+        },
+    )
+    .await;
+    assert!(group.replica.cli(&["ROLE"]).starts_with("master"));
 }
 
 #[test]

@@ -480,7 +480,8 @@ pub async fn enqueue(
     } else {
         (redis.command(&command, remaining, Some(guard)).await, 0)
     };
-    // A write in doubt (why, and whether for want of replicas) is settled with Redis below.
+    // A write in doubt (why, and whether it was to wait for replicas) is settled with Redis
+    // below.
     let in_doubt = match written {
         Ok(Some(id)) if confirmed_by >= settings.wait_replicas => Ok(id),
         Ok(Some(id)) => {
@@ -502,20 +503,21 @@ pub async fn enqueue(
         }
         Ok(None) => return Err(not_stored("redis ran the write after its deadline".into())),
         // Not sent at all: nothing to settle.
-        Err(error @ (RedisFailure::Down | RedisFailure::Overloaded(_))) => {
-            return Err(not_stored(error.to_string()))
-        }
+        Err(
+            error @ (RedisFailure::Down | RedisFailure::Overloaded(_) | RedisFailure::NotSent(_)),
+        ) => return Err(not_stored(error.to_string())),
         // Sent, but its answer did not come: Redis may have run it (say the answer was slow
         // to travel back). The same connection carries the question after the write, so
         // Redis answers it after running the write, if it ever does. (A write that waits for
         // replicas has a connection of its own, but it checks the write's record before it
         // stores anything: once the question has left its mark there, it stores nothing.)
-        Err(error) => Err((format!("the write's answer was lost ({error})"), false)),
+        Err(error) => Err((format!("the write's answer was lost ({error})"), confirming)),
     };
     // Its fate is settled with Redis before the client hears anything.
     let id = match in_doubt {
         Ok(id) => id,
         Err((doubt, unconfirmed)) => {
+            // With wait_replicas, no replica confirmed what follows: it is counted.
             let settled =
                 settle_write(redis, &keys, &record, &settings.group, confirm_by, timeout).await;
             if unconfirmed {

@@ -844,9 +844,10 @@ impl Pass<'_> {
                     // `confirm_by` is a second or two after the write; a clock far off on
                     // one side is not waited out in one sleep.
                     let micros = u64::try_from(left).unwrap_or(0).min(1_000_000);
-                    tokio::time::sleep(Duration::from_micros(micros)).await;
-                    if *stop.borrow() {
-                        return Ok(Hold::Stopped);
+                    let mut stopping = stop.clone();
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_micros(micros)) => {}
+                        _ = stopping.wait_for(|stopped| *stopped) => return Ok(Hold::Stopped),
                     }
                 }
             }
