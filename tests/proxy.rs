@@ -722,6 +722,87 @@ async fn a_status_lines_own_wording_is_passed_on() {
     }
 }
 
+/// Answers that levee reads before passing them on (a stale route's pages, a page with a
+/// module hidden) and a stale copy served later name the app's fields as the app spelled
+/// them too, and levee's own fields in their usual capitalisation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn field_names_keep_their_spelling_on_pages_levee_reads_and_on_stale_copies() {
+    let backend = raw_backend(|_head| {
+        let page = "<html><body><p>top</p><!-- levee:module ads --><aside>ad</aside><!-- /levee:module ads --></body></html>";
+        format!(
+            "HTTP/1.1 200 OK\r\nX-Page-Cache: MISS\r\nContent-Type: text/html\r\nx-lower: 1\r\nETag: \"v1\"\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{page}",
+            page.len()
+        )
+        .into_bytes()
+    })
+    .await;
+    let routes = r#"
+[[route]]
+name = "home"
+match = { path = "/home.php" }
+hide = { ads = "marker" }
+
+[[route]]
+name = "ranking"
+match = { path = "/ranking.php" }
+tier = 3
+module = "ranking"
+degrade = { action = "stale", max_age = "10m" }
+"#;
+    let levee = Levee::start(&policy_for(backend, "", routes)).await;
+    let get = |path: &str| {
+        format!("GET {path} HTTP/1.1\r\nHost: shop.example\r\nConnection: close\r\n\r\n")
+    };
+    let app_fields = [
+        "\r\nX-Page-Cache: MISS\r\n",
+        "\r\nContent-Type: text/html\r\n",
+        "\r\nx-lower: 1\r\n",
+        "\r\nETag: \"v1\"\r\n",
+    ];
+    let fresh = raw_exchange(
+        levee.public,
+        get("/ranking.php").as_bytes(),
+        Duration::from_secs(5),
+    )
+    .await;
+    for off in ["ranking", "ads"] {
+        let switched = post(&levee.admin_url(&format!("/modules/{off}")), "off").await;
+        assert_eq!(switched.status, 200, "{}", switched.text());
+    }
+    let copy = raw_exchange(
+        levee.public,
+        get("/ranking.php").as_bytes(),
+        Duration::from_secs(5),
+    )
+    .await;
+    let hidden = raw_exchange(
+        levee.public,
+        get("/home.php").as_bytes(),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        copy.contains("\r\nX-Levee-Stale: 1\r\n") && copy.contains("\r\nAge: "),
+        "{copy}"
+    );
+    assert!(!hidden.contains("<aside>"), "{hidden}");
+    for (what, answer) in [("fresh", &fresh), ("copy", &copy), ("hidden", &hidden)] {
+        assert!(
+            answer.starts_with("HTTP/1.1 200 OK\r\n"),
+            "{what}: {answer}"
+        );
+        for line in app_fields {
+            // A rewritten page is another entity: its ETag is dropped.
+            let dropped = what == "hidden" && line.contains("ETag");
+            assert_eq!(
+                answer.contains(line),
+                !dropped,
+                "{what}: {line:?} in {answer}"
+            );
+        }
+    }
+}
+
 /// The app gets each field named as the client spelled it (PHP's `getallheaders()` under
 /// Apache's mod_php keys its array by that spelling), levee's own forwarding fields in their
 /// usual capitalisation, and a 304 goes back with the app's spelling too, as through nginx.

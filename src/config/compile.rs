@@ -2084,6 +2084,7 @@ fn compile_redis(
         (_, Some(nodes), _) if !nodes.get_ref().is_empty() => {
             for node in nodes.get_ref() {
                 check_redis_url(compiler, file, node, nodes.span());
+                check_cluster_database(compiler, file, node, nodes.span());
             }
             Some(RedisTarget::Cluster(nodes.get_ref().clone()))
         }
@@ -2436,6 +2437,26 @@ fn check_redis_url(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Ra
                 crate::redis_store::redact_url(url)
             ),
             "write it as \"redis://127.0.0.1:6379/0\"",
+        );
+    }
+}
+
+/// A Redis Cluster has database 0 alone: a node URL naming another would make every
+/// connection to that node fail on its `SELECT`, long after `levee check` passed.
+fn check_cluster_database(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Range<usize>) {
+    let Ok(client) = redis::Client::open(url) else {
+        return; // check_redis_url has said why
+    };
+    let database = client.get_connection_info().redis_settings().db();
+    if database != 0 {
+        compiler.error_hint(
+            file,
+            span,
+            format!(
+                "cluster node `{}` names database {database}",
+                crate::redis_store::redact_url(url)
+            ),
+            "a Redis Cluster has database 0 only: end the URL with /0 or with the port",
         );
     }
 }
@@ -4160,6 +4181,27 @@ mod tests {
         assert!(errors(&[(
             "a.toml",
             &policy("[redis]\nurl = \"redis://127.0.0.1:6379\"\n")
+        )])
+        .is_empty());
+    }
+
+    #[test]
+    fn a_cluster_node_naming_a_database_other_than_0_is_refused() {
+        let policy = |nodes: &str| format!("{APP}[redis]\ncluster = [{nodes}]\n");
+        let refused = errors(&[(
+            "a.toml",
+            &policy("\"redis://127.0.0.1:7000/0\", \"redis://:secret@127.0.0.1:7001/2\""),
+        )]);
+        assert!(
+            refused.len() == 1
+                && refused[0]
+                    .contains("cluster node `redis://***@127.0.0.1:7001/2` names database 2")
+                && refused[0].contains("a.toml:"),
+            "{refused:?}"
+        );
+        assert!(errors(&[(
+            "a.toml",
+            &policy("\"redis://127.0.0.1:7000\", \"redis://127.0.0.1:7001/0\"")
         )])
         .is_empty());
     }

@@ -30,6 +30,7 @@ use crate::error::{full_body, BoxError};
 use crate::limit::key::{hashed, hex};
 use crate::metrics::Metrics;
 use crate::proxy::body::ResponseBody;
+use crate::proxy::header::{field_lines, response_spelling, ReceivedHead};
 use crate::redis_store::RedisStore;
 
 /// Status and kept headers of a response being captured.
@@ -63,18 +64,18 @@ impl StaleCopy {
     pub fn to_response(&self, stale: bool) -> Response<ResponseBody> {
         let mut response = Response::new(full_body(self.body.clone()));
         *response.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
+        // Copies stored in Redis by older versions may still hold a cookie.
+        let (map, lines) = field_lines(
+            self.headers
+                .iter()
+                .filter(|(name, _)| !name.eq_ignore_ascii_case("set-cookie"))
+                .map(|(name, value)| (name.as_str(), value.as_slice())),
+        );
+        // The names go back as the app spelled them (copies stored by older versions hold
+        // them in lower case).
+        *response.headers_mut() = map;
+        response.extensions_mut().insert(ReceivedHead(lines));
         let headers = response.headers_mut();
-        for (name, value) in &self.headers {
-            if let (Ok(name), Ok(value)) = (
-                HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_bytes(value),
-            ) {
-                // Copies stored in Redis by older versions may still hold a cookie.
-                if name != header::SET_COOKIE {
-                    headers.append(name, value);
-                }
-            }
-        }
         headers.insert(header::AGE, HeaderValue::from(self.age().as_secs()));
         if stale {
             headers.insert(
@@ -596,11 +597,18 @@ fn vary_is_keyed(headers: &HeaderMap, settings: &StaleSettings) -> bool {
 /// app's, when the page was made (RFC 9110 6.6.1), so a cache downstream reckons the copy's
 /// age right. A copy answers every client, and a cookie the app set for one (its session)
 /// must never reach another; with `allow_set_cookie` the page is kept, its cookies are not.
-fn kept_headers(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+/// Names are kept as the app spelled them (see `ReceivedHead`).
+fn kept_headers(headers: &HeaderMap, received: Option<&ReceivedHead>) -> Vec<(String, Vec<u8>)> {
     headers
         .iter()
         .filter(|(name, _)| **name != header::AGE && **name != header::SET_COOKIE)
-        .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
+        .map(|(name, value)| {
+            let spelled = response_spelling(received, name, value.as_bytes());
+            (
+                String::from_utf8_lossy(spelled).into_owned(),
+                value.as_bytes().to_vec(),
+            )
+        })
         .collect()
 }
 
@@ -644,7 +652,7 @@ impl<B> Capture<B> {
     pub fn new(
         inner: B,
         status: StatusCode,
-        headers: &HeaderMap,
+        (headers, received): (&HeaderMap, Option<&ReceivedHead>),
         target: CaptureTarget,
     ) -> Capture<B> {
         let arrived_aged_ms = headers
@@ -655,7 +663,7 @@ impl<B> Capture<B> {
         Capture {
             inner,
             buffer: Some(Frames::default()),
-            head: Some((status.as_u16(), kept_headers(headers))),
+            head: Some((status.as_u16(), kept_headers(headers, received))),
             arrived_aged_ms,
             finish: Some(target),
         }
@@ -1200,8 +1208,8 @@ mod tests {
             HeaderValue::from_static("PHPSESSID=alice"),
         );
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html"));
-        let kept = kept_headers(&headers);
-        assert_eq!(kept, [("content-type".to_string(), b"text/html".to_vec())]);
+        let kept = kept_headers(&headers, None);
+        assert_eq!(kept, [("Content-Type".to_string(), b"text/html".to_vec())]);
         // One stored with its cookie (by an older version) is served without it.
         let copy = StaleCopy {
             status: 200,
@@ -1214,6 +1222,55 @@ mod tests {
             .headers()
             .get(header::SET_COOKIE)
             .is_none());
+    }
+
+    /// A copy keeps the app's spelling of its field names and is served with it, as the page
+    /// passed through is (a PHP client that reads `X-Page-Cache` by its exact name).
+    #[test]
+    fn a_copy_keeps_and_serves_the_apps_spelling_of_field_names() {
+        let (headers, lines) = field_lines(
+            [
+                ("X-Page-Cache", &b"MISS"[..]),
+                ("content-type", b"text/html"),
+                ("Set-Cookie", b"a=1"),
+                ("X-Empty", b""),
+            ]
+            .into_iter(),
+        );
+        let kept = kept_headers(&headers, Some(&ReceivedHead(lines)));
+        assert_eq!(
+            kept,
+            [
+                ("X-Page-Cache".to_string(), b"MISS".to_vec()),
+                ("content-type".to_string(), b"text/html".to_vec()),
+                ("X-Empty".to_string(), Vec::new()),
+            ]
+        );
+        let copy = StaleCopy {
+            status: 200,
+            headers: kept,
+            body: Bytes::from_static(b"page"),
+            stored_at_ms: now_ms(),
+        };
+        let (parts, _) = copy.to_response(true).into_parts();
+        let mut out = bytes::BytesMut::new();
+        crate::proxy::h1::encode::encode_head(
+            &mut out,
+            (parts.status, None),
+            (&parts.headers, parts.extensions.get::<ReceivedHead>()),
+            None,
+            0,
+        );
+        let head = String::from_utf8(out.to_vec()).expect("ascii");
+        for line in [
+            "\r\nX-Page-Cache: MISS\r\n",
+            "\r\ncontent-type: text/html\r\n",
+            "\r\nX-Empty: \r\n",
+            "\r\nAge: 0\r\n",
+            "\r\nX-Levee-Stale: 1\r\n",
+        ] {
+            assert!(head.contains(line), "{line:?} in {head}");
+        }
     }
 
     #[test]

@@ -38,8 +38,8 @@ use super::h1::chunked::{ChunkedDecoder, ChunkedError};
 use super::h1::encode::{encode_chunk_start, encode_field, encode_field_named, LAST_CHUNK};
 use super::h1::parse::{list_items, parse_content_length};
 use super::header::{
-    header_bytes, upstream_spelling, ForwardedWriter, FromClient, FORWARDED_BYTES, HOP_BY_HOP,
-    RATELIMIT, RATELIMIT_POLICY,
+    header_bytes, upstream_spelling, ForwardedWriter, FromClient, ReceivedHead, FORWARDED_BYTES,
+    HOP_BY_HOP, RATELIMIT, RATELIMIT_POLICY,
 };
 use super::upstream::UpstreamBody;
 use super::upstream_fields::{FieldLines, UpstreamFields};
@@ -528,6 +528,9 @@ impl Client {
                 reason,
             });
         }
+        if let Some(received) = head.received {
+            response.extensions_mut().insert(received);
+        }
         if head.status == StatusCode::SWITCHING_PROTOCOLS && upgrade {
             let rest = connection.buffer.split().freeze();
             response
@@ -858,6 +861,8 @@ struct ResponseHead {
     /// Empty when the fields are relayed.
     headers: HeaderMap,
     relayed: Option<UpstreamFields>,
+    /// The head `headers` were parsed from (their values are slices of it).
+    received: Option<ReceivedHead>,
     framing: Framing,
     keep_alive: bool,
 }
@@ -1140,6 +1145,7 @@ fn parse_response_head(
             reason,
             headers: HeaderMap::new(),
             relayed: Some(kept.over(head, content_length)),
+            received: None,
             framing,
             keep_alive,
         }));
@@ -1183,6 +1189,7 @@ fn parse_response_head(
         reason,
         headers,
         relayed: None,
+        received: Some(ReceivedHead(head)),
         framing,
         keep_alive,
     }))

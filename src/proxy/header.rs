@@ -432,6 +432,61 @@ pub(crate) fn upstream_spelling<'a>(
     usual_spelling(name).map_or(lower, str::as_bytes)
 }
 
+/// The head an upstream response was read from, kept with a response whose fields were parsed
+/// into its `HeaderMap` (a stale route's, a page being rewritten, a 101): the map holds names
+/// in lower case, and its values are slices of this head, so each name goes back to the client
+/// as the app spelled it (see [`upstream_spelling`]), as nginx passes it. A relayed response
+/// needs none: its lines go back as received.
+#[derive(Debug, Clone)]
+pub struct ReceivedHead(pub Bytes);
+
+/// `Name: value` lines of `fields`, with the map whose values are slices of them: how fields
+/// kept as names and values (a stale copy, a queued job) are made whole again with their
+/// spelling (see [`upstream_spelling`]). A field whose name is not valid is left out.
+pub fn field_lines<'a>(
+    fields: impl Iterator<Item = (&'a str, &'a [u8])> + Clone,
+) -> (HeaderMap, Bytes) {
+    let mut lines = BytesMut::with_capacity(
+        fields
+            .clone()
+            .map(|(name, value)| name.len() + value.len() + 4)
+            .sum(),
+    );
+    let mut spans = Vec::new();
+    for (name, value) in fields {
+        let Ok(parsed) = HeaderName::from_bytes(name.as_bytes()) else {
+            continue;
+        };
+        lines.put_slice(name.as_bytes());
+        lines.put_slice(b": ");
+        spans.push((parsed, lines.len(), value.len()));
+        lines.put_slice(value);
+        lines.put_slice(b"\r\n");
+    }
+    let lines = lines.freeze();
+    let mut map = HeaderMap::with_capacity(spans.len() + 2);
+    for (name, start, length) in spans {
+        if let Ok(value) = HeaderValue::from_maybe_shared(lines.slice(start..start + length)) {
+            map.append(name, value);
+        }
+    }
+    (map, lines)
+}
+
+/// The name of a response field as it goes to the client: as the upstream spelled it when
+/// the value is the upstream's own (see [`ReceivedHead`]); else the usual capitalisation of a
+/// field levee sets itself; else in lower case.
+pub(crate) fn response_spelling<'a>(
+    received: Option<&'a ReceivedHead>,
+    name: &'a HeaderName,
+    value: &[u8],
+) -> &'a [u8] {
+    match received {
+        Some(head) => upstream_spelling(&head.0, name, value),
+        None => usual_spelling(name).map_or(name.as_str().as_bytes(), str::as_bytes),
+    }
+}
+
 /// The name of the first field line of `head` named `lower` (case-blind) whose value is empty.
 /// (A request line never matches: it holds a space before any colon.)
 fn empty_field_spelling<'a>(head: &'a [u8], lower: &[u8]) -> Option<&'a [u8]> {
@@ -465,6 +520,41 @@ pub(crate) fn usual_spelling(name: &HeaderName) -> Option<&'static str> {
     } else if name.as_str() == "idempotency-key" {
         // Set on a replayed job that the client sent none for.
         "Idempotency-Key"
+    } else {
+        return levee_response_spelling(name);
+    };
+    Some(spelled)
+}
+
+/// The usual capitalisation of the fields levee sets on its own answers (refusals, fallbacks,
+/// stale copies, the admin API), as nginx writes its own.
+fn levee_response_spelling(name: &HeaderName) -> Option<&'static str> {
+    let spelled = if *name == header::CONTENT_TYPE {
+        "Content-Type"
+    } else if *name == header::CACHE_CONTROL {
+        "Cache-Control"
+    } else if *name == header::RETRY_AFTER {
+        "Retry-After"
+    } else if *name == RATELIMIT_POLICY {
+        "RateLimit-Policy"
+    } else if *name == RATELIMIT {
+        "RateLimit"
+    } else if *name == header::AGE {
+        "Age"
+    } else if *name == header::UPGRADE {
+        "Upgrade"
+    } else if *name == header::X_FRAME_OPTIONS {
+        "X-Frame-Options"
+    } else if *name == header::X_CONTENT_TYPE_OPTIONS {
+        "X-Content-Type-Options"
+    } else if *name == header::CONTENT_SECURITY_POLICY {
+        "Content-Security-Policy"
+    } else if *name == header::LOCATION {
+        "Location"
+    } else if *name == header::VARY {
+        "Vary"
+    } else if name.as_str() == "x-levee-stale" {
+        "X-Levee-Stale"
     } else {
         return None;
     };
@@ -666,6 +756,37 @@ mod tests {
         assert_eq!(upstream_spelling(&head, &empty, b""), b"X-Empty");
         let none = HeaderName::from_static("x-none");
         assert_eq!(upstream_spelling(&head, &none, b""), b"x-none");
+    }
+
+    /// A response levee answers itself, or whose fields it made: its own fields in their
+    /// usual capitalisation; one it read from the app: the app's spelling for the app's values.
+    #[test]
+    fn response_fields_are_named_as_the_app_or_nginx_would() {
+        for (name, usual) in [
+            (header::CONTENT_TYPE, "Content-Type"),
+            (header::RETRY_AFTER, "Retry-After"),
+            (header::CACHE_CONTROL, "Cache-Control"),
+            (RATELIMIT.clone(), "RateLimit"),
+            (RATELIMIT_POLICY.clone(), "RateLimit-Policy"),
+            (HeaderName::from_static("x-levee-stale"), "X-Levee-Stale"),
+            (HeaderName::from_static("x-other"), "x-other"),
+        ] {
+            assert_eq!(response_spelling(None, &name, b"1"), usual.as_bytes());
+        }
+        let (map, lines) =
+            field_lines([("content-TYPE", &b"text/html"[..]), ("X-Cache", b"HIT")].into_iter());
+        let received = ReceivedHead(lines);
+        let named: Vec<&[u8]> = map
+            .iter()
+            .map(|(name, value)| response_spelling(Some(&received), name, value.as_bytes()))
+            .collect();
+        assert_eq!(named, [&b"content-TYPE"[..], b"X-Cache"]);
+        // A value levee set is not the app's: the usual name.
+        let set = HeaderValue::from_static("text/plain");
+        assert_eq!(
+            response_spelling(Some(&received), &header::CONTENT_TYPE, set.as_bytes()),
+            b"Content-Type"
+        );
     }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {

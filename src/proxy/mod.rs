@@ -627,7 +627,16 @@ async fn forward(
     };
     // A good answer of a stale route refreshes its copy as it streams past.
     let body = match stale.capture_target(shared, policy, parts.status, &parts.headers, fetch) {
-        Some(target) => Capture::new(body, parts.status, &parts.headers, target).boxed_unsync(),
+        Some(target) => Capture::new(
+            body,
+            parts.status,
+            (
+                &parts.headers,
+                parts.extensions.get::<header::ReceivedHead>(),
+            ),
+            target,
+        )
+        .boxed_unsync(),
         None => body,
     };
     // After the copy took its headers: this client's quota is no one else's.

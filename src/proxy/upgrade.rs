@@ -76,6 +76,9 @@ pub fn pass_through(
     let mut response = Response::new(full_body(bytes::Bytes::new()));
     *response.status_mut() = upstream_response.status();
     *response.headers_mut() = upstream_response.headers().clone();
+    if let Some(received) = upstream_response.extensions().get::<header::ReceivedHead>() {
+        response.extensions_mut().insert(received.clone());
+    }
     header::strip_hop_by_hop(response.headers_mut(), true);
     response
 }

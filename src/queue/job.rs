@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::header::HeaderMap;
 
 use crate::proxy::header::upstream_spelling;
 
@@ -131,21 +131,11 @@ impl Job {
     /// each name as stored (see `proxy::header::upstream_spelling`). A field that is no longer
     /// valid is left out.
     pub fn replayed_fields(&self) -> (HeaderMap, Bytes) {
-        let lines = Bytes::from(self.header_lines());
-        let mut headers = HeaderMap::with_capacity(self.headers.len());
-        // Each value's place in the lines: after its name and `: `, before `\r\n`.
-        let mut at = 0;
-        for (name, value) in &self.headers {
-            let start = at + name.len() + 2;
-            at = start + value.len() + 2;
-            if let (Ok(name), Ok(value)) = (
-                HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_maybe_shared(lines.slice(start..start + value.len())),
-            ) {
-                headers.append(name, value);
-            }
-        }
-        (headers, lines)
+        crate::proxy::header::field_lines(
+            self.headers
+                .iter()
+                .map(|(name, value)| (name.as_str(), value.as_slice())),
+        )
     }
 
     /// The headers as HTTP/1.1 field lines, `name: value\r\n` each: lossless, because a

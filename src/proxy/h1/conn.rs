@@ -31,6 +31,7 @@ use crate::error::ProxyError;
 use crate::proxy::body::ResponseBody;
 use crate::proxy::client::UpstreamReason;
 use crate::proxy::deadline;
+use crate::proxy::header::ReceivedHead;
 use crate::proxy::server::{ConnectionLimits, ConnectionSlot};
 use crate::proxy::upstream_fields::UpstreamFields;
 
@@ -283,7 +284,13 @@ async fn refuse(stream: &mut TcpStream, error: HeadError, method: &Method, send_
         &mut keep_alive,
     );
     let mut out = BytesMut::new();
-    encode::encode_head(&mut out, (parts.status, None), &parts.headers, None, 0);
+    encode::encode_head(
+        &mut out,
+        (parts.status, None),
+        (&parts.headers, None),
+        None,
+        0,
+    );
     let (mut reader, writer) = stream.split();
     let mut writer = ClientWriter {
         half: writer,
@@ -432,7 +439,7 @@ where
             parts.status,
             UpstreamReason::for_status(&parts.extensions, parts.status),
         ),
-        &parts.headers,
+        (&parts.headers, parts.extensions.get::<ReceivedHead>()),
         relayed.as_ref(),
         body_room,
     );

@@ -7,6 +7,7 @@ use bytes::{BufMut, BytesMut};
 use http::header::{self, HeaderValue};
 use http::{HeaderMap, Method, StatusCode, Version};
 
+use crate::proxy::header::{response_spelling, ReceivedHead};
 use crate::proxy::upstream_fields::UpstreamFields;
 
 /// How a response body is delimited on the wire.
@@ -139,13 +140,14 @@ impl LengthField<'_> {
     }
 }
 
-/// Writes the status line, the header fields (the relayed upstream ones first), a `Date`
-/// unless one is set, and the blank line. `body_room`: bytes of body that will follow in
+/// Writes the status line, the header fields (the relayed upstream ones first; the others
+/// named as in `received`, see [`response_spelling`]), a `Date` unless one is set, and the
+/// blank line. `body_room`: bytes of body that will follow in
 /// `out`, reserved with the head's.
 pub fn encode_head(
     out: &mut BytesMut,
     (status, reason): (StatusCode, Option<&[u8]>),
-    headers: &HeaderMap,
+    (headers, received): (&HeaderMap, Option<&ReceivedHead>),
     relayed: Option<&UpstreamFields>,
     body_room: usize,
 ) {
@@ -173,9 +175,10 @@ pub fn encode_head(
         has_date = relayed.has_date();
     }
     for (name, value) in headers {
-        // levee's own framing fields in their usual capitalisation, as the app and nginx write them.
-        let spelled = crate::proxy::header::usual_spelling(name).unwrap_or(name.as_str());
-        encode_field(out, spelled, value.as_bytes());
+        // The app's fields as it spelled them, levee's own in their usual capitalisation, as
+        // the app and nginx write them.
+        let spelled = response_spelling(received, name, value.as_bytes());
+        encode_field_named(out, spelled, value.as_bytes());
     }
     if !has_date && !headers.contains_key(header::DATE) {
         encode_field(out, "Date", &http_date_now());
@@ -411,11 +414,17 @@ mod tests {
             Some(2),
         );
         let mut out = BytesMut::new();
-        encode_head(&mut out, (StatusCode::OK, None), &headers, Some(&fields), 0);
+        encode_head(
+            &mut out,
+            (StatusCode::OK, None),
+            (&headers, None),
+            Some(&fields),
+            0,
+        );
         assert_eq!(
             &out[..],
             b"HTTP/1.1 200 OK\r\nServer: a\r\nDate: Tue, 01 Dec 2026 10:00:00 GMT\r\n\
-              Content-Length: 2\r\nratelimit: limit=1\r\n\r\n"
+              Content-Length: 2\r\nRateLimit: limit=1\r\n\r\n"
         );
         // Without the upstream's Date, levee adds its own.
         let fields = relayed("Server: a\r\n", None);
@@ -423,7 +432,7 @@ mod tests {
         encode_head(
             &mut out,
             (StatusCode::OK, None),
-            &HeaderMap::new(),
+            (&HeaderMap::new(), None),
             Some(&fields),
             0,
         );
@@ -439,7 +448,13 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(2u64));
         let mut out = BytesMut::new();
-        encode_head(&mut out, (StatusCode::NOT_FOUND, None), &headers, None, 0);
+        encode_head(
+            &mut out,
+            (StatusCode::NOT_FOUND, None),
+            (&headers, None),
+            None,
+            0,
+        );
         let text = String::from_utf8(out.to_vec()).expect("ascii");
         assert!(
             text.starts_with("HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\nDate: "),
