@@ -27,7 +27,7 @@
 #        cases a target compares (4/2, 4/3, 5c/4, 6/8b) runs back to back that many times, for
 #        that many seconds each, and the target is the median of the per-pair ratios
 #   ONLY ["" = everything]  space-separated case ids and/or sections to run, e.g. ONLY="4 5b reload"
-#        (sections: pairs, idle, conns, reload, reload-load, limiter-rate, limiter-latency)
+#        (sections: pairs, idle, conns, reload, reload-load, limiter-rate, limiter-latency, queue)
 #
 # Slots: a levee case that needs a policy feature (slot_case) runs only when `levee check`
 # accepts its policy template; otherwise the report says "not yet available" with levee's
@@ -88,6 +88,7 @@ RELOADS=${RELOADS:-20}
 IDLE_CONNS=${IDLE_CONNS:-5000}
 LATENCY_CONNECTIONS=${LATENCY_CONNECTIONS:-8}
 export PACE_MS=${PACE_MS:-1}
+PACE_MS_PACED=$PACE_MS
 EVALSHA_REQUESTS=${EVALSHA_REQUESTS:-}
 KEEP_TMP=${KEEP_TMP:-0}
 ONLY=${ONLY:-}
@@ -1020,6 +1021,84 @@ section_limiter_latency() { # the same levee and route at moderate load, without
 	done
 }
 
+section_queue() { # a queue route's 202s without and with a replica's acknowledgement
+	local variant load id round replica_pid
+	local -A pid_of=()
+	log "section: queue, jobs answered 202 without and with wait_replicas = 1"
+	take_port PORT_REPLICA
+	mkdir -p "$TMP/replica"
+	taskset -c "$BACKEND_CPUS" redis-server --port "$PORT_REPLICA" --bind 127.0.0.1 --save '' --appendonly no \
+		--replicaof 127.0.0.1 "$PORT_REDIS" --daemonize no --logfile "$TMP/replica/redis.log" --dir "$TMP/replica" &
+	if ! started "redis-server (replica)" $! "$TMP/replica/redis.log" "$PORT_REPLICA"; then
+		broken "queue: the Redis replica did not start"
+		return
+	fi
+	replica_pid=$LAST_PID
+	local deadline=$((SECONDS + 20))
+	until redis-cli -h 127.0.0.1 -p "$PORT_REPLICA" info replication 2>/dev/null | grep -q 'master_link_status:up'; do
+		if ((SECONDS > deadline)); then
+			broken "queue: the Redis replica did not catch up with the master in 20 s"
+			stop_pid "$replica_pid"
+			return
+		fi
+		sleep 0.2
+	done
+	for variant in 0 1; do
+		if ! start_levee_section "queue-$variant" queue.toml.tmpl WAIT_REPLICAS="$variant"; then
+			broken "queue: levee (wait_replicas = $variant) did not start"
+			continue
+		fi
+		pid_of[$variant]=$SEC_PID
+		local code
+		code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 5 -d 'probe=1' "http://127.0.0.1:$SEC_PORT/subscribe.php") || code=000
+		if [[ $code != 202 ]]; then
+			broken "queue: levee (wait_replicas = $variant) answered a job with $code, not 202"
+			continue
+		fi
+		for load in full paced; do
+			id=queue-$variant-$load
+			log "  levee, wait_replicas = $variant, $load load: warm-up"
+			queue_load "$load" warm_up "$id" "$SEC_PID" "http://127.0.0.1:$SEC_PORT/subscribe.php" 1 || true
+		done
+	done
+	# Rounds alternate the two variants, as in the limiter-latency section.
+	for ((round = 1; round <= ROUNDS; round++)); do
+		for load in full paced; do
+			for variant in $( ((round % 2)) && echo 0 1 || echo 1 0); do
+				id=queue-$variant-$load
+				[[ ${STATUS[$id]:-} == warm ]] || continue
+				local waits_before
+				waits_before=$(wait_calls)
+				queue_load "$load" measure_round "$id" "$round" || true
+				QUEUE_WAITS[$id]=$((${QUEUE_WAITS[$id]:-0} + $(wait_calls) - waits_before))
+			done
+		done
+	done
+	for variant in 0 1; do
+		for load in full paced; do
+			id=queue-$variant-$load
+			[[ ${STATUS[$id]:-} != warm ]] || finish_measure "$id"
+		done
+		[[ -z ${pid_of[$variant]:-} ]] || stop_pid "${pid_of[$variant]}"
+	done
+	stop_pid "$replica_pid"
+}
+
+declare -A QUEUE_WAITS=() # per queue case: WAIT calls Redis ran during its measured rounds
+
+wait_calls() { # WAIT calls the harness's Redis has run so far (0 if it does not answer)
+	redis-cli -h 127.0.0.1 -p "$PORT_REDIS" info commandstats 2>/dev/null | tr -d '\r' |
+		awk -F'[:,=]' '/^cmdstat_wait:/ { calls = $3 } END { print calls + 0 }' || echo 0
+}
+
+queue_load() { # full|paced COMMAND ARGS...: COMMAND under the queue section's wrk load
+	# Dynamic scope: wrk_start sees these CONNECTIONS, WRK_SCRIPT and PACE_MS.
+	local CONNECTIONS=$CONNECTIONS WRK_SCRIPT=$LIB/post.lua PACE_MS=0
+	[[ $1 == paced ]] && CONNECTIONS=$LATENCY_CONNECTIONS PACE_MS=${PACE_MS_PACED}
+	export PACE_MS
+	"${@:2}"
+}
+
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
@@ -1289,6 +1368,46 @@ report_limiter() {
 	return 0
 }
 
+report_queue() {
+	wanted queue || return 0
+	out ""
+	out "## Queue: a job's 202 without and with a replica's acknowledgement"
+	out ""
+	out "One route that queues every POST (\`policies/queue.toml.tmpl\`, \`always_queue\`), Redis with one replica (both on the backend core). \`wait_replicas = 1\` answers 202 only once the replica acknowledged the job (\`WAIT 1\`, jobs arriving meanwhile sent together). Full load: wrk -t $WRK_THREADS -c $CONNECTIONS; moderate: -c $LATENCY_CONNECTIONS, each connection pausing ${PACE_MS_PACED} ms after every answer (\`lib/post.lua\`). ${DURATION} s, ${WARMUP} s warm-up, $ROUNDS round(s), median; the two variants' rounds alternate. The workers replay the jobs to the backend meanwhile, in both."
+	out ""
+	out "| levee | req/s | p50 | p99 | p99.9 | errors | proxy CPU s / 100k req | other load on proxy core |"
+	out "|---|---:|---:|---:|---:|---:|---:|---:|"
+	local load variant id
+	for load in full paced; do
+		for variant in 0 1; do
+			limiter_row "queue-$variant-$load" "$load load, wait_replicas = $variant"
+		done
+	done
+	for load in full paced; do
+		local a=queue-1-$load b=queue-0-$load
+		[[ ${STATUS[$a]:-} == ok && ${STATUS[$b]:-} == ok ]] || continue
+		local field added cells=
+		for field in P50 P99 P999; do
+			local -n medians=$field
+			added=$(paired_difference "$field" "$a" "$b") || added="${medians[$a]} - ${medians[$b]}"
+			cells+=" $(usec "$added") |"
+			unset -n medians
+		done
+		out "| $load load: waiting for the replica (req/s ratio; median of per-round latency differences) | $(ratio "${RPS[$a]}" "${RPS[$b]}") |$cells | | |"
+	done
+	local waits=
+	for load in full paced; do
+		id=queue-1-$load
+		[[ ${STATUS[$id]:-} == ok && ${QUEUE_WAITS[$id]:-0} -gt 0 ]] || continue
+		waits+="${waits:+; }$load load: ${REQS[$id]} jobs, ${QUEUE_WAITS[$id]} WAITs ($(calc "printf \"%.1f\", ${REQS[$id]} / ${QUEUE_WAITS[$id]}") jobs per WAIT)"
+	done
+	if [[ -n $waits ]]; then
+		out ""
+		out "With \`wait_replicas = 1\`, Redis ran (\`INFO commandstats\`, measured rounds): $waits."
+	fi
+	noisy_note queue-0-full queue-1-full queue-0-paced queue-1-paced
+}
+
 report_targets() {
 	out ""
 	out "## Targets"
@@ -1426,11 +1545,13 @@ wanted reload && section_reload_time
 wanted reload-load && section_reload_load
 wanted limiter-rate && section_limiter_rate
 wanted limiter-latency && section_limiter_latency
+wanted queue && section_queue
 
 report_header
 report_cases
 report_sections
 report_limiter
+report_queue
 report_pairs
 report_targets
 if ((${#BROKEN[@]})); then

@@ -401,35 +401,47 @@ pub(crate) fn upstream_spelling<'a>(
     name: &'a HeaderName,
     value: &[u8],
 ) -> &'a [u8] {
+    received_spelling(received_head, name, value)
+        .or_else(|| usual_spelling(name).map(str::as_bytes))
+        .unwrap_or(name.as_str().as_bytes())
+}
+
+/// The spelling of `name` in `received_head` when `value` was read from it (see
+/// [`upstream_spelling`]).
+fn received_spelling<'a>(
+    received_head: &'a [u8],
+    name: &HeaderName,
+    value: &[u8],
+) -> Option<&'a [u8]> {
     let lower = name.as_str().as_bytes();
-    // Addresses compared as numbers: where the value lies says whether it was received.
-    let start = received_head.as_ptr() as usize;
-    let at = (value.as_ptr() as usize).wrapping_sub(start);
-    if !value.is_empty() && at <= received_head.len() {
-        let before = received_head[..at].trim_ascii_end();
-        if let Some(spelled) = before
-            .strip_suffix(b":")
-            .and_then(|line| {
-                line.len()
-                    .checked_sub(lower.len())
-                    .map(|from| line.split_at(from))
-            })
-            .filter(|(line_start, spelled)| {
-                (line_start.is_empty() || line_start.ends_with(b"\n"))
-                    && spelled.eq_ignore_ascii_case(lower)
-            })
-            .map(|(_, spelled)| spelled)
-        {
-            return spelled;
-        }
-    } else if value.is_empty() {
+    if value.is_empty() {
         // An empty value is no slice of the head (an empty `Bytes` points nowhere): the
         // first line of that name with nothing after its colon stands for it (rare).
-        if let Some(spelled) = empty_field_spelling(received_head, lower) {
-            return spelled;
-        }
+        return empty_field_spelling(received_head, lower);
     }
-    usual_spelling(name).map_or(lower, str::as_bytes)
+    // Addresses compared as numbers: where the value lies says whether it was received. The
+    // whole value must lie inside the head: a buffer allocated right after it is not it.
+    let start = received_head.as_ptr() as usize;
+    let at = (value.as_ptr() as usize).wrapping_sub(start);
+    if !at
+        .checked_add(value.len())
+        .is_some_and(|end| end <= received_head.len())
+    {
+        return None;
+    }
+    let before = received_head[..at].trim_ascii_end();
+    before
+        .strip_suffix(b":")
+        .and_then(|line| {
+            line.len()
+                .checked_sub(lower.len())
+                .map(|from| line.split_at(from))
+        })
+        .filter(|(line_start, spelled)| {
+            (line_start.is_empty() || line_start.ends_with(b"\n"))
+                && spelled.eq_ignore_ascii_case(lower)
+        })
+        .map(|(_, spelled)| spelled)
 }
 
 /// The head an upstream response was read from, kept with a response whose fields were parsed
@@ -474,17 +486,27 @@ pub fn field_lines<'a>(
 }
 
 /// The name of a response field as it goes to the client: as the upstream spelled it when
-/// the value is the upstream's own (see [`ReceivedHead`]); else the usual capitalisation of a
+/// the value is the upstream's own (see [`ReceivedHead`]) and not framing (`Content-Length`,
+/// `Transfer-Encoding`, `Connection`: levee redoes those); else the usual capitalisation of a
 /// field levee sets itself; else in lower case.
 pub(crate) fn response_spelling<'a>(
     received: Option<&'a ReceivedHead>,
     name: &'a HeaderName,
     value: &[u8],
 ) -> &'a [u8] {
-    match received {
-        Some(head) => upstream_spelling(&head.0, name, value),
-        None => usual_spelling(name).map_or(name.as_str().as_bytes(), str::as_bytes),
-    }
+    // The framing fields are levee's, whatever the app wrote: as on a relayed answer.
+    let framing = *name == header::CONTENT_LENGTH
+        || *name == header::TRANSFER_ENCODING
+        || *name == header::CONNECTION;
+    received
+        .filter(|_| !framing)
+        .and_then(|head| received_spelling(&head.0, name, value))
+        .or_else(|| {
+            usual_spelling(name)
+                .or_else(|| levee_response_spelling(name))
+                .map(str::as_bytes)
+        })
+        .unwrap_or(name.as_str().as_bytes())
 }
 
 /// The name of the first field line of `head` named `lower` (case-blind) whose value is empty.
@@ -521,7 +543,7 @@ pub(crate) fn usual_spelling(name: &HeaderName) -> Option<&'static str> {
         // Set on a replayed job that the client sent none for.
         "Idempotency-Key"
     } else {
-        return levee_response_spelling(name);
+        return None;
     };
     Some(spelled)
 }
@@ -787,6 +809,21 @@ mod tests {
             response_spelling(Some(&received), &header::CONTENT_TYPE, set.as_bytes()),
             b"Content-Type"
         );
+        // The framing fields are levee's, as on a relayed answer, however the app wrote them.
+        let (map, lines) = field_lines([("content-length", &b"5"[..])].into_iter());
+        let (name, value) = map.iter().next().expect("a field");
+        assert_eq!(
+            response_spelling(Some(&ReceivedHead(lines)), name, value.as_bytes()),
+            b"Content-Length"
+        );
+        // A value that starts where the head ends (another buffer right after it) is not
+        // the head's, even behind a line of its name.
+        let both = Bytes::from_static(b"X-Tail:valueX");
+        let head = both.slice(..7);
+        let tail = both.slice(7..);
+        let name = HeaderName::from_static("x-tail");
+        assert_eq!(upstream_spelling(&head, &name, &tail), b"x-tail");
+        assert_eq!(upstream_spelling(&both, &name, &tail), b"X-Tail");
     }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
