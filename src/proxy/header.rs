@@ -423,9 +423,9 @@ fn received_spelling<'a>(
     // whole value must lie inside the head: a buffer allocated right after it is not it.
     let start = received_head.as_ptr() as usize;
     let at = (value.as_ptr() as usize).wrapping_sub(start);
-    if !at
+    if at
         .checked_add(value.len())
-        .is_some_and(|end| end <= received_head.len())
+        .is_none_or(|end| end > received_head.len())
     {
         return None;
     }
