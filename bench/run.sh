@@ -1043,6 +1043,9 @@ section_queue() { # a queue route's 202s without and with a replica's acknowledg
 		fi
 		sleep 0.2
 	done
+	# Redis's own record of its stalls (over 10 ms) during the section, for the report.
+	redis-cli -h 127.0.0.1 -p "$PORT_REDIS" config set latency-monitor-threshold 10 >/dev/null 2>&1 || true
+	redis-cli -h 127.0.0.1 -p "$PORT_REDIS" latency reset >/dev/null 2>&1 || true
 	for variant in 0 1; do
 		if ! start_levee_section "queue-$variant" queue.toml.tmpl WAIT_REPLICAS="$variant"; then
 			broken "queue: levee (wait_replicas = $variant) did not start"
@@ -1057,6 +1060,7 @@ section_queue() { # a queue route's 202s without and with a replica's acknowledg
 		fi
 		for load in full paced; do
 			id=queue-$variant-$load
+			LABEL[$id]="queue, $load load, wait_replicas = $variant"
 			log "  levee, wait_replicas = $variant, $load load: warm-up"
 			queue_load "$load" warm_up "$id" "$SEC_PID" "http://127.0.0.1:$SEC_PORT/subscribe.php" 1 || true
 		done
@@ -1081,6 +1085,8 @@ section_queue() { # a queue route's 202s without and with a replica's acknowledg
 		done
 		[[ -z ${pid_of[$variant]:-} ]] || stop_pid "${pid_of[$variant]}"
 	done
+	QUEUE_STALLS=$(redis-cli -h 127.0.0.1 -p "$PORT_REDIS" latency latest 2>/dev/null | paste -sd' ' | sed 's/  */ /g') || QUEUE_STALLS=
+	QUEUE_BACKLOG=$(redis-cli -h 127.0.0.1 -p "$PORT_REDIS" xlen 'levee:queue:{jobs}:jobs' 2>/dev/null) || QUEUE_BACKLOG=
 	stop_pid "$replica_pid"
 }
 
@@ -1405,6 +1411,8 @@ report_queue() {
 		out ""
 		out "With \`wait_replicas = 1\`, Redis ran (\`INFO commandstats\`, measured rounds): $waits."
 	fi
+	out ""
+	out "Jobs left in the stream when the section ended: ${QUEUE_BACKLOG:-unknown}. Redis's stalls over 10 ms during the section (\`LATENCY LATEST\`: event, last, worst ms): ${QUEUE_STALLS:-none}."
 	noisy_note queue-0-full queue-1-full queue-0-paced queue-1-paced
 }
 

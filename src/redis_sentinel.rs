@@ -440,7 +440,8 @@ impl MasterLink {
     /// The shared connection to the master named last (the connection reconnects by itself
     /// to the same server; a failed call asks the watching task to check the sentinels).
     pub async fn connection(&self, timeout: Duration) -> Result<ConnectionManager, RedisFailure> {
-        self.connection_in(&self.current, timeout, Some(timeout))
+        let response_timeout = crate::redis_store::shared_response_timeout(timeout);
+        self.connection_in(&self.current, timeout, Some(response_timeout))
             .await
     }
 

@@ -34,6 +34,24 @@ use crate::redis_wait::{Confirmed, WaitingWrites};
 /// cluster's slot map.
 const OFF_PATH_BOUND: Duration = Duration::from_secs(1);
 
+/// The longest any caller waits for one call over the shared connection (a queue write waits
+/// at least 500 ms, a switch 1 s, a queue worker 200 ms or more), which bounds the connection's
+/// own response timeout. Each caller bounds its calls itself (`guarded_call`, `within`): a
+/// response timeout of `[redis] timeout` (25 ms by default, sized for rate-limit checks)
+/// cut every call there, so a Redis busy for 40 ms (an expiry cycle) failed queue writes that
+/// had half a second to wait and opened the health breaker.
+pub(crate) const LONGEST_SHARED_CALL: Duration = Duration::from_secs(2);
+
+/// Shortest bound on a background call (a queue worker's, `/queues`): more patient than a
+/// rate-limit check, yet one queue's node out must not hold up the others' replay for long,
+/// as the worker serves every queue in turn, several calls each.
+const BACKGROUND_CALL_FLOOR: Duration = Duration::from_millis(200);
+
+/// The shared connection's response timeout: a backstop past every caller's own bound.
+pub(crate) fn shared_response_timeout(timeout: Duration) -> Duration {
+    timeout.max(LONGEST_SHARED_CALL)
+}
+
 /// The rate-limit script: GCRA for a batch of requests (see its header).
 const SCRIPT: &str = include_str!("limit/script.lua");
 
@@ -592,13 +610,18 @@ impl RedisStore {
                 match &self.settings.target {
                     RedisTarget::Single(url) => {
                         let client = client_for(url.as_str(), self.settings.tls.as_ref())?;
-                        let manager = connection_manager(client, timeout, Some(timeout)).await?;
+                        let manager = connection_manager(
+                            client,
+                            timeout,
+                            Some(shared_response_timeout(timeout)),
+                        )
+                        .await?;
                         Ok::<_, RedisFailure>(Connection::Single(manager))
                     }
                     RedisTarget::Cluster(nodes) => {
                         let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone())
                             .connection_timeout(timeout.max(Duration::from_millis(200)))
-                            .response_timeout(timeout)
+                            .response_timeout(shared_response_timeout(timeout))
                             .retries(1);
                         if let Some(tls) = &self.settings.tls {
                             builder = builder.certs(tls.certificates());
@@ -716,6 +739,15 @@ impl RedisStore {
             .redis_node_up
             .get_or_create(&crate::redis_cluster::labels(node))
             .set(up);
+    }
+
+    /// Bound on a background call: the larger of `timeout` and 200 ms, at most
+    /// [`LONGEST_SHARED_CALL`].
+    pub fn background_bound(&self) -> Duration {
+        self.settings
+            .timeout
+            .max(BACKGROUND_CALL_FLOOR)
+            .min(LONGEST_SHARED_CALL)
     }
 
     /// Runs one command. On the request path (`guarded`), it goes through the health breaker
@@ -1175,7 +1207,7 @@ pub(crate) fn client_for<C: redis::IntoConnectionInfo>(
 
 /// A connection to one server that connects again by itself: connecting by at least 200 ms (a
 /// tight `timeout` must not keep it from ever connecting), each call bounded by
-/// `response_timeout` (the shared connection's is `timeout`), two retries.
+/// `response_timeout` (the shared connection's: see [`shared_response_timeout`]), two retries.
 pub(crate) async fn connection_manager(
     client: redis::Client,
     timeout: Duration,

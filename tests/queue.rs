@@ -1857,6 +1857,43 @@ const STREAM: &str = "levee:queue:{notify}:jobs";
 
 /// With `wait_replicas`, a 202 means the replica holds the job: it is there the moment the
 /// client hears. Jobs that come together wait for the replicas together.
+/// A queue write waits for Redis longer than a rate-limit check does: with `[redis] timeout`
+/// at 25 ms, a Redis that stalls for 150 ms (an expiry cycle, a slow command) still stores
+/// the job, and the client gets 202, not 503. The shared connection's own response timeout
+/// used to be `timeout`, which cut the write at 25 ms whatever its own bound said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_waits_out_a_redis_stall_longer_than_the_limit_timeout() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let policy = queue_policy(backend.addr, &redis.url(), "")
+        .replace("timeout = \"200ms\"", "timeout = \"25ms\"");
+    assert!(policy.contains("timeout = \"25ms\""), "{policy}");
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    assert_eq!(post_as(&levee, "like=0", "192.0.2.1").await.status, 202);
+
+    for n in 1..=3 {
+        redis.pause(true);
+        let post = {
+            let url = levee.url("/notify.php");
+            tokio::spawn(async move {
+                let request = Request::post(url)
+                    .header("content-type", "application/x-www-form-urlencoded")
+                    .body(full(format!("like={n}")))
+                    .expect("request");
+                send(request).await
+            })
+        };
+        // The stall: longer than `timeout`, well within the write's 500 ms.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        redis.pause(false);
+        let answer = post.await.expect("post");
+        assert_eq!(answer.status, 202, "stall {n}: {}", answer.text());
+    }
+    assert_eq!(redis.cli(&["XLEN", STREAM]).trim(), "4");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_is_answered_202_only_once_a_replica_holds_it() {
     let dir = tempfile::tempdir().expect("dir");

@@ -22,9 +22,6 @@ use crate::proxy::route::Route;
 use crate::proxy::Shared;
 use crate::redis_store::{RedisFailure, RedisStore};
 
-/// Bound on each queue call to Redis.
-const QUEUE_TIMEOUT: Duration = Duration::from_secs(2);
-
 /// Moves due delayed jobs back into the stream. KEYS: delayed zset, stream. ARGV: now ms, max.
 const MOVE_DUE: &str = r#"
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
@@ -253,7 +250,8 @@ pub async fn remove_idle_consumers(
 ) -> Result<usize, RedisFailure> {
     let mut list = redis::cmd("XINFO");
     list.arg("CONSUMERS").arg(&keys.stream).arg(group);
-    let listed: StreamInfoConsumersReply = redis.command(&list, QUEUE_TIMEOUT, None).await?;
+    let listed: StreamInfoConsumersReply =
+        redis.command(&list, redis.background_bound(), None).await?;
     let names = idle_consumers_to_remove(&listed.consumers, own, idle_bound);
     if names.is_empty() {
         return Ok(0);
@@ -428,7 +426,7 @@ pub fn spawn_workers(
                 report_backlog(&shared, &redis, &keys, &route.name.0).await;
                 // Every pass, former queues included (they are not empty here): listed again
                 // should anything have taken the name off while jobs are stored.
-                register(&redis, &keys, &route.name.0, QUEUE_TIMEOUT).await;
+                register(&redis, &keys, &route.name.0, redis.background_bound()).await;
                 if look_for_consumers_left {
                     remove_consumers_left_behind(
                         &redis,
@@ -491,7 +489,10 @@ async fn take_on_stranded_queues(
     let registry = QueueKeys::registry_of(policy.key_prefix());
     let mut members = redis::cmd("SMEMBERS");
     members.arg(&registry);
-    let names: Vec<String> = match redis.command(&members, QUEUE_TIMEOUT, None).await {
+    let names: Vec<String> = match redis
+        .command(&members, redis.background_bound(), None)
+        .await
+    {
         Ok(names) => names,
         Err(error) => {
             tracing::debug!("the list of queue routes in redis could not be read: {error}");
@@ -564,10 +565,10 @@ pub(super) async fn register(redis: &RedisStore, keys: &QueueKeys, route: &str, 
 /// looked at again after, and the name listed again unless it is still empty. Since storing a
 /// job lists the name after the job is written, the name is listed whenever a job is stored.
 async fn unregister(redis: &RedisStore, keys: &QueueKeys, route: &str) {
-    if registry_change(redis, "SREM", keys, route, QUEUE_TIMEOUT).await
+    if registry_change(redis, "SREM", keys, route, redis.background_bound()).await
         && !queue_is_empty(redis, keys).await
     {
-        register(redis, keys, route, QUEUE_TIMEOUT).await;
+        register(redis, keys, route, redis.background_bound()).await;
     }
 }
 
@@ -605,7 +606,10 @@ async fn queue_is_empty(redis: &RedisStore, keys: &QueueKeys) -> bool {
     ] {
         let mut count = redis::cmd(command);
         count.arg(key);
-        match redis.command::<i64>(&count, QUEUE_TIMEOUT, None).await {
+        match redis
+            .command::<i64>(&count, redis.background_bound(), None)
+            .await
+        {
             Ok(found) => total += found,
             Err(_) => return false,
         }
@@ -625,7 +629,10 @@ async fn make_group(
         .arg(&settings.group)
         .arg("0")
         .arg("MKSTREAM");
-    match redis.command::<()>(&command, QUEUE_TIMEOUT, None).await {
+    match redis
+        .command::<()>(&command, redis.background_bound(), None)
+        .await
+    {
         Ok(()) => Ok(()),
         Err(RedisFailure::Redis(error)) if error.to_string().contains("BUSYGROUP") => Ok(()),
         Err(error) => Err(error),
@@ -643,11 +650,14 @@ async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, r
     };
     let mut length = redis::cmd("XLEN");
     length.arg(&keys.stream);
-    if let Ok(backlog) = redis.command::<i64>(&length, QUEUE_TIMEOUT, None).await {
+    if let Ok(backlog) = redis
+        .command::<i64>(&length, redis.background_bound(), None)
+        .await
+    {
         let mut delayed = redis::cmd("ZCARD");
         delayed.arg(&keys.delayed);
         let delayed: i64 = redis
-            .command(&delayed, QUEUE_TIMEOUT, None)
+            .command(&delayed, redis.background_bound(), None)
             .await
             .unwrap_or(0);
         shared
@@ -698,7 +708,10 @@ async fn oldest_job_age(redis: &RedisStore, keys: &QueueKeys) -> Option<u64> {
         .arg(2)
         .arg(&keys.stream)
         .arg(&keys.delayed);
-    let stored_ms: u64 = redis.command(&oldest, QUEUE_TIMEOUT, None).await.ok()?;
+    let stored_ms: u64 = redis
+        .command(&oldest, redis.background_bound(), None)
+        .await
+        .ok()?;
     Some(if stored_ms == 0 {
         0
     } else {
@@ -741,7 +754,9 @@ impl Pass<'_> {
             .arg(&keys.stream)
             .arg(now_ms())
             .arg(100);
-        let _: i64 = redis.command(&move_due, QUEUE_TIMEOUT, None).await?;
+        let _: i64 = redis
+            .command(&move_due, redis.background_bound(), None)
+            .await?;
 
         // Jobs of workers that went silent first, then new ones.
         let mut claim = redis::cmd("XAUTOCLAIM");
@@ -753,7 +768,9 @@ impl Pass<'_> {
             .arg("0-0")
             .arg("COUNT")
             .arg(BATCH);
-        let claimed: redis::Value = redis.command(&claim, QUEUE_TIMEOUT, None).await?;
+        let claimed: redis::Value = redis
+            .command(&claim, redis.background_bound(), None)
+            .await?;
         let mut batch = match &claimed {
             redis::Value::Array(parts) if parts.len() >= 2 => entries(&parts[1]),
             _ => Vec::new(),
@@ -767,7 +784,7 @@ impl Pass<'_> {
             .arg("STREAMS")
             .arg(&keys.stream)
             .arg(">");
-        let fresh: redis::Value = redis.command(&read, QUEUE_TIMEOUT, None).await?;
+        let fresh: redis::Value = redis.command(&read, redis.background_bound(), None).await?;
         if let redis::Value::Array(streams) = &fresh {
             for stream in streams {
                 if let redis::Value::Array(pair) = stream {
@@ -835,7 +852,10 @@ impl Pass<'_> {
                 .arg(self.consumer)
                 .arg(id)
                 .arg(confirm_by);
-            let left: i64 = self.redis.command(&command, QUEUE_TIMEOUT, None).await?;
+            let left: i64 = self
+                .redis
+                .command(&command, self.redis.background_bound(), None)
+                .await?;
             match left {
                 0 => return Ok(Hold::Held),
                 -2 => return Ok(Hold::Gone),
@@ -864,7 +884,9 @@ impl Pass<'_> {
             .arg(&self.settings.group)
             .arg(self.consumer)
             .arg(ids);
-        self.redis.command(&command, QUEUE_TIMEOUT, None).await
+        self.redis
+            .command(&command, self.redis.background_bound(), None)
+            .await
     }
 
     /// Replays `batch` in order, starting at most `replay_rate` jobs a second: none before
@@ -1096,7 +1118,9 @@ async fn eval(
     for arg in args {
         command.arg(arg);
     }
-    redis.command(&command, QUEUE_TIMEOUT, None).await
+    redis
+        .command(&command, redis.background_bound(), None)
+        .await
 }
 
 /// Fields of a job as command arguments.
@@ -1191,7 +1215,11 @@ impl Pass<'_> {
         trim.arg(&self.keys.dead)
             .arg("MAXLEN")
             .arg(self.settings.max_dead_letters);
-        match self.redis.command::<u64>(&trim, QUEUE_TIMEOUT, None).await {
+        match self
+            .redis
+            .command::<u64>(&trim, self.redis.background_bound(), None)
+            .await
+        {
             Ok(0) => {}
             Ok(dropped) => {
                 tracing::warn!(route = %self.route.name, dropped, max_dead_letters = self.settings.max_dead_letters, "oldest dead letters dropped to keep max_dead_letters");
@@ -1267,7 +1295,9 @@ pub async fn dead_letters(
         .arg("-")
         .arg("COUNT")
         .arg(count);
-    let value: redis::Value = redis.command(&command, QUEUE_TIMEOUT, None).await?;
+    let value: redis::Value = redis
+        .command(&command, redis.background_bound(), None)
+        .await?;
     Ok(entries(&value)
         .into_iter()
         // Listed with what could be read, not left out: an operator must see every letter.
@@ -1304,7 +1334,7 @@ pub async fn resolve_dead_letter(
 ) -> Result<Resolved, RedisFailure> {
     let mut read = redis::cmd("XRANGE");
     read.arg(&keys.dead).arg(id).arg(id);
-    let value: redis::Value = redis.command(&read, QUEUE_TIMEOUT, None).await?;
+    let value: redis::Value = redis.command(&read, redis.background_bound(), None).await?;
     let Some((_, fields)) = entries(&value).into_iter().next() else {
         return Ok(Resolved::NotFound);
     };
@@ -1335,7 +1365,9 @@ return 1
     } else {
         let mut delete = redis::cmd("XDEL");
         delete.arg(&keys.dead).arg(id);
-        let deleted: i64 = redis.command(&delete, QUEUE_TIMEOUT, None).await?;
+        let deleted: i64 = redis
+            .command(&delete, redis.background_bound(), None)
+            .await?;
         Ok(if deleted == 1 {
             Resolved::Done
         } else {
@@ -1358,19 +1390,23 @@ pub async fn stats(
         command
     };
     let backlog: i64 = redis
-        .command(&count("XLEN", &keys.stream), QUEUE_TIMEOUT, None)
+        .command(&count("XLEN", &keys.stream), redis.background_bound(), None)
         .await?;
     let delayed: i64 = redis
-        .command(&count("ZCARD", &keys.delayed), QUEUE_TIMEOUT, None)
+        .command(
+            &count("ZCARD", &keys.delayed),
+            redis.background_bound(),
+            None,
+        )
         .await?;
     let dead: i64 = redis
-        .command(&count("XLEN", &keys.dead), QUEUE_TIMEOUT, None)
+        .command(&count("XLEN", &keys.dead), redis.background_bound(), None)
         .await?;
     let mut pending = redis::cmd("XPENDING");
     pending.arg(&keys.stream).arg(&settings.group);
     // A queue whose group is not made yet (nothing stored since) has nothing in flight.
     let in_flight = match redis
-        .command::<redis::Value>(&pending, QUEUE_TIMEOUT, None)
+        .command::<redis::Value>(&pending, redis.background_bound(), None)
         .await
     {
         Ok(redis::Value::Array(parts)) => parts
