@@ -99,6 +99,18 @@ async fn post_as(levee: &Levee, body: &str, client: &str) -> Answer {
     send(request).await
 }
 
+/// A job posted in a task of its own, so the test can act while levee stores it.
+fn spawn_post(levee: &Levee, body: String) -> tokio::task::JoinHandle<Answer> {
+    let url = levee.url("/notify.php");
+    tokio::spawn(async move {
+        let request = Request::post(url)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(full(body))
+            .expect("request");
+        send(request).await
+    })
+}
+
 /// Switches the queue route on and waits for `count` replays; their keys, sorted.
 async fn replayed_keys(levee: &Levee, seen: &Seen, count: usize) -> Vec<String> {
     switch(levee, "on").await;
@@ -1855,8 +1867,6 @@ async fn master_and_replica(dir: &std::path::Path) -> (RedisServer, RedisServer)
 
 const STREAM: &str = "levee:queue:{notify}:jobs";
 
-/// With `wait_replicas`, a 202 means the replica holds the job: it is there the moment the
-/// client hears. Jobs that come together wait for the replicas together.
 /// A queue write waits for Redis longer than a rate-limit check does: with `[redis] timeout`
 /// at 25 ms, a Redis that stalls for 150 ms (an expiry cycle, a slow command) still stores
 /// the job, and the client gets 202, not 503. The shared connection's own response timeout
@@ -1875,16 +1885,7 @@ async fn a_job_waits_out_a_redis_stall_longer_than_the_limit_timeout() {
 
     for n in 1..=3 {
         redis.pause(true);
-        let post = {
-            let url = levee.url("/notify.php");
-            tokio::spawn(async move {
-                let request = Request::post(url)
-                    .header("content-type", "application/x-www-form-urlencoded")
-                    .body(full(format!("like={n}")))
-                    .expect("request");
-                send(request).await
-            })
-        };
+        let post = spawn_post(&levee, format!("like={n}"));
         // The stall: longer than `timeout`, well within the write's 500 ms.
         tokio::time::sleep(Duration::from_millis(150)).await;
         redis.pause(false);
@@ -1894,6 +1895,8 @@ async fn a_job_waits_out_a_redis_stall_longer_than_the_limit_timeout() {
     assert_eq!(redis.cli(&["XLEN", STREAM]).trim(), "4");
 }
 
+/// With `wait_replicas`, a 202 means the replica holds the job: it is there the moment the
+/// client hears. Jobs that come together wait for the replicas together.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_is_answered_202_only_once_a_replica_holds_it() {
     let dir = tempfile::tempdir().expect("dir");
@@ -1912,19 +1915,10 @@ async fn a_job_is_answered_202_only_once_a_replica_holds_it() {
     assert_eq!(replica.cli(&["XLEN", STREAM]).trim(), "1");
 
     let posts: Vec<_> = (0..40)
-        .map(|n| {
-            let url = levee.url("/notify.php");
-            tokio::spawn(async move {
-                let request = Request::post(url)
-                    .header("content-type", "application/x-www-form-urlencoded")
-                    .body(full(format!("like={n}")))
-                    .expect("request");
-                send(request).await.status
-            })
-        })
+        .map(|n| spawn_post(&levee, format!("like={n}")))
         .collect();
     for post in posts {
-        assert_eq!(post.await.expect("post"), 202);
+        assert_eq!(post.await.expect("post").status, 202);
     }
     assert_eq!(replica.cli(&["XLEN", STREAM]).trim(), "41");
     let stats = master.cli(&["INFO", "commandstats"]);
