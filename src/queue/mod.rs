@@ -285,29 +285,13 @@ pub const CONFIRM_RECORD_FIELD: &str = "confirm_record";
 /// deadline bars a late write after a few hundred milliseconds at most).
 const WRITE_RECORD_TTL_MS: u64 = 60_000;
 
-/// Up to how much longer than [`WRITE_RECORD_TTL_MS`] a write's record lives. Records of
-/// jobs stored together would otherwise expire together a minute later: Redis expires keys in
-/// slices of up to 25 ms while many are due, and a burst of 250,000 jobs (the benchmark's
-/// queue section) stalled it for up to 40 ms then, longer than a rate-limit call waits.
-/// Spread over 30 s, such a burst leaves each expiry slice a few hundred keys.
-const WRITE_RECORD_TTL_SPREAD_MS: u64 = 30_000;
-
-/// A name for one write, unique across instances and restarts, and how long its record
-/// lives: [`WRITE_RECORD_TTL_MS`] plus a share of the spread that consecutive writes
-/// scatter over all of it.
-fn write_token() -> (String, u64) {
+/// A name for one write, unique across instances and restarts.
+fn write_token() -> String {
     static INSTANCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let instance = INSTANCE.get_or_init(worker::consumer_name);
     let number = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    (format!("{instance}-{number}"), record_ttl_ms(number))
-}
-
-/// [`write_token`]'s record lifetime for the write numbered `number`: a multiplicative hash,
-/// so that writes in a row land far apart in the spread.
-fn record_ttl_ms(number: u64) -> u64 {
-    let scattered = number.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
-    WRITE_RECORD_TTL_MS + scattered % WRITE_RECORD_TTL_SPREAD_MS
+    format!("{instance}-{number}")
 }
 
 /// Asks Redis what became of a write whose answer did not come ([`SETTLE_WRITE`]):
@@ -452,8 +436,7 @@ pub async fn enqueue(
         .write_deadline(&keys.stream, write_timeout, Some(guard))
         .await
         .map_err(|error| not_stored(error.to_string()))?;
-    let (token, record_ttl_ms) = write_token();
-    let record = keys.write_record(&token);
+    let record = keys.write_record(&write_token());
     let mut command = redis::cmd("EVAL");
     command
         .arg(ENQUEUE_BEFORE)
@@ -461,7 +444,7 @@ pub async fn enqueue(
         .arg(&keys.stream)
         .arg(&record)
         .arg(deadline_us)
-        .arg(record_ttl_ms);
+        .arg(WRITE_RECORD_TTL_MS);
     job.write_fields(&mut command);
     // Past the write's deadline, its wait for replicas and two calls' time to withdraw it: by
     // then this writer has withdrawn the job or stopped trying. Workers replay it only after.
@@ -612,29 +595,4 @@ pub async fn enqueue(
         response.headers_mut().insert("x-levee-job", value);
     }
     Ok(response)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Records of writes in a row expire spread over the whole spread, not together.
-    #[test]
-    fn records_of_consecutive_writes_expire_spread_out() {
-        let mut per_second = [0u32; (WRITE_RECORD_TTL_SPREAD_MS / 1000) as usize];
-        for number in 1_000_000..1_003_000 {
-            let ttl = record_ttl_ms(number);
-            assert!(
-                (WRITE_RECORD_TTL_MS..WRITE_RECORD_TTL_MS + WRITE_RECORD_TTL_SPREAD_MS)
-                    .contains(&ttl),
-                "{ttl}"
-            );
-            per_second[((ttl - WRITE_RECORD_TTL_MS) / 1000) as usize] += 1;
-        }
-        // 3,000 writes over 30 seconds: about 100 a second, none far from it.
-        assert!(
-            per_second.iter().all(|count| (70..=130).contains(count)),
-            "{per_second:?}"
-        );
-    }
 }
