@@ -1867,6 +1867,25 @@ async fn master_and_replica(dir: &std::path::Path) -> (RedisServer, RedisServer)
 
 const STREAM: &str = "levee:queue:{notify}:jobs";
 
+/// Each write leaves a record of what became of it, read only when its answer is lost; the
+/// next write removes the records of writes that were answered, so jobs posted one after
+/// another leave one record behind, not one each for Redis to expire later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_writes_leave_no_records_behind() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    switch(&levee, "off").await;
+    for n in 0..30 {
+        let answer = post_as(&levee, &format!("like={n}"), "192.0.2.1").await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+    }
+    let records = redis.cli(&["--scan", "--pattern", "levee:queue:{notify}:write:*"]);
+    assert_eq!(records.lines().count(), 1, "{records}");
+    assert_eq!(redis.cli(&["XLEN", STREAM]).trim(), "30");
+}
+
 /// A queue write waits for Redis longer than a rate-limit check does: with `[redis] timeout`
 /// at 25 ms, a Redis that stalls for 150 ms (an expiry cycle, a slow command) still stores
 /// the job, and the client gets 202, not 503. The shared connection's own response timeout

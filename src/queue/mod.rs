@@ -224,9 +224,13 @@ impl QueueKeys {
 /// Stores a job, unless Redis's clock is past levee's deadline for it or levee has already
 /// settled the write without it ([`SETTLE_WRITE`] left a tombstone), and records the entry's
 /// id under the write's own key, so that levee can ask what became of a write whose answer it
-/// did not get. KEYS: stream, write record. ARGV: deadline (µs, Redis clock), record TTL
-/// (ms), the job's fields.
+/// did not get. First it removes the records of earlier writes whose answers came (see
+/// [`AnsweredRecords`]). KEYS: stream, write record, then those records. ARGV: deadline (µs,
+/// Redis clock), record TTL (ms), the job's fields.
 const ENQUEUE_BEFORE: &str = r#"
+for i = 3, #KEYS do
+  redis.call('UNLINK', KEYS[i])
+end
 local now = redis.call('TIME')
 if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
   return false
@@ -284,6 +288,48 @@ pub const CONFIRM_RECORD_FIELD: &str = "confirm_record";
 /// How long a write's record lives: far longer than a write and its settling can take (the
 /// deadline bars a late write after a few hundred milliseconds at most).
 const WRITE_RECORD_TTL_MS: u64 = 60_000;
+
+/// The records of writes whose answers came, per stream, which the route's next write removes
+/// ([`ENQUEUE_BEFORE`]). Only a write whose answer is lost asks its record what became of it
+/// ([`SETTLE_WRITE`]); left to expire, a record per job costs Redis a million keys at a few
+/// thousand jobs a second, and Redis 7.0 reclaims expiring keys lazily until about a tenth of
+/// them are stale, then in slices of up to 25 ms (the benchmark's queue section saw 36-40 ms
+/// stalls, longer than a rate-limit call waits). Removed one by one with later writes, they
+/// cost nothing at once. A record not removed (the list is full, or its stream gets no more
+/// writes) expires as before.
+struct AnsweredRecords;
+
+/// Most records one write removes, and most kept waiting per stream.
+const RECORDS_REMOVED_PER_WRITE: usize = 16;
+const RECORDS_KEPT_PER_STREAM: usize = 4096;
+
+static ANSWERED_RECORDS: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<String, Vec<String>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+impl AnsweredRecords {
+    /// `record`'s write was answered: the stream's next write may remove it.
+    fn put(stream: &str, record: String) {
+        let mut by_stream = crate::redis_batch::lock(&ANSWERED_RECORDS);
+        match by_stream.get_mut(stream) {
+            Some(records) if records.len() >= RECORDS_KEPT_PER_STREAM => {}
+            Some(records) => records.push(record),
+            None => {
+                by_stream.insert(stream.to_string(), vec![record]);
+            }
+        }
+    }
+
+    /// Up to [`RECORDS_REMOVED_PER_WRITE`] records for the stream's next write to remove.
+    fn take(stream: &str) -> Vec<String> {
+        let mut by_stream = crate::redis_batch::lock(&ANSWERED_RECORDS);
+        let Some(records) = by_stream.get_mut(stream) else {
+            return Vec::new();
+        };
+        let from = records.len().saturating_sub(RECORDS_REMOVED_PER_WRITE);
+        records.split_off(from)
+    }
+}
 
 /// A name for one write, unique across instances and restarts.
 fn write_token() -> String {
@@ -437,12 +483,14 @@ pub async fn enqueue(
         .await
         .map_err(|error| not_stored(error.to_string()))?;
     let record = keys.write_record(&write_token());
+    let answered = AnsweredRecords::take(&keys.stream);
     let mut command = redis::cmd("EVAL");
     command
         .arg(ENQUEUE_BEFORE)
-        .arg(2)
+        .arg(2 + answered.len())
         .arg(&keys.stream)
         .arg(&record)
+        .arg(&answered)
         .arg(deadline_us)
         .arg(WRITE_RECORD_TTL_MS);
     job.write_fields(&mut command);
@@ -515,7 +563,11 @@ pub async fn enqueue(
     };
     // Its fate is settled with Redis before the client hears anything.
     let id = match in_doubt {
-        Ok(id) => id,
+        Ok(id) => {
+            // Answered: nobody asks this write's record any more.
+            AnsweredRecords::put(&keys.stream, record);
+            id
+        }
         Err((doubt, unconfirmed)) => {
             // With wait_replicas, no replica confirmed what follows: it is counted.
             let settled =
