@@ -377,6 +377,8 @@ pub struct RedisStore {
     waiting_writes: WaitingWrites,
     /// With a Redis Cluster, those writes per master node (by its address).
     waiting_writes_by_node: Mutex<HashMap<Arc<str>, Arc<WaitingWrites>>>,
+    /// The queue's write records that later writes to this Redis may remove.
+    pub(crate) answered_records: crate::queue::AnsweredRecords,
     health: Mutex<Health>,
     script: Arc<KeyedScript>,
     refund: Arc<KeyedScript>,
@@ -439,6 +441,7 @@ impl RedisStore {
             connection: OnceCell::new(),
             waiting_writes: WaitingWrites::default(),
             waiting_writes_by_node: Mutex::new(HashMap::new()),
+            answered_records: crate::queue::AnsweredRecords::default(),
             health: Mutex::new(Health::default()),
             eviction_policy: Mutex::new(None),
             reach: Mutex::new(Reach::default()),

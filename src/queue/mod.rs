@@ -289,28 +289,28 @@ pub const CONFIRM_RECORD_FIELD: &str = "confirm_record";
 /// deadline bars a late write after a few hundred milliseconds at most).
 const WRITE_RECORD_TTL_MS: u64 = 60_000;
 
-/// The records of writes whose answers came, per stream, which the route's next write removes
-/// ([`ENQUEUE_BEFORE`]). Only a write whose answer is lost asks its record what became of it
-/// ([`SETTLE_WRITE`]); left to expire, a record per job costs Redis a million keys at a few
-/// thousand jobs a second, and Redis 7.0 reclaims expiring keys lazily until about a tenth of
-/// them are stale, then in slices of up to 25 ms (the benchmark's queue section saw 36-40 ms
-/// stalls, longer than a rate-limit call waits). Removed one by one with later writes, they
-/// cost nothing at once. A record not removed (the list is full, or its stream gets no more
-/// writes) expires as before.
-struct AnsweredRecords;
+/// The records of writes whose answers came, per stream, which the route's next write from
+/// this instance removes ([`ENQUEUE_BEFORE`]), kept with the Redis they are in. Only a write
+/// whose answer is lost asks its record what became of it ([`SETTLE_WRITE`]); left to
+/// expire, a record per job costs Redis a million keys at a few thousand jobs a second, and
+/// Redis 7.0 reclaims expiring keys lazily until about a tenth of them are stale, then in
+/// slices of up to 25 ms (the benchmark's queue section saw 36-40 ms stalls, longer than a
+/// rate-limit call waits). Removed one by one with later writes, they cost nothing at once.
+/// A record not removed (the list is full, the write that took it failed, or its stream gets
+/// no more writes) expires as before.
+#[derive(Debug, Default)]
+pub struct AnsweredRecords {
+    by_stream: std::sync::Mutex<std::collections::HashMap<String, Vec<String>>>,
+}
 
 /// Most records one write removes, and most kept waiting per stream.
 const RECORDS_REMOVED_PER_WRITE: usize = 16;
 const RECORDS_KEPT_PER_STREAM: usize = 4096;
 
-static ANSWERED_RECORDS: std::sync::LazyLock<
-    std::sync::Mutex<std::collections::HashMap<String, Vec<String>>>,
-> = std::sync::LazyLock::new(Default::default);
-
 impl AnsweredRecords {
     /// `record`'s write was answered: the stream's next write may remove it.
-    fn put(stream: &str, record: String) {
-        let mut by_stream = crate::redis_batch::lock(&ANSWERED_RECORDS);
+    fn put(&self, stream: &str, record: String) {
+        let mut by_stream = crate::redis_batch::lock(&self.by_stream);
         match by_stream.get_mut(stream) {
             Some(records) if records.len() >= RECORDS_KEPT_PER_STREAM => {}
             Some(records) => records.push(record),
@@ -320,14 +320,19 @@ impl AnsweredRecords {
         }
     }
 
-    /// Up to [`RECORDS_REMOVED_PER_WRITE`] records for the stream's next write to remove.
-    fn take(stream: &str) -> Vec<String> {
-        let mut by_stream = crate::redis_batch::lock(&ANSWERED_RECORDS);
+    /// Up to [`RECORDS_REMOVED_PER_WRITE`] records for the stream's next write to remove. A
+    /// stream left with none is forgotten, so a route that stops queueing leaves nothing.
+    fn take(&self, stream: &str) -> Vec<String> {
+        let mut by_stream = crate::redis_batch::lock(&self.by_stream);
         let Some(records) = by_stream.get_mut(stream) else {
             return Vec::new();
         };
         let from = records.len().saturating_sub(RECORDS_REMOVED_PER_WRITE);
-        records.split_off(from)
+        let taken = records.split_off(from);
+        if records.is_empty() {
+            by_stream.remove(stream);
+        }
+        taken
     }
 }
 
@@ -483,7 +488,7 @@ pub async fn enqueue(
         .await
         .map_err(|error| not_stored(error.to_string()))?;
     let record = keys.write_record(&write_token());
-    let answered = AnsweredRecords::take(&keys.stream);
+    let answered = redis.answered_records.take(&keys.stream);
     let mut command = redis::cmd("EVAL");
     command
         .arg(ENQUEUE_BEFORE)
@@ -565,7 +570,7 @@ pub async fn enqueue(
     let id = match in_doubt {
         Ok(id) => {
             // Answered: nobody asks this write's record any more.
-            AnsweredRecords::put(&keys.stream, record);
+            redis.answered_records.put(&keys.stream, record);
             id
         }
         Err((doubt, unconfirmed)) => {
