@@ -2173,6 +2173,57 @@ async fn in_a_cluster_a_job_waits_for_the_replica_of_the_node_holding_its_stream
     assert_eq!(bodies, ["first=1", "second=1", "third=1"]);
 }
 
+/// The enqueue script run twice for one write (a client library that sends it again after a
+/// dropped connection) stores the job once and answers the same id both times, even past the
+/// write's deadline; a write settled away (its record a tombstone) stays barred.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_sent_twice_stores_its_job_once() {
+    use levee::queue::ENQUEUE_BEFORE;
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let stream = "t:queue:{r}:jobs";
+    let enqueue = |record: &str, deadline: &str| {
+        redis
+            .cli(&[
+                "EVAL",
+                ENQUEUE_BEFORE,
+                "2",
+                stream,
+                record,
+                deadline,
+                "60000",
+                "body",
+                "x",
+            ])
+            .trim()
+            .to_string()
+    };
+    let (ahead, past) = ("9000000000000000", "0");
+    let first = enqueue("t:queue:{r}:write:a", ahead);
+    assert!(first.contains('-'), "a stream id: {first}");
+    assert_eq!(enqueue("t:queue:{r}:write:a", ahead), first);
+    assert_eq!(
+        enqueue("t:queue:{r}:write:a", past),
+        first,
+        "past its deadline too"
+    );
+    assert_eq!(redis.cli(&["XLEN", stream]).trim(), "1");
+    // A worker marked it decided: still the same id.
+    redis.cli(&[
+        "SET",
+        "t:queue:{r}:write:a",
+        &format!("decided:{first}"),
+        "XX",
+        "KEEPTTL",
+    ]);
+    assert_eq!(enqueue("t:queue:{r}:write:a", ahead), first);
+    // A tombstone bars the write; a late one is refused by the clock.
+    redis.cli(&["SET", "t:queue:{r}:write:b", "", "PX", "60000"]);
+    assert_eq!(enqueue("t:queue:{r}:write:b", ahead), "");
+    assert_eq!(enqueue("t:queue:{r}:write:c", past), "");
+    assert_eq!(redis.cli(&["XLEN", stream]).trim(), "1");
+}
+
 /// Withdrawing a job that waits for replicas (its writer's `SETTLE_WRITE`) and a worker's
 /// go-ahead to replay it (`HOLD_WHEN_DECIDED`) exclude each other, whichever comes first —
 /// also when Redis's clock says the job is still undecided (a clock stepped back).

@@ -222,20 +222,30 @@ impl QueueKeys {
 }
 
 /// Stores a job, unless Redis's clock is past levee's deadline for it or levee has already
-/// settled the write without it ([`SETTLE_WRITE`] left a tombstone), and records the entry's
+/// settled the write without it ([`SETTLE_WRITE`] left a tombstone, an empty record), and records the entry's
 /// id under the write's own key, so that levee can ask what became of a write whose answer it
 /// did not get. First it removes the records of earlier writes whose answers came (see
 /// [`AnsweredRecords`]). KEYS: stream, write record, then those records. ARGV: deadline (µs,
-/// Redis clock), record TTL (ms), the job's fields.
-const ENQUEUE_BEFORE: &str = r#"
+/// Redis clock), record TTL (ms), the job's fields. A write run twice (a client library that
+/// sent it again after a dropped connection) finds its own record and answers the id it
+/// stored the first time, whatever the clock says by then: the job is stored once, and its
+/// writer answers 202.
+pub const ENQUEUE_BEFORE: &str = r#"
 for i = 3, #KEYS do
   redis.call('UNLINK', KEYS[i])
 end
-local now = redis.call('TIME')
-if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
+local prior = redis.call('GET', KEYS[2])
+if prior then
+  if string.sub(prior, 1, 8) == 'decided:' then
+    return string.sub(prior, 9)
+  end
+  if prior ~= '' then
+    return prior
+  end
   return false
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then
+local now = redis.call('TIME')
+if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
   return false
 end
 local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
