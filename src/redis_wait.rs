@@ -139,11 +139,7 @@ impl WaitingWrites {
                     // each trying a connection that just failed.
                     let message = error.to_string();
                     let everyone = std::mem::take(&mut *lock(&self.pending));
-                    for write in everyone {
-                        let _ = write
-                            .answer
-                            .send(Err(RedisFailure::NotSent(message.clone())));
-                    }
+                    fail_all(everyone, || RedisFailure::NotSent(message.clone()));
                     drop(turn);
                     return answered
                         .await
@@ -202,25 +198,10 @@ async fn send_batch(mut connection: ConnectionManager, batch: Vec<Pending>) {
                 answers.len(),
                 batch.len()
             );
-            for write in batch {
-                let _ = write
-                    .answer
-                    .send(Err(RedisFailure::BadReply(failure.clone())));
-            }
-            return;
+            return fail_all(batch, || RedisFailure::BadReply(failure.clone()));
         }
-        Ok(Err(error)) => {
-            for write in batch {
-                let _ = write.answer.send(Err(failure_of(&error)));
-            }
-            return;
-        }
-        Err(_elapsed) => {
-            for write in batch {
-                let _ = write.answer.send(Err(RedisFailure::Timeout(bound)));
-            }
-            return;
-        }
+        Ok(Err(error)) => return fail_all(batch, || failure_of(&error)),
+        Err(_elapsed) => return fail_all(batch, || RedisFailure::Timeout(bound)),
     };
     let confirmed_by = match answers.pop() {
         Some(Ok(redis::Value::Int(count))) => u32::try_from(count).unwrap_or(0),
@@ -242,6 +223,14 @@ async fn send_batch(mut connection: ConnectionManager, batch: Vec<Pending>) {
             }),
             Err(error) => Err(RedisFailure::Redis(error)),
         });
+    }
+}
+
+/// Answers every write of `writes` with a failure of its own (a `RedisFailure` is not
+/// `Clone`).
+fn fail_all(writes: impl IntoIterator<Item = Pending>, failure: impl Fn() -> RedisFailure) {
+    for write in writes {
+        let _ = write.answer.send(Err(failure()));
     }
 }
 

@@ -222,9 +222,9 @@ impl QueueKeys {
 }
 
 /// Stores a job, unless Redis's clock is past levee's deadline for it or levee has already
-/// settled the write without it ([`SETTLE_WRITE`] left a tombstone, an empty record), and records the entry's
-/// id under the write's own key, so that levee can ask what became of a write whose answer it
-/// did not get. First it removes the records of earlier writes whose answers came (see
+/// settled the write without it ([`SETTLE_WRITE`] left a tombstone, an empty record), and
+/// records the entry's id under the write's own key, so that levee can ask what became of a
+/// write whose answer it did not get. First it removes the records of earlier writes whose answers came (see
 /// [`AnsweredRecords`]). KEYS: stream, write record, then those records. ARGV: deadline (µs,
 /// Redis clock), record TTL (ms), the job's fields. A write run twice (a client library that
 /// sent it again after a dropped connection) finds its own record and answers the id it
@@ -330,19 +330,16 @@ impl AnsweredRecords {
         }
     }
 
-    /// Up to [`RECORDS_REMOVED_PER_WRITE`] records for the stream's next write to remove. A
-    /// stream left with none is forgotten, so a route that stops queueing leaves nothing.
+    /// Up to [`RECORDS_REMOVED_PER_WRITE`] records for the stream's next write to remove. The
+    /// stream's entry stays, empty, rather than be made again by the write's own `put`: a
+    /// route that stops queueing leaves at most the few records answered after its last take.
     fn take(&self, stream: &str) -> Vec<String> {
         let mut by_stream = crate::redis_batch::lock(&self.by_stream);
         let Some(records) = by_stream.get_mut(stream) else {
             return Vec::new();
         };
         let from = records.len().saturating_sub(RECORDS_REMOVED_PER_WRITE);
-        let taken = records.split_off(from);
-        if records.is_empty() {
-            by_stream.remove(stream);
-        }
-        taken
+        records.split_off(from)
     }
 }
 
