@@ -451,6 +451,11 @@ impl RedisStore {
         }
     }
 
+    /// True when Redis is a cluster: keys in different slots never share a call.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
+    }
+
     /// True while Redis answers: its latest call of any kind succeeded (see [`Reach`]); in
     /// a cluster, while no master node's health breaker is open either.
     pub fn is_up(&self) -> bool {

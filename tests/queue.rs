@@ -2192,6 +2192,7 @@ async fn a_write_sent_twice_stores_its_job_once() {
                 record,
                 deadline,
                 "60000",
+                "",
                 "body",
                 "x",
             ])
@@ -2222,6 +2223,47 @@ async fn a_write_sent_twice_stores_its_job_once() {
     assert_eq!(enqueue("t:queue:{r}:write:b", ahead), "");
     assert_eq!(enqueue("t:queue:{r}:write:c", past), "");
     assert_eq!(redis.cli(&["XLEN", stream]).trim(), "1");
+}
+
+/// Outside a cluster the enqueue script lists the route in the registry in the step that
+/// stores its job, and only then: a write refused by the clock lists nothing, and the records
+/// of answered writes still follow the registry's key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_write_that_stores_a_job_lists_its_route() {
+    use levee::queue::ENQUEUE_BEFORE;
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (stream, registry) = ("t:queue:{r}:jobs", "t:queue:routes");
+    let enqueue = |record: &str, deadline: &str, answered: &[&str]| {
+        let keys = (3 + answered.len()).to_string();
+        let mut args = vec![
+            "EVAL",
+            ENQUEUE_BEFORE,
+            keys.as_str(),
+            stream,
+            record,
+            registry,
+        ];
+        args.extend_from_slice(answered);
+        args.extend_from_slice(&[deadline, "60000", "r", "body", "x"]);
+        redis.cli(&args).trim().to_string()
+    };
+    let (ahead, past) = ("9000000000000000", "0");
+    assert_eq!(enqueue("t:queue:{r}:write:a", past, &[]), "");
+    assert_eq!(redis.cli(&["SMEMBERS", registry]).trim(), "");
+    let stored = enqueue("t:queue:{r}:write:b", ahead, &[]);
+    assert!(stored.contains('-'), "a stream id: {stored}");
+    assert_eq!(redis.cli(&["SMEMBERS", registry]).trim(), "r");
+    // The next write removes the answered record it is given, not the registry.
+    let next = enqueue("t:queue:{r}:write:c", ahead, &["t:queue:{r}:write:b"]);
+    assert!(next.contains('-'), "a stream id: {next}");
+    assert_eq!(redis.cli(&["EXISTS", "t:queue:{r}:write:b"]).trim(), "0");
+    assert_eq!(redis.cli(&["SMEMBERS", registry]).trim(), "r");
+    let fields = redis.cli(&["XRANGE", stream, &next, &next]);
+    assert!(
+        fields.contains("body") && !fields.contains("60000"),
+        "the job's own fields only: {fields}"
+    );
 }
 
 /// Withdrawing a job that waits for replicas (its writer's `SETTLE_WRITE`) and a worker's

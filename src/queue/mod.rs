@@ -224,14 +224,24 @@ impl QueueKeys {
 /// Stores a job, unless Redis's clock is past levee's deadline for it or levee has already
 /// settled the write without it ([`SETTLE_WRITE`] left a tombstone, an empty record), and
 /// records the entry's id under the write's own key, so that levee can ask what became of a
-/// write whose answer it did not get. First it removes the records of earlier writes whose answers came (see
-/// [`AnsweredRecords`]). KEYS: stream, write record, then those records. ARGV: deadline (µs,
-/// Redis clock), record TTL (ms), the job's fields. A write run twice (a client library that
-/// sent it again after a dropped connection) finds its own record and answers the id it
-/// stored the first time, whatever the clock says by then: the job is stored once, and its
-/// writer answers 202.
+/// write whose answer it did not get. First it removes the records of earlier writes whose
+/// answers came (see [`AnsweredRecords`]). With the job stored, it lists the route in the
+/// registry (see [`QueueKeys::registry`]) in the same step, so a stored job's route is always
+/// listed; in a cluster the registry lives in another slot, and levee lists the route with a
+/// call of its own after the write.
+///
+/// KEYS: stream, write record, the registry unless ARGV[3] is empty, then those records.
+/// ARGV: deadline (µs, Redis clock), record TTL (ms), the route's name ('' in a cluster), the
+/// job's fields. A write run twice (a client library that sent it again after a dropped
+/// connection) finds its own record and answers the id it stored the first time, whatever
+/// the clock says by then: the job is stored once, and its writer answers 202.
 pub const ENQUEUE_BEFORE: &str = r#"
-for i = 3, #KEYS do
+local lists = ARGV[3] ~= ''
+local first_answered = 3
+if lists then
+  first_answered = 4
+end
+for i = first_answered, #KEYS do
   redis.call('UNLINK', KEYS[i])
 end
 local prior = redis.call('GET', KEYS[2])
@@ -248,8 +258,11 @@ local now = redis.call('TIME')
 if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
   return false
 end
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
 redis.call('SET', KEYS[2], id, 'PX', ARGV[2])
+if lists then
+  redis.call('SADD', KEYS[3], ARGV[3])
+end
 return id
 "#;
 
@@ -496,15 +509,23 @@ pub async fn enqueue(
         .map_err(|error| not_stored(error.to_string()))?;
     let record = keys.write_record(&write_token());
     let answered = redis.answered_records.take(&keys.stream);
+    // Listing the route in the script saves a call per job; a cluster refuses a script whose
+    // keys lie in two slots.
+    let lists_in_script = !redis.is_cluster();
     let mut command = redis::cmd("EVAL");
     command
         .arg(ENQUEUE_BEFORE)
-        .arg(2 + answered.len())
+        .arg(2 + usize::from(lists_in_script) + answered.len())
         .arg(&keys.stream)
-        .arg(&record)
+        .arg(&record);
+    if lists_in_script {
+        command.arg(&keys.registry);
+    }
+    command
         .arg(&answered)
         .arg(deadline_us)
-        .arg(WRITE_RECORD_TTL_MS);
+        .arg(WRITE_RECORD_TTL_MS)
+        .arg(if lists_in_script { &*route.name.0 } else { "" });
     job.write_fields(&mut command);
     // Past the write's deadline, its wait for replicas and two calls' time to withdraw it: by
     // then this writer has withdrawn the job or stopped trying. Workers replay it only after.
@@ -624,12 +645,15 @@ pub async fn enqueue(
         }
     };
     // Listed after the job is written, so an instance that starts later finds this queue even
-    // if the route stops queueing meanwhile (see `QueueKeys::registry`). The job is stored
-    // already: a failure here does not change the answer.
-    let left = timeout
-        .saturating_sub(started.elapsed())
-        .max(Duration::from_millis(50));
-    worker::register(redis, &keys, &route.name.0, left).await;
+    // if the route stops queueing meanwhile (see `QueueKeys::registry`); the script did it
+    // unless this is a cluster. The job is stored already: a failure here does not change
+    // the answer.
+    if !lists_in_script {
+        let left = timeout
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(50));
+        worker::register(redis, &keys, &route.name.0, left).await;
+    }
     metrics
         .queue_enqueued
         .get_or_create(&QueueLabels {
