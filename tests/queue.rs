@@ -828,6 +828,111 @@ async fn without_redis_the_queue_and_its_figures_answer_503_and_big_bodies_413()
     );
 }
 
+/// A write to a queue route meets its upstream's open breaker while the route is on: it is
+/// queued (202), not refused, and applied once the breaker lets requests through again. With
+/// Redis down too, nothing can be stored: 503, and nothing reaches the app.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_meets_an_open_breaker_is_queued_and_applied_later() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    let pinned = post(&levee.admin_url("/breakers/app"), "open").await;
+    assert_eq!(pinned.status, 200, "{}", pinned.text());
+
+    let answer = post_as(&levee, "like=1", "192.0.2.7").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    let job = answer.header("x-levee-job").expect("job id").to_string();
+    assert!(answer.text().contains(&job), "{}", answer.text());
+    assert_eq!(
+        backend.hits(),
+        0,
+        "the breaker is open: nothing reaches the app"
+    );
+    assert_eq!(
+        get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"],
+        1
+    );
+
+    let released = post(&levee.admin_url("/breakers/app"), "auto").await;
+    assert_eq!(released.status, 200, "{}", released.text());
+    eventually(
+        Duration::from_secs(10),
+        "the queued write to be applied",
+        || async { !seen.lock().expect("lock").is_empty() },
+    )
+    .await;
+    let applied = seen.lock().expect("lock").clone();
+    assert_eq!(applied.len(), 1);
+    assert_eq!(
+        (
+            applied[0].0.as_str(),
+            applied[0].1.as_str(),
+            applied[0].2.as_str()
+        ),
+        (job.as_str(), "like=1", "192.0.2.7"),
+        "applied once, with its body and the client's address"
+    );
+
+    // Breaker open and Redis gone: the write can be neither sent nor stored.
+    assert_eq!(
+        post(&levee.admin_url("/breakers/app"), "open").await.status,
+        200
+    );
+    redis.guard.stop();
+    let answer = post_as(&levee, "like=2", "192.0.2.7").await;
+    assert_eq!(answer.status, 503, "{}", answer.text());
+    assert!(answer.header("retry-after").is_some());
+    assert_eq!(backend.hits(), 1, "only the replayed job reached the app");
+}
+
+/// A write to a queue route that its upstream's bulkhead sheds (every slot taken) is queued
+/// and applied once a slot is free, instead of refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_the_bulkhead_sheds_is_queued_and_applied_later() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) =
+        recording(0, Arc::new(AtomicBool::new(false)), Duration::from_secs(1)).await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "").replace(
+        "[redis]",
+        "max_inflight = 1\nqueue_wait = \"10ms\"\n[redis]",
+    ))
+    .await;
+    // The first write takes the only slot, and holds it for a second.
+    let first = spawn_post(&levee, "like=1".into());
+    eventually(
+        Duration::from_secs(5),
+        "the first write to hold the slot",
+        || async { backend.hits() == 1 },
+    )
+    .await;
+    let answer = post_as(&levee, "like=2", "192.0.2.8").await;
+    assert_eq!(answer.status, 202, "shed, then queued: {}", answer.text());
+    let job = answer.header("x-levee-job").expect("job id").to_string();
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_shed_total{upstream=\"app\",tier=\"2\"}"),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(first.await.expect("first write").status, 200);
+    eventually(
+        Duration::from_secs(10),
+        "both writes to be applied",
+        || async { seen.lock().expect("lock").len() >= 2 },
+    )
+    .await;
+    let applied = seen.lock().expect("lock").clone();
+    assert_eq!(applied.len(), 2, "each once");
+    assert!(
+        applied
+            .iter()
+            .any(|(key, body, ..)| *key == job && body == "like=2"),
+        "{applied:?}"
+    );
+}
+
 /// Redis runs a write in time but its answer is slow to come back: levee settles the write
 /// with Redis before it answers the client. Not yet read by a worker: withdrawn, 503, never
 /// applied. Read by a worker meanwhile: it stands, 202.

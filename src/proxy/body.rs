@@ -191,6 +191,28 @@ pub fn find_cause<'a, T: std::error::Error + 'static>(
     None
 }
 
+/// A request body's error, whatever wrappers it came through, as a type of its own: a body
+/// that fails with a bare `BoxError` cannot be read in the request's future, because the
+/// compiler then cannot prove that future `Send` for every lifetime. Its cause is the error
+/// it carries, so [`find_cause`] finds what is inside.
+#[derive(Debug)]
+pub struct ReadBodyError(pub BoxError);
+
+impl std::fmt::Display for ReadBodyError {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(formatter)
+    }
+}
+
+impl std::error::Error for ReadBodyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+/// A request body on its way to a queue (see `queue::enqueue`).
+pub type JobBody = UnsyncBoxBody<Bytes, ReadBodyError>;
+
 /// Reads `body` until it ends or more than `limit` bytes have come, then gives it back: what
 /// was read, followed by the rest still streaming. Its size hint stays the original one, so
 /// the request goes upstream framed as the client framed it (a chunked body stays chunked).

@@ -192,6 +192,55 @@ impl RequestClock {
 /// bulkhead slot are taken (see `forward`).
 const READ_AHEAD: usize = 64 * 1024;
 
+/// A request about to be stored as a job, with what its forwarded fields are set from.
+struct JobRequest {
+    parts: http::request::Parts,
+    received_head: bytes::Bytes,
+    peer: IpAddr,
+    peer_trusted: bool,
+    client_ip: IpAddr,
+}
+
+/// Stores the request as a job on a queue route and answers 202 (see `queue::enqueue`).
+/// Boxed, as the rate limit's Redis call is (see above `forward`), and as a `dyn` future: an
+/// `async fn` here leaves the compiler unable to prove the request's future `Send` for every
+/// lifetime of its borrows.
+fn queue_job<'a>(
+    shared: &'a Shared,
+    policy: &'a Policy,
+    route: &'a Route,
+    action: &'a crate::queue::QueueAction,
+    mut job: JobRequest,
+    body: body::JobBody,
+    allowed_headers: Option<crate::limit::RateLimitHeaders>,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Answer, ProxyError>> + Send + 'a>> {
+    let wants_json = wants_json(&job.parts.headers);
+    // The job is replayed with the headers it is stored with: the forwarded fields levee
+    // believes, as a request forwarded now carries them, not what an untrusted client
+    // claimed (its `X-Forwarded-Proto: https`).
+    header::set_forwarded(
+        &mut job.parts.headers,
+        job.peer,
+        job.peer_trusted,
+        job.client_ip,
+    );
+    Box::pin(async move {
+        crate::queue::enqueue(
+            policy,
+            route,
+            action,
+            job.parts,
+            job.received_head,
+            body,
+            job.client_ip,
+            wants_json,
+            &shared.metrics,
+        )
+        .await
+        .map(|accepted| with_rate_limit_fields(accepted, allowed_headers).into())
+    })
+}
+
 /// Everything between routing and the upstream's response head.
 ///
 /// Its future is part of every request's, which the connection boxes (a copy of all of it)
@@ -319,25 +368,28 @@ async fn forward(
     }
 
     if let (true, Some(action)) = (queue_now, &route.queue) {
-        let wants_json = wants_json(request.headers());
-        // The job is replayed with the headers it is stored with: the forwarded fields levee
-        // believes, as a request forwarded now carries them, not what an untrusted client
-        // claimed (its `X-Forwarded-Proto: https`).
         header::strip_hop_by_hop(request.headers_mut(), false);
-        header::set_forwarded(request.headers_mut(), peer.ip(), peer_trusted, client_ip);
-        // Boxed, as the rate limit's Redis call is: see above `forward`.
-        return Box::pin(crate::queue::enqueue(
-            policy,
-            &route,
-            action,
-            request,
+        let (parts, mut body) = request.into_parts();
+        let received_head = body.take_received_head();
+        let job = JobRequest {
+            parts,
+            received_head,
+            peer: peer.ip(),
+            peer_trusted,
             client_ip,
-            wants_json,
-            &shared.metrics,
-        ))
-        .await
-        .map(|accepted| with_rate_limit_fields(accepted, allowed_headers).into());
+        };
+        let body = body
+            .map_err(|error| body::ReadBodyError(error.into()))
+            .boxed_unsync();
+        return queue_job(shared, policy, &route, action, job, body, allowed_headers).await;
     }
+    // A write to a route that queues while it is off is queued too when its upstream
+    // refuses it now (breaker open, or the bulkhead sheds it): accepted, and applied once the
+    // upstream takes work again, instead of refused.
+    let queue_when_refused = match (&route.degrade, &route.queue) {
+        (Some(DegradeAction::Queue), Some(action)) if !request.method().is_safe() => Some(action),
+        _ => None,
+    };
 
     if let Some(length) = content_length(request.headers()) {
         if length > route.max_body {
@@ -463,10 +515,22 @@ async fn forward(
     let mut permit = match upstream_permit(shared, &route, clock.now()) {
         Ok(permit) => permit,
         Err(refusal) => {
+            if let Some(action) = queue_when_refused {
+                tracing::debug!(route = %route.name, "{refusal}: the write is queued instead");
+                let job = JobRequest {
+                    parts,
+                    received_head: from_client.received_head,
+                    peer: peer.ip(),
+                    peer_trusted,
+                    client_ip,
+                };
+                let body = body.map_err(body::ReadBodyError).boxed_unsync();
+                return queue_job(shared, policy, &route, action, job, body, allowed_headers).await;
+            }
             return stale
                 .serve_or(shared, policy, &route, refusal)
                 .await
-                .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
+                .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
         }
     };
 
@@ -495,6 +559,19 @@ async fn forward(
                         tier: route.tier,
                     })
                     .inc();
+                if let Some(action) = queue_when_refused {
+                    tracing::debug!(route = %route.name, upstream = %route.upstream.name, "the upstream is full: the write is queued instead");
+                    let job = JobRequest {
+                        parts,
+                        received_head: from_client.received_head,
+                        peer: peer.ip(),
+                        peer_trusted,
+                        client_ip,
+                    };
+                    let body = body.map_err(body::ReadBodyError).boxed_unsync();
+                    return queue_job(shared, policy, &route, action, job, body, allowed_headers)
+                        .await;
+                }
                 let fallback = match &route.degrade {
                     Some(DegradeAction::Reject(response)) => response.clone(),
                     _ => route.fallback.clone(),

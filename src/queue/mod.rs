@@ -18,14 +18,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Request, Response, StatusCode};
+use http::{header, HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 
 use crate::config::Policy;
 use crate::error::{full_body, ProxyError};
 use crate::metrics::{Metrics, QueueLabels, QueueResultLabels};
 use crate::proxy::body::{find_cause, BodyIdleTimeout, IdleTimeout, ResponseBody};
-use crate::proxy::h1::RequestBody;
 use crate::proxy::route::Route;
 use crate::redis_store::{Guard, RedisFailure};
 pub use job::Job;
@@ -413,11 +412,14 @@ const DEFAULT_ACCEPTED_JSON: &str = "{\"status\":\"accepted\",\"job\":\"{job}\"}
 /// Stores the request as a job and answers 202, or fails with 503 (not stored) / 413. The
 /// request's hop-by-hop fields are gone and its forwarded fields set (`header::set_forwarded`):
 /// the job is replayed with the headers it is stored with.
+#[allow(clippy::too_many_arguments)]
 pub async fn enqueue(
     policy: &Policy,
     route: &Route,
     action: &QueueAction,
-    request: Request<RequestBody>,
+    parts: http::request::Parts,
+    received_head: Bytes,
+    body: crate::proxy::body::JobBody,
     client_ip: std::net::IpAddr,
     wants_json: bool,
     metrics: &Metrics,
@@ -427,8 +429,6 @@ pub async fn enqueue(
             "queue route without [redis] and [queue]".into(),
         ));
     };
-    let (parts, mut body) = request.into_parts();
-    let received_head = body.take_received_head();
     let limit = settings
         .max_body
         .min(usize::try_from(route.max_body).unwrap_or(usize::MAX));
@@ -446,10 +446,9 @@ pub async fn enqueue(
     let body: Bytes = match Limited::new(body, limit).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) => {
-            if error
-                .downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some()
-            {
+            // Over this limit, or the route's own (a body that met a refusal on its way
+            // to the upstream).
+            if find_cause::<http_body_util::LengthLimitError>(&*error).is_some() {
                 return Err(ProxyError::BodyTooLarge {
                     limit: limit as u64,
                 });
