@@ -74,7 +74,7 @@ enum Command {
         #[command(flatten)]
         admin: AdminArgs,
     },
-    /// Pin an upstream's circuit breaker open or closed, or give control back (auto).
+    /// Pin an upstream's circuit breaker open or closed fleet-wide, or give control back (auto).
     Breaker {
         /// Upstream name.
         name: String,

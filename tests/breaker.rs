@@ -493,6 +493,112 @@ async fn a_slow_upload_is_not_the_upstreams_failure_but_an_upstream_that_stops_r
     holding.abort();
 }
 
+/// The upstream's breaker as `/status` has it: (force, forced_by, who pinned it).
+async fn pin_of(levee: &Levee) -> (String, String, String) {
+    let status = get(&levee.admin_url("/status")).await.json();
+    let upstream = &status["upstreams"][0];
+    let text = |value: &serde_json::Value| value.as_str().unwrap_or_default().to_string();
+    (
+        text(&upstream["breaker"]["force"]),
+        text(&upstream["breaker"]["forced_by"]),
+        text(&upstream["pinned"]["by"]),
+    )
+}
+
+/// A breaker pinned on one instance is pinned on every instance sharing the Redis, and on
+/// one started later; handed back on any of them, it is handed back everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_breaker_pinned_on_one_instance_is_pinned_fleet_wide() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut redis = RedisServer::start(dir.path()).await;
+    let (backend, _mode) = switchable().await;
+    let policy = breaker_policy(&backend, "consecutive_failures = 5", "").replace(
+        "[[route]]",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n[[route]]",
+            redis.url()
+        ),
+    );
+    let first = Levee::start(&policy).await;
+    let second = Levee::start(&policy).await;
+    assert_eq!(get(&second.url("/")).await.text(), "ok");
+
+    let pinned = post(&first.admin_url("/breakers/app"), "open").await;
+    assert_eq!(pinned.status, 200, "{}", pinned.text());
+    assert_eq!(pinned.json()["pinned"]["force"], "open");
+    eventually(
+        Duration::from_secs(5),
+        "the second instance to follow the pin",
+        || async { pin_of(&second).await.0 == "open" },
+    )
+    .await;
+    let (_, forced_by, by) = pin_of(&second).await;
+    assert_eq!(forced_by, "runtime");
+    assert!(!by.is_empty(), "who pinned it is shown");
+    let hits = backend.hits();
+    assert_eq!(get(&second.url("/")).await.status, 503);
+    assert_eq!(backend.hits(), hits, "cut off on the second instance too");
+
+    // An instance started later comes up pinned, before its first sync.
+    let third = Levee::start(&policy).await;
+    assert_eq!(get(&third.url("/")).await.status, 503);
+    assert_eq!(backend.hits(), hits);
+
+    // Handed back on the second: the first follows, and its breaker starts afresh.
+    assert_eq!(
+        post(&second.admin_url("/breakers/app"), "auto")
+            .await
+            .status,
+        200
+    );
+    eventually(
+        Duration::from_secs(5),
+        "the first instance to follow the hand-back",
+        || async { pin_of(&first).await.0 == "auto" },
+    )
+    .await;
+    assert_eq!(get(&first.url("/")).await.text(), "ok");
+
+    // A pin that cannot be saved is not in effect: Redis down, 503 and the reason.
+    redis.guard.stop();
+    let refused = post(&first.admin_url("/breakers/app"), "open").await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(refused.text().contains("not saved"), "{}", refused.text());
+    assert_eq!(get(&first.url("/")).await.text(), "ok");
+}
+
+/// Without Redis, a pin is kept in the state file: a restart comes back pinned, and a reload
+/// that starts the breaker afresh (its settings changed) keeps the pin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_breaker_stays_pinned_across_a_reload_and_a_restart() {
+    let (backend, _mode) = switchable().await;
+    let levee = Levee::start(&breaker_policy(&backend, "consecutive_failures = 5", "")).await;
+    assert_eq!(
+        post(&levee.admin_url("/breakers/app"), "open").await.status,
+        200
+    );
+    std::fs::write(
+        levee.policy_file(),
+        breaker_policy(&backend, "consecutive_failures = 7", ""),
+    )
+    .expect("rewrite the policy");
+    let reloaded = post(&levee.admin_url("/reload"), "").await;
+    assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+    assert_eq!(pin_of(&levee).await.0, "open", "kept across the reload");
+    assert_eq!(get(&levee.url("/")).await.status, 503);
+
+    let again = levee::start(levee::Options::new(levee.dir.path()))
+        .await
+        .expect("restart");
+    let hits = backend.hits();
+    assert_eq!(
+        get(&format!("http://{}/", again.public_addr)).await.status,
+        503,
+        "a restart comes back pinned"
+    );
+    assert_eq!(backend.hits(), hits);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_expects_100_continue_is_refused_before_it_sends_its_body() {
     let (backend, _mode) = switchable().await;

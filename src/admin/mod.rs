@@ -696,17 +696,24 @@ async fn run_to_end<T: Send + 'static>(
     }
 }
 
+/// Saves a switch and puts it in effect, to its end even if the operator's client goes.
+async fn run_change(
+    shared: &Arc<Shared>,
+    policy: &Arc<crate::config::Policy>,
+    change: Change,
+    by: &str,
+) -> Result<(), String> {
+    let (shared, policy, by) = (shared.clone(), policy.clone(), by.to_string());
+    run_to_end(async move {
+        switches::apply(&shared.degrade, &policy, change, &by, &shared.metrics).await
+    })
+    .await
+    .unwrap_or_else(|| Err("the switch task failed; see the log".to_string()))
+}
+
 async fn apply_switch(shared: &Arc<Shared>, change: Change, by: &str) -> Response<ResponseBody> {
     let policy = shared.store.load();
-    let applied = {
-        let (shared, policy, by) = (shared.clone(), policy.clone(), by.to_string());
-        run_to_end(async move {
-            switches::apply(&shared.degrade, &policy, change, &by, &shared.metrics).await
-        })
-        .await
-        .unwrap_or_else(|| Err("the switch task failed; see the log".to_string()))
-    };
-    match applied {
+    match run_change(shared, &policy, change, by).await {
         Ok(()) => json_response(
             StatusCode::OK,
             &json!({ "ok": true, "degrade": degrade_status(shared, &policy) }),
@@ -763,9 +770,10 @@ fn degrade_status(shared: &Shared, policy: &crate::config::Policy) -> serde_json
     })
 }
 
-/// `POST /breakers/NAME` with `open`, `closed` or `auto` as the body (or `?force=`).
+/// `POST /breakers/NAME` with `open`, `closed` or `auto` as the body (or `?force=`): a pin
+/// saved with the switches, so the whole fleet follows it and it survives restarts.
 async fn set_breaker(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     name: &str,
     request: Request<Incoming>,
     by: &str,
@@ -790,23 +798,41 @@ async fn set_breaker(
         }
     };
     let policy = shared.store.load();
-    let Some(upstream) = policy.upstreams.get(name) else {
-        let known: Vec<&str> = policy.upstreams.keys().map(String::as_str).collect();
-        return text_response(
-            StatusCode::NOT_FOUND,
-            format!(
-                "404 no upstream named `{}`; upstreams: {}\n",
-                name.escape_debug(),
-                known.join(", ")
-            ),
-        );
-    };
-    upstream.breaker.set_runtime_force(force, &shared.metrics);
-    tracing::warn!(upstream = %name, force = crate::breaker::Force::word(force), %by, "breaker pinned from the admin API");
-    json_response(
-        StatusCode::OK,
-        &json!({ "ok": true, "upstream": name, "breaker": upstream.breaker.status() }),
+    match run_change(
+        shared,
+        &policy,
+        Change::Breaker(name.to_string(), force),
+        by,
     )
+    .await
+    {
+        Ok(()) => json_response(
+            StatusCode::OK,
+            &json!({
+                "ok": true,
+                "upstream": name,
+                "breaker": policy.upstreams.get(name).map(|upstream| upstream.breaker.status()),
+                "pinned": breaker_pin(shared, name),
+            }),
+        ),
+        Err(message) if message.starts_with("no upstream") => text_response(
+            StatusCode::NOT_FOUND,
+            format!("404 {}\n", message.escape_debug()),
+        ),
+        Err(message) => text_response(StatusCode::SERVICE_UNAVAILABLE, format!("503 {message}\n")),
+    }
+}
+
+/// Who pinned an upstream's breaker at runtime, and when; `null` when nobody did.
+fn breaker_pin(shared: &Shared, name: &str) -> serde_json::Value {
+    match shared.degrade.runtime().breakers.get(name) {
+        Some(pin) => json!({
+            "force": crate::breaker::Force::word(Some(pin.value)),
+            "by": pin.by,
+            "at_unix": pin.at_unix,
+        }),
+        None => serde_json::Value::Null,
+    }
 }
 
 fn status(shared: &Shared) -> serde_json::Value {
@@ -845,6 +871,7 @@ fn status(shared: &Shared) -> serde_json::Value {
                 "name": upstream.name,
                 "url": format!("{}://{}", upstream.settings.scheme, upstream.settings.authority),
                 "breaker": upstream.breaker.status(),
+                "pinned": breaker_pin(shared, &upstream.name),
             })
         })
         .collect();

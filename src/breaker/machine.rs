@@ -61,8 +61,10 @@ impl Default for BreakerSettings {
     }
 }
 
-/// A pinned breaker state (policy `force`, or the admin API).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A pinned breaker state (policy `force`, or the admin API). Saved with the runtime switches
+/// as `"open"` or `"closed"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Force {
     Open,
     Closed,

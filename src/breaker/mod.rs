@@ -103,8 +103,13 @@ impl Breaker {
     }
 
     /// Pins the breaker at runtime (`Some`) or hands it back to the policy (`None`, "auto").
+    /// The fleet's saved pins are followed on every switch sync, so a pin it already has
+    /// changes nothing.
     pub fn set_runtime_force(&self, force: Option<Force>, metrics: &Metrics) {
         let mut machine = self.lock();
+        if machine.runtime_force == force {
+            return;
+        }
         let was_pinned = machine.runtime_force.is_some();
         machine.runtime_force = force;
         // Handed back after a pin, it starts afresh: what it counted while pinned says
@@ -124,6 +129,18 @@ impl Breaker {
             .get_or_create(&self.labels())
             .set(state);
         tracing::warn!(upstream = %self.upstream, force = Force::word(force), "breaker control changed at runtime");
+    }
+
+    /// The pin set at runtime, if any.
+    pub fn runtime_force(&self) -> Option<Force> {
+        self.lock().runtime_force
+    }
+
+    /// A breaker a reload starts afresh keeps the runtime pin of the one it replaces: the
+    /// operator's "cut it off" outlives an edit of the breaker's settings.
+    pub fn keep_pin_of(&self, replaced: &Breaker) {
+        let pin = replaced.runtime_force();
+        self.lock().runtime_force = pin;
     }
 
     /// The state as `levee_breaker_state` has it (0 closed, 1 open, 2 half-open), read as

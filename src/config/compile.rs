@@ -940,7 +940,13 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 .map(|old| &old.breaker)
                 .filter(|breaker| breaker.settings() == breaker_settings)
                 .cloned()
-                .unwrap_or_else(|| Arc::new(Breaker::new(name, breaker_settings)));
+                .unwrap_or_else(|| {
+                    let fresh = Arc::new(Breaker::new(name, breaker_settings));
+                    if let Some(old) = old {
+                        fresh.keep_pin_of(&old.breaker);
+                    }
+                    fresh
+                });
             // Keep the running upstream (and its warm pool) when nothing about it changed.
             let upstream = old
                 .filter(|old| old.settings == settings && Arc::ptr_eq(&old.breaker, &breaker))

@@ -109,6 +109,10 @@ pub struct RuntimeSwitches {
     pub level: Option<Switch<u8>>,
     /// Module name → off.
     pub modules: BTreeMap<String, Switch<bool>>,
+    /// Upstream name → its breaker pinned open or closed. Absent from state files written
+    /// before breakers were pinned fleet-wide.
+    #[serde(default)]
+    pub breakers: BTreeMap<String, Switch<crate::breaker::Force>>,
 }
 
 /// Process-wide degrade state; survives policy reloads.
@@ -274,6 +278,7 @@ mod tests {
                     at_unix: 0,
                 },
             )]),
+            breakers: BTreeMap::new(),
         };
         let view = |level| DegradeView {
             level,

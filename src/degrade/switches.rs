@@ -1,6 +1,7 @@
-//! Saving and sharing runtime switches: a Redis hash shared by the fleet (followed by every
-//! instance within `sync_interval`), or a local state file without Redis. Either way they
-//! survive restarts. A switch is in effect only once it is saved.
+//! Saving and sharing runtime switches (the level, modules, breakers pinned by hand): a Redis
+//! hash shared by the fleet (followed by every instance within `sync_interval`), or a local
+//! state file without Redis. Either way they survive restarts. A switch is in effect only once
+//! it is saved.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
 use super::{Degrade, RuntimeSwitches, Switch, MAX_LEVEL};
+use crate::breaker::Force;
 use crate::config::{Policy, PolicyStore};
 use crate::metrics::{Metrics, ModuleLabels};
 use crate::redis_store::RedisStore;
@@ -23,6 +25,8 @@ pub enum Change {
     Level(Option<u8>),
     /// `Some(off)` pins a module; `None` hands it back to the policy.
     Module(String, Option<bool>),
+    /// `Some(force)` pins an upstream's breaker; `None` hands it back to its own counting.
+    Breaker(String, Option<Force>),
 }
 
 impl std::fmt::Display for Change {
@@ -34,6 +38,7 @@ impl std::fmt::Display for Change {
             Change::Module(name, Some(true)) => write!(f, "module {name} off"),
             Change::Module(name, Some(false)) => write!(f, "module {name} on"),
             Change::Module(name, None) => write!(f, "module {name} policy"),
+            Change::Breaker(name, force) => write!(f, "breaker {name} {}", Force::word(*force)),
         }
     }
 }
@@ -84,6 +89,18 @@ pub async fn apply(
             ));
         }
     }
+    if let Change::Breaker(name, force) = &change {
+        // As for modules: a pin left for an upstream the policy no longer has can be handed
+        // back.
+        let clearing_a_leftover = force.is_none() && degrade.runtime().breakers.contains_key(name);
+        if !policy.upstreams.contains_key(name) && !clearing_a_leftover {
+            let known: Vec<&str> = policy.upstreams.keys().map(String::as_str).collect();
+            return Err(format!(
+                "no upstream named `{name}`; upstreams: {}",
+                known.join(", ")
+            ));
+        }
+    }
     let _changing = degrade.lock_changes().await;
     let mut switches = (*degrade.runtime()).clone();
     match &change {
@@ -94,6 +111,14 @@ pub async fn apply(
             }
             None => {
                 switches.modules.remove(name);
+            }
+        },
+        Change::Breaker(name, force) => match force {
+            Some(force) => {
+                switches.breakers.insert(name.clone(), stamp(*force, by));
+            }
+            None => {
+                switches.breakers.remove(name);
             }
         },
     }
@@ -124,6 +149,10 @@ async fn save_to_redis(
         Change::Module(name, _) => (
             format!("module:{name}"),
             switches.modules.get(name).map(serde_json::to_string),
+        ),
+        Change::Breaker(name, _) => (
+            format!("breaker:{name}"),
+            switches.breakers.get(name).map(serde_json::to_string),
         ),
     };
     // The stored value; none clears the field (back to the policy's word).
@@ -289,6 +318,13 @@ pub async fn load(policy: &Policy) -> Result<RuntimeSwitches, String> {
                         }
                         Err(error) => ignored_once(&format!("redis holds a switch of module `{name}` levee cannot read ({error}): {value:?}")),
                     }
+                } else if let Some(name) = field.strip_prefix("breaker:") {
+                    match serde_json::from_str(&value) {
+                        Ok(switch) => {
+                            switches.breakers.insert(name.to_string(), switch);
+                        }
+                        Err(error) => ignored_once(&format!("redis holds a pin of breaker `{name}` levee cannot read ({error}): {value:?}")),
+                    }
                 }
             }
             Ok(within_levels(switches, "redis"))
@@ -338,8 +374,15 @@ fn load_file(path: &Path) -> Result<RuntimeSwitches, String> {
     }
 }
 
-/// Updates the level and module gauges after a change.
+/// Puts the saved breaker pins in effect on the policy's breakers, and updates the level and
+/// module gauges: after a change, and on every sync (a pin set elsewhere in the fleet, an
+/// upstream a reload added).
 pub fn publish(degrade: &Degrade, policy: &Policy, metrics: &Metrics) {
+    let runtime = degrade.runtime();
+    for (name, upstream) in &policy.upstreams {
+        let pin = runtime.breakers.get(name).map(|switch| switch.value);
+        upstream.breaker.set_runtime_force(pin, metrics);
+    }
     let view = degrade.view(policy);
     metrics.degrade_level.set(i64::from(view.level));
     for module in policy.degrade.modules.keys() {
@@ -472,6 +515,20 @@ fn describe_changes(seen: &RuntimeSwitches, now: &RuntimeSwitches) -> String {
             ));
         }
     }
+    let names: std::collections::BTreeSet<&String> =
+        seen.breakers.keys().chain(now.breakers.keys()).collect();
+    for name in names {
+        let (before, after) = (seen.breakers.get(name), now.breakers.get(name));
+        if before != after {
+            let pin = |switch: Option<&Switch<Force>>| Force::word(switch.map(|s| s.value));
+            changes.push(format!(
+                "breaker {name} {} -> {}{}",
+                pin(before),
+                pin(after),
+                by(after.map(|switch| switch.by.as_str()))
+            ));
+        }
+    }
     changes.join(", ")
 }
 
@@ -494,6 +551,22 @@ mod tests {
     }
 
     #[test]
+    fn a_state_file_from_before_breaker_pins_loads_and_pins_round_trip() {
+        let dir = tempfile::tempdir().expect("dir");
+        let file = dir.path().join("state.json");
+        std::fs::write(&file, "{\"level\":null,\"modules\":{}}").expect("write");
+        assert_eq!(load_file(&file).expect("loads"), RuntimeSwitches::default());
+        let mut pinned = RuntimeSwitches::default();
+        pinned
+            .breakers
+            .insert("ai".into(), stamp(Force::Closed, "alice"));
+        let json = serde_json::to_string(&pinned).expect("encodes");
+        assert!(json.contains("\"value\":\"closed\""), "{json}");
+        std::fs::write(&file, json).expect("write");
+        assert_eq!(load_file(&file).expect("loads"), pinned);
+    }
+
+    #[test]
     fn a_fleet_change_is_told_in_words() {
         let switch = |value, by: &str| Switch {
             value,
@@ -507,6 +580,7 @@ mod tests {
                 at_unix: 1,
             }),
             modules: [("ranking".to_string(), switch(true, "alice"))].into(),
+            breakers: Default::default(),
         };
         let now = RuntimeSwitches {
             level: None,
@@ -515,10 +589,19 @@ mod tests {
                 ("ads".to_string(), switch(true, "bob")),
             ]
             .into(),
+            breakers: [(
+                "ai".to_string(),
+                Switch {
+                    value: Force::Open,
+                    by: "carol".into(),
+                    at_unix: 1,
+                },
+            )]
+            .into(),
         };
         assert_eq!(
             describe_changes(&seen, &now),
-            "level 1 -> policy, ads policy -> off (by bob), ranking off -> on (by bob)"
+            "level 1 -> policy, ads policy -> off (by bob), ranking off -> on (by bob), breaker ai auto -> open (by carol)"
         );
         assert_eq!(
             describe_changes(&seen, &RuntimeSwitches::default()),
