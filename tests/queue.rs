@@ -886,6 +886,61 @@ async fn a_write_that_meets_an_open_breaker_is_queued_and_applied_later() {
     assert_eq!(backend.hits(), 1, "only the replayed job reached the app");
 }
 
+/// With the app down (nothing listens), a write to a queue route is never sent: it is queued
+/// (202) instead of answered 502, and applied once the app is back. A body too large to be
+/// read whole first (over 64 KiB) streams to the upstream as it comes, so it gets the 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_reaches_no_upstream_is_queued_and_applied_once_it_is_back() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let down: std::net::SocketAddr = format!("127.0.0.1:{}", free_port())
+        .parse()
+        .expect("address");
+    let policy = |upstream| queue_policy(upstream, &redis.url(), "max_body = \"1MiB\"");
+    let levee = Levee::start(&policy(down)).await;
+
+    let answer = post_as(&levee, "like=1", "192.0.2.9").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    let job = answer.header("x-levee-job").expect("job id").to_string();
+    let big = post_as(&levee, &"x".repeat(100 * 1024), "192.0.2.9").await;
+    assert_eq!(big.status, 502, "{}", big.text());
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_upstream_errors_total{upstream=\"app\",kind=\"connect\"}"
+        ),
+        2.0,
+        "both count as the app's failures: {metrics}"
+    );
+    assert_eq!(
+        get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"],
+        1
+    );
+
+    // The app is back (here: at another address, by a reload).
+    let (backend, seen) = recording_always_ok().await;
+    std::fs::write(levee.policy_file(), policy(backend.addr)).expect("rewrite the policy");
+    let reloaded = post(&levee.admin_url("/reload"), "").await;
+    assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+    eventually(
+        Duration::from_secs(10),
+        "the queued write to be applied",
+        || async { !seen.lock().expect("lock").is_empty() },
+    )
+    .await;
+    let applied = seen.lock().expect("lock").clone();
+    assert_eq!(applied.len(), 1);
+    assert_eq!(
+        (
+            applied[0].0.as_str(),
+            applied[0].1.as_str(),
+            applied[0].2.as_str()
+        ),
+        (job.as_str(), "like=1", "192.0.2.9")
+    );
+}
+
 /// A write to a queue route that its upstream's bulkhead sheds (every slot taken) is queued
 /// and applied once a slot is free, instead of refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

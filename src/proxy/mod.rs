@@ -201,6 +201,16 @@ struct JobRequest {
     client_ip: IpAddr,
 }
 
+/// A request's head without its extensions (`Parts` is not `Clone`).
+fn head_copy(parts: &http::request::Parts) -> http::request::Parts {
+    let mut request = Request::new(());
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = parts.uri.clone();
+    *request.version_mut() = parts.version;
+    *request.headers_mut() = parts.headers.clone();
+    request.into_parts().0
+}
+
 /// Stores the request as a job on a queue route and answers 202 (see `queue::enqueue`).
 /// Boxed, as the rate limit's Redis call is (see above `forward`), and as a `dyn` future: an
 /// `async fn` here leaves the compiler unable to prove the request's future `Send` for every
@@ -488,7 +498,10 @@ async fn forward(
             Ok((body, None))
         } else {
             clock.waited();
-            body::read_ahead(body, READ_AHEAD, client::is_idempotent(&parts.method)).await
+            // A copy is kept for a request that may be sent again (idempotent), or queued
+            // should no connection to the upstream be made (a write to a queue route).
+            let keep = client::is_idempotent(&parts.method) || queue_when_refused.is_some();
+            body::read_ahead(body, READ_AHEAD, keep).await
         };
         match read {
             Ok((body, copy)) => {
@@ -596,6 +609,19 @@ async fn forward(
     } else {
         ResponseFields::Parsed
     };
+    // A write to a queue route that reaches no upstream at all (refused, unreachable: never
+    // sent) is queued, when its body was read whole: its head and that copy.
+    let mut queue_if_unsent = queue_when_refused.and_then(|action| {
+        let copy = parts.extensions.get::<body::ResendableBody>()?.clone();
+        let job = JobRequest {
+            parts: head_copy(&parts),
+            received_head: from_client.received_head.clone(),
+            peer: peer.ip(),
+            peer_trusted,
+            client_ip,
+        };
+        Some((action, job, copy))
+    });
     let sent_at = clock.now();
     if http_body::Body::is_end_stream(&body) {
         permit.count_if_abandoned_slow(sent_at, &shared.metrics);
@@ -622,9 +648,11 @@ async fn forward(
     // The upstream's own header lines, when they are relayed as received (`fields`).
     let mut relayed = None;
     let mut counts_against_upstream = true;
+    let mut never_sent = false;
     let (answer, waited_from) = match sent {
         Err(error) => {
             counts_against_upstream = error.is_upstream_failure();
+            never_sent = error.is_connect();
             (
                 Err(classify_client_error(
                     &route,
@@ -667,6 +695,26 @@ async fn forward(
     };
     let mut response = match answer {
         Ok(response) => response,
+        Err(error) if never_sent && queue_if_unsent.is_some() => {
+            let Some((action, job, copy)) = queue_if_unsent.take() else {
+                return Err(error);
+            };
+            // Counted and told as any upstream failure is (see `rescue`): the app is down
+            // even though this client is answered 202.
+            shared
+                .metrics
+                .upstream_errors
+                .get_or_create(&UpstreamErrorLabels {
+                    upstream: route.upstream.name.clone(),
+                    kind: error.kind(),
+                })
+                .inc();
+            tracing::warn!(client = %exchange.client_ip, route = %route.name, "{error}; the write is queued instead");
+            // The slot stands for a php-fpm worker, and none is busy with this request.
+            exchange.slot = None;
+            let copy = copy.body().map_err(body::ReadBodyError).boxed_unsync();
+            return queue_job(shared, policy, &route, action, job, copy, allowed_headers).await;
+        }
         // stale-if-error: the last good copy beats an error page.
         Err(error) if error.side() == ErrorSide::Upstream => {
             return stale
