@@ -176,6 +176,8 @@ pub struct Metrics {
     pub redis_transitions: Family<RedisStateLabels, Counter>,
     pub redis_node_up: Family<RedisNodeLabels, Gauge>,
     pub breaker_state: Family<BreakerLabels, Gauge>,
+    /// Set when `/metrics` is read, from the window the `latency_p95` trigger reads.
+    pub upstream_latency_p95: Family<BreakerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub breaker_transitions: Family<BreakerTransitionLabels, Counter>,
     pub breaker_rejected: Family<BreakerLabels, Counter>,
     pub breaker_probes: Family<BreakerProbeLabels, Counter>,
@@ -398,6 +400,13 @@ impl Metrics {
             "Breaker state per upstream: 0 closed, 1 open, 2 half-open",
             breaker_state.clone(),
         );
+        let upstream_latency_p95 =
+            Family::<BreakerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "upstream_latency_p95_seconds",
+            "95th percentile of the upstream's response-head latency over the last 10 s (the latency_p95 trigger's input); absent while it has no samples",
+            upstream_latency_p95.clone(),
+        );
         let breaker_transitions = Family::<BreakerTransitionLabels, Counter>::default();
         registry.register(
             "breaker_transitions",
@@ -510,6 +519,7 @@ impl Metrics {
             module_off,
             degraded_responses,
             breaker_state,
+            upstream_latency_p95,
             breaker_transitions,
             breaker_rejected,
             breaker_probes,

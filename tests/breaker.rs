@@ -493,6 +493,38 @@ async fn a_slow_upload_is_not_the_upstreams_failure_but_an_upstream_that_stops_r
     holding.abort();
 }
 
+/// The upstream's recent latency, which a `latency_p95` trigger judges, is shown: in
+/// `/metrics` and `/status`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstreams_recent_p95_latency_is_shown() {
+    let (backend, mode) = switchable().await;
+    let levee = Levee::start(
+        &breaker_policy(&backend, "consecutive_failures = 5", "")
+            .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\""),
+    )
+    .await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        !metrics.contains("levee_upstream_latency_p95_seconds{"),
+        "no answers yet, no figure: {metrics}"
+    );
+    mode.store(SLOW, Ordering::SeqCst);
+    for _ in 0..3 {
+        assert_eq!(get(&levee.url("/")).await.text(), "slow ok");
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    let p95 = metric_value(
+        &metrics,
+        "levee_upstream_latency_p95_seconds{upstream=\"app\"}",
+    );
+    assert!(p95 >= 0.1, "the slow answers' latency: {p95}");
+    let status = get(&levee.admin_url("/status")).await.json();
+    let shown = status["upstreams"][0]["latency_p95_ms"]
+        .as_f64()
+        .expect("a number");
+    assert!(shown >= 100.0, "{shown}");
+}
+
 /// The upstream's breaker as `/status` has it: (force, forced_by, who pinned it).
 async fn pin_of(levee: &Levee) -> (String, String, String) {
     let status = get(&levee.admin_url("/status")).await.json();
@@ -572,16 +604,18 @@ async fn a_breaker_pinned_on_one_instance_is_pinned_fleet_wide() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pinned_breaker_stays_pinned_across_a_reload_and_a_restart() {
     let (backend, _mode) = switchable().await;
-    let levee = Levee::start(&breaker_policy(&backend, "consecutive_failures = 5", "")).await;
+    // A sync long after the test: the pins below hold without it.
+    let policy = |breaker| {
+        breaker_policy(&backend, breaker, "")
+            .replace("[[route]]", "[degrade]\nsync_interval = \"10m\"\n[[route]]")
+    };
+    let levee = Levee::start(&policy("consecutive_failures = 5")).await;
     assert_eq!(
         post(&levee.admin_url("/breakers/app"), "open").await.status,
         200
     );
-    std::fs::write(
-        levee.policy_file(),
-        breaker_policy(&backend, "consecutive_failures = 7", ""),
-    )
-    .expect("rewrite the policy");
+    std::fs::write(levee.policy_file(), policy("consecutive_failures = 7"))
+        .expect("rewrite the policy");
     let reloaded = post(&levee.admin_url("/reload"), "").await;
     assert_eq!(reloaded.status, 200, "{}", reloaded.text());
     assert_eq!(pin_of(&levee).await.0, "open", "kept across the reload");

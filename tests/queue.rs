@@ -874,16 +874,33 @@ async fn a_write_that_meets_an_open_breaker_is_queued_and_applied_later() {
         "applied once, with its body and the client's address"
     );
 
-    // Breaker open and Redis gone: the write can be neither sent nor stored.
+    // Too large for the queue (its max_body, 1 MiB by default): the breaker's own answer,
+    // not a 413 that tells the client never to send it again.
     assert_eq!(
         post(&levee.admin_url("/breakers/app"), "open").await.status,
         200
     );
+    let large = post_as(&levee, &"x".repeat(2 * 1024 * 1024), "192.0.2.7").await;
+    assert_eq!(large.status, 503, "{}", large.text());
+    assert!(large.header("retry-after").is_some());
+
+    // Breaker open and Redis gone: the write can be neither sent nor stored, and gets the
+    // breaker's answer.
     redis.guard.stop();
     let answer = post_as(&levee, "like=2", "192.0.2.7").await;
     assert_eq!(answer.status, 503, "{}", answer.text());
     assert!(answer.header("retry-after").is_some());
     assert_eq!(backend.hits(), 1, "only the replayed job reached the app");
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_queue_enqueued_total{route=\"notify\"}"),
+        1.0,
+        "nothing more was stored: {metrics}"
+    );
+    assert!(
+        metric_value(&metrics, "levee_breaker_rejected_total{upstream=\"app\"}") >= 3.0,
+        "each answered by the open breaker: {metrics}"
+    );
 }
 
 /// With the app down (nothing listens), a write to a queue route is never sent: it is queued
@@ -902,6 +919,9 @@ async fn a_write_that_reaches_no_upstream_is_queued_and_applied_once_it_is_back(
     let answer = post_as(&levee, "like=1", "192.0.2.9").await;
     assert_eq!(answer.status, 202, "{}", answer.text());
     let job = answer.header("x-levee-job").expect("job id").to_string();
+    // A write with no body at all is queued as well.
+    let empty = post_as(&levee, "", "192.0.2.9").await;
+    assert_eq!(empty.status, 202, "{}", empty.text());
     let big = post_as(&levee, &"x".repeat(100 * 1024), "192.0.2.9").await;
     assert_eq!(big.status, 502, "{}", big.text());
     let metrics = get(&levee.admin_url("/metrics")).await.text();
@@ -910,12 +930,12 @@ async fn a_write_that_reaches_no_upstream_is_queued_and_applied_once_it_is_back(
             &metrics,
             "levee_upstream_errors_total{upstream=\"app\",kind=\"connect\"}"
         ),
-        2.0,
-        "both count as the app's failures: {metrics}"
+        3.0,
+        "all count as the app's failures: {metrics}"
     );
     assert_eq!(
         get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"],
-        1
+        2
     );
 
     // The app is back (here: at another address, by a reload).
@@ -925,12 +945,13 @@ async fn a_write_that_reaches_no_upstream_is_queued_and_applied_once_it_is_back(
     assert_eq!(reloaded.status, 200, "{}", reloaded.text());
     eventually(
         Duration::from_secs(10),
-        "the queued write to be applied",
-        || async { !seen.lock().expect("lock").is_empty() },
+        "the queued writes to be applied",
+        || async { seen.lock().expect("lock").len() >= 2 },
     )
     .await;
     let applied = seen.lock().expect("lock").clone();
-    assert_eq!(applied.len(), 1);
+    assert_eq!(applied.len(), 2);
+    assert_eq!(applied[1].1, "", "the empty write, empty");
     assert_eq!(
         (
             applied[0].0.as_str(),
@@ -980,11 +1001,18 @@ async fn a_write_the_bulkhead_sheds_is_queued_and_applied_later() {
     .await;
     let applied = seen.lock().expect("lock").clone();
     assert_eq!(applied.len(), 2, "each once");
-    assert!(
-        applied
-            .iter()
-            .any(|(key, body, ..)| *key == job && body == "like=2"),
+    let (first_done, replayed) = (&applied[0], &applied[1]);
+    assert_eq!(
+        (replayed.0.as_str(), replayed.1.as_str()),
+        (job.as_str(), "like=2"),
         "{applied:?}"
+    );
+    // The replay took the slot after the first write gave it back (each is answered after a
+    // second): it never ran beside it, past max_inflight.
+    assert!(
+        replayed.3 >= first_done.3 + Duration::from_millis(900),
+        "replayed {:?} after the first write was answered",
+        replayed.3.saturating_duration_since(first_done.3)
     );
 }
 

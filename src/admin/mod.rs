@@ -116,7 +116,7 @@ async fn answer(
         (&Method::GET, "/" | "/dashboard") => dashboard(),
         (&Method::GET, "/status") => json_response(StatusCode::OK, &status(&shared)),
         (&Method::GET, "/metrics") => {
-            publish_breaker_states(&shared);
+            publish_upstream_states(&shared);
             // Read now: a background call may have found Redis back, or gone, since the
             // last rate-limit call set it.
             if let Some(redis) = &shared.store.load().redis {
@@ -188,16 +188,24 @@ async fn answer(
 /// breaker fresh (closed) or removes its upstream, a policy `force`, an open time that ran
 /// out with no request to probe yet. Without this the gauge kept saying "open" after a
 /// reload had replaced an open breaker, and "closed" for a breaker pinned open by the policy.
-fn publish_breaker_states(shared: &Shared) {
+/// The same for `levee_upstream_latency_p95_seconds`, which only a reading makes.
+fn publish_upstream_states(shared: &Shared) {
     let policy = shared.store.load();
     let gauges = &shared.metrics.breaker_state;
+    let latencies = &shared.metrics.upstream_latency_p95;
     gauges.clear();
+    latencies.clear();
+    let now = tokio::time::Instant::now();
     for upstream in policy.upstreams.values() {
+        let labels = crate::metrics::BreakerLabels {
+            upstream: upstream.name.clone(),
+        };
         gauges
-            .get_or_create(&crate::metrics::BreakerLabels {
-                upstream: upstream.name.clone(),
-            })
+            .get_or_create(&labels)
             .set(upstream.breaker.state_value());
+        if let Some(p95) = upstream.latency.p95(now) {
+            latencies.get_or_create(&labels).set(p95.as_secs_f64());
+        }
     }
 }
 
@@ -872,6 +880,10 @@ fn status(shared: &Shared) -> serde_json::Value {
                 "url": format!("{}://{}", upstream.settings.scheme, upstream.settings.authority),
                 "breaker": upstream.breaker.status(),
                 "pinned": breaker_pin(shared, &upstream.name),
+                "latency_p95_ms": upstream
+                    .latency
+                    .p95(tokio::time::Instant::now())
+                    .map(|p95| p95.as_secs_f64() * 1000.0),
             })
         })
         .collect();

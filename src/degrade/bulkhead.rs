@@ -83,6 +83,28 @@ impl Bulkhead {
         self.try_take(self.limit_for(tier))
     }
 
+    /// Takes a slot within `tier`'s share as soon as one is free, looking every `step` for up
+    /// to `longest`: for background work (queue replays), which yields to requests instead of
+    /// queueing with them for freed slots.
+    pub async fn take_when_free(
+        self: &Arc<Self>,
+        tier: u8,
+        step: Duration,
+        longest: Duration,
+    ) -> Option<Slot> {
+        let limit = self.limit_for(tier);
+        let deadline = Instant::now() + longest;
+        loop {
+            if let Some(slot) = self.try_take(limit) {
+                return Some(slot);
+            }
+            if Instant::now() + step > deadline {
+                return None;
+            }
+            tokio::time::sleep(step).await;
+        }
+    }
+
     /// Takes a slot for a request of `tier`, or `None` when it must be shed.
     pub async fn acquire(self: &Arc<Self>, tier: u8) -> Option<Slot> {
         let limit = self.limit_for(tier);
@@ -134,6 +156,30 @@ mod tests {
             1,
             "every tier may use a pool of one"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn background_work_takes_a_slot_once_one_is_free_or_gives_up() {
+        let bulkhead = bulkhead(1);
+        let held = bulkhead.take_free(1).expect("the only slot");
+        let step = Duration::from_millis(20);
+        assert!(bulkhead
+            .take_when_free(2, step, Duration::from_secs(1))
+            .await
+            .is_none());
+        let waiting = tokio::spawn({
+            let bulkhead = bulkhead.clone();
+            async move {
+                bulkhead
+                    .take_when_free(2, step, Duration::from_secs(5))
+                    .await
+                    .is_some()
+            }
+        });
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        drop(held);
+        assert!(waiting.await.expect("task"), "taken once freed");
+        assert_eq!(bulkhead.inflight(), 0, "and freed again when dropped");
     }
 
     #[tokio::test(start_paused = true)]

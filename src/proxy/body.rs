@@ -258,6 +258,11 @@ pub async fn read_ahead(
 pub struct ResendableBody(Vec<Bytes>);
 
 impl ResendableBody {
+    /// A body that was empty.
+    pub fn empty() -> ResendableBody {
+        ResendableBody(Vec::new())
+    }
+
     /// The body again, as one piece.
     pub fn body(&self) -> UnsyncBoxBody<Bytes, BoxError> {
         use http_body_util::BodyExt as _;

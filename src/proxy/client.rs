@@ -368,7 +368,17 @@ impl Client {
                     // Boxed: a TLS handshake's state would double the size of every
                     // request's future (see `proxy::forward`); a new connection is rare and
                     // costly anyway.
-                    Box::pin(self.connect()).await?
+                    match Box::pin(self.connect()).await {
+                        Ok(connection) => connection,
+                        // A second try that cannot connect fails as the first did (its pooled
+                        // connection closed): not as a request that never left, which a
+                        // queue route would store and have applied a second time.
+                        Err(error) if retried => {
+                            tracing::debug!("a request sent again could not connect: {error}");
+                            return Err(ClientError::Closed);
+                        }
+                        Err(error) => return Err(error),
+                    }
                 }
             };
             let sent = send_on(

@@ -201,14 +201,28 @@ struct JobRequest {
     client_ip: IpAddr,
 }
 
-/// A request's head without its extensions (`Parts` is not `Clone`).
-fn head_copy(parts: &http::request::Parts) -> http::request::Parts {
-    let mut request = Request::new(());
-    *request.method_mut() = parts.method.clone();
-    *request.uri_mut() = parts.uri.clone();
-    *request.version_mut() = parts.version;
-    *request.headers_mut() = parts.headers.clone();
-    request.into_parts().0
+/// A request's head without its extensions or body (`Parts` is not `Clone`).
+fn head_copy<B>(request: &Request<B>) -> http::request::Parts {
+    let mut copy = Request::new(());
+    *copy.method_mut() = request.method().clone();
+    *copy.uri_mut() = request.uri().clone();
+    *copy.version_mut() = request.version();
+    *copy.headers_mut() = request.headers().clone();
+    copy.into_parts().0
+}
+
+/// The answer to a write queued because its upstream could not take it, or `None` when the
+/// queue could not store it either (too large for the queue's `max_body`, Redis down): the
+/// write then gets the answer it had without a queue (the fallback, a 502), not a 413 that
+/// says "never" or a 503 in place of the route's own page.
+fn unless_unqueueable(queued: Result<Answer, ProxyError>) -> Option<Result<Answer, ProxyError>> {
+    match queued {
+        Err(ProxyError::BodyTooLarge { .. })
+        | Err(ProxyError::QueueUnavailable {
+            unsettled: false, ..
+        }) => None,
+        answered => Some(answered),
+    }
 }
 
 /// Stores the request as a job on a queue route and answers 202 (see `queue::enqueue`).
@@ -393,11 +407,16 @@ async fn forward(
             .boxed_unsync();
         return queue_job(shared, policy, &route, action, job, body, allowed_headers).await;
     }
-    // A write to a route that queues while it is off is queued too when its upstream
-    // refuses it now (breaker open, or the bulkhead sheds it): accepted, and applied once the
-    // upstream takes work again, instead of refused.
-    let queue_when_refused = match (&route.degrade, &route.queue) {
-        (Some(DegradeAction::Queue), Some(action)) if !request.method().is_safe() => Some(action),
+    // A write to a route that queues while it is off is queued too when it cannot reach its
+    // upstream (breaker open, shed by the bulkhead, no connection): accepted, and applied
+    // once the upstream takes work again, instead of refused. Its head is kept as the queue
+    // path above stores it, before the changes made below for the upstream's sake.
+    let mut queue_when_refused = match (&route.degrade, &route.queue) {
+        (Some(DegradeAction::Queue), Some(action)) if !request.method().is_safe() => {
+            let mut head = head_copy(&request);
+            header::strip_hop_by_hop(&mut head.headers, false);
+            Some((action, head))
+        }
         _ => None,
     };
 
@@ -528,17 +547,28 @@ async fn forward(
     let mut permit = match upstream_permit(shared, &route, clock.now()) {
         Ok(permit) => permit,
         Err(refusal) => {
-            if let Some(action) = queue_when_refused {
+            if let Some((action, head)) = queue_when_refused {
                 tracing::debug!(route = %route.name, "{refusal}: the write is queued instead");
                 let job = JobRequest {
-                    parts,
+                    parts: head,
                     received_head: from_client.received_head,
                     peer: peer.ip(),
                     peer_trusted,
                     client_ip,
                 };
                 let body = body.map_err(body::ReadBodyError).boxed_unsync();
-                return queue_job(shared, policy, &route, action, job, body, allowed_headers).await;
+                let queued = queue_job(
+                    shared,
+                    policy,
+                    &route,
+                    action,
+                    job,
+                    body,
+                    allowed_headers.clone(),
+                );
+                if let Some(answer) = unless_unqueueable(queued.await) {
+                    return answer;
+                }
             }
             return stale
                 .serve_or(shared, policy, &route, refusal)
@@ -572,18 +602,31 @@ async fn forward(
                         tier: route.tier,
                     })
                     .inc();
-                if let Some(action) = queue_when_refused {
+                if let Some((action, head)) = queue_when_refused {
                     tracing::debug!(route = %route.name, upstream = %route.upstream.name, "the upstream is full: the write is queued instead");
+                    // Not held while the job is stored: a half-open breaker's permit is one of
+                    // its few probes.
+                    drop(permit);
                     let job = JobRequest {
-                        parts,
+                        parts: head,
                         received_head: from_client.received_head,
                         peer: peer.ip(),
                         peer_trusted,
                         client_ip,
                     };
                     let body = body.map_err(body::ReadBodyError).boxed_unsync();
-                    return queue_job(shared, policy, &route, action, job, body, allowed_headers)
-                        .await;
+                    let queued = queue_job(
+                        shared,
+                        policy,
+                        &route,
+                        action,
+                        job,
+                        body,
+                        allowed_headers.clone(),
+                    );
+                    if let Some(answer) = unless_unqueueable(queued.await) {
+                        return answer;
+                    }
                 }
                 let fallback = match &route.degrade {
                     Some(DegradeAction::Reject(response)) => response.clone(),
@@ -610,11 +653,16 @@ async fn forward(
         ResponseFields::Parsed
     };
     // A write to a queue route that reaches no upstream at all (refused, unreachable: never
-    // sent) is queued, when its body was read whole: its head and that copy.
-    let mut queue_if_unsent = queue_when_refused.and_then(|action| {
-        let copy = parts.extensions.get::<body::ResendableBody>()?.clone();
+    // sent) is queued, when its body was read whole (or it has none): its head and that copy.
+    let body_ended = http_body::Body::is_end_stream(&body);
+    let mut queue_if_unsent = queue_when_refused.take().and_then(|(action, head)| {
+        let copy = match parts.extensions.get::<body::ResendableBody>() {
+            Some(copy) => copy.clone(),
+            None if body_ended => body::ResendableBody::empty(),
+            None => return None,
+        };
         let job = JobRequest {
-            parts: head_copy(&parts),
+            parts: head,
             received_head: from_client.received_head.clone(),
             peer: peer.ip(),
             peer_trusted,
@@ -699,21 +747,44 @@ async fn forward(
             let Some((action, job, copy)) = queue_if_unsent.take() else {
                 return Err(error);
             };
-            // Counted and told as any upstream failure is (see `rescue`): the app is down
-            // even though this client is answered 202.
-            shared
-                .metrics
-                .upstream_errors
-                .get_or_create(&UpstreamErrorLabels {
-                    upstream: route.upstream.name.clone(),
-                    kind: error.kind(),
-                })
-                .inc();
-            tracing::warn!(client = %exchange.client_ip, route = %route.name, "{error}; the write is queued instead");
             // The slot stands for a php-fpm worker, and none is busy with this request.
             exchange.slot = None;
             let copy = copy.body().map_err(body::ReadBodyError).boxed_unsync();
-            return queue_job(shared, policy, &route, action, job, copy, allowed_headers).await;
+            let queued = queue_job(
+                shared,
+                policy,
+                &route,
+                action,
+                job,
+                copy,
+                allowed_headers.clone(),
+            );
+            match unless_unqueueable(queued.await) {
+                Some(answer) => {
+                    // Counted and told as any upstream failure is (see `rescue`): the app is
+                    // down even though this client is answered 202. One line per ten seconds.
+                    shared
+                        .metrics
+                        .upstream_errors
+                        .get_or_create(&UpstreamErrorLabels {
+                            upstream: route.upstream.name.clone(),
+                            kind: error.kind(),
+                        })
+                        .inc();
+                    static QUEUED: crate::log_throttle::LogThrottle =
+                        crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(10));
+                    if let Some(held_back) = QUEUED.allow(std::time::Instant::now()) {
+                        tracing::warn!(route = %route.name, held_back, "{error}; writes are queued instead");
+                    }
+                    return answer;
+                }
+                None => {
+                    return stale
+                        .serve_or(shared, policy, &route, error)
+                        .await
+                        .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
+                }
+            }
         }
         // stale-if-error: the last good copy beats an error page.
         Err(error) if error.side() == ErrorSide::Upstream => {

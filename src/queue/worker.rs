@@ -971,8 +971,9 @@ impl Pass<'_> {
                     }
                 }
                 Replay::Held => {
-                    // The breaker refused the call: the job stays pending and is taken up again
-                    // after claim_after, with no attempt spent.
+                    // The breaker refused the call, or no bulkhead slot came free: the job
+                    // stays pending and is taken up again after claim_after, with no attempt
+                    // spent.
                     return Ok(false);
                 }
             }
@@ -1011,9 +1012,30 @@ impl Replay {
     }
 }
 
+/// How often a replay looks for a free slot of a full upstream, and for how long.
+const REPLAY_SLOT_STEP: Duration = Duration::from_millis(20);
+const REPLAY_SLOT_WAIT: Duration = Duration::from_secs(5);
+
 /// Sends one job to the route's upstream, as the original client, with its idempotency key.
 async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
     let upstream = &route.upstream;
+    // A replay takes a slot of the upstream's bulkhead as a request of the route's tier does,
+    // held until its answer is read: queued work never pushes php-fpm past `max_inflight`
+    // (a write queued because it was shed would otherwise go straight back to the full
+    // pool). It yields to requests, looking for a free slot now and then rather than
+    // queueing with them, and with none free for a while the job waits for a later pass.
+    let _slot = match &upstream.bulkhead {
+        Some(bulkhead) => {
+            match bulkhead
+                .take_when_free(route.tier, REPLAY_SLOT_STEP, REPLAY_SLOT_WAIT)
+                .await
+            {
+                Some(slot) => Some(slot),
+                None => return Replay::Held,
+            }
+        }
+        None => None,
+    };
     let Ok(permit) = upstream.breaker.admit(Instant::now(), &shared.metrics) else {
         return Replay::Held;
     };
