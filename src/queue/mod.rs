@@ -353,6 +353,12 @@ impl AnsweredRecords {
         let from = records.len().saturating_sub(RECORDS_REMOVED_PER_WRITE);
         records.split_off(from)
     }
+
+    /// A stream no route writes to any more (its queue is forgotten): its records are left
+    /// to expire, and its entry goes.
+    pub(crate) fn forget(&self, stream: &str) {
+        crate::redis_batch::lock(&self.by_stream).remove(stream);
+    }
 }
 
 /// A name for one write, unique across instances and restarts.
@@ -682,4 +688,29 @@ pub async fn enqueue(
         response.headers_mut().insert("x-levee-job", value);
     }
     Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answered_records_go_out_newest_first_in_bounded_takes_and_a_forgotten_stream_goes() {
+        let records = AnsweredRecords::default();
+        for n in 0..20 {
+            records.put("jobs", format!("record-{n}"));
+        }
+        let first = records.take("jobs");
+        assert_eq!(first.len(), RECORDS_REMOVED_PER_WRITE);
+        assert_eq!(first.last().map(String::as_str), Some("record-19"));
+        assert_eq!(records.take("jobs").len(), 4, "the rest");
+        assert!(records.take("jobs").is_empty());
+        records.put("jobs", "record-20".into());
+        records.forget("jobs");
+        assert!(records.take("jobs").is_empty(), "left to expire");
+        assert!(
+            crate::redis_batch::lock(&records.by_stream).is_empty(),
+            "no entry left behind"
+        );
+    }
 }

@@ -408,6 +408,7 @@ pub fn spawn_workers(
                 if former && queue_is_empty(&redis, &keys).await {
                     tracing::info!(route = %route.name, stream = %keys.stream, "the queue of a route that stopped queueing is empty; forgetting it");
                     shared.former_queues.forget(&keys.stream);
+                    redis.answered_records.forget(&keys.stream);
                     unregister(&redis, &keys, &route.name.0).await;
                     continue;
                 }
