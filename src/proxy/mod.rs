@@ -196,10 +196,22 @@ const READ_AHEAD: usize = 64 * 1024;
 struct JobRequest {
     parts: http::request::Parts,
     received_head: bytes::Bytes,
-    peer: IpAddr,
-    peer_trusted: bool,
-    client_ip: IpAddr,
+    from: header::ForwardedFrom,
 }
+
+/// A write to a route that queues while it is off, which is queued too when it cannot reach
+/// its upstream: the route's queue, the write's head as the queue stores it, and whom it
+/// came from.
+struct QueueInstead<'a> {
+    action: &'a crate::queue::QueueAction,
+    head: http::request::Parts,
+    from: header::ForwardedFrom,
+}
+
+/// What [`queue_instead`] answers.
+type Queued<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Option<Result<Answer, ProxyError>>> + Send + 'a>,
+>;
 
 /// A request's head without its extensions or body (`Parts` is not `Clone`).
 fn head_copy<B>(request: &Request<B>) -> http::request::Parts {
@@ -225,6 +237,34 @@ fn unless_unqueueable(queued: Result<Answer, ProxyError>) -> Option<Result<Answe
     }
 }
 
+/// Queues a write its upstream could not take (see [`QueueInstead`]); `None` when the queue
+/// cannot store it either (see [`unless_unqueueable`]).
+fn queue_instead<'a>(
+    shared: &'a Shared,
+    policy: &'a Policy,
+    route: &'a Route,
+    instead: QueueInstead<'a>,
+    received_head: bytes::Bytes,
+    body: body::JobBody,
+    allowed_headers: Option<crate::limit::RateLimitHeaders>,
+) -> Queued<'a> {
+    let job = JobRequest {
+        parts: instead.head,
+        received_head,
+        from: instead.from,
+    };
+    let queued = queue_job(
+        shared,
+        policy,
+        route,
+        instead.action,
+        job,
+        body,
+        allowed_headers,
+    );
+    Box::pin(async move { unless_unqueueable(queued.await) })
+}
+
 /// Stores the request as a job on a queue route and answers 202 (see `queue::enqueue`).
 /// Boxed, as the rate limit's Redis call is (see above `forward`), and as a `dyn` future: an
 /// `async fn` here leaves the compiler unable to prove the request's future `Send` for every
@@ -244,9 +284,9 @@ fn queue_job<'a>(
     // claimed (its `X-Forwarded-Proto: https`).
     header::set_forwarded(
         &mut job.parts.headers,
-        job.peer,
-        job.peer_trusted,
-        job.client_ip,
+        job.from.peer,
+        job.from.peer_trusted,
+        job.from.client,
     );
     Box::pin(async move {
         crate::queue::enqueue(
@@ -256,7 +296,7 @@ fn queue_job<'a>(
             job.parts,
             job.received_head,
             body,
-            job.client_ip,
+            job.from.client,
             wants_json,
             &shared.metrics,
         )
@@ -314,6 +354,11 @@ async fn forward(
     let peer_trusted = server.trusted_proxies.contains(peer.ip());
     let client_ip = header::client_ip(peer.ip(), request.headers(), &server.trusted_proxies);
     exchange.client_ip = client_ip;
+    let forwarded = header::ForwardedFrom {
+        peer: peer.ip(),
+        peer_trusted,
+        client: client_ip,
+    };
 
     // Route on the normalised path; the upstream still gets the original target.
     let normal_path = path::normalise(request.uri().path())
@@ -398,9 +443,7 @@ async fn forward(
         let job = JobRequest {
             parts,
             received_head,
-            peer: peer.ip(),
-            peer_trusted,
-            client_ip,
+            from: forwarded,
         };
         let body = body
             .map_err(|error| body::ReadBodyError(error.into()))
@@ -415,7 +458,11 @@ async fn forward(
         (Some(DegradeAction::Queue), Some(action)) if !request.method().is_safe() => {
             let mut head = head_copy(&request);
             header::strip_hop_by_hop(&mut head.headers, false);
-            Some((action, head))
+            Some(QueueInstead {
+                action,
+                head,
+                from: forwarded,
+            })
         }
         _ => None,
     };
@@ -470,11 +517,7 @@ async fn forward(
     header::strip_hop_by_hop(&mut parts.headers, upgrading);
     // The forwarding fields are set as the head is encoded (see `header::ForwardedWriter`).
     let from_client = header::FromClient {
-        forwarded: Some(header::ForwardedFrom {
-            peer: peer.ip(),
-            peer_trusted,
-            client: client_ip,
-        }),
+        forwarded: Some(forwarded),
         received_head: body.take_received_head(),
     };
     if let Some(host) = &upstream.settings.host {
@@ -547,26 +590,12 @@ async fn forward(
     let mut permit = match upstream_permit(shared, &route, clock.now()) {
         Ok(permit) => permit,
         Err(refusal) => {
-            if let Some((action, head)) = queue_when_refused {
+            if let Some(instead) = queue_when_refused {
                 tracing::debug!(route = %route.name, "{refusal}: the write is queued instead");
-                let job = JobRequest {
-                    parts: head,
-                    received_head: from_client.received_head,
-                    peer: peer.ip(),
-                    peer_trusted,
-                    client_ip,
-                };
                 let body = body.map_err(body::ReadBodyError).boxed_unsync();
-                let queued = queue_job(
-                    shared,
-                    policy,
-                    &route,
-                    action,
-                    job,
-                    body,
-                    allowed_headers.clone(),
-                );
-                if let Some(answer) = unless_unqueueable(queued.await) {
+                let (head, headers) = (from_client.received_head, allowed_headers.clone());
+                let queued = queue_instead(shared, policy, &route, instead, head, body, headers);
+                if let Some(answer) = queued.await {
                     return answer;
                 }
             }
@@ -602,29 +631,16 @@ async fn forward(
                         tier: route.tier,
                     })
                     .inc();
-                if let Some((action, head)) = queue_when_refused {
+                if let Some(instead) = queue_when_refused {
                     tracing::debug!(route = %route.name, upstream = %route.upstream.name, "the upstream is full: the write is queued instead");
                     // Not held while the job is stored: a half-open breaker's permit is one of
                     // its few probes.
                     drop(permit);
-                    let job = JobRequest {
-                        parts: head,
-                        received_head: from_client.received_head,
-                        peer: peer.ip(),
-                        peer_trusted,
-                        client_ip,
-                    };
                     let body = body.map_err(body::ReadBodyError).boxed_unsync();
-                    let queued = queue_job(
-                        shared,
-                        policy,
-                        &route,
-                        action,
-                        job,
-                        body,
-                        allowed_headers.clone(),
-                    );
-                    if let Some(answer) = unless_unqueueable(queued.await) {
+                    let (head, headers) = (from_client.received_head, allowed_headers.clone());
+                    let queued =
+                        queue_instead(shared, policy, &route, instead, head, body, headers);
+                    if let Some(answer) = queued.await {
                         return answer;
                     }
                 }
@@ -655,20 +671,13 @@ async fn forward(
     // A write to a queue route that reaches no upstream at all (refused, unreachable: never
     // sent) is queued, when its body was read whole (or it has none): its head and that copy.
     let body_ended = http_body::Body::is_end_stream(&body);
-    let mut queue_if_unsent = queue_when_refused.take().and_then(|(action, head)| {
+    let mut queue_if_unsent = queue_when_refused.take().and_then(|instead| {
         let copy = match parts.extensions.get::<body::ResendableBody>() {
             Some(copy) => copy.clone(),
             None if body_ended => body::ResendableBody::empty(),
             None => return None,
         };
-        let job = JobRequest {
-            parts: head,
-            received_head: from_client.received_head.clone(),
-            peer: peer.ip(),
-            peer_trusted,
-            client_ip,
-        };
-        Some((action, job, copy))
+        Some((instead, from_client.received_head.clone(), copy))
     });
     let sent_at = clock.now();
     if http_body::Body::is_end_stream(&body) {
@@ -744,33 +753,19 @@ async fn forward(
     let mut response = match answer {
         Ok(response) => response,
         Err(error) if never_sent && queue_if_unsent.is_some() => {
-            let Some((action, job, copy)) = queue_if_unsent.take() else {
+            let Some((instead, head, copy)) = queue_if_unsent.take() else {
                 return Err(error);
             };
             // The slot stands for a php-fpm worker, and none is busy with this request.
             exchange.slot = None;
             let copy = copy.body().map_err(body::ReadBodyError).boxed_unsync();
-            let queued = queue_job(
-                shared,
-                policy,
-                &route,
-                action,
-                job,
-                copy,
-                allowed_headers.clone(),
-            );
-            match unless_unqueueable(queued.await) {
+            let headers = allowed_headers.clone();
+            let queued = queue_instead(shared, policy, &route, instead, head, copy, headers);
+            match queued.await {
                 Some(answer) => {
                     // Counted and told as any upstream failure is (see `rescue`): the app is
                     // down even though this client is answered 202. One line per ten seconds.
-                    shared
-                        .metrics
-                        .upstream_errors
-                        .get_or_create(&UpstreamErrorLabels {
-                            upstream: route.upstream.name.clone(),
-                            kind: error.kind(),
-                        })
-                        .inc();
+                    count_upstream_error(&shared.metrics, &route, &error);
                     static QUEUED: crate::log_throttle::LogThrottle =
                         crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(10));
                     if let Some(held_back) = QUEUED.allow(std::time::Instant::now()) {
@@ -1248,20 +1243,24 @@ pub(crate) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
         .and_then(|value| value.trim().parse().ok())
 }
 
+/// `levee_upstream_errors_total` of the route's upstream, by the error's kind.
+fn count_upstream_error(metrics: &Metrics, route: &Route, error: &ProxyError) {
+    metrics
+        .upstream_errors
+        .get_or_create(&UpstreamErrorLabels {
+            upstream: route.upstream.name.clone(),
+            kind: error.kind(),
+        })
+        .inc();
+}
+
 /// The one place a request-path error is logged, counted and turned into a response.
 fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Response<ResponseBody> {
     exchange.error = Some(error.kind());
     match error.side() {
         ErrorSide::Upstream => {
             if let Some(route) = &exchange.route {
-                shared
-                    .metrics
-                    .upstream_errors
-                    .get_or_create(&UpstreamErrorLabels {
-                        upstream: route.upstream.name.clone(),
-                        kind: error.kind(),
-                    })
-                    .inc();
+                count_upstream_error(&shared.metrics, route, &error);
             }
             tracing::warn!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");
         }
