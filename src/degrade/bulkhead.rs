@@ -83,6 +83,11 @@ impl Bulkhead {
         self.try_take(self.limit_for(tier))
     }
 
+    /// Is a slot free within `tier`'s share now?
+    pub fn has_free(&self, tier: u8) -> bool {
+        self.inflight() < self.limit_for(tier)
+    }
+
     /// Takes a slot within `tier`'s share as soon as one is free, looking every `step` for up
     /// to `longest`: for background work (queue replays), which yields to requests instead of
     /// queueing with them for freed slots.

@@ -59,14 +59,17 @@ impl LatencyWindow {
 
     /// 95th percentile of the samples inside the window, if there are any.
     pub fn p95(&self, now: Instant) -> Option<Duration> {
-        let mut samples = self.samples.lock().ok()?;
-        while samples
-            .front()
-            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > LATENCY_WINDOW)
-        {
-            samples.pop_front();
-        }
-        let mut latencies: Vec<Duration> = samples.iter().map(|(_, latency)| *latency).collect();
+        let mut latencies: Vec<Duration> = {
+            let mut samples = self.samples.lock().ok()?;
+            while samples
+                .front()
+                .is_some_and(|(at, _)| now.saturating_duration_since(*at) > LATENCY_WINDOW)
+            {
+                samples.pop_front();
+            }
+            samples.iter().map(|(_, latency)| *latency).collect()
+        };
+        // Sorted with the lock given back: every answer's `record` waits for it.
         if latencies.is_empty() {
             return None;
         }

@@ -99,6 +99,10 @@ pub enum ClientError {
     /// whole, or stopped reading the request's body for that long.
     #[error("no answer within {0:?}")]
     ResponseTimeout(Duration),
+    /// A request sent again (its pooled connection had just been closed) failed to connect:
+    /// answered as that failure, but the first try may have reached the app.
+    #[error("{0} (sent again after a pooled connection closed)")]
+    Resent(Box<ClientError>),
 }
 
 impl ClientError {
@@ -111,12 +115,26 @@ impl ClientError {
 
     /// Did the call fail before a connection existed?
     pub fn is_connect(&self) -> bool {
-        matches!(self, ClientError::Connect { .. })
+        match self {
+            ClientError::Connect { .. } => true,
+            ClientError::Resent(first) => first.is_connect(),
+            _ => false,
+        }
     }
 
     /// Did connecting run out of time?
     pub fn is_connect_timeout(&self) -> bool {
-        matches!(self, ClientError::Connect { source, .. } if source.kind() == io::ErrorKind::TimedOut)
+        match self {
+            ClientError::Connect { source, .. } => source.kind() == io::ErrorKind::TimedOut,
+            ClientError::Resent(first) => first.is_connect_timeout(),
+            _ => false,
+        }
+    }
+
+    /// Did no byte of the request leave levee? Only a first try that could not connect: a
+    /// request sent again may have reached the app the first time.
+    pub fn never_sent(&self) -> bool {
+        matches!(self, ClientError::Connect { .. })
     }
 }
 
@@ -370,13 +388,9 @@ impl Client {
                     // costly anyway.
                     match Box::pin(self.connect()).await {
                         Ok(connection) => connection,
-                        // A second try that cannot connect fails as the first did (its pooled
-                        // connection closed): not as a request that never left, which a
-                        // queue route would store and have applied a second time.
-                        Err(error) if retried => {
-                            tracing::debug!("a request sent again could not connect: {error}");
-                            return Err(ClientError::Closed);
-                        }
+                        // Not "never sent" (which a queue route would store, and have applied
+                        // a second time): the first try may have reached the app.
+                        Err(error) if retried => return Err(ClientError::Resent(Box::new(error))),
                         Err(error) => return Err(error),
                     }
                 }

@@ -243,7 +243,7 @@ fn queue_instead<'a>(
     shared: &'a Shared,
     policy: &'a Policy,
     route: &'a Route,
-    instead: QueueInstead<'a>,
+    instead: Box<QueueInstead<'a>>,
     received_head: bytes::Bytes,
     body: body::JobBody,
     allowed_headers: Option<crate::limit::RateLimitHeaders>,
@@ -458,11 +458,13 @@ async fn forward(
         (Some(DegradeAction::Queue), Some(action)) if !request.method().is_safe() => {
             let mut head = head_copy(&request);
             header::strip_hop_by_hop(&mut head.headers, false);
-            Some(QueueInstead {
+            // Boxed: held across the awaits below, a head in place would grow every
+            // request's future (see above `forward`).
+            Some(Box::new(QueueInstead {
                 action,
                 head,
                 from: forwarded,
-            })
+            }))
         }
         _ => None,
     };
@@ -677,10 +679,10 @@ async fn forward(
             None if body_ended => body::ResendableBody::empty(),
             None => return None,
         };
-        Some((instead, from_client.received_head.clone(), copy))
+        Some(Box::new((instead, from_client.received_head.clone(), copy)))
     });
     let sent_at = clock.now();
-    if http_body::Body::is_end_stream(&body) {
+    if body_ended {
         permit.count_if_abandoned_slow(sent_at, &shared.metrics);
     }
     // The response timeout runs from when the request is sent whole: an upload as slow as
@@ -709,7 +711,7 @@ async fn forward(
     let (answer, waited_from) = match sent {
         Err(error) => {
             counts_against_upstream = error.is_upstream_failure();
-            never_sent = error.is_connect();
+            never_sent = error.never_sent();
             (
                 Err(classify_client_error(
                     &route,
@@ -753,9 +755,10 @@ async fn forward(
     let mut response = match answer {
         Ok(response) => response,
         Err(error) if never_sent && queue_if_unsent.is_some() => {
-            let Some((instead, head, copy)) = queue_if_unsent.take() else {
+            let Some(unsent) = queue_if_unsent.take() else {
                 return Err(error);
             };
+            let (instead, head, copy) = *unsent;
             // The slot stands for a php-fpm worker, and none is busy with this request.
             exchange.slot = None;
             let copy = copy.body().map_err(body::ReadBodyError).boxed_unsync();
@@ -763,12 +766,13 @@ async fn forward(
             let queued = queue_instead(shared, policy, &route, instead, head, copy, headers);
             match queued.await {
                 Some(answer) => {
-                    // Counted and told as any upstream failure is (see `rescue`): the app is
-                    // down even though this client is answered 202. One line per ten seconds.
+                    // Counted as any upstream failure is (see `rescue`): the app is down even
+                    // though this client is answered otherwise. Told once per ten seconds.
                     count_upstream_error(&shared.metrics, &route, &error);
                     static QUEUED: crate::log_throttle::LogThrottle =
                         crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(10));
-                    if let Some(held_back) = QUEUED.allow(std::time::Instant::now()) {
+                    let now = std::time::Instant::now();
+                    if let Some(held_back) = answer.is_ok().then(|| QUEUED.allow(now)).flatten() {
                         tracing::warn!(route = %route.name, held_back, "{error}; writes are queued instead");
                     }
                     return answer;

@@ -478,10 +478,10 @@ pub async fn enqueue(
         static NOT_STORED: LogThrottle = LogThrottle::new(Duration::from_secs(10));
         match NOT_STORED.allow(std::time::Instant::now()) {
             Some(held_back) => {
-                tracing::warn!(route = %route.name, held_back, "job not stored, answering 503: {error}")
+                tracing::warn!(route = %route.name, held_back, "job not stored: {error}")
             }
             None => {
-                tracing::debug!(route = %route.name, "job not stored, answering 503: {error}")
+                tracing::debug!(route = %route.name, "job not stored: {error}")
             }
         }
         ProxyError::QueueUnavailable {

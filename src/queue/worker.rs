@@ -438,10 +438,16 @@ pub fn spawn_workers(
                     )
                     .await;
                 }
-                // Paused while the route is off or its dependency's breaker is open; resumes
-                // by itself.
+                // Paused while the route is off, its dependency's breaker is open, or its
+                // upstream has no slot free for the route's tier (`max_inflight`): no batch is
+                // taken that would wait; resumes by itself.
                 if shared.degrade.view(&policy).route_off(route)
                     || route.upstream.breaker.status().state == "open"
+                    || route
+                        .upstream
+                        .bulkhead
+                        .as_ref()
+                        .is_some_and(|bulkhead| !bulkhead.has_free(route.tier))
                 {
                     continue;
                 }
@@ -943,7 +949,7 @@ impl Pass<'_> {
                     continue;
                 }
             };
-            let result = replay(shared, route, &job).await;
+            let result = replay(shared, route, &job, stop).await;
             let labels = QueueResultLabels {
                 route: route.name.to_string(),
                 result: result.label(),
@@ -1013,18 +1019,20 @@ impl Replay {
     }
 }
 
-/// How often a replay looks for a free slot of a full upstream, and for how long.
-const REPLAY_SLOT_STEP: Duration = Duration::from_millis(20);
-const REPLAY_SLOT_WAIT: Duration = Duration::from_secs(5);
+/// How often a replay looks for a free slot of a full upstream, and for how long: briefly,
+/// since one worker loop serves every queue (the pass skips a route whose upstream is full;
+/// this covers a slot taken between that look and the replay).
+const REPLAY_SLOT_STEP: Duration = Duration::from_millis(10);
+const REPLAY_SLOT_WAIT: Duration = Duration::from_millis(200);
 
 /// Sends one job to the route's upstream, as the original client, with its idempotency key.
-async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
+async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receiver<bool>) -> Replay {
     let upstream = &route.upstream;
     // A replay takes a slot of the upstream's bulkhead as a request of the route's tier does,
     // held until its answer is read: queued work never pushes php-fpm past `max_inflight`
     // (a write queued because it was shed would otherwise go straight back to the full
-    // pool). It yields to requests, looking for a free slot now and then rather than
-    // queueing with them, and with none free for a while the job waits for a later pass.
+    // pool). It looks for a free slot now and then rather than queueing with requests for
+    // one; with none free soon the job waits for a later pass.
     let _slot = match &upstream.bulkhead {
         Some(bulkhead) => {
             match bulkhead
@@ -1037,6 +1045,10 @@ async fn replay(shared: &Shared, route: &Route, job: &Job) -> Replay {
         }
         None => None,
     };
+    // Draining began while it waited: no new job goes to the app.
+    if *stop.borrow() {
+        return Replay::Held;
+    }
     let Ok(permit) = upstream.breaker.admit(Instant::now(), &shared.metrics) else {
         return Replay::Held;
     };
