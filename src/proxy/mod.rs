@@ -1381,4 +1381,27 @@ mod tests {
         let wrapped = std::io::Error::other(refused);
         assert_eq!(error_chain(&wrapped), "connect to 127.0.0.1:8081: refused");
     }
+
+    #[test]
+    fn a_resent_request_that_cannot_connect_fails_as_a_connect_but_may_have_been_sent() {
+        let failed = |kind| client::ClientError::Connect {
+            target: "127.0.0.1:8081".into(),
+            source: std::io::Error::new(kind, "no"),
+        };
+        let first = failed(std::io::ErrorKind::ConnectionRefused);
+        assert!(first.never_sent() && first.is_connect());
+        let resent = client::ClientError::Resent(Box::new(first));
+        assert!(resent.is_connect(), "answered 502 as a connect failure");
+        assert!(!resent.is_connect_timeout());
+        assert!(
+            !resent.never_sent(),
+            "the first try may have reached the app"
+        );
+        assert_eq!(
+            error_chain(&resent),
+            "connect to 127.0.0.1:8081: no (sent again after a pooled connection closed)"
+        );
+        let slow = client::ClientError::Resent(Box::new(failed(std::io::ErrorKind::TimedOut)));
+        assert!(slow.is_connect_timeout(), "answered 504");
+    }
 }
