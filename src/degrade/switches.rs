@@ -61,6 +61,26 @@ fn hash_key(redis: &RedisStore) -> String {
     format!("{}switches", redis.settings.key_prefix)
 }
 
+/// A switch must name something the policy has (`kind`: its word, singular and plural), but
+/// one left for something the policy no longer has can still be handed back
+/// (`clearing_a_leftover`): otherwise it would stay saved, unseen, and act again the day a
+/// policy brings the name back.
+fn named_in_policy<V>(
+    (kind, kinds): (&str, &str),
+    name: &str,
+    in_policy: &std::collections::BTreeMap<String, V>,
+    clearing_a_leftover: bool,
+) -> Result<(), String> {
+    if in_policy.contains_key(name) || clearing_a_leftover {
+        return Ok(());
+    }
+    let known: Vec<&str> = in_policy.keys().map(String::as_str).collect();
+    Err(format!(
+        "no {kind} named `{name}`; {kinds}: {}",
+        known.join(", ")
+    ))
+}
+
 /// Applies a change: saves it (Redis or state file), then puts it in effect.
 pub async fn apply(
     degrade: &Degrade,
@@ -69,37 +89,25 @@ pub async fn apply(
     by: &str,
     metrics: &Metrics,
 ) -> Result<(), String> {
-    if let Change::Level(Some(level)) = change {
-        if level > MAX_LEVEL {
+    match &change {
+        Change::Level(Some(level)) if *level > MAX_LEVEL => {
             return Err(format!(
                 "level {level} does not exist; levels are 0, 1 and 2"
-            ));
+            ))
         }
-    }
-    if let Change::Module(name, off) = &change {
-        // A switch left for a module the policy no longer has can still be handed back
-        // (`policy`): otherwise it would stay saved, unseen, and hide the module again the
-        // day a policy brings the module back.
-        let clearing_a_leftover = off.is_none() && degrade.runtime().modules.contains_key(name);
-        if !policy.degrade.modules.contains_key(name) && !clearing_a_leftover {
-            let known: Vec<&str> = policy.degrade.modules.keys().map(String::as_str).collect();
-            return Err(format!(
-                "no module named `{name}`; modules: {}",
-                known.join(", ")
-            ));
-        }
-    }
-    if let Change::Breaker(name, force) = &change {
-        // As for modules: a pin left for an upstream the policy no longer has can be handed
-        // back.
-        let clearing_a_leftover = force.is_none() && degrade.runtime().breakers.contains_key(name);
-        if !policy.upstreams.contains_key(name) && !clearing_a_leftover {
-            let known: Vec<&str> = policy.upstreams.keys().map(String::as_str).collect();
-            return Err(format!(
-                "no upstream named `{name}`; upstreams: {}",
-                known.join(", ")
-            ));
-        }
+        Change::Level(_) => {}
+        Change::Module(name, off) => named_in_policy(
+            ("module", "modules"),
+            name,
+            &policy.degrade.modules,
+            off.is_none() && degrade.runtime().modules.contains_key(name),
+        )?,
+        Change::Breaker(name, force) => named_in_policy(
+            ("upstream", "upstreams"),
+            name,
+            &policy.upstreams,
+            force.is_none() && degrade.runtime().breakers.contains_key(name),
+        )?,
     }
     let _changing = degrade.lock_changes().await;
     let mut switches = (*degrade.runtime()).clone();

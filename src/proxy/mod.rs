@@ -200,18 +200,13 @@ struct JobRequest {
 }
 
 /// A write to a route that queues while it is off, which is queued too when it cannot reach
-/// its upstream: the route's queue, the write's head as the queue stores it, and whom it
-/// came from.
+/// its upstream: the route's queue and the job as the queue path stores it; for a write no
+/// connection could take, the copy of its body read before sending.
 struct QueueInstead<'a> {
     action: &'a crate::queue::QueueAction,
-    head: http::request::Parts,
-    from: header::ForwardedFrom,
+    job: JobRequest,
+    copy: Option<body::ResendableBody>,
 }
-
-/// What [`queue_instead`] answers.
-type Queued<'a> = std::pin::Pin<
-    Box<dyn std::future::Future<Output = Option<Result<Answer, ProxyError>>> + Send + 'a>,
->;
 
 /// A request's head without its extensions or body (`Parts` is not `Clone`).
 fn head_copy<B>(request: &Request<B>) -> http::request::Parts {
@@ -239,30 +234,16 @@ fn unless_unqueueable(queued: Result<Answer, ProxyError>) -> Option<Result<Answe
 
 /// Queues a write its upstream could not take (see [`QueueInstead`]); `None` when the queue
 /// cannot store it either (see [`unless_unqueueable`]).
-fn queue_instead<'a>(
-    shared: &'a Shared,
-    policy: &'a Policy,
-    route: &'a Route,
-    instead: Box<QueueInstead<'a>>,
-    received_head: bytes::Bytes,
+async fn queue_instead(
+    shared: &Shared,
+    policy: &Policy,
+    route: &Route,
+    instead: Box<QueueInstead<'_>>,
     body: body::JobBody,
     allowed_headers: Option<crate::limit::RateLimitHeaders>,
-) -> Queued<'a> {
-    let job = JobRequest {
-        parts: instead.head,
-        received_head,
-        from: instead.from,
-    };
-    let queued = queue_job(
-        shared,
-        policy,
-        route,
-        instead.action,
-        job,
-        body,
-        allowed_headers,
-    );
-    Box::pin(async move { unless_unqueueable(queued.await) })
+) -> Option<Result<Answer, ProxyError>> {
+    let QueueInstead { action, job, .. } = *instead;
+    unless_unqueueable(queue_job(shared, policy, route, action, job, body, allowed_headers).await)
 }
 
 /// Stores the request as a job on a queue route and answers 202 (see `queue::enqueue`).
@@ -456,14 +437,19 @@ async fn forward(
     // path above stores it, before the changes made below for the upstream's sake.
     let mut queue_when_refused = match (&route.degrade, &route.queue) {
         (Some(DegradeAction::Queue), Some(action)) if !request.method().is_safe() => {
-            let mut head = head_copy(&request);
-            header::strip_hop_by_hop(&mut head.headers, false);
+            let mut parts = head_copy(&request);
+            header::strip_hop_by_hop(&mut parts.headers, false);
+            let job = JobRequest {
+                parts,
+                received_head: request.body().received_head().clone(),
+                from: forwarded,
+            };
             // Boxed: held across the awaits below, a head in place would grow every
             // request's future (see above `forward`).
             Some(Box::new(QueueInstead {
                 action,
-                head,
-                from: forwarded,
+                job,
+                copy: None,
             }))
         }
         _ => None,
@@ -595,9 +581,10 @@ async fn forward(
             if let Some(instead) = queue_when_refused {
                 tracing::debug!(route = %route.name, "{refusal}: the write is queued instead");
                 let body = body.map_err(body::ReadBodyError).boxed_unsync();
-                let (head, headers) = (from_client.received_head, allowed_headers.clone());
-                let queued = queue_instead(shared, policy, &route, instead, head, body, headers);
-                if let Some(answer) = queued.await {
+                let headers = allowed_headers.clone();
+                if let Some(answer) =
+                    queue_instead(shared, policy, &route, instead, body, headers).await
+                {
                     return answer;
                 }
             }
@@ -639,9 +626,8 @@ async fn forward(
                     // its few probes.
                     drop(permit);
                     let body = body.map_err(body::ReadBodyError).boxed_unsync();
-                    let (head, headers) = (from_client.received_head, allowed_headers.clone());
-                    let queued =
-                        queue_instead(shared, policy, &route, instead, head, body, headers);
+                    let headers = allowed_headers.clone();
+                    let queued = queue_instead(shared, policy, &route, instead, body, headers);
                     if let Some(answer) = queued.await {
                         return answer;
                     }
@@ -673,13 +659,13 @@ async fn forward(
     // A write to a queue route that reaches no upstream at all (refused, unreachable: never
     // sent) is queued, when its body was read whole (or it has none): its head and that copy.
     let body_ended = http_body::Body::is_end_stream(&body);
-    let mut queue_if_unsent = queue_when_refused.take().and_then(|instead| {
-        let copy = match parts.extensions.get::<body::ResendableBody>() {
+    let mut queue_if_unsent = queue_when_refused.take().and_then(|mut instead| {
+        instead.copy = Some(match parts.extensions.get::<body::ResendableBody>() {
             Some(copy) => copy.clone(),
             None if body_ended => body::ResendableBody::empty(),
             None => return None,
-        };
-        Some(Box::new((instead, from_client.received_head.clone(), copy)))
+        });
+        Some(instead)
     });
     let sent_at = clock.now();
     if body_ended {
@@ -755,16 +741,18 @@ async fn forward(
     let mut response = match answer {
         Ok(response) => response,
         Err(error) if never_sent && queue_if_unsent.is_some() => {
-            let Some(unsent) = queue_if_unsent.take() else {
+            let Some(mut instead) = queue_if_unsent.take() else {
                 return Err(error);
             };
-            let (instead, head, copy) = *unsent;
             // The slot stands for a php-fpm worker, and none is busy with this request.
             exchange.slot = None;
+            let copy = instead
+                .copy
+                .take()
+                .unwrap_or_else(body::ResendableBody::empty);
             let copy = copy.body().map_err(body::ReadBodyError).boxed_unsync();
             let headers = allowed_headers.clone();
-            let queued = queue_instead(shared, policy, &route, instead, head, copy, headers);
-            match queued.await {
+            match queue_instead(shared, policy, &route, instead, copy, headers).await {
                 Some(answer) => {
                     // Counted as any upstream failure is (see `rescue`): the app is down even
                     // though this client is answered otherwise. Told once per ten seconds.

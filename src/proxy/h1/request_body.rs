@@ -67,8 +67,12 @@ impl RequestBody {
         }
     }
 
-    /// The head its request came with, as received (empty when there was none), taken out:
-    /// the body itself does not need it.
+    /// The head its request came with, as received (empty when there was none).
+    pub fn received_head(&self) -> &Bytes {
+        &self.received_head
+    }
+
+    /// The same, taken out: the body itself does not need it.
     pub fn take_received_head(&mut self) -> Bytes {
         std::mem::take(&mut self.received_head)
     }
