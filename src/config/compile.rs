@@ -33,6 +33,7 @@ use crate::degrade::{
 };
 use crate::limit::key::{Identity, KeyPart, Source};
 use crate::limit::{gcra::Rate, parse_rate, LimitRule, OnRedisError};
+use crate::proxy::client::FastCgiSettings;
 use crate::proxy::header::TrustedProxies;
 use crate::proxy::path;
 use crate::proxy::route::{HostMatch, PathMatch, Route, RouteName, RouteTable, StaticResponse};
@@ -2882,12 +2883,12 @@ fn upstream_address(
         );
         return None;
     };
-    if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
+    if scheme != Scheme::HTTP && scheme != Scheme::HTTPS && scheme.as_str() != FASTCGI {
         compiler.error_hint(
             file,
             url.span(),
             format!("upstream scheme `{scheme}` is not supported"),
-            "use an http:// or https:// URL",
+            "use an http:// or https:// URL, or fastcgi:// for php-fpm",
         );
         return None;
     }
@@ -2932,6 +2933,130 @@ fn written_port(authority: &str) -> Option<&str> {
             .map_or("", |colon| &host_and_port[colon..])
     };
     after_host.strip_prefix(':')
+}
+
+/// The scheme of upstreams spoken to in FastCGI (php-fpm).
+const FASTCGI: &str = "fastcgi";
+
+/// `fastcgi = { … }` of an upstream, checked against its scheme: required for `fastcgi://`,
+/// meaningless for HTTP. `Err(())` when an error was reported.
+fn compile_fastcgi(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    name: &str,
+    spec: &Spanned<UpstreamSpec>,
+    scheme: Option<&Scheme>,
+) -> Result<Option<Arc<FastCgiSettings>>, ()> {
+    let inner = spec.get_ref();
+    let speaks_fastcgi = scheme.map(|scheme| scheme.as_str() == FASTCGI);
+    let table = match (&inner.fastcgi, speaks_fastcgi) {
+        (None, Some(true)) => {
+            let span = inner.url.as_ref().map_or(spec.span(), |url| url.span());
+            compiler.error_hint(
+                file,
+                span,
+                format!("upstream `{name}` speaks FastCGI but has no fastcgi = {{ root = … }}"),
+                "add fastcgi = { root = \"/var/www/site\" }: the site's document root on php-fpm's machine",
+            );
+            return Err(());
+        }
+        (None, _) => return Ok(None),
+        (Some(table), Some(false)) => {
+            compiler.error_hint(
+                file,
+                table.span(),
+                format!("`fastcgi` settings on upstream `{name}`, whose url is not fastcgi://"),
+                "write url = \"fastcgi://127.0.0.1:9000\" to speak FastCGI to php-fpm, or remove them",
+            );
+            return Err(());
+        }
+        (Some(table), _) => table,
+    };
+    let settings = table.get_ref();
+    let before = compiler.errors.len();
+    let root = match &settings.root {
+        None => {
+            compiler.error_hint(
+                file,
+                table.span(),
+                "fastcgi settings need a root",
+                "root = \"/var/www/site\": the document root, as php-fpm's machine sees it",
+            );
+            String::new()
+        }
+        Some(root) if !root.get_ref().starts_with('/') => {
+            compiler.error_hint(
+                file,
+                root.span(),
+                format!("root `{}` is not an absolute path", root.get_ref()),
+                "write the document root from /, as php-fpm's machine sees it (it may not be levee's)",
+            );
+            String::new()
+        }
+        Some(root) => root.get_ref().trim_end_matches('/').to_string(),
+    };
+    let index = match &settings.index {
+        None => "index.php".to_string(),
+        Some(index) if index.get_ref().is_empty() || index.get_ref().contains(['/', '\0']) => {
+            compiler.error_hint(
+                file,
+                index.span(),
+                format!("index `{}` is not a file name", index.get_ref()),
+                "the script run for a path that ends in /, like \"index.php\"",
+            );
+            String::new()
+        }
+        Some(index) => index.get_ref().clone(),
+    };
+    let front_controller = match &settings.front_controller {
+        None => None,
+        Some(front)
+            if front.get_ref().trim_matches('/').is_empty()
+                || front.get_ref().contains('\0')
+                || front.get_ref().split('/').any(|segment| segment == "..") =>
+        {
+            compiler.error_hint(
+                file,
+                front.span(),
+                format!(
+                    "front_controller `{}` does not name a script",
+                    front.get_ref()
+                ),
+                "the script under root that runs every other path, like \"/index.php\"",
+            );
+            None
+        }
+        Some(front) => Some(format!("/{}", front.get_ref().trim_start_matches('/'))),
+    };
+    let mut params = Vec::new();
+    if let Some(table) = &settings.params {
+        for (param, value) in table.get_ref() {
+            let well_formed = !param.is_empty()
+                && param
+                    .bytes()
+                    .all(|byte| byte.is_ascii_graphic() && byte != b'=')
+                && !value.contains('\0');
+            if well_formed {
+                params.push((param.clone(), value.clone()));
+            } else {
+                compiler.error_hint(
+                    file,
+                    table.span(),
+                    format!("`{param}` cannot be a FastCGI parameter with that value"),
+                    "names are letters, digits and _ (like APP_ENV); values hold no NUL byte",
+                );
+            }
+        }
+    }
+    if compiler.errors.len() > before {
+        return Err(());
+    }
+    Ok(Some(Arc::new(FastCgiSettings {
+        root,
+        index,
+        front_controller,
+        params,
+    })))
 }
 
 fn compile_upstream(
@@ -3051,7 +3176,15 @@ fn compile_upstream(
     );
     let pool_idle_timeout =
         compiler.duration(file, &inner.pool_idle_timeout, Duration::from_secs(90));
+    let fastcgi = compile_fastcgi(
+        compiler,
+        file,
+        name,
+        spec,
+        address.as_ref().map(|(scheme, _)| scheme),
+    );
     let (scheme, authority) = address?;
+    let fastcgi = fastcgi.ok()?;
     let host = match written_host {
         // External APIs (https) are called by their own name; the app's Host means nothing there.
         None if scheme == Scheme::HTTPS => HeaderValue::from_str(authority.host()).ok(),
@@ -3073,6 +3206,7 @@ fn compile_upstream(
         },
         ca_files,
         bulkhead,
+        fastcgi,
     })
 }
 

@@ -249,6 +249,20 @@ pub struct UpstreamSpec {
     pub shed_reserve: Option<Spanned<f64>>,
     pub queue_wait: Option<Spanned<String>>,
     pub breaker: Option<Spanned<BreakerSpec>>,
+    pub fastcgi: Option<Spanned<FastCgiSpec>>,
+}
+
+/// `fastcgi = { … }` of a `fastcgi://` upstream (php-fpm).
+#[derive(Debug, Default, Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table, like fastcgi = { root = \"/var/www/site\" }"
+)]
+pub struct FastCgiSpec {
+    pub root: Option<Spanned<String>>,
+    pub index: Option<Spanned<String>>,
+    pub front_controller: Option<Spanned<String>>,
+    pub params: Option<Spanned<BTreeMap<String, String>>>,
 }
 
 /// `breaker = { … }` of an upstream.

@@ -263,6 +263,11 @@ impl ResendableBody {
         ResendableBody(Vec::new())
     }
 
+    /// A body read whole into one piece.
+    pub fn from_bytes(bytes: Bytes) -> ResendableBody {
+        ResendableBody(vec![bytes])
+    }
+
     /// The body again, as one piece.
     pub fn body(&self) -> UnsyncBoxBody<Bytes, BoxError> {
         use http_body_util::BodyExt as _;

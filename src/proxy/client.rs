@@ -45,6 +45,9 @@ use super::upstream::UpstreamBody;
 use super::upstream_fields::{FieldLines, UpstreamFields};
 use crate::error::BoxError;
 
+mod fastcgi;
+pub use fastcgi::FastCgiSettings;
+
 /// Most header fields accepted in a response head. nginx counts none: a PHP page may set a
 /// few hundred cookies, and refusing the answer would be levee's failure, not the app's.
 const MAX_HEADERS: usize = 512;
@@ -70,6 +73,8 @@ pub struct ClientSettings {
     pub connect_timeout: Duration,
     pub pool_idle_timeout: Duration,
     pub pool_max_idle: usize,
+    /// Speak FastCGI (php-fpm) instead of HTTP, with these settings.
+    pub fastcgi: Option<Arc<FastCgiSettings>>,
 }
 
 /// A failed upstream call.
@@ -103,6 +108,10 @@ pub enum ClientError {
     /// answered as that failure, but the first try may have reached the app.
     #[error("{0} (sent again after a pooled connection closed)")]
     Resent(Box<ClientError>),
+    /// The request cannot be put to the upstream as it is (a path that names no script a
+    /// FastCGI upstream could run): the client's fault, answered 400.
+    #[error("{0}")]
+    BadTarget(String),
 }
 
 impl ClientError {
@@ -110,7 +119,10 @@ impl ClientError {
     /// answered and only its header fields could not be passed on: one page reflecting a
     /// visitor's input into a header must not cut every page off.
     pub fn is_upstream_failure(&self) -> bool {
-        !matches!(self, ClientError::UnpassableField(_))
+        !matches!(
+            self,
+            ClientError::UnpassableField(_) | ClientError::BadTarget(_)
+        )
     }
 
     /// Did the call fail before a connection existed?
@@ -367,6 +379,18 @@ impl Client {
         now: Instant,
         sent_whole: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<Answered, ClientError> {
+        if let Some(fastcgi) = &self.settings.fastcgi {
+            // Boxed: an HTTP request's future does not carry the FastCGI one's room.
+            return Box::pin(self.send_fastcgi(
+                fastcgi,
+                request,
+                from_client,
+                response_timeout,
+                now,
+                sent_whole,
+            ))
+            .await;
+        }
         let (parts, mut body) = request.into_parts();
         let head = encode_request_head(&parts, &body, &self.settings.authority, &from_client);
         // Not kept while the request is sent and answered.
@@ -873,6 +897,8 @@ enum Framing {
     Chunked(ChunkedDecoder),
     /// No length: the body ends when the upstream closes the connection.
     UntilClose,
+    /// FastCGI `STDOUT` records, up to the request's `END_REQUEST`.
+    FastCgi(Box<fastcgi::FastCgiBody>),
     Done,
 }
 
@@ -1340,6 +1366,14 @@ impl Incoming {
                 } else {
                     Ok(Some(buffer.split().freeze()))
                 }
+            }
+            Framing::FastCgi(body) => {
+                let mut ended = false;
+                let piece = body.decode(buffer, &mut ended)?;
+                if ended {
+                    self.framing = Framing::Done;
+                }
+                Ok(piece)
             }
             Framing::Done => Ok(None),
         }

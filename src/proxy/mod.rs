@@ -1155,6 +1155,9 @@ fn classify_client_error(
     if let Some(error) = classify_body_error(route, client_body_timeout, error) {
         return error;
     }
+    if let client::ClientError::BadTarget(reason) = error {
+        return ProxyError::BadRequest(reason.clone());
+    }
     if let client::ClientError::ResponseTimeout(after) = error {
         return ProxyError::UpstreamTimeout {
             upstream,

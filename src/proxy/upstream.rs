@@ -10,7 +10,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
-use super::client::{Client, ClientSettings};
+use super::client::{Client, ClientSettings, FastCgiSettings};
 use crate::breaker::Breaker;
 use crate::degrade::bulkhead::{Bulkhead, BulkheadSettings};
 use crate::degrade::trigger::LatencyWindow;
@@ -44,6 +44,8 @@ pub struct UpstreamSettings {
     pub ca_digest: Vec<u8>,
     /// Concurrency bound with shedding by tier. Default: none.
     pub bulkhead: Option<BulkheadSettings>,
+    /// A `fastcgi://` upstream (php-fpm): how requests become CGI requests.
+    pub fastcgi: Option<Arc<FastCgiSettings>>,
 }
 
 /// A named dependency, its client and its circuit breaker.
@@ -141,13 +143,19 @@ impl Upstream {
             port: settings
                 .authority
                 .port_u16()
-                .unwrap_or(if https { 443 } else { 80 }),
+                .unwrap_or(match (https, &settings.fastcgi) {
+                    (true, _) => 443,
+                    // php-fpm's usual TCP port.
+                    (false, Some(_)) => 9000,
+                    (false, None) => 80,
+                }),
             authority: HeaderValue::from_str(settings.authority.as_str())
                 .unwrap_or_else(|_| HeaderValue::from_static("localhost")),
             tls,
             connect_timeout: settings.connect_timeout,
             pool_idle_timeout: settings.pool_idle_timeout,
             pool_max_idle: settings.pool_max_idle,
+            fastcgi: settings.fastcgi.clone(),
         });
         let kept = running
             .and_then(|running| running.bulkhead.clone())

@@ -1,0 +1,972 @@
+//! FastCGI upstreams: php-fpm spoken to directly, without an nginx vhost in between.
+//!
+//! The request is first encoded as the HTTP/1.1 head an `http://` upstream would get (the
+//! same forwarding fields, the same `Host`), then that head becomes the CGI parameters
+//! nginx's `fastcgi_params` would give PHP: `$_SERVER` holds what it held behind nginx. The
+//! script to run is found from the path as nginx's usual `location ~ \.php$` block finds it.
+//!
+//! One request at a time per connection (request id 1), kept open for the next one
+//! (`FCGI_KEEP_CONN`) and pooled like an HTTP connection. The response's CGI head is read
+//! from the first `STDOUT` records; the rest of them are the body, read as the caller polls
+//! it, up to the request's `END_REQUEST`. What the script writes to `STDERR` (PHP's warnings,
+//! `error_log()`) is logged, as nginx does.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body::Body as _;
+use http_body_util::BodyExt as _;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::Instant;
+
+use super::{
+    encode_request_head, is_idempotent, Answered, Client, ClientError, Connection, Framing,
+    Incoming, HEAD_READ_SIZE, MAX_HEAD_BYTES,
+};
+use crate::log_throttle::LogThrottle;
+use crate::proxy::body::ResendableBody;
+use crate::proxy::header::{FromClient, ReceivedHead, HOP_BY_HOP};
+use crate::proxy::upstream::UpstreamBody;
+
+const VERSION_1: u8 = 1;
+const BEGIN_REQUEST: u8 = 1;
+const END_REQUEST: u8 = 3;
+const PARAMS: u8 = 4;
+const STDIN: u8 = 5;
+const STDOUT: u8 = 6;
+const STDERR: u8 = 7;
+const RESPONDER: u16 = 1;
+/// Keep the connection open after the request (for the pool).
+const KEEP_CONN: u8 = 1;
+/// The one request a connection carries at a time.
+const REQUEST_ID: u16 = 1;
+/// A record's content is at most this long (its length is 16 bits).
+const MAX_CONTENT: usize = 65_535;
+/// What the script wrote to `STDERR`, logged at most once a second per process: a page that
+/// warns on every request must not drown the log.
+static STDERR_LOG: LogThrottle = LogThrottle::new(Duration::from_secs(1));
+/// Longest part of one `STDERR` write that is logged.
+const STDERR_LOGGED: usize = 1024;
+
+/// How an upstream's requests become CGI requests (`fastcgi = { … }` in the policy).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FastCgiSettings {
+    /// `DOCUMENT_ROOT`, without a trailing slash: scripts are looked for under it, on
+    /// php-fpm's machine.
+    pub root: String,
+    /// Run for a path that ends in `/`. Default `index.php`.
+    pub index: String,
+    /// Run for every path that names no `.php` script, when set (a framework's
+    /// `index.php`, as nginx's `try_files $uri /index.php?$args`).
+    pub front_controller: Option<String>,
+    /// Parameters set in the policy, given after levee's own (so they win in `$_SERVER`).
+    pub params: Vec<(String, String)>,
+}
+
+/// The script a path runs: (`SCRIPT_NAME`, `PATH_INFO`), or `None` for a path that cannot be
+/// given to PHP (a NUL byte, which would cut the file name short).
+///
+/// The path is percent-decoded and its dot segments resolved, never above the root, as nginx
+/// does to `$uri`: `SCRIPT_FILENAME` stays under `root` whatever the client writes.
+fn script_of(path: &str, settings: &FastCgiSettings) -> Option<(Vec<u8>, Vec<u8>)> {
+    let decoded = percent_decode(path.as_bytes());
+    if decoded.contains(&0) {
+        return None;
+    }
+    let mut segments: Vec<&[u8]> = Vec::new();
+    let last = decoded.rsplit(|byte| *byte == b'/').next().unwrap_or(b"");
+    let trailing_slash = matches!(last, b"" | b"." | b"..");
+    for segment in decoded.split(|byte| *byte == b'/') {
+        match segment {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            other => segments.push(other),
+        }
+    }
+    let join = |segments: &[&[u8]]| {
+        let mut out = Vec::with_capacity(decoded.len() + 1);
+        for segment in segments {
+            out.push(b'/');
+            out.extend_from_slice(segment);
+        }
+        out
+    };
+    if let Some(script_end) = segments
+        .iter()
+        .position(|segment| segment.ends_with(b".php"))
+    {
+        let script = join(&segments[..=script_end]);
+        let mut info = join(&segments[script_end + 1..]);
+        if trailing_slash && !info.is_empty() {
+            info.push(b'/');
+        }
+        return Some((script, info));
+    }
+    if let Some(front) = &settings.front_controller {
+        return Some((front.as_bytes().to_vec(), Vec::new()));
+    }
+    let mut script = join(&segments);
+    if trailing_slash || script.is_empty() {
+        script.push(b'/');
+        script.extend_from_slice(settings.index.as_bytes());
+    }
+    Some((script, Vec::new()))
+}
+
+/// Every `%XX` decoded (a bad escape is kept as it is: routing refused those already).
+fn percent_decode(bytes: &[u8]) -> Vec<u8> {
+    let hex = |byte: u8| (byte as char).to_digit(16).map(|digit| digit as u8);
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        if bytes[at] == b'%' {
+            if let (Some(high), Some(low)) = (
+                bytes.get(at + 1).copied().and_then(hex),
+                bytes.get(at + 2).copied().and_then(hex),
+            ) {
+                out.push(high << 4 | low);
+                at += 3;
+                continue;
+            }
+        }
+        out.push(bytes[at]);
+        at += 1;
+    }
+    out
+}
+
+/// FastCGI name-value pairs, in the order written.
+#[derive(Default)]
+struct Params {
+    bytes: BytesMut,
+}
+
+impl Params {
+    fn add(&mut self, name: &[u8], value: &[u8]) {
+        for length in [name.len(), value.len()] {
+            // Lengths under 128 take one byte; longer ones four, with the top bit set.
+            match u8::try_from(length) {
+                Ok(short) if short < 0x80 => self.bytes.put_u8(short),
+                _ => self
+                    .bytes
+                    .put_u32(u32::try_from(length).unwrap_or(u32::MAX >> 1) | 0x8000_0000),
+            }
+        }
+        self.bytes.put_slice(name);
+        self.bytes.put_slice(value);
+    }
+}
+
+/// `HTTP_` and the field's name in upper case with `_` for `-`; `None` for a name with an
+/// `_` of its own (`X_Real_IP` would pass for levee's `X-Real-IP`; nginx drops them too) and
+/// for `Proxy` (which PHP would read as `HTTP_PROXY`, its outgoing proxy: "httpoxy").
+fn cgi_name(name: &[u8]) -> Option<Vec<u8>> {
+    if name.contains(&b'_') || name.eq_ignore_ascii_case(b"proxy") {
+        return None;
+    }
+    let mut out = Vec::with_capacity(name.len() + 5);
+    out.extend_from_slice(b"HTTP_");
+    out.extend(name.iter().map(|byte| match byte {
+        b'-' => b'_',
+        other => other.to_ascii_uppercase(),
+    }));
+    Some(out)
+}
+
+/// The records that open a request: `BEGIN_REQUEST`, the parameters from the HTTP head
+/// `head` (as `encode_request_head` wrote it), and the end of the parameters; with the end of
+/// `STDIN` too when the request has no body.
+fn encode_begin(
+    head: &[u8],
+    settings: &FastCgiSettings,
+    has_body: bool,
+) -> Result<BytesMut, ClientError> {
+    let mut fields = [httparse::EMPTY_HEADER; super::MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut fields);
+    match parsed.parse(head) {
+        Ok(httparse::Status::Complete(_)) => {}
+        // levee wrote this head itself, from fields it had already checked.
+        _ => {
+            return Err(ClientError::Protocol(
+                "the request head could not be re-read".into(),
+            ))
+        }
+    }
+    let method = parsed.method.unwrap_or("GET");
+    let target = parsed.path.unwrap_or("/");
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let (script, info) = script_of(path, settings).ok_or_else(|| {
+        ClientError::BadTarget("a NUL byte in the path cannot name a PHP script".into())
+    })?;
+
+    let mut params = Params::default();
+    // Fields first, joined by name (PHP keeps only the last of two equal parameters).
+    let mut http_fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(parsed.headers.len());
+    let (mut host, mut real_ip, mut https) = (None, None, false);
+    for field in parsed.headers.iter() {
+        let name = field.name.as_bytes();
+        let value = field.value;
+        if name.eq_ignore_ascii_case(b"content-length") {
+            params.add(b"CONTENT_LENGTH", value);
+            continue;
+        }
+        if name.eq_ignore_ascii_case(b"content-type") {
+            params.add(b"CONTENT_TYPE", value);
+            continue;
+        }
+        if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            continue;
+        }
+        if name.eq_ignore_ascii_case(b"host") {
+            host = Some(value);
+        } else if name.eq_ignore_ascii_case(b"x-real-ip") {
+            real_ip = Some(value);
+        } else if name.eq_ignore_ascii_case(b"x-forwarded-proto") {
+            https = value.trim_ascii().eq_ignore_ascii_case(b"https");
+        }
+        let Some(cgi) = cgi_name(name) else {
+            continue;
+        };
+        match http_fields.iter_mut().find(|(known, _)| *known == cgi) {
+            Some((_, joined)) => {
+                let separator: &[u8] = if name.eq_ignore_ascii_case(b"cookie") {
+                    b"; "
+                } else {
+                    b", "
+                };
+                joined.extend_from_slice(separator);
+                joined.extend_from_slice(value);
+            }
+            None => http_fields.push((cgi, value.to_vec())),
+        }
+    }
+    for (name, value) in &http_fields {
+        params.add(name, value);
+    }
+    params.add(b"GATEWAY_INTERFACE", b"CGI/1.1");
+    params.add(
+        b"SERVER_SOFTWARE",
+        concat!("levee/", env!("CARGO_PKG_VERSION")).as_bytes(),
+    );
+    params.add(b"SERVER_PROTOCOL", b"HTTP/1.1");
+    params.add(b"REQUEST_METHOD", method.as_bytes());
+    params.add(b"REQUEST_URI", target.as_bytes());
+    params.add(b"QUERY_STRING", query.as_bytes());
+    params.add(b"DOCUMENT_ROOT", settings.root.as_bytes());
+    params.add(b"SCRIPT_NAME", &script);
+    let mut filename = Vec::with_capacity(settings.root.len() + script.len());
+    filename.extend_from_slice(settings.root.as_bytes());
+    filename.extend_from_slice(&script);
+    params.add(b"SCRIPT_FILENAME", &filename);
+    let mut document_uri = script.clone();
+    document_uri.extend_from_slice(&info);
+    params.add(b"DOCUMENT_URI", &document_uri);
+    if !info.is_empty() {
+        params.add(b"PATH_INFO", &info);
+    }
+    // A PHP built with `cgi.force_redirect` runs nothing without it; nginx's params set it.
+    params.add(b"REDIRECT_STATUS", b"200");
+    if let Some(host) = host {
+        let (name, port) = split_host(host);
+        params.add(b"SERVER_NAME", name);
+        let default_port: &[u8] = if https { b"443" } else { b"80" };
+        params.add(b"SERVER_PORT", port.unwrap_or(default_port));
+    }
+    if https {
+        params.add(b"HTTPS", b"on");
+        params.add(b"REQUEST_SCHEME", b"https");
+    } else {
+        params.add(b"REQUEST_SCHEME", b"http");
+    }
+    // The client's address as levee resolved it (a replayed job carries the one it had).
+    if let Some(address) = real_ip {
+        params.add(b"REMOTE_ADDR", address);
+    }
+    for (name, value) in &settings.params {
+        params.add(name.as_bytes(), value.as_bytes());
+    }
+
+    let mut out = BytesMut::with_capacity(params.bytes.len() + 64);
+    put_record_header(&mut out, BEGIN_REQUEST, 8);
+    out.put_u16(RESPONDER);
+    out.put_u8(KEEP_CONN);
+    out.put_slice(&[0; 5]);
+    put_stream(&mut out, PARAMS, &params.bytes);
+    put_record_header(&mut out, PARAMS, 0);
+    if !has_body {
+        put_record_header(&mut out, STDIN, 0);
+    }
+    Ok(out)
+}
+
+/// `host[:port]` split; an IPv6 literal keeps its brackets.
+fn split_host(host: &[u8]) -> (&[u8], Option<&[u8]>) {
+    let host = host.trim_ascii();
+    let port_colon = match host.iter().rposition(|byte| *byte == b':') {
+        Some(colon) if !host[colon..].contains(&b']') => Some(colon),
+        _ => None,
+    };
+    match port_colon {
+        Some(colon) => (&host[..colon], Some(&host[colon + 1..])),
+        None => (host, None),
+    }
+}
+
+fn put_record_header(out: &mut BytesMut, kind: u8, length: u16) {
+    out.put_u8(VERSION_1);
+    out.put_u8(kind);
+    out.put_u16(REQUEST_ID);
+    out.put_u16(length);
+    out.put_u8(0); // no padding
+    out.put_u8(0);
+}
+
+/// `data` as records of `kind` (not the empty one that ends the stream).
+fn put_stream(out: &mut BytesMut, kind: u8, data: &[u8]) {
+    for piece in data.chunks(MAX_CONTENT) {
+        put_record_header(out, kind, piece.len() as u16);
+        out.put_slice(piece);
+    }
+}
+
+/// What the next record in the buffer holds.
+#[derive(Debug)]
+enum Step {
+    Stdout(Bytes),
+    Stderr(Bytes),
+    /// The request is over; php-fpm keeps the connection for the next one.
+    End,
+    /// The buffer holds no more of a record: read more.
+    NeedMore,
+}
+
+/// Where the reader is in the stream of records: inside a record's content (handed out as it
+/// arrives, not when the record is whole) or its padding, or between records.
+#[derive(Debug, Default)]
+pub(super) struct RecordReader {
+    kind: u8,
+    content_left: usize,
+    padding_left: usize,
+}
+
+impl RecordReader {
+    fn next(&mut self, buffer: &mut BytesMut) -> Result<Step, ClientError> {
+        loop {
+            if self.content_left > 0 {
+                if buffer.is_empty() {
+                    return Ok(Step::NeedMore);
+                }
+                let take = self.content_left.min(buffer.len());
+                self.content_left -= take;
+                let piece = buffer.split_to(take).freeze();
+                match self.kind {
+                    STDOUT => return Ok(Step::Stdout(piece)),
+                    STDERR => return Ok(Step::Stderr(piece)),
+                    _ => continue, // a record type levee does not use: skipped
+                }
+            }
+            if self.padding_left > 0 {
+                let skip = self.padding_left.min(buffer.len());
+                buffer.advance(skip);
+                self.padding_left -= skip;
+                if self.padding_left > 0 {
+                    return Ok(Step::NeedMore);
+                }
+            }
+            if buffer.len() < 8 {
+                return Ok(Step::NeedMore);
+            }
+            if buffer[0] != VERSION_1 {
+                return Err(ClientError::Protocol(format!(
+                    "FastCGI record of version {} (not 1): is this upstream php-fpm?",
+                    buffer[0]
+                )));
+            }
+            let kind = buffer[1];
+            let content = usize::from(u16::from_be_bytes([buffer[4], buffer[5]]));
+            let padding = usize::from(buffer[6]);
+            if kind == END_REQUEST {
+                if buffer.len() < 8 + content + padding {
+                    return Ok(Step::NeedMore);
+                }
+                let protocol_status = if content >= 5 { buffer[8 + 4] } else { 0 };
+                buffer.advance(8 + content + padding);
+                return match protocol_status {
+                    0 => Ok(Step::End),
+                    1 => Err(ClientError::Protocol(
+                        "php-fpm cannot take two requests on one connection".into(),
+                    )),
+                    2 => Err(ClientError::Protocol(
+                        "php-fpm is overloaded and refused the request".into(),
+                    )),
+                    _ => Err(ClientError::Protocol(
+                        "php-fpm does not know the responder role".into(),
+                    )),
+                };
+            }
+            buffer.advance(8);
+            self.kind = kind;
+            self.content_left = content;
+            self.padding_left = padding;
+        }
+    }
+}
+
+/// Logs what a script wrote to `STDERR` (throttled; see [`STDERR_LOG`]).
+fn log_stderr(target: &str, text: &[u8]) {
+    let Some(held_back) = STDERR_LOG.allow(std::time::Instant::now()) else {
+        return;
+    };
+    let shown = String::from_utf8_lossy(&text[..text.len().min(STDERR_LOGGED)]);
+    let shown = shown.trim_end();
+    if held_back > 0 {
+        tracing::warn!(address = %target, "FastCGI stderr: {shown} ({held_back} more not logged)");
+    } else {
+        tracing::warn!(address = %target, "FastCGI stderr: {shown}");
+    }
+}
+
+/// The body of a FastCGI response: the `STDOUT` records after the CGI head, up to
+/// `END_REQUEST`.
+#[derive(Debug)]
+pub(super) struct FastCgiBody {
+    reader: RecordReader,
+    /// Body bytes that came in the same record as the head.
+    first: Option<Bytes>,
+    /// A response with no body (HEAD, 204, 304): the records are read and dropped.
+    discard: bool,
+    target: Arc<str>,
+}
+
+impl FastCgiBody {
+    /// The next piece of body in `buffer`; `Ok(None)` when more must be read or, with
+    /// `*ended` set, at `END_REQUEST`.
+    pub(super) fn decode(
+        &mut self,
+        buffer: &mut BytesMut,
+        ended: &mut bool,
+    ) -> Result<Option<Bytes>, ClientError> {
+        if let Some(first) = self.first.take() {
+            if !self.discard {
+                return Ok(Some(first));
+            }
+        }
+        loop {
+            match self.reader.next(buffer)? {
+                Step::Stdout(piece) if self.discard || piece.is_empty() => {}
+                Step::Stdout(piece) => return Ok(Some(piece)),
+                Step::Stderr(text) => log_stderr(&self.target, &text),
+                Step::End => {
+                    *ended = true;
+                    return Ok(None);
+                }
+                Step::NeedMore => return Ok(None),
+            }
+        }
+    }
+}
+
+/// A parsed CGI response head.
+struct CgiHead {
+    status: StatusCode,
+    reason: Option<Bytes>,
+    headers: HeaderMap,
+    received: Bytes,
+}
+
+/// Parses the CGI head off the front of `stdout`; `Ok(None)` while it is incomplete.
+fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError> {
+    let mut fields = [httparse::EMPTY_HEADER; super::MAX_HEADERS];
+    let length = match httparse::parse_headers(stdout, &mut fields) {
+        Ok(httparse::Status::Complete((length, _))) => length,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(
+            error @ (httparse::Error::HeaderName
+            | httparse::Error::HeaderValue
+            | httparse::Error::TooManyHeaders),
+        ) => return Err(ClientError::UnpassableField(error.to_string())),
+        Err(error) => return Err(ClientError::Protocol(format!("CGI head: {error}"))),
+    };
+    let head = stdout.split_to(length).freeze();
+    let mut fields = [httparse::EMPTY_HEADER; super::MAX_HEADERS];
+    // Parsed again from the frozen head, so values are slices of it rather than copies.
+    let Ok(httparse::Status::Complete((_, fields))) = httparse::parse_headers(&head, &mut fields)
+    else {
+        return Err(ClientError::Protocol(
+            "CGI head could not be re-read".into(),
+        ));
+    };
+    let mut status = None;
+    let mut reason = None;
+    let mut headers = HeaderMap::with_capacity(fields.len() + 3);
+    for field in fields.iter() {
+        let name_bytes = field.name.as_bytes();
+        if name_bytes.eq_ignore_ascii_case(b"status") {
+            // `Status: 404 Not Found`
+            let text = field.value.trim_ascii();
+            let (code, phrase) = match text.iter().position(|byte| *byte == b' ') {
+                Some(space) => (&text[..space], text[space + 1..].trim_ascii()),
+                None => (text, &b""[..]),
+            };
+            let code = StatusCode::from_bytes(code).map_err(|_| {
+                ClientError::Protocol(format!(
+                    "invalid CGI Status `{}`",
+                    String::from_utf8_lossy(text)
+                ))
+            })?;
+            if !phrase.is_empty() && Some(phrase) != code.canonical_reason().map(str::as_bytes) {
+                reason = Some(Bytes::copy_from_slice(phrase));
+            }
+            status = Some(code);
+            continue;
+        }
+        let name = HeaderName::from_bytes(name_bytes)
+            .map_err(|_| ClientError::UnpassableField("invalid header name".into()))?;
+        if HOP_BY_HOP.contains(&&name)
+            || name == header::CONNECTION
+            || name == header::TRANSFER_ENCODING
+        {
+            continue;
+        }
+        let start = field.value.as_ptr() as usize - head.as_ptr() as usize;
+        let value = HeaderValue::from_maybe_shared(head.slice(start..start + field.value.len()))
+            .map_err(|_| ClientError::UnpassableField(format!("invalid value of {name}")))?;
+        headers.append(name, value);
+    }
+    // CGI (RFC 3875 6.2.3): a redirect without a status is a 302.
+    let status = status.unwrap_or(if headers.contains_key(header::LOCATION) {
+        StatusCode::FOUND
+    } else {
+        StatusCode::OK
+    });
+    Ok(Some(CgiHead {
+        status,
+        reason,
+        headers,
+        received: head,
+    }))
+}
+
+impl Client {
+    /// [`Client::send_within`] for a FastCGI upstream.
+    pub(super) async fn send_fastcgi(
+        &self,
+        settings: &FastCgiSettings,
+        request: Request<UpstreamBody>,
+        from_client: FromClient,
+        response_timeout: Option<Duration>,
+        now: Instant,
+        sent_whole: Option<&std::sync::atomic::AtomicBool>,
+    ) -> Result<Answered, ClientError> {
+        let (mut parts, body) = request.into_parts();
+        // PHP reads as much of the body as CONTENT_LENGTH says: one of unknown length is
+        // read whole first (bounded by the route's `max_body`), as nginx does.
+        let (mut body, resend) = if body.is_end_stream() {
+            (body, Some(ResendableBody::empty()))
+        } else if body.size_hint().exact().is_some() {
+            let resend = parts.extensions.remove::<ResendableBody>();
+            (body, resend)
+        } else {
+            let whole = body
+                .collect()
+                .await
+                .map_err(ClientError::RequestBody)?
+                .to_bytes();
+            let copy = ResendableBody::from_bytes(whole);
+            (copy.body(), Some(copy))
+        };
+        let has_body = !body.is_end_stream();
+        let head = encode_request_head(&parts, &body, &self.settings.authority, &from_client);
+        drop(from_client);
+        let begin = encode_begin(&head.bytes, settings, has_body)?;
+        let target: Arc<str> = format!("{}:{}", self.settings.host, self.settings.port).into();
+        let mut retried = false;
+        let mut waited = has_body;
+        loop {
+            let mut connection = match self.pool.take(now) {
+                Some(connection) => connection,
+                None => {
+                    waited = true;
+                    match Box::pin(self.connect()).await {
+                        Ok(connection) => connection,
+                        Err(error) if retried => return Err(ClientError::Resent(Box::new(error))),
+                        Err(error) => return Err(error),
+                    }
+                }
+            };
+            let sent = send_records(
+                &mut connection,
+                &begin,
+                &mut body,
+                has_body,
+                response_timeout,
+            )
+            .await;
+            let request_sent_at = if waited { Instant::now() } else { now };
+            if let (Ok(()), Some(flag)) = (&sent, sent_whole) {
+                flag.store(true, std::sync::atomic::Ordering::Release);
+            }
+            let outcome = match sent {
+                Ok(()) => {
+                    let reading = read_head(&mut connection, &target);
+                    match response_timeout {
+                        Some(limit) => tokio::time::timeout_at(request_sent_at + limit, reading)
+                            .await
+                            .unwrap_or(Err(ClientError::ResponseTimeout(limit))),
+                        None => reading.await,
+                    }
+                }
+                Err(error) => Err(error),
+            };
+            match outcome {
+                Ok((head, reader)) => {
+                    let discard = parts.method == Method::HEAD
+                        || head.status == StatusCode::NO_CONTENT
+                        || head.status == StatusCode::NOT_MODIFIED;
+                    let (reader, rest) = reader;
+                    let body = FastCgiBody {
+                        reader,
+                        first: (!rest.is_empty()).then(|| rest.freeze()),
+                        discard,
+                        target,
+                    };
+                    return Ok(Answered {
+                        response: self.fastcgi_response(connection, head, body, &parts.method),
+                        relayed: None,
+                        request_sent_at,
+                    });
+                }
+                Err(error) => {
+                    // A pooled connection php-fpm had just closed (a worker recycled after
+                    // `pm.max_requests`): sent again once on a new one, as for HTTP.
+                    let race = connection.reused
+                        && connection.buffer.is_empty()
+                        && matches!(&error, ClientError::Closed | ClientError::Io(_));
+                    if race && !retried && is_idempotent(&parts.method) {
+                        if let Some(copy) = &resend {
+                            body = copy.body();
+                            retried = true;
+                            waited = true;
+                            continue;
+                        }
+                    }
+                    return Err(error);
+                }
+            }
+        }
+    }
+
+    fn fastcgi_response(
+        &self,
+        connection: Connection,
+        head: CgiHead,
+        body: FastCgiBody,
+        method: &Method,
+    ) -> Response<Incoming> {
+        let mut response = Response::new(Incoming::empty());
+        *response.status_mut() = head.status;
+        *response.version_mut() = Version::HTTP_11;
+        *response.headers_mut() = head.headers;
+        if let Some(reason) = head.reason {
+            response.extensions_mut().insert(super::UpstreamReason {
+                status: head.status,
+                reason,
+            });
+        }
+        response
+            .extensions_mut()
+            .insert(ReceivedHead(head.received));
+        let mut incoming = Incoming {
+            connection: Some(connection),
+            framing: Framing::FastCgi(Box::new(body)),
+            reusable: true,
+            pool: Some(self.pool.clone()),
+            answers_head: *method == Method::HEAD,
+        };
+        incoming.finish_if_done();
+        *response.body_mut() = incoming;
+        response
+    }
+}
+
+/// Writes the opening records, then the body as `STDIN` records and the empty one that ends
+/// it. Each write waits at most `stall_limit` for php-fpm to take it.
+async fn send_records(
+    connection: &mut Connection,
+    begin: &BytesMut,
+    body: &mut UpstreamBody,
+    has_body: bool,
+    stall_limit: Option<Duration>,
+) -> Result<(), ClientError> {
+    let mut out = BytesMut::from(&begin[..]);
+    if has_body {
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|error| {
+                connection.request_unfinished = true;
+                ClientError::RequestBody(error)
+            })?;
+            if let Ok(data) = frame.into_data() {
+                put_stream(&mut out, STDIN, &data);
+                if out.len() >= super::COPY_LIMIT {
+                    write_within(connection, &out, stall_limit).await?;
+                    out.clear();
+                }
+            }
+        }
+        put_record_header(&mut out, STDIN, 0);
+    }
+    write_within(connection, &out, stall_limit).await
+}
+
+async fn write_within(
+    connection: &mut Connection,
+    bytes: &[u8],
+    stall_limit: Option<Duration>,
+) -> Result<(), ClientError> {
+    let writing = connection.stream.write_all(bytes);
+    let written = match stall_limit {
+        // Bounded as a whole, not per piece: php-fpm reads a request's body at once.
+        Some(limit) => tokio::time::timeout(limit, writing)
+            .await
+            .map_err(|_elapsed| ClientError::ResponseTimeout(limit))?,
+        None => writing.await,
+    };
+    written.map_err(|error| {
+        connection.request_unfinished = true;
+        ClientError::Io(error)
+    })
+}
+
+/// Reads records until the CGI head is whole; returns it with the reader's state and the
+/// body bytes that came after the head.
+async fn read_head(
+    connection: &mut Connection,
+    target: &str,
+) -> Result<(CgiHead, (RecordReader, BytesMut)), ClientError> {
+    let mut reader = RecordReader::default();
+    let mut stdout = BytesMut::new();
+    let mut received_any = false;
+    loop {
+        match reader.next(&mut connection.buffer)? {
+            Step::Stdout(piece) => {
+                stdout.extend_from_slice(&piece);
+                if let Some(head) = parse_cgi_head(&mut stdout)? {
+                    return Ok((head, (reader, stdout)));
+                }
+                if stdout.len() >= MAX_HEAD_BYTES {
+                    return Err(ClientError::Protocol(format!(
+                        "CGI response head over {MAX_HEAD_BYTES} bytes"
+                    )));
+                }
+            }
+            Step::Stderr(text) => log_stderr(target, &text),
+            Step::End => {
+                return Err(ClientError::Protocol(if stdout.is_empty() {
+                    "php-fpm ended the request without any output".into()
+                } else {
+                    "php-fpm ended the request inside the CGI head".into()
+                }))
+            }
+            Step::NeedMore => {
+                if connection.buffer.capacity() - connection.buffer.len() < 1024 {
+                    connection.buffer.reserve(HEAD_READ_SIZE);
+                }
+                let read = connection.stream.read_buf(&mut connection.buffer).await?;
+                if read == 0 {
+                    return Err(if received_any {
+                        ClientError::Protocol(
+                            "php-fpm closed the connection before the end of the CGI head".into(),
+                        )
+                    } else {
+                        ClientError::Closed
+                    });
+                }
+                received_any = true;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(front: Option<&str>) -> FastCgiSettings {
+        FastCgiSettings {
+            root: "/srv/www".into(),
+            index: "index.php".into(),
+            front_controller: front.map(str::to_string),
+            params: Vec::new(),
+        }
+    }
+
+    fn script(path: &str, front: Option<&str>) -> (String, String) {
+        let (script, info) = script_of(path, &settings(front)).expect("mappable");
+        (
+            String::from_utf8(script).expect("utf-8"),
+            String::from_utf8(info).expect("utf-8"),
+        )
+    }
+
+    #[test]
+    fn a_path_runs_its_php_script_with_the_rest_as_path_info() {
+        assert_eq!(script("/echo.php", None), ("/echo.php".into(), "".into()));
+        assert_eq!(
+            script("/forum/view.php/topic/7", None),
+            ("/forum/view.php".into(), "/topic/7".into())
+        );
+        assert_eq!(script("/", None), ("/index.php".into(), "".into()));
+        assert_eq!(
+            script("/forum/", None),
+            ("/forum/index.php".into(), "".into())
+        );
+        assert_eq!(script("/about", None), ("/about".into(), "".into()));
+        assert_eq!(
+            script("/pretty/url/", Some("/index.php")),
+            ("/index.php".into(), "".into())
+        );
+        assert_eq!(
+            script("/admin.php", Some("/index.php")),
+            ("/admin.php".into(), "".into())
+        );
+    }
+
+    #[test]
+    fn no_spelling_of_a_path_leaves_the_root() {
+        for path in [
+            "/../../etc/passwd.php",
+            "/a/..%2F..%2F..%2Fetc/passwd.php",
+            "/%2e%2e/%2e%2e/etc/passwd.php",
+            "//..//../etc/passwd.php",
+        ] {
+            let (name, _) = script(path, None);
+            assert_eq!(name, "/etc/passwd.php", "{path}");
+        }
+        assert!(script_of("/a%00.php", &settings(None)).is_none());
+    }
+
+    #[test]
+    fn params_are_encoded_with_short_and_long_lengths() {
+        let mut params = Params::default();
+        params.add(b"A", b"1");
+        let long = vec![b'x'; 200];
+        params.add(b"B", &long);
+        assert_eq!(&params.bytes[..4], b"\x01\x01A1");
+        assert_eq!(&params.bytes[4..9], b"\x01\x80\x00\x00\xc8");
+        assert_eq!(params.bytes.len(), 4 + 5 + 1 + 200);
+    }
+
+    #[test]
+    fn records_are_read_across_reads_with_padding_and_stderr() {
+        let mut wire = BytesMut::new();
+        let mut record = |kind: u8, content: &[u8], padding: u8| {
+            wire.put_u8(1);
+            wire.put_u8(kind);
+            wire.put_u16(1);
+            wire.put_u16(content.len() as u16);
+            wire.put_u8(padding);
+            wire.put_u8(0);
+            wire.put_slice(content);
+            wire.put_slice(&vec![0; padding as usize]);
+        };
+        record(STDOUT, b"Status: 404 Not Found\r\nX-A: b\r\n\r\nbo", 3);
+        record(STDERR, b"PHP Warning: x", 0);
+        record(STDOUT, b"dy", 6);
+        record(STDOUT, b"", 0);
+        record(END_REQUEST, &[0, 0, 0, 0, 0, 0, 0, 0], 0);
+        // Fed one byte at a time: every split point must work.
+        let mut reader = RecordReader::default();
+        let mut buffer = BytesMut::new();
+        let (mut stdout, mut stderr, mut ended) = (Vec::new(), Vec::new(), false);
+        for byte in wire.iter() {
+            buffer.put_u8(*byte);
+            loop {
+                match reader.next(&mut buffer).expect("valid records") {
+                    Step::Stdout(piece) => stdout.extend_from_slice(&piece),
+                    Step::Stderr(piece) => stderr.extend_from_slice(&piece),
+                    Step::End => ended = true,
+                    Step::NeedMore => break,
+                }
+            }
+        }
+        assert!(ended);
+        assert_eq!(stderr, b"PHP Warning: x");
+        let mut stdout = BytesMut::from(&stdout[..]);
+        let head = parse_cgi_head(&mut stdout).expect("valid").expect("whole");
+        assert_eq!(head.status, StatusCode::NOT_FOUND);
+        assert_eq!(head.headers["x-a"], "b");
+        assert_eq!(&stdout[..], b"body");
+    }
+
+    #[test]
+    fn a_cgi_head_sets_the_status_and_keeps_cookies_apart() {
+        let mut stdout = BytesMut::from(
+            &b"Location: /home.php\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nConnection: close\r\n\r\n"[..],
+        );
+        let head = parse_cgi_head(&mut stdout).expect("valid").expect("whole");
+        assert_eq!(head.status, StatusCode::FOUND);
+        assert_eq!(head.headers.get_all(header::SET_COOKIE).iter().count(), 2);
+        assert!(!head.headers.contains_key(header::CONNECTION));
+        let mut stdout = BytesMut::from(&b"Status: 418 Short And Stout\r\n\r\n"[..]);
+        let head = parse_cgi_head(&mut stdout).expect("valid").expect("whole");
+        assert_eq!(head.status.as_u16(), 418);
+        assert_eq!(head.reason.as_deref(), Some(&b"Short And Stout"[..]));
+        let mut partial = BytesMut::from(&b"Content-Type: text/html\r\n"[..]);
+        assert!(parse_cgi_head(&mut partial).expect("valid").is_none());
+    }
+
+    #[test]
+    fn fields_become_cgi_parameters_and_spoofable_names_are_dropped() {
+        let head = b"POST /shop/cart.php/add?id=3 HTTP/1.1\r\nHost: shop.example:8443\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 4\r\nCookie: a=1\r\nCookie: b=2\r\nX_Real_IP: 6.6.6.6\r\nProxy: http://evil\r\nX-Real-IP: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n";
+        let begin = encode_begin(head, &settings(None), true).expect("encodes");
+        // BEGIN_REQUEST (8 + 8), then the parameters' records.
+        let mut params = BytesMut::new();
+        let mut at = 16;
+        while at + 8 <= begin.len() {
+            let length = usize::from(u16::from_be_bytes([begin[at + 4], begin[at + 5]]));
+            assert_eq!(begin[at + 1], PARAMS);
+            params.extend_from_slice(&begin[at + 8..at + 8 + length]);
+            at += 8 + length;
+        }
+        let mut pairs = std::collections::HashMap::new();
+        let mut rest = &params[..];
+        let length = |rest: &mut &[u8]| {
+            if rest[0] & 0x80 == 0 {
+                let length = usize::from(rest[0]);
+                *rest = &rest[1..];
+                length
+            } else {
+                let length = u32::from_be_bytes([rest[0] & 0x7f, rest[1], rest[2], rest[3]]);
+                *rest = &rest[4..];
+                length as usize
+            }
+        };
+        while !rest.is_empty() {
+            let name_length = length(&mut rest);
+            let value_length = length(&mut rest);
+            let name = String::from_utf8(rest[..name_length].to_vec()).expect("utf-8");
+            let value = String::from_utf8(rest[name_length..name_length + value_length].to_vec())
+                .expect("utf-8");
+            rest = &rest[name_length + value_length..];
+            pairs.insert(name, value);
+        }
+        let get = |name: &str| pairs.get(name).map(String::as_str);
+        assert_eq!(get("SCRIPT_FILENAME"), Some("/srv/www/shop/cart.php"));
+        assert_eq!(get("PATH_INFO"), Some("/add"));
+        assert_eq!(get("QUERY_STRING"), Some("id=3"));
+        assert_eq!(get("REQUEST_URI"), Some("/shop/cart.php/add?id=3"));
+        assert_eq!(get("CONTENT_LENGTH"), Some("4"));
+        assert_eq!(get("HTTP_COOKIE"), Some("a=1; b=2"));
+        assert_eq!(get("HTTP_X_REAL_IP"), Some("203.0.113.7"));
+        assert_eq!(get("REMOTE_ADDR"), Some("203.0.113.7"));
+        assert_eq!(get("HTTP_PROXY"), None);
+        assert_eq!(get("SERVER_NAME"), Some("shop.example"));
+        assert_eq!(get("SERVER_PORT"), Some("8443"));
+        assert_eq!(get("HTTPS"), Some("on"));
+    }
+}
