@@ -4606,6 +4606,36 @@ mod tests {
     }
 
     #[test]
+    fn fastcgi_settings_are_checked_against_the_scheme() {
+        let errors = errors(&[(
+            "a.toml",
+            "[upstream.app]\nurl = \"fastcgi://127.0.0.1:9000\"\n[upstream.php]\nurl = \"fastcgi://127.0.0.1:9001\"\nfastcgi = { root = \"www\", index = \"a/b.php\", front_controller = \"/..\", params = { \"A B\" = \"1\" } }\n[upstream.web]\nurl = \"http://127.0.0.1:8081\"\nfastcgi = { root = \"/srv\" }\n",
+        )]);
+        assert_reported(
+            &errors,
+            &[
+                "a.toml:2:7: error: upstream `app` speaks FastCGI but has no fastcgi = { root = … }",
+                "a.toml:5:20: error: root `www` is not an absolute path",
+                "a.toml:5:35: error: index `a/b.php` is not a file name",
+                "a.toml:5:65: error: front_controller `/..` does not name a script",
+                "a.toml:5:81: error: `A B` cannot be a FastCGI parameter",
+                "a.toml:8:11: error: `fastcgi` settings on upstream `web`, whose url is not fastcgi://",
+            ],
+        );
+        let source = "[upstream.app]\nurl = \"fastcgi://127.0.0.1\"\nfastcgi = { root = \"/srv/www/\", front_controller = \"index.php\", params = { APP_ENV = \"prod\" } }\n";
+        let policy = compile(&files(&[("a.toml", source)]), None).expect("compiles");
+        let app = &policy.upstreams["app"];
+        let fastcgi = app.settings.fastcgi.as_deref().expect("fastcgi settings");
+        assert_eq!(fastcgi.root, "/srv/www");
+        assert_eq!(fastcgi.index, "index.php");
+        assert_eq!(fastcgi.front_controller.as_deref(), Some("/index.php"));
+        assert_eq!(
+            fastcgi.params,
+            [("APP_ENV".to_string(), "prod".to_string())]
+        );
+    }
+
+    #[test]
     fn a_bad_redis_target_or_trigger_upstream_leaves_the_other_keys_checked() {
         let errors = errors(&[(
             "a.toml",

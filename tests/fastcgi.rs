@@ -1,0 +1,574 @@
+//! levee speaking FastCGI to a real php-fpm 8.2, with no nginx in between: PHP must see the
+//! request as it would behind nginx's `fastcgi_params`, and answer as it would through it.
+
+mod common;
+
+use std::fmt::Write as _;
+use std::process::Command;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use http::Request;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use sha2::{Digest, Sha256};
+
+/// Every script that echoes starts with `$which = '…';`, so a test knows which one ran.
+const ECHO_BODY: &str = r#"
+header('Content-Type: application/json');
+$input = file_get_contents('php://input');
+$server = fn (string $name) => $_SERVER[$name] ?? null;
+echo json_encode([
+    'which' => $which,
+    'remote_addr' => $server('REMOTE_ADDR'),
+    'x_real_ip' => $server('HTTP_X_REAL_IP'),
+    'x_forwarded_for' => $server('HTTP_X_FORWARDED_FOR'),
+    'x_forwarded_proto' => $server('HTTP_X_FORWARDED_PROTO'),
+    'http_proxy' => $server('HTTP_PROXY'),
+    'host' => $server('HTTP_HOST'),
+    'user_agent' => $server('HTTP_USER_AGENT'),
+    'method' => $server('REQUEST_METHOD'),
+    'uri' => $server('REQUEST_URI'),
+    'query_string' => $server('QUERY_STRING'),
+    'script_name' => $server('SCRIPT_NAME'),
+    'script_filename' => $server('SCRIPT_FILENAME'),
+    'document_root' => $server('DOCUMENT_ROOT'),
+    'document_uri' => $server('DOCUMENT_URI'),
+    'path_info' => $server('PATH_INFO'),
+    'https' => $server('HTTPS'),
+    'request_scheme' => $server('REQUEST_SCHEME'),
+    'server_name' => $server('SERVER_NAME'),
+    'server_software' => $server('SERVER_SOFTWARE'),
+    'server_protocol' => $server('SERVER_PROTOCOL'),
+    'gateway_interface' => $server('GATEWAY_INTERFACE'),
+    'content_type' => $server('CONTENT_TYPE'),
+    'content_length' => $server('CONTENT_LENGTH'),
+    'app_env' => $server('APP_ENV'),
+    'cookies' => $_COOKIE,
+    'get' => $_GET,
+    'post' => $_POST,
+    'body' => $input,
+]);
+"#;
+
+const STATUS_PHP: &str = r#"<?php
+http_response_code(404);
+header('X-Thing: a');
+setcookie('a', '1');
+setcookie('b', '2');
+echo 'gone';
+"#;
+
+const REDIRECT_PHP: &str = r#"<?php
+header('Location: /elsewhere');
+"#;
+
+const BIG_PHP: &str = r#"<?php
+echo str_repeat('x', 2 * 1024 * 1024);
+"#;
+
+const SLOW_PHP: &str = r#"<?php
+sleep(3);
+echo 'late';
+"#;
+
+/// A digest rather than the body itself: a megabyte echoed back would say less on failure.
+const UPLOAD_PHP: &str = r#"<?php
+header('Content-Type: application/json');
+$input = file_get_contents('php://input');
+echo json_encode([
+    'length' => strlen($input),
+    'sha256' => hash('sha256', $input),
+    'content_length' => $_SERVER['CONTENT_LENGTH'] ?? null,
+]);
+"#;
+
+/// Applies a queued write: one line per job, with the key and the client PHP was told of.
+const NOTIFY_PHP: &str = r#"<?php
+$line = ($_SERVER['HTTP_IDEMPOTENCY_KEY'] ?? '-') . ' ' . $_SERVER['REMOTE_ADDR'] . ' ' . file_get_contents('php://input') . "\n";
+file_put_contents(__DIR__ . '/../applied.log', $line, FILE_APPEND | LOCK_EX);
+echo "ok";
+"#;
+
+fn echo_script(which: &str) -> String {
+    ["<?php\n$which = '", which, "';\n", ECHO_BODY].concat()
+}
+
+/// php-fpm alone serving a temp docroot; levee is the only thing in front of it.
+struct Site {
+    _dir: tempfile::TempDir,
+    /// The docroot as levee is told it (resolved, so it is also the path PHP opens).
+    docroot: String,
+    php: Option<PhpFpm>,
+}
+
+impl Site {
+    async fn start() -> Site {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let www = dir.path().join("www");
+        std::fs::create_dir_all(www.join("sub")).expect("docroot");
+        let scripts = [
+            ("echo.php", echo_script("echo")),
+            ("index.php", echo_script("index")),
+            ("sub/index.php", echo_script("sub")),
+            ("status.php", STATUS_PHP.to_string()),
+            ("redirect.php", REDIRECT_PHP.to_string()),
+            ("big.php", BIG_PHP.to_string()),
+            ("slow.php", SLOW_PHP.to_string()),
+            ("upload.php", UPLOAD_PHP.to_string()),
+            ("notify.php", NOTIFY_PHP.to_string()),
+        ];
+        for (name, code) in scripts {
+            std::fs::write(www.join(name), code).expect("script");
+        }
+        // php-fpm's www-data workers (when the tests run as root) must reach every script.
+        open_up(&www.join("sub"));
+        let _ = Command::new("chmod")
+            .arg("-R")
+            .arg("a+r")
+            .arg(&www)
+            .status();
+        let php = PhpFpm::start(dir.path()).await;
+        let docroot = std::fs::canonicalize(&www)
+            .expect("docroot path")
+            .display()
+            .to_string();
+        let log = dir.path().join("applied.log");
+        std::fs::write(&log, "").expect("log");
+        let _ = Command::new("chmod").arg("a+rw").arg(&log).status();
+        Site {
+            _dir: dir,
+            docroot,
+            php: Some(php),
+        }
+    }
+
+    /// A policy whose `app` upstream is this php-fpm; `fastcgi` goes inside the
+    /// `fastcgi = { root = … }` table (starting with a comma), `upstream` under the table.
+    fn policy(&self, fastcgi: &str, upstream: &str) -> String {
+        let port = self.php.as_ref().expect("php-fpm running").port;
+        let root = &self.docroot;
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n\n[admin]\nlisten = \"127.0.0.1:0\"\n\n[upstream.app]\nurl = \"fastcgi://127.0.0.1:{port}\"\nfastcgi = {{ root = \"{root}\"{fastcgi} }}\n{upstream}\n"
+        )
+    }
+
+    async fn levee(&self, fastcgi: &str, upstream: &str) -> Levee {
+        Levee::start(&self.policy(fastcgi, upstream)).await
+    }
+
+    /// Where a script at `path` (from the docroot, starting with `/`) is on disk.
+    fn file(&self, path: &str) -> String {
+        format!("{}{path}", self.docroot)
+    }
+}
+
+fn empty() -> TestBody {
+    full(Bytes::new())
+}
+
+/// Sends `request` and returns the JSON the script printed, after checking it was a 200.
+async fn php_json(request: Request<TestBody>) -> serde_json::Value {
+    let answer = send(request).await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    answer.json()
+}
+
+async fn get_json(levee: &Levee, path: &str) -> serde_json::Value {
+    php_json(
+        Request::get(levee.url(path))
+            .body(empty())
+            .expect("request"),
+    )
+    .await
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    let mut hex = String::with_capacity(64);
+    for byte in Sha256::digest(data).iter() {
+        let _ = write!(hex, "{byte:02x}");
+    }
+    hex
+}
+
+/// A body sent as `pieces`, with no length: hyper frames it chunked.
+fn chunked(pieces: Vec<Bytes>) -> TestBody {
+    let frames: Vec<Result<Frame<Bytes>, BoxError>> = pieces
+        .into_iter()
+        .map(|piece| Ok(Frame::data(piece)))
+        .collect();
+    StreamBody::new(futures_util::stream::iter(frames)).boxed_unsync()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn php_sees_the_request_as_it_would_behind_nginx() {
+    let site = Site::start().await;
+    let levee = site
+        .levee(", params = { APP_ENV = \"production\" }", "")
+        .await;
+
+    // From loopback, a trusted front by default: its forwarding fields are believed.
+    let request = Request::get(levee.url("/echo.php?a=1&b=%E4%B8%AD"))
+        .header("host", "forum.example.com")
+        .header("x-forwarded-for", "203.0.113.7")
+        .header("x-forwarded-proto", "https")
+        .header("user-agent", "LegacyBrowser/1.0")
+        .header("cookie", "PHPSESSID=abc; lang=zh")
+        .body(empty())
+        .expect("request");
+    let php = php_json(request).await;
+    assert_eq!(php["which"], "echo");
+    assert_eq!(php["remote_addr"], "203.0.113.7", "{php}");
+    assert_eq!(php["x_real_ip"], "203.0.113.7", "{php}");
+    assert!(
+        php["x_forwarded_for"]
+            .as_str()
+            .is_some_and(|chain| chain.contains("203.0.113.7")),
+        "{php}"
+    );
+    assert_eq!(php["x_forwarded_proto"], "https");
+    assert_eq!(php["host"], "forum.example.com");
+    assert_eq!(php["user_agent"], "LegacyBrowser/1.0");
+    assert_eq!(php["method"], "GET");
+    assert_eq!(php["uri"], "/echo.php?a=1&b=%E4%B8%AD");
+    assert_eq!(php["query_string"], "a=1&b=%E4%B8%AD");
+    assert_eq!(php["get"]["a"], "1");
+    assert_eq!(php["get"]["b"], "中");
+    assert_eq!(php["cookies"]["PHPSESSID"], "abc");
+    assert_eq!(php["cookies"]["lang"], "zh");
+    assert_eq!(php["script_name"], "/echo.php");
+    assert_eq!(php["script_filename"], site.file("/echo.php"));
+    assert_eq!(php["document_root"], site.docroot.as_str());
+    assert_eq!(php["document_uri"], "/echo.php");
+    assert_eq!(php["https"], "on");
+    assert_eq!(php["request_scheme"], "https");
+    assert_eq!(php["server_name"], "forum.example.com");
+    assert_eq!(php["server_protocol"], "HTTP/1.1");
+    assert!(
+        php["gateway_interface"]
+            .as_str()
+            .is_some_and(|gateway| gateway.starts_with("CGI/1.")),
+        "{php}"
+    );
+    assert!(
+        php["server_software"]
+            .as_str()
+            .is_some_and(|software| software.starts_with("levee")),
+        "{php}"
+    );
+    assert_eq!(php["app_env"], "production");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_reach_php_whole_with_a_content_length() {
+    let site = Site::start().await;
+    let levee = site.levee("", "").await;
+
+    let form_body = "title=hello&text=%E4%BD%A0%E5%A5%BD";
+    let form = Request::post(levee.url("/echo.php"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(full(form_body))
+        .expect("request");
+    let php = php_json(form).await;
+    assert_eq!(php["method"], "POST");
+    assert_eq!(php["content_type"], "application/x-www-form-urlencoded");
+    assert_eq!(php["content_length"], form_body.len().to_string());
+    assert_eq!(php["post"]["title"], "hello");
+    assert_eq!(php["post"]["text"], "你好");
+    assert_eq!(php["body"], form_body);
+
+    // PHP reads exactly CONTENT_LENGTH bytes, so a body of unknown length must get one.
+    let pieces = ["first=1&", "second=two&", "third=", "drei"];
+    let whole = pieces.concat();
+    let request = Request::post(levee.url("/echo.php"))
+        .header("content-type", "text/plain")
+        .body(chunked(pieces.into_iter().map(Bytes::from).collect()))
+        .expect("request");
+    let php = php_json(request).await;
+    assert_eq!(php["body"], whole.as_str());
+    assert_eq!(php["content_length"], whole.len().to_string());
+
+    let megabyte: Vec<u8> = b"abcdefghijklmnopqrstuvwxyz"
+        .iter()
+        .copied()
+        .cycle()
+        .take(1024 * 1024)
+        .collect();
+    let digest = sha256_hex(&megabyte);
+    let request = Request::post(levee.url("/upload.php"))
+        .header("content-type", "application/octet-stream")
+        .body(full(megabyte.clone()))
+        .expect("request");
+    let php = php_json(request).await;
+    assert_eq!(php["length"], megabyte.len());
+    assert_eq!(php["sha256"], digest.as_str());
+    assert_eq!(php["content_length"], megabyte.len().to_string());
+
+    // The same megabyte with no length, in pieces bigger than one FastCGI record.
+    let pieces: Vec<Bytes> = megabyte
+        .chunks(100_000)
+        .map(Bytes::copy_from_slice)
+        .collect();
+    let request = Request::post(levee.url("/upload.php"))
+        .header("content-type", "application/octet-stream")
+        .body(chunked(pieces))
+        .expect("request");
+    let php = php_json(request).await;
+    assert_eq!(php["length"], megabyte.len());
+    assert_eq!(php["sha256"], digest.as_str());
+    assert_eq!(php["content_length"], megabyte.len().to_string());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_info_directory_indexes_and_traversal_stay_under_the_root() {
+    let site = Site::start().await;
+    let levee = site.levee("", "").await;
+
+    let php = get_json(&levee, "/echo.php/extra/path").await;
+    assert_eq!(php["which"], "echo");
+    assert_eq!(php["script_name"], "/echo.php");
+    assert_eq!(php["script_filename"], site.file("/echo.php"));
+    assert_eq!(php["path_info"], "/extra/path");
+    assert_eq!(php["document_uri"], "/echo.php/extra/path");
+    assert_eq!(php["uri"], "/echo.php/extra/path");
+
+    let php = get_json(&levee, "/sub/").await;
+    assert_eq!(php["which"], "sub");
+    assert_eq!(php["script_name"], "/sub/index.php");
+    assert_eq!(php["script_filename"], site.file("/sub/index.php"));
+
+    // http::Uri keeps dot segments as written, so the second target goes out raw.
+    for target in ["/sub/..%2F..%2F..%2Fecho.php", "/../../echo.php"] {
+        let php = get_json(&levee, target).await;
+        assert_eq!(php["which"], "echo", "{target}: {php}");
+        assert_eq!(php["script_name"], "/echo.php", "{target}");
+        let filename = php["script_filename"].as_str().unwrap_or_default();
+        assert!(
+            filename.starts_with(&format!("{}/", site.docroot)),
+            "{target} ran {filename}, outside the root"
+        );
+        assert_eq!(filename, site.file("/echo.php"), "{target}");
+    }
+
+    // No script named and no front controller: php-fpm itself refuses the path.
+    let answer = get(&levee.url("/about")).await;
+    assert!(
+        matches!(answer.status, 403 | 404),
+        "{} {}",
+        answer.status,
+        answer.text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_front_controller_runs_every_path_that_names_no_script() {
+    let site = Site::start().await;
+    let levee = site.levee(", front_controller = \"/index.php\"", "").await;
+
+    let php = get_json(&levee, "/pretty/url?x=1").await;
+    assert_eq!(php["which"], "index");
+    assert_eq!(php["uri"], "/pretty/url?x=1");
+    assert_eq!(php["script_name"], "/index.php");
+    assert_eq!(php["script_filename"], site.file("/index.php"));
+    assert_eq!(php["get"]["x"], "1");
+
+    // A directory is no script either: the front controller wins over the directory index.
+    let php = get_json(&levee, "/sub/").await;
+    assert_eq!(php["which"], "index");
+    assert_eq!(php["uri"], "/sub/");
+
+    let php = get_json(&levee, "/echo.php").await;
+    assert_eq!(php["which"], "echo");
+    assert_eq!(php["script_name"], "/echo.php");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn php_status_headers_and_body_come_back_as_the_script_wrote_them() {
+    let site = Site::start().await;
+    let levee = site.levee("", "").await;
+
+    let answer = get(&levee.url("/status.php")).await;
+    assert_eq!(answer.status, 404, "{}", answer.text());
+    assert_eq!(answer.header("x-thing"), Some("a"));
+    let cookies: Vec<&str> = answer
+        .headers
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .collect();
+    assert_eq!(cookies.len(), 2, "{cookies:?}");
+    assert!(cookies[0].starts_with("a=1"), "{cookies:?}");
+    assert!(cookies[1].starts_with("b=2"), "{cookies:?}");
+    assert_eq!(answer.text(), "gone");
+
+    // No Status line from PHP, only a Location: CGI makes that a 302.
+    let answer = get(&levee.url("/redirect.php")).await;
+    assert_eq!(answer.status, 302, "{}", answer.text());
+    assert_eq!(answer.header("location"), Some("/elsewhere"));
+
+    let answer = get(&levee.url("/big.php")).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body.len(), 2 * 1024 * 1024);
+    assert!(answer.body.iter().all(|byte| *byte == b'x'));
+
+    let head = send(
+        Request::head(levee.url("/echo.php"))
+            .body(empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(head.status, 200);
+    assert!(head.body.is_empty(), "{}", head.text());
+
+    let missing = get(&levee.url("/nope.php")).await;
+    assert_eq!(missing.status, 404, "{}", missing.text());
+
+    // The connection a HEAD or a 404 used is still good for a full answer.
+    assert_eq!(get_json(&levee, "/echo.php").await["which"], "echo");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_names_php_could_mistake_for_levee_s_own_are_dropped() {
+    let site = Site::start().await;
+    let levee = site.levee("", "").await;
+
+    let request = Request::get(levee.url("/echo.php"))
+        .header("x_real_ip", "6.6.6.6")
+        .header("proxy", "http://evil.example")
+        .body(empty())
+        .expect("request");
+    let php = php_json(request).await;
+    assert_ne!(php["x_real_ip"], "6.6.6.6", "{php}");
+    assert_eq!(php["x_real_ip"], "127.0.0.1", "{php}");
+    assert_eq!(php["x_real_ip"], php["remote_addr"], "{php}");
+    assert_ne!(php["http_proxy"], "http://evil.example", "{php}");
+    // php-fpm (clear_env = no) passes its own environment into $_SERVER, and it inherits
+    // ours: only without an HTTP_PROXY here must PHP have none at all.
+    if std::env::var_os("HTTP_PROXY").is_none() {
+        assert!(php["http_proxy"].is_null(), "{php}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn php_fpm_down_is_a_502_not_a_hang() {
+    let mut site = Site::start().await;
+    // Short enough that a hang shows as a 504 before the test's own limit.
+    let levee = site.levee("", "response_timeout = \"5s\"").await;
+    assert_eq!(get_json(&levee, "/echo.php").await["which"], "echo");
+
+    // Its guard stops the master, which takes its workers (and their sockets) down.
+    drop(site.php.take());
+    let answer = tokio::time::timeout(Duration::from_secs(15), get(&levee.url("/echo.php")))
+        .await
+        .expect("answered in time");
+    assert_eq!(answer.status, 502, "{}", answer.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_slower_than_the_response_timeout_is_a_504() {
+    let site = Site::start().await;
+    let levee = site.levee("", "response_timeout = \"500ms\"").await;
+
+    let answer = tokio::time::timeout(Duration::from_secs(10), get(&levee.url("/slow.php")))
+        .await
+        .expect("answered in time");
+    assert_eq!(answer.status, 504, "{}", answer.text());
+
+    // The connection given up on is not handed to the next request.
+    assert_eq!(get_json(&levee, "/echo.php").await["which"], "echo");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_requests_in_a_row_reuse_php_fpm_connections() {
+    let site = Site::start().await;
+    let levee = site.levee("", "").await;
+
+    for i in 0..50 {
+        let php = get_json(&levee, &format!("/echo.php?i={i}")).await;
+        assert_eq!(php["get"]["i"], i.to_string(), "request {i}: {php}");
+        if i % 10 == 5 {
+            let answer = post(&levee.url("/echo.php"), &format!("n={i}")).await;
+            assert_eq!(answer.status, 200, "post {i}: {}", answer.text());
+            let php = answer.json();
+            assert_eq!(php["method"], "POST");
+            assert_eq!(php["body"], format!("n={i}"), "post {i}");
+        }
+    }
+}
+
+/// `stderr` has a `levee.toml:LINE:COL: error:` line, and `word` (lower case) in what the
+/// errors say.
+fn refused_at_a_line(stderr: &str, word: &str) {
+    let positioned = stderr.lines().any(|line| {
+        line.split_once("levee.toml:").is_some_and(|(_, position)| {
+            position.starts_with(|c: char| c.is_ascii_digit()) && position.contains(": error: ")
+        })
+    });
+    assert!(positioned, "no levee.toml:LINE:COL position in:\n{stderr}");
+    let said = stderr
+        .split_once("error:")
+        .is_some_and(|(_, message)| message.to_ascii_lowercase().contains(word));
+    assert!(said, "`{word}` not in:\n{stderr}");
+}
+
+#[test]
+fn check_refuses_a_fastcgi_upstream_without_an_absolute_root() {
+    let stderr = check_fails("[upstream.app]\nurl = \"fastcgi://127.0.0.1:9000\"\n");
+    refused_at_a_line(&stderr, "root");
+
+    let stderr = check_fails(
+        "[upstream.app]\nurl = \"fastcgi://127.0.0.1:9000\"\nfastcgi = { root = \"srv/public\" }\n",
+    );
+    refused_at_a_line(&stderr, "absolute");
+
+    let stderr =
+        check_fails("[upstream.app]\nurl = \"http://127.0.0.1:9\"\nfastcgi = { root = \"/x\" }\n");
+    refused_at_a_line(&stderr, "fastcgi");
+}
+
+/// Writes queued while the route was switched off are replayed over FastCGI later: each
+/// applied once, with its idempotency key and the client's address PHP would have seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_writes_are_applied_through_php_fpm_with_the_client_they_came_from() {
+    let site = Site::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let rest = format!(
+        "[redis]\nurl = \"{redis}\"\n[degrade]\nsync_interval = \"100ms\"\n[queue]\npoll_interval = \"50ms\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\ntier = 2\nmodule = \"notifications\"\ndegrade = {{ action = \"queue\" }}\n",
+        redis = redis.url()
+    );
+    let levee = site.levee("", &rest).await;
+    let switch = |state: &'static str| {
+        let url = levee.admin_url("/modules/notifications");
+        async move { assert_eq!(post(&url, state).await.status, 200) }
+    };
+    switch("off").await;
+    let mut keys = Vec::new();
+    for i in 0..5 {
+        let request = Request::post(levee.url("/notify.php"))
+            .header("x-forwarded-for", "198.51.100.7")
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(full(format!("n={i}")))
+            .expect("request");
+        let answer = send(request).await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+        keys.push(answer.header("x-levee-job").expect("job").to_string());
+    }
+    let log = std::path::Path::new(&site.docroot).join("../applied.log");
+    assert_eq!(std::fs::read_to_string(&log).expect("log"), "");
+    switch("on").await;
+    eventually(Duration::from_secs(20), "php to apply all jobs", || async {
+        std::fs::read_to_string(&log).is_ok_and(|text| text.lines().count() >= 5)
+    })
+    .await;
+    let applied = std::fs::read_to_string(&log).expect("log");
+    for (i, key) in keys.iter().enumerate() {
+        let line = format!("{key} 198.51.100.7 n={i}");
+        assert_eq!(
+            applied.lines().filter(|l| *l == line).count(),
+            1,
+            "{line} in:\n{applied}"
+        );
+    }
+}
