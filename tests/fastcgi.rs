@@ -359,6 +359,11 @@ async fn path_info_directory_indexes_and_traversal_stay_under_the_root() {
         answer.status,
         answer.text()
     );
+
+    // A NUL would cut SCRIPT_FILENAME short (`echo.php%00.txt` running echo.php): refused.
+    let answer = get(&levee.url("/echo.php%00.txt")).await;
+    assert_eq!(answer.status, 400, "{}", answer.text());
+    assert!(answer.text().contains("NUL"), "{}", answer.text());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
