@@ -577,3 +577,47 @@ async fn queued_writes_are_applied_through_php_fpm_with_the_client_they_came_fro
         );
     }
 }
+
+/// php-fpm's usual Debian setup: a unix socket, not a TCP port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn php_fpm_on_a_unix_socket_is_reached_through_it() {
+    let site = Site::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    open_up(dir.path());
+    let socket = dir.path().join("php-fpm.sock");
+    let php = PhpFpm::start_on_socket(dir.path(), &socket).await;
+    let policy = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n\n[admin]\nlisten = \"127.0.0.1:0\"\n\n[upstream.app]\nurl = \"fastcgi://localhost\"\nsocket = \"{socket}\"\nfastcgi = {{ root = \"{root}\" }}\n",
+        socket = socket.display(),
+        root = site.docroot,
+    );
+    let levee = Levee::start(&policy).await;
+    for _ in 0..3 {
+        let php = get_json(&levee, "/echo.php?via=socket").await;
+        assert_eq!(php["which"], "echo", "{php}");
+        assert_eq!(php["query_string"], "via=socket", "{php}");
+    }
+
+    // The socket gone: a 502 that names it.
+    drop(php);
+    let answer = get(&levee.url("/echo.php")).await;
+    assert_eq!(answer.status, 502, "{}", answer.text());
+    assert!(
+        answer
+            .text()
+            .contains(&format!("unix:{}", socket.display())),
+        "{}",
+        answer.text()
+    );
+}
+
+#[test]
+fn check_refuses_a_relative_socket() {
+    let printed = check_fails(
+        "[server]\ndefault_upstream = \"app\"\n[upstream.app]\nurl = \"fastcgi://localhost\"\nsocket = \"php.sock\"\nfastcgi = { root = \"/srv/www\" }\n",
+    );
+    assert!(
+        printed.contains("levee.toml:5:10: error: socket `php.sock` is not an absolute path"),
+        "{printed}"
+    );
+}

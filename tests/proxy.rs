@@ -853,3 +853,33 @@ async fn field_names_keep_their_spelling_both_ways() {
     assert!(answer.contains("\r\nETag: \"v1\"\r\n"), "{answer}");
     assert!(answer.contains("\r\nX-Page-Cache: HIT\r\n"), "{answer}");
 }
+
+/// An app whose nginx vhost listens on a unix socket is reached through it, keep-alive kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_on_a_unix_socket_is_reached_through_it() {
+    let dir = tempfile::tempdir().expect("dir");
+    open_up(dir.path());
+    let socket = dir.path().join("app.sock");
+    let block = format!(
+        "server {{\n listen 127.0.0.1:{{port}};\n listen unix:{socket};\n location / {{ return 200 \"via socket $request_uri $http_x_real_ip $http_host\"; }}\n}}",
+        socket = socket.display()
+    );
+    let _nginx = Nginx::start(dir.path(), &block).await;
+    let policy = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n\n[admin]\nlisten = \"127.0.0.1:0\"\n\n[upstream.app]\nurl = \"http://app.internal\"\nsocket = \"{socket}\"\n",
+        socket = socket.display()
+    );
+    let levee = Levee::start(&policy).await;
+    for i in 0..3 {
+        let request = Request::get(levee.url(&format!("/page?{i}")))
+            .header("host", "forum.example.com")
+            .body(full(""))
+            .expect("request");
+        let answer = send(request).await;
+        assert_eq!(answer.status, 200, "{}", answer.text());
+        assert_eq!(
+            answer.text(),
+            format!("via socket /page?{i} 127.0.0.1 forum.example.com")
+        );
+    }
+}

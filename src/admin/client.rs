@@ -135,6 +135,7 @@ pub async fn call(
         connect_timeout: Duration::from_secs(10),
         pool_idle_timeout: Duration::ZERO,
         pool_max_idle: 0,
+        socket: None,
         fastcgi: None,
     });
     let mut request = Request::builder().method(method).uri(path).header(

@@ -3183,6 +3183,21 @@ fn compile_upstream(
         spec,
         address.as_ref().map(|(scheme, _)| scheme),
     );
+    let socket = match &inner.socket {
+        None => None,
+        Some(path) if path.get_ref().starts_with('/') => {
+            Some(std::path::PathBuf::from(path.get_ref()))
+        }
+        Some(path) => {
+            compiler.error_hint(
+                file,
+                path.span(),
+                format!("socket `{}` is not an absolute path", path.get_ref()),
+                "the unix socket to connect to, like \"/run/php/php8.2-fpm.sock\"",
+            );
+            None
+        }
+    };
     let (scheme, authority) = address?;
     let fastcgi = fastcgi.ok()?;
     let host = match written_host {
@@ -3206,6 +3221,7 @@ fn compile_upstream(
         },
         ca_files,
         bulkhead,
+        socket,
         fastcgi,
     })
 }

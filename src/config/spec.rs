@@ -250,6 +250,7 @@ pub struct UpstreamSpec {
     pub queue_wait: Option<Spanned<String>>,
     pub breaker: Option<Spanned<BreakerSpec>>,
     pub fastcgi: Option<Spanned<FastCgiSpec>>,
+    pub socket: Option<Spanned<String>>,
 }
 
 /// `fastcgi = { … }` of a `fastcgi://` upstream (php-fpm).

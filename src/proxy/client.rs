@@ -26,7 +26,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::{TcpSocket, TcpStream};
+use tokio::net::{TcpSocket, TcpStream, UnixStream};
 use tokio::time::{Instant, Sleep};
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
@@ -73,8 +73,20 @@ pub struct ClientSettings {
     pub connect_timeout: Duration,
     pub pool_idle_timeout: Duration,
     pub pool_max_idle: usize,
+    /// Connect to this unix socket instead of `host:port`.
+    pub socket: Option<std::path::PathBuf>,
     /// Speak FastCGI (php-fpm) instead of HTTP, with these settings.
     pub fastcgi: Option<Arc<FastCgiSettings>>,
+}
+
+impl ClientSettings {
+    /// Where connections go, for logs: `host:port` or `unix:PATH`.
+    pub fn address(&self) -> String {
+        match &self.socket {
+            Some(path) => format!("unix:{}", path.display()),
+            None => format!("{}:{}", self.host, self.port),
+        }
+    }
 }
 
 /// A failed upstream call.
@@ -168,11 +180,12 @@ pub struct Answered {
     pub request_sent_at: Instant,
 }
 
-/// An upstream connection, plain or TLS.
+/// An upstream connection: TCP, TLS over TCP, or a unix socket (`socket` in the policy).
 #[derive(Debug)]
 pub enum Stream {
     Plain(TcpStream),
     Tls(Box<TlsStream<TcpStream>>),
+    Unix(UnixStream),
 }
 
 impl AsyncRead for Stream {
@@ -183,6 +196,7 @@ impl AsyncRead for Stream {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Stream::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
+            Stream::Unix(stream) => Pin::new(stream).poll_read(cx, buf),
             Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, buf),
         }
     }
@@ -196,6 +210,7 @@ impl AsyncWrite for Stream {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Stream::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
+            Stream::Unix(stream) => Pin::new(stream).poll_write(cx, buf),
             Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_write(cx, buf),
         }
     }
@@ -207,6 +222,7 @@ impl AsyncWrite for Stream {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Stream::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+            Stream::Unix(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
             Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_write_vectored(cx, bufs),
         }
     }
@@ -214,6 +230,7 @@ impl AsyncWrite for Stream {
     fn is_write_vectored(&self) -> bool {
         match self {
             Stream::Plain(stream) => stream.is_write_vectored(),
+            Stream::Unix(stream) => stream.is_write_vectored(),
             Stream::Tls(stream) => stream.is_write_vectored(),
         }
     }
@@ -221,6 +238,7 @@ impl AsyncWrite for Stream {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Stream::Plain(stream) => Pin::new(stream).poll_flush(cx),
+            Stream::Unix(stream) => Pin::new(stream).poll_flush(cx),
             Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_flush(cx),
         }
     }
@@ -228,6 +246,7 @@ impl AsyncWrite for Stream {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Stream::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
+            Stream::Unix(stream) => Pin::new(stream).poll_shutdown(cx),
             Stream::Tls(stream) => Pin::new(stream.as_mut()).poll_shutdown(cx),
         }
     }
@@ -252,6 +271,18 @@ struct Connection {
 }
 
 impl Connection {
+    fn new(stream: Stream) -> Connection {
+        Connection {
+            stream,
+            buffer: BytesMut::new(),
+            reused: false,
+            request_unfinished: false,
+            interim_seen: false,
+            idle_since: Instant::now(),
+            response_timer: None,
+        }
+    }
+
     /// An idle connection is still usable when the socket has nothing to say: a close, a
     /// reset or stray bytes from the upstream all end it. Asks without waiting; for a plain
     /// socket that saw no event since its last read this costs no system call.
@@ -500,7 +531,26 @@ impl Client {
 
     async fn connect(&self) -> Result<Connection, ClientError> {
         let settings = &self.settings;
-        let target = || format!("{}:{}", settings.host, settings.port);
+        let target = || settings.address();
+        if let Some(path) = &settings.socket {
+            let connecting = UnixStream::connect(path);
+            let stream = match tokio::time::timeout(settings.connect_timeout, connecting).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(source)) => {
+                    return Err(ClientError::Connect {
+                        target: target(),
+                        source,
+                    })
+                }
+                Err(_elapsed) => {
+                    return Err(ClientError::Connect {
+                        target: target(),
+                        source: io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
+                    })
+                }
+            };
+            return Ok(Connection::new(Stream::Unix(stream)));
+        }
         let connecting = connect_tcp(&settings.host, settings.port);
         let stream = match tokio::time::timeout(settings.connect_timeout, connecting).await {
             Err(_elapsed) => {
@@ -548,15 +598,7 @@ impl Client {
                 }
             }
         };
-        Ok(Connection {
-            stream,
-            buffer: BytesMut::new(),
-            reused: false,
-            request_unfinished: false,
-            interim_seen: false,
-            idle_since: Instant::now(),
-            response_timer: None,
-        })
+        Ok(Connection::new(stream))
     }
 
     fn response_from(

@@ -44,6 +44,8 @@ pub struct UpstreamSettings {
     pub ca_digest: Vec<u8>,
     /// Concurrency bound with shedding by tier. Default: none.
     pub bulkhead: Option<BulkheadSettings>,
+    /// A unix socket connected to instead of the url's host and port.
+    pub socket: Option<std::path::PathBuf>,
     /// A `fastcgi://` upstream (php-fpm): how requests become CGI requests.
     pub fastcgi: Option<Arc<FastCgiSettings>>,
 }
@@ -155,6 +157,7 @@ impl Upstream {
             connect_timeout: settings.connect_timeout,
             pool_idle_timeout: settings.pool_idle_timeout,
             pool_max_idle: settings.pool_max_idle,
+            socket: settings.socket.clone(),
             fastcgi: settings.fastcgi.clone(),
         });
         let kept = running
@@ -169,6 +172,7 @@ impl Upstream {
             .filter(|running| {
                 running.settings.scheme == settings.scheme
                     && running.settings.authority == settings.authority
+                    && running.settings.socket == settings.socket
             })
             .map(|running| Arc::clone(&running.latency))
             .unwrap_or_default();

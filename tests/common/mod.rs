@@ -426,6 +426,28 @@ pub struct PhpFpm {
 impl PhpFpm {
     pub async fn start(dir: &Path) -> PhpFpm {
         let port = free_port();
+        let mut php = PhpFpm::spawn(dir, &format!("127.0.0.1:{port}"));
+        php.port = port;
+        wait_for_port(
+            SocketAddr::from(([127, 0, 0, 1], port)),
+            "php-fpm to listen",
+        )
+        .await;
+        php
+    }
+
+    /// php-fpm listening on the unix socket `socket` (its `port` is 0).
+    pub async fn start_on_socket(dir: &Path, socket: &Path) -> PhpFpm {
+        let php = PhpFpm::spawn(dir, &format!("{}\nlisten.mode = 0666", socket.display()));
+        eventually(Duration::from_secs(10), "php-fpm to listen", || async {
+            tokio::net::UnixStream::connect(socket).await.is_ok()
+        })
+        .await;
+        php
+    }
+
+    /// Starts php-fpm with `listen = {listen}`, without waiting for it.
+    fn spawn(dir: &Path, listen: &str) -> PhpFpm {
         let config = dir.join("php-fpm.conf");
         let is_root = Command::new("id")
             .arg("-u")
@@ -440,7 +462,7 @@ impl PhpFpm {
         std::fs::write(
             &config,
             format!(
-                "[global]\npid = {dir}/php-fpm.pid\nerror_log = {dir}/php-fpm.log\ndaemonize = no\n\n[app]\n{user}listen = 127.0.0.1:{port}\npm = static\npm.max_children = 4\nclear_env = no\ncatch_workers_output = yes\n",
+                "[global]\npid = {dir}/php-fpm.pid\nerror_log = {dir}/php-fpm.log\ndaemonize = no\n\n[app]\n{user}listen = {listen}\npm = static\npm.max_children = 4\nclear_env = no\ncatch_workers_output = yes\n",
                 dir = dir.display()
             ),
         )
@@ -450,12 +472,7 @@ impl PhpFpm {
             "php-fpm",
             Command::new(binary).arg("-F").arg("-y").arg(&config),
         );
-        wait_for_port(
-            SocketAddr::from(([127, 0, 0, 1], port)),
-            "php-fpm to listen",
-        )
-        .await;
-        PhpFpm { port, guard }
+        PhpFpm { port: 0, guard }
     }
 }
 

@@ -584,7 +584,7 @@ impl Client {
         let head = encode_request_head(&parts, &body, &self.settings.authority, &from_client);
         drop(from_client);
         let begin = encode_begin(&head.bytes, settings, has_body)?;
-        let target: Arc<str> = format!("{}:{}", self.settings.host, self.settings.port).into();
+        let target: Arc<str> = self.settings.address().into();
         let mut retried = false;
         let mut waited = has_body;
         loop {
