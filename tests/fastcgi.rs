@@ -487,10 +487,43 @@ async fn a_script_slower_than_the_response_timeout_is_a_504() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_requests_in_a_row_reuse_php_fpm_connections() {
     let site = Site::start().await;
-    let levee = site.levee("", "").await;
+    let port = site.php.as_ref().expect("php-fpm").port;
 
+    // By default none is kept: an idle one would hold a php-fpm child from everyone else.
+    let levee = site.levee("", "").await;
+    requests_in_a_row(&levee).await;
+    eventually(
+        Duration::from_secs(5),
+        "no connection left open",
+        || async { connections_to(port) == 0 },
+    )
+    .await;
+    drop(levee);
+
+    // With room in the pool, one connection carries them all.
+    let levee = site.levee("", "pool_max_idle = 4").await;
+    requests_in_a_row(&levee).await;
+    assert_eq!(connections_to(port), 1);
+}
+
+/// Established TCP connections to `port` on loopback, counted at the connecting end.
+fn connections_to(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    let remote = format!("0100007F:{port:04X}");
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let columns: Vec<&str> = line.split_whitespace().collect();
+            columns.get(2) == Some(&remote.as_str()) && columns.get(3) == Some(&"01")
+        })
+        .count()
+}
+
+/// 50 GETs with a POST after every tenth, each answered by the right script.
+async fn requests_in_a_row(levee: &Levee) {
     for i in 0..50 {
-        let php = get_json(&levee, &format!("/echo.php?i={i}")).await;
+        let php = get_json(levee, &format!("/echo.php?i={i}")).await;
         assert_eq!(php["get"]["i"], i.to_string(), "request {i}: {php}");
         if i % 10 == 5 {
             let answer = post(&levee.url("/echo.php"), &format!("n={i}")).await;

@@ -3152,10 +3152,18 @@ fn compile_upstream(
             }
         },
     };
+    // A php-fpm child serves one connection until it closes: an idle pooled connection holds
+    // a child that another levee instance (or any other client of the pool) then waits for.
+    // So FastCGI connections are kept only when the operator says how many.
+    let speaks_fastcgi = address
+        .as_ref()
+        .is_some_and(|(scheme, _)| scheme.as_str() == FASTCGI);
     let pool_max_idle = inner
         .pool_max_idle
         .as_ref()
-        .map_or(256, |value| *value.get_ref() as usize);
+        .map_or(if speaks_fastcgi { 0 } else { 256 }, |value| {
+            *value.get_ref() as usize
+        });
     let connect_timeout = compiler.nonzero_duration(
         file,
         &inner.connect_timeout,

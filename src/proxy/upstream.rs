@@ -35,7 +35,7 @@ pub struct UpstreamSettings {
     pub idle_body_timeout: Duration,
     /// Default 90s.
     pub pool_idle_timeout: Duration,
-    /// Idle keep-alive connections kept per upstream. Default 256.
+    /// Idle keep-alive connections kept per upstream. Default 256; 0 for FastCGI.
     pub pool_max_idle: usize,
     /// Extra CA certificates (PEM) trusted for `https://` upstreams, besides the system's.
     pub ca_files: Vec<std::path::PathBuf>,

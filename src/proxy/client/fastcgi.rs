@@ -185,6 +185,7 @@ fn encode_begin(
     head: &[u8],
     settings: &FastCgiSettings,
     has_body: bool,
+    keep_connection: bool,
 ) -> Result<BytesMut, ClientError> {
     let mut fields = [httparse::EMPTY_HEADER; super::MAX_HEADERS];
     let mut parsed = httparse::Request::new(&mut fields);
@@ -294,7 +295,7 @@ fn encode_begin(
     let mut out = BytesMut::with_capacity(params.bytes.len() + 64);
     put_record_header(&mut out, BEGIN_REQUEST, 8);
     out.put_u16(RESPONDER);
-    out.put_u8(KEEP_CONN);
+    out.put_u8(if keep_connection { KEEP_CONN } else { 0 });
     out.put_slice(&[0; 5]);
     put_stream(&mut out, PARAMS, &params.bytes);
     put_record_header(&mut out, PARAMS, 0);
@@ -583,7 +584,9 @@ impl Client {
         let has_body = !body.is_end_stream();
         let head = encode_request_head(&parts, &body, &self.settings.authority, &from_client);
         drop(from_client);
-        let begin = encode_begin(&head.bytes, settings, has_body)?;
+        // Without room in the pool, php-fpm closes the connection itself after the answer.
+        let keep_connection = self.pool.max_idle > 0;
+        let begin = encode_begin(&head.bytes, settings, has_body, keep_connection)?;
         let target: Arc<str> = self.settings.address().into();
         let mut retried = false;
         let mut waited = has_body;
@@ -636,7 +639,13 @@ impl Client {
                         target,
                     };
                     return Ok(Answered {
-                        response: self.fastcgi_response(connection, head, body, &parts.method),
+                        response: self.fastcgi_response(
+                            connection,
+                            head,
+                            body,
+                            &parts.method,
+                            keep_connection,
+                        ),
                         relayed: None,
                         request_sent_at,
                     });
@@ -667,6 +676,7 @@ impl Client {
         head: CgiHead,
         body: FastCgiBody,
         method: &Method,
+        reusable: bool,
     ) -> Response<Incoming> {
         let mut response = Response::new(Incoming::empty());
         *response.status_mut() = head.status;
@@ -684,7 +694,7 @@ impl Client {
         let mut incoming = Incoming {
             connection: Some(connection),
             framing: Framing::FastCgi(Box::new(body)),
-            reusable: true,
+            reusable,
             pool: Some(self.pool.clone()),
             answers_head: *method == Method::HEAD,
         };
@@ -923,7 +933,7 @@ mod tests {
     #[test]
     fn fields_become_cgi_parameters_and_spoofable_names_are_dropped() {
         let head = b"POST /shop/cart.php/add?id=3 HTTP/1.1\r\nHost: shop.example:8443\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 4\r\nCookie: a=1\r\nCookie: b=2\r\nX_Real_IP: 6.6.6.6\r\nProxy: http://evil\r\nX-Real-IP: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n";
-        let begin = encode_begin(head, &settings(None), true).expect("encodes");
+        let begin = encode_begin(head, &settings(None), true, true).expect("encodes");
         // BEGIN_REQUEST (8 + 8), then the parameters' records.
         let mut params = BytesMut::new();
         let mut at = 16;
