@@ -209,15 +209,16 @@ fn encode_begin(
     // Fields first, joined by name (PHP keeps only the last of two equal parameters).
     let mut http_fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(parsed.headers.len());
     let (mut host, mut real_ip, mut https) = (None, None, false);
+    let (mut length, mut content_type) = (None, None);
     for field in parsed.headers.iter() {
         let name = field.name.as_bytes();
         let value = field.value;
         if name.eq_ignore_ascii_case(b"content-length") {
-            params.add(b"CONTENT_LENGTH", value);
+            length = Some(value);
             continue;
         }
         if name.eq_ignore_ascii_case(b"content-type") {
-            params.add(b"CONTENT_TYPE", value);
+            content_type = Some(value);
             continue;
         }
         if name.eq_ignore_ascii_case(b"transfer-encoding") {
@@ -249,6 +250,10 @@ fn encode_begin(
     for (name, value) in &http_fields {
         params.add(name, value);
     }
+    // Always set, empty when the request has none, as nginx's fastcgi_params do: a script
+    // that reads $_SERVER['CONTENT_TYPE'] unguarded gets no warning.
+    params.add(b"CONTENT_LENGTH", length.unwrap_or_default());
+    params.add(b"CONTENT_TYPE", content_type.unwrap_or_default());
     params.add(b"GATEWAY_INTERFACE", b"CGI/1.1");
     params.add(
         b"SERVER_SOFTWARE",
