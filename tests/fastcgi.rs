@@ -68,6 +68,13 @@ const BIG_PHP: &str = r#"<?php
 echo str_repeat('x', 2 * 1024 * 1024);
 "#;
 
+/// A download that says its length, as `readfile()` scripts do.
+const DOWNLOAD_PHP: &str = r#"<?php
+header('Content-Type: application/octet-stream');
+header('Content-Length: 300000');
+echo str_repeat('d', 300000);
+"#;
+
 const SLOW_PHP: &str = r#"<?php
 sleep(3);
 echo 'late';
@@ -115,6 +122,7 @@ impl Site {
             ("status.php", STATUS_PHP.to_string()),
             ("redirect.php", REDIRECT_PHP.to_string()),
             ("big.php", BIG_PHP.to_string()),
+            ("download.php", DOWNLOAD_PHP.to_string()),
             ("slow.php", SLOW_PHP.to_string()),
             ("upload.php", UPLOAD_PHP.to_string()),
             ("notify.php", NOTIFY_PHP.to_string()),
@@ -416,6 +424,12 @@ async fn php_status_headers_and_body_come_back_as_the_script_wrote_them() {
     assert_eq!(answer.status, 200);
     assert_eq!(answer.body.len(), 2 * 1024 * 1024);
     assert!(answer.body.iter().all(|byte| *byte == b'x'));
+
+    // The length the script gave reaches the client (a download's progress bar).
+    let answer = get(&levee.url("/download.php")).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("content-length"), Some("300000"));
+    assert_eq!(answer.body.len(), 300_000);
 
     let head = send(
         Request::head(levee.url("/echo.php"))

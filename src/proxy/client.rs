@@ -1488,6 +1488,9 @@ impl Body for Incoming {
     fn size_hint(&self) -> SizeHint {
         match self.framing {
             Framing::Length(remaining) => SizeHint::with_exact(remaining),
+            Framing::FastCgi(ref body) => body
+                .remaining()
+                .map_or_else(SizeHint::default, SizeHint::with_exact),
             Framing::Done if self.answers_head => SizeHint::default(),
             Framing::Done => SizeHint::with_exact(0),
             _ => SizeHint::default(),

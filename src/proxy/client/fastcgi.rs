@@ -23,8 +23,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
 use super::{
-    encode_request_head, is_idempotent, Answered, Client, ClientError, Connection, Framing,
-    Incoming, HEAD_READ_SIZE, MAX_HEAD_BYTES,
+    encode_request_head, is_idempotent, parse_content_length, Answered, Client, ClientError,
+    Connection, Framing, Incoming, HEAD_READ_SIZE, MAX_HEAD_BYTES,
 };
 use crate::log_throttle::LogThrottle;
 use crate::proxy::body::ResendableBody;
@@ -446,10 +446,18 @@ pub(super) struct FastCgiBody {
     first: Option<Bytes>,
     /// A response with no body (HEAD, 204, 304): the records are read and dropped.
     discard: bool,
+    /// What is left of the `Content-Length` the script set, if it set one: the client is
+    /// told that length (a download's progress), so the body must hold exactly that much.
+    remaining: Option<u64>,
     target: Arc<str>,
 }
 
 impl FastCgiBody {
+    /// The body's exact size still to come, when the script gave its length.
+    pub(super) fn remaining(&self) -> Option<u64> {
+        self.remaining.filter(|_| !self.discard)
+    }
+
     /// The next piece of body in `buffer`; `Ok(None)` when more must be read or, with
     /// `*ended` set, at `END_REQUEST`.
     pub(super) fn decode(
@@ -459,21 +467,36 @@ impl FastCgiBody {
     ) -> Result<Option<Bytes>, ClientError> {
         if let Some(first) = self.first.take() {
             if !self.discard {
-                return Ok(Some(first));
+                return self.counted(first).map(Some);
             }
         }
         loop {
             match self.reader.next(buffer)? {
                 Step::Stdout(piece) if self.discard || piece.is_empty() => {}
-                Step::Stdout(piece) => return Ok(Some(piece)),
+                Step::Stdout(piece) => return self.counted(piece).map(Some),
                 Step::Stderr(text) => log_stderr(&self.target, &text),
                 Step::End => {
+                    if let Some(short) = self.remaining().filter(|left| *left > 0) {
+                        return Err(ClientError::Protocol(format!(
+                            "php-fpm ended the answer {short} bytes short of its Content-Length"
+                        )));
+                    }
                     *ended = true;
                     return Ok(None);
                 }
                 Step::NeedMore => return Ok(None),
             }
         }
+    }
+
+    /// `piece`, counted against the length the script set.
+    fn counted(&mut self, piece: Bytes) -> Result<Bytes, ClientError> {
+        if let Some(left) = self.remaining.as_mut() {
+            *left = left.checked_sub(piece.len() as u64).ok_or_else(|| {
+                ClientError::Protocol("php-fpm sent more body than its Content-Length".into())
+            })?;
+        }
+        Ok(piece)
     }
 }
 
@@ -482,6 +505,8 @@ struct CgiHead {
     status: StatusCode,
     reason: Option<Bytes>,
     headers: HeaderMap,
+    /// The `Content-Length` the script set, when it is one number.
+    length: Option<u64>,
     received: Bytes,
 }
 
@@ -544,6 +569,15 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
             .map_err(|_| ClientError::UnpassableField(format!("invalid value of {name}")))?;
         headers.append(name, value);
     }
+    // A length the body is then held to; anything else is dropped (the answer goes chunked).
+    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
+    let length = match (lengths.next(), lengths.next()) {
+        (Some(value), None) => parse_content_length(value.as_bytes().trim_ascii()),
+        _ => None,
+    };
+    if length.is_none() {
+        headers.remove(header::CONTENT_LENGTH);
+    }
     // CGI (RFC 3875 6.2.3): a redirect without a status is a 302.
     let status = status.unwrap_or(if headers.contains_key(header::LOCATION) {
         StatusCode::FOUND
@@ -554,6 +588,7 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
         status,
         reason,
         headers,
+        length,
         received: head,
     }))
 }
@@ -641,6 +676,7 @@ impl Client {
                         reader,
                         first: (!rest.is_empty()).then(|| rest.freeze()),
                         discard,
+                        remaining: head.length,
                         target,
                     };
                     return Ok(Answered {
@@ -919,6 +955,54 @@ mod tests {
     }
 
     #[test]
+    fn a_body_is_held_to_the_length_the_script_gave() {
+        let body = |remaining| FastCgiBody {
+            reader: RecordReader::default(),
+            first: None,
+            discard: false,
+            remaining,
+            target: Arc::from("test"),
+        };
+        let stdout = |content: &[u8]| {
+            let mut wire = BytesMut::new();
+            put_stream(&mut wire, STDOUT, content);
+            wire
+        };
+        let end = || {
+            let mut wire = BytesMut::new();
+            put_record_header(&mut wire, END_REQUEST, 8);
+            wire.put_slice(&[0; 8]);
+            wire
+        };
+        let mut ended = false;
+
+        let mut exact = body(Some(4));
+        let mut wire = stdout(b"abcd");
+        wire.extend_from_slice(&end());
+        assert_eq!(exact.remaining(), Some(4));
+        let piece = exact
+            .decode(&mut wire, &mut ended)
+            .expect("within the length");
+        assert_eq!(piece.as_deref(), Some(&b"abcd"[..]));
+        assert_eq!(exact.remaining(), Some(0));
+        assert_eq!(exact.decode(&mut wire, &mut ended).expect("ends"), None);
+        assert!(ended);
+
+        let mut short = body(Some(10));
+        let mut wire = stdout(b"abcd");
+        wire.extend_from_slice(&end());
+        short.decode(&mut wire, &mut ended).expect("a piece");
+        let error = short.decode(&mut wire, &mut ended).expect_err("short");
+        assert!(error.to_string().contains("6 bytes short"), "{error}");
+
+        let mut long = body(Some(2));
+        let error = long
+            .decode(&mut stdout(b"abcd"), &mut ended)
+            .expect_err("long");
+        assert!(error.to_string().contains("more body"), "{error}");
+    }
+
+    #[test]
     fn a_cgi_head_sets_the_status_and_keeps_cookies_apart() {
         let mut stdout = BytesMut::from(
             &b"Location: /home.php\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nConnection: close\r\n\r\n"[..],
@@ -927,6 +1011,14 @@ mod tests {
         assert_eq!(head.status, StatusCode::FOUND);
         assert_eq!(head.headers.get_all(header::SET_COOKIE).iter().count(), 2);
         assert!(!head.headers.contains_key(header::CONNECTION));
+        assert_eq!(head.length, None);
+        let mut stdout = BytesMut::from(&b"Content-Length: 12\r\n\r\n"[..]);
+        let head = parse_cgi_head(&mut stdout).expect("valid").expect("whole");
+        assert_eq!(head.length, Some(12));
+        let mut stdout = BytesMut::from(&b"Content-Length: 1\r\nContent-Length: 2\r\n\r\n"[..]);
+        let head = parse_cgi_head(&mut stdout).expect("valid").expect("whole");
+        assert_eq!(head.length, None);
+        assert!(!head.headers.contains_key(header::CONTENT_LENGTH));
         let mut stdout = BytesMut::from(&b"Status: 418 Short And Stout\r\n\r\n"[..]);
         let head = parse_cgi_head(&mut stdout).expect("valid").expect("whole");
         assert_eq!(head.status.as_u16(), 418);
