@@ -5,6 +5,8 @@
 # loopback, and drives each with the same wrk load. Every proxy gets the same CPU budget
 # (one worker/thread pinned to PROXY_CPUS); wrk, the backend and Redis share the other
 # core(s), so the proxy alone owns its core and the backend's cost is identical in every case.
+# The fastcgi section puts nginx (fastcgi_pass) and levee (a fastcgi:// upstream) in front of
+# one php-fpm pool instead, pinned where the backend is, under the same load and CPU budget.
 #
 #   bench/run.sh            full run: DURATION s per round (default 10), ROUNDS rounds (3), median
 #   bench/run.sh --smoke    every case ~2 s, 1 round; exit status 1 only when something is broken
@@ -26,8 +28,13 @@
 #   PAIR_RUNS [6]  PAIR_DURATION [5]  the paired runs behind the req/s targets: each pair of
 #        cases a target compares (4/2, 4/3, 5c/4, 6/8b) runs back to back that many times, for
 #        that many seconds each, and the target is the median of the per-pair ratios
+#   FPM_CHILDREN [2 × CONNECTIONS]  the fastcgi section's php-fpm pool (pm = static): a kept
+#        FastCGI connection holds one child until the proxy closes it, and the two proxies there
+#        keep up to twice CONNECTIONS open between them; fewer children leave requests waiting
+#   PHP_FPM [php-fpm8.2]  the fastcgi section is skipped, and says so, when it is missing
 #   ONLY ["" = everything]  space-separated case ids and/or sections to run, e.g. ONLY="4 5b reload"
-#        (sections: pairs, idle, conns, reload, reload-load, limiter-rate, limiter-latency, queue)
+#        (sections: pairs, idle, conns, reload, reload-load, limiter-rate, limiter-latency, queue,
+#        fastcgi)
 #
 # Slots: a levee case that needs a policy feature (slot_case) runs only when `levee check`
 # accepts its policy template; otherwise the report says "not yet available" with levee's
@@ -74,6 +81,11 @@ else
 	PAIR_RUNS=${PAIR_RUNS:-6} PAIR_DURATION=${PAIR_DURATION:-5}
 fi
 CONNECTIONS=${CONNECTIONS:-64}
+# The fastcgi section's php-fpm pool. A kept FastCGI connection holds its php-fpm child until
+# the proxy closes it, and both proxies stay up side by side: the levee that waits keeps its
+# CONNECTIONS connections pooled while nginx opens as many, and nginx keeps 32 while levee runs.
+FPM_CHILDREN=${FPM_CHILDREN:-$((2 * CONNECTIONS))}
+PHP_FPM=${PHP_FPM:-php-fpm8.2}
 WRK_THREADS=${WRK_THREADS:-1}
 PROXY_CPUS=${PROXY_CPUS:-0}
 LOAD_CPUS=${LOAD_CPUS:-1}
@@ -1106,6 +1118,114 @@ queue_load() { # full|paced COMMAND ARGS...: COMMAND under the queue section's w
 }
 
 # ---------------------------------------------------------------------------------------------
+# FastCGI section: nginx fastcgi_pass and levee's fastcgi:// upstream in front of one php-fpm
+# ---------------------------------------------------------------------------------------------
+FASTCGI_SKIP='' FPM_VERSION='' FPM_OPCACHE='' FPM_PIDS=''
+declare -A FPM_TICKS=() FPM_ROUND_PCT=() FPM_CORE_ROUND_PCT=() # per case: php-fpm's CPU and its core's busy time
+
+# fastcgi_round ID ROUND: measure_round, plus what php-fpm and its core(s) did meanwhile.
+# php-fpm is likely what sets the pace here (PHP's work per request is larger than a proxy's,
+# and its core is shared with wrk), so the report needs to show how busy that core was.
+fastcgi_round() {
+	local id=$1 f0 f1 c0 c1 w0 w1
+	# shellcheck disable=SC2086 # space-separated pid and core lists
+	{
+		f0=$(cpu_ticks $FPM_PIDS) c0=$(core_busy $FPM_CORES) w0=$(now_us)
+		measure_round "$id" "$2" || return 1
+		f1=$(cpu_ticks $FPM_PIDS) c1=$(core_busy $FPM_CORES) w1=$(now_us)
+	}
+	FPM_TICKS[$id]=$((${FPM_TICKS[$id]:-0} + f1 - f0))
+	FPM_ROUND_PCT[$id]+=" $(calc "printf \"%.0f\", 100 * ($f1 - $f0) / (($w1 - $w0) / 1e6 * $CLK_TCK * $FPM_NCORES)")"
+	FPM_CORE_ROUND_PCT[$id]+=" $(calc "printf \"%.0f\", 100 * ($c1 - $c0) / (($w1 - $w0) / 1e6 * $CLK_TCK * $FPM_NCORES)")"
+}
+
+section_fastcgi() { # nginx fastcgi_pass and levee fastcgi://, side by side, to one php-fpm
+	local dir=$TMP/fastcgi port user id round url fpm_pid
+	local -A pid_of=() url_of=()
+	log "section: FastCGI, nginx fastcgi_pass and levee fastcgi:// in front of one php-fpm"
+	if ! command -v "$PHP_FPM" >/dev/null; then
+		FASTCGI_SKIP="not run: $PHP_FPM is not installed (Debian package php-fpm)"
+		warn "fastcgi: $FASTCGI_SKIP"
+		return
+	fi
+	mkdir -p "$dir/www/shop" "$dir/nginx"
+	render_policy check-fastcgi fastcgi.toml.tmpl 1 2 FPM_PORT=3 FPM_ROOT="$dir/www" || {
+		broken "fastcgi: the levee policy did not render"
+		return
+	}
+	if ! check_policy "$TMP/policies/check-fastcgi"; then
+		FASTCGI_SKIP="not yet available: $SLOT_REASON"
+		log "fastcgi: $FASTCGI_SKIP"
+		return
+	fi
+	# The 1 KiB answer of the other cases, at the path they ask for. opcache.php tells what
+	# opcache does in the workers themselves (`php-fpm -i` shows the ini, not the pool's state).
+	printf '%s\n' "<?php header('Content-Type: text/plain'); echo str_repeat('x', 1024);" >"$dir/www/shop/cart.php"
+	printf '%s\n' "<?php header('Content-Type: text/plain');" \
+		"\$s = function_exists('opcache_get_status') ? opcache_get_status(false) : false;" \
+		"printf('opcache.enable=%s, opcache in use: %s, JIT: %s', ini_get('opcache.enable') ?: '0'," \
+		"	(\$s && \$s['opcache_enabled']) ? 'yes' : 'no', (\$s && !empty(\$s['jit']['on'])) ? 'on' : 'off');" \
+		>"$dir/www/opcache.php"
+	chmod -R a+rX "$dir" # php-fpm's and nginx's workers run unprivileged when started as root
+	user="; not root: the workers run as the harness's own user"
+	((EUID != 0)) || user=$'user = www-data\ngroup = www-data' # php-fpm runs no worker as root
+	take_port FPM_PORT
+	render "$CONF/php-fpm.conf.tmpl" "$dir/php-fpm.conf" DIR="$dir" PORT="$FPM_PORT" CHILDREN="$FPM_CHILDREN" USER="$user" || {
+		broken "fastcgi: php-fpm's configuration did not render"
+		return
+	}
+	taskset -c "$BACKEND_CPUS" "$PHP_FPM" -F -y "$dir/php-fpm.conf" >"$dir/stdout.log" 2>&1 &
+	if ! started "php-fpm" $! "$dir/php-fpm.log" "$FPM_PORT"; then
+		broken "fastcgi: php-fpm did not start"
+		return
+	fi
+	fpm_pid=$LAST_PID
+	FPM_VERSION=$("$PHP_FPM" -v | head -n1 | sed 's/ (fpm-fcgi).*//; s/ (built.*//')
+
+	take_port port
+	render "$CONF/fastcgi-nginx.conf.tmpl" "$dir/nginx/nginx.conf" DIR="$dir/nginx" PORT="$port" \
+		FPM_PORT="$FPM_PORT" ROOT="$dir/www" || broken "fastcgi: nginx's configuration did not render"
+	taskset -c "$PROXY_CPUS" nginx -c "$dir/nginx/nginx.conf" -p "$dir/nginx/" -e "$dir/nginx/error.log" \
+		-g 'daemon off;' >"$dir/nginx/stdout.log" 2>&1 &
+	if started "nginx (fastcgi)" $! "$dir/nginx/error.log" "$port"; then
+		pid_of[fcgi-nginx]=$LAST_PID url_of[fcgi-nginx]=http://127.0.0.1:$port$REQUEST_PATH
+	else
+		broken "fastcgi: nginx did not start"
+	fi
+	if start_levee_section fastcgi fastcgi.toml.tmpl FPM_PORT="$FPM_PORT" FPM_ROOT="$dir/www"; then
+		pid_of[fcgi-levee]=$SEC_PID url_of[fcgi-levee]=http://127.0.0.1:$SEC_PORT$REQUEST_PATH
+	else
+		broken "fastcgi: levee did not start"
+	fi
+	LABEL[fcgi-nginx]="nginx fastcgi_pass, keepalive 32" LABEL[fcgi-levee]="levee fastcgi://"
+	for id in fcgi-nginx fcgi-levee; do
+		[[ -n ${pid_of[$id]:-} ]] || continue
+		url=${url_of[$id]}
+		if ! probe "$url" 1024; then
+			broken "fastcgi: ${LABEL[$id]}: $PROBE_ERROR"
+			continue
+		fi
+		[[ -n $FPM_OPCACHE ]] || FPM_OPCACHE=$(curl -s --max-time 5 "${url%"$REQUEST_PATH"}/opcache.php") || FPM_OPCACHE=
+		log "  ${LABEL[$id]}: warm-up"
+		warm_up "$id" "${pid_of[$id]}" "$url" 1 || true
+	done
+	FPM_PIDS=$(descendants "$fpm_pid") # after the warm-ups: the master and its children
+	# Both proxies stay up side by side (the idle one waits, using nothing), and their rounds
+	# alternate as in the limiter-latency section, so a slow spell lands on both.
+	for ((round = 1; round <= ROUNDS; round++)); do
+		for id in $( ((round % 2)) && echo fcgi-nginx fcgi-levee || echo fcgi-levee fcgi-nginx); do
+			[[ ${STATUS[$id]:-} == warm ]] || continue
+			fastcgi_round "$id" "$round" || true
+		done
+	done
+	for id in fcgi-nginx fcgi-levee; do
+		[[ ${STATUS[$id]:-} != warm ]] || finish_measure "$id"
+		[[ -z ${pid_of[$id]:-} ]] || stop_pid "${pid_of[$id]}"
+	done
+	stop_pid "$fpm_pid"
+}
+
+# ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
 REPORT=
@@ -1416,6 +1536,55 @@ report_queue() {
 	noisy_note queue-0-full queue-1-full queue-0-paced queue-1-paced
 }
 
+fastcgi_row() { # ID: a row of the FastCGI table
+	local id=$1 fpm_cpu
+	if [[ ${STATUS[$id]:-} != ok ]]; then
+		out "| ${LABEL[$id]} | ${STATUS[$id]:-failed} (see Broken) | | | | | | | | | |"
+		return
+	fi
+	fpm_cpu=$(calc "if (${REQS[$id]} > 0) printf \"%.2f\", ${FPM_TICKS[$id]:-0} / $CLK_TCK / ${REQS[$id]} * 100000")
+	out "| ${LABEL[$id]} | $(printf '%.0f' "${RPS[$id]}") | $(ms "${P50[$id]}") | $(ms "${P99[$id]}") | $(ms "${P999[$id]}") | ${ERR[$id]} | ${CPU[$id]} | $(mib "${HWM[$id]}") | ${OTHER[$id]}% | $fpm_cpu | ${FCGI_CORE_BUSY[$id]}% (php-fpm ${FCGI_FPM_BUSY[$id]}%) |"
+}
+
+declare -A FCGI_CORE_BUSY=() FCGI_FPM_BUSY=() # per case: medians of the rounds' busy shares
+
+report_fastcgi() {
+	wanted fastcgi || return 0
+	local id a=fcgi-levee b=fcgi-nginx paired p99_ratio wins rounds
+	out ""
+	out "## FastCGI: php-fpm behind nginx fastcgi_pass and behind levee"
+	out ""
+	if [[ -n $FASTCGI_SKIP ]]; then
+		out "${FASTCGI_SKIP^}."
+		return 0
+	fi
+	for id in "$b" "$a"; do
+		[[ ${STATUS[$id]:-} == ok ]] || continue
+		# shellcheck disable=SC2086 # space-separated lists of numbers
+		FCGI_CORE_BUSY[$id]=$(median ${FPM_CORE_ROUND_PCT[$id]}) FCGI_FPM_BUSY[$id]=$(median ${FPM_ROUND_PCT[$id]})
+	done
+	out "One php-fpm pool (${FPM_VERSION:-$PHP_FPM}, \`pm = static\`, $FPM_CHILDREN children, \`conf/php-fpm.conf.tmpl\`) on CPU $BACKEND_CPUS runs a script that answers 1 KiB (\`header('Content-Type: text/plain'); echo str_repeat('x', 1024);\`) at $REQUEST_PATH. In front of it, on CPU $PROXY_CPUS with one worker: nginx as the PHP vhost (\`conf/fastcgi-nginx.conf.tmpl\`: \`fastcgi_pass\` to an upstream with \`keepalive 32\`, \`fastcgi_keep_conn on\`, Debian's \`fastcgi_params\`, \`SCRIPT_FILENAME \$document_root\$fastcgi_script_name\`), and levee with a \`fastcgi://\` upstream, pass-through (\`policies/fastcgi.toml.tmpl\`). wrk -t $WRK_THREADS -c $CONNECTIONS -d ${DURATION}s on CPU $LOAD_CPUS, ${WARMUP} s warm-up, $ROUNDS round(s), the two proxies' rounds alternating, median. php-fpm's opcache as the distribution sets it: ${FPM_OPCACHE:-unknown} (from a script in the pool)."
+	out ""
+	out "| proxy | req/s | p50 | p99 | p99.9 | errors | proxy CPU s / 100k req | proxy peak RSS | other load on proxy core | php-fpm CPU s / 100k req | php-fpm's core busy (php-fpm's own share) |"
+	out "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+	fastcgi_row "$b"
+	fastcgi_row "$a"
+	[[ ${STATUS[$a]:-} == ok && ${STATUS[$b]:-} == ok ]] || return 0
+	out "| levee / nginx | $(ratio "${RPS[$a]}" "${RPS[$b]}") | $(ratio "${P50[$a]}" "${P50[$b]}") | $(ratio "${P99[$a]}" "${P99[$b]}") | $(ratio "${P999[$a]}" "${P999[$b]}") | | $(ratio "${CPU[$a]}" "${CPU[$b]}") | $(ratio "${HWM[$a]}" "${HWM[$b]}") | | | |"
+	out ""
+	local p99_text=
+	if paired=$(paired_p99 "$a" "$b"); then
+		read -r p99_ratio wins rounds <<<"$paired"
+		p99_text=" (median of the per-round ratios $(printf '%.2f×' "$p99_ratio"); levee's p99 was at most nginx's in $wins of $rounds rounds)"
+	fi
+	out "- levee / nginx: req/s $(ratio "${RPS[$a]}" "${RPS[$b]}"), p99 $(ratio "${P99[$a]}" "${P99[$b]}")$p99_text, proxy CPU per request $(ratio "${CPU[$a]}" "${CPU[$b]}") (below 1× levee spends less of its core on a request than nginx)."
+	local core="CPU $BACKEND_CPUS" rest="other processes"
+	[[ $LOAD_CPUS != "$BACKEND_CPUS" ]] || core+=", which wrk shares" rest="wrk"
+	out "- php-fpm's core ($core) was ${FCGI_CORE_BUSY[$b]}% busy behind nginx and ${FCGI_CORE_BUSY[$a]}% behind levee; php-fpm itself used ${FCGI_FPM_BUSY[$b]}% and ${FCGI_FPM_BUSY[$a]}% of it (medians of rounds), the rest is $rest. Near 100% that core sets the pace for both proxies, req/s and latency say more about it than about the proxy, and the proxy CPU per request is the figure that compares the two."
+	out "- php-fpm CPU per request differs behind the two only by what each proxy sends it (the parameters, and how the records are cut); the pool is sized for every FastCGI connection both proxies keep open at once (a kept connection holds its child until the proxy closes it: with fewer children than connections, requests wait behind a busy child until wrk's timeout)."
+	noisy_note "$b" "$a"
+}
+
 report_targets() {
 	out ""
 	out "## Targets"
@@ -1488,6 +1657,8 @@ PROXY_NCORES=$(wc -w <<<"$PROXY_CORES")
 LOAD_CORES=$(printf '%s\n' $(expand_cpus "$LOAD_CPUS") $(expand_cpus "$BACKEND_CPUS") | sort -un | tr '\n' ' ')
 LOAD_NCORES=$(wc -w <<<"$LOAD_CORES")
 LOAD_CORES_TEXT=$(tr ' ' ',' <<<"${LOAD_CORES% }")
+FPM_CORES=$(expand_cpus "$BACKEND_CPUS") # php-fpm's, in the fastcgi section
+FPM_NCORES=$(wc -w <<<"$FPM_CORES")
 
 # 5,000 idle clients need 5,000 descriptors in the client and twice that in levee.
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
@@ -1497,8 +1668,8 @@ chmod 755 "$TMP" # nginx workers run unprivileged when started as root and read 
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-mapfile -t PORT_POOL < <(python3 "$LIB/free_ports.py" 40) || die "cannot find free ports"
-((${#PORT_POOL[@]} == 40)) || die "cannot find free ports"
+mapfile -t PORT_POOL < <(python3 "$LIB/free_ports.py" 48) || die "cannot find free ports"
+((${#PORT_POOL[@]} == 48)) || die "cannot find free ports"
 take_port PORT_BACKEND
 take_port PORT_REDIS
 
@@ -1554,12 +1725,14 @@ wanted reload-load && section_reload_load
 wanted limiter-rate && section_limiter_rate
 wanted limiter-latency && section_limiter_latency
 wanted queue && section_queue
+wanted fastcgi && section_fastcgi
 
 report_header
 report_cases
 report_sections
 report_limiter
 report_queue
+report_fastcgi
 report_pairs
 report_targets
 if ((${#BROKEN[@]})); then
