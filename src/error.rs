@@ -55,6 +55,11 @@ pub enum ProxyError {
     ClientBodyTimeout { after: Duration },
     #[error("no route matches this request and no default upstream is set")]
     NoRoute,
+    /// A FastCGI upstream's path that names no `.php` script, with no front controller.
+    #[error(
+        "`{0}` names no PHP script (levee serves no files; the upstream has no front_controller)"
+    )]
+    NoScript(String),
     #[error("upstream `{upstream}` could not be reached: {reason}")]
     UpstreamConnect { upstream: String, reason: String },
     #[error("upstream `{upstream}` did not answer within {after:?}")]
@@ -101,7 +106,7 @@ impl ProxyError {
             ProxyError::TargetTooLong { .. } => StatusCode::URI_TOO_LONG,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ProxyError::NoRoute => StatusCode::NOT_FOUND,
+            ProxyError::NoRoute | ProxyError::NoScript(_) => StatusCode::NOT_FOUND,
             ProxyError::UpstreamConnect { .. } | ProxyError::UpstreamFailed { .. } => {
                 StatusCode::BAD_GATEWAY
             }
@@ -127,6 +132,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge { .. } => "body_too_large",
             ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
             ProxyError::NoRoute => "no_route",
+            ProxyError::NoScript(_) => "no_script",
             ProxyError::UpstreamConnect { .. } => "connect",
             ProxyError::UpstreamTimeout { .. } => "timeout",
             ProxyError::UpstreamFailed { .. } => "failed",
@@ -147,7 +153,8 @@ impl ProxyError {
             | ProxyError::TargetTooLong { .. }
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::ClientBodyTimeout { .. }
-            | ProxyError::NoRoute => ErrorSide::Client,
+            | ProxyError::NoRoute
+            | ProxyError::NoScript(_) => ErrorSide::Client,
             ProxyError::UpstreamConnect { .. }
             | ProxyError::UpstreamTimeout { .. }
             | ProxyError::UpstreamFailed { .. } => ErrorSide::Upstream,

@@ -68,6 +68,26 @@ const BIG_PHP: &str = r#"<?php
 echo str_repeat('x', 2 * 1024 * 1024);
 "#;
 
+/// Writes most of its answer before it reads its input (as an error page may).
+const EARLY_PHP: &str = r#"<?php
+echo str_repeat('e', 700000);
+$input = file_get_contents('php://input');
+echo "\n", strlen($input);
+"#;
+
+/// A protected download handed to the web server in front, which levee is not.
+const ACCEL_PHP: &str = r#"<?php
+header('X-Accel-Redirect: /protected/report.pdf');
+header('X-Sendfile: /srv/private/report.pdf');
+echo 'see the file';
+"#;
+
+/// An interim status, which a CGI answer cannot be.
+const INTERIM_PHP: &str = r#"<?php
+header('Status: 101 Switching Protocols');
+echo 'switched?';
+"#;
+
 /// A download that says its length, as `readfile()` scripts do.
 const DOWNLOAD_PHP: &str = r#"<?php
 header('Content-Type: application/octet-stream');
@@ -123,6 +143,9 @@ impl Site {
             ("redirect.php", REDIRECT_PHP.to_string()),
             ("big.php", BIG_PHP.to_string()),
             ("download.php", DOWNLOAD_PHP.to_string()),
+            ("early.php", EARLY_PHP.to_string()),
+            ("interim.php", INTERIM_PHP.to_string()),
+            ("accel.php", ACCEL_PHP.to_string()),
             ("slow.php", SLOW_PHP.to_string()),
             ("upload.php", UPLOAD_PHP.to_string()),
             ("notify.php", NOTIFY_PHP.to_string()),
@@ -359,14 +382,17 @@ async fn path_info_directory_indexes_and_traversal_stay_under_the_root() {
         assert_eq!(filename, site.file("/echo.php"), "{target}");
     }
 
-    // No script named and no front controller: php-fpm itself refuses the path.
-    let answer = get(&levee.url("/about")).await;
-    assert!(
-        matches!(answer.status, 403 | 404),
-        "{} {}",
-        answer.status,
-        answer.text()
-    );
+    // No script named and no front controller: nginx's `location ~ \.php$` would not have
+    // passed it to php-fpm, and levee does not either.
+    for path in ["/about", "/uploads/avatar.jpg"] {
+        let answer = get(&levee.url(path)).await;
+        assert_eq!(answer.status, 404, "{}", answer.text());
+        assert!(
+            answer.text().contains("names no PHP script"),
+            "{}",
+            answer.text()
+        );
+    }
 
     // A NUL would cut SCRIPT_FILENAME short (`echo.php%00.txt` running echo.php): refused.
     let answer = get(&levee.url("/echo.php%00.txt")).await;
@@ -386,10 +412,13 @@ async fn a_front_controller_runs_every_path_that_names_no_script() {
     assert_eq!(php["script_filename"], site.file("/index.php"));
     assert_eq!(php["get"]["x"], "1");
 
-    // A directory is no script either: the front controller wins over the directory index.
+    // A directory whose index exists runs it (WordPress's /wp-admin/); one that does not
+    // exists only in the app's routes (a permalink), and runs the front controller.
     let php = get_json(&levee, "/sub/").await;
+    assert_eq!(php["which"], "sub");
+    let php = get_json(&levee, "/2026/12/hello/").await;
     assert_eq!(php["which"], "index");
-    assert_eq!(php["uri"], "/sub/");
+    assert_eq!(php["uri"], "/2026/12/hello/");
 
     let php = get_json(&levee, "/echo.php").await;
     assert_eq!(php["which"], "echo");
@@ -399,7 +428,8 @@ async fn a_front_controller_runs_every_path_that_names_no_script() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn php_status_headers_and_body_come_back_as_the_script_wrote_them() {
     let site = Site::start().await;
-    let levee = site.levee("", "").await;
+    // Connections kept, so that the checks below also show them still good after each answer.
+    let levee = site.levee("", "pool_max_idle = 4").await;
 
     let answer = get(&levee.url("/status.php")).await;
     assert_eq!(answer.status, 404, "{}", answer.text());
@@ -424,6 +454,14 @@ async fn php_status_headers_and_body_come_back_as_the_script_wrote_them() {
     assert_eq!(answer.status, 200);
     assert_eq!(answer.body.len(), 2 * 1024 * 1024);
     assert!(answer.body.iter().all(|byte| *byte == b'x'));
+
+    // A file handed to the web server in front: levee serves none, and a front nginx must
+    // not act on the field in its own locations.
+    let answer = get(&levee.url("/accel.php")).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("x-accel-redirect"), None);
+    assert_eq!(answer.header("x-sendfile"), None);
+    assert_eq!(answer.text(), "see the file");
 
     // The length the script gave reaches the client (a download's progress bar).
     let answer = get(&levee.url("/download.php")).await;
@@ -454,6 +492,8 @@ async fn header_names_php_could_mistake_for_levee_s_own_are_dropped() {
 
     let request = Request::get(levee.url("/echo.php"))
         .header("x_real_ip", "6.6.6.6")
+        .header("x.forwarded.proto", "https")
+        .header("x-forwarded.for", "6.6.6.6")
         .header("proxy", "http://evil.example")
         .body(empty())
         .expect("request");
@@ -461,6 +501,10 @@ async fn header_names_php_could_mistake_for_levee_s_own_are_dropped() {
     assert_ne!(php["x_real_ip"], "6.6.6.6", "{php}");
     assert_eq!(php["x_real_ip"], "127.0.0.1", "{php}");
     assert_eq!(php["x_real_ip"], php["remote_addr"], "{php}");
+    // PHP reads `.` as `_` too: dotted names would pass for levee's own fields.
+    assert_eq!(php["x_forwarded_proto"], "http", "{php}");
+    assert_eq!(php["x_forwarded_for"], "127.0.0.1", "{php}");
+    assert_ne!(php["https"], "on", "{php}");
     assert_ne!(php["http_proxy"], "http://evil.example", "{php}");
     // php-fpm (clear_env = no) passes its own environment into $_SERVER, and it inherits
     // ours: only without an HTTP_PROXY here must PHP have none at all.
@@ -487,7 +531,9 @@ async fn php_fpm_down_is_a_502_not_a_hang() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_script_slower_than_the_response_timeout_is_a_504() {
     let site = Site::start().await;
-    let levee = site.levee("", "response_timeout = \"500ms\"").await;
+    let levee = site
+        .levee("", "response_timeout = \"500ms\"\npool_max_idle = 4")
+        .await;
 
     let answer = tokio::time::timeout(Duration::from_secs(10), get(&levee.url("/slow.php")))
         .await
@@ -665,6 +711,88 @@ fn check_refuses_a_relative_socket() {
     );
     assert!(
         printed.contains("levee.toml:5:10: error: socket `php.sock` is not an absolute path"),
+        "{printed}"
+    );
+}
+
+/// Parameters over one record's 64 KiB are split between whole pairs (php-fpm drops the
+/// connection on a pair cut in two, which any visitor could have used to open the breaker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_parameters_fill_several_records_is_answered() {
+    let site = Site::start().await;
+    let levee = site.levee("", "").await;
+    let query = format!("q={}", "a".repeat(30_000));
+    for _ in 0..6 {
+        let request = Request::get(levee.url(&format!("/echo.php?{query}")))
+            .header("x-padding", "p".repeat(20_000))
+            .body(empty())
+            .expect("request");
+        let php = php_json(request).await;
+        assert_eq!(php["query_string"], query.as_str());
+    }
+}
+
+/// A script that writes before it reads its input gets its input, however large: levee
+/// reads php-fpm's output while the body is still going out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_that_answers_before_reading_a_large_body_gets_it_all() {
+    let site = Site::start().await;
+    let levee = site.levee("", "response_timeout = \"5s\"").await;
+    let body = vec![b'b'; 4 * 1024 * 1024];
+    let request = Request::put(levee.url("/early.php"))
+        .body(full(body))
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(answer.body.len(), 700_000 + 1 + "4194304".len());
+    assert!(answer.text().ends_with("\n4194304"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interim_cgi_status_is_refused_without_opening_the_breaker() {
+    let site = Site::start().await;
+    let levee = site
+        .levee("", "breaker = { consecutive_failures = 2 }")
+        .await;
+    for _ in 0..4 {
+        let answer = get(&levee.url("/interim.php")).await;
+        assert_eq!(answer.status, 502, "{}", answer.text());
+        assert!(
+            answer.text().contains("not a final HTTP status"),
+            "{}",
+            answer.text()
+        );
+    }
+    // The page's own doing: php-fpm is still served.
+    assert_eq!(get_json(&levee, "/echo.php").await["which"], "echo");
+}
+
+/// php-fpm not listening: a write to a queue route is stored (202) instead of the 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_is_queued_while_php_fpm_is_down() {
+    let mut site = Site::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let rest = format!(
+        "[redis]\nurl = \"{redis}\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\ntier = 2\ndegrade = {{ action = \"queue\" }}\n",
+        redis = redis.url()
+    );
+    let levee = site.levee("", &rest).await;
+    site.php = None;
+    let answer = post(&levee.url("/notify.php"), "n=1").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    assert!(answer.header("x-levee-job").is_some());
+    // A read has no queue to go to.
+    assert_eq!(get(&levee.url("/echo.php")).await.status, 502);
+}
+
+#[test]
+fn check_refuses_tls_over_a_unix_socket() {
+    let printed = check_fails(
+        "[server]\ndefault_upstream = \"app\"\n[upstream.app]\nurl = \"https://app.internal\"\nsocket = \"/run/app.sock\"\n",
+    );
+    assert!(
+        printed.contains("levee.toml:5:10: error: levee speaks no TLS over a unix socket"),
         "{printed}"
     );
 }

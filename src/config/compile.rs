@@ -2984,6 +2984,10 @@ fn compile_fastcgi(
             );
             String::new()
         }
+        Some(root) if root.get_ref().contains('\0') => {
+            compiler.error(file, root.span(), "root holds a NUL byte");
+            String::new()
+        }
         Some(root) if !root.get_ref().starts_with('/') => {
             compiler.error_hint(
                 file,
@@ -2997,7 +3001,10 @@ fn compile_fastcgi(
     };
     let index = match &settings.index {
         None => "index.php".to_string(),
-        Some(index) if index.get_ref().is_empty() || index.get_ref().contains(['/', '\0']) => {
+        Some(index)
+            if matches!(index.get_ref().as_str(), "" | "." | "..")
+                || index.get_ref().contains(['/', '\0']) =>
+        {
             compiler.error_hint(
                 file,
                 index.span(),
@@ -3043,7 +3050,7 @@ fn compile_fastcgi(
                     file,
                     table.span(),
                     format!("`{param}` cannot be a FastCGI parameter with that value"),
-                    "names are letters, digits and _ (like APP_ENV); values hold no NUL byte",
+                    "a name is printable ASCII without spaces or = (like APP_ENV); a value holds no NUL byte",
                 );
             }
         }
@@ -3193,10 +3200,7 @@ fn compile_upstream(
     );
     let socket = match &inner.socket {
         None => None,
-        Some(path) if path.get_ref().starts_with('/') => {
-            Some(std::path::PathBuf::from(path.get_ref()))
-        }
-        Some(path) => {
+        Some(path) if !path.get_ref().starts_with('/') => {
             compiler.error_hint(
                 file,
                 path.span(),
@@ -3205,6 +3209,33 @@ fn compile_upstream(
             );
             None
         }
+        // The kernel's limit (sun_path): a longer path could never be connected to.
+        Some(path) if path.get_ref().len() > 107 => {
+            compiler.error_hint(
+                file,
+                path.span(),
+                format!(
+                    "socket path is {} bytes, over the 107 a unix socket's can be",
+                    path.get_ref().len()
+                ),
+                "use a shorter path (a link to the socket's directory will do)",
+            );
+            None
+        }
+        Some(path)
+            if address
+                .as_ref()
+                .is_some_and(|(scheme, _)| *scheme == Scheme::HTTPS) =>
+        {
+            compiler.error_hint(
+                file,
+                path.span(),
+                "levee speaks no TLS over a unix socket",
+                "use url = \"http://…\" with the socket (the traffic never leaves the machine), or an https:// url without one",
+            );
+            None
+        }
+        Some(path) => Some(std::path::PathBuf::from(path.get_ref())),
     };
     let (scheme, authority) = address?;
     let fastcgi = fastcgi.ok()?;

@@ -46,7 +46,7 @@ use super::upstream_fields::{FieldLines, UpstreamFields};
 use crate::error::BoxError;
 
 mod fastcgi;
-pub use fastcgi::FastCgiSettings;
+pub use fastcgi::{FastCgiSettings, Unsendable};
 
 /// Most header fields accepted in a response head. nginx counts none: a PHP page may set a
 /// few hundred cookies, and refusing the answer would be levee's failure, not the app's.
@@ -120,10 +120,9 @@ pub enum ClientError {
     /// answered as that failure, but the first try may have reached the app.
     #[error("{0} (sent again after a pooled connection closed)")]
     Resent(Box<ClientError>),
-    /// The request cannot be put to the upstream as it is (a path that names no script a
-    /// FastCGI upstream could run): the client's fault, answered 400.
+    /// The request cannot be put to a FastCGI upstream as it is: the client's doing.
     #[error("{0}")]
-    BadTarget(String),
+    Unsendable(#[from] Unsendable),
 }
 
 impl ClientError {
@@ -133,7 +132,7 @@ impl ClientError {
     pub fn is_upstream_failure(&self) -> bool {
         !matches!(
             self,
-            ClientError::UnpassableField(_) | ClientError::BadTarget(_)
+            ClientError::UnpassableField(_) | ClientError::Unsendable(_)
         )
     }
 

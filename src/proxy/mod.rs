@@ -1155,8 +1155,23 @@ fn classify_client_error(
     if let Some(error) = classify_body_error(route, client_body_timeout, error) {
         return error;
     }
-    if let client::ClientError::BadTarget(reason) = error {
-        return ProxyError::BadRequest(reason.clone());
+    if let client::ClientError::Unsendable(refusal) = error {
+        return match refusal {
+            client::Unsendable::NulInPath => ProxyError::BadRequest(refusal.to_string()),
+            client::Unsendable::NoScript(path) => ProxyError::NoScript(path.clone()),
+            client::Unsendable::TooLong {
+                size,
+                limit,
+                in_target: false,
+                ..
+            } => ProxyError::HeadersTooLarge {
+                size: *size,
+                limit: *limit,
+            },
+            client::Unsendable::TooLong { limit, .. } => {
+                ProxyError::TargetTooLong { limit: *limit }
+            }
+        };
     }
     if let client::ClientError::ResponseTimeout(after) = error {
         return ProxyError::UpstreamTimeout {

@@ -11,7 +11,10 @@
 //! it, up to the request's `END_REQUEST`. What the script writes to `STDERR` (PHP's warnings,
 //! `error_log()`) is logged, as nginx does.
 
+use std::future::Future as _;
+use std::io;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -19,7 +22,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::Body as _;
 use http_body_util::BodyExt as _;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite};
 use tokio::time::Instant;
 
 use super::{
@@ -66,15 +69,41 @@ pub struct FastCgiSettings {
     pub params: Vec<(String, String)>,
 }
 
-/// The script a path runs: (`SCRIPT_NAME`, `PATH_INFO`), or `None` for a path that cannot be
-/// given to PHP (a NUL byte, which would cut the file name short).
+/// Why a request cannot be put to php-fpm: the client's doing, answered without asking it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unsendable {
+    /// A NUL byte would cut `SCRIPT_FILENAME` short (`/a.php%00.jpg`).
+    #[error("a NUL byte in the path cannot name a PHP script")]
+    NulInPath,
+    /// Not a `.php` script, and no front controller to run instead: nginx's usual
+    /// `location ~ \.php$` would not have passed it to php-fpm either.
+    #[error("`{0}` names no PHP script")]
+    NoScript(String),
+    /// One parameter longer than a FastCGI record can carry (64 KiB); nginx refuses these too.
+    #[error("the request's {name} is {size} bytes; FastCGI carries at most {limit}")]
+    TooLong {
+        name: String,
+        size: usize,
+        limit: usize,
+        /// From the request target (a path or query), not a header field.
+        in_target: bool,
+    },
+}
+
+/// The script a path runs: (`SCRIPT_NAME`, `PATH_INFO`).
 ///
 /// The path is percent-decoded and its dot segments resolved, never above the root, as nginx
 /// does to `$uri`: `SCRIPT_FILENAME` stays under `root` whatever the client writes.
-fn script_of(path: &str, settings: &FastCgiSettings) -> Option<(Vec<u8>, Vec<u8>)> {
+/// `is_file(script)` says whether `root` + `script` is a file where levee can see it: with a
+/// front controller, a directory's own index runs only when it exists (`try_files $uri/`).
+fn script_of(
+    path: &str,
+    settings: &FastCgiSettings,
+    is_file: &dyn Fn(&[u8]) -> bool,
+) -> Result<(Vec<u8>, Vec<u8>), Unsendable> {
     let decoded = percent_decode(path.as_bytes());
     if decoded.contains(&0) {
-        return None;
+        return Err(Unsendable::NulInPath);
     }
     let mut segments: Vec<&[u8]> = Vec::new();
     let last = decoded.rsplit(|byte| *byte == b'/').next().unwrap_or(b"");
@@ -102,20 +131,26 @@ fn script_of(path: &str, settings: &FastCgiSettings) -> Option<(Vec<u8>, Vec<u8>
     {
         let script = join(&segments[..=script_end]);
         let mut info = join(&segments[script_end + 1..]);
-        if trailing_slash && !info.is_empty() {
+        if trailing_slash {
             info.push(b'/');
         }
-        return Some((script, info));
+        return Ok((script, info));
     }
-    if let Some(front) = &settings.front_controller {
-        return Some((front.as_bytes().to_vec(), Vec::new()));
+    let front = settings.front_controller.as_ref();
+    if trailing_slash || segments.is_empty() {
+        let mut index = join(&segments);
+        index.push(b'/');
+        index.extend_from_slice(settings.index.as_bytes());
+        if front.is_none() || is_file(&index) {
+            return Ok((index, Vec::new()));
+        }
     }
-    let mut script = join(&segments);
-    if trailing_slash || script.is_empty() {
-        script.push(b'/');
-        script.extend_from_slice(settings.index.as_bytes());
+    match front {
+        Some(front) => Ok((front.as_bytes().to_vec(), Vec::new())),
+        None => Err(Unsendable::NoScript(
+            String::from_utf8_lossy(&join(&segments)).into_owned(),
+        )),
     }
-    Some((script, Vec::new()))
 }
 
 /// Every `%XX` decoded (a bad escape is kept as it is: routing refused those already).
@@ -144,14 +179,21 @@ fn percent_decode(bytes: &[u8]) -> Vec<u8> {
 #[derive(Default)]
 struct Params {
     bytes: BytesMut,
+    /// Where each pair ends in `bytes`: a record carries whole pairs only (php-fpm parses
+    /// each `PARAMS` record on its own, and drops the connection on a pair cut in two).
+    ends: Vec<usize>,
+    /// The first pair too long for any record: its name and size.
+    too_long: Option<(String, usize)>,
 }
 
 impl Params {
     fn add(&mut self, name: &[u8], value: &[u8]) {
+        let start = self.bytes.len();
         for length in [name.len(), value.len()] {
             // Lengths under 128 take one byte; longer ones four, with the top bit set.
             match u8::try_from(length) {
                 Ok(short) if short < 0x80 => self.bytes.put_u8(short),
+                // (Over 2^31 a pair is far too long for a record: refused below.)
                 _ => self
                     .bytes
                     .put_u32(u32::try_from(length).unwrap_or(u32::MAX >> 1) | 0x8000_0000),
@@ -159,14 +201,38 @@ impl Params {
         }
         self.bytes.put_slice(name);
         self.bytes.put_slice(value);
+        let size = self.bytes.len() - start;
+        if size > MAX_CONTENT && self.too_long.is_none() {
+            self.too_long = Some((String::from_utf8_lossy(name).into_owned(), size));
+        }
+        self.ends.push(self.bytes.len());
+    }
+
+    /// The pairs as `PARAMS` records, each holding as many whole pairs as fit.
+    fn put_records(&self, out: &mut BytesMut) {
+        let mut start = 0;
+        let mut last_end = 0;
+        for &end in &self.ends {
+            if end - start > MAX_CONTENT {
+                put_stream(out, PARAMS, &self.bytes[start..last_end]);
+                start = last_end;
+            }
+            last_end = end;
+        }
+        put_stream(out, PARAMS, &self.bytes[start..last_end]);
     }
 }
 
-/// `HTTP_` and the field's name in upper case with `_` for `-`; `None` for a name with an
-/// `_` of its own (`X_Real_IP` would pass for levee's `X-Real-IP`; nginx drops them too) and
-/// for `Proxy` (which PHP would read as `HTTP_PROXY`, its outgoing proxy: "httpoxy").
+/// `HTTP_` and the field's name in upper case with `_` for `-`; `None` for a name with
+/// anything but letters, digits and `-`: PHP reads `_`, `.` and a space alike as `_`, so
+/// `X_Real_IP` or `X.Real.IP` would pass for levee's `X-Real-IP` (nginx drops such names
+/// too), and for `Proxy` (which PHP would read as `HTTP_PROXY`, its outgoing proxy:
+/// "httpoxy").
 fn cgi_name(name: &[u8]) -> Option<Vec<u8>> {
-    if name.contains(&b'_') || name.eq_ignore_ascii_case(b"proxy") {
+    let plain = name
+        .iter()
+        .all(|byte| byte.is_ascii_alphanumeric() || *byte == b'-');
+    if !plain || name.eq_ignore_ascii_case(b"proxy") {
         return None;
     }
     let mut out = Vec::with_capacity(name.len() + 5);
@@ -178,6 +244,15 @@ fn cgi_name(name: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// Whether `root` + `script` is a file levee can see.
+fn is_file_under(root: &str, script: &[u8]) -> bool {
+    use std::os::unix::ffi::OsStrExt as _;
+    let mut path = Vec::with_capacity(root.len() + script.len());
+    path.extend_from_slice(root.as_bytes());
+    path.extend_from_slice(script);
+    std::fs::metadata(std::ffi::OsStr::from_bytes(&path)).is_ok_and(|found| found.is_file())
+}
+
 /// The records that open a request: `BEGIN_REQUEST`, the parameters from the HTTP head
 /// `head` (as `encode_request_head` wrote it), and the end of the parameters; with the end of
 /// `STDIN` too when the request has no body.
@@ -186,7 +261,7 @@ fn encode_begin(
     settings: &FastCgiSettings,
     has_body: bool,
     keep_connection: bool,
-) -> Result<BytesMut, ClientError> {
+) -> Result<(BytesMut, Vec<u8>), ClientError> {
     let mut fields = [httparse::EMPTY_HEADER; super::MAX_HEADERS];
     let mut parsed = httparse::Request::new(&mut fields);
     match parsed.parse(head) {
@@ -201,8 +276,8 @@ fn encode_begin(
     let method = parsed.method.unwrap_or("GET");
     let target = parsed.path.unwrap_or("/");
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
-    let (script, info) = script_of(path, settings).ok_or_else(|| {
-        ClientError::BadTarget("a NUL byte in the path cannot name a PHP script".into())
+    let (script, info) = script_of(path, settings, &|script| {
+        is_file_under(&settings.root, script)
     })?;
 
     let mut params = Params::default();
@@ -263,7 +338,12 @@ fn encode_begin(
     params.add(b"REQUEST_METHOD", method.as_bytes());
     params.add(b"REQUEST_URI", target.as_bytes());
     params.add(b"QUERY_STRING", query.as_bytes());
-    params.add(b"DOCUMENT_ROOT", settings.root.as_bytes());
+    // (`root = "/"` is kept as "" to prefix script names with.)
+    let document_root: &[u8] = match settings.root.as_bytes() {
+        b"" => b"/",
+        root => root,
+    };
+    params.add(b"DOCUMENT_ROOT", document_root);
     params.add(b"SCRIPT_NAME", &script);
     let mut filename = Vec::with_capacity(settings.root.len() + script.len());
     filename.extend_from_slice(settings.root.as_bytes());
@@ -277,12 +357,12 @@ fn encode_begin(
     }
     // A PHP built with `cgi.force_redirect` runs nothing without it; nginx's params set it.
     params.add(b"REDIRECT_STATUS", b"200");
+    // The name the request came for (the upstream's `host` when the policy sets one); the
+    // port is the scheme's, not one a client could write into `Host`.
     if let Some(host) = host {
-        let (name, port) = split_host(host);
-        params.add(b"SERVER_NAME", name);
-        let default_port: &[u8] = if https { b"443" } else { b"80" };
-        params.add(b"SERVER_PORT", port.unwrap_or(default_port));
+        params.add(b"SERVER_NAME", split_host(host));
     }
+    params.add(b"SERVER_PORT", if https { b"443" } else { b"80" });
     if https {
         params.add(b"HTTPS", b"on");
         params.add(b"REQUEST_SCHEME", b"https");
@@ -296,30 +376,44 @@ fn encode_begin(
     for (name, value) in &settings.params {
         params.add(name.as_bytes(), value.as_bytes());
     }
+    if let Some((name, size)) = params.too_long.take() {
+        let in_target = matches!(
+            name.as_str(),
+            "REQUEST_URI"
+                | "QUERY_STRING"
+                | "SCRIPT_NAME"
+                | "SCRIPT_FILENAME"
+                | "DOCUMENT_URI"
+                | "PATH_INFO"
+        );
+        return Err(Unsendable::TooLong {
+            name,
+            size,
+            limit: MAX_CONTENT,
+            in_target,
+        }
+        .into());
+    }
 
     let mut out = BytesMut::with_capacity(params.bytes.len() + 64);
     put_record_header(&mut out, BEGIN_REQUEST, 8);
     out.put_u16(RESPONDER);
     out.put_u8(if keep_connection { KEEP_CONN } else { 0 });
     out.put_slice(&[0; 5]);
-    put_stream(&mut out, PARAMS, &params.bytes);
+    params.put_records(&mut out);
     put_record_header(&mut out, PARAMS, 0);
     if !has_body {
         put_record_header(&mut out, STDIN, 0);
     }
-    Ok(out)
+    Ok((out, script))
 }
 
-/// `host[:port]` split; an IPv6 literal keeps its brackets.
-fn split_host(host: &[u8]) -> (&[u8], Option<&[u8]>) {
+/// The host of `host[:port]`; an IPv6 literal keeps its brackets.
+fn split_host(host: &[u8]) -> &[u8] {
     let host = host.trim_ascii();
-    let port_colon = match host.iter().rposition(|byte| *byte == b':') {
-        Some(colon) if !host[colon..].contains(&b']') => Some(colon),
-        _ => None,
-    };
-    match port_colon {
-        Some(colon) => (&host[..colon], Some(&host[colon + 1..])),
-        None => (host, None),
+    match host.iter().rposition(|byte| *byte == b':') {
+        Some(colon) if !host[colon..].contains(&b']') => &host[..colon],
+        _ => host,
     }
 }
 
@@ -394,6 +488,13 @@ impl RecordReader {
                 )));
             }
             let kind = buffer[1];
+            // 0 is for management records, which php-fpm sends only when asked.
+            let request_id = u16::from_be_bytes([buffer[2], buffer[3]]);
+            if request_id != REQUEST_ID && request_id != 0 {
+                return Err(ClientError::Protocol(format!(
+                    "FastCGI record for request {request_id}, not the one sent"
+                )));
+            }
             let content = usize::from(u16::from_be_bytes([buffer[4], buffer[5]]));
             let padding = usize::from(buffer[6]);
             if kind == END_REQUEST {
@@ -423,18 +524,27 @@ impl RecordReader {
     }
 }
 
-/// Logs what a script wrote to `STDERR` (throttled; see [`STDERR_LOG`]).
-fn log_stderr(target: &str, text: &[u8]) {
+/// Logs what a script wrote to `STDERR` (throttled; see [`STDERR_LOG`]), on one line: PHP's
+/// messages carry visitors' input, whose line breaks must not forge log lines.
+fn log_stderr(from: &Script, text: &[u8]) {
     let Some(held_back) = STDERR_LOG.allow(std::time::Instant::now()) else {
         return;
     };
-    let shown = String::from_utf8_lossy(&text[..text.len().min(STDERR_LOGGED)]);
-    let shown = shown.trim_end();
+    let text = String::from_utf8_lossy(&text[..text.len().min(STDERR_LOGGED)]);
+    let shown: String = text.trim_end().escape_debug().collect();
+    let (address, script) = (&from.address, &from.name);
     if held_back > 0 {
-        tracing::warn!(address = %target, "FastCGI stderr: {shown} ({held_back} more not logged)");
+        tracing::warn!(%address, %script, "FastCGI stderr: {shown} ({held_back} more not logged)");
     } else {
-        tracing::warn!(address = %target, "FastCGI stderr: {shown}");
+        tracing::warn!(%address, %script, "FastCGI stderr: {shown}");
     }
+}
+
+/// Which php-fpm ran which script, for the log lines of its stderr.
+#[derive(Debug)]
+pub(super) struct Script {
+    address: String,
+    name: String,
 }
 
 /// The body of a FastCGI response: the `STDOUT` records after the CGI head, up to
@@ -449,7 +559,7 @@ pub(super) struct FastCgiBody {
     /// What is left of the `Content-Length` the script set, if it set one: the client is
     /// told that length (a download's progress), so the body must hold exactly that much.
     remaining: Option<u64>,
-    target: Arc<str>,
+    script: Arc<Script>,
 }
 
 impl FastCgiBody {
@@ -474,7 +584,7 @@ impl FastCgiBody {
             match self.reader.next(buffer)? {
                 Step::Stdout(piece) if self.discard || piece.is_empty() => {}
                 Step::Stdout(piece) => return self.counted(piece).map(Some),
-                Step::Stderr(text) => log_stderr(&self.target, &text),
+                Step::Stderr(text) => log_stderr(&self.script, &text),
                 Step::End => {
                     if let Some(short) = self.remaining().filter(|left| *left > 0) {
                         return Err(ClientError::Protocol(format!(
@@ -538,18 +648,23 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
     for field in fields.iter() {
         let name_bytes = field.name.as_bytes();
         if name_bytes.eq_ignore_ascii_case(b"status") {
-            // `Status: 404 Not Found`
+            // `Status: 404 Not Found`. A page's own doing when wrong, as a bad field is: not
+            // held against php-fpm's breaker. An interim status would leave the client
+            // waiting for a final one (or, as a 101, switch protocols with nothing behind).
             let text = field.value.trim_ascii();
             let (code, phrase) = match text.iter().position(|byte| *byte == b' ') {
                 Some(space) => (&text[..space], text[space + 1..].trim_ascii()),
                 None => (text, &b""[..]),
             };
-            let code = StatusCode::from_bytes(code).map_err(|_| {
-                ClientError::Protocol(format!(
-                    "invalid CGI Status `{}`",
-                    String::from_utf8_lossy(text)
-                ))
-            })?;
+            let code = StatusCode::from_bytes(code)
+                .ok()
+                .filter(|code| !code.is_informational())
+                .ok_or_else(|| {
+                    ClientError::UnpassableField(format!(
+                        "CGI Status `{}` is not a final HTTP status",
+                        String::from_utf8_lossy(text)
+                    ))
+                })?;
             if !phrase.is_empty() && Some(phrase) != code.canonical_reason().map(str::as_bytes) {
                 reason = Some(Bytes::copy_from_slice(phrase));
             }
@@ -564,8 +679,13 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
         {
             continue;
         }
-        let start = field.value.as_ptr() as usize - head.as_ptr() as usize;
-        let value = HeaderValue::from_maybe_shared(head.slice(start..start + field.value.len()))
+        if is_file_handoff(&name) {
+            // The vhost's nginx (or Apache) served the file these name; levee serves none,
+            // and a front nginx would act on them in its own location space.
+            warn_of_file_handoff(&name);
+            continue;
+        }
+        let value = HeaderValue::from_maybe_shared(shared_slice(&head, field.value))
             .map_err(|_| ClientError::UnpassableField(format!("invalid value of {name}")))?;
         headers.append(name, value);
     }
@@ -591,6 +711,34 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
         length,
         received: head,
     }))
+}
+
+/// `part` (a slice of `whole`, as httparse hands them out) as `Bytes` sharing `whole`'s
+/// memory; copied should it not lie inside it.
+fn shared_slice(whole: &Bytes, part: &[u8]) -> Bytes {
+    let start = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize);
+    match start.and_then(|start| Some(start..start.checked_add(part.len())?)) {
+        Some(range) if range.end <= whole.len() => whole.slice(range),
+        _ => Bytes::copy_from_slice(part),
+    }
+}
+
+/// A field that asks the web server in front of PHP to send a file in the answer's place
+/// (`X-Accel-Redirect` and the other `X-Accel-*` of nginx, `X-Sendfile` of Apache and
+/// lighttpd).
+fn is_file_handoff(name: &HeaderName) -> bool {
+    let name = name.as_str();
+    name.starts_with("x-accel-") || name == "x-sendfile" || name == "x-lighttpd-send-file"
+}
+
+fn warn_of_file_handoff(name: &HeaderName) {
+    static HANDOFF_LOG: LogThrottle = LogThrottle::new(Duration::from_secs(60));
+    if let Some(held_back) = HANDOFF_LOG.allow(std::time::Instant::now()) {
+        tracing::warn!(
+            field = %name,
+            "a PHP answer asks its web server to send a file ({name}); levee serves no files and drops the field: serve those files from the front nginx ({held_back} more not logged)"
+        );
+    }
 }
 
 impl Client {
@@ -626,8 +774,11 @@ impl Client {
         drop(from_client);
         // Without room in the pool, php-fpm closes the connection itself after the answer.
         let keep_connection = self.pool.max_idle > 0;
-        let begin = encode_begin(&head.bytes, settings, has_body, keep_connection)?;
-        let target: Arc<str> = self.settings.address().into();
+        let (begin, script) = encode_begin(&head.bytes, settings, has_body, keep_connection)?;
+        let script = Arc::new(Script {
+            address: self.settings.address(),
+            name: String::from_utf8_lossy(&script).into_owned(),
+        });
         let mut retried = false;
         let mut waited = has_body;
         loop {
@@ -656,7 +807,7 @@ impl Client {
             }
             let outcome = match sent {
                 Ok(()) => {
-                    let reading = read_head(&mut connection, &target);
+                    let reading = read_head(&mut connection, &script);
                     match response_timeout {
                         Some(limit) => tokio::time::timeout_at(request_sent_at + limit, reading)
                             .await
@@ -677,7 +828,7 @@ impl Client {
                         first: (!rest.is_empty()).then(|| rest.freeze()),
                         discard,
                         remaining: head.length,
-                        target,
+                        script,
                     };
                     return Ok(Answered {
                         response: self.fastcgi_response(
@@ -695,6 +846,7 @@ impl Client {
                     // A pooled connection php-fpm had just closed (a worker recycled after
                     // `pm.max_requests`): sent again once on a new one, as for HTTP.
                     let race = connection.reused
+                        && !connection.interim_seen
                         && connection.buffer.is_empty()
                         && matches!(&error, ClientError::Closed | ClientError::Io(_));
                     if race && !retried && is_idempotent(&parts.method) {
@@ -745,8 +897,15 @@ impl Client {
     }
 }
 
+/// What php-fpm may write while the request is still going out that is read and held, so
+/// that a script that answers before it reads its input (or without reading it) never waits
+/// on levee while levee waits on it.
+const EARLY_OUTPUT_LIMIT: usize = 1024 * 1024;
+
 /// Writes the opening records, then the body as `STDIN` records and the empty one that ends
-/// it. Each write waits at most `stall_limit` for php-fpm to take it.
+/// it, reading what php-fpm sends meanwhile. php-fpm may end the request before it has read
+/// all of it (a script that ignores its input): the rest is not sent, and the connection is
+/// not kept. A write php-fpm does not take for `stall_limit` is a timeout.
 async fn send_records(
     connection: &mut Connection,
     begin: &BytesMut,
@@ -754,54 +913,121 @@ async fn send_records(
     has_body: bool,
     stall_limit: Option<Duration>,
 ) -> Result<(), ClientError> {
+    connection.interim_seen = false;
     let mut out = BytesMut::from(&begin[..]);
-    if has_body {
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|error| {
-                connection.request_unfinished = true;
-                ClientError::RequestBody(error)
-            })?;
-            if let Ok(data) = frame.into_data() {
-                put_stream(&mut out, STDIN, &data);
-                if out.len() >= super::COPY_LIMIT {
-                    write_within(connection, &out, stall_limit).await?;
-                    out.clear();
+    let mut body_done = !has_body;
+    // Armed while php-fpm does not take what is ready for it (boxed: it is rare).
+    let mut stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    std::future::poll_fn(|cx| loop {
+        if connection.buffer.len() < EARLY_OUTPUT_LIMIT {
+            let buffer = &mut connection.buffer;
+            if buffer.capacity() - buffer.len() < 1024 {
+                buffer.reserve(HEAD_READ_SIZE);
+            }
+            let reading = std::pin::pin!(connection.stream.read_buf(buffer)).poll(cx);
+            if let Poll::Ready(read) = reading {
+                let answered = !connection.buffer.is_empty();
+                match read {
+                    Ok(0) | Err(_) if answered => {
+                        // php-fpm answered and went: the answer is read from the buffer.
+                        connection.request_unfinished = true;
+                        return Poll::Ready(Ok(()));
+                    }
+                    Ok(0) => return Poll::Ready(Err(ClientError::Closed)),
+                    Err(error) => return Poll::Ready(Err(ClientError::Io(error))),
+                    Ok(_) => {
+                        connection.interim_seen = true;
+                        if holds_end_request(&connection.buffer) {
+                            connection.request_unfinished = !(body_done && out.is_empty());
+                            return Poll::Ready(Ok(()));
+                        }
+                        continue;
+                    }
                 }
             }
         }
-        put_record_header(&mut out, STDIN, 0);
-    }
-    write_within(connection, &out, stall_limit).await
+        if !body_done && out.len() < super::COPY_LIMIT {
+            match std::pin::Pin::new(&mut *body).poll_frame(cx) {
+                Poll::Ready(None) => {
+                    put_record_header(&mut out, STDIN, 0);
+                    body_done = true;
+                    continue;
+                }
+                Poll::Ready(Some(Err(error))) => {
+                    connection.request_unfinished = true;
+                    return Poll::Ready(Err(ClientError::RequestBody(error)));
+                }
+                Poll::Ready(Some(Ok(frame))) => {
+                    // Trailers are not forwarded.
+                    if let Ok(data) = frame.into_data() {
+                        put_stream(&mut out, STDIN, &data);
+                    }
+                    continue;
+                }
+                Poll::Pending => {}
+            }
+        }
+        if out.is_empty() {
+            return if body_done {
+                Poll::Ready(Ok(()))
+            } else {
+                Poll::Pending // waiting for the client's body
+            };
+        }
+        match std::pin::Pin::new(&mut connection.stream).poll_write(cx, &out) {
+            Poll::Ready(Ok(0)) => {
+                connection.request_unfinished = true;
+                return Poll::Ready(Err(ClientError::Io(io::ErrorKind::WriteZero.into())));
+            }
+            Poll::Ready(Ok(written)) => {
+                stalled = None;
+                out.advance(written);
+            }
+            Poll::Ready(Err(error)) => {
+                connection.request_unfinished = true;
+                if connection.buffer.is_empty() {
+                    return Poll::Ready(Err(ClientError::Io(error)));
+                }
+                // php-fpm stopped reading because it has answered: that answer is read.
+                return Poll::Ready(Ok(()));
+            }
+            Poll::Pending => {
+                let Some(limit) = stall_limit else {
+                    return Poll::Pending;
+                };
+                let timer = stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+                if timer.as_mut().poll(cx).is_ready() {
+                    connection.request_unfinished = true;
+                    return Poll::Ready(Err(ClientError::ResponseTimeout(limit)));
+                }
+                return Poll::Pending;
+            }
+        }
+    })
+    .await
 }
 
-async fn write_within(
-    connection: &mut Connection,
-    bytes: &[u8],
-    stall_limit: Option<Duration>,
-) -> Result<(), ClientError> {
-    let writing = connection.stream.write_all(bytes);
-    let written = match stall_limit {
-        // Bounded as a whole, not per piece: php-fpm reads a request's body at once.
-        Some(limit) => tokio::time::timeout(limit, writing)
-            .await
-            .map_err(|_elapsed| ClientError::ResponseTimeout(limit))?,
-        None => writing.await,
-    };
-    written.map_err(|error| {
-        connection.request_unfinished = true;
-        ClientError::Io(error)
-    })
+/// Whether the records in `buffer` (from a record's start) reach an `END_REQUEST`.
+fn holds_end_request(buffer: &[u8]) -> bool {
+    let mut at = 0;
+    while let Some(header) = buffer.get(at..at + 8) {
+        if header[1] == END_REQUEST {
+            return true;
+        }
+        let content = usize::from(u16::from_be_bytes([header[4], header[5]]));
+        at += 8 + content + usize::from(header[6]);
+    }
+    false
 }
 
 /// Reads records until the CGI head is whole; returns it with the reader's state and the
 /// body bytes that came after the head.
 async fn read_head(
     connection: &mut Connection,
-    target: &str,
+    script: &Script,
 ) -> Result<(CgiHead, (RecordReader, BytesMut)), ClientError> {
     let mut reader = RecordReader::default();
     let mut stdout = BytesMut::new();
-    let mut received_any = false;
     loop {
         match reader.next(&mut connection.buffer)? {
             Step::Stdout(piece) => {
@@ -815,7 +1041,7 @@ async fn read_head(
                     )));
                 }
             }
-            Step::Stderr(text) => log_stderr(target, &text),
+            Step::Stderr(text) => log_stderr(script, &text),
             Step::End => {
                 return Err(ClientError::Protocol(if stdout.is_empty() {
                     "php-fpm ended the request without any output".into()
@@ -829,7 +1055,7 @@ async fn read_head(
                 }
                 let read = connection.stream.read_buf(&mut connection.buffer).await?;
                 if read == 0 {
-                    return Err(if received_any {
+                    return Err(if connection.interim_seen {
                         ClientError::Protocol(
                             "php-fpm closed the connection before the end of the CGI head".into(),
                         )
@@ -837,7 +1063,8 @@ async fn read_head(
                         ClientError::Closed
                     });
                 }
-                received_any = true;
+                // php-fpm has the request: a close from now on is no pool race.
+                connection.interim_seen = true;
             }
         }
     }
@@ -856,8 +1083,13 @@ mod tests {
         }
     }
 
+    /// Only `/wp-admin/index.php` exists where levee can see.
+    fn existing(script: &[u8]) -> bool {
+        script == b"/wp-admin/index.php"
+    }
+
     fn script(path: &str, front: Option<&str>) -> (String, String) {
-        let (script, info) = script_of(path, &settings(front)).expect("mappable");
+        let (script, info) = script_of(path, &settings(front), &existing).expect("mappable");
         (
             String::from_utf8(script).expect("utf-8"),
             String::from_utf8(info).expect("utf-8"),
@@ -876,10 +1108,26 @@ mod tests {
             script("/forum/", None),
             ("/forum/index.php".into(), "".into())
         );
-        assert_eq!(script("/about", None), ("/about".into(), "".into()));
+        assert_eq!(script("/echo.php/", None), ("/echo.php".into(), "/".into()));
+        for not_php in ["/about", "/uploads/avatar.jpg", "/.env"] {
+            assert_eq!(
+                script_of(not_php, &settings(None), &existing),
+                Err(Unsendable::NoScript(not_php.into()))
+            );
+        }
+        // With a front controller: any path that names no script, and a directory whose
+        // index is not there (WordPress's `try_files $uri $uri/ /index.php?$args`).
+        let front = Some("/index.php");
+        for path in ["/about", "/2026/12/hello/", "/", "/uploads/avatar.jpg"] {
+            assert_eq!(
+                script(path, front),
+                ("/index.php".into(), "".into()),
+                "{path}"
+            );
+        }
         assert_eq!(
-            script("/pretty/url/", Some("/index.php")),
-            ("/index.php".into(), "".into())
+            script("/wp-admin/", front),
+            ("/wp-admin/index.php".into(), "".into())
         );
         assert_eq!(
             script("/admin.php", Some("/index.php")),
@@ -898,7 +1146,33 @@ mod tests {
             let (name, _) = script(path, None);
             assert_eq!(name, "/etc/passwd.php", "{path}");
         }
-        assert!(script_of("/a%00.php", &settings(None)).is_none());
+        assert_eq!(
+            script_of("/a%00.php", &settings(None), &existing),
+            Err(Unsendable::NulInPath)
+        );
+    }
+
+    #[test]
+    fn each_params_record_holds_whole_pairs() {
+        let mut params = Params::default();
+        let value = vec![b'v'; 30_000];
+        for name in [&b"A"[..], b"B", b"C", b"D"] {
+            params.add(name, &value);
+        }
+        let mut out = BytesMut::new();
+        params.put_records(&mut out);
+        // Two pairs (2 × 30,006 bytes) fit a record, three do not.
+        let mut at = 0;
+        let mut records = Vec::new();
+        while at < out.len() {
+            let length = usize::from(u16::from_be_bytes([out[at + 4], out[at + 5]]));
+            records.push(length);
+            at += 8 + length;
+        }
+        assert_eq!(records, [60_012, 60_012]);
+        assert!(params.too_long.is_none());
+        params.add(b"LONG", &vec![b'x'; 70_000]);
+        assert_eq!(params.too_long, Some(("LONG".into(), 70_009)));
     }
 
     #[test]
@@ -961,7 +1235,10 @@ mod tests {
             first: None,
             discard: false,
             remaining,
-            target: Arc::from("test"),
+            script: Arc::new(Script {
+                address: "test".into(),
+                name: "/test.php".into(),
+            }),
         };
         let stdout = |content: &[u8]| {
             let mut wire = BytesMut::new();
@@ -1029,8 +1306,8 @@ mod tests {
 
     #[test]
     fn fields_become_cgi_parameters_and_spoofable_names_are_dropped() {
-        let head = b"POST /shop/cart.php/add?id=3 HTTP/1.1\r\nHost: shop.example:8443\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 4\r\nCookie: a=1\r\nCookie: b=2\r\nX_Real_IP: 6.6.6.6\r\nProxy: http://evil\r\nX-Real-IP: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n";
-        let begin = encode_begin(head, &settings(None), true, true).expect("encodes");
+        let head = b"POST /shop/cart.php/add?id=3 HTTP/1.1\r\nHost: shop.example:8443\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 4\r\nCookie: a=1\r\nCookie: b=2\r\nX_Real_IP: 6.6.6.6\r\nX.Real.IP: 6.6.6.6\r\nProxy: http://evil\r\nX-Real-IP: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n";
+        let (begin, _) = encode_begin(head, &settings(None), true, true).expect("encodes");
         // BEGIN_REQUEST (8 + 8), then the parameters' records.
         let mut params = BytesMut::new();
         let mut at = 16;
@@ -1073,7 +1350,12 @@ mod tests {
         assert_eq!(get("REMOTE_ADDR"), Some("203.0.113.7"));
         assert_eq!(get("HTTP_PROXY"), None);
         assert_eq!(get("SERVER_NAME"), Some("shop.example"));
-        assert_eq!(get("SERVER_PORT"), Some("8443"));
+        // The scheme's port: the one in `Host` is the client's to write.
+        assert_eq!(get("SERVER_PORT"), Some("443"));
+        assert!(
+            pairs.keys().all(|name| !name.contains('.')),
+            "a dotted name reads as an underscored one in PHP: {pairs:?}"
+        );
         assert_eq!(get("HTTPS"), Some("on"));
     }
 }
