@@ -2534,3 +2534,101 @@ async fn a_withdrawal_and_a_replay_of_one_job_exclude_each_other() {
     assert_eq!(redis.cli(&["XLEN", stream]).trim(), "1");
     assert_eq!(hold("t:queue:{r}:write:2", &withdrawn, past), "-2");
 }
+
+/// A replay the breaker holds back (its one half-open probe is out) hands its batch back:
+/// the jobs are replayed as soon as the probe has closed the breaker, not after
+/// `claim_after` (30 s here), which they would otherwise wait out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_held_back_by_the_breaker_are_replayed_once_it_closes_not_after_claim_after() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let applied: Arc<Mutex<Vec<Instant>>> = Arc::new(Mutex::new(Vec::new()));
+    let record = applied.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let record = record.clone();
+        async move {
+            match request.uri().path() {
+                "/fail" => Response::builder()
+                    .status(502)
+                    .body(full("down"))
+                    .expect("response"),
+                "/slow" => {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    Response::new(full("slow but fine"))
+                }
+                _ => {
+                    record.lock().expect("lock").push(Instant::now());
+                    Response::new(full("applied"))
+                }
+            }
+        }
+    })
+    .await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "breaker = {{ consecutive_failures = 1, open_for = \"1s\", half_open_probes = 1 }}\n[redis]\nurl = \"{redis}\"\ntimeout = \"200ms\"\n[degrade]\nsync_interval = \"100ms\"\n[queue]\npoll_interval = \"50ms\"\nclaim_after = \"30s\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\ntier = 2\nmodule = \"notifications\"\ndegrade = {{ action = \"queue\" }}\n",
+            redis = redis.url()
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    for i in 0..3 {
+        assert_eq!(
+            post_as(&levee, &format!("n={i}"), "192.0.2.9").await.status,
+            202
+        );
+    }
+
+    // The breaker opens, then lets one probe through, which takes two seconds.
+    assert_eq!(get(&levee.url("/fail")).await.status, 502);
+    let state = |levee: &Levee| {
+        let url = levee.admin_url("/status");
+        async move { get(&url).await.json()["upstreams"][0]["breaker"]["state"].clone() }
+    };
+    // Refused (503 at once) until `open_for` has passed; then one is let through as the
+    // probe, and keeps the backend busy for two seconds.
+    let give_up = Instant::now() + Duration::from_secs(5);
+    let probe = loop {
+        assert!(Instant::now() < give_up, "no probe let through");
+        let url = levee.url("/slow");
+        let mut attempt = tokio::spawn(async move { get(&url).await.status });
+        match tokio::time::timeout(Duration::from_millis(300), &mut attempt).await {
+            Ok(answered) => assert_eq!(answered.expect("request"), 503),
+            Err(_still_out) => break attempt,
+        }
+    };
+
+    // The queue is switched on while the probe is out: its replays are held back.
+    switch(&levee, "on").await;
+    assert_eq!(probe.await.expect("probe"), 200);
+    eventually(
+        Duration::from_secs(5),
+        "the probe to close the breaker",
+        || async { state(&levee).await == "closed" },
+    )
+    .await;
+    let closed_at = Instant::now();
+    eventually(
+        Duration::from_secs(10),
+        "the jobs to be replayed after the probe",
+        || async { applied.lock().expect("lock").len() >= 3 },
+    )
+    .await;
+    let last = *applied.lock().expect("lock").iter().max().expect("applied");
+    assert!(
+        last.saturating_duration_since(closed_at) < Duration::from_secs(5),
+        "replayed {:?} after the breaker closed",
+        last.saturating_duration_since(closed_at)
+    );
+    // The replays were held back while the probe was out (not merely paused).
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        metric_value(
+            &metrics,
+            "levee_queue_replayed_total{route=\"notify\",result=\"held\"}"
+        ) >= 1.0,
+        "{metrics}"
+    );
+}

@@ -52,6 +52,23 @@ end
 return held
 "#;
 
+/// Hands back entries this worker holds but will not replay now (a replay the breaker or a
+/// full upstream held, or levee stopping): their idle time is set to `claim_after`, so the
+/// next XAUTOCLAIM (this worker's next pass, or another instance's) takes them at once,
+/// where they would otherwise wait out `claim_after` with every job behind them. Entries
+/// another consumer holds now are left alone, as in [`RENEW_HOLD`].
+/// KEYS: stream. ARGV: group, consumer, claim_after (ms), ids. Returns how many.
+const HAND_BACK: &str = r#"
+local handed = 0
+for i = 4, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    handed = handed + 1
+  end
+end
+return handed
+"#;
+
 /// Right before replaying a job that waits for replicas: whether its writer has decided
 /// (Redis's clock is past the job's `confirm_by`, after which the writer no longer withdraws
 /// it), checked in the same step as this worker's hold, which it renews. Going ahead, it marks
@@ -881,6 +898,29 @@ impl Pass<'_> {
         }
     }
 
+    /// Hands `ids` back (see [`HAND_BACK`]). A failure only means they wait `claim_after`.
+    async fn hand_back(&self, ids: Vec<String>) {
+        if ids.is_empty() {
+            return;
+        }
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(HAND_BACK)
+            .arg(1)
+            .arg(&self.keys.stream)
+            .arg(&self.settings.group)
+            .arg(self.consumer)
+            .arg(self.settings.claim_after.as_millis() as u64)
+            .arg(&ids);
+        let handed: Result<i64, _> = self
+            .redis
+            .command(&command, self.redis.background_bound(), None)
+            .await;
+        if let Err(error) = handed {
+            tracing::debug!(route = %self.route.name, "cannot hand back {} queued jobs; they wait claim_after: {error}", ids.len());
+        }
+    }
+
     /// Renews the hold on `ids` (see [`RENEW_HOLD`]); returns those this worker still holds.
     async fn renew_hold(&self, ids: &[String]) -> Result<Vec<String>, RedisFailure> {
         let mut command = redis::cmd("EVAL");
@@ -914,9 +954,17 @@ impl Pass<'_> {
         // Jobs start `pause` apart, counted from one start to the next: a pause after each job
         // on top of its own Redis calls and replay held a backlog far below `replay_rate`.
         let pause = Duration::from_secs_f64(1.0 / settings.replay_rate.max(0.001));
-        for (id, fields) in batch {
+        let mut jobs = batch.into_iter();
+        // The job not replayed now and those behind it, handed back for the next pass.
+        let rest = |id: String, jobs: std::vec::IntoIter<(String, HashMap<String, Vec<u8>>)>| {
+            std::iter::once(id)
+                .chain(jobs.map(|(id, _)| id))
+                .collect::<Vec<_>>()
+        };
+        while let Some((id, fields)) = jobs.next() {
             tokio::time::sleep_until(*next_start).await;
             if *stop.borrow() {
+                self.hand_back(rest(id, jobs)).await;
                 return Ok(false);
             }
             *next_start = Instant::now() + pause;
@@ -932,7 +980,10 @@ impl Pass<'_> {
                     tracing::debug!(route = %route.name, %id, "job no longer in the stream (withdrawn by its writer, its replicas not confirming it, or finished by another worker): not replayed");
                     continue;
                 }
-                Hold::Stopped => return Ok(false),
+                Hold::Stopped => {
+                    self.hand_back(rest(id, jobs)).await;
+                    return Ok(false);
+                }
             }
             let mut job = match Job::from_fields(&id, &fields) {
                 Ok(job) => job,
@@ -978,9 +1029,10 @@ impl Pass<'_> {
                     }
                 }
                 Replay::Held => {
-                    // The breaker refused the call, or no bulkhead slot came free: the job
-                    // stays pending and is taken up again after claim_after, with no attempt
-                    // spent.
+                    // The breaker refused the call, or no bulkhead slot came free (or levee
+                    // began to stop): no attempt spent, and this job and those behind it are
+                    // handed back for the next pass (or another instance) to take up at once.
+                    self.hand_back(rest(id, jobs)).await;
                     return Ok(false);
                 }
             }
