@@ -118,6 +118,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         draining: AtomicBool::new(false),
         cutting_off: AtomicBool::new(false),
         former_queues: Default::default(),
+        instance: crate::queue::worker::consumer_name(),
     });
     let (stop_accepting, stop) = watch::channel(false);
     let (alive, mut all_closed) = mpsc::channel::<()>(1);
@@ -127,13 +128,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
     // module back on, a queue route writing straight to the app). Connections that arrive
     // meanwhile wait in the listen backlog. (Found by tests/faults.rs: /status right after a
     // restart showed level 0 while Redis held level 1.)
-    crate::degrade::switches::spawn_sync(
-        degrade.clone(),
-        store.clone(),
-        shared.metrics.clone(),
-        stop.clone(),
-    )
-    .await;
+    crate::degrade::switches::spawn_sync(shared.clone(), stop.clone()).await;
 
     let public_shared = shared.clone();
     let public_task = tokio::spawn(proxy::h1::serve(

@@ -1660,3 +1660,92 @@ async fn a_level_redis_holds_that_does_not_exist_is_not_followed() {
         "tier 2 stays on"
     );
 }
+
+/// The automatic level and the breakers are each instance's own: `/status` on any instance
+/// shows every instance's line (with Redis), so one that sheds while the others do not is
+/// seen from anywhere; one that stops cleanly leaves the view.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_instance_s_level_and_breakers_show_in_the_fleet_view() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let healthy =
+        Backend::start(|_request: Request<Incoming>| async { Response::new(full("ok")) }).await;
+    let shared = |upstream: std::net::SocketAddr| {
+        policy_for(
+            upstream,
+            "access_log = false\ndrain = \"0s\"",
+            &format!(
+                "breaker = {{ consecutive_failures = 2, open_for = \"30s\" }}\n[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\ncool_down = \"30s\"\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nfor = \"0s\"\nlevel = 1\n",
+                redis.url()
+            ),
+        )
+    };
+    let calm = Levee::start(&shared(healthy.addr)).await;
+    // The other instance's app refuses connections: its breaker opens, and its trigger
+    // raises its own level.
+    let refused = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut shedding = Levee::start(&shared(refused)).await;
+    for _ in 0..3 {
+        get(&shedding.url("/")).await;
+    }
+
+    eventually(
+        Duration::from_secs(5),
+        "both instances in the view",
+        || async {
+            let fleet = &get(&calm.admin_url("/status")).await.json()["fleet"];
+            fleet["highest_level"] == 1
+                && fleet["instances"]
+                    .as_array()
+                    .is_some_and(|all| all.len() == 2)
+        },
+    )
+    .await;
+    let status = get(&calm.admin_url("/status")).await.json();
+    let instances = status["fleet"]["instances"]
+        .as_array()
+        .expect("instances")
+        .clone();
+    let this = instances
+        .iter()
+        .find(|i| i["this"] == true)
+        .expect("this instance");
+    assert_eq!(this["instance"], status["instance"]);
+    assert_eq!(this["level"], 0);
+    assert_eq!(this["silent"], false);
+    let other = instances
+        .iter()
+        .find(|i| i["this"] == false)
+        .expect("the other");
+    assert_eq!(other["level"], 1, "{other}");
+    assert_eq!(other["automatic_level"], 1, "{other}");
+    assert_eq!(other["breakers"]["app"], "open", "{other}");
+    // This instance's own level is untouched: the automatic level is not the fleet's.
+    assert_eq!(status["degrade"]["level"], 0);
+
+    let running = shedding.running.take().expect("running");
+    running.shutdown();
+    running.wait().await;
+    eventually(
+        Duration::from_secs(5),
+        "the stopped instance to leave",
+        || async {
+            let fleet = &get(&calm.admin_url("/status")).await.json()["fleet"];
+            fleet["instances"]
+                .as_array()
+                .is_some_and(|all| all.len() == 1)
+        },
+    )
+    .await;
+}
+
+/// Without Redis there is no fleet to show.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_the_fleet_view_is_null() {
+    let backend =
+        Backend::start(|_request: Request<Incoming>| async { Response::new(full("ok")) }).await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert!(status["fleet"].is_null(), "{status}");
+    assert!(status["instance"].is_string(), "{status}");
+}

@@ -405,7 +405,61 @@ pub fn summarize(status: &serde_json::Value) -> String {
     let routes = status["routes"].as_array().map_or(0, Vec::len);
     let limits = status["limits"].as_array().map_or(0, Vec::len);
     let _ = writeln!(out, "routes   {routes} · limit rules {limits}");
+    describe_fleet(&mut out, &status["fleet"]);
     out
+}
+
+/// The fleet view's lines: every instance's level, and its breakers that are not closed. Not
+/// shown without Redis (or from a levee too old to send it).
+fn describe_fleet(out: &mut String, fleet: &serde_json::Value) {
+    use std::fmt::Write as _;
+    if let Some(error) = fleet["error"].as_str() {
+        let _ = writeln!(out, "fleet    unknown: {error}");
+        return;
+    }
+    let Some(instances) = fleet["instances"].as_array() else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "fleet    {} instance(s) · highest level {}",
+        instances.len(),
+        fleet["highest_level"]
+    );
+    for instance in instances {
+        let breakers: Vec<String> = instance["breakers"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(name, state)| format!("{name} {}", state.as_str().unwrap_or("?")))
+            .collect();
+        let _ = writeln!(
+            out,
+            "         {}{:<40} level {} (automatic {}){}{}{}",
+            if instance["this"] == true { "* " } else { "  " },
+            instance["instance"].as_str().unwrap_or("?"),
+            instance["level"],
+            instance["automatic_level"],
+            if breakers.is_empty() {
+                String::new()
+            } else {
+                format!(" · breakers: {}", breakers.join(", "))
+            },
+            if instance["draining"] == true {
+                " · DRAINING"
+            } else {
+                ""
+            },
+            if instance["silent"] == true {
+                format!(
+                    " · SILENT for {} s",
+                    instance["seen_ms_ago"].as_u64().unwrap_or(0) / 1000
+                )
+            } else {
+                String::new()
+            },
+        );
+    }
 }
 
 /// `/status`'s `redis.target`: one URL, a cluster's nodes, or Sentinel's master name and
@@ -478,6 +532,35 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("node 10.0.0.1:7000"), "{text}");
+    }
+
+    #[test]
+    fn the_fleet_view_names_each_instance_and_what_it_sheds() {
+        let status = serde_json::json!({
+            "fleet": {
+                "highest_level": 2,
+                "instances": [
+                    {"instance": "web1-41-a", "this": true, "level": 0, "automatic_level": 0,
+                     "breakers": {}, "draining": false, "silent": false, "seen_ms_ago": 40},
+                    {"instance": "web2-77-b", "this": false, "level": 2, "automatic_level": 2,
+                     "breakers": {"ai": "open"}, "draining": false, "silent": true,
+                     "seen_ms_ago": 12000},
+                ],
+            },
+        });
+        let text = summarize(&status);
+        assert!(
+            text.contains("fleet    2 instance(s) · highest level 2"),
+            "{text}"
+        );
+        assert!(text.contains("* web1-41-a"), "{text}");
+        assert!(
+            text.contains("level 2 (automatic 2) · breakers: ai open · SILENT for 12 s"),
+            "{text}"
+        );
+        let unknown = serde_json::json!({"fleet": {"error": "redis is down"}});
+        assert!(summarize(&unknown).contains("fleet    unknown: redis is down"));
+        assert!(!summarize(&serde_json::json!({"fleet": null})).contains("fleet"));
     }
 
     #[test]

@@ -114,7 +114,12 @@ async fn answer(
             apply_switch(&shared, change, &by).await
         }
         (&Method::GET, "/" | "/dashboard") => dashboard(),
-        (&Method::GET, "/status") => json_response(StatusCode::OK, &status(&shared)),
+        (&Method::GET, "/status") => {
+            let mut answer = status(&shared);
+            let policy = shared.store.load();
+            answer["fleet"] = crate::degrade::fleet::status(&shared, &policy).await;
+            json_response(StatusCode::OK, &answer)
+        }
         (&Method::GET, "/metrics") => {
             publish_upstream_states(&shared);
             // Read now: a background call may have found Redis back, or gone, since the
@@ -920,6 +925,7 @@ fn status(shared: &Shared) -> serde_json::Value {
     });
     json!({
         "version": env!("CARGO_PKG_VERSION"),
+        "instance": shared.instance,
         "draining": shared.draining.load(Ordering::Relaxed),
         "connections": {
             "open": shared.metrics.connections_open.get(),

@@ -12,6 +12,7 @@
 
 pub mod bulkhead;
 pub mod cut;
+pub mod fleet;
 pub mod hide;
 pub mod stale;
 pub mod switches;

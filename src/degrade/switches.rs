@@ -9,10 +9,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
 
+use super::fleet::report_of;
 use super::{Degrade, RuntimeSwitches, Switch, MAX_LEVEL};
 use crate::breaker::Force;
-use crate::config::{Policy, PolicyStore};
+use crate::config::Policy;
 use crate::metrics::{Metrics, ModuleLabels};
+use crate::proxy::Shared;
 use crate::redis_store::RedisStore;
 
 /// Bound on operator and background Redis calls for switches.
@@ -403,13 +405,14 @@ pub fn publish(degrade: &Degrade, policy: &Policy, metrics: &Metrics) {
     }
 }
 
-/// Loads the saved switches now, then keeps following them (Redis) until `stop`.
-pub async fn spawn_sync(
-    degrade: Arc<Degrade>,
-    store: Arc<PolicyStore>,
-    metrics: Arc<Metrics>,
-    mut stop: watch::Receiver<bool>,
-) {
+/// Loads the saved switches now, then keeps following them (Redis) until `stop`, writing
+/// this instance's line of the fleet view (see `fleet`) at each sync.
+pub async fn spawn_sync(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let (degrade, store, metrics) = (
+        shared.degrade.clone(),
+        shared.store.clone(),
+        shared.metrics.clone(),
+    );
     let policy = store.load();
     match load(&policy).await {
         Ok(switches) => {
@@ -437,12 +440,21 @@ pub async fn spawn_sync(
         }
     }
     publish(&degrade, &policy, &metrics);
+    if let Some(redis) = &policy.redis {
+        super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
+    }
     tokio::spawn(async move {
         loop {
             let interval = store.load().degrade.sync_interval;
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = stop.wait_for(|stopped| *stopped) => return,
+            let stopping = tokio::select! {
+                _ = tokio::time::sleep(interval) => false,
+                _ = stop.wait_for(|stopped| *stopped) => true,
+            };
+            if stopping {
+                if let Some(redis) = &store.load().redis {
+                    super::fleet::leave(redis, &shared.instance).await;
+                }
+                return;
             }
             let policy = store.load();
             if policy.redis.is_none() {
@@ -466,6 +478,9 @@ pub async fn spawn_sync(
                 Err(error) => tracing::debug!("cannot read degrade switches from redis: {error}"),
             }
             publish(&degrade, &policy, &metrics);
+            if let Some(redis) = &policy.redis {
+                super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
+            }
         }
     });
 }

@@ -87,6 +87,9 @@ pub struct Shared {
     pub cutting_off: AtomicBool,
     /// Queues whose route stopped queueing with jobs still stored: replayed until empty.
     pub former_queues: crate::queue::FormerQueues,
+    /// This instance's name in the fleet (host, process id, start time): its queue consumer
+    /// and its line of the fleet view.
+    pub instance: String,
 }
 
 /// Handles one request from accept to response head. Never fails: errors become responses.

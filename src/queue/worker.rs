@@ -340,7 +340,7 @@ pub fn spawn_workers(
     mut stop: watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let consumer = consumer_name();
+        let consumer = shared.instance.clone();
         let mut groups_made: HashSet<String> = HashSet::new();
         // The queue routes of the last pass: one gone from the policy since leaves its queue
         // to `former_queues`, so the jobs stored in it are not stranded.

@@ -1,0 +1,224 @@
+//! The fleet view. The operator's switches are the fleet's (one Redis hash), but the
+//! automatic level and the breakers are each instance's own: its triggers and breakers count
+//! its own calls, so one instance may shed a module while the others do not. With Redis, every
+//! instance writes what it is doing into one more hash at each switch sync, and `/status`
+//! (and the dashboard) show every instance's line, so that "why does one page in three lack
+//! its ranking?" has an answer on one screen.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::Policy;
+use crate::proxy::Shared;
+use crate::redis_store::RedisStore;
+
+/// Bound on each fleet call: the view is for people, and never holds up a sync.
+const FLEET_TIMEOUT: Duration = Duration::from_secs(1);
+/// A report this old is from an instance that went away without saying so (killed, or cut
+/// off from Redis): it is shown as silent, and removed after [`FORGET_AFTER`].
+const SILENT_AFTER_SYNCS: u32 = 3;
+const SILENT_AT_LEAST: Duration = Duration::from_secs(5);
+const FORGET_AFTER: Duration = Duration::from_secs(3600);
+
+/// What one instance reports of itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// The level in effect there (the operator's or the policy's, or its automatic one).
+    pub level: u8,
+    /// Its triggers' level.
+    pub automatic_level: u8,
+    /// Its breakers that are not closed, by upstream: `open` or `half_open`.
+    #[serde(default)]
+    pub breakers: BTreeMap<String, String>,
+    #[serde(default)]
+    pub draining: bool,
+    pub version: String,
+    /// When it wrote this, by its clock.
+    pub at_unix_ms: u64,
+}
+
+fn key(redis: &RedisStore) -> String {
+    format!("{}fleet", redis.settings.key_prefix)
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
+}
+
+/// This instance's report, from its policy and degrade state now.
+pub fn report_of(shared: &Shared, policy: &Policy) -> Report {
+    let degrade = &shared.degrade;
+    let breakers = policy
+        .upstreams
+        .iter()
+        .filter_map(|(name, upstream)| {
+            let state = upstream.breaker.status().state;
+            (state != "closed").then(|| (name.clone(), state.to_string()))
+        })
+        .collect();
+    Report {
+        level: degrade.view(policy).level,
+        automatic_level: degrade.auto_level(),
+        breakers,
+        draining: shared.draining.load(Ordering::Relaxed),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        at_unix_ms: now_ms(),
+    }
+}
+
+/// Writes `report` as `instance`'s line. A failure is only logged (at debug): Redis being
+/// away is told elsewhere, and the view merely goes stale.
+pub async fn write(redis: &RedisStore, instance: &str, report: &Report) {
+    let Ok(text) = serde_json::to_string(report) else {
+        return;
+    };
+    let mut command = redis::cmd("HSET");
+    command.arg(key(redis)).arg(instance).arg(text);
+    if let Err(error) = redis.command::<i64>(&command, FLEET_TIMEOUT, None).await {
+        tracing::debug!("cannot write this instance's line of the fleet view: {error}");
+    }
+}
+
+/// Removes `instance`'s line (a clean stop: it is gone, not silent).
+pub async fn leave(redis: &RedisStore, instance: &str) {
+    let mut command = redis::cmd("HDEL");
+    command.arg(key(redis)).arg(instance);
+    if let Err(error) = redis.command::<i64>(&command, FLEET_TIMEOUT, None).await {
+        tracing::debug!("cannot remove this instance from the fleet view: {error}");
+    }
+}
+
+/// The fleet view as `/status` shows it: `null` without Redis; with it, every instance's line
+/// and the highest level in effect anywhere, or the reason Redis could not be read.
+pub async fn status(shared: &Shared, policy: &Policy) -> serde_json::Value {
+    let Some(redis) = &policy.redis else {
+        return serde_json::Value::Null;
+    };
+    match read(redis, &shared.instance, policy.degrade.sync_interval).await {
+        Ok(members) => {
+            let highest = members
+                .iter()
+                .filter(|member| !member.silent)
+                .map(|member| member.report.level)
+                .max();
+            serde_json::json!({
+                "instances": members,
+                "highest_level": highest,
+            })
+        }
+        Err(error) => serde_json::json!({ "error": error }),
+    }
+}
+
+/// One instance as `/status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Member {
+    pub instance: String,
+    /// This is the instance answering.
+    pub this: bool,
+    /// Its report is older than a few syncs: killed, hung, or cut off from Redis.
+    pub silent: bool,
+    /// How long ago it wrote its report (by this instance's clock, so a skewed clock shows).
+    pub seen_ms_ago: u64,
+    #[serde(flatten)]
+    pub report: Report,
+}
+
+/// Every instance's line, in name order; lines unreadable or older than an hour are left out
+/// (and the old ones removed).
+pub async fn read(
+    redis: &RedisStore,
+    this_instance: &str,
+    sync_interval: Duration,
+) -> Result<Vec<Member>, String> {
+    let mut command = redis::cmd("HGETALL");
+    command.arg(key(redis));
+    let lines: BTreeMap<String, String> = redis
+        .command(&command, FLEET_TIMEOUT, None)
+        .await
+        .map_err(|error| error.to_string())?;
+    let now = now_ms();
+    let silent_after = sync_interval
+        .saturating_mul(SILENT_AFTER_SYNCS)
+        .max(SILENT_AT_LEAST);
+    let (members, forgotten) = members_of(lines, this_instance, now, silent_after);
+    if !forgotten.is_empty() {
+        let mut command = redis::cmd("HDEL");
+        command.arg(key(redis)).arg(&forgotten);
+        if let Err(error) = redis.command::<i64>(&command, FLEET_TIMEOUT, None).await {
+            tracing::debug!("cannot remove long-gone instances from the fleet view: {error}");
+        }
+    }
+    Ok(members)
+}
+
+/// The members among `lines` at `now`, and the names of the lines to forget.
+fn members_of(
+    lines: BTreeMap<String, String>,
+    this_instance: &str,
+    now: u64,
+    silent_after: Duration,
+) -> (Vec<Member>, Vec<String>) {
+    let mut members = Vec::new();
+    let mut forgotten = Vec::new();
+    for (instance, text) in lines {
+        let Ok(report) = serde_json::from_str::<Report>(&text) else {
+            // Written by a later levee, or by hand: not shown, and not removed either.
+            continue;
+        };
+        let seen_ms_ago = now.saturating_sub(report.at_unix_ms);
+        if seen_ms_ago > FORGET_AFTER.as_millis() as u64 {
+            forgotten.push(instance);
+            continue;
+        }
+        members.push(Member {
+            this: instance == this_instance,
+            silent: seen_ms_ago > silent_after.as_millis() as u64,
+            seen_ms_ago,
+            instance,
+            report,
+        });
+    }
+    (members, forgotten)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(level: u8, at_unix_ms: u64) -> String {
+        serde_json::to_string(&Report {
+            level,
+            automatic_level: level,
+            breakers: BTreeMap::from([("app".to_string(), "open".to_string())]),
+            draining: false,
+            version: "0.1.0".into(),
+            at_unix_ms,
+        })
+        .expect("json")
+    }
+
+    #[test]
+    fn silent_instances_are_marked_and_long_gone_ones_forgotten() {
+        let now = 10_000_000;
+        let lines = BTreeMap::from([
+            ("a".to_string(), line(0, now - 200)),
+            ("b".to_string(), line(2, now - 8_000)),
+            ("c".to_string(), line(1, now - 4_000_000)),
+            ("d".to_string(), "not json".to_string()),
+        ]);
+        let (members, forgotten) = members_of(lines, "a", now, Duration::from_secs(5));
+        assert_eq!(forgotten, ["c"]);
+        let shown: Vec<(&str, bool, bool, u8)> = members
+            .iter()
+            .map(|m| (m.instance.as_str(), m.this, m.silent, m.report.level))
+            .collect();
+        assert_eq!(shown, [("a", true, false, 0), ("b", false, true, 2)]);
+        assert_eq!(members[1].report.breakers["app"], "open");
+    }
+}
