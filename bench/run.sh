@@ -28,9 +28,10 @@
 #   PAIR_RUNS [6]  PAIR_DURATION [5]  the paired runs behind the req/s targets: each pair of
 #        cases a target compares (4/2, 4/3, 5c/4, 6/8b) runs back to back that many times, for
 #        that many seconds each, and the target is the median of the per-pair ratios
-#   FPM_CHILDREN [2 × CONNECTIONS]  the fastcgi section's php-fpm pool (pm = static): a kept
-#        FastCGI connection holds one child until the proxy closes it, and the two proxies there
-#        keep up to twice CONNECTIONS open between them; fewer children leave requests waiting
+#   FPM_CHILDREN [CONNECTIONS + 2 × 32 = 128]  the fastcgi section's php-fpm pool (pm = static):
+#        a kept FastCGI connection holds one child until the proxy closes it, so the pool covers
+#        the proxy under load plus the 32 connections each of the two idle keeping ones holds;
+#        fewer children leave requests waiting for a child that never comes free
 #   PHP_FPM [php-fpm8.2]  the fastcgi section is skipped, and says so, when it is missing
 #   ONLY ["" = everything]  space-separated case ids and/or sections to run, e.g. ONLY="4 5b reload"
 #        (sections: pairs, idle, conns, reload, reload-load, limiter-rate, limiter-latency, queue,
@@ -82,9 +83,11 @@ else
 fi
 CONNECTIONS=${CONNECTIONS:-64}
 # The fastcgi section's php-fpm pool. A kept FastCGI connection holds its php-fpm child until
-# the proxy closes it, and both proxies stay up side by side: the levee that waits keeps its
-# CONNECTIONS connections pooled while nginx opens as many, and nginx keeps 32 while levee runs.
-FPM_CHILDREN=${FPM_CHILDREN:-$((2 * CONNECTIONS))}
+# the proxy closes it, and the section's proxies stay up side by side: the one under load opens
+# up to CONNECTIONS, while the two that keep connections (nginx keepalive 32, levee
+# pool_max_idle = 32) hold up to 32 each, idle. A request sent on a connection no child is
+# free to take waits until one is (with nginx, until wrk gives up on it).
+FPM_CHILDREN=${FPM_CHILDREN:-$((CONNECTIONS + 2 * (CONNECTIONS < 32 ? CONNECTIONS : 32)))}
 PHP_FPM=${PHP_FPM:-php-fpm8.2}
 WRK_THREADS=${WRK_THREADS:-1}
 PROXY_CPUS=${PROXY_CPUS:-0}
@@ -1122,6 +1125,15 @@ queue_load() { # full|paced COMMAND ARGS...: COMMAND under the queue section's w
 # ---------------------------------------------------------------------------------------------
 FASTCGI_SKIP='' FPM_VERSION='' FPM_OPCACHE='' FPM_PIDS=''
 declare -A FPM_TICKS=() FPM_ROUND_PCT=() FPM_CORE_ROUND_PCT=() # per case: php-fpm's CPU and its core's busy time
+# The section's cases, in the report's order: each proxy with its FastCGI connections kept
+# open between requests (nginx keepalive 32 + fastcgi_keep_conn on, levee pool_max_idle = 32),
+# then each with a connection per request (nginx's default, fastcgi_keep_conn off, and levee's
+# default for fastcgi://). Each levee is compared with the nginx that handles connections alike.
+FASTCGI_CASES=(fcgi-nginx-keep fcgi-levee-keep fcgi-nginx-close fcgi-levee-close)
+LABEL[fcgi-nginx-keep]="nginx fastcgi_pass, keepalive 32, fastcgi_keep_conn on"
+LABEL[fcgi-levee-keep]="levee fastcgi://, pool_max_idle = 32"
+LABEL[fcgi-nginx-close]="nginx fastcgi_pass, fastcgi_keep_conn off (a connection per request)"
+LABEL[fcgi-levee-close]="levee fastcgi://, default (a connection per request)"
 
 # fastcgi_round ID ROUND: measure_round, plus what php-fpm and its core(s) did meanwhile.
 # php-fpm is likely what sets the pace here (PHP's work per request is larger than a proxy's,
@@ -1140,7 +1152,8 @@ fastcgi_round() {
 }
 
 section_fastcgi() { # nginx fastcgi_pass and levee fastcgi://, side by side, to one php-fpm
-	local dir=$TMP/fastcgi port user id round url fpm_pid
+	local dir=$TMP/fastcgi port user id round url fpm_pid variant pool i
+	local -a order
 	local -A pid_of=() url_of=()
 	log "section: FastCGI, nginx fastcgi_pass and levee fastcgi:// in front of one php-fpm"
 	if ! command -v "$PHP_FPM" >/dev/null; then
@@ -1148,8 +1161,8 @@ section_fastcgi() { # nginx fastcgi_pass and levee fastcgi://, side by side, to 
 		warn "fastcgi: $FASTCGI_SKIP"
 		return
 	fi
-	mkdir -p "$dir/www/shop" "$dir/nginx"
-	render_policy check-fastcgi fastcgi.toml.tmpl 1 2 FPM_PORT=3 FPM_ROOT="$dir/www" || {
+	mkdir -p "$dir/www/shop"
+	render_policy check-fastcgi fastcgi.toml.tmpl 1 2 FPM_PORT=3 FPM_ROOT="$dir/www" POOL="pool_max_idle = 32" || {
 		broken "fastcgi: the levee policy did not render"
 		return
 	}
@@ -1182,43 +1195,58 @@ section_fastcgi() { # nginx fastcgi_pass and levee fastcgi://, side by side, to 
 	fpm_pid=$LAST_PID
 	FPM_VERSION=$("$PHP_FPM" -v | head -n1 | sed 's/ (fpm-fcgi).*//; s/ (built.*//')
 
-	take_port port
-	render "$CONF/fastcgi-nginx.conf.tmpl" "$dir/nginx/nginx.conf" DIR="$dir/nginx" PORT="$port" \
-		FPM_PORT="$FPM_PORT" ROOT="$dir/www" || broken "fastcgi: nginx's configuration did not render"
-	taskset -c "$PROXY_CPUS" nginx -c "$dir/nginx/nginx.conf" -p "$dir/nginx/" -e "$dir/nginx/error.log" \
-		-g 'daemon off;' >"$dir/nginx/stdout.log" 2>&1 &
-	if started "nginx (fastcgi)" $! "$dir/nginx/error.log" "$port"; then
-		pid_of[fcgi-nginx]=$LAST_PID url_of[fcgi-nginx]=http://127.0.0.1:$port$REQUEST_PATH
-	else
-		broken "fastcgi: nginx did not start"
-	fi
-	if start_levee_section fastcgi fastcgi.toml.tmpl FPM_PORT="$FPM_PORT" FPM_ROOT="$dir/www"; then
-		pid_of[fcgi-levee]=$SEC_PID url_of[fcgi-levee]=http://127.0.0.1:$SEC_PORT$REQUEST_PATH
-	else
-		broken "fastcgi: levee did not start"
-	fi
-	LABEL[fcgi-nginx]="nginx fastcgi_pass, keepalive 32" LABEL[fcgi-levee]="levee fastcgi://"
-	for id in fcgi-nginx fcgi-levee; do
+	for variant in keep close; do
+		id=fcgi-nginx-$variant
+		take_port port
+		mkdir -p "$dir/nginx-$variant"
+		if ! render "$CONF/fastcgi-nginx.conf.tmpl" "$dir/nginx-$variant/nginx.conf" DIR="$dir/nginx-$variant" \
+			PORT="$port" FPM_PORT="$FPM_PORT" ROOT="$dir/www" KEEP_CONN="$([[ $variant == keep ]] && echo on || echo off)"; then
+			broken "fastcgi: ${LABEL[$id]}: nginx's configuration did not render"
+		else
+			taskset -c "$PROXY_CPUS" nginx -c "$dir/nginx-$variant/nginx.conf" -p "$dir/nginx-$variant/" \
+				-e "$dir/nginx-$variant/error.log" -g 'daemon off;' >"$dir/nginx-$variant/stdout.log" 2>&1 &
+			if started "nginx ($id)" $! "$dir/nginx-$variant/error.log" "$port"; then
+				pid_of[$id]=$LAST_PID url_of[$id]=http://127.0.0.1:$port$REQUEST_PATH
+			else
+				broken "fastcgi: ${LABEL[$id]}: nginx did not start"
+			fi
+		fi
+		id=fcgi-levee-$variant
+		pool="# pool_max_idle: levee's default for fastcgi:// (0: a connection per request)"
+		[[ $variant != keep ]] || pool="pool_max_idle = 32                              # as nginx's keepalive 32"
+		if start_levee_section "$id" fastcgi.toml.tmpl FPM_PORT="$FPM_PORT" FPM_ROOT="$dir/www" POOL="$pool"; then
+			pid_of[$id]=$SEC_PID url_of[$id]=http://127.0.0.1:$SEC_PORT$REQUEST_PATH
+		else
+			broken "fastcgi: ${LABEL[$id]}: levee did not start"
+		fi
+	done
+	for id in "${FASTCGI_CASES[@]}"; do
 		[[ -n ${pid_of[$id]:-} ]] || continue
 		url=${url_of[$id]}
 		if ! probe "$url" 1024; then
 			broken "fastcgi: ${LABEL[$id]}: $PROBE_ERROR"
 			continue
 		fi
-		[[ -n $FPM_OPCACHE ]] || FPM_OPCACHE=$(curl -s --max-time 5 "${url%"$REQUEST_PATH"}/opcache.php") || FPM_OPCACHE=
+		[[ -n $FPM_OPCACHE ]] || FPM_OPCACHE=$(curl -s --max-time 5 "${url%"$REQUEST_PATH"}/opcache.php") || FPM_OPCACHE=''
 		log "  ${LABEL[$id]}: warm-up"
 		warm_up "$id" "${pid_of[$id]}" "$url" 1 || true
 	done
 	FPM_PIDS=$(descendants "$fpm_pid") # after the warm-ups: the master and its children
-	# Both proxies stay up side by side (the idle one waits, using nothing), and their rounds
-	# alternate as in the limiter-latency section, so a slow spell lands on both.
+	# Every proxy stays up (the idle ones wait, using nothing but the php-fpm children their
+	# kept connections hold), and the rounds run the cases in turn, forwards then backwards, as
+	# measure_cases does, so a slow spell of the machine lands on all of them.
 	for ((round = 1; round <= ROUNDS; round++)); do
-		for id in $( ((round % 2)) && echo fcgi-nginx fcgi-levee || echo fcgi-levee fcgi-nginx); do
+		order=("${FASTCGI_CASES[@]}")
+		if ((round % 2 == 0)); then
+			order=()
+			for ((i = ${#FASTCGI_CASES[@]} - 1; i >= 0; i--)); do order+=("${FASTCGI_CASES[i]}"); done
+		fi
+		for id in "${order[@]}"; do
 			[[ ${STATUS[$id]:-} == warm ]] || continue
 			fastcgi_round "$id" "$round" || true
 		done
 	done
-	for id in fcgi-nginx fcgi-levee; do
+	for id in "${FASTCGI_CASES[@]}"; do
 		[[ ${STATUS[$id]:-} != warm ]] || finish_measure "$id"
 		[[ -z ${pid_of[$id]:-} ]] || stop_pid "${pid_of[$id]}"
 	done
@@ -1427,7 +1455,7 @@ noisy_note() { # ID...: the noisy-machine warning for these measurements, when i
 	done
 	((${#noisy[@]} == 0)) && return 0
 	out ""
-	out "**Warning: noisy machine.** More than $NOISE_PCT% of the proxy core went to something other than levee in ${noisy[*]}. Those numbers are unreliable; rerun on a quiet machine."
+	out "**Warning: noisy machine.** More than $NOISE_PCT% of the proxy core went to something other than the proxy in ${noisy[*]}. Those numbers are unreliable; rerun on a quiet machine."
 }
 
 report_limiter() {
@@ -1536,21 +1564,20 @@ report_queue() {
 	noisy_note queue-0-full queue-1-full queue-0-paced queue-1-paced
 }
 
+declare -A FCGI_CORE_BUSY=() FCGI_FPM_BUSY=() FCGI_FPM_CPU=() # per case: medians of the rounds' busy shares; php-fpm CPU s / 100k req
+
 fastcgi_row() { # ID: a row of the FastCGI table
-	local id=$1 fpm_cpu
+	local id=$1
 	if [[ ${STATUS[$id]:-} != ok ]]; then
 		out "| ${LABEL[$id]} | ${STATUS[$id]:-failed} (see Broken) | | | | | | | | | |"
 		return
 	fi
-	fpm_cpu=$(calc "if (${REQS[$id]} > 0) printf \"%.2f\", ${FPM_TICKS[$id]:-0} / $CLK_TCK / ${REQS[$id]} * 100000")
-	out "| ${LABEL[$id]} | $(printf '%.0f' "${RPS[$id]}") | $(ms "${P50[$id]}") | $(ms "${P99[$id]}") | $(ms "${P999[$id]}") | ${ERR[$id]} | ${CPU[$id]} | $(mib "${HWM[$id]}") | ${OTHER[$id]}% | $fpm_cpu | ${FCGI_CORE_BUSY[$id]}% (php-fpm ${FCGI_FPM_BUSY[$id]}%) |"
+	out "| ${LABEL[$id]} | $(printf '%.0f' "${RPS[$id]}") | $(ms "${P50[$id]}") | $(ms "${P99[$id]}") | $(ms "${P999[$id]}") | ${ERR[$id]} | ${CPU[$id]} | $(mib "${HWM[$id]}") | ${OTHER[$id]}% | ${FCGI_FPM_CPU[$id]} | ${FCGI_CORE_BUSY[$id]}% (${FCGI_FPM_BUSY[$id]}%) |"
 }
-
-declare -A FCGI_CORE_BUSY=() FCGI_FPM_BUSY=() # per case: medians of the rounds' busy shares
 
 report_fastcgi() {
 	wanted fastcgi || return 0
-	local id a=fcgi-levee b=fcgi-nginx paired p99_ratio wins rounds
+	local id pair a b p99_paired core rest
 	out ""
 	out "## FastCGI: php-fpm behind nginx fastcgi_pass and behind levee"
 	out ""
@@ -1558,31 +1585,37 @@ report_fastcgi() {
 		out "${FASTCGI_SKIP^}."
 		return 0
 	fi
-	for id in "$b" "$a"; do
+	for id in "${FASTCGI_CASES[@]}"; do
 		[[ ${STATUS[$id]:-} == ok ]] || continue
 		# shellcheck disable=SC2086 # space-separated lists of numbers
 		FCGI_CORE_BUSY[$id]=$(median ${FPM_CORE_ROUND_PCT[$id]}) FCGI_FPM_BUSY[$id]=$(median ${FPM_ROUND_PCT[$id]})
+		FCGI_FPM_CPU[$id]=$(calc "if (${REQS[$id]} > 0) printf \"%.2f\", ${FPM_TICKS[$id]:-0} / $CLK_TCK / ${REQS[$id]} * 100000")
 	done
-	out "One php-fpm pool (${FPM_VERSION:-$PHP_FPM}, \`pm = static\`, $FPM_CHILDREN children, \`conf/php-fpm.conf.tmpl\`) on CPU $BACKEND_CPUS runs a script that answers 1 KiB (\`header('Content-Type: text/plain'); echo str_repeat('x', 1024);\`) at $REQUEST_PATH. In front of it, on CPU $PROXY_CPUS with one worker: nginx as the PHP vhost (\`conf/fastcgi-nginx.conf.tmpl\`: \`fastcgi_pass\` to an upstream with \`keepalive 32\`, \`fastcgi_keep_conn on\`, Debian's \`fastcgi_params\`, \`SCRIPT_FILENAME \$document_root\$fastcgi_script_name\`), and levee with a \`fastcgi://\` upstream, pass-through (\`policies/fastcgi.toml.tmpl\`). wrk -t $WRK_THREADS -c $CONNECTIONS -d ${DURATION}s on CPU $LOAD_CPUS, ${WARMUP} s warm-up, $ROUNDS round(s), the two proxies' rounds alternating, median. php-fpm's opcache as the distribution sets it: ${FPM_OPCACHE:-unknown} (from a script in the pool)."
+	out "One php-fpm pool (${FPM_VERSION:-$PHP_FPM}, \`pm = static\`, $FPM_CHILDREN children, \`conf/php-fpm.conf.tmpl\`) on CPU $BACKEND_CPUS runs a script that answers 1 KiB (\`header('Content-Type: text/plain'); echo str_repeat('x', 1024);\`) at $REQUEST_PATH. opcache as the distribution sets it, read by a script in the pool: ${FPM_OPCACHE:-unknown}. In front of it, each on CPU $PROXY_CPUS with one worker: nginx as the PHP vhost (\`conf/fastcgi-nginx.conf.tmpl\`: \`fastcgi_pass\`, Debian's \`fastcgi_params\`, \`SCRIPT_FILENAME \$document_root\$fastcgi_script_name\`, and the forwarding fields levee gives PHP), and levee with a \`fastcgi://\` upstream, pass-through (\`policies/fastcgi.toml.tmpl\`); each with its FastCGI connections kept open (nginx \`keepalive 32\` + \`fastcgi_keep_conn on\`, levee \`pool_max_idle = 32\`) and with a connection per request (nginx's default \`fastcgi_keep_conn off\`, levee's default for \`fastcgi://\`). wrk -t $WRK_THREADS -c $CONNECTIONS -d ${DURATION}s on CPU $LOAD_CPUS, ${WARMUP} s warm-up, $ROUNDS round(s), the cases' rounds in turn (forwards, then backwards), median."
 	out ""
 	out "| proxy | req/s | p50 | p99 | p99.9 | errors | proxy CPU s / 100k req | proxy peak RSS | other load on proxy core | php-fpm CPU s / 100k req | php-fpm's core busy (php-fpm's own share) |"
 	out "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-	fastcgi_row "$b"
-	fastcgi_row "$a"
-	[[ ${STATUS[$a]:-} == ok && ${STATUS[$b]:-} == ok ]] || return 0
-	out "| levee / nginx | $(ratio "${RPS[$a]}" "${RPS[$b]}") | $(ratio "${P50[$a]}" "${P50[$b]}") | $(ratio "${P99[$a]}" "${P99[$b]}") | $(ratio "${P999[$a]}" "${P999[$b]}") | | $(ratio "${CPU[$a]}" "${CPU[$b]}") | $(ratio "${HWM[$a]}" "${HWM[$b]}") | | | |"
+	for id in "${FASTCGI_CASES[@]}"; do fastcgi_row "$id"; done
 	out ""
-	local p99_text=
-	if paired=$(paired_p99 "$a" "$b"); then
-		read -r p99_ratio wins rounds <<<"$paired"
-		p99_text=" (median of the per-round ratios $(printf '%.2f×' "$p99_ratio"); levee's p99 was at most nginx's in $wins of $rounds rounds)"
-	fi
-	out "- levee / nginx: req/s $(ratio "${RPS[$a]}" "${RPS[$b]}"), p99 $(ratio "${P99[$a]}" "${P99[$b]}")$p99_text, proxy CPU per request $(ratio "${CPU[$a]}" "${CPU[$b]}") (below 1× levee spends less of its core on a request than nginx)."
-	local core="CPU $BACKEND_CPUS" rest="other processes"
+	out "| comparison | req/s ratio | p99 ratio (per-round median) | proxy CPU per request ratio | php-fpm CPU per request ratio |"
+	out "|---|---:|---:|---:|---:|"
+	for pair in "fcgi-levee-keep:fcgi-nginx-keep:levee / nginx, connections kept" \
+		"fcgi-levee-close:fcgi-nginx-close:levee / nginx, a connection per request" \
+		"fcgi-levee-close:fcgi-nginx-keep:levee's default / nginx with keep-alive" \
+		"fcgi-levee-keep:fcgi-levee-close:levee, kept / a connection per request"; do
+		IFS=: read -r a b _ <<<"$pair"
+		if [[ ${STATUS[$a]:-} != ok || ${STATUS[$b]:-} != ok ]]; then
+			out "| ${pair#*:*:} | n/a (a case did not run) | | | |"
+			continue
+		fi
+		p99_paired=$(paired_p99 "$a" "$b") && p99_paired=" ($(printf '%.2f×' "${p99_paired%% *}"))" || p99_paired=''
+		out "| ${pair#*:*:} | $(ratio "${RPS[$a]}" "${RPS[$b]}") | $(ratio "${P99[$a]}" "${P99[$b]}")$p99_paired | $(ratio "${CPU[$a]}" "${CPU[$b]}") | $(ratio "${FCGI_FPM_CPU[$a]}" "${FCGI_FPM_CPU[$b]}") |"
+	done
+	out ""
+	core="CPU $BACKEND_CPUS" rest="other processes"
 	[[ $LOAD_CPUS != "$BACKEND_CPUS" ]] || core+=", which wrk shares" rest="wrk"
-	out "- php-fpm's core ($core) was ${FCGI_CORE_BUSY[$b]}% busy behind nginx and ${FCGI_CORE_BUSY[$a]}% behind levee; php-fpm itself used ${FCGI_FPM_BUSY[$b]}% and ${FCGI_FPM_BUSY[$a]}% of it (medians of rounds), the rest is $rest. Near 100% that core sets the pace for both proxies, req/s and latency say more about it than about the proxy, and the proxy CPU per request is the figure that compares the two."
-	out "- php-fpm CPU per request differs behind the two only by what each proxy sends it (the parameters, and how the records are cut); the pool is sized for every FastCGI connection both proxies keep open at once (a kept connection holds its child until the proxy closes it: with fewer children than connections, requests wait behind a busy child until wrk's timeout)."
-	noisy_note "$b" "$a"
+	out "Ratios are A / B of the medians; below 1× A spends less CPU per request, or has the lower p99; the p99 in brackets is the median of the per-round ratios (round r of each case ran one after the other). php-fpm's core ($core): busy time over each round, and in brackets php-fpm's own share of it (master and children); the rest is $rest. Near 100% that core sets the pace for every case, req/s and latency say more about it than about the proxies, and proxy CPU per request is the figure that compares them. php-fpm CPU per request shows what each proxy's way of talking to php-fpm costs PHP's side (a connect per request, the parameters sent, how the records are cut). The pool is sized for every FastCGI connection the proxies keep open at once: a kept connection holds its child until the proxy closes it."
+	noisy_note "${FASTCGI_CASES[@]}"
 }
 
 report_targets() {

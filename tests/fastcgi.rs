@@ -685,6 +685,12 @@ async fn php_fpm_on_a_unix_socket_is_reached_through_it() {
         root = site.docroot,
     );
     let levee = Levee::start(&policy).await;
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["upstreams"][0]["socket"],
+        socket.display().to_string(),
+        "{status}"
+    );
     for _ in 0..3 {
         let php = get_json(&levee, "/echo.php?via=socket").await;
         assert_eq!(php["which"], "echo", "{php}");

@@ -386,11 +386,16 @@ pub fn summarize(status: &serde_json::Value) -> String {
     }
     for upstream in status["upstreams"].as_array().into_iter().flatten() {
         let breaker = &upstream["breaker"];
+        let url = upstream["url"].as_str().unwrap_or("?");
+        let address = match upstream["socket"].as_str() {
+            Some(socket) => format!("{url} via unix:{socket}"),
+            None => url.to_string(),
+        };
         let _ = writeln!(
             out,
             "upstream {:<16} {:<32} breaker {}{}",
             upstream["name"].as_str().unwrap_or("?"),
-            upstream["url"].as_str().unwrap_or("?"),
+            address,
             breaker["state"].as_str().unwrap_or("?"),
             if breaker["force"] != "auto" {
                 format!(

@@ -883,6 +883,7 @@ fn status(shared: &Shared) -> serde_json::Value {
             json!({
                 "name": upstream.name,
                 "url": format!("{}://{}", upstream.settings.scheme, upstream.settings.authority),
+                "socket": upstream.settings.socket.as_ref().map(|path| path.display().to_string()),
                 "breaker": upstream.breaker.status(),
                 "pinned": breaker_pin(shared, &upstream.name),
                 "latency_p95_ms": upstream
