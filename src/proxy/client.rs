@@ -806,7 +806,7 @@ async fn send_on(
     let mut large: Option<Bytes> = None;
     let mut body_done = false;
     // Armed while the upstream does not take what is ready for it (boxed: it is rare).
-    let mut stalled: Option<Pin<Box<tokio::time::Sleep>>> = None;
+    let mut stalled: Option<Pin<Box<Sleep>>> = None;
     std::future::poll_fn(|cx| loop {
         let buffer = &mut connection.buffer;
         if buffer.capacity() - buffer.len() < 1024 {
@@ -887,20 +887,30 @@ async fn send_on(
                 }
             }
             Poll::Ready(Err(error)) => return Poll::Ready(Err(ClientError::Io(error))),
-            Poll::Pending => {
-                let Some(limit) = stall_limit else {
-                    return Poll::Pending;
-                };
-                let timer = stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-                if timer.as_mut().poll(cx).is_ready() {
-                    connection.request_unfinished = true;
-                    return Poll::Ready(Err(ClientError::ResponseTimeout(limit)));
-                }
-                return Poll::Pending;
-            }
+            Poll::Pending => return write_stalled(&mut stalled, stall_limit, connection, cx),
         }
     })
     .await
+}
+
+/// A write the upstream does not take: pending until it has taken nothing for `stall_limit`
+/// (the timer armed at the first such write, disarmed by any progress), then the timeout, and
+/// the connection, holding part of a request, is not reused.
+fn write_stalled(
+    stalled: &mut Option<Pin<Box<Sleep>>>,
+    stall_limit: Option<Duration>,
+    connection: &mut Connection,
+    cx: &mut Context<'_>,
+) -> Poll<Result<(), ClientError>> {
+    let Some(limit) = stall_limit else {
+        return Poll::Pending;
+    };
+    let timer = stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+    if timer.as_mut().poll(cx).is_ready() {
+        connection.request_unfinished = true;
+        return Poll::Ready(Err(ClientError::ResponseTimeout(limit)));
+    }
+    Poll::Pending
 }
 
 /// Room for a response head's fields, uninitialised: zeroing a hundred of them for every

@@ -992,15 +992,7 @@ async fn send_records(
                 return Poll::Ready(Ok(()));
             }
             Poll::Pending => {
-                let Some(limit) = stall_limit else {
-                    return Poll::Pending;
-                };
-                let timer = stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-                if timer.as_mut().poll(cx).is_ready() {
-                    connection.request_unfinished = true;
-                    return Poll::Ready(Err(ClientError::ResponseTimeout(limit)));
-                }
-                return Poll::Pending;
+                return super::write_stalled(&mut stalled, stall_limit, connection, cx)
             }
         }
     })
