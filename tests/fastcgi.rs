@@ -802,3 +802,46 @@ fn check_refuses_tls_over_a_unix_socket() {
         "{printed}"
     );
 }
+
+/// Writes whose replay could never run: one naming no script is refused now (404), not
+/// accepted for a job bound to fail; one whose answer levee cannot read (the app has run it)
+/// goes to the dead letters at once, not retried, and the breaker does not count it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_writes_php_fpm_cannot_take_are_refused_or_dead_lettered() {
+    let site = Site::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let rest = format!(
+        "breaker = {{ consecutive_failures = 1 }}\n[redis]\nurl = \"{redis}\"\n[degrade]\nsync_interval = \"100ms\"\n[queue]\npoll_interval = \"50ms\"\n[[route]]\nname = \"writes\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/\" }}\ntier = 2\nmodule = \"writes\"\ndegrade = {{ action = \"queue\" }}\n",
+        redis = redis.url()
+    );
+    let levee = site.levee("", &rest).await;
+    let switch = |state: &'static str| {
+        let url = levee.admin_url("/modules/writes");
+        async move { assert_eq!(post(&url, state).await.status, 200) }
+    };
+    switch("off").await;
+    let answer = post(&levee.url("/about"), "n=1").await;
+    assert_eq!(answer.status, 404, "{}", answer.text());
+    assert!(
+        answer.text().contains("names no PHP script"),
+        "{}",
+        answer.text()
+    );
+    let answer = post(&levee.url("/interim.php"), "n=2").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+
+    switch("on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the job in the dead letters",
+        || async { get(&levee.admin_url("/queues")).await.json()["writes"]["dead_letters"] == 1 },
+    )
+    .await;
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["upstreams"][0]["breaker"]["state"], "closed",
+        "{status}"
+    );
+    assert_eq!(get_json(&levee, "/echo.php").await["which"], "echo");
+}

@@ -262,6 +262,12 @@ fn queue_job<'a>(
     body: body::JobBody,
     allowed_headers: Option<crate::limit::RateLimitHeaders>,
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Answer, ProxyError>> + Send + 'a>> {
+    // A write whose replay could never run (a FastCGI upstream with no script for its path)
+    // gets the answer it would get now, not a 202 for a job bound for the dead letters.
+    if let Some(refusal) = route.upstream.client.refusal(job.parts.uri.path()) {
+        let refused = unsendable(&refusal);
+        return Box::pin(async move { Err(refused) });
+    }
     let wants_json = wants_json(&job.parts.headers);
     // The job is replayed with the headers it is stored with: the forwarded fields levee
     // believes, as a request forwarded now carries them, not what an untrusted client
@@ -1159,22 +1165,7 @@ fn classify_client_error(
         return error;
     }
     if let client::ClientError::Unsendable(refusal) = error {
-        return match refusal {
-            client::Unsendable::NulInPath => ProxyError::BadRequest(refusal.to_string()),
-            client::Unsendable::NoScript(path) => ProxyError::NoScript(path.clone()),
-            client::Unsendable::TooLong {
-                size,
-                limit,
-                in_target: false,
-                ..
-            } => ProxyError::HeadersTooLarge {
-                size: *size,
-                limit: *limit,
-            },
-            client::Unsendable::TooLong { limit, .. } => {
-                ProxyError::TargetTooLong { limit: *limit }
-            }
-        };
+        return unsendable(refusal);
     }
     if let client::ClientError::ResponseTimeout(after) = error {
         return ProxyError::UpstreamTimeout {
@@ -1193,6 +1184,24 @@ fn classify_client_error(
         return ProxyError::UpstreamConnect { upstream, reason };
     }
     ProxyError::UpstreamFailed { upstream, reason }
+}
+
+/// The answer to a request a FastCGI upstream cannot be given (see `client::Unsendable`).
+fn unsendable(refusal: &client::Unsendable) -> ProxyError {
+    match refusal {
+        client::Unsendable::NulInPath => ProxyError::BadRequest(refusal.to_string()),
+        client::Unsendable::NoScript(path) => ProxyError::NoScript(path.clone()),
+        client::Unsendable::TooLong {
+            size,
+            limit,
+            in_target: false,
+            ..
+        } => ProxyError::HeadersTooLarge {
+            size: *size,
+            limit: *limit,
+        },
+        client::Unsendable::TooLong { limit, .. } => ProxyError::TargetTooLong { limit: *limit },
+    }
 }
 
 /// `outer: inner: innermost`, for one-line logs.

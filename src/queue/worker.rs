@@ -1167,6 +1167,14 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
                 upstream.settings.response_timeout
             ))
         }
+        // Not the upstream's failure, and no use trying again: a job a FastCGI upstream
+        // cannot run (its path names no script), or an answer whose head levee cannot read
+        // (the app has run the job: sent again, it would run twice). Dead letters, for a
+        // person to look at; the breaker does not count it.
+        Ok(Err(error)) if !error.is_upstream_failure() => {
+            permit.record(Outcome::Abandoned, Instant::now(), &shared.metrics);
+            Replay::Permanent(format!("cannot be replayed: {error}"))
+        }
         Ok(Err(error)) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
             Replay::Retry(format!("upstream error: {error}"))

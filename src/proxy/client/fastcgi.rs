@@ -742,6 +742,17 @@ fn warn_of_file_handoff(name: &HeaderName) {
 }
 
 impl Client {
+    /// Why a request for `path` could not be put to this upstream, when it speaks FastCGI and
+    /// the path names no script it could run: asked before a write is stored for a later
+    /// replay, which would otherwise be accepted now and fail every time.
+    pub fn refusal(&self, path: &str) -> Option<Unsendable> {
+        let settings = self.settings.fastcgi.as_ref()?;
+        script_of(path, settings, &|script| {
+            is_file_under(&settings.root, script)
+        })
+        .err()
+    }
+
     /// [`Client::send_within`] for a FastCGI upstream.
     pub(super) async fn send_fastcgi(
         &self,
