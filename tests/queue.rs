@@ -2622,13 +2622,73 @@ async fn jobs_held_back_by_the_breaker_are_replayed_once_it_closes_not_after_cla
         "replayed {:?} after the breaker closed",
         last.saturating_duration_since(closed_at)
     );
-    // The replays were held back while the probe was out (not merely paused).
+    assert_eq!(
+        applied.lock().expect("lock").len(),
+        3,
+        "each job applied once"
+    );
+    // While the probe was out the route's replays paused: no batch was read only to be
+    // refused by the breaker, pass after pass.
     let metrics = get(&levee.admin_url("/metrics")).await.text();
-    assert!(
+    assert_eq!(
         metric_value(
             &metrics,
             "levee_queue_replayed_total{route=\"notify\",result=\"held\"}"
-        ) >= 1.0,
+        ),
+        0.0,
         "{metrics}"
     );
+}
+
+/// An instance stopped in the middle of a batch hands the jobs it has not begun back: another
+/// instance takes them up at once, not after `claim_after` (30 s here), and each job is
+/// applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_instance_hands_back_the_jobs_it_had_not_begun() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let policy = |rate: &str| {
+        queue_policy(backend.addr, &redis.url(), "claim_after = \"30s\"")
+            .replace("replay_rate = 2000", rate)
+            .replace("access_log = false", "access_log = false\ndrain = \"0s\"")
+    };
+    // One job a second: the first instance reads all five, and is stopped after the first.
+    let slow = Levee::start(&policy("replay_rate = 1")).await;
+    switch(&slow, "off").await;
+    for i in 0..5 {
+        assert_eq!(
+            post_as(&slow, &format!("n={i}"), "192.0.2.5").await.status,
+            202
+        );
+    }
+    switch(&slow, "on").await;
+    eventually(Duration::from_secs(5), "the first replay", || async {
+        !seen.lock().expect("lock").is_empty()
+    })
+    .await;
+    stop(slow).await;
+    let after_stop = seen.lock().expect("lock").len();
+    assert!(
+        after_stop < 5,
+        "the stop came too late to leave jobs: {after_stop}"
+    );
+
+    let other = Levee::start(&policy("replay_rate = 1000")).await;
+    eventually(
+        Duration::from_secs(10),
+        "the jobs handed back to be applied by the other instance",
+        || async { seen.lock().expect("lock").len() >= 5 },
+    )
+    .await;
+    let mut keys: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(key, ..)| key.clone())
+        .collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 5, "each job once: {keys:?}");
+    drop(other);
 }

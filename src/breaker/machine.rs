@@ -198,6 +198,21 @@ impl Machine {
         self.runtime_force.or(self.settings.force)
     }
 
+    /// Whether [`Self::admit`] would let a request through at `now`, without taking a probe
+    /// slot or changing state.
+    pub fn would_admit(&self, now: Instant) -> bool {
+        match self.force() {
+            Some(Force::Open) => false,
+            Some(Force::Closed) => true,
+            None => match self.state {
+                State::Closed => true,
+                // Its time out, the next request half-opens it as the first probe.
+                State::Open { until } => now >= until,
+                State::HalfOpen => self.probes_in_flight < self.settings.half_open_probes,
+            },
+        }
+    }
+
     /// Decides whether a request may go through. May move Open → HalfOpen.
     pub fn admit(&mut self, now: Instant) -> (Admission, Option<Transition>) {
         match self.force() {

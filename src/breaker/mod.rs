@@ -68,6 +68,12 @@ impl Breaker {
         }
     }
 
+    /// Whether a request asking now would be let through: a look that takes no probe slot and
+    /// counts no refusal (for the queue's worker, which holds its batch back otherwise).
+    pub fn would_admit(&self, now: Instant) -> bool {
+        self.lock().would_admit(now)
+    }
+
     /// Asks to send one request at `now` (the caller's reading of the clock: a request reads
     /// it once for the breaker, the upstream pool and its response timer). `Err(retry_after)`
     /// while open (or half-open and full).

@@ -455,11 +455,12 @@ pub fn spawn_workers(
                     )
                     .await;
                 }
-                // Paused while the route is off, its dependency's breaker is open, or its
-                // upstream has no slot free for the route's tier (`max_inflight`): no batch is
-                // taken that would wait; resumes by itself.
+                // Paused while the route is off, its dependency's breaker would refuse a call
+                // (open, or half-open with its probes out), or its upstream has no slot free
+                // for the route's tier (`max_inflight`): no batch is taken that would wait
+                // (and be handed back, pass after pass); resumes by itself.
                 if shared.degrade.view(&policy).route_off(route)
-                    || route.upstream.breaker.status().state == "open"
+                    || !route.upstream.breaker.would_admit(Instant::now())
                     || route
                         .upstream
                         .bulkhead
@@ -840,7 +841,13 @@ impl Pass<'_> {
             }
         };
         tokio::select! {
-            result = self.replay_batch(stop, batch, next_start) => result.map(|all_done| all_done && full),
+            result = self.replay_batch(stop, batch, next_start) => {
+                // Handed back once the hold is no longer renewed: a renewal in flight would
+                // set their idle time back to nothing.
+                let (all_done, left) = result?;
+                self.hand_back(left).await;
+                Ok(all_done && full)
+            }
             _ = keep_hold => Ok(false),
         }
     }
@@ -937,14 +944,15 @@ impl Pass<'_> {
     }
 
     /// Replays `batch` in order, starting at most `replay_rate` jobs a second: none before
-    /// `next_start`, which it moves on. `Ok(true)`: every job was taken up (none left held by
-    /// the breaker or by a stop).
+    /// `next_start`, which it moves on. `Ok((true, _))`: every job was taken up; otherwise
+    /// with the ids of the jobs left (held back by the breaker or a full upstream, or by a
+    /// stop), to be handed back.
     async fn replay_batch(
         &self,
         stop: &mut watch::Receiver<bool>,
         batch: Vec<(String, HashMap<String, Vec<u8>>)>,
         next_start: &mut Instant,
-    ) -> Result<bool, RedisFailure> {
+    ) -> Result<(bool, Vec<String>), RedisFailure> {
         let Pass {
             shared,
             settings,
@@ -962,10 +970,13 @@ impl Pass<'_> {
                 .collect::<Vec<_>>()
         };
         while let Some((id, fields)) = jobs.next() {
-            tokio::time::sleep_until(*next_start).await;
-            if *stop.borrow() {
-                self.hand_back(rest(id, jobs)).await;
-                return Ok(false);
+            // A stop during the pause is heard at once (a low replay_rate pauses long).
+            let stopping = tokio::select! {
+                _ = tokio::time::sleep_until(*next_start) => false,
+                _ = stop.wait_for(|stopped| *stopped) => true,
+            };
+            if stopping || *stop.borrow() {
+                return Ok((false, rest(id, jobs)));
             }
             *next_start = Instant::now() + pause;
             // Right before sending: a job another instance took over (this one could not renew
@@ -980,10 +991,7 @@ impl Pass<'_> {
                     tracing::debug!(route = %route.name, %id, "job no longer in the stream (withdrawn by its writer, its replicas not confirming it, or finished by another worker): not replayed");
                     continue;
                 }
-                Hold::Stopped => {
-                    self.hand_back(rest(id, jobs)).await;
-                    return Ok(false);
-                }
+                Hold::Stopped => return Ok((false, rest(id, jobs))),
             }
             let mut job = match Job::from_fields(&id, &fields) {
                 Ok(job) => job,
@@ -1032,12 +1040,11 @@ impl Pass<'_> {
                     // The breaker refused the call, or no bulkhead slot came free (or levee
                     // began to stop): no attempt spent, and this job and those behind it are
                     // handed back for the next pass (or another instance) to take up at once.
-                    self.hand_back(rest(id, jobs)).await;
-                    return Ok(false);
+                    return Ok((false, rest(id, jobs)));
                 }
             }
         }
-        Ok(true)
+        Ok((true, Vec::new()))
     }
 }
 
