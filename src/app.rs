@@ -128,7 +128,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
     // module back on, a queue route writing straight to the app). Connections that arrive
     // meanwhile wait in the listen backlog. (Found by tests/faults.rs: /status right after a
     // restart showed level 0 while Redis held level 1.)
-    crate::degrade::switches::spawn_sync(shared.clone(), stop.clone()).await;
+    let sync_task = crate::degrade::switches::spawn_sync(shared.clone(), stop.clone()).await;
 
     let public_shared = shared.clone();
     let public_task = tokio::spawn(proxy::h1::serve(
@@ -200,6 +200,12 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         }
         if tokio::time::timeout_at(deadline, queue_task).await.is_err() {
             tracing::warn!(timeout = ?settings.shutdown_timeout, "a queued job's replay did not finish in time; stopping anyway (another worker replays it after claim_after, with the same Idempotency-Key)");
+        }
+        // Gone, not silent: this instance's line leaves the fleet view, once the switch sync
+        // (which writes it) has ended, and before the process does.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), sync_task).await;
+        if let Some(redis) = &lifecycle_shared.store.load().redis {
+            crate::degrade::fleet::leave(redis, &lifecycle_shared.instance).await;
         }
         tracing::info!("levee stopped");
     });

@@ -1749,3 +1749,46 @@ async fn without_redis_the_fleet_view_is_null() {
     assert!(status["fleet"].is_null(), "{status}");
     assert!(status["instance"].is_string(), "{status}");
 }
+
+/// With Redis gone the fleet view says so (and `/status` still answers at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_view_says_when_redis_cannot_be_read() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend =
+        Backend::start(|_request: Request<Incoming>| async { Response::new(full("ok")) }).await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n",
+            redis.url()
+        ),
+    ))
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "this instance in the view",
+        || async {
+            get(&levee.admin_url("/status")).await.json()["fleet"]["instances"]
+                .as_array()
+                .is_some_and(|all| all.len() == 1)
+        },
+    )
+    .await;
+    drop(redis);
+    eventually(
+        Duration::from_secs(10),
+        "the view to say redis is unreadable",
+        || async {
+            let started = std::time::Instant::now();
+            let status = get(&levee.admin_url("/status")).await.json();
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "/status waited on redis"
+            );
+            status["fleet"]["error"].is_string()
+        },
+    )
+    .await;
+}

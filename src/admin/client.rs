@@ -425,11 +425,14 @@ fn describe_fleet(out: &mut String, fleet: &serde_json::Value) {
     let Some(instances) = fleet["instances"].as_array() else {
         return;
     };
+    let highest = match fleet["highest_level"].as_u64() {
+        Some(level) => level.to_string(),
+        None => "unknown (none reported lately)".to_string(),
+    };
     let _ = writeln!(
         out,
-        "fleet    {} instance(s) · highest level {}",
+        "fleet    {} instance(s) · highest level {highest}",
         instances.len(),
-        fleet["highest_level"]
     );
     for instance in instances {
         let breakers: Vec<String> = instance["breakers"]

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -15,8 +15,26 @@ use crate::config::Policy;
 use crate::proxy::Shared;
 use crate::redis_store::RedisStore;
 
-/// Bound on each fleet call: the view is for people, and never holds up a sync.
-const FLEET_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bound on each fleet call: the view is for people, and never holds up a sync or `/status`
+/// for long.
+const FLEET_TIMEOUT: Duration = Duration::from_millis(300);
+
+/// Writes a line stamped with Redis's clock (`<ms> <report>`), so that every instance's age
+/// is told by one clock, not by clocks that may disagree. KEYS: the fleet hash. ARGV:
+/// instance, report.
+const WRITE_LINE: &str = r#"
+local now = redis.call('TIME')
+local ms = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+redis.call('HSET', KEYS[1], ARGV[1], ms .. ' ' .. ARGV[2])
+return 1
+"#;
+
+/// Every line, with Redis's clock now. KEYS: the fleet hash.
+const READ_LINES: &str = r#"
+local now = redis.call('TIME')
+local ms = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+return {ms, redis.call('HGETALL', KEYS[1])}
+"#;
 /// A report this old is from an instance that went away without saying so (killed, or cut
 /// off from Redis): it is shown as silent, and removed after [`FORGET_AFTER`].
 const SILENT_AFTER_SYNCS: u32 = 3;
@@ -36,18 +54,16 @@ pub struct Report {
     #[serde(default)]
     pub draining: bool,
     pub version: String,
-    /// When it wrote this, by its clock.
+    /// Its `sync_interval`: how often it writes, from which it is told silent.
+    #[serde(default)]
+    pub sync_interval_ms: u64,
+    /// When it wrote this, by Redis's clock (from the line's stamp).
+    #[serde(default)]
     pub at_unix_ms: u64,
 }
 
 fn key(redis: &RedisStore) -> String {
     format!("{}fleet", redis.settings.key_prefix)
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| since.as_millis() as u64)
 }
 
 /// This instance's report, from its policy and degrade state now.
@@ -67,18 +83,28 @@ pub fn report_of(shared: &Shared, policy: &Policy) -> Report {
         breakers,
         draining: shared.draining.load(Ordering::Relaxed),
         version: env!("CARGO_PKG_VERSION").to_string(),
-        at_unix_ms: now_ms(),
+        sync_interval_ms: policy.degrade.sync_interval.as_millis() as u64,
+        at_unix_ms: 0,
     }
 }
 
-/// Writes `report` as `instance`'s line. A failure is only logged (at debug): Redis being
-/// away is told elsewhere, and the view merely goes stale.
+/// Writes `report` as `instance`'s line. Not tried while Redis is known to be down (the sync
+/// must not wait on it), and a failure is only logged (at debug): Redis being away is told
+/// elsewhere, and the line merely goes silent.
 pub async fn write(redis: &RedisStore, instance: &str, report: &Report) {
     let Ok(text) = serde_json::to_string(report) else {
         return;
     };
-    let mut command = redis::cmd("HSET");
-    command.arg(key(redis)).arg(instance).arg(text);
+    if !redis.is_up() {
+        return;
+    }
+    let mut command = redis::cmd("EVAL");
+    command
+        .arg(WRITE_LINE)
+        .arg(1)
+        .arg(key(redis))
+        .arg(instance)
+        .arg(text);
     if let Err(error) = redis.command::<i64>(&command, FLEET_TIMEOUT, None).await {
         tracing::debug!("cannot write this instance's line of the fleet view: {error}");
     }
@@ -136,17 +162,27 @@ pub async fn read(
     this_instance: &str,
     sync_interval: Duration,
 ) -> Result<Vec<Member>, String> {
-    let mut command = redis::cmd("HGETALL");
-    command.arg(key(redis));
-    let lines: BTreeMap<String, String> = redis
+    if !redis.is_up() {
+        return Err(format!(
+            "redis is down{}",
+            redis
+                .last_error()
+                .map(|error| format!(" ({error})"))
+                .unwrap_or_default()
+        ));
+    }
+    let mut command = redis::cmd("EVAL");
+    command.arg(READ_LINES).arg(1).arg(key(redis));
+    let (now, fields): (String, Vec<String>) = redis
         .command(&command, FLEET_TIMEOUT, None)
         .await
         .map_err(|error| error.to_string())?;
-    let now = now_ms();
-    let silent_after = sync_interval
-        .saturating_mul(SILENT_AFTER_SYNCS)
-        .max(SILENT_AT_LEAST);
-    let (members, forgotten) = members_of(lines, this_instance, now, silent_after);
+    let now: u64 = now.parse().unwrap_or(0);
+    let lines: BTreeMap<String, String> = fields
+        .chunks_exact(2)
+        .map(|pair| (pair[0].clone(), pair[1].clone()))
+        .collect();
+    let (members, forgotten) = members_of(lines, this_instance, now, sync_interval);
     if !forgotten.is_empty() {
         let mut command = redis::cmd("HDEL");
         command.arg(key(redis)).arg(&forgotten);
@@ -157,20 +193,34 @@ pub async fn read(
     Ok(members)
 }
 
-/// The members among `lines` at `now`, and the names of the lines to forget.
+/// The members among `lines` (`<ms> <report>`) at `now` (both by Redis's clock), and the
+/// names of the lines to forget. A line is silent after a few of its writer's syncs
+/// (`sync_interval`, this instance's, for a line that does not say).
 fn members_of(
     lines: BTreeMap<String, String>,
     this_instance: &str,
     now: u64,
-    silent_after: Duration,
+    sync_interval: Duration,
 ) -> (Vec<Member>, Vec<String>) {
     let mut members = Vec::new();
     let mut forgotten = Vec::new();
-    for (instance, text) in lines {
-        let Ok(report) = serde_json::from_str::<Report>(&text) else {
+    for (instance, line) in lines {
+        let parsed = line.split_once(' ').and_then(|(stamp, text)| {
+            let mut report = serde_json::from_str::<Report>(text).ok()?;
+            report.at_unix_ms = stamp.parse().ok()?;
+            Some(report)
+        });
+        let Some(report) = parsed else {
             // Written by a later levee, or by hand: not shown, and not removed either.
             continue;
         };
+        let interval = match report.sync_interval_ms {
+            0 => sync_interval,
+            ms => Duration::from_millis(ms),
+        };
+        let silent_after = interval
+            .saturating_mul(SILENT_AFTER_SYNCS)
+            .max(SILENT_AT_LEAST);
         let seen_ms_ago = now.saturating_sub(report.at_unix_ms);
         if seen_ms_ago > FORGET_AFTER.as_millis() as u64 {
             forgotten.push(instance);
@@ -192,15 +242,17 @@ mod tests {
     use super::*;
 
     fn line(level: u8, at_unix_ms: u64) -> String {
-        serde_json::to_string(&Report {
+        let report = serde_json::to_string(&Report {
             level,
             automatic_level: level,
             breakers: BTreeMap::from([("app".to_string(), "open".to_string())]),
             draining: false,
             version: "0.1.0".into(),
-            at_unix_ms,
+            sync_interval_ms: 500,
+            at_unix_ms: 0,
         })
-        .expect("json")
+        .expect("json");
+        format!("{at_unix_ms} {report}")
     }
 
     #[test]
@@ -212,7 +264,7 @@ mod tests {
             ("c".to_string(), line(1, now - 4_000_000)),
             ("d".to_string(), "not json".to_string()),
         ]);
-        let (members, forgotten) = members_of(lines, "a", now, Duration::from_secs(5));
+        let (members, forgotten) = members_of(lines, "a", now, Duration::from_secs(1));
         assert_eq!(forgotten, ["c"]);
         let shown: Vec<(&str, bool, bool, u8)> = members
             .iter()

@@ -407,7 +407,10 @@ pub fn publish(degrade: &Degrade, policy: &Policy, metrics: &Metrics) {
 
 /// Loads the saved switches now, then keeps following them (Redis) until `stop`, writing
 /// this instance's line of the fleet view (see `fleet`) at each sync.
-pub async fn spawn_sync(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+pub async fn spawn_sync(
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
     let (degrade, store, metrics) = (
         shared.degrade.clone(),
         shared.store.clone(),
@@ -440,21 +443,18 @@ pub async fn spawn_sync(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         }
     }
     publish(&degrade, &policy, &metrics);
-    if let Some(redis) = &policy.redis {
-        super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
-    }
     tokio::spawn(async move {
+        // Written in the task, not before the listeners serve: only the switches must be
+        // loaded first, and a Redis that does not answer would hold the start up.
+        if let Some(redis) = &policy.redis {
+            super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
+        }
         loop {
             let interval = store.load().degrade.sync_interval;
-            let stopping = tokio::select! {
-                _ = tokio::time::sleep(interval) => false,
-                _ = stop.wait_for(|stopped| *stopped) => true,
-            };
-            if stopping {
-                if let Some(redis) = &store.load().redis {
-                    super::fleet::leave(redis, &shared.instance).await;
-                }
-                return;
+            // (The fleet view's line is removed when levee has stopped: see `app`.)
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = stop.wait_for(|stopped| *stopped) => return,
             }
             let policy = store.load();
             if policy.redis.is_none() {
@@ -482,7 +482,7 @@ pub async fn spawn_sync(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
                 super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
             }
         }
-    });
+    })
 }
 
 /// Says what another instance (or an operator through it) changed. Redis holding no

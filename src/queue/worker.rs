@@ -141,13 +141,23 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// A name for this instance in the consumer groups.
+/// A name for this instance in the consumer groups and the fleet view: host, process id,
+/// start time, and a count of the instances this process started (two in one process, as
+/// in tests, or a container's pid 1 restarted in the same nanosecond, never share one).
 pub(crate) fn consumer_name() -> String {
-    let nanos = SystemTime::now()
+    static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let started = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let since = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
+        .unwrap_or_default();
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    format!("{}-{}-{nanos:x}", host.trim(), std::process::id())
+    format!(
+        "{}-{}-{:x}{:08x}-{started}",
+        host.trim(),
+        std::process::id(),
+        since.as_secs(),
+        since.subsec_nanos()
+    )
 }
 
 /// `base × 2^(attempt-1)`, capped, with ±20% jitter so retries of many jobs spread out.
