@@ -2997,7 +2997,24 @@ fn compile_fastcgi(
             );
             String::new()
         }
-        Some(root) => root.get_ref().trim_end_matches('/').to_string(),
+        // Far past any real path: every request would be refused as too long.
+        Some(root) if root.get_ref().len() > 4096 => {
+            compiler.error(file, root.span(), "root is over 4096 bytes");
+            String::new()
+        }
+        Some(root) => {
+            // A directory's own index (with a front controller) is run when levee sees the
+            // file: say so when it cannot see the root at all.
+            if settings.front_controller.is_some() && !Path::new(root.get_ref()).is_dir() {
+                compiler.warning_hint(
+                    file,
+                    root.span(),
+                    format!("levee cannot see root `{}` on this machine", root.get_ref()),
+                    "every path ending in / then runs the front controller, never a directory's own index (a WordPress /wp-admin/); mount the site where levee runs too, or ignore this if no directory has its own index",
+                );
+            }
+            root.get_ref().trim_end_matches('/').to_string()
+        }
     };
     let index = match &settings.index {
         None => "index.php".to_string(),
@@ -3042,7 +3059,9 @@ fn compile_fastcgi(
                 && param
                     .bytes()
                     .all(|byte| byte.is_ascii_graphic() && byte != b'=')
-                && !value.contains('\0');
+                && !value.contains('\0')
+                // A pair must fit one FastCGI record, with room for levee's own.
+                && param.len() + value.len() <= 16 * 1024;
             if well_formed {
                 params.push((param.clone(), value.clone()));
             } else {
@@ -3050,7 +3069,7 @@ fn compile_fastcgi(
                     file,
                     table.span(),
                     format!("`{param}` cannot be a FastCGI parameter with that value"),
-                    "a name is printable ASCII without spaces or = (like APP_ENV); a value holds no NUL byte",
+                    "a name is printable ASCII without spaces or = (like APP_ENV); a value holds no NUL byte; both together at most 16 KiB",
                 );
             }
         }

@@ -141,7 +141,9 @@ fn script_of(
         let mut index = join(&segments);
         index.push(b'/');
         index.extend_from_slice(settings.index.as_bytes());
-        if front.is_none() || is_file(&index) {
+        // (No look at the disk when the index is the front controller itself: `/` with
+        // `/index.php`, the most common request of all.)
+        if front.is_none_or(|front| front.as_bytes() == index.as_slice()) || is_file(&index) {
             return Ok((index, Vec::new()));
         }
     }
@@ -259,9 +261,10 @@ fn is_file_under(root: &str, script: &[u8]) -> bool {
 fn encode_begin(
     head: &[u8],
     settings: &FastCgiSettings,
+    (script, info): (&[u8], &[u8]),
     has_body: bool,
     keep_connection: bool,
-) -> Result<(BytesMut, Vec<u8>), ClientError> {
+) -> Result<BytesMut, ClientError> {
     let mut fields = [httparse::EMPTY_HEADER; super::MAX_HEADERS];
     let mut parsed = httparse::Request::new(&mut fields);
     match parsed.parse(head) {
@@ -275,10 +278,7 @@ fn encode_begin(
     }
     let method = parsed.method.unwrap_or("GET");
     let target = parsed.path.unwrap_or("/");
-    let (path, query) = target.split_once('?').unwrap_or((target, ""));
-    let (script, info) = script_of(path, settings, &|script| {
-        is_file_under(&settings.root, script)
-    })?;
+    let query = target.split_once('?').map_or("", |(_, query)| query);
 
     let mut params = Params::default();
     // Fields first, joined by name (PHP keeps only the last of two equal parameters).
@@ -344,16 +344,16 @@ fn encode_begin(
         root => root,
     };
     params.add(b"DOCUMENT_ROOT", document_root);
-    params.add(b"SCRIPT_NAME", &script);
+    params.add(b"SCRIPT_NAME", script);
     let mut filename = Vec::with_capacity(settings.root.len() + script.len());
     filename.extend_from_slice(settings.root.as_bytes());
-    filename.extend_from_slice(&script);
+    filename.extend_from_slice(script);
     params.add(b"SCRIPT_FILENAME", &filename);
-    let mut document_uri = script.clone();
-    document_uri.extend_from_slice(&info);
+    let mut document_uri = script.to_vec();
+    document_uri.extend_from_slice(info);
     params.add(b"DOCUMENT_URI", &document_uri);
     if !info.is_empty() {
-        params.add(b"PATH_INFO", &info);
+        params.add(b"PATH_INFO", info);
     }
     // A PHP built with `cgi.force_redirect` runs nothing without it; nginx's params set it.
     params.add(b"REDIRECT_STATUS", b"200");
@@ -405,7 +405,7 @@ fn encode_begin(
     if !has_body {
         put_record_header(&mut out, STDIN, 0);
     }
-    Ok((out, script))
+    Ok(out)
 }
 
 /// The host of `host[:port]`; an IPv6 literal keeps its brackets.
@@ -764,6 +764,10 @@ impl Client {
         sent_whole: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<Answered, ClientError> {
         let (mut parts, body) = request.into_parts();
+        // The script first: a path that names none is answered before any body is read.
+        let (script, info) = script_of(parts.uri.path(), settings, &|script| {
+            is_file_under(&settings.root, script)
+        })?;
         // PHP reads as much of the body as CONTENT_LENGTH says: one of unknown length is
         // read whole first (bounded by the route's `max_body`), as nginx does.
         let (mut body, resend) = if body.is_end_stream() {
@@ -785,7 +789,13 @@ impl Client {
         drop(from_client);
         // Without room in the pool, php-fpm closes the connection itself after the answer.
         let keep_connection = self.pool.max_idle > 0;
-        let (begin, script) = encode_begin(&head.bytes, settings, has_body, keep_connection)?;
+        let begin = encode_begin(
+            &head.bytes,
+            settings,
+            (&script, &info),
+            has_body,
+            keep_connection,
+        )?;
         let script = Arc::new(Script {
             address: self.settings.address(),
             name: String::from_utf8_lossy(&script).into_owned(),
@@ -927,6 +937,7 @@ async fn send_records(
     connection.interim_seen = false;
     let mut out = BytesMut::from(&begin[..]);
     let mut body_done = !has_body;
+    let mut scanned = 0;
     // Armed while php-fpm does not take what is ready for it (boxed: it is rare).
     let mut stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     std::future::poll_fn(|cx| loop {
@@ -948,7 +959,7 @@ async fn send_records(
                     Err(error) => return Poll::Ready(Err(ClientError::Io(error))),
                     Ok(_) => {
                         connection.interim_seen = true;
-                        if holds_end_request(&connection.buffer) {
+                        if holds_end_request(&connection.buffer, &mut scanned) {
                             connection.request_unfinished = !(body_done && out.is_empty());
                             return Poll::Ready(Ok(()));
                         }
@@ -1010,15 +1021,16 @@ async fn send_records(
     .await
 }
 
-/// Whether the records in `buffer` (from a record's start) reach an `END_REQUEST`.
-fn holds_end_request(buffer: &[u8]) -> bool {
-    let mut at = 0;
-    while let Some(header) = buffer.get(at..at + 8) {
+/// Whether the records in `buffer` (from a record's start) reach an `END_REQUEST`. `*from`:
+/// where the next record header starts, kept between calls as the buffer grows, so that
+/// each header is looked at once.
+fn holds_end_request(buffer: &[u8], from: &mut usize) -> bool {
+    while let Some(header) = buffer.get(*from..*from + 8) {
         if header[1] == END_REQUEST {
             return true;
         }
         let content = usize::from(u16::from_be_bytes([header[4], header[5]]));
-        at += 8 + content + usize::from(header[6]);
+        *from += 8 + content + usize::from(header[6]);
     }
     false
 }
@@ -1310,7 +1322,14 @@ mod tests {
     #[test]
     fn fields_become_cgi_parameters_and_spoofable_names_are_dropped() {
         let head = b"POST /shop/cart.php/add?id=3 HTTP/1.1\r\nHost: shop.example:8443\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 4\r\nCookie: a=1\r\nCookie: b=2\r\nX_Real_IP: 6.6.6.6\r\nX.Real.IP: 6.6.6.6\r\nProxy: http://evil\r\nX-Real-IP: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n";
-        let (begin, _) = encode_begin(head, &settings(None), true, true).expect("encodes");
+        let begin = encode_begin(
+            head,
+            &settings(None),
+            (b"/shop/cart.php", b"/add"),
+            true,
+            true,
+        )
+        .expect("encodes");
         // BEGIN_REQUEST (8 + 8), then the parameters' records.
         let mut params = BytesMut::new();
         let mut at = 16;
