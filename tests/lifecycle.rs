@@ -408,3 +408,53 @@ async fn a_queue_group_made_before_is_no_redis_outage_in_the_log() {
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(!log.contains("redis calls fail"), "{log}");
 }
+
+/// A levee process stopped by SIGTERM takes its line out of the fleet view before it exits:
+/// the other instances then show it gone, not silent for an hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_leaves_the_fleet_view_when_it_stops() {
+    let backend = echo_backend().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (public, admin) = (free_port(), free_port());
+    let policies = dir.path().join("policies");
+    std::fs::create_dir_all(&policies).expect("policies dir");
+    std::fs::write(
+        policies.join("levee.toml"),
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{public}\"\ndrain = \"0s\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n[upstream.app]\nurl = \"http://{}\"\n[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n",
+            backend.addr,
+            redis.url()
+        ),
+    )
+    .expect("write policy");
+    let mut levee = ChildGuard::spawn(
+        "levee",
+        Command::new(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(&policies)
+            .arg("--no-watch")
+            .env("LEVEE_LOG", "warn"),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+        "levee to listen",
+    )
+    .await;
+    let lines = || redis.cli(&["HLEN", "levee:fleet"]);
+    eventually(
+        Duration::from_secs(5),
+        "its line in the fleet view",
+        || async { lines().trim() == "1" },
+    )
+    .await;
+
+    signal(levee.pid(), "TERM");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while levee.child.try_wait().expect("wait").is_none() {
+        assert!(std::time::Instant::now() < deadline, "levee did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(lines().trim(), "0", "the line outlived the process");
+}
