@@ -288,15 +288,12 @@ fn encode_begin(
     for field in parsed.headers.iter() {
         let name = field.name.as_bytes();
         let value = field.value;
+        // Also passed on as HTTP_CONTENT_LENGTH and HTTP_CONTENT_TYPE below, as nginx does.
         if name.eq_ignore_ascii_case(b"content-length") {
             length = Some(value);
-            continue;
-        }
-        if name.eq_ignore_ascii_case(b"content-type") {
+        } else if name.eq_ignore_ascii_case(b"content-type") {
             content_type = Some(value);
-            continue;
-        }
-        if name.eq_ignore_ascii_case(b"transfer-encoding") {
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             continue;
         }
         if name.eq_ignore_ascii_case(b"host") {
@@ -1367,6 +1364,11 @@ mod tests {
         assert_eq!(get("QUERY_STRING"), Some("id=3"));
         assert_eq!(get("REQUEST_URI"), Some("/shop/cart.php/add?id=3"));
         assert_eq!(get("CONTENT_LENGTH"), Some("4"));
+        assert_eq!(get("HTTP_CONTENT_LENGTH"), Some("4"));
+        assert_eq!(
+            get("HTTP_CONTENT_TYPE"),
+            Some("application/x-www-form-urlencoded")
+        );
         assert_eq!(get("HTTP_COOKIE"), Some("a=1; b=2"));
         assert_eq!(get("HTTP_X_REAL_IP"), Some("203.0.113.7"));
         assert_eq!(get("REMOTE_ADDR"), Some("203.0.113.7"));
