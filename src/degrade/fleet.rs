@@ -18,23 +18,6 @@ use crate::redis_store::RedisStore;
 /// Bound on each fleet call: the view is for people, and never holds up a sync or `/status`
 /// for long.
 const FLEET_TIMEOUT: Duration = Duration::from_millis(300);
-
-/// Writes a line stamped with Redis's clock (`<ms> <report>`), so that every instance's age
-/// is told by one clock, not by clocks that may disagree. KEYS: the fleet hash. ARGV:
-/// instance, report.
-const WRITE_LINE: &str = r#"
-local now = redis.call('TIME')
-local ms = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
-redis.call('HSET', KEYS[1], ARGV[1], ms .. ' ' .. ARGV[2])
-return 1
-"#;
-
-/// Every line, with Redis's clock now. KEYS: the fleet hash.
-const READ_LINES: &str = r#"
-local now = redis.call('TIME')
-local ms = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
-return {ms, redis.call('HGETALL', KEYS[1])}
-"#;
 /// A report this old is from an instance that went away without saying so (killed, or cut
 /// off from Redis): it is shown as silent, and removed after [`FORGET_AFTER`].
 const SILENT_AFTER_SYNCS: u32 = 3;
@@ -98,16 +81,33 @@ pub async fn write(redis: &RedisStore, instance: &str, report: &Report) {
     if !redis.is_up() {
         return;
     }
-    let mut command = redis::cmd("EVAL");
-    command
-        .arg(WRITE_LINE)
-        .arg(1)
-        .arg(key(redis))
-        .arg(instance)
-        .arg(text);
-    if let Err(error) = redis.command::<i64>(&command, FLEET_TIMEOUT, None).await {
+    let written = async {
+        // Stamped with Redis's clock (`<ms> <report>`), so that every instance's age is told
+        // by one clock, not by clocks that may disagree. (Two plain calls, not a script:
+        // scripts would crowd Redis's script cache and its EVAL counts.)
+        let now = redis_now_ms(redis).await?;
+        let mut command = redis::cmd("HSET");
+        command
+            .arg(key(redis))
+            .arg(instance)
+            .arg(format!("{now} {text}"));
+        redis
+            .command::<i64>(&command, FLEET_TIMEOUT, None)
+            .await
+            .map_err(|error| error.to_string())
+    };
+    if let Err(error) = written.await {
         tracing::debug!("cannot write this instance's line of the fleet view: {error}");
     }
+}
+
+/// Redis's clock, in ms since the epoch.
+async fn redis_now_ms(redis: &RedisStore) -> Result<u64, String> {
+    let (seconds, micros): (u64, u64) = redis
+        .command(&redis::cmd("TIME"), FLEET_TIMEOUT, None)
+        .await
+        .map_err(|error| error.to_string())?;
+    Ok(seconds * 1000 + micros / 1000)
 }
 
 /// Removes `instance`'s line (a clean stop: it is gone, not silent).
@@ -171,17 +171,13 @@ pub async fn read(
                 .unwrap_or_default()
         ));
     }
-    let mut command = redis::cmd("EVAL");
-    command.arg(READ_LINES).arg(1).arg(key(redis));
-    let (now, fields): (String, Vec<String>) = redis
+    let mut command = redis::cmd("HGETALL");
+    command.arg(key(redis));
+    let lines: BTreeMap<String, String> = redis
         .command(&command, FLEET_TIMEOUT, None)
         .await
         .map_err(|error| error.to_string())?;
-    let now: u64 = now.parse().unwrap_or(0);
-    let lines: BTreeMap<String, String> = fields
-        .chunks_exact(2)
-        .map(|pair| (pair[0].clone(), pair[1].clone()))
-        .collect();
+    let now = redis_now_ms(redis).await?;
     let (members, forgotten) = members_of(lines, this_instance, now, sync_interval);
     if !forgotten.is_empty() {
         let mut command = redis::cmd("HDEL");

@@ -445,10 +445,14 @@ pub async fn spawn_sync(
     publish(&degrade, &policy, &metrics);
     tokio::spawn(async move {
         // Written in the task, not before the listeners serve: only the switches must be
-        // loaded first, and a Redis that does not answer would hold the start up.
-        if let Some(redis) = &policy.redis {
-            super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
+        // loaded first, and a Redis that does not answer would hold the start up. (The
+        // policy read anew: the task must not keep the first one, and its Redis connection,
+        // alive past a reload.)
+        let first = store.load();
+        if let Some(redis) = &first.redis {
+            super::fleet::write(redis, &shared.instance, &report_of(&shared, &first)).await;
         }
+        drop(first);
         loop {
             let interval = store.load().degrade.sync_interval;
             // (The fleet view's line is removed when levee has stopped: see `app`.)
