@@ -1792,3 +1792,55 @@ async fn the_fleet_view_says_when_redis_cannot_be_read() {
     )
     .await;
 }
+
+/// A reload that moves levee to another key prefix, or drops `[redis]`, takes this instance's
+/// line out of the old fleet view at the next sync: left there, it would be shown as a silent
+/// instance for an hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_away_from_a_fleet_view_takes_this_instance_s_line_out_of_it() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend =
+        Backend::start(|_request: Request<Incoming>| async { Response::new(full("ok")) }).await;
+    let with_prefix = |prefix: &str| {
+        policy_for(
+            backend.addr,
+            "",
+            &format!(
+                "[redis]\nurl = \"{}\"\nkey_prefix = \"{prefix}\"\n[degrade]\nsync_interval = \"100ms\"\n",
+                redis.url()
+            ),
+        )
+    };
+    let levee = Levee::start(&with_prefix("one:")).await;
+    let instance = get(&levee.admin_url("/status")).await.json()["instance"]
+        .as_str()
+        .expect("instance")
+        .to_string();
+    let lines = |key: &str| redis.cli(&["HKEYS", key]);
+    eventually(Duration::from_secs(5), "a line under one:", || async {
+        lines("one:fleet").contains(&instance)
+    })
+    .await;
+
+    std::fs::write(levee.policy_file(), with_prefix("two:")).expect("rewrite the policy");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    eventually(
+        Duration::from_secs(5),
+        "the line moved from one: to two:",
+        || async {
+            !lines("one:fleet").contains(&instance) && lines("two:fleet").contains(&instance)
+        },
+    )
+    .await;
+
+    std::fs::write(levee.policy_file(), policy_for(backend.addr, "", "")).expect("rewrite");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    eventually(
+        Duration::from_secs(5),
+        "the line gone with [redis]",
+        || async { !lines("two:fleet").contains(&instance) },
+    )
+    .await;
+    assert!(get(&levee.admin_url("/status")).await.json()["fleet"].is_null());
+}

@@ -49,6 +49,11 @@ fn key(redis: &RedisStore) -> String {
     format!("{}fleet", redis.settings.key_prefix)
 }
 
+/// Whether two policies' Redis sections write one fleet view (the same servers and prefix).
+pub fn same_view(a: &RedisStore, b: &RedisStore) -> bool {
+    a.settings.target == b.settings.target && a.settings.key_prefix == b.settings.key_prefix
+}
+
 /// This instance's report, from its policy and degrade state now.
 pub fn report_of(shared: &Shared, policy: &Policy) -> Report {
     let degrade = &shared.degrade;

@@ -452,6 +452,11 @@ pub async fn spawn_sync(
         if let Some(redis) = &first.redis {
             super::fleet::write(redis, &shared.instance, &report_of(&shared, &first)).await;
         }
+        // Where this instance's line was last written. A reload that moves levee to another
+        // Redis or key prefix, or drops `[redis]`, takes the line out of the old place at the
+        // next sync; left there, it would be shown silent for an hour. (Held from one sync to
+        // the next only: the old Redis connection closes soon after a reload.)
+        let mut written_to = first.redis.clone();
         drop(first);
         loop {
             let interval = store.load().degrade.sync_interval;
@@ -461,6 +466,15 @@ pub async fn spawn_sync(
                 _ = stop.wait_for(|stopped| *stopped) => return,
             }
             let policy = store.load();
+            if let Some(old) = written_to.take() {
+                if !policy
+                    .redis
+                    .as_ref()
+                    .is_some_and(|now| super::fleet::same_view(&old, now))
+                {
+                    super::fleet::leave(&old, &shared.instance).await;
+                }
+            }
             if policy.redis.is_none() {
                 publish(&degrade, &policy, &metrics);
                 continue;
@@ -485,6 +499,7 @@ pub async fn spawn_sync(
             if let Some(redis) = &policy.redis {
                 super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
             }
+            written_to = policy.redis.clone();
         }
     })
 }
