@@ -433,22 +433,7 @@ impl Client {
         // new connection or a second try takes round trips.
         let mut waited = has_body;
         let (connection, mut response_head, request_sent_at) = loop {
-            let mut connection = match self.pool.take(now) {
-                Some(connection) => connection,
-                None => {
-                    waited = true;
-                    // Boxed: a TLS handshake's state would double the size of every
-                    // request's future (see `proxy::forward`); a new connection is rare and
-                    // costly anyway.
-                    match Box::pin(self.connect()).await {
-                        Ok(connection) => connection,
-                        // Not "never sent" (which a queue route would store, and have applied
-                        // a second time): the first try may have reached the app.
-                        Err(error) if retried => return Err(ClientError::Resent(Box::new(error))),
-                        Err(error) => return Err(error),
-                    }
-                }
-            };
+            let mut connection = self.connection_for_try(now, retried, &mut waited).await?;
             let sent = send_on(
                 &mut connection,
                 &head.bytes,
@@ -526,6 +511,28 @@ impl Client {
             relayed,
             request_sent_at,
         })
+    }
+
+    /// A kept connection, or a new one (then `waited` is set: connecting takes round trips).
+    async fn connection_for_try(
+        &self,
+        now: Instant,
+        retried: bool,
+        waited: &mut bool,
+    ) -> Result<Connection, ClientError> {
+        if let Some(connection) = self.pool.take(now) {
+            return Ok(connection);
+        }
+        *waited = true;
+        // Boxed: a TLS handshake's state would double the size of every request's future
+        // (see `proxy::forward`); a new connection is rare and costly anyway.
+        match Box::pin(self.connect()).await {
+            Ok(connection) => Ok(connection),
+            // Not "never sent" (which a queue route would store, and have applied a second
+            // time): the first try may have reached the app.
+            Err(error) if retried => Err(ClientError::Resent(Box::new(error))),
+            Err(error) => Err(error),
+        }
     }
 
     async fn connect(&self) -> Result<Connection, ClientError> {

@@ -800,17 +800,7 @@ impl Client {
         let mut retried = false;
         let mut waited = has_body;
         loop {
-            let mut connection = match self.pool.take(now) {
-                Some(connection) => connection,
-                None => {
-                    waited = true;
-                    match Box::pin(self.connect()).await {
-                        Ok(connection) => connection,
-                        Err(error) if retried => return Err(ClientError::Resent(Box::new(error))),
-                        Err(error) => return Err(error),
-                    }
-                }
-            };
+            let mut connection = self.connection_for_try(now, retried, &mut waited).await?;
             let sent = send_records(
                 &mut connection,
                 &begin,
