@@ -33,9 +33,13 @@
 #        the proxy under load plus the 32 connections each of the two idle keeping ones holds;
 #        fewer children leave requests waiting for a child that never comes free
 #   PHP_FPM [php-fpm8.2]  the fastcgi section is skipped, and says so, when it is missing
+#   BUDGET_PCT [40]  BUDGET_PERIOD_US [10000]  the budget section holds each proxy of the pass-through
+#        targets to BUDGET_PCT% of one core (a cgroup CPU quota per BUDGET_PERIOD_US), so that the
+#        proxy and not the load core sets the pace; skipped, and says so, without a writable
+#        cgroup cpu controller (root, cgroup v1's cpu or v2's cpu.max)
 #   ONLY ["" = everything]  space-separated case ids and/or sections to run, e.g. ONLY="4 5b reload"
 #        (sections: pairs, idle, conns, reload, reload-load, limiter-rate, limiter-latency, queue,
-#        fastcgi)
+#        fastcgi, budget)
 #
 # Slots: a levee case that needs a policy feature (slot_case) runs only when `levee check`
 # accepts its policy template; otherwise the report says "not yet available" with levee's
@@ -89,6 +93,8 @@ CONNECTIONS=${CONNECTIONS:-64}
 # free to take waits until one is (with nginx, until wrk gives up on it).
 FPM_CHILDREN=${FPM_CHILDREN:-$((CONNECTIONS + 2 * (CONNECTIONS < 32 ? CONNECTIONS : 32)))}
 PHP_FPM=${PHP_FPM:-php-fpm8.2}
+BUDGET_PCT=${BUDGET_PCT:-40}
+BUDGET_PERIOD_US=${BUDGET_PERIOD_US:-10000}
 WRK_THREADS=${WRK_THREADS:-1}
 PROXY_CPUS=${PROXY_CPUS:-0}
 LOAD_CPUS=${LOAD_CPUS:-1}
@@ -205,6 +211,7 @@ stop_pid() { # PID: SIGTERM, wait up to 10 s, then SIGKILL; reaps it when it is 
 cleanup() {
 	local rc=$? pid
 	trap - EXIT INT TERM
+	[[ ${#CGROUPS[@]} -eq 0 ]] || cgroup_release
 	for pid in "${!RUNNING[@]}"; do stop_pid "$pid"; done
 	if [[ -n ${TMP:-} && -d $TMP ]]; then
 		if [[ $KEEP_TMP == 1 ]]; then log "kept the temp dir: $TMP"; else rm -rf "$TMP"; fi
@@ -683,6 +690,120 @@ pair_run() {
 	fi
 	PAIR_RPS=${W[rps]}
 	PAIR_CPU=$(calc "printf \"%.4f\", ($t1 - $t0) / $CLK_TCK / ${W[requests]} * 100000")
+}
+
+# ---------------------------------------------------------------------------------------------
+# Under a CPU limit (section "budget")
+# ---------------------------------------------------------------------------------------------
+# On this 2-core machine the core that carries wrk and the backend is nearly full under any
+# proxy, so it, not the proxy, sets the pace of the cases above. Here each proxy of a target
+# pair is held to the same share of its core by a cgroup CPU quota (as a container's CPU limit
+# holds a sidecar), well below what the load core can feed: the proxy is then what limits
+# req/s, and the ratio is of the proxies' own work. The proxies are the warm ones of the cases
+# above, moved into a cgroup of their own for the section and moved back after it.
+BUDGET_PAIRS=("4 2" "4 3")
+declare -A BUDGET_RATIOS=() BUDGET_P99_RATIOS=() BUDGET_RPS=() BUDGET_P99=() BUDGET_THROTTLED=() BUDGET_LOAD=()
+BUDGET_SKIPPED= CGROUP_KIND= CGROUP_BASE=
+CGROUPS=() # made by the section; emptied, then removed, on exit
+
+# cgroup_setup: where CPU-limited cgroups can be made (cgroup v1's cpu hierarchy, or v2 with its
+# cpu controller); fails with the reason in BUDGET_SKIPPED
+cgroup_setup() {
+	if [[ -w /sys/fs/cgroup/cpu/cpu.cfs_quota_us || -w /sys/fs/cgroup/cpu/cgroup.procs ]]; then
+		CGROUP_KIND=v1 CGROUP_BASE=/sys/fs/cgroup/cpu
+	elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+		CGROUP_KIND=v2 CGROUP_BASE=/sys/fs/cgroup
+		grep -qw cpu "$CGROUP_BASE/cgroup.subtree_control" ||
+			echo +cpu >"$CGROUP_BASE/cgroup.subtree_control" 2>/dev/null || {
+			BUDGET_SKIPPED="cgroup v2's cpu controller cannot be enabled here"
+			return 1
+		}
+	else
+		BUDGET_SKIPPED="no writable cgroup cpu controller (needs root and cgroup v1's cpu or v2's cpu.max)"
+		return 1
+	fi
+}
+
+cgroup_limit() { # ID: a cgroup holding case ID's processes to BUDGET_PCT of one core; its path in LAST_CGROUP
+	local dir=$CGROUP_BASE/levee-bench-$$-$1 quota=$((BUDGET_PERIOD_US * BUDGET_PCT / 100)) pid
+	mkdir "$dir" 2>/dev/null || {
+		BUDGET_SKIPPED="cannot make a cgroup under $CGROUP_KIND's cpu hierarchy"
+		return 1
+	}
+	CGROUPS+=("$dir")
+	if [[ $CGROUP_KIND == v1 ]]; then
+		echo "$BUDGET_PERIOD_US" >"$dir/cpu.cfs_period_us" && echo "$quota" >"$dir/cpu.cfs_quota_us"
+	else
+		echo "$quota $BUDGET_PERIOD_US" >"$dir/cpu.max"
+	fi 2>/dev/null || {
+		BUDGET_SKIPPED="cannot set a CPU quota on a cgroup"
+		return 1
+	}
+	# Every process of the case (nginx's master and worker); a process moves with all its threads.
+	for pid in ${PIDS_OF[$1]}; do
+		echo "$pid" >"$dir/cgroup.procs" 2>/dev/null || {
+			BUDGET_SKIPPED="cannot move a proxy into a cgroup"
+			return 1
+		}
+	done
+	LAST_CGROUP=$dir
+}
+
+cgroup_throttled() { # DIR: how many periods the cgroup's quota has run out so far
+	awk '$1 == "nr_throttled" { print $2 }' "$1/cpu.stat"
+}
+
+cgroup_release() { # every cgroup made: its processes back to the top, then removed
+	local dir pid
+	for dir in "${CGROUPS[@]}"; do
+		[[ -d $dir ]] || continue
+		while read -r pid; do echo "$pid" >"$CGROUP_BASE/cgroup.procs" 2>/dev/null || true; done <"$dir/cgroup.procs"
+		rmdir "$dir" 2>/dev/null || warn "could not remove the cgroup $dir"
+	done
+	CGROUPS=()
+}
+
+section_budget() {
+	local pair a b run id dir t0 l0 w0
+	local -A cgroup_of=() rps=() p99=() throttled=() load=()
+	cgroup_setup || {
+		log "budget section skipped: $BUDGET_SKIPPED"
+		return 0
+	}
+	for pair in "${BUDGET_PAIRS[@]}"; do
+		read -r a b <<<"$pair"
+		[[ ${STATUS[$a]:-} == ok && ${STATUS[$b]:-} == ok ]] || continue
+		for id in $a $b; do
+			[[ -n ${cgroup_of[$id]:-} ]] && continue
+			cgroup_limit "$id" || {
+				log "budget section skipped: $BUDGET_SKIPPED"
+				cgroup_release
+				return 0
+			}
+			cgroup_of[$id]=$LAST_CGROUP
+		done
+		log "under a CPU limit of $BUDGET_PCT% of one core: case $a against case $b"
+		for ((run = 1; run <= PAIR_RUNS; run++)); do
+			for id in $( ((run % 2)) && echo "$a $b" || echo "$b $a"); do
+				dir=${cgroup_of[$id]}
+				t0=$(cgroup_throttled "$dir") l0=$(core_busy $LOAD_CORES) w0=$(now_us)
+				pair_run "$id" "budget-$run" || {
+					cgroup_release
+					return 0
+				}
+				throttled[$id]=$(($(cgroup_throttled "$dir") - t0))
+				load[$id]=$(calc "printf \"%.0f\", 100 * ($(core_busy $LOAD_CORES) - $l0) / (($(now_us) - $w0) / 1e6 * $CLK_TCK * $LOAD_NCORES)")
+				rps[$id]=$PAIR_RPS p99[$id]=${W[p99_us]}
+				BUDGET_RPS[$id]+=" $PAIR_RPS" BUDGET_P99[$id]+=" ${W[p99_us]}"
+				BUDGET_THROTTLED[$id]+=" $(calc "v = 100 * ${throttled[$id]} / (${W[duration_us]} / $BUDGET_PERIOD_US); printf \"%.0f\", (v > 100 ? 100 : v)")"
+				BUDGET_LOAD[$id]+=" ${load[$id]}"
+			done
+			BUDGET_RATIOS[$pair]+=" $(calc "printf \"%.4f\", ${rps[$a]} / ${rps[$b]}")"
+			BUDGET_P99_RATIOS[$pair]+=" $(calc "printf \"%.4f\", ${p99[$a]} / ${p99[$b]}")"
+			log "  $a vs $b under the limit, pair $run/$PAIR_RUNS: $(calc "printf \"%.3f\", ${rps[$a]} / ${rps[$b]}")× req/s (${rps[$a]} vs ${rps[$b]})"
+		done
+	done
+	cgroup_release
 }
 
 decisions() { # ADMIN_PORT: "REDIS OTHER", levee's rate-limit decisions so far (all rules and
@@ -1430,6 +1551,44 @@ report_pairs() {
 	done
 }
 
+report_budget() {
+	local pair a b ratios
+	wanted budget || return 0
+	out ""
+	out "## Under a CPU limit (the pass-through targets with the proxy setting the pace)"
+	out ""
+	if [[ -n $BUDGET_SKIPPED ]]; then
+		out "Skipped: $BUDGET_SKIPPED."
+		return 0
+	fi
+	((${#BUDGET_RATIOS[@]})) || {
+		out "Not run (a case of the pairs did not run)."
+		return 0
+	}
+	out "Each proxy held to $BUDGET_PCT% of one core by a cgroup CPU quota ($((BUDGET_PERIOD_US * BUDGET_PCT / 100)) µs of CPU every $BUDGET_PERIOD_US µs, one cgroup per proxy), as a container's CPU limit holds a sidecar, so that the proxy and not the core of wrk and the backend sets the pace: req/s then compares the proxies' own work per request. The same load as above; the two cases of a pair back to back $PAIR_RUNS time$( ((PAIR_RUNS == 1)) || echo s) for $PAIR_DURATION s each (A then B, then B then A, …). Throttled: the share of quota periods in which the proxy used up its quota (near 100%: the limit held it). Load core: how busy the core of wrk and the backend was (well under 100%: it did not hold the proxy back)."
+	out ""
+	out "| A vs B | req/s A / B, medians | req/s ratio per pair | median | p99 A / B, medians | p99 ratio, median | throttled A / B | load core busy A / B |"
+	out "|---|---:|---|---:|---:|---:|---:|---:|"
+	for pair in "${BUDGET_PAIRS[@]}"; do
+		[[ -n ${BUDGET_RATIOS[$pair]:-} ]] || continue
+		read -r a b <<<"$pair"
+		# shellcheck disable=SC2086 # the lists are space-separated numbers
+		ratios=$(printf '%.2f ' ${BUDGET_RATIOS[$pair]})
+		# shellcheck disable=SC2086
+		out "| $a (${LABEL[$a]}) vs $b (${LABEL[$b]}) | $(printf '%.0f' "$(median ${BUDGET_RPS[$a]})") / $(printf '%.0f' "$(median ${BUDGET_RPS[$b]})") | ${ratios% } | $(printf '%.2f×' "$(median ${BUDGET_RATIOS[$pair]})") | $(ms "$(median ${BUDGET_P99[$a]})") / $(ms "$(median ${BUDGET_P99[$b]})") | $(printf '%.2f×' "$(median ${BUDGET_P99_RATIOS[$pair]})") | $(median ${BUDGET_THROTTLED[$a]})% / $(median ${BUDGET_THROTTLED[$b]})% | $(median ${BUDGET_LOAD[$a]})% / $(median ${BUDGET_LOAD[$b]})% |"
+	done
+}
+
+budget_target() { # A B TARGET NAME: A's req/s and p99 against B's under the CPU limit, when the section ran
+	local paired median low high n
+	paired=$(paired_ratio "${BUDGET_RATIOS[$1 $2]:-}") || return 0
+	read -r median low high n <<<"$paired"
+	pass_fail "$median >= $3" "under a CPU limit of $BUDGET_PCT% of one core each, levee pass-through req/s ≥ $3× $4: $(printf '%.2f×' "$median") (median of $n paired run$( ((n == 1)) || echo s), $(printf '%.2f' "$low")–$(printf '%.2f×' "$high"))"
+	paired=$(paired_ratio "${BUDGET_P99_RATIOS[$1 $2]}") || return 0
+	read -r median low high n <<<"$paired"
+	pass_fail "$median <= 1" "under the same limit, levee pass-through p99 ≤ $4 p99: $(printf '%.2f×' "$median") (median of the per-pair ratios, $(printf '%.2f' "$low")–$(printf '%.2f×' "$high"))"
+}
+
 p99_target() { # A B NAME: the p99 target of case A against case B (named NAME), from paired rounds
 	local paired ratio wins rounds
 	if ! paired=$(paired_p99 "$1" "$2"); then
@@ -1637,12 +1796,14 @@ report_targets() {
 		fi
 		rps_target 4 2 "$TARGET_VS_NGINX" "levee pass-through req/s ≥ ${TARGET_VS_NGINX}× nginx proxy_pass" "$scale"
 		p99_target 4 2 "nginx proxy_pass"
+		budget_target 4 2 "$TARGET_VS_NGINX" "nginx proxy_pass"
 	else
 		out "- n/a levee pass-through vs nginx proxy_pass (a case did not run)"
 	fi
 	if [[ ${STATUS[4]:-} == ok && ${STATUS[3]:-} == ok ]]; then
 		rps_target 4 3 "$TARGET_VS_HAPROXY" "levee pass-through req/s ≥ ${TARGET_VS_HAPROXY}× HAProxy"
 		p99_target 4 3 HAProxy
+		budget_target 4 3 "$TARGET_VS_HAPROXY" HAProxy
 	else
 		out "- n/a levee pass-through vs HAProxy (a case did not run)"
 	fi
@@ -1749,6 +1910,7 @@ run_case 8a "nginx proxy_pass, 50 KiB page" nginx proxy-nginx.conf.tmpl /page.ht
 run_case 8b "levee pass-through, 50 KiB page" levee passthrough.toml.tmpl /page.html "$PAGE_BYTES"
 measure_cases
 wanted pairs && measure_pairs
+wanted budget && section_budget
 stop_cases
 
 wanted idle && section_idle_rss
@@ -1767,6 +1929,7 @@ report_limiter
 report_queue
 report_fastcgi
 report_pairs
+report_budget
 report_targets
 if ((${#BROKEN[@]})); then
 	out ""
