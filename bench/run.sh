@@ -790,6 +790,8 @@ section_budget() {
 				dir=${cgroup_of[$id]}
 				t0=$(cgroup_throttled "$dir") l0=$(core_busy $LOAD_CORES) w0=$(now_us)
 				pair_run "$id" "budget-$run" || {
+					# As in measure_pairs: a pair cut short is judged on no ratio at all.
+					unset "BUDGET_RATIOS[$pair]" "BUDGET_P99_RATIOS[$pair]"
 					cgroup_release
 					return 0
 				}
