@@ -1844,3 +1844,42 @@ async fn a_reload_away_from_a_fleet_view_takes_this_instance_s_line_out_of_it() 
     .await;
     assert!(get(&levee.admin_url("/status")).await.json()["fleet"].is_null());
 }
+
+/// A levee that stops after a reload moved it to another key prefix, before its next sync,
+/// leaves neither view holding its line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_levee_stopping_right_after_such_a_reload_leaves_the_old_view_too() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend =
+        Backend::start(|_request: Request<Incoming>| async { Response::new(full("ok")) }).await;
+    // Syncs far apart: the stop comes before the sync that would move the line.
+    let with_prefix = |prefix: &str| {
+        policy_for(
+            backend.addr,
+            "drain = \"0s\"",
+            &format!(
+                "[redis]\nurl = \"{}\"\nkey_prefix = \"{prefix}\"\n[degrade]\nsync_interval = \"1h\"\n",
+                redis.url()
+            ),
+        )
+    };
+    let mut levee = Levee::start(&with_prefix("one:")).await;
+    let instance = get(&levee.admin_url("/status")).await.json()["instance"]
+        .as_str()
+        .expect("instance")
+        .to_string();
+    let lines = |key: &str| redis.cli(&["HKEYS", key]);
+    eventually(Duration::from_secs(5), "a line under one:", || async {
+        lines("one:fleet").contains(&instance)
+    })
+    .await;
+    std::fs::write(levee.policy_file(), with_prefix("two:")).expect("rewrite the policy");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+
+    let running = levee.running.take().expect("running");
+    running.shutdown();
+    running.wait().await;
+    assert!(!lines("one:fleet").contains(&instance), "left in one:");
+    assert!(!lines("two:fleet").contains(&instance), "left in two:");
+}

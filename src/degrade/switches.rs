@@ -460,11 +460,12 @@ pub async fn spawn_sync(
         drop(first);
         loop {
             let interval = store.load().degrade.sync_interval;
-            // (The fleet view's line is removed when levee has stopped: see `app`.)
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = stop.wait_for(|stopped| *stopped) => return,
-            }
+            // (The current view's line is removed when levee has stopped: see `app`; a line
+            // left in an old one by a reload is removed here.)
+            let stopping = tokio::select! {
+                _ = tokio::time::sleep(interval) => false,
+                _ = stop.wait_for(|stopped| *stopped) => true,
+            };
             let policy = store.load();
             if let Some(old) = written_to.take() {
                 if !policy
@@ -474,6 +475,9 @@ pub async fn spawn_sync(
                 {
                     super::fleet::leave(&old, &shared.instance).await;
                 }
+            }
+            if stopping {
+                return;
             }
             if policy.redis.is_none() {
                 publish(&degrade, &policy, &metrics);
