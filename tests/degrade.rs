@@ -1793,6 +1793,37 @@ async fn the_fleet_view_says_when_redis_cannot_be_read() {
     .await;
 }
 
+/// A levee whose fleet view is under `key_prefix = "one:"` and which syncs every `sync_interval`,
+/// once its line is there; its policy for another prefix; and its instance name.
+async fn in_a_prefixed_fleet_view(
+    redis: &RedisServer,
+    backend: &Backend,
+    sync_interval: &str,
+) -> (Levee, impl Fn(&str) -> String, String) {
+    let url = redis.url();
+    let addr = backend.addr;
+    let interval = sync_interval.to_string();
+    let with_prefix = move |prefix: &str| {
+        policy_for(
+            addr,
+            "drain = \"0s\"",
+            &format!(
+                "[redis]\nurl = \"{url}\"\nkey_prefix = \"{prefix}\"\n[degrade]\nsync_interval = \"{interval}\"\n"
+            ),
+        )
+    };
+    let levee = Levee::start(&with_prefix("one:")).await;
+    let instance = get(&levee.admin_url("/status")).await.json()["instance"]
+        .as_str()
+        .expect("instance")
+        .to_string();
+    eventually(Duration::from_secs(5), "a line under one:", || async {
+        redis.cli(&["HKEYS", "one:fleet"]).contains(&instance)
+    })
+    .await;
+    (levee, with_prefix, instance)
+}
+
 /// A reload that moves levee to another key prefix, or drops `[redis]`, takes this instance's
 /// line out of the old fleet view at the next sync: left there, it would be shown as a silent
 /// instance for an hour.
@@ -1802,26 +1833,8 @@ async fn a_reload_away_from_a_fleet_view_takes_this_instance_s_line_out_of_it() 
     let redis = RedisServer::start(dir.path()).await;
     let backend =
         Backend::start(|_request: Request<Incoming>| async { Response::new(full("ok")) }).await;
-    let with_prefix = |prefix: &str| {
-        policy_for(
-            backend.addr,
-            "",
-            &format!(
-                "[redis]\nurl = \"{}\"\nkey_prefix = \"{prefix}\"\n[degrade]\nsync_interval = \"100ms\"\n",
-                redis.url()
-            ),
-        )
-    };
-    let levee = Levee::start(&with_prefix("one:")).await;
-    let instance = get(&levee.admin_url("/status")).await.json()["instance"]
-        .as_str()
-        .expect("instance")
-        .to_string();
+    let (levee, with_prefix, instance) = in_a_prefixed_fleet_view(&redis, &backend, "100ms").await;
     let lines = |key: &str| redis.cli(&["HKEYS", key]);
-    eventually(Duration::from_secs(5), "a line under one:", || async {
-        lines("one:fleet").contains(&instance)
-    })
-    .await;
 
     std::fs::write(levee.policy_file(), with_prefix("two:")).expect("rewrite the policy");
     assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
@@ -1854,26 +1867,8 @@ async fn a_levee_stopping_right_after_such_a_reload_leaves_the_old_view_too() {
     let backend =
         Backend::start(|_request: Request<Incoming>| async { Response::new(full("ok")) }).await;
     // Syncs far apart: the stop comes before the sync that would move the line.
-    let with_prefix = |prefix: &str| {
-        policy_for(
-            backend.addr,
-            "drain = \"0s\"",
-            &format!(
-                "[redis]\nurl = \"{}\"\nkey_prefix = \"{prefix}\"\n[degrade]\nsync_interval = \"1h\"\n",
-                redis.url()
-            ),
-        )
-    };
-    let mut levee = Levee::start(&with_prefix("one:")).await;
-    let instance = get(&levee.admin_url("/status")).await.json()["instance"]
-        .as_str()
-        .expect("instance")
-        .to_string();
+    let (mut levee, with_prefix, instance) = in_a_prefixed_fleet_view(&redis, &backend, "1h").await;
     let lines = |key: &str| redis.cli(&["HKEYS", key]);
-    eventually(Duration::from_secs(5), "a line under one:", || async {
-        lines("one:fleet").contains(&instance)
-    })
-    .await;
     std::fs::write(levee.policy_file(), with_prefix("two:")).expect("rewrite the policy");
     assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
 

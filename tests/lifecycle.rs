@@ -416,30 +416,15 @@ async fn the_binary_leaves_the_fleet_view_when_it_stops() {
     let backend = echo_backend().await;
     let dir = tempfile::tempdir().expect("temp dir");
     let redis = RedisServer::start(dir.path()).await;
-    let (public, admin) = (free_port(), free_port());
     let policies = dir.path().join("policies");
     std::fs::create_dir_all(&policies).expect("policies dir");
-    std::fs::write(
-        policies.join("levee.toml"),
-        format!(
-            "[server]\nlisten = \"127.0.0.1:{public}\"\ndrain = \"0s\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n[upstream.app]\nurl = \"http://{}\"\n[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n",
-            backend.addr,
+    let (mut levee, _log, _public) = start_logging(
+        &policies,
+        backend.addr,
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n",
             redis.url()
         ),
-    )
-    .expect("write policy");
-    let mut levee = ChildGuard::spawn(
-        "levee",
-        Command::new(env!("CARGO_BIN_EXE_levee"))
-            .arg("run")
-            .arg("--policies")
-            .arg(&policies)
-            .arg("--no-watch")
-            .env("LEVEE_LOG", "warn"),
-    );
-    wait_for_port(
-        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
-        "levee to listen",
     )
     .await;
     let lines = || redis.cli(&["HLEN", "levee:fleet"]);

@@ -222,21 +222,7 @@ async fn php_applies_queued_work_with_its_idempotency_key() {
         keys.push(answer.header("x-levee-job").expect("job").to_string());
     }
     switch(&levee, "on").await;
-    eventually(Duration::from_secs(20), "php to apply all jobs", || async {
-        std::fs::read_to_string(&log)
-            .map(|t| t.lines().count() >= 20)
-            .unwrap_or(false)
-    })
-    .await;
-    let applied = std::fs::read_to_string(&log).expect("log");
-    for (i, key) in keys.iter().enumerate() {
-        let line = format!("{key} 198.51.100.7 n={i}");
-        assert_eq!(
-            applied.lines().filter(|l| *l == line).count(),
-            1,
-            "{line} in:\n{applied}"
-        );
-    }
+    each_job_applied_once(&log, &keys).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -334,6 +334,25 @@ pub async fn echo_backend() -> Backend {
     .await
 }
 
+/// The log PHP's queue test page keeps (a line per applied job: its key, the client address
+/// and the body) holds the `i`-th job of `keys` exactly once, from 198.51.100.7 with body
+/// `n=i`, when `log` holds `keys.len()` lines.
+pub async fn each_job_applied_once(log: &Path, keys: &[String]) {
+    eventually(Duration::from_secs(20), "php to apply all jobs", || async {
+        std::fs::read_to_string(log).is_ok_and(|text| text.lines().count() >= keys.len())
+    })
+    .await;
+    let applied = std::fs::read_to_string(log).expect("log");
+    for (i, key) in keys.iter().enumerate() {
+        let line = format!("{key} 198.51.100.7 n={i}");
+        assert_eq!(
+            applied.lines().filter(|l| *l == line).count(),
+            1,
+            "{line} in:\n{applied}"
+        );
+    }
+}
+
 /// All values of header `name` in an echo, in order.
 pub fn echoed_header(echo: &serde_json::Value, name: &str) -> Vec<String> {
     echo["headers"]
