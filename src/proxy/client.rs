@@ -614,13 +614,19 @@ impl Client {
         method: &Method,
         upgrade: bool,
     ) -> Response<Incoming> {
-        let mut response = response_head(
-            head.status,
-            head.version,
-            head.headers,
-            head.reason,
-            head.received,
-        );
+        let mut response = Response::new(Incoming::empty());
+        *response.status_mut() = head.status;
+        *response.version_mut() = head.version;
+        *response.headers_mut() = head.headers;
+        if let Some(reason) = head.reason {
+            response.extensions_mut().insert(UpstreamReason {
+                status: head.status,
+                reason,
+            });
+        }
+        if let Some(received) = head.received {
+            response.extensions_mut().insert(received);
+        }
         if head.status == StatusCode::SWITCHING_PROTOCOLS && upgrade {
             let rest = connection.buffer.split().freeze();
             response
@@ -654,19 +660,6 @@ impl Client {
             && !head.status.is_informational()
             && !announced_body
             && !matches!(framing, Framing::UntilClose);
-        *response.body_mut() = self.incoming(connection, framing, reusable, method);
-        response
-    }
-
-    /// The body of an answer read from `connection`; a connection whose answer is already
-    /// whole goes back to the pool at once.
-    fn incoming(
-        &self,
-        connection: Connection,
-        framing: Framing,
-        reusable: bool,
-        method: &Method,
-    ) -> Incoming {
         let mut body = Incoming {
             connection: Some(connection),
             framing,
@@ -675,32 +668,9 @@ impl Client {
             answers_head: *method == Method::HEAD,
         };
         body.finish_if_done();
-        body
-    }
-}
-
-/// A response with the upstream's head (its reason phrase and received lines kept for the
-/// client's side) and no body yet.
-fn response_head(
-    status: StatusCode,
-    version: Version,
-    headers: HeaderMap,
-    reason: Option<Bytes>,
-    received: Option<ReceivedHead>,
-) -> Response<Incoming> {
-    let mut response = Response::new(Incoming::empty());
-    *response.status_mut() = status;
-    *response.version_mut() = version;
-    *response.headers_mut() = headers;
-    if let Some(reason) = reason {
+        *response.body_mut() = body;
         response
-            .extensions_mut()
-            .insert(UpstreamReason { status, reason });
     }
-    if let Some(received) = received {
-        response.extensions_mut().insert(received);
-    }
-    response
 }
 
 pub(crate) fn is_idempotent(method: &Method) -> bool {

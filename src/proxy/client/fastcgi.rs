@@ -879,19 +879,28 @@ impl Client {
         method: &Method,
         reusable: bool,
     ) -> Response<Incoming> {
-        let mut response = super::response_head(
-            head.status,
-            Version::HTTP_11,
-            head.headers,
-            head.reason,
-            Some(ReceivedHead(head.received)),
-        );
-        *response.body_mut() = self.incoming(
-            connection,
-            Framing::FastCgi(Box::new(body)),
+        let mut response = Response::new(Incoming::empty());
+        *response.status_mut() = head.status;
+        *response.version_mut() = Version::HTTP_11;
+        *response.headers_mut() = head.headers;
+        if let Some(reason) = head.reason {
+            response.extensions_mut().insert(super::UpstreamReason {
+                status: head.status,
+                reason,
+            });
+        }
+        response
+            .extensions_mut()
+            .insert(ReceivedHead(head.received));
+        let mut incoming = Incoming {
+            connection: Some(connection),
+            framing: Framing::FastCgi(Box::new(body)),
             reusable,
-            method,
-        );
+            pool: Some(self.pool.clone()),
+            answers_head: *method == Method::HEAD,
+        };
+        incoming.finish_if_done();
+        *response.body_mut() = incoming;
         response
     }
 }
