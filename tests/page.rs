@@ -91,6 +91,16 @@ async fn switching_a_module_off_removes_exactly_its_block_from_the_page() {
     );
     assert!(bare.contains("Latest posts…") && bare.contains("© forum"));
 
+    // Another set of modules off, then one seen before: each page is cut by its own set.
+    switch(&levee, "ranking", "on").await;
+    let ranked = get(&levee.url("/home.php")).await.text();
+    assert!(
+        ranked.contains("Top posters") && !ranked.contains("Visitors online"),
+        "{ranked}"
+    );
+    switch(&levee, "ranking", "off").await;
+    assert_eq!(get(&levee.url("/home.php")).await.text(), bare);
+
     for module in ["ranking", "visitors", "ads"] {
         switch(&levee, module, "on").await;
     }

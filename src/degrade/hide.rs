@@ -13,6 +13,7 @@ use http::{header, HeaderMap};
 use http_body::{Body, Frame, SizeHint};
 use lol_html::send::{HtmlRewriter, Settings};
 use lol_html::{doc_comments, doc_text, element, end_tag, AsciiCompatibleEncoding, OutputSink};
+use memchr::memmem::Finder;
 use pin_project_lite::pin_project;
 
 use super::cut::{self, Cut, Found, Holder, IdSelector, Step};
@@ -183,12 +184,37 @@ fn marker_of(comment: &str) -> Option<(bool, &str)> {
         .map(|name| (true, name.trim()))
 }
 
+/// What hiding one set of switched-off modules removes, and how the page is searched for it.
+/// Built once per route and set of modules off (see `proxy::route::HidePlans`), not for every
+/// page: the searchers, id selectors and copies of the selectors cost more than a thousand
+/// instructions and several allocations to make.
+#[derive(Debug, Clone)]
+pub struct HidePlan {
+    /// CSS selectors of the elements removed.
+    selectors: Vec<String>,
+    /// Modules whose marker comments enclose what is removed.
+    markers: Vec<String>,
+    plan: Plan,
+}
+
+impl HidePlan {
+    pub fn new(selectors: Vec<String>, markers: Vec<String>) -> HidePlan {
+        let plan = plan(&selectors, &markers);
+        HidePlan {
+            selectors,
+            markers,
+            plan,
+        }
+    }
+}
+
 /// What to look for before parsing: the page is passed on untouched up to the first tag that
 /// could match, so the HTML parser only runs over the part of the page that matters.
 #[derive(Debug, Clone)]
 struct Plan {
-    /// Byte strings whose first occurrence marks where parsing must begin; empty: parse all.
-    needles: Vec<Vec<u8>>,
+    /// Searchers for the byte strings whose first occurrence marks where parsing must begin;
+    /// empty: parse all.
+    needles: Vec<Finder<'static>>,
     /// Elements whose end ends the work (all selectors are ids, each found once); 0: never.
     stop_after: usize,
     /// When every selector is a plain id selector and no markers are hidden: the selectors,
@@ -239,7 +265,7 @@ fn plan(selectors: &[String], markers: &[String]) -> Plan {
         match needle_of(selector) {
             Some((needle, is_id)) => {
                 all_ids &= is_id;
-                needles.push(needle);
+                needles.push(Finder::new(&needle).into_owned());
             }
             None => {
                 return Plan {
@@ -251,7 +277,7 @@ fn plan(selectors: &[String], markers: &[String]) -> Plan {
         }
     }
     for marker in markers {
-        needles.push(format!("levee:module {marker}").into_bytes());
+        needles.push(Finder::new(format!("levee:module {marker}").as_bytes()).into_owned());
     }
     let ids: Vec<IdSelector> = all_ids
         .then(|| {
@@ -339,12 +365,13 @@ impl Scan {
     /// The first needle occurrence (offset, length), searching each needle only in bytes it
     /// was not searched in yet: a page where one needle occurs often and another never costs
     /// one pass per needle, not one per occurrence.
-    fn first(&mut self, needles: &[Vec<u8>]) -> Option<(usize, usize)> {
+    fn first(&mut self, needles: &[Finder<'static>]) -> Option<(usize, usize)> {
         let mut first: Option<(usize, usize)> = None;
-        for (needle, sought) in needles.iter().zip(self.sought.iter_mut()) {
+        for (finder, sought) in needles.iter().zip(self.sought.iter_mut()) {
+            let needle = finder.needle();
             if let Sought::NotBefore(from) = *sought {
                 let from = from.min(self.carry.len());
-                *sought = match find(&self.carry[from..], needle) {
+                *sought = match finder.find(&self.carry[from..]) {
                     Some(at) => Sought::At(from + at),
                     // A needle may still begin in its last `len - 1` bytes.
                     None => Sought::NotBefore(
@@ -436,8 +463,7 @@ impl Passed {
 /// The rewriting state of one response body, apart from the body itself.
 struct Hider {
     stage: Stage,
-    plan: Plan,
-    settings: Option<(Vec<String>, Vec<String>)>,
+    plan: Arc<HidePlan>,
     encoding: AsciiCompatibleEncoding,
     ended: Arc<AtomicUsize>,
     output: Arc<Mutex<Output>>,
@@ -596,17 +622,11 @@ fn warn_once_of_an_element_left_in(selector: &str, name: &str) {
 }
 
 impl<B> Hidden<B> {
-    /// `selectors`: CSS selectors to remove; `markers`: module names hidden by comments;
-    /// `encoding`: the page's (see [`page_encoding`]).
-    pub fn new(
-        inner: B,
-        selectors: &[String],
-        markers: Vec<String>,
-        encoding: AsciiCompatibleEncoding,
-    ) -> Hidden<B> {
+    /// `plan`: what to remove; `encoding`: the page's (see [`page_encoding`]).
+    pub fn new(inner: B, plan: Arc<HidePlan>, encoding: AsciiCompatibleEncoding) -> Hidden<B> {
         Hidden {
             inner,
-            hider: Hider::new(selectors, markers, encoding, true),
+            hider: Hider::with_plan(plan, encoding),
         }
     }
 }
@@ -629,42 +649,41 @@ fn emit_shared(output: &Mutex<Output>, bytes: impl Into<Bytes>) {
     }
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    memchr::memmem::find(haystack, needle)
-}
-
 impl Hider {
     /// `fast`: scan for the needles and use the tag-scanner fast path when the selectors
     /// allow it (tests turn it off to compare against the rewriter over the whole page).
+    #[cfg(test)]
     fn new(
         selectors: &[String],
         markers: Vec<String>,
         encoding: AsciiCompatibleEncoding,
         fast: bool,
     ) -> Hider {
-        let mut plan = plan(selectors, &markers);
+        let mut plan = HidePlan::new(selectors.to_vec(), markers);
         if !fast {
-            plan.ids.clear();
-            plan.needles.clear();
+            plan.plan.ids.clear();
+            plan.plan.needles.clear();
         }
+        Hider::with_plan(Arc::new(plan), encoding)
+    }
+
+    fn with_plan(plan: Arc<HidePlan>, encoding: AsciiCompatibleEncoding) -> Hider {
         let output = Arc::new(Mutex::new(Output::default()));
         let ended = Arc::new(AtomicUsize::new(0));
-        let settings = (selectors.to_vec(), markers);
-        let stage = if plan.needles.is_empty() {
+        let stage = if plan.plan.needles.is_empty() {
             Stage::Rewrite(Box::new(rewriter(
-                &settings.0,
-                &settings.1,
+                &plan.selectors,
+                &plan.markers,
                 encoding,
                 &output,
                 &ended,
             )))
         } else {
-            Stage::Scan(Scan::new(Held::default(), plan.needles.len()))
+            Stage::Scan(Scan::new(Held::default(), plan.plan.needles.len()))
         };
         Hider {
             stage,
             plan,
-            settings: Some(settings),
             encoding,
             ended,
             output,
@@ -693,7 +712,8 @@ impl Hider {
         if data.len() <= self.carry || scan.carry.len() + data.len() < scan.look_again_at {
             return false;
         }
-        for (needle, sought) in self.plan.needles.iter().zip(&scan.sought) {
+        for (finder, sought) in self.plan.plan.needles.iter().zip(&scan.sought) {
+            let needle = finder.needle();
             // A needle already found in the held bytes: `scan` judges it.
             let Sought::NotBefore(from) = *sought else {
                 return false;
@@ -707,11 +727,11 @@ impl Hider {
                 let mut across = Vec::with_capacity(2 * needle.len());
                 across.extend_from_slice(begun);
                 across.extend_from_slice(&data[..(needle.len() - 1).min(data.len())]);
-                if find(&across, needle).is_some() {
+                if finder.find(&across).is_some() {
                     return false;
                 }
             }
-            if find(data, needle).is_some() {
+            if finder.find(data).is_some() {
                 return false;
             }
         }
@@ -736,8 +756,8 @@ impl Hider {
         emit_shared(&self.output, passed);
         scan.carry = Held::Shared(data.slice(keep_from..));
         let kept = scan.carry.len();
-        for (needle, sought) in self.plan.needles.iter().zip(scan.sought.iter_mut()) {
-            *sought = Sought::NotBefore((kept + 1).saturating_sub(needle.len()));
+        for (finder, sought) in self.plan.plan.needles.iter().zip(scan.sought.iter_mut()) {
+            *sought = Sought::NotBefore((kept + 1).saturating_sub(finder.needle().len()));
         }
         scan.look_again_at = 0;
         if let Some(start) = unfinished {
@@ -783,7 +803,7 @@ impl Hider {
                 return Ok(());
             };
             scan.look_again_at = 0;
-            let Some((at, len)) = scan.first(&self.plan.needles) else {
+            let Some((at, len)) = scan.first(&self.plan.plan.needles) else {
                 // Keep a tail back in case a needle or its tag straddles chunks: at least
                 // `CARRY` bytes, and a tag that has not ended yet whole (up to `MAX_HELD`), so
                 // an id late in a long start tag still finds the tag's start.
@@ -803,8 +823,8 @@ impl Hider {
                 }
                 return Ok(());
             };
-            if !self.plan.ids.is_empty() {
-                match cut::judge(&scan.carry, at, len, &self.plan.ids) {
+            if !self.plan.plan.ids.is_empty() {
+                match cut::judge(&scan.carry, at, len, &self.plan.plan.ids) {
                     Found::Incomplete { start } if scan.carry.len() - start <= MAX_HELD => {
                         let before = scan.take(start);
                         emit_shared(&self.output, before);
@@ -901,20 +921,19 @@ impl Hider {
         let mut rest = std::mem::take(held);
         let _removed = rest.split_to(end);
         let ended = self.ended.fetch_add(1, Ordering::Relaxed) + 1;
-        if self.plan.stop_after > 0 && ended >= self.plan.stop_after {
+        if self.plan.plan.stop_after > 0 && ended >= self.plan.plan.stop_after {
             self.stage = Stage::Pass;
             emit_shared(&self.output, rest.into_bytes());
             return Ok(());
         }
-        self.stage = Stage::Scan(Scan::new(rest, self.plan.needles.len()));
+        self.stage = Stage::Scan(Scan::new(rest, self.plan.plan.needles.len()));
         self.scan()
     }
 
     fn start_rewriter(&mut self) {
-        let (selectors, markers) = self.settings.take().unwrap_or_default();
         let rewriter = rewriter(
-            &selectors,
-            &markers,
+            &self.plan.selectors,
+            &self.plan.markers,
             self.encoding,
             &self.output,
             &self.ended,
@@ -946,7 +965,7 @@ impl Hider {
     /// rest of the chunk passes untouched instead of being parsed for nothing.
     fn rewrite(&mut self, data: &[u8]) -> Result<(), BoxError> {
         // Slices only matter when parsing may stop early; otherwise the chunk goes in whole.
-        let slice = if self.plan.stop_after > 0 {
+        let slice = if self.plan.plan.stop_after > 0 {
             1024
         } else {
             data.len().max(1)
@@ -971,7 +990,8 @@ impl Hider {
 
     /// Once every id-selected element has ended, nothing more can match: stop parsing.
     fn finish_early(&mut self) -> Result<(), BoxError> {
-        if self.plan.stop_after > 0 && self.ended.load(Ordering::Relaxed) >= self.plan.stop_after {
+        let stop_after = self.plan.plan.stop_after;
+        if stop_after > 0 && self.ended.load(Ordering::Relaxed) >= stop_after {
             if let Stage::Rewrite(rewriter) = std::mem::replace(&mut self.stage, Stage::Pass) {
                 rewriter
                     .end()
@@ -1087,12 +1107,8 @@ mod tests {
             .collect();
         let body = StreamBody::new(futures_util::stream::iter(chunks));
         let selectors: Vec<String> = selectors.iter().map(|s| s.to_string()).collect();
-        let hidden = Hidden::new(
-            body,
-            &selectors,
-            markers.iter().map(|s| s.to_string()).collect(),
-            encoding,
-        );
+        let plan = HidePlan::new(selectors, markers.iter().map(|s| s.to_string()).collect());
+        let hidden = Hidden::new(body, Arc::new(plan), encoding);
         hidden
             .collect()
             .await
@@ -1341,7 +1357,7 @@ mod tests {
     /// `page` through `hider` in pieces of `chunk` bytes, to the end. The rewriter runs to the
     /// end of the page too (the reference), as the fast path scans it.
     fn run_hider(mut hider: Hider, page: &[u8], chunk: usize) -> Vec<u8> {
-        hider.plan.stop_after = 0;
+        Arc::make_mut(&mut hider.plan).plan.stop_after = 0;
         let mut out = Vec::new();
         for piece in page.chunks(chunk) {
             hider

@@ -31,7 +31,7 @@ use tokio::time::Instant;
 
 use crate::breaker::{Outcome, Permit};
 use crate::config::{Policy, PolicyStore};
-use crate::degrade::hide::{self, Hidden};
+use crate::degrade::hide::{self, Hidden, HidePlan};
 use crate::degrade::stale::{
     self, copy_key, selected_query, Capture, CaptureTarget, CopyKey, Fetch, FetchGuard, StaleStore,
     Waited,
@@ -866,9 +866,9 @@ fn with_rate_limit_fields(
 /// and hidden with the switches of the moment it is served.
 fn without_switched_off_fragments(
     response: Response<ResponseBody>,
-    hiding: Option<(Vec<String>, Vec<String>)>,
+    hiding: Option<Arc<HidePlan>>,
 ) -> Response<ResponseBody> {
-    let Some((selectors, markers)) = hiding else {
+    let Some(plan) = hiding else {
         return response;
     };
     let Some(encoding) =
@@ -882,10 +882,7 @@ fn without_switched_off_fragments(
     parts.headers.remove(h::CONTENT_LENGTH);
     parts.headers.remove(h::ETAG);
     parts.headers.remove(h::LAST_MODIFIED);
-    Response::from_parts(
-        parts,
-        Hidden::new(body, &selectors, markers, encoding).boxed_unsync(),
-    )
+    Response::from_parts(parts, Hidden::new(body, plan, encoding).boxed_unsync())
 }
 
 /// The stale-copy side of one request: its key (GET or HEAD on a `stale` route only) and
@@ -1094,26 +1091,42 @@ impl Stale {
 }
 
 /// Selectors and marker names of this route's modules that are off now, if any.
-fn hidden_fragments(
-    shared: &Shared,
-    policy: &Policy,
-    route: &Route,
-) -> Option<(Vec<String>, Vec<String>)> {
+fn hidden_fragments(shared: &Shared, policy: &Policy, route: &Route) -> Option<Arc<HidePlan>> {
     if route.hide.is_empty() {
         return None;
     }
     let view = shared.degrade.view(policy);
-    let (mut selectors, mut markers) = (Vec::new(), Vec::new());
-    for (module, selector) in &route.hide {
+    // Which of the route's fragments are hidden, one bit each: the key of their plan.
+    let mut off = 0u64;
+    for (index, (module, _)) in route.hide.iter().enumerate() {
         if view.module_off(module) {
-            if selector == hide::MARKER {
-                markers.push(module.clone());
-            } else {
-                selectors.push(selector.clone());
-            }
+            off |= 1u64
+                .checked_shl(u32::try_from(index).unwrap_or(u32::MAX))
+                .unwrap_or(0);
         }
     }
-    (!selectors.is_empty() || !markers.is_empty()).then_some((selectors, markers))
+    if off == 0 {
+        return None;
+    }
+    let make = || {
+        let (mut selectors, mut markers) = (Vec::new(), Vec::new());
+        for (module, selector) in &route.hide {
+            if view.module_off(module) {
+                if selector == hide::MARKER {
+                    markers.push(module.clone());
+                } else {
+                    selectors.push(selector.clone());
+                }
+            }
+        }
+        HidePlan::new(selectors, markers)
+    };
+    // A route with more fragments than bits in the key makes its plan every time.
+    Some(if route.hide.len() <= 64 {
+        route.hide_plans.get_or_make(off, make)
+    } else {
+        Arc::new(make())
+    })
 }
 
 /// Asks the route's upstream breaker for permission to call it.

@@ -3,12 +3,13 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use http::Method;
 use regex::Regex;
 
 use super::upstream::Upstream;
+use crate::degrade::hide::HidePlan;
 
 /// A route's name, cheap to clone into metrics labels and log lines.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -122,12 +123,49 @@ pub struct Route {
     pub degrade: Option<crate::degrade::DegradeAction>,
     /// Module → CSS selector of the page fragments that show it.
     pub hide: Vec<(String, String)>,
+    /// What hiding takes for each set of `hide`'s modules switched off, made on first use.
+    pub hide_plans: HidePlans,
     /// The 202 answer of a queue route (`degrade.action = "queue"` or `always_queue`).
     pub queue: Option<Arc<crate::queue::QueueAction>>,
     /// Every request is queued, not only while the route is off.
     pub always_queue: bool,
     /// Its request metrics, found once per policy.
     pub series: crate::metrics::RouteSeries,
+}
+
+/// A route's plans for hiding its modules (see [`HidePlan`]), one per set of modules switched
+/// off, made when a page is first served with that set: switches change seldom, pages are
+/// served all the time. A reload compiles new routes, and with them new plans.
+#[derive(Default)]
+pub struct HidePlans(Mutex<Vec<(u64, Arc<HidePlan>)>>);
+
+/// Sets of modules off whose plans a route keeps; the oldest goes first (a switch flapping
+/// through many combinations rebuilds plans, it does not grow memory).
+const HIDE_PLANS_KEPT: usize = 8;
+
+impl HidePlans {
+    /// The plan for the modules whose bits (by their index in `Route::hide`) are set in `off`.
+    pub fn get_or_make(&self, off: u64, make: impl FnOnce() -> HidePlan) -> Arc<HidePlan> {
+        let Ok(mut plans) = self.0.lock() else {
+            return Arc::new(make());
+        };
+        if let Some((_, plan)) = plans.iter().find(|(set, _)| *set == off) {
+            return plan.clone();
+        }
+        let plan = Arc::new(make());
+        if plans.len() >= HIDE_PLANS_KEPT {
+            plans.remove(0);
+        }
+        plans.push((off, plan.clone()));
+        plan
+    }
+}
+
+impl fmt::Debug for HidePlans {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kept = self.0.lock().map_or(0, |plans| plans.len());
+        write!(f, "HidePlans({kept} kept)")
+    }
 }
 
 /// A response written in the policy.
@@ -493,6 +531,31 @@ fn strip_port(host: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hide_plans_are_made_once_per_set_of_modules_off_and_the_oldest_go_first() {
+        let plans = HidePlans::default();
+        let made = std::cell::Cell::new(0);
+        let plan_for = |off: u64| {
+            plans.get_or_make(off, || {
+                made.set(made.get() + 1);
+                HidePlan::new(vec![format!("#m{off}")], Vec::new())
+            })
+        };
+        let first = plan_for(0b01);
+        assert!(Arc::ptr_eq(&first, &plan_for(0b01)));
+        assert!(!Arc::ptr_eq(&first, &plan_for(0b11)));
+        assert_eq!(made.get(), 2);
+        // Eight sets are kept: a ninth pushes out the oldest, which is made again.
+        for off in 2..=8u64 {
+            plan_for(off << 8);
+        }
+        assert_eq!(made.get(), 9);
+        plan_for(0b11);
+        assert_eq!(made.get(), 9, "kept");
+        plan_for(0b01);
+        assert_eq!(made.get(), 10, "pushed out, made again");
+    }
 
     #[test]
     fn host_patterns() {
