@@ -1388,6 +1388,11 @@ ms() { [[ -n ${1:-} ]] && calc "printf \"%.2f ms\", $1 / 1000" || echo "—"; }
 mib() { [[ -n ${1:-} ]] && calc "printf \"%.1f MiB\", $1 / 1024" || echo "—"; }
 ratio() { [[ -n ${1:-} && -n ${2:-} ]] && calc "if ($2 > 0) printf \"%.2f×\", $1 / $2; else printf \"—\"" || echo "—"; }
 
+judged() { # VALUE TARGET: VALUE as "N.NN×", with a third decimal where two would print the
+	# target itself for a value on the other side of it ("FAIL … 1.00×" for 0.996 against 1.0)
+	calc "v = sprintf(\"%.2f\", $1); t = sprintf(\"%.2f\", $2); if (v == t && $1 != $2) printf \"%.3f×\", $1; else printf \"%.2f×\", $1"
+}
+
 pass_fail() { # CONDITION(awk expr) TEXT
 	if calc "exit !($1)"; then out "- PASS $2"; else out "- FAIL $2"; fi
 }
@@ -1530,7 +1535,7 @@ rps_target() {
 		if paired=$(paired_ratio "${PAIR_CPU_RATIOS[$1 $2]:-}"); then
 			cpu="; requests per proxy CPU-second $(printf '%.2f×' "${paired%% *}")"
 		fi
-		pass_fail "$median >= $3" "$4: $(printf '%.2f×' "$median") (median of $n paired run$( ((n == 1)) || echo s), $(printf '%.2f' "$low")–$(printf '%.2f×' "$high")$cpu; from the rounds' medians: $(ratio "${RPS[$1]}" "${RPS[$2]}"))${5:+; $5}"
+		pass_fail "$median >= $3" "$4: $(judged "$median" "$3") (median of $n paired run$( ((n == 1)) || echo s), $(printf '%.2f' "$low")–$(printf '%.2f×' "$high")$cpu; from the rounds' medians: $(ratio "${RPS[$1]}" "${RPS[$2]}"))${5:+; $5}"
 	else
 		pass_fail "${RPS[$1]} >= $3 * ${RPS[$2]}" "$4: $(ratio "${RPS[$1]}" "${RPS[$2]}")${5:+ ($5)}"
 	fi
@@ -1587,11 +1592,11 @@ budget_target() { # A B TARGET TEXT [P99_NAME]: A's req/s (and with P99_NAME, p9
 	local paired median low high n
 	paired=$(paired_ratio "${BUDGET_RATIOS[$1 $2]:-}") || return 0
 	read -r median low high n <<<"$paired"
-	pass_fail "$median >= $3" "under a CPU limit of $BUDGET_PCT% of one core each, $4: $(printf '%.2f×' "$median") (median of $n paired run$( ((n == 1)) || echo s), $(printf '%.2f' "$low")–$(printf '%.2f×' "$high"))"
+	pass_fail "$median >= $3" "under a CPU limit of $BUDGET_PCT% of one core each, $4: $(judged "$median" "$3") (median of $n paired run$( ((n == 1)) || echo s), $(printf '%.2f' "$low")–$(printf '%.2f×' "$high"))"
 	[[ -n ${5:-} ]] || return 0
 	paired=$(paired_ratio "${BUDGET_P99_RATIOS[$1 $2]}") || return 0
 	read -r median low high n <<<"$paired"
-	pass_fail "$median <= 1" "under the same limit, levee pass-through p99 ≤ $5 p99: $(printf '%.2f×' "$median") (median of the per-pair ratios, $(printf '%.2f' "$low")–$(printf '%.2f×' "$high"))"
+	pass_fail "$median <= 1" "under the same limit, levee pass-through p99 ≤ $5 p99: $(judged "$median" 1) (median of the per-pair ratios, $(printf '%.2f' "$low")–$(printf '%.2f×' "$high"))"
 }
 
 p99_target() { # A B NAME: the p99 target of case A against case B (named NAME), from paired rounds
@@ -1601,7 +1606,7 @@ p99_target() { # A B NAME: the p99 target of case A against case B (named NAME),
 		return
 	fi
 	read -r ratio wins rounds <<<"$paired"
-	pass_fail "$ratio <= 1" "levee pass-through p99 ≤ $3 p99: $(printf '%.2f×' "$ratio") (median of the per-round ratios; levee's p99 was at most $3's in $wins of $rounds rounds; medians $(ms "${P99[$1]}") vs $(ms "${P99[$2]}"))"
+	pass_fail "$ratio <= 1" "levee pass-through p99 ≤ $3 p99: $(judged "$ratio" 1) (median of the per-round ratios; levee's p99 was at most $3's in $wins of $rounds rounds; medians $(ms "${P99[$1]}") vs $(ms "${P99[$2]}"))"
 }
 
 limiter_row() { # ID LABEL: a levee row of the limiter tables, from measure
