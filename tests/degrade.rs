@@ -1878,3 +1878,37 @@ async fn a_levee_stopping_right_after_such_a_reload_leaves_the_old_view_too() {
     assert!(!lines("one:fleet").contains(&instance), "left in one:");
     assert!(!lines("two:fleet").contains(&instance), "left in two:");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_past_the_64th_of_a_routes_hide_table_is_hidden_too() {
+    // A route keeps the plan of each set of modules off under one bit per module: one with
+    // more modules than bits makes its plan for every page, and hides its 65th as its first.
+    let backend = Backend::start(|_request: Request<Incoming>| async move {
+        Response::builder()
+            .header("content-type", "text/html")
+            .body(full(
+                "<p>home</p><div id=\"m64\">last</div><div id=\"m00\">first</div>",
+            ))
+            .expect("response")
+    })
+    .await;
+    // Two digits: the 65th in the policy is the 65th whether the table keeps its order or
+    // sorts its keys.
+    let hide: Vec<String> = (0..65).map(|i| format!("m{i:02} = \"#m{i:02}\"")).collect();
+    let levee = levee_with_routes(
+        &backend,
+        "match = { path = \"/\" }",
+        &format!(
+            "match = {{ path = \"/\" }}\nhide = {{ {} }}",
+            hide.join(", ")
+        ),
+    )
+    .await;
+    assert_eq!(set(&levee, "/modules/m64", "off").await.status, 200);
+    assert_eq!(
+        get(&levee.url("/")).await.text(),
+        "<p>home</p><div id=\"m00\">first</div>"
+    );
+    assert_eq!(set(&levee, "/modules/m00", "off").await.status, 200);
+    assert_eq!(get(&levee.url("/")).await.text(), "<p>home</p>");
+}

@@ -1090,22 +1090,27 @@ impl Stale {
     }
 }
 
-/// Selectors and marker names of this route's modules that are off now, if any.
+/// The plan for hiding this route's modules that are off now (their selectors and marker
+/// names), if any is.
 fn hidden_fragments(shared: &Shared, policy: &Policy, route: &Route) -> Option<Arc<HidePlan>> {
     if route.hide.is_empty() {
         return None;
     }
+    // One snapshot of the switches: the key below and the plan made from it agree.
     let view = shared.degrade.view(policy);
-    // Which of the route's fragments are hidden, one bit each: the key of their plan.
-    let mut off = 0u64;
+    // Which of the route's fragments are hidden, one bit each: the key of their plan (a
+    // fragment past the 64th has no bit; such a route makes its plan every time, below).
+    let (mut off, mut any_off) = (0u64, false);
     for (index, (module, _)) in route.hide.iter().enumerate() {
         if view.module_off(module) {
-            off |= 1u64
-                .checked_shl(u32::try_from(index).unwrap_or(u32::MAX))
-                .unwrap_or(0);
+            any_off = true;
+            let bit = u32::try_from(index)
+                .ok()
+                .and_then(|index| 1u64.checked_shl(index));
+            off |= bit.unwrap_or(0);
         }
     }
-    if off == 0 {
+    if !any_off {
         return None;
     }
     let make = || {
@@ -1121,7 +1126,6 @@ fn hidden_fragments(shared: &Shared, policy: &Policy, route: &Route) -> Option<A
         }
         HidePlan::new(selectors, markers)
     };
-    // A route with more fragments than bits in the key makes its plan every time.
     Some(if route.hide.len() <= 64 {
         route.hide_plans.get_or_make(off, make)
     } else {
