@@ -184,34 +184,17 @@ fn marker_of(comment: &str) -> Option<(bool, &str)> {
         .map(|name| (true, name.trim()))
 }
 
-/// What hiding one set of switched-off modules removes, and how the page is searched for it.
-/// Built once per route and set of modules off (see `proxy::route::HidePlans`), not for every
-/// page: the searchers, id selectors and copies of the selectors cost more than a thousand
-/// instructions and several allocations to make.
+/// What hiding one set of switched-off modules removes, and how the page is searched for it:
+/// the page is passed on untouched up to the first tag that could match, so the HTML parser
+/// only runs over the part of the page that matters. Built once per route and set of modules
+/// off (see `proxy::route::HidePlans`), not for every page: the searchers, id selectors and
+/// copies of the selectors cost more than a thousand instructions and several allocations.
 #[derive(Debug, Clone)]
 pub struct HidePlan {
     /// CSS selectors of the elements removed.
     selectors: Vec<String>,
     /// Modules whose marker comments enclose what is removed.
     markers: Vec<String>,
-    plan: Plan,
-}
-
-impl HidePlan {
-    pub fn new(selectors: Vec<String>, markers: Vec<String>) -> HidePlan {
-        let plan = plan(&selectors, &markers);
-        HidePlan {
-            selectors,
-            markers,
-            plan,
-        }
-    }
-}
-
-/// What to look for before parsing: the page is passed on untouched up to the first tag that
-/// could match, so the HTML parser only runs over the part of the page that matters.
-#[derive(Debug, Clone)]
-struct Plan {
     /// Searchers for the byte strings whose first occurrence marks where parsing must begin;
     /// empty: parse all.
     needles: Vec<Finder<'static>>,
@@ -258,49 +241,56 @@ fn needle_of(selector: &str) -> Option<(Vec<u8>, bool)> {
     None
 }
 
-fn plan(selectors: &[String], markers: &[String]) -> Plan {
-    let mut needles = Vec::new();
-    let mut all_ids = markers.is_empty();
-    for selector in selectors {
-        match needle_of(selector) {
-            Some((needle, is_id)) => {
-                all_ids &= is_id;
-                needles.push(Finder::new(&needle).into_owned());
-            }
-            None => {
-                return Plan {
-                    needles: Vec::new(),
-                    stop_after: 0,
-                    ids: Vec::new(),
-                }
-            }
+impl HidePlan {
+    pub fn new(selectors: Vec<String>, markers: Vec<String>) -> HidePlan {
+        // A selector with no literal to look for: the parser reads the whole page.
+        let Some(selector_needles) = selectors
+            .iter()
+            .map(|selector| needle_of(selector))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return HidePlan {
+                selectors,
+                markers,
+                needles: Vec::new(),
+                stop_after: 0,
+                ids: Vec::new(),
+            };
+        };
+        let all_ids = markers.is_empty() && selector_needles.iter().all(|(_, is_id)| *is_id);
+        let mut needles: Vec<Finder<'static>> = selector_needles
+            .iter()
+            .map(|(needle, _)| Finder::new(needle).into_owned())
+            .collect();
+        for marker in &markers {
+            needles.push(Finder::new(format!("levee:module {marker}").as_bytes()).into_owned());
         }
-    }
-    for marker in markers {
-        needles.push(Finder::new(format!("levee:module {marker}").as_bytes()).into_owned());
-    }
-    let ids: Vec<IdSelector> = all_ids
-        .then(|| {
-            selectors
-                .iter()
-                .map(|selector| IdSelector::parse(selector))
-                .collect::<Option<_>>()
-        })
-        .flatten()
-        .unwrap_or_default();
-    // With the fast path, finding the next candidate is a memmem over the rest of the page, so
-    // levee keeps looking after each removal: a page that repeats an id (it happens in legacy
-    // templates) loses every copy, and if the rewriter has to take over, it runs to the end of
-    // the page for the same reason. Without it, parsing stops once every id has ended.
-    let stop_after = if all_ids && ids.is_empty() {
-        selectors.len()
-    } else {
-        0
-    };
-    Plan {
-        needles,
-        stop_after,
-        ids,
+        let ids: Vec<IdSelector> = all_ids
+            .then(|| {
+                selectors
+                    .iter()
+                    .map(|selector| IdSelector::parse(selector))
+                    .collect::<Option<_>>()
+            })
+            .flatten()
+            .unwrap_or_default();
+        // With the fast path, finding the next candidate is a memmem over the rest of the
+        // page, so levee keeps looking after each removal: a page that repeats an id (it
+        // happens in legacy templates) loses every copy, and if the rewriter has to take over,
+        // it runs to the end of the page for the same reason. Without it, parsing stops once
+        // every id has ended.
+        let stop_after = if all_ids && ids.is_empty() {
+            selectors.len()
+        } else {
+            0
+        };
+        HidePlan {
+            selectors,
+            markers,
+            needles,
+            stop_after,
+            ids,
+        }
     }
 }
 
@@ -335,7 +325,7 @@ struct Scan {
     /// Where the bytes passed on so far leave the tokenizer: a needle inside a comment or a
     /// script is text, not a module.
     passed: Passed,
-    /// Per needle (as in `Plan::needles`): where it next occurs in `carry`, once found.
+    /// Per needle (as in `HidePlan::needles`): where it next occurs in `carry`, once found.
     sought: Vec<Sought>,
     /// While a start tag that has not ended is held: look again once `carry` is this long.
     /// Reading such a tag costs its length, so looking again only when as many new bytes have
@@ -661,8 +651,8 @@ impl Hider {
     ) -> Hider {
         let mut plan = HidePlan::new(selectors.to_vec(), markers);
         if !fast {
-            plan.plan.ids.clear();
-            plan.plan.needles.clear();
+            plan.ids.clear();
+            plan.needles.clear();
         }
         Hider::with_plan(Arc::new(plan), encoding)
     }
@@ -670,7 +660,7 @@ impl Hider {
     fn with_plan(plan: Arc<HidePlan>, encoding: AsciiCompatibleEncoding) -> Hider {
         let output = Arc::new(Mutex::new(Output::default()));
         let ended = Arc::new(AtomicUsize::new(0));
-        let stage = if plan.plan.needles.is_empty() {
+        let stage = if plan.needles.is_empty() {
             Stage::Rewrite(Box::new(rewriter(
                 &plan.selectors,
                 &plan.markers,
@@ -679,7 +669,7 @@ impl Hider {
                 &ended,
             )))
         } else {
-            Stage::Scan(Scan::new(Held::default(), plan.plan.needles.len()))
+            Stage::Scan(Scan::new(Held::default(), plan.needles.len()))
         };
         Hider {
             stage,
@@ -712,7 +702,7 @@ impl Hider {
         if data.len() <= self.carry || scan.carry.len() + data.len() < scan.look_again_at {
             return false;
         }
-        for (finder, sought) in self.plan.plan.needles.iter().zip(&scan.sought) {
+        for (finder, sought) in self.plan.needles.iter().zip(&scan.sought) {
             let needle = finder.needle();
             // A needle already found in the held bytes: `scan` judges it.
             let Sought::NotBefore(from) = *sought else {
@@ -756,7 +746,7 @@ impl Hider {
         emit_shared(&self.output, passed);
         scan.carry = Held::Shared(data.slice(keep_from..));
         let kept = scan.carry.len();
-        for (finder, sought) in self.plan.plan.needles.iter().zip(scan.sought.iter_mut()) {
+        for (finder, sought) in self.plan.needles.iter().zip(scan.sought.iter_mut()) {
             *sought = Sought::NotBefore((kept + 1).saturating_sub(finder.needle().len()));
         }
         scan.look_again_at = 0;
@@ -803,7 +793,7 @@ impl Hider {
                 return Ok(());
             };
             scan.look_again_at = 0;
-            let Some((at, len)) = scan.first(&self.plan.plan.needles) else {
+            let Some((at, len)) = scan.first(&self.plan.needles) else {
                 // Keep a tail back in case a needle or its tag straddles chunks: at least
                 // `CARRY` bytes, and a tag that has not ended yet whole (up to `MAX_HELD`), so
                 // an id late in a long start tag still finds the tag's start.
@@ -823,8 +813,8 @@ impl Hider {
                 }
                 return Ok(());
             };
-            if !self.plan.plan.ids.is_empty() {
-                match cut::judge(&scan.carry, at, len, &self.plan.plan.ids) {
+            if !self.plan.ids.is_empty() {
+                match cut::judge(&scan.carry, at, len, &self.plan.ids) {
                     Found::Incomplete { start } if scan.carry.len() - start <= MAX_HELD => {
                         let before = scan.take(start);
                         emit_shared(&self.output, before);
@@ -921,12 +911,12 @@ impl Hider {
         let mut rest = std::mem::take(held);
         let _removed = rest.split_to(end);
         let ended = self.ended.fetch_add(1, Ordering::Relaxed) + 1;
-        if self.plan.plan.stop_after > 0 && ended >= self.plan.plan.stop_after {
+        if self.plan.stop_after > 0 && ended >= self.plan.stop_after {
             self.stage = Stage::Pass;
             emit_shared(&self.output, rest.into_bytes());
             return Ok(());
         }
-        self.stage = Stage::Scan(Scan::new(rest, self.plan.plan.needles.len()));
+        self.stage = Stage::Scan(Scan::new(rest, self.plan.needles.len()));
         self.scan()
     }
 
@@ -965,7 +955,7 @@ impl Hider {
     /// rest of the chunk passes untouched instead of being parsed for nothing.
     fn rewrite(&mut self, data: &[u8]) -> Result<(), BoxError> {
         // Slices only matter when parsing may stop early; otherwise the chunk goes in whole.
-        let slice = if self.plan.plan.stop_after > 0 {
+        let slice = if self.plan.stop_after > 0 {
             1024
         } else {
             data.len().max(1)
@@ -990,7 +980,7 @@ impl Hider {
 
     /// Once every id-selected element has ended, nothing more can match: stop parsing.
     fn finish_early(&mut self) -> Result<(), BoxError> {
-        let stop_after = self.plan.plan.stop_after;
+        let stop_after = self.plan.stop_after;
         if stop_after > 0 && self.ended.load(Ordering::Relaxed) >= stop_after {
             if let Stage::Rewrite(rewriter) = std::mem::replace(&mut self.stage, Stage::Pass) {
                 rewriter
@@ -1357,7 +1347,7 @@ mod tests {
     /// `page` through `hider` in pieces of `chunk` bytes, to the end. The rewriter runs to the
     /// end of the page too (the reference), as the fast path scans it.
     fn run_hider(mut hider: Hider, page: &[u8], chunk: usize) -> Vec<u8> {
-        Arc::make_mut(&mut hider.plan).plan.stop_after = 0;
+        Arc::make_mut(&mut hider.plan).stop_after = 0;
         let mut out = Vec::new();
         for piece in page.chunks(chunk) {
             hider
