@@ -21,6 +21,13 @@
 # pass against nginx and haproxy when they ran), and the TOP (8) functions with the most
 # instructions of their own per request.
 #
+# CACHE=1 also simulates the first-level caches (valgrind's `--cache-sim=yes`, sized like this
+# machine's) and adds each case's misses per request: instruction fetches, data reads and data
+# writes that missed. Two proxies with the same instructions can differ there: memory touched
+# once per request (a block an allocator hands out cold, a value copied into fresh memory)
+# costs a miss for each 64-byte line, which the instruction count does not show. The run is
+# some 2x slower.
+#
 # KEEP=DIR copies each case's callgrind dump to DIR/CASE.callgrind, for callgrind_annotate
 # --inclusive=yes (who calls what) after the run.
 #
@@ -35,6 +42,8 @@ WARMUP=${WARMUP:-3}
 MEASURED_SECONDS=${DURATION:-10}
 TOP=${TOP:-8}
 LEVEE_BIN=${LEVEE_BIN:-target/release/levee}
+CALLGRIND_OPTIONS=""
+[ "${CACHE:-0}" = 0 ] || CALLGRIND_OPTIONS="--cache-sim=yes"
 
 tools="valgrind callgrind_control nginx wrk python3"
 case " $CASES " in *" haproxy "*) tools="$tools haproxy" ;; esac
@@ -139,7 +148,7 @@ measure() {
   local name=$1 path=$2 command
   command=$(proxy_command "$name")
   # shellcheck disable=SC2086 # the command is words without spaces in them
-  valgrind --tool=callgrind --callgrind-out-file="$TMP/$name.out" $command >"$TMP/$name.log" 2>&1 &
+  valgrind --tool=callgrind $CALLGRIND_OPTIONS --callgrind-out-file="$TMP/$name.out" $command >"$TMP/$name.log" 2>&1 &
   local pid=$!
   local url="http://127.0.0.1:$PORT$path"
   for _ in $(seq 1 200); do
@@ -181,8 +190,13 @@ echo "# levee instructions per request (callgrind), $(date -u '+%Y-%m-%d %H:%M')
 echo
 echo "levee $("$LEVEE_BIN" --version 2>/dev/null | head -1) (git $(git rev-parse --short HEAD 2>/dev/null || echo '?')), one worker thread, wrk -c 4 for ${MEASURED_SECONDS} s after ${WARMUP} s of warm-up"
 echo
-echo "| case | requests | instructions / request |"
-echo "|---|---:|---:|"
+if [ -n "$CALLGRIND_OPTIONS" ]; then
+  echo "| case | requests | instructions / request | L1 instruction misses | L1 data read misses | L1 data write misses |"
+  echo "|---|---:|---:|---:|---:|---:|"
+else
+  echo "| case | requests | instructions / request |"
+  echo "|---|---:|---:|"
+fi
 # pass, nginx, haproxy and full send the same request (REQUEST_PATH), so that full against
 # pass is the full policy's cost and not also that of a longer path.
 REQUEST_PATH=/shop/cart.php
