@@ -514,14 +514,19 @@ impl Client {
     }
 
     /// A kept connection, or a new one (then `waited` is set: connecting takes round trips).
+    /// A second try always gets a new one: the upstream that closed the first kept connection
+    /// has often closed the others kept with it (its keep-alive timeout, a restart), and the
+    /// close may not have arrived yet.
     async fn connection_for_try(
         &self,
         now: Instant,
         retried: bool,
         waited: &mut bool,
     ) -> Result<Connection, ClientError> {
-        if let Some(connection) = self.pool.take(now) {
-            return Ok(connection);
+        if !retried {
+            if let Some(connection) = self.pool.take(now) {
+                return Ok(connection);
+            }
         }
         *waited = true;
         // Boxed: a TLS handshake's state would double the size of every request's future
@@ -1822,5 +1827,87 @@ mod tests {
         assert_eq!(parsed.status, StatusCode::NOT_FOUND);
         assert_eq!(parsed.headers["x-thing"], "a b");
         assert_eq!(parsed.headers.get_all("set-cookie").iter().count(), 2);
+    }
+
+    /// An upstream that closes its kept connections together (its keep-alive timeout, a
+    /// restart): the request that found the first one closed is sent again on a new
+    /// connection, not on the next kept one, which the upstream closed as well.
+    #[tokio::test]
+    async fn a_request_sent_again_goes_on_a_new_connection() {
+        use http_body_util::BodyExt;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        async fn read_head(stream: &mut TcpStream) -> bool {
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                match stream.read(&mut byte).await {
+                    Ok(1) => head.push(byte[0]),
+                    _ => return false,
+                }
+            }
+            true
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let both_asked = Arc::new(tokio::sync::Barrier::new(2));
+        tokio::spawn(async move {
+            let mut accepted = 0;
+            while let Ok((mut stream, _)) = listener.accept().await {
+                accepted += 1;
+                let both_asked = both_asked.clone();
+                tokio::spawn(async move {
+                    if accepted <= 2 {
+                        // The first two connections answer once, then close on the next
+                        // request without answering it.
+                        assert!(read_head(&mut stream).await);
+                        both_asked.wait().await;
+                        stream
+                            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nkept")
+                            .await
+                            .unwrap();
+                        read_head(&mut stream).await;
+                    } else if read_head(&mut stream).await {
+                        stream
+                            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nnew")
+                            .await
+                            .unwrap();
+                        read_head(&mut stream).await;
+                    }
+                });
+            }
+        });
+        let client = Client::new(ClientSettings {
+            host: "127.0.0.1".into(),
+            port,
+            authority: HeaderValue::from_static("app.internal"),
+            tls: None,
+            connect_timeout: Duration::from_secs(5),
+            pool_idle_timeout: Duration::from_secs(60),
+            pool_max_idle: 8,
+            socket: None,
+            fastcgi: None,
+        });
+        let get = || {
+            let body: UpstreamBody = http_body_util::Empty::new()
+                .map_err(|never| match never {})
+                .boxed_unsync();
+            Request::builder().uri("/page").body(body).unwrap()
+        };
+        let answer = |response: Response<Incoming>| async move {
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            String::from_utf8_lossy(&body).into_owned()
+        };
+        // Two requests at once: two connections, both kept afterwards.
+        let (first, second) = tokio::join!(client.send(get()), client.send(get()));
+        assert_eq!(answer(first.unwrap()).await, "kept");
+        assert_eq!(answer(second.unwrap()).await, "kept");
+        assert_eq!(client.pool.idle.lock().unwrap().len(), 2);
+
+        let third = client
+            .send(get())
+            .await
+            .expect("answered on a new connection");
+        assert_eq!(answer(third).await, "new");
     }
 }
