@@ -96,7 +96,7 @@ pub struct Shared {
 pub async fn handle(
     shared: Arc<Shared>,
     peer: SocketAddr,
-    request: Request<RequestBody>,
+    request: Box<Request<RequestBody>>,
 ) -> Answer {
     // One snapshot for the whole request, even if a reload swaps the policy meanwhile.
     let policy = shared.store.load();
@@ -307,7 +307,7 @@ async fn forward(
     shared: &Shared,
     policy: &Policy,
     peer: SocketAddr,
-    mut request: Request<RequestBody>,
+    mut request: Box<Request<RequestBody>>,
     exchange: &mut Exchange,
 ) -> Result<Answer, ProxyError> {
     let server = &policy.server;
@@ -428,7 +428,7 @@ async fn forward(
 
     if let (true, Some(action)) = (queue_now, &route.queue) {
         header::strip_hop_by_hop(request.headers_mut(), false);
-        let (parts, mut body) = request.into_parts();
+        let (parts, mut body) = (*request).into_parts();
         let received_head = body.take_received_head();
         let job = JobRequest {
             parts,
@@ -509,7 +509,7 @@ async fn forward(
         .and_then(|upgrade| upgrade.take());
     let upstream = &route.upstream;
     // The request target stays the client's (the client sends its path and query only).
-    let (mut parts, mut body) = request.into_parts();
+    let (mut parts, mut body) = (*request).into_parts();
     parts.version = Version::HTTP_11;
     header::strip_hop_by_hop(&mut parts.headers, upgrading);
     // The forwarding fields are set as the head is encoded (see `header::ForwardedWriter`).

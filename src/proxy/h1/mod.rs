@@ -50,7 +50,7 @@ pub async fn serve<H, F>(
     alive: mpsc::Sender<()>,
     count: Arc<ConnectionCount>,
 ) where
-    H: Fn(SocketAddr, Request<RequestBody>) -> F + Clone + Send + Sync + 'static,
+    H: Fn(SocketAddr, Box<Request<RequestBody>>) -> F + Clone + Send + Sync + 'static,
     F: Future + Send + 'static,
     F::Output: Into<Answer> + Send,
 {
