@@ -1714,6 +1714,39 @@ async fn a_101_to_a_request_that_asked_for_no_upgrade_is_a_502() {
     stop(levee).await;
 }
 
+#[tokio::test]
+async fn a_101_that_names_no_websocket_switch_is_a_502_and_tunnels_nothing() {
+    // A page that sets its own status to 101, or switches to some other protocol: levee
+    // tunnels only WebSocket, and a tunnel opened on the status alone would carry the client's
+    // next requests to the app past every route and limit.
+    let backend = Scripted::start(|seen| match seen.path() {
+        "/bare" => Reply::keep("HTTP/1.1 101 Switching Protocols\r\n\r\n"),
+        "/other" => Reply::keep(
+            "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n",
+        ),
+        _ => Reply::keep(ok("fine")),
+    })
+    .await;
+    let levee = levee_for(&backend, "").await;
+    for path in ["/bare", "/other"] {
+        let raw = raw_exchange(
+            levee.public,
+            format!(
+                "GET {path} HTTP/1.1\r\nHost: app\r\nConnection: Upgrade, close\r\nUpgrade: websocket\r\n\r\n"
+            )
+            .as_bytes(),
+            WITHIN,
+        )
+        .await;
+        assert_eq!(status_of(&raw), Some(502), "{path}: {raw}");
+        assert!(raw.contains("Upgrade: websocket"), "{path}: {raw}");
+        // The upgrade was asked for: the app saw it.
+        assert_eq!(backend.last().header("upgrade"), ["websocket"], "{path}");
+    }
+    assert_eq!(call(&levee, "GET", "/next").await.text(), "fine");
+    stop(levee).await;
+}
+
 /// Reads from `stream` into `received` until `done` says so; a hang fails the test.
 async fn read_into(
     stream: &mut TcpStream,

@@ -476,6 +476,20 @@ impl Client {
                         "101 Switching Protocols to a request that asked for no upgrade".into(),
                     ));
                 }
+                // RFC 9110 7.8: a 101 names the protocol it switches to. levee tunnels only
+                // WebSocket (`header::is_upgrade`), so a 101 must say so: a page that answers
+                // a bare 101 (a script setting its own status) would otherwise have the
+                // client's next bytes, requests included, go to the upstream untouched by
+                // routes and limits. (An upgrade's fields are always parsed: see `forward`.)
+                Ok(response_head)
+                    if response_head.status == StatusCode::SWITCHING_PROTOCOLS
+                        && !super::header::is_upgrade(&response_head.headers) =>
+                {
+                    return Err(ClientError::Protocol(
+                        "101 Switching Protocols without `Connection: upgrade` and `Upgrade: websocket`"
+                            .into(),
+                    ));
+                }
                 Ok(response_head) => break (connection, response_head, request_sent_at),
                 Err(error) => {
                     // A reused connection that the upstream had just closed: the request
