@@ -398,7 +398,13 @@ where
     // In this exchange's own box (see `serve_connection`), not one of its own: one allocation
     // per request fewer. Held in an `Option` to be dropped as soon as it has answered.
     let mut answering = std::pin::pin!(Some(handler(peer, request)));
+    // A client waiting for 100 Continue sends nothing until the body is asked for: its
+    // leaving is watched for meanwhile, or its request would go on to the bulkhead and the
+    // upstream for nobody. Once it sends anything (it may send the body without waiting),
+    // the body reader takes over when the body is wanted.
+    let mut watch_close_before_continue = continue_wanted.is_some();
     let answer = loop {
+        let waits_for_continue = continue_wanted.is_some();
         tokio::select! {
             biased;
             answer = answer_of(answering.as_mut()) => break answer.into(),
@@ -415,8 +421,12 @@ where
                     return After::Close;
                 }
             }
-            present = body_reader.progress(&mut reader, read_buffer),
-                if continue_wanted.is_none() && body_reader.has_work() => {
+            present = body_reader.progress(&mut reader, read_buffer, waits_for_continue),
+                if (waits_for_continue && watch_close_before_continue)
+                    || (!waits_for_continue && body_reader.has_work()) => {
+                if waits_for_continue {
+                    watch_close_before_continue = false;
+                }
                 if !present {
                     // Like hyper: a client that went away cancels its request, so the
                     // upstream slot it holds is freed instead of waiting for an answer
@@ -526,6 +536,16 @@ where
     }
 }
 
+/// Waits until the client either closes the connection (true) or has sent something more
+/// (false: bytes buffered or waiting in the socket, which stay there). Cancel-safe.
+async fn client_leaves(reader: &mut ReadHalf<'_>, buffer: &BytesMut) -> bool {
+    if !buffer.is_empty() {
+        return false;
+    }
+    let mut probe = [0u8; 1];
+    matches!(reader.peek(&mut probe).await, Ok(0) | Err(_))
+}
+
 /// levee's stop switch as one connection sees it.
 struct Stop {
     switch: watch::Receiver<bool>,
@@ -582,7 +602,7 @@ async fn write_body(
                     tokio::select! {
                         biased;
                         next = body.frame() => break next,
-                        present = body_reader.progress(reader, read_buffer), if body_reader.has_work() => {
+                        present = body_reader.progress(reader, read_buffer, false), if body_reader.has_work() => {
                             if !present {
                                 return false;
                             }
@@ -854,26 +874,27 @@ impl RequestBodyReader {
         self.is_reading() || self.watch_close
     }
 
-    /// Moves the body on by one piece, or, once it is read, waits until the client either
-    /// closes the connection (false) or starts sending its next request (true, and the
-    /// watch ends). Cancel-safe.
-    async fn progress(&mut self, reader: &mut ReadHalf<'_>, buffer: &mut BytesMut) -> bool {
+    /// Moves the body on by one piece, or, once it is read (or while the client waits for
+    /// 100 Continue: `only_watch`), waits until the client either closes the connection
+    /// (false) or sends something (true, and the watch ends). Cancel-safe.
+    async fn progress(
+        &mut self,
+        reader: &mut ReadHalf<'_>,
+        buffer: &mut BytesMut,
+        only_watch: bool,
+    ) -> bool {
+        if only_watch {
+            return !client_leaves(reader, buffer).await;
+        }
         if self.is_reading() {
             self.step(reader, buffer).await;
             return true;
         }
-        if !buffer.is_empty() {
+        let leaves = client_leaves(reader, buffer).await;
+        if !leaves {
             self.watch_close = false;
-            return true;
         }
-        let mut probe = [0u8; 1];
-        match reader.peek(&mut probe).await {
-            Ok(0) | Err(_) => false,
-            Ok(_) => {
-                self.watch_close = false;
-                true
-            }
-        }
+        !leaves
     }
 
     fn is_reading(&self) -> bool {
@@ -1459,6 +1480,17 @@ mod tests {
 
     #[tokio::test]
     async fn a_client_that_leaves_cancels_its_request() {
+        a_client_that_leaves_after(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n").await;
+        // Waiting for 100 Continue, which the handler never asks for.
+        a_client_that_leaves_after(
+            b"POST /slow HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n",
+        )
+        .await;
+    }
+
+    /// Sends `head`, leaves, and checks that the handler's future was dropped and the
+    /// connection's task ended.
+    async fn a_client_that_leaves_after(head: &'static [u8]) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address");
         let (_stop_sender, stop) = watch::channel(false);
@@ -1466,10 +1498,12 @@ mod tests {
         let signal = std::sync::Mutex::new(Some(dropped_sender));
         let served = tokio::spawn(async move {
             let (stream, peer) = listener.accept().await.expect("accept");
-            let handler = move |_peer, _request: Box<Request<RequestBody>>| {
+            let handler = move |_peer, request: Box<Request<RequestBody>>| {
                 let guard = DropSignal(signal.lock().ok().and_then(|mut sender| sender.take()));
                 async move {
                     let _guard = guard;
+                    // Held, body unread, as a request waiting for its upstream is.
+                    let _request = request;
                     tokio::time::sleep(Duration::from_secs(30)).await;
                     Response::new(full_body("too late"))
                 }
@@ -1477,10 +1511,7 @@ mod tests {
             serve_test_connection(stream, peer, handler, stop).await;
         });
         let mut client = TcpStream::connect(address).await.expect("connect");
-        client
-            .write_all(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
-            .await
-            .expect("write");
+        client.write_all(head).await.expect("write");
         tokio::time::sleep(Duration::from_millis(100)).await;
         drop(client);
         tokio::time::timeout(Duration::from_secs(3), dropped)
