@@ -485,9 +485,11 @@ impl RecordReader {
                 )));
             }
             let kind = buffer[1];
-            // 0 is for management records, which php-fpm sends only when asked.
+            // 0 is for management records, which php-fpm sends only when asked (and which are
+            // skipped); a request's output or end under it is no answer to levee's request.
             let request_id = u16::from_be_bytes([buffer[2], buffer[3]]);
-            if request_id != REQUEST_ID && request_id != 0 {
+            let management = request_id == 0 && !matches!(kind, STDOUT | STDERR | END_REQUEST);
+            if request_id != REQUEST_ID && !management {
                 return Err(ClientError::Protocol(format!(
                     "FastCGI record for request {request_id}, not the one sent"
                 )));
@@ -1228,6 +1230,38 @@ mod tests {
         assert_eq!(head.status, StatusCode::NOT_FOUND);
         assert_eq!(head.headers["x-a"], "b");
         assert_eq!(&stdout[..], b"body");
+    }
+
+    /// Request id 0 is for management records: skipped, but a request's output or end under
+    /// it is refused, not taken for this request's.
+    #[test]
+    fn records_of_request_id_0_are_skipped_or_refused() {
+        let record = |kind: u8, id: u16, content: &[u8]| {
+            let mut wire = BytesMut::new();
+            wire.put_u8(1);
+            wire.put_u8(kind);
+            wire.put_u16(id);
+            wire.put_u16(content.len() as u16);
+            wire.put_u8(0);
+            wire.put_u8(0);
+            wire.put_slice(content);
+            wire
+        };
+        let mut buffer = record(10, 0, b"\x0e\x01FCGI_MPXS_CONNS0");
+        buffer.extend_from_slice(&record(STDOUT, 1, b"X: y\r\n\r\n"));
+        let mut reader = RecordReader::default();
+        match reader.next(&mut buffer) {
+            Ok(Step::Stdout(piece)) => assert_eq!(&piece[..], b"X: y\r\n\r\n"),
+            other => panic!("the management record is skipped: {other:?}"),
+        }
+        for kind in [STDOUT, STDERR, END_REQUEST] {
+            let mut buffer = record(kind, 0, &[0; 8]);
+            let refused = RecordReader::default().next(&mut buffer);
+            assert!(
+                matches!(refused, Err(ClientError::Protocol(_))),
+                "kind {kind}: {refused:?}"
+            );
+        }
     }
 
     #[test]
