@@ -629,7 +629,7 @@ impl Client {
     fn response_from(
         &self,
         mut connection: Connection,
-        head: ResponseHead,
+        head: Box<ResponseHead>,
         method: &Method,
         upgrade: bool,
     ) -> Response<Incoming> {
@@ -1024,11 +1024,13 @@ pub enum ResponseFields {
 }
 
 /// Reads until a final response head is buffered (interim 1xx heads other than 101 are
-/// skipped) and parses it.
+/// skipped) and parses it. Boxed where it is parsed: it is moved some five times on its way
+/// to `response_from`, 330 bytes each time into cold lines (357 instructions and 8% of the
+/// first-level data misses per pass-through request, `bench/callgrind.sh` with CACHE=1).
 async fn read_response_head(
     connection: &mut Connection,
     fields: ResponseFields,
-) -> Result<ResponseHead, ClientError> {
+) -> Result<Box<ResponseHead>, ClientError> {
     loop {
         if !connection.buffer.is_empty() {
             if let Some(head) = parse_response_head(&mut connection.buffer, fields)? {
@@ -1138,7 +1140,7 @@ fn relayed_field_map(fields: &UpstreamFields) -> HeaderMap {
 fn parse_response_head(
     buffer: &mut BytesMut,
     wanted: ResponseFields,
-) -> Result<Option<ResponseHead>, ClientError> {
+) -> Result<Option<Box<ResponseHead>>, ClientError> {
     let mut fields = uninit_fields();
     let mut parsed = httparse::Response::new(&mut []);
     // The default configuration matters to relaying: it refuses folded lines and does not
@@ -1266,7 +1268,7 @@ fn parse_response_head(
     if let Some(kept) = lines.filter(|_| buffer[fields_end..length] == *b"\r\n") {
         let head = buffer.split_to(length).freeze();
         let content_length = length_field.filter(|_| length_stands);
-        return Ok(Some(ResponseHead {
+        return Ok(Some(Box::new(ResponseHead {
             status,
             version,
             reason,
@@ -1275,7 +1277,7 @@ fn parse_response_head(
             received: None,
             framing,
             keep_alive,
-        }));
+        })));
     }
 
     // Parsed: values become slices of the head, not copies.
@@ -1310,7 +1312,7 @@ fn parse_response_head(
         }
         headers.append(name, value);
     }
-    Ok(Some(ResponseHead {
+    Ok(Some(Box::new(ResponseHead {
         status,
         version,
         reason,
@@ -1319,7 +1321,7 @@ fn parse_response_head(
         received: Some(ReceivedHead(head)),
         framing,
         keep_alive,
-    }))
+    })))
 }
 
 /// Where one field of a head lies in it.
@@ -1538,7 +1540,7 @@ mod tests {
     use super::super::upstream_fields::MOST_RUNS;
     use super::*;
 
-    fn head(text: &str) -> Result<Option<ResponseHead>, ClientError> {
+    fn head(text: &str) -> Result<Option<Box<ResponseHead>>, ClientError> {
         parse_response_head(&mut BytesMut::from(text), ResponseFields::Parsed)
     }
 
