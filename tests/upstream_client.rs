@@ -667,6 +667,45 @@ async fn a_get_on_a_connection_closed_as_it_arrives_is_sent_again_once() {
 }
 
 #[tokio::test]
+async fn a_request_sent_again_goes_on_a_new_connection_not_the_next_kept_one() {
+    // An upstream that closes its kept connections together (its keep-alive timeout, a
+    // restart): the request that found the first one closed is sent again on a new
+    // connection, not on the next kept one, which the upstream closed as well.
+    let first = Later::new(&ok("kept"));
+    let second = Later::new(&ok("kept"));
+    let (one, two) = (first.clone(), second.clone());
+    let backend = Scripted::start(move |seen| match (seen.conn, seen.nth) {
+        (1, 0) => Reply::pieces(&[], Then::Later(one.clone())),
+        (2, 0) => Reply::pieces(&[], Then::Later(two.clone())),
+        (1 | 2, _) => Reply::pieces(&[], Then::Close),
+        _ => Reply::keep(ok("new")),
+    })
+    .await;
+    let levee = levee_for(&backend, "").await;
+    // Two requests at once: two connections, both kept once answered.
+    let answer_both = async {
+        eventually(WITHIN, "both requests at the backend", || async {
+            backend.seen().len() == 2
+        })
+        .await;
+        first.write_now().await;
+        second.write_now().await;
+    };
+    let (one, two, ()) = tokio::join!(
+        call(&levee, "GET", "/one"),
+        call(&levee, "GET", "/two"),
+        answer_both
+    );
+    assert_eq!((one.text(), two.text()), ("kept".into(), "kept".into()));
+
+    let third = call(&levee, "GET", "/three").await;
+    assert_eq!(third.status, 200, "{}", third.text());
+    assert_eq!(third.text(), "new");
+    assert_eq!(backend.last().conn, 3);
+    stop(levee).await;
+}
+
+#[tokio::test]
 async fn a_request_that_must_not_be_repeated_is_not_sent_again() {
     // As above, but for a POST (not idempotent): the upstream may have acted on it, so levee
     // answers 502 rather than send it twice.
