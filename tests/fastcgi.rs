@@ -68,9 +68,14 @@ const BIG_PHP: &str = r#"<?php
 echo str_repeat('x', 2 * 1024 * 1024);
 "#;
 
-/// Writes most of its answer before it reads its input (as an error page may).
+/// Writes `?early=` bytes of its answer before it reads its input (as an error page or a
+/// report that logs its upload may), then says how much input it got; with `&read=no` it
+/// never reads it.
 const EARLY_PHP: &str = r#"<?php
-echo str_repeat('e', 700000);
+echo str_repeat('e', (int) $_GET['early']);
+if (($_GET['read'] ?? 'yes') === 'no') {
+    exit;
+}
 $input = file_get_contents('php://input');
 echo "\n", strlen($input);
 "#;
@@ -726,20 +731,40 @@ async fn a_request_whose_parameters_fill_several_records_is_answered() {
     }
 }
 
-/// A script that writes before it reads its input gets its input, however large: levee
-/// reads php-fpm's output while the body is still going out.
+/// A script that writes before it reads its input gets its input, however large and however
+/// much it writes first: levee reads php-fpm's output while the body is still going out, and
+/// past 1 MiB of it streams the answer to the client and sends the rest of the body as
+/// php-fpm reads it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_script_that_answers_before_reading_a_large_body_gets_it_all() {
     let site = Site::start().await;
-    let levee = site.levee("", "response_timeout = \"5s\"").await;
-    let body = vec![b'b'; 4 * 1024 * 1024];
-    let request = Request::put(levee.url("/early.php"))
+    let levee = site
+        .levee(
+            "",
+            "response_timeout = \"5s\"\npool_max_idle = 4\n\n[[route]]\nname = \"all\"\nmax_body = \"40MiB\"",
+        )
+        .await;
+    // More than php-fpm's output, levee's 1 MiB and the loopback's socket buffers hold.
+    let body = vec![b'b'; 32 * 1024 * 1024];
+    for early in [700_000, 16 * 1024 * 1024] {
+        let request = Request::put(levee.url(&format!("/early.php?early={early}")))
+            .body(full(body.clone()))
+            .expect("request");
+        let answer = send(request).await;
+        assert_eq!(answer.status, 200, "{early}: {}", answer.text());
+        assert_eq!(answer.body.len(), early + 1 + "33554432".len(), "{early}");
+        assert!(answer.text().ends_with("\n33554432"), "{early}");
+    }
+    // A script that answers at length and never reads its input: the answer is whole, the
+    // rest of the body is not sent, and the connection is not kept for the next request.
+    let early = 16 * 1024 * 1024;
+    let request = Request::put(levee.url(&format!("/early.php?early={early}&read=no")))
         .body(full(body))
         .expect("request");
     let answer = send(request).await;
-    assert_eq!(answer.status, 200, "{}", answer.text());
-    assert_eq!(answer.body.len(), 700_000 + 1 + "4194304".len());
-    assert!(answer.text().ends_with("\n4194304"));
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body.len(), early);
+    requests_in_a_row(&levee).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

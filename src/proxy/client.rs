@@ -1488,6 +1488,15 @@ impl Body for Incoming {
             let Some(connection) = this.connection.as_mut() else {
                 return Poll::Ready(None);
             };
+            if let Framing::FastCgi(body) = &mut this.framing {
+                // A script may read the rest of its input only once its first megabyte of
+                // answer has gone: the input goes out between reads of the answer.
+                if let Err(error) = body.send_input(connection, cx) {
+                    this.connection = None;
+                    this.framing = Framing::Done;
+                    return Poll::Ready(Some(Err(error)));
+                }
+            }
             let buffer = &mut connection.buffer;
             if buffer.capacity() - buffer.len() < 4096 {
                 buffer.reserve(BODY_READ_SIZE);

@@ -29,6 +29,7 @@ use super::{
     encode_request_head, is_idempotent, parse_content_length, Answered, Client, ClientError,
     Connection, Framing, Incoming, HEAD_READ_SIZE, MAX_HEAD_BYTES,
 };
+use crate::error::BoxError;
 use crate::log_throttle::LogThrottle;
 use crate::proxy::body::ResendableBody;
 use crate::proxy::header::{FromClient, ReceivedHead, HOP_BY_HOP};
@@ -559,9 +560,90 @@ pub(super) struct FastCgiBody {
     /// told that length (a download's progress), so the body must hold exactly that much.
     remaining: Option<u64>,
     script: Arc<Script>,
+    /// The rest of the request's input, when php-fpm began to answer before it took it all
+    /// (see [`EARLY_OUTPUT_LIMIT`]): sent as the answer is read.
+    input: Option<Box<PendingInput>>,
+}
+
+/// Request input still to go out while the answer is read.
+#[derive(Debug)]
+pub(super) struct PendingInput {
+    /// Records encoded and not yet written.
+    out: BytesMut,
+    body: UpstreamBody,
+    /// The body has ended and the empty `STDIN` record that says so is in `out`.
+    body_done: bool,
+}
+
+impl PendingInput {
+    /// Whether all of the input, the record that ends it too, has been written.
+    fn is_sent(&self) -> bool {
+        self.body_done && self.out.is_empty()
+    }
+
+    /// Encodes what the client's body has ready as `STDIN` records (and the empty one once it
+    /// ends), until `out` holds [`super::COPY_LIMIT`] or the body has nothing more yet.
+    fn encode_ready(&mut self, cx: &mut std::task::Context<'_>) -> Result<(), BoxError> {
+        while !self.body_done && self.out.len() < super::COPY_LIMIT {
+            match std::pin::Pin::new(&mut self.body).poll_frame(cx) {
+                Poll::Ready(None) => {
+                    put_record_header(&mut self.out, STDIN, 0);
+                    self.body_done = true;
+                }
+                Poll::Ready(Some(Err(error))) => return Err(error),
+                Poll::Ready(Some(Ok(frame))) => {
+                    // Trailers are not forwarded.
+                    if let Ok(data) = frame.into_data() {
+                        put_stream(&mut self.out, STDIN, &data);
+                    }
+                }
+                Poll::Pending => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes as much as php-fpm takes now, without waiting. `Ok(true)` once all of it is
+    /// written, or once php-fpm takes no more (it ended the request, or closed its side);
+    /// `Ok(false)` while more waits on the client's body or on php-fpm reading.
+    fn send_some(
+        &mut self,
+        stream: &mut super::Stream,
+        cx: &mut std::task::Context<'_>,
+    ) -> Result<bool, ClientError> {
+        loop {
+            self.encode_ready(cx).map_err(ClientError::RequestBody)?;
+            if self.out.is_empty() {
+                return Ok(self.body_done);
+            }
+            match std::pin::Pin::new(&mut *stream).poll_write(cx, &self.out) {
+                Poll::Ready(Ok(written)) if written > 0 => self.out.advance(written),
+                // php-fpm stopped reading: what it wrote so far is still read.
+                Poll::Ready(_) => return Ok(true),
+                Poll::Pending => return Ok(false),
+            }
+        }
+    }
 }
 
 impl FastCgiBody {
+    /// Sends what php-fpm takes of the input still pending, if any, without waiting; the
+    /// connection is kept only when all of it went out.
+    pub(super) fn send_input(
+        &mut self,
+        connection: &mut Connection,
+        cx: &mut std::task::Context<'_>,
+    ) -> Result<(), ClientError> {
+        let Some(input) = self.input.as_mut() else {
+            return Ok(());
+        };
+        if input.send_some(&mut connection.stream, cx)? {
+            connection.request_unfinished = !input.is_sent();
+            self.input = None;
+        }
+        Ok(())
+    }
+
     /// The body's exact size still to come, when the script gave its length.
     pub(super) fn remaining(&self) -> Option<u64> {
         self.remaining.filter(|_| !self.discard)
@@ -806,29 +888,30 @@ impl Client {
             let sent = send_records(
                 &mut connection,
                 &begin,
-                &mut body,
+                std::mem::replace(&mut body, empty_body()),
                 has_body,
                 response_timeout,
             )
             .await;
             let request_sent_at = if waited { Instant::now() } else { now };
-            if let (Ok(()), Some(flag)) = (&sent, sent_whole) {
+            if let (Ok(None), Some(flag)) = (&sent, sent_whole) {
                 flag.store(true, std::sync::atomic::Ordering::Release);
             }
             let outcome = match sent {
-                Ok(()) => {
+                Ok(input) => {
                     let reading = read_head(&mut connection, &script);
-                    match response_timeout {
+                    let head = match response_timeout {
                         Some(limit) => tokio::time::timeout_at(request_sent_at + limit, reading)
                             .await
                             .unwrap_or(Err(ClientError::ResponseTimeout(limit))),
                         None => reading.await,
-                    }
+                    };
+                    head.map(|head| (head, input))
                 }
                 Err(error) => Err(error),
             };
             match outcome {
-                Ok((head, reader)) => {
+                Ok(((head, reader), input)) => {
                     let discard = parts.method == Method::HEAD
                         || head.status == StatusCode::NO_CONTENT
                         || head.status == StatusCode::NOT_MODIFIED;
@@ -839,6 +922,7 @@ impl Client {
                         discard,
                         remaining: head.length,
                         script,
+                        input,
                     };
                     return Ok(Answered {
                         response: self.fastcgi_response(
@@ -909,90 +993,88 @@ impl Client {
 
 /// What php-fpm may write while the request is still going out that is read and held, so
 /// that a script that answers before it reads its input (or without reading it) never waits
-/// on levee while levee waits on it.
+/// on levee while levee waits on it. Past it, the answer goes to the client with the rest of
+/// the input sent alongside (`PendingInput`).
 const EARLY_OUTPUT_LIMIT: usize = 1024 * 1024;
 
 /// Writes the opening records, then the body as `STDIN` records and the empty one that ends
 /// it, reading what php-fpm sends meanwhile. php-fpm may end the request before it has read
 /// all of it (a script that ignores its input): the rest is not sent, and the connection is
-/// not kept. A write php-fpm does not take for `stall_limit` is a timeout.
+/// not kept. A write php-fpm does not take for `stall_limit` is a timeout. Returns the input
+/// not yet sent when php-fpm has written [`EARLY_OUTPUT_LIMIT`] first.
 async fn send_records(
     connection: &mut Connection,
     begin: &BytesMut,
-    body: &mut UpstreamBody,
+    body: UpstreamBody,
     has_body: bool,
     stall_limit: Option<Duration>,
-) -> Result<(), ClientError> {
+) -> Result<Option<Box<PendingInput>>, ClientError> {
     connection.interim_seen = false;
-    let mut out = BytesMut::from(&begin[..]);
-    let mut body_done = !has_body;
+    let mut input = Some(PendingInput {
+        out: BytesMut::from(&begin[..]),
+        body,
+        body_done: !has_body,
+    });
     let mut scanned = 0;
     // Armed while php-fpm does not take what is ready for it (boxed: it is rare).
     let mut stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     std::future::poll_fn(|cx| loop {
-        if connection.buffer.len() < EARLY_OUTPUT_LIMIT {
-            let buffer = &mut connection.buffer;
-            if buffer.capacity() - buffer.len() < 1024 {
-                buffer.reserve(HEAD_READ_SIZE);
+        let Some(pending) = input.as_mut() else {
+            return Poll::Ready(Ok(None)); // not polled again once ready
+        };
+        if connection.buffer.len() >= EARLY_OUTPUT_LIMIT {
+            if pending.is_sent() {
+                return Poll::Ready(Ok(None));
             }
-            let reading = std::pin::pin!(connection.stream.read_buf(buffer)).poll(cx);
-            if let Poll::Ready(read) = reading {
-                let answered = !connection.buffer.is_empty();
-                match read {
-                    Ok(0) | Err(_) if answered => {
-                        // php-fpm answered and went: the answer is read from the buffer.
-                        connection.request_unfinished = true;
-                        return Poll::Ready(Ok(()));
-                    }
-                    Ok(0) => return Poll::Ready(Err(ClientError::Closed)),
-                    Err(error) => return Poll::Ready(Err(ClientError::Io(error))),
-                    Ok(_) => {
-                        connection.interim_seen = true;
-                        if holds_end_request(&connection.buffer, &mut scanned) {
-                            connection.request_unfinished = !(body_done && out.is_empty());
-                            return Poll::Ready(Ok(()));
-                        }
-                        continue;
-                    }
-                }
-            }
+            // php-fpm has a lot to say before it takes the rest: the answer streams to the
+            // client now, and the rest of the input goes out as php-fpm reads it.
+            connection.request_unfinished = true;
+            return Poll::Ready(Ok(input.take().map(Box::new)));
         }
-        if !body_done && out.len() < super::COPY_LIMIT {
-            match std::pin::Pin::new(&mut *body).poll_frame(cx) {
-                Poll::Ready(None) => {
-                    put_record_header(&mut out, STDIN, 0);
-                    body_done = true;
-                    continue;
-                }
-                Poll::Ready(Some(Err(error))) => {
+        let buffer = &mut connection.buffer;
+        if buffer.capacity() - buffer.len() < 1024 {
+            buffer.reserve(HEAD_READ_SIZE);
+        }
+        let reading = std::pin::pin!(connection.stream.read_buf(buffer)).poll(cx);
+        if let Poll::Ready(read) = reading {
+            let answered = !connection.buffer.is_empty();
+            match read {
+                Ok(0) | Err(_) if answered => {
+                    // php-fpm answered and went: the answer is read from the buffer.
                     connection.request_unfinished = true;
-                    return Poll::Ready(Err(ClientError::RequestBody(error)));
+                    return Poll::Ready(Ok(None));
                 }
-                Poll::Ready(Some(Ok(frame))) => {
-                    // Trailers are not forwarded.
-                    if let Ok(data) = frame.into_data() {
-                        put_stream(&mut out, STDIN, &data);
+                Ok(0) => return Poll::Ready(Err(ClientError::Closed)),
+                Err(error) => return Poll::Ready(Err(ClientError::Io(error))),
+                Ok(_) => {
+                    connection.interim_seen = true;
+                    if holds_end_request(&connection.buffer, &mut scanned) {
+                        connection.request_unfinished = !pending.is_sent();
+                        return Poll::Ready(Ok(None));
                     }
                     continue;
                 }
-                Poll::Pending => {}
             }
         }
-        if out.is_empty() {
-            return if body_done {
-                Poll::Ready(Ok(()))
+        if let Err(error) = pending.encode_ready(cx) {
+            connection.request_unfinished = true;
+            return Poll::Ready(Err(ClientError::RequestBody(error)));
+        }
+        if pending.out.is_empty() {
+            return if pending.body_done {
+                Poll::Ready(Ok(None))
             } else {
                 Poll::Pending // waiting for the client's body
             };
         }
-        match std::pin::Pin::new(&mut connection.stream).poll_write(cx, &out) {
+        match std::pin::Pin::new(&mut connection.stream).poll_write(cx, &pending.out) {
             Poll::Ready(Ok(0)) => {
                 connection.request_unfinished = true;
                 return Poll::Ready(Err(ClientError::Io(io::ErrorKind::WriteZero.into())));
             }
             Poll::Ready(Ok(written)) => {
                 stalled = None;
-                out.advance(written);
+                pending.out.advance(written);
             }
             Poll::Ready(Err(error)) => {
                 connection.request_unfinished = true;
@@ -1000,14 +1082,22 @@ async fn send_records(
                     return Poll::Ready(Err(ClientError::Io(error)));
                 }
                 // php-fpm stopped reading because it has answered: that answer is read.
-                return Poll::Ready(Ok(()));
+                return Poll::Ready(Ok(None));
             }
             Poll::Pending => {
                 return super::write_stalled(&mut stalled, stall_limit, connection, cx)
+                    .map_ok(|()| None)
             }
         }
     })
     .await
+}
+
+/// What stands in for a body handed on.
+fn empty_body() -> UpstreamBody {
+    http_body_util::Empty::new()
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 /// Whether the records in `buffer` (from a record's start) reach an `END_REQUEST`. `*from`:
@@ -1275,6 +1365,7 @@ mod tests {
                 address: "test".into(),
                 name: "/test.php".into(),
             }),
+            input: None,
         };
         let stdout = |content: &[u8]| {
             let mut wire = BytesMut::new();
