@@ -70,8 +70,11 @@ echo str_repeat('x', 2 * 1024 * 1024);
 
 /// Writes `?early=` bytes of its answer before it reads its input (as an error page or a
 /// report that logs its upload may), then says how much input it got; with `&read=no` it
-/// never reads it.
+/// never reads it. `&stderr=N` first logs N lines of 1,000 bytes to FastCGI's stderr.
 const EARLY_PHP: &str = r#"<?php
+for ($line = 0; $line < (int) ($_GET['stderr'] ?? 0); $line++) {
+    error_log(str_repeat('w', 1000));
+}
 echo str_repeat('e', (int) $_GET['early']);
 if (($_GET['read'] ?? 'yes') === 'no') {
     exit;
@@ -765,6 +768,47 @@ async fn a_script_that_answers_before_reading_a_large_body_gets_it_all() {
     assert_eq!(answer.status, 200);
     assert_eq!(answer.body.len(), early);
     requests_in_a_row(&levee).await;
+}
+
+/// The same with a script that logs 3 MB to stderr before any output (the input goes on
+/// while levee waits for the CGI head), and with an upload slower than the upstream's
+/// `idle_body_timeout` in all (php-fpm, busy reading it, says nothing meanwhile, and is not
+/// taken for stalled).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_gets_its_input_after_much_stderr_and_at_a_slow_pace() {
+    let site = Site::start().await;
+    let levee = site
+        .levee(
+            "",
+            "response_timeout = \"5s\"\nidle_body_timeout = \"1s\"\n\n[[route]]\nname = \"all\"\nmax_body = \"40MiB\"",
+        )
+        .await;
+    let body = vec![b'b'; 8 * 1024 * 1024];
+    let request = Request::put(levee.url("/early.php?early=10&stderr=3000"))
+        .body(full(body))
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(answer.text(), format!("{}\n8388608", "e".repeat(10)));
+
+    // Eight pieces of 512 KiB, 400 ms apart: 3 s without a byte from php-fpm.
+    let pieces = futures_util::stream::unfold(0, |sent| async move {
+        if sent == 8 {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let piece: Result<Frame<Bytes>, BoxError> =
+            Ok(Frame::data(Bytes::from(vec![b's'; 512 * 1024])));
+        Some((piece, sent + 1))
+    });
+    let request = Request::put(levee.url(&format!("/early.php?early={}", 2 * 1024 * 1024)))
+        .header("content-length", (4 * 1024 * 1024).to_string())
+        .body(StreamBody::new(pieces).boxed_unsync())
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body.len(), 2 * 1024 * 1024 + 1 + "4194304".len());
+    assert!(answer.text().ends_with("\n4194304"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,7 +18,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{ready, Context, Poll};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -1488,21 +1488,33 @@ impl Body for Incoming {
             let Some(connection) = this.connection.as_mut() else {
                 return Poll::Ready(None);
             };
-            if let Framing::FastCgi(body) = &mut this.framing {
-                // A script may read the rest of its input only once its first megabyte of
-                // answer has gone: the input goes out between reads of the answer.
-                if let Err(error) = body.send_input(connection, cx) {
-                    this.connection = None;
-                    this.framing = Framing::Done;
-                    return Poll::Ready(Some(Err(error)));
-                }
-            }
+            // A script may read the rest of its input only once its first megabyte of answer
+            // has gone: the input goes out between reads of the answer.
+            let input_taken = match &mut this.framing {
+                Framing::FastCgi(body) => match body.send_input(connection, cx) {
+                    Ok(taken) => taken,
+                    Err(error) => {
+                        this.connection = None;
+                        this.framing = Framing::Done;
+                        return Poll::Ready(Some(Err(error)));
+                    }
+                },
+                _ => false,
+            };
             let buffer = &mut connection.buffer;
             if buffer.capacity() - buffer.len() < 4096 {
                 buffer.reserve(BODY_READ_SIZE);
             }
             // `read_buf` keeps no state between polls: a fresh one per poll loses nothing.
-            let read = ready!(std::pin::pin!(connection.stream.read_buf(buffer)).poll(cx));
+            let read = match std::pin::pin!(connection.stream.read_buf(buffer)).poll(cx) {
+                Poll::Ready(read) => read,
+                // php-fpm reading a slow upload says nothing meanwhile, yet it is busy: an
+                // empty frame tells the idle timer around this body (`idle_body_timeout`).
+                Poll::Pending if input_taken => {
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::new()))))
+                }
+                Poll::Pending => return Poll::Pending,
+            };
             match read {
                 Ok(0) => {
                     if matches!(this.framing, Framing::UntilClose) {

@@ -603,45 +603,71 @@ impl PendingInput {
         Ok(())
     }
 
-    /// Writes as much as php-fpm takes now, without waiting. `Ok(true)` once all of it is
-    /// written, or once php-fpm takes no more (it ended the request, or closed its side);
-    /// `Ok(false)` while more waits on the client's body or on php-fpm reading.
+    /// Writes as much as php-fpm takes now, without waiting. Says whether any of it went
+    /// out, and whether that was the last of it (all written, or php-fpm takes no more: it
+    /// ended the request, or closed its side).
     fn send_some(
         &mut self,
         stream: &mut super::Stream,
         cx: &mut std::task::Context<'_>,
-    ) -> Result<bool, ClientError> {
+    ) -> Result<InputSent, ClientError> {
+        let mut wrote = false;
         loop {
             self.encode_ready(cx).map_err(ClientError::RequestBody)?;
             if self.out.is_empty() {
-                return Ok(self.body_done);
+                return Ok(InputSent {
+                    wrote,
+                    over: self.body_done,
+                });
             }
             match std::pin::Pin::new(&mut *stream).poll_write(cx, &self.out) {
-                Poll::Ready(Ok(written)) if written > 0 => self.out.advance(written),
+                Poll::Ready(Ok(written)) if written > 0 => {
+                    self.out.advance(written);
+                    wrote = true;
+                }
                 // php-fpm stopped reading: what it wrote so far is still read.
-                Poll::Ready(_) => return Ok(true),
-                Poll::Pending => return Ok(false),
+                Poll::Ready(_) => return Ok(InputSent { wrote, over: true }),
+                Poll::Pending => return Ok(InputSent { wrote, over: false }),
             }
         }
     }
 }
 
+/// What one [`PendingInput::send_some`] did.
+struct InputSent {
+    wrote: bool,
+    over: bool,
+}
+
+/// Sends what php-fpm takes of `input`, if any is pending, without waiting (see
+/// [`PendingInput`]); once no more will go, `input` is emptied, and the connection is kept
+/// only if all of it went out. True when some of it was written now.
+fn send_pending(
+    input: &mut Option<Box<PendingInput>>,
+    connection: &mut Connection,
+    cx: &mut std::task::Context<'_>,
+) -> Result<bool, ClientError> {
+    let Some(pending) = input.as_mut() else {
+        return Ok(false);
+    };
+    let sent = pending.send_some(&mut connection.stream, cx)?;
+    if sent.over {
+        connection.request_unfinished = !pending.is_sent();
+        *input = None;
+    }
+    Ok(sent.wrote)
+}
+
 impl FastCgiBody {
-    /// Sends what php-fpm takes of the input still pending, if any, without waiting; the
-    /// connection is kept only when all of it went out.
+    /// Sends what php-fpm takes of the input still pending, if any, without waiting (see
+    /// [`send_pending`]). True when some of it was written now: php-fpm is reading, which
+    /// counts as the answer's progress while it says nothing.
     pub(super) fn send_input(
         &mut self,
         connection: &mut Connection,
         cx: &mut std::task::Context<'_>,
-    ) -> Result<(), ClientError> {
-        let Some(input) = self.input.as_mut() else {
-            return Ok(());
-        };
-        if input.send_some(&mut connection.stream, cx)? {
-            connection.request_unfinished = !input.is_sent();
-            self.input = None;
-        }
-        Ok(())
+    ) -> Result<bool, ClientError> {
+        send_pending(&mut self.input, connection, cx)
     }
 
     /// The body's exact size still to come, when the script gave its length.
@@ -898,8 +924,8 @@ impl Client {
                 flag.store(true, std::sync::atomic::Ordering::Release);
             }
             let outcome = match sent {
-                Ok(input) => {
-                    let reading = read_head(&mut connection, &script);
+                Ok(mut input) => {
+                    let reading = read_head(&mut connection, &script, &mut input);
                     let head = match response_timeout {
                         Some(limit) => tokio::time::timeout_at(request_sent_at + limit, reading)
                             .await
@@ -1119,6 +1145,7 @@ fn holds_end_request(buffer: &[u8], from: &mut usize) -> bool {
 async fn read_head(
     connection: &mut Connection,
     script: &Script,
+    input: &mut Option<Box<PendingInput>>,
 ) -> Result<(CgiHead, (RecordReader, BytesMut)), ClientError> {
     let mut reader = RecordReader::default();
     let mut stdout = BytesMut::new();
@@ -1147,7 +1174,15 @@ async fn read_head(
                 if connection.buffer.capacity() - connection.buffer.len() < 1024 {
                     connection.buffer.reserve(HEAD_READ_SIZE);
                 }
-                let read = connection.stream.read_buf(&mut connection.buffer).await?;
+                // Input still pending (php-fpm wrote much, its stderr say, before its head)
+                // goes out meanwhile: the script may want it before it says more.
+                let read = std::future::poll_fn(|cx| {
+                    send_pending(input, connection, cx)?;
+                    std::pin::pin!(connection.stream.read_buf(&mut connection.buffer))
+                        .poll(cx)
+                        .map_err(ClientError::Io)
+                })
+                .await?;
                 if read == 0 {
                     return Err(if connection.interim_seen {
                         ClientError::Protocol(
