@@ -741,19 +741,11 @@ async fn a_request_whose_parameters_fill_several_records_is_answered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_script_that_answers_before_reading_a_large_body_gets_it_all() {
     let site = Site::start().await;
-    let levee = site
-        .levee(
-            "",
-            "response_timeout = \"5s\"\npool_max_idle = 4\n\n[[route]]\nname = \"all\"\nmax_body = \"40MiB\"",
-        )
-        .await;
+    let levee = with_large_bodies(&site, "response_timeout = \"5s\"\npool_max_idle = 4").await;
     // More than php-fpm's output, levee's 1 MiB and the loopback's socket buffers hold.
     let body = vec![b'b'; 32 * 1024 * 1024];
     for early in [700_000, 16 * 1024 * 1024] {
-        let request = Request::put(levee.url(&format!("/early.php?early={early}")))
-            .body(full(body.clone()))
-            .expect("request");
-        let answer = send(request).await;
+        let answer = put_early(&levee, &format!("early={early}"), body.clone()).await;
         assert_eq!(answer.status, 200, "{early}: {}", answer.text());
         assert_eq!(answer.body.len(), early + 1 + "33554432".len(), "{early}");
         assert!(answer.text().ends_with("\n33554432"), "{early}");
@@ -761,13 +753,25 @@ async fn a_script_that_answers_before_reading_a_large_body_gets_it_all() {
     // A script that answers at length and never reads its input: the answer is whole, the
     // rest of the body is not sent, and the connection is not kept for the next request.
     let early = 16 * 1024 * 1024;
-    let request = Request::put(levee.url(&format!("/early.php?early={early}&read=no")))
-        .body(full(body))
-        .expect("request");
-    let answer = send(request).await;
+    let answer = put_early(&levee, &format!("early={early}&read=no"), body).await;
     assert_eq!(answer.status, 200);
     assert_eq!(answer.body.len(), early);
     requests_in_a_row(&levee).await;
+}
+
+/// levee in front of `site` with these `upstream` settings, and a route for every request
+/// with room for the large bodies these tests send.
+async fn with_large_bodies(site: &Site, upstream: &str) -> Levee {
+    let route = "\n\n[[route]]\nname = \"all\"\nmax_body = \"40MiB\"";
+    site.levee("", &[upstream, route].concat()).await
+}
+
+/// `body` PUT to `early.php` with `query`.
+async fn put_early(levee: &Levee, query: &str, body: Vec<u8>) -> Answer {
+    let request = Request::put(levee.url(&format!("/early.php?{query}")))
+        .body(full(body))
+        .expect("request");
+    send(request).await
 }
 
 /// The same with a script that logs 3 MB to stderr before any output (the input goes on
@@ -777,17 +781,12 @@ async fn a_script_that_answers_before_reading_a_large_body_gets_it_all() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_script_gets_its_input_after_much_stderr_and_at_a_slow_pace() {
     let site = Site::start().await;
-    let levee = site
-        .levee(
-            "",
-            "response_timeout = \"5s\"\nidle_body_timeout = \"1s\"\n\n[[route]]\nname = \"all\"\nmax_body = \"40MiB\"",
-        )
-        .await;
-    let body = vec![b'b'; 8 * 1024 * 1024];
-    let request = Request::put(levee.url("/early.php?early=10&stderr=3000"))
-        .body(full(body))
-        .expect("request");
-    let answer = send(request).await;
+    let levee = with_large_bodies(
+        &site,
+        "response_timeout = \"5s\"\nidle_body_timeout = \"1s\"",
+    )
+    .await;
+    let answer = put_early(&levee, "early=10&stderr=3000", vec![b'b'; 8 * 1024 * 1024]).await;
     assert_eq!(answer.status, 200, "{}", answer.text());
     assert_eq!(answer.text(), format!("{}\n8388608", "e".repeat(10)));
 
