@@ -70,10 +70,15 @@ echo str_repeat('x', 2 * 1024 * 1024);
 
 /// Writes `?early=` bytes of its answer before it reads its input (as an error page or a
 /// report that logs its upload may), then says how much input it got; with `&read=no` it
-/// never reads it. `&stderr=N` first logs N lines of 1,000 bytes to FastCGI's stderr.
+/// never reads it. `&stderr=N` first logs N lines of 1,000 bytes to FastCGI's stderr;
+/// `&status=N` answers with that status, and then notes the input's length in applied.log
+/// (a 204 or 304 has no body to say it in).
 const EARLY_PHP: &str = r#"<?php
 for ($line = 0; $line < (int) ($_GET['stderr'] ?? 0); $line++) {
     error_log(str_repeat('w', 1000));
+}
+if (isset($_GET['status'])) {
+    http_response_code((int) $_GET['status']);
 }
 echo str_repeat('e', (int) $_GET['early']);
 if (($_GET['read'] ?? 'yes') === 'no') {
@@ -81,6 +86,9 @@ if (($_GET['read'] ?? 'yes') === 'no') {
 }
 $input = file_get_contents('php://input');
 echo "\n", strlen($input);
+if (isset($_GET['status'])) {
+    file_put_contents(__DIR__ . '/../applied.log', strlen($input) . "\n", FILE_APPEND | LOCK_EX);
+}
 "#;
 
 /// A protected download handed to the web server in front, which levee is not.
@@ -789,6 +797,19 @@ async fn a_script_gets_its_input_after_much_stderr_and_at_a_slow_pace() {
     let answer = put_early(&levee, "early=10&stderr=3000", vec![b'b'; 8 * 1024 * 1024]).await;
     assert_eq!(answer.status, 200, "{}", answer.text());
     assert_eq!(answer.text(), format!("{}\n8388608", "e".repeat(10)));
+
+    // A bodiless answer (here a 204) after 2 MiB of output: the script still gets all of its
+    // input, before the client is answered.
+    let answer = put_early(
+        &levee,
+        "early=2097152&status=204",
+        vec![b'b'; 8 * 1024 * 1024],
+    )
+    .await;
+    assert_eq!(answer.status, 204);
+    assert!(answer.body.is_empty());
+    let log = std::path::Path::new(&site.docroot).join("../applied.log");
+    assert_eq!(std::fs::read_to_string(&log).expect("log"), "8388608\n");
 
     // Eight pieces of 512 KiB, 400 ms apart: 3 s without a byte from php-fpm.
     let pieces = futures_util::stream::unfold(0, |sent| async move {

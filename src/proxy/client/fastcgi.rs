@@ -950,14 +950,30 @@ impl Client {
                         script,
                         input,
                     };
+                    let input_pending = discard && body.input.is_some();
+                    let mut response = self.fastcgi_response(
+                        connection,
+                        head,
+                        body,
+                        &parts.method,
+                        keep_connection,
+                    );
+                    if input_pending {
+                        // A bodiless answer (HEAD, 204, 304) is not read on, so the input
+                        // would never go out: php-fpm gets the rest of it, and the exchange
+                        // is read to its end, before the client has its answer.
+                        let finishing = finish_exchange(response.body_mut());
+                        match response_timeout {
+                            Some(limit) => {
+                                tokio::time::timeout_at(request_sent_at + limit, finishing)
+                                    .await
+                                    .unwrap_or(Err(ClientError::ResponseTimeout(limit)))?
+                            }
+                            None => finishing.await?,
+                        }
+                    }
                     return Ok(Answered {
-                        response: self.fastcgi_response(
-                            connection,
-                            head,
-                            body,
-                            &parts.method,
-                            keep_connection,
-                        ),
+                        response,
                         relayed: None,
                         request_sent_at,
                     });
@@ -1117,6 +1133,15 @@ async fn send_records(
         }
     })
     .await
+}
+
+/// Reads a bodiless answer's records to `END_REQUEST`, sending the input still pending
+/// meanwhile (see [`PendingInput`]).
+async fn finish_exchange(body: &mut Incoming) -> Result<(), ClientError> {
+    while let Some(frame) = body.frame().await {
+        frame?;
+    }
+    Ok(())
 }
 
 /// What stands in for a body handed on.
