@@ -784,14 +784,14 @@ async fn put_early(levee: &Levee, query: &str, body: Vec<u8>) -> Answer {
 
 /// The same with a script that logs 3 MB to stderr before any output (the input goes on
 /// while levee waits for the CGI head), and with an upload slower than the upstream's
-/// `idle_body_timeout` in all (php-fpm, busy reading it, says nothing meanwhile, and is not
-/// taken for stalled).
+/// `idle_body_timeout` and `response_timeout` in all (php-fpm, busy reading it, says nothing
+/// meanwhile, and is not taken for stalled).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_script_gets_its_input_after_much_stderr_and_at_a_slow_pace() {
     let site = Site::start().await;
     let levee = with_large_bodies(
         &site,
-        "response_timeout = \"5s\"\nidle_body_timeout = \"1s\"",
+        "response_timeout = \"2s\"\nidle_body_timeout = \"1s\"",
     )
     .await;
     let answer = put_early(&levee, "early=10&stderr=3000", vec![b'b'; 8 * 1024 * 1024]).await;
@@ -812,6 +812,22 @@ async fn a_script_gets_its_input_after_much_stderr_and_at_a_slow_pace() {
     assert_eq!(std::fs::read_to_string(&log).expect("log"), "8388608\n");
 
     // Eight pieces of 512 KiB, 400 ms apart: 3 s without a byte from php-fpm.
+    let answer = send(slow_upload(&levee, "early=2097152")).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body.len(), 2 * 1024 * 1024 + 1 + "4194304".len());
+    assert!(answer.text().ends_with("\n4194304"));
+    // The same to a bodiless answer, which levee reads to its end first: longer than
+    // `response_timeout` in all, but the upload's time is the client's, not php-fpm's.
+    let answer = send(slow_upload(&levee, "early=2097152&status=204")).await;
+    assert_eq!(answer.status, 204, "{}", answer.text());
+    assert_eq!(
+        std::fs::read_to_string(&log).expect("log"),
+        "8388608\n4194304\n"
+    );
+}
+
+/// A PUT of 4 MiB to `early.php` with `query`, in eight pieces 400 ms apart.
+fn slow_upload(levee: &Levee, query: &str) -> Request<TestBody> {
     let pieces = futures_util::stream::unfold(0, |sent| async move {
         if sent == 8 {
             return None;
@@ -821,14 +837,10 @@ async fn a_script_gets_its_input_after_much_stderr_and_at_a_slow_pace() {
             Ok(Frame::data(Bytes::from(vec![b's'; 512 * 1024])));
         Some((piece, sent + 1))
     });
-    let request = Request::put(levee.url(&format!("/early.php?early={}", 2 * 1024 * 1024)))
+    Request::put(levee.url(&format!("/early.php?{query}")))
         .header("content-length", (4 * 1024 * 1024).to_string())
         .body(StreamBody::new(pieces).boxed_unsync())
-        .expect("request");
-    let answer = send(request).await;
-    assert_eq!(answer.status, 200);
-    assert_eq!(answer.body.len(), 2 * 1024 * 1024 + 1 + "4194304".len());
-    assert!(answer.text().ends_with("\n4194304"));
+        .expect("request")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

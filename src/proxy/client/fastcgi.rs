@@ -573,6 +573,8 @@ pub(super) struct PendingInput {
     body: UpstreamBody,
     /// The body has ended and the empty `STDIN` record that says so is in `out`.
     body_done: bool,
+    /// php-fpm left input untaken at the last try (its time, not the client's).
+    waits_on_php_fpm: bool,
 }
 
 impl PendingInput {
@@ -612,6 +614,7 @@ impl PendingInput {
         cx: &mut std::task::Context<'_>,
     ) -> Result<InputSent, ClientError> {
         let mut wrote = false;
+        self.waits_on_php_fpm = false;
         loop {
             self.encode_ready(cx).map_err(ClientError::RequestBody)?;
             if self.out.is_empty() {
@@ -627,9 +630,65 @@ impl PendingInput {
                 }
                 // php-fpm stopped reading: what it wrote so far is still read.
                 Poll::Ready(_) => return Ok(InputSent { wrote, over: true }),
-                Poll::Pending => return Ok(InputSent { wrote, over: false }),
+                Poll::Pending => {
+                    self.waits_on_php_fpm = true;
+                    return Ok(InputSent { wrote, over: false });
+                }
             }
         }
+    }
+}
+
+/// php-fpm's share of the time of an exchange whose input still goes out while its answer
+/// is read: `limit` (`response_timeout`) for the answer once all of the input is sent, and
+/// as long for input php-fpm leaves untaken before that. The pauses of a slow upload are
+/// the client's own (`client_body_timeout`), as while a request is sent (`send_records`).
+struct PhpFpmClock {
+    limit: Duration,
+    /// When the answer is due, once the input is all sent.
+    due: Option<Instant>,
+    /// The timer and the instant it is set for.
+    timer: Option<(Instant, std::pin::Pin<Box<tokio::time::Sleep>>)>,
+}
+
+/// No input pending (for [`PhpFpmClock::poll_expired`] on a body without any).
+const NO_INPUT: Option<Box<PendingInput>> = None;
+
+impl PhpFpmClock {
+    fn new(limit: Duration) -> PhpFpmClock {
+        PhpFpmClock {
+            limit,
+            due: None,
+            timer: None,
+        }
+    }
+
+    /// Whether php-fpm ran out of its time, as `input` stands now; else the timer (if any
+    /// runs) will wake the task.
+    fn poll_expired(
+        &mut self,
+        input: &Option<Box<PendingInput>>,
+        cx: &mut std::task::Context<'_>,
+    ) -> bool {
+        let at = match input {
+            None => *self.due.get_or_insert_with(|| Instant::now() + self.limit),
+            Some(pending) if pending.waits_on_php_fpm => match &self.timer {
+                Some((at, _)) => *at,
+                None => Instant::now() + self.limit,
+            },
+            Some(_) => {
+                self.timer = None; // waiting on the client
+                return false;
+            }
+        };
+        let timer = match &mut self.timer {
+            Some((set_for, timer)) if *set_for == at => timer,
+            slot => {
+                let (_, timer) = slot.insert((at, Box::pin(tokio::time::sleep_until(at))));
+                timer
+            }
+        };
+        timer.as_mut().poll(cx).is_ready()
     }
 }
 
@@ -925,12 +984,20 @@ impl Client {
             }
             let outcome = match sent {
                 Ok(mut input) => {
-                    let reading = read_head(&mut connection, &script, &mut input);
-                    let head = match response_timeout {
-                        Some(limit) => tokio::time::timeout_at(request_sent_at + limit, reading)
-                            .await
-                            .unwrap_or(Err(ClientError::ResponseTimeout(limit))),
-                        None => reading.await,
+                    let head = if input.is_some() {
+                        // Timed as php-fpm's share of the time (the upload's is not).
+                        let mut clock = response_timeout.map(PhpFpmClock::new);
+                        read_head(&mut connection, &script, &mut input, clock.as_mut()).await
+                    } else {
+                        let reading = read_head(&mut connection, &script, &mut input, None);
+                        match response_timeout {
+                            Some(limit) => {
+                                tokio::time::timeout_at(request_sent_at + limit, reading)
+                                    .await
+                                    .unwrap_or(Err(ClientError::ResponseTimeout(limit)))
+                            }
+                            None => reading.await,
+                        }
                     };
                     head.map(|head| (head, input))
                 }
@@ -962,15 +1029,7 @@ impl Client {
                         // A bodiless answer (HEAD, 204, 304) is not read on, so the input
                         // would never go out: php-fpm gets the rest of it, and the exchange
                         // is read to its end, before the client has its answer.
-                        let finishing = finish_exchange(response.body_mut());
-                        match response_timeout {
-                            Some(limit) => {
-                                tokio::time::timeout_at(request_sent_at + limit, finishing)
-                                    .await
-                                    .unwrap_or(Err(ClientError::ResponseTimeout(limit)))?
-                            }
-                            None => finishing.await?,
-                        }
+                        finish_exchange(response.body_mut(), response_timeout).await?;
                     }
                     return Ok(Answered {
                         response,
@@ -1056,6 +1115,7 @@ async fn send_records(
         out: BytesMut::from(&begin[..]),
         body,
         body_done: !has_body,
+        waits_on_php_fpm: false,
     });
     let mut scanned = 0;
     // Armed while php-fpm does not take what is ready for it (boxed: it is rare).
@@ -1136,12 +1196,30 @@ async fn send_records(
 }
 
 /// Reads a bodiless answer's records to `END_REQUEST`, sending the input still pending
-/// meanwhile (see [`PendingInput`]).
-async fn finish_exchange(body: &mut Incoming) -> Result<(), ClientError> {
-    while let Some(frame) = body.frame().await {
-        frame?;
-    }
-    Ok(())
+/// meanwhile (see [`PendingInput`]), php-fpm's share of the time bounded by `limit` (see
+/// [`PhpFpmClock`]).
+async fn finish_exchange(body: &mut Incoming, limit: Option<Duration>) -> Result<(), ClientError> {
+    let mut clock = limit.map(PhpFpmClock::new);
+    std::future::poll_fn(|cx| loop {
+        match std::pin::Pin::new(&mut *body).poll_frame(cx) {
+            Poll::Ready(None) => return Poll::Ready(Ok(())),
+            Poll::Ready(Some(Err(error))) => return Poll::Ready(Err(error)),
+            Poll::Ready(Some(Ok(_))) => continue,
+            Poll::Pending => {
+                if let Some(clock) = clock.as_mut() {
+                    let input = match &body.framing {
+                        Framing::FastCgi(answer) => &answer.input,
+                        _ => &NO_INPUT,
+                    };
+                    if clock.poll_expired(input, cx) {
+                        return Poll::Ready(Err(ClientError::ResponseTimeout(clock.limit)));
+                    }
+                }
+                return Poll::Pending;
+            }
+        }
+    })
+    .await
 }
 
 /// What stands in for a body handed on.
@@ -1171,6 +1249,7 @@ async fn read_head(
     connection: &mut Connection,
     script: &Script,
     input: &mut Option<Box<PendingInput>>,
+    mut clock: Option<&mut PhpFpmClock>,
 ) -> Result<(CgiHead, (RecordReader, BytesMut)), ClientError> {
     let mut reader = RecordReader::default();
     let mut stdout = BytesMut::new();
@@ -1203,6 +1282,11 @@ async fn read_head(
                 // goes out meanwhile: the script may want it before it says more.
                 let read = std::future::poll_fn(|cx| {
                     send_pending(input, connection, cx)?;
+                    if let Some(clock) = clock.as_deref_mut() {
+                        if clock.poll_expired(input, cx) {
+                            return Poll::Ready(Err(ClientError::ResponseTimeout(clock.limit)));
+                        }
+                    }
                     std::pin::pin!(connection.stream.read_buf(&mut connection.buffer))
                         .poll(cx)
                         .map_err(ClientError::Io)
