@@ -1740,17 +1740,18 @@ async fn a_101_to_a_request_that_asked_for_no_upgrade_is_a_502() {
     .await;
     let levee = levee_for(&backend, "").await;
     for version in ["HTTP/1.1", "HTTP/1.0"] {
-        let raw = raw_exchange(
-            levee.public,
-            format!("GET /switch {version}\r\nHost: app\r\nConnection: close\r\n\r\n").as_bytes(),
-            WITHIN,
-        )
-        .await;
-        assert_eq!(status_of(&raw), Some(502), "{version}: {raw}");
-        assert!(raw.contains("asked for no upgrade"), "{version}: {raw}");
+        let head = format!("GET /switch {version}\r\nHost: app\r\nConnection: close\r\n\r\n");
+        refused_with_502(&levee, &head, "asked for no upgrade").await;
     }
     assert_eq!(call(&levee, "GET", "/next").await.text(), "fine");
     stop(levee).await;
+}
+
+/// Sends `head` on a connection of its own and checks the answer is a 502 saying `why`.
+async fn refused_with_502(levee: &Levee, head: &str, why: &str) {
+    let raw = raw_exchange(levee.public, head.as_bytes(), WITHIN).await;
+    assert_eq!(status_of(&raw), Some(502), "{head}: {raw}");
+    assert!(raw.contains(why), "{head}: {raw}");
 }
 
 #[tokio::test]
@@ -1768,17 +1769,10 @@ async fn a_101_that_names_no_websocket_switch_is_a_502_and_tunnels_nothing() {
     .await;
     let levee = levee_for(&backend, "").await;
     for path in ["/bare", "/other"] {
-        let raw = raw_exchange(
-            levee.public,
-            format!(
-                "GET {path} HTTP/1.1\r\nHost: app\r\nConnection: Upgrade, close\r\nUpgrade: websocket\r\n\r\n"
-            )
-            .as_bytes(),
-            WITHIN,
-        )
-        .await;
-        assert_eq!(status_of(&raw), Some(502), "{path}: {raw}");
-        assert!(raw.contains("Upgrade: websocket"), "{path}: {raw}");
+        let head = format!(
+            "GET {path} HTTP/1.1\r\nHost: app\r\nConnection: Upgrade, close\r\nUpgrade: websocket\r\n\r\n"
+        );
+        refused_with_502(&levee, &head, "Upgrade: websocket").await;
         // The upgrade was asked for: the app saw it.
         assert_eq!(backend.last().header("upgrade"), ["websocket"], "{path}");
     }

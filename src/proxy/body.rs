@@ -257,6 +257,14 @@ pub async fn read_ahead(
 #[derive(Clone)]
 pub struct ResendableBody(Vec<Bytes>);
 
+/// A body with nothing in it.
+pub fn empty() -> UnsyncBoxBody<Bytes, BoxError> {
+    use http_body_util::BodyExt as _;
+    http_body_util::Empty::new()
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
 impl ResendableBody {
     /// A body that was empty.
     pub fn empty() -> ResendableBody {

@@ -538,9 +538,7 @@ async fn forward(
     }
     // Most requests (GET) have no body: no limit or idle timer to set up for them.
     let body = if http_body::Body::is_end_stream(&body) {
-        http_body_util::Empty::new()
-            .map_err(|never| match never {})
-            .boxed_unsync()
+        body::empty()
     } else {
         let body = Limited::new(
             IdleTimeout::new(body, server.client_body_timeout, "client"),

@@ -639,10 +639,10 @@ impl PendingInput {
     }
 }
 
-/// php-fpm's share of the time of an exchange whose input still goes out while its answer
-/// is read: `limit` (`response_timeout`) for the answer once all of the input is sent, and
-/// as long for input php-fpm leaves untaken before that. The pauses of a slow upload are
-/// the client's own (`client_body_timeout`), as while a request is sent (`send_records`).
+/// php-fpm's share of the time of an exchange: `limit` (`response_timeout`) for the answer
+/// once all of the input is sent, and, while input still goes out as the answer is read, as
+/// long for input php-fpm leaves untaken. The pauses of a slow upload are the client's own
+/// (`client_body_timeout`), as while a request is sent (`send_records`).
 struct PhpFpmClock {
     limit: Duration,
     /// When the answer is due, once the input is all sent.
@@ -655,10 +655,11 @@ struct PhpFpmClock {
 const NO_INPUT: Option<Box<PendingInput>> = None;
 
 impl PhpFpmClock {
-    fn new(limit: Duration) -> PhpFpmClock {
+    /// `sent_at`: when all of the input went out, if it has.
+    fn new(limit: Duration, sent_at: Option<Instant>) -> PhpFpmClock {
         PhpFpmClock {
             limit,
-            due: None,
+            due: sent_at.map(|sent_at| sent_at + limit),
             timer: None,
         }
     }
@@ -973,7 +974,7 @@ impl Client {
             let sent = send_records(
                 &mut connection,
                 &begin,
-                std::mem::replace(&mut body, empty_body()),
+                std::mem::replace(&mut body, crate::proxy::body::empty()),
                 has_body,
                 response_timeout,
             )
@@ -984,22 +985,13 @@ impl Client {
             }
             let outcome = match sent {
                 Ok(mut input) => {
-                    let head = if input.is_some() {
-                        // Timed as php-fpm's share of the time (the upload's is not).
-                        let mut clock = response_timeout.map(PhpFpmClock::new);
-                        read_head(&mut connection, &script, &mut input, clock.as_mut()).await
-                    } else {
-                        let reading = read_head(&mut connection, &script, &mut input, None);
-                        match response_timeout {
-                            Some(limit) => {
-                                tokio::time::timeout_at(request_sent_at + limit, reading)
-                                    .await
-                                    .unwrap_or(Err(ClientError::ResponseTimeout(limit)))
-                            }
-                            None => reading.await,
-                        }
-                    };
-                    head.map(|head| (head, input))
+                    // Due `response_timeout` after the request went out whole; with input
+                    // still going out, php-fpm's share of the time only.
+                    let sent_at = input.is_none().then_some(request_sent_at);
+                    let mut clock = response_timeout.map(|limit| PhpFpmClock::new(limit, sent_at));
+                    read_head(&mut connection, &script, &mut input, clock.as_mut())
+                        .await
+                        .map(|head| (head, input))
                 }
                 Err(error) => Err(error),
             };
@@ -1199,7 +1191,7 @@ async fn send_records(
 /// meanwhile (see [`PendingInput`]), php-fpm's share of the time bounded by `limit` (see
 /// [`PhpFpmClock`]).
 async fn finish_exchange(body: &mut Incoming, limit: Option<Duration>) -> Result<(), ClientError> {
-    let mut clock = limit.map(PhpFpmClock::new);
+    let mut clock = limit.map(|limit| PhpFpmClock::new(limit, None));
     std::future::poll_fn(|cx| loop {
         match std::pin::Pin::new(&mut *body).poll_frame(cx) {
             Poll::Ready(None) => return Poll::Ready(Ok(())),
@@ -1220,13 +1212,6 @@ async fn finish_exchange(body: &mut Incoming, limit: Option<Duration>) -> Result
         }
     })
     .await
-}
-
-/// What stands in for a body handed on.
-fn empty_body() -> UpstreamBody {
-    http_body_util::Empty::new()
-        .map_err(|never| match never {})
-        .boxed_unsync()
 }
 
 /// Whether the records in `buffer` (from a record's start) reach an `END_REQUEST`. `*from`:
