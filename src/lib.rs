@@ -10,6 +10,7 @@ pub mod admin;
 pub mod app;
 pub mod breaker;
 pub mod config;
+pub mod cpu_quota;
 pub mod degrade;
 pub mod error;
 pub mod limit;

@@ -120,7 +120,10 @@ pub(super) async fn serve_connection<H, F>(
     loop {
         // The timeout also runs while a keep-alive connection waits for its next request,
         // so idle connections are closed after it, as with hyper before.
-        let deadline = Instant::now() + limits.header_read_timeout;
+        let now = Instant::now();
+        // Once per request: the most regular point at which a busy thread passes.
+        crate::cpu_quota::settle(now.into_std());
+        let deadline = now + limits.header_read_timeout;
         let read = {
             let reading = read_head(&mut stream, &mut read_buffer, max_head_bytes, &mut stop);
             deadline::within(deadline, head_timer.as_mut(), std::pin::pin!(reading)).await
