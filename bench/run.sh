@@ -704,7 +704,7 @@ pair_run() {
 # The pass-through targets, and levee's own: the full policy's and hide's cost, which the load
 # core's cap hides too (both cases of such a pair slowed to its pace).
 BUDGET_PAIRS=("4 2" "4 3" "5c 4" "6 8b")
-declare -A BUDGET_RATIOS=() BUDGET_P99_RATIOS=() BUDGET_RPS=() BUDGET_P99=() BUDGET_THROTTLED=() BUDGET_LOAD=()
+declare -A BUDGET_RATIOS=() BUDGET_P99_RATIOS=() BUDGET_RPS=() BUDGET_P99=() BUDGET_THROTTLED=() BUDGET_LOAD=() BUDGET_USED=()
 BUDGET_SKIPPED= CGROUP_KIND= CGROUP_BASE=
 CGROUPS=() # made by the section; emptied, then removed, on exit
 
@@ -801,6 +801,9 @@ section_budget() {
 				BUDGET_RPS[$id]+=" $PAIR_RPS" BUDGET_P99[$id]+=" ${W[p99_us]}"
 				BUDGET_THROTTLED[$id]+=" $(calc "v = 100 * ${throttled[$id]} / (${W[duration_us]} / $BUDGET_PERIOD_US); printf \"%.0f\", (v > 100 ? 100 : v)")"
 				BUDGET_LOAD[$id]+=" ${load[$id]}"
+				# The CPU the proxy got, in % of a core: a proxy the kernel charges late runs
+				# past its quota, so the quota alone does not say that both had the same.
+				BUDGET_USED[$id]+=" $(calc "printf \"%.1f\", $PAIR_CPU * $PAIR_RPS / 1000")"
 			done
 			BUDGET_RATIOS[$pair]+=" $(calc "printf \"%.4f\", ${rps[$a]} / ${rps[$b]}")"
 			BUDGET_P99_RATIOS[$pair]+=" $(calc "printf \"%.4f\", ${p99[$a]} / ${p99[$b]}")"
@@ -1574,17 +1577,17 @@ report_budget() {
 		out "Not run (a case of the pairs did not run)."
 		return 0
 	}
-	out "Each proxy held to $BUDGET_PCT% of one core by a cgroup CPU quota ($((BUDGET_PERIOD_US * BUDGET_PCT / 100)) µs of CPU every $BUDGET_PERIOD_US µs, one cgroup per proxy), as a container's CPU limit holds a sidecar, so that the proxy and not the core of wrk and the backend sets the pace: req/s then compares the proxies' own work per request. The same load as above; the two cases of a pair back to back $PAIR_RUNS time$( ((PAIR_RUNS == 1)) || echo s) for $PAIR_DURATION s each (A then B, then B then A, …). Throttled: the share of quota periods in which the proxy used up its quota (near 100%: the limit held it). Load core: how busy the core of wrk and the backend was (well under 100%: it did not hold the proxy back)."
+	out "Each proxy held to $BUDGET_PCT% of one core by a cgroup CPU quota ($((BUDGET_PERIOD_US * BUDGET_PCT / 100)) µs of CPU every $BUDGET_PERIOD_US µs, one cgroup per proxy), as a container's CPU limit holds a sidecar, so that the proxy and not the core of wrk and the backend sets the pace: req/s then compares the proxies' own work per request. The same load as above; the two cases of a pair back to back $PAIR_RUNS time$( ((PAIR_RUNS == 1)) || echo s) for $PAIR_DURATION s each (A then B, then B then A, …). Throttled: the share of quota periods in which the proxy used up its quota (near 100%: the limit held it). CPU used: the proxy's own CPU time (utime+stime) over the run's, in % of a core; above $BUDGET_PCT% it ran past its quota (the kernel charges a thread that never sleeps at its timer ticks). Load core: how busy the core of wrk and the backend was (well under 100%: it did not hold the proxy back)."
 	out ""
-	out "| A vs B | req/s A / B, medians | req/s ratio per pair | median | p99 A / B, medians | p99 ratio, median | throttled A / B | load core busy A / B |"
-	out "|---|---:|---|---:|---:|---:|---:|---:|"
+	out "| A vs B | req/s A / B, medians | req/s ratio per pair | median | p99 A / B, medians | p99 ratio, median | throttled A / B | CPU used A / B | load core busy A / B |"
+	out "|---|---:|---|---:|---:|---:|---:|---:|---:|"
 	for pair in "${BUDGET_PAIRS[@]}"; do
 		[[ -n ${BUDGET_RATIOS[$pair]:-} ]] || continue
 		read -r a b <<<"$pair"
 		# shellcheck disable=SC2086 # the lists are space-separated numbers
 		ratios=$(printf '%.2f ' ${BUDGET_RATIOS[$pair]})
 		# shellcheck disable=SC2086
-		out "| $a (${LABEL[$a]}) vs $b (${LABEL[$b]}) | $(printf '%.0f' "$(median ${BUDGET_RPS[$a]})") / $(printf '%.0f' "$(median ${BUDGET_RPS[$b]})") | ${ratios% } | $(printf '%.2f×' "$(median ${BUDGET_RATIOS[$pair]})") | $(ms "$(median ${BUDGET_P99[$a]})") / $(ms "$(median ${BUDGET_P99[$b]})") | $(printf '%.2f×' "$(median ${BUDGET_P99_RATIOS[$pair]})") | $(median ${BUDGET_THROTTLED[$a]})% / $(median ${BUDGET_THROTTLED[$b]})% | $(median ${BUDGET_LOAD[$a]})% / $(median ${BUDGET_LOAD[$b]})% |"
+		out "| $a (${LABEL[$a]}) vs $b (${LABEL[$b]}) | $(printf '%.0f' "$(median ${BUDGET_RPS[$a]})") / $(printf '%.0f' "$(median ${BUDGET_RPS[$b]})") | ${ratios% } | $(printf '%.2f×' "$(median ${BUDGET_RATIOS[$pair]})") | $(ms "$(median ${BUDGET_P99[$a]})") / $(ms "$(median ${BUDGET_P99[$b]})") | $(printf '%.2f×' "$(median ${BUDGET_P99_RATIOS[$pair]})") | $(median ${BUDGET_THROTTLED[$a]})% / $(median ${BUDGET_THROTTLED[$b]})% | $(printf '%.1f' "$(median ${BUDGET_USED[$a]})")% / $(printf '%.1f' "$(median ${BUDGET_USED[$b]})")% | $(median ${BUDGET_LOAD[$a]})% / $(median ${BUDGET_LOAD[$b]})% |"
 	done
 }
 
