@@ -36,7 +36,11 @@ pub fn settle(now: Instant) -> bool {
         settled_at.set(Some(now));
         // The value is not needed: reading it is what makes the kernel charge the time
         // this thread has run so far (`task_sched_runtime` updates the running task first).
-        let _ = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+        // The fallible call: a kernel built without CPU-time clocks refuses it, and the
+        // infallible one would panic then.
+        let _ = rustix::time::clock_gettime_dynamic(rustix::time::DynamicClockId::Known(
+            rustix::time::ClockId::ThreadCPUTime,
+        ));
         true
     })
 }
