@@ -1586,10 +1586,7 @@ mod tests {
         parts: &http::request::Parts,
         forwarded: Option<super::super::header::ForwardedFrom>,
     ) -> Vec<String> {
-        use http_body_util::BodyExt;
-        let body: UpstreamBody = http_body_util::Empty::new()
-            .map_err(|never| match never {})
-            .boxed_unsync();
+        let body: UpstreamBody = super::super::body::empty();
         let authority = HeaderValue::from_static("app.internal");
         let from_client = FromClient {
             forwarded,
