@@ -1571,6 +1571,57 @@ async fn a_head_request_gets_the_copy_and_a_no_store_request_leaves_none() {
     assert_eq!(get(&url).await.text(), "the ranking");
 }
 
+/// A GET with a body may be read by the app (`php://input`) where the copy's key does not
+/// look: its answer is not kept. And its body comes at the client's pace: such a request does
+/// not lead the fetch that other readers of the page wait for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_with_a_body_neither_leaves_a_copy_nor_holds_the_pages_readers() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start(|_| async { html("the ranking") }).await;
+    let levee = levee_with_routes(
+        &backend,
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    )
+    .await;
+    let url = levee.url("/ranking");
+    let with_body = send(
+        Request::get(&url)
+            .body(full(Bytes::from_static(b"week=5")))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(with_body.text(), "the ranking");
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    assert_eq!(
+        get(&url).await.status,
+        503,
+        "the answer to a GET with a body was not kept"
+    );
+    assert_eq!(set(&levee, "/modules/ranking", "on").await.status, 200);
+
+    // One byte of ten, then nothing (within client_body_timeout).
+    let mut trickling = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    trickling
+        .write_all(b"GET /ranking HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nw")
+        .await
+        .expect("write");
+    eventually(Duration::from_secs(5), "levee reading the body", || async {
+        let metrics = get(&levee.admin_url("/metrics")).await.text();
+        metric_value(&metrics, "levee_inflight_requests") >= 1.0
+    })
+    .await;
+    // Without the fix this reader waited the upstream's response_timeout (30 s) for a fetch
+    // that never went out.
+    let reader = tokio::time::timeout(Duration::from_secs(10), get(&url))
+        .await
+        .expect("the reader is not held by the trickling request");
+    assert_eq!(reader.text(), "the ranking");
+    drop(trickling);
+}
+
 /// A copy keeps the app's `Date` (when the page was made) and counts the age the answer came
 /// with (its `Age`, from a cache in front of the app) into its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

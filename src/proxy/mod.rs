@@ -892,8 +892,8 @@ struct Stale {
     credentials: bool,
     /// What the answer to this request may do for the copy: a GET fetches it and keeps what
     /// comes back; a HEAD is answered from it but its answer (no body) is no copy; a GET
-    /// whose client said `Cache-Control: no-store` (RFC 9111 5.2.1.5) is answered from a
-    /// copy too, but its answer is not kept.
+    /// whose client said `Cache-Control: no-store` (RFC 9111 5.2.1.5), or that has a body,
+    /// is answered from a copy too, but its answer is not kept.
     keeps: bool,
 }
 
@@ -961,11 +961,15 @@ impl Stale {
         });
         let client_says_no_store = header::list_elements(request.headers(), &h::CACHE_CONTROL)
             .any(|directive| directive.eq_ignore_ascii_case(b"no-store"));
+        // A GET with a body neither fetches the copy nor keeps its answer: the app may read
+        // the body (`php://input`), which the key does not, and the body comes at the
+        // client's pace, which would hold every reader of the page waiting for the fetch.
+        let bodiless = http_body::Body::is_end_stream(request.body());
         Stale {
             key,
             settings: Some(settings.clone()),
             credentials: request.headers().contains_key(h::AUTHORIZATION),
-            keeps: method == Method::GET && !client_says_no_store,
+            keeps: method == Method::GET && !client_says_no_store && bodiless,
         }
     }
 
