@@ -1114,12 +1114,12 @@ async fn redis_killed_allow_and_deny_rules_behave_as_named() {
     let mut redis = RedisServer::start(dir.path()).await;
     let backend = echo_backend().await;
     let port = redis.port;
-    let rules = "[limit.open]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 1\non_redis_error = \"allow\"\nheaders_on_allow = true\n[limit.closed]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 100\non_redis_error = \"deny\"\n";
+    let rules = "[limit.open]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 1\non_redis_error = \"allow\"\nheaders_on_allow = true\n[limit.closed]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 100\non_redis_error = \"deny\"\n[limit.kept]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 3\non_redis_error = \"local\"\n";
     let policy = policy_for(
         backend.addr,
         "access_log = false",
         &format!(
-            "[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\ncooldown = \"5s\"\n{rules}\n[[route]]\nname = \"open\"\nmatch = {{ path = \"/open\" }}\nlimits = [\"open\"]\n[[route]]\nname = \"closed\"\nmatch = {{ path = \"/closed\" }}\nlimits = [\"closed\"]\n",
+            "[redis]\nurl = \"{}\"\ntimeout = \"100ms\"\ncooldown = \"5s\"\n{rules}\n[[route]]\nname = \"open\"\nmatch = {{ path = \"/open\" }}\nlimits = [\"open\"]\n[[route]]\nname = \"closed\"\nmatch = {{ path = \"/closed\" }}\nlimits = [\"closed\"]\n[[route]]\nname = \"both\"\nmatch = {{ path = \"/both\" }}\nlimits = [\"kept\", \"closed\"]\n[[route]]\nname = \"kept\"\nmatch = {{ path = \"/kept\" }}\nlimits = [\"kept\"]\n",
             redis.url()
         ),
     );
@@ -1142,7 +1142,17 @@ async fn redis_killed_allow_and_deny_rules_behave_as_named() {
         let closed = get(&levee.url("/closed")).await;
         assert_eq!(closed.status, 429, "deny: closed while Redis is down");
         assert!(closed.header("retry-after").is_some());
+        // Refused by the `deny` rule, the request uses up none of its `local` rule's tokens.
+        assert_eq!(get(&levee.url("/both")).await.status, 429);
     }
+    for _ in 0..3 {
+        assert_eq!(
+            get(&levee.url("/kept")).await.status,
+            200,
+            "the local rule's burst is whole"
+        );
+    }
+    assert_eq!(get(&levee.url("/kept")).await.status, 429);
 
     // Restarted on the same port: shared limits come back.
     let _redis = RedisServer::start_on(dir.path(), port).await;

@@ -380,9 +380,15 @@ impl Limiter {
         };
         let uses_store =
             |plan: &Planned<'_>| !fallback || plan.rule.on_redis_error == OnRedisError::Local;
+        // A request an enforced `deny` rule refuses uses up no tokens of its `local` rules, as
+        // a request one rule refuses uses up none of the others'.
+        let refused_anyway = fallback
+            && planned
+                .iter()
+                .any(|plan| plan.rule.on_redis_error == OnRedisError::Deny && !plan.rule.dry_run);
         let asks: Vec<Ask<'_>> = planned
             .iter()
-            .filter(|plan| uses_store(plan))
+            .filter(|plan| !refused_anyway && uses_store(plan))
             .map(|plan| Ask {
                 key: &plan.key.key,
                 rate: if fallback {
