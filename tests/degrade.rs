@@ -1571,6 +1571,48 @@ async fn a_head_request_gets_the_copy_and_a_no_store_request_leaves_none() {
     assert_eq!(get(&url).await.text(), "the ranking");
 }
 
+/// An upstream that does not answer a page within its response timeout does not answer the
+/// requests waiting for that fetch either: they are answered with the fetch's own request (the
+/// copy, or a 504), not sent upstream to wait as long again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_for_a_fetch_that_timed_out_are_answered_with_it() {
+    let backend = Backend::start(|request: Request<Incoming>| async move {
+        if request.uri().path() == "/ranking/hang" {
+            std::future::pending::<()>().await;
+        }
+        html("ranking")
+    })
+    .await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("response_timeout = \"1s\"\n{ROUTES}"),
+    );
+    let levee = Levee::start(&policy).await;
+    let url = levee.url("/ranking/hang");
+    let leader = tokio::spawn({
+        let url = url.clone();
+        async move { get(&url).await }
+    });
+    eventually(Duration::from_secs(5), "the leader upstream", || async {
+        backend.hits() >= 1
+    })
+    .await;
+    let waiter = tokio::spawn(async move { get(&url).await });
+    eventually(Duration::from_secs(5), "the waiter in levee", || async {
+        let metrics = get(&levee.admin_url("/metrics")).await.text();
+        metric_value(&metrics, "levee_inflight_requests") >= 2.0
+    })
+    .await;
+    let (leader, waiter) = (leader.await.expect("leader"), waiter.await.expect("waiter"));
+    assert_eq!((leader.status, waiter.status), (504, 504));
+    assert_eq!(
+        backend.hits(),
+        1,
+        "the waiter was answered with the fetch, not sent upstream"
+    );
+}
+
 /// A GET with a body may be read by the app (`php://input`) where the copy's key does not
 /// look: its answer is not kept. And its body comes at the client's pace: such a request does
 /// not lead the fetch that other readers of the page wait for.

@@ -161,6 +161,8 @@ pub enum FetchState {
     Answered(Instant),
     /// The copy is stored.
     Done(Arc<StaleCopy>),
+    /// Upstream did not answer within its response timeout: nor would it for the waiters.
+    TimedOut,
 }
 
 /// How long a request waits for a copy whose answer's head is in: the body then comes only as
@@ -177,13 +179,18 @@ pub enum Waited {
     /// No copy came in time (the fetch failed, was not kept, or its body is slow): go
     /// upstream.
     GoUpstream,
+    /// No answer's head came within the waiter's own response timeout, or the fetch's
+    /// upstream timed out: the waiter has waited as long as it would have for an answer of
+    /// its own.
+    TimedOut,
 }
 
 /// Waits for the fetch `receiver` follows: until its head is in for at most `for_head` (the
 /// wait the request would have for an answer of its own, the upstream's response timeout),
 /// then until the copy is stored for at most `for_body` from when the head came (see
 /// [`WAIT_FOR_BODY`]). A request that joins a fetch whose head came longer ago than
-/// `for_body` goes upstream at once.
+/// `for_body` goes upstream at once. A fetch that timed out, or still has no head at
+/// `for_head`, ends the wait with [`Waited::TimedOut`].
 pub async fn wait_for_copy(
     mut receiver: watch::Receiver<FetchState>,
     for_head: Duration,
@@ -191,10 +198,11 @@ pub async fn wait_for_copy(
 ) -> Waited {
     let head_deadline = Instant::now() + for_head;
     loop {
-        let deadline = match &*receiver.borrow_and_update() {
+        let (deadline, fetching) = match &*receiver.borrow_and_update() {
             FetchState::Done(copy) => return Waited::Copy(copy.clone()),
-            FetchState::Fetching => head_deadline,
-            FetchState::Answered(at) => *at + for_body,
+            FetchState::TimedOut => return Waited::TimedOut,
+            FetchState::Fetching => (head_deadline, true),
+            FetchState::Answered(at) => (*at + for_body, false),
         };
         match tokio::time::timeout_at(deadline, receiver.changed()).await {
             Ok(Ok(())) => {}
@@ -202,9 +210,11 @@ pub async fn wait_for_copy(
             Ok(Err(_)) => {
                 return match &*receiver.borrow() {
                     FetchState::Done(copy) => Waited::Copy(copy.clone()),
+                    FetchState::TimedOut => Waited::TimedOut,
                     _ => Waited::GoUpstream,
                 }
             }
+            Err(_elapsed) if fetching => return Waited::TimedOut,
             Err(_elapsed) => return Waited::GoUpstream,
         }
     }
@@ -240,6 +250,18 @@ impl FetchGuard {
             let fetching = matches!(state, FetchState::Fetching);
             if fetching {
                 *state = FetchState::Answered(Instant::now());
+            }
+            fetching
+        });
+    }
+
+    /// Upstream did not answer within its response timeout: the waiters answer as this
+    /// request does, instead of each waiting that long again.
+    pub fn timed_out(&self) {
+        self.sender.send_if_modified(|state| {
+            let fetching = matches!(state, FetchState::Fetching);
+            if fetching {
+                *state = FetchState::TimedOut;
             }
             fetching
         });
@@ -1332,7 +1354,8 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn waiters_get_the_copy_stored_in_time_and_go_upstream_when_the_leader_gives_up() {
+    async fn waiters_get_the_copy_stored_in_time_go_upstream_when_the_leader_gives_up_and_stop_at_its_timeout(
+    ) {
         let store = Arc::new(StaleStore::new(L1_MAX_BYTES));
         let (guard, receiver) = lead_and_wait(&store);
         let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, WAIT_FOR_BODY));
@@ -1356,12 +1379,30 @@ mod tests {
         assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
         assert_eq!(started.elapsed(), Duration::from_millis(10));
 
-        // An upstream that never answers: the waiter gives up after HEAD.
+        // An upstream that never answers: the waiter gives up after HEAD, and does not go
+        // upstream to wait as long again.
         let (guard, receiver) = lead_and_wait(&store);
         let started = Instant::now();
         let waited = wait_for_copy(receiver, HEAD, WAIT_FOR_BODY).await;
-        assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
+        assert!(matches!(waited, Waited::TimedOut), "{waited:?}");
         assert_eq!(started.elapsed(), HEAD);
         drop(guard);
+
+        // The leader's upstream timed out: its waiters are told at once, whether they see it
+        // before or after the leader lets go.
+        let (guard, receiver) = lead_and_wait(&store);
+        let Fetch::Wait(second) = store.fetch("k") else {
+            panic!("the fetch is still out");
+        };
+        let started = Instant::now();
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, WAIT_FOR_BODY));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        guard.timed_out();
+        drop(guard);
+        let waited = waiter.await.expect("waiter");
+        assert!(matches!(waited, Waited::TimedOut), "{waited:?}");
+        assert_eq!(started.elapsed(), Duration::from_millis(10));
+        let waited = wait_for_copy(second, HEAD, WAIT_FOR_BODY).await;
+        assert!(matches!(waited, Waited::TimedOut), "{waited:?}");
     }
 }

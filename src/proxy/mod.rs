@@ -24,6 +24,7 @@ pub mod upstream_fields;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{header as h, Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -478,7 +479,7 @@ async fn forward(
     // Only while the breaker is closed: a half-open breaker's fetch is a probe that may take
     // up to response_timeout to fail, and those waiting for it are better served the copy
     // now (the breaker refuses them at once below).
-    let fetch = if route.upstream.breaker.is_closed() {
+    let (fetch, waited_for_fetch) = if route.upstream.breaker.is_closed() {
         let joined = stale.join(shared, policy, &route).await;
         if stale.key.is_some() {
             clock.waited();
@@ -490,11 +491,36 @@ async fn forward(
                 set_rate_limit_fields(response.headers_mut(), allowed_headers);
                 return Ok(response.into());
             }
-            Joined::Lead(guard) => guard,
+            Joined::Lead { guard, waited } => (guard, waited),
+            // As the fetch's own request is answered: with the copy, or a 504.
+            Joined::TimedOut => {
+                let timeout = ProxyError::UpstreamTimeout {
+                    upstream: route.upstream.name.clone(),
+                    after: route.upstream.settings.response_timeout,
+                };
+                return stale
+                    .serve_or(shared, policy, &route, timeout)
+                    .await
+                    .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
+            }
         }
     } else {
-        None
+        (None, Duration::ZERO)
     };
+    // A request that waited for another's fetch (which brought no copy) waits no longer in
+    // all than the upstream's response timeout.
+    let full_timeout = route.upstream.settings.response_timeout;
+    let response_timeout = full_timeout.saturating_sub(waited_for_fetch);
+    if response_timeout.is_zero() {
+        let timeout = ProxyError::UpstreamTimeout {
+            upstream: route.upstream.name.clone(),
+            after: full_timeout,
+        };
+        return stale
+            .serve_or(shared, policy, &route, timeout)
+            .await
+            .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
+    }
 
     // Page fragments of switched-off modules are cut out of the HTML on the way back.
     let hiding = hidden_fragments(shared, policy, &route);
@@ -682,14 +708,26 @@ async fn forward(
     // the client's idle timer allows is not the upstream's failure.
     let request = Request::from_parts(parts, body);
     let sent = match slot {
-        None => run_on::send(upstream, request, fields, from_client, sent_at, None).await,
+        None => {
+            let timeout = response_timeout;
+            run_on::send(
+                upstream,
+                request,
+                fields,
+                from_client,
+                sent_at,
+                timeout,
+                None,
+            )
+            .await
+        }
         Some(slot) => {
             let mut held = run_on::call_holding(
                 upstream.clone(),
                 request,
                 fields,
                 from_client,
-                sent_at,
+                (sent_at, response_timeout),
                 slot,
             );
             let sent = (&mut held).await;
@@ -719,6 +757,9 @@ async fn forward(
             (Ok(answered.response), answered.request_sent_at)
         }
     };
+    if let (Err(ProxyError::UpstreamTimeout { .. }), Some(fetch)) = (&answer, &fetch) {
+        fetch.timed_out();
+    }
     let answered_at = Instant::now();
     if answer
         .as_ref()
@@ -900,8 +941,15 @@ struct Stale {
 enum Joined {
     /// A concurrent fetch of the same copy finished: its copy answers this request too.
     Served(Response<ResponseBody>),
-    /// Go upstream (leading the fetch when the route keeps copies).
-    Lead(Option<FetchGuard>),
+    /// Go upstream (leading the fetch when the route keeps copies), after `waited` for
+    /// another's fetch that brought no copy.
+    Lead {
+        guard: Option<FetchGuard>,
+        waited: Duration,
+    },
+    /// The fetch waited for got no answer within the upstream's response timeout, or this
+    /// request's wait for it lasted that long.
+    TimedOut,
 }
 
 impl Stale {
@@ -1042,12 +1090,21 @@ impl Stale {
     /// [`stale::WAIT_FOR_BODY`], as the leader's client may read slowly.
     async fn join(&self, shared: &Shared, policy: &Policy, route: &Route) -> Joined {
         let Some(key) = self.key.as_ref().filter(|_| self.keeps) else {
-            return Joined::Lead(None);
+            return Joined::Lead {
+                guard: None,
+                waited: Duration::ZERO,
+            };
         };
         let waiting = match shared.stale.fetch(&key.key) {
-            Fetch::Lead(guard) => return Joined::Lead(Some(guard)),
+            Fetch::Lead(guard) => {
+                return Joined::Lead {
+                    guard: Some(guard),
+                    waited: Duration::ZERO,
+                }
+            }
             Fetch::Wait(receiver) => receiver,
         };
+        let started = Instant::now();
         let waited = stale::wait_for_copy(
             waiting,
             route.upstream.settings.response_timeout,
@@ -1061,7 +1118,11 @@ impl Stale {
             )),
             // The fetch failed, gave nothing to keep, or its body is slow: go upstream
             // ourselves.
-            Waited::GoUpstream => Joined::Lead(None),
+            Waited::GoUpstream => Joined::Lead {
+                guard: None,
+                waited: started.elapsed(),
+            },
+            Waited::TimedOut => Joined::TimedOut,
         }
     }
 
@@ -1187,9 +1248,11 @@ fn classify_client_error(
         return unsendable(refusal);
     }
     if let client::ClientError::ResponseTimeout(after) = error {
+        // The upstream's timeout, also where a request that waited for another's fetch had
+        // only what was left of it.
         return ProxyError::UpstreamTimeout {
             upstream,
-            after: *after,
+            after: (*after).max(route.upstream.settings.response_timeout),
         };
     }
     let reason = error_chain(error);

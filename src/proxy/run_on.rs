@@ -34,21 +34,23 @@ use crate::error::BoxError;
 
 type Call = Pin<Box<dyn Future<Output = Result<Answered, ClientError>> + Send>>;
 
-/// The call itself: `request` sent to `upstream`, within its response timeout; `sent_whole`
-/// is set once the whole request is written.
+/// The call itself: `request` sent to `upstream`, within `response_timeout` (the upstream's,
+/// or what a request that waited for another's fetch has left of it); `sent_whole` is set
+/// once the whole request is written.
 pub(super) fn send<'a>(
     upstream: &'a Upstream,
     request: Request<UpstreamBody>,
     fields: ResponseFields,
     from_client: FromClient,
     sent_at: Instant,
+    response_timeout: Duration,
     sent_whole: Option<&'a AtomicBool>,
 ) -> impl Future<Output = Result<Answered, ClientError>> + 'a {
     upstream.client.send_within(
         request,
         fields,
         from_client,
-        Some(upstream.settings.response_timeout),
+        Some(response_timeout),
         sent_at,
         sent_whole,
     )
@@ -62,7 +64,7 @@ pub(super) fn call_holding(
     request: Request<UpstreamBody>,
     fields: ResponseFields,
     from_client: FromClient,
-    sent_at: Instant,
+    (sent_at, response_timeout): (Instant, Duration),
     slot: Slot,
 ) -> HeldCall {
     let sent_whole = Arc::new(AtomicBool::new(false));
@@ -76,6 +78,7 @@ pub(super) fn call_holding(
                 fields,
                 from_client,
                 sent_at,
+                response_timeout,
                 Some(&flag),
             )
             .await
