@@ -122,3 +122,47 @@ fn a_ca_file_rewritten_in_place_is_a_change_for_reload() {
         "the upstream is rebuilt with the new CA"
     );
 }
+
+/// A large upload to an `https://` upstream arrives whole: a TLS session keeps the records of
+/// a write the socket had no room for until it is flushed, and the request's last ones must
+/// not stay there while levee waits for the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_upload_to_an_https_upstream_arrives_whole() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ca = make_certificates(dir.path());
+    open_up(dir.path());
+    let app = echo_backend().await;
+    // nginx takes the upload over TLS, to a file, and passes it on to the echoing app.
+    let block = format!(
+        "server {{\n listen 127.0.0.1:{{port}} ssl;\n ssl_certificate {d}/server.pem;\n ssl_certificate_key {d}/server.key;\n client_max_body_size 64m;\n location / {{ proxy_pass http://{app}; }}\n}}",
+        d = dir.path().display(),
+        app = app.addr
+    );
+    let api = Nginx::start(dir.path(), &block).await;
+    let policy_dir = tempfile::tempdir().expect("dir");
+    std::fs::copy(&ca, policy_dir.path().join("api-ca.pem")).expect("copy ca");
+    let policy = policy_for(
+        app.addr,
+        "default_upstream = \"app\"",
+        &format!(
+            "[upstream.api]\nurl = \"https://localhost:{port}\"\nca_files = [\"api-ca.pem\"]\n[[route]]\nname = \"api_egress\"\nmatch = {{ host = \"api.egress\" }}\nupstream = \"api\"\nmax_body = \"64MiB\"\n",
+            port = api.port
+        ),
+    );
+    std::fs::write(policy_dir.path().join("levee.toml"), policy).expect("write");
+    let running = levee::start(levee::Options::new(policy_dir.path()))
+        .await
+        .expect("start");
+    let base = format!("http://{}", running.public_addr);
+    for size in [3 * 1024 * 1024 + 17, 16 * 1024 * 1024 + 1] {
+        let request = Request::post(format!("{base}/upload"))
+            .header("host", "api.egress")
+            .body(full(vec![b'x'; size]))
+            .expect("request");
+        let answer = tokio::time::timeout(std::time::Duration::from_secs(60), send(request))
+            .await
+            .expect("an answer");
+        assert_eq!(answer.status, 200, "{}", answer.text());
+        assert_eq!(answer.json()["body_len"], size, "{size} bytes");
+    }
+}

@@ -839,6 +839,8 @@ async fn send_on(
 ) -> Result<(), ClientError> {
     if !has_body {
         connection.stream.write_all(head).await?;
+        // A TLS stream may keep records of a write it took in its session (see below).
+        connection.stream.flush().await?;
         return Ok(());
     }
     // Small pieces are copied behind the head (or the chunk framing) so that they leave in
@@ -909,7 +911,13 @@ async fn send_on(
         } else if let Some(data) = large.as_mut() {
             data
         } else if body_done {
-            return Poll::Ready(Ok(()));
+            // A TLS stream takes a write whose records the socket had no room for, and keeps
+            // them in its session until it is written again or flushed: the request's end
+            // would stay there while levee waits for the answer. (A no-op on plain sockets.)
+            return match Pin::new(&mut connection.stream).poll_flush(cx) {
+                Poll::Ready(flushed) => Poll::Ready(flushed.map_err(ClientError::Io)),
+                Poll::Pending => write_stalled(&mut stalled, stall_limit, connection, cx),
+            };
         } else {
             return Poll::Pending; // waiting for the client's body
         };
