@@ -232,6 +232,13 @@ impl ClusterHealth {
         self.reads_ended.send_modify(|ended| *ended += 1);
     }
 
+    /// The first read found no node to connect to: from now on calls go by the stand-in
+    /// node's breaker, which answers at once when open, instead of each waiting for a
+    /// connection first. (No read was claimed: one under way is left to end by itself.)
+    pub fn first_connect_failed(&self) {
+        self.reads_ended.send_modify(|ended| *ended += 1);
+    }
+
     /// Whether a read of the map ended, installed or failed.
     pub fn a_read_ended(&self) -> bool {
         *self.reads_ended.borrow() > 0

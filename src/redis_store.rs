@@ -1160,9 +1160,13 @@ impl RedisStore {
             Ok(Ok(_)) => {}
             Ok(Err(error)) => {
                 tracing::debug!("slot map not read: {error}");
+                cluster.first_connect_failed();
                 return;
             }
-            Err(_elapsed) => return,
+            Err(_elapsed) => {
+                cluster.first_connect_failed();
+                return;
+            }
         }
         match self.read_slot_map_when_due(cluster, false, metrics) {
             Some(read) => {
@@ -1566,6 +1570,38 @@ mod reload_tests {
         let standby = RedisStore::new(settings("redis://127.0.0.1:2/0", 100));
         standby.start_from(&down);
         assert!(standby.is_up(), "another server is tried");
+    }
+
+    /// A cluster none of whose nodes answers (a host down, packets dropped): once the stand-in
+    /// node's breaker is open, a call answers at once, without waiting for a connection first.
+    #[tokio::test(start_paused = true)]
+    async fn a_cluster_never_reached_is_not_waited_for_once_its_breaker_is_open() {
+        // Takes connections (the kernel's backlog) and never answers on them.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let address = silent.local_addr().expect("address");
+        let mut settings = settings("", 100);
+        settings.target = RedisTarget::Cluster(vec![format!("redis://{address}")]);
+        let store = RedisStore::new(settings);
+        let metrics = Metrics::new();
+        let rule = RedisRule::new(1_000_000, 10, false);
+        let asks = [RedisAsk {
+            key: "levee:rl:k",
+            tag: "",
+            rule: &rule,
+        }];
+        let first = store.decide_all(&asks, &metrics).await;
+        assert!(first.is_err());
+        for _ in 0..3 {
+            let started = Instant::now();
+            let next = store.decide_all(&asks, &metrics).await;
+            assert!(matches!(next, Err(RedisFailure::Down)), "{next:?}");
+            assert_eq!(
+                started.elapsed(),
+                Duration::ZERO,
+                "no wait for a connection"
+            );
+        }
+        drop(silent);
     }
 }
 
