@@ -201,7 +201,8 @@ pub enum RedisFailure {
     #[error("{0} calls are already waiting for redis")]
     Overloaded(usize),
     /// The server is no longer the master (Redis Sentinel named another, or it answered
-    /// `READONLY`). Not counted against Redis's health: the next call goes to the new master.
+    /// `READONLY`). Behind Redis Sentinel not counted against Redis's health: the next call
+    /// goes to the new master.
     #[error("redis is no longer the master: {0}")]
     MasterMoved(String),
     /// No connection could be made, so nothing was sent (and nothing needs settling).
@@ -673,13 +674,17 @@ impl RedisStore {
     }
 
     /// Records how a call went: `failure` is why it failed, `None` when it answered. A call
-    /// cut short because the master moved says nothing of Redis's health.
+    /// cut short because the master moved says nothing of Redis's health, when the sentinels
+    /// name the next one.
     fn record(&self, permit: Permit<'_>, failure: Option<&RedisFailure>, metrics: &Metrics) {
         self.note_call(failure);
         // A call that failed after the sentinels named another master failed at the old one.
         let moved_since = permit.generation != self.sentinel_generation();
         drop(permit);
-        if let Some(RedisFailure::MasterMoved(_)) = failure {
+        // A fixed `url` answering `READONLY` (a replica, or a demoted master a name still
+        // points at) stays so until someone changes it: it fails as any other failure does,
+        // or every call would reconnect and fall back for as long as it lasts.
+        if let (Some(RedisFailure::MasterMoved(_)), Some(_)) = (failure, &self.master_link) {
             return;
         }
         if failure.is_some() && moved_since {

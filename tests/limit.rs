@@ -1447,3 +1447,35 @@ async fn a_sentinel_and_its_master_that_speak_tls() {
         "{status}"
     );
 }
+
+/// A fixed `url` whose server answers `READONLY` (a replica, or a master demoted behind a name
+/// that still points at it) is a failing Redis: its health breaker opens as for any other
+/// failure, instead of every request reconnecting and falling back for as long as it lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_url_answering_readonly_opens_the_health_breaker() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    // A replica of a master that is not there: it refuses every write with READONLY.
+    redis.cli(&["REPLICAOF", "127.0.0.1", &free_port().to_string()]);
+    let backend = echo_backend().await;
+    let rules = "[limit.per_ip]\nkey = [\"ip\"]\nrate = \"100/s\"\nburst = 100\n";
+    let redis_config = redis_section(&redis.url(), "failures_to_open = 2\ncooldown = \"1m\"\n");
+    let levee = Levee::start(&limited_policy(
+        &backend,
+        "",
+        &redis_config,
+        rules,
+        "\"per_ip\"",
+    ))
+    .await;
+    for _ in 0..4 {
+        assert_eq!(
+            send_as(&levee, None, None).await.status,
+            200,
+            "the fallback decides"
+        );
+    }
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["redis"]["up"], false, "{status}");
+    assert_eq!(status["redis"]["rate_limits"], "fallback", "{status}");
+}
