@@ -1571,6 +1571,55 @@ async fn a_head_request_gets_the_copy_and_a_no_store_request_leaves_none() {
     assert_eq!(get(&url).await.text(), "the ranking");
 }
 
+/// A request whose key part the app may read otherwise than the key does leaves no copy: a
+/// page made for one value would be kept for the readers of another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_app_may_read_otherwise_than_the_key_leaves_no_copy() {
+    let backend = Backend::start(|_| async { html("the ranking") }).await;
+    let levee = levee_with_routes(
+        &backend,
+        "degrade = { action = \"stale\", max_age = \"10m\" }",
+        "degrade = { action = \"stale\", max_age = \"10m\", query = [\"week\"], vary = \"cookie:lang\" }\nfallback = { status = 503, body = \"ranking is resting\" }",
+    )
+    .await;
+    // `week` past PHP's first 1000 variables: an app on the default does not see it.
+    let padding: Vec<String> = (0..1000).map(|i| format!("a{i}=")).collect();
+    let padded = levee.url(&format!("/ranking?{}&week=5", padding.join("&")));
+    assert_eq!(get(&padded).await.text(), "the ranking");
+    // Two `Cookie` fields: the app gets the last, or both joined, depending on its server.
+    let two_cookies = send(
+        Request::get(levee.url("/ranking?week=6"))
+            .header("cookie", "lang=en")
+            .header("cookie", "lang=de")
+            .body(full(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(two_cookies.text(), "the ranking");
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    for (path, lang) in [
+        ("/ranking?week=5", None),
+        ("/ranking?week=6", Some("lang=en")),
+    ] {
+        let headers: Vec<(&str, &str)> = lang.map(|lang| ("cookie", lang)).into_iter().collect();
+        let answer = get_with(&levee.url(path), &headers).await;
+        assert_eq!(
+            (answer.status, answer.text().as_str()),
+            (503, "ranking is resting"),
+            "{path}: no copy was kept"
+        );
+    }
+    // A request read the same by both is kept as before.
+    assert_eq!(set(&levee, "/modules/ranking", "on").await.status, 200);
+    assert_eq!(get(&levee.url("/ranking?week=7")).await.status, 200);
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let kept = get(&levee.url("/ranking?week=7")).await;
+    assert_eq!(
+        (kept.status, kept.header("x-levee-stale")),
+        (200, Some("1"))
+    );
+}
+
 /// An upstream that does not answer a page within its response timeout does not answer the
 /// requests waiting for that fetch either: they are answered with the fetch's own request (the
 /// copy, or a 504), not sent upstream to wait as long again.

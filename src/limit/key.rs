@@ -555,9 +555,20 @@ pub fn unreadable_part(parts: &[KeyPart], facts: &RequestFacts<'_>) -> Option<St
     })
 }
 
+/// Whether one of `names` (sorted, as PHP names them) is among the parameters of `query` past
+/// PHP's first `PHP_MAX_INPUT_VARS`: an app on the default does not read it, one that raised
+/// `max_input_vars` does (see [`unreadable_part`]).
+pub(crate) fn names_past_input_vars(query: &str, names: &[String]) -> bool {
+    // A query this short cannot hold that many pairs: no need to read it.
+    query.len() >= 2 * PHP_MAX_INPUT_VARS
+        && query_pairs(query)
+            .skip(PHP_MAX_INPUT_VARS)
+            .any(|(key, _)| names.binary_search(&query_name(key)).is_ok())
+}
+
 impl Source {
     /// See [`unreadable_part`].
-    fn unreadable(&self, headers: &HeaderMap, query: Option<&str>) -> Option<String> {
+    pub(crate) fn unreadable(&self, headers: &HeaderMap, query: Option<&str>) -> Option<String> {
         let repeated = |name: &HeaderName| {
             (headers.get_all(name).iter().nth(1).is_some()).then(|| {
                 format!("the request has two `{name}` fields, and a rate limit is keyed by it: which one the app reads depends on its server")

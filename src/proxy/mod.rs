@@ -37,7 +37,7 @@ use crate::degrade::stale::{
     self, copy_key, selected_query, Capture, CaptureTarget, CopyKey, Fetch, FetchGuard, StaleStore,
     Waited,
 };
-use crate::degrade::{DegradeAction, StaleSettings};
+use crate::degrade::{CopyQuery, DegradeAction, StaleSettings};
 use crate::error::{text_response, ErrorSide, ProxyError};
 use crate::limit::key::RequestFacts;
 use crate::metrics::{DegradedLabels, ShedLabels};
@@ -1013,11 +1013,26 @@ impl Stale {
         // the body (`php://input`), which the key does not, and the body comes at the
         // client's pace, which would hold every reader of the page waiting for the fetch.
         let bodiless = http_body::Body::is_end_stream(request.body());
+        // Nor is the answer kept when the app may read a part of the key otherwise than the
+        // key does (two `Cookie` fields, a selected parameter past PHP's `max_input_vars`):
+        // a page made for one value would be kept for another's readers, as rate limits
+        // refuse such requests for the same reason (`limit::key::unreadable_part`).
+        let query = request.uri().query();
+        let ambiguous = settings
+            .vary
+            .iter()
+            .any(|source| source.unreadable(request.headers(), query).is_some())
+            || match (&settings.query, query) {
+                (CopyQuery::Only(names), Some(query)) => {
+                    crate::limit::key::names_past_input_vars(query, names)
+                }
+                _ => false,
+            };
         Stale {
             key,
             settings: Some(settings.clone()),
             credentials: request.headers().contains_key(h::AUTHORIZATION),
-            keeps: method == Method::GET && !client_says_no_store && bodiless,
+            keeps: method == Method::GET && !client_says_no_store && bodiless && !ambiguous,
         }
     }
 
