@@ -1455,6 +1455,39 @@ async fn an_early_answer_to_an_upload_the_upstream_stops_reading_is_passed_on() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_answer_to_an_upload_the_upstream_then_closes_on_is_passed_on() {
+    // The upstream refuses the upload from its head alone and closes (or resets) the
+    // connection with the body unread, as servers without a lingering close do: the kernel
+    // answers levee's next write with a reset. The answer was sent first and reaches the
+    // client; the upstream is not counted as failing.
+    for then in ["close", "reset"] {
+        let backend = Scripted::start(move |_| Reply {
+            writes: vec![
+                b"HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: 8\r\n\r\ntoo big!"
+                    .to_vec(),
+            ],
+            then: if then == "close" { Then::Close } else { Then::Reset },
+        })
+        .await;
+        let levee = levee_with(&backend, "max_body = \"64MiB\"", "").await;
+        for _ in 0..3 {
+            let answer = fetch(
+                Request::post(levee.url("/early-upload"))
+                    .body(full(vec![b'u'; 24 * 1024 * 1024]))
+                    .expect("request"),
+            )
+            .await;
+            assert_eq!(
+                (answer.status, answer.text().as_str()),
+                (413, "too big!"),
+                "then {then}"
+            );
+        }
+        stop(levee).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endless_head_sent_during_an_upload_is_a_502_not_a_wait() {
     // The upstream answers from the request head alone, with a head that never ends, while
     // the client is still uploading. The head limit holds then too: levee stops reading at

@@ -829,7 +829,8 @@ fn encode_request_head(
 ///
 /// While a body goes out, the connection is read too: an upstream that answers before it has
 /// the whole body (a refusal judged from the head alone) is heard at once, even when it has
-/// stopped reading. The rest of the body is then not sent, and the connection is not reused.
+/// stopped reading, or closed the connection on the rest. The rest of the body is then not
+/// sent, and the connection is not reused.
 async fn send_on(
     connection: &mut Connection,
     head: &BytesMut,
@@ -857,7 +858,13 @@ async fn send_on(
         }
         if let Poll::Ready(read) = std::pin::pin!(connection.stream.read_buf(buffer)).poll(cx) {
             match read {
-                Ok(0) => return Poll::Ready(Err(ClientError::Closed)),
+                // The upstream closed (or reset) while the body went out: an answer it sent
+                // first (a refusal judged from the head) is read by `read_response_head`,
+                // which, without one, ends `Closed` as this would have.
+                Ok(0) | Err(_) => {
+                    connection.request_unfinished = true;
+                    return Poll::Ready(Ok(()));
+                }
                 // A head over the limit is an answer too: `read_response_head` refuses it.
                 // Read on, it would grow for as long as the client's upload lasts.
                 Ok(_)
@@ -869,7 +876,6 @@ async fn send_on(
                     return Poll::Ready(Ok(()));
                 }
                 Ok(_) => continue,
-                Err(error) => return Poll::Ready(Err(ClientError::Io(error))),
             }
         }
         if !body_done && large.is_none() && out.len() < COPY_LIMIT {
@@ -935,7 +941,11 @@ async fn send_on(
                     }
                 }
             }
-            Poll::Ready(Err(error)) => return Poll::Ready(Err(ClientError::Io(error))),
+            // The same: an upstream that answered and went resets the rest of the upload.
+            Poll::Ready(Err(_)) => {
+                connection.request_unfinished = true;
+                return Poll::Ready(Ok(()));
+            }
             Poll::Pending => return write_stalled(&mut stalled, stall_limit, connection, cx),
         }
     })
