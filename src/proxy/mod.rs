@@ -1335,9 +1335,11 @@ fn request_line_bytes<B>(request: &Request<B>) -> usize {
 
 /// Did the client ask to be told before it sends its body?
 fn expects_continue(headers: &http::HeaderMap) -> bool {
+    // Any of its fields, as the connection that sends the `100 Continue` reads them.
     headers
-        .get(h::EXPECT)
-        .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+        .get_all(h::EXPECT)
+        .iter()
+        .any(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
 /// Does the client prefer JSON (an API client) over HTML (a browser)?

@@ -269,7 +269,8 @@ impl FieldMeaning {
                 }
             }
         } else if *name == header::EXPECT {
-            self.expect_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+            // Any of its fields, as `proxy::expects_continue` reads them.
+            self.expect_continue |= value.as_bytes().eq_ignore_ascii_case(b"100-continue");
         } else if *name == header::HOST {
             if self.host_seen {
                 return Err(HeadError::Malformed("more than one Host field"));
@@ -711,6 +712,11 @@ mod tests {
         let expecting =
             head("POST / HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 3\r\n\r\n");
         assert!(expecting.expect_continue);
+        // In any of its fields, whatever comes after it.
+        let two = head(
+            "POST / HTTP/1.1\r\nExpect: 100-continue\r\nExpect: x\r\nContent-Length: 3\r\n\r\n",
+        );
+        assert!(two.expect_continue);
         // Nothing to continue with when there is no body.
         assert!(!head("GET / HTTP/1.1\r\nExpect: 100-continue\r\n\r\n").expect_continue);
         assert!(
