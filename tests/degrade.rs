@@ -106,6 +106,17 @@ async fn levee_with_routes(backend: &Backend, from: &str, to: &str) -> Levee {
     Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await
 }
 
+/// levee with [`ROUTES`] whose ranking route, when off and without a copy, answers 503
+/// "ranking is resting".
+async fn levee_resting(backend: &Backend) -> Levee {
+    levee_with_routes(
+        backend,
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn levels_and_module_switches_turn_routes_off_by_tier() {
     let (backend, _, _) = versioned().await;
@@ -818,12 +829,7 @@ async fn a_copy_answers_only_the_host_it_was_fetched_for() {
         async move { html(format!("ranking of {host}")) }
     })
     .await;
-    let levee = levee_with_routes(
-        &backend,
-        "module = \"ranking\"",
-        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
-    )
-    .await;
+    let levee = levee_resting(&backend).await;
     let for_host = |host: &'static str| {
         let url = levee.url("/ranking");
         async move { get_with(&url, &[("host", host)]).await }
@@ -867,12 +873,7 @@ async fn a_copy_made_for_another_forwarded_host_or_scheme_answers_only_those() {
         async move { html(page) }
     })
     .await;
-    let levee = levee_with_routes(
-        &backend,
-        "module = \"ranking\"",
-        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
-    )
-    .await;
+    let levee = levee_resting(&backend).await;
     let fetch = |claims: &'static [(&'static str, &'static str)]| {
         let url = levee.url("/ranking");
         async move { get_with(&url, claims).await }
@@ -973,12 +974,7 @@ async fn a_page_fetched_with_credentials_is_not_kept_for_everyone() {
         async move { html(user) }
     })
     .await;
-    let levee = levee_with_routes(
-        &backend,
-        "module = \"ranking\"",
-        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
-    )
-    .await;
+    let levee = levee_resting(&backend).await;
     let with_credentials = get_with(
         &levee.url("/ranking"),
         &[("authorization", "Basic YWxpY2U6c2VjcmV0")],
@@ -1505,12 +1501,7 @@ async fn a_page_that_varies_by_cookie_is_never_shared() {
         }
     })
     .await;
-    let levee = levee_with_routes(
-        &backend,
-        "module = \"ranking\"",
-        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
-    )
-    .await;
+    let levee = levee_resting(&backend).await;
     let url = levee.url("/ranking");
     let pages = tokio::join!(
         get_with(&url, &[("cookie", "user=alice")]),
@@ -1539,12 +1530,7 @@ async fn a_page_that_varies_by_cookie_is_never_shared() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_request_gets_the_copy_and_a_no_store_request_leaves_none() {
     let backend = Backend::start(|_| async { html("the ranking") }).await;
-    let levee = levee_with_routes(
-        &backend,
-        "module = \"ranking\"",
-        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
-    )
-    .await;
+    let levee = levee_resting(&backend).await;
     let url = levee.url("/ranking");
     let private = get_with(&url, &[("cache-control", "no-store")]).await;
     assert_eq!(private.text(), "the ranking");
@@ -1669,12 +1655,7 @@ async fn requests_waiting_for_a_fetch_that_timed_out_are_answered_with_it() {
 async fn a_get_with_a_body_neither_leaves_a_copy_nor_holds_the_pages_readers() {
     use tokio::io::AsyncWriteExt;
     let backend = Backend::start(|_| async { html("the ranking") }).await;
-    let levee = levee_with_routes(
-        &backend,
-        "module = \"ranking\"",
-        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
-    )
-    .await;
+    let levee = levee_resting(&backend).await;
     let url = levee.url("/ranking");
     let with_body = send(
         Request::get(&url)

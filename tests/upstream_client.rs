@@ -1399,56 +1399,53 @@ async fn request_bodies_reach_the_upstream_framed_and_complete() {
     stop(levee).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_early_answer_to_an_upload_the_upstream_drains_is_passed_on() {
-    // The upstream refuses the upload from its head alone, then reads and discards the body
-    // until levee is done (as nginx does with `client_max_body_size`).
-    let backend = Scripted::start(|_| Reply {
+/// An upstream that refuses every upload from its head alone with a 413, then does `then`.
+async fn refusing_uploads(then: Then) -> Scripted {
+    Scripted::start(move |_| Reply {
         writes: vec![
             b"HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: 8\r\n\r\ntoo big!"
                 .to_vec(),
         ],
-        then: Then::Drain,
+        then: then.clone(),
     })
-    .await;
-    let levee = levee_with(&backend, "max_body = \"64MiB\"", "").await;
+    .await
+}
+
+/// A 24 MiB upload through `levee`, far larger than the socket buffers: its answer.
+async fn upload(levee: &Levee) -> (u16, String) {
     let answer = fetch(
         Request::post(levee.url("/early-upload"))
             .body(full(vec![b'u'; 24 * 1024 * 1024]))
             .expect("request"),
     )
     .await;
-    assert_eq!((answer.status, answer.text().as_str()), (413, "too big!"));
+    (answer.status, answer.text())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_answer_to_an_upload_the_upstream_drains_is_passed_on() {
+    // The upstream refuses the upload from its head alone, then reads and discards the body
+    // until levee is done (as nginx does with `client_max_body_size`).
+    let backend = refusing_uploads(Then::Drain).await;
+    let levee = levee_with(&backend, "max_body = \"64MiB\"", "").await;
+    assert_eq!(upload(&levee).await, (413, "too big!".into()));
     stop(levee).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_early_answer_to_an_upload_the_upstream_stops_reading_is_passed_on() {
     // The upstream refuses the upload from its head alone and reads nothing more, keeping
-    // the connection open; the body is far larger than the socket buffers.
-    let backend = Scripted::start(|_| Reply {
-        writes: vec![
-            b"HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: 8\r\n\r\ntoo big!"
-                .to_vec(),
-        ],
-        then: Then::Hold,
-    })
-    .await;
+    // the connection open.
+    let backend = refusing_uploads(Then::Hold).await;
     let levee = levee_with(
         &backend,
         "max_body = \"64MiB\"",
         "response_timeout = \"2s\"",
     )
     .await;
-    let answer = fetch(
-        Request::post(levee.url("/early-upload"))
-            .body(full(vec![b'u'; 24 * 1024 * 1024]))
-            .expect("request"),
-    )
-    .await;
     assert_eq!(
-        (answer.status, answer.text().as_str()),
-        (413, "too big!"),
+        upload(&levee).await,
+        (413, "too big!".into()),
         "the upstream's answer, not levee's timeout"
     );
     stop(levee).await;
@@ -1459,29 +1456,12 @@ async fn an_early_answer_to_an_upload_the_upstream_then_closes_on_is_passed_on()
     // The upstream refuses the upload from its head alone and closes (or resets) the
     // connection with the body unread, as servers without a lingering close do: the kernel
     // answers levee's next write with a reset. The answer was sent first and reaches the
-    // client; the upstream is not counted as failing.
-    for then in ["close", "reset"] {
-        let backend = Scripted::start(move |_| Reply {
-            writes: vec![
-                b"HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: 8\r\n\r\ntoo big!"
-                    .to_vec(),
-            ],
-            then: if then == "close" { Then::Close } else { Then::Reset },
-        })
-        .await;
+    // client.
+    for then in [Then::Close, Then::Reset] {
+        let backend = refusing_uploads(then.clone()).await;
         let levee = levee_with(&backend, "max_body = \"64MiB\"", "").await;
         for _ in 0..3 {
-            let answer = fetch(
-                Request::post(levee.url("/early-upload"))
-                    .body(full(vec![b'u'; 24 * 1024 * 1024]))
-                    .expect("request"),
-            )
-            .await;
-            assert_eq!(
-                (answer.status, answer.text().as_str()),
-                (413, "too big!"),
-                "then {then}"
-            );
+            assert_eq!(upload(&levee).await, (413, "too big!".into()), "{then:?}");
         }
         stop(levee).await;
     }
