@@ -467,6 +467,50 @@ async fn a_policy_directory_replaced_whole_is_watched_again_and_loaded() {
     let _ = std::fs::remove_dir_all(&old);
 }
 
+/// A directory swapped in while a file in it is still being written (a copy under way) is read
+/// once its writer is done, never half: the half may compile, without the routes written after
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_swapped_in_while_its_file_is_written_is_read_once_whole() {
+    use std::io::Write;
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let levee = Levee::start(&two_upstream_policy(&a, &b, "a")).await;
+    let generation =
+        || async { get(&levee.admin_url("/status")).await.json()["policy"]["generation"].as_u64() };
+    let before = generation().await;
+    // Whole, it sends /page to `a` as before; its first half, without the route, to `b`.
+    let whole = two_upstream_policy(&a, &b, "a")
+        .replace("default_upstream = \"a\"", "default_upstream = \"b\"");
+    let (half, rest) = whole.split_at(whole.find("[[route]]").expect("a route"));
+    let dir = levee.dir.path().to_path_buf();
+    let (old, new) = (dir.with_extension("old"), dir.with_extension("new"));
+    std::fs::create_dir(&new).expect("new dir");
+    let mut file = std::fs::File::create(new.join("levee.toml")).expect("create");
+    file.write_all(half.as_bytes()).expect("write");
+    std::fs::rename(&dir, &old).expect("move the old one away");
+    std::fs::rename(&new, &dir).expect("move the new one in");
+    // The copy goes on for longer than the watcher takes to see the new directory (a second).
+    for line in 0..30 {
+        file.write_all(format!("# line {line}\n").as_bytes())
+            .expect("write");
+        assert_eq!(
+            get(&levee.url("/page")).await.text(),
+            "a",
+            "the half-written file was loaded"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    file.write_all(rest.as_bytes()).expect("write");
+    drop(file);
+    eventually(Duration::from_secs(10), "the whole file loaded", || async {
+        generation().await != before
+    })
+    .await;
+    assert_eq!(get(&levee.url("/page")).await.text(), "a");
+    let _ = std::fs::remove_dir_all(&old);
+}
+
 /// A reload asked on the admin listener runs to its end even when the client that asked goes
 /// away meanwhile (`curl --max-time`, a dropped SSH tunnel): the outcome is recorded and a
 /// good policy swapped in, as if the client had stayed.

@@ -81,7 +81,6 @@ pub fn spawn_watcher(
     // a busy runtime could otherwise start the task after it and watch the new state only.
     let mut first = Some((identity_of(store.dir()), watch_dir(&store)));
     tokio::spawn(async move {
-        let mut lost = false;
         loop {
             let (watched, attempt) = match first.take() {
                 Some(first) => first,
@@ -91,29 +90,31 @@ pub fn spawn_watcher(
                 Ok(watching) => watching,
                 Err(error) => {
                     tracing::warn!(dir = %store.dir().display(), "cannot watch the policy directory ({error}); retrying");
-                    lost = true;
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_secs(2)) => continue,
                         _ = stop.wait_for(|stopped| *stopped) => return,
                     }
                 }
             };
-            if lost {
-                // The directory may have been replaced: reload what is there now. Only now,
-                // with the new watch set up, so an edit made meanwhile is either read here or
-                // seen by the watch.
-                let _ = store.reload(ReloadTrigger::Watch).await;
-            }
+            // What is there now is read once the watch is set up, first or again: the files
+            // may have changed since they were last read (an edit saved while levee started,
+            // the directory replaced). Only now, so an edit made meanwhile is either read then
+            // or seen by the watch; and through the debounce, so a directory still being
+            // filled (copied, cloned) is read once its writers are done, never half.
+            let mut look_now = Some(WatchSignal::Changed);
             let mut identity_check = tokio::time::interval(IDENTITY_CHECK);
             identity_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             // Policy files opened for writing and not closed yet.
             let mut writing = HashSet::new();
             loop {
                 // `None`: the time to check the directory's identity.
-                let woke = tokio::select! {
-                    signal = events.recv() => Some(signal),
-                    _ = identity_check.tick() => None,
-                    _ = stop.wait_for(|stopped| *stopped) => return,
+                let woke = match look_now.take() {
+                    Some(signal) => Some(Some(signal)),
+                    None => tokio::select! {
+                        signal = events.recv() => Some(signal),
+                        _ = identity_check.tick() => None,
+                        _ = stop.wait_for(|stopped| *stopped) => return,
+                    },
                 };
                 let signal = match woke {
                     Some(signal) => signal,
@@ -158,7 +159,6 @@ pub fn spawn_watcher(
             }
             drop(watcher);
             tracing::warn!(dir = %store.dir().display(), "policy directory watch was lost, or the path names another directory now; setting it up again");
-            lost = true;
         }
     })
 }
