@@ -142,18 +142,22 @@ pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &TrustedProxies) ->
     if !trusted.contains(peer) {
         return peer;
     }
+    // Split as bytes: a byte that is not text (the client's own entry, on the left of the
+    // line the front appended the visitor's address to) spoils that entry only, not the
+    // line; skipping the whole line would leave no chain, and `X-Real-IP` (which a front
+    // may pass on from the client) or the front's own address believed instead.
     let mut forwarded = headers
         .get_all(&X_FORWARDED_FOR)
         .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .map(str::trim)
+        .flat_map(|value| value.as_bytes().split(|byte| *byte == b','))
+        .map(<[u8]>::trim_ascii)
         .filter(|part| !part.is_empty())
         .collect::<Vec<_>>();
     if !forwarded.is_empty() {
         let mut leftmost = peer;
         while let Some(part) = forwarded.pop() {
-            let Some(ip) = parse_forwarded_ip(part) else {
+            let parsed = std::str::from_utf8(part).ok().and_then(parse_forwarded_ip);
+            let Some(ip) = parsed else {
                 // Garbage in the chain: stop believing anything left of it.
                 return leftmost;
             };
@@ -335,7 +339,7 @@ pub fn set_forwarded(headers: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, 
         headers
             .get_all(&X_FORWARDED_FOR)
             .iter()
-            .filter(|value| is_chain_text(value))
+            .filter(|value| is_chain_line(value))
             .map(HeaderValue::as_bytes)
             .collect()
     } else {
@@ -652,7 +656,7 @@ impl ForwardedWriter {
         let mut chained = false;
         if let (true, Some(headers)) = (self.from.peer_trusted, headers) {
             for value in headers.get_all(&X_FORWARDED_FOR) {
-                if is_chain_text(value) {
+                if is_chain_line(value) {
                     if chained {
                         out.put_slice(b", ");
                     }
@@ -669,9 +673,12 @@ impl ForwardedWriter {
     }
 }
 
-/// An `X-Forwarded-For` line of a trusted chain that is passed on: text, not blank.
-fn is_chain_text(value: &HeaderValue) -> bool {
-    value.to_str().is_ok_and(|text| !text.trim().is_empty())
+/// An `X-Forwarded-For` line of a trusted chain that is passed on: not blank. A line with
+/// bytes that are not text is passed as it came too: it ends with the visitor's address the
+/// front appended (the client's own part on its left is what holds such bytes), and without
+/// it the app's last entry would be the front's own address.
+fn is_chain_line(value: &HeaderValue) -> bool {
+    !value.as_bytes().trim_ascii().is_empty()
 }
 
 /// Bytes the fields written by [`ForwardedWriter`] may add to a head, besides the client's
@@ -870,6 +877,31 @@ mod tests {
         assert_eq!(
             client_ip(ip("127.0.0.1"), &garbage, &trusted),
             ip("127.0.0.1")
+        );
+        // A byte that is not text in the client's part of the line the front appended to
+        // spoils that part only: the visitor's address, on its right, still counts, and
+        // `X-Real-IP` (passed on from the client) is not believed instead.
+        let mut spoiled = headers(&[("x-real-ip", "127.0.0.5")]);
+        spoiled.insert(
+            "x-forwarded-for",
+            HeaderValue::from_bytes(b"\x80, 203.0.113.9").expect("obs-text"),
+        );
+        assert_eq!(
+            client_ip(ip("127.0.0.1"), &spoiled, &trusted),
+            ip("203.0.113.9")
+        );
+        // And the line reaches the app as it came: its last entry is the visitor.
+        let mut passed = spoiled.clone();
+        set_forwarded(&mut passed, ip("127.0.0.1"), true, ip("203.0.113.9"));
+        assert_eq!(passed["x-forwarded-for"].as_bytes(), b"\x80, 203.0.113.9");
+        spoiled.insert(
+            "x-forwarded-for",
+            HeaderValue::from_bytes(b"\x80").expect("obs-text"),
+        );
+        assert_eq!(
+            client_ip(ip("127.0.0.1"), &spoiled, &trusted),
+            ip("127.0.0.1"),
+            "nothing believable: the peer"
         );
     }
 
