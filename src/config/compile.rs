@@ -931,12 +931,14 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         if let Some(settings) = compile_upstream(&mut compiler, *file, name, spec) {
             let old = previous.and_then(|policy| policy.upstreams.get(name));
             // The breaker keeps its state (an open breaker stays open) when its settings and
-            // the upstream's address are unchanged; changed settings, or an upstream pointed
-            // elsewhere (a dead app replaced by a standby), start it fresh.
+            // the upstream's address (and socket) are unchanged; changed settings, or an
+            // upstream pointed elsewhere (a dead app or php-fpm pool replaced by a standby),
+            // start it fresh.
             let breaker = old
                 .filter(|old| {
                     old.settings.scheme == settings.scheme
                         && old.settings.authority == settings.authority
+                        && old.settings.socket == settings.socket
                 })
                 .map(|old| &old.breaker)
                 .filter(|breaker| breaker.settings() == breaker_settings)
@@ -5024,6 +5026,23 @@ mod tests {
         assert!(!Arc::ptr_eq(
             &third.upstreams["app"].breaker,
             &fourth.upstreams["app"].breaker
+        ));
+        // Nor to another socket of the same URL: a standby php-fpm pool.
+        let pool = |socket: &str| {
+            format!("[upstream.app]\nurl = \"fastcgi://localhost\"\nsocket = \"{socket}\"\nfastcgi = {{ root = \"/srv/app\" }}\n")
+        };
+        let first_pool = pool("/run/php/php8.2-fpm.sock");
+        let fifth = compile(&files(&[("a.toml", &first_pool)]), Some(&fourth)).expect("compiles");
+        let again = compile(&files(&[("a.toml", &first_pool)]), Some(&fifth)).expect("compiles");
+        assert!(Arc::ptr_eq(
+            &fifth.upstreams["app"].breaker,
+            &again.upstreams["app"].breaker
+        ));
+        let other_pool = pool("/run/php/php8.3-fpm.sock");
+        let sixth = compile(&files(&[("a.toml", &other_pool)]), Some(&again)).expect("compiles");
+        assert!(!Arc::ptr_eq(
+            &again.upstreams["app"].breaker,
+            &sixth.upstreams["app"].breaker
         ));
     }
 }
