@@ -46,12 +46,26 @@ fn a_public_listener_on_the_default_admin_address_is_reported_at_its_listen() {
     let (ok, _stdout, stderr) = levee_check(dir.path());
     assert!(!ok, "check must fail");
     let expected = format!(
-        "{}:2:10: error: the admin listener uses the same address as the public one",
+        "{}:2:10: error: the admin listener (127.0.0.1:9901) and the public one (127.0.0.1:9901) use the same port of the same address",
         dir.path().join("20-server.toml").display()
     );
     assert!(
         stderr.contains(&expected),
         "missing `{expected}` in:\n{stderr}"
+    );
+
+    // A public listener on every address takes the admin's port on loopback too: `run`
+    // could not bind both, so `check` does not pass it.
+    std::fs::write(
+        dir.path().join("20-server.toml"),
+        "[server]\nlisten = \"0.0.0.0:8080\"\n[admin]\nlisten = \"127.0.0.1:8080\"\n",
+    )
+    .expect("write");
+    let (ok, _stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "check must fail");
+    assert!(
+        stderr.contains("error: the admin listener (127.0.0.1:8080) and the public one (0.0.0.0:8080) use the same port"),
+        "{stderr}"
     );
 }
 

@@ -198,6 +198,15 @@ fn policy_hash_with_cas(
     crate::limit::key::hex(&hasher.finalize()[..8])
 }
 
+/// Would the two listeners take the same socket: one port, on the same address or where one
+/// of them listens on every address (`0.0.0.0`, `[::]`, which also takes IPv4 by default)?
+/// A port of 0 is any free port: never the same.
+fn listeners_overlap(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
+    a.port() == b.port()
+        && a.port() != 0
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
 /// Collects diagnostics while compiling.
 struct Compiler<'a> {
     files: &'a [SourceFile],
@@ -247,6 +256,17 @@ impl<'a> Compiler<'a> {
     ) {
         let diagnostic = self.error(file, span, message);
         diagnostic.hint = Some(hint.into());
+    }
+
+    /// An error no line of any file holds (a section that is missing): named by the
+    /// directory, not by a line of a file that has nothing to do with it.
+    fn error_hint_in_dir(&mut self, message: impl Into<String>, hint: impl Into<String>) {
+        let dir = self
+            .files
+            .first()
+            .and_then(|file| file.path.parent())
+            .unwrap_or(std::path::Path::new("."));
+        self.errors.push(Diagnostic::whole(dir, message).hint(hint));
     }
 
     /// Keeps the first occurrence of a section that may appear once across all files.
@@ -874,16 +894,6 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         .flatten()
         .find(|address| !address.ip().is_loopback());
     if let (Some(address), true) = (exposed, admin_settings.tokens.is_empty()) {
-        let (file, span) = match &admin {
-            Some((file, spec)) => (
-                *file,
-                spec.get_ref()
-                    .listen
-                    .as_ref()
-                    .map_or(spec.span(), |listen| listen.span()),
-            ),
-            None => (0, 0..0),
-        };
         let message = if address == admin_settings.listen {
             format!(
                 "the admin listener on {address} is reachable beyond this machine but has no token"
@@ -891,14 +901,21 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         } else {
             format!("the admin listener is bound to {address}, reachable beyond this machine, until levee restarts; this policy has no token for it")
         };
-        compiler.error_hint(
-            file,
-            span,
-            message,
-            "keep it on 127.0.0.1, or add [admin] tokens = { ops = \"…\" }",
-        );
+        let hint = "keep it on 127.0.0.1, or add [admin] tokens = { ops = \"…\" }";
+        match &admin {
+            Some((file, spec)) => {
+                let span = spec
+                    .get_ref()
+                    .listen
+                    .as_ref()
+                    .map_or(spec.span(), |listen| listen.span());
+                compiler.error_hint(*file, span, message, hint);
+            }
+            // No [admin] section is left (its file deleted): no line of the others is it.
+            None => compiler.error_hint_in_dir(message, hint),
+        }
     }
-    if admin_settings.listen == server_settings.listen && admin_settings.listen.port() != 0 {
+    if listeners_overlap(admin_settings.listen, server_settings.listen) {
         // Point at whichever `listen` was written (the other is its default).
         let (file, span) = match (&admin, &server) {
             (Some((file, spec)), _) => (
@@ -920,7 +937,10 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         compiler.error_hint(
             file,
             span,
-            "the admin listener uses the same address as the public one",
+            format!(
+                "the admin listener ({}) and the public one ({}) use the same port of the same address",
+                admin_settings.listen, server_settings.listen
+            ),
             "give [admin] listen its own port; admin must never be on the public listener",
         );
     }
@@ -3913,6 +3933,29 @@ mod tests {
             // At start (or in `levee check`) the same policy is fine.
             assert!(compile(&files(&[("a.toml", &without_token)]), None).is_ok());
         }
+        // With its [admin] file deleted, the error names the directory, not a line of a file
+        // that has nothing to do with it.
+        let in_dir = |named: &[(&str, &str)]| {
+            let mut sources = files(named);
+            for source in &mut sources {
+                source.path = std::path::Path::new("policies").join(&source.path);
+            }
+            sources
+        };
+        let admin = "[admin]\nlisten = \"0.0.0.0:9901\"\ntokens = { ops = \"0123456789abcdef\" }\n";
+        let running = compile(
+            &in_dir(&[("00-admin.toml", admin), ("10-app.toml", APP)]),
+            None,
+        )
+        .expect("compiles");
+        let refused = compile(&in_dir(&[("10-app.toml", APP)]), Some(&running))
+            .expect_err("the token is gone");
+        let exposed = refused
+            .0
+            .iter()
+            .find(|diagnostic| diagnostic.message.contains("reachable beyond this machine"))
+            .expect("the exposed listener");
+        assert_eq!(exposed.location(), "policies", "{refused}");
     }
 
     #[test]
