@@ -1155,6 +1155,18 @@ async fn redis_up_follows_every_call_even_without_limited_traffic() {
     })
     .await;
     assert_eq!(backend.hits(), 0, "no request was needed to see either");
+
+    // Seen down, then taken out of the policy: nothing is down any more, and an alert on
+    // `levee_redis_up == 0` clears.
+    redis.pause(true);
+    eventually(Duration::from_secs(10), "redis seen down again", || async {
+        redis_view().await.1 == 0.0
+    })
+    .await;
+    std::fs::write(levee.policy_file(), policy_for(backend.addr, "", "")).expect("write");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    assert_eq!(redis_view().await.1, 1.0, "no [redis], nothing down");
+    redis.pause(false);
 }
 
 /// Started with a Redis that nobody listens on, levee says so at once, not "up".

@@ -124,9 +124,10 @@ async fn answer(
             publish_upstream_states(&shared);
             // Read now: a background call may have found Redis back, or gone, since the
             // last rate-limit call set it.
-            if let Some(redis) = &shared.store.load().redis {
-                shared.metrics.redis_up.set(i64::from(redis.is_up()));
-            }
+            // Without a `[redis]` (a reload took it out) nothing is down: an alert on 0 set
+            // while it was there must clear.
+            let up = shared.store.load().redis.as_ref().is_none_or(|redis| redis.is_up());
+            shared.metrics.redis_up.set(i64::from(up));
             let mut response = text_response(StatusCode::OK, shared.metrics.encode());
             // The body is OpenMetrics text (`_total` samples under a `# TYPE x counter`, and
             // `# EOF`): named as such, Prometheus parses it as such. Called 0.0.4 text, its
