@@ -141,11 +141,19 @@ pub fn parse_head(
     }
     let method = request
         .method
-        .ok_or(HeadError::Malformed("missing method"))
-        .and_then(|method| {
-            Method::from_bytes(method.as_bytes())
-                .map_err(|_| HeadError::Malformed("invalid method"))
-        })?;
+        .ok_or(HeadError::Malformed("missing method"))?;
+    // As nginx in front of the app reads a method: capital letters, `_` and `-`. A `post`
+    // would pass the routes and limits written for POST, and reach php-fpm as `post`.
+    if !method
+        .bytes()
+        .all(|byte| byte.is_ascii_uppercase() || byte == b'_' || byte == b'-')
+    {
+        return Err(HeadError::Malformed(
+            "the method is not in capital letters (`_` and `-` allowed)",
+        ));
+    }
+    let method = Method::from_bytes(method.as_bytes())
+        .map_err(|_| HeadError::Malformed("invalid method"))?;
     let version = match request.version {
         Some(0) => Version::HTTP_10,
         Some(1) => Version::HTTP_11,
@@ -597,9 +605,20 @@ mod tests {
             "GET / HTTP/1.1\r\nX-User: a\rSet-Cookie: evil=1\r\n\r\n",
             "GET / HTTP/1.1\r\nX-User: a\x00b\r\n\r\n",
             "GET / HTTP/1.1\r\nX-User: a\x0bb\r\n\r\n",
+            // Not as nginx reads a method: `post` would pass routes written for POST.
+            "post / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n",
+            "Get / HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET1 / HTTP/1.1\r\nHost: a\r\n\r\n",
         ] {
             assert!(matches!(refused(raw), HeadError::Malformed(_)), "{raw:?}");
         }
+        // Extension methods in capitals pass.
+        assert_eq!(
+            head("VERSION-CONTROL / HTTP/1.1\r\nHost: a\r\n\r\n")
+                .method
+                .as_str(),
+            "VERSION-CONTROL"
+        );
     }
 
     #[test]
