@@ -1163,12 +1163,10 @@ impl RedisStore {
         // up) leaves no claim behind.
         match tokio::time::timeout(timeout, self.connect()).await {
             Ok(Ok(_)) => {}
-            Ok(Err(error)) => {
-                tracing::debug!("slot map not read: {error}");
-                cluster.first_connect_failed();
-                return;
-            }
-            Err(_elapsed) => {
+            failed => {
+                if let Ok(Err(error)) = failed {
+                    tracing::debug!("slot map not read: {error}");
+                }
                 cluster.first_connect_failed();
                 return;
             }

@@ -492,23 +492,13 @@ async fn forward(
                 return Ok(response.into());
             }
             Joined::Lead { guard, waited } => (guard, waited),
-            // As the fetch's own request is answered: with the copy, or a 504.
-            Joined::TimedOut => {
-                let timeout = ProxyError::UpstreamTimeout {
-                    upstream: route.upstream.name.clone(),
-                    after: route.upstream.settings.response_timeout,
-                };
-                return stale
-                    .serve_or(shared, policy, &route, timeout)
-                    .await
-                    .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
-            }
         }
     } else {
         (None, Duration::ZERO)
     };
     // A request that waited for another's fetch (which brought no copy) waits no longer in
-    // all than the upstream's response timeout.
+    // all than the upstream's response timeout; one that waited all of it (that fetch timed
+    // out) is answered as the fetch's own request is: with the copy, or a 504.
     let full_timeout = route.upstream.settings.response_timeout;
     let response_timeout = full_timeout.saturating_sub(waited_for_fetch);
     if response_timeout.is_zero() {
@@ -709,14 +699,13 @@ async fn forward(
     let request = Request::from_parts(parts, body);
     let sent = match slot {
         None => {
-            let timeout = response_timeout;
             run_on::send(
                 upstream,
                 request,
                 fields,
                 from_client,
                 sent_at,
-                timeout,
+                response_timeout,
                 None,
             )
             .await
@@ -727,7 +716,8 @@ async fn forward(
                 request,
                 fields,
                 from_client,
-                (sent_at, response_timeout),
+                sent_at,
+                response_timeout,
                 slot,
             );
             let sent = (&mut held).await;
@@ -942,14 +932,12 @@ enum Joined {
     /// A concurrent fetch of the same copy finished: its copy answers this request too.
     Served(Response<ResponseBody>),
     /// Go upstream (leading the fetch when the route keeps copies), after `waited` for
-    /// another's fetch that brought no copy.
+    /// another's fetch that brought no copy: all of the response timeout when that fetch
+    /// timed out, or this request's wait for it lasted that long.
     Lead {
         guard: Option<FetchGuard>,
         waited: Duration,
     },
-    /// The fetch waited for got no answer within the upstream's response timeout, or this
-    /// request's wait for it lasted that long.
-    TimedOut,
 }
 
 impl Stale {
@@ -1018,21 +1006,23 @@ impl Stale {
         // a page made for one value would be kept for another's readers, as rate limits
         // refuse such requests for the same reason (`limit::key::unreadable_part`).
         let query = request.uri().query();
-        let ambiguous = settings
-            .vary
-            .iter()
-            .any(|source| source.unreadable(request.headers(), query).is_some())
-            || match (&settings.query, query) {
-                (CopyQuery::Only(names), Some(query)) => {
-                    crate::limit::key::names_past_input_vars(query, names)
+        let ambiguous = || {
+            settings
+                .vary
+                .iter()
+                .any(|source| source.unreadable(request.headers(), query).is_some())
+                || match (&settings.query, query) {
+                    (CopyQuery::Only(names), Some(query)) => {
+                        crate::limit::key::names_past_input_vars(query, names)
+                    }
+                    _ => false,
                 }
-                _ => false,
-            };
+        };
         Stale {
             key,
             settings: Some(settings.clone()),
             credentials: request.headers().contains_key(h::AUTHORIZATION),
-            keeps: method == Method::GET && !client_says_no_store && bodiless && !ambiguous,
+            keeps: method == Method::GET && !client_says_no_store && bodiless && !ambiguous(),
         }
     }
 
@@ -1137,7 +1127,10 @@ impl Stale {
                 guard: None,
                 waited: started.elapsed(),
             },
-            Waited::TimedOut => Joined::TimedOut,
+            Waited::TimedOut => Joined::Lead {
+                guard: None,
+                waited: route.upstream.settings.response_timeout,
+            },
         }
     }
 

@@ -64,7 +64,8 @@ pub(super) fn call_holding(
     request: Request<UpstreamBody>,
     fields: ResponseFields,
     from_client: FromClient,
-    (sent_at, response_timeout): (Instant, Duration),
+    sent_at: Instant,
+    response_timeout: Duration,
     slot: Slot,
 ) -> HeldCall {
     let sent_whole = Arc::new(AtomicBool::new(false));
