@@ -674,6 +674,91 @@ async fn spellings_that_run_a_routes_php_script_stay_on_its_route() {
     assert_eq!((login.hits(), app.hits()), (4, 2));
 }
 
+/// A front controller runs `/index.php/admin/users` as `/admin/users` (Symfony's and
+/// Laravel's path info, WordPress's `index.php` permalinks), and a directory runs its
+/// `index.php`: a route written for one spelling holds for the others, so its limits cannot
+/// be dodged by writing the same request another way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spellings_a_front_controller_reads_as_a_routes_path_stay_on_its_route() {
+    let (levee, app, admin) =
+        levee_with_a_second_route("admin", "{ path_prefix = \"/admin/\" }").await;
+    let get = |target: &str| {
+        let raw = format!("GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+        let levee = &levee;
+        async move { exchange(levee, raw.as_bytes()).await }
+    };
+    for target in [
+        "/admin/users",
+        "/index.php/admin/users",
+        "/index.php/admin/",
+        "/admin/index.php",
+    ] {
+        let answer = get(target).await;
+        assert_eq!(status_of(&answer), Some(200), "{target}: {answer}");
+    }
+    assert_eq!((admin.hits(), app.hits()), (4, 0));
+    // Other scripts, and look-alikes of the index, are read as written.
+    for target in [
+        "/app.php/admin/users",
+        "/index.phpx/admin/users",
+        "/index.php",
+    ] {
+        let answer = get(target).await;
+        assert_eq!(status_of(&answer), Some(200), "{target}: {answer}");
+    }
+    assert_eq!((admin.hits(), app.hits()), (4, 3));
+}
+
+/// Laravel, Symfony and most PHP frameworks run `POST` with `X-HTTP-Method-Override:
+/// DELETE` (or `?_method=DELETE`) as a DELETE, a plain script as the POST it is: a request
+/// whose two readings fall on different routes is refused with the reason, so neither
+/// route's limits can be dodged by the override.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_method_override_that_changes_the_route_is_refused() {
+    let (levee, app, deletes) = levee_with_a_second_route(
+        "deletes",
+        "{ method = [\"DELETE\"], path_prefix = \"/api/\" }",
+    )
+    .await;
+    let send = |method: &str, target: &str, extra: &str| {
+        let raw = format!(
+            "{method} {target} HTTP/1.1\r\nHost: a\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        let levee = &levee;
+        async move { exchange(levee, raw.as_bytes()).await }
+    };
+    for (target, extra, reason) in [
+        (
+            "/api/items/7",
+            "X-HTTP-Method-Override: delete\r\n",
+            "X-HTTP-Method-Override (DELETE) changes which route applies",
+        ),
+        (
+            "/api/items/7?_method=DELETE",
+            "",
+            "the _method parameter (DELETE) changes which route applies",
+        ),
+    ] {
+        let answer = send("POST", target, extra).await;
+        assert_eq!(status_of(&answer), Some(400), "{target}: {answer}");
+        assert!(answer.contains(reason), "{answer}");
+    }
+    assert_eq!((deletes.hits(), app.hits()), (0, 0));
+    // The same route either way, or no override: forwarded as it came.
+    for (method, target, extra) in [
+        ("POST", "/other", "X-HTTP-Method-Override: DELETE\r\n"),
+        ("POST", "/api/items/7", "X-HTTP-Method-Override: PATCH\r\n"),
+        ("POST", "/api/items/7", "X-HTTP-Method-Override: POST\r\n"),
+        ("GET", "/api/items/7", "X-HTTP-Method-Override: DELETE\r\n"),
+    ] {
+        let answer = send(method, target, extra).await;
+        assert_eq!(status_of(&answer), Some(200), "{method} {target}: {answer}");
+    }
+    let answer = send("DELETE", "/api/items/7", "").await;
+    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    assert_eq!((deletes.hits(), app.hits()), (1, 4));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_egress_route_for_the_app_alone_is_not_reachable_through_the_front() {
     let (levee, app, egress) = levee_with_a_second_route(

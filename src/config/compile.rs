@@ -4921,6 +4921,11 @@ mod tests {
             "/x/shop/y",
             "/api/v1/z",
             "/static/",
+            "/index.php",
+            "/index.php/module-1/x",
+            "/module-1/index.php",
+            "/module-1/special/index.php/y",
+            "/ranking/index.php/x",
             "//x",
             "/module-1/x",
             "/module-1/special/y",
@@ -4948,6 +4953,78 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_path_finds_its_route_as_the_php_app_reads_it() {
+        let table = |routes: &[(&str, &str)]| {
+            let mut text = format!("{APP}[server]\ndefault_upstream = \"app\"\n");
+            for (name, matching) in routes {
+                text.push_str(&format!(
+                    "[[route]]\nname = \"{name}\"\nmatch = {matching}\n"
+                ));
+            }
+            compile(&files(&[("a.toml", &text)]), None).expect("compiles")
+        };
+        let route = |policy: &Policy, method: Method, path: &str| {
+            policy
+                .routes
+                .find(None, &method, path)
+                .map(|route| route.name.to_string())
+                .unwrap_or_default()
+        };
+        // A front controller reads `/index.php/admin/users` as `/admin/users`: the admin
+        // route holds for it, ahead of the catch-all the path as written falls on.
+        let site = table(&[
+            ("login", r#"{ method = ["POST"], path = "/login" }"#),
+            ("admin", r#"{ path_prefix = "/admin/" }"#),
+            ("home", r#"{ path = "/" }"#),
+            ("forum", r#"{ path = "/forum/index.php" }"#),
+            ("shop", r#"{ path_prefix = "/shop/" }"#),
+            ("site", r#"{ path_prefix = "/" }"#),
+        ]);
+        for (method, path, name) in [
+            (Method::POST, "/login", "login"),
+            (Method::POST, "/index.php/login", "login"),
+            (Method::GET, "/index.php/login", "site"),
+            (Method::GET, "/index.php/admin/users", "admin"),
+            (Method::GET, "/index.php/admin/", "admin"),
+            (Method::GET, "/admin/index.php", "admin"),
+            (Method::GET, "/index.php", "home"),
+            (Method::GET, "/index.php/", "home"),
+            (Method::GET, "/", "home"),
+            // A directory runs its index, and the index is the directory.
+            (Method::GET, "/forum/", "forum"),
+            (Method::GET, "/forum/index.php", "forum"),
+            (Method::GET, "/forum/index.php/topic/7", "forum"),
+            (Method::GET, "/shop/index.php/cart", "shop"),
+            (Method::GET, "/shop/x/index.php/cart", "shop"),
+            // Other scripts and look-alikes are read only as written.
+            (Method::GET, "/app.php/admin/users", "site"),
+            (Method::GET, "/index.phpx/admin/users", "site"),
+            (Method::GET, "/x/index.php.bak/admin/", "site"),
+            (Method::GET, "/about", "site"),
+        ] {
+            assert_eq!(route(&site, method.clone(), path), name, "{method} {path}");
+        }
+        // A route whose exact path names the script keeps its requests: a legacy site whose
+        // `/index.php?q=` is its search.
+        let legacy = table(&[
+            ("home", r#"{ path = "/" }"#),
+            ("search", r#"{ path = "/index.php" }"#),
+            ("admin", r#"{ path_prefix = "/admin" }"#),
+        ]);
+        assert_eq!(route(&legacy, Method::GET, "/index.php"), "search");
+        assert_eq!(route(&legacy, Method::GET, "/index.php/admin"), "search");
+        assert_eq!(route(&legacy, Method::GET, "/"), "home");
+        // With no route for the path as written, its reading's route holds; with none for
+        // either, the default upstream's.
+        let admin_only = table(&[("admin", r#"{ path_prefix = "/admin/" }"#)]);
+        assert_eq!(
+            route(&admin_only, Method::GET, "/index.php/admin/x"),
+            "admin"
+        );
+        assert_eq!(route(&admin_only, Method::GET, "/index.php/x"), "default");
     }
 
     #[test]

@@ -375,6 +375,23 @@ async fn forward(
             ));
         }
     }
+    // Frameworks run a POST as the method its override names (Symfony, Laravel, CakePHP,
+    // CodeIgniter, Yii), a plain PHP script runs it as the POST it is: when the two readings
+    // fall on different routes, either could escape a route's policy.
+    if request.method() == Method::POST {
+        for (overridden, named_by) in
+            route::method_overrides(request.headers(), request.uri().query())
+        {
+            let other = policy
+                .routes
+                .find_from(host, &overridden, &normal_path, Some(client_ip));
+            if !other.is_some_and(|other| Arc::ptr_eq(other, &route)) {
+                return Err(ProxyError::BadRequest(format!(
+                    "{named_by} ({overridden}) changes which route applies to this POST"
+                )));
+            }
+        }
+    }
     exchange.route = Some(route.clone());
 
     // Degrade: a route that is switched off answers with its action, without the upstream.

@@ -253,10 +253,13 @@ impl RouteTable {
         method: &Method,
         path: &str,
     ) -> Option<&Arc<Route>> {
-        self.routes
-            .iter()
-            .find(|route| route.matches(host, method, path, None))
-            .or(self.fallback.as_ref())
+        let walk = |path: &str| {
+            self.routes
+                .iter()
+                .enumerate()
+                .find(|(_, route)| route.matches(host, method, path, None))
+        };
+        self.as_php_reads(path, walk)
     }
 
     /// Whether `find` looks paths up by their first segment.
@@ -290,18 +293,112 @@ impl RouteTable {
         path: &str,
         client: Option<std::net::IpAddr>,
     ) -> Option<&Arc<Route>> {
-        let found = match &self.index {
+        let first = |path: &str| match &self.index {
             Some(index) => index
                 .candidates(host, path)
-                .filter_map(|at| self.routes.get(at as usize))
-                .find(|route| route.matches(host, method, path, client)),
+                .filter_map(|at| Some((at as usize, self.routes.get(at as usize)?)))
+                .find(|(_, route)| route.matches(host, method, path, client)),
             None => self
                 .routes
                 .iter()
-                .find(|route| route.matches(host, method, path, client)),
+                .enumerate()
+                .find(|(_, route)| route.matches(host, method, path, client)),
+        };
+        self.as_php_reads(path, first)
+    }
+
+    /// The route of `path` as the PHP app behind reads it: the first route, in policy order,
+    /// that matches the path as written or its other reading (`php_reading`), since a client
+    /// picks the spelling. A route whose exact `path` names the path as written (or its
+    /// script, before PATH_INFO) keeps it: the operator named that very script (a legacy
+    /// `/index.php` that answers searches by its query).
+    fn as_php_reads<'t>(
+        &'t self,
+        path: &str,
+        first: impl Fn(&str) -> Option<(usize, &'t Arc<Route>)>,
+    ) -> Option<&'t Arc<Route>> {
+        let written = first(path);
+        let named = written.is_some_and(|(_, route)| matches!(route.path, PathMatch::Exact(_)));
+        let found = match php_reading(path) {
+            Some(reading) if !named => match (written, first(&reading)) {
+                (Some((at, _)), Some((other_at, other))) if other_at < at => Some(other),
+                (None, Some((_, other))) => Some(other),
+                (written, _) => written.map(|(_, route)| route),
+            },
+            _ => written.map(|(_, route)| route),
         };
         found.or(self.fallback.as_ref())
     }
+}
+
+/// The methods other than POST that a POST's overrides name, each with what named it: the
+/// `X-HTTP-Method-Override` header (read by Symfony, Laravel, CakePHP, CodeIgniter, Yii,
+/// Slim) and a `_method` query parameter (Laravel's and Symfony's parameter override; a
+/// `_method` in a form body is not seen before the body is read). A value that is not a
+/// method name (letters) names none: no framework runs it.
+pub fn method_overrides(
+    headers: &http::HeaderMap,
+    query: Option<&str>,
+) -> Vec<(Method, &'static str)> {
+    let header = headers
+        .get_all("x-http-method-override")
+        .iter()
+        .map(|value| {
+            (
+                value.as_bytes().trim_ascii().to_vec(),
+                "X-HTTP-Method-Override",
+            )
+        });
+    let parameter = query
+        // PHP reads `%5Fmethod` and `.method` as `_method` too.
+        .filter(|query| query.contains("method") || query.contains('%'))
+        .and_then(|query| {
+            let source = crate::limit::key::Source::Query("_method".into());
+            let value = source.read_bytes(headers, Some(query))?;
+            Some((value.into_owned(), "the _method parameter"))
+        });
+    header
+        .chain(parameter)
+        .filter_map(|(mut name, named_by)| {
+            if name.is_empty() || !name.iter().all(u8::is_ascii_alphabetic) {
+                return None;
+            }
+            name.make_ascii_uppercase();
+            let method = Method::from_bytes(&name).ok()?;
+            (method != Method::POST).then_some((method, named_by))
+        })
+        .collect()
+}
+
+/// The script name PHP sites run for a directory (`index` in nginx and in levee's FastCGI
+/// settings, by default) and the front controller of nearly every framework (Laravel,
+/// Symfony, WordPress, Drupal, CodeIgniter).
+const DIRECTORY_INDEX: &str = "/index.php";
+
+/// The other spelling of a path that runs the same PHP script for the same page:
+/// `/index.php/admin/users` is `/admin/users` to a front controller (Symfony's and Laravel's
+/// path info, WordPress's `index.php` permalinks), `/forum/index.php` is `/forum/`, and
+/// `/forum/` runs `/forum/index.php`. `None` for any other path. Routes written for one
+/// spelling hold for the other, or a client would dodge a route's limits by writing the
+/// same request the other way.
+fn php_reading(path: &str) -> Option<std::borrow::Cow<'static, str>> {
+    use std::borrow::Cow;
+    if path == "/" {
+        // The most common request of all: no allocation.
+        return Some(Cow::Borrowed(DIRECTORY_INDEX));
+    }
+    let mut at = 0;
+    while let Some(found) = path.get(at..)?.find(DIRECTORY_INDEX) {
+        let start = at + found;
+        let end = start + DIRECTORY_INDEX.len();
+        match path.as_bytes().get(end) {
+            None => return Some(Cow::Owned(format!("{}/", &path[..start]))),
+            Some(b'/') => return Some(Cow::Owned(format!("{}{}", &path[..start], &path[end..]))),
+            Some(_) => at = end,
+        }
+    }
+    let directory = path.strip_suffix('/')?;
+    Some(Cow::Owned(format!("{directory}{DIRECTORY_INDEX}")))
 }
 
 /// Which routes a request can match, by its path's first segment (`module-7` of
@@ -630,6 +727,54 @@ mod tests {
         assert!(!page.matches("/about/x"));
         assert!(PathMatch::Exact("/Index.PHP".into()).matches("/Index.PHP/x"));
         assert!(!PathMatch::Exact("/".into()).matches("//"));
+    }
+
+    #[test]
+    fn a_posts_method_overrides_are_read_as_frameworks_read_them() {
+        let overrides = |header: Option<&str>, query: Option<&str>| {
+            let mut headers = http::HeaderMap::new();
+            if let Some(value) = header {
+                headers.insert(
+                    "x-http-method-override",
+                    http::HeaderValue::from_str(value).expect("value"),
+                );
+            }
+            method_overrides(&headers, query)
+                .into_iter()
+                .map(|(method, named_by)| format!("{method} by {named_by}"))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            overrides(Some("delete"), None),
+            ["DELETE by X-HTTP-Method-Override"]
+        );
+        assert_eq!(
+            overrides(None, Some("a=1&_method=PUT")),
+            ["PUT by the _method parameter"]
+        );
+        // PHP's names: `%5Fmethod` and `.method` are `_method`; the last of several wins.
+        for query in [
+            "%5Fmethod=PATCH",
+            ".method=PATCH",
+            "_method=GET&_method=PATCH",
+        ] {
+            assert_eq!(
+                overrides(None, Some(query)),
+                ["PATCH by the _method parameter"],
+                "{query}"
+            );
+        }
+        assert_eq!(overrides(Some("PUT"), Some("_method=DELETE")).len(), 2);
+        // POST itself, nothing, or what is no method name: no override.
+        for (header, query) in [
+            (Some("POST"), None),
+            (Some(""), Some("_method=")),
+            (Some("DEL ETE"), Some("_method=DE%00LETE")),
+            (None, Some("method=DELETE")),
+            (None, None),
+        ] {
+            assert!(overrides(header, query).is_empty(), "{header:?} {query:?}");
+        }
     }
 
     #[test]
