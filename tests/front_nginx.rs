@@ -14,6 +14,7 @@ echo json_encode([
     'remote_addr' => $_SERVER['REMOTE_ADDR'],
     'x_forwarded_for' => $_SERVER['HTTP_X_FORWARDED_FOR'] ?? null,
     'x_forwarded_host' => $_SERVER['HTTP_X_FORWARDED_HOST'] ?? null,
+    'host' => $_SERVER['HTTP_HOST'] ?? null,
     'method' => $_SERVER['REQUEST_METHOD'],
     'body' => file_get_contents('php://input'),
 ]);
@@ -118,6 +119,46 @@ async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it(
         "{}",
         claimed.text()
     );
+
+    // In an absolute-form request the request line's host wins over the Host field (RFC
+    // 9112), in both headers alike: levee routes by Host, an app may read X-Forwarded-Host.
+    // (Debian's fastcgi_params give PHP `HTTP_HOST` as the vhost's `$host`: lower case, no
+    // port.)
+    let front_addr = SocketAddr::from(([127, 0, 0, 1], front));
+    for (head, host) in [
+        (
+            "GET /index.php HTTP/1.1\r\nHost: Shop.Example:8443\r\n",
+            "shop.example",
+        ),
+        (
+            "GET /index.php HTTP/1.1\r\nHost: shop.example.\r\n",
+            "shop.example",
+        ),
+        (
+            "GET http://admin.example/index.php HTTP/1.1\r\nHost: www.example\r\n",
+            "admin.example",
+        ),
+        (
+            "GET http://www.example:8443/index.php HTTP/1.1\r\nHost: WWW.example:8443\r\n",
+            "www.example",
+        ),
+    ] {
+        let raw = raw_exchange(
+            front_addr,
+            format!("{head}Connection: close\r\n\r\n").as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await;
+        assert!(raw.starts_with("HTTP/1.1 200"), "{head}: {raw}");
+        let json = raw
+            .find('{')
+            .zip(raw.rfind('}'))
+            .and_then(|(start, end)| raw.get(start..=end))
+            .unwrap_or_default();
+        let app: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+        assert_eq!(app["host"], host, "{head}: {raw}");
+        assert_eq!(app["x_forwarded_host"], host, "{head}: {raw}");
+    }
 
     // A client that sends no Host (HTTP/1.0 allows it) still gets the page: nginx gives levee
     // one, which levee needs on the HTTP/1.1 it receives.
