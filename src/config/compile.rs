@@ -4958,11 +4958,11 @@ mod tests {
     #[test]
     fn a_path_finds_its_route_as_the_php_app_reads_it() {
         let table = |routes: &[(&str, &str)]| {
-            let mut text = format!("{APP}[server]\ndefault_upstream = \"app\"\n");
-            for (name, matching) in routes {
-                text.push_str(&format!(
-                    "[[route]]\nname = \"{name}\"\nmatch = {matching}\n"
-                ));
+            let mut text = format!(
+                "{APP}[upstream.admin]\nurl = \"http://127.0.0.1:8082\"\n[server]\ndefault_upstream = \"app\"\n"
+            );
+            for (name, rest) in routes {
+                text.push_str(&format!("[[route]]\nname = \"{name}\"\nmatch = {rest}\n"));
             }
             compile(&files(&[("a.toml", &text)]), None).expect("compiles")
         };
@@ -4977,6 +4977,7 @@ mod tests {
         // route holds for it, ahead of the catch-all the path as written falls on.
         let site = table(&[
             ("login", r#"{ method = ["POST"], path = "/login" }"#),
+            ("ajax", r#"{ path = "/admin/ajax.php" }"#),
             ("admin", r#"{ path_prefix = "/admin/" }"#),
             ("home", r#"{ path = "/" }"#),
             ("forum", r#"{ path = "/forum/index.php" }"#),
@@ -4989,21 +4990,25 @@ mod tests {
             (Method::GET, "/index.php/login", "site"),
             (Method::GET, "/index.php/admin/users", "admin"),
             (Method::GET, "/index.php/admin/", "admin"),
-            (Method::GET, "/admin/index.php", "admin"),
-            (Method::GET, "/index.php", "home"),
             (Method::GET, "/index.php/", "home"),
-            (Method::GET, "/", "home"),
-            // A directory runs its index, and the index is the directory.
-            (Method::GET, "/forum/", "forum"),
-            (Method::GET, "/forum/index.php", "forum"),
             (Method::GET, "/forum/index.php/topic/7", "forum"),
             (Method::GET, "/shop/index.php/cart", "shop"),
             (Method::GET, "/shop/x/index.php/cart", "shop"),
-            // Other scripts and look-alikes are read only as written.
+            // Only PATH_INFO after an index is read so: a directory, the index itself and
+            // other scripts are what they say.
+            (Method::GET, "/index.php", "site"),
+            (Method::GET, "/forum/", "site"),
             (Method::GET, "/app.php/admin/users", "site"),
             (Method::GET, "/index.phpx/admin/users", "site"),
             (Method::GET, "/x/index.php.bak/admin/", "site"),
             (Method::GET, "/about", "site"),
+            // The script run is the first `.php` segment: `/x.php/index.php/admin` runs
+            // `/x.php`.
+            (Method::GET, "/x.php/index.php/admin/y", "site"),
+            // A reading that names a script, on the same route as written or on none
+            // earlier.
+            (Method::GET, "/shop/index.php/x/cart.php", "shop"),
+            (Method::GET, "/index.php/x.php", "site"),
         ] {
             assert_eq!(route(&site, method.clone(), path), name, "{method} {path}");
         }
@@ -5025,6 +5030,55 @@ mod tests {
             "admin"
         );
         assert_eq!(route(&admin_only, Method::GET, "/index.php/x"), "default");
+        // Spellings on routes of different upstreams: neither is sure to be where the app
+        // runs the request.
+        let pools = table(&[
+            (
+                "admin",
+                "{ path_prefix = \"/admin/\" }\nupstream = \"admin\"",
+            ),
+            ("site", r#"{ path_prefix = "/" }"#),
+        ]);
+        let disagree = pools
+            .routes
+            .find_from(None, &Method::GET, "/index.php/admin/x", None)
+            .expect_err("spellings disagree");
+        assert_eq!(
+            disagree.to_string(),
+            "the path falls on route `site`, and as a front controller reads it (/admin/x) on route `admin` of another upstream"
+        );
+        assert_eq!(route(&pools, Method::GET, "/admin/x"), "admin");
+        // A FastCGI upstream's own front controller and index route what follows them too.
+        let symfony = {
+            let text = "[upstream.app]\nurl = \"fastcgi://127.0.0.1:9000\"\nfastcgi = { root = \"/srv/app/web\", index = \"default.php\", front_controller = \"/app.php\" }\n[server]\ndefault_upstream = \"app\"\n[[route]]\nname = \"admin\"\nmatch = { path_prefix = \"/admin/\" }\n";
+            compile(&files(&[("a.toml", text)]), None).expect("compiles")
+        };
+        for (path, name) in [
+            ("/app.php/admin/users", "admin"),
+            ("/index.php/admin/users", "admin"),
+            ("/default.php/admin/y", "admin"),
+            ("/x/default.php/admin/y", "default"),
+        ] {
+            assert_eq!(route(&symfony, Method::GET, path), name, "{path}");
+        }
+        assert_eq!(
+            route(&symfony, Method::GET, "/other.php/admin/y"),
+            "default"
+        );
+        // A reading that names a script on another route: `/admin/index.php/ajax.php` runs
+        // the admin's index, which the ajax route is not written for; and a front controller
+        // that routes `/admin/users/1.php` as an admin page is not the `site` route's.
+        for path in ["/admin/index.php/ajax.php", "/index.php/admin/users/1.php"] {
+            let disagree = site
+                .routes
+                .find_from(None, &Method::GET, path, None)
+                .expect_err("spellings disagree");
+            assert!(
+                disagree.to_string().ends_with("which names another script"),
+                "{path}: {disagree}"
+            );
+        }
+        assert_eq!(route(&pools, Method::GET, "/index.php/x"), "site");
     }
 
     #[test]

@@ -358,6 +358,7 @@ async fn forward(
     let route = policy
         .routes
         .find_from(host, request.method(), &normal_path, Some(client_ip))
+        .map_err(|disagree| ProxyError::BadRequest(disagree.to_string()))?
         .ok_or(ProxyError::NoRoute)?
         .clone();
     // `/%2Fpost.php` is `/post.php` to nginx but not to an app that keeps `%2F` in a segment:
@@ -369,7 +370,7 @@ async fn forward(
             policy
                 .routes
                 .find_from(host, request.method(), &decoded, Some(client_ip));
-        if !decoded_route.is_some_and(|other| Arc::ptr_eq(other, &route)) {
+        if !decoded_route.is_ok_and(|other| other.is_some_and(|other| Arc::ptr_eq(other, &route))) {
             return Err(ProxyError::BadRequest(
                 "an encoded slash (%2F) in the path changes which route applies".into(),
             ));
@@ -385,7 +386,7 @@ async fn forward(
             let other = policy
                 .routes
                 .find_from(host, &overridden, &normal_path, Some(client_ip));
-            if !other.is_some_and(|other| Arc::ptr_eq(other, &route)) {
+            if !other.is_ok_and(|other| other.is_some_and(|other| Arc::ptr_eq(other, &route))) {
                 return Err(ProxyError::BadRequest(format!(
                     "{named_by} ({overridden}) changes which route applies to this POST"
                 )));

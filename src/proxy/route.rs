@@ -219,6 +219,9 @@ pub struct RouteTable {
     by_host: bool,
     /// The routes a path may match, by its first segment: `None` for short tables.
     index: Option<SegmentIndex>,
+    /// Scripts that route what follows them (see `front_controller_reading`): `index.php`,
+    /// and every FastCGI upstream's `index` and `front_controller` (Symfony's `app.php`).
+    front_controllers: Box<[String]>,
 }
 
 /// Tables shorter than this are walked whole: the walk costs less than finding the segment.
@@ -228,11 +231,26 @@ impl RouteTable {
     pub fn new(routes: Vec<Arc<Route>>, fallback: Option<Arc<Route>>) -> RouteTable {
         let by_host = routes.iter().any(|route| !route.hosts.is_empty());
         let index = (routes.len() >= ROUTES_WORTH_AN_INDEX).then(|| SegmentIndex::new(&routes));
+        let mut front_controllers = vec![DIRECTORY_INDEX.to_string()];
+        for route in routes.iter().chain(fallback.as_ref()) {
+            if let Some(fastcgi) = &route.upstream.settings.fastcgi {
+                let scripts = std::iter::once(fastcgi.index.as_str())
+                    .chain(fastcgi.front_controller.as_deref());
+                for script in scripts {
+                    let name = script.rsplit('/').next().unwrap_or(script);
+                    if names_a_script(name) && !front_controllers.iter().any(|known| known == name)
+                    {
+                        front_controllers.push(name.to_string());
+                    }
+                }
+            }
+        }
         RouteTable {
             routes,
             fallback,
             by_host,
             index,
+            front_controllers: front_controllers.into_boxed_slice(),
         }
     }
 
@@ -253,13 +271,14 @@ impl RouteTable {
         method: &Method,
         path: &str,
     ) -> Option<&Arc<Route>> {
-        let walk = |path: &str| {
+        let walk = |path: &str, before: usize| {
             self.routes
                 .iter()
+                .take(before)
                 .enumerate()
                 .find(|(_, route)| route.matches(host, method, path, None))
         };
-        self.as_php_reads(path, walk)
+        self.as_php_reads(path, walk).ok().flatten()
     }
 
     /// Whether `find` looks paths up by their first segment.
@@ -280,54 +299,108 @@ impl RouteTable {
 
     /// `find_from` for a client levee does not know: routes limited to some clients are
     /// not found.
+    /// A path whose spellings disagree finds none.
     pub fn find(&self, host: Option<&str>, method: &Method, path: &str) -> Option<&Arc<Route>> {
-        self.find_from(host, method, path, None)
+        self.find_from(host, method, path, None).ok().flatten()
     }
 
     /// `host` is without port (see `host_of`); `path` is normalised; `client` is the client's
-    /// address as levee resolved it.
+    /// address as levee resolved it. The path is also read as a front controller reads it
+    /// (see `as_php_reads`).
     pub fn find_from(
         &self,
         host: Option<&str>,
         method: &Method,
         path: &str,
         client: Option<std::net::IpAddr>,
-    ) -> Option<&Arc<Route>> {
-        let first = |path: &str| match &self.index {
+    ) -> Result<Option<&Arc<Route>>, SpellingsDisagree> {
+        // The first route of those before position `before` that matches `path`.
+        let first = |path: &str, before: usize| match &self.index {
             Some(index) => index
                 .candidates(host, path)
+                .take_while(|at| (*at as usize) < before)
                 .filter_map(|at| Some((at as usize, self.routes.get(at as usize)?)))
                 .find(|(_, route)| route.matches(host, method, path, client)),
             None => self
                 .routes
                 .iter()
+                .take(before)
                 .enumerate()
                 .find(|(_, route)| route.matches(host, method, path, client)),
         };
         self.as_php_reads(path, first)
     }
 
-    /// The route of `path` as the PHP app behind reads it: the first route, in policy order,
-    /// that matches the path as written or its other reading (`php_reading`), since a client
-    /// picks the spelling. A route whose exact `path` names the path as written (or its
-    /// script, before PATH_INFO) keeps it: the operator named that very script (a legacy
-    /// `/index.php` that answers searches by its query).
+    /// The route of `path` as the PHP app behind reads it: a front controller runs
+    /// `/index.php/admin/users` as `/admin/users` (see `front_controller_reading`), so the
+    /// first route in policy order that matches either spelling applies, since a client picks
+    /// the spelling. The route of the path as written stays when it is the first of all, or
+    /// its exact `path` names the script (a legacy `/index.php` that is a page of its own).
+    /// When the two spellings fall on routes of different upstreams, neither can be trusted
+    /// to be where the app runs the request; when the reading names a script
+    /// (`/admin/index.php/ajax.php` as `/admin/ajax.php`), its route is written for a script
+    /// that does not run, and the written one for a page the front controller does not
+    /// serve: either way, `SpellingsDisagree`.
     fn as_php_reads<'t>(
         &'t self,
         path: &str,
-        first: impl Fn(&str) -> Option<(usize, &'t Arc<Route>)>,
-    ) -> Option<&'t Arc<Route>> {
-        let written = first(path);
-        let named = written.is_some_and(|(_, route)| matches!(route.path, PathMatch::Exact(_)));
-        let found = match php_reading(path) {
-            Some(reading) if !named => match (written, first(&reading)) {
-                (Some((at, _)), Some((other_at, other))) if other_at < at => Some(other),
-                (None, Some((_, other))) => Some(other),
-                (written, _) => written.map(|(_, route)| route),
-            },
-            _ => written.map(|(_, route)| route),
+        first: impl Fn(&str, usize) -> Option<(usize, &'t Arc<Route>)>,
+    ) -> Result<Option<&'t Arc<Route>>, SpellingsDisagree> {
+        let written = first(path, usize::MAX);
+        // Only a route before the written spelling's can change what applies.
+        let before = match written {
+            Some((at, route)) if at == 0 || matches!(route.path, PathMatch::Exact(_)) => {
+                return Ok(Some(route))
+            }
+            Some((at, _)) => at,
+            None => usize::MAX,
         };
-        found.or(self.fallback.as_ref())
+        let written = written.map(|(_, route)| route).or(self.fallback.as_ref());
+        let Some((reading, names_a_script)) =
+            front_controller_reading(path, &self.front_controllers)
+        else {
+            return Ok(written);
+        };
+        match (written, first(&reading, before)) {
+            (Some(written), Some((_, read)))
+                if names_a_script || !Arc::ptr_eq(&written.upstream, &read.upstream) =>
+            {
+                Err(SpellingsDisagree {
+                    written: written.name.clone(),
+                    read: read.name.clone(),
+                    reading,
+                    why: if names_a_script {
+                        "which names another script"
+                    } else {
+                        "of another upstream"
+                    },
+                })
+            }
+            (_, Some((_, read))) => Ok(Some(read)),
+            (written, None) => Ok(written),
+        }
+    }
+}
+
+/// A path whose two spellings (see `RouteTable::as_php_reads`) fall on routes of different
+/// upstreams.
+#[derive(Debug)]
+pub struct SpellingsDisagree {
+    pub written: RouteName,
+    pub read: RouteName,
+    /// The path as a front controller reads it.
+    pub reading: String,
+    /// Why the reading's route cannot simply apply.
+    pub why: &'static str,
+}
+
+impl fmt::Display for SpellingsDisagree {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the path falls on route `{}`, and as a front controller reads it ({}) on route `{}` {}",
+            self.written, self.reading, self.read, self.why
+        )
     }
 }
 
@@ -370,36 +443,50 @@ pub fn method_overrides(
         .collect()
 }
 
+/// The path a front controller routes by when the request names it with PATH_INFO:
+/// `/index.php/admin/users` is `/admin/users` to Symfony and Laravel (their path info),
+/// WordPress (`index.php` permalinks), Joomla and CodeIgniter, as `/shop/index.php/cart` is
+/// `/shop/cart` to a shop's own; and whether that reading names a script itself
+/// (`/wp-admin/index.php/admin-ajax.php` runs the dashboard, not `admin-ajax.php`). `None`
+/// unless the script run (the first segment ending in `.php`, as levee's FastCGI client and
+/// `fastcgi_split_path_info` find it) is one of `front_controllers` with more after it.
+fn front_controller_reading(path: &str, front_controllers: &[String]) -> Option<(String, bool)> {
+    // Most paths name no front controller: a search or two, and no walk over their segments.
+    if !front_controllers
+        .iter()
+        .any(|name| path.contains(name.as_str()))
+    {
+        return None;
+    }
+    let mut start = 0;
+    while start < path.len() {
+        let end = path
+            .get(start + 1..)?
+            .find('/')
+            .map_or(path.len(), |at| start + 1 + at);
+        let segment = path.get(start + 1..end)?;
+        if names_a_script(segment) {
+            let rest = path.get(end..)?;
+            if rest.is_empty() || !front_controllers.iter().any(|name| name == segment) {
+                return None;
+            }
+            let reading = format!("{}{rest}", path.get(..start)?);
+            return Some((reading, rest.split('/').any(names_a_script)));
+        }
+        start = end;
+    }
+    None
+}
+
+/// Whether a path segment names a PHP script (`x.php`, `X.PHP`).
+fn names_a_script(segment: &str) -> bool {
+    segment.len() > 4 && segment.as_bytes()[segment.len() - 4..].eq_ignore_ascii_case(b".php")
+}
+
 /// The script name PHP sites run for a directory (`index` in nginx and in levee's FastCGI
 /// settings, by default) and the front controller of nearly every framework (Laravel,
 /// Symfony, WordPress, Drupal, CodeIgniter).
-const DIRECTORY_INDEX: &str = "/index.php";
-
-/// The other spelling of a path that runs the same PHP script for the same page:
-/// `/index.php/admin/users` is `/admin/users` to a front controller (Symfony's and Laravel's
-/// path info, WordPress's `index.php` permalinks), `/forum/index.php` is `/forum/`, and
-/// `/forum/` runs `/forum/index.php`. `None` for any other path. Routes written for one
-/// spelling hold for the other, or a client would dodge a route's limits by writing the
-/// same request the other way.
-fn php_reading(path: &str) -> Option<std::borrow::Cow<'static, str>> {
-    use std::borrow::Cow;
-    if path == "/" {
-        // The most common request of all: no allocation.
-        return Some(Cow::Borrowed(DIRECTORY_INDEX));
-    }
-    let mut at = 0;
-    while let Some(found) = path.get(at..)?.find(DIRECTORY_INDEX) {
-        let start = at + found;
-        let end = start + DIRECTORY_INDEX.len();
-        match path.as_bytes().get(end) {
-            None => return Some(Cow::Owned(format!("{}/", &path[..start]))),
-            Some(b'/') => return Some(Cow::Owned(format!("{}{}", &path[..start], &path[end..]))),
-            Some(_) => at = end,
-        }
-    }
-    let directory = path.strip_suffix('/')?;
-    Some(Cow::Owned(format!("{directory}{DIRECTORY_INDEX}")))
-}
+const DIRECTORY_INDEX: &str = "index.php";
 
 /// Which routes a request can match, by its path's first segment (`module-7` of
 /// `/module-7/list.php`) and by its host. Most routes of a large table name their first
