@@ -11,6 +11,46 @@ use prometheus_client::registry::Registry;
 
 use crate::proxy::route::RouteName;
 
+/// A label value written in the policy or learned at run time (an upstream's or module's
+/// name, a Redis node's address): any text, so `"`, `\` and line breaks are escaped as the
+/// text format asks. The encoder writes values as given, and one quote in a name made every
+/// scrape of the whole page fail.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct LabelText(pub String);
+
+impl From<String> for LabelText {
+    fn from(text: String) -> LabelText {
+        LabelText(text)
+    }
+}
+
+impl From<&str> for LabelText {
+    fn from(text: &str) -> LabelText {
+        LabelText(text.to_string())
+    }
+}
+
+impl EncodeLabelValue for LabelText {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        write_escaped(encoder, &self.0)
+    }
+}
+
+/// Writes `text` as a label value: `\` as `\\`, `"` as `\"`, a line feed as `\n`.
+pub(crate) fn write_escaped(out: &mut impl std::fmt::Write, text: &str) -> std::fmt::Result {
+    let mut rest = text;
+    while let Some(at) = rest.find(['\\', '"', '\n']) {
+        out.write_str(&rest[..at])?;
+        out.write_str(match rest.as_bytes()[at] {
+            b'\\' => "\\\\",
+            b'"' => "\\\"",
+            _ => "\\n",
+        })?;
+        rest = &rest[at + 1..];
+    }
+    out.write_str(rest)
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteStatusLabels {
     pub route: RouteName,
@@ -24,7 +64,7 @@ pub struct RouteLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamErrorLabels {
-    pub upstream: String,
+    pub upstream: LabelText,
     pub kind: &'static str,
 }
 
@@ -99,31 +139,31 @@ pub struct RedisStateLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RedisNodeLabels {
-    pub node: String,
+    pub node: LabelText,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BreakerLabels {
-    pub upstream: String,
+    pub upstream: LabelText,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BreakerTransitionLabels {
-    pub upstream: String,
+    pub upstream: LabelText,
     /// open, half_open, closed
     pub to: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BreakerProbeLabels {
-    pub upstream: String,
+    pub upstream: LabelText,
     /// success, failure
     pub result: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModuleLabels {
-    pub module: String,
+    pub module: LabelText,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -135,7 +175,7 @@ pub struct DegradedLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ShedLabels {
-    pub upstream: String,
+    pub upstream: LabelText,
     pub tier: u8,
 }
 
@@ -147,12 +187,12 @@ pub struct LevelChangeLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct QueueLabels {
-    pub route: String,
+    pub route: LabelText,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct QueueResultLabels {
-    pub route: String,
+    pub route: LabelText,
     /// done, retry, permanent, held
     pub result: &'static str,
 }
@@ -160,6 +200,8 @@ pub struct QueueResultLabels {
 /// All of levee's metrics. Handles are cheap clones of shared atomics.
 pub struct Metrics {
     pub registry: Registry,
+    /// Held through a scrape (see `scrape`).
+    scraping: std::sync::Mutex<()>,
     pub requests: Family<RouteStatusLabels, Counter>,
     pub request_duration: Family<RouteLabels, Histogram>,
     pub upstream_errors: Family<UpstreamErrorLabels, Counter>,
@@ -505,6 +547,7 @@ impl Metrics {
         );
         Metrics {
             registry,
+            scraping: std::sync::Mutex::new(()),
             queue_enqueued,
             queue_replayed,
             queue_retries,
@@ -541,6 +584,19 @@ impl Metrics {
         }
     }
 
+    /// Runs `update` (what only a scrape sets: it may clear a family and fill it again) and
+    /// encodes the page, one scrape at a time: a second scrape at once (two dashboard tabs,
+    /// two Prometheus servers) encoded a family between its clearing and its filling, and a
+    /// breaker's state was missing from its page.
+    pub fn scrape(&self, update: impl FnOnce()) -> String {
+        let _one_at_a_time = self
+            .scraping
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        update();
+        self.encode()
+    }
+
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
@@ -553,6 +609,33 @@ impl Metrics {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn names_with_quotes_and_backslashes_are_escaped_in_label_values() {
+        let metrics = Metrics::new();
+        metrics
+            .requests
+            .get_or_create(&RouteStatusLabels {
+                route: RouteName(Arc::from(r#"api "v2"\"#)),
+                status: 200,
+            })
+            .inc();
+        metrics
+            .breaker_state
+            .get_or_create(&BreakerLabels {
+                upstream: "php \\ \"fpm\"\n".into(),
+            })
+            .set(1);
+        let text = metrics.encode();
+        assert!(
+            text.contains(r#"levee_requests_total{route="api \"v2\"\\",status="200"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"levee_breaker_state{upstream="php \\ \"fpm\"\n"} 1"#),
+            "{text}"
+        );
+    }
 
     #[test]
     fn a_rules_cached_decision_series_are_the_families_own_across_reloads() {

@@ -263,7 +263,7 @@ impl ClusterHealth {
 /// The `levee_redis_node_up` series of a node.
 pub fn labels(node: &Node) -> RedisNodeLabels {
     RedisNodeLabels {
-        node: node.address.to_string(),
+        node: node.address.to_string().into(),
     }
 }
 
@@ -428,7 +428,7 @@ mod tests {
             ["10.0.0.3:7002", "10.0.0.2:7001", UNMAPPED]
         );
         let series = |address: &str| RedisNodeLabels {
-            node: address.to_string(),
+            node: address.to_string().into(),
         };
         assert!(
             !node_up.remove(&series("10.0.0.1:7000")),

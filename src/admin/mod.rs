@@ -121,14 +121,16 @@ async fn answer(
             json_response(StatusCode::OK, &answer)
         }
         (&Method::GET, "/metrics") => {
-            publish_upstream_states(&shared);
-            // Read now: a background call may have found Redis back, or gone, since the
-            // last rate-limit call set it.
-            // Without a `[redis]` (a reload took it out) nothing is down: an alert on 0 set
-            // while it was there must clear.
-            let up = shared.store.load().redis.as_ref().is_none_or(|redis| redis.is_up());
-            shared.metrics.redis_up.set(i64::from(up));
-            let mut response = text_response(StatusCode::OK, shared.metrics.encode());
+            let page = shared.metrics.scrape(|| {
+                publish_upstream_states(&shared);
+                // Read now: a background call may have found Redis back, or gone, since the
+                // last rate-limit call set it.
+                // Without a `[redis]` (a reload took it out) nothing is down: an alert on 0
+                // set while it was there must clear.
+                let up = shared.store.load().redis.as_ref().is_none_or(|redis| redis.is_up());
+                shared.metrics.redis_up.set(i64::from(up));
+            });
+            let mut response = text_response(StatusCode::OK, page);
             // The body is OpenMetrics text (`_total` samples under a `# TYPE x counter`, and
             // `# EOF`): named as such, Prometheus parses it as such. Called 0.0.4 text, its
             // counters read as untyped.
@@ -204,7 +206,7 @@ fn publish_upstream_states(shared: &Shared) {
     let now = tokio::time::Instant::now();
     for upstream in policy.upstreams.values() {
         let labels = crate::metrics::BreakerLabels {
-            upstream: upstream.name.clone(),
+            upstream: upstream.name.clone().into(),
         };
         gauges
             .get_or_create(&labels)

@@ -226,7 +226,7 @@ impl Breaker {
 
     fn labels(&self) -> BreakerLabels {
         BreakerLabels {
-            upstream: self.upstream.clone(),
+            upstream: self.upstream.clone().into(),
         }
     }
 
@@ -252,7 +252,7 @@ impl Breaker {
         metrics
             .breaker_transitions
             .get_or_create(&BreakerTransitionLabels {
-                upstream: self.upstream.clone(),
+                upstream: self.upstream.clone().into(),
                 to,
             })
             .inc();
@@ -349,7 +349,7 @@ impl Permit {
             metrics
                 .breaker_probes
                 .get_or_create(&BreakerProbeLabels {
-                    upstream: self.breaker.upstream.clone(),
+                    upstream: self.breaker.upstream.clone().into(),
                     result,
                 })
                 .inc();

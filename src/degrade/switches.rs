@@ -399,7 +399,7 @@ pub fn publish(degrade: &Degrade, policy: &Policy, metrics: &Metrics) {
         metrics
             .module_off
             .get_or_create(&ModuleLabels {
-                module: module.clone(),
+                module: module.clone().into(),
             })
             .set(i64::from(view.module_off(module)));
     }

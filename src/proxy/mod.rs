@@ -657,7 +657,7 @@ async fn forward(
                     .metrics
                     .shed
                     .get_or_create(&ShedLabels {
-                        upstream: route.upstream.name.clone(),
+                        upstream: route.upstream.name.clone().into(),
                         tier: route.tier,
                     })
                     .inc();
@@ -1380,7 +1380,7 @@ fn count_upstream_error(metrics: &Metrics, route: &Route, error: &ProxyError) {
     metrics
         .upstream_errors
         .get_or_create(&UpstreamErrorLabels {
-            upstream: route.upstream.name.clone(),
+            upstream: route.upstream.name.clone().into(),
             kind: error.kind(),
         })
         .inc();

@@ -32,7 +32,7 @@ impl prometheus_client::encoding::EncodeLabelValue for RouteName {
         &self,
         encoder: &mut prometheus_client::encoding::LabelValueEncoder,
     ) -> Result<(), fmt::Error> {
-        fmt::Write::write_str(encoder, &self.0)
+        crate::metrics::write_escaped(encoder, &self.0)
     }
 }
 

@@ -406,7 +406,7 @@ fn count_unconfirmed(metrics: &Metrics, route: &Route, result: &'static str) {
     metrics
         .queue_unconfirmed
         .get_or_create(&QueueResultLabels {
-            route: route.name.to_string(),
+            route: route.name.to_string().into(),
             result,
         })
         .inc();
@@ -662,7 +662,7 @@ pub async fn enqueue(
     metrics
         .queue_enqueued
         .get_or_create(&QueueLabels {
-            route: route.name.to_string(),
+            route: route.name.to_string().into(),
         })
         .inc();
     let (template, content_type) = if wants_json {

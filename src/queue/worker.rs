@@ -681,7 +681,7 @@ fn is_no_group(error: &RedisFailure) -> bool {
 
 async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, route: &str) {
     let labels = QueueLabels {
-        route: route.to_string(),
+        route: route.to_string().into(),
     };
     let mut length = redis::cmd("XLEN");
     length.arg(&keys.stream);
@@ -1020,7 +1020,7 @@ impl Pass<'_> {
             };
             let result = replay(shared, route, &job, stop).await;
             let labels = QueueResultLabels {
-                route: route.name.to_string(),
+                route: route.name.to_string().into(),
                 result: result.label(),
             };
             shared.metrics.queue_replayed.get_or_create(&labels).inc();
@@ -1313,7 +1313,7 @@ impl Pass<'_> {
     fn count(&self, counter: &Family<QueueLabels, Counter>) {
         counter
             .get_or_create(&QueueLabels {
-                route: self.route.name.to_string(),
+                route: self.route.name.to_string().into(),
             })
             .inc();
     }
@@ -1339,7 +1339,7 @@ impl Pass<'_> {
                     .metrics
                     .queue_dead_letters_dropped
                     .get_or_create(&QueueLabels {
-                        route: self.route.name.to_string(),
+                        route: self.route.name.to_string().into(),
                     })
                     .inc_by(dropped);
             }
