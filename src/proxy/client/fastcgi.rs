@@ -328,9 +328,12 @@ fn encode_begin(
     params.add(b"CONTENT_LENGTH", length.unwrap_or_default());
     params.add(b"CONTENT_TYPE", content_type.unwrap_or_default());
     params.add(b"GATEWAY_INTERFACE", b"CGI/1.1");
+    // "nginx" in it: apps ask it what rewrites the server does, and levee runs PHP as
+    // nginx's fastcgi_params and try_files do. WordPress finds no URL rewriting without it
+    // ($is_nginx), and offers `/index.php/…` permalinks that would change every post's URL.
     params.add(
         b"SERVER_SOFTWARE",
-        concat!("levee/", env!("CARGO_PKG_VERSION")).as_bytes(),
+        concat!("levee/", env!("CARGO_PKG_VERSION"), " (nginx-compatible)").as_bytes(),
     );
     params.add(b"SERVER_PROTOCOL", b"HTTP/1.1");
     params.add(b"REQUEST_METHOD", method.as_bytes());
@@ -847,9 +850,17 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
             continue;
         }
         if is_file_handoff(&name) {
-            // The vhost's nginx (or Apache) served the file these name; levee serves none,
-            // and a front nginx would act on them in its own location space.
-            warn_of_file_handoff(&name);
+            // The vhost's nginx (or Apache) sent the file this names instead of the answer's
+            // body, which is empty or a placeholder. levee serves no files, and a front
+            // nginx would act on the field in its own location space: passed on, or dropped
+            // for a 200, the visitor would save an empty file with no error anywhere.
+            return Err(ClientError::UnpassableField(format!(
+                "the app asks its web server to send a file in the answer's place ({name}), which levee does not do: serve such downloads from an nginx vhost (an http upstream) or have PHP send the file itself"
+            )));
+        }
+        if name.as_str().starts_with("x-accel-") {
+            // The vhost's own hints (X-Accel-Buffering, -Limit-Rate, -Expires, -Charset):
+            // no one's after levee, which never passes them on for a front to act on.
             continue;
         }
         let value = HeaderValue::from_maybe_shared(shared_slice(&head, field.value))
@@ -890,22 +901,11 @@ fn shared_slice(whole: &Bytes, part: &[u8]) -> Bytes {
     }
 }
 
-/// A field that asks the web server in front of PHP to send a file in the answer's place
-/// (`X-Accel-Redirect` and the other `X-Accel-*` of nginx, `X-Sendfile` of Apache and
-/// lighttpd).
+/// A field that asks the web server in front of PHP to send a file in the answer's place:
+/// nginx's `X-Accel-Redirect`, Apache's and lighttpd's `X-Sendfile`.
 fn is_file_handoff(name: &HeaderName) -> bool {
     let name = name.as_str();
-    name.starts_with("x-accel-") || name == "x-sendfile" || name == "x-lighttpd-send-file"
-}
-
-fn warn_of_file_handoff(name: &HeaderName) {
-    static HANDOFF_LOG: LogThrottle = LogThrottle::new(Duration::from_secs(60));
-    if let Some(held_back) = HANDOFF_LOG.allow(std::time::Instant::now()) {
-        tracing::warn!(
-            field = %name,
-            "a PHP answer asks its web server to send a file ({name}); levee serves no files and drops the field: serve those files from the front nginx ({held_back} more not logged)"
-        );
-    }
+    name == "x-accel-redirect" || name == "x-sendfile" || name == "x-lighttpd-send-file"
 }
 
 impl Client {
