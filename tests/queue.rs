@@ -1902,6 +1902,42 @@ async fn dead_letters_are_listed_page_by_page() {
     }
 }
 
+/// A page of dead letters stops after a few MiB of their bodies (1 MiB each by default): a
+/// page of a thousand was a gigabyte in one reply, on the connection rate-limit calls share.
+/// The rest is on the next page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_of_dead_letters_stops_after_a_few_mib_of_bodies() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    let dead = "levee:queue:{notify}:dead";
+    redis.cli(&[
+        "EVAL",
+        "for i = 1, 60 do redis.call('XADD', KEYS[1], i .. '-0', 'error', 'x', 'body', string.rep('b', 100000)) end",
+        "1",
+        dead,
+    ]);
+    let first = get(&levee.admin_url("/queues/notify/dead?limit=100")).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let listed = first.json().as_array().map_or(0, Vec::len);
+    assert!(
+        (40..60).contains(&listed),
+        "{listed} letters on the first page"
+    );
+    let next = first.header("link").expect("a next page").to_string();
+    let before = next
+        .split("before=")
+        .nth(1)
+        .and_then(|rest| rest.split('>').next())
+        .expect("before")
+        .to_string();
+    let rest =
+        get(&levee.admin_url(&format!("/queues/notify/dead?limit=100&before={before}"))).await;
+    assert_eq!(rest.json().as_array().map_or(0, Vec::len), 60 - listed);
+    assert_eq!(rest.header("link"), None);
+}
+
 /// A dead letter keeps its whole body until an operator retries or drops it: a client sending
 /// work the app refuses must not fill Redis with them, which would stop every queue, switch
 /// and shared limit. The oldest go beyond `max_dead_letters`, counted and logged.

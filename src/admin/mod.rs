@@ -410,14 +410,11 @@ async fn dead_letter_request(
                 Ok(page) => page,
                 Err(reason) => return text_response(StatusCode::BAD_REQUEST, format!("400 {reason}\n")),
             };
-            // One more than asked: whether there are older letters, and where they start.
-            let listed = worker::dead_letters(redis, &keys, page.limit + 1, page.before.as_deref()).await;
-            let Ok(mut jobs) = listed else {
+            let listed = worker::dead_letters(redis, &keys, page.limit, page.before.as_deref()).await;
+            let Ok((jobs, more)) = listed else {
                 let error = listed.err().map(|error| error.to_string()).unwrap_or_default();
                 return text_response(StatusCode::SERVICE_UNAVAILABLE, format!("503 {error}\n"));
             };
-            let more = jobs.len() > page.limit;
-            jobs.truncate(page.limit);
             let mut response = json_response(
                 StatusCode::OK,
                 &json!(jobs
@@ -436,7 +433,9 @@ async fn dead_letter_request(
             );
             // Older letters are there: the next page, as a `Link` (RFC 8288) a script follows.
             if let (true, Some((last, _))) = (more, jobs.last()) {
-                let next = format!("</queues/{}/dead?limit={}&before={last}>; rel=\"next\"", parts[0], page.limit);
+                // The name as a path segment again: `通知` or `my api` make no header value.
+                let route = crate::admin::client::path_segment(parts[0]);
+                let next = format!("</queues/{route}/dead?limit={}&before={last}>; rel=\"next\"", page.limit);
                 if let Ok(value) = http::HeaderValue::from_str(&next) {
                     response.headers_mut().insert(http::header::LINK, value);
                 }

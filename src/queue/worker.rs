@@ -1392,28 +1392,51 @@ return redis.call('XDEL', KEYS[1], ARGV[2])
     }
 }
 
-/// Dead letters of a route, newest first (at most `count`).
-/// The newest `count` dead letters, or the newest older than the letter `before`.
+/// Dead letters read per call while listing them.
+const DEAD_LETTER_BATCH: usize = 16;
+
+/// Bodies a listing reads at most before it stops (each up to `[queue] max_body`, 1 MiB by
+/// default): a page of a thousand was a gigabyte in one reply, on the connection rate-limit
+/// calls wait on, and they timed out behind it into their fallbacks.
+const DEAD_LETTER_PAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// The newest `limit` dead letters of a route, or the newest older than the letter `before`,
+/// and whether older ones may remain: read `DEAD_LETTER_BATCH` at a time, and fewer than
+/// `limit` when `DEAD_LETTER_PAGE_BYTES` of them were read first (the next page has the rest).
 pub async fn dead_letters(
     redis: &RedisStore,
     keys: &QueueKeys,
-    count: usize,
+    limit: usize,
     before: Option<&str>,
-) -> Result<Vec<(String, Job)>, RedisFailure> {
-    let mut command = redis::cmd("XREVRANGE");
-    command
-        .arg(&keys.dead)
-        .arg(before.map_or_else(|| "+".to_string(), |id| format!("({id}")))
-        .arg("-")
-        .arg("COUNT")
-        .arg(count);
-    let value: redis::Value = redis
-        .command(&command, redis.background_bound(), None)
-        .await?;
-    Ok(entries(&value)
-        .into_iter()
-        // Listed with what could be read, not left out: an operator must see every letter.
-        .map(|(id, fields)| {
+) -> Result<(Vec<(String, Job)>, bool), RedisFailure> {
+    let mut letters = Vec::new();
+    let mut bytes = 0;
+    let mut older_than = before.map(str::to_string);
+    loop {
+        // One more than the page needs: whether there are older letters.
+        let wanted = (limit + 1 - letters.len()).min(DEAD_LETTER_BATCH);
+        let mut command = redis::cmd("XREVRANGE");
+        command
+            .arg(&keys.dead)
+            .arg(
+                older_than
+                    .as_ref()
+                    .map_or_else(|| "+".to_string(), |id| format!("({id}")),
+            )
+            .arg("-")
+            .arg("COUNT")
+            .arg(wanted);
+        let value: redis::Value = redis
+            .command(&command, redis.background_bound(), None)
+            .await?;
+        let batch = entries(&value);
+        let read = batch.len();
+        for (id, fields) in batch {
+            if letters.len() == limit {
+                return Ok((letters, true));
+            }
+            bytes += fields.values().map(Vec::len).sum::<usize>();
+            // Listed with what could be read, not left out: an operator must see every letter.
             let job = Job::from_fields(&id, &fields).unwrap_or_else(|unreadable| {
                 let mut salvaged = unreadable.salvaged;
                 salvaged.last_error = salvaged
@@ -1421,9 +1444,16 @@ pub async fn dead_letters(
                     .or_else(|| Some(format!("unreadable job: {}", unreadable.reason)));
                 salvaged
             });
-            (id, job)
-        })
-        .collect())
+            older_than = Some(id.clone());
+            letters.push((id, job));
+        }
+        if read < wanted {
+            return Ok((letters, false));
+        }
+        if bytes >= DEAD_LETTER_PAGE_BYTES {
+            return Ok((letters, true));
+        }
+    }
 }
 
 /// What became of a dead letter an operator retried or dropped.
