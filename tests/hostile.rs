@@ -476,6 +476,85 @@ async fn a_client_that_stops_reading_is_cut_off_and_its_upstream_answer_let_go()
     assert_eq!(answer.status, 200);
 }
 
+/// The admin listener holds at most 64 connections (past them a new one is closed at once),
+/// and one whose client sends requests and never reads their answers is closed after
+/// `send_timeout`, as the public listener's are: neither can use up the file descriptors
+/// the public listener needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_caps_its_connections_and_drops_clients_that_never_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "send_timeout = \"1s\"\nheader_read_timeout = \"60s\"",
+        "",
+    ))
+    .await;
+    // A client that asks for the dashboard over and over and reads nothing.
+    let mut writer = tokio::net::TcpStream::connect(levee.admin)
+        .await
+        .expect("connect");
+    let ask = b"GET /dashboard HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(64);
+    // (The stream is given back, not dropped: a client that closes is not one that stalls.)
+    let stalled = tokio::spawn(async move {
+        for _ in 0..1000 {
+            if writer.write_all(&ask).await.is_err() {
+                break;
+            }
+        }
+        writer
+    });
+    // 63 more that send nothing: the listener is full.
+    let mut idle = Vec::new();
+    for _ in 0..63 {
+        idle.push(
+            tokio::net::TcpStream::connect(levee.admin)
+                .await
+                .expect("connect"),
+        );
+    }
+    // Closed at once while the 64 are open: the connect, the write or the read sees it.
+    let refused = async {
+        let Ok(mut extra) = tokio::net::TcpStream::connect(levee.admin).await else {
+            return true;
+        };
+        if extra
+            .write_all(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            .await
+            .is_err()
+        {
+            return true;
+        }
+        let mut answer = Vec::new();
+        let read =
+            tokio::time::timeout(Duration::from_secs(5), extra.read_to_end(&mut answer)).await;
+        matches!(read, Ok(Ok(0)) | Ok(Err(_)))
+    };
+    let first = refused.await;
+    // Once the writer that never reads is dropped, a new connection is served.
+    eventually(
+        Duration::from_secs(20),
+        "the connection that never reads to be closed, and its slot taken by another",
+        || async {
+            let Ok(mut stream) = tokio::net::TcpStream::connect(levee.admin).await else {
+                return false;
+            };
+            let request = b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+            if stream.write_all(request).await.is_err() {
+                return false;
+            }
+            let mut answer = Vec::new();
+            let _ =
+                tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut answer)).await;
+            answer.starts_with(b"HTTP/1.1 200")
+        },
+    )
+    .await;
+    assert!(first, "a 65th connection was served");
+    let _ = tokio::time::timeout(Duration::from_secs(10), stalled).await;
+    drop(idle);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_asked_in_http_1_0_is_not_passed_on() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -4,7 +4,9 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -20,6 +22,138 @@ use tokio::sync::{mpsc, watch, Notify};
 use super::body::ResponseBody;
 use crate::config::PolicyStore;
 use crate::log_throttle::LogThrottle;
+
+/// Admin connections open at once, at most. Operators, scrapers and dashboards need a few;
+/// past this a new one is closed at once, so that connections left open (by a client that
+/// sends requests and never reads) cannot use up the file descriptors the public listener
+/// and upstream connections need.
+const ADMIN_MAX_CONNECTIONS: usize = 64;
+
+/// One admin connection of `ADMIN_MAX_CONNECTIONS`, given back when dropped.
+struct AdminSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl AdminSlot {
+    fn take(open: &Arc<std::sync::atomic::AtomicUsize>) -> Option<AdminSlot> {
+        use std::sync::atomic::Ordering;
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+            (now < ADMIN_MAX_CONNECTIONS).then_some(now + 1)
+        })
+        .ok()
+        .map(|_| AdminSlot(open.clone()))
+    }
+}
+
+impl Drop for AdminSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// An admin connection's socket, whose writes fail once the client has taken nothing for
+/// `send_timeout` (as the public listener's own connections do): hyper has no such limit,
+/// and a client that sends requests and never reads held its connection, and what the
+/// answers waiting on it held, for good.
+struct SendDeadline<S> {
+    inner: S,
+    limit: Duration,
+    /// Since when a write has waited for room; `None` while writes go through.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> SendDeadline<S> {
+    fn new(inner: S, limit: Duration) -> SendDeadline<S> {
+        SendDeadline {
+            inner,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// After a write that could not go through: an error once it has waited `limit`.
+    fn waited(&mut self, cx: &mut Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        let limit = self.limit;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match stalled.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client took nothing for {limit:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// Passes a write's outcome on, starting or ending the wait as it says.
+    fn outcome<T>(
+        &mut self,
+        polled: std::task::Poll<std::io::Result<T>>,
+        cx: &mut Context<'_>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        match polled {
+            Poll::Ready(result) => {
+                self.stalled = None;
+                Poll::Ready(result)
+            }
+            Poll::Pending => match self.waited(cx) {
+                Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+                _ => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for SendDeadline<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for SendDeadline<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.outcome(polled, cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.outcome(polled, cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_flush(cx);
+        this.outcome(polled, cx)
+    }
+
+    fn poll_shutdown(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
 
 /// The public listener's open client connections, upgraded tunnels included, held to
 /// `[server] max_connections`: past it, new connections wait in the kernel's listen backlog
@@ -200,6 +334,7 @@ pub async fn serve<H, F>(
     H: Fn(SocketAddr, Request<Incoming>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ResponseBody>> + Send + 'static,
 {
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     accept_loop(
         listener,
         store,
@@ -208,7 +343,17 @@ pub async fn serve<H, F>(
         None,
         move |stream, peer, limits, _slot, mut stop| {
             let handler = handler.clone();
+            let admitted = AdminSlot::take(&open);
             async move {
+                let Some(_slot) = admitted else {
+                    // Closed at once (the file descriptor freed), not kept waiting.
+                    static FULL_LOG: LogThrottle = LogThrottle::new(Duration::from_secs(60));
+                    if let Some(held_back) = FULL_LOG.allow(std::time::Instant::now()) {
+                        tracing::warn!(%peer, "admin listener: {ADMIN_MAX_CONNECTIONS} connections open already; this one is closed ({held_back} more not logged)");
+                    }
+                    return;
+                };
+                let stream = SendDeadline::new(stream, limits.send_timeout);
                 let service = service_fn(move |request| {
                     let response = handler(peer, request);
                     async move { Ok::<_, Infallible>(response.await) }
