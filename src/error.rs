@@ -60,6 +60,9 @@ pub enum ProxyError {
         "`{0}` names no PHP script (levee serves no files; the upstream has no front_controller)"
     )]
     NoScript(String),
+    /// A FastCGI upstream's directory named without its trailing slash: moved to this.
+    #[error("a directory: moved to {0}")]
+    Directory(String),
     #[error("upstream `{upstream}` could not be reached: {reason}")]
     UpstreamConnect { upstream: String, reason: String },
     #[error("upstream `{upstream}` did not answer within {after:?}")]
@@ -107,6 +110,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NoRoute | ProxyError::NoScript(_) => StatusCode::NOT_FOUND,
+            ProxyError::Directory(_) => StatusCode::MOVED_PERMANENTLY,
             ProxyError::UpstreamConnect { .. } | ProxyError::UpstreamFailed { .. } => {
                 StatusCode::BAD_GATEWAY
             }
@@ -133,6 +137,7 @@ impl ProxyError {
             ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
             ProxyError::NoRoute => "no_route",
             ProxyError::NoScript(_) => "no_script",
+            ProxyError::Directory(_) => "directory",
             ProxyError::UpstreamConnect { .. } => "connect",
             ProxyError::UpstreamTimeout { .. } => "timeout",
             ProxyError::UpstreamFailed { .. } => "failed",
@@ -154,7 +159,8 @@ impl ProxyError {
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::ClientBodyTimeout { .. }
             | ProxyError::NoRoute
-            | ProxyError::NoScript(_) => ErrorSide::Client,
+            | ProxyError::NoScript(_)
+            | ProxyError::Directory(_) => ErrorSide::Client,
             ProxyError::UpstreamConnect { .. }
             | ProxyError::UpstreamTimeout { .. }
             | ProxyError::UpstreamFailed { .. } => ErrorSide::Upstream,
@@ -217,6 +223,12 @@ impl ProxyError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if let ProxyError::Directory(location) = self {
+            // From the request's own target, which holds only what a header value can.
+            if let Ok(location) = HeaderValue::from_str(location) {
+                response.headers_mut().insert(header::LOCATION, location);
+            }
         }
         // After a malformed or refused request the rest of the connection cannot be trusted to
         // be framed the way the client meant it: close it instead of reading on.

@@ -393,6 +393,11 @@ async fn path_info_directory_indexes_and_traversal_stay_under_the_root() {
     assert_eq!(php["which"], "sub");
     assert_eq!(php["script_name"], "/sub/index.php");
     assert_eq!(php["script_filename"], site.file("/sub/index.php"));
+    // Named without its slash, the directory moves to the path with it (as nginx answers),
+    // query and all: its page's relative links resolve, and its routes hold.
+    let moved = get(&levee.url("/sub?page=2")).await;
+    assert_eq!(moved.status, 301, "{}", moved.text());
+    assert_eq!(moved.header("location"), Some("/sub/?page=2"));
 
     // http::Uri keeps dot segments as written, so the second target goes out raw.
     for target in ["/sub/..%2F..%2F..%2Fecho.php", "/../../echo.php"] {
@@ -441,6 +446,7 @@ async fn a_front_controller_runs_every_path_that_names_no_script() {
     // exists only in the app's routes (a permalink), and runs the front controller.
     let php = get_json(&levee, "/sub/").await;
     assert_eq!(php["which"], "sub");
+    assert_eq!(get(&levee.url("/sub")).await.status, 301);
     let php = get_json(&levee, "/2026/12/hello/").await;
     assert_eq!(php["which"], "index");
     assert_eq!(php["uri"], "/2026/12/hello/");

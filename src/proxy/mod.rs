@@ -1299,6 +1299,7 @@ fn unsendable(refusal: &client::Unsendable) -> ProxyError {
     match refusal {
         client::Unsendable::NulInPath => ProxyError::BadRequest(refusal.to_string()),
         client::Unsendable::NoScript(path) => ProxyError::NoScript(path.clone()),
+        client::Unsendable::Directory(location) => ProxyError::Directory(location.clone()),
         client::Unsendable::TooLong {
             size,
             limit,

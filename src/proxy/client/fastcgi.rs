@@ -80,6 +80,11 @@ pub enum Unsendable {
     /// `location ~ \.php$` would not have passed it to php-fpm either.
     #[error("`{0}` names no PHP script")]
     NoScript(String),
+    /// A directory named without its trailing slash (`/forum/admin`, whose `index.php` is
+    /// there): nginx answers 301 to the path with the slash (`try_files $uri/`, or its static
+    /// module), whose relative links then resolve. The path to move to, query and all.
+    #[error("`{0}` is a directory: its page is at the path with a `/`")]
+    Directory(String),
     /// One parameter longer than a FastCGI record can carry (64 KiB); nginx refuses these too.
     #[error("the request's {name} is {size} bytes; FastCGI carries at most {limit}")]
     TooLong {
@@ -138,6 +143,16 @@ fn script_of(
         return Ok((script, info));
     }
     let front = settings.front_controller.as_ref();
+    if !trailing_slash && !segments.is_empty() {
+        // Running the index here instead would also pass it by the routes written for the
+        // directory's own path (`/forum/admin/`).
+        let mut index = join(&segments);
+        index.push(b'/');
+        index.extend_from_slice(settings.index.as_bytes());
+        if is_file(&index) {
+            return Err(Unsendable::Directory(format!("{path}/")));
+        }
+    }
     if trailing_slash || segments.is_empty() {
         let mut index = join(&segments);
         index.push(b'/');
@@ -934,6 +949,12 @@ impl Client {
         // The script first: a path that names none is answered before any body is read.
         let (script, info) = script_of(parts.uri.path(), settings, &|script| {
             is_file_under(&settings.root, script)
+        })
+        .map_err(|refusal| match (refusal, parts.uri.query()) {
+            (Unsendable::Directory(location), Some(query)) => {
+                Unsendable::Directory(format!("{location}?{query}"))
+            }
+            (refusal, _) => refusal,
         })?;
         // PHP reads as much of the body as CONTENT_LENGTH says: one of unknown length is
         // read whole first (bounded by the route's `max_body`), as nginx does.
@@ -1356,6 +1377,20 @@ mod tests {
             script("/admin.php", Some("/index.php")),
             ("/admin.php".into(), "".into())
         );
+        // A directory with its index, named without the slash: moved to the path with it, as
+        // nginx answers, with or without a front controller. Dot segments at the end name
+        // the directory itself: its index runs.
+        for front in [None, Some("/index.php")] {
+            assert_eq!(
+                script_of("/wp-admin", &settings(front), &existing),
+                Err(Unsendable::Directory("/wp-admin/".into())),
+                "{front:?}"
+            );
+            assert_eq!(
+                script("/wp-admin/.", front),
+                ("/wp-admin/index.php".into(), "".into())
+            );
+        }
     }
 
     #[test]
