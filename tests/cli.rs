@@ -224,6 +224,34 @@ async fn other_sites_cannot_drive_the_admin_api_from_a_browser() {
         .body(full("off"))
         .expect("request");
     assert_eq!(send(same_site).await.status, 200);
+    // Behind a proxy the dashboard's origin is the proxy's: refused unless let in.
+    let proxied = || {
+        http::Request::post(levee.admin_url("/modules/ranking"))
+            .header("origin", "https://ops.example")
+            .body(full("on"))
+            .expect("request")
+    };
+    assert_eq!(send(proxied()).await.status, 403);
+    let let_in = Levee::start(&policy.replacen(
+        "[admin]\n",
+        "[admin]\norigins = [\"HTTPS://Ops.Example/\"]\n",
+        1,
+    ))
+    .await;
+    let proxied = http::Request::post(let_in.admin_url("/modules/ranking"))
+        .header("origin", "https://ops.example")
+        .body(full("off"))
+        .expect("request");
+    assert_eq!(send(proxied).await.status, 200);
+    let other = http::Request::post(let_in.admin_url("/modules/ranking"))
+        .header("origin", "http://ops.example")
+        .body(full("on"))
+        .expect("request");
+    assert_eq!(
+        send(other).await.status,
+        403,
+        "another scheme is another origin"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

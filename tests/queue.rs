@@ -1902,6 +1902,34 @@ async fn dead_letters_are_listed_page_by_page() {
     }
 }
 
+/// Where tokens are set, dead letters (other clients' queries: reset links, tokens) need one
+/// even on a loopback listener, which the PHP app on the same machine reaches too (a page
+/// that fetches a URL a visitor names would hand them over). The rest of the reads stay open
+/// on loopback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_need_a_token_wherever_tokens_are_set() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let token = "0123456789abcdef0123";
+    let policy = queue_policy(backend.addr, &redis.url(), "").replacen(
+        "[admin]\n",
+        &format!("[admin]\ntokens = {{ ops = \"{token}\" }}\n"),
+        1,
+    );
+    let levee = Levee::start(&policy).await;
+    let dead = levee.admin_url("/queues/notify/dead");
+    assert_eq!(get(&dead).await.status, 401);
+    let with_token = Request::get(&dead)
+        .header("authorization", format!("Bearer {token}"))
+        .body(full(""))
+        .expect("request");
+    assert_eq!(send(with_token).await.status, 200);
+    for open in ["/status", "/metrics", "/queues"] {
+        assert_eq!(get(&levee.admin_url(open)).await.status, 200, "{open}");
+    }
+}
+
 /// A page of dead letters stops after a few MiB of their bodies (1 MiB each by default): a
 /// page of a thousand was a gigabyte in one reply, on the connection rate-limit calls share.
 /// The rest is on the next page.

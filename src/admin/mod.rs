@@ -57,13 +57,21 @@ async fn answer(
         return *response;
     }
     // Changing state needs a token whenever tokens are configured. Reading is open on a
-    // loopback listener (whoever can reach it can read the process anyway), but beyond
-    // loopback it needs a token too: `/status` maps the site's dependencies and the dead
-    // letters show clients' addresses and queries. The dashboard page itself holds no data.
+    // loopback listener, but beyond loopback it needs a token too: `/status` maps the site's
+    // dependencies and the dead letters show clients' addresses and queries. Where tokens
+    // are set, dead letters need one on loopback as well: the PHP app on the same machine
+    // reaches loopback, and a page of it that fetches a URL a visitor names (server-side
+    // request forgery) would hand the visitor other clients' queries (reset links, tokens).
+    // The dashboard page itself holds no data.
     let reading = request.method() == Method::GET || request.method() == Method::HEAD;
+    let policy = shared.store.load();
+    let admin = &policy.admin;
+    let path = request.uri().path();
+    let holds_requests = path.starts_with("/queues/") && path.contains("/dead");
+    let open_on_loopback = !holds_requests || admin.tokens.is_empty();
     let open_read = reading
-        && (matches!(request.uri().path(), "/" | "/dashboard")
-            || shared.store.load().admin.listen.ip().is_loopback());
+        && (matches!(path, "/" | "/dashboard")
+            || (admin.listen.ip().is_loopback() && open_on_loopback));
     let token_name = if open_read {
         None
     } else {
@@ -562,12 +570,21 @@ fn authorize(
         .headers()
         .get(header::HOST)
         .and_then(|value| value.to_str().ok());
+    let policy = shared.store.load();
+    // The listener's own pages, or a page an operator let in (`[admin] origins`: the
+    // dashboard behind a proxy, whose origin is the proxy's).
     let same_origin = |origin: &HeaderValue| {
+        let Ok(origin) = origin.to_str() else {
+            return false;
+        };
         origin
-            .to_str()
-            .ok()
-            .and_then(|origin| origin.strip_prefix("http://"))
+            .strip_prefix("http://")
             .is_some_and(|origin_host| Some(origin_host) == host)
+            || policy
+                .admin
+                .origins
+                .iter()
+                .any(|allowed| allowed.eq_ignore_ascii_case(origin))
     };
     let origins = request.headers().get_all(header::ORIGIN);
     let cross_site_fetch = request
@@ -582,7 +599,6 @@ fn authorize(
             "403 admin actions are only accepted from the admin listener's own pages or from tools\n",
         )));
     }
-    let policy = shared.store.load();
     if policy.admin.tokens.is_empty() {
         return Ok(None);
     }

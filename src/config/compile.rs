@@ -881,7 +881,12 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                     );
                 }
             }
-            AdminSettings { listen, tokens }
+            let origins = admin_origins(&mut compiler, *file, inner.origins.as_ref());
+            AdminSettings {
+                listen,
+                tokens,
+                origins,
+            }
         }
         None => AdminSettings::default(),
     };
@@ -2741,6 +2746,47 @@ fn parse_network(text: &str) -> Option<IpNet> {
         .ok()
 }
 
+/// `[admin] origins`: each `scheme://host[:port]` as browsers send it in `Origin` (an
+/// `http` or `https` scheme, a host, no path; one trailing `/` is forgiven), kept in lower
+/// case. Anything else could never equal a browser's `Origin`, and would leave the dashboard
+/// behind the proxy read-only with no reason given: an error.
+fn admin_origins(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: Option<&Spanned<Vec<String>>>,
+) -> Vec<String> {
+    let Some(spec) = spec else {
+        return Vec::new();
+    };
+    let mut origins = Vec::new();
+    for written in spec.get_ref() {
+        let origin = written
+            .strip_suffix('/')
+            .unwrap_or(written)
+            .to_ascii_lowercase();
+        let host = origin
+            .strip_prefix("https://")
+            .or_else(|| origin.strip_prefix("http://"));
+        let valid = host.is_some_and(|host| {
+            !host.is_empty()
+                && host.bytes().all(|byte| {
+                    byte.is_ascii_alphanumeric() || matches!(byte, b'.' | b'-' | b':' | b'[' | b']')
+                })
+        });
+        if valid {
+            origins.push(origin);
+        } else {
+            compiler.error_hint(
+                file,
+                spec.span(),
+                format!("{written:?} is not an origin"),
+                "write it as the browser's address bar shows the site, scheme and host only: \"https://ops.example\" or \"http://10.0.0.5:8443\"",
+            );
+        }
+    }
+    origins
+}
+
 fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -> ServerSettings {
     let defaults = ServerSettings::default();
     let trusted_proxies = match &spec.trusted_proxies {
@@ -3883,6 +3929,47 @@ mod tests {
             admit_ahead_above("instances = 3\nadmit_ahead_above = 0.8\n"),
             0.8
         );
+    }
+
+    #[test]
+    fn admin_origins_are_origins_as_browsers_send_them() {
+        let with_origins = |list: &str| format!("[admin]\norigins = {list}\n{APP}");
+        let policy = compile(
+            &files(&[(
+                "a.toml",
+                &with_origins(
+                    r#"["https://Ops.Example/", "http://10.0.0.5:8443", "http://[::1]:9901"]"#,
+                ),
+            )]),
+            None,
+        )
+        .expect("compiles");
+        assert_eq!(
+            policy.admin.origins,
+            [
+                "https://ops.example",
+                "http://10.0.0.5:8443",
+                "http://[::1]:9901"
+            ]
+        );
+        for bad in [
+            "ops.example",
+            "https://ops.example/admin",
+            "ftp://ops.example",
+            "https://",
+        ] {
+            let errors = match compile(
+                &files(&[("a.toml", &with_origins(&format!("[\"{bad}\"]")))]),
+                None,
+            ) {
+                Ok(_) => panic!("{bad} compiled"),
+                Err(diagnostics) => diagnostics.to_string(),
+            };
+            assert!(
+                errors.contains(&format!("a.toml:2:11: error: \"{bad}\" is not an origin")),
+                "{errors}"
+            );
+        }
     }
 
     #[test]

@@ -121,6 +121,9 @@ pub struct AdminSettings {
     /// Named bearer tokens; when any is set, every admin request that changes state must
     /// carry one (`Authorization: Bearer …`). Default none (loopback only).
     pub tokens: Vec<(String, String)>,
+    /// Other origins (`https://ops.example`, lower case) whose pages may send state-changing
+    /// requests: the dashboard behind a proxy. Default none (only the listener's own).
+    pub origins: Vec<String>,
 }
 
 impl Default for AdminSettings {
@@ -128,6 +131,7 @@ impl Default for AdminSettings {
         AdminSettings {
             listen: SocketAddr::from(([127, 0, 0, 1], 9901)),
             tokens: Vec::new(),
+            origins: Vec::new(),
         }
     }
 }

@@ -228,6 +228,7 @@ pub struct ServerSpec {
 pub struct AdminSpec {
     pub listen: Option<Spanned<String>>,
     pub tokens: Option<Spanned<BTreeMap<String, String>>>,
+    pub origins: Option<Spanned<Vec<String>>>,
 }
 
 /// `[upstream.NAME]`: a dependency levee forwards to.
