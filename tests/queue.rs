@@ -2690,6 +2690,87 @@ async fn jobs_held_back_by_the_breaker_are_replayed_once_it_closes_not_after_cla
     );
 }
 
+/// A job whose app cannot be reached (php-fpm down, connections refused) spends no attempt
+/// however long that lasts: with `max_attempts = 2` it was dead-lettered within a second. Once
+/// the app answers, a 503 asking for two seconds (a maintenance mode) is waited out, not
+/// retried after the 100 ms back-off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_wait_out_an_app_that_cannot_be_reached_and_heed_its_retry_after() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    // Nothing listens there yet.
+    let app = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let policy = queue_policy(
+        app,
+        &redis.url(),
+        "max_attempts = 2\nbackoff_base = \"100ms\"",
+    )
+    .replace(
+        "[redis]",
+        "breaker = { consecutive_failures = 3, open_for = \"200ms\", max_open_for = \"200ms\" }\n[redis]",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let job = post_as(&levee, "kept", "192.0.2.9")
+        .await
+        .header("x-levee-job")
+        .expect("job")
+        .to_string();
+    switch(&levee, "on").await;
+    // Refused pass after pass, and through breaker probes: the job stays, with no attempt.
+    eventually(Duration::from_secs(10), "refused replays", || async {
+        let metrics = get(&levee.admin_url("/metrics")).await.text();
+        metric_value(
+            &metrics,
+            "levee_queue_replayed_total{route=\"notify\",result=\"held\"}",
+        ) >= 4.0
+    })
+    .await;
+    let queues = get(&levee.admin_url("/queues")).await.json();
+    assert_eq!(
+        (
+            &queues["notify"]["dead_letters"],
+            &queues["notify"]["backlog"]
+        ),
+        (&serde_json::json!(0), &serde_json::json!(1)),
+        "{queues}"
+    );
+
+    // The app comes up in maintenance: one 503 with `Retry-After: 2`, then it applies the job.
+    let answers: Arc<Mutex<Vec<Instant>>> = Arc::new(Mutex::new(Vec::new()));
+    let record = answers.clone();
+    let _backend = Backend::start_on(app, move |_request: Request<Incoming>| {
+        let record = record.clone();
+        async move {
+            let mut seen = record.lock().expect("lock");
+            seen.push(Instant::now());
+            let status = if seen.len() == 1 { 503 } else { 200 };
+            Response::builder()
+                .status(status)
+                .header("retry-after", "2")
+                .body(full("maintenance"))
+                .expect("response")
+        }
+    })
+    .await;
+    eventually(Duration::from_secs(15), "the job applied", || async {
+        answers.lock().expect("lock").len() >= 2
+    })
+    .await;
+    let times = answers.lock().expect("lock").clone();
+    assert!(
+        times[1] - times[0] >= Duration::from_millis(1900),
+        "retried {:?} after the 503 asking for 2 s",
+        times[1] - times[0]
+    );
+    eventually(Duration::from_secs(5), "the job finished", || async {
+        let queues = get(&levee.admin_url("/queues")).await.json();
+        queues["notify"]["backlog"] == 0 && queues["notify"]["dead_letters"] == 0
+    })
+    .await;
+    assert_eq!(answers.lock().expect("lock").len(), 2, "{job} applied once");
+}
+
 /// An instance stopped in the middle of a batch hands the jobs it has not begun back: another
 /// instance takes them up at once, not after `claim_after` (30 s here), and each job is
 /// applied once.

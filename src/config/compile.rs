@@ -475,6 +475,8 @@ impl<'a> Compiler<'a> {
 fn matches_every_request(route: &Route) -> bool {
     route.hosts.is_empty()
         && route.methods.is_empty()
+        // A route for some clients leaves the others to the routes after it.
+        && route.clients.is_empty()
         && match &route.path {
             PathMatch::Any => true,
             PathMatch::Prefix(prefix) => prefix == "/",
@@ -2055,7 +2057,8 @@ fn compile_static_response(
     let status = match &inner.status {
         None => http::StatusCode::from_u16(default_status).ok()?,
         Some(status) => match http::StatusCode::from_u16(*status.get_ref()) {
-            Ok(code) if code.as_u16() >= 200 => code,
+            // `http` takes 600–999 too, which no client reads as an answer.
+            Ok(code) if (200..=599).contains(&code.as_u16()) => code,
             _ => {
                 compiler.error_hint(
                     file,
@@ -4128,6 +4131,19 @@ mod tests {
             &format!("{APP}[[route]]\nname = \"ranking\"\nmatch = {{ path_prefix = \"/ranking\" }}\n[[route]]\nname = \"all\"\n")
         )])
         .is_empty());
+        // A route for some clients leaves every other client to the routes after it, and is
+        // no site fallback for them either.
+        let for_the_office = "[[route]]\nname = \"office\"\nmatch = { client = [\"10.0.0.0/8\"], path_prefix = \"/\" }\n[[route]]\nname = \"ranking\"\nmatch = { path_prefix = \"/ranking\" }\n";
+        assert!(errors(&[("a.toml", &format!("{APP}{for_the_office}"))]).is_empty());
+        let two = format!(
+            "{APP}[upstream.ai]\nurl = \"http://127.0.0.1:9\"\n{}",
+            for_the_office.replace("\nmatch", "\nupstream = \"app\"\nmatch")
+        );
+        let refused = errors(&[("a.toml", &two)]);
+        assert!(
+            refused.len() == 1 && refused[0].contains("2 upstreams and no default_upstream"),
+            "{refused:?}"
+        );
     }
 
     #[test]
@@ -4268,6 +4284,11 @@ mod tests {
                 "error: `fallback` is a table, like fallback = { status = 503, body = \"<p>Back soon.</p>\" }\n  hint: put the page in `body`: fallback = { body = \"<p>Later</p>\" }",
             ),
             (route("degrade = \"stale\""), "error: `degrade` is a table, like degrade = { action = \"stale\""),
+            (
+                route("fallback = { status = 999 }"),
+                "a.toml:5:23: error: 999 is not a status levee can answer with\n  hint: use a status from 200 to 599",
+            ),
+            (route("fallback = { status = 101 }"), "error: 101 is not a status levee can answer with"),
             (route("match = { method = 5 }"), "error: `method` is a string or a list of strings"),
             (
                 route("match = { method = [\"GET\", 1] }"),

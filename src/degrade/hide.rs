@@ -478,7 +478,13 @@ fn rewriter(
     output: &Arc<Mutex<Output>>,
     ended: &Arc<AtomicUsize>,
 ) -> HtmlRewriter<'static, Sink> {
-    let mut settings = Settings::new_send().with_encoding(encoding);
+    // Not strict: in strict mode a `<noscript>`, `<style>` or `<title>` inside a `<select>`
+    // (or anything after a `<frameset>`) stops the parser with an error, and the page was cut
+    // off there for every visitor while its module was off. Old templates have such markup;
+    // read as plain HTML it is what browsers read in all but contrived pages.
+    let mut settings = Settings::new_send()
+        .with_encoding(encoding)
+        .with_strict(false);
     for selector in selectors {
         let ended = ended.clone();
         let selector_text = selector.clone();
@@ -1240,6 +1246,20 @@ mod tests {
                 element_left_in_place(selector, scanned).as_deref(),
                 element,
                 "{selector} {scanned}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn markup_the_strict_parser_gives_up_on_is_rewritten_to_its_end() {
+        // A `<noscript>` in a `<select>` (an old template's note for browsers without script).
+        let page = "<div class=\"ad\">ad</div><form><select name=\"c\"><option>fr</option><noscript><option>en</option></noscript></select></form><div class=\"ad\">ad</div><p>end</p>";
+        for chunk in [3, 4096] {
+            let out = rewrite(page, &["div.ad"], &[], chunk).await;
+            assert_eq!(
+                out,
+                page.replace("<div class=\"ad\">ad</div>", ""),
+                "chunk {chunk}"
             );
         }
     }

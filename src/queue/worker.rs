@@ -17,6 +17,7 @@ use super::job::{bytes_of, entries, Job};
 use super::{QueueKeys, QueueSettings};
 use crate::breaker::Outcome;
 use crate::config::Policy;
+use crate::log_throttle::LogThrottle;
 use crate::metrics::{QueueLabels, QueueResultLabels};
 use crate::proxy::route::Route;
 use crate::proxy::Shared;
@@ -1024,11 +1025,18 @@ impl Pass<'_> {
                 result: result.label(),
             };
             shared.metrics.queue_replayed.get_or_create(&labels).inc();
+            // The app's own "not before" (a 503 or 429 with `Retry-After`, as in maintenance
+            // mode) is heeded up to backoff_max: retried sooner, the job would spend its
+            // attempts on the answer it had already.
+            let asked = match &result {
+                Replay::Retry(_, Some(asked)) => *asked,
+                _ => Duration::ZERO,
+            };
             match result {
                 Replay::Done => {
                     self.finish(&id).await?;
                 }
-                Replay::Retry(error) | Replay::Permanent(error) => {
+                Replay::Retry(error, _) | Replay::Permanent(error) => {
                     job.attempts += 1;
                     job.last_error = Some(error.clone());
                     let permanent = matches!(labels.result, "permanent");
@@ -1039,7 +1047,8 @@ impl Pass<'_> {
                             self.keep_dead_letters_within_bound(shared).await;
                         }
                     } else {
-                        let wait = backoff(settings, job.attempts);
+                        let wait =
+                            backoff(settings, job.attempts).max(asked.min(settings.backoff_max));
                         if self.delay(&id, &job, wait).await? {
                             tracing::info!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, retry_in = ?wait, "replay failed, to be tried again: {error}");
                             self.count(&shared.metrics.queue_retries);
@@ -1072,7 +1081,8 @@ enum Hold {
 
 enum Replay {
     Done,
-    Retry(String),
+    /// Tried and failed, to be tried again: not before the app's `Retry-After`, if it gave one.
+    Retry(String, Option<Duration>),
     Permanent(String),
     Held,
 }
@@ -1081,7 +1091,7 @@ impl Replay {
     fn label(&self) -> &'static str {
         match self {
             Replay::Done => "done",
-            Replay::Retry(_) => "retry",
+            Replay::Retry(..) => "retry",
             Replay::Permanent(_) => "permanent",
             Replay::Held => "held",
         }
@@ -1179,10 +1189,10 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
         Err(_) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
-            Replay::Retry(format!(
-                "no answer within {:?}",
-                upstream.settings.response_timeout
-            ))
+            Replay::Retry(
+                format!("no answer within {:?}", upstream.settings.response_timeout),
+                None,
+            )
         }
         // Not the upstream's failure, and no use trying again: a job a FastCGI upstream
         // cannot run (its path names no script), or an answer whose head levee cannot read
@@ -1192,13 +1202,29 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
             permit.record(Outcome::Abandoned, Instant::now(), &shared.metrics);
             Replay::Permanent(format!("cannot be replayed: {error}"))
         }
+        // Nothing reached the app (refused, unreachable, no connection in connect_timeout): a
+        // failure for the breaker, but no attempt spent. The job and those behind it wait, as
+        // they do while the breaker is open, and are replayed once the app takes requests
+        // again: an outage of php-fpm no longer used up every job's attempts in seconds and
+        // left work a client was told was accepted in the dead letters.
+        Ok(Err(error)) if error.never_sent() => {
+            permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
+            static UNREACHABLE: LogThrottle = LogThrottle::new(Duration::from_secs(60));
+            if let Some(held_back) = UNREACHABLE.allow(std::time::Instant::now()) {
+                tracing::warn!(route = %route.name, upstream = %upstream.name, held_back, "queued jobs wait: the upstream cannot be reached ({error}); no attempt is spent");
+            }
+            Replay::Held
+        }
         Ok(Err(error)) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
-            Replay::Retry(format!("upstream error: {error}"))
+            Replay::Retry(format!("upstream error: {error}"), None)
         }
         Ok(Ok(answered)) => {
             let response = answered.response;
             let status = response.status();
+            let asked_to_wait = matches!(status.as_u16(), 429 | 503)
+                .then(|| retry_after(response.headers()))
+                .flatten();
             permit.record_status(status.as_u16(), Instant::now(), &shared.metrics);
             // Drain the body so the connection can be reused, but not for longer than the
             // upstream's idle_body_timeout: the outcome is known, and the worker keeps its
@@ -1210,10 +1236,17 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
             } else if status.is_client_error() && !matches!(status.as_u16(), 408 | 425 | 429) {
                 Replay::Permanent(format!("the app refused the job with {status}"))
             } else {
-                Replay::Retry(format!("the app answered {status}"))
+                Replay::Retry(format!("the app answered {status}"), asked_to_wait)
             }
         }
     }
+}
+
+/// A `Retry-After` in seconds (the form PHP apps send: maintenance modes, rate limiters);
+/// an HTTP date is not read, and the job waits its own backoff.
+fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
+    let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
+    value.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
 async fn eval(

@@ -259,9 +259,16 @@ impl Backend {
         H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
         F: Future<Output = Response<TestBody>> + Send + 'static,
     {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind backend");
+        Self::start_on(SocketAddr::from(([127, 0, 0, 1], 0)), handler).await
+    }
+
+    /// On `addr`: an app that comes up where levee was told it is.
+    pub async fn start_on<H, F>(addr: SocketAddr, handler: H) -> Backend
+    where
+        H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+        F: Future<Output = Response<TestBody>> + Send + 'static,
+    {
+        let listener = TcpListener::bind(addr).await.expect("bind backend");
         let addr = listener.local_addr().expect("addr");
         let hits = Arc::new(AtomicUsize::new(0));
         let counter = hits.clone();
