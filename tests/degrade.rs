@@ -1406,6 +1406,41 @@ async fn cookies_that_are_not_utf8_select_copies_of_their_own() {
     }
 }
 
+/// A page served again and again refreshes its copy in memory each time, and in Redis about
+/// once a second: each answer sent there whole made a busy page as many writes of its size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_pages_copy_goes_to_redis_about_once_a_second() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _, _) = versioned().await;
+    let policy = ranking_resting_with_redis(
+        &backend,
+        &redis,
+        "degrade = { action = \"stale\", max_age = \"60s\" }",
+    );
+    let levee = Levee::start(&policy).await;
+    let evals = || {
+        redis
+            .cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|line| line.strip_prefix("cmdstat_eval:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|calls| calls.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    for _ in 0..40 {
+        assert_eq!(get(&levee.url("/ranking")).await.text(), "/ranking v1");
+    }
+    eventually(Duration::from_secs(3), "the copy in redis", || async {
+        evals() >= 1
+    })
+    .await;
+    // Forty answers in far less than ten seconds, on any machine the tests run on.
+    assert!(evals() < 10, "{} stores of one page", evals());
+    let keys = redis.cli(&["KEYS", "*ranking*"]);
+    assert!(!keys.trim().is_empty(), "{keys}");
+}
+
 /// While the Redis health breaker is open, fresh copies are kept in memory only: no store
 /// waits out its timeout in the background against a Redis known to be down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1692,6 +1727,70 @@ async fn a_get_with_a_body_neither_leaves_a_copy_nor_holds_the_pages_readers() {
         .expect("the reader is not held by the trickling request");
     assert_eq!(reader.text(), "the ranking");
     drop(trickling);
+}
+
+/// A browser revalidating the page (`If-None-Match`) gets the app's 304, which is no copy: it
+/// never leads the page's fetch, or every reader waiting on it went upstream when it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revalidating_request_never_leads_the_pages_fetch() {
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let mut gate = gate.clone();
+        async move {
+            let _ = gate.wait_for(|open| *open).await;
+            if request.headers().contains_key("if-none-match") {
+                return Response::builder()
+                    .status(304)
+                    .body(full(Bytes::new()))
+                    .expect("response");
+            }
+            html("the ranking")
+        }
+    })
+    .await;
+    let levee = levee_resting(&backend).await;
+    let url = levee.url("/ranking");
+    let revalidating = {
+        let request = Request::get(&url)
+            .header("if-none-match", "\"v1\"")
+            .body(full(Bytes::new()))
+            .expect("request");
+        tokio::spawn(send(request))
+    };
+    eventually(
+        Duration::from_secs(5),
+        "the revalidation upstream",
+        || async { backend.hits() == 1 },
+    )
+    .await;
+    let readers: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { get(&url).await })
+        })
+        .collect();
+    // One of the readers leads the fetch (the revalidation did not), the others wait for it.
+    eventually(
+        Duration::from_secs(5),
+        "a reader's fetch upstream",
+        || async { backend.hits() == 2 },
+    )
+    .await;
+    eventually(Duration::from_secs(5), "every reader at levee", || async {
+        let metrics = get(&levee.admin_url("/metrics")).await.text();
+        metric_value(&metrics, "levee_inflight_requests") >= 4.0
+    })
+    .await;
+    open.send_replace(true);
+    assert_eq!(revalidating.await.expect("join").status, 304);
+    for reader in readers {
+        assert_eq!(reader.await.expect("join").text(), "the ranking");
+    }
+    assert_eq!(
+        backend.hits(),
+        2,
+        "the waiting readers were answered with the copy"
+    );
 }
 
 /// A copy keeps the app's `Date` (when the page was made) and counts the age the answer came

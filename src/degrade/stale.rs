@@ -119,6 +119,8 @@ struct Entry {
     copy: Arc<StaleCopy>,
     stored: u64,
     route: String,
+    /// When a copy of this key last went to Redis from here, or came from there (ms).
+    in_redis_at_ms: u64,
 }
 
 /// One route's copies in memory, oldest store first (with left-over entries, see [`Entry`]).
@@ -170,6 +172,18 @@ pub enum FetchState {
 /// line, a large page) would hold every waiter. A page from a healthy upstream read at a
 /// normal pace is in well within this; past it, the waiters go upstream themselves.
 pub const WAIT_FOR_BODY: Duration = Duration::from_secs(1);
+
+/// How often one key's copy goes to Redis from one instance at most. Every good answer of a
+/// `stale` route replaces the copy in memory; each one sent to Redis too (the whole page
+/// through an EVAL) made a page served 1,000 times a second 1,000 writes of its size a second,
+/// on the connection rate-limit calls share. Other instances read Redis only when their own
+/// copy aged, so a copy there a second older changes nothing they serve.
+const REDIS_REFRESH_MS: u64 = 1000;
+
+/// Copies on their way to Redis at once, at most: past this (Redis slow, pages large) a copy
+/// stays in memory only, as when Redis is down, rather than every request leaving a page
+/// waiting for Redis in memory.
+const REDIS_STORES_IN_FLIGHT: usize = 16;
 
 /// What a request that waited for another's fetch does next.
 #[derive(Debug)]
@@ -224,6 +238,7 @@ pub struct StaleStore {
     l1: Mutex<L1>,
     max_bytes: usize,
     inflight: Mutex<Inflight>,
+    redis_stores: Arc<tokio::sync::Semaphore>,
 }
 
 /// The outcome of asking to fetch a key.
@@ -316,6 +331,7 @@ impl StaleStore {
             l1: Mutex::new(L1::default()),
             max_bytes,
             inflight: Mutex::new(HashMap::new()),
+            redis_stores: Arc::new(tokio::sync::Semaphore::new(REDIS_STORES_IN_FLIGHT)),
         }
     }
 
@@ -400,21 +416,50 @@ impl StaleStore {
                 return current;
             }
         }
-        self.insert(&mut l1, key, copy.clone(), max_copies);
+        self.insert(&mut l1, key, copy.clone(), max_copies, now_ms());
         copy
     }
 
-    fn remember(&self, key: &CopyKey, copy: Arc<StaleCopy>, max_copies: usize) {
-        if let Ok(mut l1) = self.l1.lock() {
-            self.insert(&mut l1, key, copy, max_copies);
-        }
+    /// Keeps `copy` in memory. Returns whether it is to go to Redis too: when no copy of the
+    /// key went there (or came from there) for [`REDIS_REFRESH_MS`], and `to_redis` is asked.
+    fn remember(
+        &self,
+        key: &CopyKey,
+        copy: Arc<StaleCopy>,
+        max_copies: usize,
+        to_redis: bool,
+    ) -> bool {
+        let Ok(mut l1) = self.l1.lock() else {
+            return false;
+        };
+        let now = now_ms();
+        let last = l1
+            .copies
+            .get(&key.key)
+            .map_or(0, |entry| entry.in_redis_at_ms);
+        let send = to_redis && now.saturating_sub(last) >= REDIS_REFRESH_MS;
+        self.insert(
+            &mut l1,
+            key,
+            copy,
+            max_copies,
+            if send { now } else { last },
+        );
+        send
     }
 
     /// Keeps `copy` as the newest store, then drops the route's oldest copies beyond
     /// `max_copies`, and while memory is over its bound, the oldest copy of the route that
     /// holds the most: a route flooded with keys (cache-busting queries) evicts its own copies
     /// before any other route's.
-    fn insert(&self, l1: &mut L1, key: &CopyKey, copy: Arc<StaleCopy>, max_copies: usize) {
+    fn insert(
+        &self,
+        l1: &mut L1,
+        key: &CopyKey,
+        copy: Arc<StaleCopy>,
+        max_copies: usize,
+        in_redis_at_ms: u64,
+    ) {
         let weight = copy.weight();
         if weight > self.max_bytes {
             return;
@@ -426,6 +471,7 @@ impl StaleStore {
             copy,
             stored,
             route: key.index.clone(),
+            in_redis_at_ms,
         };
         let replaced = l1.copies.insert(key.key.clone(), entry);
         let route = l1.routes.entry(key.index.clone()).or_default();
@@ -483,10 +529,11 @@ impl StaleStore {
         }
     }
 
-    /// Stores a fresh copy in memory now and in Redis in the background, where the route's
-    /// oldest copies beyond `max_copies` are deleted in the same script. When Redis fails or
-    /// does not answer within its timeout (at least 250 ms here, as no request waits for
-    /// it), the copy is kept in memory only: it still answers this instance's requests.
+    /// Stores a fresh copy in memory now and in Redis in the background (at most once a
+    /// [`REDIS_REFRESH_MS`] per key), where the route's oldest copies beyond `max_copies` are
+    /// deleted in the same script. When Redis fails or does not answer within its timeout (at
+    /// least 250 ms here, as no request waits for it), the copy is kept in memory only: it
+    /// still answers this instance's requests.
     pub fn put(
         &self,
         key: &CopyKey,
@@ -494,11 +541,15 @@ impl StaleStore {
         redis: Option<Arc<RedisStore>>,
         settings: &StaleSettings,
     ) {
-        self.remember(key, copy.clone(), settings.max_copies);
         // While Redis is known to be down (its health breaker is open) the copy is kept in
         // memory only, as when a store fails; the next fresh answer after Redis is back goes
-        // to Redis again.
-        if let Some(redis) = redis.filter(|redis| redis.is_up_for(&key.key)) {
+        // to Redis again. So is it while enough copies are on their way there.
+        let redis = redis.filter(|redis| redis.is_up_for(&key.key));
+        let permit = redis
+            .as_ref()
+            .and_then(|_| self.redis_stores.clone().try_acquire_owned().ok());
+        let send = self.remember(key, copy.clone(), settings.max_copies, permit.is_some());
+        if let (Some(redis), Some(permit), true) = (redis, permit, send) {
             let key = key.clone();
             let (max_age, max_copies) = (settings.max_age, settings.max_copies);
             tokio::spawn(async move {
@@ -516,8 +567,15 @@ impl StaleStore {
                 if let Err(error) = redis.command::<i64>(&command, timeout, None).await {
                     tracing::debug!(key = %key.key, "stale copy not stored in redis: {error}");
                 }
+                drop(permit);
             });
         }
+    }
+
+    /// Wait for the fetch of `key` in flight, if there is one; never leads one.
+    pub fn fetch_in_flight(&self, key: &str) -> Option<Fetch> {
+        let inflight = self.inflight.lock().ok()?;
+        inflight.get(key).cloned().map(Fetch::Wait)
     }
 
     /// Either lead the fetch of `key` or wait for the one in flight.
@@ -1060,11 +1118,11 @@ mod tests {
     fn a_route_keeps_at_most_max_copies_in_memory_and_leaves_the_others_theirs() {
         let store = StaleStore::new(L1_MAX_BYTES);
         for n in 0..5 {
-            store.remember(&key_of("good", n), small_copy(), 1000);
+            store.remember(&key_of("good", n), small_copy(), 1000, false);
         }
         // A flood of cache-busting keys on another route.
         for n in 0..10_000 {
-            store.remember(&key_of("busted", n), small_copy(), 100);
+            store.remember(&key_of("busted", n), small_copy(), 100, false);
         }
         let l1 = store.l1.lock().expect("lock");
         let of = |route: &str| {
@@ -1086,10 +1144,10 @@ mod tests {
         let weight = small_copy().weight();
         let store = StaleStore::new(50 * weight);
         for n in 0..5 {
-            store.remember(&key_of("good", n), small_copy(), 1000);
+            store.remember(&key_of("good", n), small_copy(), 1000, false);
         }
         for n in 0..10_000 {
-            store.remember(&key_of("busted", n), small_copy(), 1000);
+            store.remember(&key_of("busted", n), small_copy(), 1000, false);
         }
         let l1 = store.l1.lock().expect("lock");
         assert!(l1.bytes <= 50 * weight, "{}", l1.bytes);
@@ -1105,14 +1163,14 @@ mod tests {
     fn a_copy_stored_again_is_the_newest_and_queues_stay_bounded() {
         let store = StaleStore::new(L1_MAX_BYTES);
         for n in 0..3 {
-            store.remember(&key_of("r", n), small_copy(), 3);
+            store.remember(&key_of("r", n), small_copy(), 3, false);
         }
         // The first copy is refreshed many times: it is the newest, so a fourth key evicts
         // the second.
         for _ in 0..1000 {
-            store.remember(&key_of("r", 0), small_copy(), 3);
+            store.remember(&key_of("r", 0), small_copy(), 3, false);
         }
-        store.remember(&key_of("r", 3), small_copy(), 3);
+        store.remember(&key_of("r", 3), small_copy(), 3, false);
         let l1 = store.l1.lock().expect("lock");
         let kept: Vec<bool> = (0..4)
             .map(|n| l1.copies.contains_key(&key_of("r", n).key))
@@ -1137,7 +1195,7 @@ mod tests {
                 body: Bytes::from(vec![b'x'; 200]),
                 stored_at_ms: 0,
             };
-            store.remember(&key_of("r", i), Arc::new(copy), 1000);
+            store.remember(&key_of("r", i), Arc::new(copy), 1000, false);
         }
         let l1 = store.l1.lock().expect("lock");
         assert!(l1.bytes <= 1000, "{}", l1.bytes);

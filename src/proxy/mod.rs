@@ -944,6 +944,12 @@ struct Stale {
     /// whose client said `Cache-Control: no-store` (RFC 9111 5.2.1.5), or that has a body,
     /// is answered from a copy too, but its answer is not kept.
     keeps: bool,
+    /// The request asks for part of the page, or for it only if it changed (`Range`,
+    /// `If-None-Match`, …): its answer may be a 206 or a 304, which is no copy, so it waits
+    /// for a fetch in flight but never leads one (its readers would all go upstream when
+    /// it ended without a copy: with many returning visitors, the stampede the single
+    /// fetch is there to stop).
+    partial: bool,
 }
 
 enum Joined {
@@ -972,6 +978,7 @@ impl Stale {
                 settings: None,
                 credentials: false,
                 keeps: false,
+                partial: false,
             };
         };
         let method = request.method();
@@ -1040,7 +1047,22 @@ impl Stale {
             key,
             settings: Some(settings.clone()),
             credentials: request.headers().contains_key(h::AUTHORIZATION),
-            keeps: method == Method::GET && !client_says_no_store && bodiless && !ambiguous(),
+            // A WebSocket's upgrade request is no page view: it is answered by its own 101.
+            keeps: method == Method::GET
+                && !client_says_no_store
+                && bodiless
+                && !request.headers().contains_key(h::UPGRADE)
+                && !ambiguous(),
+            partial: [
+                h::RANGE,
+                h::IF_RANGE,
+                h::IF_NONE_MATCH,
+                h::IF_MODIFIED_SINCE,
+                h::IF_MATCH,
+                h::IF_UNMODIFIED_SINCE,
+            ]
+            .iter()
+            .any(|name| request.headers().contains_key(name)),
         }
     }
 
@@ -1118,14 +1140,25 @@ impl Stale {
                 waited: Duration::ZERO,
             };
         };
-        let waiting = match shared.stale.fetch(&key.key) {
-            Fetch::Lead(guard) => {
+        let fetch = if self.partial {
+            shared.stale.fetch_in_flight(&key.key)
+        } else {
+            Some(shared.stale.fetch(&key.key))
+        };
+        let waiting = match fetch {
+            Some(Fetch::Lead(guard)) => {
                 return Joined::Lead {
                     guard: Some(guard),
                     waited: Duration::ZERO,
                 }
             }
-            Fetch::Wait(receiver) => receiver,
+            Some(Fetch::Wait(receiver)) => receiver,
+            None => {
+                return Joined::Lead {
+                    guard: None,
+                    waited: Duration::ZERO,
+                }
+            }
         };
         let started = Instant::now();
         let waited = stale::wait_for_copy(
