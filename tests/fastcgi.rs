@@ -948,6 +948,14 @@ async fn queued_writes_php_fpm_cannot_take_are_refused_or_dead_lettered() {
         || async { get(&levee.admin_url("/queues")).await.json()["writes"]["dead_letters"] == 1 },
     )
     .await;
+    // The letter says the app ran it: a retry would run it twice.
+    let dead = get(&levee.admin_url("/queues/writes/dead")).await.json();
+    assert!(
+        dead[0]["error"]
+            .as_str()
+            .is_some_and(|error| error.contains("the app ran the job")),
+        "{dead}"
+    );
     let status = get(&levee.admin_url("/status")).await.json();
     assert_eq!(
         status["upstreams"][0]["breaker"]["state"], "closed",

@@ -804,6 +804,19 @@ async fn without_redis_the_queue_and_its_figures_answer_503_and_big_bodies_413()
         assert!(answer.header("retry-after").is_some());
     }
     assert_eq!(backend.hits(), 0);
+    // Those failures opened Redis's health breaker: a client that waits for `100 Continue`
+    // is answered at once, not asked to upload a body that cannot be stored.
+    eventually(Duration::from_secs(5), "redis known down", || async {
+        get(&levee.admin_url("/status")).await.json()["redis"]["up"] == false
+    })
+    .await;
+    let expecting = raw_exchange(
+        levee.public,
+        b"POST /notify.php HTTP/1.1\r\nHost: a\r\nContent-Length: 6\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(expecting.starts_with("HTTP/1.1 503"), "{expecting}");
     // The queues' figures are in Redis: none are made up while it is down.
     let figures = get(&levee.admin_url("/queues")).await;
     assert_eq!(figures.status, 503, "{}", figures.text());

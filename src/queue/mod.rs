@@ -438,6 +438,30 @@ pub async fn enqueue(
     let limit = settings
         .max_body
         .min(usize::try_from(route.max_body).unwrap_or(usize::MAX));
+    let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
+    let not_stored = |error: String| {
+        // One line per refused POST would flood the log while Redis is down.
+        static NOT_STORED: LogThrottle = LogThrottle::new(Duration::from_secs(10));
+        match NOT_STORED.allow(std::time::Instant::now()) {
+            Some(held_back) => {
+                tracing::warn!(route = %route.name, held_back, "job not stored: {error}")
+            }
+            None => {
+                tracing::debug!(route = %route.name, "job not stored: {error}")
+            }
+        }
+        ProxyError::QueueUnavailable {
+            route: route.name.to_string(),
+            unsettled: false,
+        }
+    };
+    // With Redis known to be down (its health breaker open), the job cannot be stored: the
+    // client is answered now, before it uploads a body for nothing (or is told `100 Continue`).
+    if !redis.is_up_for(&keys.stream) {
+        return Err(not_stored(
+            "Redis is down (its health breaker is open)".into(),
+        ));
+    }
     // A body announced over the limit is refused before it is read: a client that sent
     // `Expect: 100-continue` is told 413 instead of `100 Continue` and an upload for nothing.
     if crate::proxy::content_length(&parts.headers).is_some_and(|length| length > limit as u64) {
@@ -470,25 +494,8 @@ pub async fn enqueue(
         }
     };
     let job = Job::from_request(&route.name.0, &parts, &received_head, body, client_ip);
-    let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
     // Writes are worth a little more patience than limit checks, but never unbounded.
     let timeout = redis.settings.timeout.max(Duration::from_millis(500));
-    let not_stored = |error: String| {
-        // One line per refused POST would flood the log while Redis is down.
-        static NOT_STORED: LogThrottle = LogThrottle::new(Duration::from_secs(10));
-        match NOT_STORED.allow(std::time::Instant::now()) {
-            Some(held_back) => {
-                tracing::warn!(route = %route.name, held_back, "job not stored: {error}")
-            }
-            None => {
-                tracing::debug!(route = %route.name, "job not stored: {error}")
-            }
-        }
-        ProxyError::QueueUnavailable {
-            route: route.name.to_string(),
-            unsettled: false,
-        }
-    };
     // A plain XADD that times out here is not cancelled: a Redis that was only frozen or slow
     // runs it later, so work the client was told was *not* stored (503, retry) got applied
     // anyway — and applied twice once the client retried (the fault tests found this with a

@@ -712,17 +712,20 @@ async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, r
 }
 
 /// The time (ms) the oldest waiting job was first stored: its `at` field, which a retry keeps
-/// (a retry goes back into the stream under a new entry id, and waits for its time in the
-/// delayed set, where the stream's first entry id never shows it). Looks at the first 100
-/// entries of the stream and of the delayed set (which is in due order): past that, an
-/// estimate. 0 when nothing waits. KEYS: stream, delayed zset.
+/// (a retry waits for its time in the delayed set, where the stream's first entry id never
+/// shows it, then goes back into the stream under a new entry id). Looks at the stream's
+/// first entry and the first 100 of the delayed set (which is in due order): a due retry
+/// behind newer jobs in the stream is not seen, so with one the figure is an estimate. Only
+/// the first entry: it is read whole, body included, and 100 of them were up to 100 bodies
+/// of `max_body` copied inside Redis on every pass (five a second) and every `/queues`.
+/// 0 when nothing waits. KEYS: stream, delayed zset.
 const OLDEST_STORED: &str = r#"
 local oldest = 0
 local function take(at)
   at = tonumber(at)
   if at and at > 0 and (oldest == 0 or at < oldest) then oldest = at end
 end
-for _, entry in ipairs(redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 100)) do
+for _, entry in ipairs(redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)) do
   local fields = entry[2]
   local found = false
   for i = 1, #fields, 2 do
@@ -1200,7 +1203,13 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
         // person to look at; the breaker does not count it.
         Ok(Err(error)) if !error.is_upstream_failure() => {
             permit.record(Outcome::Abandoned, Instant::now(), &shared.metrics);
-            Replay::Permanent(format!("cannot be replayed: {error}"))
+            // The letter says which: an operator retrying one the app ran runs it twice.
+            Replay::Permanent(match error {
+                crate::proxy::client::ClientError::UnpassableField(_) => format!(
+                    "the app ran the job but its answer could not be read ({error}): a retry runs it again"
+                ),
+                _ => format!("cannot be replayed: {error}"),
+            })
         }
         // Nothing reached the app (refused, unreachable, no connection in connect_timeout): a
         // failure for the breaker, but no attempt spent. The job and those behind it wait, as
