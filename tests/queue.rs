@@ -2784,6 +2784,64 @@ async fn jobs_wait_out_an_app_that_cannot_be_reached_and_heed_its_retry_after() 
     assert_eq!(answers.lock().expect("lock").len(), 2, "{job} applied once");
 }
 
+/// Each queue is replayed on its own: one whose upstream takes the request and never
+/// answers (every job waiting out `response_timeout`, 30 s here) does not hold another
+/// route's jobs behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_whose_upstream_hangs_does_not_hold_the_others() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let hanging = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let hanging_addr = hanging.local_addr().expect("addr");
+    let (taken_tx, mut taken) = tokio::sync::mpsc::unbounded_channel();
+    let _hanging = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = hanging.accept().await {
+            held.push(stream);
+            let _ = taken_tx.send(());
+        }
+    });
+    let route = |name: &str, upstream: &str| {
+        format!("[[route]]\nname = \"{name}\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/{name}\" }}\nupstream = \"{upstream}\"\nalways_queue = true\n")
+    };
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false\ndefault_upstream = \"app\"",
+        &format!(
+            "[upstream.mailer]\nurl = \"http://{hanging_addr}\"\n[redis]\nurl = \"{}\"\n[queue]\npoll_interval = \"50ms\"\n{}{}",
+            redis.url(),
+            route("mail", "mailer"),
+            route("notify", "app"),
+        ),
+    ))
+    .await;
+    let post_to = |route: &str, body: &str| {
+        let request = Request::post(levee.url(&format!("/{route}.php")))
+            .body(full(body.to_string()))
+            .expect("request");
+        send(request)
+    };
+    assert_eq!(post_to("mail", "to=a").await.status, 202);
+    tokio::time::timeout(Duration::from_secs(10), taken.recv())
+        .await
+        .expect("the mail job sent to its upstream");
+    assert_eq!(post_to("notify", "like=1").await.status, 202);
+    eventually(
+        Duration::from_secs(5),
+        "the notify job applied while the mail job waits",
+        || async {
+            seen.lock()
+                .expect("lock")
+                .iter()
+                .any(|job| job.1 == "like=1")
+        },
+    )
+    .await;
+}
+
 /// An instance stopped in the middle of a batch hands the jobs it has not begun back: another
 /// instance takes them up at once, not after `claim_after` (30 s here), and each job is
 /// applied once.

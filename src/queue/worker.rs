@@ -342,10 +342,23 @@ async fn remove_consumers_left_behind(
 /// Jobs read from a queue at a time (claimed from silent workers, and new ones, each).
 const BATCH: usize = 20;
 
+/// One queue's batch being replayed in a task of its own, and when its next job may start.
+type Replaying = tokio::task::JoinHandle<(Result<bool, RedisFailure>, Instant)>;
+
+/// Waits for every batch in flight to end (each stops starting jobs once `stop` is set).
+async fn finish_replays(running: &mut HashMap<String, Replaying>) {
+    for (_, replaying) in running.drain() {
+        let _ = replaying.await;
+    }
+}
+
 /// Starts the replay loop; it lasts until `stop`. A job whose replay has begun is finished
 /// (and acknowledged, or retried, or dead-lettered) first: the task ends after it, so a
 /// shutdown that waits for the task never cuts a replay off halfway, which the app may still
-/// complete and another worker would then replay again.
+/// complete and another worker would then replay again. Each queue's batch is replayed in a
+/// task of its own: one whose upstream hangs (each job waiting out `response_timeout` until
+/// the breaker opens) no longer holds every other route's replays, and the passes that move
+/// due retries back, for as long.
 pub fn spawn_workers(
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
@@ -368,7 +381,44 @@ pub fn spawn_workers(
         // Per queue (stream key): when its next job may start, so that `replay_rate` holds
         // across batches and passes too.
         let mut next_starts: HashMap<String, Instant> = HashMap::new();
+        // Per queue (stream key): its batch being replayed; the queue is left alone by the
+        // passes until it ends.
+        let mut running: HashMap<String, Replaying> = HashMap::new();
+        // Told when a batch ends, so a queue with a backlog goes on at once.
+        let ended = Arc::new(tokio::sync::Notify::new());
         loop {
+            let finished: Vec<String> = running
+                .iter()
+                .filter(|(_, replaying)| replaying.is_finished())
+                .map(|(stream, _)| stream.clone())
+                .collect();
+            for stream in finished {
+                let Some(replaying) = running.remove(&stream) else {
+                    continue;
+                };
+                match replaying.await {
+                    Ok((result, next_start)) => {
+                        next_starts.insert(stream.clone(), next_start);
+                        match result {
+                            Ok(more) => backlog |= more,
+                            // The stream went away (a Redis restarted without persistence, a
+                            // FLUSHALL, an evicted key) and the next XADD made it again
+                            // without the group: made again on the next pass, or its jobs
+                            // would never run.
+                            Err(error) if is_no_group(&error) => {
+                                tracing::warn!(%stream, "the queue's consumer group is gone from redis; making it again: {error}");
+                                groups_made.remove(&stream);
+                            }
+                            Err(error) => {
+                                tracing::debug!(%stream, "replay paused: {error}");
+                            }
+                        }
+                    }
+                    Err(error) => {
+                        tracing::error!(%stream, "a queue's replay task ended abnormally; it starts again on the next pass: {error}");
+                    }
+                }
+            }
             let policy = shared.store.load();
             let interval = policy
                 .queue
@@ -376,12 +426,18 @@ pub fn spawn_workers(
                 .map_or(Duration::from_secs(1), |q| q.poll_interval);
             if std::mem::take(&mut backlog) {
                 if *stop.borrow() {
+                    finish_replays(&mut running).await;
                     return;
                 }
             } else {
-                tokio::select! {
-                    _ = tokio::time::sleep(interval) => {}
-                    _ = stop.wait_for(|stopped| *stopped) => return,
+                let stopping = tokio::select! {
+                    _ = tokio::time::sleep(interval) => false,
+                    _ = ended.notified() => continue,
+                    _ = stop.wait_for(|stopped| *stopped) => true,
+                };
+                if stopping {
+                    finish_replays(&mut running).await;
+                    return;
                 }
             }
             let policy = shared.store.load();
@@ -431,7 +487,11 @@ pub fn spawn_workers(
             route_unrouted_queues(&shared, &redis, &policy, &queueing).await;
             for (keys, route, former) in queues_to_serve(&shared, &policy, queueing) {
                 if *stop.borrow() {
+                    finish_replays(&mut running).await;
                     return;
+                }
+                if running.contains_key(&keys.stream) {
+                    continue;
                 }
                 if former && queue_is_empty(&redis, &keys).await {
                     tracing::info!(route = %route.name, stream = %keys.stream, "the queue of a route that stopped queueing is empty; forgetting it");
@@ -480,30 +540,26 @@ pub fn spawn_workers(
                 {
                     continue;
                 }
-                let pass = Pass {
-                    shared: &shared,
-                    redis: &redis,
-                    settings: &settings,
-                    keys: &keys,
-                    route,
-                    consumer: &consumer,
-                };
-                let next_start = next_starts
-                    .entry(keys.stream.clone())
-                    .or_insert_with(Instant::now);
-                match pass.replay_route(&mut stop, next_start).await {
-                    Ok(more) => backlog |= more,
-                    // The stream went away (a Redis restarted without persistence, a
-                    // FLUSHALL, an evicted key) and the next XADD made it again without the
-                    // group: made again on the next pass, or its jobs would never run.
-                    Err(error) if is_no_group(&error) => {
-                        tracing::warn!(route = %route.name, stream = %keys.stream, "the queue's consumer group is gone from redis; making it again: {error}");
-                        groups_made.remove(&keys.stream);
-                    }
-                    Err(error) => {
-                        tracing::debug!(route = %route.name, "replay paused: {error}");
-                    }
-                }
+                let mut next_start = next_starts
+                    .remove(&keys.stream)
+                    .unwrap_or_else(Instant::now);
+                let (shared, redis, settings) = (shared.clone(), redis.clone(), settings.clone());
+                let (route, consumer, ended) = (route.clone(), consumer.clone(), ended.clone());
+                let (stream, keys, mut stop) = (keys.stream.clone(), keys, stop.clone());
+                let replaying = tokio::spawn(async move {
+                    let pass = Pass {
+                        shared: &shared,
+                        redis: &redis,
+                        settings: &settings,
+                        keys: &keys,
+                        route: &route,
+                        consumer: &consumer,
+                    };
+                    let result = pass.replay_route(&mut stop, &mut next_start).await;
+                    ended.notify_one();
+                    (result, next_start)
+                });
+                running.insert(stream, replaying);
             }
         }
     })
