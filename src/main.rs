@@ -200,7 +200,11 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     tracing::error!("{error}");
-                    eprintln!("levee: {error}");
+                    // A text log line is on the terminal already; a JSON one is for a
+                    // collector, so a person starting levee by hand is told in words too.
+                    if matches!(log_format, LogFormat::Json) {
+                        eprintln!("levee: {error}");
+                    }
                     ExitCode::FAILURE
                 }
             }

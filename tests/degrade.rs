@@ -1831,9 +1831,21 @@ async fn a_switch_left_for_a_module_the_policy_dropped_can_be_handed_back() {
     assert_ne!(without, policy);
     std::fs::write(levee.policy_file(), &without).expect("rewrite the policy");
     assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    // /status says it is saved though the policy does not have it.
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["degrade"]["saved_not_in_policy"]["modules"]["visitors"]["off"], true,
+        "{status}"
+    );
     // Switching it on or off is refused (no such module), handing it back is not.
     assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 400);
     assert_eq!(set(&levee, "/modules/visitors", "policy").await.status, 200);
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["degrade"]["saved_not_in_policy"]["modules"],
+        serde_json::json!({}),
+        "{status}"
+    );
     // Back in the policy, the module is on: nothing was left to hide it again.
     std::fs::write(levee.policy_file(), &policy).expect("rewrite the policy");
     assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);

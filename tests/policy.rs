@@ -69,6 +69,42 @@ fn a_public_listener_on_the_default_admin_address_is_reported_at_its_listen() {
     );
 }
 
+/// Files an operator may take for policy files but levee does not read are named, so their
+/// rules are not lost without a word; backups and hidden files are left alone.
+#[test]
+fn files_that_look_like_policy_but_are_not_read_are_warned_of() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("10-app.toml"),
+        "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n",
+    )
+    .expect("write");
+    for name in [
+        "20-limits.TOML",
+        "21.tml",
+        "22.toml.txt",
+        "levee.toml.bak",
+        ".hidden.toml.swp",
+    ] {
+        std::fs::write(dir.path().join(name), "[limit.x]\n").expect("write");
+    }
+    std::fs::create_dir(dir.path().join("conf.d")).expect("mkdir");
+    std::fs::write(dir.path().join("conf.d").join("sub.toml"), "").expect("write");
+    let (ok, stdout, stderr) = levee_check(dir.path());
+    let printed = format!("{stdout}{stderr}");
+    assert!(ok, "{printed}");
+    for name in ["20-limits.TOML", "21.tml", "22.toml.txt", "conf.d"] {
+        assert!(
+            printed.contains(&format!("warning: `{name}` is not read")),
+            "{name}: {printed}"
+        );
+    }
+    assert!(
+        !printed.contains("levee.toml.bak") && !printed.contains(".hidden"),
+        "{printed}"
+    );
+}
+
 #[test]
 fn a_file_that_is_not_utf8_is_reported_where_it_stops_being_utf8() {
     let dir = tempfile::tempdir().expect("temp dir");

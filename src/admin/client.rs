@@ -299,8 +299,14 @@ pub fn summarize(status: &serde_json::Value) -> String {
         }
     }
     for warning in policy["warnings"].as_array().into_iter().flatten() {
-        // A warning's hint is on its second line; the summary keeps to one line each.
-        let first_line = warning.as_str().unwrap_or("").lines().next().unwrap_or("");
+        // A warning's hint is on its second line; the summary keeps to one line each. (The
+        // status was made printable: its line break is the two characters `\n` here.)
+        let first_line = warning
+            .as_str()
+            .unwrap_or("")
+            .split("\\n")
+            .next()
+            .unwrap_or("");
         let _ = writeln!(out, "         {first_line}");
     }
     // A levee from before `connections` was sent has none to show.
@@ -339,6 +345,23 @@ pub fn summarize(status: &serde_json::Value) -> String {
                 module["origin"].as_str().unwrap_or("?")
             );
         }
+    }
+    // Saved for a name the policy does not have: not in effect now, in effect again if a
+    // reload brings the name back.
+    let saved = &degrade["saved_not_in_policy"];
+    for (name, module) in saved["modules"].as_object().into_iter().flatten() {
+        let state = if module["off"] == true { "off" } else { "on" };
+        let _ = writeln!(
+            out,
+            "         saved: module {name} {state}, not in the policy (in effect again if it comes back; `levee module {name} policy` clears it)"
+        );
+    }
+    for (name, pin) in saved["breakers"].as_object().into_iter().flatten() {
+        let _ = writeln!(
+            out,
+            "         saved: breaker {name} pinned {}, not in the policy (in effect again if it comes back; `levee breaker {name} auto` clears it)",
+            pin["force"].as_str().unwrap_or("?")
+        );
     }
     // Indexing a JSON value (not a map) gives null for a key an older levee does not send.
     let redis = &status["redis"];
@@ -519,6 +542,29 @@ mod tests {
             "{text:?}"
         );
         assert!(text.contains("by \\u{1b}[2J"), "{text}");
+    }
+
+    #[test]
+    fn switches_saved_for_names_the_policy_lacks_are_shown_and_warnings_keep_to_a_line() {
+        let status = printable(&serde_json::json!({
+            "policy": {"warnings": ["levee.toml: warning: listens elsewhere\n  hint: restart levee"]},
+            "degrade": {"level": 0, "level_origin": "policy", "modules": {},
+                "saved_not_in_policy": {
+                    "modules": {"widgets": {"off": true}},
+                    "breakers": {"api": {"force": "open"}},
+                }},
+        }));
+        let text = summarize(&status);
+        assert!(
+            text.contains("saved: module widgets off, not in the policy"),
+            "{text}"
+        );
+        assert!(
+            text.contains("saved: breaker api pinned open, not in the policy"),
+            "{text}"
+        );
+        assert!(text.contains("warning: listens elsewhere\n"), "{text}");
+        assert!(!text.contains("hint: restart"), "{text}");
     }
 
     #[test]

@@ -789,7 +789,32 @@ fn degrade_status(shared: &Shared, policy: &crate::config::Policy) -> serde_json
             )
         })
         .collect();
+    // Switches saved for names the policy no longer has (a route or upstream a reload took
+    // out): not in effect, and back in effect, unannounced, if a reload brings the name back.
+    let saved_modules: serde_json::Map<String, serde_json::Value> = runtime
+        .modules
+        .iter()
+        .filter(|(name, _)| !policy.degrade.modules.contains_key(name.as_str()))
+        .map(|(name, switch)| {
+            (
+                name.clone(),
+                json!({ "off": switch.value, "changed_by": switch.by, "changed_at_unix": switch.at_unix }),
+            )
+        })
+        .collect();
+    let saved_breakers: serde_json::Map<String, serde_json::Value> = runtime
+        .breakers
+        .iter()
+        .filter(|(name, _)| !policy.upstreams.contains_key(name.as_str()))
+        .map(|(name, pin)| {
+            (
+                name.clone(),
+                json!({ "force": crate::breaker::Force::word(Some(pin.value)), "changed_by": pin.by, "changed_at_unix": pin.at_unix }),
+            )
+        })
+        .collect();
     json!({
+        "saved_not_in_policy": { "modules": saved_modules, "breakers": saved_breakers },
         "level": view.level,
         "level_origin": level_origin,
         "policy_level": policy.degrade.level,

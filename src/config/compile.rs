@@ -4,7 +4,7 @@
 //! its `file:line:col`, so an operator fixes them all in one round, like `nginx -t`.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::Path;
@@ -147,7 +147,73 @@ pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnos
             return Err(Diagnostics(emptied));
         }
     }
-    compile(&files, previous)
+    let mut policy = compile(&files, previous)?;
+    policy.warnings.extend(files_not_read(dir));
+    Ok(policy)
+}
+
+/// Files of `dir` that look like policy files but are not read (only `*.toml` directly in
+/// it is): `limits.TOML`, `limits.toml.txt` (an editor's or a download's name), `conf.d/`. An
+/// operator who saved one would otherwise lose every rule in it without a word.
+fn files_not_read(dir: &Path) -> Vec<Diagnostic> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<(std::path::PathBuf, String)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|entry| {
+            let name = entry.file_name().to_str()?.to_string();
+            let path = entry.path();
+            let lower = name.to_ascii_lowercase();
+            if name.starts_with('.') || path.extension().is_some_and(|ext| ext == "toml") {
+                return None;
+            }
+            let looks_like_policy = if path.is_dir() {
+                policy_file_paths(&path).is_ok_and(|inside| !inside.is_empty())
+            } else {
+                lower.ends_with(".toml")
+                    || lower.ends_with(".tml")
+                    || lower.contains(".toml.") && !lower.ends_with('~') && !is_backup(&lower)
+            };
+            looks_like_policy.then_some((path, name))
+        })
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|(path, name)| {
+            let mut warning = Diagnostic::whole(
+                &path,
+                format!("`{name}` is not read: levee reads only the *.toml files directly in the policy directory"),
+            )
+            .hint("rename it to end in .toml (lower case), or move it out of the directory");
+            warning.severity = super::diag::Severity::Warning;
+            warning
+        })
+        .collect()
+}
+
+/// Names editors and tools give copies they keep (`levee.toml.bak`, `.orig`, `.dpkg-old`):
+/// meant not to be read.
+fn is_backup(lower: &str) -> bool {
+    [
+        ".bak",
+        ".orig",
+        ".old",
+        ".dpkg-old",
+        ".dpkg-dist",
+        ".dpkg-new",
+        ".rpmnew",
+        ".rpmsave",
+        ".swp",
+        ".disabled",
+        ".off",
+        ".example",
+        ".sample",
+        ".dist",
+    ]
+    .iter()
+    .any(|suffix| lower.ends_with(suffix))
 }
 
 /// Hash of file names and contents, shown by `/status` to tell which files are active.
@@ -1040,6 +1106,16 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     }
 
     let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_store.is_some());
+    // Every module a route names (`module`, `hide`), declared or not: a name a letter from
+    // another is most often a typo, whichever of the two is declared.
+    let mut named_modules: BTreeSet<String> = BTreeSet::new();
+    for (_, spec) in &route_specs {
+        let route = spec.get_ref();
+        named_modules.extend(route.module.iter().map(|module| module.get_ref().clone()));
+        if let Some(hide) = &route.hide {
+            named_modules.extend(hide.get_ref().keys().cloned());
+        }
+    }
     let context = RouteContext {
         server: &server_settings,
         upstreams: &upstreams,
@@ -1048,6 +1124,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         limits: &limits,
         limit_specs: &limit_specs,
         module_specs: &module_specs,
+        named_modules: &named_modules,
         queues: queue_settings.is_some(),
         cluster: redis_store.as_ref().is_some_and(|store| {
             matches!(
@@ -2687,15 +2764,16 @@ fn check_module_name(
     // Short names are often one letter apart by design (`ads`/`abs`, `cart`/`card`): one
     // letter counts from 6 letters on, two from 10.
     let shortest = |declared: &str| name.chars().count().min(declared.chars().count());
-    let near = context.module_specs.keys().find(|declared| {
-        let distance = edit_distance(name, declared);
-        let allowed = match shortest(declared) {
+    let is_near = |other: &&String| {
+        let distance = edit_distance(name, other);
+        let allowed = match shortest(other) {
             0..=5 => 0,
             6..=9 => 1,
             _ => 2,
         };
         (1..=allowed).contains(&distance)
-    });
+    };
+    let near = context.module_specs.keys().find(is_near);
     if let Some(declared) = near {
         let header = if name
             .chars()
@@ -2710,6 +2788,19 @@ fn check_module_name(
             span,
             format!("module `{name}` is not declared, and `{declared}` is: a typo makes a module of its own"),
             format!("write `{declared}`; if `{name}` is meant as a module of its own, declare it with {header}"),
+        );
+    } else if let Some(other) = context
+        .named_modules
+        .iter()
+        .filter(|other| !context.module_specs.contains_key(other.as_str()))
+        .find(is_near)
+    {
+        // Neither is declared: both are named by routes only.
+        compiler.warning_hint(
+            file,
+            span,
+            format!("module `{name}` is a letter or two from module `{other}`, named by another route: a typo makes a module of its own, which switching `{other}` off does not touch"),
+            "write the same name in both places; declare each with [module.NAME] if both are meant",
         );
     }
 }
@@ -3365,6 +3456,8 @@ struct RouteContext<'a> {
     limits: &'a BTreeMap<String, Arc<LimitRule>>,
     limit_specs: &'a BTreeMap<String, (usize, Spanned<LimitSpec>)>,
     module_specs: &'a BTreeMap<String, (usize, Spanned<ModuleSpec>)>,
+    /// Every module a route names, declared or not.
+    named_modules: &'a BTreeSet<String>,
     /// Queues can be used (there is `[redis]`).
     queues: bool,
     /// `[redis]` is a Redis Cluster.
@@ -4492,6 +4585,24 @@ mod tests {
         ] {
             assert!(warnings(&policy).is_empty(), "{policy}");
         }
+        // Neither declared: a page hiding `rankng` while the route's module is `ranking`.
+        let both_named = format!(
+            "{APP}{}[[route]]\nname = \"home\"\nhide = {{ rankng = \"#ranking\" }}\n",
+            route("ranking")
+        );
+        let near: Vec<String> = compile(&files(&[("a.toml", &both_named)]), None)
+            .expect("loads")
+            .warnings
+            .iter()
+            .map(ToString::to_string)
+            .filter(|warning| warning.contains("a letter or two from module"))
+            .collect();
+        assert!(
+            near.iter().any(|w| w.contains(
+                "module `rankng` is a letter or two from module `ranking`, named by another route"
+            )),
+            "{near:?}"
+        );
         assert_eq!(edit_distance("ranking", "rankng"), 1);
         assert_eq!(edit_distance("ads", "ranking"), 6);
         assert_eq!(edit_distance("排行榜", "排行"), 1);

@@ -85,7 +85,9 @@ fn log_warnings(policy: &Policy) {
 /// what the limit allows (logged); a value the policy sets is kept, with a warning where the
 /// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
 /// in the compiler: `levee check` runs in a shell whose limit is not the service's.
-fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy) {
+/// `before`: the bound the policy in effect has (a reload), logged again only when it changes:
+/// not on every save of a file.
+fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option<u32>) {
     let soft_limit = crate::open_files::soft_limit();
     let max_connections = policy.server.max_connections;
     let Some(message) = crate::open_files::shortfall(max_connections, soft_limit) else {
@@ -93,11 +95,13 @@ fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy) {
     };
     if !policy.server.max_connections_given {
         let allowed = soft_limit.map_or(max_connections, crate::open_files::connections_allowed);
-        tracing::info!(
-            max_connections = allowed,
-            open_file_limit = soft_limit,
-            "[server] max_connections defaults to what the open-file limit allows"
-        );
+        if before != Some(allowed) {
+            tracing::info!(
+                max_connections = allowed,
+                open_file_limit = soft_limit,
+                "[server] max_connections defaults to what the open-file limit allows"
+            );
+        }
         policy.server.max_connections = allowed;
         return;
     }
@@ -113,7 +117,7 @@ impl PolicyStore {
     pub fn open(dir: &Path, metrics: Arc<Metrics>) -> Result<PolicyStore, Diagnostics> {
         let mut policy = load_dir(dir, None)?;
         policy.generation = 1;
-        fit_connections_to_open_files(dir, &mut policy);
+        fit_connections_to_open_files(dir, &mut policy, None);
         log_warnings(&policy);
         metrics.policy_generation.set(1);
         Ok(PolicyStore {
@@ -230,7 +234,11 @@ impl PolicyStore {
                     policy.admin.listen = previous.admin.listen;
                 }
                 policy.generation = previous.generation + 1;
-                fit_connections_to_open_files(&self.dir, &mut policy);
+                fit_connections_to_open_files(
+                    &self.dir,
+                    &mut policy,
+                    Some(previous.server.max_connections),
+                );
                 let outcome = ReloadOutcome {
                     generation: policy.generation,
                     hash: policy.hash.clone(),
@@ -248,11 +256,22 @@ impl PolicyStore {
             }
             Err(diagnostics) => {
                 self.metrics.policy_reload_failures.inc();
-                tracing::error!(
-                    ?trigger,
-                    active_generation = previous.generation,
-                    "policy reload refused, keeping the active policy:\n{diagnostics}"
-                );
+                // One line per error, each whole (where, what, what to write), as log lines
+                // are read and searched: a line-based collector split the old multi-line
+                // entry, and `grep ERROR` showed none of its detail.
+                for error in &diagnostics.0 {
+                    let hint = error
+                        .hint
+                        .as_deref()
+                        .map_or(String::new(), |hint| format!(" (hint: {hint})"));
+                    tracing::error!(
+                        ?trigger,
+                        active_generation = previous.generation,
+                        "policy reload refused, keeping the active policy: {}: {}{hint}",
+                        error.location(),
+                        error.message
+                    );
+                }
                 if let Ok(mut record) = self.record.lock() {
                     record.last_failure = Some(ReloadFailure {
                         at_unix: now_unix(),
