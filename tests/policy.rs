@@ -561,6 +561,49 @@ async fn a_directory_swapped_in_while_its_file_is_written_is_read_once_whole() {
     let _ = std::fs::remove_dir_all(&old);
 }
 
+/// A policy file that is a symlink to a file kept elsewhere (config management) is reloaded
+/// when that file is edited or replaced, though the directory itself sees no change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_linked_policy_files_target_is_followed() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let levee = Levee::start(&two_upstream_policy(&a, &b, "a")).await;
+    let elsewhere = tempfile::tempdir().expect("dir");
+    let target = elsewhere.path().join("levee.toml");
+    // A comment more: the link is a change of the policy's text, loaded as a generation.
+    let linked = format!("{}# kept elsewhere\n", two_upstream_policy(&a, &b, "a"));
+    std::fs::write(&target, linked).expect("write");
+    let generation =
+        || async { get(&levee.admin_url("/status")).await.json()["policy"]["generation"].as_u64() };
+    let before = generation().await;
+    let file = levee.policy_file();
+    std::fs::remove_file(&file).expect("remove");
+    std::os::unix::fs::symlink(&target, &file).expect("link");
+    eventually(Duration::from_secs(10), "the link loaded", || async {
+        generation().await != before
+    })
+    .await;
+    assert_eq!(get(&levee.url("/page")).await.text(), "a");
+    // Replaced as editors and config management do: written aside, renamed over.
+    let aside = elsewhere.path().join("levee.toml.new");
+    std::fs::write(&aside, two_upstream_policy(&a, &b, "b")).expect("write");
+    std::fs::rename(&aside, &target).expect("rename");
+    eventually(
+        Duration::from_secs(10),
+        "the target's change loaded",
+        || async { get(&levee.url("/page")).await.text() == "b" },
+    )
+    .await;
+    // Written in place.
+    std::fs::write(&target, two_upstream_policy(&a, &b, "a")).expect("write");
+    eventually(
+        Duration::from_secs(10),
+        "the target's edit loaded",
+        || async { get(&levee.url("/page")).await.text() == "a" },
+    )
+    .await;
+}
+
 /// A reload asked on the admin listener runs to its end even when the client that asked goes
 /// away meanwhile (`curl --max-time`, a dropped SSH tunnel): the outcome is recorded and a
 /// good policy swapped in, as if the client had stayed.

@@ -65,6 +65,42 @@ async fn identity_now(dir: &Path) -> Option<(u64, u64)> {
         .map(|metadata| identity(&metadata))
 }
 
+/// What the policy files that are symlinks point at look like now (device, inode, size,
+/// modification time of each target), in file order. A symlink's target outside the directory
+/// (config management keeps the file elsewhere and links it in) gives the directory's watch
+/// no event when it is edited or replaced, so it is looked at on each identity check instead.
+type LinkedStamp = Vec<(PathBuf, Option<(u64, u64, u64, i64, i64)>)>;
+
+fn linked_targets(dir: &Path) -> LinkedStamp {
+    let Ok(paths) = super::compile::policy_file_paths(dir) else {
+        return Vec::new();
+    };
+    paths
+        .into_iter()
+        .filter(|path| std::fs::symlink_metadata(path).is_ok_and(|meta| meta.is_symlink()))
+        .map(|path| {
+            let stamp = std::fs::metadata(&path).ok().map(|meta| {
+                (
+                    meta.dev(),
+                    meta.ino(),
+                    meta.size(),
+                    meta.mtime(),
+                    meta.mtime_nsec(),
+                )
+            });
+            (path, stamp)
+        })
+        .collect()
+}
+
+/// [`linked_targets`] off the runtime's threads.
+async fn linked_targets_now(dir: &Path) -> LinkedStamp {
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || linked_targets(&dir))
+        .await
+        .unwrap_or_default()
+}
+
 fn identity(metadata: &std::fs::Metadata) -> (u64, u64) {
     use std::os::unix::fs::MetadataExt as _;
     (metadata.dev(), metadata.ino())
@@ -104,6 +140,11 @@ pub fn spawn_watcher(
             let mut look_now = Some(WatchSignal::Changed);
             let mut identity_check = tokio::time::interval(IDENTITY_CHECK);
             identity_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // The linked files' targets as last read, and as seen at the last check: a change
+            // is read once it has held still for a check (a target still being written is
+            // not read half).
+            let mut linked_read = linked_targets_now(store.dir()).await;
+            let mut linked_seen = linked_read.clone();
             // Policy files opened for writing and not closed yet.
             let mut writing = HashSet::new();
             loop {
@@ -118,7 +159,16 @@ pub fn spawn_watcher(
                 };
                 let signal = match woke {
                     Some(signal) => signal,
-                    None if identity_now(store.dir()).await == watched => continue,
+                    None if identity_now(store.dir()).await == watched => {
+                        let linked = linked_targets_now(store.dir()).await;
+                        let settled = linked == linked_seen;
+                        linked_seen = linked;
+                        if !settled || linked_seen == linked_read {
+                            continue;
+                        }
+                        linked_read = linked_seen.clone();
+                        Some(WatchSignal::Changed)
+                    }
                     None => Some(WatchSignal::Broken),
                 };
                 match signal {
