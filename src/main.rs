@@ -90,11 +90,24 @@ enum Command {
     },
 }
 
+/// `--admin`: an address, or a host name and port (`localhost:9901`), its first address.
+fn admin_address(text: &str) -> Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    if let Ok(address) = text.parse() {
+        return Ok(address);
+    }
+    text.to_socket_addrs()
+        .map_err(|error| format!("`{text}` is no HOST:PORT levee can reach ({error})"))?
+        .next()
+        .ok_or_else(|| format!("`{text}` names no address"))
+}
+
 /// How to reach a running levee's admin listener.
 #[derive(clap::Args)]
 struct AdminArgs {
-    /// Admin listener address (default: `[admin] listen` from --policies, else 127.0.0.1:9901).
-    #[arg(long)]
+    /// Admin listener address, `HOST:PORT` (default: `[admin] listen` from --policies, else
+    /// 127.0.0.1:9901).
+    #[arg(long, value_parser = admin_address)]
     admin: Option<std::net::SocketAddr>,
     /// Policy directory to read the admin address from.
     #[arg(long, default_value = "policies")]

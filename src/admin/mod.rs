@@ -194,7 +194,7 @@ async fn answer(
         }
         _ => text_response(
             StatusCode::NOT_FOUND,
-            "404 not found; admin paths: GET /dashboard, GET /status, GET /metrics, POST /reload, POST /breakers/NAME, POST /level, POST /modules/NAME\n",
+            "404 not found; admin paths: GET /dashboard, GET /status, GET /metrics, GET /queues, POST /reload, POST /breakers/NAME, POST /level, POST /modules/NAME\n",
         ),
     }
 }

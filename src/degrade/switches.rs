@@ -76,6 +76,11 @@ fn named_in_policy<V>(
     if in_policy.contains_key(name) || clearing_a_leftover {
         return Ok(());
     }
+    if in_policy.is_empty() {
+        return Err(format!(
+            "no {kind} named `{name}`: the policy has no {kinds}"
+        ));
+    }
     let known: Vec<&str> = in_policy.keys().map(String::as_str).collect();
     Err(format!(
         "no {kind} named `{name}`; {kinds}: {}",
