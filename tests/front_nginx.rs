@@ -15,6 +15,7 @@ echo json_encode([
     'x_forwarded_for' => $_SERVER['HTTP_X_FORWARDED_FOR'] ?? null,
     'x_forwarded_host' => $_SERVER['HTTP_X_FORWARDED_HOST'] ?? null,
     'host' => $_SERVER['HTTP_HOST'] ?? null,
+    'http_proxy' => $_SERVER['HTTP_PROXY'] ?? null,
     'method' => $_SERVER['REQUEST_METHOD'],
     'body' => file_get_contents('php://input'),
 ]);
@@ -119,6 +120,20 @@ async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it(
         "{}",
         claimed.text()
     );
+
+    // `Proxy` would be CGI's HTTP_PROXY, read as an outgoing proxy ("httpoxy"): the front
+    // and levee drop it (PHP 8.2 ignores it too, so this guards the stack as a whole; the
+    // unit test in src/proxy/header.rs is levee's own).
+    let direct = format!("http://127.0.0.1:{levee_port}/index.php");
+    for url in [&site, &direct] {
+        let answer = get_with(url, &[("proxy", "http://evil.example:3128")]).await;
+        assert_eq!(
+            answer.json()["http_proxy"],
+            serde_json::Value::Null,
+            "{url}: {}",
+            answer.text()
+        );
+    }
 
     // In an absolute-form request the request line's host wins over the Host field (RFC
     // 9112), in both headers alike: levee routes by Host, an app may read X-Forwarded-Host.

@@ -103,6 +103,19 @@ fn files_that_look_like_policy_but_are_not_read_are_warned_of() {
         !printed.contains("levee.toml.bak") && !printed.contains(".hidden"),
         "{printed}"
     );
+
+    // A link to a file that moved away is named as such.
+    std::os::unix::fs::symlink(
+        "/nonexistent/levee/limits.toml",
+        dir.path().join("30-limits.toml"),
+    )
+    .expect("link");
+    let (ok, _, stderr) = levee_check(dir.path());
+    assert!(!ok);
+    assert!(
+        stderr.contains("30-limits.toml: error: cannot read: this is a symlink to /nonexistent/levee/limits.toml, which does not exist"),
+        "{stderr}"
+    );
 }
 
 #[test]

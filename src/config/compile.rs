@@ -83,7 +83,18 @@ pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
         match std::fs::read(&path).map(String::from_utf8) {
             Ok(Ok(text)) => files.push(SourceFile { path, text }),
             Ok(Err(not_utf8)) => errors.push(not_utf8_at(path, &not_utf8)),
-            Err(error) => errors.push(Diagnostic::whole(&path, format!("cannot read: {error}"))),
+            Err(error) => {
+                // A link left pointing at nothing (the file it named moved): said so, with
+                // where it points, rather than "no such file" for a file one can see.
+                let message = match std::fs::read_link(&path) {
+                    Ok(target) if error.kind() == std::io::ErrorKind::NotFound => format!(
+                        "cannot read: this is a symlink to {}, which does not exist",
+                        target.display()
+                    ),
+                    _ => format!("cannot read: {error}"),
+                };
+                errors.push(Diagnostic::whole(&path, message));
+            }
         }
     }
     if files.is_empty() && errors.is_empty() {
@@ -3789,7 +3800,41 @@ fn compile_match(
     if let Some(list) = &spec.method {
         for method in list.get_ref().clone().into_vec() {
             match Method::from_bytes(method.to_ascii_uppercase().as_bytes()) {
-                Ok(parsed) => methods.push(parsed),
+                Ok(parsed) => {
+                    // Any token is a method, so `GETT` is one no client sends: the route
+                    // would match nothing by it. Warned of; WebDAV's and others' pass.
+                    const KNOWN: [&str; 20] = [
+                        "GET",
+                        "HEAD",
+                        "POST",
+                        "PUT",
+                        "DELETE",
+                        "PATCH",
+                        "OPTIONS",
+                        "TRACE",
+                        "CONNECT",
+                        "PROPFIND",
+                        "PROPPATCH",
+                        "MKCOL",
+                        "COPY",
+                        "MOVE",
+                        "LOCK",
+                        "UNLOCK",
+                        "REPORT",
+                        "SEARCH",
+                        "PURGE",
+                        "QUERY",
+                    ];
+                    if !KNOWN.contains(&parsed.as_str()) {
+                        compiler.warning_hint(
+                            file,
+                            list.span(),
+                            format!("`{method}` is no method clients send"),
+                            "write GET, POST, PUT, DELETE, PATCH… (a method of your own is kept as written)",
+                        );
+                    }
+                    methods.push(parsed);
+                }
                 Err(_) => {
                     compiler.error(
                         file,
@@ -3831,6 +3876,8 @@ fn compile_match(
                     .last()
                     .unwrap_or("invalid")
                     .trim()
+                    // The regex crate's own label: the diagnostic says `error:` once.
+                    .trim_start_matches("error: ")
                     .to_string();
                 compiler.error_hint(
                     file,
@@ -4606,6 +4653,27 @@ mod tests {
         assert_eq!(edit_distance("ranking", "rankng"), 1);
         assert_eq!(edit_distance("ads", "ranking"), 6);
         assert_eq!(edit_distance("排行榜", "排行"), 1);
+    }
+
+    #[test]
+    fn a_method_no_client_sends_is_warned_of() {
+        let warnings = |methods: &str| -> Vec<String> {
+            let policy =
+                format!("{APP}[[route]]\nname = \"r\"\nmatch = {{ method = {methods} }}\n");
+            compile(&files(&[("a.toml", &policy)]), None)
+                .expect("loads")
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        let typo = warnings("[\"GET\", \"GETT\"]");
+        assert!(
+            typo.iter()
+                .any(|w| w.contains("warning: `GETT` is no method clients send")),
+            "{typo:?}"
+        );
+        assert!(warnings("[\"get\", \"PROPFIND\", \"PURGE\"]").is_empty());
     }
 
     #[test]

@@ -116,6 +116,10 @@ pub(crate) fn forwarded_description(headers: &HeaderMap) -> Option<Vec<u8>> {
     (!described.is_empty()).then_some(described)
 }
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+/// No client has a use for it, and CGI makes it `HTTP_PROXY`, which libraries read as their
+/// outgoing proxy ("httpoxy"): the app's own nginx, with Debian's `fastcgi_params`, passes it
+/// on (PHP ignores it since 7.0.9; other software behind levee may not).
+static PROXY: HeaderName = HeaderName::from_static("proxy");
 
 /// The hop-by-hop fields (RFC 9110 7.6.1) besides `Connection` and the fields it names:
 /// never passed on (the upstream client's response heads use the list too).
@@ -244,7 +248,8 @@ fn is_end_to_end(name: &HeaderName) -> bool {
 }
 
 /// Removes hop-by-hop headers (RFC 9110 7.6.1): `Connection` and every header it names,
-/// `Proxy-Connection`, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`.
+/// `Proxy-Connection`, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`; and
+/// `Proxy` (see [`PROXY`]).
 /// Framing is redone by levee's own HTTP stack on each side.
 ///
 /// For an upgrade that is being passed through, `Connection: upgrade` and `Upgrade` are
@@ -294,6 +299,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
             headers.remove(name);
         }
     }
+    if present & hop_by_hop_bit(&PROXY) != 0 {
+        headers.remove(&PROXY);
+    }
     if let Some(upgrade) = upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         headers.insert(header::UPGRADE, upgrade);
@@ -316,6 +324,8 @@ fn hop_by_hop_bit(name: &HeaderName) -> u8 {
         32
     } else if *name == PROXY_CONNECTION {
         64
+    } else if *name == PROXY {
+        128
     } else {
         0
     }
@@ -914,6 +924,7 @@ mod tests {
             ("te", "trailers"),
             ("transfer-encoding", "chunked"),
             ("upgrade", "websocket"),
+            ("proxy", "http://evil.example:3128"),
             ("cookie", "a=1"),
         ]);
         strip_hop_by_hop(&mut map, false);
