@@ -716,6 +716,42 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
     .await;
 }
 
+/// A page with no copy anywhere, asked for again and again while its route is off (a
+/// cache-busting query, a page nobody fetched while the route was healthy), costs a Redis
+/// read once in a tenth of max_age, not on every request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_with_no_copy_is_not_looked_for_in_redis_on_every_request() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _, _) = versioned().await;
+    let policy = ranking_resting_with_redis(
+        &backend,
+        &redis,
+        "degrade = { action = \"stale\", max_age = \"60s\" }",
+    );
+    let levee = Levee::start(&policy).await;
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let gets = || {
+        redis
+            .cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|line| line.strip_prefix("cmdstat_get:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|calls| calls.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let before = gets();
+    for _ in 0..20 {
+        assert_eq!(
+            get(&levee.url("/ranking?week=9")).await.text(),
+            "ranking is resting"
+        );
+    }
+    let asked = gets() - before;
+    assert!(asked < 10, "Redis was asked {asked} times for 20 requests");
+    assert!(asked >= 1, "Redis was looked in first");
+}
+
 /// In a Redis Cluster, reads of stale copies follow the health breaker of the node holding
 /// each copy: with one node frozen, an instance that never saw the pages still serves the
 /// copies the other nodes hold, after the copies on the frozen node failed twice. A route's

@@ -1933,6 +1933,18 @@ async fn dead_letters_need_a_token_wherever_tokens_are_set() {
     let levee = Levee::start(&policy).await;
     let dead = levee.admin_url("/queues/notify/dead");
     assert_eq!(get(&dead).await.status, 401);
+    // However the path spells it: the handler decodes each segment.
+    for spelled in [
+        "/queues/notify/%64ead",
+        "/queues/notify/dea%64",
+        "/queues/%6Eotify/dead",
+    ] {
+        assert_eq!(
+            get(&levee.admin_url(spelled)).await.status,
+            401,
+            "{spelled}"
+        );
+    }
     let with_token = Request::get(&dead)
         .header("authorization", format!("Bearer {token}"))
         .body(full(""))

@@ -67,7 +67,9 @@ async fn answer(
     let policy = shared.store.load();
     let admin = &policy.admin;
     let path = request.uri().path();
-    let holds_requests = path.starts_with("/queues/") && path.contains("/dead");
+    // Everything under `/queues/` (dead letters are all there is): judged on the raw path,
+    // which the handler decodes, a `%64ead` spelled `dead` passed for another path here.
+    let holds_requests = path.starts_with("/queues/");
     let open_on_loopback = !holds_requests || admin.tokens.is_empty();
     let open_read = reading
         && (matches!(path, "/" | "/dashboard")

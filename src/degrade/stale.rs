@@ -142,7 +142,15 @@ struct L1 {
     /// Keys whose copy here is past `max_age` and for which Redis had nothing newer, with
     /// when it was asked (ms): it is not asked again for a moment (see `StaleStore::get`).
     asked_redis: HashMap<String, u64>,
+    /// Keys with no copy here that Redis had none of either, with when it was asked (ms):
+    /// not asked again for a moment, as above. A route that is off or failing with no copy
+    /// (cache-busting queries, pages nobody fetched while it was healthy) otherwise made a
+    /// Redis read of every request. At most [`MAX_MISSES`] keys; past it, forgotten at once.
+    missed_redis: HashMap<String, u64>,
 }
+
+/// Most keys remembered as missing from Redis (see `L1::missed_redis`).
+const MAX_MISSES: usize = 10_000;
 
 /// How long a key whose copy in memory is too old waits before Redis is asked again for a
 /// newer one: a tenth of `max_age`, at most a second. Every request of a route that is off,
@@ -349,27 +357,32 @@ impl StaleStore {
     ) -> Option<Arc<StaleCopy>> {
         let (key, max_age) = (copy_key.key.as_str(), settings.max_age);
         let (in_memory, asked_at) = match self.l1.lock() {
-            Ok(l1) => (
-                l1.copies.get(key).map(|entry| entry.copy.clone()),
-                l1.asked_redis.get(key).copied(),
-            ),
+            Ok(l1) => {
+                let copy = l1.copies.get(key).map(|entry| entry.copy.clone());
+                let asked = if copy.is_some() {
+                    l1.asked_redis.get(key)
+                } else {
+                    l1.missed_redis.get(key)
+                };
+                (copy, asked.copied())
+            }
             Err(_) => (None, None),
         };
-        if let Some(copy) = &in_memory {
-            if copy.age() <= max_age {
-                return in_memory;
-            }
-            let again = ask_redis_again_after(max_age).as_millis() as u64;
-            if asked_at.is_some_and(|at| now_ms().saturating_sub(at) < again) {
-                return in_memory;
-            }
+        if in_memory.as_ref().is_some_and(|copy| copy.age() <= max_age) {
+            return in_memory;
+        }
+        let again = ask_redis_again_after(max_age).as_millis() as u64;
+        if asked_at.is_some_and(|at| now_ms().saturating_sub(at) < again) {
+            return in_memory;
         }
         let Some(redis) = redis else {
             return in_memory;
         };
         let mut command = redis::cmd("GET");
         command.arg(key);
-        let shared = match redis
+        // Only an answer is remembered as one: a failure counts against Redis's health
+        // breaker on each request, which is what stops the asking while it is down.
+        let (shared, answered) = match redis
             .command::<Option<Vec<u8>>>(
                 &command,
                 redis.settings.timeout,
@@ -377,21 +390,27 @@ impl StaleStore {
             )
             .await
         {
-            Ok(bytes) => bytes.as_deref().and_then(StaleCopy::decode).map(Arc::new),
+            Ok(bytes) => (
+                bytes.as_deref().and_then(StaleCopy::decode).map(Arc::new),
+                true,
+            ),
             Err(error) => {
                 tracing::debug!(%key, "stale copy not read from redis: {error}");
-                None
+                (None, false)
             }
         };
         match shared {
             // A fresher copy may have been stored here meanwhile: the newest wins.
             Some(shared) => Some(self.remember_if_newer(copy_key, shared, settings.max_copies)),
             None => {
-                if in_memory.is_some() {
-                    if let Ok(mut l1) = self.l1.lock() {
-                        if l1.copies.contains_key(key) {
-                            l1.asked_redis.insert(key.to_string(), now_ms());
+                if let Ok(mut l1) = self.l1.lock() {
+                    if l1.copies.contains_key(key) {
+                        l1.asked_redis.insert(key.to_string(), now_ms());
+                    } else if in_memory.is_none() && answered {
+                        if l1.missed_redis.len() >= MAX_MISSES {
+                            l1.missed_redis.clear();
                         }
+                        l1.missed_redis.insert(key.to_string(), now_ms());
                     }
                 }
                 in_memory
@@ -465,6 +484,7 @@ impl StaleStore {
             return;
         }
         l1.asked_redis.remove(&key.key);
+        l1.missed_redis.remove(&key.key);
         l1.stores += 1;
         let stored = l1.stores;
         let entry = Entry {
