@@ -427,6 +427,41 @@ fn check_explains_what_redis_over_tls_needs() {
             && stderr.contains("is an X.509 version 1 certificate"),
         "{stderr}"
     );
+
+    // A certificate and the key of another: each reads well, and the pair failed only when
+    // levee connected.
+    let stderr = check_fails(&policy(&format!(
+        "[redis]\nurl = \"rediss://127.0.0.1:6379\"\ncert_file = \"{}\"\nkey_file = \"{}\"",
+        file("client.pem"),
+        file("server.key")
+    )));
+    assert!(
+        stderr.contains("levee.toml:3:13: error: cert_file and key_file:"),
+        "{stderr}"
+    );
+
+    // A CA file cut short in a rotation: still PEM, no certificate TLS can use.
+    let ca = std::fs::read_to_string(dir.path().join("ca.pem")).expect("ca");
+    let mut lines: Vec<&str> = ca.lines().collect();
+    lines.remove(3);
+    std::fs::write(dir.path().join("cut.pem"), lines.join("\n") + "\n").expect("write");
+    let stderr = check_fails(&policy(&format!(
+        "[redis]\nurl = \"rediss://127.0.0.1:6379\"\nca_file = \"{}\"",
+        file("cut.pem")
+    )));
+    assert!(
+        stderr.contains("holds a certificate (number 1) TLS cannot use"),
+        "{stderr}"
+    );
+    // And as an https upstream's CA.
+    let stderr = check_fails(&format!(
+        "[upstream.app]\nurl = \"https://127.0.0.1:9\"\nca_files = [\"{}\"]\n[[route]]\nname = \"a\"\nupstream = \"app\"\n",
+        file("cut.pem")
+    ));
+    assert!(
+        stderr.contains("holds a certificate (number 1) TLS cannot use"),
+        "{stderr}"
+    );
 }
 
 /// levee with one rule per user (`per_user`) on `cluster`, whose nodes' breakers open at two

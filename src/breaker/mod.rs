@@ -134,7 +134,9 @@ impl Breaker {
             .breaker_state
             .get_or_create(&self.labels())
             .set(state);
-        tracing::warn!(upstream = %self.upstream, force = Force::word(force), "breaker control changed at runtime");
+        // Info: the change itself is warned of where it is made, with who made it; this line
+        // is each instance putting it in effect (the fleet follows a pin through Redis).
+        tracing::info!(upstream = %self.upstream, force = Force::word(force), "breaker pin in effect");
     }
 
     /// The pin set at runtime, if any.

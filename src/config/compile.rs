@@ -2528,7 +2528,24 @@ fn compile_redis_tls(
         }
         _ => client_cert.zip(client_key),
     };
-    (ca.is_some() || client.is_some()).then_some(RedisTls { ca, client })
+    let tls = (ca.is_some() || client.is_some()).then_some(RedisTls { ca, client })?;
+    // Made as the connections will make it: a certificate and a key that do not belong
+    // together read well apart, and failed only when levee connected.
+    if let (Err(error), Some(cert_file)) = (
+        crate::redis_store::rustls_config(Some(&tls)),
+        &inner.cert_file,
+    ) {
+        if tls.client.is_some() && error.starts_with("cert_file and key_file") {
+            compiler.error_hint(
+                file,
+                cert_file.span(),
+                error,
+                "key_file must hold the key of cert_file's certificate",
+            );
+            return None;
+        }
+    }
+    Some(tls)
 }
 
 /// True when a DER certificate carries a version field (v2 or v3; only v1 leaves it out): the

@@ -24,6 +24,18 @@ pub enum ReloadTrigger {
     Admin,
 }
 
+/// As `/status` names it (`watch`), so a log line and the status read alike.
+impl std::fmt::Display for ReloadTrigger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReloadTrigger::Start => "start",
+            ReloadTrigger::Watch => "watch",
+            ReloadTrigger::Sighup => "sighup",
+            ReloadTrigger::Admin => "admin",
+        })
+    }
+}
+
 /// The last refused reload, for `/status`.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ReloadFailure {
@@ -182,20 +194,20 @@ impl PolicyStore {
                         // The files are back as they were (a refused edit undone): said at
                         // the level of the error it ends, or the error stays the last word.
                         tracing::info!(
-                            ?trigger,
+                            %trigger,
                             generation = previous.generation,
                             "policy files are valid again, as the running policy: nothing to reload"
                         );
                     } else if matches!(trigger, ReloadTrigger::Sighup | ReloadTrigger::Admin) {
                         // Asked for by someone, who should see that the ask arrived.
                         tracing::info!(
-                            ?trigger,
+                            %trigger,
                             generation = previous.generation,
                             "policy files unchanged: nothing to reload"
                         );
                     } else {
                         tracing::debug!(
-                            ?trigger,
+                            %trigger,
                             generation = previous.generation,
                             "policy files unchanged"
                         );
@@ -251,7 +263,7 @@ impl PolicyStore {
                 self.metrics
                     .policy_generation
                     .set(outcome.generation as i64);
-                tracing::info!(?trigger, generation = outcome.generation, hash = %outcome.hash, "policy reloaded");
+                tracing::info!(%trigger, generation = outcome.generation, hash = %outcome.hash, "policy reloaded");
                 Ok(outcome)
             }
             Err(diagnostics) => {
@@ -265,7 +277,7 @@ impl PolicyStore {
                         .as_deref()
                         .map_or(String::new(), |hint| format!(" (hint: {hint})"));
                     tracing::error!(
-                        ?trigger,
+                        %trigger,
                         active_generation = previous.generation,
                         "policy reload refused, keeping the active policy: {}: {}{hint}",
                         error.location(),

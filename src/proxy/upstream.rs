@@ -91,6 +91,18 @@ pub fn ca_certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, Strin
     if certs.is_empty() {
         return Err("holds no certificate".into());
     }
+    // Each must be a certificate TLS can trust: a PEM block cut short or edited (a botched
+    // rotation) is still PEM, and was skipped without a word when the connections were made,
+    // after `levee check` and a reload had taken the file, so every call then failed.
+    let mut trusted = rustls::RootCertStore::empty();
+    for (index, cert) in certs.iter().enumerate() {
+        trusted.add(cert.clone()).map_err(|error| {
+            format!(
+                "holds a certificate (number {}) TLS cannot use: {error}; is the file cut short or edited?",
+                index + 1
+            )
+        })?;
+    }
     Ok(certs)
 }
 
