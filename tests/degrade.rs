@@ -210,6 +210,26 @@ async fn levels_and_module_switches_turn_routes_off_by_tier() {
     );
 }
 
+/// A state file levee cannot write is said at start, where the operator reads the policy's
+/// warnings, not first found out in the incident a switch is for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_file_levee_cannot_write_is_warned_of_at_start() {
+    let backend = echo_backend().await;
+    let policy = policy_for(backend.addr, "access_log = false", ROUTES).replacen(
+        "[[route]]",
+        "[degrade]\nstate_file = \"/proc/levee-state.json\"\n[[route]]",
+        1,
+    );
+    let levee = Levee::start(&policy).await;
+    let status = get(&levee.admin_url("/status")).await.json();
+    let warnings = status["policy"]["warnings"].to_string();
+    assert!(
+        warnings.contains("switches cannot be saved: levee cannot write in /proc"),
+        "{status}"
+    );
+    assert_eq!(set(&levee, "/level", "1").await.status, 503);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn switch_changes_made_at_once_are_all_kept_in_effect_and_in_the_state_file() {
     const MODULES: usize = 32;

@@ -97,6 +97,46 @@ fn log_warnings(policy: &Policy) {
 /// what the limit allows (logged); a value the policy sets is kept, with a warning where the
 /// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
 /// in the compiler: `levee check` runs in a shell whose limit is not the service's.
+/// Without Redis, switches are saved to `state_file`, written whole through a temporary file
+/// beside it: a directory levee cannot write in (the policy directory, the default, often is
+/// not: a ConfigMap, a root-owned /etc) made every switch a 503 in the incident it was for.
+/// Tried here, as the service's user, and said as a warning (`levee check` runs as another).
+fn check_state_file_writable(policy: &mut Policy) {
+    if policy.redis.is_some() {
+        return;
+    }
+    let state_file = &policy.degrade.state_file;
+    let dir = match state_file.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let probe = dir.join(format!(".levee-write-test-{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+        }
+        // Another levee of the same process id left one (a crash): the directory is
+        // writable all the same.
+        Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(error) => {
+            let mut warning = super::diag::Diagnostic::whole(
+                state_file,
+                format!(
+                    "switches cannot be saved: levee cannot write in {} ({error}); switching a level, module or breaker will answer 503",
+                    dir.display()
+                ),
+            )
+            .hint("set [degrade] state_file to a path in a directory levee can write (e.g. /var/lib/levee/state.json), or use [redis]");
+            warning.severity = super::diag::Severity::Warning;
+            policy.warnings.push(warning);
+        }
+    }
+}
+
 /// `before`: the bound the policy in effect has (a reload), logged again only when it changes:
 /// not on every save of a file.
 fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option<u32>) {
@@ -130,6 +170,7 @@ impl PolicyStore {
         let mut policy = load_dir(dir, None)?;
         policy.generation = 1;
         fit_connections_to_open_files(dir, &mut policy, None);
+        check_state_file_writable(&mut policy);
         log_warnings(&policy);
         metrics.policy_generation.set(1);
         Ok(PolicyStore {
@@ -251,6 +292,7 @@ impl PolicyStore {
                     &mut policy,
                     Some(previous.server.max_connections),
                 );
+                check_state_file_writable(&mut policy);
                 let outcome = ReloadOutcome {
                     generation: policy.generation,
                     hash: policy.hash.clone(),
