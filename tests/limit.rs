@@ -462,6 +462,24 @@ fn check_explains_what_redis_over_tls_needs() {
         stderr.contains("holds a certificate (number 1) TLS cannot use"),
         "{stderr}"
     );
+
+    // CA files on an upstream reached without TLS do nothing: said, not refused.
+    let policy_dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        policy_dir.path().join("levee.toml"),
+        format!(
+            "[upstream.app]\nurl = \"http://127.0.0.1:9\"\nca_files = [\"{}\"]\n",
+            file("ca.pem")
+        ),
+    )
+    .expect("policy");
+    let (ok, stdout, stderr) = levee_check(policy_dir.path());
+    assert!(ok, "{stdout}{stderr}");
+    assert!(
+        format!("{stdout}{stderr}")
+            .contains("levee.toml:3:12: warning: ca_files does nothing here"),
+        "{stdout}{stderr}"
+    );
 }
 
 /// levee with one rule per user (`per_user`) on `cluster`, whose nodes' breakers open at two

@@ -3448,6 +3448,14 @@ fn compile_upstream(
         Some(path) => Some(std::path::PathBuf::from(path.get_ref())),
     };
     let (scheme, authority) = address?;
+    if let (Some(list), false) = (&inner.ca_files, scheme == Scheme::HTTPS) {
+        compiler.warning_hint(
+            file,
+            list.span(),
+            "ca_files does nothing here: this upstream is not reached over TLS",
+            "CA files are for an https:// upstream; remove them, or write the url with https://",
+        );
+    }
     let fastcgi = fastcgi.ok()?;
     let host = match written_host {
         // External APIs (https) are called by their own name; the app's Host means nothing there.
