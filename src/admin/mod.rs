@@ -73,7 +73,7 @@ async fn answer(
     let open_on_loopback = !holds_requests || admin.tokens.is_empty();
     let open_read = reading
         && (matches!(path, "/" | "/dashboard")
-            || (admin.listen.ip().is_loopback() && open_on_loopback));
+            || (admin.listen.ip().to_canonical().is_loopback() && open_on_loopback));
     let token_name = if open_read {
         None
     } else {
@@ -527,7 +527,15 @@ fn loopback_host(
     shared: &Shared,
     request: &Request<Incoming>,
 ) -> Result<(), Box<Response<ResponseBody>>> {
-    if !shared.store.load().admin.listen.ip().is_loopback() {
+    if !shared
+        .store
+        .load()
+        .admin
+        .listen
+        .ip()
+        .to_canonical()
+        .is_loopback()
+    {
         return Ok(());
     }
     let Some(host) = request.headers().get(header::HOST) else {

@@ -279,9 +279,13 @@ fn policy_hash_with_cas(
 /// of them listens on every address (`0.0.0.0`, `[::]`, which also takes IPv4 by default)?
 /// A port of 0 is any free port: never the same.
 fn listeners_overlap(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
-    a.port() == b.port()
-        && a.port() != 0
-        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+    // `[::ffff:127.0.0.1]` is 127.0.0.1; `0.0.0.0` takes every IPv4 address and `[::]`
+    // every address (Linux binds it dual-stack by default), but `0.0.0.0` no IPv6 one.
+    let (x, y) = (a.ip().to_canonical(), b.ip().to_canonical());
+    let covers = |wide: std::net::IpAddr, other: std::net::IpAddr| {
+        wide == other || (wide.is_unspecified() && (wide.is_ipv6() || other.is_ipv4()))
+    };
+    a.port() == b.port() && a.port() != 0 && (covers(x, y) || covers(y, x))
 }
 
 /// Collects diagnostics while compiling.
@@ -976,7 +980,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     let exposed = [Some(admin_settings.listen), bound]
         .into_iter()
         .flatten()
-        .find(|address| !address.ip().is_loopback());
+        .find(|address| !address.ip().to_canonical().is_loopback());
     if let (Some(address), true) = (exposed, admin_settings.tokens.is_empty()) {
         let message = if address == admin_settings.listen {
             format!(
@@ -4678,6 +4682,27 @@ mod tests {
         assert_eq!(edit_distance("ranking", "rankng"), 1);
         assert_eq!(edit_distance("ads", "ranking"), 6);
         assert_eq!(edit_distance("排行榜", "排行"), 1);
+    }
+
+    #[test]
+    fn listeners_overlap_as_the_kernel_binds_them() {
+        let at = |text: &str| text.parse::<std::net::SocketAddr>().expect("address");
+        for (a, b, overlap) in [
+            ("127.0.0.1:80", "127.0.0.1:80", true),
+            ("127.0.0.1:80", "127.0.0.1:81", false),
+            ("0.0.0.0:80", "127.0.0.1:80", true),
+            ("[::]:80", "127.0.0.1:80", true),
+            ("[::]:80", "0.0.0.0:80", true),
+            ("[::]:80", "[::1]:80", true),
+            // An IPv4 wildcard takes no IPv6 address.
+            ("0.0.0.0:80", "[::1]:80", false),
+            // An IPv4-mapped address is the IPv4 one.
+            ("127.0.0.1:80", "[::ffff:127.0.0.1]:80", true),
+            ("0.0.0.0:0", "0.0.0.0:0", false),
+        ] {
+            assert_eq!(listeners_overlap(at(a), at(b)), overlap, "{a} {b}");
+            assert_eq!(listeners_overlap(at(b), at(a)), overlap, "{b} {a}");
+        }
     }
 
     #[test]
