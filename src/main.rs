@@ -96,9 +96,17 @@ fn admin_address(text: &str) -> Result<std::net::SocketAddr, String> {
     if let Ok(address) = text.parse() {
         return Ok(address);
     }
-    text.to_socket_addrs()
+    let addresses: Vec<std::net::SocketAddr> = text
+        .to_socket_addrs()
         .map_err(|error| format!("`{text}` is no HOST:PORT levee can reach ({error})"))?
-        .next()
+        .collect();
+    // IPv4 first: `localhost` is often `::1` first too, and the admin listener's default
+    // is 127.0.0.1.
+    addresses
+        .iter()
+        .find(|address| address.is_ipv4())
+        .or(addresses.first())
+        .copied()
         .ok_or_else(|| format!("`{text}` names no address"))
 }
 
@@ -214,8 +222,11 @@ fn main() -> ExitCode {
                 Err(error) => {
                     tracing::error!("{error}");
                     // A text log line is on the terminal already; a JSON one is for a
-                    // collector, so a person starting levee by hand is told in words too.
-                    if matches!(log_format, LogFormat::Json) {
+                    // collector, so a person starting levee by hand is told in words too, as
+                    // when LEVEE_LOG leaves errors out.
+                    if matches!(log_format, LogFormat::Json)
+                        || !tracing::enabled!(tracing::Level::ERROR)
+                    {
                         eprintln!("levee: {error}");
                     }
                     ExitCode::FAILURE

@@ -696,15 +696,7 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
 
     // Redis, which had nothing newer, is not asked again on every request meanwhile (once
     // in a tenth of max_age: 300 ms).
-    let gets = || {
-        let stats = redis.cli(&["INFO", "commandstats"]);
-        stats
-            .lines()
-            .find_map(|line| line.strip_prefix("cmdstat_get:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|calls| calls.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
+    let gets = || redis.calls("get");
     let before = gets();
     for _ in 0..20 {
         assert_eq!(
@@ -751,15 +743,7 @@ async fn a_page_with_no_copy_is_not_looked_for_in_redis_on_every_request() {
     );
     let levee = Levee::start(&policy).await;
     assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
-    let gets = || {
-        redis
-            .cli(&["INFO", "commandstats"])
-            .lines()
-            .find_map(|line| line.strip_prefix("cmdstat_get:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|calls| calls.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
+    let gets = || redis.calls("get");
     let before = gets();
     for _ in 0..20 {
         assert_eq!(
@@ -1069,6 +1053,8 @@ async fn a_browser_revalidating_its_cached_page_gets_the_page_as_the_switches_ha
                 .header("content-type", "text/html")
                 .header("last-modified", LAST_MODIFIED)
                 .header("etag", "\"v1\"")
+                .header("cache-control", "public, max-age=600")
+                .header("expires", "Mon, 30 Nov 2026 10:10:00 GMT")
                 .body(full("<p>home</p><div id=\"visitors\">42 online</div>"))
                 .expect("response")
         }
@@ -1107,6 +1093,18 @@ async fn a_browser_revalidating_its_cached_page_gets_the_page_as_the_switches_ha
         (again.header("etag"), again.header("last-modified")),
         (None, None),
         "a page cut by the switches carries no validator of the app's page"
+    );
+    assert_eq!(
+        (again.header("cache-control"), again.header("expires")),
+        (Some("no-cache"), None),
+        "nor is it kept for the app's page's lifetime"
+    );
+    assert_eq!(set(&levee, "/modules/visitors", "on").await.status, 200);
+    let whole = get(&levee.url("/")).await;
+    assert_eq!(
+        whole.header("cache-control"),
+        Some("public, max-age=600"),
+        "the app's page as it sent it"
     );
 }
 
@@ -1475,15 +1473,7 @@ async fn a_busy_pages_copy_goes_to_redis_about_once_a_second() {
         "degrade = { action = \"stale\", max_age = \"60s\" }",
     );
     let levee = Levee::start(&policy).await;
-    let evals = || {
-        redis
-            .cli(&["INFO", "commandstats"])
-            .lines()
-            .find_map(|line| line.strip_prefix("cmdstat_eval:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|calls| calls.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
+    let evals = || redis.calls("eval");
     for _ in 0..40 {
         assert_eq!(get(&levee.url("/ranking")).await.text(), "/ranking v1");
     }
@@ -1515,15 +1505,7 @@ async fn copies_are_not_stored_in_redis_while_its_health_breaker_is_open() {
         &format!("{redis_url}timeout = \"200ms\"\nfailures_to_open = 2\ncooldown = \"1h\"\n"),
     );
     let levee = Levee::start(&policy).await;
-    let evals = || {
-        redis
-            .cli(&["INFO", "commandstats"])
-            .lines()
-            .find_map(|line| line.strip_prefix("cmdstat_eval:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|calls| calls.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
+    let evals = || redis.calls("eval");
     assert_eq!(
         get(&levee.url("/ranking?week=0")).await.text(),
         "/ranking v1"

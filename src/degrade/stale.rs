@@ -13,6 +13,7 @@
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -146,7 +147,11 @@ struct L1 {
     /// not asked again for a moment, as above. A route that is off or failing with no copy
     /// (cache-busting queries, pages nobody fetched while it was healthy) otherwise made a
     /// Redis read of every request. At most [`MAX_MISSES`] keys; past it, forgotten at once.
-    missed_redis: HashMap<String, u64>,
+    /// Kept by a hash of the key (with this process's random seed), not the key: keys hold
+    /// the path, query and `vary` values a client chose, up to the header size limit each.
+    missed_redis: HashMap<u64, u64>,
+    /// The seed of those hashes.
+    miss_seed: std::hash::RandomState,
 }
 
 /// Most keys remembered as missing from Redis (see `L1::missed_redis`).
@@ -360,11 +365,12 @@ impl StaleStore {
             Ok(l1) => {
                 let copy = l1.copies.get(key).map(|entry| entry.copy.clone());
                 let asked = if copy.is_some() {
-                    l1.asked_redis.get(key)
+                    l1.asked_redis.get(key).copied()
                 } else {
-                    l1.missed_redis.get(key)
+                    let hashed = l1.miss_seed.hash_one(key);
+                    l1.missed_redis.get(&hashed).copied()
                 };
-                (copy, asked.copied())
+                (copy, asked)
             }
             Err(_) => (None, None),
         };
@@ -410,7 +416,8 @@ impl StaleStore {
                         if l1.missed_redis.len() >= MAX_MISSES {
                             l1.missed_redis.clear();
                         }
-                        l1.missed_redis.insert(key.to_string(), now_ms());
+                        let hashed = l1.miss_seed.hash_one(key);
+                        l1.missed_redis.insert(hashed, now_ms());
                     }
                 }
                 in_memory
@@ -484,7 +491,8 @@ impl StaleStore {
             return;
         }
         l1.asked_redis.remove(&key.key);
-        l1.missed_redis.remove(&key.key);
+        let hashed = l1.miss_seed.hash_one(&key.key);
+        l1.missed_redis.remove(&hashed);
         l1.stores += 1;
         let stored = l1.stores;
         let entry = Entry {

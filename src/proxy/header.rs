@@ -247,14 +247,23 @@ fn is_end_to_end(name: &HeaderName) -> bool {
         || *name == X_FORWARDED_PROTO
 }
 
+/// [`strip_hop_by_hop`] for a request on its way to an upstream, which loses `Proxy` too (see
+/// [`PROXY`]). (A response's `Proxy` field means nothing and passes, as on every path.)
+pub fn strip_request_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    strip(headers, keep_upgrade, true);
+}
+
 /// Removes hop-by-hop headers (RFC 9110 7.6.1): `Connection` and every header it names,
-/// `Proxy-Connection`, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`; and
-/// `Proxy` (see [`PROXY`]).
+/// `Proxy-Connection`, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`.
 /// Framing is redone by levee's own HTTP stack on each side.
 ///
 /// For an upgrade that is being passed through, `Connection: upgrade` and `Upgrade` are
 /// put back, because they are what asks the next hop to switch protocols.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    strip(headers, keep_upgrade, false);
+}
+
+fn strip(headers: &mut HeaderMap, keep_upgrade: bool, request: bool) {
     // Runs twice per request. Most requests carry none of these headers, and most responses
     // only `Connection: keep-alive`: one pass over the names tells which are there, and only
     // those are looked up (each lookup hashes the name).
@@ -299,7 +308,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
             headers.remove(name);
         }
     }
-    if present & hop_by_hop_bit(&PROXY) != 0 {
+    if request && present & hop_by_hop_bit(&PROXY) != 0 {
         headers.remove(&PROXY);
     }
     if let Some(upgrade) = upgrade {
@@ -927,8 +936,13 @@ mod tests {
             ("proxy", "http://evil.example:3128"),
             ("cookie", "a=1"),
         ]);
-        strip_hop_by_hop(&mut map, false);
+        let mut response = map.clone();
+        strip_request_hop_by_hop(&mut map, false);
         assert_eq!(map.len(), 1, "{map:?}");
+        // A response keeps it: the two ways a response head is read agree (a fuzz target
+        // checks they do).
+        strip_hop_by_hop(&mut response, false);
+        assert_eq!(response.len(), 2, "{response:?}");
         assert_eq!(map["cookie"], "a=1");
 
         // A byte that is not ASCII elsewhere in the value does not hide the names it lists.

@@ -446,7 +446,7 @@ async fn forward(
     }
 
     if let (true, Some(action)) = (queue_now, &route.queue) {
-        header::strip_hop_by_hop(request.headers_mut(), false);
+        header::strip_request_hop_by_hop(request.headers_mut(), false);
         let (parts, mut body) = (*request).into_parts();
         let received_head = body.take_received_head();
         let job = JobRequest {
@@ -466,7 +466,7 @@ async fn forward(
     let mut queue_when_refused = match (&route.degrade, &route.queue) {
         (Some(DegradeAction::Queue), Some(action)) if !request.method().is_safe() => {
             let mut parts = head_copy(&request);
-            header::strip_hop_by_hop(&mut parts.headers, false);
+            header::strip_request_hop_by_hop(&mut parts.headers, false);
             let job = JobRequest {
                 parts,
                 received_head: request.body().received_head().clone(),
@@ -545,7 +545,7 @@ async fn forward(
     // The request target stays the client's (the client sends its path and query only).
     let (mut parts, mut body) = (*request).into_parts();
     parts.version = Version::HTTP_11;
-    header::strip_hop_by_hop(&mut parts.headers, upgrading);
+    header::strip_request_hop_by_hop(&mut parts.headers, upgrading);
     // The forwarding fields are set as the head is encoded (see `header::ForwardedWriter`).
     let from_client = header::FromClient {
         forwarded: Some(forwarded),
@@ -929,6 +929,24 @@ fn without_switched_off_fragments(
     parts.headers.remove(h::CONTENT_LENGTH);
     parts.headers.remove(h::ETAG);
     parts.headers.remove(h::LAST_MODIFIED);
+    // Nor do its lifetimes: a cache that kept the cut page for the app's `max-age` or
+    // `Expires` (a browser, the front nginx's proxy_cache, a CDN) showed it without the block
+    // long after the module was back on. It is the page of this moment's switches.
+    let said = |directive: &[u8]| {
+        header::list_elements(&parts.headers, &h::CACHE_CONTROL)
+            .any(|element| element.eq_ignore_ascii_case(directive))
+    };
+    if !said(b"no-store") {
+        let lifetime = if said(b"private") {
+            "private, no-cache"
+        } else {
+            "no-cache"
+        };
+        parts
+            .headers
+            .insert(h::CACHE_CONTROL, http::HeaderValue::from_static(lifetime));
+    }
+    parts.headers.remove(h::EXPIRES);
     Response::from_parts(parts, Hidden::new(body, plan, encoding).boxed_unsync())
 }
 

@@ -342,13 +342,71 @@ async fn remove_consumers_left_behind(
 /// Jobs read from a queue at a time (claimed from silent workers, and new ones, each).
 const BATCH: usize = 20;
 
-/// One queue's batch being replayed in a task of its own, and when its next job may start.
-type Replaying = tokio::task::JoinHandle<(Result<bool, RedisFailure>, Instant)>;
+/// What came of one queue's batch, replayed in a task of its own: its stream, the outcome
+/// (`Ok(true)`: a whole batch, more may wait), and when its next job may start.
+type Replayed = (String, Result<bool, RedisFailure>, Instant);
 
-/// Waits for every batch in flight to end (each stops starting jobs once `stop` is set).
-async fn finish_replays(running: &mut HashMap<String, Replaying>) {
-    for (_, replaying) in running.drain() {
-        let _ = replaying.await;
+/// The batches being replayed, and the stream of each task.
+#[derive(Default)]
+struct Replays {
+    tasks: tokio::task::JoinSet<Replayed>,
+    streams: HashMap<tokio::task::Id, String>,
+}
+
+impl Replays {
+    fn running(&self, stream: &str) -> bool {
+        self.streams.values().any(|running| running == stream)
+    }
+
+    /// Waits for every batch in flight to end (each stops starting jobs once `stop` is set).
+    async fn finish(&mut self) {
+        while self.tasks.join_next().await.is_some() {}
+        self.streams.clear();
+    }
+}
+
+/// The worker loop's own record of the queues it serves, kept up to date as batches end.
+struct Served {
+    groups_made: HashSet<String>,
+    /// Per queue (stream key): when its next job may start, so that `replay_rate` holds
+    /// across batches and passes too.
+    next_starts: HashMap<String, Instant>,
+    /// A route replayed a whole batch: a backlog is draining, and the next pass follows at
+    /// once rather than after `poll_interval`.
+    backlog: bool,
+}
+
+impl Served {
+    fn settle(
+        &mut self,
+        replays: &mut Replays,
+        ended: Result<(tokio::task::Id, Replayed), tokio::task::JoinError>,
+    ) {
+        let (stream, result, next_start) = match ended {
+            Ok((id, replayed)) => {
+                replays.streams.remove(&id);
+                replayed
+            }
+            Err(error) => {
+                let stream = replays.streams.remove(&error.id()).unwrap_or_default();
+                tracing::error!(%stream, "a queue's replay task ended abnormally; it starts again on the next pass: {error}");
+                return;
+            }
+        };
+        self.next_starts.insert(stream.clone(), next_start);
+        match result {
+            Ok(more) => self.backlog |= more,
+            // The stream went away (a Redis restarted without persistence, a FLUSHALL, an
+            // evicted key) and the next XADD made it again without the group: made again on
+            // the next pass, or its jobs would never run.
+            Err(error) if is_no_group(&error) => {
+                tracing::warn!(%stream, "the queue's consumer group is gone from redis; making it again: {error}");
+                self.groups_made.remove(&stream);
+            }
+            Err(error) => {
+                tracing::debug!(%stream, "replay paused: {error}");
+            }
+        }
     }
 }
 
@@ -365,7 +423,6 @@ pub fn spawn_workers(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let consumer = shared.instance.clone();
-        let mut groups_made: HashSet<String> = HashSet::new();
         // The queue routes of the last pass: one gone from the policy since leaves its queue
         // to `former_queues`, so the jobs stored in it are not stranded.
         let mut served_before: Vec<(QueueKeys, Arc<Route>)> = Vec::new();
@@ -375,71 +432,47 @@ pub fn spawn_workers(
         // instance still queueing for a route this one does not) is taken on from there.
         let mut registry_in: u32 = 0;
         let mut registry_read_once = false;
-        // A route replayed a whole batch on the last pass: a backlog is draining, and the next
-        // pass follows at once rather than after `poll_interval`.
-        let mut backlog = false;
-        // Per queue (stream key): when its next job may start, so that `replay_rate` holds
-        // across batches and passes too.
-        let mut next_starts: HashMap<String, Instant> = HashMap::new();
-        // Per queue (stream key): its batch being replayed; the queue is left alone by the
-        // passes until it ends.
-        let mut running: HashMap<String, Replaying> = HashMap::new();
-        // Told when a batch ends, so a queue with a backlog goes on at once.
-        let ended = Arc::new(tokio::sync::Notify::new());
-        loop {
-            let finished: Vec<String> = running
-                .iter()
-                .filter(|(_, replaying)| replaying.is_finished())
-                .map(|(stream, _)| stream.clone())
-                .collect();
-            for stream in finished {
-                let Some(replaying) = running.remove(&stream) else {
-                    continue;
-                };
-                match replaying.await {
-                    Ok((result, next_start)) => {
-                        next_starts.insert(stream.clone(), next_start);
-                        match result {
-                            Ok(more) => backlog |= more,
-                            // The stream went away (a Redis restarted without persistence, a
-                            // FLUSHALL, an evicted key) and the next XADD made it again
-                            // without the group: made again on the next pass, or its jobs
-                            // would never run.
-                            Err(error) if is_no_group(&error) => {
-                                tracing::warn!(%stream, "the queue's consumer group is gone from redis; making it again: {error}");
-                                groups_made.remove(&stream);
-                            }
-                            Err(error) => {
-                                tracing::debug!(%stream, "replay paused: {error}");
-                            }
-                        }
-                    }
-                    Err(error) => {
-                        tracing::error!(%stream, "a queue's replay task ended abnormally; it starts again on the next pass: {error}");
-                    }
-                }
-            }
-            let policy = shared.store.load();
-            let interval = policy
+        let mut served = Served {
+            groups_made: HashSet::new(),
+            next_starts: HashMap::new(),
+            backlog: false,
+        };
+        // Per queue: its batch being replayed; the queue is left alone by the passes until
+        // it ends.
+        let mut replays = Replays::default();
+        let poll_interval = |policy: &Policy| {
+            policy
                 .queue
                 .as_ref()
-                .map_or(Duration::from_secs(1), |q| q.poll_interval);
-            if std::mem::take(&mut backlog) {
+                .map_or(Duration::from_secs(1), |q| q.poll_interval)
+        };
+        // When the next pass is due. A batch ending meanwhile does not push it back; one that
+        // ends with more to do brings it forward.
+        let mut next_pass = Instant::now() + poll_interval(&shared.store.load());
+        loop {
+            while let Some(ended) = replays.tasks.try_join_next_with_id() {
+                served.settle(&mut replays, ended);
+            }
+            if std::mem::take(&mut served.backlog) {
                 if *stop.borrow() {
-                    finish_replays(&mut running).await;
+                    replays.finish().await;
                     return;
                 }
             } else {
                 let stopping = tokio::select! {
-                    _ = tokio::time::sleep(interval) => false,
-                    _ = ended.notified() => continue,
+                    _ = tokio::time::sleep_until(next_pass) => false,
+                    Some(ended) = replays.tasks.join_next_with_id(), if !replays.tasks.is_empty() => {
+                        served.settle(&mut replays, ended);
+                        continue;
+                    }
                     _ = stop.wait_for(|stopped| *stopped) => true,
                 };
                 if stopping {
-                    finish_replays(&mut running).await;
+                    replays.finish().await;
                     return;
                 }
             }
+            next_pass = Instant::now() + poll_interval(&shared.store.load());
             let policy = shared.store.load();
             let queueing = queue_routes(&policy);
             for (keys, route) in std::mem::replace(&mut served_before, queueing.clone()) {
@@ -487,10 +520,10 @@ pub fn spawn_workers(
             route_unrouted_queues(&shared, &redis, &policy, &queueing).await;
             for (keys, route, former) in queues_to_serve(&shared, &policy, queueing) {
                 if *stop.borrow() {
-                    finish_replays(&mut running).await;
+                    replays.finish().await;
                     return;
                 }
-                if running.contains_key(&keys.stream) {
+                if replays.running(&keys.stream) {
                     continue;
                 }
                 if former && queue_is_empty(&redis, &keys).await {
@@ -501,10 +534,10 @@ pub fn spawn_workers(
                     continue;
                 }
                 let route = &route;
-                if !groups_made.contains(&keys.stream) {
+                if !served.groups_made.contains(&keys.stream) {
                     match make_group(&redis, &keys, &settings).await {
                         Ok(()) => {
-                            groups_made.insert(keys.stream.clone());
+                            served.groups_made.insert(keys.stream.clone());
                         }
                         Err(error) => {
                             tracing::debug!(route = %route.name, "queue not reachable: {error}");
@@ -540,13 +573,14 @@ pub fn spawn_workers(
                 {
                     continue;
                 }
-                let mut next_start = next_starts
+                let mut next_start = served
+                    .next_starts
                     .remove(&keys.stream)
                     .unwrap_or_else(Instant::now);
                 let (shared, redis, settings) = (shared.clone(), redis.clone(), settings.clone());
-                let (route, consumer, ended) = (route.clone(), consumer.clone(), ended.clone());
+                let (route, consumer) = (route.clone(), consumer.clone());
                 let (stream, keys, mut stop) = (keys.stream.clone(), keys, stop.clone());
-                let replaying = tokio::spawn(async move {
+                let replaying = replays.tasks.spawn(async move {
                     let pass = Pass {
                         shared: &shared,
                         redis: &redis,
@@ -556,10 +590,9 @@ pub fn spawn_workers(
                         consumer: &consumer,
                     };
                     let result = pass.replay_route(&mut stop, &mut next_start).await;
-                    ended.notify_one();
-                    (result, next_start)
+                    (keys.stream.clone(), result, next_start)
                 });
-                running.insert(stream, replaying);
+                replays.streams.insert(replaying.id(), stream);
             }
         }
     })
@@ -1115,8 +1148,9 @@ impl Pass<'_> {
                     }
                 }
                 Replay::Held => {
-                    // The breaker refused the call, or no bulkhead slot came free (or levee
-                    // began to stop): no attempt spent, and this job and those behind it are
+                    // The breaker refused the call, no connection to the app could be made, or
+                    // no bulkhead slot came free (or levee began to stop): no attempt spent,
+                    // and this job and those behind it are
                     // handed back for the next pass (or another instance) to take up at once.
                     return Ok((false, rest(id, jobs)));
                 }
@@ -1158,8 +1192,8 @@ impl Replay {
 }
 
 /// How often a replay looks for a free slot of a full upstream, and for how long: briefly,
-/// since one worker loop serves every queue (the pass skips a route whose upstream is full;
-/// this covers a slot taken between that look and the replay).
+/// as the route's batch holds its jobs meanwhile (the pass skips a route whose upstream is
+/// full; this covers a slot taken between that look and the replay).
 const REPLAY_SLOT_STEP: Duration = Duration::from_millis(10);
 const REPLAY_SLOT_WAIT: Duration = Duration::from_millis(200);
 

@@ -684,6 +684,18 @@ impl RedisServer {
         }
     }
 
+    /// How many times `command` (lower case: `get`, `eval`, `wait`) has run on this server,
+    /// from `INFO commandstats`; 0 before its first.
+    pub fn calls(&self, command: &str) -> u64 {
+        let prefix = format!("cmdstat_{command}:calls=");
+        self.cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|line| line.strip_prefix(prefix.as_str()))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|calls| calls.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// SIGKILLs the server (no chance to save anything) and reaps it.
     pub fn kill(&mut self) {
         let _ = self.guard.child.kill();
