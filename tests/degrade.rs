@@ -1831,6 +1831,31 @@ async fn a_revalidating_request_never_leads_the_pages_fetch() {
     );
 }
 
+/// A page whose end is where the upstream closed the connection (no length, no chunks) may be
+/// a page cut short: it is passed on, never kept as the copy every reader gets while the
+/// route is off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_that_ends_with_the_connection_is_not_kept() {
+    let app = raw_backend(|_| {
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nConnection: close\r\n\r\nthe ranking, or part of it"
+            .to_vec()
+    })
+    .await;
+    let routes = ROUTES.replace(
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    );
+    let levee = Levee::start(&policy_for(app, "access_log = false", &routes)).await;
+    let url = levee.url("/ranking");
+    assert_eq!(get(&url).await.text(), "the ranking, or part of it");
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let off = get(&url).await;
+    assert_eq!(
+        (off.status, off.text().as_str()),
+        (503, "ranking is resting")
+    );
+}
+
 /// A copy keeps the app's `Date` (when the page was made) and counts the age the answer came
 /// with (its `Age`, from a cache in front of the app) into its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -167,6 +167,12 @@ impl From<ChunkedError> for ClientError {
     }
 }
 
+/// On a response whose body ends where the upstream closes the connection (no length, no
+/// chunks: an HTTP/1.0-style answer). Its end cannot be told from a connection cut short, so
+/// such a body is passed on but never kept as a stale copy.
+#[derive(Clone, Copy, Debug)]
+pub struct CloseDelimited;
+
 /// A response head and when the request had gone out whole (or the answer came before it
 /// had): the upstream's own latency counts from there.
 pub struct Answered {
@@ -694,6 +700,9 @@ impl Client {
             && !head.status.is_informational()
             && !announced_body
             && !matches!(framing, Framing::UntilClose);
+        if matches!(framing, Framing::UntilClose) {
+            response.extensions_mut().insert(CloseDelimited);
+        }
         let mut body = Incoming {
             connection: Some(connection),
             framing,

@@ -865,7 +865,14 @@ async fn forward(
         None => body.boxed_unsync(),
     };
     // A good answer of a stale route refreshes its copy as it streams past.
-    let body = match stale.capture_target(shared, policy, parts.status, &parts.headers, fetch) {
+    // A body that ends with the connection may be cut short, and would be kept as whole: not
+    // kept (its readers waiting on this fetch go upstream themselves).
+    let target = if parts.extensions.get::<client::CloseDelimited>().is_some() {
+        None
+    } else {
+        stale.capture_target(shared, policy, parts.status, &parts.headers, fetch)
+    };
+    let body = match target {
         Some(target) => Capture::new(
             body,
             parts.status,
