@@ -1889,6 +1889,21 @@ async fn a_switch_left_for_a_module_the_policy_dropped_can_be_handed_back() {
     let policy = policy_for(backend.addr, "access_log = false", ROUTES);
     let levee = Levee::start(&policy).await;
     assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    assert_eq!(set(&levee, "/level", "1").await.status, 200);
+    // /status names the switches set, whatever is in effect: the dashboard marks them.
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["degrade"]["modules"]["visitors"]["switch"], "off",
+        "{status}"
+    );
+    assert_eq!(status["degrade"]["runtime_level"], 1, "{status}");
+    assert_eq!(set(&levee, "/level", "policy").await.status, 200);
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["degrade"]["runtime_level"],
+        serde_json::Value::Null,
+        "{status}"
+    );
     // The route (and so the module) leaves the policy; its switch stays saved.
     let without = policy.replace("module = \"visitors\"", "");
     assert_ne!(without, policy);

@@ -795,6 +795,9 @@ fn degrade_status(shared: &Shared, policy: &crate::config::Policy) -> serde_json
                     "origin": view.module_origin(name),
                     "changed_by": switch.map(|s| s.by.clone()),
                     "changed_at_unix": switch.map(|s| s.at_unix),
+                    // The runtime switch, in effect or not (a level may override it): what
+                    // comes back in effect when the level drops.
+                    "switch": switch.map(|s| if s.value { "off" } else { "on" }),
                 }),
             )
         })
@@ -830,6 +833,8 @@ fn degrade_status(shared: &Shared, policy: &crate::config::Policy) -> serde_json
         "policy_level": policy.degrade.level,
         "automatic_level": shared.degrade.auto_level(),
         "level_changed_by": runtime.level.as_ref().map(|s| s.by.clone()),
+        // The level set at runtime, in effect or not (an automatic level may be above it).
+        "runtime_level": runtime.level.as_ref().map(|s| s.value),
         "level_changed_at_unix": runtime.level.as_ref().map(|s| s.at_unix),
         "modules": modules,
         "switches_stored_in": if policy.redis.is_some() { "redis".to_string() } else { policy.degrade.state_file.display().to_string() },
