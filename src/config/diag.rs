@@ -48,6 +48,15 @@ pub enum Severity {
     Warning,
 }
 
+impl Severity {
+    fn word(self) -> &'static str {
+        match self {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        }
+    }
+}
+
 impl Diagnostic {
     pub fn at(file: &SourceFile, span: Range<usize>, message: impl Into<String>) -> Self {
         let (line, col) = file.line_col(span.start);
@@ -78,6 +87,17 @@ impl Diagnostic {
         self
     }
 
+    /// The diagnostic on one line, its hint in brackets, for the log: log lines are read and
+    /// searched one at a time, and a line-based collector splits a multi-line entry.
+    pub fn one_line(&self) -> String {
+        let severity = self.severity.word();
+        let hint = self
+            .hint
+            .as_deref()
+            .map_or(String::new(), |hint| format!(" (hint: {hint})"));
+        format!("{}: {severity}: {}{hint}", self.location(), self.message)
+    }
+
     /// `file:line:col` (or just `file` when the error has no position).
     pub fn location(&self) -> String {
         if self.line == 0 {
@@ -90,10 +110,7 @@ impl Diagnostic {
 
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let severity = match self.severity {
-            Severity::Error => "error",
-            Severity::Warning => "warning",
-        };
+        let severity = self.severity.word();
         write!(f, "{}: {severity}: {}", self.location(), self.message)?;
         if let Some(hint) = &self.hint {
             write!(f, "\n  hint: {hint}")?;

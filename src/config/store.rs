@@ -80,16 +80,7 @@ fn now_unix() -> u64 {
 /// part of it does nothing.
 fn log_warnings(policy: &Policy) {
     for warning in &policy.warnings {
-        // One line each, as log lines are read and searched.
-        let hint = warning
-            .hint
-            .as_deref()
-            .map_or(String::new(), |hint| format!(" (hint: {hint})"));
-        tracing::warn!(
-            "policy: {}: warning: {}{hint}",
-            warning.location(),
-            warning.message
-        );
+        tracing::warn!("policy: {}", warning.one_line());
     }
 }
 
@@ -310,20 +301,14 @@ impl PolicyStore {
             }
             Err(diagnostics) => {
                 self.metrics.policy_reload_failures.inc();
-                // One line per error, each whole (where, what, what to write), as log lines
-                // are read and searched: a line-based collector split the old multi-line
-                // entry, and `grep ERROR` showed none of its detail.
+                // One line per error, each whole (where, what, what to write): `grep ERROR`
+                // showed none of the detail of the old multi-line entry.
                 for error in &diagnostics.0 {
-                    let hint = error
-                        .hint
-                        .as_deref()
-                        .map_or(String::new(), |hint| format!(" (hint: {hint})"));
                     tracing::error!(
                         %trigger,
                         active_generation = previous.generation,
-                        "policy reload refused, keeping the active policy: {}: {}{hint}",
-                        error.location(),
-                        error.message
+                        "policy reload refused, keeping the active policy: {}",
+                        error.one_line()
                     );
                 }
                 if let Ok(mut record) = self.record.lock() {
