@@ -21,6 +21,13 @@ echo json_encode([
 ]);
 "#;
 
+/// A page of a few KiB that says which `Accept-Encoding` reached PHP.
+const PAGE_PHP: &str = r#"<?php
+header('Content-Type: text/html; charset=utf-8');
+echo '<p>accept-encoding: ' . ($_SERVER['HTTP_ACCEPT_ENCODING'] ?? 'none') . '</p>';
+echo str_repeat('<p>The ranking of the week.</p>', 200);
+"#;
+
 /// PHP (php-fpm) and the shipped nginx.conf (front server + PHP vhost) on free ports; levee is
 /// expected on `levee_port`. Returns (temp dir, php-fpm, nginx, front port, vhost port).
 async fn front_stack(levee_port: u16) -> (tempfile::TempDir, PhpFpm, ChildGuard, u16, u16) {
@@ -28,6 +35,7 @@ async fn front_stack(levee_port: u16) -> (tempfile::TempDir, PhpFpm, ChildGuard,
     let docroot = dir.path().join("www");
     std::fs::create_dir_all(&docroot).expect("docroot");
     std::fs::write(docroot.join("index.php"), INDEX_PHP).expect("index.php");
+    std::fs::write(docroot.join("page.php"), PAGE_PHP).expect("page.php");
     open_up(dir.path());
     let _ = std::process::Command::new("chmod")
         .arg("-R")
@@ -84,7 +92,7 @@ async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it(
     let policy_dir = tempfile::tempdir().expect("dir");
     std::fs::write(
         policy_dir.path().join("levee.toml"),
-        format!("[server]\nlisten = \"127.0.0.1:{levee_port}\"\ndrain = \"0s\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.app]\nurl = \"http://127.0.0.1:{backend}\"\n"),
+        format!("[server]\nlisten = \"127.0.0.1:{levee_port}\"\ndrain = \"0s\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.app]\nurl = \"http://127.0.0.1:{backend}\"\n[[route]]\nname = \"page\"\nmatch = {{ path = \"/page.php\" }}\ndegrade = {{ action = \"stale\" }}\n"),
     )
     .expect("policy");
     let running = levee::start(levee::Options::new(policy_dir.path()))
@@ -119,6 +127,29 @@ async fn the_front_config_sends_traffic_through_levee_and_fails_open_without_it(
         "127.0.0.1",
         "{}",
         claimed.text()
+    );
+
+    // A `stale` route's page is fetched uncompressed (its copy answers every client): the
+    // front compresses it for the clients that ask.
+    let page = format!("http://127.0.0.1:{front}/page.php");
+    let gzipped = get_with(&page, &[("accept-encoding", "gzip")]).await;
+    assert_eq!(gzipped.status, 200);
+    assert_eq!(
+        gzipped
+            .headers
+            .get("content-encoding")
+            .map(|v| v.as_bytes()),
+        Some(&b"gzip"[..]),
+        "{:?}",
+        gzipped.headers
+    );
+    assert!(gzipped.body.len() < 1024, "{} bytes", gzipped.body.len());
+    let plain = get(&page).await;
+    assert!(plain.headers.get("content-encoding").is_none());
+    assert!(
+        plain.text().starts_with("<p>accept-encoding: none</p>"),
+        "{}",
+        plain.text()
     );
 
     // `Proxy` would be CGI's HTTP_PROXY, read as an outgoing proxy ("httpoxy"): the front

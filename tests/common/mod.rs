@@ -485,11 +485,17 @@ impl PhpFpm {
         } else {
             ""
         };
+        // PHP's temporary files (uploads, large request bodies) in a directory of the test's
+        // own that the pool's user can write, whatever the machine's /tmp allows.
+        let php_tmp = dir.join("php-tmp");
+        std::fs::create_dir_all(&php_tmp).expect("php-tmp");
+        let _ = Command::new("chmod").arg("1777").arg(&php_tmp).status();
         std::fs::write(
             &config,
             format!(
-                "[global]\npid = {dir}/php-fpm.pid\nerror_log = {dir}/php-fpm.log\ndaemonize = no\n\n[app]\n{user}listen = {listen}\npm = static\npm.max_children = 4\nclear_env = no\ncatch_workers_output = yes\n",
-                dir = dir.display()
+                "[global]\npid = {dir}/php-fpm.pid\nerror_log = {dir}/php-fpm.log\ndaemonize = no\n\n[app]\n{user}listen = {listen}\npm = static\npm.max_children = 4\nclear_env = no\ncatch_workers_output = yes\nphp_admin_value[sys_temp_dir] = {tmp}\nphp_admin_value[upload_tmp_dir] = {tmp}\n",
+                dir = dir.display(),
+                tmp = php_tmp.display()
             ),
         )
         .expect("write php-fpm.conf");

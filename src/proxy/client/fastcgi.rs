@@ -273,9 +273,12 @@ fn is_file_under(root: &str, script: &[u8]) -> bool {
 
 /// The records that open a request: `BEGIN_REQUEST`, the parameters from the HTTP head
 /// `head` (as `encode_request_head` wrote it), and the end of the parameters; with the end of
-/// `STDIN` too when the request has no body.
+/// `STDIN` too when the request has no body. `version`: the client's, which the head (always
+/// written as HTTP/1.1) does not keep; a script answering `$_SERVER['SERVER_PROTOCOL'] . " 404"`
+/// or serving HTTP/1.0 clients otherwise reads it, as it did behind nginx.
 fn encode_begin(
     head: &[u8],
+    version: http::Version,
     settings: &FastCgiSettings,
     (script, info): (&[u8], &[u8]),
     has_body: bool,
@@ -308,7 +311,8 @@ fn encode_begin(
         if name.eq_ignore_ascii_case(b"content-length") {
             length = Some(value);
         } else if name.eq_ignore_ascii_case(b"content-type") {
-            content_type = Some(value);
+            // The first of two, as nginx passes it: PHP parses the body by this one.
+            content_type = content_type.or(Some(value));
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             continue;
         }
@@ -350,7 +354,12 @@ fn encode_begin(
         b"SERVER_SOFTWARE",
         concat!("levee/", env!("CARGO_PKG_VERSION"), " (nginx-compatible)").as_bytes(),
     );
-    params.add(b"SERVER_PROTOCOL", b"HTTP/1.1");
+    let protocol: &[u8] = if version == http::Version::HTTP_10 {
+        b"HTTP/1.0"
+    } else {
+        b"HTTP/1.1"
+    };
+    params.add(b"SERVER_PROTOCOL", protocol);
     params.add(b"REQUEST_METHOD", method.as_bytes());
     params.add(b"REQUEST_URI", target.as_bytes());
     params.add(b"QUERY_STRING", query.as_bytes());
@@ -979,6 +988,7 @@ impl Client {
         let keep_connection = self.pool.max_idle > 0;
         let begin = encode_begin(
             &head.bytes,
+            parts.version,
             settings,
             (&script, &info),
             has_body,
@@ -1597,9 +1607,10 @@ mod tests {
 
     #[test]
     fn fields_become_cgi_parameters_and_spoofable_names_are_dropped() {
-        let head = b"POST /shop/cart.php/add?id=3 HTTP/1.1\r\nHost: shop.example:8443\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 4\r\nCookie: a=1\r\nCookie: b=2\r\nX_Real_IP: 6.6.6.6\r\nX.Real.IP: 6.6.6.6\r\nProxy: http://evil\r\nX-Real-IP: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n";
+        let head = b"POST /shop/cart.php/add?id=3 HTTP/1.1\r\nHost: shop.example:8443\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Type: text/plain\r\nContent-Length: 4\r\nCookie: a=1\r\nCookie: b=2\r\nX_Real_IP: 6.6.6.6\r\nX.Real.IP: 6.6.6.6\r\nProxy: http://evil\r\nX-Real-IP: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n";
         let begin = encode_begin(
             head,
+            http::Version::HTTP_10,
             &settings(None),
             (b"/shop/cart.php", b"/add"),
             true,
@@ -1644,10 +1655,17 @@ mod tests {
         assert_eq!(get("REQUEST_URI"), Some("/shop/cart.php/add?id=3"));
         assert_eq!(get("CONTENT_LENGTH"), Some("4"));
         assert_eq!(get("HTTP_CONTENT_LENGTH"), Some("4"));
+        // PHP parses the body by the first of two, as behind nginx.
         assert_eq!(
-            get("HTTP_CONTENT_TYPE"),
+            get("CONTENT_TYPE"),
             Some("application/x-www-form-urlencoded")
         );
+        assert_eq!(
+            get("HTTP_CONTENT_TYPE"),
+            Some("application/x-www-form-urlencoded, text/plain")
+        );
+        // The client's version: the head levee wrote says HTTP/1.1 whatever the client spoke.
+        assert_eq!(get("SERVER_PROTOCOL"), Some("HTTP/1.0"));
         assert_eq!(get("HTTP_COOKIE"), Some("a=1; b=2"));
         assert_eq!(get("HTTP_X_REAL_IP"), Some("203.0.113.7"));
         assert_eq!(get("REMOTE_ADDR"), Some("203.0.113.7"));

@@ -109,6 +109,36 @@ fn encode_target(target: &[u8], keep_beyond_ascii: bool) -> Option<Uri> {
     Uri::from_maybe_shared(bytes::Bytes::from(encoded)).ok()
 }
 
+/// The buffer again with its request target's bytes beyond ASCII percent-encoded, when the
+/// target is not UTF-8 (`/caf\xe9?q=\xe9t\xe9`: Latin-1, as old clients of a Latin-1 site send
+/// it and nginx passes it to the app, which decodes the escapes to the same `$_GET`). `None`
+/// for any other line the parser refused (control bytes, a bad method), which stays a 400.
+fn with_raw_target_encoded(buffer: &[u8]) -> Option<BytesMut> {
+    // The parser skips empty lines before the request line; so does this.
+    let start = buffer
+        .iter()
+        .position(|&byte| byte != b'\r' && byte != b'\n')?;
+    let line = &buffer[start..];
+    let target_start = memchr::memchr(b' ', line)? + 1;
+    let target_end = target_start + memchr::memchr(b' ', &line[target_start..])?;
+    let target = &line[target_start..target_end];
+    let plain = |byte: &u8| *byte > b' ' && *byte != 0x7f;
+    if std::str::from_utf8(target).is_ok() || !target.iter().all(plain) {
+        return None;
+    }
+    let mut encoded = Vec::with_capacity(buffer.len() + 2 * target.len());
+    encoded.extend_from_slice(&buffer[..start + target_start]);
+    for &byte in target {
+        if byte < 0x80 {
+            encoded.push(byte);
+        } else {
+            crate::proxy::path::push_percent_encoded(&mut encoded, byte);
+        }
+    }
+    encoded.extend_from_slice(&line[target_end..]);
+    Some(BytesMut::from(&encoded[..]))
+}
+
 /// Parses the request head at the front of `buffer`.
 ///
 /// `Ok(None)`: the head is not complete yet (and still within `max_head_bytes`). On success
@@ -134,6 +164,14 @@ pub fn parse_head(
         Err(httparse::Error::TooManyHeaders) => {
             return Err(HeadError::TooManyHeaders { limit: MAX_HEADERS })
         }
+        Err(httparse::Error::Token) => match with_raw_target_encoded(buffer) {
+            // Parsed again: the target is ASCII now, so this comes back here no more.
+            Some(encoded) => {
+                *buffer = encoded;
+                return parse_head(buffer, max_head_bytes);
+            }
+            None => return Err(HeadError::Malformed(describe(httparse::Error::Token))),
+        },
         Err(error) => return Err(HeadError::Malformed(describe(error))),
     };
     if head_length > max_head_bytes {
@@ -786,16 +824,32 @@ mod tests {
     }
 
     #[test]
-    fn raw_utf8_targets_pass_and_other_bytes_are_refused() {
+    fn raw_utf8_targets_pass_and_other_bytes_are_percent_encoded() {
         // Raw UTF-8 in a target is passed on as sent, as nginx and PHP take it (see
-        // tests/hostile.rs); bytes that are not UTF-8 are refused.
+        // tests/hostile.rs); bytes that are not UTF-8 (Latin-1) are percent-encoded, which the
+        // app decodes to the same bytes.
         let head = parse_all(b"GET /caf\xc3\xa9 HTTP/1.1\r\nHost: a\r\n\r\n")
             .expect("accepted")
             .expect("complete");
         assert_eq!(head.uri.path().as_bytes(), b"/caf\xc3\xa9");
-        assert!(matches!(
-            parse_all(b"GET /\xff\xfe HTTP/1.1\r\nHost: a\r\n\r\n"),
-            Err(HeadError::Malformed(_))
-        ));
+        let mut buffer = BytesMut::from(
+            &b"\r\nGET /caf\xe9?q=\xe9t\xe9&r={} HTTP/1.1\r\nHost: a\r\n\r\nnext"[..],
+        );
+        let head = parse_head(&mut buffer, 1024)
+            .expect("accepted")
+            .expect("complete");
+        assert_eq!(head.uri.path(), "/caf%E9");
+        assert_eq!(head.uri.query(), Some("q=%E9t%E9&r={}"));
+        assert_eq!(&buffer[..], b"next", "what follows the head stays");
+        // Control bytes and a method that is not one stay refused.
+        for refused in [
+            &b"GET /\xe9\x01 HTTP/1.1\r\nHost: a\r\n\r\n"[..],
+            b"G\xe9T /\xe9 HTTP/1.1\r\nHost: a\r\n\r\n",
+        ] {
+            assert!(
+                matches!(parse_all(refused), Err(HeadError::Malformed(_))),
+                "{refused:?}"
+            );
+        }
     }
 }
