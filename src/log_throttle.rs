@@ -19,6 +19,17 @@ impl LogThrottle {
         }
     }
 
+    /// Whether a line would be let through at `now`, without counting one held back.
+    pub fn is_due(&self, now: Instant) -> bool {
+        let state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        state
+            .0
+            .is_none_or(|last| now.saturating_duration_since(last) >= self.every)
+    }
+
     /// Whether a line may be logged at `now`: `Some(held back since the last one)`, or `None`
     /// (it is counted instead).
     pub fn allow(&self, now: Instant) -> Option<u64> {
@@ -47,6 +58,8 @@ mod tests {
         assert_eq!(throttle.allow(start), Some(0));
         assert_eq!(throttle.allow(start + Duration::from_secs(1)), None);
         assert_eq!(throttle.allow(start + Duration::from_secs(9)), None);
+        assert!(!throttle.is_due(start + Duration::from_secs(9)));
+        assert!(throttle.is_due(start + Duration::from_secs(10)));
         assert_eq!(throttle.allow(start + Duration::from_secs(10)), Some(2));
         assert_eq!(throttle.allow(start + Duration::from_secs(11)), None);
     }

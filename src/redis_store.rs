@@ -258,6 +258,10 @@ struct Reach {
     failure: Option<String>,
     /// The log said the calls fail, and has not said yet that they answer again.
     outage_logged: bool,
+    /// The calls fail, and the log has not said so yet: the line was held back (another
+    /// outage was said just before) and is said once the throttle lets it, if the calls still
+    /// fail then.
+    outage_unsaid: bool,
 }
 
 /// One bucket to decide in Redis.
@@ -303,6 +307,15 @@ impl Health {
     /// True while the breaker is closed.
     fn is_closed(&self) -> bool {
         self.open_until.is_none()
+    }
+
+    /// Whether a guarded call would be let through now: the breaker is closed, or its
+    /// cool-down is over and no probe is out (the call would be the probe).
+    fn lets_a_call_through(&self) -> bool {
+        match self.open_until {
+            None => true,
+            Some(until) => Instant::now() >= until && !self.probing,
+        }
     }
 
     /// Leave to call: `None` while the breaker is open and cooling down, or while another
@@ -446,7 +459,7 @@ impl RedisStore {
             health: Mutex::new(Health::default()),
             eviction_policy: Mutex::new(None),
             reach: Mutex::new(Reach::default()),
-            failing_log: LogThrottle::new(Duration::from_secs(30)),
+            failing_log: LogThrottle::new(Duration::from_secs(10)),
             script: Arc::new(KeyedScript::new(SCRIPT)),
             refund: Arc::new(KeyedScript::new(include_str!("limit/refund.lua"))),
         }
@@ -496,18 +509,30 @@ impl RedisStore {
             let mut reach = lock(&self.reach);
             let was_failing =
                 std::mem::replace(&mut reach.failure, failure.map(ToString::to_string)).is_some();
+            let now = std::time::Instant::now();
             match failure {
-                Some(error) if !was_failing => {
-                    if let Some(held_back) = self.failing_log.allow(std::time::Instant::now()) {
+                // A new outage, or one whose line was held back and may be said now: an
+                // outage that began just after another was said is still said, once the
+                // interval is over, rather than never.
+                Some(error)
+                    if !was_failing || (reach.outage_unsaid && self.failing_log.is_due(now)) =>
+                {
+                    if let Some(held_back) = self.failing_log.allow(now) {
                         reach.outage_logged = true;
+                        reach.outage_unsaid = false;
                         tracing::warn!(held_back, "redis calls fail: {error}; switches are not synced, queue routes answer 503 and replays wait, stale copies are not shared, until it answers");
+                    } else {
+                        reach.outage_unsaid = true;
                     }
                 }
-                None if reach.outage_logged => {
-                    reach.outage_logged = false;
-                    tracing::info!("redis calls answer again");
+                Some(_) => {}
+                None => {
+                    reach.outage_unsaid = false;
+                    if reach.outage_logged {
+                        reach.outage_logged = false;
+                        tracing::info!("redis calls answer again");
+                    }
                 }
-                _ => {}
             }
         }
         if failure.is_none() {
@@ -558,11 +583,22 @@ impl RedisStore {
         lock(&self.eviction_policy).clone()
     }
 
-    /// Whether a background call on `key` is worth trying: false while the health breaker of
-    /// Redis (in a cluster, of the node holding `key`) is open. Such calls take no probe
-    /// (requests probe): against a Redis known to be down, each would only wait out its
-    /// timeout in a task of its own, one per response while the outage lasts.
-    pub fn is_up_for(&self, key: &str) -> bool {
+    /// Whether a guarded call on `key` is worth making now: the health breaker of Redis (in
+    /// a cluster, of the node holding `key`) is closed, or its cool-down is over and the call
+    /// may be its probe. False while Redis is known to be down: a queue write is answered
+    /// before its body is read, and a stale copy stays in memory, instead of each waiting
+    /// out its timeout. After the cool-down such a call probes as a rate-limited request
+    /// does, so a site without rate limits finds Redis back too.
+    pub fn may_call_for(&self, key: &str) -> bool {
+        match &self.cluster {
+            Some(cluster) => lock(&cluster.node_for(key).health).lets_a_call_through(),
+            None => lock(self.health()).lets_a_call_through(),
+        }
+    }
+
+    /// Whether the health breaker of Redis (in a cluster, of the node holding `key`) is
+    /// closed.
+    pub fn is_closed_for(&self, key: &str) -> bool {
         match &self.cluster {
             Some(cluster) => lock(&cluster.node_for(key).health).is_closed(),
             None => lock(self.health()).is_closed(),

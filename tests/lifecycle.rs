@@ -409,6 +409,36 @@ async fn a_queue_group_made_before_is_no_redis_outage_in_the_log() {
     assert!(!log.contains("redis calls fail"), "{log}");
 }
 
+/// A request an `on_redis_error = "deny"` rule refuses because Redis is out reads as any 429 to
+/// its client and in the access log: the log says why, once for many.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_a_deny_rule_refuses_while_redis_is_out_are_said_to_be_so_in_the_log() {
+    let backend = echo_backend().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    // Nothing listens there.
+    let extra = format!(
+        "[redis]\nurl = \"redis://127.0.0.1:{}/0\"\ntimeout = \"50ms\"\n[limit.strict]\nkey = [\"ip\"]\nrate = \"100/s\"\non_redis_error = \"deny\"\n[[route]]\nname = \"limited\"\nmatch = {{ path = \"/limited\" }}\nlimits = [\"strict\"]\n",
+        free_port()
+    );
+    let (_levee, log_path, public) = start_logging(dir.path(), backend.addr, &extra).await;
+    for _ in 0..5 {
+        let refused = get(&format!("http://127.0.0.1:{public}/limited")).await;
+        assert_eq!(refused.status, 429, "{}", refused.text());
+    }
+    eventually(Duration::from_secs(5), "the log to say why", || async {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        log.contains("requests refused because redis cannot be used") && log.contains("strict")
+    })
+    .await;
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert_eq!(
+        log.matches("requests refused because redis cannot be used")
+            .count(),
+        1,
+        "once for the five: {log}"
+    );
+}
+
 /// A levee process stopped by SIGTERM takes its line out of the fleet view before it exits:
 /// the other instances then show it gone, not silent for an hour.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

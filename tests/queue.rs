@@ -1339,6 +1339,84 @@ async fn a_job_applied_while_redis_restarts_is_finished_once_redis_is_back_not_a
     assert_eq!(applied.lock().expect("lock").len(), 1, "applied once");
 }
 
+/// A full Redis under `noeviction` refuses new jobs: the write is answered 503 and nothing is
+/// stored. (The write removed earlier writes' records before storing the job, and Redis lets a
+/// script that has written go on writing when full: every job was taken, past `maxmemory`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_redis_refuses_new_jobs_with_503() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let url = format!("redis://127.0.0.1:{}/0", redis.port);
+    let levee = Levee::start(&queue_policy(backend.addr, &url, "")).await;
+    switch(&levee, "off").await;
+    let stream = "levee:queue:{notify}:jobs";
+    // Each answered write leaves its record for the next write to remove.
+    assert_eq!(post_as(&levee, "n=1", "198.51.100.7").await.status, 202);
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    redis.cli(&[
+        "EVAL",
+        "for i = 1, 3000 do redis.call('SET', 'fill:' .. i, string.rep('x', 1000)) end",
+        "0",
+    ]);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1mb"]);
+    let refused = post_as(&levee, "n=2", "198.51.100.7").await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert_eq!(
+        redis.cli(&["XLEN", stream]).trim(),
+        "1",
+        "nothing more stored"
+    );
+    redis.cli(&["CONFIG", "SET", "maxmemory", "0"]);
+    eventually(
+        Duration::from_secs(10),
+        "jobs to be taken again",
+        || async { post_as(&levee, "n=3", "198.51.100.7").await.status == 202 },
+    )
+    .await;
+}
+
+/// A site whose routes have no rate limits still finds Redis back after an outage: the queue
+/// write is let through as the health breaker's probe once its cool-down is over. (It had
+/// been refused 503 for as long as no rate-limited request came to close the breaker.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_writes_find_redis_back_without_rate_limited_traffic() {
+    let dir = tempfile::tempdir().expect("dir");
+    let port = free_port();
+    let mut redis = RedisServer::start_persistent(dir.path(), port).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let url = format!("redis://127.0.0.1:{port}/0");
+    let levee = Levee::start(&queue_policy(backend.addr, &url, "")).await;
+    switch(&levee, "off").await;
+    assert_eq!(post_as(&levee, "n=1", "198.51.100.7").await.status, 202);
+
+    redis.kill();
+    eventually(
+        Duration::from_secs(10),
+        "the health breaker to open on failed queue writes",
+        || async {
+            let refused = post_as(&levee, "n=2", "198.51.100.7").await.status == 503;
+            refused
+                && get(&levee.admin_url("/status")).await.json()["redis"]["rate_limits"]
+                    == "fallback"
+        },
+    )
+    .await;
+
+    let _back = RedisServer::start_persistent(dir.path(), port).await;
+    eventually(
+        Duration::from_secs(10),
+        "a queue write to be stored again",
+        || async { post_as(&levee, "n=3", "198.51.100.7").await.status == 202 },
+    )
+    .await;
+    assert_eq!(
+        get(&levee.admin_url("/status")).await.json()["redis"]["rate_limits"],
+        "redis",
+        "the write was the probe that closed the health breaker"
+    );
+}
+
 /// Two routes' jobs never meet under one `Idempotency-Key`: stream entry ids are unique only
 /// within one route's stream (and a clock reading a client could guess), so an app that drops
 /// duplicates by key had thrown away the second of two jobs stored in the same millisecond.

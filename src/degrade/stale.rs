@@ -567,18 +567,26 @@ impl StaleStore {
         key: &CopyKey,
         copy: Arc<StaleCopy>,
         redis: Option<Arc<RedisStore>>,
+        metrics: &Arc<crate::metrics::Metrics>,
         settings: &StaleSettings,
     ) {
         // While Redis is known to be down (its health breaker is open) the copy is kept in
         // memory only, as when a store fails; the next fresh answer after Redis is back goes
-        // to Redis again. So is it while enough copies are on their way there.
-        let redis = redis.filter(|redis| redis.is_up_for(&key.key));
+        // to Redis again. So is it while enough copies are on their way there. Once the
+        // breaker's cool-down is over the store is its probe (on a site whose routes have no
+        // rate limits, nothing else would find Redis back); while it is closed, a store that
+        // fails (a large copy on a busy Redis) does not count against it.
+        let redis = redis.filter(|redis| redis.may_call_for(&key.key));
+        let probe = redis
+            .as_ref()
+            .is_some_and(|redis| !redis.is_closed_for(&key.key));
         let permit = redis
             .as_ref()
             .and_then(|_| self.redis_stores.clone().try_acquire_owned().ok());
         let send = self.remember(key, copy.clone(), settings.max_copies, permit.is_some());
         if let (Some(redis), Some(permit), true) = (redis, permit, send) {
             let key = key.clone();
+            let metrics = metrics.clone();
             let (max_age, max_copies) = (settings.max_age, settings.max_copies);
             tokio::spawn(async move {
                 let mut command = redis::cmd("EVAL");
@@ -592,7 +600,11 @@ impl StaleStore {
                     .arg(copy.stored_at_ms)
                     .arg(max_copies);
                 let timeout = redis.settings.timeout.max(Duration::from_millis(250));
-                if let Err(error) = redis.command::<i64>(&command, timeout, None).await {
+                let guard = probe.then_some(crate::redis_store::Guard {
+                    key: &key.key,
+                    metrics: &metrics,
+                });
+                if let Err(error) = redis.command::<i64>(&command, timeout, guard).await {
                     tracing::debug!(key = %key.key, "stale copy not stored in redis: {error}");
                 }
                 drop(permit);
@@ -752,6 +764,7 @@ pub struct CaptureTarget {
     pub store: Arc<StaleStore>,
     pub key: CopyKey,
     pub redis: Option<Arc<RedisStore>>,
+    pub metrics: Arc<crate::metrics::Metrics>,
     pub settings: Arc<StaleSettings>,
     pub guard: Option<FetchGuard>,
 }
@@ -799,6 +812,7 @@ fn complete(
         &target.key,
         copy.clone(),
         target.redis.clone(),
+        &target.metrics,
         &target.settings,
     );
     if let Some(guard) = &target.guard {

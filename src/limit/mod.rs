@@ -309,6 +309,13 @@ impl Limiter {
             }
         }
         if let Some((plan, decision)) = refusal {
+            // Not a client over its rate: say so where the operator looks, as the 429 and the
+            // access log read alike either way.
+            if decision.source == DecisionSource::Fallback && !decision.measured {
+                if let Some(held_back) = REDIS_DENIALS.allow(std::time::Instant::now()) {
+                    tracing::warn!(rule = %plan.rule.name, held_back, "requests refused because redis cannot be used and the rule's on_redis_error is \"deny\"");
+                }
+            }
             return Err(deny(plan.rule, decision.retry_after, decision.reset, facts));
         }
         Ok(tightest.and_then(|(plan, decision)| {
@@ -468,6 +475,11 @@ impl Limiter {
             .record_decision(&rule.name, &rule.series, result, source);
     }
 }
+
+/// Bounds the warnings of requests an `on_redis_error = "deny"` rule refuses while Redis is
+/// out: one a request otherwise.
+static REDIS_DENIALS: crate::log_throttle::LogThrottle =
+    crate::log_throttle::LogThrottle::new(Duration::from_secs(10));
 
 /// The 429 (or the rule's status) for `facts`' request; JSON when its `Accept` prefers it.
 fn deny(

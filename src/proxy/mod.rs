@@ -1231,6 +1231,7 @@ impl Stale {
             store: shared.stale.clone(),
             key: key.clone(),
             redis: policy.redis.clone(),
+            metrics: shared.metrics.clone(),
             settings: settings.clone(),
             guard,
         })

@@ -223,8 +223,10 @@ impl QueueKeys {
 /// Stores a job, unless Redis's clock is past levee's deadline for it or levee has already
 /// settled the write without it ([`SETTLE_WRITE`] left a tombstone, an empty record), and
 /// records the entry's id under the write's own key, so that levee can ask what became of a
-/// write whose answer it did not get. First it removes the records of earlier writes whose
-/// answers came (see [`AnsweredRecords`]). With the job stored, it lists the route in the
+/// write whose answer it did not get. It also removes the records of earlier writes whose
+/// answers came (see [`AnsweredRecords`]), after the job's `XADD`: Redis refuses a script's
+/// writes for a full memory (`noeviction`) only until the script has written, so with the
+/// removals first a full Redis took every job and grew past `maxmemory`. With the job stored, it lists the route in the
 /// registry (see [`QueueKeys::registry`]) in the same step, so a stored job's route is always
 /// listed; in a cluster the registry lives in another slot, and levee lists the route with a
 /// call of its own after the write.
@@ -240,11 +242,14 @@ local first_answered = 3
 if lists then
   first_answered = 4
 end
-for i = first_answered, #KEYS do
-  redis.call('UNLINK', KEYS[i])
+local function forget_answered()
+  for i = first_answered, #KEYS do
+    redis.call('UNLINK', KEYS[i])
+  end
 end
 local prior = redis.call('GET', KEYS[2])
 if prior then
+  forget_answered()
   if string.sub(prior, 1, 8) == 'decided:' then
     return string.sub(prior, 9)
   end
@@ -255,6 +260,7 @@ if prior then
 end
 local now = redis.call('TIME')
 if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
+  forget_answered()
   return false
 end
 local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
@@ -262,6 +268,7 @@ redis.call('SET', KEYS[2], id, 'PX', ARGV[2])
 if lists then
   redis.call('SADD', KEYS[3], ARGV[3])
 end
+forget_answered()
 return id
 "#;
 
@@ -457,7 +464,7 @@ pub async fn enqueue(
     };
     // With Redis known to be down (its health breaker open), the job cannot be stored: the
     // client is answered now, before it uploads a body for nothing (or is told `100 Continue`).
-    if !redis.is_up_for(&keys.stream) {
+    if !redis.may_call_for(&keys.stream) {
         return Err(not_stored(
             "Redis is down (its health breaker is open)".into(),
         ));

@@ -400,7 +400,7 @@ impl Served {
             // evicted key) and the next XADD made it again without the group: made again on
             // the next pass, or its jobs would never run.
             Err(error) if is_no_group(&error) => {
-                tracing::warn!(%stream, "the queue's consumer group is gone from redis; making it again: {error}");
+                tracing::error!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): the jobs it held when it went are lost, and those stored since are replayed once it is made again: {error}");
                 self.groups_made.remove(&stream);
             }
             Err(error) => {
@@ -1111,7 +1111,13 @@ impl Pass<'_> {
                     continue;
                 }
             };
-            let result = replay(shared, route, &job, stop).await;
+            let result = match unless_it_panics(replay(shared, route, &job, stop)).await {
+                Ok(result) => result,
+                Err(panic) => {
+                    tracing::error!(route = %route.name, key = job.idempotency_key(), "levee failed while replaying a job, a defect (please report it); the job goes to the dead letters: {panic}");
+                    Replay::Permanent(format!("levee failed while replaying the job ({panic}); the app may have run it, and a retry runs it again"))
+                }
+            };
             let labels = QueueResultLabels {
                 route: route.name.to_string().into(),
                 result: result.label(),
@@ -1158,6 +1164,26 @@ impl Pass<'_> {
         }
         Ok((true, Vec::new()))
     }
+}
+
+/// `future`'s output, or what it said when it panicked. A job whose replay makes levee panic
+/// (a defect) would otherwise end its queue's task with the job still held, to be taken up
+/// and panic again on every pass, its queue stuck behind it; caught, it is dead-lettered.
+async fn unless_it_panics<F: std::future::Future>(future: F) -> Result<F::Output, String> {
+    use std::task::Poll;
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.as_mut().poll(cx))) {
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(panic) => Poll::Ready(Err(panic
+                .downcast_ref::<&str>()
+                .map(|message| (*message).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned()))),
+        }
+    })
+    .await
 }
 
 /// Whether this worker may replay a job now (see [`Pass::hold_when_decided`]).
@@ -1707,6 +1733,30 @@ pub async fn stats(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replay_that_panics_is_caught_with_its_message() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            assert_eq!(unless_it_panics(async { 7 }).await, Ok(7));
+            let waits_then_panics = async {
+                tokio::task::yield_now().await;
+                let fields: Vec<u8> = Vec::new();
+                fields.first().copied().expect("a job with a body")
+            };
+            let caught = unless_it_panics(waits_then_panics).await;
+            assert!(
+                matches!(&caught, Err(message) if message.contains("a job with a body")),
+                "{caught:?}"
+            );
+            assert_eq!(
+                unless_it_panics(async { panic!("{} jobs", 3) }).await,
+                Err::<(), _>("3 jobs".to_owned())
+            );
+        });
+    }
 
     #[test]
     fn backoff_doubles_with_jitter_and_a_cap() {
