@@ -14,10 +14,17 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+/// What `levee --version` says: a profile-guided build (bench/pgo-build.sh) says so, as its
+/// speed differs from a plain `cargo build --release`.
+#[cfg(levee_pgo)]
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (profile-guided build)");
+#[cfg(not(levee_pgo))]
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 #[derive(Parser)]
 #[command(
     name = "levee",
-    version,
+    version = VERSION,
     about = "Resilience sidecar for legacy PHP sites"
 )]
 struct Cli {
