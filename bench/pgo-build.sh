@@ -20,8 +20,9 @@
 # Needs what bench/run.sh needs (nginx, wrk, redis-server, haproxy; php-fpm for the FastCGI
 # case) and `llvm-profdata` from an LLVM at least as new as the one that wrote the profiles'
 # format (Debian's llvm-19 reads rustc 1.95's). Found as LLVM_PROFDATA, as `llvm-profdata`
-# in rustup's llvm-tools component, or as the newest `llvm-profdata-NN` on the PATH; as root it
-# installs Debian's llvm-19 when none is found.
+# in rustup's llvm-tools component, as the newest `llvm-profdata-NN` on the PATH, or as a plain
+# `llvm-profdata`; as root it installs Debian's llvm-19 when none is found. RUSTFLAGS set in the
+# environment are not used for these builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -32,22 +33,22 @@ die() {
 	exit 1
 }
 
+# An llvm-profdata to merge with, on stdout; nothing when none is found.
 find_profdata() {
-	if [[ -n ${LLVM_PROFDATA:-} ]]; then
-		[[ -x $LLVM_PROFDATA ]] || die "LLVM_PROFDATA=$LLVM_PROFDATA is not an executable"
-		echo "$LLVM_PROFDATA"
-		return
-	fi
 	local sysroot found
 	sysroot=$(rustc --print sysroot)
 	found=$(find "$sysroot/lib/rustlib" -name llvm-profdata -type f 2>/dev/null | head -n 1)
 	[[ -n $found ]] && echo "$found" && return
+	# The newest versioned one (Debian's llvm-NN), else a plain `llvm-profdata`.
 	found=$(compgen -c llvm-profdata- 2>/dev/null | sort -t- -k3 -n | tail -n 1)
 	[[ -n $found ]] && command -v "$found" && return
-	return 1
+	command -v llvm-profdata
 }
 
-PROFDATA=$(find_profdata) || {
+if [[ -n ${LLVM_PROFDATA:-} ]]; then
+	[[ -x $LLVM_PROFDATA ]] || die "LLVM_PROFDATA=$LLVM_PROFDATA is not an executable"
+	PROFDATA=$LLVM_PROFDATA
+elif ! PROFDATA=$(find_profdata); then
 	if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
 		log "no llvm-profdata found: installing Debian's llvm-19"
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends llvm-19 >&2 ||
@@ -56,7 +57,7 @@ PROFDATA=$(find_profdata) || {
 	else
 		die "no llvm-profdata found: install an LLVM's tools (Debian: apt-get install llvm-19) or set LLVM_PROFDATA"
 	fi
-}
+fi
 log "llvm-profdata: $PROFDATA ($("$PROFDATA" --version 2>&1 | grep -m1 -i 'version' | sed 's/^ *//'))"
 
 WORK=$REPO/target/pgo-work
@@ -65,12 +66,16 @@ MERGED=$WORK/levee.profdata
 rm -rf "$WORK"
 mkdir -p "$PROFILES"
 # `levee_pgo` only changes what `levee --version` says; both builds get it, so their code is
-# the same and every function's profile matches.
-COMMON_FLAGS="--cfg levee_pgo"
+# the same and every function's profile matches. The flags go as CARGO_ENCODED_RUSTFLAGS
+# (separated by 0x1f), so a path with spaces stays one argument; they replace RUSTFLAGS.
+SEP=$'\x1f'
+unset RUSTFLAGS
 
 log "1/4 instrumented build (target/pgo-instrumented)"
-RUSTFLAGS="$COMMON_FLAGS -Cprofile-generate=$PROFILES" \
+CARGO_ENCODED_RUSTFLAGS="--cfg${SEP}levee_pgo${SEP}-Cprofile-generate=$PROFILES" \
 	cargo build --release --quiet --target-dir "$REPO/target/pgo-instrumented"
+# Build scripts ran instrumented too and left profiles of their own: only the training's count.
+rm -f "$PROFILES"/*.profraw
 
 log "2/4 training: bench/run.sh --smoke on the levee cases"
 # The profiles directory must be writable by whoever runs levee; the harness runs it as the
@@ -88,7 +93,7 @@ log "3/4 merging ${#raw[@]} profiles"
 	die "llvm-profdata could not merge the profiles (an LLVM older than rustc's $(rustc -vV | sed -n 's/^LLVM version: //p')? see $WORK/merge.log)"
 
 log "4/4 optimised build (target/pgo)"
-RUSTFLAGS="$COMMON_FLAGS -Cprofile-use=$MERGED" \
+CARGO_ENCODED_RUSTFLAGS="--cfg${SEP}levee_pgo${SEP}-Cprofile-use=$MERGED" \
 	cargo build --release --quiet --target-dir "$REPO/target/pgo"
 "$REPO/target/pgo/release/levee" --version >&2
 log "done: target/pgo/release/levee (bench/run.sh measures it with LEVEE_BIN=target/pgo/release/levee)"

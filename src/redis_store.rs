@@ -630,11 +630,19 @@ impl RedisStore {
             link.sentinels.start_from(&before.sentinels);
         }
         if self.settings.target == previous.settings.target {
-            let before = lock(&previous.health);
-            let mut health = lock(&self.health);
-            health.consecutive_failures = before.consecutive_failures;
-            health.open_until = before.open_until;
-            lock(&self.reach).failure = lock(&previous.reach).failure.clone();
+            {
+                let before = lock(&previous.health);
+                let mut health = lock(&self.health);
+                health.consecutive_failures = before.consecutive_failures;
+                health.open_until = before.open_until;
+            }
+            let before = lock(&previous.reach);
+            let mut reach = lock(&self.reach);
+            reach.failure = before.failure.clone();
+            // What the log said of the outage goes on too: its end is said, or its start
+            // when that was held back.
+            reach.outage_logged = before.outage_logged;
+            reach.outage_unsaid = before.outage_unsaid;
         }
     }
 

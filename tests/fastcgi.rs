@@ -314,6 +314,16 @@ async fn php_sees_the_request_as_it_would_behind_nginx() {
         "{php}"
     );
     assert_eq!(php["app_env"], "production");
+    // An HTTP/1.0 client's version reaches PHP, as nginx passes it: a script that answers
+    // `$_SERVER['SERVER_PROTOCOL'] . ' 404 Not Found'` answers in the client's version.
+    let old_client = php_json(
+        Request::get(levee.url("/echo.php"))
+            .version(http::Version::HTTP_10)
+            .body(empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(old_client["server_protocol"], "HTTP/1.0", "{old_client}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

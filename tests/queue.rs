@@ -1362,6 +1362,12 @@ async fn a_full_redis_refuses_new_jobs_with_503() {
     redis.cli(&["CONFIG", "SET", "maxmemory", "1mb"]);
     let refused = post_as(&levee, "n=2", "198.51.100.7").await;
     assert_eq!(refused.status, 503, "{}", refused.text());
+    // Redis's refusal is an answer: the client is told nothing was stored, not that it may be.
+    assert!(
+        refused.text().contains("nothing was stored"),
+        "{}",
+        refused.text()
+    );
     assert_eq!(
         redis.cli(&["XLEN", stream]).trim(),
         "1",

@@ -273,6 +273,9 @@ impl Limiter {
         };
 
         let mut refusal: Option<(&Planned<'_>, &Decided)> = None;
+        // A rule that refuses because Redis is out (`on_redis_error = "deny"`), even when
+        // another rule's refusal is the one the client is told.
+        let mut refused_for_redis: Option<&Planned<'_>> = None;
         let mut tightest: Option<(&Planned<'_>, &Decided)> = None;
         for (plan, decision) in planned.iter().zip(&decided) {
             let result = match (decision.allowed, plan.rule.dry_run) {
@@ -296,6 +299,9 @@ impl Limiter {
                     };
                     self.denied.insert(&plan.key.key, refused, now);
                 }
+                if decision.source == DecisionSource::Fallback && !decision.measured {
+                    refused_for_redis = refused_for_redis.or(Some(plan));
+                }
                 if refusal.is_none_or(|(_, worst)| decision.retry_after > worst.retry_after) {
                     refusal = Some((plan, decision));
                 }
@@ -308,14 +314,14 @@ impl Limiter {
                 tightest = Some((plan, decision));
             }
         }
-        if let Some((plan, decision)) = refusal {
-            // Not a client over its rate: say so where the operator looks, as the 429 and the
-            // access log read alike either way.
-            if decision.source == DecisionSource::Fallback && !decision.measured {
-                if let Some(held_back) = REDIS_DENIALS.allow(std::time::Instant::now()) {
-                    tracing::warn!(rule = %plan.rule.name, held_back, "requests refused because redis cannot be used and the rule's on_redis_error is \"deny\"");
-                }
+        // Not a client over its rate: say so where the operator looks, as the 429 and the
+        // access log read alike either way.
+        if let Some(plan) = refused_for_redis {
+            if let Some(held_back) = REDIS_DENIALS.allow(std::time::Instant::now()) {
+                tracing::warn!(rule = %plan.rule.name, held_back, "requests refused because redis cannot be used and the rule's on_redis_error is \"deny\"");
             }
+        }
+        if let Some((plan, decision)) = refusal {
             return Err(deny(plan.rule, decision.retry_after, decision.reset, facts));
         }
         Ok(tightest.and_then(|(plan, decision)| {

@@ -543,8 +543,10 @@ async fn forward(
         .and_then(|upgrade| upgrade.take());
     let upstream = &route.upstream;
     // The request target stays the client's (the client sends its path and query only).
+    // The version stays the client's: an HTTP upstream is always sent HTTP/1.1 (see
+    // `client::encode_request_head`), and a FastCGI one is told the client's as
+    // `SERVER_PROTOCOL`, as nginx tells PHP.
     let (mut parts, mut body) = (*request).into_parts();
-    parts.version = Version::HTTP_11;
     header::strip_request_hop_by_hop(&mut parts.headers, upgrading);
     // The forwarding fields are set as the head is encoded (see `header::ForwardedWriter`).
     let from_client = header::FromClient {

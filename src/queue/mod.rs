@@ -464,6 +464,8 @@ pub async fn enqueue(
     };
     // With Redis known to be down (its health breaker open), the job cannot be stored: the
     // client is answered now, before it uploads a body for nothing (or is told `100 Continue`).
+    // Once the cool-down is over, writes coming together all pass here and one of them is the
+    // probe; the others are refused (503) when they ask Redis, after their bodies.
     if !redis.may_call_for(&keys.stream) {
         return Err(not_stored(
             "Redis is down (its health breaker is open)".into(),
@@ -606,6 +608,13 @@ pub async fn enqueue(
         Err(
             error @ (RedisFailure::Down | RedisFailure::Overloaded(_) | RedisFailure::NotSent(_)),
         ) => return Err(not_stored(error.to_string())),
+        // A full Redis (`noeviction`) refused the job's `XADD`, the write's first: nothing was
+        // stored, and asking what became of the write would be refused as well.
+        Err(RedisFailure::Redis(error)) if error.code() == Some("OOM") => {
+            return Err(not_stored(format!(
+                "redis is full (maxmemory reached, nothing evictable): {error}"
+            )))
+        }
         // Sent, but its answer did not come: Redis may have run it (say the answer was slow
         // to travel back). The same connection carries the question after the write, so
         // Redis answers it after running the write, if it ever does. (A write that waits for

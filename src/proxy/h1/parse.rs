@@ -99,7 +99,10 @@ fn encode_target(target: &[u8], keep_beyond_ascii: bool) -> Option<Uri> {
     for &byte in target {
         let allowed = (keep_beyond_ascii && byte >= 0x80)
             || is_unreserved_or_sub_delim(byte)
-            || matches!(byte, b':' | b'/' | b'?' | b'#' | b'[' | b']' | b'@');
+            // A `%` stays: the client's own escapes (`%20`, or those of bytes beyond ASCII
+            // that `with_raw_target_encoded` wrote) must not become `%2520`. A broken one is
+            // refused later, as in any target.
+            || matches!(byte, b':' | b'/' | b'?' | b'#' | b'[' | b']' | b'@' | b'%');
         if allowed {
             encoded.push(byte);
         } else {
@@ -841,6 +844,11 @@ mod tests {
         assert_eq!(head.uri.path(), "/caf%E9");
         assert_eq!(head.uri.query(), Some("q=%E9t%E9&r={}"));
         assert_eq!(&buffer[..], b"next", "what follows the head stays");
+        // With bytes a URI does not allow raw too, each is escaped once.
+        let head = parse_all(b"GET /s.php?q=caf\xe9&d=\"<%20> HTTP/1.1\r\nHost: a\r\n\r\n")
+            .expect("accepted")
+            .expect("complete");
+        assert_eq!(head.uri.query(), Some("q=caf%E9&d=%22%3C%20%3E"));
         // Control bytes and a method that is not one stay refused.
         for refused in [
             &b"GET /\xe9\x01 HTTP/1.1\r\nHost: a\r\n\r\n"[..],
