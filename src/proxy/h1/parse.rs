@@ -168,10 +168,16 @@ pub fn parse_head(
             return Err(HeadError::TooManyHeaders { limit: MAX_HEADERS })
         }
         Err(httparse::Error::Token) => match with_raw_target_encoded(buffer) {
-            // Parsed again: the target is ASCII now, so this comes back here no more.
+            // Parsed again: the target is ASCII now, so this comes back here no more. A head
+            // not complete yet leaves the buffer as it came (the next read appends to it, and
+            // the encoding is done again then).
             Some(encoded) => {
-                *buffer = encoded;
-                return parse_head(buffer, max_head_bytes);
+                let received = std::mem::replace(buffer, encoded);
+                let parsed = parse_head(buffer, max_head_bytes);
+                if matches!(parsed, Ok(None)) {
+                    *buffer = received;
+                }
+                return parsed;
             }
             None => return Err(HeadError::Malformed(describe(httparse::Error::Token))),
         },
@@ -844,6 +850,17 @@ mod tests {
         assert_eq!(head.uri.path(), "/caf%E9");
         assert_eq!(head.uri.query(), Some("q=%E9t%E9&r={}"));
         assert_eq!(&buffer[..], b"next", "what follows the head stays");
+        // A head not complete yet is waited for with its bytes as they came.
+        let partial = &b"GET /caf\xe9 HTTP/1.1\r\nHo"[..];
+        let mut buffer = BytesMut::from(partial);
+        assert!(matches!(parse_head(&mut buffer, 1024), Ok(None)));
+        assert_eq!(&buffer[..], partial);
+        buffer.extend_from_slice(b"st: a\r\n\r\n");
+        let head = parse_head(&mut buffer, 1024)
+            .expect("accepted")
+            .expect("complete");
+        assert_eq!(head.uri.path(), "/caf%E9");
+        assert!(buffer.is_empty());
         // With bytes a URI does not allow raw too, each is escaped once.
         let head = parse_all(b"GET /s.php?q=caf\xe9&d=\"<%20> HTTP/1.1\r\nHost: a\r\n\r\n")
             .expect("accepted")
