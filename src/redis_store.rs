@@ -309,12 +309,14 @@ impl Health {
         self.open_until.is_none()
     }
 
-    /// Whether a guarded call would be let through now: the breaker is closed, or its
-    /// cool-down is over and no probe is out (the call would be the probe).
-    fn lets_a_call_through(&self) -> bool {
+    /// Whether a guarded call would be let through now, and as what: `Some(false)` while the
+    /// breaker is closed, `Some(true)` as its probe once the cool-down is over and no probe
+    /// is out, `None` otherwise.
+    fn leave(&self) -> Option<bool> {
         match self.open_until {
-            None => true,
-            Some(until) => Instant::now() >= until && !self.probing,
+            None => Some(false),
+            Some(until) if Instant::now() < until || self.probing => None,
+            Some(_) => Some(true),
         }
     }
 
@@ -322,14 +324,8 @@ impl Health {
     /// request is its probe.
     fn permit(health: &Mutex<Health>) -> Option<Permit<'_>> {
         let mut state = lock(health);
-        let probe = match state.open_until {
-            None => false,
-            Some(until) if Instant::now() < until || state.probing => return None,
-            Some(_) => {
-                state.probing = true;
-                true
-            }
-        };
+        let probe = state.leave()?;
+        state.probing |= probe;
         Some(Permit {
             health,
             probe,
@@ -583,25 +579,17 @@ impl RedisStore {
         lock(&self.eviction_policy).clone()
     }
 
-    /// Whether a guarded call on `key` is worth making now: the health breaker of Redis (in
-    /// a cluster, of the node holding `key`) is closed, or its cool-down is over and the call
-    /// may be its probe. False while Redis is known to be down: a queue write is answered
-    /// before its body is read, and a stale copy stays in memory, instead of each waiting
-    /// out its timeout. After the cool-down such a call probes as a rate-limited request
-    /// does, so a site without rate limits finds Redis back too.
-    pub fn may_call_for(&self, key: &str) -> bool {
+    /// Whether a guarded call on `key` is worth making now, and as what (see
+    /// [`Health::leave`]): the health breaker of Redis (in a cluster, of the node holding
+    /// `key`) is closed (`Some(false)`), or its cool-down is over and the call may be its probe
+    /// (`Some(true)`). `None` while Redis is known to be down: a queue write is answered
+    /// before its body is read, and a stale copy stays in memory, instead of each waiting out
+    /// its timeout. After the cool-down such a call probes as a rate-limited request does, so
+    /// a site without rate limits finds Redis back too.
+    pub fn leave_for(&self, key: &str) -> Option<bool> {
         match &self.cluster {
-            Some(cluster) => lock(&cluster.node_for(key).health).lets_a_call_through(),
-            None => lock(self.health()).lets_a_call_through(),
-        }
-    }
-
-    /// Whether the health breaker of Redis (in a cluster, of the node holding `key`) is
-    /// closed.
-    pub fn is_closed_for(&self, key: &str) -> bool {
-        match &self.cluster {
-            Some(cluster) => lock(&cluster.node_for(key).health).is_closed(),
-            None => lock(self.health()).is_closed(),
+            Some(cluster) => lock(&cluster.node_for(key).health).leave(),
+            None => lock(self.health()).leave(),
         }
     }
 

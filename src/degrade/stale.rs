@@ -576,10 +576,9 @@ impl StaleStore {
         // breaker's cool-down is over the store is its probe (on a site whose routes have no
         // rate limits, nothing else would find Redis back); while it is closed, a store that
         // fails (a large copy on a busy Redis) does not count against it.
-        let redis = redis.filter(|redis| redis.may_call_for(&key.key));
-        let probe = redis
-            .as_ref()
-            .is_some_and(|redis| !redis.is_closed_for(&key.key));
+        let leave = redis.as_ref().and_then(|redis| redis.leave_for(&key.key));
+        let redis = redis.filter(|_| leave.is_some());
+        let probe = leave == Some(true);
         let permit = redis
             .as_ref()
             .and_then(|_| self.redis_stores.clone().try_acquire_owned().ok());

@@ -466,7 +466,7 @@ pub async fn enqueue(
     // client is answered now, before it uploads a body for nothing (or is told `100 Continue`).
     // Once the cool-down is over, writes coming together all pass here and one of them is the
     // probe; the others are refused (503) when they ask Redis, after their bodies.
-    if !redis.may_call_for(&keys.stream) {
+    if redis.leave_for(&keys.stream).is_none() {
         return Err(not_stored(
             "Redis is down (its health breaker is open)".into(),
         ));
