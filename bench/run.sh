@@ -156,13 +156,13 @@ ensure_packages() {
 ensure_levee() {
 	if [[ -n ${LEVEE_BIN:-} ]]; then
 		[[ -x $LEVEE ]] || die "LEVEE_BIN=$LEVEE is not executable"
-		return
-	fi
-	if [[ ! -x $LEVEE ]] ||
+	elif [[ ! -x $LEVEE ]] ||
 		[[ -n $(find "$REPO/src" "$REPO/Cargo.toml" "$REPO/Cargo.lock" -newer "$LEVEE" -print -quit 2>/dev/null) ]]; then
 		log "building levee (cargo build --release)"
 		(cd "$REPO" && cargo build --release) >&2 || die "cargo build --release failed"
 	fi
+	# The limiter-rate section measures the library's limiter (a plain release build of the
+	# example) whichever levee binary the proxy cases run.
 	if [[ -z ${LIMITER_BENCH_BIN:-} ]] && { [[ ! -x $LIMITER_BENCH ]] ||
 		[[ -n $(find "$REPO/src" "$REPO/bench/limiter_bench.rs" "$REPO/Cargo.lock" -newer "$LIMITER_BENCH" -print -quit 2>/dev/null) ]]; }; then
 		log "building the limiter driver (cargo build --release --example limiter-bench)"
