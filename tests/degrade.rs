@@ -2224,3 +2224,75 @@ async fn a_module_past_the_64th_of_a_routes_hide_table_is_hidden_too() {
     assert_eq!(set(&levee, "/modules/m00", "off").await.status, 200);
     assert_eq!(get(&levee.url("/")).await.text(), "<p>home</p>");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_that_flushes_its_head_early_gets_it_to_the_client_while_a_module_is_off() {
+    // A PHP page that flushes its head before a slow query: while `ranking` is hidden, the
+    // head reaches the client at once (it waited behind the 4 KiB the scan keeps back).
+    use futures_util::StreamExt;
+    use http_body_util::{BodyExt, StreamBody};
+    use hyper::body::Frame;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let query_done = Arc::new(tokio::sync::Notify::new());
+    let done = query_done.clone();
+    let backend = Backend::start(move |_request: Request<Incoming>| {
+        let done = done.clone();
+        async move {
+            let head = "<html><head><link rel=\"stylesheet\" href=\"/site.css\"></head>\n";
+            let rest = "<body><div id=\"ranking\">top ten</div><p>posts</p></body></html>";
+            let pieces =
+                futures_util::stream::iter([Some(head), None, Some(rest)]).then(move |piece| {
+                    let done = done.clone();
+                    async move {
+                        match piece {
+                            Some(text) => Bytes::from_static(text.as_bytes()),
+                            None => {
+                                done.notified().await;
+                                Bytes::new()
+                            }
+                        }
+                    }
+                });
+            let body = StreamBody::new(pieces.map(|bytes| Ok::<_, BoxError>(Frame::data(bytes))));
+            Response::builder()
+                .header("content-type", "text/html")
+                .body(body.boxed_unsync())
+                .expect("response")
+        }
+    })
+    .await;
+    let levee = levee_with_routes(
+        &backend,
+        "match = { path = \"/\" }",
+        "match = { path = \"/\" }\nhide = { ranking = \"#ranking\" }",
+    )
+    .await;
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: forum.example\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("send");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let head_arrived = tokio::time::timeout(Duration::from_secs(10), async {
+        while !String::from_utf8_lossy(&seen).contains("href=\"/site.css\">") {
+            let n = stream.read(&mut buf).await.expect("read");
+            assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await;
+    query_done.notify_one();
+    assert!(
+        head_arrived.is_ok(),
+        "the head waited for the rest of the page: {}",
+        String::from_utf8_lossy(&seen)
+    );
+    stream.read_to_end(&mut seen).await.expect("read");
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.contains("<p>posts</p>"), "{text}");
+    assert!(!text.contains("top ten"), "{text}");
+}

@@ -878,6 +878,51 @@ impl Hider {
         }
     }
 
+    /// The upstream has nothing more for now: a PHP page that flushed (its head, say, before a
+    /// slow query) is passed on up to what the next bytes could still change, instead of
+    /// waiting behind the `carry` bytes the scan keeps back for a needle or a tag across chunks.
+    /// Kept: the last `<` on (a tag, or a marker's comment, that a needle may still join), a
+    /// tag that has not ended, and the end's bytes that begin a needle. Only after a complete scan: while
+    /// a long unfinished tag is held (`look_again_at`), or a needle found waits for its tag,
+    /// nothing is passed.
+    fn pass_on_pause(&mut self) {
+        let Stage::Scan(scan) = &mut self.stage else {
+            return;
+        };
+        if scan.look_again_at > 0
+            || scan.carry.is_empty()
+            || scan
+                .sought
+                .iter()
+                .any(|sought| matches!(sought, Sought::At(_)))
+        {
+            return;
+        }
+        let held = scan.carry.len();
+        // Where a needle may still begin: bytes at the end that start it.
+        let mut keep_from = held;
+        for finder in &self.plan.needles {
+            let needle = finder.needle();
+            let begins = (held + 1).saturating_sub(needle.len())..held;
+            if let Some(at) = begins
+                .into_iter()
+                .find(|&at| needle.starts_with(&scan.carry[at..]))
+            {
+                keep_from = keep_from.min(at);
+            }
+        }
+        if let Some(last) = memchr::memrchr(b'<', &scan.carry) {
+            keep_from = keep_from.min(last);
+        }
+        if let Holder::Incomplete { start } = cut::holder(&scan.carry, held) {
+            keep_from = keep_from.min(start);
+        }
+        if keep_from > 0 {
+            let pass = scan.take(keep_from);
+            emit_shared(&self.output, pass);
+        }
+    }
+
     /// Cut stage: look for the removed element's end; give up to the rewriter when unsure.
     fn cut(&mut self) -> Result<(), BoxError> {
         let Stage::Cut {
@@ -1030,7 +1075,13 @@ where
                 return Poll::Ready(None);
             }
             match this.inner.as_mut().poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    this.hider.pass_on_pause();
+                    if let Some(out) = take(&this.hider.output) {
+                        return Poll::Ready(Some(Ok(Frame::data(out))));
+                    }
+                    return Poll::Pending;
+                }
                 Poll::Ready(Some(Err(error))) => return Poll::Ready(Some(Err(error))),
                 Poll::Ready(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else {
@@ -1342,7 +1393,14 @@ mod tests {
 
     /// Runs the body state machine directly, fed in `chunk`-byte pieces.
     fn hide_with(page: &[u8], selectors: &[&str], chunk: usize, fast: bool) -> Vec<u8> {
-        hide_keeping(page, selectors, chunk, fast, CARRY)
+        hide_keeping(page, selectors, chunk, fast, CARRY, Pauses::Never)
+    }
+
+    /// Whether the upstream pauses (has nothing more for now) after each chunk.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Pauses {
+        Never,
+        AfterEachChunk,
     }
 
     /// `hide_with`, keeping `carry` bytes back while scanning.
@@ -1352,6 +1410,7 @@ mod tests {
         chunk: usize,
         fast: bool,
         carry: usize,
+        pauses: Pauses,
     ) -> Vec<u8> {
         let selectors: Vec<String> = selectors.iter().map(|s| s.to_string()).collect();
         let mut hider = Hider::new(
@@ -1361,18 +1420,21 @@ mod tests {
             fast,
         );
         hider.carry = carry;
-        run_hider(hider, page, chunk)
+        run_hider(hider, page, chunk, pauses)
     }
 
     /// `page` through `hider` in pieces of `chunk` bytes, to the end. The rewriter runs to the
     /// end of the page too (the reference), as the fast path scans it.
-    fn run_hider(mut hider: Hider, page: &[u8], chunk: usize) -> Vec<u8> {
+    fn run_hider(mut hider: Hider, page: &[u8], chunk: usize, pauses: Pauses) -> Vec<u8> {
         Arc::make_mut(&mut hider.plan).stop_after = 0;
         let mut out = Vec::new();
         for piece in page.chunks(chunk) {
             hider
                 .feed_shared(Bytes::copy_from_slice(piece))
                 .expect("feeds");
+            if pauses == Pauses::AfterEachChunk {
+                hider.pass_on_pause();
+            }
             while let Some(piece) = take(&hider.output) {
                 out.extend_from_slice(&piece);
             }
@@ -1502,16 +1564,68 @@ mod tests {
             assert!(expected.contains("<p>after</p>"), "{page}");
             for chunk in [1, 3, 7, 64, 1 << 20] {
                 let selectors = ["#ranking".to_string()];
-                let hider = Hider::new(
-                    &selectors,
-                    vec!["ads".to_string()],
-                    AsciiCompatibleEncoding::utf_8(),
-                    true,
-                );
-                let out = run_hider(hider, page.as_bytes(), chunk);
-                assert_eq!(String::from_utf8_lossy(&out), expected, "chunk {chunk}");
+                for pauses in [Pauses::Never, Pauses::AfterEachChunk] {
+                    let hider = Hider::new(
+                        &selectors,
+                        vec!["ads".to_string()],
+                        AsciiCompatibleEncoding::utf_8(),
+                        true,
+                    );
+                    let out = run_hider(hider, page.as_bytes(), chunk, pauses);
+                    assert_eq!(
+                        String::from_utf8_lossy(&out),
+                        expected,
+                        "chunk {chunk}, {pauses:?}"
+                    );
+                }
             }
         }
+    }
+
+    /// A PHP page that flushes its head before a slow query: while a module is off, the head
+    /// goes on at the pause instead of waiting behind the bytes the scan keeps back.
+    #[test]
+    fn what_the_upstream_flushed_goes_on_when_it_pauses() {
+        let selectors = ["#ranking".to_string()];
+        let mut hider = Hider::new(
+            &selectors,
+            vec!["ads".to_string()],
+            AsciiCompatibleEncoding::utf_8(),
+            true,
+        );
+        let head = "<html><head><link rel=\"stylesheet\" href=\"/a.css\"></head>\n";
+        hider
+            .feed_shared(Bytes::from_static(head.as_bytes()))
+            .expect("feeds");
+        assert!(take(&hider.output).is_none(), "kept back until more comes");
+        hider.pass_on_pause();
+        let mut out = Vec::new();
+        while let Some(piece) = take(&hider.output) {
+            out.extend_from_slice(&piece);
+        }
+        // The last tag is kept: what comes next could be part of it.
+        assert_eq!(
+            out,
+            b"<html><head><link rel=\"stylesheet\" href=\"/a.css\">"
+        );
+        // A marker's comment that has not ended is kept from its `<`.
+        let rest = "<body><!-- levee:module ads -->AD<!-- /levee:module ads --><div id=\"ranking\">r</div><p>after</p></body></html>";
+        let (first, second) = rest.split_at(rest.find("levee").expect("marker"));
+        hider
+            .feed_shared(Bytes::copy_from_slice(first.as_bytes()))
+            .expect("feeds");
+        hider.pass_on_pause();
+        hider
+            .feed_shared(Bytes::copy_from_slice(second.as_bytes()))
+            .expect("feeds");
+        hider.end().expect("ends");
+        while let Some(piece) = take(&hider.output) {
+            out.extend_from_slice(&piece);
+        }
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            format!("{}<body><p>after</p></body></html>", head)
+        );
     }
 
     #[test]
@@ -1609,16 +1723,28 @@ mod tests {
             let slow = hide_with(html.as_bytes(), selectors, 1 << 20, false);
             // A small `carry` makes chunks without a needle common, so the in-place scan and
             // the joined one take turns on these small pages as they do on real ones.
-            for (chunk, carry) in [(1, CARRY), (7, CARRY), (64, CARRY), (1 << 20, CARRY)]
-                .into_iter()
-                .chain([(9, 8), (33, 8), (64, 16), (200, 24)])
-            {
-                let fast = hide_keeping(html.as_bytes(), selectors, chunk, true, carry);
+            // With pauses after each chunk, what the scan keeps back is passed on early.
+            for (chunk, carry, pauses) in [
+                (1, CARRY, Pauses::Never),
+                (7, CARRY, Pauses::Never),
+                (64, CARRY, Pauses::Never),
+                (1 << 20, CARRY, Pauses::Never),
+                (9, 8, Pauses::Never),
+                (33, 8, Pauses::Never),
+                (64, 16, Pauses::Never),
+                (200, 24, Pauses::Never),
+                (1, CARRY, Pauses::AfterEachChunk),
+                (5, CARRY, Pauses::AfterEachChunk),
+                (13, CARRY, Pauses::AfterEachChunk),
+                (64, CARRY, Pauses::AfterEachChunk),
+                (33, 8, Pauses::AfterEachChunk),
+            ] {
+                let fast = hide_keeping(html.as_bytes(), selectors, chunk, true, carry, pauses);
                 assert_eq!(
                     String::from_utf8_lossy(&fast),
                     String::from_utf8_lossy(&slow),
-                    "round {round}, chunk {chunk}, carry {carry}, selectors {selectors:?}, \
-                     page:\n{html}"
+                    "round {round}, chunk {chunk}, carry {carry}, {pauses:?}, \
+                     selectors {selectors:?}, page:\n{html}"
                 );
             }
         }
