@@ -2984,3 +2984,30 @@ async fn a_stopped_instance_hands_back_the_jobs_it_had_not_begun() {
     assert_eq!(keys.len(), 5, "each job once: {keys:?}");
     drop(other);
 }
+
+/// A route that always queues takes its 202 bodies from `degrade` without `action = "queue"`
+/// (it was read as `reject`, and refused on a tier-1 route).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_always_queue_route_takes_its_202_bodies_without_naming_the_action() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[queue]\npoll_interval = \"1h\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\ndegrade = {{ body_json = '{{\"queued\":\"{{job}}\"}}' }}\n",
+            redis.url()
+        ),
+    ))
+    .await;
+    let request = Request::post(levee.url("/notify.php"))
+        .header("accept", "application/json")
+        .body(full("like=1"))
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    let body = answer.json();
+    let job = body["queued"].as_str().unwrap_or_default();
+    assert!(!job.is_empty() && job != "{job}", "{body}");
+}

@@ -824,7 +824,7 @@ fn key_takes(key: &str, expected: &str) -> Option<&'static str> {
         }
         ("limits", "a sequence") => "a list of limit names, like [\"login_per_ip\"]",
         ("status", "u16") => "an HTTP status, like 503",
-        ("tier", "u8") => "a tier: 1, 2 or 3",
+        ("tier", "u8") => "a tier: 1, 2 or 3 (a module's: 2 or 3)",
         ("level", "u8") => "a degrade level, like 1",
         _ => return None,
     })
@@ -1370,10 +1370,7 @@ fn refuse_keys_that_do_not_apply(
     always_queue: bool,
 ) {
     let inner = spec.get_ref();
-    let action = inner
-        .action
-        .as_ref()
-        .map_or("reject", |action| action.get_ref().as_str());
+    let action = degrade_action(inner, always_queue);
     let given: [(&str, bool); 11] = [
         ("max_age", inner.max_age.is_some()),
         ("vary", inner.vary.is_some()),
@@ -1415,18 +1412,26 @@ fn refuse_keys_that_do_not_apply(
     }
 }
 
+/// A route's degrade action: as written, else `queue` on a route that always queues (its
+/// `degrade` then holds the 202 answer's bodies), else `reject`.
+fn degrade_action(spec: &RouteDegradeSpec, always_queue: bool) -> &str {
+    match &spec.action {
+        Some(action) => action.get_ref().as_str(),
+        None if always_queue => "queue",
+        None => "reject",
+    }
+}
+
 fn compile_route_degrade(
     compiler: &mut Compiler<'_>,
     file: usize,
     spec: &Spanned<RouteDegradeSpec>,
     tier: u8,
     queues: bool,
+    always_queue: bool,
 ) -> Option<DegradeAction> {
     let inner = spec.get_ref();
-    let action = inner
-        .action
-        .as_ref()
-        .map_or("reject", |action| action.get_ref().as_str());
+    let action = degrade_action(inner, always_queue);
     let action_span = inner
         .action
         .as_ref()
@@ -1951,11 +1956,17 @@ fn compile_queue(
             Unconfirmed::Refuse
         }
     };
-    let group = inner.group.clone().unwrap_or(defaults.group);
+    let group = inner
+        .group
+        .as_ref()
+        .map_or(defaults.group, |group| group.get_ref().clone());
     if group.trim().is_empty() {
         compiler.error_hint(
             file,
-            spec.span(),
+            inner
+                .group
+                .as_ref()
+                .map_or(spec.span(), |group| group.span()),
             "[queue] group is empty",
             "name the consumer group the fleet shares; \"levee\" is the default",
         );
@@ -3641,14 +3652,13 @@ fn compile_route(
             compiler.error_hint(file, module.span(), "a tier-1 route cannot belong to a module", "tier-1 routes (view, post, login) are never switched off; give the route tier = 2 or 3");
         }
     }
-    let degrade = inner
-        .degrade
-        .as_ref()
-        .and_then(|spec| compile_route_degrade(compiler, file, spec, tier, context.queues));
     let always_queue = inner
         .always_queue
         .as_ref()
         .is_some_and(|value| *value.get_ref());
+    let degrade = inner.degrade.as_ref().and_then(|spec| {
+        compile_route_degrade(compiler, file, spec, tier, context.queues, always_queue)
+    });
     if let Some(spec) = &inner.degrade {
         refuse_keys_that_do_not_apply(compiler, file, spec, always_queue);
     }
@@ -3798,7 +3808,7 @@ fn compile_match(
             // Requests' hosts are matched without their port, and `*` stands for whole
             // labels: a pattern that could never match, or would match a stranger's domain
             // (`*example.com` and `evilexample.com`), is refused.
-            let problem = if host.is_empty() {
+            let problem = if host.is_empty() || host == "." || host == "*." {
                 Some("is empty")
             } else if !host.is_ascii() {
                 Some("is not ASCII, and clients send an international name in its `xn--` form")
@@ -4068,6 +4078,8 @@ mod tests {
         );
         said("max_body = \"0\"", "max_body must be above 0");
         said("group = \" \"", "group is empty");
+        // On the key's own line, not the table's.
+        said("\ngroup = \" \"", "a.toml:5:");
         assert_eq!(
             queue("backoff_base = \"1s\"\nbackoff_max = \"1s\"\ngroup = \"site\""),
             Vec::<String>::new()
@@ -4465,7 +4477,7 @@ mod tests {
             ),
             (route("limits = \"login\""), "error: `limits` is a list of limit names"),
             (route("hide = \"#ads\""), "error: `hide` is a table"),
-            (route("tier = \"high\""), "error: `tier` is a tier: 1, 2 or 3"),
+            (route("tier = \"high\""), "error: `tier` is a tier: 1, 2 or 3 (a module's: 2 or 3)"),
             (
                 format!("{APP}breaker = 5\n"),
                 "error: `breaker` is a table, like breaker = { consecutive_failures = 5",

@@ -327,7 +327,7 @@ pub struct RouteSpec {
     expecting = "a table: [queue] on a line of its own, its keys on the lines under it"
 )]
 pub struct QueueSpec {
-    pub group: Option<String>,
+    pub group: Option<Spanned<String>>,
     pub claim_after: Option<Spanned<String>>,
     pub max_attempts: Option<Spanned<u32>>,
     pub backoff_base: Option<Spanned<String>>,

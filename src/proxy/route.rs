@@ -76,6 +76,9 @@ pub enum HostMatch {
 
 impl HostMatch {
     pub fn parse(pattern: &str) -> HostMatch {
+        // Requests' hosts are compared without a trailing dot (`example.com.` is the same
+        // name), so patterns are too: one written with it would never match.
+        let pattern = pattern.strip_suffix('.').unwrap_or(pattern);
         let pattern = pattern.to_ascii_lowercase();
         match pattern.strip_prefix('*') {
             Some(suffix) => HostMatch::Suffix(suffix.to_string()),
@@ -764,6 +767,9 @@ mod tests {
             assert_eq!(request_host(&uri, &headers), Some(host), "{raw}");
         }
         assert!(HostMatch::parse("*.example").matches("admin.example"));
+        // A pattern written with the dot is the same host: it matched nothing.
+        assert!(HostMatch::parse("admin.example.").matches("admin.example"));
+        assert!(HostMatch::parse("*.example.").matches("admin.example"));
     }
 
     #[test]
