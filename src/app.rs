@@ -38,12 +38,43 @@ impl Options {
 pub enum StartError {
     #[error("the policy has errors:\n{0}")]
     Policy(Diagnostics),
-    #[error("cannot listen on {addr} ({which}): {source}")]
+    #[error("{}", listen_error(which, addr, written_at.as_deref(), source))]
     Listen {
         which: &'static str,
         addr: SocketAddr,
+        /// Where the address is written in the policy (`file:line:col`); `None`: the default.
+        written_at: Option<String>,
         source: std::io::Error,
     },
+}
+
+/// "cannot listen on …", saying where the address comes from and what usually causes the
+/// error: the operator's next step.
+fn listen_error(
+    which: &str,
+    addr: &SocketAddr,
+    written_at: Option<&str>,
+    source: &std::io::Error,
+) -> String {
+    let from = match written_at {
+        Some(at) => format!("{at}: {which}"),
+        None => format!("{which}, by default"),
+    };
+    let hint = match source.kind() {
+        std::io::ErrorKind::AddrInUse => format!(
+            "; another process listens on port {} (`ss -ltnp 'sport = :{}'` names it), perhaps another levee",
+            addr.port(),
+            addr.port()
+        ),
+        std::io::ErrorKind::PermissionDenied if addr.port() < 1024 => {
+            "; ports below 1024 need root or CAP_NET_BIND_SERVICE (levee usually listens on a high port behind the front nginx)".to_string()
+        }
+        std::io::ErrorKind::AddrNotAvailable => {
+            "; no network interface of this machine has that address".to_string()
+        }
+        _ => String::new(),
+    };
+    format!("cannot listen on {addr} ({from}): {source}{hint}")
 }
 
 /// A running levee. Dropping it does not stop it; call [`Running::shutdown`] and
@@ -83,27 +114,26 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         PolicyStore::open(&options.policies, metrics.clone()).map_err(StartError::Policy)?,
     );
     let policy = store.load();
-    let bind = |which: &'static str, addr: SocketAddr| async move {
-        TcpListener::bind(addr)
-            .await
-            .map_err(|source| StartError::Listen {
-                which,
-                addr,
-                source,
-            })
+    let written_at = &policy.listen_written_at;
+    let server_listen = ("[server] listen", policy.server.listen, &written_at.server);
+    let admin_listen = ("[admin] listen", policy.admin.listen, &written_at.admin);
+    let failed = |(which, addr, written_at): (&'static str, SocketAddr, &Option<String>)| {
+        let written_at = written_at.clone();
+        move |source| StartError::Listen {
+            which,
+            addr,
+            written_at,
+            source,
+        }
     };
-    let public = bind("server.listen", policy.server.listen).await?;
-    let admin = bind("admin.listen", policy.admin.listen).await?;
-    let public_addr = public.local_addr().map_err(|source| StartError::Listen {
-        which: "server.listen",
-        addr: policy.server.listen,
-        source,
-    })?;
-    let admin_addr = admin.local_addr().map_err(|source| StartError::Listen {
-        which: "admin.listen",
-        addr: policy.admin.listen,
-        source,
-    })?;
+    let public = TcpListener::bind(server_listen.1)
+        .await
+        .map_err(failed(server_listen))?;
+    let admin = TcpListener::bind(admin_listen.1)
+        .await
+        .map_err(failed(admin_listen))?;
+    let public_addr = public.local_addr().map_err(failed(server_listen))?;
+    let admin_addr = admin.local_addr().map_err(failed(admin_listen))?;
 
     let limiter = Arc::new(crate::limit::Limiter::new(metrics.clone()));
     let degrade = Arc::new(crate::degrade::Degrade::new());

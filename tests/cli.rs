@@ -392,3 +392,35 @@ async fn what_a_policy_defines_and_nothing_uses_is_a_warning_in_check_reload_and
         .to_string();
     assert!(listed.contains(expected), "{status}");
 }
+
+#[test]
+fn a_listen_address_levee_cannot_take_is_named_with_its_file_and_line() {
+    // Held by another process (here the test): levee says where the address is written and
+    // what to look at, then exits 1.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port();
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        format!("[upstream.app]\nurl = \"http://127.0.0.1:9\"\n[server]\nlisten = \"127.0.0.1:{port}\"\n[admin]\nlisten = \"127.0.0.1:0\"\n"),
+    )
+    .expect("write policy");
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .args(["run", "--no-watch", "--policies"])
+        .arg(dir.path())
+        .output()
+        .expect("run levee");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "cannot listen on 127.0.0.1:{port} ({}: [server] listen): ",
+            dir.path().join("levee.toml:4:10").display()
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("another process listens on port {port}")),
+        "{stderr}"
+    );
+}

@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use toml::Spanned;
 
 use super::diag::{Diagnostic, Diagnostics, SourceFile};
-use super::policy::{AdminSettings, Policy, ServerSettings};
+use super::policy::{AdminSettings, ListenWrittenAt, Policy, ServerSettings};
 use super::spec::{
     AboveSpec, BreakerSpec, DegradeSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, ModuleSpec,
     OneOrMany, QueueSpec, RedisSpec, RouteDegradeSpec, RouteSpec, SentinelSpec, ServerSpec,
@@ -1269,6 +1269,19 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     if !compiler.errors.is_empty() {
         return Err(Diagnostics(in_file_order(compiler.errors)));
     }
+    let written_at = |file: usize, listen: &Option<Spanned<String>>| {
+        listen
+            .as_ref()
+            .map(|listen| compiler.location(file, &listen.span()))
+    };
+    let listen_written_at = ListenWrittenAt {
+        server: server
+            .as_ref()
+            .and_then(|(file, spec)| written_at(*file, &spec.get_ref().listen)),
+        admin: admin
+            .as_ref()
+            .and_then(|(file, spec)| written_at(*file, &spec.get_ref().listen)),
+    };
     let warnings = in_file_order(compiler.warnings);
     Ok(Policy {
         generation: 0,
@@ -1296,6 +1309,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         degrade: degrade_settings,
         queue: queue_settings,
         warnings,
+        listen_written_at,
     })
 }
 

@@ -38,6 +38,16 @@ pub struct Policy {
     /// What in the policy does nothing (a limit no route uses…): logged at each load, printed
     /// by `levee check`, shown in `/status`.
     pub warnings: Vec<super::Diagnostic>,
+    /// Where `[server] listen` and `[admin] listen` are written (`file:line:col`), for the
+    /// error when levee cannot listen there; `None` for a default.
+    pub listen_written_at: ListenWrittenAt,
+}
+
+/// See [`Policy::listen_written_at`].
+#[derive(Debug, Default, Clone)]
+pub struct ListenWrittenAt {
+    pub server: Option<String>,
+    pub admin: Option<String>,
 }
 
 /// `[redis] key_prefix` when the policy sets none.
