@@ -118,6 +118,16 @@ header('Content-Length: 300000');
 echo str_repeat('d', 300000);
 "#;
 
+/// A length set, then one byte more: the newline after a closing `?>` in a legacy script.
+const OVERRUN_PHP: &str = r#"<?php
+$size = (int)($_GET['size'] ?? 10);
+header('Content-Type: text/csv');
+header('Content-Length: ' . $size);
+echo str_repeat('c', $size);
+?>
+
+"#;
+
 const SLOW_PHP: &str = r#"<?php
 sleep(3);
 echo 'late';
@@ -166,6 +176,7 @@ impl Site {
             ("redirect.php", REDIRECT_PHP.to_string()),
             ("big.php", BIG_PHP.to_string()),
             ("download.php", DOWNLOAD_PHP.to_string()),
+            ("overrun.php", OVERRUN_PHP.to_string()),
             ("early.php", EARLY_PHP.to_string()),
             ("interim.php", INTERIM_PHP.to_string()),
             ("accel.php", ACCEL_PHP.to_string()),
@@ -515,6 +526,14 @@ async fn php_status_headers_and_body_come_back_as_the_script_wrote_them() {
     assert_eq!(answer.status, 200);
     assert_eq!(answer.header("content-length"), Some("300000"));
     assert_eq!(answer.body.len(), 300_000);
+    // One byte past the length (the newline after `?>`): the length is sent whole, the rest
+    // dropped, as nginx does; a small file had come back empty, a larger one cut short.
+    for size in [10, 5000, 8191, 65535, 100_000] {
+        let answer = get(&levee.url(&format!("/overrun.php?size={size}"))).await;
+        assert_eq!(answer.status, 200, "size {size}");
+        assert_eq!(answer.body.len(), size, "size {size}");
+        assert!(answer.body.iter().all(|byte| *byte == b'c'), "size {size}");
+    }
 
     let head = send(
         Request::head(levee.url("/echo.php"))

@@ -54,6 +54,8 @@ const MAX_CONTENT: usize = 65_535;
 static STDERR_LOG: LogThrottle = LogThrottle::new(Duration::from_secs(1));
 /// Longest part of one `STDERR` write that is logged.
 const STDERR_LOGGED: usize = 1024;
+/// Scripts that wrote more than their own `Content-Length`: at most one line a minute.
+static OVERRUN_LOG: LogThrottle = LogThrottle::new(Duration::from_secs(60));
 
 /// How an upstream's requests become CGI requests (`fastcgi = { … }` in the policy).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -793,12 +795,26 @@ impl FastCgiBody {
         }
     }
 
-    /// `piece`, counted against the length the script set.
-    fn counted(&mut self, piece: Bytes) -> Result<Bytes, ClientError> {
+    /// `piece`, counted against the length the script set. Output past that length is
+    /// dropped, as nginx does: the client was told the length, and legacy scripts often set it
+    /// and then echo one byte more (the newline after a closing `?>`); the answer itself is
+    /// whole.
+    fn counted(&mut self, mut piece: Bytes) -> Result<Bytes, ClientError> {
         if let Some(left) = self.remaining.as_mut() {
-            *left = left.checked_sub(piece.len() as u64).ok_or_else(|| {
-                ClientError::Protocol("php-fpm sent more body than its Content-Length".into())
-            })?;
+            if piece.len() as u64 > *left {
+                // (`left` is below the piece's length, so it fits a usize.)
+                piece.truncate(usize::try_from(*left).unwrap_or(piece.len()));
+                self.discard = true;
+                if let Some(held_back) = OVERRUN_LOG.allow(std::time::Instant::now()) {
+                    let (address, script) = (&self.script.address, &self.script.name);
+                    tracing::warn!(
+                        %address,
+                        %script,
+                        "the script wrote more than its own Content-Length; the rest was dropped ({held_back} more such answers not logged)"
+                    );
+                }
+            }
+            *left -= piece.len() as u64;
         }
         Ok(piece)
     }
@@ -1573,11 +1589,17 @@ mod tests {
         let error = short.decode(&mut wire, &mut ended).expect_err("short");
         assert!(error.to_string().contains("6 bytes short"), "{error}");
 
+        // Past its length: the length is sent, the rest of the script's output read and
+        // dropped to its end (nginx's way).
         let mut long = body(Some(2));
-        let error = long
-            .decode(&mut stdout(b"abcd"), &mut ended)
-            .expect_err("long");
-        assert!(error.to_string().contains("more body"), "{error}");
+        let mut wire = stdout(b"abcd");
+        wire.extend_from_slice(&stdout(b"more"));
+        wire.extend_from_slice(&end());
+        let mut ended = false;
+        let piece = long.decode(&mut wire, &mut ended).expect("cut to length");
+        assert_eq!(piece.as_deref(), Some(&b"ab"[..]));
+        assert_eq!(long.decode(&mut wire, &mut ended).expect("ends"), None);
+        assert!(ended);
     }
 
     #[test]
