@@ -28,6 +28,13 @@ echo '<p>accept-encoding: ' . ($_SERVER['HTTP_ACCEPT_ENCODING'] ?? 'none') . '</
 echo str_repeat('<p>The ranking of the week.</p>', 200);
 "#;
 
+/// A response head longer than the front's `proxy_buffer_size`, as a page that repeats its
+/// input into a header gives.
+const LONG_HEAD_PHP: &str = r#"<?php
+header('X-Echo: ' . str_repeat('a', (int)($_GET['n'] ?? 40000)));
+echo 'long';
+"#;
+
 /// PHP (php-fpm) and the shipped nginx.conf (front server + PHP vhost) on free ports; levee is
 /// expected on `levee_port`. Returns (temp dir, php-fpm, nginx, front port, vhost port).
 async fn front_stack(levee_port: u16) -> (tempfile::TempDir, PhpFpm, ChildGuard, u16, u16) {
@@ -36,6 +43,9 @@ async fn front_stack(levee_port: u16) -> (tempfile::TempDir, PhpFpm, ChildGuard,
     std::fs::create_dir_all(&docroot).expect("docroot");
     std::fs::write(docroot.join("index.php"), INDEX_PHP).expect("index.php");
     std::fs::write(docroot.join("page.php"), PAGE_PHP).expect("page.php");
+    std::fs::create_dir_all(docroot.join("forum")).expect("a directory");
+    std::fs::write(docroot.join("forum/index.php"), INDEX_PHP).expect("forum/index.php");
+    std::fs::write(docroot.join("long-head.php"), LONG_HEAD_PHP).expect("long-head.php");
     open_up(dir.path());
     let _ = std::process::Command::new("chmod")
         .arg("-R")
@@ -306,4 +316,59 @@ async fn levee_killed_under_load_costs_at_most_the_requests_in_flight() {
     );
     let after = get(&format!("http://127.0.0.1:{front}/index.php")).await;
     assert_eq!(after.status, 200, "the backup path answers with levee gone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_too_long_for_the_front_does_not_send_the_site_around_levee() {
+    // A page whose head is longer than the front's proxy_buffer_size is that request's 502,
+    // and only that request's: nginx counts such an answer as a failure of the server, and
+    // with max_fails=1 could mark levee down and send the next requests to the backup, past
+    // every limit, for fail_timeout (max_fails=0 now).
+    let levee_port = free_port();
+    let (dir, php, _nginx, front, _backend) = front_stack(levee_port).await;
+    let docroot = std::fs::canonicalize(dir.path().join("www")).expect("docroot");
+    let policy_dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        policy_dir.path().join("levee.toml"),
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{levee_port}\"\ndrain = \"0s\"\naccess_log = false\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.app]\nurl = \"fastcgi://127.0.0.1:{}\"\nfastcgi = {{ root = \"{}\" }}\n",
+            php.port,
+            docroot.display()
+        ),
+    )
+    .expect("policy");
+    let running = levee::start(levee::Options::new(policy_dir.path()))
+        .await
+        .expect("levee");
+    let metrics_url = format!("http://{}/metrics", running.admin_addr);
+    let counted = || async {
+        metric_value(
+            &get(&metrics_url).await.text(),
+            "levee_requests_total{route=\"default\",status=\"200\"}",
+        )
+    };
+    let long = format!("http://127.0.0.1:{front}/long-head.php?n=40000");
+    assert_eq!(get(&long).await.status, 502);
+    let site = format!("http://127.0.0.1:{front}/index.php");
+    for _ in 0..3 {
+        let answer = get(&site).await;
+        assert_eq!(answer.status, 200, "{}", answer.text());
+    }
+    // (The long page itself may be counted too: levee sent it whole.)
+    eventually(
+        Duration::from_secs(5),
+        "3 requests through levee",
+        || async { counted().await >= 3.0 },
+    )
+    .await;
+    // levee's own redirect of a directory to its slash keeps the query: as long as the
+    // longest request line the front takes, it fits the front's buffer (with nginx's default
+    // of one 4 KiB page, a 6,000-byte query was a 502).
+    let answer = get(&format!(
+        "http://127.0.0.1:{front}/forum?q={}",
+        "a".repeat(7_000)
+    ))
+    .await;
+    assert_eq!(answer.status, 301, "{}", answer.text());
+    running.shutdown();
 }
