@@ -2296,3 +2296,35 @@ async fn a_page_that_flushes_its_head_early_gets_it_to_the_client_while_a_module
     assert!(text.contains("<p>posts</p>"), "{text}");
     assert!(!text.contains("top ten"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_spelled_otherwise_than_its_normal_form_leaves_no_copy() {
+    // The app prints the target as the client spelled it; the copy is keyed by the normal
+    // path. An answer to `//evil.example/../ranking` kept as `/ranking`'s copy would give every
+    // visitor the attacker's link (or script).
+    let (backend, _version, _failing) = versioned().await;
+    let levee = levee_resting(&backend).await;
+    let planted = get(&levee.url("//evil.example/../ranking?week=1")).await;
+    assert_eq!(planted.text(), "//evil.example/../ranking v1");
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let answer = get(&levee.url("/ranking?week=1")).await;
+    assert_eq!(
+        (answer.status, answer.text().as_str()),
+        (503, "ranking is resting")
+    );
+    // The page as it is spelled is kept, and answers the odd spelling too.
+    assert_eq!(set(&levee, "/modules/ranking", "on").await.status, 200);
+    assert_eq!(
+        get(&levee.url("/ranking?week=1")).await.text(),
+        "/ranking v1"
+    );
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    for path in ["/ranking?week=1", "/x/../ranking?week=1"] {
+        let answer = get(&levee.url(path)).await;
+        assert_eq!(
+            (answer.status, answer.text().as_str()),
+            (200, "/ranking v1"),
+            "{path}"
+        );
+    }
+}

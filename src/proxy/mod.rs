@@ -969,7 +969,8 @@ struct Stale {
     /// What the answer to this request may do for the copy: a GET fetches it and keeps what
     /// comes back; a HEAD is answered from it but its answer (no body) is no copy; a GET
     /// whose client said `Cache-Control: no-store` (RFC 9111 5.2.1.5), or that has a body,
-    /// is answered from a copy too, but its answer is not kept.
+    /// is answered from a copy too, but its answer is not kept; nor is the answer to a path
+    /// spelled otherwise than its normal form.
     keeps: bool,
     /// The request asks for part of the page, or for it only if it changed (`Range`,
     /// `If-None-Match`, …): its answer may be a 206 or a 304, which is no copy, so it waits
@@ -1070,12 +1071,19 @@ impl Stale {
                     _ => false,
                 }
         };
+        // The app reads the target as the client spelled it (`REQUEST_URI`), the key its
+        // normalised path: an answer to `/x/../page.php` or `//evil.example/../page.php` may
+        // print that spelling, and kept (or shared with the readers of a fetch it led) it
+        // would be every visitor's `/page.php`. Such a request is answered from the copy, but
+        // its own answer is no copy.
+        let spelled_as_keyed = request.uri().path() == normal_path;
         Stale {
             key,
             settings: Some(settings.clone()),
             credentials: request.headers().contains_key(h::AUTHORIZATION),
             // A WebSocket's upgrade request is no page view: it is answered by its own 101.
             keeps: method == Method::GET
+                && spelled_as_keyed
                 && !client_says_no_store
                 && bodiless
                 && !request.headers().contains_key(h::UPGRADE)
