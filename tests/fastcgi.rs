@@ -992,3 +992,76 @@ async fn queued_writes_php_fpm_cannot_take_are_refused_or_dead_lettered() {
     );
     assert_eq!(get_json(&levee, "/echo.php").await["which"], "echo");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_its_client_leaves_unfinished_never_runs_the_script() {
+    // PHP runs the script on whatever input it got: a body streamed to php-fpm and cut off by
+    // its client was applied as a short one. Bodies are read whole first, as nginx does.
+    let site = Site::start().await;
+    let spool = tempfile::tempdir().expect("temp_dir");
+    let levee = site
+        .levee(&format!(", temp_dir = \"{}\"", spool.path().display()), "")
+        .await;
+    let log = std::path::Path::new(&site.docroot).join("../applied.log");
+    let metrics = levee.admin_url("/metrics");
+    // levee runs in this process: the body's file (without a name) is among its descriptors.
+    let spooling = || {
+        std::fs::read_dir("/proc/self/fd")
+            .map(|fds| {
+                fds.filter_map(Result::ok)
+                    .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                    .any(|target| target.starts_with(spool.path()))
+            })
+            .unwrap_or(false)
+    };
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    use tokio::io::AsyncWriteExt;
+    stream
+        .write_all(b"POST /notify.php HTTP/1.1\r\nHost: forum.example\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 3000000\r\n\r\n")
+        .await
+        .expect("head");
+    // Past the 64 KiB read before the request is let through, and past the 1 MiB kept in
+    // memory: the rest of it waits in a file.
+    stream
+        .write_all(&vec![b'a'; 1_500_000])
+        .await
+        .expect("part of the body");
+    // (Before, php-fpm had the request and the bytes so far by now.)
+    eventually(
+        Duration::from_secs(10),
+        "the body read past 1 MiB",
+        || async { spooling() },
+    )
+    .await;
+    drop(stream);
+    eventually(
+        Duration::from_secs(10),
+        "the cut request answered",
+        || async {
+            metric_value(
+                &get(&metrics).await.text(),
+                "levee_requests_total{route=\"default\",status=\"400\"}",
+            ) == 1.0
+        },
+    )
+    .await;
+    let answer = post(&levee.url("/notify.php"), "whole=1").await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let applied = std::fs::read_to_string(&log).expect("log");
+    assert_eq!(applied, "- 127.0.0.1 whole=1\n");
+    assert!(!spooling(), "the cut body's file is closed");
+
+    // A body past 1 MiB that comes whole reaches PHP whole.
+    let large = vec![b'b'; 3_000_000];
+    let answer = send(
+        Request::post(levee.url("/upload.php"))
+            .body(full(large.clone()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(answer.json()["length"], 3_000_000);
+    assert_eq!(answer.json()["sha256"], sha256_hex(&large));
+}

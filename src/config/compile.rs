@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -3294,6 +3294,30 @@ fn compile_fastcgi(
             }
         }
     }
+    // Levee's own machine, unlike root: request bodies over 1 MiB wait there while they are
+    // read whole before php-fpm is asked.
+    let temp_dir = match &settings.temp_dir {
+        None => std::env::temp_dir(),
+        Some(dir) if !Path::new(dir.get_ref()).is_absolute() => {
+            compiler.error_hint(
+                file,
+                dir.span(),
+                format!("temp_dir `{}` is not an absolute path", dir.get_ref()),
+                "a directory on levee's machine, like \"/var/tmp/levee\"",
+            );
+            PathBuf::new()
+        }
+        Some(dir) if !Path::new(dir.get_ref()).is_dir() => {
+            compiler.error_hint(
+                file,
+                dir.span(),
+                format!("temp_dir `{}` is not a directory", dir.get_ref()),
+                "make it (writable by levee's user), or leave temp_dir out for the system's temporary directory",
+            );
+            PathBuf::new()
+        }
+        Some(dir) => PathBuf::from(dir.get_ref()),
+    };
     if compiler.errors.len() > before {
         return Err(());
     }
@@ -3302,6 +3326,7 @@ fn compile_fastcgi(
         index,
         front_controller,
         params,
+        temp_dir,
     })))
 }
 
@@ -5116,6 +5141,18 @@ mod tests {
         assert_eq!(
             fastcgi.params,
             [("APP_ENV".to_string(), "prod".to_string())]
+        );
+        assert_eq!(fastcgi.temp_dir, std::env::temp_dir());
+        let temp_dir_errors = super::tests::errors(&[(
+            "a.toml",
+            "[upstream.a]\nurl = \"fastcgi://127.0.0.1\"\nfastcgi = { root = \"/srv\", temp_dir = \"tmp\" }\n[upstream.b]\nurl = \"fastcgi://127.0.0.1\"\nfastcgi = { root = \"/srv\", temp_dir = \"/nonexistent/levee\" }\n",
+        )]);
+        assert_reported(
+            &temp_dir_errors,
+            &[
+                "a.toml:3:39: error: temp_dir `tmp` is not an absolute path",
+                "a.toml:6:39: error: temp_dir `/nonexistent/levee` is not a directory",
+            ],
         );
     }
 

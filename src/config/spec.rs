@@ -265,6 +265,7 @@ pub struct FastCgiSpec {
     pub index: Option<Spanned<String>>,
     pub front_controller: Option<Spanned<String>>,
     pub params: Option<Spanned<BTreeMap<String, String>>>,
+    pub temp_dir: Option<Spanned<String>>,
 }
 
 /// `breaker = { … }` of an upstream.

@@ -276,10 +276,19 @@ impl ResendableBody {
         ResendableBody(vec![bytes])
     }
 
+    /// A body read whole, in the pieces it came in.
+    pub fn from_pieces(pieces: Vec<Bytes>) -> ResendableBody {
+        ResendableBody(pieces)
+    }
+
     /// The body again, as one piece.
     pub fn body(&self) -> UnsyncBoxBody<Bytes, BoxError> {
         use http_body_util::BodyExt as _;
-        http_body_util::Full::new(joined(&self.0))
+        let whole = match self.0.as_slice() {
+            [one] => one.clone(),
+            pieces => joined(pieces),
+        };
+        http_body_util::Full::new(whole)
             .map_err(|never| match never {})
             .boxed_unsync()
     }

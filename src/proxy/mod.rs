@@ -17,6 +17,7 @@ pub mod path;
 pub mod route;
 mod run_on;
 pub mod server;
+mod spool;
 pub mod upgrade;
 pub mod upstream;
 pub mod upstream_fields;

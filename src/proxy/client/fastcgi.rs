@@ -21,7 +21,6 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::Body as _;
-use http_body_util::BodyExt as _;
 use tokio::io::{AsyncReadExt, AsyncWrite};
 use tokio::time::Instant;
 
@@ -70,6 +69,9 @@ pub struct FastCgiSettings {
     pub front_controller: Option<String>,
     /// Parameters set in the policy, given after levee's own (so they win in `$_SERVER`).
     pub params: Vec<(String, String)>,
+    /// Where a request body over 1 MiB is kept while it is read whole (see `proxy::spool`).
+    /// Default the system's temporary directory.
+    pub temp_dir: std::path::PathBuf,
 }
 
 /// Why a request cannot be put to php-fpm: the client's doing, answered without asking it.
@@ -981,21 +983,19 @@ impl Client {
             }
             (refusal, _) => refusal,
         })?;
-        // PHP reads as much of the body as CONTENT_LENGTH says: one of unknown length is
-        // read whole first (bounded by the route's `max_body`), as nginx does.
+        // Every body is read whole before php-fpm is asked, as nginx does: PHP runs the
+        // script on whatever input it got, so a body cut short by its client would be
+        // applied as a short one (see `proxy::spool`); and PHP needs CONTENT_LENGTH, which a
+        // chunked body tells only at its end. (One of up to 64 KiB was read whole already.)
         let (mut body, resend) = if body.is_end_stream() {
             (body, Some(ResendableBody::empty()))
-        } else if body.size_hint().exact().is_some() {
-            let resend = parts.extensions.remove::<ResendableBody>();
-            (body, resend)
+        } else if let Some(whole) = parts.extensions.remove::<ResendableBody>() {
+            (body, Some(whole))
         } else {
-            let whole = body
-                .collect()
+            crate::proxy::spool::spool(body, &settings.temp_dir)
                 .await
                 .map_err(ClientError::RequestBody)?
-                .to_bytes();
-            let copy = ResendableBody::from_bytes(whole);
-            (copy.body(), Some(copy))
+                .into_body()
         };
         let has_body = !body.is_end_stream();
         let head = encode_request_head(&parts, &body, &self.settings.authority, &from_client);
@@ -1350,6 +1350,7 @@ mod tests {
             index: "index.php".into(),
             front_controller: front.map(str::to_string),
             params: Vec::new(),
+            temp_dir: std::env::temp_dir(),
         }
     }
 
