@@ -541,6 +541,11 @@ pub(crate) fn query_name(raw: &str) -> String {
 /// - The part's cookie or query parameter past PHP's first `PHP_MAX_INPUT_VARS` variables:
 ///   a site that raised `max_input_vars` (common for shops) reads it, one on the default
 ///   does not.
+/// - Two different API keys in the sources `[identity] api_key` lists (a decoy `X-Api-Key`
+///   beside the real `?api_key=`): an app that takes a key from either place may read
+///   another than the first, which levee keys by. (Not so for `user`, whose sources are
+///   listed by trust: a header the front sets after login, else the session cookie; both
+///   are present, and differ, on every logged-in request.)
 pub fn unreadable_part(parts: &[KeyPart], facts: &RequestFacts<'_>) -> Option<String> {
     parts.iter().find_map(|part| {
         let sources: &[Source] = match part {
@@ -549,9 +554,19 @@ pub fn unreadable_part(parts: &[KeyPart], facts: &RequestFacts<'_>) -> Option<St
             KeyPart::Field(source) => std::slice::from_ref(source),
             KeyPart::Ip | KeyPart::Route | KeyPart::Method => &[],
         };
-        sources
+        let repeated = sources
             .iter()
-            .find_map(|source| source.unreadable(facts.headers, facts.query))
+            .find_map(|source| source.unreadable(facts.headers, facts.query));
+        if repeated.is_some() || !matches!(part, KeyPart::ApiKey) || sources.len() < 2 {
+            return repeated;
+        }
+        let mut present = sources
+            .iter()
+            .filter_map(|source| source.read_bytes(facts.headers, facts.query));
+        let first = present.next()?;
+        present.any(|other| other != first).then(|| {
+            "the request carries two different API keys in the places [identity] api_key names, and a rate limit is keyed by it: which one the app reads, levee cannot know".to_string()
+        })
     })
 }
 
@@ -694,6 +709,34 @@ mod tests {
         assert_eq!(key.key, "levee:rl:{42}:post_per_user:post|42");
         let key = bucket_key("levee:", "login", &[KeyPart::Ip], &facts, false).expect("key");
         assert_eq!(key.key, "levee:rl:{203.0.113.9}:login:203.0.113.9");
+    }
+
+    #[test]
+    fn two_different_api_keys_are_unreadable_but_a_user_header_beside_its_cookie_is_not() {
+        let identity = Identity {
+            user: vec![
+                Source::parse("header:X-User-Id").expect("source"),
+                Source::parse("cookie:PHPSESSID").expect("source"),
+            ],
+            api_key: vec![
+                Source::parse("header:X-Api-Key").expect("source"),
+                Source::parse("query:api_key").expect("source"),
+            ],
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert("x-api-key", HeaderValue::from_static("decoy-1"));
+        headers.insert("x-user-id", HeaderValue::from_static("42"));
+        headers.insert("cookie", HeaderValue::from_static("PHPSESSID=abc"));
+        let decoy = facts(&headers, Some("api_key=REAL"), &identity);
+        let reason = unreadable_part(&[KeyPart::ApiKey], &decoy).expect("refused");
+        assert!(reason.contains("two different API keys"), "{reason}");
+        // The same key in both places, or one of them: read as ever.
+        let same = facts(&headers, Some("api_key=decoy-1"), &identity);
+        assert_eq!(unreadable_part(&[KeyPart::ApiKey], &same), None);
+        let one = facts(&headers, None, &identity);
+        assert_eq!(unreadable_part(&[KeyPart::ApiKey], &one), None);
+        // The front's user header and the session cookie differ on every logged-in request.
+        assert_eq!(unreadable_part(&[KeyPart::User], &decoy), None);
     }
 
     #[test]
