@@ -17,7 +17,7 @@ pub mod path;
 pub mod route;
 mod run_on;
 pub mod server;
-mod spool;
+pub(crate) mod spool;
 pub mod upgrade;
 pub mod upstream;
 pub mod upstream_fields;
@@ -1322,6 +1322,10 @@ fn classify_body_error(
     // the upstream's failure.
     if let Some(broken) = find_cause::<RequestBodyError>(error) {
         return Some(ProxyError::BadRequest(broken.to_string()));
+    }
+    // levee lost the body it kept for php-fpm: its own failure, not the upstream's.
+    if let Some(lost) = find_cause::<spool::SpoolError>(error) {
+        return Some(ProxyError::Internal(lost.to_string()));
     }
     match find_cause::<BodyIdleTimeout>(error) {
         Some(idle) if idle.side == "client" => Some(ProxyError::ClientBodyTimeout {

@@ -11,7 +11,6 @@
 use std::io::SeekFrom;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -61,14 +60,19 @@ impl Spooled {
     }
 }
 
+/// Bytes gathered before one write to the file: each write goes through the blocking pool,
+/// and its result is waited for before its bytes count as kept.
+const BATCH: usize = 256 * 1024;
+
 /// Reads `body` to its end: in memory up to [`IN_MEMORY`], then in a file under `dir`. A
-/// file that cannot be made or written leaves the body in memory (bounded by the route's
-/// `max_body`, as before it was read), said in the log; only the client's own failure (gone,
-/// too slow, too long) is an error.
+/// file that cannot be made or written (a full disk) leaves the body in memory (bounded by
+/// the route's `max_body`, as before it was read), said in the log. The client's own failure
+/// (gone, too slow, too long) is its error; one reading back levee's own file is a
+/// [`SpoolError`].
 pub async fn spool(mut body: UpstreamBody, dir: &Path) -> Result<Spooled, BoxError> {
     let mut pieces: Vec<Bytes> = Vec::new();
     let mut in_memory = 0usize;
-    let mut file: Option<(tokio::fs::File, u64)> = None;
+    let mut file: Option<Spill> = None;
     // Once a file failed, the rest stays in memory.
     let mut files_fail = false;
     while let Some(frame) = body.frame().await {
@@ -79,11 +83,13 @@ pub async fn spool(mut body: UpstreamBody, dir: &Path) -> Result<Spooled, BoxErr
             continue;
         }
         if file.is_none() && !files_fail && in_memory + data.len() > IN_MEMORY {
-            match spill(dir, &pieces).await {
-                Ok(spilled) => {
-                    file = Some((spilled, in_memory as u64));
-                    pieces.clear();
+            match Spill::create(dir).await {
+                Ok(mut spill) => {
+                    for piece in pieces.drain(..) {
+                        spill.batch.extend_from_slice(&piece);
+                    }
                     in_memory = 0;
+                    file = Some(spill);
                 }
                 Err(error) => {
                     say_file_trouble(dir, &error);
@@ -91,64 +97,128 @@ pub async fn spool(mut body: UpstreamBody, dir: &Path) -> Result<Spooled, BoxErr
                 }
             }
         }
-        let write_failed = match file.as_mut() {
-            Some((written, len)) => match written.write_all(&data).await {
-                Ok(()) => {
-                    *len += data.len() as u64;
-                    continue;
-                }
-                Err(error) => Some(error),
-            },
-            None => None,
+        let Some(spill) = file.as_mut() else {
+            in_memory += data.len();
+            pieces.push(data);
+            continue;
         };
-        if let Some(error) = write_failed {
-            // A full disk: what the file holds comes back to memory, and so does the rest.
+        spill.batch.extend_from_slice(&data);
+        if spill.batch.len() < BATCH {
+            continue;
+        }
+        if let Err(error) = spill.write_batch().await {
             say_file_trouble(dir, &error);
             files_fail = true;
-            if let Some((mut written, len)) = file.take() {
-                let back = read_back(&mut written, len).await?;
+            if let Some(spill) = file.take() {
+                let back = spill.into_memory().await?;
                 in_memory = back.len();
                 pieces = vec![back];
             }
         }
-        in_memory += data.len();
-        pieces.push(data);
     }
-    match file {
-        Some((mut written, len)) => {
-            if let Err(error) = rewind(&mut written).await {
-                say_file_trouble(dir, &error);
-                return Ok(Spooled::InMemory(ResendableBody::from_bytes(
-                    read_back(&mut written, len).await?,
-                )));
-            }
-            Ok(Spooled::File { file: written, len })
+    let Some(mut spill) = file else {
+        return Ok(Spooled::InMemory(ResendableBody::from_pieces(pieces)));
+    };
+    let kept = match spill.write_batch().await {
+        Ok(()) => rewind(&mut spill.file).await,
+        Err(error) => Err(error),
+    };
+    match kept {
+        Ok(()) => Ok(Spooled::File {
+            file: spill.file,
+            len: spill.written,
+        }),
+        Err(error) => {
+            say_file_trouble(dir, &error);
+            Ok(Spooled::InMemory(ResendableBody::from_bytes(
+                spill.into_memory().await?,
+            )))
         }
-        None => Ok(Spooled::InMemory(ResendableBody::from_pieces(pieces))),
     }
 }
 
-/// A new file under `dir` without a name (removed once open: nothing is left behind, even
-/// if levee is killed), holding `pieces`.
-async fn spill(dir: &Path, pieces: &[Bytes]) -> std::io::Result<tokio::fs::File> {
-    static MADE: AtomicU64 = AtomicU64::new(0);
-    let path = dir.join(format!(
-        ".levee-body-{}-{}",
-        std::process::id(),
-        MADE.fetch_add(1, Ordering::Relaxed)
-    ));
-    let mut file = tokio::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&path)
-        .await?;
-    tokio::fs::remove_file(&path).await?;
-    for piece in pieces {
-        file.write_all(piece).await?;
+/// Reading back levee's own file of a request body failed: the body is lost to levee, not
+/// to the client or the upstream (answered 500, not counted against the upstream).
+#[derive(Debug, thiserror::Error)]
+#[error("levee could not read back the request body it kept: {0}")]
+pub struct SpoolError(std::io::Error);
+
+/// A body's file, what of it is known written, and what waits to be.
+struct Spill {
+    file: tokio::fs::File,
+    /// Bytes written and flushed: only these are read back.
+    written: u64,
+    batch: BytesMut,
+}
+
+impl Spill {
+    /// A new file under `dir`, removed at once (it has no name: nothing is left behind, even
+    /// if levee is killed). Its name is random: one left by a levee killed between making and
+    /// removing it is never met again.
+    async fn create(dir: &Path) -> std::io::Result<Spill> {
+        let mut random = [0u8; 8];
+        getrandom::getrandom(&mut random)
+            .map_err(|error| std::io::Error::other(error.to_string()))?;
+        let path = dir.join(format!(
+            ".levee-body-{}-{:016x}",
+            std::process::id(),
+            u64::from_ne_bytes(random)
+        ));
+        let file = tokio::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .await?;
+        if let Err(error) = tokio::fs::remove_file(&path).await {
+            drop(file);
+            let _ = tokio::fs::remove_file(&path).await;
+            return Err(error);
+        }
+        Ok(Spill {
+            file,
+            written: 0,
+            batch: BytesMut::new(),
+        })
     }
-    Ok(file)
+
+    /// Writes the batch and waits for the write's own result (a full disk shows there).
+    async fn write_batch(&mut self) -> std::io::Result<()> {
+        if self.batch.is_empty() {
+            return Ok(());
+        }
+        self.file.write_all(&self.batch).await?;
+        self.file.flush().await?;
+        self.written += self.batch.len() as u64;
+        self.batch.clear();
+        Ok(())
+    }
+
+    /// What was written, read back, followed by the batch not written.
+    async fn into_memory(mut self) -> Result<Bytes, SpoolError> {
+        let mut whole =
+            Vec::with_capacity(usize::try_from(self.written).unwrap_or(0) + self.batch.len());
+        let read = async {
+            self.file.seek(SeekFrom::Start(0)).await?;
+            (&mut self.file)
+                .take(self.written)
+                .read_to_end(&mut whole)
+                .await
+        };
+        match read.await {
+            Ok(read) if read as u64 == self.written => {}
+            Ok(_) => {
+                return Err(SpoolError(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "its file was cut short",
+                )))
+            }
+            Err(error) => return Err(SpoolError(error)),
+        }
+        whole.extend_from_slice(&self.batch);
+        Ok(Bytes::from(whole))
+    }
 }
 
 async fn rewind(file: &mut tokio::fs::File) -> std::io::Result<()> {
@@ -157,22 +227,11 @@ async fn rewind(file: &mut tokio::fs::File) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The `len` bytes written to `file`, back in memory.
-async fn read_back(file: &mut tokio::fs::File, len: u64) -> Result<Bytes, BoxError> {
-    rewind(file).await?;
-    let mut whole = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
-    file.take(len).read_to_end(&mut whole).await?;
-    if (whole.len() as u64) < len {
-        return Err("the request body's file was cut short".into());
-    }
-    Ok(Bytes::from(whole))
-}
-
 fn say_file_trouble(dir: &Path, error: &std::io::Error) {
     if let Some(held_back) = FILE_TROUBLE_LOG.allow(std::time::Instant::now()) {
         tracing::warn!(
             dir = %dir.display(),
-            "a request body over 1 MiB is kept in memory while it is read: no file for it in the upstream's temp_dir: {error} ({held_back} more not logged)"
+            "a request body over 1 MiB is kept in memory: its file in the upstream's temp_dir failed: {error} ({held_back} more not logged)"
         );
     }
 }
@@ -268,6 +327,30 @@ mod tests {
         let whole = sent(body).await;
         assert_eq!(whole.len(), 5 * 300 * 1024);
         assert!(whole.iter().all(|byte| *byte == b'x'));
+    }
+
+    #[tokio::test]
+    async fn a_write_the_disk_refuses_counts_nothing_and_its_bytes_come_back_to_memory() {
+        // /dev/full refuses every write as a full disk does (ENOSPC), which tokio reports
+        // only once the write has run: a batch counts as written after its flush.
+        let Ok(full) = tokio::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/full")
+            .await
+        else {
+            return;
+        };
+        let mut spill = Spill {
+            file: full,
+            written: 0,
+            batch: BytesMut::from(&[b'z'; 300 * 1024][..]),
+        };
+        assert!(spill.write_batch().await.is_err());
+        assert_eq!(spill.written, 0);
+        let back = spill.into_memory().await.expect("back in memory");
+        assert_eq!(back.len(), 300 * 1024);
+        assert!(back.iter().all(|byte| *byte == b'z'));
     }
 
     #[tokio::test]

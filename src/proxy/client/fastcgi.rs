@@ -987,15 +987,17 @@ impl Client {
         // script on whatever input it got, so a body cut short by its client would be
         // applied as a short one (see `proxy::spool`); and PHP needs CONTENT_LENGTH, which a
         // chunked body tells only at its end. (One of up to 64 KiB was read whole already.)
-        let (mut body, resend) = if body.is_end_stream() {
-            (body, Some(ResendableBody::empty()))
+        let (mut body, resend, now) = if body.is_end_stream() {
+            (body, Some(ResendableBody::empty()), now)
         } else if let Some(whole) = parts.extensions.remove::<ResendableBody>() {
-            (body, Some(whole))
+            (body, Some(whole), now)
         } else {
-            crate::proxy::spool::spool(body, &settings.temp_dir)
+            let (body, resend) = crate::proxy::spool::spool(body, &settings.temp_dir)
                 .await
                 .map_err(ClientError::RequestBody)?
-                .into_body()
+                .into_body();
+            // The body took its client's time: pooled connections are judged from now.
+            (body, resend, Instant::now())
         };
         let has_body = !body.is_end_stream();
         let head = encode_request_head(&parts, &body, &self.settings.authority, &from_client);
