@@ -54,6 +54,10 @@ fn ranking_resting_with_redis(backend: &Backend, redis: &RedisServer, degrade: &
     )
 }
 
+/// The site's name, as a front or load balancer sends it to every instance of a fleet: a copy
+/// is the page of the `Host` the app was sent, and each instance's own address differs.
+const FLEET: &[(&str, &str)] = &[("host", "127.0.0.1")];
+
 /// A backend that names the path it served and a version the test can bump; mode 1 fails,
 /// 2 is slow, 3 hangs.
 async fn versioned() -> (Backend, Arc<AtomicUsize>, Arc<AtomicU8>) {
@@ -474,14 +478,14 @@ async fn switches_are_shared_through_redis_and_survive_restarts() {
     );
     let first = Levee::start(&policy).await;
     let second = Levee::start(&policy).await;
-    assert_eq!(get(&second.url("/visitors")).await.status, 200);
+    assert_eq!(get_with(&second.url("/visitors"), FLEET).await.status, 200);
 
     assert_eq!(set(&first, "/modules/visitors", "off").await.status, 200);
     let flipped = std::time::Instant::now();
     eventually(
         Duration::from_secs(3),
         "the second instance to follow",
-        || async { get(&second.url("/visitors")).await.status == 503 },
+        || async { get_with(&second.url("/visitors"), FLEET).await.status == 503 },
     )
     .await;
     assert!(
@@ -499,10 +503,13 @@ async fn switches_are_shared_through_redis_and_survive_restarts() {
 
     // A third instance started later comes up with the fleet's switches.
     let third = Levee::start(&policy).await;
-    assert_eq!(get(&third.url("/visitors")).await.status, 503);
+    assert_eq!(get_with(&third.url("/visitors"), FLEET).await.status, 503);
 
     // The ranking copy lives in Redis too: a fresh instance serves it while switched off.
-    assert_eq!(get(&first.url("/ranking")).await.text(), "/ranking v1");
+    assert_eq!(
+        get_with(&first.url("/ranking"), FLEET).await.text(),
+        "/ranking v1"
+    );
     eventually(
         Duration::from_secs(3),
         "the copy to reach redis",
@@ -524,7 +531,7 @@ async fn switches_are_shared_through_redis_and_survive_restarts() {
     .await;
     assert_eq!(set(&first, "/modules/ranking", "off").await.status, 200);
     let fourth = Levee::start(&policy).await;
-    let copy = get(&fourth.url("/ranking")).await;
+    let copy = get_with(&fourth.url("/ranking"), FLEET).await;
     assert_eq!(
         (
             copy.status,
@@ -544,7 +551,7 @@ async fn switches_are_shared_through_redis_and_survive_restarts() {
         refused.text()
     );
     assert_eq!(
-        get(&first.url("/visitors")).await.status,
+        get_with(&first.url("/visitors"), FLEET).await.status,
         503,
         "the last saved switch still holds"
     );
@@ -683,14 +690,17 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
     );
     let first = Levee::start(&policy).await;
     let second = Levee::start(&policy).await;
-    assert_eq!(get(&first.url("/ranking")).await.text(), "/ranking v1");
+    assert_eq!(
+        get_with(&first.url("/ranking"), FLEET).await.text(),
+        "/ranking v1"
+    );
 
     // The backend fails; once the first instance's copy is past max_age, it has none.
     failing.store(1, Ordering::SeqCst);
     eventually(
         Duration::from_secs(10),
         "the first copy to expire",
-        || async { get(&first.url("/ranking")).await.text() == "ranking is resting" },
+        || async { get_with(&first.url("/ranking"), FLEET).await.text() == "ranking is resting" },
     )
     .await;
 
@@ -700,7 +710,7 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
     let before = gets();
     for _ in 0..20 {
         assert_eq!(
-            get(&first.url("/ranking")).await.text(),
+            get_with(&first.url("/ranking"), FLEET).await.text(),
             "ranking is resting"
         );
     }
@@ -710,7 +720,10 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
     // For a moment the backend answers the second instance, which keeps a new copy.
     failing.store(0, Ordering::SeqCst);
     version.store(2, Ordering::SeqCst);
-    assert_eq!(get(&second.url("/ranking")).await.text(), "/ranking v2");
+    assert_eq!(
+        get_with(&second.url("/ranking"), FLEET).await.text(),
+        "/ranking v2"
+    );
     failing.store(1, Ordering::SeqCst);
 
     // The first instance's own copy is too old, so it looks in Redis and finds the new one
@@ -719,7 +732,7 @@ async fn an_instance_whose_copy_aged_serves_the_fresher_copy_another_stored_in_r
         Duration::from_millis(2500),
         "the first instance to serve the copy the second stored",
         || async {
-            let answer = get(&first.url("/ranking")).await;
+            let answer = get_with(&first.url("/ranking"), FLEET).await;
             answer.status == 200
                 && answer.text() == "/ranking v2"
                 && answer.header("x-levee-stale") == Some("1")
@@ -797,7 +810,9 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
         (other.as_str(), "/top", probe),
     ] {
         assert_eq!(
-            get(&first.url(&format!("{path}?week={week}"))).await.text(),
+            get_with(&first.url(&format!("{path}?week={week}")), FLEET)
+                .await
+                .text(),
             format!("{path} v1")
         );
         let key = key(route, path, week);
@@ -823,7 +838,10 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
     let second = Levee::start(&policy).await;
     let probe_path = format!("/top?week={probe}");
     eventually(Duration::from_secs(10), "the switch followed", || async {
-        get(&second.url(&probe_path)).await.header("x-levee-stale") == Some("1")
+        get_with(&second.url(&probe_path), FLEET)
+            .await
+            .header("x-levee-stale")
+            == Some("1")
     })
     .await;
     // The first read that counts against a node waited for the slot map: had it gone on
@@ -838,10 +856,10 @@ async fn copies_on_the_cluster_nodes_still_up_are_served_while_one_node_is_out()
 
     cluster.pause(out_node, true);
     for _ in 0..3 {
-        let missing = get(&second.url("/ranking?week=0")).await;
+        let missing = get_with(&second.url("/ranking?week=0"), FLEET).await;
         assert_eq!(missing.header("x-levee-stale"), None, "{}", missing.text());
     }
-    let copy = get(&second.url(&format!("/top?week={kept}"))).await;
+    let copy = get_with(&second.url(&format!("/top?week={kept}")), FLEET).await;
     let metrics = get(&second.admin_url("/metrics")).await.text();
     cluster.pause(out_node, false);
     assert_eq!(
@@ -1161,7 +1179,7 @@ async fn cache_busting_queries_share_a_copy_and_a_route_keeps_at_most_max_copies
         levee::degrade::stale::copy_key(
             "levee:",
             "ranking",
-            "127.0.0.1",
+            &levee.public.to_string(),
             "/ranking",
             Some(&format!("week={week}")),
             &[],
@@ -1372,7 +1390,7 @@ async fn keeps_the_newest_copies_in(redis: &str, cli: impl Fn(&str, &[&str]) -> 
         levee::degrade::stale::copy_key(
             "levee:",
             "ranking",
-            "127.0.0.1",
+            &levee.public.to_string(),
             "/ranking",
             Some(&format!("week={week}")),
             &[],
@@ -2327,4 +2345,48 @@ async fn a_path_spelled_otherwise_than_its_normal_form_leaves_no_copy() {
             "{path}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_spelled_with_a_port_or_dot_makes_a_copy_of_its_own() {
+    // An app that builds its links from HTTP_HOST prints the client's port and dot: kept as
+    // the copy of the bare host, `Host: example.com:6666` sent every visitor to port 6666.
+    let backend = Backend::start(|request: Request<Incoming>| async move {
+        let host = request
+            .headers()
+            .get("host")
+            .and_then(|host| host.to_str().ok())
+            .unwrap_or("-")
+            .to_string();
+        html(format!("<a href=\"http://{host}/next\">next</a>"))
+    })
+    .await;
+    let levee = levee_resting(&backend).await;
+    let as_host = |host: &'static str| {
+        let url = levee.url("/ranking?week=1");
+        async move { get_with(&url, &[("host", host)]).await }
+    };
+    let planted = as_host("Example.COM.:6666").await;
+    assert_eq!(
+        planted.text(),
+        "<a href=\"http://Example.COM.:6666/next\">next</a>"
+    );
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let answer = as_host("example.com").await;
+    assert_eq!(
+        (answer.status, answer.text().as_str()),
+        (503, "ranking is resting")
+    );
+    assert_eq!(set(&levee, "/modules/ranking", "on").await.status, 200);
+    assert_eq!(
+        as_host("example.com").await.text(),
+        "<a href=\"http://example.com/next\">next</a>"
+    );
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    // Only the case is the client's whim: one copy for every spelling of it.
+    let answer = as_host("EXAMPLE.com").await;
+    assert_eq!(
+        (answer.status, answer.text().as_str()),
+        (200, "<a href=\"http://example.com/next\">next</a>")
+    );
 }

@@ -348,6 +348,10 @@ fn redis_keys(port: u16, pattern: &str) -> String {
         .unwrap_or_default()
 }
 
+/// The site's name, as a front sends it to every instance: a stale copy is the page of the
+/// `Host` the app was sent, and each instance's own address differs.
+const FLEET: &[(&str, &str)] = &[("host", "127.0.0.1")];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_and_restarted_switches_and_stale_copies_come_back() {
     let dir = tempfile::tempdir().expect("dir");
@@ -367,7 +371,10 @@ async fn redis_killed_and_restarted_switches_and_stale_copies_come_back() {
     );
     let a = Levee::start(&policy).await;
     let admin_a = format!("http://{}", a.admin);
-    assert_eq!(get(&a.url("/ranking")).await.text(), "/ranking v1");
+    assert_eq!(
+        get_with(&a.url("/ranking"), FLEET).await.text(),
+        "/ranking v1"
+    );
     eventually(
         Duration::from_secs(5),
         "the copy to reach Redis",
@@ -382,7 +389,7 @@ async fn redis_killed_and_restarted_switches_and_stale_copies_come_back() {
         admin_set(&admin_a, "/modules/ranking", "off").await.status,
         200
     );
-    assert_eq!(get(&a.url("/visitors")).await.status, 503);
+    assert_eq!(get_with(&a.url("/visitors"), FLEET).await.status, 503);
     version.store(2, Ordering::SeqCst);
 
     // Load on instance A for the whole outage: tier 1 served, the switches held.
@@ -396,7 +403,7 @@ async fn redis_killed_and_restarted_switches_and_stale_copies_come_back() {
             let mut count = 0;
             while !stop.load(Ordering::Relaxed) {
                 let started = Instant::now();
-                let answer = get(&url).await;
+                let answer = get_with(&url, FLEET).await;
                 slowest = slowest.max(started.elapsed());
                 count += 1;
                 let ok = answer.status == expected
@@ -420,7 +427,7 @@ async fn redis_killed_and_restarted_switches_and_stale_copies_come_back() {
         status["degrade"]["modules"]["visitors"]["off"], true,
         "B applies the last known switches during the outage: {status}"
     );
-    assert_eq!(get(&b.url("/visitors")).await.status, 503);
+    assert_eq!(get_with(&b.url("/visitors"), FLEET).await.status, 503);
     let _redis = RedisServer::start_persistent(dir.path(), port).await;
 
     // Once Redis is back (with its append-only file), B follows the switches saved before the
@@ -440,9 +447,9 @@ async fn redis_killed_and_restarted_switches_and_stale_copies_come_back() {
         status["degrade"]["modules"]["visitors"]["origin"], "runtime",
         "{status}"
     );
-    assert_eq!(get(&b.url("/visitors")).await.status, 503);
+    assert_eq!(get_with(&b.url("/visitors"), FLEET).await.status, 503);
     // The backend is at v2 by now: v1 can only come from the copy.
-    let copy = get(&b.url("/ranking")).await;
+    let copy = get_with(&b.url("/ranking"), FLEET).await;
     assert_eq!(
         (
             copy.status,

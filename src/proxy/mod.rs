@@ -1032,11 +1032,21 @@ impl Stale {
                 vary.extend(header::forwarded_description(request.headers()));
             }
             // One route may serve several sites of one vhost: the page is the one the app
-            // makes for the host it is sent, read as routes read it (without port, so every
-            // instance of a fleet reached on its own port shares the copy).
+            // makes for the host it is sent, as it is sent (port and trailing dot kept: an
+            // app that builds links from `HTTP_HOST` prints them, so `example.com:6666`'s page
+            // is no copy for `example.com`); only its case is the client's whim.
             let host = match &route.upstream.settings.host {
                 Some(pinned) => pinned.to_str().ok(),
-                None => route::request_host(request.uri(), request.headers()),
+                None => request
+                    .headers()
+                    .get(h::HOST)
+                    .and_then(|host| host.to_str().ok())
+                    .or_else(|| {
+                        request
+                            .uri()
+                            .authority()
+                            .map(|authority| authority.as_str())
+                    }),
             }
             .unwrap_or("")
             .to_ascii_lowercase();
