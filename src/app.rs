@@ -62,7 +62,7 @@ fn listen_error(
     };
     let hint = match source.kind() {
         std::io::ErrorKind::AddrInUse => format!(
-            "; another process listens on port {} (`ss -ltnp 'sport = :{}'` names it), perhaps another levee",
+            "; port {} is in use, by another process's listener (perhaps another levee) or a connection (`ss -tanp 'sport = :{}'` names it)",
             addr.port(),
             addr.port()
         ),

@@ -420,7 +420,7 @@ fn a_listen_address_levee_cannot_take_is_named_with_its_file_and_line() {
         "{stderr}"
     );
     assert!(
-        stderr.contains(&format!("another process listens on port {port}")),
+        stderr.contains(&format!("port {port} is in use")),
         "{stderr}"
     );
 }

@@ -3849,6 +3849,8 @@ fn compile_match(
             // (`*example.com` and `evilexample.com`), is refused.
             let problem = if host.is_empty() || host == "." || host == "*." {
                 Some("is empty")
+            } else if host.starts_with('.') || host.contains("..") {
+                Some("has an empty label (`..`, or a leading dot), which no request's host has")
             } else if !host.is_ascii() {
                 Some("is not ASCII, and clients send an international name in its `xn--` form")
             } else if host
@@ -5112,6 +5114,31 @@ mod tests {
                 "a.toml:9:11: error: missing = `maybe` is not known",
             ],
         );
+    }
+
+    #[test]
+    fn host_patterns_no_request_could_match_are_refused() {
+        for (pattern, problem) in [
+            ("example.com:8080", "has a port"),
+            ("*example.com", "has a `*` that is not a whole label"),
+            ("www.*.example.com", "has a `*` after its start"),
+            ("example.com..", "has an empty label"),
+            (".example.com", "has an empty label"),
+            ("bücher.de", "is not ASCII"),
+            (".", "is empty"),
+        ] {
+            let source = format!("[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n[[route]]\nname = \"r\"\nmatch = {{ host = \"{pattern}\" }}\n");
+            let errors = errors(&[("a.toml", &source)]);
+            assert!(
+                errors
+                    .iter()
+                    .any(|error| error.contains(&format!("host `{pattern}` {problem}"))),
+                "{pattern}: {errors:?}"
+            );
+        }
+        // One trailing dot is the same host, as requests' hosts are read.
+        let source = "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n[[route]]\nname = \"r\"\nmatch = { host = \"admin.example.com.\" }\n";
+        assert_eq!(errors(&[("a.toml", source)]), Vec::<String>::new());
     }
 
     #[test]
