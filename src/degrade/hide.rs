@@ -1628,6 +1628,80 @@ mod tests {
         );
     }
 
+    /// `page` through a fresh hider in the pieces `cuts` make, each followed by a pause of
+    /// the upstream when `pause`.
+    fn hide_in_pieces(
+        selectors: &[&str],
+        markers: &[&str],
+        page: &[u8],
+        cuts: &[usize],
+        carry: usize,
+        pause: bool,
+    ) -> Vec<u8> {
+        let selectors: Vec<String> = selectors.iter().map(|s| s.to_string()).collect();
+        let markers = markers.iter().map(|m| m.to_string()).collect();
+        let mut hider = Hider::new(&selectors, markers, AsciiCompatibleEncoding::utf_8(), true);
+        hider.carry = carry;
+        let mut out = Vec::new();
+        let mut from = 0;
+        for to in cuts.iter().copied().chain([page.len()]) {
+            hider
+                .feed_shared(Bytes::copy_from_slice(&page[from..to]))
+                .expect("feeds");
+            if pause {
+                hider.pass_on_pause();
+            }
+            while let Some(piece) = take(&hider.output) {
+                out.extend_from_slice(&piece);
+            }
+            from = to;
+        }
+        hider.end().expect("ends");
+        while let Some(piece) = take(&hider.output) {
+            out.extend_from_slice(&piece);
+        }
+        out
+    }
+
+    /// Pauses of the upstream at any two places of a page change nothing in what comes out,
+    /// for every kind of selector and for markers, next to scripts, comments, quoted `<`,
+    /// tags in values and raw text.
+    #[test]
+    fn pauses_at_any_two_places_change_nothing_that_is_removed() {
+        let cases: &[(&[&str], &[&str], &str)] = &[
+            (&["#ranking"], &[], "<html><head><title>t</title></head><body><p>a</p><div id=\"ranking\">top<b>x</b></div><p>after</p></body></html>"),
+            (&["#ranking"], &[], "<script>var s = \"<div id='ranking'>x</div>\"; if (a <b) {}</script><div id=\"ranking\">r</div><p>z</p>"),
+            (&["#ranking"], &[], "<!-- <div id=\"ranking\"> a < b --><div id=\"ranking\">r</div><p>z</p>"),
+            (&["#ranking"], &[], "<div title=\"<b>x</b>\" id=\"ranking\">r</div><p>after</p>"),
+            (&["#ranking"], &[], "<i title=\"<div id=ranking>\">t</i><div id=ranking>r</div><p>q</p>"),
+            (&["#ranking"], &[], "<textarea><div id=ranking></textarea><div id=ranking>r</div><p>q</p>"),
+            (&[".ad"], &[], "<p>read ad here</p><span class=\"ad\">AD</span><p>q</p><div class=\"x ad\">A<i>2</i></div><p>e</p>"),
+            (&["[data-module=visitors]"], &[], "<p>visitors</p><div data-module=\"visitors\">V<p>v</p></div><p>q</p>"),
+            (&[], &["ads"], "<p>x</p><!-- levee:module ads -->AD<b>x</b><!-- /levee:module ads --><p>y</p>"),
+            (&[], &["ads"], "<p>x < y</p><!--levee:module ads-->AD<!--/levee:module ads--><script>a<b</script><p>y</p>"),
+            (&["#ranking"], &["ads"], "<p>x</p><!-- levee:module ads -->AD<!-- /levee:module ads --><div id=ranking>r</div><p>y</p>"),
+            (&["#ranking"], &[], "<ul><li>a<li id=ranking>r<li>b</ul><p>e</p>"),
+        ];
+        for (selectors, markers, page) in cases {
+            let page = page.as_bytes();
+            for carry in [CARRY, 24] {
+                for first in 0..=page.len() {
+                    for second in first..=page.len() {
+                        let cuts = [first, second];
+                        let steady = hide_in_pieces(selectors, markers, page, &cuts, carry, false);
+                        let paused = hide_in_pieces(selectors, markers, page, &cuts, carry, true);
+                        assert_eq!(
+                            String::from_utf8_lossy(&paused),
+                            String::from_utf8_lossy(&steady),
+                            "{selectors:?} {markers:?}, carry {carry}, pauses at {first} and {second}: {}",
+                            String::from_utf8_lossy(page)
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_tokenizer_state_follows_comments_and_raw_text_across_chunks() {
         let page =
