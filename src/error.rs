@@ -224,6 +224,11 @@ impl ProxyError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        // levee's own line may say back what the client sent (a path): never read as HTML.
+        response.headers_mut().insert(
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        );
         if let ProxyError::Directory(location) = self {
             // From the request's own target, which holds only what a header value can.
             if let Ok(location) = HeaderValue::from_str(location) {

@@ -17,6 +17,7 @@ pub mod limit;
 pub mod log_throttle;
 pub mod metrics;
 pub mod open_files;
+pub mod printable;
 pub mod proxy;
 pub mod queue;
 pub mod redis_batch;

@@ -419,6 +419,16 @@ async fn path_info_directory_indexes_and_traversal_stay_under_the_root() {
     let moved = get(&levee.url("/sub?page=2")).await;
     assert_eq!(moved.status, 301, "{}", moved.text());
     assert_eq!(moved.header("location"), Some("/sub/?page=2"));
+    // To the path as resolved: sent back as written, `//evil.example/../sub/` is a Location a
+    // browser reads as another site.
+    let moved = raw_exchange(
+        levee.public,
+        b"GET //evil.example/../sub HTTP/1.1\r\nHost: forum.example\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(moved.starts_with("HTTP/1.1 301"), "{moved}");
+    assert!(moved.contains("\r\nLocation: /sub/\r\n"), "{moved}");
 
     // http::Uri keeps dot segments as written, so the second target goes out raw.
     for target in ["/sub/..%2F..%2F..%2Fecho.php", "/../../echo.php"] {
@@ -444,6 +454,15 @@ async fn path_info_directory_indexes_and_traversal_stay_under_the_root() {
             answer.text()
         );
     }
+
+    // A decoded line break is said escaped (the same text goes to the log, where it would
+    // forge a line), in an answer never read as HTML.
+    let answer =
+        get(&levee.url("/x%0A2026-12-06T09:00:00.000000Z%20%20INFO%20levee::access:%20forged"))
+            .await;
+    assert_eq!(answer.status, 404, "{}", answer.text());
+    assert_eq!(answer.text().lines().count(), 1, "{}", answer.text());
+    assert_eq!(answer.header("x-content-type-options"), Some("nosniff"));
 
     // A NUL would cut SCRIPT_FILENAME short (`echo.php%00.txt` running echo.php): refused.
     let answer = get(&levee.url("/echo.php%00.txt")).await;

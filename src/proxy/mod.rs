@@ -1567,7 +1567,7 @@ impl Exchange {
                 target: "levee::access",
                 client = %self.client_ip,
                 method = %self.method,
-                path = %self.uri,
+                path = %crate::printable::PrintableUri(&self.uri),
                 route = %route_name,
                 upstream,
                 status = self.status.as_u16(),

@@ -643,7 +643,7 @@ async fn take_on_stranded_queues(
             }
             None => {
                 if shared.former_queues.hold_unrouted(&name, keys.clone()) {
-                    tracing::warn!(route = %name, stream = %keys.stream, "found jobs stored for a route the policy no longer has; they stay in redis and are replayed once a route of that name is back (GET /queues lists them)");
+                    tracing::warn!(route = %crate::printable::printable(&name), stream = %crate::printable::printable(&keys.stream), "found jobs stored for a route the policy no longer has; they stay in redis and are replayed once a route of that name is back (GET /queues lists them)");
                 }
             }
         }

@@ -154,7 +154,16 @@ fn script_of(
         index.push(b'/');
         index.extend_from_slice(settings.index.as_bytes());
         if is_file(&index) {
-            return Err(Unsendable::Directory(format!("{path}/")));
+            // To the path as it was resolved, not as it was written: `//evil.example/../dir`
+            // or `/\evil.example/../dir` sent back as written is a Location a browser reads
+            // as another site (an open redirect on the site's own name).
+            let resolved = crate::proxy::path::normalise(path)
+                .map(|normal| normal.into_owned())
+                .unwrap_or_else(|_| String::from_utf8_lossy(&join(&segments)).into_owned());
+            return Err(Unsendable::Directory(format!(
+                "{}/",
+                resolved.replace('\\', "%5C")
+            )));
         }
     }
     if trailing_slash || segments.is_empty() {
@@ -169,8 +178,9 @@ fn script_of(
     }
     match front {
         Some(front) => Ok((front.as_bytes().to_vec(), Vec::new())),
+        // (Said in the log and the answer: a decoded `%0A` would forge a log line.)
         None => Err(Unsendable::NoScript(
-            String::from_utf8_lossy(&join(&segments)).into_owned(),
+            crate::printable::printable(&String::from_utf8_lossy(&join(&segments))).into_owned(),
         )),
     }
 }
@@ -1014,7 +1024,7 @@ impl Client {
         )?;
         let script = Arc::new(Script {
             address: self.settings.address(),
-            name: String::from_utf8_lossy(&script).into_owned(),
+            name: crate::printable::printable(&String::from_utf8_lossy(&script)).into_owned(),
         });
         let mut retried = false;
         let mut waited = has_body;
@@ -1419,6 +1429,20 @@ mod tests {
                 script("/wp-admin/.", front),
                 ("/wp-admin/index.php".into(), "".into())
             );
+            // Moved to the path as resolved: written as sent, these were Locations a browser
+            // reads as another site.
+            for spelled in [
+                "//evil.example/../wp-admin",
+                "//evil.example/%2e%2e/wp-admin",
+                "/\\evil.example/../wp-admin",
+                "/./wp-admin",
+            ] {
+                assert_eq!(
+                    script_of(spelled, &settings(front), &existing),
+                    Err(Unsendable::Directory("/wp-admin/".into())),
+                    "{spelled}"
+                );
+            }
         }
     }
 
