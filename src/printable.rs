@@ -19,10 +19,14 @@ fn unprintable(c: char) -> bool {
         )
 }
 
-/// `text` with its unprintable characters escaped; borrowed when there are none (the usual
-/// case: printable ASCII is checked byte by byte).
+/// Whether `text` is printable ASCII alone: checked byte by byte, the usual case.
+fn plain_ascii(text: &str) -> bool {
+    text.bytes().all(|byte| (b' '..=b'~').contains(&byte))
+}
+
+/// `text` with its unprintable characters escaped; borrowed when there are none.
 pub fn printable(text: &str) -> Cow<'_, str> {
-    if text.bytes().all(|byte| (b' '..=b'~').contains(&byte)) || !text.chars().any(unprintable) {
+    if plain_ascii(text) || !text.chars().any(unprintable) {
         return Cow::Borrowed(text);
     }
     Cow::Owned(
@@ -44,12 +48,10 @@ pub struct PrintableUri<'a>(pub &'a http::Uri);
 
 impl fmt::Display for PrintableUri<'_> {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let plain = self.0.path_and_query().is_none_or(|target| {
-            target
-                .as_str()
-                .bytes()
-                .all(|byte| (b' '..=b'~').contains(&byte))
-        });
+        let plain = self
+            .0
+            .path_and_query()
+            .is_none_or(|target| plain_ascii(target.as_str()));
         if plain {
             return fmt::Display::fmt(self.0, formatter);
         }

@@ -119,8 +119,9 @@ pub async fn spool(mut body: UpstreamBody, dir: &Path) -> Result<Spooled, BoxErr
     let Some(mut spill) = file else {
         return Ok(Spooled::InMemory(ResendableBody::from_pieces(pieces)));
     };
+    // (`write_batch` waited for every write: the file is whole on disk; read it from its start.)
     let kept = match spill.write_batch().await {
-        Ok(()) => rewind(&mut spill.file).await,
+        Ok(()) => spill.file.seek(SeekFrom::Start(0)).await.map(|_| ()),
         Err(error) => Err(error),
     };
     match kept {
@@ -219,12 +220,6 @@ impl Spill {
         whole.extend_from_slice(&self.batch);
         Ok(Bytes::from(whole))
     }
-}
-
-async fn rewind(file: &mut tokio::fs::File) -> std::io::Result<()> {
-    file.flush().await?;
-    file.seek(SeekFrom::Start(0)).await?;
-    Ok(())
 }
 
 fn say_file_trouble(dir: &Path, error: &std::io::Error) {
