@@ -128,6 +128,12 @@ echo str_repeat('c', $size);
 
 "#;
 
+/// A `header()` with a control byte in its value (PHP refuses only CR, LF and NUL).
+const CONTROL_PHP: &str = r#"<?php
+header("Content-Disposition: attachment; filename=\"report\x01.csv\"");
+echo 'csv';
+"#;
+
 const SLOW_PHP: &str = r#"<?php
 sleep(3);
 echo 'late';
@@ -182,6 +188,7 @@ impl Site {
             ("accel.php", ACCEL_PHP.to_string()),
             ("hinted.php", HINTED_PHP.to_string()),
             ("slow.php", SLOW_PHP.to_string()),
+            ("control.php", CONTROL_PHP.to_string()),
             ("upload.php", UPLOAD_PHP.to_string()),
             ("notify.php", NOTIFY_PHP.to_string()),
         ];
@@ -553,6 +560,16 @@ async fn php_status_headers_and_body_come_back_as_the_script_wrote_them() {
         assert_eq!(answer.body.len(), size, "size {size}");
         assert!(answer.body.iter().all(|byte| *byte == b'c'), "size {size}");
     }
+
+    // A control byte in a field's value passes as a space, as under nginx (as itself there):
+    // it was a 502 for the whole page.
+    let answer = get(&levee.url("/control.php")).await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(
+        answer.header("content-disposition"),
+        Some("attachment; filename=\"report .csv\"")
+    );
+    assert_eq!(answer.text(), "csv");
 
     let head = send(
         Request::head(levee.url("/echo.php"))

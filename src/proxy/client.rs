@@ -1195,6 +1195,13 @@ fn parse_response_head(
     ) {
         Ok(httparse::Status::Complete(length)) => length,
         Ok(httparse::Status::Partial) => return Ok(None),
+        // Read again with the control bytes of its values blanked (see
+        // `blank_controls_in_values`); only once, as blanking again changes nothing.
+        Err(httparse::Error::HeaderValue)
+            if super::header::blank_response_controls(buffer, false) =>
+        {
+            return parse_response_head(buffer, wanted)
+        }
         Err(
             error @ (httparse::Error::HeaderName
             | httparse::Error::HeaderValue
@@ -1778,6 +1785,32 @@ mod tests {
         assert!(head("HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").is_err());
         assert!(head("HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none());
         assert!(head("garbage\r\n\r\n").is_err());
+    }
+
+    /// A PHP `header()` with a control byte in its value (nginx passes it) is passed on with
+    /// a space in its place, parsed or relayed, and the body is left as it is; a NUL or a bare
+    /// CR still makes the head unreadable.
+    #[test]
+    fn control_bytes_in_response_values_are_passed_as_spaces() {
+        let text = "HTTP/1.1 200 OK\r\nX-File: a\x01b\x7f\r\nContent-Length: 2\r\n\r\n\x01\x02";
+        let mut buffer = BytesMut::from(text);
+        let parsed = parse_response_head(&mut buffer, ResponseFields::Parsed)
+            .expect("readable")
+            .expect("whole");
+        assert_eq!(parsed.headers["x-file"], "a b");
+        assert_eq!(&buffer[..], b"\x01\x02");
+        let fields = relayed(text).expect("relayed");
+        assert_eq!(relayed_text(&fields), "X-File: a b \r\n");
+        for text in [
+            "HTTP/1.1 200 OK\r\nX-File: a\x00b\x01\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nX-File: a\rb\x01\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nX-\x01File: ab\r\n\r\n",
+        ] {
+            assert!(
+                matches!(head(text), Err(ClientError::UnpassableField(_))),
+                "{text:?}"
+            );
+        }
     }
 
     fn relayed(text: &str) -> Option<UpstreamFields> {

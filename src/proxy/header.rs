@@ -766,6 +766,77 @@ pub fn header_bytes(headers: &HeaderMap) -> usize {
         .sum()
 }
 
+/// Control bytes in field values that a head is read with as spaces: all but tab, CR, LF and
+/// NUL. RFC 9110 5.5 calls them invalid but lets a recipient keep them, and nginx does: a PHP
+/// page whose `header()` carries one (a file name, a debug dump) reached its visitors before
+/// levee, and a request header with one (a bot's `User-Agent`) reached the app. The parsers
+/// levee reads heads with refuse them, so the head is read again with each one blanked, as
+/// the RFC has a recipient do with CR, LF and NUL; those three, which split or end lines for
+/// some reader, still make the head invalid, as under nginx.
+fn is_blankable_control(byte: u8) -> bool {
+    matches!(byte, 0x01..=0x08 | 0x0b | 0x0c | 0x0e..=0x1f | 0x7f)
+}
+
+/// Response heads whose control bytes were blanked: at most one line a minute.
+static BLANKED_LOG: crate::log_throttle::LogThrottle =
+    crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(60));
+
+/// [`blank_controls_in_values`] for an upstream's response head, saying so in the log (the
+/// app's doing, which its operator may want to know of) at most once a minute.
+pub(crate) fn blank_response_controls(head: &mut [u8], first_line_is_field: bool) -> bool {
+    let changed = blank_controls_in_values(head, first_line_is_field);
+    if changed {
+        if let Some(held_back) = BLANKED_LOG.allow(std::time::Instant::now()) {
+            tracing::warn!(
+                "an upstream's answer has control bytes in a header field's value: passed on with spaces in their place ({held_back} more such answers not logged)"
+            );
+        }
+    }
+    changed
+}
+
+/// Blanks the control bytes of the field values of the head at the front of `head` (see
+/// [`is_blankable_control`]): every line up to the first empty one, from its first `:` on;
+/// the first line too when `first_line_is_field` (a CGI head has no status line), otherwise
+/// it is left as it is, as are the empty lines a request may start with. Whether any byte
+/// changed: when none did, reading the head again would fail the same way.
+pub(crate) fn blank_controls_in_values(head: &mut [u8], first_line_is_field: bool) -> bool {
+    let mut start = if first_line_is_field {
+        0
+    } else {
+        head.iter()
+            .position(|&byte| byte != b'\r' && byte != b'\n')
+            .unwrap_or(head.len())
+    };
+    let mut is_first = !first_line_is_field;
+    let mut changed = false;
+    while start < head.len() {
+        let end = memchr::memchr(b'\n', &head[start..]).map_or(head.len(), |at| start + at);
+        let stop = if end > start && head[end - 1] == b'\r' {
+            end - 1
+        } else {
+            end
+        };
+        let line = &mut head[start..stop];
+        if line.is_empty() {
+            break;
+        }
+        if !is_first {
+            if let Some(colon) = memchr::memchr(b':', line) {
+                for byte in &mut line[colon + 1..] {
+                    if is_blankable_control(*byte) {
+                        *byte = b' ';
+                        changed = true;
+                    }
+                }
+            }
+        }
+        is_first = false;
+        start = end + 1;
+    }
+    changed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

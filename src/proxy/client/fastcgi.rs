@@ -845,9 +845,20 @@ struct CgiHead {
 /// Parses the CGI head off the front of `stdout`; `Ok(None)` while it is incomplete.
 fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError> {
     let mut fields = [httparse::EMPTY_HEADER; super::MAX_HEADERS];
-    let length = match httparse::parse_headers(stdout, &mut fields) {
-        Ok(httparse::Status::Complete((length, _))) => length,
-        Ok(httparse::Status::Partial) => return Ok(None),
+    let parsed = httparse::parse_headers(stdout, &mut fields).map(|status| match status {
+        httparse::Status::Complete((length, _)) => Some(length),
+        httparse::Status::Partial => None,
+    });
+    let length = match parsed {
+        Ok(Some(length)) => length,
+        Ok(None) => return Ok(None),
+        // Read again with the control bytes of its values blanked (see
+        // `blank_controls_in_values`); only once, as blanking again changes nothing.
+        Err(httparse::Error::HeaderValue)
+            if crate::proxy::header::blank_response_controls(stdout, true) =>
+        {
+            return parse_cgi_head(stdout)
+        }
         Err(
             error @ (httparse::Error::HeaderName
             | httparse::Error::HeaderValue
@@ -1652,6 +1663,27 @@ mod tests {
         assert_eq!(head.reason.as_deref(), Some(&b"Short And Stout"[..]));
         let mut partial = BytesMut::from(&b"Content-Type: text/html\r\n"[..]);
         assert!(parse_cgi_head(&mut partial).expect("valid").is_none());
+    }
+
+    /// `header("Content-Disposition: attachment; filename=\"a\x01b\"")` passes under nginx:
+    /// here with a space in the control byte's place, the output after the head untouched.
+    /// The first line is a field too.
+    #[test]
+    fn control_bytes_in_a_cgi_value_are_passed_as_spaces() {
+        let mut stdout =
+            BytesMut::from(&b"X-First: \x1b[1m\r\nContent-Disposition: attachment; filename=\"a\x01b\"\r\n\r\n\x01"[..]);
+        let head = parse_cgi_head(&mut stdout).expect("valid").expect("whole");
+        assert_eq!(head.headers["x-first"], "[1m");
+        assert_eq!(
+            head.headers["content-disposition"],
+            "attachment; filename=\"a b\""
+        );
+        assert_eq!(&stdout[..], b"\x01");
+        let mut stdout = BytesMut::from(&b"X-A: a\x00\x01\r\n\r\n"[..]);
+        assert!(matches!(
+            parse_cgi_head(&mut stdout),
+            Err(ClientError::UnpassableField(_))
+        ));
     }
 
     #[test]

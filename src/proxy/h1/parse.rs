@@ -167,6 +167,20 @@ pub fn parse_head(
         Err(httparse::Error::TooManyHeaders) => {
             return Err(HeadError::TooManyHeaders { limit: MAX_HEADERS })
         }
+        // Read again with the control bytes of its values blanked, as nginx in front of the
+        // app would have passed them; only once, as blanking again changes nothing. A head
+        // not complete yet leaves the buffer as it came, as the target's encoding does.
+        Err(httparse::Error::HeaderValue) => {
+            let received = buffer.clone();
+            if !crate::proxy::header::blank_controls_in_values(buffer, false) {
+                return Err(HeadError::Malformed(describe(httparse::Error::HeaderValue)));
+            }
+            let parsed = parse_head(buffer, max_head_bytes);
+            if matches!(parsed, Ok(None)) {
+                *buffer = received;
+            }
+            return parsed;
+        }
         Err(httparse::Error::Token) => match with_raw_target_encoded(buffer) {
             // Parsed again: the target is ASCII now, so this comes back here no more. A head
             // not complete yet leaves the buffer as it came (the next read appends to it, and
@@ -651,7 +665,8 @@ mod tests {
             "GET /\x01\x02 HTTP/1.1\r\nHost: a\r\n\r\n",
             "GET / HTTP/1.1\r\nX-User: a\rSet-Cookie: evil=1\r\n\r\n",
             "GET / HTTP/1.1\r\nX-User: a\x00b\r\n\r\n",
-            "GET / HTTP/1.1\r\nX-User: a\x0bb\r\n\r\n",
+            "GET / HTTP/1.1\r\nX-User: a\x0bb\r\nX-Other: a\x00b\r\n\r\n",
+            "GET / HTTP/1.1\r\nX-\x01User: ab\r\n\r\n",
             // Not as nginx reads a method: `post` would pass routes written for POST.
             "post / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n",
             "Get / HTTP/1.1\r\nHost: a\r\n\r\n",
@@ -666,6 +681,28 @@ mod tests {
                 .as_str(),
             "VERSION-CONTROL"
         );
+    }
+
+    #[test]
+    fn other_control_bytes_in_values_are_read_as_spaces() {
+        let parsed = head("GET /p HTTP/1.1\r\nHost: a\r\nUser-Agent: bot\x01\x1f/1\x7f\r\nX-Tab: a\tb\x0c\r\n\r\n");
+        assert_eq!(parsed.headers["user-agent"], "bot  /1");
+        assert_eq!(parsed.headers["x-tab"], "a\tb");
+        assert_eq!(parsed.headers["host"], "a");
+        // The body after the head is not touched, and a head that arrives in pieces is read
+        // the same.
+        let raw = b"POST /p HTTP/1.1\r\nHost: a\r\nX-A: \x01\r\nContent-Length: 2\r\n\r\n\x01\x02";
+        for split in 1..raw.len() {
+            let mut buffer = BytesMut::from(&raw[..split]);
+            let mut parsed = parse_head(&mut buffer, 8192).expect("readable");
+            buffer.extend_from_slice(&raw[split..]);
+            if parsed.is_none() {
+                parsed = parse_head(&mut buffer, 8192).expect("readable");
+            }
+            let parsed = parsed.expect("whole");
+            assert_eq!(parsed.headers["x-a"], "", "split at {split}");
+            assert_eq!(&buffer[..], b"\x01\x02", "split at {split}");
+        }
     }
 
     #[test]
