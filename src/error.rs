@@ -65,8 +65,14 @@ pub enum ProxyError {
     Directory(String),
     #[error("upstream `{upstream}` could not be reached: {reason}")]
     UpstreamConnect { upstream: String, reason: String },
-    #[error("upstream `{upstream}` did not answer within {after:?}")]
-    UpstreamTimeout { upstream: String, after: Duration },
+    /// `waiting_for`: what did not come in time, as words ("an answer", "a connection", "the
+    /// TLS handshake").
+    #[error("upstream `{upstream}`: no {waiting_for} within {after:?}")]
+    UpstreamTimeout {
+        upstream: String,
+        after: Duration,
+        waiting_for: &'static str,
+    },
     #[error("upstream `{upstream}` failed: {reason}")]
     UpstreamFailed { upstream: String, reason: String },
     #[error("upstream `{upstream}` is cut off by its open breaker; retry after {retry_after:?}")]

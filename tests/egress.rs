@@ -12,7 +12,7 @@ async fn php_reaches_an_https_api_through_an_egress_route_with_its_own_ca() {
     let ca = make_certificates(dir.path());
     open_up(dir.path());
     let block = format!(
-        "server {{\n listen 127.0.0.1:{{port}} ssl;\n ssl_certificate {d}/server.pem;\n ssl_certificate_key {d}/server.key;\n location / {{ default_type application/json; return 200 '{{\"api\":\"ok\",\"host\":\"$host\",\"uri\":\"$request_uri\"}}'; }}\n}}",
+        "server {{\n listen 127.0.0.1:{{port}} ssl;\n ssl_certificate {d}/server.pem;\n ssl_certificate_key {d}/server.key;\n location / {{ default_type application/json; return 200 '{{\"api\":\"ok\",\"host\":\"$host\",\"http_host\":\"$http_host\",\"uri\":\"$request_uri\"}}'; }}\n}}",
         d = dir.path().display()
     );
     let api = Nginx::start(dir.path(), &block).await;
@@ -53,6 +53,9 @@ async fn php_reaches_an_https_api_through_an_egress_route_with_its_own_ca() {
         json["host"], "localhost",
         "the API sees its own name, not the egress alias"
     );
+    // With its port, which is not 443 (RFC 9110 7.2): a vhost on that port, or a signature
+    // over the Host, knows the name so.
+    assert_eq!(json["http_host"], format!("localhost:{}", api.port));
     assert_eq!(json["uri"], "/v1/reply?q=hi");
     // Other hosts still reach the app.
     assert_eq!(
@@ -80,18 +83,31 @@ fn check_reports_a_missing_or_broken_ca_file() {
     let dir = tempfile::tempdir().expect("dir");
     std::fs::write(dir.path().join("bad.pem"), "not a certificate").expect("write");
     std::fs::write(
+        dir.path().join("cut.pem"),
+        "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIU\n",
+    )
+    .expect("write");
+    std::fs::write(
         dir.path().join("levee.toml"),
-        "[upstream.ai]\nurl = \"https://api.example.com\"\nca_files = [\"missing.pem\", \"bad.pem\"]\n",
+        "[upstream.ai]\nurl = \"https://api.example.com\"\nca_files = [\"missing.pem\", \"bad.pem\", \"cut.pem\"]\n",
     )
     .expect("write");
     let (ok, _, stderr) = levee_check(dir.path());
     assert!(!ok);
+    // Each error points at its own file's name in the list.
     assert!(
-        stderr.contains("levee.toml:3:12: error: cannot read CA file"),
+        stderr.contains("levee.toml:3:13: error: cannot read CA file"),
         "{stderr}"
     );
     assert!(
-        stderr.contains("holds no certificate") || stderr.contains("not valid PEM"),
+        stderr.contains("levee.toml:3:28: error: CA file")
+            && stderr.contains("holds no certificate"),
+        "{stderr}"
+    );
+    // In words, not the marker's bytes.
+    assert!(
+        stderr.contains("levee.toml:3:39: error: CA file")
+            && stderr.contains("has no `-----END CERTIFICATE-----` line"),
         "{stderr}"
     );
 }
@@ -165,4 +181,88 @@ async fn a_large_upload_to_an_https_upstream_arrives_whole() {
         assert_eq!(answer.status, 200, "{}", answer.text());
         assert_eq!(answer.json()["body_len"], size, "{size} bytes");
     }
+}
+
+/// A listener that takes the connection and never speaks TLS: a 504 that says it was the
+/// handshake (it said "did not answer", as of a slow page), within `connect_timeout` for the
+/// connection and the handshake together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_handshake_that_never_ends_is_a_504_that_says_so() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = silent.local_addr().expect("addr").port();
+    let held = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            kept.push(stream);
+        }
+    });
+    let app = echo_backend().await;
+    let levee = Levee::start(&policy_for(
+        app.addr,
+        "default_upstream = \"app\"",
+        &format!(
+            "[upstream.api]\nurl = \"https://localhost:{port}\"\nconnect_timeout = \"300ms\"\n[[route]]\nname = \"api\"\nmatch = {{ host = \"api.egress\" }}\nupstream = \"api\"\n"
+        ),
+    ))
+    .await;
+    let request = Request::get(levee.url("/v1"))
+        .header("host", "api.egress")
+        .body(full(""))
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 504, "{}", answer.text());
+    assert!(
+        answer
+            .text()
+            .contains("upstream `api`: no TLS handshake within 300ms"),
+        "{}",
+        answer.text()
+    );
+    held.abort();
+}
+
+/// A server certificate made with `openssl req -x509` is a CA certificate: trusted as a CA in
+/// `ca_files`, refused by TLS as the server's own. The 502 says what to do, not only rustls's
+/// "CaUsedAsEndEntity".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ca_certificate_serving_as_the_server_s_own_is_explained() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ca = make_certificates(dir.path());
+    open_up(dir.path());
+    let block = format!(
+        "server {{\n listen 127.0.0.1:{{port}} ssl;\n ssl_certificate {d}/ca.pem;\n ssl_certificate_key {d}/ca.key;\n location / {{ return 200 'ok'; }}\n}}",
+        d = dir.path().display()
+    );
+    let api = Nginx::start(dir.path(), &block).await;
+    let app = echo_backend().await;
+    let policy_dir = tempfile::tempdir().expect("dir");
+    std::fs::copy(&ca, policy_dir.path().join("self.pem")).expect("copy ca");
+    std::fs::write(
+        policy_dir.path().join("levee.toml"),
+        policy_for(
+            app.addr,
+            "default_upstream = \"app\"",
+            &format!(
+                "[upstream.api]\nurl = \"https://localhost:{}\"\nca_files = [\"self.pem\"]\n[[route]]\nname = \"api\"\nmatch = {{ host = \"api.egress\" }}\nupstream = \"api\"\n",
+                api.port
+            ),
+        ),
+    )
+    .expect("write");
+    let running = levee::start(levee::Options::new(policy_dir.path()))
+        .await
+        .expect("start");
+    let request = Request::get(format!("http://{}/v1", running.public_addr))
+        .header("host", "api.egress")
+        .body(full(""))
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 502, "{}", answer.text());
+    assert!(
+        answer.text().contains("basicConstraints=CA:FALSE"),
+        "{}",
+        answer.text()
+    );
 }

@@ -3392,7 +3392,7 @@ fn compile_upstream(
     let mut ca_hasher = Sha256::new();
     if let Some(list) = &inner.ca_files {
         for name in list.get_ref() {
-            let path = compiler.path_from(file, name);
+            let path = compiler.path_from(file, name.get_ref());
             match read_ca_file(&path) {
                 Ok(certs) => {
                     for cert in &certs {
@@ -3402,7 +3402,7 @@ fn compile_upstream(
                 }
                 Err(message) => compiler.error_hint(
                     file,
-                    list.span(),
+                    name.span(),
                     message,
                     "a PEM file with one or more CA certificates",
                 ),
@@ -3512,8 +3512,15 @@ fn compile_upstream(
     }
     let fastcgi = fastcgi.ok()?;
     let host = match written_host {
-        // External APIs (https) are called by their own name; the app's Host means nothing there.
-        None if scheme == Scheme::HTTPS => HeaderValue::from_str(authority.host()).ok(),
+        // External APIs (https) are called by their own name; the app's Host means nothing
+        // there. The name with its port when that is not 443 (RFC 9110 7.2): a vhost on
+        // another port, or a request signature over the Host, would not know the bare name.
+        None if scheme == Scheme::HTTPS => match authority.port_u16() {
+            Some(port) if port != 443 => {
+                HeaderValue::from_str(&format!("{}:{port}", authority.host())).ok()
+            }
+            _ => HeaderValue::from_str(authority.host()).ok(),
+        },
         written => written,
     };
     Some(UpstreamSettings {

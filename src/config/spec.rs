@@ -245,7 +245,7 @@ pub struct UpstreamSpec {
     pub idle_body_timeout: Option<Spanned<String>>,
     pub pool_idle_timeout: Option<Spanned<String>>,
     pub pool_max_idle: Option<Spanned<u32>>,
-    pub ca_files: Option<Spanned<Vec<String>>>,
+    pub ca_files: Option<Spanned<Vec<Spanned<String>>>>,
     pub max_inflight: Option<Spanned<u32>>,
     pub shed_reserve: Option<Spanned<f64>>,
     pub queue_wait: Option<Spanned<String>>,

@@ -125,6 +125,24 @@ pub enum ClientError {
     Unsendable(#[from] Unsendable),
 }
 
+/// A handshake's failure, with what to do where rustls's words do not say it: a server
+/// certificate made with `openssl req -x509` is a CA certificate, which `ca_files` trusts as
+/// a CA and TLS then refuses as the server's own ("CaUsedAsEndEntity").
+fn explain_tls_failure(error: io::Error) -> io::Error {
+    if !format!("{error:?}").contains("CaUsedAsEndEntity") {
+        return error;
+    }
+    io::Error::new(
+        error.kind(),
+        format!(
+            "{error}: the upstream's own certificate is a CA certificate (as `openssl req -x509` makes by default), which TLS does not take from a server even when ca_files trusts it; give the server a certificate with basicConstraints=CA:FALSE, signed by the CA in ca_files"
+        ),
+    )
+}
+
+/// The words of a TLS handshake that did not finish within `connect_timeout`.
+const HANDSHAKE_TIMED_OUT: &str = "TLS handshake timed out";
+
 impl ClientError {
     /// Does this failure say the upstream is failing (for its breaker)? Not when the app
     /// answered and only its header fields could not be passed on: one page reflecting a
@@ -145,12 +163,19 @@ impl ClientError {
         }
     }
 
-    /// Did connecting run out of time?
-    pub fn is_connect_timeout(&self) -> bool {
+    /// Did connecting run out of time, and waiting for what: "connection", or "TLS
+    /// handshake" (a listener that accepts and never speaks TLS)?
+    pub fn connect_timed_out(&self) -> Option<&'static str> {
         match self {
-            ClientError::Connect { source, .. } => source.kind() == io::ErrorKind::TimedOut,
-            ClientError::Resent(first) => first.is_connect_timeout(),
-            _ => false,
+            ClientError::Connect { source, .. } if source.kind() == io::ErrorKind::TimedOut => {
+                Some(if source.to_string() == HANDSHAKE_TIMED_OUT {
+                    "TLS handshake"
+                } else {
+                    "connection"
+                })
+            }
+            ClientError::Resent(first) => first.connect_timed_out(),
+            _ => None,
         }
     }
 
@@ -577,6 +602,9 @@ impl Client {
 
     async fn connect(&self) -> Result<Connection, ClientError> {
         let settings = &self.settings;
+        // One `connect_timeout` for the connection and its TLS handshake together: a client
+        // waited up to twice it, one for each.
+        let deadline = tokio::time::Instant::now() + settings.connect_timeout;
         let target = || settings.address();
         if let Some(path) = &settings.socket {
             let connecting = UnixStream::connect(path);
@@ -598,7 +626,7 @@ impl Client {
             return Ok(Connection::new(Stream::Unix(stream)));
         }
         let connecting = connect_tcp(&settings.host, settings.port);
-        let stream = match tokio::time::timeout(settings.connect_timeout, connecting).await {
+        let stream = match tokio::time::timeout_at(deadline, connecting).await {
             Err(_elapsed) => {
                 return Err(ClientError::Connect {
                     target: target(),
@@ -623,21 +651,17 @@ impl Client {
                     },
                 )?;
                 let handshake = TlsConnector::from(config.clone()).connect(name, stream);
-                let remaining = settings.connect_timeout;
-                match tokio::time::timeout(remaining, handshake).await {
+                match tokio::time::timeout_at(deadline, handshake).await {
                     Err(_elapsed) => {
                         return Err(ClientError::Connect {
                             target: target(),
-                            source: io::Error::new(
-                                io::ErrorKind::TimedOut,
-                                "TLS handshake timed out",
-                            ),
+                            source: io::Error::new(io::ErrorKind::TimedOut, HANDSHAKE_TIMED_OUT),
                         })
                     }
                     Ok(Err(source)) => {
                         return Err(ClientError::Connect {
                             target: target(),
-                            source,
+                            source: explain_tls_failure(source),
                         })
                     }
                     Ok(Ok(stream)) => Stream::Tls(Box::new(stream)),

@@ -524,6 +524,7 @@ async fn forward(
         let timeout = ProxyError::UpstreamTimeout {
             upstream: route.upstream.name.clone(),
             after: full_timeout,
+            waiting_for: "answer",
         };
         return stale
             .serve_or(shared, policy, &route, timeout)
@@ -1363,14 +1364,16 @@ fn classify_client_error(
         return ProxyError::UpstreamTimeout {
             upstream,
             after: (*after).max(route.upstream.settings.response_timeout),
+            waiting_for: "answer",
         };
     }
     let reason = error_chain(error);
     if error.is_connect() {
-        if error.is_connect_timeout() {
+        if let Some(waiting_for) = error.connect_timed_out() {
             return ProxyError::UpstreamTimeout {
                 upstream,
                 after: route.upstream.settings.connect_timeout,
+                waiting_for,
             };
         }
         return ProxyError::UpstreamConnect { upstream, reason };
@@ -1606,7 +1609,7 @@ mod tests {
         assert!(first.never_sent() && first.is_connect());
         let resent = client::ClientError::Resent(Box::new(first));
         assert!(resent.is_connect(), "answered 502 as a connect failure");
-        assert!(!resent.is_connect_timeout());
+        assert!(resent.connect_timed_out().is_none());
         assert!(
             !resent.never_sent(),
             "the first try may have reached the app"
@@ -1616,6 +1619,6 @@ mod tests {
             "connect to 127.0.0.1:8081: no (sent again after a pooled connection closed)"
         );
         let slow = client::ClientError::Resent(Box::new(failed(std::io::ErrorKind::TimedOut)));
-        assert!(slow.is_connect_timeout(), "answered 504");
+        assert_eq!(slow.connect_timed_out(), Some("connection"), "answered 504");
     }
 }

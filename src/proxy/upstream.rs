@@ -87,7 +87,7 @@ pub fn read_ca_file(path: &std::path::Path) -> Result<Vec<CertificateDer<'static
 /// certificate") follows the file's name.
 pub fn ca_certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
     let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
-    let certs = certs.map_err(|error| format!("is not valid PEM: {error}"))?;
+    let certs = certs.map_err(|error| format!("is not valid PEM: {}", pem_error(&error)))?;
     if certs.is_empty() {
         return Err("holds no certificate".into());
     }
@@ -104,6 +104,23 @@ pub fn ca_certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, Strin
         })?;
     }
     Ok(certs)
+}
+
+/// A PEM reading error as words: the library's own text prints the marker it looked for as
+/// a list of byte values.
+fn pem_error(error: &rustls_pki_types::pem::Error) -> String {
+    use rustls_pki_types::pem::Error;
+    match error {
+        Error::MissingSectionEnd { end_marker } => format!(
+            "a section has no `-----END {}-----` line (the file is cut short?)",
+            String::from_utf8_lossy(end_marker)
+        ),
+        Error::IllegalSectionStart { line } => format!(
+            "a section starts with a malformed line `{}`",
+            crate::printable::printable(&String::from_utf8_lossy(line))
+        ),
+        other => other.to_string(),
+    }
 }
 
 /// TLS for `https://` upstreams: rustls with the system roots plus `ca_files`.
