@@ -309,7 +309,7 @@ async fn refused_upstream_is_502_and_slow_upstream_is_504() {
     assert!(
         slow_answer
             .text()
-            .contains("upstream `slow` did not answer"),
+            .contains("upstream `slow`: no answer within"),
         "{}",
         slow_answer.text()
     );
