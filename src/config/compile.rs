@@ -686,6 +686,18 @@ fn explain_parse_error(
         .get(span.clone())
         .map(str::trim)
         .filter(|written| !written.is_empty() && written.len() <= 60 && !written.contains('\n'));
+    // The hint repeats what is written, which may be a secret: a password or user name is
+    // never repeated, a URL only with its credentials hidden (the hint reaches the log and the
+    // admin status of a refused reload, not only the operator's terminal).
+    let secret = key.is_some_and(|key| matches!(key, "password" | "username"));
+    let written: Option<Cow<'_, str>> = match written {
+        _ if secret => None,
+        Some(written) if written.contains('@') => {
+            Some(Cow::Owned(crate::redis_store::redact_url(written)))
+        }
+        written => written.map(Cow::Borrowed),
+    };
+    let written = written.as_deref();
     let value = written.map(|written| written.trim_matches(['"', '\'']));
     let quoted = found.starts_with("string ");
     let number = ["u8", "u16", "u32", "u64", "i64", "f64"].contains(&expected);
@@ -2234,12 +2246,14 @@ fn compile_redis(
         }
         (Some(url), _, _) => {
             check_redis_url(compiler, file, url.get_ref(), url.span());
+            check_certificate_checked(compiler, file, url.get_ref(), url.span());
             Some(RedisTarget::Single(url.get_ref().clone()))
         }
         (_, Some(nodes), _) if !nodes.get_ref().is_empty() => {
             for node in nodes.get_ref() {
                 check_redis_url(compiler, file, node, nodes.span());
-                check_cluster_database(compiler, file, node, nodes.span());
+                check_certificate_checked(compiler, file, node, nodes.span());
+                check_cluster_node(compiler, file, node, nodes.span());
             }
             Some(RedisTarget::Cluster(nodes.get_ref().clone()))
         }
@@ -2613,12 +2627,52 @@ fn check_redis_url(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Ra
     }
 }
 
-/// A Redis Cluster has database 0 alone: a node URL naming another would make every
-/// connection to that node fail on its `SELECT`, long after `levee check` passed.
-fn check_cluster_database(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Range<usize>) {
+/// `rediss://…#insecure` (no check of Redis's certificate): levee is built without the Redis
+/// client's insecure TLS, so such a URL passed `levee check` and then every call failed.
+/// Refused, as for sentinels: a certificate levee cannot check is given with `ca_file`.
+fn check_certificate_checked(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    url: &str,
+    span: Range<usize>,
+) {
     let Ok(client) = redis::Client::open(url) else {
         return; // check_redis_url has said why
     };
+    if let redis::ConnectionAddr::TcpTls { insecure: true, .. } =
+        client.get_connection_info().addr()
+    {
+        compiler.error_hint(
+            file,
+            span,
+            format!(
+                "`{}` asks for TLS without checking Redis's certificate, which levee does not do",
+                crate::redis_store::redact_url(url)
+            ),
+            "remove #insecure; for a certificate your own CA signed, give that CA with ca_file",
+        );
+    }
+}
+
+/// A Redis Cluster is reached over TCP, and has database 0 alone: a node URL naming another
+/// database would make every connection to that node fail on its `SELECT`, and a unix socket
+/// every call (the cluster names its nodes by IP and port), long after `levee check` passed.
+fn check_cluster_node(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Range<usize>) {
+    let Ok(client) = redis::Client::open(url) else {
+        return; // check_redis_url has said why
+    };
+    if let redis::ConnectionAddr::Unix(_) = client.get_connection_info().addr() {
+        compiler.error_hint(
+            file,
+            span,
+            format!(
+                "cluster node `{}` is a unix socket",
+                crate::redis_store::redact_url(url)
+            ),
+            "a Redis Cluster names its nodes by address and port: list them as \"redis://host:port\"",
+        );
+        return;
+    }
     let database = client.get_connection_info().redis_settings().db();
     if database != 0 {
         compiler.error_hint(
@@ -4490,6 +4544,37 @@ mod tests {
             .unwrap_or_default()
     }
 
+    /// A hint repeats what is written, and reaches the log and the admin status of a refused
+    /// reload: never a password.
+    #[test]
+    fn a_hint_never_repeats_a_redis_secret() {
+        for (text, shown) in [
+            (
+                format!("{APP}[redis]\ncluster = \"redis://:Sekr1t@127.0.0.1:7000\"\n"),
+                Some("redis://***@127.0.0.1:7000"),
+            ),
+            (
+                format!("{APP}[redis]\nurl = [\"redis://:Sekr1t@127.0.0.1:6379\"]\n"),
+                Some("redis://***@127.0.0.1:6379"),
+            ),
+            (
+                format!("{APP}[redis.sentinel]\nmaster = \"m\"\nnodes = [\"127.0.0.1:26379\"]\npassword = [\"Sekr1t\"]\n"),
+                None,
+            ),
+            (
+                format!("{APP}[redis.sentinel]\nmaster = \"m\"\nnodes = [\"127.0.0.1:26379\"]\nusername = {{ v = \"Sekr1t\" }}\n"),
+                None,
+            ),
+        ] {
+            let error = first_error(&text);
+            assert!(error.contains("error: "), "{text}: {error}");
+            assert!(!error.contains("Sekr1t"), "{error}");
+            if let Some(shown) = shown {
+                assert!(error.contains(shown), "{error}");
+            }
+        }
+    }
+
     #[test]
     fn a_value_of_the_wrong_kind_is_explained_in_operator_words_not_rust_types() {
         let route = |line: &str| format!("{APP}[[route]]\nname = \"r\"\n{line}\n");
@@ -4841,6 +4926,32 @@ mod tests {
             &policy("[redis]\nurl = \"redis://127.0.0.1:6379\"\n")
         )])
         .is_empty());
+    }
+
+    /// Each passed `levee check`, then every call failed: the Redis client is built without
+    /// its insecure TLS, and a cluster names its nodes by address.
+    #[test]
+    fn redis_urls_levee_cannot_use_are_refused() {
+        for (redis, expected) in [
+            (
+                "url = \"rediss://:pw@127.0.0.1:6380/0#insecure\"",
+                "`rediss://***@127.0.0.1:6380/0#insecure` asks for TLS without checking",
+            ),
+            (
+                "cluster = [\"rediss://127.0.0.1:7000#insecure\"]",
+                "asks for TLS without checking Redis's certificate",
+            ),
+            (
+                "cluster = [\"redis+unix:///run/redis.sock\"]",
+                "cluster node `redis+unix:///run/redis.sock` is a unix socket",
+            ),
+        ] {
+            let refused = errors(&[("a.toml", &format!("{APP}[redis]\n{redis}\n"))]);
+            assert!(
+                refused.len() == 1 && refused[0].contains(expected),
+                "{redis}: {refused:?}"
+            );
+        }
     }
 
     #[test]
