@@ -545,7 +545,10 @@ impl RedisStore {
         }
         let mut info = redis::cmd("INFO");
         info.arg("memory");
-        let text: String = match self
+        // One server answers with its text; a cluster client asks every node and answers
+        // with a map of node to text (read as one text, that was a failed call every pass: a
+        // false "redis calls fail" and no check at all).
+        let answer: redis::Value = match self
             .command(
                 &info,
                 self.settings.timeout.max(Duration::from_millis(500)),
@@ -553,17 +556,13 @@ impl RedisStore {
             )
             .await
         {
-            Ok(text) => text,
+            Ok(answer) => answer,
             Err(error) => {
                 tracing::debug!("redis memory settings not read: {error}");
                 return false;
             }
         };
-        let policy = text
-            .lines()
-            .find_map(|line| line.trim().strip_prefix("maxmemory_policy:"))
-            .unwrap_or("unknown")
-            .to_string();
+        let policy = eviction_policy_of(&answer);
         if policy.starts_with("allkeys-") {
             tracing::warn!(
                 maxmemory_policy = %policy,
@@ -1525,6 +1524,41 @@ fn parse_reply(text: &str, count: usize) -> Result<(bool, Vec<RemoteVerdict>), R
 
 /// Keeps the store alive in `Arc`s shared by policy generations.
 pub type SharedRedis = Arc<RedisStore>;
+
+/// The `maxmemory_policy` an `INFO memory` answer gives: one server's text, or a cluster's
+/// map of node to text, where a node that evicts any key speaks for all (its queue streams
+/// are as much at risk); "unknown" when no node says.
+fn eviction_policy_of(answer: &redis::Value) -> String {
+    fn of_text(text: &[u8]) -> Option<String> {
+        String::from_utf8_lossy(text)
+            .lines()
+            .find_map(|line| line.trim().strip_prefix("maxmemory_policy:"))
+            .map(str::to_string)
+    }
+    let policies: Vec<String> = match answer {
+        redis::Value::BulkString(text) => of_text(text).into_iter().collect(),
+        redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => {
+            of_text(text.as_bytes()).into_iter().collect()
+        }
+        redis::Value::Map(nodes) => nodes
+            .iter()
+            .filter_map(|(_, text)| match text {
+                redis::Value::BulkString(text) => of_text(text),
+                redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => {
+                    of_text(text.as_bytes())
+                }
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    policies
+        .iter()
+        .find(|policy| policy.starts_with("allkeys-"))
+        .or_else(|| policies.first())
+        .cloned()
+        .unwrap_or_else(|| "unknown".to_string())
+}
 
 /// A Redis URL fit to show (in `/status`, in `levee check` errors): the credentials of
 /// `user:pass@` and the value of a `password` or `pass` query parameter become `***`.

@@ -1536,6 +1536,32 @@ async fn a_redis_that_may_evict_queued_jobs_is_named_in_status() {
         get(&levee.admin_url("/status")).await.json()["redis"]["maxmemory_policy"] == "allkeys-lru"
     })
     .await;
+
+    // In a cluster every node answers (a map of node to text, which failed to read as one
+    // text: a "redis calls fail" every pass and no check): one node that evicts any key is
+    // named.
+    let cluster = RedisCluster::start(&dir.path().join("cluster")).await;
+    cluster.cli(1, &["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"]);
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "",
+        &format!(
+            "[redis]\ncluster = [{}]\n[queue]\npoll_interval = \"50ms\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+            cluster.toml_list(),
+        ),
+    ))
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "the cluster's policy to be read",
+        || async {
+            get(&levee.admin_url("/status")).await.json()["redis"]["maxmemory_policy"]
+                == "allkeys-lru"
+        },
+    )
+    .await;
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert!(status["redis"]["last_error"].is_null(), "{status}");
 }
 
 /// Every levee process joins each queue's consumer group under a name of its own, so each
