@@ -486,6 +486,29 @@ impl RedisStore {
         lock(&self.health).is_closed()
     }
 
+    /// Where rate-limit decisions go, for the operator: "redis", "fallback", or, in a cluster
+    /// with some of its nodes' breakers open (or slots not mapped yet), "partly fallback".
+    /// A cluster's decisions follow its nodes' breakers, never the single-server one, which
+    /// said "redis" whatever the nodes did.
+    pub fn rate_limit_source(&self) -> &'static str {
+        let nodes = self.cluster_nodes();
+        if nodes.is_empty() {
+            return if self.decides_rate_limits() {
+                "redis"
+            } else {
+                "fallback"
+            };
+        }
+        let up = nodes.iter().filter(|(_, up)| *up).count();
+        if up == nodes.len() {
+            "redis"
+        } else if up == 0 {
+            "fallback"
+        } else {
+            "partly fallback"
+        }
+    }
+
     /// Notes what a call found (`failure`: `None` when it answered). A background call that
     /// got an answer while the health breaker is open lets the next rate-limit call probe at
     /// once: Redis is back, and limits need not stay on their fallbacks for the rest of the

@@ -1158,6 +1158,13 @@ async fn a_cluster_node_out_stops_only_the_queues_it_holds() {
     };
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(node_up(&metrics, out_node), 0.0, "{metrics}");
+    // Rate limits on the node out are on their fallbacks, and /status says so (it said
+    // "redis" whatever a cluster's nodes did).
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["redis"]["rate_limits"], "partly fallback",
+        "{status}"
+    );
     let answer = post_to("notify", "lost=1").await;
     assert_eq!(answer.status, 503, "{}", answer.text());
     let answer = post_to(&other, "second=2").await;

@@ -390,6 +390,11 @@ pub fn summarize(status: &serde_json::Value) -> String {
                 out,
                 "         rate limits on their on_redis_error fallbacks (the health breaker is open)"
             );
+        } else if redis["rate_limits"] == "partly fallback" {
+            let _ = writeln!(
+                out,
+                "         rate limits of the keys on the nodes down on their on_redis_error fallbacks"
+            );
         }
         if let Some(master) = redis["master"].as_str() {
             let _ = writeln!(out, "         master now {master} (named by the sentinels)");

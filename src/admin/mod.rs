@@ -977,7 +977,7 @@ fn status(shared: &Shared) -> serde_json::Value {
             "master": redis.sentinel_master().map(|address| address.to_string()),
             "up": redis.is_up(),
             "last_error": redis.last_error(),
-            "rate_limits": if redis.decides_rate_limits() { "redis" } else { "fallback" },
+            "rate_limits": redis.rate_limit_source(),
             "maxmemory_policy": redis.eviction_policy(),
             "nodes": redis.cluster_nodes().into_iter().map(|(node, up)| json!({"node": node, "up": up})).collect::<Vec<_>>(),
         })
