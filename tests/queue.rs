@@ -1389,6 +1389,32 @@ async fn a_full_redis_refuses_new_jobs_with_503() {
     .await;
 }
 
+/// A Redis that has turned replica (a failover levee has not followed) refuses the write
+/// before running any of it, as a cluster moving the stream's slot does (`TRYAGAIN`,
+/// `MOVED`): the client is told nothing was stored, not that it may be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_redis_refused_without_running_it_was_not_stored() {
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::create_dir_all(dir.path().join("a")).expect("dir");
+    std::fs::create_dir_all(dir.path().join("b")).expect("dir");
+    let redis = RedisServer::start(&dir.path().join("a")).await;
+    let master = RedisServer::start(&dir.path().join("b")).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let url = format!("redis://127.0.0.1:{}/0", redis.port);
+    let levee = Levee::start(&queue_policy(backend.addr, &url, "")).await;
+    switch(&levee, "off").await;
+    assert_eq!(post_as(&levee, "n=1", "198.51.100.7").await.status, 202);
+    redis.cli(&["REPLICAOF", "127.0.0.1", &master.port.to_string()]);
+    let refused = post_as(&levee, "n=2", "198.51.100.7").await;
+    redis.cli(&["REPLICAOF", "NO", "ONE"]);
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(
+        refused.text().contains("nothing was stored"),
+        "{}",
+        refused.text()
+    );
+}
+
 /// A site whose routes have no rate limits still finds Redis back after an outage: the queue
 /// write is let through as the health breaker's probe once its cool-down is over. (It had
 /// been refused 503 for as long as no rate-limited request came to close the breaker.)

@@ -615,6 +615,12 @@ pub async fn enqueue(
                 "redis is full (maxmemory reached, nothing evictable): {error}"
             )))
         }
+        // Refused before the script ran (a cluster moving the stream's slot, a failover, a
+        // Redis still loading): nothing was stored, and asking what became of the write would
+        // be refused the same way (each such write logged "perhaps stored", unthrottled).
+        Err(RedisFailure::Redis(error)) if was_refused_unrun(&error) => {
+            return Err(not_stored(format!("redis did not run the write: {error}")))
+        }
         // Sent, but its answer did not come: Redis may have run it (say the answer was slow
         // to travel back). The same connection carries the question after the write, so
         // Redis answers it after running the write, if it ever does. (A write that waits for
@@ -658,12 +664,16 @@ pub async fn enqueue(
                 Err(settling) => {
                     // Redis may hold the job: a check queued behind the write withdraws it if
                     // it runs, but a Redis that saved the write and died before answering
-                    // keeps it.
-                    tracing::warn!(
-                        route = %route.name,
-                        "job perhaps stored, answering 503: {doubt}; what became of the write \
-                         could not be checked either ({settling})"
-                    );
+                    // keeps it. Every such write while Redis fails: a line per ten seconds.
+                    static PERHAPS_STORED: LogThrottle = LogThrottle::new(Duration::from_secs(10));
+                    if let Some(held_back) = PERHAPS_STORED.allow(std::time::Instant::now()) {
+                        tracing::warn!(
+                            route = %route.name,
+                            held_back,
+                            "job perhaps stored, answering 503: {doubt}; what became of the \
+                             write could not be checked either ({settling})"
+                        );
+                    }
                     return Err(ProxyError::QueueUnavailable {
                         route: route.name.to_string(),
                         unsettled: true,
@@ -711,6 +721,27 @@ pub async fn enqueue(
         response.headers_mut().insert("x-levee-job", value);
     }
     Ok(response)
+}
+
+/// Whether Redis refused a command before running any of it: a Redis Cluster redirecting or
+/// moving the key's slot (`MOVED`, `ASK`, `TRYAGAIN`), a cluster without a quorum, keys in
+/// two slots, a replica or a master cut off from its own after a failover (`READONLY`,
+/// `MASTERDOWN`), a Redis still loading its data or busy with a script.
+pub(crate) fn was_refused_unrun(error: &redis::RedisError) -> bool {
+    matches!(
+        error.code(),
+        Some(
+            "MOVED"
+                | "ASK"
+                | "TRYAGAIN"
+                | "CLUSTERDOWN"
+                | "CROSSSLOT"
+                | "READONLY"
+                | "MASTERDOWN"
+                | "LOADING"
+                | "BUSY"
+        )
+    )
 }
 
 #[cfg(test)]
