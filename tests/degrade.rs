@@ -1073,6 +1073,10 @@ async fn a_browser_revalidating_its_cached_page_gets_the_page_as_the_switches_ha
                 .header("etag", "\"v1\"")
                 .header("cache-control", "public, max-age=600")
                 .header("expires", "Mon, 30 Nov 2026 10:10:00 GMT")
+                .header("x-accel-expires", "600")
+                .header("surrogate-control", "max-age=600")
+                .header("cdn-cache-control", "max-age=600")
+                .header("accept-ranges", "bytes")
                 .body(full("<p>home</p><div id=\"visitors\">42 online</div>"))
                 .expect("response")
         }
@@ -1117,6 +1121,16 @@ async fn a_browser_revalidating_its_cached_page_gets_the_page_as_the_switches_ha
         (Some("no-cache"), None),
         "nor is it kept for the app's page's lifetime"
     );
+    // Nor by a front nginx's proxy_cache (`X-Accel-Expires` comes before Cache-Control there)
+    // or a CDN; and its bytes are not the app's to take ranges of.
+    for name in [
+        "x-accel-expires",
+        "surrogate-control",
+        "cdn-cache-control",
+        "accept-ranges",
+    ] {
+        assert_eq!(again.header(name), None, "{name}");
+    }
     assert_eq!(set(&levee, "/modules/visitors", "on").await.status, 200);
     let whole = get(&levee.url("/")).await;
     assert_eq!(
@@ -1159,6 +1173,30 @@ async fn a_range_of_a_page_with_modules_hidden_is_never_a_cut_up_piece_of_the_ap
         (200, "<p>home</p><p>end</p>"),
         "content-range {:?}",
         ranged.header("content-range")
+    );
+
+    // An app that answers a range nobody asked for: its part is passed as it is (scanned,
+    // it could lose bytes its Content-Range counts).
+    let partial = Backend::start(|_request: Request<Incoming>| async move {
+        Response::builder()
+            .status(206)
+            .header("content-type", "text/html")
+            .header("content-range", format!("bytes 11-44/{}", PAGE.len()))
+            .body(full(&PAGE[11..=44]))
+            .expect("response")
+    })
+    .await;
+    let levee = levee_with_routes(
+        &partial,
+        "match = { path = \"/\" }",
+        "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }",
+    )
+    .await;
+    assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    let answer = get(&levee.url("/")).await;
+    assert_eq!(
+        (answer.status, answer.text().as_str()),
+        (206, &PAGE[11..=44])
     );
 }
 

@@ -922,6 +922,16 @@ fn with_rate_limit_fields(
 /// Cuts the fragments of switched-off modules (`hiding`, from [`hidden_fragments`]) out of an
 /// HTML answer: the upstream's, or a stale copy, which is kept whole as the upstream sent it
 /// and hidden with the switches of the moment it is served.
+/// Fields of the app's answer that no longer hold once a module is cut out of it, besides
+/// its validators and `Expires` (see [`without_switched_off_fragments`]).
+static CUT_PAGE_DROPS: [http::HeaderName; 5] = [
+    http::HeaderName::from_static("x-accel-expires"),
+    http::HeaderName::from_static("surrogate-control"),
+    http::HeaderName::from_static("cdn-cache-control"),
+    http::HeaderName::from_static("content-md5"),
+    h::ACCEPT_RANGES,
+];
+
 fn without_switched_off_fragments(
     response: Response<ResponseBody>,
     hiding: Option<Arc<HidePlan>>,
@@ -929,6 +939,11 @@ fn without_switched_off_fragments(
     let Some(plan) = hiding else {
         return response;
     };
+    // A part of a page (the app answered a range though levee asked for none) cannot be
+    // scanned for whole modules, and its `Content-Range` counts the bytes as sent.
+    if response.status() == http::StatusCode::PARTIAL_CONTENT {
+        return response;
+    }
     let Some(encoding) =
         hide::page_encoding(response.headers()).filter(|_| hide::rewritable(response.headers()))
     else {
@@ -958,6 +973,13 @@ fn without_switched_off_fragments(
             .insert(h::CACHE_CONTROL, http::HeaderValue::from_static(lifetime));
     }
     parts.headers.remove(h::EXPIRES);
+    // The lifetimes other caches read before `Cache-Control` (the front nginx's
+    // `X-Accel-Expires`, a CDN's), a digest of the body as sent, and byte ranges of a body
+    // whose offsets are not the app's: the cut page stayed in a front cache for the app's
+    // lifetime after the module was back on.
+    for name in &CUT_PAGE_DROPS {
+        parts.headers.remove(name);
+    }
     Response::from_parts(parts, Hidden::new(body, plan, encoding).boxed_unsync())
 }
 
