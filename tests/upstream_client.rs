@@ -1681,6 +1681,16 @@ async fn a_body_cut_off_mid_way_aborts_the_response_never_a_clean_short_one() {
             "{path}: levee serves the next request"
         );
     }
+    // Each is the upstream's failure in the metrics (and a warn line), not a client that
+    // went away: at least the five whose head had passed.
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        metric_value(
+            &metrics,
+            "levee_upstream_errors_total{upstream=\"app\",kind=\"body_cut\"}"
+        ) >= 5.0,
+        "{metrics}"
+    );
     stop(levee).await;
 }
 

@@ -101,10 +101,11 @@ where
     }
 }
 
-/// Called once when a response body is finished or dropped, with the bytes sent and
-/// whether the body reached its end.
+/// Called once when a response body is finished or dropped, with the bytes sent, whether
+/// the body reached its end, and why it failed when it did (the upstream cut it short, went
+/// silent, broke its framing), as against a client that went away (no failure).
 pub trait OnBodyEnd: Send + 'static {
-    fn on_body_end(self, bytes: u64, complete: bool);
+    fn on_body_end(self, bytes: u64, complete: bool, failure: Option<String>);
 }
 
 pin_project! {
@@ -115,6 +116,7 @@ pin_project! {
         inner: B,
         bytes: u64,
         complete: bool,
+        failure: Option<String>,
         on_end: Option<F>,
     }
 
@@ -122,7 +124,7 @@ pin_project! {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
             if let Some(on_end) = this.on_end.take() {
-                on_end.on_body_end(*this.bytes, *this.complete);
+                on_end.on_body_end(*this.bytes, *this.complete, this.failure.take());
             }
         }
     }
@@ -135,6 +137,7 @@ impl<B: Body, F: OnBodyEnd> Observed<B, F> {
             complete: inner.is_end_stream(),
             inner,
             bytes: 0,
+            failure: None,
             on_end: Some(on_end),
         }
     }
@@ -142,11 +145,11 @@ impl<B: Body, F: OnBodyEnd> Observed<B, F> {
 
 impl<B, F> Body for Observed<B, F>
 where
-    B: Body<Data = Bytes>,
+    B: Body<Data = Bytes, Error = BoxError>,
     F: OnBodyEnd,
 {
     type Data = Bytes;
-    type Error = B::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
@@ -163,7 +166,10 @@ where
                 *this.complete = this.inner.is_end_stream();
             }
             Poll::Ready(None) => *this.complete = true,
-            _ => {}
+            Poll::Ready(Some(Err(error))) => {
+                *this.failure = Some(crate::proxy::error_chain(&**error));
+            }
+            Poll::Pending => {}
         }
         polled
     }

@@ -1423,7 +1423,7 @@ fn unsendable(refusal: &client::Unsendable) -> ProxyError {
 }
 
 /// `outer: inner: innermost`, for one-line logs.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(inner) = source {
@@ -1539,7 +1539,33 @@ struct Exchange {
 }
 
 impl OnBodyEnd for Exchange {
-    fn on_body_end(mut self, bytes: u64, complete: bool) {
+    fn on_body_end(mut self, bytes: u64, complete: bool, failure: Option<String>) {
+        if let Some(failure) = failure {
+            // The head went out as the upstream's, so the client sees only a cut answer; the
+            // log and `levee_upstream_errors_total` say it was the upstream (it looked like a
+            // client that went away).
+            self.error = Some("body_cut");
+            let upstream = self
+                .route
+                .as_ref()
+                .map_or("-", |route| route.upstream.name.as_str());
+            if let Some(route) = &self.route {
+                self.shared
+                    .metrics
+                    .upstream_errors
+                    .get_or_create(&UpstreamErrorLabels {
+                        upstream: route.upstream.name.clone().into(),
+                        kind: "body_cut",
+                    })
+                    .inc();
+            }
+            tracing::warn!(
+                client = %self.client_ip,
+                method = %self.method,
+                path = %crate::printable::PrintableUri(&self.uri),
+                "upstream `{upstream}`'s answer was cut off after {bytes} bytes of its body: {failure}"
+            );
+        }
         self.report(bytes, complete);
     }
 }
