@@ -476,6 +476,33 @@ impl RedisStore {
                 .all(|(_, node_is_up)| *node_is_up)
     }
 
+    /// Whether calls on `key` are worth making from the background: Redis answers (see
+    /// [`Self::is_up`]), or in a cluster, the node holding `key` has its breaker closed. One
+    /// node out silenced every instance's fleet line, though its own node answered.
+    pub fn answers_for(&self, key: &str) -> bool {
+        match &self.cluster {
+            Some(cluster) => lock(&cluster.node_for(key).health).is_closed(),
+            None => self.is_up(),
+        }
+    }
+
+    /// A cluster's slot map is read again (at most once a second) while a node's breaker is
+    /// open, traffic or not: calls on the node's slots go nowhere, so without them nothing
+    /// learnt that a replica had taken the slots over, and `/status` named the dead node
+    /// down for good. Called by the switch sync.
+    pub fn follow_cluster(&self, metrics: &Metrics) {
+        let Some(cluster) = &self.cluster else {
+            return;
+        };
+        if cluster
+            .nodes()
+            .iter()
+            .any(|node| !lock(&node.health).is_closed())
+        {
+            self.read_slot_map_when_due(cluster, true, metrics);
+        }
+    }
+
     /// Why the latest call failed, while that is so.
     pub fn last_error(&self) -> Option<String> {
         lock(&self.reach).failure.clone()

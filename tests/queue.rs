@@ -3070,3 +3070,66 @@ async fn an_always_queue_route_takes_its_202_bodies_without_naming_the_action() 
     let job = body["queued"].as_str().unwrap_or_default();
     assert!(!job.is_empty() && job != "{job}", "{body}");
 }
+
+/// A cluster master dies and its replica takes its slots over while nothing asks for them:
+/// levee reads the slot map again on its own (it did only on calls to those slots), so
+/// `/status` stops naming the dead node down, and the node's outage never silenced this
+/// instance's fleet line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_failover_is_followed_without_traffic_on_the_slots_moved() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut cluster = RedisCluster::start_with_replicas(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let owner = cluster.owner(STREAM);
+    let replica = cluster.replica_of(owner).expect("the owner's replica");
+    eventually(Duration::from_secs(10), "the replica in sync", || async {
+        cluster
+            .cli(replica, &["INFO", "replication"])
+            .contains("master_link_status:up")
+    })
+    .await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\ncluster = [{}]\ntimeout = \"200ms\"\nfailures_to_open = 1\ncooldown = \"1h\"\n[degrade]\nsync_interval = \"100ms\"\n[queue]\npoll_interval = \"50ms\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+            cluster.toml_list()
+        ),
+    ))
+    .await;
+    let post = || {
+        let request = Request::post(levee.url("/notify.php"))
+            .body(full("n=1"))
+            .expect("request");
+        send(request)
+    };
+    assert_eq!(post().await.status, 202);
+    let dead = format!("127.0.0.1:{}", cluster.ports[owner]);
+    cluster.kill(owner);
+    assert_eq!(post().await.status, 503);
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["redis"]["up"], false, "{status}");
+    cluster.cli(replica, &["CLUSTER", "FAILOVER", "TAKEOVER"]);
+    // No more requests: only levee's own background work may find the new master.
+    eventually(
+        Duration::from_secs(10),
+        "the dead node gone from the slot map levee follows",
+        || async {
+            let status = get(&levee.admin_url("/status")).await.json();
+            let nodes = status["redis"]["nodes"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            status["redis"]["up"] == true && !nodes.iter().any(|node| node["node"] == dead.as_str())
+        },
+    )
+    .await;
+    eventually(Duration::from_secs(5), "the fleet read again", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["fleet"]["instances"]
+            .as_array()
+            .is_some_and(|instances| !instances.is_empty())
+    })
+    .await;
+    assert_eq!(post().await.status, 202);
+}

@@ -83,7 +83,7 @@ pub async fn write(redis: &RedisStore, instance: &str, report: &Report) {
     let Ok(text) = serde_json::to_string(report) else {
         return;
     };
-    if !redis.is_up() {
+    if !redis.answers_for(&key(redis)) {
         return;
     }
     let written = async {
@@ -167,7 +167,7 @@ pub async fn read(
     this_instance: &str,
     sync_interval: Duration,
 ) -> Result<Vec<Member>, String> {
-    if !redis.is_up() {
+    if !redis.answers_for(&key(redis)) {
         return Err(format!(
             "redis is down{}",
             redis

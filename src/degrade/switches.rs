@@ -506,6 +506,7 @@ pub async fn spawn_sync(
             }
             publish(&degrade, &policy, &metrics);
             if let Some(redis) = &policy.redis {
+                redis.follow_cluster(&metrics);
                 super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
             }
             written_to = policy.redis.clone();
