@@ -991,9 +991,10 @@ impl Hider {
         }
         match std::mem::replace(&mut self.stage, Stage::Done) {
             Stage::Scan(scan) => emit_shared(&self.output, scan.carry.into_bytes()),
-            // The page ended inside a removed element: it is removed to the end, as the
-            // rewriter would.
-            Stage::Cut { .. } => {}
+            // The page ended inside a removed element: nothing the scanner reads as its end
+            // came. HTML would end it with the page, but a misread end (a template's stray tag)
+            // would then cost the visitor the rest of the page: it is left in place instead.
+            Stage::Cut { held, .. } => emit_shared(&self.output, held.into_bytes()),
             Stage::Rewrite(rewriter) => rewriter
                 .end()
                 .map_err(|error| Box::new(error) as BoxError)?,
@@ -1264,6 +1265,66 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The module ends where the browser ends it when its own end tag is missing: at the end
+    /// tag of an element around it, or at a start tag of its own kind; the rest of the page
+    /// stays. It was removed to the end of the page.
+    #[test]
+    fn a_module_missing_its_end_tag_ends_where_the_browser_ends_it() {
+        let head =
+            "<!doctype html><html><head><meta charset=\"utf-8\"><title>t</title></head><body>";
+        let tail = "<p id=\"after\">AFTER</p></body></html>";
+        for (line, module) in [
+            (
+                "<table><tr><td><div id=\"ranking\">R</td></tr></table><p>x</p>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<ul><li><div id=\"ranking\">R</li><li>next</li></ul><p>x</p>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<section><div id=\"ranking\">R</section><p>x</p>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<main><div id=\"ranking\">R</main><footer>F</footer>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<div><span id=\"ranking\">R</div><p>x</p>",
+                "<span id=\"ranking\">R",
+            ),
+            (
+                "<a href=/1 id=\"ranking\">R<a href=/2>two</a> tail",
+                "<a href=/1 id=\"ranking\">R",
+            ),
+            (
+                "<button id=\"ranking\">B<button>C</button>",
+                "<button id=\"ranking\">B",
+            ),
+        ] {
+            let page = format!("{head}{line}{tail}");
+            let expected = page.replace(module, "");
+            for chunk in [1, 7, 64, 1 << 20] {
+                for pauses in [Pauses::Never, Pauses::AfterEachChunk] {
+                    let out =
+                        hide_keeping(page.as_bytes(), &["#ranking"], chunk, true, CARRY, pauses);
+                    assert_eq!(
+                        String::from_utf8_lossy(&out),
+                        expected,
+                        "chunk {chunk}, {pauses:?}"
+                    );
+                }
+            }
+        }
+        // A page that ends inside the module: nothing told where it ends, so it stays.
+        let page = format!("{head}<div id=\"ranking\">R</body></html>");
+        assert_eq!(
+            String::from_utf8_lossy(&hide_with(page.as_bytes(), &["#ranking"], 5, true)),
+            page
+        );
     }
 
     #[test]
