@@ -460,6 +460,28 @@ struct Hider {
     /// Bytes kept back at the end of each chunk while scanning: `CARRY` (tests use less, so
     /// that small pages take every path).
     carry: usize,
+    /// The start of the body, held until a byte of it other than white space shows whether
+    /// it is a page at all (see [`is_json`]); `None` once that is known.
+    opening: Option<Held>,
+}
+
+/// Whether a body that starts with `start` is JSON rather than a page: its first byte other
+/// than white space (after a UTF-8 byte order mark) opens an object or an array. A PHP AJAX
+/// endpoint that never calls `header()` sends its JSON as `text/html`, and `json_encode`
+/// writes `</` as `<\/`: a module's start tag in a string found no end tag, and the rest of
+/// the body was removed. No browser reads such a body as a page. `None`: only white space (or
+/// part of the mark) so far.
+fn is_json(start: &[u8]) -> Option<bool> {
+    const BOM: &[u8] = b"\xef\xbb\xbf";
+    if start.len() < BOM.len() && BOM.starts_with(start) {
+        return None;
+    }
+    start
+        .strip_prefix(BOM)
+        .unwrap_or(start)
+        .iter()
+        .find(|byte| !matches!(byte, b' ' | b'\t' | b'\n' | b'\r' | b'\x0c'))
+        .map(|&first| first == b'{' || first == b'[')
 }
 
 pin_project! {
@@ -684,13 +706,38 @@ impl Hider {
             ended,
             output,
             carry: CARRY,
+            opening: Some(Held::default()),
         }
+    }
+
+    /// Holds the body's first bytes until they tell a page from JSON: JSON passes untouched,
+    /// a page goes on to the stage. `true`: `data` was taken (held, or passed as JSON).
+    fn open(&mut self, data: Bytes) -> Result<bool, BoxError> {
+        let Some(opening) = &mut self.opening else {
+            return Ok(false);
+        };
+        opening.append(data);
+        let Some(json) = is_json(opening) else {
+            return Ok(true);
+        };
+        let start = std::mem::take(opening).into_bytes();
+        self.opening = None;
+        if json {
+            self.stage = Stage::Pass;
+            emit_shared(&self.output, start);
+            return Ok(true);
+        }
+        self.feed_shared(start)?;
+        Ok(true)
     }
 
     /// Feeds one chunk of the upstream's body. While scanning, a chunk in which no needle
     /// occurs is searched where it lies and passed on without being copied; only its last
     /// `carry` bytes (or a tag that has not ended) are kept back. Otherwise it goes to `feed`.
     fn feed_shared(&mut self, data: Bytes) -> Result<(), BoxError> {
+        if self.opening.is_some() {
+            return self.open(data).map(|_| ());
+        }
         if self.scan_in_place(&data) {
             return Ok(());
         }
@@ -983,6 +1030,10 @@ impl Hider {
     }
 
     fn end(&mut self) -> Result<(), BoxError> {
+        // A body of white space only: what it is does not matter, it goes through the stage.
+        if let Some(opening) = self.opening.take() {
+            self.feed_shared(opening.into_bytes())?;
+        }
         // What was held back waiting for more bytes is looked at now: no more will come.
         match &self.stage {
             Stage::Scan(_) => self.scan()?,
@@ -1325,6 +1376,71 @@ mod tests {
             String::from_utf8_lossy(&hide_with(page.as_bytes(), &["#ranking"], 5, true)),
             page
         );
+    }
+
+    /// A PHP AJAX endpoint without a `header()` call: JSON labelled `text/html`, whose `</`
+    /// `json_encode` wrote as `<\/`. It was cut from the module's start tag to its end.
+    #[tokio::test]
+    async fn json_labelled_html_passes_untouched() {
+        let json = r#"{"html":"<div id='ranking'><b>Top</b><\/div>","posts":[1,2,3]}"#;
+        for start in ["", "\u{feff}", " \r\n", "\u{feff}\n\t"] {
+            for body in [format!("{start}{json}"), format!("{start}[{json}]")] {
+                for chunk in [1, 2, 3, 4096] {
+                    for (selectors, markers) in [
+                        (&["#ranking"][..], &[][..]),
+                        (&["#ranking", "div.x"][..], &["ads"][..]),
+                        (&["div"][..], &[][..]),
+                    ] {
+                        let out = rewrite_bytes(
+                            body.as_bytes(),
+                            selectors,
+                            markers,
+                            chunk,
+                            AsciiCompatibleEncoding::utf_8(),
+                        )
+                        .await;
+                        assert_eq!(
+                            String::from_utf8_lossy(&out),
+                            body,
+                            "chunk {chunk}, {selectors:?}"
+                        );
+                    }
+                }
+            }
+        }
+        // A page after a mark and white space is still a page.
+        for start in ["\u{feff}", " \n", "\u{feff}\r\n"] {
+            let page = format!("{start}<p>a</p><div id=\"ranking\">R</div><p>b</p>");
+            for chunk in [1, 2, 4096] {
+                for selectors in [&["#ranking"][..], &["div#ranking", ".x"][..]] {
+                    let out = rewrite_bytes(
+                        page.as_bytes(),
+                        selectors,
+                        &[],
+                        chunk,
+                        AsciiCompatibleEncoding::utf_8(),
+                    )
+                    .await;
+                    assert_eq!(
+                        String::from_utf8_lossy(&out),
+                        format!("{start}<p>a</p><p>b</p>"),
+                        "chunk {chunk}, {selectors:?}"
+                    );
+                }
+            }
+        }
+        // White space only, and nothing at all.
+        for body in ["", " \n ", "\u{feff}"] {
+            let out = rewrite_bytes(
+                body.as_bytes(),
+                &["#ranking"],
+                &[],
+                1,
+                AsciiCompatibleEncoding::utf_8(),
+            )
+            .await;
+            assert_eq!(String::from_utf8_lossy(&out), body);
+        }
     }
 
     #[test]
