@@ -995,8 +995,26 @@ enum Inside {
     Comment,
     /// The lower-case name of the raw-text element whose end tag ends it.
     RawText(&'static [u8]),
+    /// A `<script>`'s text, whose end HTML looks for otherwise than other raw text's.
+    Script(ScriptText),
     /// `<plaintext>`: text to the end of the page.
     Plaintext,
+}
+
+/// Where in a script's text HTML's tokenizer is (WHATWG HTML 13.2.5.4 to 13.2.5.31, the
+/// script data states, with the dash and less-than states folded into looking ahead). A
+/// script that writes `<!--` keeps a `<script>` and `</script>` pair written inside it from
+/// ending it (`<script><!-- document.write("<script></script>"); //--></script>`): ended at
+/// the first `</script`, the scan took markup in the script's strings for the page's, and cut
+/// a module out of the middle of the script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ScriptText {
+    /// Script data: `</script` ends it, `<!--` escapes it.
+    Plain,
+    /// Script data escaped: `</script` ends it, `<script` double-escapes it, `-->` unescapes.
+    Escaped,
+    /// Script data double escaped: `</script` goes back to escaped, `-->` unescapes.
+    DoubleEscaped,
 }
 
 /// The longest name worth reading after a `<` (`plaintext`), and one byte more.
@@ -1138,7 +1156,11 @@ impl TokenizerState {
                             at = lt + 2;
                         }
                         Opens::RawText(name) => {
-                            self.inside = Inside::RawText(name);
+                            self.inside = if name == b"script" {
+                                Inside::Script(ScriptText::Plain)
+                            } else {
+                                Inside::RawText(name)
+                            };
                             at = lt + 1 + name.len();
                         }
                         Opens::Plaintext => {
@@ -1172,9 +1194,123 @@ impl TokenizerState {
                         }
                     }
                 }
+                Inside::Script(text) => match script_text(buf, at, text) {
+                    ScriptStep::NeedMore(from) => return from,
+                    ScriptStep::Goes(next, from) => {
+                        self.inside = next.map_or(Inside::Markup, Inside::Script);
+                        at = from;
+                    }
+                },
                 Inside::Plaintext => return buf.len(),
             }
         }
+    }
+}
+
+/// What the next bytes of a script's text that matter do.
+enum ScriptStep {
+    /// The text reaches the end of the buffer, from this offset on perhaps something the next
+    /// bytes finish (`</scr`, `--`).
+    NeedMore(usize),
+    /// The tokenizer goes to this state (`None`: out of the script, into markup), reading on
+    /// from this offset.
+    Goes(Option<ScriptText>, usize),
+}
+
+/// Reads a script's text in `buf` from `at`, in state `text`, up to the first byte that changes
+/// the state (or to the end of the buffer).
+fn script_text(buf: &[u8], at: usize, text: ScriptText) -> ScriptStep {
+    let mut from = at;
+    loop {
+        let found = match text {
+            // Only a `<` matters in plain script data.
+            ScriptText::Plain => next_lt(buf, from),
+            ScriptText::Escaped | ScriptText::DoubleEscaped => {
+                memchr::memchr2(b'<', b'-', &buf[from..]).map(|found| from + found)
+            }
+        };
+        let Some(at) = found else {
+            return ScriptStep::NeedMore(buf.len());
+        };
+        let rest = &buf[at..];
+        if rest[0] == b'-' {
+            // `-->`, the last dashes of any run of them, leaves the escaped states.
+            if rest.starts_with(b"-->") {
+                return ScriptStep::Goes(Some(ScriptText::Plain), at + 3);
+            }
+            if b"-->".starts_with(rest) {
+                return ScriptStep::NeedMore(at);
+            }
+            from = at + 1;
+            continue;
+        }
+        let end_tag = script_tag(rest, b"</");
+        let past_end = at + b"</script".len();
+        let step = match text {
+            ScriptText::Plain if rest.starts_with(b"<!--") => {
+                // In the escaped dash dash state: `<!-->` unescapes at once.
+                Some(ScriptStep::Goes(Some(ScriptText::Escaped), at + 2))
+            }
+            ScriptText::Plain if rest.len() < 4 && b"<!--".starts_with(rest) => {
+                Some(ScriptStep::NeedMore(at))
+            }
+            ScriptText::Plain => end_tag.step(at, ScriptStep::Goes(None, past_end)),
+            ScriptText::Escaped => match (end_tag, script_tag(rest, b"<")) {
+                (Spelled::Yes, _) => Some(ScriptStep::Goes(None, past_end)),
+                (_, Spelled::Yes) => Some(ScriptStep::Goes(
+                    Some(ScriptText::DoubleEscaped),
+                    at + b"<script".len(),
+                )),
+                (Spelled::Unknown, _) | (_, Spelled::Unknown) => Some(ScriptStep::NeedMore(at)),
+                (Spelled::No, Spelled::No) => None,
+            },
+            ScriptText::DoubleEscaped => {
+                end_tag.step(at, ScriptStep::Goes(Some(ScriptText::Escaped), past_end))
+            }
+        };
+        match step {
+            Some(step) => return step,
+            None => from = at + 1,
+        }
+    }
+}
+
+/// Whether some bytes spell a tag.
+#[derive(Clone, Copy)]
+enum Spelled {
+    Yes,
+    No,
+    /// They end before that can be told.
+    Unknown,
+}
+
+impl Spelled {
+    /// The step a tag at `at` makes: `then` if it is spelled, none if not, or wait for more.
+    fn step(self, at: usize, then: ScriptStep) -> Option<ScriptStep> {
+        match self {
+            Spelled::Yes => Some(then),
+            Spelled::No => None,
+            Spelled::Unknown => Some(ScriptStep::NeedMore(at)),
+        }
+    }
+}
+
+/// Whether `rest` begins with `opening` (`<` or `</`) and `script` (any case) followed by what
+/// ends a tag name.
+fn script_tag(rest: &[u8], opening: &[u8]) -> Spelled {
+    const NAME: &[u8] = b"script";
+    let len = opening.len() + NAME.len();
+    let spelled = rest.iter().take(len).enumerate().all(|(at, byte)| {
+        let wanted = opening.get(at).unwrap_or_else(|| &NAME[at - opening.len()]);
+        byte.to_ascii_lowercase() == *wanted
+    });
+    if !spelled {
+        return Spelled::No;
+    }
+    match rest.get(len) {
+        None => Spelled::Unknown,
+        Some(&after) if ends_tag_name(after) => Spelled::Yes,
+        Some(_) => Spelled::No,
     }
 }
 
@@ -1930,6 +2066,42 @@ mod tests {
             left_after_cut("<div id=a><li>x</ul>y</div>z").as_deref(),
             Some("</ul>y</div>z")
         );
+    }
+
+    #[test]
+    fn a_scripts_end_is_found_through_its_escaped_states() {
+        // Where each script ends: just past `</script` ending it (every byte before, from the
+        // script's start tag on, is in the script).
+        for script in [
+            "<script>a = '<!-- x'; </script>",
+            "<script><!-- var a = \"<script></script>\"; var b = '<div>'; //--></script>",
+            "<script><!-- <script> --></script>",
+            "<script><!-- <SCRIPT/> </script\t> --></script>",
+            "<script><!-- a <scripts> b </script>",
+            "<script><!--> <script></script>",
+            "<script><!---> <script> </script>",
+            "<script><!-- x --><script></script>",
+            "<script><!-- <script> </scriptx> - -- --- </script> --></script>",
+        ] {
+            let page = format!("{script}<div>after</div>");
+            let end = script.len() - 1;
+            for chunk in [1, 2, 3, 5, 1 << 20] {
+                let in_markup_after = |upto: usize| {
+                    let mut state = TokenizerState::default();
+                    for piece in page.as_bytes()[..upto].chunks(chunk) {
+                        state.feed(piece);
+                    }
+                    state.in_markup_after(b"")
+                };
+                for upto in "<script>".len()..=end {
+                    assert!(
+                        !in_markup_after(upto),
+                        "{script} up to {upto}, chunk {chunk}"
+                    );
+                }
+                assert!(in_markup_after(page.len()), "{script}, chunk {chunk}");
+            }
+        }
     }
 
     #[test]

@@ -1759,6 +1759,51 @@ mod tests {
         }
     }
 
+    /// A script that writes `<!--` and then `<script></script>` in a string is still open
+    /// after that `</script>` (HTML's script data double escaped state): the module spelled
+    /// in its next string is text. Taken for the module, it was cut out of the middle of the
+    /// script (a blank page and a script error), or the rest of the page with it.
+    #[test]
+    fn a_module_spelled_in_a_double_escaped_script_is_text() {
+        let pages = [
+            "<script><!-- var a = \"<script></script>\"; var b = '<div id=\"ranking\" class=\"rk\">'; //--></script><div id=\"ranking\" class=\"rk\">R</div><p>x</p>",
+            "<SCRIPT><!-- document.write('<script src=a.js></SCRIPT >'); x = '<div id=\"ranking\" class=\"rk\">' --></script ><div id=\"ranking\" class=\"rk\">R</div><p>x</p>",
+            // Unescaped at `-->`, a `</script>` ends it as usual.
+            "<script><!-- a --> b = 1;</script><div id=\"ranking\" class=\"rk\">R</div><p>x</p>",
+            "<script><!--> x</script><div id=\"ranking\" class=\"rk\">R</div><p>x</p>",
+        ];
+        for page in pages {
+            let expected = page.replace("<div id=\"ranking\" class=\"rk\">R</div>", "");
+            // The rewriter reading the whole page agrees.
+            let whole = hide_with(page.as_bytes(), &["#ranking"], 1 << 20, false);
+            assert_eq!(String::from_utf8_lossy(&whole), expected);
+            for (selectors, markers) in [
+                (&["#ranking"][..], &[][..]),
+                (&[".rk"][..], &[][..]),
+                (&["#ranking"][..], &["ads"][..]),
+            ] {
+                for chunk in [1, 2, 3, 7, 64, 1 << 20] {
+                    for pause in [false, true] {
+                        let cuts: Vec<usize> = (chunk..page.len()).step_by(chunk).collect();
+                        let out = hide_in_pieces(
+                            selectors,
+                            markers,
+                            page.as_bytes(),
+                            &cuts,
+                            CARRY,
+                            pause,
+                        );
+                        assert_eq!(
+                            String::from_utf8_lossy(&out),
+                            expected,
+                            "{selectors:?} {markers:?}, chunk {chunk}, pause {pause}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// A PHP page that flushes its head before a slow query: while a module is off, the head
     /// goes on at the pause instead of waiting behind the bytes the scan keeps back.
     #[test]
