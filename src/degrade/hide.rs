@@ -533,14 +533,17 @@ fn rewriter(
             }));
     }
     if !markers.is_empty() {
-        // Depth of open hidden markers; inside one, every node is removed.
+        // Depth of open hidden markers; inside one, every node is removed: each element's
+        // start and end tag, not the element with what it holds, which ran past the end
+        // marker when that came inside an element the region opened (to the end of the page
+        // when the element's end tag was left out, `<p>ad<!-- /levee:module ads --><p>…`).
         let depth = Arc::new(AtomicUsize::new(0));
         let (in_elements, in_text, in_comments) = (depth.clone(), depth.clone(), depth);
         let markers = Arc::new(markers.to_vec());
         settings = settings
             .append_element_content_handler(element!("*", move |el| {
                 if in_elements.load(Ordering::Relaxed) > 0 {
-                    el.remove();
+                    el.remove_and_keep_content();
                 }
                 Ok(())
             }))
@@ -1500,6 +1503,35 @@ mod tests {
             out,
             "<p>a</p><p>b</p><!-- levee:module other --><i>x</i><!-- /levee:module other -->"
         );
+    }
+
+    /// A region ends at its end marker, also when that comes inside an element the region
+    /// opened: what follows the marker in that element stays (it went with the element, and
+    /// the rest of the page with an element whose end tag was left out).
+    #[tokio::test]
+    async fn a_region_ends_at_its_end_marker_inside_an_element_it_opened() {
+        for (page, expected) in [
+            (
+                "<div class=\"wrap\"><!-- levee:module ads --><aside>Buy</aside><div class=\"inner\">in<!-- /levee:module ads -->still</div></div><p>after</p>",
+                "<div class=\"wrap\">still</div><p>after</p>",
+            ),
+            (
+                "<!-- levee:module ads --><p>ad<!-- /levee:module ads --><p>next</p><p>after</p>",
+                "<p>next</p><p>after</p>",
+            ),
+            (
+                "<p>a</p><!-- levee:module ads --><script>ad('</div>')</script><style>b{}</style><img src=x><b>x<br/></b><!-- /levee:module ads --><p>after</p>",
+                "<p>a</p><p>after</p>",
+            ),
+        ] {
+            for chunk in [1, 5, 4096] {
+                assert_eq!(
+                    rewrite(page, &[], &["ads"], chunk).await,
+                    expected,
+                    "chunk {chunk}"
+                );
+            }
+        }
     }
 
     #[test]
