@@ -10,7 +10,10 @@
 //! names. Anything this scanner is not sure about — raw-text elements such as `<script>`
 //! inside the module, foreign content, CDATA, an element outside the plain containers
 //! below — is handed back to the rewriter, which then sees exactly the bytes it would have
-//! seen without the fast path.
+//! seen without the fast path. A module whose own end tag is missing ends where HTML's tree
+//! builder ends it (an end tag of an element around it, a start tag of its own kind), or,
+//! where that depends on the page before it, early: some of it left in place rather than the
+//! rest of the page removed.
 
 /// Elements the fast path removes: plain containers, which HTML never closes implicitly when
 /// content opens (unlike `<p>`, `<li>` or table parts). A well-formed module of one of these
@@ -238,9 +241,180 @@ fn optional_end(name: &[u8]) -> Option<OptionalEnd> {
     })
 }
 
+/// Elements whose end tag a page must write, but which HTML ends before a start tag of their
+/// own kind all the same: a link that starts in a link, a button in a button (`nobr` too), a
+/// heading right inside a heading. A module of one of these missing its end tag ended only with
+/// the page.
+const ENDED_BY_THEIR_KIND: &[&[u8]] = &[
+    b"a", b"button", b"nobr", b"h1", b"h2", b"h3", b"h4", b"h5", b"h6",
+];
+
+const HEADINGS: &[&[u8]] = &[b"h1", b"h2", b"h3", b"h4", b"h5", b"h6"];
+
 /// Whether the fast path removes elements of this (lower-case) name.
 pub fn is_cut_whole(name: &[u8]) -> bool {
-    is_void(name) || is_one_of(name, CONTAINERS) || optional_end(name).is_some()
+    is_void(name)
+        || is_one_of(name, CONTAINERS)
+        || is_one_of(name, ENDED_BY_THEIR_KIND)
+        || optional_end(name).is_some()
+}
+
+/// The elements that bound HTML's "has an element in scope" search (HTML's default scope;
+/// MathML and SVG ones are left out: the scanner gives up on foreign content). An end tag that
+/// closes elements in scope, written inside one of these, closes nothing outside it.
+const DEFAULT_SCOPE: &[&[u8]] = &[
+    b"applet",
+    b"caption",
+    b"html",
+    b"table",
+    b"td",
+    b"th",
+    b"marquee",
+    b"object",
+    b"template",
+];
+
+/// The default scope and lists: where `</li>` stops looking.
+const LIST_ITEM_SCOPE: &[&[u8]] = &[
+    b"applet",
+    b"caption",
+    b"html",
+    b"table",
+    b"td",
+    b"th",
+    b"marquee",
+    b"object",
+    b"template",
+    b"ol",
+    b"ul",
+];
+
+/// Where the end tags of tables and their parts stop looking.
+const TABLE_SCOPE: &[&[u8]] = &[b"html", b"table", b"template"];
+
+/// HTML's "special" elements (MathML and SVG ones left out): an end tag of a name HTML has no
+/// rule of its own for stops looking for its element at the first of these, and is ignored.
+const SPECIAL: &[&[u8]] = &[
+    b"address",
+    b"applet",
+    b"area",
+    b"article",
+    b"aside",
+    b"base",
+    b"basefont",
+    b"bgsound",
+    b"blockquote",
+    b"body",
+    b"br",
+    b"button",
+    b"caption",
+    b"center",
+    b"col",
+    b"colgroup",
+    b"dd",
+    b"details",
+    b"dir",
+    b"div",
+    b"dl",
+    b"dt",
+    b"embed",
+    b"fieldset",
+    b"figcaption",
+    b"figure",
+    b"footer",
+    b"form",
+    b"frame",
+    b"frameset",
+    b"h1",
+    b"h2",
+    b"h3",
+    b"h4",
+    b"h5",
+    b"h6",
+    b"head",
+    b"header",
+    b"hgroup",
+    b"hr",
+    b"html",
+    b"iframe",
+    b"img",
+    b"input",
+    b"keygen",
+    b"li",
+    b"link",
+    b"listing",
+    b"main",
+    b"marquee",
+    b"menu",
+    b"meta",
+    b"nav",
+    b"noembed",
+    b"noframes",
+    b"noscript",
+    b"object",
+    b"ol",
+    b"p",
+    b"param",
+    b"plaintext",
+    b"pre",
+    b"script",
+    b"search",
+    b"section",
+    b"select",
+    b"source",
+    b"style",
+    b"summary",
+    b"table",
+    b"tbody",
+    b"td",
+    b"template",
+    b"textarea",
+    b"tfoot",
+    b"th",
+    b"thead",
+    b"title",
+    b"tr",
+    b"track",
+    b"ul",
+    b"wbr",
+    b"xmp",
+];
+
+/// What HTML's tree builder does with an end tag (lower-case name) when it meets one, as far
+/// as ending a removed element goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EndRule {
+    /// Closes the innermost element of its name open within the scope these elements bound
+    /// (`</div>`, `</li>`, `</td>` …; headings close any heading), and everything opened
+    /// after it; ignored when there is none.
+    InScope(Names),
+    /// Never closes the elements open after its own (`</form>`, `</body>`, `</html>`: content
+    /// after them still goes into the open element), or makes an element when nothing
+    /// matches (`</p>`, `</br>`): matched only by name, and otherwise left as it comes.
+    Kept,
+    /// Any other end tag (`</span>`, `</b>`, custom elements): closes the innermost element of
+    /// its name unless a special element lies in between, which makes it ignored.
+    Other,
+}
+
+fn end_rule(name: &[u8]) -> EndRule {
+    match name {
+        b"li" => EndRule::InScope(LIST_ITEM_SCOPE),
+        b"table" | b"tbody" | b"thead" | b"tfoot" | b"tr" | b"td" | b"th" | b"caption" => {
+            EndRule::InScope(TABLE_SCOPE)
+        }
+        // Closed by `</template>` only when one is open; inside the removed element it cannot
+        // be (the scanner gives up on templates).
+        b"template" => EndRule::InScope(&[]),
+        b"p" | b"br" | b"form" | b"body" | b"html" | b"head" | b"col" | b"colgroup" | b"frame" => {
+            EndRule::Kept
+        }
+        _ if is_one_of(name, CLOSING_ENDS) || is_one_of(name, HEADINGS) => {
+            EndRule::InScope(DEFAULT_SCOPE)
+        }
+        b"dd" | b"dt" => EndRule::InScope(DEFAULT_SCOPE),
+        _ => EndRule::Other,
+    }
 }
 
 /// Has this element (lower-case name) no end tag? Removing one removes its start tag only.
@@ -821,8 +995,26 @@ enum Inside {
     Comment,
     /// The lower-case name of the raw-text element whose end tag ends it.
     RawText(&'static [u8]),
+    /// A `<script>`'s text, whose end HTML looks for otherwise than other raw text's.
+    Script(ScriptText),
     /// `<plaintext>`: text to the end of the page.
     Plaintext,
+}
+
+/// Where in a script's text HTML's tokenizer is (WHATWG HTML 13.2.5.4 to 13.2.5.31, the
+/// script data states, with the dash and less-than states folded into looking ahead). A
+/// script that writes `<!--` keeps a `<script>` and `</script>` pair written inside it from
+/// ending it (`<script><!-- document.write("<script></script>"); //--></script>`): ended at
+/// the first `</script`, the scan took markup in the script's strings for the page's, and cut
+/// a module out of the middle of the script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ScriptText {
+    /// Script data: `</script` ends it, `<!--` escapes it.
+    Plain,
+    /// Script data escaped: `</script` ends it, `<script` double-escapes it, `-->` unescapes.
+    Escaped,
+    /// Script data double escaped: `</script` goes back to escaped, `-->` unescapes.
+    DoubleEscaped,
 }
 
 /// The longest name worth reading after a `<` (`plaintext`), and one byte more.
@@ -964,7 +1156,11 @@ impl TokenizerState {
                             at = lt + 2;
                         }
                         Opens::RawText(name) => {
-                            self.inside = Inside::RawText(name);
+                            self.inside = if name == b"script" {
+                                Inside::Script(ScriptText::Plain)
+                            } else {
+                                Inside::RawText(name)
+                            };
                             at = lt + 1 + name.len();
                         }
                         Opens::Plaintext => {
@@ -998,9 +1194,123 @@ impl TokenizerState {
                         }
                     }
                 }
+                Inside::Script(text) => match script_text(buf, at, text) {
+                    ScriptStep::NeedMore(from) => return from,
+                    ScriptStep::Goes(next, from) => {
+                        self.inside = next.map_or(Inside::Markup, Inside::Script);
+                        at = from;
+                    }
+                },
                 Inside::Plaintext => return buf.len(),
             }
         }
+    }
+}
+
+/// What the next bytes of a script's text that matter do.
+enum ScriptStep {
+    /// The text reaches the end of the buffer, from this offset on perhaps something the next
+    /// bytes finish (`</scr`, `--`).
+    NeedMore(usize),
+    /// The tokenizer goes to this state (`None`: out of the script, into markup), reading on
+    /// from this offset.
+    Goes(Option<ScriptText>, usize),
+}
+
+/// Reads a script's text in `buf` from `at`, in state `text`, up to the first byte that changes
+/// the state (or to the end of the buffer).
+fn script_text(buf: &[u8], at: usize, text: ScriptText) -> ScriptStep {
+    let mut from = at;
+    loop {
+        let found = match text {
+            // Only a `<` matters in plain script data.
+            ScriptText::Plain => next_lt(buf, from),
+            ScriptText::Escaped | ScriptText::DoubleEscaped => {
+                memchr::memchr2(b'<', b'-', &buf[from..]).map(|found| from + found)
+            }
+        };
+        let Some(at) = found else {
+            return ScriptStep::NeedMore(buf.len());
+        };
+        let rest = &buf[at..];
+        if rest[0] == b'-' {
+            // `-->`, the last dashes of any run of them, leaves the escaped states.
+            if rest.starts_with(b"-->") {
+                return ScriptStep::Goes(Some(ScriptText::Plain), at + 3);
+            }
+            if b"-->".starts_with(rest) {
+                return ScriptStep::NeedMore(at);
+            }
+            from = at + 1;
+            continue;
+        }
+        let end_tag = script_tag(rest, b"</");
+        let past_end = at + b"</script".len();
+        let step = match text {
+            ScriptText::Plain if rest.starts_with(b"<!--") => {
+                // In the escaped dash dash state: `<!-->` unescapes at once.
+                Some(ScriptStep::Goes(Some(ScriptText::Escaped), at + 2))
+            }
+            ScriptText::Plain if rest.len() < 4 && b"<!--".starts_with(rest) => {
+                Some(ScriptStep::NeedMore(at))
+            }
+            ScriptText::Plain => end_tag.step(at, ScriptStep::Goes(None, past_end)),
+            ScriptText::Escaped => match (end_tag, script_tag(rest, b"<")) {
+                (Spelled::Yes, _) => Some(ScriptStep::Goes(None, past_end)),
+                (_, Spelled::Yes) => Some(ScriptStep::Goes(
+                    Some(ScriptText::DoubleEscaped),
+                    at + b"<script".len(),
+                )),
+                (Spelled::Unknown, _) | (_, Spelled::Unknown) => Some(ScriptStep::NeedMore(at)),
+                (Spelled::No, Spelled::No) => None,
+            },
+            ScriptText::DoubleEscaped => {
+                end_tag.step(at, ScriptStep::Goes(Some(ScriptText::Escaped), past_end))
+            }
+        };
+        match step {
+            Some(step) => return step,
+            None => from = at + 1,
+        }
+    }
+}
+
+/// Whether some bytes spell a tag.
+#[derive(Clone, Copy)]
+enum Spelled {
+    Yes,
+    No,
+    /// They end before that can be told.
+    Unknown,
+}
+
+impl Spelled {
+    /// The step a tag at `at` makes: `then` if it is spelled, none if not, or wait for more.
+    fn step(self, at: usize, then: ScriptStep) -> Option<ScriptStep> {
+        match self {
+            Spelled::Yes => Some(then),
+            Spelled::No => None,
+            Spelled::Unknown => Some(ScriptStep::NeedMore(at)),
+        }
+    }
+}
+
+/// Whether `rest` begins with `opening` (`<` or `</`) and `script` (any case) followed by what
+/// ends a tag name.
+fn script_tag(rest: &[u8], opening: &[u8]) -> Spelled {
+    const NAME: &[u8] = b"script";
+    let len = opening.len() + NAME.len();
+    let spelled = rest.iter().take(len).enumerate().all(|(at, byte)| {
+        let wanted = opening.get(at).unwrap_or_else(|| &NAME[at - opening.len()]);
+        byte.to_ascii_lowercase() == *wanted
+    });
+    if !spelled {
+        return Spelled::No;
+    }
+    match rest.get(len) {
+        None => Spelled::Unknown,
+        Some(&after) if ends_tag_name(after) => Spelled::Yes,
+        Some(_) => Spelled::No,
     }
 }
 
@@ -1047,14 +1357,36 @@ pub struct Cut {
     pub cursor: usize,
     /// How the removed element ends when its end tag is left out, if HTML allows that.
     optional: Option<OptionalEnd>,
+    /// How a start tag of its own kind ends the removed element, if one does.
+    ended_by_kind: Option<KindEnd>,
+}
+
+/// How a start tag of their own kind ends the elements of [`ENDED_BY_THEIR_KIND`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KindEnd {
+    /// `<a>`, `<button>`, `<nobr>`: another of the same name ends it, whatever is open inside
+    /// it, unless that is a cell, a caption or the like (a `<button>` in a table cell of the
+    /// button is the cell's own).
+    SameName,
+    /// Headings: any heading's start tag ends it when nothing is open inside it (HTML pops
+    /// a heading that is the current node).
+    Heading,
 }
 
 impl Cut {
     pub fn new(name: TagName, cursor: usize) -> Cut {
         let mut long_names = Vec::new();
         let removed = open_name(&mut long_names, &name);
+        let ended_by_kind = if is_one_of(&name, HEADINGS) {
+            Some(KindEnd::Heading)
+        } else if is_one_of(&name, ENDED_BY_THEIR_KIND) {
+            Some(KindEnd::SameName)
+        } else {
+            None
+        };
         Cut {
             optional: optional_end(&name),
+            ended_by_kind,
             removed: name,
             open: vec![removed],
             long_names,
@@ -1115,6 +1447,82 @@ impl Cut {
         } else {
             Step::GiveUp
         })
+    }
+
+    /// What the start tag `name` (lower case) does to a removed element that a start tag of its
+    /// own kind ends: `Some` ends it, `None` lets the tag open inside it.
+    fn kind_start_ends(&self, kind: KindEnd, name: &[u8], at: usize) -> Option<Step> {
+        let inside = &self.open[1..];
+        let ends = match kind {
+            KindEnd::SameName => {
+                *name == *self.removed && !inside.iter().any(|open| open.is_one_of(DEFAULT_SCOPE))
+            }
+            KindEnd::Heading => is_one_of(name, HEADINGS) && inside.is_empty(),
+        };
+        ends.then_some(Step::Ended(at))
+    }
+
+    /// What the end tag `name` (as written; `inline`, its inline word when it has one), from
+    /// `at` to `end`, does: `Some` ends the removed element, `None` goes on (having closed
+    /// what it closes inside). Elements open inside are closed as HTML closes them: the
+    /// innermost one of its name (any heading for a heading's end tag) and what was opened
+    /// after it, not past a scope boundary for end tags HTML looks up in scope.
+    fn end_tag(
+        &mut self,
+        name: &[u8],
+        inline: Option<OpenName>,
+        at: usize,
+        end: usize,
+    ) -> Option<Step> {
+        let lower = TagName::lowercase(name);
+        let heading = is_one_of(&lower, HEADINGS);
+        let matches = |cut: &Cut, open: OpenName| {
+            if heading {
+                open.is_one_of(HEADINGS)
+            } else {
+                cut.is_named(open, inline, name)
+            }
+        };
+        let rule = end_rule(&lower);
+        let mut bounded = false;
+        for index in (0..self.open.len()).rev() {
+            let open = self.open[index];
+            if matches(self, open) {
+                if index == 0 {
+                    // Also when a boundary lies in between (`<div id=m><table><tr><td>a</div>`,
+                    // which HTML ignores): the element ends here, less than HTML removes, as
+                    // the scanner always ended it.
+                    return Some(Step::Ended(end));
+                }
+                if !bounded {
+                    self.open.truncate(index);
+                    self.forget_closed_long_names();
+                }
+                // Past a boundary HTML ignores it.
+                return None;
+            }
+            if let EndRule::InScope(bounds) = rule {
+                bounded |= open.is_one_of(bounds);
+            }
+        }
+        // It matches nothing open inside.
+        if self.optional.is_some() {
+            return self.end_ends(&lower, at);
+        }
+        // HTML closes the removed element with it when its element is open around the removed
+        // one (`<td><div id=m>…</td>`, a `</div>` around a `<span id=m>`): ended just before
+        // it, which, with the tag, passes on. When nothing around matches, HTML ignores it and
+        // the element goes on; which is the case is not known here, and ending early leaves
+        // some of the element in place where running on would have taken the rest of the page.
+        // Ignored for sure, so run over: an end tag HTML looks up in scope with a boundary open
+        // (`</li>` in a `<ul id=m>`), any other with a special element open (`</span>` in a
+        // `<div id=m>`), and those that close nothing open after their own element.
+        let ends_here = match rule {
+            EndRule::InScope(bounds) => !self.open.iter().any(|open| open.is_one_of(bounds)),
+            EndRule::Other => !self.open.iter().any(|open| open.is_one_of(SPECIAL)),
+            EndRule::Kept => false,
+        };
+        ends_here.then_some(Step::Ended(at))
     }
 
     /// What the end tag `name`, matching nothing open inside, does to a removed element whose
@@ -1233,25 +1641,9 @@ impl Cut {
                     };
                     self.cursor = tag.end;
                     let name = &held[at + 2..tag.name_end];
-                    // An end tag nothing open matches is ignored, unless it closes an element
-                    // whose own end tag was left out. (Open names are lower case.)
                     let inline = OpenName::inline_at(held, at + 2, name.len());
-                    match self
-                        .open
-                        .iter()
-                        .rposition(|&open| self.is_named(open, inline, name))
-                    {
-                        Some(0) => return Step::Ended(tag.end),
-                        Some(index) => {
-                            self.open.truncate(index);
-                            self.forget_closed_long_names();
-                        }
-                        None if self.optional.is_some() => {
-                            if let Some(step) = self.end_ends(&TagName::lowercase(name), at) {
-                                return step;
-                            }
-                        }
-                        None => {}
+                    if let Some(step) = self.end_tag(name, inline, at, tag.end) {
+                        return step;
                     }
                 }
                 letter if letter.is_ascii_alphabetic() => {
@@ -1274,6 +1666,11 @@ impl Cut {
                     if self.optional.is_some() {
                         let bytes = open.0.to_le_bytes();
                         if let Some(step) = self.start_ends(&bytes[..name_len], at) {
+                            return step;
+                        }
+                    } else if let Some(kind) = self.ended_by_kind {
+                        let bytes = open.0.to_le_bytes();
+                        if let Some(step) = self.kind_start_ends(kind, &bytes[..name_len], at) {
                             return step;
                         }
                     }
@@ -1663,10 +2060,98 @@ mod tests {
         ] {
             assert_eq!(cut_all(held.as_bytes()), Step::GiveUp, "{held}");
         }
-        // Containers still end at their own end tag only.
+        // A container ends at an end tag of a list around it too: one that nothing inside
+        // it matches closes it when that list is open around it, which is not known here.
         assert_eq!(
             left_after_cut("<div id=a><li>x</ul>y</div>z").as_deref(),
-            Some("z")
+            Some("</ul>y</div>z")
         );
+    }
+
+    #[test]
+    fn a_scripts_end_is_found_through_its_escaped_states() {
+        // Where each script ends: just past `</script` ending it (every byte before, from the
+        // script's start tag on, is in the script).
+        for script in [
+            "<script>a = '<!-- x'; </script>",
+            "<script><!-- var a = \"<script></script>\"; var b = '<div>'; //--></script>",
+            "<script><!-- <script> --></script>",
+            "<script><!-- <SCRIPT/> </script\t> --></script>",
+            "<script><!-- a <scripts> b </script>",
+            "<script><!--> <script></script>",
+            "<script><!---> <script> </script>",
+            "<script><!-- x --><script></script>",
+            "<script><!-- <script> </scriptx> - -- --- </script> --></script>",
+        ] {
+            let page = format!("{script}<div>after</div>");
+            let end = script.len() - 1;
+            for chunk in [1, 2, 3, 5, 1 << 20] {
+                let in_markup_after = |upto: usize| {
+                    let mut state = TokenizerState::default();
+                    for piece in page.as_bytes()[..upto].chunks(chunk) {
+                        state.feed(piece);
+                    }
+                    state.in_markup_after(b"")
+                };
+                for upto in "<script>".len()..=end {
+                    assert!(
+                        !in_markup_after(upto),
+                        "{script} up to {upto}, chunk {chunk}"
+                    );
+                }
+                assert!(in_markup_after(page.len()), "{script}, chunk {chunk}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_element_missing_its_end_tag_ends_where_html_ends_it() {
+        for (held, left) in [
+            // The end tag of an element around it (with the tag, what follows passes on).
+            (
+                "<div id=a>R</td></tr></table><p>x",
+                "</td></tr></table><p>x",
+            ),
+            ("<div id=a>R</li><li>next</li>", "</li><li>next</li>"),
+            ("<div id=a>R</section><p>x", "</section><p>x"),
+            ("<div id=a>R</MAIN><footer>F", "</MAIN><footer>F"),
+            ("<span id=a>R</div><p>x", "</div><p>x"),
+            ("<span id=a>R<b>x</i>y", "</i>y"),
+            ("<div id=a><ul><li>x</ul>R</li><li>next", "</li><li>next"),
+            // A start tag of its own kind.
+            (
+                "<a href=/1 id=a>R<a href=/2>two</a> tail",
+                "<a href=/2>two</a> tail",
+            ),
+            ("<a id=a><b>R<a>y", "<a>y"),
+            ("<button id=a>B<button>C</button>", "<button>C</button>"),
+            ("<nobr id=a>x<NOBR>y", "<NOBR>y"),
+            ("<h2 id=a>Title<h3>Sub</h3>", "<h3>Sub</h3>"),
+            // What HTML closes inside, or ignores, leaves the element going on.
+            ("<div id=a><h2>T</h3>more</div>after", "after"),
+            ("<h2 id=a><b>x<h3>y</h3></b></H4>after", "after"),
+            (
+                "<div id=a><div><table><tr><td>x</div></td></tr></table></div></div>after",
+                "after",
+            ),
+            ("<div id=a>x</span>y</div>after", "after"),
+            ("<div id=a>x</p>y</br>z</div>after", "after"),
+            ("<div id=a>x</form>y</div>after", "after"),
+            ("<ul id=a><li>x</li></li>y</ul>after", "after"),
+            (
+                "<div id=a><table><tr><td>x</section>y</td></tr></table></div>after",
+                "after",
+            ),
+            (
+                "<button id=a><table><tr><td><button>x</button></td></tr></table></button>after",
+                "after",
+            ),
+            // As before: ended at its own end tag even where HTML ignores it (less removed).
+            ("<div id=a><table><tr><td>a</div><p>x", "<p>x"),
+        ] {
+            assert_eq!(left_after_cut(held).as_deref(), Some(left), "{held}");
+        }
+        // `</body>` and `</html>` close nothing open: the element runs on.
+        assert_eq!(cut_all(b"<div id=a>R</body></html>"), Step::More);
     }
 }

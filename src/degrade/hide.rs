@@ -460,6 +460,28 @@ struct Hider {
     /// Bytes kept back at the end of each chunk while scanning: `CARRY` (tests use less, so
     /// that small pages take every path).
     carry: usize,
+    /// The start of the body, held until a byte of it other than white space shows whether
+    /// it is a page at all (see [`is_json`]); `None` once that is known.
+    opening: Option<Held>,
+}
+
+/// Whether a body that starts with `start` is JSON rather than a page: its first byte other
+/// than white space (after a UTF-8 byte order mark) opens an object or an array. A PHP AJAX
+/// endpoint that never calls `header()` sends its JSON as `text/html`, and `json_encode`
+/// writes `</` as `<\/`: a module's start tag in a string found no end tag, and the rest of
+/// the body was removed. No browser reads such a body as a page. `None`: only white space (or
+/// part of the mark) so far.
+fn is_json(start: &[u8]) -> Option<bool> {
+    const BOM: &[u8] = b"\xef\xbb\xbf";
+    if start.len() < BOM.len() && BOM.starts_with(start) {
+        return None;
+    }
+    start
+        .strip_prefix(BOM)
+        .unwrap_or(start)
+        .iter()
+        .find(|byte| !matches!(byte, b' ' | b'\t' | b'\n' | b'\r' | b'\x0c'))
+        .map(|&first| first == b'{' || first == b'[')
 }
 
 pin_project! {
@@ -511,14 +533,17 @@ fn rewriter(
             }));
     }
     if !markers.is_empty() {
-        // Depth of open hidden markers; inside one, every node is removed.
+        // Depth of open hidden markers; inside one, every node is removed: each element's
+        // start and end tag, not the element with what it holds, which ran past the end
+        // marker when that came inside an element the region opened (to the end of the page
+        // when the element's end tag was left out, `<p>ad<!-- /levee:module ads --><p>…`).
         let depth = Arc::new(AtomicUsize::new(0));
         let (in_elements, in_text, in_comments) = (depth.clone(), depth.clone(), depth);
         let markers = Arc::new(markers.to_vec());
         settings = settings
             .append_element_content_handler(element!("*", move |el| {
                 if in_elements.load(Ordering::Relaxed) > 0 {
-                    el.remove();
+                    el.remove_and_keep_content();
                 }
                 Ok(())
             }))
@@ -684,13 +709,38 @@ impl Hider {
             ended,
             output,
             carry: CARRY,
+            opening: Some(Held::default()),
         }
+    }
+
+    /// Holds the body's first bytes until they tell a page from JSON: JSON passes untouched,
+    /// a page goes on to the stage. `true`: `data` was taken (held, or passed as JSON).
+    fn open(&mut self, data: Bytes) -> Result<bool, BoxError> {
+        let Some(opening) = &mut self.opening else {
+            return Ok(false);
+        };
+        opening.append(data);
+        let Some(json) = is_json(opening) else {
+            return Ok(true);
+        };
+        let start = std::mem::take(opening).into_bytes();
+        self.opening = None;
+        if json {
+            self.stage = Stage::Pass;
+            emit_shared(&self.output, start);
+            return Ok(true);
+        }
+        self.feed_shared(start)?;
+        Ok(true)
     }
 
     /// Feeds one chunk of the upstream's body. While scanning, a chunk in which no needle
     /// occurs is searched where it lies and passed on without being copied; only its last
     /// `carry` bytes (or a tag that has not ended) are kept back. Otherwise it goes to `feed`.
     fn feed_shared(&mut self, data: Bytes) -> Result<(), BoxError> {
+        if self.opening.is_some() {
+            return self.open(data).map(|_| ());
+        }
         if self.scan_in_place(&data) {
             return Ok(());
         }
@@ -983,6 +1033,10 @@ impl Hider {
     }
 
     fn end(&mut self) -> Result<(), BoxError> {
+        // A body of white space only: what it is does not matter, it goes through the stage.
+        if let Some(opening) = self.opening.take() {
+            self.feed_shared(opening.into_bytes())?;
+        }
         // What was held back waiting for more bytes is looked at now: no more will come.
         match &self.stage {
             Stage::Scan(_) => self.scan()?,
@@ -991,9 +1045,10 @@ impl Hider {
         }
         match std::mem::replace(&mut self.stage, Stage::Done) {
             Stage::Scan(scan) => emit_shared(&self.output, scan.carry.into_bytes()),
-            // The page ended inside a removed element: it is removed to the end, as the
-            // rewriter would.
-            Stage::Cut { .. } => {}
+            // The page ended inside a removed element: nothing the scanner reads as its end
+            // came. HTML would end it with the page, but a misread end (a template's stray tag)
+            // would then cost the visitor the rest of the page: it is left in place instead.
+            Stage::Cut { held, .. } => emit_shared(&self.output, held.into_bytes()),
             Stage::Rewrite(rewriter) => rewriter
                 .end()
                 .map_err(|error| Box::new(error) as BoxError)?,
@@ -1266,6 +1321,131 @@ mod tests {
         }
     }
 
+    /// The module ends where the browser ends it when its own end tag is missing: at the end
+    /// tag of an element around it, or at a start tag of its own kind; the rest of the page
+    /// stays. It was removed to the end of the page.
+    #[test]
+    fn a_module_missing_its_end_tag_ends_where_the_browser_ends_it() {
+        let head =
+            "<!doctype html><html><head><meta charset=\"utf-8\"><title>t</title></head><body>";
+        let tail = "<p id=\"after\">AFTER</p></body></html>";
+        for (line, module) in [
+            (
+                "<table><tr><td><div id=\"ranking\">R</td></tr></table><p>x</p>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<ul><li><div id=\"ranking\">R</li><li>next</li></ul><p>x</p>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<section><div id=\"ranking\">R</section><p>x</p>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<main><div id=\"ranking\">R</main><footer>F</footer>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<div><span id=\"ranking\">R</div><p>x</p>",
+                "<span id=\"ranking\">R",
+            ),
+            (
+                "<a href=/1 id=\"ranking\">R<a href=/2>two</a> tail",
+                "<a href=/1 id=\"ranking\">R",
+            ),
+            (
+                "<button id=\"ranking\">B<button>C</button>",
+                "<button id=\"ranking\">B",
+            ),
+        ] {
+            let page = format!("{head}{line}{tail}");
+            let expected = page.replace(module, "");
+            for chunk in [1, 7, 64, 1 << 20] {
+                for pauses in [Pauses::Never, Pauses::AfterEachChunk] {
+                    let out =
+                        hide_keeping(page.as_bytes(), &["#ranking"], chunk, true, CARRY, pauses);
+                    assert_eq!(
+                        String::from_utf8_lossy(&out),
+                        expected,
+                        "chunk {chunk}, {pauses:?}"
+                    );
+                }
+            }
+        }
+        // A page that ends inside the module: nothing told where it ends, so it stays.
+        let page = format!("{head}<div id=\"ranking\">R</body></html>");
+        assert_eq!(
+            String::from_utf8_lossy(&hide_with(page.as_bytes(), &["#ranking"], 5, true)),
+            page
+        );
+    }
+
+    /// A PHP AJAX endpoint without a `header()` call: JSON labelled `text/html`, whose `</`
+    /// `json_encode` wrote as `<\/`. It was cut from the module's start tag to its end.
+    #[tokio::test]
+    async fn json_labelled_html_passes_untouched() {
+        let json = r#"{"html":"<div id='ranking'><b>Top</b><\/div>","posts":[1,2,3]}"#;
+        for start in ["", "\u{feff}", " \r\n", "\u{feff}\n\t"] {
+            for body in [format!("{start}{json}"), format!("{start}[{json}]")] {
+                for chunk in [1, 2, 3, 4096] {
+                    for (selectors, markers) in [
+                        (&["#ranking"][..], &[][..]),
+                        (&["#ranking", "div.x"][..], &["ads"][..]),
+                        (&["div"][..], &[][..]),
+                    ] {
+                        let out = rewrite_bytes(
+                            body.as_bytes(),
+                            selectors,
+                            markers,
+                            chunk,
+                            AsciiCompatibleEncoding::utf_8(),
+                        )
+                        .await;
+                        assert_eq!(
+                            String::from_utf8_lossy(&out),
+                            body,
+                            "chunk {chunk}, {selectors:?}"
+                        );
+                    }
+                }
+            }
+        }
+        // A page after a mark and white space is still a page.
+        for start in ["\u{feff}", " \n", "\u{feff}\r\n"] {
+            let page = format!("{start}<p>a</p><div id=\"ranking\">R</div><p>b</p>");
+            for chunk in [1, 2, 4096] {
+                for selectors in [&["#ranking"][..], &["div#ranking", ".x"][..]] {
+                    let out = rewrite_bytes(
+                        page.as_bytes(),
+                        selectors,
+                        &[],
+                        chunk,
+                        AsciiCompatibleEncoding::utf_8(),
+                    )
+                    .await;
+                    assert_eq!(
+                        String::from_utf8_lossy(&out),
+                        format!("{start}<p>a</p><p>b</p>"),
+                        "chunk {chunk}, {selectors:?}"
+                    );
+                }
+            }
+        }
+        // White space only, and nothing at all.
+        for body in ["", " \n ", "\u{feff}"] {
+            let out = rewrite_bytes(
+                body.as_bytes(),
+                &["#ranking"],
+                &[],
+                1,
+                AsciiCompatibleEncoding::utf_8(),
+            )
+            .await;
+            assert_eq!(String::from_utf8_lossy(&out), body);
+        }
+    }
+
     #[test]
     fn selectors_of_elements_left_in_place_are_named() {
         for (selector, element) in [
@@ -1323,6 +1503,35 @@ mod tests {
             out,
             "<p>a</p><p>b</p><!-- levee:module other --><i>x</i><!-- /levee:module other -->"
         );
+    }
+
+    /// A region ends at its end marker, also when that comes inside an element the region
+    /// opened: what follows the marker in that element stays (it went with the element, and
+    /// the rest of the page with an element whose end tag was left out).
+    #[tokio::test]
+    async fn a_region_ends_at_its_end_marker_inside_an_element_it_opened() {
+        for (page, expected) in [
+            (
+                "<div class=\"wrap\"><!-- levee:module ads --><aside>Buy</aside><div class=\"inner\">in<!-- /levee:module ads -->still</div></div><p>after</p>",
+                "<div class=\"wrap\">still</div><p>after</p>",
+            ),
+            (
+                "<!-- levee:module ads --><p>ad<!-- /levee:module ads --><p>next</p><p>after</p>",
+                "<p>next</p><p>after</p>",
+            ),
+            (
+                "<p>a</p><!-- levee:module ads --><script>ad('</div>')</script><style>b{}</style><img src=x><b>x<br/></b><!-- /levee:module ads --><p>after</p>",
+                "<p>a</p><p>after</p>",
+            ),
+        ] {
+            for chunk in [1, 5, 4096] {
+                assert_eq!(
+                    rewrite(page, &[], &["ads"], chunk).await,
+                    expected,
+                    "chunk {chunk}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -1577,6 +1786,51 @@ mod tests {
                         expected,
                         "chunk {chunk}, {pauses:?}"
                     );
+                }
+            }
+        }
+    }
+
+    /// A script that writes `<!--` and then `<script></script>` in a string is still open
+    /// after that `</script>` (HTML's script data double escaped state): the module spelled
+    /// in its next string is text. Taken for the module, it was cut out of the middle of the
+    /// script (a blank page and a script error), or the rest of the page with it.
+    #[test]
+    fn a_module_spelled_in_a_double_escaped_script_is_text() {
+        let pages = [
+            "<script><!-- var a = \"<script></script>\"; var b = '<div id=\"ranking\" class=\"rk\">'; //--></script><div id=\"ranking\" class=\"rk\">R</div><p>x</p>",
+            "<SCRIPT><!-- document.write('<script src=a.js></SCRIPT >'); x = '<div id=\"ranking\" class=\"rk\">' --></script ><div id=\"ranking\" class=\"rk\">R</div><p>x</p>",
+            // Unescaped at `-->`, a `</script>` ends it as usual.
+            "<script><!-- a --> b = 1;</script><div id=\"ranking\" class=\"rk\">R</div><p>x</p>",
+            "<script><!--> x</script><div id=\"ranking\" class=\"rk\">R</div><p>x</p>",
+        ];
+        for page in pages {
+            let expected = page.replace("<div id=\"ranking\" class=\"rk\">R</div>", "");
+            // The rewriter reading the whole page agrees.
+            let whole = hide_with(page.as_bytes(), &["#ranking"], 1 << 20, false);
+            assert_eq!(String::from_utf8_lossy(&whole), expected);
+            for (selectors, markers) in [
+                (&["#ranking"][..], &[][..]),
+                (&[".rk"][..], &[][..]),
+                (&["#ranking"][..], &["ads"][..]),
+            ] {
+                for chunk in [1, 2, 3, 7, 64, 1 << 20] {
+                    for pause in [false, true] {
+                        let cuts: Vec<usize> = (chunk..page.len()).step_by(chunk).collect();
+                        let out = hide_in_pieces(
+                            selectors,
+                            markers,
+                            page.as_bytes(),
+                            &cuts,
+                            CARRY,
+                            pause,
+                        );
+                        assert_eq!(
+                            String::from_utf8_lossy(&out),
+                            expected,
+                            "{selectors:?} {markers:?}, chunk {chunk}, pause {pause}"
+                        );
+                    }
                 }
             }
         }
