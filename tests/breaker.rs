@@ -760,14 +760,14 @@ async fn an_apps_own_503s_do_not_open_the_breaker_by_default() {
     assert_eq!(get(&levee.url("/forum.php")).await.status, 200);
 }
 
-/// A page that reflects a visitor's input into a header (a DEL byte in `Location`) gets a
+/// A page that reflects a visitor's input into a header (a NUL byte in `Location`) gets a
 /// 502, as levee cannot pass the field on; but the app did answer, so it is not a failure of
 /// the upstream, and asking for it again and again leaves every other page served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_with_a_field_levee_cannot_pass_on_is_not_held_against_the_upstream() {
     let addr = raw_backend(|head| {
         if head.starts_with(b"GET /redirect.php") {
-            b"HTTP/1.1 302 Found\r\nLocation: /next.php?q=a\x7fb\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec()
+            b"HTTP/1.1 302 Found\r\nLocation: /next.php?q=a\x00b\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec()
         } else {
             b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok".to_vec()
         }

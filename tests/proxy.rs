@@ -284,7 +284,7 @@ async fn bodies_over_the_route_limit_get_413() {
 async fn refused_upstream_is_502_and_slow_upstream_is_504() {
     let dead = free_port();
     let policy = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.dead]\nurl = \"http://127.0.0.1:{dead}\"\n[upstream.slow]\nurl = \"http://SLOW\"\nresponse_timeout = \"300ms\"\n[[route]]\nname = \"slow\"\nmatch = {{ path_prefix = \"/slow\" }}\nupstream = \"slow\"\n[[route]]\nname = \"dead\"\nmatch = {{ path_prefix = \"/\" }}\nupstream = \"dead\"\n"
+        "[server]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.dead]\nurl = \"http://[::1]:{dead}\"\n[upstream.slow]\nurl = \"http://SLOW\"\nresponse_timeout = \"300ms\"\n[[route]]\nname = \"slow\"\nmatch = {{ path_prefix = \"/slow\" }}\nupstream = \"slow\"\n[[route]]\nname = \"dead\"\nmatch = {{ path_prefix = \"/\" }}\nupstream = \"dead\"\n"
     );
     let slow = Backend::start(|_request: Request<Incoming>| async move {
         tokio::time::sleep(Duration::from_secs(5)).await;
@@ -299,6 +299,12 @@ async fn refused_upstream_is_502_and_slow_upstream_is_504() {
         refused
             .text()
             .contains("upstream `dead` could not be reached"),
+        "{}",
+        refused.text()
+    );
+    // An IPv6 address is named as in a URL (it read `::1:PORT`).
+    assert!(
+        refused.text().contains(&format!("connect to [::1]:{dead}")),
         "{}",
         refused.text()
     );

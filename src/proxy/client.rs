@@ -84,6 +84,8 @@ impl ClientSettings {
     pub fn address(&self) -> String {
         match &self.socket {
             Some(path) => format!("unix:{}", path.display()),
+            // An IPv6 address with brackets, as in a URL: `[::1]:8081`, not `::1:8081`.
+            None if self.host.contains(':') => format!("[{}]:{}", self.host, self.port),
             None => format!("{}:{}", self.host, self.port),
         }
     }
