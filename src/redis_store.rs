@@ -254,8 +254,10 @@ impl RedisFailure {
 #[derive(Debug, Default)]
 struct Reach {
     /// Why the latest call failed (no answer, or a refusal such as a wrong password);
-    /// `None` when it succeeded (or before any).
+    /// `None` when it succeeded (or before any). A timeout after a refusal keeps the refusal.
     failure: Option<String>,
+    /// `failure` is a timeout's.
+    failure_timed_out: bool,
     /// The log said the calls fail, and has not said yet that they answer again.
     outage_logged: bool,
     /// The calls fail, and the log has not said so yet: the line was held back (another
@@ -553,8 +555,21 @@ impl RedisStore {
         // only of an outage that was.
         {
             let mut reach = lock(&self.reach);
-            let was_failing =
-                std::mem::replace(&mut reach.failure, failure.map(ToString::to_string)).is_some();
+            // A timeout says less than the refusal it follows: a wrong password or an untrusted
+            // certificate makes the connection retry its handshake until the caller gives up,
+            // and the operator read "did not answer within 500ms" in place of WRONGPASS.
+            let said = match failure {
+                Some(RedisFailure::Timeout(_))
+                    if reach.failure.is_some() && !reach.failure_timed_out =>
+                {
+                    reach.failure.clone()
+                }
+                _ => {
+                    reach.failure_timed_out = matches!(failure, Some(RedisFailure::Timeout(_)));
+                    failure.map(ToString::to_string)
+                }
+            };
+            let was_failing = std::mem::replace(&mut reach.failure, said).is_some();
             let now = std::time::Instant::now();
             match failure {
                 // A new outage, or one whose line was held back and may be said now: an
@@ -676,6 +691,7 @@ impl RedisStore {
             let before = lock(&previous.reach);
             let mut reach = lock(&self.reach);
             reach.failure = before.failure.clone();
+            reach.failure_timed_out = before.failure_timed_out;
             // What the log said of the outage goes on too: its end is said, or its start
             // when that was held back.
             reach.outage_logged = before.outage_logged;
@@ -1665,6 +1681,37 @@ mod reload_tests {
             admit_ahead_above: 1.0,
             tls: None,
         }
+    }
+
+    /// A wrong password makes the connection retry its login until a call's time is out: the
+    /// timeout does not replace the refusal as what `/status` says, until Redis answers or
+    /// fails otherwise.
+    #[test]
+    fn a_timeout_after_a_refusal_keeps_the_refusal() {
+        let store = RedisStore::new(settings("redis://127.0.0.1:1/0", 100));
+        let refused = RedisFailure::Redis(redis::RedisError::from((
+            redis::ErrorKind::AuthenticationFailed,
+            "Password authentication failed",
+        )));
+        let timeout = RedisFailure::Timeout(Duration::from_millis(500));
+        store.note_call(Some(&refused));
+        store.note_call(Some(&timeout));
+        assert!(
+            store
+                .last_error()
+                .is_some_and(|error| error.contains("Password authentication failed")),
+            "{:?}",
+            store.last_error()
+        );
+        store.note_call(None);
+        assert_eq!(store.last_error(), None);
+        store.note_call(Some(&timeout));
+        store.note_call(Some(&timeout));
+        assert_eq!(store.last_error(), Some(timeout.to_string()));
+        store.note_call(Some(&refused));
+        assert!(store
+            .last_error()
+            .is_some_and(|error| error.contains("Password authentication failed")));
     }
 
     #[tokio::test]

@@ -3133,3 +3133,52 @@ async fn a_cluster_failover_is_followed_without_traffic_on_the_slots_moved() {
     .await;
     assert_eq!(post().await.status, 202);
 }
+
+/// A wrong password: every call is refused, and `/status` says why. The connection retries its
+/// login until the call's time is out, and the timeout had replaced the refusal there ("did
+/// not answer within 500ms" for WRONGPASS).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_redis_password_is_what_status_says() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start_with_password(dir.path(), "right").await;
+    let (backend, _seen) = recording_always_ok().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"redis://:wrong@127.0.0.1:{}/0\"\n[queue]\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+            redis.port
+        ),
+    ))
+    .await;
+    for _ in 0..3 {
+        let refused = post_as(&levee, "n=1", "198.51.100.7").await;
+        assert_eq!(refused.status, 503, "{}", refused.text());
+    }
+    eventually(Duration::from_secs(5), "the refusal in /status", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["redis"]["last_error"].as_str().is_some_and(|error| {
+            error
+                .to_lowercase()
+                .contains("password authentication failed")
+        })
+    })
+    .await;
+    // Writes that run out of time on the retried login do not hide the refusal again.
+    for _ in 0..3 {
+        assert_eq!(post_as(&levee, "n=2", "198.51.100.7").await.status, 503);
+        let status = get(&levee.admin_url("/status")).await.json();
+        assert!(
+            status["redis"]["last_error"]
+                .as_str()
+                .is_some_and(|error| error
+                    .to_lowercase()
+                    .contains("password authentication failed")),
+            "{status}"
+        );
+        assert!(
+            !status.to_string().contains("wrong@"),
+            "the password is never shown: {status}"
+        );
+    }
+}
