@@ -692,7 +692,8 @@ fn explain_parse_error(
     let secret = key.is_some_and(|key| matches!(key, "password" | "username"));
     let written: Option<Cow<'_, str>> = match written {
         _ if secret => None,
-        Some(written) if written.contains('@') => {
+        // A password in the userinfo or in the query (`?password=`, `?pass=`).
+        Some(written) if written.contains("://") => {
             Some(Cow::Owned(crate::redis_store::redact_url(written)))
         }
         written => written.map(Cow::Borrowed),
@@ -4556,6 +4557,14 @@ mod tests {
             (
                 format!("{APP}[redis]\nurl = [\"redis://:Sekr1t@127.0.0.1:6379\"]\n"),
                 Some("redis://***@127.0.0.1:6379"),
+            ),
+            (
+                format!("{APP}[redis]\nurl = [\"redis+unix:///run/r.sock?pass=Sekr1t\"]\n"),
+                None,
+            ),
+            (
+                format!("{APP}[redis]\ncluster = \"redis://127.0.0.1:7000/?password=Sekr1t\"\n"),
+                None,
             ),
             (
                 format!("{APP}[redis.sentinel]\nmaster = \"m\"\nnodes = [\"127.0.0.1:26379\"]\npassword = [\"Sekr1t\"]\n"),

@@ -1359,6 +1359,9 @@ pub struct Cut {
     optional: Option<OptionalEnd>,
     /// How a start tag of its own kind ends the removed element, if one does.
     ended_by_kind: Option<KindEnd>,
+    /// Where the first end tag that matched nothing open inside came, when one did that HTML
+    /// may have ended the element with (see [`Cut::end_tag`]).
+    first_stray: Option<usize>,
 }
 
 /// How a start tag of their own kind ends the elements of [`ENDED_BY_THEIR_KIND`].
@@ -1391,7 +1394,15 @@ impl Cut {
             open: vec![removed],
             long_names,
             cursor,
+            first_stray: None,
         }
+    }
+
+    /// Where the element ends if its own end tag never comes: before the first end tag that
+    /// matched nothing open inside it and that HTML may have closed it with (`</td>` around a
+    /// `<div id=m>` whose `</div>` is missing). `None` when there was none.
+    pub fn first_stray(&self) -> Option<usize> {
+        self.first_stray
     }
 
     /// Drops the long names of elements no longer open, so that a module of many closed
@@ -1510,19 +1521,25 @@ impl Cut {
             return self.end_ends(&lower, at);
         }
         // HTML closes the removed element with it when its element is open around the removed
-        // one (`<td><div id=m>…</td>`, a `</div>` around a `<span id=m>`): ended just before
-        // it, which, with the tag, passes on. When nothing around matches, HTML ignores it and
-        // the element goes on; which is the case is not known here, and ending early leaves
-        // some of the element in place where running on would have taken the rest of the page.
-        // Ignored for sure, so run over: an end tag HTML looks up in scope with a boundary open
-        // (`</li>` in a `<ul id=m>`), any other with a special element open (`</span>` in a
-        // `<div id=m>`), and those that close nothing open after their own element.
-        let ends_here = match rule {
+        // one (`<td><div id=m>…</td>`, a `</div>` around a `<span id=m>`); when nothing around
+        // matches, HTML ignores it and the element goes on (a stray `</li>` in a template).
+        // Which is the case is not known here, so the scan runs on: the element's own end tag,
+        // when it comes, says the tag was a stray (removed whole, as the rewriter removes it);
+        // when it never comes (the page ends, or the hold's bound is reached), the element
+        // ends just before the first such tag, which with the rest passes on (it had taken
+        // the rest of the page). Ignored for sure, so no such place: an end tag HTML looks up
+        // in scope with a boundary open (`</li>` in a `<ul id=m>`), any other with a special
+        // element open (`</span>` in a `<div id=m>`), and those that close nothing open after
+        // their own element.
+        let may_end_here = match rule {
             EndRule::InScope(bounds) => !self.open.iter().any(|open| open.is_one_of(bounds)),
             EndRule::Other => !self.open.iter().any(|open| open.is_one_of(SPECIAL)),
             EndRule::Kept => false,
         };
-        ends_here.then_some(Step::Ended(at))
+        if may_end_here {
+            self.first_stray.get_or_insert(at);
+        }
+        None
     }
 
     /// What the end tag `name`, matching nothing open inside, does to a removed element whose
@@ -2006,10 +2023,17 @@ mod tests {
     }
 
     /// Where the cut of the element starting `held` ends, as the text left of the page.
+    /// What follows the element in `held`, a whole page: where it ended, or, its own end
+    /// tag not having come, where it may have ended (as at the end of a page).
     fn left_after_cut(held: &str) -> Option<String> {
-        match cut_all(held.as_bytes()) {
+        let Read::Tag(tag) = read_tag(held.as_bytes(), 1) else {
+            return None;
+        };
+        let mut cut = Cut::new(tag.name, tag.end);
+        match cut.advance(held.as_bytes()) {
             Step::Ended(end) => Some(held[end..].to_string()),
-            _ => None,
+            Step::More => cut.first_stray().map(|at| held[at..].to_string()),
+            Step::GiveUp => None,
         }
     }
 
@@ -2060,11 +2084,16 @@ mod tests {
         ] {
             assert_eq!(cut_all(held.as_bytes()), Step::GiveUp, "{held}");
         }
-        // A container ends at an end tag of a list around it too: one that nothing inside
-        // it matches closes it when that list is open around it, which is not known here.
+        // A container goes on past an end tag of a list that nothing inside it matches (HTML
+        // ignores it unless the list is open around it, which is not known here) when its own
+        // end tag comes; without that, it ends there.
         assert_eq!(
             left_after_cut("<div id=a><li>x</ul>y</div>z").as_deref(),
-            Some("</ul>y</div>z")
+            Some("z")
+        );
+        assert_eq!(
+            left_after_cut("<div id=a><li>x</ul>y<p>z").as_deref(),
+            Some("</ul>y<p>z")
         );
     }
 
@@ -2148,6 +2177,13 @@ mod tests {
             ),
             // As before: ended at its own end tag even where HTML ignores it (less removed).
             ("<div id=a><table><tr><td>a</div><p>x", "<p>x"),
+            // A stray end tag inside a module whose own end tag comes (a template's `</li>`,
+            // `</td>`, `</section>` too many): the module is removed whole, as HTML ignores
+            // the tag when nothing around it matches. (When something does, HTML had ended
+            // the module there, and a later `</div>` of the page is taken for its end.)
+            ("<div id=a><span>A</li>B</span></div><p>after", "<p>after"),
+            ("<div id=a>A</section>B</div>after", "after"),
+            ("<div id=a>A</td>B</div>after", "after"),
         ] {
             assert_eq!(left_after_cut(held).as_deref(), Some(left), "{held}");
         }

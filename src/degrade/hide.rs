@@ -465,6 +465,9 @@ struct Hider {
     opening: Option<Held>,
 }
 
+/// The most of a body's opening white space held to tell a page from JSON.
+const MOST_OPENING: usize = 1024;
+
 /// Whether a body that starts with `start` is JSON rather than a page: its first byte other
 /// than white space (after a UTF-8 byte order mark) opens an object or an array. A PHP AJAX
 /// endpoint that never calls `header()` sends its JSON as `text/html`, and `json_encode`
@@ -720,7 +723,10 @@ impl Hider {
             return Ok(false);
         };
         opening.append(data);
-        let Some(json) = is_json(opening) else {
+        // White space alone past a bound is a page's (a body of megabytes of spaces was held
+        // whole, and read again from its start at each piece).
+        let Some(json) = is_json(opening).or((opening.len() > MOST_OPENING).then_some(false))
+        else {
             return Ok(true);
         };
         let start = std::mem::take(opening).into_bytes();
@@ -996,7 +1002,17 @@ impl Hider {
                 };
                 Ok(())
             }
-            Step::More | Step::GiveUp => {
+            // Past the hold's bound with a place the element may have ended at: it ends there
+            // (handed to the rewriter, it ran to the end of the page).
+            Step::More => match cut.first_stray() {
+                Some(at) => self.finish_cut(at),
+                None => {
+                    let held = std::mem::take(held);
+                    self.start_rewriter();
+                    self.rewrite(&held)
+                }
+            },
+            Step::GiveUp => {
                 let held = std::mem::take(held);
                 self.start_rewriter();
                 self.rewrite(&held)
@@ -1042,6 +1058,17 @@ impl Hider {
             Stage::Scan(_) => self.scan()?,
             Stage::Cut { .. } => self.cut()?,
             _ => {}
+        }
+        // The page ended inside a removed element that an end tag may have ended: it ends
+        // there, and what follows is scanned for the other modules.
+        while let Stage::Cut { cut, .. } = &self.stage {
+            let Some(at) = cut.first_stray() else {
+                break;
+            };
+            self.finish_cut(at)?;
+            if let Stage::Cut { .. } = &self.stage {
+                self.cut()?;
+            }
         }
         match std::mem::replace(&mut self.stage, Stage::Done) {
             Stage::Scan(scan) => emit_shared(&self.output, scan.carry.into_bytes()),
@@ -1373,6 +1400,31 @@ mod tests {
                 }
             }
         }
+        // A stray end tag inside a module whose own end tag comes: removed whole, as the
+        // browser ignores the tag (it was ended there, and the module's text and its own
+        // `</div>`, which closed the column around it, went out).
+        for stray in ["</li>", "</section>", "</td>"] {
+            let page = format!(
+                "{head}<div class=\"col\"><div id=\"ranking\"><span>A{stray}B</span></div><p id=\"after\">after</p></div>{tail}"
+            );
+            let expected =
+                format!("{head}<div class=\"col\"><p id=\"after\">after</p></div>{tail}");
+            for chunk in [1, 7, 64, 1 << 20] {
+                let out = hide_keeping(
+                    page.as_bytes(),
+                    &["#ranking"],
+                    chunk,
+                    true,
+                    CARRY,
+                    Pauses::Never,
+                );
+                assert_eq!(
+                    String::from_utf8_lossy(&out),
+                    expected,
+                    "{stray}, chunk {chunk}"
+                );
+            }
+        }
         // A page that ends inside the module: nothing told where it ends, so it stays.
         let page = format!("{head}<div id=\"ranking\">R</body></html>");
         assert_eq!(
@@ -1432,6 +1484,37 @@ mod tests {
                 }
             }
         }
+        // White space past the bound: a page, held no longer (it was held whole).
+        let page = format!(
+            "{}<div id=\"ranking\">R</div><p>b</p>",
+            " ".repeat(64 * 1024)
+        );
+        let out = rewrite_bytes(
+            page.as_bytes(),
+            &["#ranking"],
+            &[],
+            4096,
+            AsciiCompatibleEncoding::utf_8(),
+        )
+        .await;
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            format!("{}<p>b</p>", " ".repeat(64 * 1024))
+        );
+        let json = format!("{}{{\"a\":\"<div id='ranking'>\"}}", " ".repeat(64 * 1024));
+        let out = rewrite_bytes(
+            json.as_bytes(),
+            &["#ranking"],
+            &[],
+            4096,
+            AsciiCompatibleEncoding::utf_8(),
+        )
+        .await;
+        // Read as a page past the bound: the module's end never comes, so it stays.
+        assert!(
+            out == json.as_bytes(),
+            "JSON past the bound comes out whole"
+        );
         // White space only, and nothing at all.
         for body in ["", " \n ", "\u{feff}"] {
             let out = rewrite_bytes(
