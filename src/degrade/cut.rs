@@ -1485,6 +1485,20 @@ impl Cut {
         at: usize,
         end: usize,
     ) -> Option<Step> {
+        // Most end tags close the innermost open element: no scope to look through, and no
+        // lower-casing of the name (a module of well-formed markup cost a fifth more to cut
+        // without this).
+        if let Some(&innermost) = self.open.last() {
+            if self.is_named(innermost, inline, name) {
+                let index = self.open.len() - 1;
+                if index == 0 {
+                    return Some(Step::Ended(end));
+                }
+                self.open.truncate(index);
+                self.forget_closed_long_names();
+                return None;
+            }
+        }
         let lower = TagName::lowercase(name);
         let heading = is_one_of(&lower, HEADINGS);
         let matches = |cut: &Cut, open: OpenName| {
