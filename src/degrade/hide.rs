@@ -29,12 +29,112 @@ pub const MARKER: &str = "marker";
 struct Output {
     ready: std::collections::VecDeque<Bytes>,
     tail: BytesMut,
+    /// The element the rewriter is inside of and removing, if any.
+    removal: Option<Removal>,
+}
+
+/// An element the rewriter removes, from its start tag to where lol_html ends it: its own end
+/// tag, or the end tag of an element around it that the rewriter saw open. lol_html ends an
+/// element nowhere else (not at the page's end, nor at an end tag of an element opened before
+/// the rewriter took over, which it never saw), so removing as it streamed took the rest of
+/// the page with a module missing its end tag. What the rewriter writes meanwhile is held
+/// instead, and dropped once the element ends; if the page ends first, or the element grows
+/// past `MAX_HELD_REMOVING`, it goes on as it came: the module is left in place, the page
+/// after it follows.
+struct Removal {
+    /// Matched elements open, the first included (a module nested in a module counts).
+    open: usize,
+    /// The first's tag name: its own end tag goes with it; one of an element around it stays.
+    name: String,
+    /// The selector that matched it, for the log.
+    selector: Arc<str>,
+    /// The rewriter's output from its start tag on; `None` once given up (left in place).
+    held: Option<BytesMut>,
+}
+
+/// Most bytes of an element held while it is removed (see [`Removal`]). Larger than
+/// `MAX_HELD`, so a module the fast path handed over for its length is still removed.
+const MAX_HELD_REMOVING: usize = 4 * MAX_HELD;
+
+/// Modules left in place because nothing ended them: at most one line a minute.
+static LEFT_IN_PLACE_LOG: crate::log_throttle::LogThrottle =
+    crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(60));
+
+fn warn_of_a_module_left_in_place(removal: &Removal, why: &str) {
+    if let Some(held_back) = LEFT_IN_PLACE_LOG.allow(std::time::Instant::now()) {
+        tracing::warn!(
+            selector = &*removal.selector,
+            element = removal.name,
+            "hide left a <{}> in place: its end could not be found ({why}); give it its end tag ({held_back} more such modules not logged)",
+            removal.name
+        );
+    }
 }
 
 impl Output {
-    /// Copies `bytes` in (the rewriter's output, a borrowed chunk).
+    /// Copies `bytes` in (a borrowed chunk passed on as it is).
     fn push_slice(&mut self, bytes: &[u8]) {
         self.tail.extend_from_slice(bytes);
+    }
+
+    /// Copies in the rewriter's output: held while an element is being removed.
+    fn push_rewritten(&mut self, bytes: &[u8]) {
+        if let Some(removal) = &mut self.removal {
+            if let Some(held) = &mut removal.held {
+                if held.len() + bytes.len() <= MAX_HELD_REMOVING {
+                    held.extend_from_slice(bytes);
+                    return;
+                }
+                self.tail.extend_from_slice(held);
+                removal.held = None;
+                warn_of_a_module_left_in_place(removal, "longer than 1 MiB");
+            }
+        }
+        self.tail.extend_from_slice(bytes);
+    }
+
+    /// A matched element starts (its start tag is the rewriter's next output).
+    fn open_removal(&mut self, name: String, selector: &Arc<str>) {
+        match &mut self.removal {
+            Some(removal) => removal.open += 1,
+            None => {
+                self.removal = Some(Removal {
+                    open: 1,
+                    name,
+                    selector: selector.clone(),
+                    held: Some(BytesMut::new()),
+                })
+            }
+        }
+    }
+
+    /// A matched element ended at the end tag `end` (its own or an element's around it):
+    /// once the first has, what was held is dropped. Whether `end` goes with it.
+    fn close_removal(&mut self, end: &str) -> bool {
+        let Some(removal) = &mut self.removal else {
+            return false;
+        };
+        removal.open = removal.open.saturating_sub(1);
+        if removal.open > 0 {
+            return false;
+        }
+        let removed = removal.held.is_some() && removal.name.eq_ignore_ascii_case(end);
+        self.removal = None;
+        removed
+    }
+
+    fn is_removing(&self) -> bool {
+        self.removal.is_some()
+    }
+
+    /// The page ended inside a removed element: what was held goes on.
+    fn leave_removal_in_place(&mut self) {
+        if let Some(removal) = self.removal.take() {
+            if let Some(held) = &removal.held {
+                warn_of_a_module_left_in_place(&removal, "the page ended first");
+                self.tail.extend_from_slice(held);
+            }
+        }
     }
 
     /// Queues `bytes` without copying them.
@@ -127,7 +227,7 @@ struct Sink(Arc<Mutex<Output>>);
 impl OutputSink for Sink {
     fn handle_chunk(&mut self, chunk: &[u8]) {
         if let Ok(mut out) = self.0.lock() {
-            out.push_slice(chunk);
+            out.push_rewritten(chunk);
         }
     }
 }
@@ -509,7 +609,8 @@ fn rewriter(
         .with_strict(false);
     for selector in selectors {
         let ended = ended.clone();
-        let selector_text = selector.clone();
+        let output = output.clone();
+        let selector_text: Arc<str> = Arc::from(selector.as_str());
         settings =
             settings.append_element_content_handler(element!(selector.as_str(), move |el| {
                 let name = el.tag_name();
@@ -517,17 +618,27 @@ fn rewriter(
                     warn_once_of_an_element_left_in(&selector_text, &name);
                     return Ok(());
                 }
-                el.remove();
-                let ended = ended.clone();
-                // Void elements have no end: count them as ended at once.
-                if el
-                    .on_end_tag(end_tag!(move |_end| {
-                        ended.fetch_add(1, Ordering::Relaxed);
-                        Ok(())
-                    }))
-                    .is_err()
-                {
+                // Not `el.remove()`, which drops the element's content as it streams and took
+                // the rest of the page when its end never came: its output is held until it
+                // ends (see `Removal`).
+                let (ended, ending) = (ended.clone(), output.clone());
+                let has_end = el.on_end_tag(end_tag!(move |end| {
+                    ended.fetch_add(1, Ordering::Relaxed);
+                    let removed = ending
+                        .lock()
+                        .is_ok_and(|mut out| out.close_removal(&end.name()));
+                    if removed {
+                        end.remove();
+                    }
+                    Ok(())
+                }));
+                if has_end.is_err() {
+                    // A void element has no end and no content: removed at once.
+                    el.remove();
                     return Ok(());
+                }
+                if let Ok(mut out) = output.lock() {
+                    out.open_removal(name, &selector_text);
                 }
                 Ok(())
             }));
@@ -577,8 +688,9 @@ fn rewriter(
 
 /// Elements whose end tag HTML lets a page leave out (`<li>a<li>b`, `<p>a<div>`): the parser
 /// closes them where the next one starts, but the rewriter removes up to an end tag written
-/// out, so removing one whose end tag is left out took the rest of its list or page with it.
-/// Such an element is left in place; the operator is told to hide the element around it.
+/// out (its own or its list's, its table's), so removing one whose end tag is left out took
+/// the rest of its list or page with it (now the rest of its list: see `Removal`). Such an
+/// element is left in place; the operator is told to hide the element around it.
 fn end_tag_may_be_left_out(name: &str) -> bool {
     matches!(
         name.to_ascii_lowercase().as_str(),
@@ -637,7 +749,7 @@ fn warn_once_of_an_element_left_in(selector: &str, name: &str) {
         tracing::warn!(
             selector,
             element = name,
-            "hide left a <{name}> in place: its end tag may be left out of a page, and removing it could remove the rest of the page; select the element around it (a div or section) instead (said once)"
+            "hide left a <{name}> in place: its end tag may be left out of a page, and removing it could remove what follows it; select the element around it (a div or section) instead (said once)"
         );
     }
 }
@@ -1049,9 +1161,15 @@ impl Hider {
             // came. HTML would end it with the page, but a misread end (a template's stray tag)
             // would then cost the visitor the rest of the page: it is left in place instead.
             Stage::Cut { held, .. } => emit_shared(&self.output, held.into_bytes()),
-            Stage::Rewrite(rewriter) => rewriter
-                .end()
-                .map_err(|error| Box::new(error) as BoxError)?,
+            Stage::Rewrite(rewriter) => {
+                rewriter
+                    .end()
+                    .map_err(|error| Box::new(error) as BoxError)?;
+                // The page ended inside a removed element: nothing ended it, so it stays.
+                if let Ok(mut out) = self.output.lock() {
+                    out.leave_removal_in_place();
+                }
+            }
             Stage::Pass | Stage::Done => {}
         }
         Ok(())
@@ -1084,10 +1202,14 @@ impl Hider {
         Ok(())
     }
 
-    /// Once every id-selected element has ended, nothing more can match: stop parsing.
+    /// Once every id-selected element has ended, nothing more can match: stop parsing (not
+    /// inside an element being removed, which a repeated id can leave open).
     fn finish_early(&mut self) -> Result<(), BoxError> {
         let stop_after = self.plan.stop_after;
-        if stop_after > 0 && self.ended.load(Ordering::Relaxed) >= stop_after {
+        if stop_after > 0
+            && self.ended.load(Ordering::Relaxed) >= stop_after
+            && !self.output.lock().is_ok_and(|out| out.is_removing())
+        {
             if let Stage::Rewrite(rewriter) = std::mem::replace(&mut self.stage, Stage::Pass) {
                 rewriter
                     .end()
@@ -1379,6 +1501,133 @@ mod tests {
             String::from_utf8_lossy(&hide_with(page.as_bytes(), &["#ranking"], 5, true)),
             page
         );
+    }
+
+    /// On the rewriter's path (a class selector; a marker besides), a module missing its own
+    /// end tag took the rest of the page with it: lol_html removed it as it streamed and ends
+    /// an element only at an end tag. Now it is removed where lol_html ends it (an element
+    /// around it that the rewriter saw open ends, which stays), and left in place where
+    /// nothing ends it (the rewriter took over at the module, and never saw what is around
+    /// it); either way the rest of the page follows.
+    #[test]
+    fn the_rewriter_never_removes_the_rest_of_the_page() {
+        let head =
+            "<!doctype html><html><head><meta charset=\"utf-8\"><title>t</title></head><body>";
+        let tail = "<p id=\"after\">AFTER</p></body></html>";
+        let lines = [
+            (
+                "<table><tr><td><div class=\"ranking\">R</td></tr></table><p>x</p>",
+                "<div class=\"ranking\">R",
+            ),
+            (
+                "<ul><li><div class=\"ranking\">R</li><li>next</li></ul><p>x</p>",
+                "<div class=\"ranking\">R",
+            ),
+            (
+                "<section><div class=\"ranking\">R</section><p>x</p>",
+                "<div class=\"ranking\">R",
+            ),
+            (
+                "<div><span class=\"ranking\">R</div><p>x</p>",
+                "<span class=\"ranking\">R",
+            ),
+            // Nested: the inner one's end is the outer's content, the outer ends at the
+            // section's end tag (or nowhere).
+            (
+                "<section><div class=\"ranking\">R<b class=\"ranking\">b</b> r</section><p>x</p>",
+                "<div class=\"ranking\">R<b class=\"ranking\">b</b> r",
+            ),
+        ];
+        for (line, module) in lines {
+            let page = format!("{head}{line}{tail}");
+            // `body .ranking` has no literal to look for: the rewriter reads the whole page and
+            // sees the element around the module open.
+            for (selectors, markers, expected) in [
+                (&[".ranking"][..], &[][..], page.clone()),
+                (&[".ranking"][..], &["ads"][..], page.clone()),
+                (&[".ranking", "[data-module=x]"][..], &[][..], page.clone()),
+                (&["body .ranking"][..], &[][..], page.replace(module, "")),
+                (
+                    &["body .ranking"][..],
+                    &["ads"][..],
+                    page.replace(module, ""),
+                ),
+            ] {
+                for chunk in [1, 7, 64, 1 << 20] {
+                    for pause in [false, true] {
+                        let cuts: Vec<usize> = (chunk..page.len()).step_by(chunk).collect();
+                        let out = hide_in_pieces(
+                            selectors,
+                            markers,
+                            page.as_bytes(),
+                            &cuts,
+                            CARRY,
+                            pause,
+                        );
+                        assert_eq!(
+                            String::from_utf8_lossy(&out),
+                            expected,
+                            "{selectors:?} {markers:?}, chunk {chunk}, pause {pause}"
+                        );
+                    }
+                }
+            }
+        }
+        // A module with its end tag is removed as before, also one holding a module.
+        let page = format!(
+            "{head}<div class=\"ranking\">R<div class=\"ranking\">S</div><p>in</div>{tail}"
+        );
+        for selectors in [&[".ranking"][..], &["body .ranking"][..]] {
+            for chunk in [1, 7, 1 << 20] {
+                let cuts: Vec<usize> = (chunk..page.len()).step_by(chunk).collect();
+                let out = hide_in_pieces(selectors, &[], page.as_bytes(), &cuts, CARRY, true);
+                assert_eq!(
+                    String::from_utf8_lossy(&out),
+                    format!("{head}{tail}"),
+                    "{selectors:?}, chunk {chunk}"
+                );
+            }
+        }
+    }
+
+    /// A module missing its end tag is held only up to `MAX_HELD_REMOVING`: past that it is
+    /// left in place and the page streams on, before the upstream ends.
+    #[test]
+    fn a_module_never_ended_is_held_only_so_far() {
+        let selectors = [".ranking".to_string()];
+        let mut hider = Hider::new(
+            &selectors,
+            Vec::new(),
+            AsciiCompatibleEncoding::utf_8(),
+            true,
+        );
+        let start = "<p>before</p><div class=\"ranking\">";
+        let filler = "<p>text of a post</p>\n".repeat(8 * 1024);
+        let mut page = start.to_string();
+        let mut out = Vec::new();
+        hider
+            .feed_shared(Bytes::copy_from_slice(start.as_bytes()))
+            .expect("feeds");
+        while page.len() < 2 * MAX_HELD_REMOVING {
+            page.push_str(&filler);
+            hider
+                .feed_shared(Bytes::copy_from_slice(filler.as_bytes()))
+                .expect("feeds");
+            hider.pass_on_pause();
+            while let Some(piece) = take(&hider.output) {
+                out.extend_from_slice(&piece);
+            }
+        }
+        assert!(
+            out.len() > MAX_HELD_REMOVING,
+            "{} bytes out before the end",
+            out.len()
+        );
+        hider.end().expect("ends");
+        while let Some(piece) = take(&hider.output) {
+            out.extend_from_slice(&piece);
+        }
+        assert!(out == page.as_bytes(), "left in place whole");
     }
 
     /// A PHP AJAX endpoint without a `header()` call: JSON labelled `text/html`, whose `</`
