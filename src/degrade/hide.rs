@@ -12,7 +12,7 @@ use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap};
 use http_body::{Body, Frame, SizeHint};
 use lol_html::send::{HtmlRewriter, Settings};
-use lol_html::{doc_comments, doc_text, element, end_tag, AsciiCompatibleEncoding, OutputSink};
+use lol_html::{doc_comments, element, end_tag, AsciiCompatibleEncoding, OutputSink};
 use memchr::memmem::Finder;
 use pin_project_lite::pin_project;
 
@@ -222,11 +222,19 @@ impl Held {
 }
 
 /// Collects the rewriter's output for the next body frame.
-struct Sink(Arc<Mutex<Output>>);
+struct Sink {
+    output: Arc<Mutex<Output>>,
+    /// Hidden marker regions open (see `rewriter`): while one is, what the rewriter writes is
+    /// dropped.
+    regions: Arc<AtomicUsize>,
+}
 
 impl OutputSink for Sink {
     fn handle_chunk(&mut self, chunk: &[u8]) {
-        if let Ok(mut out) = self.0.lock() {
+        if self.regions.load(Ordering::Relaxed) > 0 {
+            return;
+        }
+        if let Ok(mut out) = self.output.lock() {
             out.push_rewritten(chunk);
         }
     }
@@ -643,13 +651,18 @@ fn rewriter(
                 Ok(())
             }));
     }
+    // Hidden marker regions open. Inside one, whatever the rewriter writes is dropped in the
+    // sink, so no text handler is needed: one made lol_html decode every text after the first
+    // match and encode it again, which is not byte for byte (invalid UTF-8 became U+FFFD, an
+    // unmapped Shift_JIS pair `&#65533;`, an NEC-selected IBM extension its IBM twin); text no
+    // handler asks for passes as the page's own bytes. Each element the region opens loses
+    // its start and end tag, not the element with what it holds, which ran past the end
+    // marker when that came inside an element the region opened (to the end of the page when
+    // the element's end tag was left out, `<p>ad<!-- /levee:module ads --><p>…`): its end tag
+    // after the end marker goes too.
+    let regions = Arc::new(AtomicUsize::new(0));
     if !markers.is_empty() {
-        // Depth of open hidden markers; inside one, every node is removed: each element's
-        // start and end tag, not the element with what it holds, which ran past the end
-        // marker when that came inside an element the region opened (to the end of the page
-        // when the element's end tag was left out, `<p>ad<!-- /levee:module ads --><p>…`).
-        let depth = Arc::new(AtomicUsize::new(0));
-        let (in_elements, in_text, in_comments) = (depth.clone(), depth.clone(), depth);
+        let (in_elements, in_comments) = (regions.clone(), regions.clone());
         let markers = Arc::new(markers.to_vec());
         settings = settings
             .append_element_content_handler(element!("*", move |el| {
@@ -658,18 +671,14 @@ fn rewriter(
                 }
                 Ok(())
             }))
-            .append_document_content_handler(doc_text!(move |text| {
-                if in_text.load(Ordering::Relaxed) > 0 {
-                    text.remove();
-                }
-                Ok(())
-            }))
             .append_document_content_handler(doc_comments!(move |comment| {
                 match marker_of(&comment.text()) {
+                    // The region starts before its start marker is written: the sink drops
+                    // the marker with what follows.
                     Some((true, name)) if markers.iter().any(|m| m == name) => {
                         in_comments.fetch_add(1, Ordering::Relaxed);
-                        comment.remove();
                     }
+                    // The region ends before its end marker is written: the marker goes.
                     Some((false, name)) if markers.iter().any(|m| m == name) => {
                         comment.remove();
                         let _ =
@@ -677,13 +686,18 @@ fn rewriter(
                                 d.checked_sub(1)
                             });
                     }
-                    _ if in_comments.load(Ordering::Relaxed) > 0 => comment.remove(),
                     _ => {}
                 }
                 Ok(())
             }));
     }
-    HtmlRewriter::new(settings, Sink(output.clone()))
+    HtmlRewriter::new(
+        settings,
+        Sink {
+            output: output.clone(),
+            regions,
+        },
+    )
 }
 
 /// Elements whose end tag HTML lets a page leave out (`<li>a<li>b`, `<p>a<div>`): the parser
@@ -1371,6 +1385,53 @@ mod tests {
         );
         // A UTF-16 page cannot be read by the rewriter: passed on untouched.
         assert!(!rewritable(&content_type("text/html; charset=utf-16le")));
+    }
+
+    /// On a route that hides a marker, the text after the first match came out decoded and
+    /// encoded again: invalid UTF-8 became U+FFFD, an unmapped Shift_JIS or EUC-JP pair the
+    /// text `&#65533;`, and an NEC-selected IBM extension (`ED 40`) its IBM twin (`FA 5C`).
+    #[tokio::test]
+    async fn text_after_a_marker_comes_out_byte_for_byte() {
+        let region = b"<!-- levee:module ads --><div>ad \xff</div>AD<!-- /levee:module ads -->";
+        for (charset, text) in [
+            ("utf-8", &b"caf\xe9 \xff\xfe \xe2\x82 \xc3\xa9t\xc3\xa9"[..]),
+            (
+                "Shift_JIS",
+                &b"\xed\x40 \x85\x40 \x83\x89 \xfa\x5c \x88"[..],
+            ),
+            (
+                "EUC-JP",
+                &b"\xa1\x20 \xb0\xa1 \x8f\xa2\xaf \xad\xa1 \xa4"[..],
+            ),
+        ] {
+            let encoding = page_encoding(&content_type(&format!("text/html; charset={charset}")))
+                .expect("readable");
+            // The text in an element, in an attribute value, and at the page's end.
+            let after = |module: &[u8]| {
+                let mut bytes = b"<p>".to_vec();
+                for piece in [text, b"</p>", module, b"<i title=\"", text, b"\">", text] {
+                    bytes.extend_from_slice(piece);
+                }
+                bytes.extend_from_slice(b"</i>");
+                bytes.extend_from_slice(text);
+                bytes
+            };
+            let page = [
+                &b"<p>a</p>"[..],
+                region,
+                &after(b"<div class=\"box\">x</div>"),
+            ]
+            .concat();
+            let expected = [&b"<p>a</p>"[..], &after(b"")].concat();
+            for chunk in [1, 2, 5, 1 << 20] {
+                let out = rewrite_bytes(&page, &[".box"], &["ads"], chunk, encoding).await;
+                assert!(
+                    out == expected,
+                    "{charset}, chunk {chunk}: {:?}",
+                    String::from_utf8_lossy(&out)
+                );
+            }
+        }
     }
 
     const PAGE: &str = "<html><body><h1>论坛</h1><div id=\"ranking\"><ol><li>a</li></ol></div><p>keep</p><div data-module=\"visitors\">42 online</div></body></html>";
