@@ -12,7 +12,7 @@ use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap};
 use http_body::{Body, Frame, SizeHint};
 use lol_html::send::{HtmlRewriter, Settings};
-use lol_html::{doc_comments, doc_text, element, end_tag, AsciiCompatibleEncoding, OutputSink};
+use lol_html::{doc_comments, element, end_tag, AsciiCompatibleEncoding, OutputSink};
 use memchr::memmem::Finder;
 use pin_project_lite::pin_project;
 
@@ -29,12 +29,112 @@ pub const MARKER: &str = "marker";
 struct Output {
     ready: std::collections::VecDeque<Bytes>,
     tail: BytesMut,
+    /// The element the rewriter is inside of and removing, if any.
+    removal: Option<Removal>,
+}
+
+/// An element the rewriter removes, from its start tag to where lol_html ends it: its own end
+/// tag, or the end tag of an element around it that the rewriter saw open. lol_html ends an
+/// element nowhere else (not at the page's end, nor at an end tag of an element opened before
+/// the rewriter took over, which it never saw), so removing as it streamed took the rest of
+/// the page with a module missing its end tag. What the rewriter writes meanwhile is held
+/// instead, and dropped once the element ends; if the page ends first, or the element grows
+/// past `MAX_HELD_REMOVING`, it goes on as it came: the module is left in place, the page
+/// after it follows.
+struct Removal {
+    /// Matched elements open, the first included (a module nested in a module counts).
+    open: usize,
+    /// The first's tag name: its own end tag goes with it; one of an element around it stays.
+    name: String,
+    /// The selector that matched it, for the log.
+    selector: Arc<str>,
+    /// The rewriter's output from its start tag on; `None` once given up (left in place).
+    held: Option<BytesMut>,
+}
+
+/// Most bytes of an element held while it is removed (see [`Removal`]). Larger than
+/// `MAX_HELD`, so a module the fast path handed over for its length is still removed.
+const MAX_HELD_REMOVING: usize = 4 * MAX_HELD;
+
+/// Modules left in place because nothing ended them: at most one line a minute.
+static LEFT_IN_PLACE_LOG: crate::log_throttle::LogThrottle =
+    crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(60));
+
+fn warn_of_a_module_left_in_place(removal: &Removal, why: &str) {
+    if let Some(held_back) = LEFT_IN_PLACE_LOG.allow(std::time::Instant::now()) {
+        tracing::warn!(
+            selector = &*removal.selector,
+            element = removal.name,
+            "hide left a <{}> in place: its end could not be found ({why}); give it its end tag ({held_back} more such modules not logged)",
+            removal.name
+        );
+    }
 }
 
 impl Output {
-    /// Copies `bytes` in (the rewriter's output, a borrowed chunk).
+    /// Copies `bytes` in (a borrowed chunk passed on as it is).
     fn push_slice(&mut self, bytes: &[u8]) {
         self.tail.extend_from_slice(bytes);
+    }
+
+    /// Copies in the rewriter's output: held while an element is being removed.
+    fn push_rewritten(&mut self, bytes: &[u8]) {
+        if let Some(removal) = &mut self.removal {
+            if let Some(held) = &mut removal.held {
+                if held.len() + bytes.len() <= MAX_HELD_REMOVING {
+                    held.extend_from_slice(bytes);
+                    return;
+                }
+                self.tail.extend_from_slice(held);
+                removal.held = None;
+                warn_of_a_module_left_in_place(removal, "longer than 1 MiB");
+            }
+        }
+        self.tail.extend_from_slice(bytes);
+    }
+
+    /// A matched element starts (its start tag is the rewriter's next output).
+    fn open_removal(&mut self, name: String, selector: &Arc<str>) {
+        match &mut self.removal {
+            Some(removal) => removal.open += 1,
+            None => {
+                self.removal = Some(Removal {
+                    open: 1,
+                    name,
+                    selector: selector.clone(),
+                    held: Some(BytesMut::new()),
+                })
+            }
+        }
+    }
+
+    /// A matched element ended at the end tag `end` (its own or an element's around it):
+    /// once the first has, what was held is dropped. Whether `end` goes with it.
+    fn close_removal(&mut self, end: &str) -> bool {
+        let Some(removal) = &mut self.removal else {
+            return false;
+        };
+        removal.open = removal.open.saturating_sub(1);
+        if removal.open > 0 {
+            return false;
+        }
+        let removed = removal.held.is_some() && removal.name.eq_ignore_ascii_case(end);
+        self.removal = None;
+        removed
+    }
+
+    fn is_removing(&self) -> bool {
+        self.removal.is_some()
+    }
+
+    /// The page ended inside a removed element: what was held goes on.
+    fn leave_removal_in_place(&mut self) {
+        if let Some(removal) = self.removal.take() {
+            if let Some(held) = &removal.held {
+                warn_of_a_module_left_in_place(&removal, "the page ended first");
+                self.tail.extend_from_slice(held);
+            }
+        }
     }
 
     /// Queues `bytes` without copying them.
@@ -122,12 +222,20 @@ impl Held {
 }
 
 /// Collects the rewriter's output for the next body frame.
-struct Sink(Arc<Mutex<Output>>);
+struct Sink {
+    output: Arc<Mutex<Output>>,
+    /// Hidden marker regions open (see `rewriter`): while one is, what the rewriter writes is
+    /// dropped.
+    regions: Arc<AtomicUsize>,
+}
 
 impl OutputSink for Sink {
     fn handle_chunk(&mut self, chunk: &[u8]) {
-        if let Ok(mut out) = self.0.lock() {
-            out.push_slice(chunk);
+        if self.regions.load(Ordering::Relaxed) > 0 {
+            return;
+        }
+        if let Ok(mut out) = self.output.lock() {
+            out.push_rewritten(chunk);
         }
     }
 }
@@ -512,7 +620,8 @@ fn rewriter(
         .with_strict(false);
     for selector in selectors {
         let ended = ended.clone();
-        let selector_text = selector.clone();
+        let output = output.clone();
+        let selector_text: Arc<str> = Arc::from(selector.as_str());
         settings =
             settings.append_element_content_handler(element!(selector.as_str(), move |el| {
                 let name = el.tag_name();
@@ -520,28 +629,43 @@ fn rewriter(
                     warn_once_of_an_element_left_in(&selector_text, &name);
                     return Ok(());
                 }
-                el.remove();
-                let ended = ended.clone();
-                // Void elements have no end: count them as ended at once.
-                if el
-                    .on_end_tag(end_tag!(move |_end| {
-                        ended.fetch_add(1, Ordering::Relaxed);
-                        Ok(())
-                    }))
-                    .is_err()
-                {
+                // Not `el.remove()`, which drops the element's content as it streams and took
+                // the rest of the page when its end never came: its output is held until it
+                // ends (see `Removal`).
+                let (ended, ending) = (ended.clone(), output.clone());
+                let has_end = el.on_end_tag(end_tag!(move |end| {
+                    ended.fetch_add(1, Ordering::Relaxed);
+                    let removed = ending
+                        .lock()
+                        .is_ok_and(|mut out| out.close_removal(&end.name()));
+                    if removed {
+                        end.remove();
+                    }
+                    Ok(())
+                }));
+                if has_end.is_err() {
+                    // A void element has no end and no content: removed at once.
+                    el.remove();
                     return Ok(());
+                }
+                if let Ok(mut out) = output.lock() {
+                    out.open_removal(name, &selector_text);
                 }
                 Ok(())
             }));
     }
+    // Hidden marker regions open. Inside one, whatever the rewriter writes is dropped in the
+    // sink, so no text handler is needed: one made lol_html decode every text after the first
+    // match and encode it again, which is not byte for byte (invalid UTF-8 became U+FFFD, an
+    // unmapped Shift_JIS pair `&#65533;`, an NEC-selected IBM extension its IBM twin); text no
+    // handler asks for passes as the page's own bytes. Each element the region opens loses
+    // its start and end tag, not the element with what it holds, which ran past the end
+    // marker when that came inside an element the region opened (to the end of the page when
+    // the element's end tag was left out, `<p>ad<!-- /levee:module ads --><p>…`): its end tag
+    // after the end marker goes too.
+    let regions = Arc::new(AtomicUsize::new(0));
     if !markers.is_empty() {
-        // Depth of open hidden markers; inside one, every node is removed: each element's
-        // start and end tag, not the element with what it holds, which ran past the end
-        // marker when that came inside an element the region opened (to the end of the page
-        // when the element's end tag was left out, `<p>ad<!-- /levee:module ads --><p>…`).
-        let depth = Arc::new(AtomicUsize::new(0));
-        let (in_elements, in_text, in_comments) = (depth.clone(), depth.clone(), depth);
+        let (in_elements, in_comments) = (regions.clone(), regions.clone());
         let markers = Arc::new(markers.to_vec());
         settings = settings
             .append_element_content_handler(element!("*", move |el| {
@@ -550,18 +674,14 @@ fn rewriter(
                 }
                 Ok(())
             }))
-            .append_document_content_handler(doc_text!(move |text| {
-                if in_text.load(Ordering::Relaxed) > 0 {
-                    text.remove();
-                }
-                Ok(())
-            }))
             .append_document_content_handler(doc_comments!(move |comment| {
                 match marker_of(&comment.text()) {
+                    // The region starts before its start marker is written: the sink drops
+                    // the marker with what follows.
                     Some((true, name)) if markers.iter().any(|m| m == name) => {
                         in_comments.fetch_add(1, Ordering::Relaxed);
-                        comment.remove();
                     }
+                    // The region ends before its end marker is written: the marker goes.
                     Some((false, name)) if markers.iter().any(|m| m == name) => {
                         comment.remove();
                         let _ =
@@ -569,19 +689,25 @@ fn rewriter(
                                 d.checked_sub(1)
                             });
                     }
-                    _ if in_comments.load(Ordering::Relaxed) > 0 => comment.remove(),
                     _ => {}
                 }
                 Ok(())
             }));
     }
-    HtmlRewriter::new(settings, Sink(output.clone()))
+    HtmlRewriter::new(
+        settings,
+        Sink {
+            output: output.clone(),
+            regions,
+        },
+    )
 }
 
 /// Elements whose end tag HTML lets a page leave out (`<li>a<li>b`, `<p>a<div>`): the parser
 /// closes them where the next one starts, but the rewriter removes up to an end tag written
-/// out, so removing one whose end tag is left out took the rest of its list or page with it.
-/// Such an element is left in place; the operator is told to hide the element around it.
+/// out (its own or its list's, its table's), so removing one whose end tag is left out took
+/// the rest of its list or page with it (now the rest of its list: see `Removal`). Such an
+/// element is left in place; the operator is told to hide the element around it.
 fn end_tag_may_be_left_out(name: &str) -> bool {
     matches!(
         name.to_ascii_lowercase().as_str(),
@@ -640,7 +766,7 @@ fn warn_once_of_an_element_left_in(selector: &str, name: &str) {
         tracing::warn!(
             selector,
             element = name,
-            "hide left a <{name}> in place: its end tag may be left out of a page, and removing it could remove the rest of the page; select the element around it (a div or section) instead (said once)"
+            "hide left a <{name}> in place: its end tag may be left out of a page, and removing it could remove what follows it; select the element around it (a div or section) instead (said once)"
         );
     }
 }
@@ -1076,9 +1202,15 @@ impl Hider {
             // came. HTML would end it with the page, but a misread end (a template's stray tag)
             // would then cost the visitor the rest of the page: it is left in place instead.
             Stage::Cut { held, .. } => emit_shared(&self.output, held.into_bytes()),
-            Stage::Rewrite(rewriter) => rewriter
-                .end()
-                .map_err(|error| Box::new(error) as BoxError)?,
+            Stage::Rewrite(rewriter) => {
+                rewriter
+                    .end()
+                    .map_err(|error| Box::new(error) as BoxError)?;
+                // The page ended inside a removed element: nothing ended it, so it stays.
+                if let Ok(mut out) = self.output.lock() {
+                    out.leave_removal_in_place();
+                }
+            }
             Stage::Pass | Stage::Done => {}
         }
         Ok(())
@@ -1111,10 +1243,14 @@ impl Hider {
         Ok(())
     }
 
-    /// Once every id-selected element has ended, nothing more can match: stop parsing.
+    /// Once every id-selected element has ended, nothing more can match: stop parsing (not
+    /// inside an element being removed, which a repeated id can leave open).
     fn finish_early(&mut self) -> Result<(), BoxError> {
         let stop_after = self.plan.stop_after;
-        if stop_after > 0 && self.ended.load(Ordering::Relaxed) >= stop_after {
+        if stop_after > 0
+            && self.ended.load(Ordering::Relaxed) >= stop_after
+            && !self.output.lock().is_ok_and(|out| out.is_removing())
+        {
             if let Stage::Rewrite(rewriter) = std::mem::replace(&mut self.stage, Stage::Pass) {
                 rewriter
                     .end()
@@ -1278,6 +1414,53 @@ mod tests {
         assert!(!rewritable(&content_type("text/html; charset=utf-16le")));
     }
 
+    /// On a route that hides a marker, the text after the first match came out decoded and
+    /// encoded again: invalid UTF-8 became U+FFFD, an unmapped Shift_JIS or EUC-JP pair the
+    /// text `&#65533;`, and an NEC-selected IBM extension (`ED 40`) its IBM twin (`FA 5C`).
+    #[tokio::test]
+    async fn text_after_a_marker_comes_out_byte_for_byte() {
+        let region = b"<!-- levee:module ads --><div>ad \xff</div>AD<!-- /levee:module ads -->";
+        for (charset, text) in [
+            ("utf-8", &b"caf\xe9 \xff\xfe \xe2\x82 \xc3\xa9t\xc3\xa9"[..]),
+            (
+                "Shift_JIS",
+                &b"\xed\x40 \x85\x40 \x83\x89 \xfa\x5c \x88"[..],
+            ),
+            (
+                "EUC-JP",
+                &b"\xa1\x20 \xb0\xa1 \x8f\xa2\xaf \xad\xa1 \xa4"[..],
+            ),
+        ] {
+            let encoding = page_encoding(&content_type(&format!("text/html; charset={charset}")))
+                .expect("readable");
+            // The text in an element, in an attribute value, and at the page's end.
+            let after = |module: &[u8]| {
+                let mut bytes = b"<p>".to_vec();
+                for piece in [text, b"</p>", module, b"<i title=\"", text, b"\">", text] {
+                    bytes.extend_from_slice(piece);
+                }
+                bytes.extend_from_slice(b"</i>");
+                bytes.extend_from_slice(text);
+                bytes
+            };
+            let page = [
+                &b"<p>a</p>"[..],
+                region,
+                &after(b"<div class=\"box\">x</div>"),
+            ]
+            .concat();
+            let expected = [&b"<p>a</p>"[..], &after(b"")].concat();
+            for chunk in [1, 2, 5, 1 << 20] {
+                let out = rewrite_bytes(&page, &[".box"], &["ads"], chunk, encoding).await;
+                assert!(
+                    out == expected,
+                    "{charset}, chunk {chunk}: {:?}",
+                    String::from_utf8_lossy(&out)
+                );
+            }
+        }
+    }
+
     const PAGE: &str = "<html><body><h1>论坛</h1><div id=\"ranking\"><ol><li>a</li></ol></div><p>keep</p><div data-module=\"visitors\">42 online</div></body></html>";
 
     #[tokio::test]
@@ -1431,6 +1614,133 @@ mod tests {
             String::from_utf8_lossy(&hide_with(page.as_bytes(), &["#ranking"], 5, true)),
             page
         );
+    }
+
+    /// On the rewriter's path (a class selector; a marker besides), a module missing its own
+    /// end tag took the rest of the page with it: lol_html removed it as it streamed and ends
+    /// an element only at an end tag. Now it is removed where lol_html ends it (an element
+    /// around it that the rewriter saw open ends, which stays), and left in place where
+    /// nothing ends it (the rewriter took over at the module, and never saw what is around
+    /// it); either way the rest of the page follows.
+    #[test]
+    fn the_rewriter_never_removes_the_rest_of_the_page() {
+        let head =
+            "<!doctype html><html><head><meta charset=\"utf-8\"><title>t</title></head><body>";
+        let tail = "<p id=\"after\">AFTER</p></body></html>";
+        let lines = [
+            (
+                "<table><tr><td><div class=\"ranking\">R</td></tr></table><p>x</p>",
+                "<div class=\"ranking\">R",
+            ),
+            (
+                "<ul><li><div class=\"ranking\">R</li><li>next</li></ul><p>x</p>",
+                "<div class=\"ranking\">R",
+            ),
+            (
+                "<section><div class=\"ranking\">R</section><p>x</p>",
+                "<div class=\"ranking\">R",
+            ),
+            (
+                "<div><span class=\"ranking\">R</div><p>x</p>",
+                "<span class=\"ranking\">R",
+            ),
+            // Nested: the inner one's end is the outer's content, the outer ends at the
+            // section's end tag (or nowhere).
+            (
+                "<section><div class=\"ranking\">R<b class=\"ranking\">b</b> r</section><p>x</p>",
+                "<div class=\"ranking\">R<b class=\"ranking\">b</b> r",
+            ),
+        ];
+        for (line, module) in lines {
+            let page = format!("{head}{line}{tail}");
+            // `body .ranking` has no literal to look for: the rewriter reads the whole page and
+            // sees the element around the module open.
+            for (selectors, markers, expected) in [
+                (&[".ranking"][..], &[][..], page.clone()),
+                (&[".ranking"][..], &["ads"][..], page.clone()),
+                (&[".ranking", "[data-module=x]"][..], &[][..], page.clone()),
+                (&["body .ranking"][..], &[][..], page.replace(module, "")),
+                (
+                    &["body .ranking"][..],
+                    &["ads"][..],
+                    page.replace(module, ""),
+                ),
+            ] {
+                for chunk in [1, 7, 64, 1 << 20] {
+                    for pause in [false, true] {
+                        let cuts: Vec<usize> = (chunk..page.len()).step_by(chunk).collect();
+                        let out = hide_in_pieces(
+                            selectors,
+                            markers,
+                            page.as_bytes(),
+                            &cuts,
+                            CARRY,
+                            pause,
+                        );
+                        assert_eq!(
+                            String::from_utf8_lossy(&out),
+                            expected,
+                            "{selectors:?} {markers:?}, chunk {chunk}, pause {pause}"
+                        );
+                    }
+                }
+            }
+        }
+        // A module with its end tag is removed as before, also one holding a module.
+        let page = format!(
+            "{head}<div class=\"ranking\">R<div class=\"ranking\">S</div><p>in</div>{tail}"
+        );
+        for selectors in [&[".ranking"][..], &["body .ranking"][..]] {
+            for chunk in [1, 7, 1 << 20] {
+                let cuts: Vec<usize> = (chunk..page.len()).step_by(chunk).collect();
+                let out = hide_in_pieces(selectors, &[], page.as_bytes(), &cuts, CARRY, true);
+                assert_eq!(
+                    String::from_utf8_lossy(&out),
+                    format!("{head}{tail}"),
+                    "{selectors:?}, chunk {chunk}"
+                );
+            }
+        }
+    }
+
+    /// A module missing its end tag is held only up to `MAX_HELD_REMOVING`: past that it is
+    /// left in place and the page streams on, before the upstream ends.
+    #[test]
+    fn a_module_never_ended_is_held_only_so_far() {
+        let selectors = [".ranking".to_string()];
+        let mut hider = Hider::new(
+            &selectors,
+            Vec::new(),
+            AsciiCompatibleEncoding::utf_8(),
+            true,
+        );
+        let start = "<p>before</p><div class=\"ranking\">";
+        let filler = "<p>text of a post</p>\n".repeat(8 * 1024);
+        let mut page = start.to_string();
+        let mut out = Vec::new();
+        hider
+            .feed_shared(Bytes::copy_from_slice(start.as_bytes()))
+            .expect("feeds");
+        while page.len() < 2 * MAX_HELD_REMOVING {
+            page.push_str(&filler);
+            hider
+                .feed_shared(Bytes::copy_from_slice(filler.as_bytes()))
+                .expect("feeds");
+            hider.pass_on_pause();
+            while let Some(piece) = take(&hider.output) {
+                out.extend_from_slice(&piece);
+            }
+        }
+        assert!(
+            out.len() > MAX_HELD_REMOVING,
+            "{} bytes out before the end",
+            out.len()
+        );
+        hider.end().expect("ends");
+        while let Some(piece) = take(&hider.output) {
+            out.extend_from_slice(&piece);
+        }
+        assert!(out == page.as_bytes(), "left in place whole");
     }
 
     /// A PHP AJAX endpoint without a `header()` call: JSON labelled `text/html`, whose `</`
