@@ -1666,24 +1666,7 @@ mod tests {
                     page.replace(module, ""),
                 ),
             ] {
-                for chunk in [1, 7, 64, 1 << 20] {
-                    for pause in [false, true] {
-                        let cuts: Vec<usize> = (chunk..page.len()).step_by(chunk).collect();
-                        let out = hide_in_pieces(
-                            selectors,
-                            markers,
-                            page.as_bytes(),
-                            &cuts,
-                            CARRY,
-                            pause,
-                        );
-                        assert_eq!(
-                            String::from_utf8_lossy(&out),
-                            expected,
-                            "{selectors:?} {markers:?}, chunk {chunk}, pause {pause}"
-                        );
-                    }
-                }
+                assert_hides_in_pieces(selectors, markers, &page, &expected, &[1, 7, 64, 1 << 20]);
             }
         }
         // A module with its end tag is removed as before, also one holding a module.
@@ -2207,24 +2190,13 @@ mod tests {
                 (&[".rk"][..], &[][..]),
                 (&["#ranking"][..], &["ads"][..]),
             ] {
-                for chunk in [1, 2, 3, 7, 64, 1 << 20] {
-                    for pause in [false, true] {
-                        let cuts: Vec<usize> = (chunk..page.len()).step_by(chunk).collect();
-                        let out = hide_in_pieces(
-                            selectors,
-                            markers,
-                            page.as_bytes(),
-                            &cuts,
-                            CARRY,
-                            pause,
-                        );
-                        assert_eq!(
-                            String::from_utf8_lossy(&out),
-                            expected,
-                            "{selectors:?} {markers:?}, chunk {chunk}, pause {pause}"
-                        );
-                    }
-                }
+                assert_hides_in_pieces(
+                    selectors,
+                    markers,
+                    &page,
+                    &expected,
+                    &[1, 2, 3, 7, 64, 1 << 20],
+                );
             }
         }
     }
@@ -2277,6 +2249,28 @@ mod tests {
 
     /// `page` through a fresh hider in the pieces `cuts` make, each followed by a pause of
     /// the upstream when `pause`.
+    /// [`hide_in_pieces`] of `page` cut every `chunk` bytes, for each of `chunks`, with and
+    /// without a pause after each piece, comes out as `expected`.
+    fn assert_hides_in_pieces(
+        selectors: &[&str],
+        markers: &[&str],
+        page: &str,
+        expected: &str,
+        chunks: &[usize],
+    ) {
+        for &chunk in chunks {
+            for pause in [false, true] {
+                let cuts: Vec<usize> = (chunk..page.len()).step_by(chunk).collect();
+                let out = hide_in_pieces(selectors, markers, page.as_bytes(), &cuts, CARRY, pause);
+                assert_eq!(
+                    String::from_utf8_lossy(&out),
+                    expected,
+                    "{selectors:?} {markers:?}, chunk {chunk}, pause {pause}"
+                );
+            }
+        }
+    }
+
     fn hide_in_pieces(
         selectors: &[&str],
         markers: &[&str],
