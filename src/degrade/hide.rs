@@ -2193,7 +2193,7 @@ mod tests {
                 assert_hides_in_pieces(
                     selectors,
                     markers,
-                    &page,
+                    page,
                     &expected,
                     &[1, 2, 3, 7, 64, 1 << 20],
                 );
