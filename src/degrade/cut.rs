@@ -1359,9 +1359,19 @@ pub struct Cut {
     optional: Option<OptionalEnd>,
     /// How a start tag of its own kind ends the removed element, if one does.
     ended_by_kind: Option<KindEnd>,
-    /// Where the first end tag that matched nothing open inside came, when one did that HTML
-    /// may have ended the element with (see [`Cut::end_tag`]).
-    first_stray: Option<usize>,
+    /// An end tag that matched nothing open inside and that HTML may have ended the element
+    /// with, while nothing yet said whether it did (see [`Cut::end_tag`]).
+    stray: Option<Stray>,
+}
+
+/// An end tag inside a removed element that matched nothing open inside it.
+#[derive(Debug, Clone, Copy)]
+struct Stray {
+    /// Where it starts.
+    at: usize,
+    /// How many elements were open (the removed one first) when it came: an element closed
+    /// later at an index below this was open across it.
+    open_then: usize,
 }
 
 /// How a start tag of their own kind ends the elements of [`ENDED_BY_THEIR_KIND`].
@@ -1394,15 +1404,34 @@ impl Cut {
             open: vec![removed],
             long_names,
             cursor,
-            first_stray: None,
+            stray: None,
         }
     }
 
-    /// Where the element ends if its own end tag never comes: before the first end tag that
-    /// matched nothing open inside it and that HTML may have closed it with (`</td>` around a
+    /// Where the element ends if its own end tag never comes: before an end tag that matched
+    /// nothing open inside it and that HTML may have closed it with (`</td>` around a
     /// `<div id=m>` whose `</div>` is missing). `None` when there was none.
     pub fn first_stray(&self) -> Option<usize> {
-        self.first_stray
+        self.stray.map(|stray| stray.at)
+    }
+
+    /// Closes the elements open inside from `index` on. One that was open across a pending
+    /// stray end tag shows the tag did not end the removed element (HTML had closed it with
+    /// the removed one): the tag was ignored.
+    fn close_inside(&mut self, index: usize) {
+        if self.stray.is_some_and(|stray| index < stray.open_then) {
+            self.stray = None;
+        }
+        self.open.truncate(index);
+        self.forget_closed_long_names();
+    }
+
+    /// The removed element's own end tag, ending at `end`: it ends there, unless a stray end
+    /// tag came before it that nothing since showed to be ignored, which then ended it (a
+    /// `</td>` around a `<div id=m>` missing its `</div>`, whose `</div>` here is a `<div>`'s
+    /// of the page around the table).
+    fn own_end(&self, end: usize) -> Step {
+        Step::Ended(self.stray.map_or(end, |stray| stray.at))
     }
 
     /// Drops the long names of elements no longer open, so that a module of many closed
@@ -1492,10 +1521,9 @@ impl Cut {
             if self.is_named(innermost, inline, name) {
                 let index = self.open.len() - 1;
                 if index == 0 {
-                    return Some(Step::Ended(end));
+                    return Some(self.own_end(end));
                 }
-                self.open.truncate(index);
-                self.forget_closed_long_names();
+                self.close_inside(index);
                 return None;
             }
         }
@@ -1517,11 +1545,10 @@ impl Cut {
                     // Also when a boundary lies in between (`<div id=m><table><tr><td>a</div>`,
                     // which HTML ignores): the element ends here, less than HTML removes, as
                     // the scanner always ended it.
-                    return Some(Step::Ended(end));
+                    return Some(self.own_end(end));
                 }
                 if !bounded {
-                    self.open.truncate(index);
-                    self.forget_closed_long_names();
+                    self.close_inside(index);
                 }
                 // Past a boundary HTML ignores it.
                 return None;
@@ -1537,23 +1564,35 @@ impl Cut {
         // HTML closes the removed element with it when its element is open around the removed
         // one (`<td><div id=m>…</td>`, a `</div>` around a `<span id=m>`); when nothing around
         // matches, HTML ignores it and the element goes on (a stray `</li>` in a template).
-        // Which is the case is not known here, so the scan runs on: the element's own end tag,
-        // when it comes, says the tag was a stray (removed whole, as the rewriter removes it);
-        // when it never comes (the page ends, or the hold's bound is reached), the element
-        // ends just before the first such tag, which with the rest passes on (it had taken
-        // the rest of the page). Ignored for sure, so no such place: an end tag HTML looks up
-        // in scope with a boundary open (`</li>` in a `<ul id=m>`), any other with a special
-        // element open (`</span>` in a `<div id=m>`), and those that close nothing open after
-        // their own element.
+        // Which is the case is not known here (what is open around the element is not read),
+        // so the scan runs on and what follows decides: an element open across the tag closing
+        // after it (`<span>A</li>B</span>`) says it was ignored; the removed element's own end
+        // tag, or a second such tag, coming first says it ended the element there (what came
+        // after it is the page around: a `</div>` of a wrapper is not the element's own), as
+        // does the page ending or the hold's bound. Ended, not run over to the next `</div>`:
+        // a misread leaves the rest of a broken module in place, never takes what follows
+        // it. Ignored for sure, so no such place: an end tag HTML looks up in scope with a
+        // boundary open (`</li>` in a `<ul id=m>`), any other with a special element open
+        // (`</span>` in a `<div id=m>`), and those that close nothing open after their own
+        // element.
         let may_end_here = match rule {
             EndRule::InScope(bounds) => !self.open.iter().any(|open| open.is_one_of(bounds)),
             EndRule::Other => !self.open.iter().any(|open| open.is_one_of(SPECIAL)),
             EndRule::Kept => false,
         };
-        if may_end_here {
-            self.first_stray.get_or_insert(at);
+        if !may_end_here {
+            return None;
         }
-        None
+        match self.stray {
+            Some(stray) => Some(Step::Ended(stray.at)),
+            None => {
+                self.stray = Some(Stray {
+                    at,
+                    open_then: self.open.len(),
+                });
+                None
+            }
+        }
     }
 
     /// What the end tag `name`, matching nothing open inside, does to a removed element whose
@@ -2103,7 +2142,7 @@ mod tests {
         // end tag comes; without that, it ends there.
         assert_eq!(
             left_after_cut("<div id=a><li>x</ul>y</div>z").as_deref(),
-            Some("z")
+            Some("</ul>y</div>z")
         );
         assert_eq!(
             left_after_cut("<div id=a><li>x</ul>y<p>z").as_deref(),
@@ -2196,8 +2235,26 @@ mod tests {
             // the tag when nothing around it matches. (When something does, HTML had ended
             // the module there, and a later `</div>` of the page is taken for its end.)
             ("<div id=a><span>A</li>B</span></div><p>after", "<p>after"),
-            ("<div id=a>A</section>B</div>after", "after"),
-            ("<div id=a>A</td>B</div>after", "after"),
+            ("<div id=a><p><b>A</td>B</b></div>after", "after"),
+            // One whose own end tag follows with nothing open across the stray: ended at the
+            // stray (less removed where HTML ignored it; where HTML ended the module there,
+            // the `</div>` is a wrapper's of the page, which stays with what precedes it).
+            (
+                "<div id=a>A</section>B</div>after",
+                "</section>B</div>after",
+            ),
+            (
+                "<div id=a>R</td><td>keep</td></tr></table><p>x</p></div><p>after wrap",
+                "</td><td>keep</td></tr></table><p>x</p></div><p>after wrap",
+            ),
+            (
+                "<div id=a>R</li><li>next</li></ul></div>after",
+                "</li><li>next</li></ul></div>after",
+            ),
+            (
+                "<div id=a>R<p>para</section><p>x</p></div>after",
+                "</section><p>x</p></div>after",
+            ),
         ] {
             assert_eq!(left_after_cut(held).as_deref(), Some(left), "{held}");
         }

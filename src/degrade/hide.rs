@@ -31,6 +31,9 @@ struct Output {
     tail: BytesMut,
     /// The element the rewriter is inside of and removing, if any.
     removal: Option<Removal>,
+    /// A hidden marker region open (see `rewriter`): what the rewriter writes inside it,
+    /// held until its end marker drops it; `None` outside one, or once given up.
+    region: Option<BytesMut>,
 }
 
 /// An element the rewriter removes, from its start tag to where lol_html ends it: its own end
@@ -50,6 +53,11 @@ struct Removal {
     selector: Arc<str>,
     /// The rewriter's output from its start tag on; `None` once given up (left in place).
     held: Option<BytesMut>,
+    /// The matched elements open inside the first, innermost last: where each starts in
+    /// `held` (`None` when it was not held) and its name. One that ends is cut out of the
+    /// hold, so a module whose end is never found, and is left in place, does not bring a
+    /// whole module after it back with it.
+    nested: Vec<(Option<usize>, String)>,
 }
 
 /// Most bytes of an element held while it is removed (see [`Removal`]). Larger than
@@ -59,6 +67,14 @@ const MAX_HELD_REMOVING: usize = 4 * MAX_HELD;
 /// Modules left in place because nothing ended them: at most one line a minute.
 static LEFT_IN_PLACE_LOG: crate::log_throttle::LogThrottle =
     crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(60));
+
+fn warn_of_a_region_left_in_place(why: &str) {
+    if let Some(held_back) = LEFT_IN_PLACE_LOG.allow(std::time::Instant::now()) {
+        tracing::warn!(
+            "hide left a marker region in place: its end marker could not be found ({why}); write the <!-- /levee:module NAME --> that ends it ({held_back} more such modules not logged)"
+        );
+    }
+}
 
 fn warn_of_a_module_left_in_place(removal: &Removal, why: &str) {
     if let Some(held_back) = LEFT_IN_PLACE_LOG.allow(std::time::Instant::now()) {
@@ -77,8 +93,47 @@ impl Output {
         self.tail.extend_from_slice(bytes);
     }
 
-    /// Copies in the rewriter's output: held while an element is being removed.
-    fn push_rewritten(&mut self, bytes: &[u8]) {
+    /// Copies in the rewriter's output: held while a marker region is open or an element is
+    /// being removed.
+    fn push_rewritten(&mut self, bytes: &[u8], in_region: bool) {
+        if in_region {
+            match &mut self.region {
+                Some(held) if held.len() + bytes.len() <= MAX_HELD_REMOVING => {
+                    held.extend_from_slice(bytes);
+                    return;
+                }
+                Some(_) => {
+                    if let Some(held) = self.region.take() {
+                        self.push_removal_or_out(&held);
+                    }
+                    warn_of_a_region_left_in_place("longer than 1 MiB");
+                }
+                None => {}
+            }
+        }
+        self.push_removal_or_out(bytes);
+    }
+
+    /// Opens a hidden marker region: what follows is held.
+    fn open_region(&mut self) {
+        self.region = Some(BytesMut::new());
+    }
+
+    /// The region's end marker came: what it held is dropped.
+    fn close_region(&mut self) {
+        self.region = None;
+    }
+
+    /// The page ended inside a region (its end marker missing): it stays.
+    fn leave_region_in_place(&mut self) {
+        if let Some(held) = self.region.take() {
+            warn_of_a_region_left_in_place("the page ended first");
+            self.push_removal_or_out(&held);
+        }
+    }
+
+    /// Copies in output outside any region: held while an element is being removed.
+    fn push_removal_or_out(&mut self, bytes: &[u8]) {
         if let Some(removal) = &mut self.removal {
             if let Some(held) = &mut removal.held {
                 if held.len() + bytes.len() <= MAX_HELD_REMOVING {
@@ -96,13 +151,18 @@ impl Output {
     /// A matched element starts (its start tag is the rewriter's next output).
     fn open_removal(&mut self, name: String, selector: &Arc<str>) {
         match &mut self.removal {
-            Some(removal) => removal.open += 1,
+            Some(removal) => {
+                removal.open += 1;
+                let start = removal.held.as_ref().map(BytesMut::len);
+                removal.nested.push((start, name));
+            }
             None => {
                 self.removal = Some(Removal {
                     open: 1,
                     name,
                     selector: selector.clone(),
                     held: Some(BytesMut::new()),
+                    nested: Vec::new(),
                 })
             }
         }
@@ -116,7 +176,18 @@ impl Output {
         };
         removal.open = removal.open.saturating_sub(1);
         if removal.open > 0 {
-            return false;
+            // A module inside the first ended: it goes from the hold (all of it is dropped
+            // anyway if the first ends too).
+            let Some((start, name)) = removal.nested.pop() else {
+                return false;
+            };
+            return match (start, &mut removal.held) {
+                (Some(start), Some(held)) => {
+                    held.truncate(start);
+                    name.eq_ignore_ascii_case(end)
+                }
+                _ => false,
+            };
         }
         let removed = removal.held.is_some() && removal.name.eq_ignore_ascii_case(end);
         self.removal = None;
@@ -231,11 +302,9 @@ struct Sink {
 
 impl OutputSink for Sink {
     fn handle_chunk(&mut self, chunk: &[u8]) {
-        if self.regions.load(Ordering::Relaxed) > 0 {
-            return;
-        }
+        let in_region = self.regions.load(Ordering::Relaxed) > 0;
         if let Ok(mut out) = self.output.lock() {
-            out.push_rewritten(chunk);
+            out.push_rewritten(chunk, in_region);
         }
     }
 }
@@ -666,28 +735,45 @@ fn rewriter(
     let regions = Arc::new(AtomicUsize::new(0));
     if !markers.is_empty() {
         let (in_elements, in_comments) = (regions.clone(), regions.clone());
+        let region_output = output.clone();
         let markers = Arc::new(markers.to_vec());
         settings = settings
             .append_element_content_handler(element!("*", move |el| {
+                // Its start tag is held with the region; its end tag, when it comes after the
+                // region's end marker, goes too. (Held as written, a region whose end marker
+                // never comes is left in place byte for byte.)
                 if in_elements.load(Ordering::Relaxed) > 0 {
-                    el.remove_and_keep_content();
+                    let regions = in_elements.clone();
+                    let _ = el.on_end_tag(end_tag!(move |end| {
+                        if regions.load(Ordering::Relaxed) == 0 {
+                            end.remove();
+                        }
+                        Ok(())
+                    }));
                 }
                 Ok(())
             }))
             .append_document_content_handler(doc_comments!(move |comment| {
                 match marker_of(&comment.text()) {
-                    // The region starts before its start marker is written: the sink drops
-                    // the marker with what follows.
+                    // The region starts before its start marker is written: the marker is
+                    // held with what follows.
                     Some((true, name)) if markers.iter().any(|m| m == name) => {
-                        in_comments.fetch_add(1, Ordering::Relaxed);
+                        let outermost = in_comments.fetch_add(1, Ordering::Relaxed) == 0;
+                        if let (true, Ok(mut out)) = (outermost, region_output.lock()) {
+                            out.open_region();
+                        }
                     }
-                    // The region ends before its end marker is written: the marker goes.
+                    // The region ends before its end marker is written: the marker goes, and
+                    // what the region held.
                     Some((false, name)) if markers.iter().any(|m| m == name) => {
                         comment.remove();
-                        let _ =
+                        let closed =
                             in_comments.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| {
                                 d.checked_sub(1)
                             });
+                        if let (Ok(1), Ok(mut out)) = (closed, region_output.lock()) {
+                            out.close_region();
+                        }
                     }
                     _ => {}
                 }
@@ -1206,8 +1292,10 @@ impl Hider {
                 rewriter
                     .end()
                     .map_err(|error| Box::new(error) as BoxError)?;
-                // The page ended inside a removed element: nothing ended it, so it stays.
+                // The page ended inside a removed element or a region: nothing ended it, so it
+                // stays.
                 if let Ok(mut out) = self.output.lock() {
+                    out.leave_region_in_place();
                     out.leave_removal_in_place();
                 }
             }
@@ -1568,6 +1656,19 @@ mod tests {
                 "<button id=\"ranking\">B<button>C</button>",
                 "<button id=\"ranking\">B",
             ),
+            // Inside a wrapper of the page, whose `</div>` is not the module's own.
+            (
+                "<div class=\"wrap\"><table><tr><td><div id=\"ranking\">R</td><td>keep</td></tr></table><p>x</p></div><p>after wrap</p>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<div class=\"wrap\"><ul><li><div id=\"ranking\">R</li><li>next</li></ul></div><p>after wrap</p>",
+                "<div id=\"ranking\">R",
+            ),
+            (
+                "<div class=\"wrap\"><section><div id=\"ranking\">R<p>para</section><p>x</p></div><p>after wrap</p>",
+                "<div id=\"ranking\">R<p>para",
+            ),
         ] {
             let page = format!("{head}{line}{tail}");
             let expected = page.replace(module, "");
@@ -1653,12 +1754,15 @@ mod tests {
         ];
         for (line, module) in lines {
             let page = format!("{head}{line}{tail}");
+            // Left in place, but for a whole module inside it (which would otherwise come back
+            // with the one whose end is not found).
+            let left = page.replace("<b class=\"ranking\">b</b>", "");
             // `body .ranking` has no literal to look for: the rewriter reads the whole page and
             // sees the element around the module open.
             for (selectors, markers, expected) in [
-                (&[".ranking"][..], &[][..], page.clone()),
-                (&[".ranking"][..], &["ads"][..], page.clone()),
-                (&[".ranking", "[data-module=x]"][..], &[][..], page.clone()),
+                (&[".ranking"][..], &[][..], left.clone()),
+                (&[".ranking"][..], &["ads"][..], left.clone()),
+                (&[".ranking", "[data-module=x]"][..], &[][..], left.clone()),
                 (&["body .ranking"][..], &[][..], page.replace(module, "")),
                 (
                     &["body .ranking"][..],
@@ -1669,6 +1773,33 @@ mod tests {
                 assert_hides_in_pieces(selectors, markers, &page, &expected, &[1, 7, 64, 1 << 20]);
             }
         }
+        // A whole module after one whose end is not found goes; the first stays. (It came
+        // back with the first, being held inside it.)
+        let page = format!(
+            "{head}<table><tr><td><div class=\"box ranking\">R</td><td>keep</td></tr></table><p>x</p><div class=\"box ranking\">second</div><p>y</p>{tail}"
+        );
+        let expected = page.replace("<div class=\"box ranking\">second</div>", "");
+        for markers in [&[][..], &["ads"][..]] {
+            assert_hides_in_pieces(
+                &[".ranking"],
+                markers,
+                &page,
+                &expected,
+                &[1, 7, 64, 1 << 20],
+            );
+        }
+        // A marker region whose end marker never comes stays as it was written, and one that
+        // ends goes; before, the first took the rest of the page.
+        let page = format!(
+            "{head}<p>a</p><!-- levee:module ads --><div>A1</div><p>rest of page</p>{tail}"
+        );
+        assert_hides_in_pieces(&[], &["ads"], &page, &page, &[1, 7, 64, 1 << 20]);
+        let page = format!(
+            "{head}<!-- levee:module ads --><aside>x<p>y<!-- /levee:module ads -->z</p></aside><p>a</p><!-- levee:module ads --><div>A1</div><p>rest</p>{tail}"
+        );
+        let expected =
+            format!("{head}z<p>a</p><!-- levee:module ads --><div>A1</div><p>rest</p>{tail}");
+        assert_hides_in_pieces(&[], &["ads"], &page, &expected, &[1, 7, 64, 1 << 20]);
         // A module with its end tag is removed as before, also one holding a module.
         let page = format!(
             "{head}<div class=\"ranking\">R<div class=\"ranking\">S</div><p>in</div>{tail}"
