@@ -65,8 +65,8 @@ pub enum ProxyError {
     Directory(String),
     #[error("upstream `{upstream}` could not be reached: {reason}")]
     UpstreamConnect { upstream: String, reason: String },
-    /// `waiting_for`: what did not come in time, as words ("an answer", "a connection", "the
-    /// TLS handshake").
+    /// `waiting_for`: what did not come in time, as words ("answer", "connection", "TLS
+    /// handshake").
     #[error("upstream `{upstream}`: no {waiting_for} within {after:?}")]
     UpstreamTimeout {
         upstream: String,

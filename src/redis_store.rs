@@ -1601,22 +1601,21 @@ fn eviction_policy_of(answer: &redis::Value) -> String {
             .find_map(|line| line.trim().strip_prefix("maxmemory_policy:"))
             .map(str::to_string)
     }
-    let policies: Vec<String> = match answer {
-        redis::Value::BulkString(text) => of_text(text).into_iter().collect(),
-        redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => {
-            of_text(text.as_bytes()).into_iter().collect()
+    fn policy_of(value: &redis::Value) -> Option<String> {
+        match value {
+            redis::Value::BulkString(text) => of_text(text),
+            redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => {
+                of_text(text.as_bytes())
+            }
+            _ => None,
         }
+    }
+    let policies: Vec<String> = match answer {
         redis::Value::Map(nodes) => nodes
             .iter()
-            .filter_map(|(_, text)| match text {
-                redis::Value::BulkString(text) => of_text(text),
-                redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => {
-                    of_text(text.as_bytes())
-                }
-                _ => None,
-            })
+            .filter_map(|(_, text)| policy_of(text))
             .collect(),
-        _ => Vec::new(),
+        one => policy_of(one).into_iter().collect(),
     };
     policies
         .iter()

@@ -2525,12 +2525,7 @@ async fn in_a_cluster_a_job_waits_for_the_replica_of_the_node_holding_its_stream
         .find_map(|node| cluster.replica_of(node))
         .expect("another master's replica");
     for node in [replica, other_replica] {
-        eventually(Duration::from_secs(10), "the replicas in sync", || async {
-            cluster
-                .cli(node, &["INFO", "replication"])
-                .contains("master_link_status:up")
-        })
-        .await;
+        cluster.replica_in_sync(node).await;
     }
     let levee = Levee::start(&policy_for(
         backend.addr,
@@ -3082,12 +3077,7 @@ async fn a_cluster_failover_is_followed_without_traffic_on_the_slots_moved() {
     let (backend, _seen) = recording_always_ok().await;
     let owner = cluster.owner(STREAM);
     let replica = cluster.replica_of(owner).expect("the owner's replica");
-    eventually(Duration::from_secs(10), "the replica in sync", || async {
-        cluster
-            .cli(replica, &["INFO", "replication"])
-            .contains("master_link_status:up")
-    })
-    .await;
+    cluster.replica_in_sync(replica).await;
     let levee = Levee::start(&policy_for(
         backend.addr,
         "access_log = false",

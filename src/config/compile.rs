@@ -2246,15 +2246,17 @@ fn compile_redis(
             None
         }
         (Some(url), _, _) => {
-            check_redis_url(compiler, file, url.get_ref(), url.span());
-            check_certificate_checked(compiler, file, url.get_ref(), url.span());
+            if let Some(client) = check_redis_url(compiler, file, url.get_ref(), url.span()) {
+                check_certificate_checked(compiler, file, url.get_ref(), &client, url.span());
+            }
             Some(RedisTarget::Single(url.get_ref().clone()))
         }
         (_, Some(nodes), _) if !nodes.get_ref().is_empty() => {
             for node in nodes.get_ref() {
-                check_redis_url(compiler, file, node, nodes.span());
-                check_certificate_checked(compiler, file, node, nodes.span());
-                check_cluster_node(compiler, file, node, nodes.span());
+                if let Some(client) = check_redis_url(compiler, file, node, nodes.span()) {
+                    check_certificate_checked(compiler, file, node, &client, nodes.span());
+                    check_cluster_node(compiler, file, node, &client, nodes.span());
+                }
             }
             Some(RedisTarget::Cluster(nodes.get_ref().clone()))
         }
@@ -2427,7 +2429,7 @@ fn compile_sentinel(
                         "a sentinel has no databases: write \"redis://host:26379\", and the master's database as db = N",
                     );
                 } else {
-                    check_redis_url(compiler, file, node, nodes.span());
+                    let _ = check_redis_url(compiler, file, node, nodes.span());
                 }
             }
             nodes.get_ref().clone()
@@ -2614,17 +2616,28 @@ fn has_x509_version(der: &[u8]) -> bool {
         == Some(&0xa0)
 }
 
-fn check_redis_url(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Range<usize>) {
-    if let Err(error) = redis::Client::open(url) {
-        compiler.error_hint(
-            file,
-            span,
-            format!(
-                "`{}` is not a Redis URL: {error}",
-                crate::redis_store::redact_url(url)
-            ),
-            "write it as \"redis://127.0.0.1:6379/0\"",
-        );
+/// The Redis client `url` makes, for the checks that follow; `None` (said as an error) when it
+/// makes none.
+fn check_redis_url(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    url: &str,
+    span: Range<usize>,
+) -> Option<redis::Client> {
+    match redis::Client::open(url) {
+        Ok(client) => Some(client),
+        Err(error) => {
+            compiler.error_hint(
+                file,
+                span,
+                format!(
+                    "`{}` is not a Redis URL: {error}",
+                    crate::redis_store::redact_url(url)
+                ),
+                "write it as \"redis://127.0.0.1:6379/0\"",
+            );
+            None
+        }
     }
 }
 
@@ -2635,11 +2648,9 @@ fn check_certificate_checked(
     compiler: &mut Compiler<'_>,
     file: usize,
     url: &str,
+    client: &redis::Client,
     span: Range<usize>,
 ) {
-    let Ok(client) = redis::Client::open(url) else {
-        return; // check_redis_url has said why
-    };
     if let redis::ConnectionAddr::TcpTls { insecure: true, .. } =
         client.get_connection_info().addr()
     {
@@ -2658,10 +2669,13 @@ fn check_certificate_checked(
 /// A Redis Cluster is reached over TCP, and has database 0 alone: a node URL naming another
 /// database would make every connection to that node fail on its `SELECT`, and a unix socket
 /// every call (the cluster names its nodes by IP and port), long after `levee check` passed.
-fn check_cluster_node(compiler: &mut Compiler<'_>, file: usize, url: &str, span: Range<usize>) {
-    let Ok(client) = redis::Client::open(url) else {
-        return; // check_redis_url has said why
-    };
+fn check_cluster_node(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    url: &str,
+    client: &redis::Client,
+    span: Range<usize>,
+) {
     if let redis::ConnectionAddr::Unix(_) = client.get_connection_info().addr() {
         compiler.error_hint(
             file,

@@ -245,9 +245,8 @@ fn optional_end(name: &[u8]) -> Option<OptionalEnd> {
 /// own kind all the same: a link that starts in a link, a button in a button (`nobr` too), a
 /// heading right inside a heading. A module of one of these missing its end tag ended only with
 /// the page.
-const ENDED_BY_THEIR_KIND: &[&[u8]] = &[
-    b"a", b"button", b"nobr", b"h1", b"h2", b"h3", b"h4", b"h5", b"h6",
-];
+/// (Headings: [`HEADINGS`].)
+const ENDED_BY_THEIR_KIND: &[&[u8]] = &[b"a", b"button", b"nobr"];
 
 const HEADINGS: &[&[u8]] = &[b"h1", b"h2", b"h3", b"h4", b"h5", b"h6"];
 
@@ -256,6 +255,7 @@ pub fn is_cut_whole(name: &[u8]) -> bool {
     is_void(name)
         || is_one_of(name, CONTAINERS)
         || is_one_of(name, ENDED_BY_THEIR_KIND)
+        || is_one_of(name, HEADINGS)
         || optional_end(name).is_some()
 }
 
@@ -1374,7 +1374,7 @@ struct Stray {
     open_then: usize,
 }
 
-/// How a start tag of their own kind ends the elements of [`ENDED_BY_THEIR_KIND`].
+/// How a start tag of their own kind ends the elements of [`ENDED_BY_THEIR_KIND`] and headings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum KindEnd {
     /// `<a>`, `<button>`, `<nobr>`: another of the same name ends it, whatever is open inside

@@ -928,28 +928,27 @@ impl Hider {
         }
     }
 
-    /// Holds the body's first bytes until they tell a page from JSON: JSON passes untouched,
-    /// a page goes on to the stage. `true`: `data` was taken (held, or passed as JSON).
-    fn open(&mut self, data: Bytes) -> Result<bool, BoxError> {
+    /// Holds the body's first bytes (while `opening` is) until they tell a page from JSON:
+    /// JSON passes untouched, a page goes on to the stage.
+    fn open(&mut self, data: Bytes) -> Result<(), BoxError> {
         let Some(opening) = &mut self.opening else {
-            return Ok(false);
+            return Ok(());
         };
         opening.append(data);
         // White space alone past a bound is a page's (a body of megabytes of spaces was held
         // whole, and read again from its start at each piece).
         let Some(json) = is_json(opening).or((opening.len() > MOST_OPENING).then_some(false))
         else {
-            return Ok(true);
+            return Ok(());
         };
         let start = std::mem::take(opening).into_bytes();
         self.opening = None;
         if json {
             self.stage = Stage::Pass;
             emit_shared(&self.output, start);
-            return Ok(true);
+            return Ok(());
         }
-        self.feed_shared(start)?;
-        Ok(true)
+        self.feed_shared(start)
     }
 
     /// Feeds one chunk of the upstream's body. While scanning, a chunk in which no needle
@@ -957,7 +956,7 @@ impl Hider {
     /// `carry` bytes (or a tag that has not ended) are kept back. Otherwise it goes to `feed`.
     fn feed_shared(&mut self, data: Bytes) -> Result<(), BoxError> {
         if self.opening.is_some() {
-            return self.open(data).map(|_| ());
+            return self.open(data);
         }
         if self.scan_in_place(&data) {
             return Ok(());

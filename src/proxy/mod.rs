@@ -816,7 +816,7 @@ async fn forward(
                 Some(answer) => {
                     // Counted as any upstream failure is (see `rescue`): the app is down even
                     // though this client is answered otherwise. Told once per ten seconds.
-                    count_upstream_error(&shared.metrics, &route, &error);
+                    count_upstream_error(&shared.metrics, &route, error.kind());
                     static QUEUED: crate::log_throttle::LogThrottle =
                         crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(10));
                     let now = std::time::Instant::now();
@@ -922,9 +922,17 @@ fn with_rate_limit_fields(
 /// Cuts the fragments of switched-off modules (`hiding`, from [`hidden_fragments`]) out of an
 /// HTML answer: the upstream's, or a stale copy, which is kept whole as the upstream sent it
 /// and hidden with the switches of the moment it is served.
-/// Fields of the app's answer that no longer hold once a module is cut out of it, besides
-/// its validators and `Expires` (see [`without_switched_off_fragments`]).
-static CUT_PAGE_DROPS: [http::HeaderName; 5] = [
+/// Fields of the app's answer that no longer hold once a module is cut out of it: the
+/// length changes; the validators no longer describe the body (one kept by a browser would
+/// have the app confirm a page with the blocks of other switches); the lifetimes caches read
+/// besides `Cache-Control` (`Expires`, the front nginx's `X-Accel-Expires`, a CDN's) kept the
+/// cut page long after the module was back on; a digest of the body as sent; byte ranges of
+/// a body whose offsets are not the app's.
+static CUT_PAGE_DROPS: [http::HeaderName; 9] = [
+    h::CONTENT_LENGTH,
+    h::ETAG,
+    h::LAST_MODIFIED,
+    h::EXPIRES,
     http::HeaderName::from_static("x-accel-expires"),
     http::HeaderName::from_static("surrogate-control"),
     http::HeaderName::from_static("cdn-cache-control"),
@@ -950,14 +958,12 @@ fn without_switched_off_fragments(
         return response;
     };
     let (mut parts, body) = response.into_parts();
-    // The length changes, and the upstream's validators no longer describe this body: one
-    // kept by a browser would have the app confirm a page with the blocks of other switches.
-    parts.headers.remove(h::CONTENT_LENGTH);
-    parts.headers.remove(h::ETAG);
-    parts.headers.remove(h::LAST_MODIFIED);
-    // Nor do its lifetimes: a cache that kept the cut page for the app's `max-age` or
-    // `Expires` (a browser, the front nginx's proxy_cache, a CDN) showed it without the block
-    // long after the module was back on. It is the page of this moment's switches.
+    for name in &CUT_PAGE_DROPS {
+        parts.headers.remove(name);
+    }
+    // Nor does its `max-age`: a cache that kept the cut page for it (a browser, the front
+    // nginx's proxy_cache, a CDN) showed it without the block long after the module was back
+    // on. It is the page of this moment's switches.
     let said = |directive: &[u8]| {
         header::list_elements(&parts.headers, &h::CACHE_CONTROL)
             .any(|element| element.eq_ignore_ascii_case(directive))
@@ -971,14 +977,6 @@ fn without_switched_off_fragments(
         parts
             .headers
             .insert(h::CACHE_CONTROL, http::HeaderValue::from_static(lifetime));
-    }
-    parts.headers.remove(h::EXPIRES);
-    // The lifetimes other caches read before `Cache-Control` (the front nginx's
-    // `X-Accel-Expires`, a CDN's), a digest of the body as sent, and byte ranges of a body
-    // whose offsets are not the app's: the cut page stayed in a front cache for the app's
-    // lifetime after the module was back on.
-    for name in &CUT_PAGE_DROPS {
-        parts.headers.remove(name);
     }
     Response::from_parts(parts, Hidden::new(body, plan, encoding).boxed_unsync())
 }
@@ -1486,12 +1484,12 @@ pub(crate) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
 }
 
 /// `levee_upstream_errors_total` of the route's upstream, by the error's kind.
-fn count_upstream_error(metrics: &Metrics, route: &Route, error: &ProxyError) {
+fn count_upstream_error(metrics: &Metrics, route: &Route, kind: &'static str) {
     metrics
         .upstream_errors
         .get_or_create(&UpstreamErrorLabels {
             upstream: route.upstream.name.clone().into(),
-            kind: error.kind(),
+            kind,
         })
         .inc();
 }
@@ -1502,7 +1500,7 @@ fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Respon
     match error.side() {
         ErrorSide::Upstream => {
             if let Some(route) = &exchange.route {
-                count_upstream_error(&shared.metrics, route, &error);
+                count_upstream_error(&shared.metrics, route, error.kind());
             }
             tracing::warn!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");
         }
@@ -1550,14 +1548,7 @@ impl OnBodyEnd for Exchange {
                 .as_ref()
                 .map_or("-", |route| route.upstream.name.as_str());
             if let Some(route) = &self.route {
-                self.shared
-                    .metrics
-                    .upstream_errors
-                    .get_or_create(&UpstreamErrorLabels {
-                        upstream: route.upstream.name.clone().into(),
-                        kind: "body_cut",
-                    })
-                    .inc();
+                count_upstream_error(&self.shared.metrics, route, "body_cut");
             }
             tracing::warn!(
                 client = %self.client_ip,

@@ -1005,6 +1005,15 @@ impl RedisCluster {
         RedisCluster { ports, nodes }
     }
 
+    /// Waits until replica `node` has its master's data (indices into `ports`).
+    pub async fn replica_in_sync(&self, node: usize) {
+        eventually(Duration::from_secs(10), "the replica in sync", || async {
+            self.cli(node, &["INFO", "replication"])
+                .contains("master_link_status:up")
+        })
+        .await;
+    }
+
     /// The node that replicates `master` (indices into `ports`).
     pub fn replica_of(&self, master: usize) -> Option<usize> {
         let line = format!("master_port:{}", self.ports[master]);
