@@ -2282,6 +2282,72 @@ async fn a_module_past_the_64th_of_a_routes_hide_table_is_hidden_too() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_sent_as_a_page_keeps_its_fields_while_a_module_is_off() {
+    // A PHP AJAX endpoint that never calls header() sends its JSON as text/html. Its body
+    // passed untouched, but its validators and lifetimes were taken as a cut page's.
+    const JSON: &str = "\u{feff} \n{\"html\":\"<div id='visitors'>42<\\/div>\"}";
+    let backend = Backend::start(|_request: Request<Incoming>| async {
+        Response::builder()
+            .header("content-type", "text/html; charset=UTF-8")
+            .header("etag", "\"j1\"")
+            .header("last-modified", "Mon, 30 Nov 2026 10:00:00 GMT")
+            .header("cache-control", "public, max-age=60")
+            .header("content-length", JSON.len().to_string())
+            .body(full(JSON))
+            .expect("response")
+    })
+    .await;
+    let levee = levee_with_routes(
+        &backend,
+        "match = { path = \"/\" }",
+        "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }",
+    )
+    .await;
+    assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    let answer = get(&levee.url("/")).await;
+    assert_eq!((answer.status, answer.text().as_str()), (200, JSON));
+    for (name, value) in [
+        ("etag", "\"j1\""),
+        ("last-modified", "Mon, 30 Nov 2026 10:00:00 GMT"),
+        ("cache-control", "public, max-age=60"),
+        ("content-length", &JSON.len().to_string()),
+    ] {
+        assert_eq!(answer.header(name), Some(value), "{name}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_cut_off_before_its_first_tag_is_not_sent_as_whole_while_a_module_is_off() {
+    // The body's first bytes are read before the head goes out (JSON or a page?): an
+    // upstream that breaks off there must still show as broken off, not as a page that ended.
+    let app = raw_backend(|_| {
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 100\r\n\r\n  \n".to_vec()
+    })
+    .await;
+    let levee = Levee::start(&policy_for(
+        app,
+        "access_log = false",
+        "[[route]]\nname = \"home\"\nmatch = { path = \"/\" }\nhide = { visitors = \"#visitors\" }\n",
+    ))
+    .await;
+    assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    let answer = raw_exchange(
+        levee.public,
+        b"GET / HTTP/1.1\r\nHost: forum.example\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+            && !answer.ends_with("0\r\n\r\n"),
+        "a body broken off is not ended as whole: {answer:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_page_that_flushes_its_head_early_gets_it_to_the_client_while_a_module_is_off() {
     // A PHP page that flushes its head before a slow query: while `ranking` is hidden, the
     // head reaches the client at once (it waited behind the 4 KiB the scan keeps back).

@@ -637,13 +637,46 @@ struct Hider {
     /// Bytes kept back at the end of each chunk while scanning: `CARRY` (tests use less, so
     /// that small pages take every path).
     carry: usize,
-    /// The start of the body, held until a byte of it other than white space shows whether
-    /// it is a page at all (see [`is_json`]); `None` once that is known.
-    opening: Option<Held>,
 }
 
-/// The most of a body's opening white space held to tell a page from JSON.
+/// The most of a body's opening white space read to tell a page from JSON.
 const MOST_OPENING: usize = 1024;
+
+/// What an answer to be hidden turned out to be once its first bytes were read.
+pub enum Opened {
+    /// JSON labelled as a page (see [`is_json`]): it goes untouched, its fields with it.
+    Json(crate::proxy::body::ResponseBody),
+    /// A page: its switched-off modules are removed as it streams.
+    Page(crate::proxy::body::ResponseBody),
+}
+
+/// Reads the start of an answer to be hidden until a byte other than white space shows
+/// whether it is a page at all, then gives it back: JSON untouched, a page to be hidden.
+/// Known before the head goes out, so that JSON keeps its validators and lifetimes (see
+/// `CUT_PAGE_DROPS`); the head waits for the body's first byte, which a PHP script sends
+/// with its head anyway. At most [`MOST_OPENING`] bytes of white space are read: past them,
+/// a page.
+pub async fn open_page(
+    body: crate::proxy::body::ResponseBody,
+    plan: Arc<HidePlan>,
+    encoding: AsciiCompatibleEncoding,
+) -> Opened {
+    let mut opening = Vec::new();
+    let mut json = None;
+    let body = crate::proxy::body::read_answer_ahead(body, |piece| {
+        let room = (MOST_OPENING + 1).saturating_sub(opening.len());
+        opening.extend_from_slice(&piece[..piece.len().min(room)]);
+        json = is_json(&opening).or((opening.len() > MOST_OPENING).then_some(false));
+        json.is_some()
+    })
+    .await;
+    match json {
+        Some(true) => Opened::Json(body),
+        _ => Opened::Page(http_body_util::BodyExt::boxed_unsync(Hidden::new(
+            body, plan, encoding,
+        ))),
+    }
+}
 
 /// Whether a body that starts with `start` is JSON rather than a page: its first byte other
 /// than white space (after a UTF-8 byte order mark) opens an object or an array. A PHP AJAX
@@ -924,40 +957,13 @@ impl Hider {
             ended,
             output,
             carry: CARRY,
-            opening: Some(Held::default()),
         }
-    }
-
-    /// Holds the body's first bytes (while `opening` is) until they tell a page from JSON:
-    /// JSON passes untouched, a page goes on to the stage.
-    fn open(&mut self, data: Bytes) -> Result<(), BoxError> {
-        let Some(opening) = &mut self.opening else {
-            return Ok(());
-        };
-        opening.append(data);
-        // White space alone past a bound is a page's (a body of megabytes of spaces was held
-        // whole, and read again from its start at each piece).
-        let Some(json) = is_json(opening).or((opening.len() > MOST_OPENING).then_some(false))
-        else {
-            return Ok(());
-        };
-        let start = std::mem::take(opening).into_bytes();
-        self.opening = None;
-        if json {
-            self.stage = Stage::Pass;
-            emit_shared(&self.output, start);
-            return Ok(());
-        }
-        self.feed_shared(start)
     }
 
     /// Feeds one chunk of the upstream's body. While scanning, a chunk in which no needle
     /// occurs is searched where it lies and passed on without being copied; only its last
     /// `carry` bytes (or a tag that has not ended) are kept back. Otherwise it goes to `feed`.
     fn feed_shared(&mut self, data: Bytes) -> Result<(), BoxError> {
-        if self.opening.is_some() {
-            return self.open(data);
-        }
         if self.scan_in_place(&data) {
             return Ok(());
         }
@@ -1260,10 +1266,6 @@ impl Hider {
     }
 
     fn end(&mut self) -> Result<(), BoxError> {
-        // A body of white space only: what it is does not matter, it goes through the stage.
-        if let Some(opening) = self.opening.take() {
-            self.feed_shared(opening.into_bytes())?;
-        }
         // What was held back waiting for more bytes is looked at now: no more will come.
         match &self.stage {
             Stage::Scan(_) => self.scan()?,
@@ -1457,16 +1459,14 @@ mod tests {
             .chunks(chunk)
             .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
             .collect();
-        let body = StreamBody::new(futures_util::stream::iter(chunks));
+        let body = StreamBody::new(futures_util::stream::iter(chunks)).boxed_unsync();
         let selectors: Vec<String> = selectors.iter().map(|s| s.to_string()).collect();
         let plan = HidePlan::new(selectors, markers.iter().map(|s| s.to_string()).collect());
-        let hidden = Hidden::new(body, Arc::new(plan), encoding);
-        hidden
-            .collect()
-            .await
-            .expect("rewrites")
-            .to_bytes()
-            .to_vec()
+        let out = match open_page(body, Arc::new(plan), encoding).await {
+            Opened::Json(body) => body.collect().await,
+            Opened::Page(hidden) => hidden.collect().await,
+        };
+        out.expect("rewrites").to_bytes().to_vec()
     }
 
     fn content_type(value: &str) -> HeaderMap {

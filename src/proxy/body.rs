@@ -249,12 +249,55 @@ pub async fn read_ahead(
     let copy = (keep && ended).then(|| ResendableBody(read.iter().cloned().collect()));
     let body = Prefixed {
         read,
+        failure: None,
         hint,
         ended,
         rest: body,
     }
     .boxed_unsync();
     Ok((body, copy))
+}
+
+/// Reads the first pieces of an answer's body until `enough`, shown each piece in turn, says
+/// they are enough (or the body ends, or fails), then gives the body back whole: what was
+/// read, followed by the rest still streaming. A failure met while reading comes after what
+/// was read, as it came (a body given back as ended there would be sent as whole).
+pub async fn read_answer_ahead(
+    mut body: ResponseBody,
+    mut enough: impl FnMut(&Bytes) -> bool,
+) -> ResponseBody {
+    use http_body_util::BodyExt;
+    let hint = body.size_hint();
+    let mut read = std::collections::VecDeque::new();
+    let mut failure = None;
+    let mut ended = body.is_end_stream();
+    while !ended {
+        match body.frame().await {
+            None => ended = true,
+            Some(Err(error)) => {
+                failure = Some(error);
+                ended = true;
+            }
+            // levee forwards no trailers (see `h1::chunked`).
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    let done = enough(&data);
+                    read.push_back(data);
+                    if done {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    Prefixed {
+        read,
+        failure,
+        hint,
+        ended,
+        rest: body,
+    }
+    .boxed_unsync()
 }
 
 /// A request body read whole before it was sent (see [`read_ahead`]): an idempotent request
@@ -312,8 +355,10 @@ pub(crate) fn joined(pieces: &[Bytes]) -> Bytes {
 
 pin_project! {
     /// What was read ahead of a body, then the rest of it.
-    struct Prefixed<B> {
+    struct Prefixed<B, E> {
         read: std::collections::VecDeque<Bytes>,
+        // The body failed while it was read ahead: the failure comes after what was read.
+        failure: Option<E>,
         // The whole body's size hint, as it was before any of it was read.
         hint: SizeHint,
         // The rest has ended already: it is not polled again.
@@ -323,12 +368,12 @@ pin_project! {
     }
 }
 
-impl<B> Body for Prefixed<B>
+impl<B, E> Body for Prefixed<B, E>
 where
-    B: Body<Data = Bytes>,
+    B: Body<Data = Bytes, Error = E>,
 {
     type Data = Bytes;
-    type Error = B::Error;
+    type Error = E;
 
     fn poll_frame(
         self: Pin<&mut Self>,
@@ -337,6 +382,9 @@ where
         let this = self.project();
         if let Some(piece) = this.read.pop_front() {
             return Poll::Ready(Some(Ok(Frame::data(piece))));
+        }
+        if let Some(failure) = this.failure.take() {
+            return Poll::Ready(Some(Err(failure)));
         }
         if *this.ended {
             return Poll::Ready(None);

@@ -33,7 +33,7 @@ use tokio::time::Instant;
 
 use crate::breaker::{Outcome, Permit};
 use crate::config::{Policy, PolicyStore};
-use crate::degrade::hide::{self, Hidden, HidePlan};
+use crate::degrade::hide::{self, HidePlan};
 use crate::degrade::stale::{
     self, copy_key, selected_query, Capture, CaptureTarget, CopyKey, Fetch, FetchGuard, StaleStore,
     Waited,
@@ -893,7 +893,7 @@ async fn forward(
     set_rate_limit_fields(&mut parts.headers, allowed_headers);
     Ok(Answer {
         // A page that is rewritten has its fields parsed (`fields` above), never relayed.
-        response: without_switched_off_fragments(Response::from_parts(parts, body), hiding),
+        response: without_switched_off_fragments(Response::from_parts(parts, body), hiding).await,
         relayed,
     })
 }
@@ -940,7 +940,7 @@ static CUT_PAGE_DROPS: [http::HeaderName; 9] = [
     h::ACCEPT_RANGES,
 ];
 
-fn without_switched_off_fragments(
+async fn without_switched_off_fragments(
     response: Response<ResponseBody>,
     hiding: Option<Arc<HidePlan>>,
 ) -> Response<ResponseBody> {
@@ -958,6 +958,10 @@ fn without_switched_off_fragments(
         return response;
     };
     let (mut parts, body) = response.into_parts();
+    let hidden = match hide::open_page(body, plan, encoding).await {
+        hide::Opened::Page(hidden) => hidden,
+        hide::Opened::Json(body) => return Response::from_parts(parts, body),
+    };
     for name in &CUT_PAGE_DROPS {
         parts.headers.remove(name);
     }
@@ -978,7 +982,7 @@ fn without_switched_off_fragments(
             .headers
             .insert(h::CACHE_CONTROL, http::HeaderValue::from_static(lifetime));
     }
-    Response::from_parts(parts, Hidden::new(body, plan, encoding).boxed_unsync())
+    Response::from_parts(parts, hidden)
 }
 
 /// The stale-copy side of one request: its key (GET or HEAD on a `stale` route only) and
@@ -1151,12 +1155,16 @@ impl Stale {
             &shared.metrics,
         ))
         .await?;
-        (copy.age() <= settings.max_age).then(|| {
+        if copy.age() > settings.max_age {
+            return None;
+        }
+        Some(
             without_switched_off_fragments(
                 copy.to_response(true),
                 hidden_fragments(shared, policy, route),
             )
-        })
+            .await,
+        )
     }
 
     /// Serves the last good copy, or answers with `refusal` when there is none. (The caller
@@ -1235,10 +1243,13 @@ impl Stale {
         )
         .await;
         match waited {
-            Waited::Copy(copy) => Joined::Served(without_switched_off_fragments(
-                copy.to_response(false),
-                hidden_fragments(shared, policy, route),
-            )),
+            Waited::Copy(copy) => Joined::Served(
+                without_switched_off_fragments(
+                    copy.to_response(false),
+                    hidden_fragments(shared, policy, route),
+                )
+                .await,
+            ),
             // The fetch failed, gave nothing to keep, or its body is slow: go upstream
             // ourselves.
             Waited::GoUpstream => Joined::Lead {
