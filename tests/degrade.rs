@@ -1945,6 +1945,10 @@ async fn a_switch_left_for_a_module_the_policy_dropped_can_be_handed_back() {
     let policy = policy_for(backend.addr, "access_log = false", ROUTES);
     let levee = Levee::start(&policy).await;
     assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    let metrics = || async { get(&levee.admin_url("/metrics")).await.text() };
+    assert!(metrics()
+        .await
+        .contains("levee_module_off{module=\"visitors\"} 1"));
     assert_eq!(set(&levee, "/level", "1").await.status, 200);
     // /status names the switches set, whatever is in effect: the dashboard marks them.
     let status = get(&levee.admin_url("/status")).await.json();
@@ -1971,6 +1975,13 @@ async fn a_switch_left_for_a_module_the_policy_dropped_can_be_handed_back() {
         status["degrade"]["saved_not_in_policy"]["modules"]["visitors"]["off"], true,
         "{status}"
     );
+    // Nor is it off in the metrics any more (it said 1 until a restart).
+    eventually(
+        Duration::from_secs(10),
+        "the module to leave the metrics",
+        || async { !metrics().await.contains("module=\"visitors\"") },
+    )
+    .await;
     // Switching it on or off is refused (no such module), handing it back is not.
     assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 400);
     assert_eq!(set(&levee, "/modules/visitors", "policy").await.status, 200);

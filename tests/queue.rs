@@ -390,6 +390,46 @@ async fn jobs_stored_before_a_reload_that_stops_the_route_queueing_are_still_app
         || async { get(&levee.admin_url("/queues")).await.json()["notify"].is_null() },
     )
     .await;
+    // Its gauges with it.
+    let page = get(&levee.admin_url("/metrics")).await.text();
+    assert!(!page.contains("levee_queue_backlog{"), "{page}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backlog_gauges_are_taken_out_while_redis_cannot_be_read() {
+    // Left at their last figures, they said "2 jobs, fresh" for as long as Redis was down.
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    switch(&levee, "off").await;
+    for i in 0..2 {
+        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+    }
+    let metrics = || async { get(&levee.admin_url("/metrics")).await.text() };
+    eventually(
+        Duration::from_secs(5),
+        "the backlog to be counted",
+        || async {
+            metrics()
+                .await
+                .contains("levee_queue_backlog{route=\"notify\"} 2")
+        },
+    )
+    .await;
+    drop(redis);
+    eventually(
+        Duration::from_secs(10),
+        "the gauges to be taken out",
+        || async {
+            let page = metrics().await;
+            !page.contains("levee_queue_backlog{")
+                && !page.contains("levee_queue_oldest_job_age_seconds{")
+        },
+    )
+    .await;
+    assert_eq!(get(&levee.admin_url("/queues")).await.status, 503);
 }
 
 /// Stores `count` jobs through `levee` (its route switched off) and stops it.

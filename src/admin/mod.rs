@@ -62,7 +62,7 @@ async fn answer(
     // are set, dead letters need one on loopback as well: the PHP app on the same machine
     // reaches loopback, and a page of it that fetches a URL a visitor names (server-side
     // request forgery) would hand the visitor other clients' queries (reset links, tokens).
-    // The dashboard page itself holds no data.
+    // The dashboard page itself holds no data, nor does the icon a browser asks for with it.
     let reading = request.method() == Method::GET || request.method() == Method::HEAD;
     let policy = shared.store.load();
     let admin = &policy.admin;
@@ -72,7 +72,7 @@ async fn answer(
     let holds_requests = path.starts_with("/queues/");
     let open_on_loopback = !holds_requests || admin.tokens.is_empty();
     let open_read = reading
-        && (matches!(path, "/" | "/dashboard")
+        && (matches!(path, "/" | "/dashboard" | "/favicon.ico")
             || (admin.listen.ip().to_canonical().is_loopback() && open_on_loopback));
     let token_name = if open_read {
         None
@@ -124,6 +124,13 @@ async fn answer(
             apply_switch(&shared, change, &by).await
         }
         (&Method::GET, "/" | "/dashboard") => dashboard(),
+        // Asked for by every browser that opens the dashboard: none, without a 404 in its
+        // console (or in levee's log).
+        (&Method::GET, "/favicon.ico") => {
+            let mut response = Response::new(full_body(""));
+            *response.status_mut() = StatusCode::NO_CONTENT;
+            response
+        }
         (&Method::GET, "/status") => {
             let mut answer = status(&shared);
             let policy = shared.store.load();
@@ -635,8 +642,11 @@ fn authorize(
     match matched {
         Some(name) => Ok(Some(name)),
         None => {
+            let reading = request.method() == Method::GET || request.method() == Method::HEAD;
             let reason = if presented.is_some() {
                 "401 the token was not accepted: it is none of [admin] tokens\n"
+            } else if reading {
+                "401 reading this admin path needs a token: send Authorization: Bearer <token> (the levee CLI: --token or LEVEE_ADMIN_TOKEN; the dashboard: its token field)\n"
             } else {
                 "401 this admin action needs a token: send Authorization: Bearer <token> (the levee CLI: --token or LEVEE_ADMIN_TOKEN)\n"
             };

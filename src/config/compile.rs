@@ -412,6 +412,13 @@ impl<'a> Compiler<'a> {
                 "has a control character",
                 "remove the tab, line break or other control character",
             )
+        } else if name == "." || name == ".." {
+            // A URL reads these as path steps: `/modules/..` is `/` to a browser and to
+            // curl, so the dashboard's and the admin API's paths could not name it.
+            (
+                "is a path step in a URL",
+                "give it a name of words, which the admin paths can carry",
+            )
         } else {
             return;
         };
@@ -420,7 +427,7 @@ impl<'a> Compiler<'a> {
             file,
             span,
             format!("{what} name {name:?} {problem}"),
-            format!("{fix}; a name is any text without control characters or spaces at its ends, like \"checkout\" or \"排行\""),
+            format!("{fix}; a name is any text without control characters or spaces at its ends, other than `.` and `..`, like \"checkout\" or \"排行\""),
         );
     }
 
@@ -4918,7 +4925,7 @@ mod tests {
     fn names_that_could_not_be_told_apart_or_used_are_refused() {
         let refused = errors(&[(
             "a.toml",
-            "[upstream.\"\"]\nurl = \"http://127.0.0.1:9\"\n[upstream.\"app \"]\nurl = \"http://127.0.0.1:9\"\n[limit.\"a\\tb\"]\nkey = [\"ip\"]\nrate = \"1/s\"\n[[route]]\nname = \"}jobs\"\nupstream = \"\"\n[[route]]\nname = \"\"\nupstream = \"\"\n",
+            "[upstream.\"\"]\nurl = \"http://127.0.0.1:9\"\n[upstream.\"app \"]\nurl = \"http://127.0.0.1:9\"\n[limit.\"a\\tb\"]\nkey = [\"ip\"]\nrate = \"1/s\"\n[[route]]\nname = \"}jobs\"\nupstream = \"\"\n[[route]]\nname = \"\"\nupstream = \"\"\n[upstream.\".\"]\nurl = \"http://127.0.0.1:9\"\n[module.\"..\"]\n",
         )]);
         assert_reported(
             &refused,
@@ -4927,6 +4934,8 @@ mod tests {
                 "a.toml:3:1: error: upstream name \"app \" starts or ends with a space",
                 "a.toml:5:1: error: limit name \"a\\tb\" has a control character",
                 "a.toml:12:8: error: route name \"\" is empty",
+                "a.toml:14:1: error: upstream name \".\" is a path step in a URL",
+                "a.toml:16:1: error: module name \"..\" is a path step in a URL",
             ],
         );
     }

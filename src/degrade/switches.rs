@@ -400,6 +400,9 @@ pub fn publish(degrade: &Degrade, policy: &Policy, metrics: &Metrics) {
     }
     let view = degrade.view(policy);
     metrics.degrade_level.set(i64::from(view.level));
+    // Only the policy's modules: one a reload took out (or renamed) no longer says 1, which
+    // would keep an alert on it firing until a restart.
+    metrics.module_off.clear();
     for module in policy.degrade.modules.keys() {
         metrics
             .module_off

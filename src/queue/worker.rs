@@ -530,6 +530,7 @@ pub fn spawn_workers(
                     tracing::info!(route = %route.name, stream = %keys.stream, "the queue of a route that stopped queueing is empty; forgetting it");
                     shared.former_queues.forget(&keys.stream);
                     redis.answered_records.forget(&keys.stream);
+                    forget_backlog(&shared, &route.name.0);
                     unregister(&redis, &keys, &route.name.0).await;
                     continue;
                 }
@@ -541,6 +542,7 @@ pub fn spawn_workers(
                         }
                         Err(error) => {
                             tracing::debug!(route = %route.name, "queue not reachable: {error}");
+                            forget_backlog(&shared, &route.name.0);
                             continue;
                         }
                     }
@@ -769,35 +771,54 @@ fn is_no_group(error: &RedisFailure) -> bool {
     matches!(error, RedisFailure::Redis(error) if error.code() == Some("NOGROUP"))
 }
 
+/// Sets a queue's gauges from Redis; a figure Redis did not give is taken out of the metrics
+/// rather than left at its last value (a backlog frozen while Redis is down read as a queue
+/// that was fine, and an alert on the oldest job's age could not fire): a monitor sees that
+/// it cannot tell, as `/queues` says with its 503.
 async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, route: &str) {
     let labels = QueueLabels {
         route: route.to_string().into(),
     };
     let mut length = redis::cmd("XLEN");
     length.arg(&keys.stream);
-    if let Ok(backlog) = redis
+    let mut delayed = redis::cmd("ZCARD");
+    delayed.arg(&keys.delayed);
+    let backlog = match redis
         .command::<i64>(&length, redis.background_bound(), None)
         .await
     {
-        let mut delayed = redis::cmd("ZCARD");
-        delayed.arg(&keys.delayed);
-        let delayed: i64 = redis
-            .command(&delayed, redis.background_bound(), None)
+        Ok(waiting) => redis
+            .command::<i64>(&delayed, redis.background_bound(), None)
             .await
-            .unwrap_or(0);
-        shared
-            .metrics
-            .queue_backlog
-            .get_or_create(&labels)
-            .set(backlog + delayed);
+            .ok()
+            .map(|delayed| waiting + delayed),
+        Err(_) => None,
+    };
+    let age = oldest_job_age(redis, keys).await;
+    let metrics = &shared.metrics;
+    if let Some(backlog) = backlog {
+        metrics.queue_backlog.get_or_create(&labels).set(backlog);
+    } else {
+        metrics.queue_backlog.remove(&labels);
     }
-    if let Some(age) = oldest_job_age(redis, keys).await {
-        shared
-            .metrics
+    if let Some(age) = age {
+        metrics
             .queue_oldest_age
             .get_or_create(&labels)
             .set(age as i64);
+    } else {
+        metrics.queue_oldest_age.remove(&labels);
     }
+}
+
+/// Takes a queue's gauges out of the metrics: its route no longer queues, or Redis cannot
+/// be read for it.
+fn forget_backlog(shared: &Shared, route: &str) {
+    let labels = QueueLabels {
+        route: route.to_string().into(),
+    };
+    shared.metrics.queue_backlog.remove(&labels);
+    shared.metrics.queue_oldest_age.remove(&labels);
 }
 
 /// The time (ms) the oldest waiting job was first stored: its `at` field, which a retry keeps
