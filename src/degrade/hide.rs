@@ -1043,7 +1043,7 @@ impl Hider {
                 if scan.carry.len() < scan.look_again_at {
                     return Ok(());
                 }
-                self.scan()
+                self.advance()
             }
             Stage::Cut {
                 held,
@@ -1054,7 +1054,7 @@ impl Hider {
                 if held.len() < *look_again_at {
                     return Ok(());
                 }
-                self.cut()
+                self.advance()
             }
             Stage::Rewrite(_) => self.rewrite(&data),
             Stage::Pass => {
@@ -1065,7 +1065,34 @@ impl Hider {
         }
     }
 
-    /// Scan stage: pass bytes on up to the next needle, then decide what it is.
+    /// Runs the scan and cut stages in turn for as long as what is held lets them go on: a
+    /// module found is cut, what follows it scanned, the next module cut… In a loop: a page
+    /// that repeats a module's id a thousand times in one read (a sloppy template, or a
+    /// visitor's post that copies the markup) recursed once per copy and overflowed the
+    /// stack, which aborts the process.
+    fn advance(&mut self) -> Result<(), BoxError> {
+        loop {
+            match &self.stage {
+                Stage::Scan(_) => {
+                    self.scan()?;
+                    if !matches!(self.stage, Stage::Cut { .. }) {
+                        return Ok(());
+                    }
+                }
+                Stage::Cut { .. } => {
+                    self.cut()?;
+                    if !matches!(self.stage, Stage::Scan(_)) {
+                        return Ok(());
+                    }
+                }
+                _ => return Ok(()),
+            }
+        }
+    }
+
+    /// Scan stage: pass bytes on up to the next needle, then decide what it is. Finding a
+    /// module's start tag, it leaves the cut stage to `advance` (a void element, which has
+    /// nothing to cut past its tag, is dropped here and the scan goes on).
     fn scan(&mut self) -> Result<(), BoxError> {
         loop {
             let Stage::Scan(scan) = &mut self.stage else {
@@ -1124,9 +1151,10 @@ impl Hider {
                             look_again_at: 0,
                         };
                         if void {
-                            return self.finish_cut(tag_end);
+                            self.finish_cut(tag_end);
+                            continue;
                         }
-                        return self.cut();
+                        return Ok(());
                     }
                     Found::Incomplete { .. } | Found::Unsure { .. } => {}
                 }
@@ -1207,7 +1235,10 @@ impl Hider {
             return Ok(());
         };
         match cut.advance(held) {
-            Step::Ended(end) => self.finish_cut(end),
+            Step::Ended(end) => {
+                self.finish_cut(end);
+                Ok(())
+            }
             Step::More if held.len() <= MAX_HELD => {
                 // A tag or comment not ended yet is read again from its start: wait for as
                 // many new bytes as it holds (and no longer than the hold's bound).
@@ -1222,7 +1253,10 @@ impl Hider {
             // Past the hold's bound with a place the element may have ended at: it ends there
             // (handed to the rewriter, it ran to the end of the page).
             Step::More => match cut.first_stray() {
-                Some(at) => self.finish_cut(at),
+                Some(at) => {
+                    self.finish_cut(at);
+                    Ok(())
+                }
                 None => {
                     let held = std::mem::take(held);
                     self.start_rewriter();
@@ -1237,10 +1271,10 @@ impl Hider {
         }
     }
 
-    /// Drops the removed element (the first `end` bytes held), then goes on with the rest.
-    fn finish_cut(&mut self, end: usize) -> Result<(), BoxError> {
+    /// Drops the removed element (the first `end` bytes held); the rest is to be scanned.
+    fn finish_cut(&mut self, end: usize) {
         let Stage::Cut { held, .. } = &mut self.stage else {
-            return Ok(());
+            return;
         };
         let mut rest = std::mem::take(held);
         let _removed = rest.split_to(end);
@@ -1248,10 +1282,9 @@ impl Hider {
         if self.plan.stop_after > 0 && ended >= self.plan.stop_after {
             self.stage = Stage::Pass;
             emit_shared(&self.output, rest.into_bytes());
-            return Ok(());
+            return;
         }
         self.stage = Stage::Scan(Scan::new(rest, self.plan.needles.len()));
-        self.scan()
     }
 
     fn start_rewriter(&mut self) {
@@ -1267,21 +1300,15 @@ impl Hider {
 
     fn end(&mut self) -> Result<(), BoxError> {
         // What was held back waiting for more bytes is looked at now: no more will come.
-        match &self.stage {
-            Stage::Scan(_) => self.scan()?,
-            Stage::Cut { .. } => self.cut()?,
-            _ => {}
-        }
+        self.advance()?;
         // The page ended inside a removed element that an end tag may have ended: it ends
         // there, and what follows is scanned for the other modules.
         while let Stage::Cut { cut, .. } = &self.stage {
             let Some(at) = cut.first_stray() else {
                 break;
             };
-            self.finish_cut(at)?;
-            if let Stage::Cut { .. } = &self.stage {
-                self.cut()?;
-            }
+            self.finish_cut(at);
+            self.advance()?;
         }
         match std::mem::replace(&mut self.stage, Stage::Done) {
             Stage::Scan(scan) => emit_shared(&self.output, scan.carry.into_bytes()),
@@ -1854,6 +1881,35 @@ mod tests {
             out.extend_from_slice(&piece);
         }
         assert!(out == page.as_bytes(), "left in place whole");
+    }
+
+    /// A page that repeats the module's id thousands of times in one read (a visitor's post
+    /// that copies the markup): each copy is removed, in a loop. Each was one more level of
+    /// recursion, and some 1,500 overflowed a worker's stack, aborting levee.
+    #[tokio::test]
+    async fn a_page_repeating_the_module_thousands_of_times_has_every_copy_removed() {
+        for copy in [
+            "<div id=ranking></div>",
+            "<div id=\"ranking\">12345</div>",
+            "<img id=ranking>",
+        ] {
+            let page = format!("<p>a</p>{}<p>b</p>", copy.repeat(20_000));
+            for chunk in [page.len(), 32 * 1024] {
+                let out = rewrite_bytes(
+                    page.as_bytes(),
+                    &["#ranking"],
+                    &[],
+                    chunk,
+                    AsciiCompatibleEncoding::utf_8(),
+                )
+                .await;
+                assert_eq!(
+                    String::from_utf8_lossy(&out),
+                    "<p>a</p><p>b</p>",
+                    "{copy}, chunk {chunk}"
+                );
+            }
+        }
     }
 
     /// A PHP AJAX endpoint without a `header()` call: JSON labelled `text/html`, whose `</`
