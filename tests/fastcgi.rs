@@ -372,6 +372,20 @@ async fn request_bodies_reach_php_whole_with_a_content_length() {
     let php = php_json(request).await;
     assert_eq!(php["body"], whole.as_str());
     assert_eq!(php["content_length"], whole.len().to_string());
+    // So must one levee keeps to send again (a PUT, a DELETE: idempotent): it reached PHP
+    // with CONTENT_LENGTH empty, and the script read no body.
+    for method in ["PUT", "DELETE", "PATCH"] {
+        let request = Request::builder()
+            .method(method)
+            .uri(levee.url("/echo.php"))
+            .header("content-type", "text/plain")
+            .body(chunked(pieces.into_iter().map(Bytes::from).collect()))
+            .expect("request");
+        let php = php_json(request).await;
+        assert_eq!(php["method"], method);
+        assert_eq!(php["body"], whole.as_str(), "{method}");
+        assert_eq!(php["content_length"], whole.len().to_string(), "{method}");
+    }
 
     let megabyte: Vec<u8> = b"abcdefghijklmnopqrstuvwxyz"
         .iter()

@@ -1011,7 +1011,10 @@ impl Client {
         let (mut body, resend, now) = if body.is_end_stream() {
             (body, Some(ResendableBody::empty()), now)
         } else if let Some(whole) = parts.extensions.remove::<ResendableBody>() {
-            (body, Some(whole), now)
+            // Sent from the copy, whose length is known: the body read ahead still had its
+            // client's size hint, unknown for a chunked one, and a chunked PUT, DELETE or
+            // queue route's POST reached PHP with CONTENT_LENGTH empty, read as no body.
+            (whole.body(), Some(whole), now)
         } else {
             let (body, resend) = crate::proxy::spool::spool(body, &settings.temp_dir)
                 .await
