@@ -265,15 +265,6 @@ fn sha256_hex(data: &[u8]) -> String {
     hex
 }
 
-/// A body sent as `pieces`, with no length: hyper frames it chunked.
-fn chunked(pieces: Vec<Bytes>) -> TestBody {
-    let frames: Vec<Result<Frame<Bytes>, BoxError>> = pieces
-        .into_iter()
-        .map(|piece| Ok(Frame::data(piece)))
-        .collect();
-    StreamBody::new(futures_util::stream::iter(frames)).boxed_unsync()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn php_sees_the_request_as_it_would_behind_nginx() {
     let site = Site::start().await;

@@ -889,3 +889,32 @@ async fn an_upstream_on_a_unix_socket_is_reached_through_it() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_sent_a_byte_per_chunk_arrives_whole() {
+    // Small chunks are joined as they are decoded (and as bodies are kept): across reads,
+    // inside the read-ahead of a PUT, and past it.
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", "")).await;
+    const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyz";
+    for (method, count) in [("PUT", 50_000), ("POST", 300_000)] {
+        let body: Vec<u8> = (0..count).map(|i| LETTERS[i % 26]).collect();
+        // Made as they are sent: this process's memory is measured by another test.
+        let pieces = (0..count).map(|i| {
+            Ok::<_, BoxError>(Frame::data(Bytes::from_static(
+                &LETTERS[i % 26..i % 26 + 1],
+            )))
+        });
+        let request = Request::builder()
+            .method(method)
+            .uri(levee.url("/tiny"))
+            .body(StreamBody::new(futures_util::stream::iter(pieces)).boxed_unsync())
+            .expect("request");
+        let echo = send(request).await.json();
+        assert_eq!(echo["body_len"], count, "{method}");
+        assert!(
+            echo["body"].as_str() == Some(std::str::from_utf8(&body).expect("ascii")),
+            "{method}: the body arrives as sent"
+        );
+    }
+}

@@ -4787,7 +4787,7 @@ mod tests {
     fn the_name_hint_says_what_names_are_accepted() {
         let error = first_error(&format!("{APP}[[route]]\nname = \"\"\n"));
         assert!(
-            error.contains("error: route name \"\" is empty\n  hint: give it a name; a name is any text without control characters or spaces at its ends, like \"checkout\" or \"排行\""),
+            error.contains("error: route name \"\" is empty\n  hint: give it a name; a name is any text without control characters or spaces at its ends, other than `.` and `..`, like \"checkout\" or \"排行\""),
             "{error}"
         );
         // As the hint says: a name beyond ASCII is a name.

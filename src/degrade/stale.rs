@@ -30,7 +30,7 @@ use super::{CopyQuery, StaleSettings};
 use crate::error::{full_body, BoxError};
 use crate::limit::key::{hashed, hex};
 use crate::metrics::Metrics;
-use crate::proxy::body::ResponseBody;
+use crate::proxy::body::{BodyPieces, ResponseBody};
 use crate::proxy::header::{field_lines, response_spelling, ReceivedHead};
 use crate::redis_store::RedisStore;
 
@@ -737,25 +737,18 @@ pin_project! {
     pub struct Capture<B> {
         #[pin]
         inner: B,
-        // The body's frames as they passed (shared with the response, not copied), put
-        // together once, in a buffer of the body's exact size, when the body is complete.
-        buffer: Option<Frames>,
+        // The body's frames as they passed (shared with the response, small ones copied
+        // together: see `BodyPieces`), put together once, in a buffer of the body's exact
+        // size, when the body is complete: a buffer grown frame by frame doubles its room,
+        // and a frame kept as it is may be a slice of a larger read buffer; either way a copy
+        // would hold up to twice its size in memory, beyond what the store's budget counts.
+        buffer: Option<BodyPieces>,
         head: Option<StoredHead>,
         // The age the answer already had (its `Age`: a cache between levee and the app
         // kept it that long), counted into the copy's.
         arrived_aged_ms: u64,
         finish: Option<CaptureTarget>,
     }
-}
-
-/// The frames of a body being kept, and their length in all. The copy is put together in a
-/// buffer of exactly the body's size (`joined`): a buffer grown frame by frame doubles its
-/// room, and a frame kept as it is may be a slice of a larger read buffer; either way a copy
-/// would hold up to twice its size in memory, beyond what the store's budget counts.
-#[derive(Default)]
-struct Frames {
-    frames: Vec<Bytes>,
-    len: usize,
 }
 
 /// Where a finished capture goes.
@@ -782,7 +775,7 @@ impl<B> Capture<B> {
             .map_or(0, |seconds| seconds.saturating_mul(1000));
         Capture {
             inner,
-            buffer: Some(Frames::default()),
+            buffer: Some(BodyPieces::default()),
             head: Some((status.as_u16(), kept_headers(headers, received))),
             arrived_aged_ms,
             finish: Some(target),
@@ -791,7 +784,7 @@ impl<B> Capture<B> {
 }
 
 fn complete(
-    buffer: &mut Option<Frames>,
+    buffer: &mut Option<BodyPieces>,
     head: &mut Option<StoredHead>,
     arrived_aged_ms: u64,
     finish: &mut Option<CaptureTarget>,
@@ -804,7 +797,7 @@ fn complete(
     let copy = Arc::new(StaleCopy {
         status,
         headers,
-        body: crate::proxy::body::joined(&body.frames),
+        body: crate::proxy::body::joined(&body.into_pieces()),
         stored_at_ms: now_ms().saturating_sub(arrived_aged_ms),
     });
     target.store.put(
@@ -839,13 +832,12 @@ where
                         .finish
                         .as_ref()
                         .map_or(0, |target| target.settings.max_body);
-                    if buffer.len + data.len() > limit {
+                    if buffer.bytes_kept() + data.len() > limit {
                         // Too big to keep: pass it on, store nothing.
                         *this.buffer = None;
                         *this.finish = None;
-                    } else if !data.is_empty() {
-                        buffer.len += data.len();
-                        buffer.frames.push(data.clone());
+                    } else {
+                        buffer.push(data.clone());
                     }
                 }
                 if this.inner.is_end_stream() {

@@ -19,7 +19,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWriteExt, ReadBuf};
 
-use super::body::ResendableBody;
+use super::body::{BodyPieces, ResendableBody};
 use super::upstream::UpstreamBody;
 use crate::log_throttle::LogThrottle;
 
@@ -70,8 +70,7 @@ const BATCH: usize = 256 * 1024;
 /// (gone, too slow, too long) is its error; one reading back levee's own file is a
 /// [`SpoolError`].
 pub async fn spool(mut body: UpstreamBody, dir: &Path) -> Result<Spooled, BoxError> {
-    let mut pieces: Vec<Bytes> = Vec::new();
-    let mut in_memory = 0usize;
+    let mut pieces = BodyPieces::default();
     let mut file: Option<Spill> = None;
     // Once a file failed, the rest stays in memory.
     let mut files_fail = false;
@@ -82,13 +81,12 @@ pub async fn spool(mut body: UpstreamBody, dir: &Path) -> Result<Spooled, BoxErr
         if data.is_empty() {
             continue;
         }
-        if file.is_none() && !files_fail && in_memory + data.len() > IN_MEMORY {
+        if file.is_none() && !files_fail && pieces.bytes_kept() + data.len() > IN_MEMORY {
             match Spill::create(dir).await {
                 Ok(mut spill) => {
-                    for piece in pieces.drain(..) {
+                    for piece in std::mem::take(&mut pieces).into_pieces() {
                         spill.batch.extend_from_slice(&piece);
                     }
-                    in_memory = 0;
                     file = Some(spill);
                 }
                 Err(error) => {
@@ -98,7 +96,6 @@ pub async fn spool(mut body: UpstreamBody, dir: &Path) -> Result<Spooled, BoxErr
             }
         }
         let Some(spill) = file.as_mut() else {
-            in_memory += data.len();
             pieces.push(data);
             continue;
         };
@@ -110,14 +107,15 @@ pub async fn spool(mut body: UpstreamBody, dir: &Path) -> Result<Spooled, BoxErr
             say_file_trouble(dir, &error);
             files_fail = true;
             if let Some(spill) = file.take() {
-                let back = spill.into_memory().await?;
-                in_memory = back.len();
-                pieces = vec![back];
+                pieces = BodyPieces::default();
+                pieces.push(spill.into_memory().await?);
             }
         }
     }
     let Some(mut spill) = file else {
-        return Ok(Spooled::InMemory(ResendableBody::from_pieces(pieces)));
+        return Ok(Spooled::InMemory(ResendableBody::from_pieces(
+            pieces.into_pieces(),
+        )));
     };
     // (`write_batch` waited for every write: the file is whole on disk; read it from its start.)
     let kept = match spill.write_batch().await {

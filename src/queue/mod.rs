@@ -482,8 +482,8 @@ pub async fn enqueue(
     // forwarded request, instead of holding its connection and this task for ever.
     let client_body_timeout = policy.server.client_body_timeout;
     let body = IdleTimeout::new(body, client_body_timeout, "client");
-    let body: Bytes = match Limited::new(body, limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
+    let body: Bytes = match collect_joined(Limited::new(body, limit)).await {
+        Ok(body) => body,
         Err(error) => {
             // Over this limit, or the route's own (a body that met a refusal on its way
             // to the upstream).
@@ -742,6 +742,21 @@ pub(crate) fn was_refused_unrun(error: &redis::RedisError) -> bool {
                 | "BUSY"
         )
     )
+}
+
+/// A body read whole into one buffer, its small pieces copied together as they come (see
+/// `BodyPieces`: kept as they came, a body sent a byte per chunk held 40 bytes per byte).
+async fn collect_joined<B>(mut body: B) -> Result<Bytes, B::Error>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+{
+    let mut pieces = crate::proxy::body::BodyPieces::default();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            pieces.push(data);
+        }
+    }
+    Ok(crate::proxy::body::joined(&pieces.into_pieces()))
 }
 
 #[cfg(test)]

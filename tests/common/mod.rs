@@ -24,6 +24,15 @@ use tokio::net::TcpListener;
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type TestBody = UnsyncBoxBody<Bytes, BoxError>;
 
+/// A body sent as `pieces`, with no length: hyper frames it chunked.
+pub fn chunked(pieces: Vec<Bytes>) -> TestBody {
+    let frames: Vec<Result<hyper::body::Frame<Bytes>, BoxError>> = pieces
+        .into_iter()
+        .map(|piece| Ok(hyper::body::Frame::data(piece)))
+        .collect();
+    http_body_util::StreamBody::new(futures_util::stream::iter(frames)).boxed_unsync()
+}
+
 pub fn full(body: impl Into<Bytes>) -> TestBody {
     Full::new(body.into())
         .map_err(|never| match never {})
