@@ -136,9 +136,18 @@ impl LocalStore {
                         if map.len() >= self.max_keys_per_shard && !map.contains_key(ask.key) {
                             map.retain(|_, bucket| bucket.tat > now);
                             if map.len() >= self.max_keys_per_shard {
-                                tracing::warn!(
-                                    "in-process rate-limit store is full; forgetting the half of one shard's buckets nearest to full"
-                                );
+                                // Once per shard filling up: under a flood of new keys (every
+                                // request from a new address) that was many lines a second.
+                                static FULL: crate::log_throttle::LogThrottle =
+                                    crate::log_throttle::LogThrottle::new(
+                                        std::time::Duration::from_secs(10),
+                                    );
+                                if let Some(held_back) = FULL.allow(std::time::Instant::now()) {
+                                    tracing::warn!(
+                                        held_back,
+                                        "in-process rate-limit store is full; forgetting the half of one shard's buckets nearest to full (said at most every 10 s)"
+                                    );
+                                }
                                 forget_nearest_to_full(map, now);
                             }
                         }
