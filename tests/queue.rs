@@ -432,6 +432,77 @@ async fn the_backlog_gauges_are_taken_out_while_redis_cannot_be_read() {
     assert_eq!(get(&levee.admin_url("/queues")).await.status, 503);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_old_queue_of_a_route_whose_key_prefix_changed_stays_in_reach() {
+    // The route keeps its name and queues under new keys: the old queue was listed under the
+    // same name, hidden behind the new one, and its dead letters were out of the API's reach.
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = Backend::start(|_request: Request<Incoming>| async {
+        Response::builder()
+            .status(422)
+            .body(full("refused"))
+            .expect("response")
+    })
+    .await;
+    let policy = queue_policy(backend.addr, &redis.url(), "");
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    for i in 0..2 {
+        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+    }
+    // A replay pass has seen the route queue under the first keys.
+    eventually(
+        Duration::from_secs(5),
+        "the backlog to be counted",
+        || async {
+            get(&levee.admin_url("/metrics"))
+                .await
+                .text()
+                .contains("levee_queue_backlog{route=\"notify\"} 2")
+        },
+    )
+    .await;
+    let moved = policy.replace("[redis]\n", "[redis]\nkey_prefix = \"site2:\"\n");
+    assert_ne!(moved, policy);
+    std::fs::write(levee.policy_file(), &moved).expect("rewrite the policy");
+    let reloaded = post(&levee.admin_url("/reload"), "").await;
+    assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+    // The switches under the new prefix are the policy's: the module is on, the old jobs are
+    // replayed, refused (422) and dead-lettered in the old queue.
+    let old = "levee:queue:{notify}:jobs";
+    eventually(
+        Duration::from_secs(10),
+        "the old queue's dead letters to be listed apart",
+        || async {
+            let queues = get(&levee.admin_url("/queues")).await.json();
+            queues[old]["dead_letters"] == 2 && queues["notify"]["dead_letters"] == 0
+        },
+    )
+    .await;
+    let queues = get(&levee.admin_url("/queues")).await.json();
+    assert_eq!(queues[old]["stopped_queueing"], true, "{queues}");
+    assert_eq!(queues[old]["stream"], old, "{queues}");
+    let path = format!(
+        "/queues/{}/dead",
+        old.replace('{', "%7B").replace('}', "%7D")
+    );
+    let dead = get(&levee.admin_url(&path)).await;
+    assert_eq!(dead.status, 200, "{}", dead.text());
+    assert_eq!(
+        dead.json().as_array().map(Vec::len),
+        Some(2),
+        "{}",
+        dead.text()
+    );
+    assert_eq!(
+        get(&levee.admin_url("/queues/notify/dead")).await.json(),
+        serde_json::json!([]),
+        "the new queue has none"
+    );
+}
+
 /// Stores `count` jobs through `levee` (its route switched off) and stops it.
 async fn store_jobs_then_stop(levee: Levee, count: usize, first: usize) -> Vec<String> {
     switch(&levee, "off").await;

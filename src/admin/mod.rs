@@ -291,7 +291,10 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
     // Redis for routes the policy does not have (kept, not replayed).
     let former = shared.former_queues.list().into_iter();
     let kept = former
-        .map(|former| (former.route.name.to_string(), former.keys, false))
+        .map(|former| {
+            let shown = crate::queue::shown_name(&policy, &former.keys, &former.route.name.0);
+            (shown, former.keys, false)
+        })
         .chain(
             shared
                 .former_queues
@@ -303,6 +306,10 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
         let mut stats = figures(worker::stats(redis, &keys, settings).await);
         if let Some(fields) = stats.as_object_mut() {
             fields.insert("stopped_queueing".into(), json!(true));
+            // Listed under its stream key when its route queues under other keys now.
+            if route == keys.stream {
+                fields.insert("stream".into(), json!(keys.stream));
+            }
             if route_missing {
                 fields.insert("route_missing".into(), json!(true));
             }

@@ -150,12 +150,19 @@ impl FormerQueues {
             .collect()
     }
 
-    /// The keys of the former or unrouted queue of the route named `name`, if one is kept.
+    /// The keys of the former or unrouted queue named `name` (its route's name, or its
+    /// stream key: see [`shown_name`]), if one is kept.
     pub fn keys_named(&self, name: &str) -> Option<QueueKeys> {
-        let former = crate::redis_batch::lock(&self.by_stream)
-            .values()
-            .find(|former| &*former.route.name.0 == name)
+        let by_stream = crate::redis_batch::lock(&self.by_stream);
+        let former = by_stream
+            .get(name)
+            .or_else(|| {
+                by_stream
+                    .values()
+                    .find(|former| &*former.route.name.0 == name)
+            })
             .map(|former| former.keys.clone());
+        drop(by_stream);
         former.or_else(|| crate::redis_batch::lock(&self.unrouted).get(name).cloned())
     }
 
@@ -179,6 +186,24 @@ impl FormerQueues {
 
     pub fn forget_unrouted(&self, route: &str) {
         crate::redis_batch::lock(&self.unrouted).remove(route);
+    }
+}
+
+/// The name a queue goes by in `/queues`, in its metrics' `route` label and in its admin
+/// paths: its route's, or, for a queue its route no longer uses while that route queues under
+/// other keys (`key_prefix` changed), its stream key. Under the route's name both, the old
+/// queue was hidden behind the new one in `/queues`, its dead letters out of the API's reach,
+/// and the two took turns in one gauge.
+pub fn shown_name(policy: &Policy, keys: &QueueKeys, route: &str) -> String {
+    let queues_elsewhere = policy.routes.routes.iter().any(|current| {
+        &*current.name.0 == route
+            && current.queue.is_some()
+            && QueueKeys::new(policy.key_prefix(), route).stream != keys.stream
+    });
+    if queues_elsewhere {
+        keys.stream.clone()
+    } else {
+        route.to_string()
     }
 }
 

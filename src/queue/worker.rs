@@ -526,11 +526,13 @@ pub fn spawn_workers(
                 if replays.running(&keys.stream) {
                     continue;
                 }
+                // Its gauges' label (a former queue's may be its stream key).
+                let shown = super::shown_name(&policy, &keys, &route.name.0);
                 if former && queue_is_empty(&redis, &keys).await {
                     tracing::info!(route = %route.name, stream = %keys.stream, "the queue of a route that stopped queueing is empty; forgetting it");
                     shared.former_queues.forget(&keys.stream);
                     redis.answered_records.forget(&keys.stream);
-                    forget_backlog(&shared, &route.name.0);
+                    forget_backlog(&shared, &shown);
                     unregister(&redis, &keys, &route.name.0).await;
                     continue;
                 }
@@ -542,12 +544,12 @@ pub fn spawn_workers(
                         }
                         Err(error) => {
                             tracing::debug!(route = %route.name, "queue not reachable: {error}");
-                            forget_backlog(&shared, &route.name.0);
+                            forget_backlog(&shared, &shown);
                             continue;
                         }
                     }
                 }
-                report_backlog(&shared, &redis, &keys, &route.name.0).await;
+                report_backlog(&shared, &redis, &keys, &shown).await;
                 // Every pass, former queues included (they are not empty here): listed again
                 // should anything have taken the name off while jobs are stored.
                 register(&redis, &keys, &route.name.0, redis.background_bound()).await;
