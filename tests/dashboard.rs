@@ -30,26 +30,58 @@ match = { path_prefix = "/ranking" }
 tier = 3
 module = "ranking"
 limits = ["ranking_per_ip"]
+
+# Names of Object's own members: the page keeps its lookups by name in objects.
+[limit.toString]
+key = ["ip"]
+rate = "1/s"
+burst = 1
+
+[[route]]
+name = "constructor"
+match = { path_prefix = "/constructor" }
+tier = 3
+module = "valueOf"
+limits = ["toString"]
 "#;
 
-/// Opens the dashboard, checks the numbers show, is refused without the token (and says so),
-/// then turns the ranking module off with the token and waits until the page shows it off.
+/// Opens the dashboard, checks the numbers show (also of a route and a rule named like Object's
+/// members), that a rebuilt row keeps the keyboard's focus, is refused without the token (and
+/// says so), that a dismissed confirmation sends nothing, then turns the ranking module off with
+/// the token and waits until the page shows it off; pins the breaker (who and when shown) and
+/// hands it back; shows a refused reload's errors. No errors in the page throughout.
 const SCRIPT: &str = r#"
+const fs = require('fs');
 const { chromium } = require('playwright-core');
-const [url, screenshot, userDataDir, executablePath, token] = process.argv.slice(2);
+const [url, screenshot, userDataDir, executablePath, token, policyFile] = process.argv.slice(2);
+
+// A wait that times out says what it waited for and what the page showed instead.
+async function waitFor(page, testid, wanted, check) {
+  try {
+    await page.waitForFunction(check, [testid, wanted]);
+  } catch (error) {
+    const shown = await page.evaluate((id) => {
+      const node = document.querySelector(`[data-testid="${id}"]`);
+      return node === null ? 'nothing' : JSON.stringify(node.textContent);
+    }, testid);
+    const pollError = await page.getByTestId('poll-error').textContent();
+    throw new Error(`${testid}: waited for ${JSON.stringify(wanted)}, the page shows ${shown}` +
+      (pollError ? `; poll error: ${pollError}` : '') + `\n${error.message}`);
+  }
+}
 
 async function waitText(page, testid, wanted) {
-  await page.waitForFunction(([id, wanted]) => {
+  await waitFor(page, testid, wanted, ([id, wanted]) => {
     const node = document.querySelector(`[data-testid="${id}"]`);
     return node !== null && node.textContent.trim() === wanted;
-  }, [testid, wanted]);
+  });
 }
 
 async function waitMatch(page, testid, source) {
-  await page.waitForFunction(([id, source]) => {
+  await waitFor(page, testid, source, ([id, source]) => {
     const node = document.querySelector(`[data-testid="${id}"]`);
     return node !== null && !node.hidden && new RegExp(source).test(node.textContent);
-  }, [testid, source]);
+  });
 }
 
 (async () => {
@@ -64,6 +96,24 @@ async function waitMatch(page, testid, source) {
   page.setDefaultTimeout(20000);
   const pageErrors = [];
   page.on('pageerror', (error) => pageErrors.push(String(error)));
+  page.on('console', (message) => {
+    // Chromium logs an answer that is not 2xx as a failed load: the test asks for a 401 and
+    // a 422 on purpose.
+    if (message.type() === 'error' && !/status of (401|422)/.test(message.text())) {
+      pageErrors.push('console: ' + message.text());
+    }
+  });
+  // Each confirmation asked is answered as `answer` says.
+  const dialogs = [];
+  let answer = 'accept';
+  page.on('dialog', async (dialog) => {
+    dialogs.push(dialog.message());
+    if (answer === 'accept') await dialog.accept(); else await dialog.dismiss();
+  });
+  const posts = [];
+  page.on('request', (request) => { if (request.method() === 'POST') posts.push(request.url()); });
+  const pollErrorShown = async () =>
+    page.evaluate(() => !document.querySelector('[data-testid="poll-error"]').hidden);
   await page.goto(url);
 
   await waitText(page, 'module-ranking-state', 'on');
@@ -76,23 +126,82 @@ async function waitMatch(page, testid, source) {
   await waitMatch(page, 'route-ranking-requests', '429: [1-9]');
   await page.waitForFunction(() =>
     document.getElementById('spark-req').getAttribute('points').split(' ').length >= 2);
+  // A route named "constructor" and a rule named "toString" are shown like any other.
+  await waitMatch(page, 'route-constructor-requests', '200: [1-9]');
+  await waitMatch(page, 'stat-limited-sub', 'toString [1-9]');
+  if (await pollErrorShown()) throw new Error('poll error shown: ' + await page.getByTestId('poll-error').textContent());
+
+  // A row rebuilt by a poll (its counters move with the traffic) keeps the keyboard's focus.
+  await page.getByTestId('breaker-app-closed').focus();
+  await page.evaluate(() => { document.querySelector('[data-testid="breaker-app-closed"]').leveeBefore = true; });
+  await page.waitForFunction(() => {
+    const button = document.querySelector('[data-testid="breaker-app-closed"]');
+    return button !== null && !button.leveeBefore;
+  });
+  const focused = await page.evaluate(() => document.activeElement && document.activeElement.dataset.testid);
+  if (focused !== 'breaker-app-closed') throw new Error('focus lost to a rebuilt row: ' + focused);
 
   // Without the token the server refuses, and its answer is on the page.
   await page.getByTestId('module-ranking-off').click();
   await waitMatch(page, 'message', 'HTTP 401: 401 this admin action needs a token');
   await waitText(page, 'module-ranking-state', 'on');
+  if (dialogs.length !== 1 || !/ranking/.test(dialogs[0])) throw new Error('no confirmation asked: ' + dialogs);
 
+  // A confirmation dismissed sends nothing, and nothing changes.
   await page.getByTestId('token').fill(token);
+  answer = 'dismiss';
+  const postsBefore = posts.length;
+  const messageBefore = await page.getByTestId('message').textContent();
+  await page.getByTestId('module-ranking-off').click();
+  await page.waitForResponse((response) => response.url().endsWith('/status'));
+  await page.waitForResponse((response) => response.url().endsWith('/status'));
+  if (dialogs.length !== 2) throw new Error('no confirmation asked: ' + dialogs);
+  if (posts.length !== postsBefore) throw new Error('sent after a dismissed confirmation: ' + posts.slice(postsBefore));
+  await waitText(page, 'module-ranking-state', 'on');
+  if (await page.getByTestId('message').textContent() !== messageBefore) throw new Error('message changed after a dismissed confirmation');
+
+  answer = 'accept';
   await page.getByTestId('module-ranking-off').click();
   await waitText(page, 'module-ranking-state', 'off');
   await waitMatch(page, 'stat-degrade-detail', 'off: ranking');
   const stored = await page.evaluate(() => sessionStorage.getItem('levee.adminToken'));
   if (stored !== token) throw new Error('token not kept in sessionStorage: ' + stored);
 
+  // A pin says who and when; "auto" hands it back without a question.
+  await page.getByTestId('breaker-app-open').click();
+  await waitMatch(page, 'breaker-app-force', '^open \\(by ops.* at \\d');
+  if (dialogs.length !== 4 || !/breaker of "app" open/.test(dialogs[3])) throw new Error('no confirmation asked: ' + dialogs);
+  await page.getByTestId('breaker-app-auto').click();
+  await waitText(page, 'breaker-app-force', 'auto');
+  if (dialogs.length !== 4) throw new Error('asked before "auto": ' + dialogs);
+
+  // A refused reload: its errors one a line in the banner, and under the controls.
+  const policy = fs.readFileSync(policyFile, 'utf8');
+  fs.writeFileSync(policyFile, policy + '\n[[route]]\nname = "broken"\nupstream = "nowhere"\n');
+  await page.getByTestId('reload').click();
+  await waitMatch(page, 'message', '^policy reload refused: \\S*levee\\.toml:\\d+:\\d+: ');
+  await waitMatch(page, 'reload-errors', 'nowhere');
+  fs.writeFileSync(policyFile, policy);
+  await page.getByTestId('reload').click();
+  await waitMatch(page, 'message', '^policy reload: generation');
+  await page.waitForFunction(() => document.querySelector('[data-testid="reload-errors"]').hidden);
+
+  // A switch saved for a module the policy no longer has is listed, and "policy" clears it.
+  await page.getByTestId('module-valueOf-off').click();
+  await waitText(page, 'module-valueOf-state', 'off');
+  fs.writeFileSync(policyFile, policy.replace('module = "valueOf"\n', ''));
+  await page.getByTestId('reload').click();
+  await waitMatch(page, 'saved-module-valueOf', 'module valueOf off \\(by ops.* at \\d');
+  const asked = dialogs.length;
+  await page.getByTestId('saved-module-valueOf-policy').click();
+  await waitText(page, 'saved-modules', '');
+  if (dialogs.length !== asked) throw new Error('asked before "policy": ' + dialogs);
+
   // A few more polls, so the screenshot shows a line rather than a dot.
   await page.waitForFunction(() =>
     document.getElementById('spark-req').getAttribute('points').split(' ').length >= 4);
   await page.screenshot({ path: screenshot, fullPage: true });
+  if (await pollErrorShown()) throw new Error('poll error shown: ' + await page.getByTestId('poll-error').textContent());
   await context.close();
   if (pageErrors.length) throw new Error('errors in the page: ' + pageErrors.join('; '));
   console.log('dashboard ok');
@@ -186,7 +295,7 @@ async fn an_operator_turns_a_module_off_from_the_dashboard() {
     let public = levee.public;
     let traffic = tokio::spawn(async move {
         loop {
-            for path in ["/", "/ranking"] {
+            for path in ["/", "/ranking", "/constructor"] {
                 let _ = get(&format!("http://{public}{path}")).await;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -214,6 +323,7 @@ async fn an_operator_turns_a_module_off_from_the_dashboard() {
         .arg(&profile)
         .arg(&chromium)
         .arg(TOKEN)
+        .arg(levee.policy_file())
         .current_dir(work.path())
         .env("NODE_PATH", &modules);
     let dir = work.path().to_path_buf();
