@@ -503,6 +503,64 @@ async fn the_old_queue_of_a_route_whose_key_prefix_changed_stays_in_reach() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_job_keeps_the_content_length_its_request_had() {
+    // A DELETE with `Content-Length: 0` reached the app without the field (PHP: CONTENT_LENGTH
+    // empty rather than "0"); one that came chunked gets levee's own length.
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    // Each replay's method and Content-Length.
+    type Lengths = Arc<Mutex<Vec<(String, Option<String>)>>>;
+    let lengths: Lengths = Arc::new(Mutex::new(Vec::new()));
+    let record = lengths.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let record = record.clone();
+        async move {
+            let length = request
+                .headers()
+                .get("content-length")
+                .and_then(|value| value.to_str().ok())
+                .map(str::to_string);
+            record
+                .lock()
+                .expect("lock")
+                .push((request.method().to_string(), length));
+            Response::new(full("ok"))
+        }
+    })
+    .await;
+    let policy = queue_policy(backend.addr, &redis.url(), "")
+        .replace("method = [\"POST\"]", "method = [\"POST\", \"DELETE\"]");
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let delete = Request::delete(levee.url("/notify.php?id=7"))
+        .header("content-length", "0")
+        .body(full(""))
+        .expect("request");
+    assert_eq!(send(delete).await.status, 202);
+    let post = Request::post(levee.url("/notify.php"))
+        .body(chunked(vec![
+            bytes::Bytes::from_static(b"like"),
+            bytes::Bytes::from_static(b"=1"),
+        ]))
+        .expect("request");
+    assert_eq!(send(post).await.status, 202);
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "both jobs to be applied",
+        || async { lengths.lock().expect("lock").len() >= 2 },
+    )
+    .await;
+    assert_eq!(
+        *lengths.lock().expect("lock"),
+        vec![
+            ("DELETE".to_string(), Some("0".to_string())),
+            ("POST".to_string(), Some("6".to_string())),
+        ]
+    );
+}
+
 /// Stores `count` jobs through `levee` (its route switched off) and stops it.
 async fn store_jobs_then_stop(levee: Levee, count: usize, first: usize) -> Vec<String> {
     switch(&levee, "off").await;

@@ -445,7 +445,9 @@ async fn dead_letter_request(
                     .iter()
                     .map(|(id, job)| json!({
                         "id": id,
-                        "idempotency_key": job.idempotency_key(),
+                        "job": job.idempotency_key(),
+                        "idempotency_key": job.key_the_app_sees(),
+                        "accepted_at_unix_ms": job.enqueued_at_ms,
                         "method": job.method,
                         "target": job.target,
                         "client_ip": job.client_ip,

@@ -231,9 +231,24 @@ impl Job {
         }))
     }
 
-    /// The key the app sees in `Idempotency-Key`.
+    /// The job's own key (its id in `202` answers, `{job}`, and the delayed set): the app
+    /// sees it in `Idempotency-Key` unless the client's request carried a key of its own.
     pub fn idempotency_key(&self) -> &str {
         self.key.as_deref().unwrap_or("")
+    }
+
+    /// The `Idempotency-Key` the app sees with this job: the client's own when its request
+    /// carried one that is not blank, else the job's (see `worker::replay`).
+    pub fn key_the_app_sees(&self) -> String {
+        self.headers
+            .iter()
+            .find(|(name, value)| {
+                name.eq_ignore_ascii_case("idempotency-key") && !value.trim_ascii().is_empty()
+            })
+            .map_or_else(
+                || self.idempotency_key().to_string(),
+                |(_, value)| String::from_utf8_lossy(value).into_owned(),
+            )
     }
 }
 
@@ -405,6 +420,20 @@ mod tests {
             ("POST", "/notify.php?kind=like", &b"like=1"[..])
         );
         assert_eq!(job.idempotency_key(), "1700000000000-0");
+        assert_eq!(job.key_the_app_sees(), "1700000000000-0");
+        // A client's own key is the one the app sees (a blank one is none).
+        let mut own = job.clone();
+        own.headers
+            .push(("Idempotency-Key".into(), b"order-7".to_vec()));
+        assert_eq!(
+            (own.idempotency_key(), own.key_the_app_sees().as_str()),
+            ("1700000000000-0", "order-7")
+        );
+        let mut blank = job.clone();
+        blank
+            .headers
+            .push(("idempotency-key".into(), b" ".to_vec()));
+        assert_eq!(blank.key_the_app_sees(), "1700000000000-0");
         assert_eq!(job.attempts, 1);
         assert_eq!(job.last_error.as_deref(), Some("the app answered 500"));
     }

@@ -1292,7 +1292,18 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     if let Some(host) = &upstream.settings.host {
         headers.insert(http::header::HOST, host.clone());
     }
-    headers.remove(http::header::CONTENT_LENGTH);
+    // The client's Content-Length stays when it says the body's length: a DELETE's `0`
+    // reached PHP as an empty CONTENT_LENGTH, not the "0" the request had. Otherwise levee
+    // writes the length itself (a body that came chunked).
+    let says_length = {
+        let mut lengths = headers.get_all(http::header::CONTENT_LENGTH).iter();
+        let first = lengths.next().and_then(|value| value.to_str().ok());
+        lengths.next().is_none()
+            && first.and_then(|value| value.trim().parse::<usize>().ok()) == Some(job.body.len())
+    };
+    if !says_length {
+        headers.remove(http::header::CONTENT_LENGTH);
+    }
     // A key the client sent itself stays: it names the client's one operation across its
     // retries (each a job of its own), which the job id cannot. A blank one names nothing,
     // and the app could not tell a replay sent twice: the job id stands in for it.
@@ -1331,8 +1342,12 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     match tokio::time::timeout(upstream.settings.response_timeout, sent).await {
         Err(_) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
+            // Said in the letter too: the app may have run it, and a retry runs it again.
             Replay::Retry(
-                format!("no answer within {:?}", upstream.settings.response_timeout),
+                format!(
+                    "no answer within {:?} (the app may have run it: a retry runs it again)",
+                    upstream.settings.response_timeout
+                ),
                 None,
             )
         }
@@ -1365,7 +1380,10 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
         }
         Ok(Err(error)) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
-            Replay::Retry(format!("upstream error: {error}"), None)
+            Replay::Retry(
+                format!("upstream error after the job was sent: {error} (the app may have run it: a retry runs it again)"),
+                None,
+            )
         }
         Ok(Ok(answered)) => {
             let response = answered.response;
