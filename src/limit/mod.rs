@@ -91,12 +91,18 @@ pub struct RateLimitHeaders {
 /// `"name";q=BURST;w=SECONDS` — the quota of the IETF `RateLimit-Policy` field. `None` for a
 /// rule whose name a structured field cannot carry (see [`quoted_name`]).
 pub fn policy_field(rule: &LimitRule) -> Option<String> {
-    let window = Duration::from_micros(rule.rate.capacity_us())
-        .as_secs_f64()
-        .ceil()
-        .max(1.0);
+    let capacity = Duration::from_micros(rule.rate.capacity_us()).as_secs_f64();
+    let window = capacity.ceil().max(1.0);
+    // The draft's window is whole seconds. A bucket that fills in under one (`10/s` with
+    // `burst = 5`) has its steady rate said as the quota of one second: said as `burst`
+    // per second, it read as half the rate it is.
+    let quota = if capacity < 1.0 {
+        u64::from(rule.rate.burst).max(rule.rate.per_second().floor() as u64)
+    } else {
+        u64::from(rule.rate.burst)
+    };
     let mut field = quoted_name(&rule.name)?;
-    let _ = write!(field, ";q={};w={}", rule.rate.burst, window as u64);
+    let _ = write!(field, ";q={quota};w={}", window as u64);
     Some(field)
 }
 
@@ -285,7 +291,14 @@ impl Limiter {
             };
             self.count(plan.rule, result, decision.source);
             if !decision.allowed && plan.rule.dry_run {
-                tracing::info!(rule = %plan.rule.name, key = %plan.key.key, "dry run: this request would have been rate limited");
+                // At most once per 10 s (a rule too tight for its traffic wrote one line per
+                // request, more than the access log), and without the key, which may hold a
+                // session cookie or an API key: the count is in the metrics.
+                static DRY_RUN: crate::log_throttle::LogThrottle =
+                    crate::log_throttle::LogThrottle::new(Duration::from_secs(10));
+                if let Some(held_back) = DRY_RUN.allow(std::time::Instant::now()) {
+                    tracing::info!(rule = %plan.rule.name, held_back, "dry run: a request would have been rate limited (said at most every 10 s; levee_ratelimit_decisions_total{{result=\"dry_run_limited\"}} counts them)");
+                }
             }
             if !decision.allowed && !plan.rule.dry_run {
                 if redis.is_some() && decision.source == DecisionSource::Redis {
@@ -646,5 +659,15 @@ mod tests {
         );
         assert_eq!(policy_field(&named("发帖")), None);
         assert_eq!(state_field(&named("a\tb"), 0, Duration::ZERO), None);
+        // A bucket that fills in under a second says its rate per second (`10/s`, `burst =
+        // 5` read as 5 per second).
+        let mut fast = named("api");
+        fast.rate = Rate {
+            interval_us: 100_000,
+            burst: 5,
+        };
+        assert_eq!(policy_field(&fast).as_deref(), Some("\"api\";q=10;w=1"));
+        fast.rate.burst = 30;
+        assert_eq!(policy_field(&fast).as_deref(), Some("\"api\";q=30;w=3"));
     }
 }

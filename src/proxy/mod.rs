@@ -1472,19 +1472,58 @@ fn expects_continue(headers: &http::HeaderMap) -> bool {
         .any(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
-/// Does the client prefer JSON (an API client) over HTML (a browser)?
+/// Does the client prefer JSON (an API client) over HTML (a browser)? By `Accept`'s
+/// weights (`text/html;q=0.1, application/json` is an API client's), the first named
+/// winning a tie; a client that names neither gets HTML.
 pub(crate) fn wants_json(headers: &http::HeaderMap) -> bool {
-    let accept = headers
-        .get(h::ACCEPT)
-        .and_then(|value| value.to_str().ok())
-        .unwrap_or("");
-    let json = accept.find("json");
-    let html = accept.find("html");
+    // (weight, place) of the best media range naming each.
+    type Best = Option<(u16, usize)>;
+    let (mut json, mut html): (Best, Best) = (None, None);
+    let ranges = headers
+        .get_all(h::ACCEPT)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','));
+    for (place, range) in ranges.enumerate() {
+        let mut parts = range.split(';');
+        let media = parts.next().unwrap_or("").trim();
+        let weight = parts
+            .filter_map(|param| param.split_once('='))
+            .find(|(name, _)| name.trim().eq_ignore_ascii_case("q"))
+            .map_or(1000, |(_, value)| accept_weight(value.trim()));
+        if weight == 0 {
+            continue;
+        }
+        let media = media.to_ascii_lowercase();
+        let best = if media.contains("json") {
+            &mut json
+        } else if media.contains("html") {
+            &mut html
+        } else {
+            continue;
+        };
+        if best.is_none_or(|(known, _)| weight > known) {
+            *best = Some((weight, place));
+        }
+    }
     match (json, html) {
-        (Some(json), Some(html)) => json < html,
+        (Some((json_weight, json_place)), Some((html_weight, html_place))) => {
+            json_weight > html_weight || (json_weight == html_weight && json_place < html_place)
+        }
         (Some(_), None) => true,
         _ => false,
     }
+}
+
+/// A `q` value in thousandths (RFC 9110 12.4.2: `0`, `1`, `0.x` with up to three digits);
+/// one that is not a weight counts as 1, as the range was named.
+fn accept_weight(value: &str) -> u16 {
+    let (whole, fraction) = value.split_once('.').unwrap_or((value, ""));
+    if whole != "0" || fraction.len() > 3 || !fraction.bytes().all(|byte| byte.is_ascii_digit()) {
+        return 1000;
+    }
+    // `0.5` is 500: the digits given, then zeros (`0` and `0.` are 0).
+    fraction.parse::<u16>().unwrap_or(0) * [1, 100, 10, 1][fraction.len()]
 }
 
 pub(crate) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
@@ -1637,6 +1676,37 @@ impl Exchange {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_or_html_is_chosen_by_accept_weights() {
+        let wants = |accept: &str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(h::ACCEPT, accept.parse().expect("value"));
+            wants_json(&headers)
+        };
+        assert!(wants("application/json"));
+        assert!(!wants("text/html,application/xhtml+xml,*/*;q=0.8"));
+        assert!(wants("application/json, text/html"));
+        assert!(!wants("text/html, application/json"));
+        // Weights, not places, when they differ.
+        assert!(wants("text/html;q=0.1, application/json"));
+        assert!(!wants("application/json;q=0.1, text/html"));
+        assert!(wants("text/html;q=0.5, application/problem+json;q=0.9"));
+        // `q=0` names what the client does not take.
+        assert!(!wants("application/json;q=0, text/html"));
+        assert!(!wants("*/*"));
+        assert!(!wants(""));
+        assert_eq!(
+            [
+                accept_weight("0"),
+                accept_weight("0.5"),
+                accept_weight("0.05"),
+                accept_weight("1.0"),
+                accept_weight("x")
+            ],
+            [0, 500, 50, 1000, 1000]
+        );
+    }
 
     #[test]
     fn an_error_chain_names_each_cause_once() {
