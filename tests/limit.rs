@@ -168,7 +168,7 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
     let (user, user_key, user_node) = (0..)
         .map(|i| {
             let user = format!("user{i}");
-            let key = format!("levee:rl:{{{user}}}:per_user:{user}");
+            let key = user_key(&user);
             let node = cluster.owner(&key);
             (user, key, node)
         })
@@ -219,7 +219,7 @@ async fn a_cluster_node_that_fails_leaves_the_other_nodes_tokens_alone() {
     redis_cli(ip_port, &["SCRIPT", "FLUSH"]);
     let other = (0..)
         .map(|i| format!("other{i}"))
-        .find(|user| cluster.owner(&format!("levee:rl:{{{user}}}:per_user:{user}")) == ip_node)
+        .find(|user| cluster.owner(&self::user_key(user)) == ip_node)
         .expect("some user's bucket is on the IP's node");
     assert_eq!(send_as(&levee, Some(&other), None).await.status, 200);
     let metrics = get(&levee.admin_url("/metrics")).await.text();
@@ -552,8 +552,16 @@ fn per_user_allowed(metrics: &str, source: &str) -> f64 {
     )
 }
 
+/// The bucket of `per_user` for `user`: the value hashed, as a credential's is (`#` and the
+/// first 12 bytes of its SHA-256, in hex).
 fn user_key(user: &str) -> String {
-    format!("levee:rl:{{{user}}}:per_user:{user}")
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(user.as_bytes());
+    let hex: String = digest[..12]
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect();
+    format!("levee:rl:{{#{hex}}}:per_user:#{hex}")
 }
 
 /// One node out opens that node's health breaker only: rules whose buckets it holds follow

@@ -111,6 +111,17 @@ pub enum KeyPart {
 }
 
 impl KeyPart {
+    /// Whether the part's value may be a credential (an API key, a session cookie, whatever
+    /// `[identity] user` reads): always written hashed in the bucket key. Written as they came,
+    /// they stood in Redis's key names, where anyone who can list keys (`SCAN`, `MONITOR`, a
+    /// slow log) could read and replay them.
+    fn is_secret(&self) -> bool {
+        matches!(
+            self,
+            KeyPart::User | KeyPart::ApiKey | KeyPart::Field(Source::Cookie(_))
+        )
+    }
+
     /// Parses `ip`, `user`, `api_key`, `route`, `method`, `header:NAME`, `cookie:NAME`, `query:NAME`.
     pub fn parse(text: &str) -> Result<KeyPart, String> {
         match text {
@@ -269,6 +280,9 @@ pub fn bucket_key(
             (part, client.clone(), false)
         } else {
             match facts.part(part) {
+                Some(value) if part.is_secret() => {
+                    (part, KeyText::Text(Cow::Owned(hashed(&value))), false)
+                }
                 Some(value) => (part, KeyText::Text(safe_value(value)), false),
                 None if fallback_ip => {
                     let client = client.get_or_insert_with(|| client_key(facts.client_ip));
@@ -706,7 +720,12 @@ mod tests {
             false,
         )
         .expect("key");
-        assert_eq!(key.key, "levee:rl:{42}:post_per_user:post|42");
+        // The user's value (here a cookie: a session id, a credential) is hashed.
+        let user = hashed(b"42");
+        assert_eq!(
+            key.key,
+            format!("levee:rl:{{{user}}}:post_per_user:post|{user}")
+        );
         let key = bucket_key("levee:", "login", &[KeyPart::Ip], &facts, false).expect("key");
         assert_eq!(key.key, "levee:rl:{203.0.113.9}:login:203.0.113.9");
     }
