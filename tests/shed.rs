@@ -513,3 +513,37 @@ async fn a_client_that_hangs_up_while_the_page_streams_leaves_its_slot_taken() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_ratio_trigger_waits_for_min_calls() {
+    // One failed request on an idle site was an error ratio of 1: it turned tier 3 off for
+    // everyone (a visitor who can provoke one 502 could do it again and again).
+    let failing = Arc::new(AtomicBool::new(false));
+    let backend = backend(failing.clone()).await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "breaker = {{ consecutive_failures = 0, failure_ratio = 1.0 }}\n[degrade]\ncool_down = \"1s\"\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"error_ratio\"\nabove = 0.5\nfor = \"200ms\"\nmin_calls = 6\nlevel = 1\n{ROUTES}"
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    failing.store(true, Ordering::SeqCst);
+    assert_eq!(get(&levee.url("/")).await.status, 502);
+    // Well past `for` and a few of the trigger's looks (every 200 ms).
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["degrade"]["level"], 0,
+        "one call is no ratio: {status}"
+    );
+    for _ in 0..5 {
+        assert_eq!(get(&levee.url("/")).await.status, 502);
+    }
+    eventually(
+        Duration::from_secs(5),
+        "six failed calls to raise the level",
+        || async { get(&levee.admin_url("/status")).await.json()["degrade"]["level"] == 1 },
+    )
+    .await;
+}

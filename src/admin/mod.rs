@@ -228,7 +228,7 @@ fn publish_upstream_states(shared: &Shared) {
         gauges
             .get_or_create(&labels)
             .set(upstream.breaker.state_value());
-        if let Some(p95) = upstream.latency.p95(now) {
+        if let Some(p95) = upstream.latency.p95(now, 1) {
             latencies.get_or_create(&labels).set(p95.as_secs_f64());
         }
     }
@@ -965,7 +965,7 @@ fn status(shared: &Shared) -> serde_json::Value {
                 "pinned": breaker_pin(shared, &upstream.name),
                 "latency_p95_ms": upstream
                     .latency
-                    .p95(tokio::time::Instant::now())
+                    .p95(tokio::time::Instant::now(), 1)
                     .map(|p95| p95.as_secs_f64() * 1000.0),
             })
         })

@@ -1852,11 +1852,30 @@ fn compile_trigger(
             return None;
         }
     };
+    // A ratio or a percentile of a few calls says nothing: one slow or failed request on
+    // an idle site would raise the level for everyone.
+    let min_calls = match (&inner.min_calls, &condition) {
+        (None, _) => crate::degrade::trigger::MIN_CALLS,
+        (Some(min), Condition::LatencyP95(_) | Condition::ErrorRatio(_)) => (*min.get_ref()).max(1),
+        (Some(min), _) => {
+            compiler.error_hint(
+                file,
+                min.span(),
+                format!(
+                    "`min_calls` is for latency_p95 and error_ratio, not {}",
+                    when.get_ref()
+                ),
+                "remove `min_calls`: this trigger counts no calls",
+            );
+            crate::degrade::trigger::MIN_CALLS
+        }
+    };
     Some(Trigger {
         upstream: upstream.get_ref().clone(),
         condition,
         hold,
         level,
+        min_calls,
     })
 }
 
@@ -5234,7 +5253,7 @@ mod tests {
     fn settings_that_could_never_take_effect_are_refused() {
         let errors = errors(&[(
             "a.toml",
-            "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nqueue_wait = \"1s\"\nshed_reserve = 0.3\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"inflight\"\nabove = 0.8\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nabove = 0.5\n",
+            "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nqueue_wait = \"1s\"\nshed_reserve = 0.3\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"inflight\"\nabove = 0.8\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nabove = 0.5\nmin_calls = 10\n",
         )]);
         assert_reported(
             &errors,
@@ -5243,6 +5262,7 @@ mod tests {
                 "a.toml:4:16: error: `shed_reserve` means nothing without max_inflight",
                 "a.toml:7:8: error: upstream `app` has no max_inflight, so an inflight trigger could never fire",
                 "a.toml:12:9: error: breaker_open has no threshold",
+                "a.toml:13:13: error: `min_calls` is for latency_p95 and error_ratio, not breaker_open",
             ],
         );
     }

@@ -371,6 +371,7 @@ pub struct TriggerSpec {
     #[serde(rename = "for")]
     pub hold: Option<Spanned<String>>,
     pub level: Option<Spanned<u8>>,
+    pub min_calls: Option<Spanned<u32>>,
 }
 
 /// A trigger threshold: a duration (`"800ms"`) or a share (`0.8`).

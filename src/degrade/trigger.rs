@@ -35,7 +35,13 @@ pub struct Trigger {
     pub hold: Duration,
     /// The level it raises to. Default 1.
     pub level: u8,
+    /// Calls the window must hold before a ratio or a percentile of them is judged (one
+    /// 502 on an idle site was an error ratio of 1, and turned tier 3 off for the whole site).
+    pub min_calls: u32,
 }
+
+/// `min_calls` when the policy leaves it out: the breaker's own `min_requests` default.
+pub const MIN_CALLS: u32 = 20;
 
 /// Latencies are judged over this window.
 pub const LATENCY_WINDOW: Duration = Duration::from_secs(10);
@@ -57,8 +63,9 @@ impl LatencyWindow {
         }
     }
 
-    /// 95th percentile of the samples inside the window, if there are any.
-    pub fn p95(&self, now: Instant) -> Option<Duration> {
+    /// 95th percentile of the samples inside the window, if there are at least `min` (and
+    /// one).
+    pub fn p95(&self, now: Instant, min: u32) -> Option<Duration> {
         let mut latencies: Vec<Duration> = {
             let mut samples = self.samples.lock().ok()?;
             while samples
@@ -70,7 +77,7 @@ impl LatencyWindow {
             samples.iter().map(|(_, latency)| *latency).collect()
         };
         // Sorted with the lock given back: every answer's `record` waits for it.
-        if latencies.is_empty() {
+        if latencies.is_empty() || latencies.len() < min as usize {
             return None;
         }
         latencies.sort_unstable();
@@ -170,13 +177,17 @@ fn holds(policy: &Policy, trigger: &Trigger, now: Instant) -> bool {
                 _ => false,
             }
         }
-        Condition::LatencyP95(limit) => upstream.latency.p95(now).is_some_and(|p95| p95 > *limit),
+        Condition::LatencyP95(limit) => upstream
+            .latency
+            .p95(now, trigger.min_calls)
+            .is_some_and(|p95| p95 > *limit),
         Condition::Inflight(share) => upstream.bulkhead.as_ref().is_some_and(|bulkhead| {
             f64::from(bulkhead.inflight()) > share * f64::from(bulkhead.settings.max_inflight)
         }),
         Condition::ErrorRatio(ratio) => {
             let status = upstream.breaker.status();
             status.window_calls > 0
+                && status.window_calls >= trigger.min_calls
                 && f64::from(status.window_failures) / f64::from(status.window_calls) > *ratio
         }
     }
@@ -255,6 +266,7 @@ mod tests {
             condition: Condition::BreakerOpen,
             hold: Duration::from_secs(hold),
             level,
+            min_calls: MIN_CALLS,
         }
     }
 
@@ -316,10 +328,12 @@ mod tests {
         for i in 0..100u64 {
             window.record(t0, Duration::from_millis(if i < 94 { 10 } else { 900 }));
         }
-        assert_eq!(window.p95(t0), Some(Duration::from_millis(900)));
+        assert_eq!(window.p95(t0, 1), Some(Duration::from_millis(900)));
+        assert_eq!(window.p95(t0, 100), Some(Duration::from_millis(900)));
+        assert_eq!(window.p95(t0, 101), None, "fewer samples than asked for");
         window.record(t0 + Duration::from_secs(11), Duration::from_millis(20));
         assert_eq!(
-            window.p95(t0 + Duration::from_secs(11)),
+            window.p95(t0 + Duration::from_secs(11), 1),
             Some(Duration::from_millis(20))
         );
     }
