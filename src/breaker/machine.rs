@@ -1,13 +1,18 @@
 //! The circuit breaker as a pure state machine: no clocks, no locks, time passed in.
 //!
 //! ```text
-//! Closed ──trip──► Open ──open_for passed──► HalfOpen ──all probes succeed──► Closed
+//! Closed ──trip──► Open ──open_for passed──► HalfOpen ──the probes pass──► Closed
 //!                   ▲                            │
-//!                   └──── any probe fails ───────┘   (open_for doubles, up to max_open_for)
+//!                   └──── the probes fail ───────┘   (open_for doubles, up to max_open_for)
 //! ```
-//! Trips (any of): `consecutive_failures` failures in a row; a failure ratio of at least
-//! `failure_ratio` over `window` once `min_requests` calls are in it; a slow-call ratio of at
-//! least `slow_ratio` over the same window (when `slow_call` is set).
+//! Trips (any of): `consecutive_failures` failures in a row, unless the last two slices of
+//! the window hold `min_requests` calls and their failure share is under `failure_ratio` (a
+//! dependency failing some calls at random, five of them in a row now and then under load);
+//! a failure ratio of at least `failure_ratio` over `window` once `min_requests` calls are in
+//! it; a slow-call ratio of at least `slow_ratio` over the same window (when `slow_call` is
+//! set). A half-open round fails at a failed (or slow) probe before any probe passed, or once
+//! the share of its probes that failed reaches `failure_ratio`, as a window's would (at 0.5
+//! with 3 probes: a success then one failure still closes it).
 
 use std::time::Duration;
 
@@ -32,7 +37,8 @@ pub struct BreakerSettings {
     pub open_for: Duration,
     /// Longest open period after repeated re-opens. Default 2m.
     pub max_open_for: Duration,
-    /// Probes let through at a time when half-open; all must succeed to close. Default 3.
+    /// Probes let through at a time when half-open; the round closes the breaker when at most
+    /// `failure_ratio` of them failed or were slow. Default 3.
     pub half_open_probes: u32,
     /// Statuses that count as failures. Default 502 and 504: what a PHP app's own nginx
     /// answers when php-fpm is down or hung. A 503 is left out: PHP apps answer it on purpose
@@ -165,6 +171,8 @@ pub struct Machine {
     reopens: u32,
     probes_in_flight: u32,
     probe_successes: u32,
+    /// Probes of this round that failed or were slow.
+    probe_failures: u32,
     /// Counts half-open rounds: a probe's answer counts only in the round that admitted it.
     probe_round: u32,
     /// Half-open with no probe out since this instant: it waits for a request to probe.
@@ -184,6 +192,7 @@ impl Machine {
             reopens: 0,
             probes_in_flight: 0,
             probe_successes: 0,
+            probe_failures: 0,
             probe_round: 0,
             idle_since: None,
         }
@@ -241,6 +250,7 @@ impl Machine {
             self.state = State::HalfOpen;
             self.probes_in_flight = 0;
             self.probe_successes = 0;
+            self.probe_failures = 0;
             self.probe_round = self.probe_round.wrapping_add(1);
             transition = Some(Transition::HalfOpened);
         }
@@ -308,12 +318,29 @@ impl Machine {
         }
         match (self.state, admission) {
             (State::HalfOpen, Admission::Probe) => {
-                if failed || outcome == Outcome::AbandonedSlow {
-                    self.reopens += 1;
-                    return Some(self.open(now, "probe failed"));
+                // A slow answer is a failed probe too: a breaker opened on slow calls closed
+                // on slow successes, and opened again at once, every cycle, without its
+                // open time ever doubling.
+                let bad = failed
+                    || matches!(
+                        outcome,
+                        Outcome::AbandonedSlow | Outcome::Success { slow: true }
+                    );
+                let allowed = self.probe_failures_allowed();
+                if bad {
+                    self.probe_failures += 1;
+                    // Before any probe passed, a failure is taken as the dependency still
+                    // down (reopened at once, as a dead one needs); after one passed, only
+                    // a share reaching the ratio fails the round.
+                    if self.probe_successes == 0 || self.probe_failures > allowed {
+                        self.reopens += 1;
+                        return Some(self.open(now, "probe failed"));
+                    }
+                } else {
+                    self.probe_successes += 1;
                 }
-                self.probe_successes += 1;
-                if self.probe_successes >= self.settings.half_open_probes {
+                // Decided as soon as the rest cannot change it: at most `allowed` bad ones.
+                if self.probe_successes >= self.settings.half_open_probes.saturating_sub(allowed) {
                     self.close(now);
                     return Some(Transition::Closed);
                 }
@@ -337,6 +364,7 @@ impl Machine {
         };
         self.probes_in_flight = 0;
         self.probe_successes = 0;
+        self.probe_failures = 0;
         self.idle_since = None;
         Transition::Opened { reason, open_for }
     }
@@ -397,10 +425,23 @@ impl Machine {
             })
     }
 
+    /// Failed or slow probes a half-open round may have and still close the breaker: fewer
+    /// than `failure_ratio` of them, the share that trips a closed breaker (a dependency that
+    /// fails a third of its calls at random passed a round of three only a third of the time
+    /// when all had to succeed, and each failed round doubled the open time: most of its
+    /// traffic was refused though it never reached the ratio).
+    fn probe_failures_allowed(&self) -> u32 {
+        let probes = self.settings.half_open_probes;
+        let reaching = (f64::from(probes) * self.settings.failure_ratio).ceil() as u32;
+        // One must pass, whatever the ratio.
+        reaching.saturating_sub(1).min(probes.saturating_sub(1))
+    }
+
     fn trip_reason(&self, now: Instant) -> Option<&'static str> {
         let settings = &self.settings;
         if settings.consecutive_failures > 0
             && self.consecutive_failures >= settings.consecutive_failures
+            && !self.recently_mostly_fine(now)
         {
             return Some("consecutive failures");
         }
@@ -427,6 +468,23 @@ impl Machine {
             return Some("slow-call ratio");
         }
         None
+    }
+
+    /// Whether the last two slices of the window hold `min_requests` calls, under
+    /// `failure_ratio` of them failed: failures in a row there are chance (five in a row come
+    /// every few hundred calls of a dependency that fails 30% of them), not a dependency
+    /// gone, whose share of failures is soon past the ratio.
+    fn recently_mostly_fine(&self, now: Instant) -> bool {
+        let current = self.slice_of(now);
+        let (calls, failures) = self
+            .buckets
+            .iter()
+            .filter(|bucket| bucket.calls > 0 && current.saturating_sub(bucket.slice) < 2)
+            .fold((0u32, 0u32), |(calls, failures), bucket| {
+                (calls + bucket.calls, failures + bucket.failures)
+            });
+        calls >= self.settings.min_requests.max(1)
+            && f64::from(failures) / f64::from(calls) < self.settings.failure_ratio
     }
 
     /// Calls and failures in the current window, for `/status`.
@@ -570,6 +628,76 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn failures_in_a_row_among_many_successes_are_chance_not_a_trip() {
+        // A dependency failing some calls at random under load: three in a row (the test
+        // settings' threshold) among 20 successes of the last second do not open it.
+        let t0 = Instant::now();
+        let mut machine = Machine::new(settings(), t0);
+        for _ in 0..20 {
+            call(&mut machine, t0, Outcome::Success { slow: false });
+        }
+        for _ in 0..3 {
+            assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
+        }
+        // Gone for good: once failures are half of the last slices' calls, they trip it.
+        let mut tripped = None;
+        for _ in 0..30 {
+            tripped = tripped.or(call(&mut machine, t0 + MS, Outcome::Failure));
+        }
+        assert!(
+            matches!(tripped, Some(Transition::Opened { .. })),
+            "{tripped:?}"
+        );
+    }
+
+    #[test]
+    fn a_round_of_probes_closes_below_the_failure_ratio_and_slow_probes_count_against_it() {
+        let t0 = Instant::now();
+        let three = BreakerSettings {
+            half_open_probes: 3,
+            ..settings()
+        };
+        let mut machine = Machine::new(three.clone(), t0);
+        for _ in 0..3 {
+            call(&mut machine, t0, Outcome::Failure);
+        }
+        let t1 = t0 + Duration::from_secs(10);
+        // One failure of three (under 0.5), after a success: the round still closes.
+        for outcome in [
+            Outcome::Success { slow: false },
+            Outcome::Failure,
+            Outcome::Success { slow: false },
+        ] {
+            let (admission, _) = machine.admit(t1);
+            assert_eq!(admission, Admission::Probe);
+            machine.record(t1, admission, outcome);
+        }
+        assert_eq!(machine.state, State::Closed);
+        // Reopened; two slow answers of three reach the ratio: the round fails, and the
+        // open time doubles (slow successes closed a breaker opened on slow calls).
+        let mut machine = Machine::new(three, t0);
+        for _ in 0..3 {
+            call(&mut machine, t0, Outcome::Failure);
+        }
+        let mut last = None;
+        for outcome in [
+            Outcome::Success { slow: false },
+            Outcome::Success { slow: true },
+            Outcome::Success { slow: true },
+        ] {
+            let (admission, _) = machine.admit(t1);
+            last = machine.record(t1, admission, outcome);
+        }
+        assert_eq!(
+            last,
+            Some(Transition::Opened {
+                reason: "probe failed",
+                open_for: Duration::from_secs(20)
+            })
+        );
     }
 
     #[test]

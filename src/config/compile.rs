@@ -1055,7 +1055,14 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
 
     let mut upstreams: BTreeMap<String, Arc<Upstream>> = BTreeMap::new();
     for (name, (file, spec)) in &upstream_specs {
-        let breaker_settings = compile_breaker(&mut compiler, *file, &spec.get_ref().breaker);
+        let fastcgi = spec
+            .get_ref()
+            .url
+            .as_ref()
+            .and_then(|url| url.get_ref().trim_start().get(..FASTCGI.len() + 3))
+            .is_some_and(|start| start.eq_ignore_ascii_case(&format!("{FASTCGI}://")));
+        let breaker_settings =
+            compile_breaker(&mut compiler, *file, &spec.get_ref().breaker, fastcgi);
         if let Some(settings) = compile_upstream(&mut compiler, *file, name, spec) {
             let old = previous.and_then(|policy| policy.upstreams.get(name));
             // The breaker keeps its state (an open breaker stays open) when its settings and
@@ -2045,12 +2052,20 @@ fn compile_queue(
     })
 }
 
+/// `fastcgi`: the upstream is php-fpm itself. Its own failures reach levee as failed calls
+/// (refused, reset, overloaded, no output, timed out), never as statuses: a 502 or 504 in
+/// its answer is one a PHP script chose (`header('Status: 502')`), and counted by default
+/// any visitor who found such a page could cut off the whole site with five requests.
 fn compile_breaker(
     compiler: &mut Compiler<'_>,
     file: usize,
     spec: &Option<Spanned<BreakerSpec>>,
+    fastcgi: bool,
 ) -> BreakerSettings {
-    let defaults = BreakerSettings::default();
+    let mut defaults = BreakerSettings::default();
+    if fastcgi {
+        defaults.failure_statuses.clear();
+    }
     let Some(spec) = spec else { return defaults };
     let inner = spec.get_ref();
     let mut ratio = |value: &Option<Spanned<f64>>, default: f64, what: &str| -> f64 {
@@ -5340,6 +5355,25 @@ mod tests {
             [("APP_ENV".to_string(), "prod".to_string())]
         );
         assert_eq!(fastcgi.temp_dir, std::env::temp_dir());
+        // php-fpm's own failures are failed calls: a 502 or 504 in its answer is a script's
+        // choice, not counted unless the policy says so.
+        assert!(app.breaker.settings().failure_statuses.is_empty());
+        let named = compile(
+            &files(&[(
+                "a.toml",
+                &format!("{source}breaker = {{ failure_statuses = [502] }}\n[upstream.web]\nurl = \"http://127.0.0.1:8081\"\n[server]\ndefault_upstream = \"app\"\n"),
+            )]),
+            None,
+        )
+        .expect("compiles");
+        assert_eq!(
+            named.upstreams["app"].breaker.settings().failure_statuses,
+            [502]
+        );
+        assert_eq!(
+            named.upstreams["web"].breaker.settings().failure_statuses,
+            [502, 504]
+        );
         let temp_dir_errors = super::tests::errors(&[(
             "a.toml",
             "[upstream.a]\nurl = \"fastcgi://127.0.0.1\"\nfastcgi = { root = \"/srv\", temp_dir = \"tmp\" }\n[upstream.b]\nurl = \"fastcgi://127.0.0.1\"\nfastcgi = { root = \"/srv\", temp_dir = \"/nonexistent/levee\" }\n",
