@@ -220,6 +220,7 @@ pub struct Metrics {
     pub breaker_state: Family<BreakerLabels, Gauge>,
     /// Set when `/metrics` is read, from the window the `latency_p95` trigger reads.
     pub upstream_latency_p95: Family<BreakerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub upstream_inflight: Family<BreakerLabels, Gauge>,
     pub breaker_transitions: Family<BreakerTransitionLabels, Counter>,
     pub breaker_rejected: Family<BreakerLabels, Counter>,
     pub breaker_probes: Family<BreakerProbeLabels, Counter>,
@@ -449,6 +450,12 @@ impl Metrics {
             "95th percentile of the upstream's response-head latency over the last 10 s (the latency_p95 trigger's input); absent while it has no samples",
             upstream_latency_p95.clone(),
         );
+        let upstream_inflight = Family::<BreakerLabels, Gauge>::default();
+        registry.register(
+            "upstream_inflight",
+            "Slots of the upstream's max_inflight taken now, calls whose clients left and that run on included; only for an upstream with max_inflight",
+            upstream_inflight.clone(),
+        );
         let breaker_transitions = Family::<BreakerTransitionLabels, Counter>::default();
         registry.register(
             "breaker_transitions",
@@ -563,6 +570,7 @@ impl Metrics {
             degraded_responses,
             breaker_state,
             upstream_latency_p95,
+            upstream_inflight,
             breaker_transitions,
             breaker_rejected,
             breaker_probes,

@@ -89,6 +89,21 @@ async fn a_full_pool_sheds_tier_3_first_and_keeps_tier_1_going() {
     .await;
     let view = get(&levee.url("/thread.php")).await;
     assert_eq!((view.status, view.text().as_str()), (200, "ok"));
+    // The slots taken show: four of five.
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        (
+            &status["upstreams"][0]["inflight"],
+            &status["upstreams"][0]["max_inflight"]
+        ),
+        (&serde_json::json!(4), &serde_json::json!(5)),
+        "{status}"
+    );
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_upstream_inflight{upstream=\"app\"}"),
+        4.0
+    );
 
     for task in slow {
         assert_eq!(task.await.expect("task").status, 200);

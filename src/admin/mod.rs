@@ -218,8 +218,10 @@ fn publish_upstream_states(shared: &Shared) {
     let policy = shared.store.load();
     let gauges = &shared.metrics.breaker_state;
     let latencies = &shared.metrics.upstream_latency_p95;
+    let slots = &shared.metrics.upstream_inflight;
     gauges.clear();
     latencies.clear();
+    slots.clear();
     let now = tokio::time::Instant::now();
     for upstream in policy.upstreams.values() {
         let labels = crate::metrics::BreakerLabels {
@@ -230,6 +232,11 @@ fn publish_upstream_states(shared: &Shared) {
             .set(upstream.breaker.state_value());
         if let Some(p95) = upstream.latency.p95(now, 1) {
             latencies.get_or_create(&labels).set(p95.as_secs_f64());
+        }
+        if let Some(bulkhead) = &upstream.bulkhead {
+            slots
+                .get_or_create(&labels)
+                .set(i64::from(bulkhead.inflight()));
         }
     }
 }
@@ -967,6 +974,10 @@ fn status(shared: &Shared) -> serde_json::Value {
                     .latency
                     .p95(tokio::time::Instant::now(), 1)
                     .map(|p95| p95.as_secs_f64() * 1000.0),
+                // Slots taken, calls whose clients left and that run on included (they are
+                // the ones no request count shows).
+                "inflight": upstream.bulkhead.as_ref().map(|bulkhead| bulkhead.inflight()),
+                "max_inflight": upstream.bulkhead.as_ref().map(|bulkhead| bulkhead.settings.max_inflight),
             })
         })
         .collect();
