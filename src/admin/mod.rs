@@ -126,7 +126,7 @@ async fn answer(
         (&Method::GET, "/" | "/dashboard") => dashboard(),
         // Asked for by every browser that opens the dashboard: none, without a 404 in its
         // console (or in levee's log).
-        (&Method::GET, "/favicon.ico") => {
+        (&Method::GET | &Method::HEAD, "/favicon.ico") => {
             let mut response = Response::new(full_body(""));
             *response.status_mut() = StatusCode::NO_CONTENT;
             response
@@ -140,6 +140,8 @@ async fn answer(
         (&Method::GET, "/metrics") => {
             let page = shared.metrics.scrape(|| {
                 publish_upstream_states(&shared);
+                let policy = shared.store.load();
+                switches::publish_gauges(&shared.degrade, &policy, &shared.metrics, true);
                 // Read now: a background call may have found Redis back, or gone, since the
                 // last rate-limit call set it.
                 // Without a `[redis]` (a reload took it out) nothing is down: an alert on 0

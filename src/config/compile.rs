@@ -1863,6 +1863,23 @@ fn compile_trigger(
     // an idle site would raise the level for everyone.
     let min_calls = match (&inner.min_calls, &condition) {
         (None, _) => crate::degrade::trigger::MIN_CALLS,
+        // The latency window keeps its latest 2,048 calls: more could never be in it, and
+        // the trigger would never fire.
+        (Some(min), Condition::LatencyP95(_))
+            if *min.get_ref() as usize > crate::degrade::trigger::MAX_SAMPLES =>
+        {
+            compiler.error_hint(
+                file,
+                min.span(),
+                format!(
+                    "`min_calls = {}` could never be reached: the latency window keeps the last {} calls",
+                    min.get_ref(),
+                    crate::degrade::trigger::MAX_SAMPLES
+                ),
+                format!("use at most {}", crate::degrade::trigger::MAX_SAMPLES),
+            );
+            crate::degrade::trigger::MIN_CALLS
+        }
         (Some(min), Condition::LatencyP95(_) | Condition::ErrorRatio(_)) => (*min.get_ref()).max(1),
         (Some(min), _) => {
             compiler.error_hint(
@@ -5268,7 +5285,7 @@ mod tests {
     fn settings_that_could_never_take_effect_are_refused() {
         let errors = errors(&[(
             "a.toml",
-            "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nqueue_wait = \"1s\"\nshed_reserve = 0.3\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"inflight\"\nabove = 0.8\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nabove = 0.5\nmin_calls = 10\n",
+            "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nqueue_wait = \"1s\"\nshed_reserve = 0.3\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"inflight\"\nabove = 0.8\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"breaker_open\"\nabove = 0.5\nmin_calls = 10\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"latency_p95\"\nabove = \"1s\"\nmin_calls = 5000\n",
         )]);
         assert_reported(
             &errors,
@@ -5278,6 +5295,7 @@ mod tests {
                 "a.toml:7:8: error: upstream `app` has no max_inflight, so an inflight trigger could never fire",
                 "a.toml:12:9: error: breaker_open has no threshold",
                 "a.toml:13:13: error: `min_calls` is for latency_p95 and error_ratio, not breaker_open",
+                "a.toml:18:13: error: `min_calls = 5000` could never be reached: the latency window keeps the last 2048 calls",
             ],
         );
     }

@@ -398,11 +398,19 @@ pub fn publish(degrade: &Degrade, policy: &Policy, metrics: &Metrics) {
         let pin = runtime.breakers.get(name).map(|switch| switch.value);
         upstream.breaker.set_runtime_force(pin, metrics);
     }
+    publish_gauges(degrade, policy, metrics, false);
+}
+
+/// The level and module gauges, from the switches and the policy of now. `rebuild`: the
+/// module family is emptied first, so a module a reload took out (or renamed) no longer says
+/// 1 (an alert on it fired until a restart); only inside a scrape, which no other scrape or
+/// encoding runs beside, so none sees the family half rebuilt.
+pub fn publish_gauges(degrade: &Degrade, policy: &Policy, metrics: &Metrics, rebuild: bool) {
     let view = degrade.view(policy);
     metrics.degrade_level.set(i64::from(view.level));
-    // Only the policy's modules: one a reload took out (or renamed) no longer says 1, which
-    // would keep an alert on it firing until a restart.
-    metrics.module_off.clear();
+    if rebuild {
+        metrics.module_off.clear();
+    }
     for module in policy.degrade.modules.keys() {
         metrics
             .module_off

@@ -45,7 +45,7 @@ pub const MIN_CALLS: u32 = 20;
 
 /// Latencies are judged over this window.
 pub const LATENCY_WINDOW: Duration = Duration::from_secs(10);
-const MAX_SAMPLES: usize = 2048;
+pub const MAX_SAMPLES: usize = 2048;
 
 /// Recent response-head latencies of one upstream.
 #[derive(Debug, Default)]

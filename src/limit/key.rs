@@ -112,14 +112,13 @@ pub enum KeyPart {
 
 impl KeyPart {
     /// Whether the part's value may be a credential (an API key, a session cookie, whatever
-    /// `[identity] user` reads): always written hashed in the bucket key. Written as they came,
-    /// they stood in Redis's key names, where anyone who can list keys (`SCAN`, `MONITOR`, a
-    /// slow log) could read and replay them.
+    /// `[identity] user` reads, a token in a header or the query): always written hashed in
+    /// the bucket key. Written as they came, they stood in Redis's key names, where anyone
+    /// who can list keys (`SCAN`, `MONITOR`, a slow log) could read and replay them. Only
+    /// what levee itself derives is written plainly: the client's address, the route, the
+    /// method.
     fn is_secret(&self) -> bool {
-        matches!(
-            self,
-            KeyPart::User | KeyPart::ApiKey | KeyPart::Field(Source::Cookie(_))
-        )
+        matches!(self, KeyPart::User | KeyPart::ApiKey | KeyPart::Field(_))
     }
 
     /// Parses `ip`, `user`, `api_key`, `route`, `method`, `header:NAME`, `cookie:NAME`, `query:NAME`.
@@ -1075,7 +1074,9 @@ mod tests {
             false,
         )
         .expect("key");
-        assert_eq!(key.tag(), "abc");
+        // Read as PHP reads it (`a%62c` is `abc`), and hashed as every header and query
+        // value is (a token there is a credential).
+        assert_eq!(key.tag(), hashed(b"abc"));
     }
 
     #[test]

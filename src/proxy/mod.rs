@@ -891,9 +891,15 @@ async fn forward(
     };
     // After the copy took its headers: this client's quota is no one else's.
     set_rate_limit_fields(&mut parts.headers, allowed_headers);
+    let response = Response::from_parts(parts, body);
+    // Awaited only when modules are off: every other answer goes on without a step more.
+    let response = match hiding {
+        None => response,
+        hiding => without_switched_off_fragments(response, hiding).await,
+    };
     Ok(Answer {
         // A page that is rewritten has its fields parsed (`fields` above), never relayed.
-        response: without_switched_off_fragments(Response::from_parts(parts, body), hiding).await,
+        response,
         relayed,
     })
 }

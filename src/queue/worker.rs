@@ -487,6 +487,10 @@ pub fn spawn_workers(
                 }
             }
             let (Some(redis), Some(settings)) = (policy.redis.clone(), policy.queue.clone()) else {
+                // No queue can be read now (a reload took `[redis]` or `[queue]` out): no
+                // figure left at its last value.
+                shared.metrics.queue_backlog.clear();
+                shared.metrics.queue_oldest_age.clear();
                 continue;
             };
             // Consumers that stopped instances left in the groups are looked for on the passes
@@ -1308,8 +1312,9 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     // retries (each a job of its own), which the job id cannot. A blank one names nothing,
     // and the app could not tell a replay sent twice: the job id stands in for it.
     let clients_key = headers
-        .get("idempotency-key")
-        .is_some_and(|key| !key.as_bytes().trim_ascii().is_empty());
+        .get_all("idempotency-key")
+        .iter()
+        .any(|key| !key.as_bytes().trim_ascii().is_empty());
     if !clients_key {
         if let Ok(key) = HeaderValue::from_str(job.idempotency_key()) {
             headers.insert("idempotency-key", key);
