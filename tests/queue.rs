@@ -338,13 +338,7 @@ async fn jobs_stored_before_a_reload_that_stops_the_route_queueing_are_still_app
     let (backend, seen) = recording_always_ok().await;
     let policy = queue_policy(backend.addr, &redis.url(), "");
     let levee = Levee::start(&policy).await;
-    switch(&levee, "off").await;
-    let mut jobs = Vec::new();
-    for i in 0..3 {
-        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
-        assert_eq!(answer.status, 202, "{}", answer.text());
-        jobs.push(answer.header("x-levee-job").expect("job").to_string());
-    }
+    let jobs = store_jobs(&levee, 3, 0).await;
     // Let a replay pass see the route queueing (paused: it is off).
     eventually(
         Duration::from_secs(5),
@@ -402,11 +396,7 @@ async fn the_backlog_gauges_are_taken_out_while_redis_cannot_be_read() {
     let redis = RedisServer::start(dir.path()).await;
     let (backend, _seen) = recording_always_ok().await;
     let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
-    switch(&levee, "off").await;
-    for i in 0..2 {
-        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
-        assert_eq!(answer.status, 202, "{}", answer.text());
-    }
+    store_jobs(&levee, 2, 0).await;
     let metrics = || async { get(&levee.admin_url("/metrics")).await.text() };
     eventually(
         Duration::from_secs(5),
@@ -447,11 +437,7 @@ async fn the_old_queue_of_a_route_whose_key_prefix_changed_stays_in_reach() {
     .await;
     let policy = queue_policy(backend.addr, &redis.url(), "");
     let levee = Levee::start(&policy).await;
-    switch(&levee, "off").await;
-    for i in 0..2 {
-        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
-        assert_eq!(answer.status, 202, "{}", answer.text());
-    }
+    store_jobs(&levee, 2, 0).await;
     // A replay pass has seen the route queue under the first keys.
     eventually(
         Duration::from_secs(5),
@@ -563,14 +549,21 @@ async fn a_replayed_job_keeps_the_content_length_its_request_had() {
 
 /// Stores `count` jobs through `levee` (its route switched off) and stops it.
 async fn store_jobs_then_stop(levee: Levee, count: usize, first: usize) -> Vec<String> {
-    switch(&levee, "off").await;
+    let jobs = store_jobs(&levee, count, first).await;
+    stop(levee).await;
+    jobs
+}
+
+/// Switches `levee`'s route off and stores `count` jobs (`like=first`, …) through it; their
+/// ids.
+async fn store_jobs(levee: &Levee, count: usize, first: usize) -> Vec<String> {
+    switch(levee, "off").await;
     let mut jobs = Vec::new();
     for i in first..first + count {
-        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
+        let answer = post_as(levee, &format!("like={i}"), "192.0.2.7").await;
         assert_eq!(answer.status, 202, "{}", answer.text());
         jobs.push(answer.header("x-levee-job").expect("job").to_string());
     }
-    stop(levee).await;
     jobs
 }
 
@@ -2014,11 +2007,7 @@ async fn a_shutdown_finishes_the_replay_in_flight_and_starts_no_other() {
     let policy = queue_policy(backend.addr, &redis.url(), "")
         .replace("access_log = false", "access_log = false\ndrain = \"0s\"");
     let levee = Levee::start(&policy).await;
-    switch(&levee, "off").await;
-    for i in 0..3 {
-        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
-        assert_eq!(answer.status, 202, "{}", answer.text());
-    }
+    store_jobs(&levee, 3, 0).await;
     switch(&levee, "on").await;
     eventually(
         Duration::from_secs(10),
@@ -2057,11 +2046,7 @@ async fn a_backlog_drains_at_replay_rate_without_waiting_between_batches() {
         .replace("poll_interval = \"50ms\"", "poll_interval = \"5s\"")
         .replace("replay_rate = 2000", "replay_rate = 20");
     let levee = Levee::start(&policy).await;
-    switch(&levee, "off").await;
-    for i in 0..45 {
-        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
-        assert_eq!(answer.status, 202, "{}", answer.text());
-    }
+    store_jobs(&levee, 45, 0).await;
     switch(&levee, "on").await;
     eventually(
         Duration::from_secs(20),
