@@ -105,10 +105,12 @@ pub(super) async fn serve_connection<H, F>(
     F: Future + Send + 'static,
     F::Output: Into<Answer> + Send,
 {
-    // The parser's own bound, far above the operator's limit: levee's check of
-    // `max_header_bytes` on the parsed head gives the client a precise 431 (see
-    // `proxy::forward`); this one only stops a head from growing without end.
-    let max_head_bytes = (limits.max_header_bytes + 8192).max(64 * 1024);
+    // The parser's own bound, above the operator's limit on the request line and on the
+    // fields (each `max_header_bytes`): levee's check of those on the parsed head gives the
+    // client a precise 414 or 431 (see `proxy::forward`); this one only stops a head from
+    // growing without end. It is also what a slow client's unfinished head can hold for
+    // `header_read_timeout`: it was at least 64 KiB, in a buffer grown to twice that.
+    let max_head_bytes = 2 * limits.max_header_bytes + 8192;
     let mut read_buffer = BytesMut::new();
     let mut stop = Stop {
         switch: stop,
@@ -234,7 +236,15 @@ async fn read_head(
             }
         }
         if buffer.capacity() != 0 && buffer.capacity() - buffer.len() < 512 {
-            buffer.reserve(HEAD_READ_SIZE.max(buffer.len()));
+            // Doubled as the head grows, but never much past what the parser reads (a grown
+            // `BytesMut` may double past what it is asked for).
+            let wanted = (2 * buffer.len())
+                .max(buffer.len() + HEAD_READ_SIZE)
+                .min(max_head_bytes + 1)
+                .max(buffer.len() + 512);
+            let mut grown = BytesMut::with_capacity(wanted);
+            grown.extend_from_slice(buffer);
+            *buffer = grown;
         }
         let before = buffer.len();
         tokio::select! {
