@@ -26,4 +26,4 @@ pub mod redis_sentinel;
 pub mod redis_store;
 pub mod redis_wait;
 
-pub use app::{run, start, Options, Running};
+pub use app::{run, start, Options, Running, StartError};

@@ -226,6 +226,28 @@ fn main() -> ExitCode {
             options.watch = !no_watch;
             match runtime.block_on(levee::run(options)) {
                 Ok(()) => ExitCode::SUCCESS,
+                Err(levee::StartError::Policy(diagnostics)) => {
+                    // One line per error, each whole, as a refused reload logs them: under
+                    // journald or a line-based collector only a first line of "the policy
+                    // has errors:" carried ERROR, and none of the detail.
+                    for diagnostic in &diagnostics.0 {
+                        match diagnostic.severity {
+                            levee::config::diag::Severity::Error => tracing::error!(
+                                "levee cannot start, the policy has errors: {}",
+                                diagnostic.one_line()
+                            ),
+                            levee::config::diag::Severity::Warning => {
+                                tracing::warn!("{}", diagnostic.one_line())
+                            }
+                        }
+                    }
+                    if matches!(log_format, LogFormat::Json)
+                        || !tracing::enabled!(tracing::Level::ERROR)
+                    {
+                        eprintln!("levee: the policy has errors:\n{diagnostics}");
+                    }
+                    ExitCode::FAILURE
+                }
                 Err(error) => {
                     tracing::error!("{error}");
                     // A text log line is on the terminal already; a JSON one is for a
@@ -365,10 +387,14 @@ fn check(policies: &std::path::Path) -> ExitCode {
         }
         Err(diagnostics) => {
             eprintln!("{diagnostics}");
+            let errors = diagnostics
+                .0
+                .iter()
+                .filter(|diagnostic| diagnostic.severity == levee::config::diag::Severity::Error)
+                .count();
             eprintln!(
-                "levee: policy in {} has {} error(s)",
+                "levee: policy in {} has {errors} error(s)",
                 policies.display(),
-                diagnostics.0.len()
             );
             ExitCode::FAILURE
         }

@@ -103,6 +103,22 @@ fn files_that_look_like_policy_but_are_not_read_are_warned_of() {
         !printed.contains("levee.toml.bak") && !printed.contains(".hidden"),
         "{printed}"
     );
+    // Also beside the errors it explains: a route using a limit of `20-limits.TOML`.
+    std::fs::write(
+        dir.path().join("11-routes.toml"),
+        "[[route]]\nname = \"login\"\nmatch = { path = \"/login.php\" }\nlimits = [\"x\"]\n",
+    )
+    .expect("write");
+    let (ok, stdout, stderr) = levee_check(dir.path());
+    let printed = format!("{stdout}{stderr}");
+    assert!(!ok, "{printed}");
+    assert!(
+        printed.contains("limit `x` is not defined")
+            && printed.contains("warning: `20-limits.TOML` is not read")
+            && printed.contains("has 1 error(s)"),
+        "{printed}"
+    );
+    std::fs::remove_file(dir.path().join("11-routes.toml")).expect("remove");
 
     // A link to a file that moved away is named as such.
     std::os::unix::fs::symlink(

@@ -158,9 +158,18 @@ pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnos
             return Err(Diagnostics(emptied));
         }
     }
-    let mut policy = compile(&files, previous)?;
-    policy.warnings.extend(files_not_read(dir));
-    Ok(policy)
+    match compile(&files, previous) {
+        Ok(mut policy) => {
+            policy.warnings.extend(files_not_read(dir));
+            Ok(policy)
+        }
+        // Said with the errors too: `limits.TOML` not read is what explains "limit `login`
+        // is not defined".
+        Err(mut diagnostics) => {
+            diagnostics.0.extend(files_not_read(dir));
+            Err(diagnostics)
+        }
+    }
 }
 
 /// Files of `dir` that look like policy files but are not read (only `*.toml` directly in
@@ -293,6 +302,40 @@ struct Compiler<'a> {
     files: &'a [SourceFile],
     errors: Vec<Diagnostic>,
     warnings: Vec<Diagnostic>,
+    /// What files that did not read whole (a bad key or type in them, already reported)
+    /// define, as far as their TOML shows: a reference to one is not called undefined, which
+    /// contradicted the file the operator was looking at.
+    unread: UnreadNames,
+}
+
+/// Names defined in files whose policy could not be read whole (see `Compiler::unread`).
+#[derive(Default)]
+struct UnreadNames {
+    /// Some file did not read whole: a missing `default_upstream` may be in it.
+    any: bool,
+    upstreams: std::collections::BTreeSet<String>,
+    limits: std::collections::BTreeSet<String>,
+    modules: std::collections::BTreeSet<String>,
+}
+
+impl UnreadNames {
+    /// Reads the names a file defines from its TOML alone (it may not read as a policy).
+    fn note(&mut self, text: &str) {
+        self.any = true;
+        let Ok(table) = text.parse::<toml::Table>() else {
+            return;
+        };
+        let names = |section: &str| -> Vec<String> {
+            table
+                .get(section)
+                .and_then(toml::Value::as_table)
+                .map(|entries| entries.keys().cloned().collect())
+                .unwrap_or_default()
+        };
+        self.upstreams.extend(names("upstream"));
+        self.limits.extend(names("limit"));
+        self.modules.extend(names("module"));
+    }
 }
 
 impl<'a> Compiler<'a> {
@@ -653,11 +696,22 @@ fn explain_parse_error(
         };
     }
     if message.contains("unknown field") {
-        return (
-            span.clone(),
-            message.to_string(),
-            "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing".to_string(),
-        );
+        // `unknown field `max_inflght`, expected one of `url`, …`: the key it is closest to,
+        // when one is close (a typo), said first.
+        let named: Vec<&str> = message.split('`').skip(1).step_by(2).collect();
+        let closest = named.split_first().and_then(|(written, known)| {
+            known
+                .iter()
+                .map(|candidate| (edit_distance(written, candidate), *candidate))
+                .filter(|(distance, _)| *distance <= 2)
+                .min_by_key(|(distance, _)| *distance)
+                .map(|(_, candidate)| candidate)
+        });
+        let hint = match closest {
+            Some(key) => format!("did you mean `{key}`? Unknown keys are refused so a typo never silently does nothing"),
+            None => "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing".to_string(),
+        };
+        return (span.clone(), message.to_string(), hint);
     }
     // A value of the wrong kind (`invalid type: string "50%", expected f64`): what the key
     // takes, said in an operator's words, and how to write it.
@@ -873,6 +927,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         files,
         errors: Vec::new(),
         warnings: Vec::new(),
+        unread: UnreadNames::default(),
     };
 
     // Parse every file; a file that does not parse still lets the others be checked.
@@ -881,6 +936,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         match toml::from_str::<FileSpec>(&file.text) {
             Ok(spec) => specs.push((index, spec)),
             Err(first) => {
+                compiler.unread.note(&file.text);
                 let mut errors = FileSpec::shape_errors(&file.text);
                 // A syntax error, or one shape_errors would not see: serde's own is kept.
                 if !errors.iter().any(|error| error.span == first.span()) {
@@ -1108,7 +1164,9 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             .map(|name| (*file, name))
     }) {
         Some((file, name)) => {
-            if !upstream_specs.contains_key(name.get_ref()) {
+            if !upstream_specs.contains_key(name.get_ref())
+                && !compiler.unread.upstreams.contains(name.get_ref())
+            {
                 let known = known_names("upstream", &upstream_specs);
                 compiler.error_hint(
                     file,
@@ -1686,7 +1744,7 @@ fn compile_degrade(
         for name in list.get_ref() {
             if modules.contains_key(name) {
                 modules_off.insert(name.clone());
-            } else {
+            } else if !compiler.unread.modules.contains(name) {
                 let known: Vec<&str> = modules.keys().map(String::as_str).collect();
                 compiler.error_hint(file, list.span(), format!("module `{name}` is not defined"), format!("modules: {}; declare one with [module.NAME] or name it in a route's module or hide", known.join(", ")));
             }
@@ -1764,12 +1822,14 @@ fn compile_trigger(
         return None;
     };
     if !upstreams.contains(upstream.get_ref()) {
-        compiler.error_hint(
-            file,
-            upstream.span(),
-            format!("upstream `{}` is not defined", upstream.get_ref()),
-            format!("upstreams: {}", upstreams.join(", ")),
-        );
+        if !compiler.unread.upstreams.contains(upstream.get_ref()) {
+            compiler.error_hint(
+                file,
+                upstream.span(),
+                format!("upstream `{}` is not defined", upstream.get_ref()),
+                format!("upstreams: {}", upstreams.join(", ")),
+            );
+        }
         return None;
     }
     let Some(when) = &inner.when else {
@@ -3746,13 +3806,15 @@ fn compile_route(
     let upstream_name = match &inner.upstream {
         Some(upstream) => {
             if !context.upstream_specs.contains_key(upstream.get_ref()) {
-                let known = known_names("upstream", context.upstream_specs);
-                compiler.error_hint(
-                    file,
-                    upstream.span(),
-                    format!("upstream `{}` is not defined", upstream.get_ref()),
-                    format!("defined upstreams: {known}"),
-                );
+                if !compiler.unread.upstreams.contains(upstream.get_ref()) {
+                    let known = known_names("upstream", context.upstream_specs);
+                    compiler.error_hint(
+                        file,
+                        upstream.span(),
+                        format!("upstream `{}` is not defined", upstream.get_ref()),
+                        format!("defined upstreams: {known}"),
+                    );
+                }
                 None
             } else {
                 Some(upstream.get_ref().as_str())
@@ -3760,6 +3822,8 @@ fn compile_route(
         }
         None => match context.default_upstream {
             Some(name) => Some(name),
+            // The default may be in a file that did not read whole.
+            None if compiler.unread.any => None,
             None => {
                 compiler.error_hint(
                     file,
@@ -3781,8 +3845,10 @@ fn compile_route(
     for name in inner.limits.iter().flatten() {
         match context.limits.get(name.get_ref()) {
             Some(rule) => limits.push(rule.clone()),
-            // Defined but broken: already reported where it is defined.
-            None if context.limit_specs.contains_key(name.get_ref()) => {}
+            // Defined but broken: already reported where it is defined (also in a file
+            // that did not read whole).
+            None if context.limit_specs.contains_key(name.get_ref())
+                || compiler.unread.limits.contains(name.get_ref()) => {}
             None => compiler.error_hint(
                 file,
                 name.span(),
@@ -4973,6 +5039,44 @@ mod tests {
     }
 
     #[test]
+    fn a_file_that_does_not_read_whole_leaves_no_false_undefined_errors_in_the_others() {
+        // A typo in a.toml's upstream made b.toml's route say "upstream `app` is not
+        // defined; defined upstreams: none", contradicting the file the operator looked at.
+        let refused = errors(&[
+            (
+                "a.toml",
+                "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nmax_inflght = 20\n[limit.login]\nkey = [\"ip\"]\nrate = \"1/s\"\nbrust = 5\n[module.ads]\n[server]\ndefault_upstream = \"app\"\nmodules_off = [\"ads\"]\n",
+            ),
+            (
+                "b.toml",
+                "[[route]]\nname = \"login\"\nmatch = { path = \"/login.php\" }\nupstream = \"app\"\nlimits = [\"login\"]\n[[route]]\nname = \"home\"\nmatch = { path = \"/\" }\n",
+            ),
+        ]);
+        assert!(
+            refused.iter().all(|error| error.starts_with("a.toml:")),
+            "only a.toml's own errors: {refused:#?}"
+        );
+        assert!(
+            refused.iter().any(|error| error.contains("max_inflght")),
+            "{refused:#?}"
+        );
+        // A name no file defines is still an error.
+        let refused = errors(&[
+            ("a.toml", "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nmax_inflght = 20\n"),
+            (
+                "b.toml",
+                "[[route]]\nname = \"login\"\nmatch = { path = \"/login.php\" }\nupstream = \"api\"\n",
+            ),
+        ]);
+        assert!(
+            refused
+                .iter()
+                .any(|error| error.starts_with("b.toml:4:12: error: upstream `api` is not defined")),
+            "{refused:#?}"
+        );
+    }
+
+    #[test]
     fn names_that_could_not_be_told_apart_or_used_are_refused() {
         let refused = errors(&[(
             "a.toml",
@@ -5427,7 +5531,15 @@ mod tests {
         let errors = errors(&[("a.toml", "[server]\nlisten = \"127.0.0.1:1\"\nlistn = 3\n")]);
         assert_eq!(errors.len(), 1, "{errors:?}");
         assert!(
-            errors[0].starts_with("a.toml:3:1: error: unknown field `listn`"),
+            errors[0].starts_with("a.toml:3:1: error: unknown field `listn`")
+                && errors[0].contains("hint: did you mean `listen`?"),
+            "{}",
+            errors[0]
+        );
+        // Nothing close: no guess.
+        let errors = super::tests::errors(&[("a.toml", "[server]\ncolour = 3\n")]);
+        assert!(
+            errors[0].contains("check the spelling against docs/policy.md"),
             "{}",
             errors[0]
         );

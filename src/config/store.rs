@@ -304,6 +304,10 @@ impl PolicyStore {
                 // One line per error, each whole (where, what, what to write): `grep ERROR`
                 // showed none of the detail of the old multi-line entry.
                 for error in &diagnostics.0 {
+                    if error.severity == super::diag::Severity::Warning {
+                        tracing::warn!(%trigger, "{}", error.one_line());
+                        continue;
+                    }
                     tracing::error!(
                         %trigger,
                         active_generation = previous.generation,
