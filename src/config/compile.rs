@@ -306,7 +306,14 @@ struct Compiler<'a> {
     /// define, as far as their TOML shows: a reference to one is not called undefined, which
     /// contradicted the file the operator was looking at.
     unread: UnreadNames,
+    /// Errors past [`MAX_ERRORS`], counted and not placed.
+    errors_beyond: usize,
+    /// Where one of those is written, and dropped.
+    spare: Diagnostic,
 }
+
+/// The most errors a policy check reports one by one.
+const MAX_ERRORS: usize = 1000;
 
 /// Names defined in files whose policy could not be read whole (see `Compiler::unread`).
 #[derive(Default)]
@@ -353,6 +360,13 @@ impl<'a> Compiler<'a> {
         span: Range<usize>,
         message: impl Into<String>,
     ) -> &mut Diagnostic {
+        // Past the first MAX_ERRORS only counted: a file of 100,000 routes with one typo
+        // each took minutes to place every error on its line, and no one reads them all.
+        if self.errors.len() >= MAX_ERRORS {
+            self.errors_beyond += 1;
+            self.spare = Diagnostic::whole(&self.files[file].path, "");
+            return &mut self.spare;
+        }
         self.errors
             .push(Diagnostic::at(&self.files[file], span, message));
         let last = self.errors.len() - 1;
@@ -928,6 +942,8 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         errors: Vec::new(),
         warnings: Vec::new(),
         unread: UnreadNames::default(),
+        errors_beyond: 0,
+        spare: Diagnostic::whole(std::path::Path::new(""), ""),
     };
 
     // Parse every file; a file that does not parse still lets the others be checked.
@@ -1352,7 +1368,20 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         diagnostics
     };
     if !compiler.errors.is_empty() {
-        return Err(Diagnostics(in_file_order(compiler.errors)));
+        let beyond = compiler.errors_beyond;
+        let mut errors = in_file_order(compiler.errors);
+        if beyond > 0 {
+            let dir = files
+                .first()
+                .and_then(|file| file.path.parent())
+                .unwrap_or(std::path::Path::new("."));
+            errors.push(
+                Diagnostic::whole(dir, format!("and {beyond} more errors, not listed")).hint(
+                    format!("the first {MAX_ERRORS} are above; fix those and check again"),
+                ),
+            );
+        }
+        return Err(Diagnostics(errors));
     }
     let written_at = |file: usize, listen: &Option<Spanned<String>>| {
         listen
@@ -5523,6 +5552,25 @@ mod tests {
                 "a.toml:6:12: error: upstream `nope` is not defined",
                 "a.toml:8:9: error: a trigger cannot raise to level 7",
             ],
+        );
+    }
+
+    #[test]
+    fn errors_past_the_first_thousand_are_counted_not_listed() {
+        // 100,000 routes with one typo each took minutes to place every error.
+        let mut text = String::from("[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n");
+        for i in 0..1500 {
+            text.push_str(&format!(
+                "[[route]]\nname = \"r{i}\"\nmatch = {{ path = \"/{i}\" }}\nupstream = \"ap\"\n"
+            ));
+        }
+        let errors = errors(&[("a.toml", &text)]);
+        assert_eq!(errors.len(), 1001, "{:?}", errors.last());
+        assert!(
+            errors[0].contains("upstream `ap` is not defined")
+                && errors[1000].contains("and 500 more errors, not listed"),
+            "{}",
+            errors[1000]
         );
     }
 

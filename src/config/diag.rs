@@ -20,6 +20,12 @@ impl SourceFile {
         let line_start = before.rfind('\n').map(|i| i + 1).unwrap_or(0);
         let col = before
             .get(line_start..)
+            // A byte order mark before the first line is no column an editor shows.
+            .map(|s| {
+                s.strip_prefix('\u{feff}')
+                    .filter(|_| line_start == 0)
+                    .unwrap_or(s)
+            })
             .map(|s| s.chars().count())
             .unwrap_or(0)
             + 1;
@@ -148,6 +154,12 @@ mod tests {
             text: "a = 1\nbé = 2\n".into(),
         };
         assert_eq!(file.line_col(0), (1, 1));
+        let marked = SourceFile {
+            path: "a.toml".into(),
+            text: "\u{feff}a = 1\n".into(),
+        };
+        assert_eq!(marked.line_col(3), (1, 1), "after the byte order mark");
+        assert_eq!(marked.line_col(7), (1, 5));
         assert_eq!(file.line_col(6), (2, 1));
         // "bé " is 4 bytes but 3 characters.
         assert_eq!(file.line_col(10), (2, 4));
