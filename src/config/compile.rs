@@ -604,11 +604,18 @@ impl<'a> Compiler<'a> {
         match value.get_ref().parse() {
             Ok(addr) => addr,
             Err(_) => {
+                // An IP address, not a name (`localhost:9901`): what it binds must not
+                // depend on a name service. The example keeps the port written.
+                let port = value
+                    .get_ref()
+                    .rsplit_once(':')
+                    .and_then(|(_, port)| port.parse::<u16>().ok())
+                    .unwrap_or(default.port());
                 self.error_hint(
                     file,
                     value.span(),
-                    format!("`{}` is not an address and port", value.get_ref()),
-                    "write it as \"127.0.0.1:8080\" or \"[::1]:8080\"",
+                    format!("`{}` is not an IP address and port", value.get_ref()),
+                    format!("write it as \"127.0.0.1:{port}\" or \"[::1]:{port}\" (an address, not a host name)"),
                 );
                 default
             }

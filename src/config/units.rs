@@ -21,7 +21,15 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "s" => value,
         "m" | "min" => value * 60.0,
         "h" => value * 3600.0,
-        other => return Err(format!("unknown duration unit `{other}` in `{text}`")),
+        // `1h30m`: one number and one unit only.
+        other if other.contains(|c: char| c.is_ascii_digit()) => {
+            return Err(format!(
+                "duration `{text}` has more than one unit: write it in one unit, like \"90m\" for 1h30m"
+            ))
+        }
+        other => return Err(format!(
+            "unknown duration unit `{other}` in `{text}`: use ms, s, m (or min) or h"
+        )),
     };
     if !seconds.is_finite() || !(0.0..=86_400.0 * 365.0).contains(&seconds) {
         return Err(format!("duration `{text}` is out of range"));
@@ -116,6 +124,12 @@ mod tests {
     fn durations() {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert!(parse_duration("1h30m")
+            .unwrap_err()
+            .contains("write it in one unit, like \"90m\""));
+        assert!(parse_duration("10sec")
+            .unwrap_err()
+            .contains("use ms, s, m (or min) or h"));
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("5min"), Ok(Duration::from_secs(300)));
         assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
