@@ -54,6 +54,9 @@ enum Command {
         /// Directory of *.toml policy files.
         #[arg(long, default_value = "policies")]
         policies: PathBuf,
+        /// The directory, given without `--policies` (`levee check /etc/levee/policies`).
+        #[arg(conflicts_with = "policies", value_name = "DIR")]
+        dir: Option<PathBuf>,
     },
     /// Show what a running levee is doing: policy generation, degrade level and modules,
     /// breakers, Redis.
@@ -159,7 +162,7 @@ use levee::admin::client::{changed_text, Changed};
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Check { policies } => check(&policies),
+        Command::Check { policies, dir } => check(dir.as_deref().unwrap_or(&policies)),
         Command::Status { admin, json } => admin_command(
             admin,
             http::Method::GET,

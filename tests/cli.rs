@@ -370,6 +370,17 @@ async fn what_a_policy_defines_and_nothing_uses_is_a_warning_in_check_reload_and
         err.contains("hint: list it in a route's limits = [\"login\"]"),
         "{err}"
     );
+    // The directory may also be given as it is, `nginx -t`'s habit.
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .arg("check")
+        .arg(&dir)
+        .output()
+        .expect("run levee check DIR");
+    assert!(
+        output.status.success()
+            && String::from_utf8_lossy(&output.stdout).contains("is valid with 1 warning(s)"),
+        "{output:?}"
+    );
 
     // reload: loaded (by the file watcher already, or by this), and the warning printed.
     let admin = levee.admin;
