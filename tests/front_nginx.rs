@@ -324,22 +324,31 @@ async fn a_head_too_long_for_the_front_does_not_send_the_site_around_levee() {
     // and only that request's: nginx counts such an answer as a failure of the server, and
     // with max_fails=1 could mark levee down and send the next requests to the backup, past
     // every limit, for fail_timeout (max_fails=0 now).
-    let levee_port = free_port();
-    let (dir, php, _nginx, front, _backend) = front_stack(levee_port).await;
-    let docroot = std::fs::canonicalize(dir.path().join("www")).expect("docroot");
-    let policy_dir = tempfile::tempdir().expect("dir");
-    std::fs::write(
-        policy_dir.path().join("levee.toml"),
-        format!(
-            "[server]\nlisten = \"127.0.0.1:{levee_port}\"\ndrain = \"0s\"\naccess_log = false\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.app]\nurl = \"fastcgi://127.0.0.1:{}\"\nfastcgi = {{ root = \"{}\" }}\n",
-            php.port,
-            docroot.display()
-        ),
-    )
-    .expect("policy");
-    let running = levee::start(levee::Options::new(policy_dir.path()))
-        .await
-        .expect("levee");
+    // The front is set up for levee's port before levee binds it: a port another test's
+    // connection took meanwhile (free_port gives it back to the system) is tried again with
+    // a stack of its own.
+    let mut tries = 0;
+    let (_dir, _php, _nginx, front, _backend, _policy_dir, running) = loop {
+        tries += 1;
+        let levee_port = free_port();
+        let (dir, php, nginx, front, backend) = front_stack(levee_port).await;
+        let docroot = std::fs::canonicalize(dir.path().join("www")).expect("docroot");
+        let policy_dir = tempfile::tempdir().expect("dir");
+        std::fs::write(
+            policy_dir.path().join("levee.toml"),
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{levee_port}\"\ndrain = \"0s\"\naccess_log = false\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstream.app]\nurl = \"fastcgi://127.0.0.1:{}\"\nfastcgi = {{ root = \"{}\" }}\n",
+                php.port,
+                docroot.display()
+            ),
+        )
+        .expect("policy");
+        match levee::start(levee::Options::new(policy_dir.path())).await {
+            Ok(running) => break (dir, php, nginx, front, backend, policy_dir, running),
+            Err(levee::StartError::Listen { .. }) if tries < 3 => continue,
+            Err(error) => panic!("levee: {error}"),
+        }
+    };
     let metrics_url = format!("http://{}/metrics", running.admin_addr);
     let counted = || async {
         metric_value(
