@@ -413,11 +413,16 @@ impl Machine {
 
     /// Calls, failures and slow calls inside the window ending at `now`.
     fn totals(&self, now: Instant) -> (u32, u32, u32) {
+        self.totals_of_last(now, BUCKETS)
+    }
+
+    /// Calls, failures and slow calls in the last `slices` slices of the window.
+    fn totals_of_last(&self, now: Instant, slices: u32) -> (u32, u32, u32) {
         let current = self.slice_of(now);
         self.buckets
             .iter()
             .filter(|bucket| {
-                bucket.calls > 0 && current.saturating_sub(bucket.slice) < u64::from(BUCKETS)
+                bucket.calls > 0 && current.saturating_sub(bucket.slice) < u64::from(slices)
             })
             .fold((0, 0, 0), |(calls, failures, slow), bucket| {
                 (
@@ -482,14 +487,7 @@ impl Machine {
     /// every few hundred calls of a dependency that fails 30% of them), not a dependency
     /// gone, whose share of failures is soon past the ratio.
     fn recently_mostly_fine(&self, now: Instant) -> bool {
-        let current = self.slice_of(now);
-        let (calls, failures) = self
-            .buckets
-            .iter()
-            .filter(|bucket| bucket.calls > 0 && current.saturating_sub(bucket.slice) < 2)
-            .fold((0u32, 0u32), |(calls, failures), bucket| {
-                (calls + bucket.calls, failures + bucket.failures)
-            });
+        let (calls, failures, _) = self.totals_of_last(now, 2);
         calls >= self.settings.min_requests.max(1)
             && f64::from(failures) / f64::from(calls) < self.settings.failure_ratio
     }

@@ -186,8 +186,8 @@ fn holds(policy: &Policy, trigger: &Trigger, now: Instant) -> bool {
         }),
         Condition::ErrorRatio(ratio) => {
             let status = upstream.breaker.status();
-            status.window_calls > 0
-                && status.window_calls >= trigger.min_calls
+            // (`min_calls` is at least 1: no division by 0.)
+            status.window_calls >= trigger.min_calls.max(1)
                 && f64::from(status.window_failures) / f64::from(status.window_calls) > *ratio
         }
     }
