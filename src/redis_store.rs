@@ -149,6 +149,14 @@ impl RedisTls {
     }
 }
 
+/// The longest a Redis Cluster call waits before it asks a node again that answered
+/// `TRYAGAIN` or `CLUSTERDOWN`, in milliseconds: a quarter of `timeout`, at least 2.
+fn cluster_retry_wait_ms(timeout: Duration) -> u64 {
+    u64::try_from((timeout / 4).as_millis())
+        .unwrap_or(u64::MAX)
+        .max(2)
+}
+
 /// `[redis] admit_ahead_above` when the policy does not set it (and `instances` is 1 or 2).
 pub const DEFAULT_ADMIT_AHEAD_ABOVE: f64 = 0.5;
 
@@ -728,7 +736,17 @@ impl RedisStore {
                         let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone())
                             .connection_timeout(timeout.max(Duration::from_millis(200)))
                             .response_timeout(shared_response_timeout(timeout))
-                            .retries(1);
+                            .retries(1)
+                            // A node answering `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN` or
+                            // `LOADING` (a slot moving, a failover under way) is asked again
+                            // after a wait, by default 1.28 s at least: far past `timeout`,
+                            // so such a call always timed out, a slot move that settles in
+                            // milliseconds failed the request, and the operator read "did not
+                            // answer" instead of Redis's own reason. The one retry comes
+                            // within a quarter of `timeout` instead; a second such answer is
+                            // the call's failure, with that reason.
+                            .min_retry_wait(cluster_retry_wait_ms(timeout) / 2)
+                            .max_retry_wait(cluster_retry_wait_ms(timeout));
                         if let Some(tls) = &self.settings.tls {
                             builder = builder.certs(tls.certificates());
                         }

@@ -671,6 +671,9 @@ async fn a_cluster_failover_is_followed_without_waiting_out_the_cooldown() {
             .trim(),
         "OK"
     );
+    // Until the nodes agree, calls to the new master may fail too (and open its breaker for
+    // the hour of `cooldown` here): what is tested is how levee finds the new master after.
+    cluster.agreed_master(replica, &[master]).await;
 
     eventually(
         Duration::from_secs(20),
@@ -704,6 +707,52 @@ async fn a_cluster_failover_is_followed_without_waiting_out_the_cooldown() {
     assert_eq!(
         status["redis"]["up"], true,
         "the dead master is no longer listed: {status}"
+    );
+}
+
+/// A node that answers `CLUSTERDOWN` (here: its slot unassigned, as while a cluster's nodes
+/// agree on a failover) is asked once more within the call's `timeout`, not after redis-rs's
+/// own wait of over a second: the request falls back with Redis's reason for the operator to
+/// read (it timed out before, and `/status` said "did not answer"), and such answers count
+/// against the node as any failure does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_that_answers_clusterdown_is_reported_with_its_reason() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cluster = RedisCluster::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let levee = per_user_levee_on(&cluster, &backend).await;
+    let key = user_key("alice");
+    let owner = cluster.owner(&key);
+    assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
+    slot_map_read(&levee).await;
+    let slot = cluster.cli(owner, &["CLUSTER", "KEYSLOT", &key]);
+
+    assert_eq!(
+        cluster
+            .cli(owner, &["CLUSTER", "DELSLOTS", slot.trim()])
+            .trim(),
+        "OK"
+    );
+    let answer = send_as(&levee, Some("alice"), None).await;
+    assert_eq!(
+        answer.status, 200,
+        "decided in-process (on_redis_error = local)"
+    );
+    let status = get(&levee.admin_url("/status")).await.json();
+    let last_error = status["redis"]["last_error"].as_str().unwrap_or_default();
+    assert!(last_error.contains("ClusterDown"), "{status}");
+
+    assert_eq!(send_as(&levee, Some("alice"), None).await.status, 200);
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(per_user_allowed(&metrics, "fallback"), 2.0, "{metrics}");
+    let owner_up = format!(
+        "levee_redis_node_up{{node=\"127.0.0.1:{}\"}}",
+        cluster.ports[owner]
+    );
+    assert_eq!(
+        metric_value(&metrics, &owner_up),
+        0.0,
+        "two failures open the node's breaker: {metrics}"
     );
 }
 

@@ -1023,6 +1023,31 @@ impl RedisCluster {
         .await;
     }
 
+    /// Waits until every node but those `gone` serves the cluster (`cluster_state:ok`) and
+    /// lists `node` as a master, as after a failover settles (indices into `ports`).
+    pub async fn agreed_master(&self, node: usize, gone: &[usize]) {
+        let id = self.cli(node, &["CLUSTER", "MYID"]).trim().to_string();
+        eventually(
+            Duration::from_secs(20),
+            "the nodes agree on the new master",
+            || async {
+                (0..self.ports.len())
+                    .filter(|other| !gone.contains(other))
+                    .all(|other| {
+                        let listed_master = self
+                            .cli(other, &["CLUSTER", "NODES"])
+                            .lines()
+                            .any(|line| line.starts_with(&id) && line.contains("master"));
+                        listed_master
+                            && self
+                                .cli(other, &["CLUSTER", "INFO"])
+                                .contains("cluster_state:ok")
+                    })
+            },
+        )
+        .await;
+    }
+
     /// The node that replicates `master` (indices into `ports`).
     pub fn replica_of(&self, master: usize) -> Option<usize> {
         let line = format!("master_port:{}", self.ports[master]);
