@@ -7,6 +7,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::BodyExt;
+
 use common::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -17,6 +20,11 @@ const HANG: u8 = 2;
 const SLOW: u8 = 3;
 /// Slow enough that 100 requests on fresh connections all arrive while it is in flight.
 const SLOWER: u8 = 4;
+/// The head and the page's first 4 KiB at once, the rest 300 ms later (PHP's output buffer
+/// sent before a slow query).
+const SLOW_BODY: u8 = 5;
+/// 16 MiB at once: more than the sockets between levee and a client hold.
+const LARGE: u8 = 6;
 
 /// A backend whose behaviour the test switches at will.
 async fn switchable() -> (Backend, Arc<AtomicU8>) {
@@ -42,6 +50,21 @@ async fn switchable() -> (Backend, Arc<AtomicU8>) {
                     tokio::time::sleep(Duration::from_secs(2)).await;
                     Response::new(full("slow ok"))
                 }
+                SLOW_BODY => {
+                    let pieces = futures_util::stream::unfold(0, |step| async move {
+                        let piece = match step {
+                            0 => Bytes::from(vec![b' '; 4096]),
+                            1 => {
+                                tokio::time::sleep(Duration::from_millis(300)).await;
+                                Bytes::from_static(b"slow ok")
+                            }
+                            _ => return None,
+                        };
+                        Some((Ok::<_, BoxError>(hyper::body::Frame::data(piece)), step + 1))
+                    });
+                    Response::new(http_body_util::StreamBody::new(pieces).boxed_unsync())
+                }
+                LARGE => Response::new(full(vec![b'x'; 16 << 20])),
                 _ => Response::new(full("ok")),
             }
         }
@@ -523,6 +546,117 @@ async fn the_upstreams_recent_p95_latency_is_shown() {
         .as_f64()
         .expect("a number");
     assert!(shown >= 100.0, "{shown}");
+}
+
+/// A page whose head and first bytes come at once and whose rest takes 300 ms (PHP's output
+/// buffer flushed before a slow query) is a slow call, and its latency is the 300 ms: timed to
+/// the head, it counted as fast, and neither `slow_call` nor `latency_p95` saw the slowness.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_slow_in_its_body_is_a_slow_call() {
+    let (backend, mode) = switchable().await;
+    let policy = breaker_policy(
+        &backend,
+        "consecutive_failures = 0, slow_call = \"100ms\", slow_ratio = 0.5, min_requests = 2, open_for = \"60s\"",
+        FRIENDLY,
+    )
+    .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
+    let levee = Levee::start(&policy).await;
+    mode.store(SLOW_BODY, Ordering::SeqCst);
+    let answer = get(&levee.url("/")).await;
+    assert!(answer.text().ends_with("slow ok"));
+    assert_eq!(breaker_window(&levee).await, ("closed".to_string(), 1, 1));
+    let status = get(&levee.admin_url("/status")).await.json();
+    let p95 = status["upstreams"][0]["latency_p95_ms"]
+        .as_f64()
+        .expect("a number");
+    assert!(p95 >= 300.0, "the body's wait counts: {p95} ms");
+
+    assert!(get(&levee.url("/")).await.text().ends_with("slow ok"));
+    assert_eq!(breaker_state(&levee, "app").await, "open", "2 slow of 2");
+}
+
+/// A client that reads a large page slowly (a phone on a bad line) holds levee back, not the
+/// upstream: the time levee waits to write to it is not the upstream's, and the call is not
+/// slow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_reading_slowly_does_not_make_the_call_slow() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (backend, mode) = switchable().await;
+    let policy = breaker_policy(
+        &backend,
+        "consecutive_failures = 0, slow_call = \"1s\", slow_ratio = 0.5, min_requests = 1, open_for = \"60s\"",
+        "",
+    )
+    .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
+    let levee = Levee::start(&policy).await;
+    mode.store(LARGE, Ordering::SeqCst);
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: site\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("request sent");
+    let mut first = [0u8; 1024];
+    let _ = stream.read(&mut first).await.expect("the head");
+    // The client stops reading; levee's writes wait on it.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).await.expect("the rest");
+    assert!(rest.len() > 15 << 20, "{}", rest.len());
+    eventually(Duration::from_secs(5), "the call recorded", || async {
+        breaker_window(&levee).await.1 == 1
+    })
+    .await;
+    assert_eq!(breaker_window(&levee).await, ("closed".to_string(), 1, 0));
+}
+
+/// A body cut off midway (the upstream's connection broken after its head and part of the
+/// body: a PHP worker that died) is the upstream's failure, as one that never answered is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_cut_off_midway_counts_against_the_upstream() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut request = [0u8; 4096];
+                let _ = stream.read(&mut request).await;
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\npart of it")
+                    .await;
+                // Dropped: the connection closes 990 bytes short.
+            });
+        }
+    });
+    let levee = Levee::start(&policy_for(
+        addr,
+        "access_log = false",
+        "breaker = { consecutive_failures = 2, open_for = \"60s\" }\n[[route]]\nname = \"page\"\nmatch = { path_prefix = \"/\" }\n",
+    ))
+    .await;
+    for _ in 0..2 {
+        let answer = client()
+            .request(
+                Request::get(levee.url("/"))
+                    .body(full(""))
+                    .expect("request"),
+            )
+            .await
+            .expect("head");
+        assert_eq!(answer.status(), 200);
+        assert!(
+            answer.into_body().collect().await.is_err(),
+            "the client sees the answer cut off"
+        );
+    }
+    eventually(Duration::from_secs(5), "the breaker open", || async {
+        breaker_state(&levee, "app").await == "open"
+    })
+    .await;
 }
 
 /// The upstream's breaker as `/status` has it: (force, forced_by, who pinned it).

@@ -269,6 +269,14 @@ fn state_value(state: State) -> i64 {
     }
 }
 
+/// What [`Permit::record_head`] did.
+pub enum AtHead {
+    /// The status is one of `failure_statuses`: recorded as a failure.
+    Failed,
+    /// Any other status: the call ends with its body, and this permit records it then.
+    BodyToCome(Permit),
+}
+
 /// Permission to send one request. Record its outcome; dropping it unrecorded (the client
 /// went away) frees a probe slot without a verdict.
 pub struct Permit {
@@ -324,6 +332,53 @@ impl Permit {
         drop(machine);
         self.report(outcome, transition, Some(metrics));
         failed
+    }
+
+    /// Records a call whose answer's head came at `at` with `status`, when a body is still to
+    /// come: a failure status is recorded now; any other is the body's to settle, since a
+    /// page whose head goes out at once (PHP flushes its first 4 KiB, then runs its slow
+    /// query) is slow or cut short only in its body ([`Self::record_body_end`]).
+    pub fn record_head(self, status: u16, at: Instant, metrics: &Metrics) -> AtHead {
+        let failed = self
+            .breaker
+            .lock()
+            .settings
+            .failure_statuses
+            .contains(&status);
+        if failed {
+            self.record(Outcome::Failure, at, metrics);
+            AtHead::Failed
+        } else {
+            // Answered: from here a drop is a body left unread, which the body's timing
+            // judges (`record_body_left`), not the wait for an answer.
+            let mut permit = self;
+            permit.watched = None;
+            AtHead::BodyToCome(permit)
+        }
+    }
+
+    /// Records a call whose answer's body ended at `at` (`cut`: it failed midway, the upstream
+    /// went silent or broke the connection). Slow when `took`, the upstream's own time (not
+    /// the client's, reading the body), is over `slow_call`.
+    pub fn record_body_end(mut self, cut: bool, took: Duration, at: Instant, metrics: &Metrics) {
+        let outcome = if cut {
+            Outcome::Failure
+        } else {
+            Outcome::Success {
+                slow: self.slow_call.is_some_and(|limit| took > limit),
+            }
+        };
+        self.recorded = true;
+        self.finish(outcome, at, Some(metrics));
+    }
+
+    /// Records a call whose body was left unread at `at` (the client went away): slow when
+    /// the upstream had `took` more than `slow_call` already, no verdict otherwise.
+    pub fn record_body_left(mut self, took: Duration, at: Instant, metrics: &Metrics) {
+        if self.slow_call.is_some_and(|limit| took > limit) {
+            self.recorded = true;
+            self.finish(Outcome::AbandonedSlow, at, Some(metrics));
+        }
     }
 
     /// Records the outcome of a call that ended at `at`.

@@ -21,6 +21,7 @@ pub(crate) mod spool;
 pub mod upgrade;
 pub mod upstream;
 pub mod upstream_fields;
+mod upstream_time;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,7 +32,7 @@ use http::{header as h, Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 
-use crate::breaker::{Outcome, Permit};
+use crate::breaker::{AtHead, Outcome, Permit};
 use crate::config::{Policy, PolicyStore};
 use crate::degrade::hide::{self, HidePlan};
 use crate::degrade::stale::{
@@ -773,18 +774,30 @@ async fn forward(
         fetch.timed_out();
     }
     let answered_at = Instant::now();
-    if answer
-        .as_ref()
-        .err()
-        .is_none_or(|error| error.side() == ErrorSide::Upstream)
-    {
-        upstream.latency.record(
-            answered_at,
-            answered_at.saturating_duration_since(waited_from),
-        );
-    }
+    let until_head = answered_at.saturating_duration_since(waited_from);
+    // An answer with a body still to come is timed, and its call recorded, when the body
+    // ends (see `upstream_time`); but for a failure status, which settles the call at once.
+    let body_to_come = matches!(&answer, Ok(response)
+        if response.status() != StatusCode::SWITCHING_PROTOCOLS
+            && !http_body::Body::is_end_stream(response.body()));
+    let mut call_end = None;
     // Record: only the upstream's own failures count against its breaker.
     let failure_status = match &answer {
+        Ok(response) if body_to_come => {
+            permit.measure_from(waited_from);
+            match permit.record_head(response.status().as_u16(), answered_at, &shared.metrics) {
+                AtHead::Failed => true,
+                AtHead::BodyToCome(permit) => {
+                    call_end = Some(upstream_time::CallEnd {
+                        permit,
+                        latency: upstream.latency.clone(),
+                        metrics: shared.metrics.clone(),
+                        until_head,
+                    });
+                    false
+                }
+            }
+        }
         Ok(response) => {
             permit.measure_from(waited_from);
             permit.record_status(response.status().as_u16(), answered_at, &shared.metrics)
@@ -798,6 +811,14 @@ async fn forward(
             false
         }
     };
+    if call_end.is_none()
+        && answer
+            .as_ref()
+            .err()
+            .is_none_or(|error| error.side() == ErrorSide::Upstream)
+    {
+        upstream.latency.record(answered_at, until_head);
+    }
     let mut response = match answer {
         Ok(response) => response,
         Err(error) if never_sent && queue_if_unsent.is_some() => {
@@ -863,10 +884,16 @@ async fn forward(
     let (mut parts, body) = response.into_parts();
     header::strip_hop_by_hop(&mut parts.headers, false);
     let body = IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream");
+    // Inside `SlotHeld`: the rest of a body it reads on after the client left still times
+    // the call to its end.
+    let body = match call_end {
+        Some(end) => upstream_time::Timed::new(body, end).boxed_unsync(),
+        None => body.boxed_unsync(),
+    };
     // The slot stays taken while the page streams: the script may still be running.
     let body = match exchange.slot.take() {
         Some(slot) => run_on::SlotHeld::new(body, slot, upstream).boxed_unsync(),
-        None => body.boxed_unsync(),
+        None => body,
     };
     // A good answer of a stale route refreshes its copy as it streams past.
     // A body that ends with the connection may be cut short, and would be kept as whole: not
