@@ -727,7 +727,9 @@ async fn a_backend_that_resets_or_stalls_mid_body_aborts_the_response_never_a_cl
         process_policy(
             public,
             admin,
-            &format!("[upstream.app]\nurl = \"http://{backend}\"\nidle_body_timeout = \"500ms\"\n"),
+            // Every answer of this backend breaks off, which would open its breaker (a body
+            // cut off is the upstream's failure): what is tested is each reset's answer.
+            &format!("[upstream.app]\nurl = \"http://{backend}\"\nidle_body_timeout = \"500ms\"\nbreaker = {{ consecutive_failures = 0, min_requests = 1000000 }}\n"),
         ),
     )
     .expect("policy");

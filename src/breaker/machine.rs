@@ -5,8 +5,8 @@
 //!                   ▲                            │
 //!                   └──── the probes fail ───────┘   (open_for doubles, up to max_open_for)
 //! ```
-//! Trips (any of): `consecutive_failures` failures in a row, unless the last two slices of
-//! the window hold `min_requests` calls and their failure share is under `failure_ratio` (a
+//! Trips (any of): `consecutive_failures` failures in a row, unless the slice under way and
+//! the two before it hold `min_requests` calls and their failure share is under `failure_ratio` (a
 //! dependency failing some calls at random, five of them in a row now and then under load),
 //! and twice that many in a row whatever the slices hold;
 //! a failure ratio of at least `failure_ratio` over `window` once `min_requests` calls are in
@@ -482,12 +482,15 @@ impl Machine {
         None
     }
 
-    /// Whether the last two slices of the window hold `min_requests` calls, under
+    /// Whether the slice under way and the two before it hold `min_requests` calls, under
     /// `failure_ratio` of them failed: failures in a row there are chance (five in a row come
     /// every few hundred calls of a dependency that fails 30% of them), not a dependency
-    /// gone, whose share of failures is soon past the ratio.
+    /// gone, whose share of failures is soon past the ratio. Three slices, not two: the one
+    /// under way may have just begun, and at some twenty calls a second the two held few
+    /// enough calls for a chance share of failures past the ratio (seen once in a review,
+    /// with 30% failing at random).
     fn recently_mostly_fine(&self, now: Instant) -> bool {
-        let (calls, failures, _) = self.totals_of_last(now, 2);
+        let (calls, failures, _) = self.totals_of_last(now, 3);
         calls >= self.settings.min_requests.max(1)
             && f64::from(failures) / f64::from(calls) < self.settings.failure_ratio
     }

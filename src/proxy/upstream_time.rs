@@ -163,10 +163,7 @@ where
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<FrameResult>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<FrameResult>> {
         let mut this = self.project();
         let polled = match (this.waiting_since.is_some(), this.clock.as_ref()) {
             (true, Some(clock)) => poll_noting_wake(this.inner.as_mut(), clock, cx),
