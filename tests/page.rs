@@ -111,6 +111,58 @@ async fn switching_a_module_off_removes_exactly_its_block_from_the_page() {
     );
 }
 
+/// A page that skips the ranking's work when levee says the module is off.
+const TOLD_PHP: &str = r#"<?php
+$told = $_SERVER['HTTP_X_LEVEE_MODULES_OFF'] ?? '';
+$off = array_map('trim', explode(',', $told));
+echo '<p id="told">[' . htmlspecialchars($told) . ']</p>';
+if (!in_array('ranking', $off, true)) {
+    echo '<div id="ranking">ran the ranking query</div>';
+}
+echo '<div data-module="visitors">Visitors online: 42</div>';
+"#;
+
+/// With `[degrade] tell_app`, the app hears which of the route's modules are off
+/// (`X-Levee-Modules-Off`) and can skip their work; a client's own field never reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_app_is_told_which_modules_are_off() {
+    let site = PhpSite::start(&[("home.php", TOLD_PHP)]).await;
+    let policy = format!("[degrade]\ntell_app = true\n{POLICY}");
+    let levee = Levee::start(&policy_for(site.addr(), "", &policy)).await;
+    let spoofed = || async {
+        get_with(
+            &levee.url("/home.php"),
+            &[("x-levee-modules-off", "ranking")],
+        )
+        .await
+        .text()
+    };
+
+    let whole = spoofed().await;
+    assert!(
+        whole.contains("[]") && whole.contains("ran the ranking query"),
+        "a client's field is not passed on: {whole}"
+    );
+
+    switch(&levee, "ranking", "off").await;
+    let page = spoofed().await;
+    assert!(page.contains("[ranking]"), "{page}");
+    assert!(!page.contains("ranking query"), "{page}");
+
+    switch(&levee, "visitors", "off").await;
+    let page = get(&levee.url("/home.php")).await.text();
+    assert!(page.contains("[ranking, visitors]"), "{page}");
+    assert!(!page.contains("Visitors online"), "still cut: {page}");
+
+    switch(&levee, "ranking", "on").await;
+    switch(&levee, "visitors", "on").await;
+    let page = get(&levee.url("/home.php")).await.text();
+    assert!(
+        page.contains("[]") && page.contains("ran the ranking query"),
+        "{page}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ranking_survives_php_fpm_going_away() {
     let mut site = PhpSite::start(&[("ranking.php", RANKING_PHP)]).await;

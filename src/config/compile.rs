@@ -1759,6 +1759,7 @@ fn compile_degrade(
             sync_interval: Duration::from_millis(500),
             triggers: Vec::new(),
             cool_down: Duration::from_secs(30),
+            tell_app: false,
         };
     };
     let file = *file;
@@ -1822,6 +1823,7 @@ fn compile_degrade(
             .filter_map(|trigger| compile_trigger(compiler, file, trigger, upstreams))
             .collect(),
         cool_down: compiler.duration(file, &inner.cool_down, Duration::from_secs(30)),
+        tell_app: inner.tell_app.as_ref().is_some_and(|tell| *tell.get_ref()),
     }
 }
 

@@ -354,6 +354,7 @@ pub struct DegradeSpec {
     pub state_file: Option<Spanned<String>>,
     pub sync_interval: Option<Spanned<String>>,
     pub cool_down: Option<Spanned<String>>,
+    pub tell_app: Option<Spanned<bool>>,
     #[serde(default)]
     pub trigger: Vec<Spanned<TriggerSpec>>,
 }

@@ -377,6 +377,9 @@ pub struct HidePlan {
     needles: Vec<Finder<'static>>,
     /// Elements whose end ends the work (all selectors are ids, each found once); 0: never.
     stop_after: usize,
+    /// The modules off, for `X-Levee-Modules-Off` with `[degrade] tell_app` (see
+    /// [`HidePlan::telling`]).
+    pub told: Option<http::HeaderValue>,
     /// When every selector is a plain id selector and no markers are hidden: the selectors,
     /// for the tag-scanner fast path (`cut`). Empty: the rewriter does all the work.
     ids: Vec<IdSelector>,
@@ -419,6 +422,14 @@ fn needle_of(selector: &str) -> Option<(Vec<u8>, bool)> {
 }
 
 impl HidePlan {
+    /// The plan with the names of the modules it hides, told to the app in
+    /// `X-Levee-Modules-Off` (`ranking, visitors`). Module names are policy names (letters,
+    /// digits, `-`, `_`), always a valid field value.
+    pub fn telling(mut self, modules: &[&str]) -> HidePlan {
+        self.told = http::HeaderValue::from_str(&modules.join(", ")).ok();
+        self
+    }
+
     pub fn new(selectors: Vec<String>, markers: Vec<String>) -> HidePlan {
         // A selector with no literal to look for: the parser reads the whole page.
         let Some(selector_needles) = selectors
@@ -432,6 +443,7 @@ impl HidePlan {
                 needles: Vec::new(),
                 stop_after: 0,
                 ids: Vec::new(),
+                told: None,
             };
         };
         let all_ids = markers.is_empty() && selector_needles.iter().all(|(_, is_id)| *is_id);
@@ -467,6 +479,7 @@ impl HidePlan {
             needles,
             stop_after,
             ids,
+            told: None,
         }
     }
 }

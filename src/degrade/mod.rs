@@ -51,6 +51,10 @@ pub struct DegradeSettings {
     pub triggers: Vec<trigger::Trigger>,
     /// Health needed before an automatic level is lowered. Default 30s.
     pub cool_down: Duration,
+    /// Whether requests of a route with modules off tell the app which, in
+    /// `X-Levee-Modules-Off` (and their answers are not kept as the route's copy). Default
+    /// false.
+    pub tell_app: bool,
 }
 
 /// What an "off" route answers.
@@ -268,6 +272,7 @@ mod tests {
             sync_interval: Duration::from_millis(500),
             triggers: Vec::new(),
             cool_down: Duration::from_secs(30),
+            tell_app: false,
         };
         let switched_on = RuntimeSwitches {
             level: None,

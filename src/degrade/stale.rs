@@ -774,6 +774,10 @@ pub struct CaptureTarget {
     pub metrics: Arc<crate::metrics::Metrics>,
     pub settings: Arc<StaleSettings>,
     pub guard: Option<FetchGuard>,
+    /// Whether the copy is kept as the route's; `false` for a page the app was told to make
+    /// without some modules (`[degrade] tell_app`): it answers the requests waiting for this
+    /// fetch, which see the same switches, but is no page to serve once the modules are back.
+    pub keep: bool,
 }
 
 impl<B> Capture<B> {
@@ -815,13 +819,15 @@ fn complete(
         body: crate::proxy::body::joined(&body.into_pieces()),
         stored_at_ms: now_ms().saturating_sub(arrived_aged_ms),
     });
-    target.store.put(
-        &target.key,
-        copy.clone(),
-        target.redis.clone(),
-        &target.metrics,
-        &target.settings,
-    );
+    if target.keep {
+        target.store.put(
+            &target.key,
+            copy.clone(),
+            target.redis.clone(),
+            &target.metrics,
+            &target.settings,
+        );
+    }
     if let Some(guard) = &target.guard {
         guard.finish(copy);
     }

@@ -796,7 +796,10 @@ fn encode_request_head(
         .uri
         .path_and_query()
         .map_or("/", |path_and_query| path_and_query.as_str());
-    let fields = header_bytes(&parts.headers) + forwarded.map_or(0, |_| FORWARDED_BYTES);
+    let modules_off = from_client.modules_off.as_ref();
+    let fields = header_bytes(&parts.headers)
+        + forwarded.map_or(0, |_| FORWARDED_BYTES)
+        + modules_off.map_or(0, |modules| modules.len() + 24);
     let mut out = BytesMut::with_capacity(parts.method.as_str().len() + target.len() + fields + 80);
     out.put_slice(parts.method.as_str().as_bytes());
     out.put_u8(b' ');
@@ -807,7 +810,7 @@ fn encode_request_head(
     }
     // Names go as the client spelled them (see `header::upstream_spelling`).
     let received_head = &from_client.received_head;
-    let mut forwarded = forwarded.map(ForwardedWriter::new);
+    let mut forwarded = forwarded.map(|from| ForwardedWriter::new(from, modules_off));
     // Noted on the way rather than looked up: each lookup hashes the name.
     let mut has_length = false;
     let mut upgrade = false;
@@ -1651,6 +1654,7 @@ mod tests {
         let from_client = FromClient {
             forwarded,
             received_head: bytes::Bytes::new(),
+            modules_off: None,
         };
         let head = encode_request_head(parts, &body, &authority, &from_client).bytes;
         let text = String::from_utf8(head.to_vec()).expect("text");

@@ -43,6 +43,8 @@ fn canonical(ip: IpAddr) -> IpAddr {
 }
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+/// Which modules are off, told to the app with `[degrade] tell_app`.
+pub(crate) static X_LEVEE_MODULES_OFF: HeaderName = HeaderName::from_static("x-levee-modules-off");
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
@@ -411,6 +413,8 @@ pub struct FromClient {
     /// The head the fields were read from, whose spelling of their names the upstream request
     /// keeps (see [`upstream_spelling`]); empty when there is none.
     pub received_head: Bytes,
+    /// `X-Levee-Modules-Off`, written with the forwarding fields (`[degrade] tell_app`).
+    pub modules_off: Option<HeaderValue>,
 }
 
 /// The name of a field as it goes upstream: as the client spelled it when `value` is the
@@ -611,14 +615,15 @@ fn levee_response_spelling(name: &HeaderName) -> Option<&'static str> {
 /// `HeaderMap` (hashing each, growing the map) and looking the chain up cost more than any
 /// other header work of a pass-through request; this costs three name comparisons per field.
 /// What goes upstream is the same (a test holds the two to it).
-pub(crate) struct ForwardedWriter {
+pub(crate) struct ForwardedWriter<'a> {
     from: ForwardedFrom,
     wrote_for: bool,
     kept_proto: bool,
+    modules_off: Option<&'a HeaderValue>,
 }
 
-impl ForwardedWriter {
-    pub(crate) fn new(from: ForwardedFrom) -> ForwardedWriter {
+impl<'a> ForwardedWriter<'a> {
+    pub(crate) fn new(from: ForwardedFrom, modules_off: Option<&'a HeaderValue>) -> Self {
         ForwardedWriter {
             from: ForwardedFrom {
                 peer: canonical(from.peer),
@@ -627,6 +632,7 @@ impl ForwardedWriter {
             },
             wrote_for: false,
             kept_proto: false,
+            modules_off,
         }
     }
 
@@ -648,6 +654,10 @@ impl ForwardedWriter {
         } else if *name == X_FORWARDED_PROTO {
             self.kept_proto = self.from.peer_trusted;
             self.kept_proto
+        } else if *name == X_LEVEE_MODULES_OFF {
+            // levee's word alone: a client's would have the app leave modules out of a page
+            // that others are then served from the route's copy.
+            false
         } else {
             // Most requests come through a trusted front: one test of a flag for them.
             self.from.peer_trusted || !is_forwarded_claim(name)
@@ -664,6 +674,9 @@ impl ForwardedWriter {
         encode_field(out, "X-Real-IP", format_ip(self.from.client, &mut text));
         if !self.kept_proto {
             encode_field(out, "X-Forwarded-Proto", b"http");
+        }
+        if let Some(modules) = self.modules_off {
+            encode_field(out, "X-Levee-Modules-Off", modules.as_bytes());
         }
     }
 

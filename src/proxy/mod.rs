@@ -552,9 +552,17 @@ async fn forward(
     let (mut parts, mut body) = (*request).into_parts();
     header::strip_request_hop_by_hop(&mut parts.headers, upgrading);
     // The forwarding fields are set as the head is encoded (see `header::ForwardedWriter`).
+    let modules_off = hiding
+        .as_ref()
+        .filter(|_| policy.degrade.tell_app)
+        .and_then(|plan| plan.told.clone());
+    let told_modules_off = modules_off.is_some();
     let from_client = header::FromClient {
         forwarded: Some(forwarded),
         received_head: body.take_received_head(),
+        // The app is told which modules are off, to spare itself their work
+        // (`[degrade] tell_app`).
+        modules_off,
     };
     if let Some(host) = &upstream.settings.host {
         parts.headers.insert(h::HOST, host.clone());
@@ -901,7 +909,12 @@ async fn forward(
     let target = if parts.extensions.get::<client::CloseDelimited>().is_some() {
         None
     } else {
-        stale.capture_target(shared, policy, parts.status, &parts.headers, fetch)
+        stale
+            .capture_target(shared, policy, parts.status, &parts.headers, fetch)
+            .map(|target| CaptureTarget {
+                keep: !told_modules_off,
+                ..target
+            })
     };
     let body = match target {
         Some(target) => Capture::new(
@@ -1320,6 +1333,7 @@ impl Stale {
             metrics: shared.metrics.clone(),
             settings: settings.clone(),
             guard,
+            keep: true,
         })
     }
 }
@@ -1348,7 +1362,7 @@ fn hidden_fragments(shared: &Shared, policy: &Policy, route: &Route) -> Option<A
         return None;
     }
     let make = || {
-        let (mut selectors, mut markers) = (Vec::new(), Vec::new());
+        let (mut selectors, mut markers, mut modules) = (Vec::new(), Vec::new(), Vec::new());
         for (module, selector) in &route.hide {
             if view.module_off(module) {
                 if selector == hide::MARKER {
@@ -1356,9 +1370,12 @@ fn hidden_fragments(shared: &Shared, policy: &Policy, route: &Route) -> Option<A
                 } else {
                     selectors.push(selector.clone());
                 }
+                if !modules.contains(&module.as_str()) {
+                    modules.push(module.as_str());
+                }
             }
         }
-        HidePlan::new(selectors, markers)
+        HidePlan::new(selectors, markers).telling(&modules)
     };
     Some(if route.hide.len() <= 64 {
         route.hide_plans.get_or_make(off, make)

@@ -1335,6 +1335,7 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     let from_client = crate::proxy::header::FromClient {
         forwarded: None,
         received_head: spelled,
+        modules_off: None,
     };
     let sent = upstream.client.send_within(
         request,
