@@ -3191,6 +3191,13 @@ async fn a_stopped_instance_hands_back_the_jobs_it_had_not_begun() {
     keys.sort();
     keys.dedup();
     assert_eq!(keys.len(), 5, "each job once: {keys:?}");
+    // Handed back unsent: taken up, but not counted as taken over from a silent worker.
+    let metrics = get(&other.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_queue_taken_over_total{route=\"notify\"}"),
+        0.0,
+        "{metrics}"
+    );
     drop(other);
 }
 
@@ -3326,4 +3333,155 @@ async fn a_wrong_redis_password_is_what_status_says() {
             "the password is never shown: {status}"
         );
     }
+}
+
+/// levee's own binary, its log (the default filter) in a file: for what only the log says.
+struct LoggedLevee {
+    _guard: ChildGuard,
+    log: std::path::PathBuf,
+    public: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+}
+
+impl LoggedLevee {
+    /// Runs `policy`, whose two `listen = "127.0.0.1:0"` (public, then admin) are given free
+    /// ports, from `dir`, and waits until both listen.
+    async fn start(dir: &std::path::Path, policy: &str) -> LoggedLevee {
+        let (public, admin) = (free_port(), free_port());
+        let policy = policy
+            .replacen(
+                "listen = \"127.0.0.1:0\"",
+                &format!("listen = \"127.0.0.1:{public}\""),
+                1,
+            )
+            .replacen(
+                "listen = \"127.0.0.1:0\"",
+                &format!("listen = \"127.0.0.1:{admin}\""),
+                1,
+            );
+        std::fs::write(dir.join("levee.toml"), policy).expect("write policy");
+        let log = dir.join("levee.log");
+        let guard = ChildGuard::spawn(
+            "levee",
+            Command::new(env!("CARGO_BIN_EXE_levee"))
+                .args(["run", "--no-watch", "--policies"])
+                .arg(dir)
+                .env_remove("LEVEE_LOG")
+                .stderr(std::fs::File::create(&log).expect("log")),
+        );
+        let (public, admin) = (
+            std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+            std::net::SocketAddr::from(([127, 0, 0, 1], admin)),
+        );
+        wait_for_port(public, "levee to listen").await;
+        wait_for_port(admin, "levee's admin listener").await;
+        LoggedLevee {
+            _guard: guard,
+            log,
+            public,
+            admin,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin)
+    }
+
+    async fn switch(&self, state: &str) {
+        let answer = post(&self.admin_url("/modules/notifications"), state).await;
+        assert_eq!(answer.status, 200, "{}", answer.text());
+    }
+
+    /// A job posted to the queue route; its key (`X-Levee-Job`).
+    async fn queue(&self, body: &str) -> String {
+        let request = Request::post(format!("http://{}/notify.php", self.public))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(full(body.to_string()))
+            .expect("request");
+        let answer = send(request).await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+        answer.header("x-levee-job").expect("job").to_string()
+    }
+}
+
+/// Jobs a worker read and then held without renewing its hold (its instance died in the
+/// middle of a batch) are taken over after `claim_after`; the instance that takes them says
+/// so once for the batch, with how many and from whom, and that the app may see one twice,
+/// and counts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_taken_over_from_a_silent_worker_are_logged_once_and_counted() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let stream = "levee:queue:{notify}:jobs";
+    // Made beforehand, for the test's own consumer to read from.
+    redis.cli(&["XGROUP", "CREATE", stream, "levee", "0", "MKSTREAM"]);
+    let levee_dir = tempfile::tempdir().expect("dir");
+    let levee = LoggedLevee::start(
+        levee_dir.path(),
+        &queue_policy(backend.addr, &redis.url(), "claim_after = \"1s\""),
+    )
+    .await;
+    levee.switch("off").await;
+    let mut jobs = Vec::new();
+    for i in 0..3 {
+        jobs.push(levee.queue(&format!("n={i}")).await);
+    }
+    // The worker of an instance that then died reads them, and sends none.
+    let read = redis.cli(&[
+        "XREADGROUP",
+        "GROUP",
+        "levee",
+        "gone-instance",
+        "COUNT",
+        "10",
+        "STREAMS",
+        stream,
+        ">",
+    ]);
+    assert_eq!(
+        redis.cli(&["XPENDING", stream, "levee"]).lines().next(),
+        Some("3"),
+        "{read}"
+    );
+    levee.switch("on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the jobs to be taken over and applied",
+        || async { seen.lock().expect("lock").len() >= 3 },
+    )
+    .await;
+    let mut applied: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(key, ..)| key.clone())
+        .collect();
+    applied.sort();
+    jobs.sort();
+    assert_eq!(applied, jobs, "each job once");
+
+    let told = "took over 3 queued jobs from gone-instance (3 jobs)";
+    eventually(
+        Duration::from_secs(5),
+        "the takeover in the log",
+        || async { levee.log().contains(told) },
+    )
+    .await;
+    let log = levee.log();
+    assert_eq!(log.matches("took over").count(), 1, "once: {log}");
+    assert!(
+        log.contains("a second time, with the same Idempotency-Key"),
+        "{log}"
+    );
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_queue_taken_over_total{route=\"notify\"}"),
+        3.0,
+        "{metrics}"
+    );
 }

@@ -19,6 +19,7 @@ use crate::breaker::Outcome;
 use crate::config::Policy;
 use crate::log_throttle::LogThrottle;
 use crate::metrics::{QueueLabels, QueueResultLabels};
+use crate::printable::printable;
 use crate::proxy::route::Route;
 use crate::proxy::Shared;
 use crate::redis_store::{RedisFailure, RedisStore};
@@ -57,17 +58,44 @@ return held
 /// full upstream held, or levee stopping): their idle time is set to `claim_after`, so the
 /// next XAUTOCLAIM (this worker's next pass, or another instance's) takes them at once,
 /// where they would otherwise wait out `claim_after` with every job behind them. Entries
-/// another consumer holds now are left alone, as in [`RENEW_HOLD`].
+/// another consumer holds now are left alone, as in [`RENEW_HOLD`]. Their delivery count is
+/// set to 0, which tells whoever takes them next ([`TAKE_OVER`]) that this holder did not
+/// send them to the app: XREADGROUP and XAUTOCLAIM count every delivery from 1 up, and no
+/// other call of levee's changes the count.
 /// KEYS: stream. ARGV: group, consumer, claim_after (ms), ids. Returns how many.
 const HAND_BACK: &str = r#"
 local handed = 0
 for i = 4, #ARGV do
   if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) > 0 then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'RETRYCOUNT', 0, 'JUSTID')
     handed = handed + 1
   end
 end
 return handed
+"#;
+
+/// Takes over up to ARGV[4] jobs whose hold was not renewed for `claim_after` (`XAUTOCLAIM`,
+/// from the start of the pending list), and says whose they were: the holders are read
+/// (`XPENDING … IDLE`, the same filter in the same order, so it lists every job the claim
+/// takes) in the same step as the claim, which makes the new holder the only one named after.
+/// KEYS: stream. ARGV: group, consumer, claim_after (ms), count. Returns the `XAUTOCLAIM`
+/// reply, then for each job taken (in its order) its former holder and delivery count, flat;
+/// a job the list missed (never seen) is named '' with a count of 1.
+const TAKE_OVER: &str = r#"
+local held_by = {}
+for _, pending in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], '-', '+', ARGV[4])) do
+  held_by[pending[1]] = {pending[2], pending[4]}
+end
+local claimed = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], '0-0', 'COUNT', ARGV[4])
+local from = {}
+for _, entry in ipairs(claimed[2]) do
+  if type(entry) == 'table' then
+    local holder = held_by[entry[1]] or {'', 1}
+    from[#from + 1] = holder[1]
+    from[#from + 1] = holder[2]
+  end
+end
+return {claimed, from}
 "#;
 
 /// Right before replaying a job that waits for replicas: whether its writer has decided
@@ -914,22 +942,31 @@ impl Pass<'_> {
             .await?;
 
         // Jobs of workers that went silent first, then new ones.
-        let mut claim = redis::cmd("XAUTOCLAIM");
+        let mut claim = redis::cmd("EVAL");
         claim
+            .arg(TAKE_OVER)
+            .arg(1)
             .arg(&keys.stream)
             .arg(&settings.group)
             .arg(consumer)
             .arg(settings.claim_after.as_millis() as u64)
-            .arg("0-0")
-            .arg("COUNT")
             .arg(BATCH);
-        let claimed: redis::Value = redis
+        let taken: redis::Value = redis
             .command(&claim, redis.background_bound(), None)
             .await?;
-        let mut batch = match &claimed {
+        let (claimed, holders) = match &taken {
+            redis::Value::Array(parts) if parts.len() == 2 => (&parts[0], &parts[1]),
+            other => {
+                return Err(RedisFailure::BadReply(format!(
+                    "taking over queued jobs: {other:?}"
+                )))
+            }
+        };
+        let mut batch = match claimed {
             redis::Value::Array(parts) if parts.len() >= 2 => entries(&parts[1]),
             _ => Vec::new(),
         };
+        self.tell_takeover(&TakenOver::from_holders(holders));
         let mut read = redis::cmd("XREADGROUP");
         read.arg("GROUP")
             .arg(&settings.group)
@@ -1032,6 +1069,51 @@ impl Pass<'_> {
                     }
                 }
             }
+        }
+    }
+
+    /// Says what taking over `taken` means, once for the batch. Jobs a worker kept without
+    /// renewing its hold may have reached the app there (its replay was in flight when it
+    /// went): a warning, counted. Jobs handed back unsent by another worker (it stopped, or
+    /// its replays were held) are only noted; those this worker handed back itself, not at all.
+    fn tell_takeover(&self, taken: &TakenOver) {
+        let route = &self.route.name;
+        let abandoned: u64 = taken.abandoned.iter().map(|(_, jobs)| jobs).sum();
+        if abandoned > 0 {
+            self.shared
+                .metrics
+                .queue_taken_over
+                .get_or_create(&QueueLabels {
+                    route: route.to_string().into(),
+                })
+                .inc_by(abandoned);
+            let from = holders_text(&taken.abandoned, self.consumer);
+            tracing::warn!(
+                route = %route,
+                jobs = abandoned,
+                "took over {abandoned} queued jobs from {from}: the hold on them had not been \
+                 renewed for claim_after ({:?}), as when an instance dies, hangs or loses Redis \
+                 in the middle of a batch. They are replayed here; one their worker had already \
+                 sent to the app (as a rule at most one per worker: the job it was replaying \
+                 then) reaches the app a second time, with the same Idempotency-Key",
+                self.settings.claim_after
+            );
+        }
+        let handed_back: Vec<(String, u64)> = taken
+            .handed_back
+            .iter()
+            .filter(|(holder, _)| holder != self.consumer)
+            .cloned()
+            .collect();
+        if !handed_back.is_empty() {
+            let jobs: u64 = handed_back.iter().map(|(_, jobs)| jobs).sum();
+            let from = holders_text(&handed_back, self.consumer);
+            tracing::info!(
+                route = %route,
+                jobs,
+                "took up {jobs} queued jobs handed back by {from}, which had not sent them to \
+                 the app (it stopped, or its replays were held back)"
+            );
         }
     }
 
@@ -1211,6 +1293,68 @@ async fn unless_it_panics<F: std::future::Future>(future: F) -> Result<F::Output
         }
     })
     .await
+}
+
+/// Whose jobs one pass took over (see [`TAKE_OVER`]): per former holder, in the order met,
+/// how many.
+#[derive(Debug, Default, PartialEq)]
+struct TakenOver {
+    /// Jobs their holder kept without renewing its hold for `claim_after`: it may have sent
+    /// one of them to the app before it went silent.
+    abandoned: Vec<(String, u64)>,
+    /// Jobs their holder handed back unsent (a delivery count of 0, see [`HAND_BACK`]).
+    handed_back: Vec<(String, u64)>,
+}
+
+impl TakenOver {
+    /// From [`TAKE_OVER`]'s list of former holders and delivery counts.
+    fn from_holders(holders: &redis::Value) -> TakenOver {
+        let mut taken = TakenOver::default();
+        let redis::Value::Array(flat) = holders else {
+            return taken;
+        };
+        for pair in flat.chunks(2) {
+            let [holder, deliveries] = pair else {
+                continue;
+            };
+            let holder = bytes_of(holder)
+                .map(|name| String::from_utf8_lossy(&name).into_owned())
+                .unwrap_or_default();
+            let list = if matches!(deliveries, redis::Value::Int(0)) {
+                &mut taken.handed_back
+            } else {
+                &mut taken.abandoned
+            };
+            match list.iter_mut().find(|(known, _)| *known == holder) {
+                Some((_, jobs)) => *jobs += 1,
+                None => list.push((holder, 1)),
+            }
+        }
+        taken
+    }
+}
+
+/// The holders of jobs taken over, for the log: `host-1-…-0 (3 jobs), this instance
+/// (host-2-…-0, 1 job)`.
+fn holders_text(holders: &[(String, u64)], own: &str) -> String {
+    holders
+        .iter()
+        .map(|(holder, jobs)| {
+            let jobs = if *jobs == 1 {
+                "1 job".to_string()
+            } else {
+                format!("{jobs} jobs")
+            };
+            if holder.is_empty() {
+                format!("a worker the pending list did not name ({jobs})")
+            } else if holder == own {
+                format!("this instance ({}, {jobs})", printable(holder))
+            } else {
+                format!("{} ({jobs})", printable(holder))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Whether this worker may replay a job now (see [`Pass::hold_when_decided`]).
@@ -1802,6 +1946,41 @@ mod tests {
                 Err::<(), _>("3 jobs".to_owned())
             );
         });
+    }
+
+    #[test]
+    fn jobs_taken_over_are_told_apart_by_whether_their_holder_handed_them_back() {
+        let name = |text: &str| redis::Value::BulkString(text.as_bytes().to_vec());
+        let holders = redis::Value::Array(vec![
+            name("a"),
+            redis::Value::Int(1),
+            name("b"),
+            redis::Value::Int(0),
+            name("a"),
+            redis::Value::Int(3),
+            name("me"),
+            redis::Value::Int(2),
+            name("b"),
+            redis::Value::Int(0),
+            name(""),
+            redis::Value::Int(1),
+        ]);
+        let taken = TakenOver::from_holders(&holders);
+        assert_eq!(
+            taken,
+            TakenOver {
+                abandoned: vec![("a".into(), 2), ("me".into(), 1), (String::new(), 1)],
+                handed_back: vec![("b".into(), 2)],
+            }
+        );
+        assert_eq!(
+            holders_text(&taken.abandoned, "me"),
+            "a (2 jobs), this instance (me, 1 job), a worker the pending list did not name (1 job)"
+        );
+        assert_eq!(
+            TakenOver::from_holders(&redis::Value::Nil),
+            TakenOver::default()
+        );
     }
 
     #[test]
