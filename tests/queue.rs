@@ -3485,3 +3485,48 @@ async fn jobs_taken_over_from_a_silent_worker_are_logged_once_and_counted() {
         "{metrics}"
     );
 }
+
+/// A Redis that restarts without its data takes the queue's jobs with it: levee says how many
+/// it had counted there, not only that jobs were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_lost_with_redis_is_logged_with_how_many_jobs_went() {
+    let dir = tempfile::tempdir().expect("dir");
+    let port = free_port();
+    let mut redis = RedisServer::start_on(dir.path(), port).await;
+    let (backend, _) = recording_always_ok().await;
+    let levee_dir = tempfile::tempdir().expect("dir");
+    let levee = LoggedLevee::start(
+        levee_dir.path(),
+        &queue_policy(backend.addr, &redis.url(), ""),
+    )
+    .await;
+    levee.switch("off").await;
+    for i in 0..3 {
+        levee.queue(&format!("n={i}")).await;
+    }
+    eventually(
+        Duration::from_secs(10),
+        "a worker to count the jobs",
+        || async {
+            let metrics = get(&levee.admin_url("/metrics")).await.text();
+            metric_value(&metrics, "levee_queue_backlog{route=\"notify\"}") == 3.0
+        },
+    )
+    .await;
+
+    redis.kill();
+    let _empty = RedisServer::start_on(dir.path(), port).await;
+    let told = "about 3 jobs are lost with it: its stream held 3 (0 of them read by a worker)";
+    eventually(
+        Duration::from_secs(20),
+        "the loss in the log, with its count",
+        || async { levee.log().contains(told) },
+    )
+    .await;
+    let log = levee.log();
+    assert_eq!(
+        log.matches("consumer group is gone from redis").count(),
+        1,
+        "once: {log}"
+    );
+}

@@ -396,6 +396,9 @@ impl Replays {
 /// The worker loop's own record of the queues it serves, kept up to date as batches end.
 struct Served {
     groups_made: HashSet<String>,
+    /// Per queue (stream key): its jobs as the last pass counted them while its group was
+    /// there, for telling how many went with a group that disappeared.
+    counted: HashMap<String, JobCount>,
     /// Per queue (stream key): when its next job may start, so that `replay_rate` holds
     /// across batches and passes too.
     next_starts: HashMap<String, Instant>,
@@ -424,18 +427,71 @@ impl Served {
         self.next_starts.insert(stream.clone(), next_start);
         match result {
             Ok(more) => self.backlog |= more,
-            // The stream went away (a Redis restarted without persistence, a FLUSHALL, an
-            // evicted key) and the next XADD made it again without the group: made again on
-            // the next pass, or its jobs would never run.
-            Err(error) if is_no_group(&error) => {
-                tracing::error!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): the jobs it held when it went are lost, and those stored since are replayed once it is made again: {error}");
-                self.groups_made.remove(&stream);
-            }
+            // The group went away between the pass's count and the batch's calls.
+            Err(error) if is_no_group(&error) => self.group_gone(&stream, None, &error),
             Err(error) => {
                 tracing::debug!(%stream, "replay paused: {error}");
             }
         }
     }
+
+    /// The queue's consumer group is gone from Redis: the stream went away (a Redis restarted
+    /// without persistence, a `FLUSHALL`, an evicted key, a failover to a replica that did not
+    /// have it yet), and the next XADD may have made it again without the group. Says so, with
+    /// how many jobs went with it as far as levee knows (`now`: the count that found the group
+    /// gone, if one did), and has the group made again on the next pass, or the jobs stored
+    /// since would never run.
+    fn group_gone(&mut self, stream: &str, now: Option<&JobCount>, error: &dyn std::fmt::Display) {
+        self.groups_made.remove(stream);
+        let before = self.counted.remove(stream);
+        let lost = lost_jobs(before.as_ref(), now, Instant::now());
+        tracing::error!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): {lost}; jobs stored since are replayed once the group is made again ({error})");
+    }
+}
+
+/// What a queue's group took with it when it went, from the last count made while it was
+/// there (`before`) and the one that found it gone (`now`, if a count did), said as levee
+/// knows it: about, as jobs may have been finished or stored between that count and the loss.
+fn lost_jobs(before: Option<&JobCount>, now: Option<&JobCount>, at: Instant) -> String {
+    let Some(before) = before else {
+        return "the jobs its stream held when it went are lost; how many levee cannot say (it \
+                had not counted them since it started or last found the group gone)"
+            .into();
+    };
+    let ago = at.saturating_duration_since(before.at);
+    let mut lost = if before.stream == 0 {
+        format!(
+            "its stream held no job when levee last counted, {ago:.1?} before, so none is \
+             known lost (only jobs stored after that count, if any)"
+        )
+    } else {
+        let read = before.pending.map_or(String::new(), |read| {
+            format!(" ({read} of them read by a worker)")
+        });
+        format!(
+            "about {jobs} jobs are lost with it: its stream held {jobs}{read} when levee last \
+             counted, {ago:.1?} before (fewer if workers finished some since, more if some \
+             were stored since)",
+            jobs = before.stream
+        )
+    };
+    // Retries wait in a set of their own, which a restart without persistence empties too,
+    // while a stream deleted or evicted alone leaves it.
+    match now {
+        Some(now) if now.delayed < before.delayed => lost.push_str(&format!(
+            ", and up to {} of the {} jobs that waited for a retry are gone too",
+            before.delayed - now.delayed,
+            before.delayed
+        )),
+        Some(_) => {}
+        None if before.delayed > 0 => lost.push_str(&format!(
+            "; {} more waited for a retry then (lost too if redis lost its data: /queues \
+             shows `delayed`)",
+            before.delayed
+        )),
+        None => {}
+    }
+    lost
 }
 
 /// Starts the replay loop; it lasts until `stop`. A job whose replay has begun is finished
@@ -462,6 +518,7 @@ pub fn spawn_workers(
         let mut registry_read_once = false;
         let mut served = Served {
             groups_made: HashSet::new(),
+            counted: HashMap::new(),
             next_starts: HashMap::new(),
             backlog: false,
         };
@@ -564,6 +621,7 @@ pub fn spawn_workers(
                     tracing::info!(route = %route.name, stream = %keys.stream, "the queue of a route that stopped queueing is empty; forgetting it");
                     shared.former_queues.forget(&keys.stream);
                     redis.answered_records.forget(&keys.stream);
+                    served.counted.remove(&keys.stream);
                     forget_backlog(&shared, &shown);
                     unregister(&redis, &keys, &route.name.0).await;
                     continue;
@@ -581,7 +639,16 @@ pub fn spawn_workers(
                         }
                     }
                 }
-                report_backlog(&shared, &redis, &keys, &shown).await;
+                match report_backlog(&shared, &redis, &keys, &settings.group, &shown).await {
+                    Some(count) if count.pending.is_none() => {
+                        served.group_gone(&keys.stream, Some(&count), &"XPENDING answered NOGROUP");
+                        continue;
+                    }
+                    Some(count) => {
+                        served.counted.insert(keys.stream.clone(), count);
+                    }
+                    None => {}
+                }
                 // Every pass, former queues included (they are not empty here): listed again
                 // should anything have taken the name off while jobs are stored.
                 register(&redis, &keys, &route.name.0, redis.background_bound()).await;
@@ -805,32 +872,76 @@ fn is_no_group(error: &RedisFailure) -> bool {
     matches!(error, RedisFailure::Redis(error) if error.code() == Some("NOGROUP"))
 }
 
-/// Sets a queue's gauges from Redis; a figure Redis did not give is taken out of the metrics
-/// rather than left at its last value (a backlog frozen while Redis is down read as a queue
-/// that was fine, and an alert on the oldest job's age could not fire): a monitor sees that
-/// it cannot tell, as `/queues` says with its 503.
-async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, route: &str) {
+/// A queue's jobs, counted in one step (see [`COUNT_JOBS`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct JobCount {
+    /// In the stream: waiting, or read by a worker and not finished.
+    stream: u64,
+    /// Waiting for a retry (the delayed set).
+    delayed: u64,
+    /// Of those in the stream, the ones read by a worker and not finished; `None` when the
+    /// consumer group is gone.
+    pending: Option<u64>,
+    /// When they were counted.
+    at: Instant,
+}
+
+/// Counts a queue's jobs: in its stream, waiting for a retry, and read by a worker (the
+/// group's pending count, -1 when the group is gone). KEYS: stream, delayed set. ARGV: group.
+const COUNT_JOBS: &str = r#"
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1])
+if type(pending) == 'table' and pending.err then
+  if string.sub(pending.err, 1, 8) ~= 'NOGROUP ' then
+    return pending
+  end
+  pending = -1
+else
+  pending = pending[1]
+end
+return {redis.call('XLEN', KEYS[1]), redis.call('ZCARD', KEYS[2]), pending}
+"#;
+
+/// Counts a queue's jobs and sets its gauges from the count; a figure Redis did not give is
+/// taken out of the metrics rather than left at its last value (a backlog frozen while Redis
+/// is down read as a queue that was fine, and an alert on the oldest job's age could not
+/// fire): a monitor sees that it cannot tell, as `/queues` says with its 503. `None` when
+/// Redis gave no count.
+async fn report_backlog(
+    shared: &Shared,
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    group: &str,
+    route: &str,
+) -> Option<JobCount> {
     let labels = QueueLabels {
         route: route.to_string().into(),
     };
-    let mut length = redis::cmd("XLEN");
-    length.arg(&keys.stream);
-    let mut delayed = redis::cmd("ZCARD");
-    delayed.arg(&keys.delayed);
-    let backlog = match redis
-        .command::<i64>(&length, redis.background_bound(), None)
+    let mut count = redis::cmd("EVAL");
+    count
+        .arg(COUNT_JOBS)
+        .arg(2)
+        .arg(&keys.stream)
+        .arg(&keys.delayed)
+        .arg(group);
+    let count = match redis
+        .command::<(u64, u64, i64)>(&count, redis.background_bound(), None)
         .await
     {
-        Ok(waiting) => redis
-            .command::<i64>(&delayed, redis.background_bound(), None)
-            .await
-            .ok()
-            .map(|delayed| waiting + delayed),
-        Err(_) => None,
+        Ok((stream, delayed, pending)) => Some(JobCount {
+            stream,
+            delayed,
+            pending: u64::try_from(pending).ok(),
+            at: Instant::now(),
+        }),
+        Err(error) => {
+            tracing::debug!(route, "the queue's jobs could not be counted: {error}");
+            None
+        }
     };
     let age = oldest_job_age(redis, keys).await;
     let metrics = &shared.metrics;
-    if let Some(backlog) = backlog {
+    if let Some(count) = &count {
+        let backlog = i64::try_from(count.stream + count.delayed).unwrap_or(i64::MAX);
         metrics.queue_backlog.get_or_create(&labels).set(backlog);
     } else {
         metrics.queue_backlog.remove(&labels);
@@ -843,6 +954,7 @@ async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, r
     } else {
         metrics.queue_oldest_age.remove(&labels);
     }
+    count
 }
 
 /// Takes a queue's gauges out of the metrics: its route no longer queues, or Redis cannot
@@ -1981,6 +2093,40 @@ mod tests {
             TakenOver::from_holders(&redis::Value::Nil),
             TakenOver::default()
         );
+    }
+
+    #[test]
+    fn a_lost_group_is_told_with_the_jobs_last_counted_in_it() {
+        let at = Instant::now();
+        let count = |stream, delayed, pending| JobCount {
+            stream,
+            delayed,
+            pending,
+            at,
+        };
+        let later = at + Duration::from_millis(1500);
+        assert_eq!(
+            lost_jobs(Some(&count(3, 2, Some(1))), Some(&count(1, 0, None)), later),
+            "about 3 jobs are lost with it: its stream held 3 (1 of them read by a worker) \
+             when levee last counted, 1.5s before (fewer if workers finished some since, more \
+             if some were stored since), and up to 2 of the 2 jobs that waited for a retry are \
+             gone too"
+        );
+        // A stream deleted alone: the retries are still there.
+        assert!(
+            !lost_jobs(Some(&count(3, 2, Some(0))), Some(&count(0, 2, None)), later)
+                .contains("retry")
+        );
+        assert_eq!(
+            lost_jobs(Some(&count(0, 0, Some(0))), None, later),
+            "its stream held no job when levee last counted, 1.5s before, so none is known \
+             lost (only jobs stored after that count, if any)"
+        );
+        assert!(
+            lost_jobs(Some(&count(4, 5, Some(4))), None, later)
+                .ends_with("; 5 more waited for a retry then (lost too if redis lost its data: /queues shows `delayed`)")
+        );
+        assert!(lost_jobs(None, None, later).contains("how many levee cannot say"));
     }
 
     #[test]
