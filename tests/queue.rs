@@ -3530,3 +3530,147 @@ async fn a_queue_lost_with_redis_is_logged_with_how_many_jobs_went() {
         "once: {log}"
     );
 }
+
+/// PHP's `SERVER_PROTOCOL` and the body of each request, a line each, in `protocols.log`.
+const PROTOCOL_PHP: &str = r#"<?php
+$line = $_SERVER['SERVER_PROTOCOL'] . ' ' . file_get_contents('php://input') . "\n";
+file_put_contents(__DIR__ . '/../protocols.log', $line, FILE_APPEND | LOCK_EX);
+echo "ok";
+"#;
+
+/// A POST to the queue route as raw bytes in HTTP `version`, on a connection of its own; the
+/// answer's status.
+async fn post_raw(levee: &Levee, version: &str, body: &str) -> Option<u16> {
+    let request = format!(
+        "POST /notify.php {version}\r\nHost: levee.test\r\nConnection: close\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    status_of(&raw_exchange(levee.public, request.as_bytes(), Duration::from_secs(5)).await)
+}
+
+/// PHP behind a `fastcgi://` upstream sees a queued request in the HTTP version its client
+/// spoke, as it sees a request forwarded at once: `SERVER_PROTOCOL` is `HTTP/1.0` for an
+/// HTTP/1.0 client (a replay said `HTTP/1.1`). A job stored before the version was kept
+/// (without the field) is replayed as HTTP/1.1, as it was before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_http_1_0_request_reaches_php_as_http_1_0() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let site = tempfile::tempdir().expect("site");
+    let www = site.path().join("www");
+    std::fs::create_dir_all(&www).expect("docroot");
+    std::fs::write(www.join("notify.php"), PROTOCOL_PHP).expect("script");
+    let log = site.path().join("protocols.log");
+    std::fs::write(&log, "").expect("log");
+    // php-fpm's www-data workers (when the tests run as root) read the script, write the log.
+    open_up(&www);
+    let _ = Command::new("chmod")
+        .arg("a+r")
+        .arg(www.join("notify.php"))
+        .status();
+    let _ = Command::new("chmod").arg("a+rw").arg(&log).status();
+    let php = PhpFpm::start(site.path()).await;
+    let docroot = std::fs::canonicalize(&www).expect("docroot");
+    let http_url = format!("url = \"http://127.0.0.1:{}\"", php.port);
+    let policy = queue_policy(
+        std::net::SocketAddr::from(([127, 0, 0, 1], php.port)),
+        &redis.url(),
+        "",
+    )
+    .replace(
+        &http_url,
+        &format!(
+            "url = \"fastcgi://127.0.0.1:{}\"\nfastcgi = {{ root = \"{}\" }}",
+            php.port,
+            docroot.display()
+        ),
+    );
+    assert!(policy.contains("fastcgi://"), "{policy}");
+    let levee = Levee::start(&policy).await;
+
+    assert_eq!(post_raw(&levee, "HTTP/1.0", "v=forwarded").await, Some(200));
+    switch(&levee, "off").await;
+    assert_eq!(
+        post_raw(&levee, "HTTP/1.0", "v=queued-1.0").await,
+        Some(202)
+    );
+    assert_eq!(
+        post_raw(&levee, "HTTP/1.1", "v=queued-1.1").await,
+        Some(202)
+    );
+    // As an earlier levee stored a job: no `version` field.
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis()
+        .to_string();
+    redis.cli(&[
+        "XADD",
+        "levee:queue:{notify}:jobs",
+        "*",
+        "route",
+        "notify",
+        "method",
+        "POST",
+        "target",
+        "/notify.php",
+        "header_lines",
+        "content-type: application/x-www-form-urlencoded\r\ncontent-length: 11\r\n",
+        "body",
+        "v=older-job",
+        "client",
+        "192.0.2.9",
+        "at",
+        &at,
+        "attempts",
+        "0",
+        "key",
+        "older-job",
+    ]);
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "every request in PHP's log",
+        || async { std::fs::read_to_string(&log).is_ok_and(|text| text.lines().count() >= 4) },
+    )
+    .await;
+    let text = std::fs::read_to_string(&log).expect("log");
+    let mut seen: Vec<&str> = text.lines().collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            "HTTP/1.0 v=forwarded",
+            "HTTP/1.0 v=queued-1.0",
+            "HTTP/1.1 v=older-job",
+            "HTTP/1.1 v=queued-1.1",
+        ]
+    );
+}
+
+/// An `http://` upstream is sent HTTP/1.1 for a request forwarded at once, whatever its client
+/// spoke (see `client::encode_request_head`), and so for its replay too: the app sees a
+/// queued HTTP/1.0 request as it sees a forwarded one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_http_1_0_request_reaches_an_http_upstream_as_a_forwarded_one_does() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let versions: Arc<Mutex<Vec<http::Version>>> = Arc::new(Mutex::new(Vec::new()));
+    let record = versions.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        record.lock().expect("lock").push(request.version());
+        async move { Response::new(full("ok")) }
+    })
+    .await;
+    let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+    assert_eq!(post_raw(&levee, "HTTP/1.0", "v=forwarded").await, Some(200));
+    switch(&levee, "off").await;
+    assert_eq!(post_raw(&levee, "HTTP/1.0", "v=queued").await, Some(202));
+    switch(&levee, "on").await;
+    eventually(Duration::from_secs(10), "the replay", || async {
+        versions.lock().expect("lock").len() >= 2
+    })
+    .await;
+    let versions = versions.lock().expect("lock").clone();
+    assert_eq!(versions, [http::Version::HTTP_11, http::Version::HTTP_11]);
+}

@@ -1546,6 +1546,10 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     );
     *request.method_mut() = method;
     *request.uri_mut() = uri;
+    // The client's, as a forwarded request keeps it: a FastCGI upstream is told it as
+    // `SERVER_PROTOCOL` (PHP saw a queued HTTP/1.0 request as HTTP/1.1); an HTTP upstream is
+    // sent HTTP/1.1 either way (see `client::encode_request_head`).
+    *request.version_mut() = job.version;
     let (fields, spelled) = job.replayed_fields();
     *request.headers_mut() = fields;
     let headers = request.headers_mut();
