@@ -234,6 +234,9 @@ pub struct Metrics {
     pub queue_retries: Family<QueueLabels, Counter>,
     pub queue_dead_lettered: Family<QueueLabels, Counter>,
     pub queue_dead_letters_dropped: Family<QueueLabels, Counter>,
+    /// Jobs taken over from a worker that held them without renewing its hold for
+    /// `claim_after` (not those a worker handed back unbegun).
+    pub queue_taken_over: Family<QueueLabels, Counter>,
     pub queue_unconfirmed: Family<QueueResultLabels, Counter>,
     pub queue_backlog: Family<QueueLabels, Gauge>,
     pub queue_oldest_age: Family<QueueLabels, Gauge>,
@@ -534,6 +537,12 @@ impl Metrics {
             "Oldest dead letters dropped to keep max_dead_letters",
             queue_dead_letters_dropped.clone(),
         );
+        let queue_taken_over = Family::<QueueLabels, Counter>::default();
+        registry.register(
+            "queue_taken_over",
+            "Jobs taken over from a worker that had not renewed its hold for claim_after (it died, hung or lost Redis): the app may see one of them a second time",
+            queue_taken_over.clone(),
+        );
         let queue_unconfirmed = Family::<QueueResultLabels, Counter>::default();
         registry.register(
             "queue_unconfirmed",
@@ -560,6 +569,7 @@ impl Metrics {
             queue_retries,
             queue_dead_lettered,
             queue_dead_letters_dropped,
+            queue_taken_over,
             queue_unconfirmed,
             queue_backlog,
             queue_oldest_age,

@@ -16,6 +16,11 @@ pub struct Job {
     pub method: String,
     /// Path and query as the client sent them.
     pub target: String,
+    /// The client's HTTP version, 1.0 or 1.1: the replay carries it as a forwarded request
+    /// does (a FastCGI upstream is told it as `SERVER_PROTOCOL`; an HTTP upstream is sent
+    /// HTTP/1.1 either way). Stored as the field `version`; a job without it (stored by an
+    /// earlier version) is HTTP/1.1, the version its replay then had.
+    pub version: http::Version,
     /// Header names and values, values byte for byte (a cookie set by a script may hold raw
     /// UTF-8 or Latin-1, and dropping it would replay the request without its session).
     pub headers: Vec<(String, Vec<u8>)>,
@@ -73,6 +78,7 @@ impl Job {
                 .path_and_query()
                 .map_or("/", |pq| pq.as_str())
                 .to_string(),
+            version: parts.version,
             headers: parts
                 .headers
                 .iter()
@@ -104,6 +110,8 @@ impl Job {
             .arg(&self.method)
             .arg("target")
             .arg(&self.target)
+            .arg("version")
+            .arg(version_name(self.version))
             .arg("header_lines")
             .arg(self.header_lines())
             .arg("headers")
@@ -202,6 +210,9 @@ impl Job {
             route,
             method,
             target,
+            version: fields
+                .get("version")
+                .map_or(http::Version::HTTP_11, |name| version_named(name)),
             headers: headers.unwrap_or_default(),
             body: Bytes::from(fields.get("body").cloned().unwrap_or_default()),
             client_ip: text("client").unwrap_or_default(),
@@ -270,6 +281,25 @@ impl UnreadableJob {
         job.last_error = Some(format!("unreadable job: {}", self.reason));
         job.unreadable = Some(self.reason);
         job
+    }
+}
+
+/// How a job's `version` field spells `version`: as the request line does.
+fn version_name(version: http::Version) -> &'static str {
+    if version == http::Version::HTTP_10 {
+        "HTTP/1.0"
+    } else {
+        "HTTP/1.1"
+    }
+}
+
+/// The version a job's `version` field names: HTTP/1.0, or else HTTP/1.1, the version levee
+/// tells an upstream for any request not HTTP/1.0 (see `client::fastcgi::encode_begin`).
+fn version_named(name: &[u8]) -> http::Version {
+    if name == b"HTTP/1.0" {
+        http::Version::HTTP_10
+    } else {
+        http::Version::HTTP_11
     }
 }
 
@@ -359,6 +389,8 @@ mod tests {
             route: "notify".into(),
             method: "POST".into(),
             target: "/notify.php?x=1".into(),
+            // Not the default: a field left unread would come back as HTTP/1.1.
+            version: http::Version::HTTP_10,
             headers: vec![
                 (
                     "content-type".into(),
@@ -436,6 +468,47 @@ mod tests {
         assert_eq!(blank.key_the_app_sees(), "1700000000000-0");
         assert_eq!(job.attempts, 1);
         assert_eq!(job.last_error.as_deref(), Some("the app answered 500"));
+        // Stored before the client's version was kept: replayed as HTTP/1.1, as it was then.
+        assert_eq!(job.version, http::Version::HTTP_11);
+    }
+
+    /// The client's version is stored as the request line spells it, and only HTTP/1.0 is
+    /// read back as anything but HTTP/1.1.
+    #[test]
+    fn the_clients_version_is_stored_and_read_back() {
+        let (parts, ()) = http::Request::post("/notify.php")
+            .version(http::Version::HTTP_10)
+            .body(())
+            .expect("request")
+            .into_parts();
+        let job = Job::from_request(
+            "notify",
+            &parts,
+            b"",
+            Bytes::new(),
+            IpAddr::from([192, 0, 2, 1]),
+        );
+        let fields = stored_fields(&job);
+        assert_eq!(
+            fields.get("version").map(Vec::as_slice),
+            Some(&b"HTTP/1.0"[..])
+        );
+        assert_eq!(
+            Job::from_fields("1-0", &fields).map(|job| job.version),
+            Ok(http::Version::HTTP_10)
+        );
+        for (stored, read) in [
+            (&b"HTTP/1.1"[..], http::Version::HTTP_11),
+            (b"HTTP/2.0", http::Version::HTTP_11),
+            (b"", http::Version::HTTP_11),
+        ] {
+            let mut fields = fields.clone();
+            fields.insert("version".into(), stored.to_vec());
+            assert_eq!(
+                Job::from_fields("1-0", &fields).map(|job| job.version),
+                Ok(read)
+            );
+        }
     }
 
     /// An entry that is not a whole job keeps what could be read, says what could not, and
@@ -480,6 +553,7 @@ mod tests {
             route: "notify".into(),
             method: "POST".into(),
             target: "/".into(),
+            version: http::Version::HTTP_11,
             headers: vec![
                 ("cookie".into(), b"PHPSESSID=s1".to_vec()),
                 ("x-latin1".into(), b"caf\xe9".to_vec()),

@@ -19,6 +19,7 @@ use crate::breaker::Outcome;
 use crate::config::Policy;
 use crate::log_throttle::LogThrottle;
 use crate::metrics::{QueueLabels, QueueResultLabels};
+use crate::printable::printable;
 use crate::proxy::route::Route;
 use crate::proxy::Shared;
 use crate::redis_store::{RedisFailure, RedisStore};
@@ -57,17 +58,44 @@ return held
 /// full upstream held, or levee stopping): their idle time is set to `claim_after`, so the
 /// next XAUTOCLAIM (this worker's next pass, or another instance's) takes them at once,
 /// where they would otherwise wait out `claim_after` with every job behind them. Entries
-/// another consumer holds now are left alone, as in [`RENEW_HOLD`].
+/// another consumer holds now are left alone, as in [`RENEW_HOLD`]. Their delivery count is
+/// set to 0, which tells whoever takes them next ([`TAKE_OVER`]) that this holder did not
+/// send them to the app: XREADGROUP and XAUTOCLAIM count every delivery from 1 up, and no
+/// other call of levee's changes the count.
 /// KEYS: stream. ARGV: group, consumer, claim_after (ms), ids. Returns how many.
 const HAND_BACK: &str = r#"
 local handed = 0
 for i = 4, #ARGV do
   if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) > 0 then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'RETRYCOUNT', 0, 'JUSTID')
     handed = handed + 1
   end
 end
 return handed
+"#;
+
+/// Takes over up to ARGV[4] jobs whose hold was not renewed for `claim_after` (`XAUTOCLAIM`,
+/// from the start of the pending list), and says whose they were: the holders are read
+/// (`XPENDING … IDLE`, the same filter in the same order, so it lists every job the claim
+/// takes) in the same step as the claim, which makes the new holder the only one named after.
+/// KEYS: stream. ARGV: group, consumer, claim_after (ms), count. Returns the `XAUTOCLAIM`
+/// reply, then for each job taken (in its order) its former holder and delivery count, flat;
+/// a job the list missed (never seen) is named '' with a count of 1.
+const TAKE_OVER: &str = r#"
+local held_by = {}
+for _, pending in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], '-', '+', ARGV[4])) do
+  held_by[pending[1]] = {pending[2], pending[4]}
+end
+local claimed = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], '0-0', 'COUNT', ARGV[4])
+local from = {}
+for _, entry in ipairs(claimed[2]) do
+  if type(entry) == 'table' then
+    local holder = held_by[entry[1]] or {'', 1}
+    from[#from + 1] = holder[1]
+    from[#from + 1] = holder[2]
+  end
+end
+return {claimed, from}
 "#;
 
 /// Right before replaying a job that waits for replicas: whether its writer has decided
@@ -368,6 +396,9 @@ impl Replays {
 /// The worker loop's own record of the queues it serves, kept up to date as batches end.
 struct Served {
     groups_made: HashSet<String>,
+    /// Per queue (stream key): its jobs as the last pass counted them while its group was
+    /// there, for telling how many went with a group that disappeared.
+    counted: HashMap<String, JobCount>,
     /// Per queue (stream key): when its next job may start, so that `replay_rate` holds
     /// across batches and passes too.
     next_starts: HashMap<String, Instant>,
@@ -396,18 +427,71 @@ impl Served {
         self.next_starts.insert(stream.clone(), next_start);
         match result {
             Ok(more) => self.backlog |= more,
-            // The stream went away (a Redis restarted without persistence, a FLUSHALL, an
-            // evicted key) and the next XADD made it again without the group: made again on
-            // the next pass, or its jobs would never run.
-            Err(error) if is_no_group(&error) => {
-                tracing::error!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): the jobs it held when it went are lost, and those stored since are replayed once it is made again: {error}");
-                self.groups_made.remove(&stream);
-            }
+            // The group went away between the pass's count and the batch's calls.
+            Err(error) if is_no_group(&error) => self.group_gone(&stream, None, &error),
             Err(error) => {
                 tracing::debug!(%stream, "replay paused: {error}");
             }
         }
     }
+
+    /// The queue's consumer group is gone from Redis: the stream went away (a Redis restarted
+    /// without persistence, a `FLUSHALL`, an evicted key, a failover to a replica that did not
+    /// have it yet), and the next XADD may have made it again without the group. Says so, with
+    /// how many jobs went with it as far as levee knows (`now`: the count that found the group
+    /// gone, if one did), and has the group made again on the next pass, or the jobs stored
+    /// since would never run.
+    fn group_gone(&mut self, stream: &str, now: Option<&JobCount>, error: &dyn std::fmt::Display) {
+        self.groups_made.remove(stream);
+        let before = self.counted.remove(stream);
+        let lost = lost_jobs(before.as_ref(), now, Instant::now());
+        tracing::error!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): {lost}; jobs stored since are replayed once the group is made again ({error})");
+    }
+}
+
+/// What a queue's group took with it when it went, from the last count made while it was
+/// there (`before`) and the one that found it gone (`now`, if a count did), said as levee
+/// knows it: about, as jobs may have been finished or stored between that count and the loss.
+fn lost_jobs(before: Option<&JobCount>, now: Option<&JobCount>, at: Instant) -> String {
+    let Some(before) = before else {
+        return "the jobs its stream held when it went are lost; how many levee cannot say (it \
+                had not counted them since it started or last found the group gone)"
+            .into();
+    };
+    let ago = at.saturating_duration_since(before.at);
+    let mut lost = if before.stream == 0 {
+        format!(
+            "its stream held no job when levee last counted, {ago:.1?} before, so none is \
+             known lost (only jobs stored after that count, if any)"
+        )
+    } else {
+        let read = before.pending.map_or(String::new(), |read| {
+            format!(" ({read} of them read by a worker)")
+        });
+        format!(
+            "about {jobs} jobs are lost with it: its stream held {jobs}{read} when levee last \
+             counted, {ago:.1?} before (fewer if workers finished some since, more if some \
+             were stored since)",
+            jobs = before.stream
+        )
+    };
+    // Retries wait in a set of their own, which a restart without persistence empties too,
+    // while a stream deleted or evicted alone leaves it.
+    match now {
+        Some(now) if now.delayed < before.delayed => lost.push_str(&format!(
+            ", and up to {} of the {} jobs that waited for a retry are gone too",
+            before.delayed - now.delayed,
+            before.delayed
+        )),
+        Some(_) => {}
+        None if before.delayed > 0 => lost.push_str(&format!(
+            "; {} more waited for a retry then (lost too if redis lost its data: /queues \
+             shows `delayed`)",
+            before.delayed
+        )),
+        None => {}
+    }
+    lost
 }
 
 /// Starts the replay loop; it lasts until `stop`. A job whose replay has begun is finished
@@ -434,6 +518,7 @@ pub fn spawn_workers(
         let mut registry_read_once = false;
         let mut served = Served {
             groups_made: HashSet::new(),
+            counted: HashMap::new(),
             next_starts: HashMap::new(),
             backlog: false,
         };
@@ -536,6 +621,7 @@ pub fn spawn_workers(
                     tracing::info!(route = %route.name, stream = %keys.stream, "the queue of a route that stopped queueing is empty; forgetting it");
                     shared.former_queues.forget(&keys.stream);
                     redis.answered_records.forget(&keys.stream);
+                    served.counted.remove(&keys.stream);
                     forget_backlog(&shared, &shown);
                     unregister(&redis, &keys, &route.name.0).await;
                     continue;
@@ -553,7 +639,16 @@ pub fn spawn_workers(
                         }
                     }
                 }
-                report_backlog(&shared, &redis, &keys, &shown).await;
+                match report_backlog(&shared, &redis, &keys, &settings.group, &shown).await {
+                    Some(count) if count.pending.is_none() => {
+                        served.group_gone(&keys.stream, Some(&count), &"XPENDING answered NOGROUP");
+                        continue;
+                    }
+                    Some(count) => {
+                        served.counted.insert(keys.stream.clone(), count);
+                    }
+                    None => {}
+                }
                 // Every pass, former queues included (they are not empty here): listed again
                 // should anything have taken the name off while jobs are stored.
                 register(&redis, &keys, &route.name.0, redis.background_bound()).await;
@@ -777,32 +872,76 @@ fn is_no_group(error: &RedisFailure) -> bool {
     matches!(error, RedisFailure::Redis(error) if error.code() == Some("NOGROUP"))
 }
 
-/// Sets a queue's gauges from Redis; a figure Redis did not give is taken out of the metrics
-/// rather than left at its last value (a backlog frozen while Redis is down read as a queue
-/// that was fine, and an alert on the oldest job's age could not fire): a monitor sees that
-/// it cannot tell, as `/queues` says with its 503.
-async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, route: &str) {
+/// A queue's jobs, counted in one step (see [`COUNT_JOBS`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct JobCount {
+    /// In the stream: waiting, or read by a worker and not finished.
+    stream: u64,
+    /// Waiting for a retry (the delayed set).
+    delayed: u64,
+    /// Of those in the stream, the ones read by a worker and not finished; `None` when the
+    /// consumer group is gone.
+    pending: Option<u64>,
+    /// When they were counted.
+    at: Instant,
+}
+
+/// Counts a queue's jobs: in its stream, waiting for a retry, and read by a worker (the
+/// group's pending count, -1 when the group is gone). KEYS: stream, delayed set. ARGV: group.
+const COUNT_JOBS: &str = r#"
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1])
+if type(pending) == 'table' and pending.err then
+  if string.sub(pending.err, 1, 8) ~= 'NOGROUP ' then
+    return pending
+  end
+  pending = -1
+else
+  pending = pending[1]
+end
+return {redis.call('XLEN', KEYS[1]), redis.call('ZCARD', KEYS[2]), pending}
+"#;
+
+/// Counts a queue's jobs and sets its gauges from the count; a figure Redis did not give is
+/// taken out of the metrics rather than left at its last value (a backlog frozen while Redis
+/// is down read as a queue that was fine, and an alert on the oldest job's age could not
+/// fire): a monitor sees that it cannot tell, as `/queues` says with its 503. `None` when
+/// Redis gave no count.
+async fn report_backlog(
+    shared: &Shared,
+    redis: &RedisStore,
+    keys: &QueueKeys,
+    group: &str,
+    route: &str,
+) -> Option<JobCount> {
     let labels = QueueLabels {
         route: route.to_string().into(),
     };
-    let mut length = redis::cmd("XLEN");
-    length.arg(&keys.stream);
-    let mut delayed = redis::cmd("ZCARD");
-    delayed.arg(&keys.delayed);
-    let backlog = match redis
-        .command::<i64>(&length, redis.background_bound(), None)
+    let mut count = redis::cmd("EVAL");
+    count
+        .arg(COUNT_JOBS)
+        .arg(2)
+        .arg(&keys.stream)
+        .arg(&keys.delayed)
+        .arg(group);
+    let count = match redis
+        .command::<(u64, u64, i64)>(&count, redis.background_bound(), None)
         .await
     {
-        Ok(waiting) => redis
-            .command::<i64>(&delayed, redis.background_bound(), None)
-            .await
-            .ok()
-            .map(|delayed| waiting + delayed),
-        Err(_) => None,
+        Ok((stream, delayed, pending)) => Some(JobCount {
+            stream,
+            delayed,
+            pending: u64::try_from(pending).ok(),
+            at: Instant::now(),
+        }),
+        Err(error) => {
+            tracing::debug!(route, "the queue's jobs could not be counted: {error}");
+            None
+        }
     };
     let age = oldest_job_age(redis, keys).await;
     let metrics = &shared.metrics;
-    if let Some(backlog) = backlog {
+    if let Some(count) = &count {
+        let backlog = i64::try_from(count.stream + count.delayed).unwrap_or(i64::MAX);
         metrics.queue_backlog.get_or_create(&labels).set(backlog);
     } else {
         metrics.queue_backlog.remove(&labels);
@@ -815,6 +954,7 @@ async fn report_backlog(shared: &Shared, redis: &RedisStore, keys: &QueueKeys, r
     } else {
         metrics.queue_oldest_age.remove(&labels);
     }
+    count
 }
 
 /// Takes a queue's gauges out of the metrics: its route no longer queues, or Redis cannot
@@ -914,22 +1054,31 @@ impl Pass<'_> {
             .await?;
 
         // Jobs of workers that went silent first, then new ones.
-        let mut claim = redis::cmd("XAUTOCLAIM");
+        let mut claim = redis::cmd("EVAL");
         claim
+            .arg(TAKE_OVER)
+            .arg(1)
             .arg(&keys.stream)
             .arg(&settings.group)
             .arg(consumer)
             .arg(settings.claim_after.as_millis() as u64)
-            .arg("0-0")
-            .arg("COUNT")
             .arg(BATCH);
-        let claimed: redis::Value = redis
+        let taken: redis::Value = redis
             .command(&claim, redis.background_bound(), None)
             .await?;
-        let mut batch = match &claimed {
+        let (claimed, holders) = match &taken {
+            redis::Value::Array(parts) if parts.len() == 2 => (&parts[0], &parts[1]),
+            other => {
+                return Err(RedisFailure::BadReply(format!(
+                    "taking over queued jobs: {other:?}"
+                )))
+            }
+        };
+        let mut batch = match claimed {
             redis::Value::Array(parts) if parts.len() >= 2 => entries(&parts[1]),
             _ => Vec::new(),
         };
+        self.tell_takeover(&TakenOver::from_holders(holders));
         let mut read = redis::cmd("XREADGROUP");
         read.arg("GROUP")
             .arg(&settings.group)
@@ -1032,6 +1181,51 @@ impl Pass<'_> {
                     }
                 }
             }
+        }
+    }
+
+    /// Says what taking over `taken` means, once for the batch. Jobs a worker kept without
+    /// renewing its hold may have reached the app there (its replay was in flight when it
+    /// went): a warning, counted. Jobs handed back unsent by another worker (it stopped, or
+    /// its replays were held) are only noted; those this worker handed back itself, not at all.
+    fn tell_takeover(&self, taken: &TakenOver) {
+        let route = &self.route.name;
+        let abandoned: u64 = taken.abandoned.iter().map(|(_, jobs)| jobs).sum();
+        if abandoned > 0 {
+            self.shared
+                .metrics
+                .queue_taken_over
+                .get_or_create(&QueueLabels {
+                    route: route.to_string().into(),
+                })
+                .inc_by(abandoned);
+            let from = holders_text(&taken.abandoned, self.consumer);
+            tracing::warn!(
+                route = %route,
+                jobs = abandoned,
+                "took over {abandoned} queued jobs from {from}: the hold on them had not been \
+                 renewed for claim_after ({:?}), as when an instance dies, hangs or loses Redis \
+                 in the middle of a batch. They are replayed here; one their worker had already \
+                 sent to the app (as a rule at most one per worker: the job it was replaying \
+                 then) reaches the app a second time, with the same Idempotency-Key",
+                self.settings.claim_after
+            );
+        }
+        let handed_back: Vec<(String, u64)> = taken
+            .handed_back
+            .iter()
+            .filter(|(holder, _)| holder != self.consumer)
+            .cloned()
+            .collect();
+        if !handed_back.is_empty() {
+            let jobs: u64 = handed_back.iter().map(|(_, jobs)| jobs).sum();
+            let from = holders_text(&handed_back, self.consumer);
+            tracing::info!(
+                route = %route,
+                jobs,
+                "took up {jobs} queued jobs handed back by {from}, which had not sent them to \
+                 the app (it stopped, or its replays were held back)"
+            );
         }
     }
 
@@ -1213,6 +1407,68 @@ async fn unless_it_panics<F: std::future::Future>(future: F) -> Result<F::Output
     .await
 }
 
+/// Whose jobs one pass took over (see [`TAKE_OVER`]): per former holder, in the order met,
+/// how many.
+#[derive(Debug, Default, PartialEq)]
+struct TakenOver {
+    /// Jobs their holder kept without renewing its hold for `claim_after`: it may have sent
+    /// one of them to the app before it went silent.
+    abandoned: Vec<(String, u64)>,
+    /// Jobs their holder handed back unsent (a delivery count of 0, see [`HAND_BACK`]).
+    handed_back: Vec<(String, u64)>,
+}
+
+impl TakenOver {
+    /// From [`TAKE_OVER`]'s list of former holders and delivery counts.
+    fn from_holders(holders: &redis::Value) -> TakenOver {
+        let mut taken = TakenOver::default();
+        let redis::Value::Array(flat) = holders else {
+            return taken;
+        };
+        for pair in flat.chunks(2) {
+            let [holder, deliveries] = pair else {
+                continue;
+            };
+            let holder = bytes_of(holder)
+                .map(|name| String::from_utf8_lossy(&name).into_owned())
+                .unwrap_or_default();
+            let list = if matches!(deliveries, redis::Value::Int(0)) {
+                &mut taken.handed_back
+            } else {
+                &mut taken.abandoned
+            };
+            match list.iter_mut().find(|(known, _)| *known == holder) {
+                Some((_, jobs)) => *jobs += 1,
+                None => list.push((holder, 1)),
+            }
+        }
+        taken
+    }
+}
+
+/// The holders of jobs taken over, for the log: `host-1-…-0 (3 jobs), this instance
+/// (host-2-…-0, 1 job)`.
+fn holders_text(holders: &[(String, u64)], own: &str) -> String {
+    holders
+        .iter()
+        .map(|(holder, jobs)| {
+            let jobs = if *jobs == 1 {
+                "1 job".to_string()
+            } else {
+                format!("{jobs} jobs")
+            };
+            if holder.is_empty() {
+                format!("a worker the pending list did not name ({jobs})")
+            } else if holder == own {
+                format!("this instance ({}, {jobs})", printable(holder))
+            } else {
+                format!("{} ({jobs})", printable(holder))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Whether this worker may replay a job now (see [`Pass::hold_when_decided`]).
 enum Hold {
     Held,
@@ -1290,6 +1546,10 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     );
     *request.method_mut() = method;
     *request.uri_mut() = uri;
+    // The client's, as a forwarded request keeps it: a FastCGI upstream is told it as
+    // `SERVER_PROTOCOL` (PHP saw a queued HTTP/1.0 request as HTTP/1.1); an HTTP upstream is
+    // sent HTTP/1.1 either way (see `client::encode_request_head`).
+    *request.version_mut() = job.version;
     let (fields, spelled) = job.replayed_fields();
     *request.headers_mut() = fields;
     let headers = request.headers_mut();
@@ -1803,6 +2063,75 @@ mod tests {
                 Err::<(), _>("3 jobs".to_owned())
             );
         });
+    }
+
+    #[test]
+    fn jobs_taken_over_are_told_apart_by_whether_their_holder_handed_them_back() {
+        let name = |text: &str| redis::Value::BulkString(text.as_bytes().to_vec());
+        let holders = redis::Value::Array(vec![
+            name("a"),
+            redis::Value::Int(1),
+            name("b"),
+            redis::Value::Int(0),
+            name("a"),
+            redis::Value::Int(3),
+            name("me"),
+            redis::Value::Int(2),
+            name("b"),
+            redis::Value::Int(0),
+            name(""),
+            redis::Value::Int(1),
+        ]);
+        let taken = TakenOver::from_holders(&holders);
+        assert_eq!(
+            taken,
+            TakenOver {
+                abandoned: vec![("a".into(), 2), ("me".into(), 1), (String::new(), 1)],
+                handed_back: vec![("b".into(), 2)],
+            }
+        );
+        assert_eq!(
+            holders_text(&taken.abandoned, "me"),
+            "a (2 jobs), this instance (me, 1 job), a worker the pending list did not name (1 job)"
+        );
+        assert_eq!(
+            TakenOver::from_holders(&redis::Value::Nil),
+            TakenOver::default()
+        );
+    }
+
+    #[test]
+    fn a_lost_group_is_told_with_the_jobs_last_counted_in_it() {
+        let at = Instant::now();
+        let count = |stream, delayed, pending| JobCount {
+            stream,
+            delayed,
+            pending,
+            at,
+        };
+        let later = at + Duration::from_millis(1500);
+        assert_eq!(
+            lost_jobs(Some(&count(3, 2, Some(1))), Some(&count(1, 0, None)), later),
+            "about 3 jobs are lost with it: its stream held 3 (1 of them read by a worker) \
+             when levee last counted, 1.5s before (fewer if workers finished some since, more \
+             if some were stored since), and up to 2 of the 2 jobs that waited for a retry are \
+             gone too"
+        );
+        // A stream deleted alone: the retries are still there.
+        assert!(
+            !lost_jobs(Some(&count(3, 2, Some(0))), Some(&count(0, 2, None)), later)
+                .contains("retry")
+        );
+        assert_eq!(
+            lost_jobs(Some(&count(0, 0, Some(0))), None, later),
+            "its stream held no job when levee last counted, 1.5s before, so none is known \
+             lost (only jobs stored after that count, if any)"
+        );
+        assert!(
+            lost_jobs(Some(&count(4, 5, Some(4))), None, later)
+                .ends_with("; 5 more waited for a retry then (lost too if redis lost its data: /queues shows `delayed`)")
+        );
+        assert!(lost_jobs(None, None, later).contains("how many levee cannot say"));
     }
 
     #[test]
