@@ -1410,6 +1410,136 @@ async fn requests_waiting_for_a_copy_do_not_wait_on_a_leader_whose_client_stops_
     drop(leader);
 }
 
+/// A PHP page that flushes its first 4 KiB at once (Debian's php-fpm `output_buffering`) and
+/// then runs a slow query. Requests for it meanwhile wait for that one fetch: they went to
+/// php-fpm each a second after its head came, taking a worker for as long as the leader's
+/// (seen: 46 renders of a home page in 20 s on a pool of 4, tier-1 requests shed). When the
+/// page is still coming at their response timeout, they get the last good copy, marked stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_of_a_page_the_app_is_still_writing_wait_for_its_one_fetch() {
+    use futures_util::StreamExt;
+    use http_body_util::{BodyExt, StreamBody};
+    use hyper::body::Frame;
+    // The query takes 1.8 s, or (`gated`) until the test opens the gate.
+    let gated = Arc::new(AtomicU8::new(0));
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let renders = Arc::new(AtomicUsize::new(0));
+    let (g, r) = (gated.clone(), renders.clone());
+    let backend = Backend::start(move |_request: Request<Incoming>| {
+        let render = r.fetch_add(1, Ordering::SeqCst) + 1;
+        let (gated, mut gate) = (g.load(Ordering::SeqCst) == 1, gate.clone());
+        async move {
+            let head = Bytes::from(format!("<html><head>{}</head>", " ".repeat(5000)));
+            let rest = async move {
+                if gated {
+                    let _ = gate.wait_for(|open| *open).await;
+                } else {
+                    tokio::time::sleep(Duration::from_millis(1800)).await;
+                }
+                Bytes::from(format!("<body>render {render}</body></html>"))
+            };
+            let pieces = futures_util::stream::once(async move { head })
+                .chain(futures_util::stream::once(rest))
+                .map(|bytes| Ok::<_, BoxError>(Frame::data(bytes)));
+            Response::builder()
+                .header("content-type", "text/html")
+                .body(StreamBody::new(pieces).boxed_unsync())
+                .expect("response")
+        }
+    })
+    .await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("response_timeout = \"3s\"\n{ROUTES}"),
+    );
+    let levee = Levee::start(&policy).await;
+    let url = levee.url("/ranking");
+    let spawn_get = || {
+        let url = url.clone();
+        tokio::spawn(async move { get(&url).await })
+    };
+
+    // No copy yet: the readers get the page the leader's fetch brings, once it is in.
+    let leader = spawn_get();
+    eventually(
+        Duration::from_secs(5),
+        "the leader's fetch upstream",
+        || async { backend.hits() == 1 },
+    )
+    .await;
+    let readers: Vec<_> = (0..4).map(|_| spawn_get()).collect();
+    assert!(leader
+        .await
+        .expect("leader")
+        .text()
+        .ends_with("render 1</body></html>"));
+    let readers = futures_util::future::join_all(readers).await;
+    assert_eq!(
+        backend.hits(),
+        1,
+        "one render for the leader and its readers"
+    );
+    for reader in readers {
+        let reader = reader.expect("reader");
+        assert_eq!(
+            (
+                reader.status,
+                reader.header("x-levee-stale"),
+                reader.text().ends_with("render 1</body></html>")
+            ),
+            (200, None, true)
+        );
+    }
+
+    // The next fetch's page is still coming when the readers' response timeout (3 s) runs
+    // out: they get the copy of the first render, marked stale, and still no render of
+    // their own.
+    gated.store(1, Ordering::SeqCst);
+    let stale_served = || async {
+        metric_value(
+            &get(&levee.admin_url("/metrics")).await.text(),
+            "levee_degraded_responses_total{route=\"ranking\",action=\"stale\"}",
+        )
+    };
+    let before = stale_served().await;
+    let leader = spawn_get();
+    eventually(
+        Duration::from_secs(5),
+        "the second fetch upstream",
+        || async { backend.hits() == 2 },
+    )
+    .await;
+    let readers: Vec<_> = (0..4).map(|_| spawn_get()).collect();
+    for reader in readers {
+        let reader = tokio::time::timeout(Duration::from_secs(10), reader)
+            .await
+            .expect("the reader is answered while the page is still coming")
+            .expect("reader");
+        assert_eq!(
+            (
+                reader.status,
+                reader.header("x-levee-stale"),
+                reader.text().ends_with("render 1</body></html>")
+            ),
+            (200, Some("1"), true)
+        );
+        assert!(reader.header("age").is_some());
+    }
+    assert_eq!(backend.hits(), 2, "the readers waited for the one fetch");
+    assert_eq!(stale_served().await, before + 4.0);
+    assert!(!leader.is_finished(), "the page is still coming");
+    open.send_replace(true);
+    let leader = leader.await.expect("leader");
+    assert_eq!(
+        (
+            leader.header("x-levee-stale"),
+            leader.text().ends_with("render 2</body></html>")
+        ),
+        (None, true)
+    );
+}
+
 /// With a route at `max_copies = 2`, three pages fetched one after the other leave the two
 /// newest copies and an index of two in Redis: the store script runs where `redis` points.
 async fn keeps_the_newest_copies_in(redis: &str, cli: impl Fn(&str, &[&str]) -> String) {

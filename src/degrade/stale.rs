@@ -16,7 +16,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -185,20 +185,112 @@ type Inflight = HashMap<String, watch::Receiver<FetchState>>;
 pub enum FetchState {
     /// Upstream has not answered yet.
     Fetching,
-    /// The answer's head is in, and it is being kept as the copy; its body comes at the pace
-    /// the leading request's client reads it.
-    Answered(Instant),
+    /// The answer's head is in, and it is being kept as the copy; its body comes as fast as
+    /// the upstream sends it and the leading request's client reads it (see [`BodyPace`]).
+    Answered(Arc<BodyPace>),
     /// The copy is stored.
     Done(Arc<StaleCopy>),
     /// Upstream did not answer within its response timeout: nor would it for the waiters.
     TimedOut,
 }
 
-/// How long a request waits for a copy whose answer's head is in: the body then comes only as
-/// fast as the client of the request that fetches it reads, and a slow one (a phone on a bad
-/// line, a large page) would hold every waiter. A page from a healthy upstream read at a
-/// normal pace is in well within this; past it, the waiters go upstream themselves.
-pub const WAIT_FOR_BODY: Duration = Duration::from_secs(1);
+/// How long, in all, the client of the request that fetches a copy (its reader) may hold the
+/// copy's body back before the requests waiting for the copy stop waiting and go upstream
+/// themselves: a slow reader (a phone on a bad line, a large page) would otherwise hold every
+/// waiter. A healthy upstream's page read at a normal pace is in well within this. Only the
+/// time the body's bytes are there for the reader to take and it has not asked for them
+/// counts (see [`BodyPace`]): while the upstream is still making the page (a PHP script that
+/// flushed its head before a slow query), the waiters keep waiting, up to their own response
+/// timeout, since a fetch of their own would be as slow and would take a php-fpm worker each.
+pub const MAX_READER_HOLD: Duration = Duration::from_secs(1);
+
+/// How the body of a fetch's answer is coming, as its [`Capture`] sees it: whether the
+/// upstream is what it waits for (no bytes yet) or the reader, the leading request's client
+/// (bytes there that it has not asked for), and how long the reader has held it back in all.
+/// Waiters go upstream once the reader has held it back for [`MAX_READER_HOLD`]; time spent
+/// waiting for the upstream does not count.
+///
+/// The capture learns that the upstream has sent more by being the waker the upstream's body
+/// wakes (see `Capture::poll_frame`): the response writer polls the body once, and when it
+/// has nothing, flushes what it gathered to the client before polling again; a client that
+/// stops reading then holds the writer in that flush, which is the reader's time once the
+/// upstream's next bytes are in, not the upstream's.
+pub struct BodyPace {
+    state: Mutex<PaceState>,
+}
+
+struct PaceState {
+    /// How long the reader held the body back before `reader_since`.
+    held: Duration,
+    /// Since when the body (or the head) has been there for the reader to take without its
+    /// asking for more; `None` while the capture waits for the upstream.
+    reader_since: Option<Instant>,
+    /// The task reading the body, woken when the upstream has more.
+    reader: Option<Waker>,
+}
+
+impl BodyPace {
+    /// The head is in, handed to the reader at `now`.
+    fn new(now: Instant) -> BodyPace {
+        BodyPace {
+            state: Mutex::new(PaceState {
+                held: Duration::ZERO,
+                reader_since: Some(now),
+                reader: None,
+            }),
+        }
+    }
+
+    /// How long the reader has held the body back in all, by `now`.
+    pub fn held(&self, now: Instant) -> Duration {
+        self.state.lock().map_or(Duration::ZERO, |state| {
+            state.held
+                + state
+                    .reader_since
+                    .map_or(Duration::ZERO, |since| now.saturating_duration_since(since))
+        })
+    }
+
+    /// The reader (whose task `waker` wakes) asks for more at `now`: its hold ends.
+    fn asked(&self, now: Instant, waker: &Waker) {
+        if let Ok(mut state) = self.state.lock() {
+            if let Some(since) = state.reader_since.take() {
+                state.held += now.saturating_duration_since(since);
+            }
+            if !state
+                .reader
+                .as_ref()
+                .is_some_and(|old| old.will_wake(waker))
+            {
+                state.reader = Some(waker.clone());
+            }
+        }
+    }
+
+    /// A frame was handed to the reader at `now`: its turn again.
+    fn handed(&self, now: Instant) {
+        if let Ok(mut state) = self.state.lock() {
+            state.reader_since = Some(now);
+        }
+    }
+}
+
+impl std::task::Wake for BodyPace {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    /// The upstream has more (or its body's timer ran out): the reader's turn, until it asks.
+    fn wake_by_ref(self: &Arc<Self>) {
+        let reader = self.state.lock().ok().and_then(|mut state| {
+            state.reader_since.get_or_insert_with(Instant::now);
+            state.reader.clone()
+        });
+        if let Some(reader) = reader {
+            reader.wake();
+        }
+    }
+}
 
 /// How often one key's copy goes to Redis from one instance at most. Every good answer of a
 /// `stale` route replaces the copy in memory; each one sent to Redis too (the whole page
@@ -217,35 +309,47 @@ const REDIS_STORES_IN_FLIGHT: usize = 16;
 pub enum Waited {
     /// The fetch stored this copy: it answers the waiter too.
     Copy(Arc<StaleCopy>),
-    /// No copy came in time (the fetch failed, was not kept, or its body is slow): go
-    /// upstream.
+    /// No copy is coming (the fetch failed, or its answer is not kept), or the fetch's client
+    /// holds the body back (see [`MAX_READER_HOLD`]): go upstream.
     GoUpstream,
-    /// No answer's head came within the waiter's own response timeout, or the fetch's
-    /// upstream timed out: the waiter has waited as long as it would have for an answer of
-    /// its own.
+    /// The waiter has waited as long as it would have for an answer of its own (its response
+    /// timeout) without a copy: no head came, or the body, still coming from the upstream,
+    /// did not end; or the fetch's upstream timed out.
     TimedOut,
 }
 
-/// Waits for the fetch `receiver` follows: until its head is in for at most `for_head` (the
-/// wait the request would have for an answer of its own, the upstream's response timeout),
-/// then until the copy is stored for at most `for_body` from when the head came (see
-/// [`WAIT_FOR_BODY`]). A request that joins a fetch whose head came longer ago than
-/// `for_body` goes upstream at once. A fetch that timed out, or still has no head at
-/// `for_head`, ends the wait with [`Waited::TimedOut`].
+/// Waits for the copy the fetch `receiver` follows will store: for at most `for_answer` in
+/// all (the wait the request would have for an answer of its own: the upstream's response
+/// timeout), and, once the answer's head is in, only while the fetch's client has held its
+/// body back for less than `reader_may_hold` in all (see [`BodyPace`]; [`MAX_READER_HOLD`]).
+/// A request that joins a fetch whose client has held it back that long already goes
+/// upstream at once. A fetch that timed out, or no copy by `for_answer`, ends the wait with
+/// [`Waited::TimedOut`].
 pub async fn wait_for_copy(
     mut receiver: watch::Receiver<FetchState>,
-    for_head: Duration,
-    for_body: Duration,
+    for_answer: Duration,
+    reader_may_hold: Duration,
 ) -> Waited {
-    let head_deadline = Instant::now() + for_head;
+    let deadline = Instant::now() + for_answer;
+    // While the upstream is what the body waits for, the client's hold does not grow; the
+    // waiter looks again no more often than this, rather than being woken at every frame.
+    let recheck = reader_may_hold / 10;
     loop {
-        let (deadline, fetching) = match &*receiver.borrow_and_update() {
+        let now = Instant::now();
+        let until = match &*receiver.borrow_and_update() {
             FetchState::Done(copy) => return Waited::Copy(copy.clone()),
             FetchState::TimedOut => return Waited::TimedOut,
-            FetchState::Fetching => (head_deadline, true),
-            FetchState::Answered(at) => (*at + for_body, false),
+            FetchState::Fetching => deadline,
+            FetchState::Answered(pace) => {
+                let held = pace.held(now);
+                if held >= reader_may_hold {
+                    return Waited::GoUpstream;
+                }
+                // The hold grows no faster than time passes: it cannot reach the bound sooner.
+                deadline.min(now + (reader_may_hold - held).max(recheck))
+            }
         };
-        match tokio::time::timeout_at(deadline, receiver.changed()).await {
+        match tokio::time::timeout_at(until, receiver.changed()).await {
             Ok(Ok(())) => {}
             // The leader let go without a copy (the channel closed).
             Ok(Err(_)) => {
@@ -255,8 +359,8 @@ pub async fn wait_for_copy(
                     _ => Waited::GoUpstream,
                 }
             }
-            Err(_elapsed) if fetching => return Waited::TimedOut,
-            Err(_elapsed) => return Waited::GoUpstream,
+            Err(_elapsed) if Instant::now() >= deadline => return Waited::TimedOut,
+            Err(_elapsed) => {}
         }
     }
 }
@@ -285,16 +389,24 @@ pub struct FetchGuard {
 }
 
 impl FetchGuard {
-    /// The answer's head is in and is being kept: from now, waiters wait at most their
-    /// `for_body` (see [`wait_for_copy`]).
+    /// The answer's head is in and is being kept: from now, waiters wait only while this
+    /// request's client does not hold the body back for long (see [`wait_for_copy`]).
     pub fn answered(&self) {
         self.sender.send_if_modified(|state| {
             let fetching = matches!(state, FetchState::Fetching);
             if fetching {
-                *state = FetchState::Answered(Instant::now());
+                *state = FetchState::Answered(Arc::new(BodyPace::new(Instant::now())));
             }
             fetching
         });
+    }
+
+    /// How the answer's body is coming, once its head is in (see [`Self::answered`]).
+    fn pace(&self) -> Option<Arc<BodyPace>> {
+        match &*self.sender.borrow() {
+            FetchState::Answered(pace) => Some(pace.clone()),
+            _ => None,
+        }
     }
 
     /// Upstream did not answer within its response timeout: the waiters answer as this
@@ -763,6 +875,9 @@ pin_project! {
         // kept it that long), counted into the copy's.
         arrived_aged_ms: u64,
         finish: Option<CaptureTarget>,
+        // Of the fetch this capture leads while its waiters wait for the copy: who the body
+        // waits for (see `BodyPace`).
+        pace: Option<Arc<BodyPace>>,
     }
 }
 
@@ -792,12 +907,14 @@ impl<B> Capture<B> {
             .and_then(|value| value.to_str().ok())
             .and_then(|value| value.trim().parse::<u64>().ok())
             .map_or(0, |seconds| seconds.saturating_mul(1000));
+        let pace = target.guard.as_ref().and_then(FetchGuard::pace);
         Capture {
             inner,
             buffer: Some(BodyPieces::default()),
             head: Some((status.as_u16(), kept_headers(headers, received))),
             arrived_aged_ms,
             finish: Some(target),
+            pace,
         }
     }
 }
@@ -845,7 +962,24 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
-        let polled = this.inner.as_mut().poll_frame(cx);
+        let polled = match this.pace.as_ref() {
+            None => this.inner.as_mut().poll_frame(cx),
+            // The upstream's body is polled with the pace as its waker: when it has more, the
+            // pace hears of it before the reader's task is woken (see `BodyPace`).
+            Some(pace) => {
+                let now = Instant::now();
+                pace.asked(now, cx.waker());
+                let waker = Waker::from(pace.clone());
+                let polled = this
+                    .inner
+                    .as_mut()
+                    .poll_frame(&mut Context::from_waker(&waker));
+                if matches!(polled, Poll::Ready(Some(Ok(_)))) {
+                    pace.handed(now);
+                }
+                polled
+            }
+        };
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if let (Some(data), Some(buffer)) = (frame.data_ref(), this.buffer.as_mut()) {
@@ -873,6 +1007,10 @@ where
                 *this.finish = None;
             }
             Poll::Pending => {}
+        }
+        if this.finish.is_none() {
+            // Stored, or not to be: the waiters no longer look at the pace.
+            *this.pace = None;
         }
         polled
     }
@@ -1467,23 +1605,23 @@ mod tests {
         let store = Arc::new(StaleStore::new(L1_MAX_BYTES));
         let (guard, receiver) = lead_and_wait(&store);
         let started = Instant::now();
-        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, WAIT_FOR_BODY));
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, MAX_READER_HOLD));
         // Upstream takes its time to answer: the waiter waits, as it would for its own fetch.
         tokio::time::sleep(Duration::from_secs(5)).await;
         assert!(!waiter.is_finished());
         // The head is in, and the leader's client then reads the body slowly (the copy is never
-        // finished here): the waiter goes upstream after WAIT_FOR_BODY, not after HEAD.
+        // finished here): the waiter goes upstream after MAX_READER_HOLD, not after HEAD.
         guard.answered();
         let waited = waiter.await.expect("waiter");
         assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
-        assert_eq!(started.elapsed(), Duration::from_secs(5) + WAIT_FOR_BODY);
+        assert_eq!(started.elapsed(), Duration::from_secs(5) + MAX_READER_HOLD);
 
         // A request that comes once the head is older than the bound does not wait at all.
         let Fetch::Wait(late) = store.fetch("k") else {
             panic!("the fetch is still out");
         };
         let joined = Instant::now();
-        let waited = wait_for_copy(late, HEAD, WAIT_FOR_BODY).await;
+        let waited = wait_for_copy(late, HEAD, MAX_READER_HOLD).await;
         assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
         assert_eq!(joined.elapsed(), Duration::ZERO);
         drop(guard);
@@ -1494,9 +1632,9 @@ mod tests {
     ) {
         let store = Arc::new(StaleStore::new(L1_MAX_BYTES));
         let (guard, receiver) = lead_and_wait(&store);
-        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, WAIT_FOR_BODY));
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, MAX_READER_HOLD));
         guard.answered();
-        tokio::time::sleep(WAIT_FOR_BODY / 2).await;
+        tokio::time::sleep(MAX_READER_HOLD / 2).await;
         guard.finish(small_copy());
         let waited = waiter.await.expect("waiter");
         assert!(
@@ -1508,7 +1646,7 @@ mod tests {
         // The next fetch's leader lets go without a copy: the waiter goes at once.
         let (guard, receiver) = lead_and_wait(&store);
         let started = Instant::now();
-        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, WAIT_FOR_BODY));
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, MAX_READER_HOLD));
         tokio::time::sleep(Duration::from_millis(10)).await;
         drop(guard);
         let waited = waiter.await.expect("waiter");
@@ -1519,7 +1657,7 @@ mod tests {
         // upstream to wait as long again.
         let (guard, receiver) = lead_and_wait(&store);
         let started = Instant::now();
-        let waited = wait_for_copy(receiver, HEAD, WAIT_FOR_BODY).await;
+        let waited = wait_for_copy(receiver, HEAD, MAX_READER_HOLD).await;
         assert!(matches!(waited, Waited::TimedOut), "{waited:?}");
         assert_eq!(started.elapsed(), HEAD);
         drop(guard);
@@ -1531,14 +1669,133 @@ mod tests {
             panic!("the fetch is still out");
         };
         let started = Instant::now();
-        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, WAIT_FOR_BODY));
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, MAX_READER_HOLD));
         tokio::time::sleep(Duration::from_millis(10)).await;
         guard.timed_out();
         drop(guard);
         let waited = waiter.await.expect("waiter");
         assert!(matches!(waited, Waited::TimedOut), "{waited:?}");
         assert_eq!(started.elapsed(), Duration::from_millis(10));
-        let waited = wait_for_copy(second, HEAD, WAIT_FOR_BODY).await;
+        let waited = wait_for_copy(second, HEAD, MAX_READER_HOLD).await;
         assert!(matches!(waited, Waited::TimedOut), "{waited:?}");
+    }
+
+    /// An upstream's body whose pieces the test sends as it likes; it ends when the sender is
+    /// dropped.
+    struct Trickle(tokio::sync::mpsc::UnboundedReceiver<Bytes>);
+
+    impl Body for Trickle {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.get_mut()
+                .0
+                .poll_recv(cx)
+                .map(|piece| piece.map(|bytes| Ok(Frame::data(bytes))))
+        }
+    }
+
+    /// The answer whose head `guard`'s fetch just got, kept as its copy: its body as the
+    /// leading request's client reads it, and the upstream's end of that body.
+    fn captured(
+        guard: FetchGuard,
+        store: &Arc<StaleStore>,
+    ) -> (Capture<Trickle>, tokio::sync::mpsc::UnboundedSender<Bytes>) {
+        guard.answered();
+        let (upstream, body) = tokio::sync::mpsc::unbounded_channel();
+        let target = CaptureTarget {
+            store: store.clone(),
+            key: key_of("r", 0),
+            redis: None,
+            metrics: Arc::new(Metrics::new()),
+            settings: Arc::new(small_settings()),
+            guard: Some(guard),
+        };
+        let capture = Capture::new(
+            Trickle(body),
+            StatusCode::OK,
+            (&HeaderMap::new(), None),
+            target,
+        );
+        (capture, upstream)
+    }
+
+    /// A PHP page that flushes its head at once, then runs a slow query: its waiters wait for
+    /// the page (one fetch) instead of each going upstream a second after the head came (and
+    /// taking a php-fpm worker for as long as the leader's).
+    #[tokio::test(start_paused = true)]
+    async fn waiters_wait_for_a_page_the_upstream_is_still_writing_up_to_their_response_timeout() {
+        use http_body_util::BodyExt;
+        let store = Arc::new(StaleStore::new(L1_MAX_BYTES));
+        let (guard, receiver) = lead_and_wait(&store);
+        let (capture, upstream) = captured(guard, &store);
+        // The leader's client (a front nginx) reads every byte as it comes.
+        let reader = tokio::spawn(capture.collect());
+        let started = Instant::now();
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, MAX_READER_HOLD));
+        upstream.send(Bytes::from_static(b"<head>")).expect("send");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(!waiter.is_finished(), "the page is still being written");
+        // A request that comes long after the head still waits, as the upstream is what is
+        // slow.
+        let Fetch::Wait(late) = store.fetch("k") else {
+            panic!("the fetch is still out");
+        };
+        let late = tokio::spawn(wait_for_copy(late, HEAD, MAX_READER_HOLD));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        upstream.send(Bytes::from_static(b"</html>")).expect("send");
+        drop(upstream);
+        for waiter in [waiter, late] {
+            let waited = waiter.await.expect("waiter");
+            assert!(
+                matches!(waited, Waited::Copy(ref copy) if copy.body == "<head></html>"),
+                "{waited:?}"
+            );
+        }
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+        let read = reader.await.expect("reader").expect("body");
+        assert_eq!(read.to_bytes(), "<head></html>");
+
+        // A page still being written when a waiter's own response timeout runs out: it has
+        // waited as long as for an answer of its own (the caller serves the route's copy, or
+        // a 504), and does not go upstream to wait as long again.
+        let (guard, receiver) = lead_and_wait(&store);
+        let (capture, upstream) = captured(guard, &store);
+        let reader = tokio::spawn(capture.collect());
+        upstream.send(Bytes::from_static(b"<head>")).expect("send");
+        let started = Instant::now();
+        let waited = wait_for_copy(receiver, HEAD, MAX_READER_HOLD).await;
+        assert!(matches!(waited, Waited::TimedOut), "{waited:?}");
+        assert_eq!(started.elapsed(), HEAD);
+        drop(upstream);
+        reader.await.expect("reader").expect("body");
+    }
+
+    /// The response writer asks for the body, finds nothing yet and flushes what it has to
+    /// its client, which stops reading: once the upstream's next bytes are in, the time is the
+    /// client's, and the waiters go upstream after MAX_READER_HOLD of it, not at their
+    /// response timeout.
+    #[tokio::test(start_paused = true)]
+    async fn waiters_stop_waiting_once_the_leaders_client_leaves_the_upstreams_bytes_untaken() {
+        use futures_util::FutureExt;
+        use http_body_util::BodyExt;
+        let store = Arc::new(StaleStore::new(L1_MAX_BYTES));
+        let (guard, receiver) = lead_and_wait(&store);
+        let (mut capture, upstream) = captured(guard, &store);
+        assert!(capture.frame().now_or_never().is_none(), "no bytes yet");
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, MAX_READER_HOLD));
+        // The upstream takes its time: the waiter waits.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(!waiter.is_finished());
+        upstream.send(Bytes::from_static(b"<head>")).expect("send");
+        let sent = Instant::now();
+        let waited = waiter.await.expect("waiter");
+        assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
+        assert_eq!(sent.elapsed(), MAX_READER_HOLD);
+        drop(capture);
     }
 }

@@ -518,7 +518,7 @@ async fn forward(
     };
     // A request that waited for another's fetch (which brought no copy) waits no longer in
     // all than the upstream's response timeout; one that waited all of it (that fetch timed
-    // out) is answered as the fetch's own request is: with the copy, or a 504.
+    // out, or its page was still coming) is answered as a timeout is: with the copy, or a 504.
     let full_timeout = route.upstream.settings.response_timeout;
     let response_timeout = full_timeout.saturating_sub(waited_for_fetch);
     if response_timeout.is_zero() {
@@ -1251,9 +1251,11 @@ impl Stale {
         served
     }
 
-    /// Leads the fetch of this copy, or waits for the fetch already in flight: for its head at
-    /// most the upstream's response timeout, then for its body at most
-    /// [`stale::WAIT_FOR_BODY`], as the leader's client may read slowly.
+    /// Leads the fetch of this copy, or waits for the fetch already in flight: at most the
+    /// upstream's response timeout in all, as long as the request would wait for an answer of
+    /// its own, while the upstream makes the page (its head, then a body the app is still
+    /// writing); but only until the leader's client has held the body back for
+    /// [`stale::MAX_READER_HOLD`], as that client may read slowly.
     async fn join(&self, shared: &Shared, policy: &Policy, route: &Route) -> Joined {
         let Some(key) = self.key.as_ref().filter(|_| self.keeps) else {
             return Joined::Lead {
@@ -1285,7 +1287,7 @@ impl Stale {
         let waited = stale::wait_for_copy(
             waiting,
             route.upstream.settings.response_timeout,
-            stale::WAIT_FOR_BODY,
+            stale::MAX_READER_HOLD,
         )
         .await;
         match waited {
@@ -1296,12 +1298,20 @@ impl Stale {
                 )
                 .await,
             ),
-            // The fetch failed, gave nothing to keep, or its body is slow: go upstream
-            // ourselves.
+            // The fetch failed, gave nothing to keep, or its client holds the body back: go
+            // upstream ourselves.
             Waited::GoUpstream => Joined::Lead {
                 guard: None,
                 waited: started.elapsed(),
             },
+            // No copy within this request's response timeout: no head came, the fetch timed
+            // out, or the app was still writing the page. Either way a fetch of its own would
+            // be no quicker: it is answered below as a timeout is, with the route's copy
+            // (within `max_age`, marked stale) or a 504. A waiter is not served that older copy
+            // sooner, while the page is still coming: the route is healthy, and the page being
+            // fetched is the current one (a slow page's waiters get it as soon as it is in,
+            // which is sooner than a fetch of their own would bring it). A site that wants its
+            // copies served while the app is too busy says so with a trigger (`inflight`).
             Waited::TimedOut => Joined::Lead {
                 guard: None,
                 waited: route.upstream.settings.response_timeout,
