@@ -203,6 +203,31 @@ fn check_reports_every_error_with_file_line_col_and_fails() {
 }
 
 #[test]
+fn an_upstream_written_without_its_name_is_told_to_take_one_at_its_header() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("10-app.toml"),
+        "# the PHP app\n[upstream]\nurl = \"http://127.0.0.1:8081\"\nmax_inflight = 20\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.path().join("20-routes.toml"),
+        "[[route]]\nname = \"home\"\nupstream = \"php\"\nmatch = { path = \"/\" }\n",
+    )
+    .expect("write");
+    let (ok, _stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "check must fail");
+    let expected = format!(
+        "{}:2:1: error: `[upstream]` needs a name: write `[upstream.NAME]` (e.g. `[upstream.php]`)\n  hint: ",
+        dir.path().join("10-app.toml").display()
+    );
+    assert!(stderr.starts_with(&expected), "{stderr}");
+    // Said once, at the header: not once per key under it, nor the route's `php` undefined.
+    assert!(stderr.contains("has 1 error(s)"), "{stderr}");
+    assert!(!stderr.contains("is a table"), "{stderr}");
+}
+
+#[test]
 fn check_fails_on_a_missing_or_empty_directory() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (ok, _, stderr) = levee_check(dir.path());

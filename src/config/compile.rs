@@ -323,6 +323,9 @@ struct UnreadNames {
     upstreams: std::collections::BTreeSet<String>,
     limits: std::collections::BTreeSet<String>,
     modules: std::collections::BTreeSet<String>,
+    /// Kinds written there without their name (`[upstream]` with `url` under it, already
+    /// reported): whichever name a route gives may be the one meant.
+    nameless: std::collections::BTreeSet<&'static str>,
 }
 
 impl UnreadNames {
@@ -332,16 +335,33 @@ impl UnreadNames {
         let Ok(table) = text.parse::<toml::Table>() else {
             return;
         };
-        let names = |section: &str| -> Vec<String> {
-            table
-                .get(section)
-                .and_then(toml::Value::as_table)
-                .map(|entries| entries.keys().cloned().collect())
-                .unwrap_or_default()
-        };
-        self.upstreams.extend(names("upstream"));
-        self.limits.extend(names("limit"));
-        self.modules.extend(names("module"));
+        for kind in ["upstream", "limit", "module"] {
+            let Some(entries) = table.get(kind).and_then(toml::Value::as_table) else {
+                continue;
+            };
+            if entries.values().any(|entry| !entry.is_table()) {
+                self.nameless.insert(kind);
+            }
+            let names = entries
+                .iter()
+                .filter(|(_, entry)| entry.is_table())
+                .map(|(name, _)| name.clone());
+            match kind {
+                "upstream" => self.upstreams.extend(names),
+                "limit" => self.limits.extend(names),
+                _ => self.modules.extend(names),
+            }
+        }
+    }
+
+    /// Whether such a file may define `name` of `kind` (`upstream`, `limit`, `module`).
+    fn may_define(&self, kind: &str, name: &str) -> bool {
+        self.nameless.contains(kind)
+            || match kind {
+                "upstream" => self.upstreams.contains(name),
+                "limit" => self.limits.contains(name),
+                _ => self.modules.contains(name),
+            }
     }
 }
 
@@ -963,22 +983,38 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 compiler.unread.note(&file.text);
                 let mut errors = FileSpec::shape_errors(&file.text);
                 // A syntax error, or one shape_errors would not see: serde's own is kept.
-                if !errors.iter().any(|error| error.span == first.span()) {
+                // One inside what a shape error stands for says the same less plainly.
+                let covered = errors.iter().any(|error| {
+                    error.span == first.span()
+                        || first.span().is_some_and(|span| {
+                            error
+                                .covers
+                                .iter()
+                                .any(|covers| covers.start <= span.start && span.end <= covers.end)
+                        })
+                });
+                if !covered {
                     errors.push(ShapeError {
                         span: first.span(),
                         message: first.message().to_string(),
                         key: None,
+                        hint: None,
+                        covers: Vec::new(),
                     });
                 }
                 errors.sort_by_key(|error| error.span.as_ref().map_or(0, |span| span.start));
                 for error in errors {
                     let span = error.span.unwrap_or(0..0);
-                    let (span, message, hint) = explain_parse_error(
-                        &file.text,
-                        &span,
-                        &error.message,
-                        error.key.as_deref(),
-                    );
+                    let (span, message, hint) = match error.hint {
+                        // Said in levee's words already.
+                        Some(hint) => (span, error.message, hint),
+                        None => explain_parse_error(
+                            &file.text,
+                            &span,
+                            &error.message,
+                            error.key.as_deref(),
+                        ),
+                    };
                     compiler.error_hint(index, span, message, hint);
                 }
             }
@@ -1189,7 +1225,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     }) {
         Some((file, name)) => {
             if !upstream_specs.contains_key(name.get_ref())
-                && !compiler.unread.upstreams.contains(name.get_ref())
+                && !compiler.unread.may_define("upstream", name.get_ref())
             {
                 let known = known_names("upstream", &upstream_specs);
                 compiler.error_hint(
@@ -1781,7 +1817,7 @@ fn compile_degrade(
         for name in list.get_ref() {
             if modules.contains_key(name) {
                 modules_off.insert(name.clone());
-            } else if !compiler.unread.modules.contains(name) {
+            } else if !compiler.unread.may_define("module", name) {
                 let known: Vec<&str> = modules.keys().map(String::as_str).collect();
                 compiler.error_hint(file, list.span(), format!("module `{name}` is not defined"), format!("modules: {}; declare one with [module.NAME] or name it in a route's module or hide", known.join(", ")));
             }
@@ -1859,7 +1895,7 @@ fn compile_trigger(
         return None;
     };
     if !upstreams.contains(upstream.get_ref()) {
-        if !compiler.unread.upstreams.contains(upstream.get_ref()) {
+        if !compiler.unread.may_define("upstream", upstream.get_ref()) {
             compiler.error_hint(
                 file,
                 upstream.span(),
@@ -3843,7 +3879,7 @@ fn compile_route(
     let upstream_name = match &inner.upstream {
         Some(upstream) => {
             if !context.upstream_specs.contains_key(upstream.get_ref()) {
-                if !compiler.unread.upstreams.contains(upstream.get_ref()) {
+                if !compiler.unread.may_define("upstream", upstream.get_ref()) {
                     let known = known_names("upstream", context.upstream_specs);
                     compiler.error_hint(
                         file,
@@ -3885,7 +3921,7 @@ fn compile_route(
             // Defined but broken: already reported where it is defined (also in a file
             // that did not read whole).
             None if context.limit_specs.contains_key(name.get_ref())
-                || compiler.unread.limits.contains(name.get_ref()) => {}
+                || compiler.unread.may_define("limit", name.get_ref()) => {}
             None => compiler.error_hint(
                 file,
                 name.span(),
@@ -4645,6 +4681,72 @@ mod tests {
             errors(&[("a.toml", "[server\nx = \"\n[[route]]\ntier = \"3\"\n")]).len(),
             1
         );
+    }
+
+    #[test]
+    fn a_named_table_written_without_its_name_is_told_to_take_one() {
+        let app = "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n";
+        let route = "[[route]]\nname = \"home\"\nupstream = \"app\"\n";
+        for (text, expected) in [
+            (
+                "[upstream]\nurl = \"http://127.0.0.1:8081\"\nmax_inflight = 20\n".to_string(),
+                "a.toml:1:1: error: `[upstream]` needs a name: write `[upstream.NAME]` (e.g. `[upstream.php]`)\n  hint: the keys under it belong to one upstream, whose name goes in the header: `[upstream.php]` on a line of its own, its keys under it; a route names it with upstream = \"php\"",
+            ),
+            // Only tables under it, which the parser took for upstreams named `fastcgi`.
+            (
+                "[upstream]\nfastcgi = { root = \"/var/www\" }\n".to_string(),
+                "a.toml:1:1: error: `[upstream]` needs a name: write `[upstream.NAME]`",
+            ),
+            (
+                "upstream.url = \"http://127.0.0.1:8081\"\n".to_string(),
+                "a.toml:1:1: error: `[upstream]` needs a name",
+            ),
+            (
+                format!("{app}{route}\n[limit]\nkey = \"ip\"\nrate = \"10/s\"\n"),
+                "a.toml:7:1: error: `[limit]` needs a name: write `[limit.NAME]` (e.g. `[limit.login_per_ip]`)\n  hint: the keys under it belong to one limit, whose name goes in the header: `[limit.login_per_ip]` on a line of its own, its keys under it; a route lists it with limits = [\"login_per_ip\"]",
+            ),
+            (
+                format!("{app}{route}[module]\ntier = 3\n"),
+                "a.toml:6:1: error: `[module]` needs a name: write `[module.NAME]` (e.g. `[module.ranking]`)",
+            ),
+            (
+                "[[upstream]]\nname = \"php\"\nurl = \"http://127.0.0.1:8081\"\n".to_string(),
+                "a.toml:1:1: error: `[[upstream]]` is not a list: each upstream is a table with its name in its header, `[upstream.NAME]` (e.g. `[upstream.php]`)\n  hint: write `[upstream.php]` where `[[upstream]]` is, and remove its `name = \"php\"` line",
+            ),
+            (
+                "[[upstream.php]]\nurl = \"http://127.0.0.1:8081\"\n".to_string(),
+                "a.toml:1:1: error: `[[upstream.php]]` is written with single brackets: `[upstream.php]`",
+            ),
+            (
+                format!("{app}[route.home]\nmatch = {{ path = \"/\" }}\n"),
+                "a.toml:3:1: error: `[route.home]`: routes are a list, each entry written `[[route]]` with its name under it\n  hint: write `[[route]]` and, on the line under it, name = \"home\"",
+            ),
+        ] {
+            let refused = errors(&[("a.toml", &text)]);
+            // One error, in levee's words: not one per key (`url` is a table), nor the
+            // parser's own beside it.
+            assert_eq!(refused.len(), 1, "{text}\n{refused:#?}");
+            assert!(refused[0].starts_with(expected), "{text}\n{refused:#?}");
+        }
+        // A named upstream beside the nameless one is still checked, and a route naming the
+        // upstream the operator meant is not told it is undefined.
+        let refused = errors(&[
+            (
+                "10-app.toml",
+                "[upstream]\nurl = \"http://127.0.0.1:8081\"\n[upstream.api]\nurl = \"http://127.0.0.1:9\"\nretries = 1\n",
+            ),
+            ("20-routes.toml", "[[route]]\nname = \"home\"\nupstream = \"php\"\n"),
+        ]);
+        assert_eq!(refused.len(), 2, "{refused:#?}");
+        assert!(refused[0].starts_with("10-app.toml:1:1: error: `[upstream]` needs a name"));
+        assert!(refused[1].starts_with("10-app.toml:5:1: error: unknown field `retries`"));
+        // Upstreams written inline under `[upstream]`, and one named like a key, are fine.
+        for text in [
+            "[upstream]\nphp = { url = \"http://127.0.0.1:8081\" }\n",
+            "[upstream.fastcgi]\nurl = \"http://127.0.0.1:8081\"\n",
+        ] {
+            assert!(errors(&[("a.toml", text)]).is_empty(), "{text}");
+        }
     }
 
     #[test]
