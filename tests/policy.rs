@@ -228,6 +228,31 @@ fn an_upstream_written_without_its_name_is_told_to_take_one_at_its_header() {
 }
 
 #[test]
+fn a_route_an_earlier_one_holds_whole_is_a_warning_at_both_places() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("10-shop.toml"),
+        "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n\n[[route]]\nname = \"shop\"\nmatch = { path_prefix = \"/shop\" }\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.path().join("20-cart.toml"),
+        "[[route]]\nname = \"cart\"\nmatch = { method = \"POST\", path = \"/shop/cart\" }\n",
+    )
+    .expect("write");
+    let (ok, stdout, stderr) = levee_check(dir.path());
+    // It loads: the policy does what it says, only not what was most likely meant.
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("is valid with 1 warning(s)"), "{stdout}");
+    let expected = format!(
+        "{}:2:8: warning: route `cart` is never reached: route `shop` before it ({}:5:8) matches every request it matches\n  hint: ",
+        dir.path().join("20-cart.toml").display(),
+        dir.path().join("10-shop.toml").display()
+    );
+    assert!(stderr.starts_with(&expected), "{stderr}");
+}
+
+#[test]
 fn check_fails_on_a_missing_or_empty_directory() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (ok, _, stderr) = levee_check(dir.path());

@@ -1327,6 +1327,12 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             }
         }
     }
+    // Before a catch-all (after one, every route is refused above).
+    let tried = match catch_all_at.flatten() {
+        Some(first) => &routes[..=first],
+        None => &routes[..],
+    };
+    warn_of_shadowed_routes(&mut compiler, tried, &route_names);
     // A request no route matches goes to the default upstream; without one it gets a 404,
     // which for a site is every page nobody thought to route: an empty or truncated file, or
     // a second upstream added (with one, it is the default by itself).
@@ -1472,6 +1478,70 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
 }
 
 type NamedSpecs<'a, T> = &'a BTreeMap<String, (usize, Spanned<T>)>;
+
+/// Routes that never apply because a route before them matches every request they match
+/// (`[[route]] path_prefix = "/shop"` before `path = "/shop/cart"` with no narrower
+/// condition): a warning, at both places. The policy works as written, but an operator who
+/// wrote the later route meant its limits and switches to hold. Only certain cases are said
+/// (see [`Route::matches_every_request_of`]); `names` places each route's `name`.
+fn warn_of_shadowed_routes(
+    compiler: &mut Compiler<'_>,
+    routes: &[Arc<Route>],
+    names: &BTreeMap<String, (usize, Range<usize>)>,
+) {
+    // Earlier routes by the literal their paths begin with (an exact path, a prefix); those
+    // with none (any path, a regex) in a list. A route is held only by earlier ones whose
+    // literal begins its own, so each is compared with few, not with every route before it
+    // (a policy of many thousand routes would take seconds to check).
+    let mut by_literal: std::collections::HashMap<&str, Vec<usize>> =
+        std::collections::HashMap::new();
+    let mut without_literal: Vec<usize> = Vec::new();
+    for (at, later) in routes.iter().enumerate() {
+        let start = later.path.literal_start();
+        let holds = |earlier: &usize| routes[*earlier].matches_every_request_of(later);
+        let mut first = without_literal.iter().copied().find(holds);
+        // Every start of the later route's literal (or `/`, which begins every path).
+        let literal = start.as_deref().unwrap_or("/");
+        let ends = literal
+            .char_indices()
+            .map(|(end, _)| end)
+            .skip(1)
+            .chain(std::iter::once(literal.len()));
+        for end in ends {
+            let Some(earlier) = literal.get(..end).and_then(|start| by_literal.get(start)) else {
+                continue;
+            };
+            if let Some(found) = earlier.iter().copied().find(holds) {
+                first = Some(first.map_or(found, |first| first.min(found)));
+            }
+        }
+        if let Some(earlier) = first {
+            let earlier = &routes[earlier];
+            let placed = (names.get(&*later.name.0), names.get(&*earlier.name.0));
+            if let (Some((file, span)), Some((earlier_file, earlier_span))) = placed {
+                let earlier_at = compiler.location(*earlier_file, earlier_span);
+                compiler.warning_hint(
+                    *file,
+                    span.clone(),
+                    format!(
+                        "route `{}` is never reached: route `{}` before it ({earlier_at}) matches every request it matches",
+                        later.name, earlier.name
+                    ),
+                    format!(
+                        "routes are tried in order (files by name, then as written) and the first that matches wins; move `{}` before `{}`, or remove it",
+                        later.name, earlier.name
+                    ),
+                );
+            }
+        }
+        match &later.path {
+            PathMatch::Exact(literal) | PathMatch::Prefix(literal) => {
+                by_literal.entry(literal.as_str()).or_default().push(at);
+            }
+            PathMatch::Any | PathMatch::Regex(_) => without_literal.push(at),
+        }
+    }
+}
 
 /// Sections that load but do nothing, most often an edit left half done: a limit no route
 /// lists limits nobody, a module no route belongs to and no page hides is switched off to no
@@ -4602,6 +4672,172 @@ mod tests {
         ] {
             assert!(compile(&files(&[("a.toml", &fixed)]), None).is_ok(), "{fixed}");
         }
+    }
+
+    #[test]
+    fn a_route_an_earlier_one_holds_whole_is_warned_of_at_both_places() {
+        let shadowed = |routes: &str| -> Vec<String> {
+            let policy = compile(
+                &files(&[
+                    ("05-routes.toml", routes),
+                    (
+                        "10-app.toml",
+                        &format!("{APP}[[route]]\nname = \"fallback\"\n"),
+                    ),
+                ]),
+                None,
+            )
+            .unwrap_or_else(|errors| panic!("{routes}\n{errors}"));
+            policy
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .filter(|warning| warning.contains("is never reached"))
+                .collect()
+        };
+        let route = |name: &str, matcher: &str| {
+            format!("[[route]]\nname = \"{name}\"\nmatch = {{ {matcher} }}\n")
+        };
+        // A prefix before an exact path under it: the warning is at the later route's name
+        // and names the earlier one's place.
+        let warned = shadowed(&format!(
+            "{}{}",
+            route("shop", "path_prefix = \"/shop\""),
+            route("cart", "path = \"/shop/cart\", method = \"POST\"")
+        ));
+        assert_eq!(
+            warned,
+            ["05-routes.toml:5:8: warning: route `cart` is never reached: route `shop` before it (05-routes.toml:2:8) matches every request it matches\n  hint: routes are tried in order (files by name, then as written) and the first that matches wins; move `cart` before `shop`, or remove it"]
+        );
+        // Certainly held: the same or fewer methods (GET holds HEAD), a host or a client
+        // range inside the earlier one's, a longer prefix, a regex under the prefix, the
+        // same regex, PATH_INFO of an exact script.
+        for (earlier, later) in [
+            ("path_prefix = \"/api\"", "path_prefix = \"/api/v2\""),
+            (
+                "method = [\"GET\", \"POST\"], path_prefix = \"/api\"",
+                "method = \"head\", path = \"/api/x\"",
+            ),
+            (
+                "host = \"*.example.com\", path_prefix = \"/\"",
+                "host = [\"shop.example.com\", \"*.eu.example.com\"], path = \"/cart\"",
+            ),
+            (
+                "client = \"10.0.0.0/8\", path_prefix = \"/admin\"",
+                "client = [\"10.1.0.0/16\", \"10.2.3.4\"], path = \"/admin/users\"",
+            ),
+            ("path_prefix = \"/user\"", "path_regex = \"^/user/[0-9]+$\""),
+            (
+                "path_regex = \"^/u/[0-9]+$\"",
+                "path_regex = \"^/u/[0-9]+$\"",
+            ),
+            ("path = \"/wp-login.php\"", "path = \"/wp-login.php/x\""),
+            (
+                "method = \"POST\"",
+                "method = \"POST\", path = \"/post.php\"",
+            ),
+        ] {
+            let routes = format!("{}{}", route("a", earlier), route("b", later));
+            let warned = shadowed(&routes);
+            assert_eq!(warned.len(), 1, "{earlier} | {later}: {warned:?}");
+            assert!(warned[0].contains("route `b` is never reached: route `a` before it"));
+            // And so it is: no request that `b` matches finds it.
+            let policy =
+                compile(&files(&[("a.toml", &format!("{APP}{routes}"))]), None).expect("compiles");
+            let later_matches = |host, method: &Method, path: &str, client| {
+                policy
+                    .routes
+                    .find_from(host, method, path, client)
+                    .map(|found| found.map(|route| route.name.to_string()))
+            };
+            for host in [
+                None,
+                Some("shop.example.com"),
+                Some("x.eu.example.com"),
+                Some("example.com"),
+            ] {
+                for method in [Method::GET, Method::HEAD, Method::POST, Method::PUT] {
+                    for path in [
+                        "/",
+                        "/api/v2/x",
+                        "/api/x",
+                        "/cart",
+                        "/admin/users",
+                        "/user/12",
+                        "/u/3",
+                        "/wp-login.php/x",
+                        "/wp-login.php/x/y",
+                        "/post.php",
+                    ] {
+                        for client in [
+                            None,
+                            Some([10, 1, 2, 3].into()),
+                            Some([10, 2, 3, 4].into()),
+                            Some([192, 0, 2, 1].into()),
+                        ] {
+                            let found = later_matches(host, &method, path, client);
+                            assert!(
+                                !matches!(&found, Ok(Some(name)) if name == "b"),
+                                "{earlier} | {later}: {host:?} {method} {path} {client:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Not certain, or not so: nothing said.
+        for (earlier, later) in [
+            // The later route is first.
+            ("path = \"/shop/cart\"", "path_prefix = \"/shop\""),
+            (
+                "method = \"POST\", path_prefix = \"/api\"",
+                "path = \"/api/x\"",
+            ),
+            (
+                "method = \"GET\", path_prefix = \"/api\"",
+                "method = [\"GET\", \"PUT\"], path = \"/api/x\"",
+            ),
+            // HEAD does not hold GET.
+            (
+                "method = \"HEAD\", path_prefix = \"/api\"",
+                "method = \"GET\", path = \"/api/x\"",
+            ),
+            (
+                "host = \"shop.example.com\", path_prefix = \"/\"",
+                "path = \"/cart\"",
+            ),
+            (
+                "host = \"shop.example.com\", path_prefix = \"/\"",
+                "host = \"*.example.com\", path = \"/cart\"",
+            ),
+            (
+                "client = \"10.0.0.0/8\", path_prefix = \"/admin\"",
+                "path = \"/admin/users\"",
+            ),
+            ("path_prefix = \"/shop/\"", "path = \"/shop\""),
+            ("path = \"/shop\"", "path = \"/shop/cart\""),
+            ("path = \"/index.php\"", "path_prefix = \"/index.php/\""),
+            // A regex is not read for what else it matches.
+            ("path_regex = \"^/user\"", "path = \"/user/1\""),
+            ("path_prefix = \"/user\"", "path_regex = \"/user/[0-9]+\""),
+            (
+                "path_prefix = \"/user\"",
+                "path_regex = \"(?i)^/user/[0-9]+\"",
+            ),
+        ] {
+            let warned = shadowed(&format!("{}{}", route("a", earlier), route("b", later)));
+            assert!(warned.is_empty(), "{earlier} | {later}: {warned:?}");
+        }
+        // A route held by a catch-all is refused, once, not also warned of.
+        let refused = errors(&[(
+            "a.toml",
+            &format!(
+                "{APP}{}{}",
+                route("all", "path_prefix = \"/\""),
+                route("b", "path = \"/x\"")
+            ),
+        )]);
+        assert_eq!(refused.len(), 1, "{refused:?}");
     }
 
     #[test]
