@@ -65,8 +65,31 @@ pub fn policy_file_paths(dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>>
     Ok(paths)
 }
 
-/// Reads every `*.toml` file of `dir`, in file-name order.
-pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
+/// The policy files of a directory as read.
+#[derive(Debug, Default)]
+pub struct ReadFiles {
+    /// Those that could be read, in file-name order.
+    pub files: Vec<SourceFile>,
+    /// Those that could not (permissions, not UTF-8, a directory named `*.toml`), each with
+    /// its error: the others are still checked, and every error reported together.
+    pub unreadable: Vec<Unreadable>,
+}
+
+/// A policy file that could not be read.
+#[derive(Debug, Clone)]
+pub struct Unreadable {
+    pub error: Diagnostic,
+    /// What it holds, as far as it is known: the text of a file that is not UTF-8 (its other
+    /// bytes replaced), so that what it defines is not called undefined elsewhere; nothing
+    /// for a directory, which levee never reads. `None` for a file that could not be read at
+    /// all (its permissions): it may define anything.
+    pub text: Option<String>,
+}
+
+/// Reads every `*.toml` file of `dir`, in file-name order. An error here is about the
+/// directory as a whole (it does not exist, holds no policy file); a file that cannot be read
+/// is among [`ReadFiles::unreadable`].
+pub fn read_dir(dir: &Path) -> Result<ReadFiles, Diagnostics> {
     let paths = policy_file_paths(dir).map_err(|error| {
         let message = match error.kind() {
             std::io::ErrorKind::NotFound => "the policy directory does not exist".to_string(),
@@ -77,36 +100,59 @@ pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
             "pass the directory that holds the *.toml policy files with --policies DIR",
         )])
     })?;
-    let mut files = Vec::with_capacity(paths.len());
-    let mut errors = Vec::new();
+    let mut read = ReadFiles::default();
     for path in paths {
         match std::fs::read(&path).map(String::from_utf8) {
-            Ok(Ok(text)) => files.push(SourceFile { path, text }),
-            Ok(Err(not_utf8)) => errors.push(not_utf8_at(path, &not_utf8)),
-            Err(error) => {
-                // A link left pointing at nothing (the file it named moved): said so, with
-                // where it points, rather than "no such file" for a file one can see.
-                let message = match std::fs::read_link(&path) {
-                    Ok(target) if error.kind() == std::io::ErrorKind::NotFound => format!(
-                        "cannot read: this is a symlink to {}, which does not exist",
-                        target.display()
-                    ),
-                    _ => format!("cannot read: {error}"),
-                };
-                errors.push(Diagnostic::whole(&path, message));
-            }
+            Ok(Ok(text)) => read.files.push(SourceFile { path, text }),
+            Ok(Err(not_utf8)) => read.unreadable.push(Unreadable {
+                text: Some(String::from_utf8_lossy(not_utf8.as_bytes()).into_owned()),
+                error: not_utf8_at(path, &not_utf8),
+            }),
+            Err(error) => read.unreadable.push(Unreadable {
+                error: cannot_read(&path, &error),
+                text: path.is_dir().then(String::new),
+            }),
         }
     }
-    if files.is_empty() && errors.is_empty() {
-        errors.push(
-            Diagnostic::whole(dir, "no *.toml policy files in this directory")
-                .hint("levee needs at least one policy file; see docs/policy.md"),
-        );
+    if read.files.is_empty() && read.unreadable.is_empty() {
+        return Err(Diagnostics(vec![Diagnostic::whole(
+            dir,
+            "no *.toml policy files in this directory",
+        )
+        .hint("levee needs at least one policy file; see docs/policy.md")]));
     }
-    if errors.is_empty() {
-        Ok(files)
+    Ok(read)
+}
+
+/// Why a policy file could not be read, said as what to do about it.
+fn cannot_read(path: &Path, error: &std::io::Error) -> Diagnostic {
+    // A link left pointing at nothing (the file it named moved): said so, with where it
+    // points, rather than "no such file" for a file one can see.
+    match std::fs::read_link(path) {
+        Ok(target) if error.kind() == std::io::ErrorKind::NotFound => {
+            return Diagnostic::whole(
+                path,
+                format!(
+                    "cannot read: this is a symlink to {}, which does not exist",
+                    target.display()
+                ),
+            )
+            .hint("point the link at the file where it is now, or remove the link");
+        }
+        _ => {}
+    }
+    if path.is_dir() {
+        return Diagnostic::whole(
+            path,
+            "cannot read: this is a directory, and levee reads only the *.toml files directly in the policy directory",
+        )
+        .hint("rename the directory so its name does not end in .toml, or move its files up into the policy directory");
+    }
+    let diagnostic = Diagnostic::whole(path, format!("cannot read: {error}"));
+    if error.kind() == std::io::ErrorKind::PermissionDenied {
+        diagnostic.hint("make the file readable by the user levee runs as (and by whoever runs levee check), e.g. chmod 644")
     } else {
-        Err(Diagnostics(errors))
+        diagnostic
     }
 }
 
@@ -133,7 +179,7 @@ fn not_utf8_at(path: std::path::PathBuf, error: &std::string::FromUtf8Error) -> 
 /// Reads and compiles a policy directory. `previous` lets unchanged upstreams keep their
 /// connection pools across a reload.
 pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnostics> {
-    let files = read_dir(dir)?;
+    let ReadFiles { files, unreadable } = read_dir(dir)?;
     // A file that held settings and is empty now was most often caught between a save's
     // truncation and its write: read as a policy that sets nothing, it would drop every
     // route and limit it held. (An empty placeholder, as an empty ConfigMap key makes, is a
@@ -155,10 +201,19 @@ pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnos
             })
             .collect();
         if !emptied.is_empty() {
-            return Err(Diagnostics(emptied));
+            let mut errors = emptied;
+            errors.extend(unreadable.into_iter().map(|file| file.error));
+            errors.sort_by(|a, b| a.file.cmp(&b.file));
+            return Err(Diagnostics(errors));
         }
     }
-    match compile(&files, previous) {
+    if files.is_empty() {
+        // Nothing else to check: every file is among those that could not be read.
+        return Err(Diagnostics(
+            unreadable.into_iter().map(|file| file.error).collect(),
+        ));
+    }
+    match compile_read(&files, &unreadable, previous) {
         Ok(mut policy) => {
             policy.warnings.extend(files_not_read(dir));
             Ok(policy)
@@ -326,6 +381,10 @@ struct UnreadNames {
     /// Kinds written there without their name (`[upstream]` with `url` under it, already
     /// reported): whichever name a route gives may be the one meant.
     nameless: std::collections::BTreeSet<&'static str>,
+    /// Such a file has a `[redis]` section.
+    redis: bool,
+    /// A file could not be read at all (its permissions, a directory): it may define anything.
+    unknown: bool,
 }
 
 impl UnreadNames {
@@ -335,6 +394,7 @@ impl UnreadNames {
         let Ok(table) = text.parse::<toml::Table>() else {
             return;
         };
+        self.redis |= table.contains_key("redis");
         for kind in ["upstream", "limit", "module"] {
             let Some(entries) = table.get(kind).and_then(toml::Value::as_table) else {
                 continue;
@@ -356,12 +416,18 @@ impl UnreadNames {
 
     /// Whether such a file may define `name` of `kind` (`upstream`, `limit`, `module`).
     fn may_define(&self, kind: &str, name: &str) -> bool {
-        self.nameless.contains(kind)
+        self.unknown
+            || self.nameless.contains(kind)
             || match kind {
                 "upstream" => self.upstreams.contains(name),
                 "limit" => self.limits.contains(name),
                 _ => self.modules.contains(name),
             }
+    }
+
+    /// Whether such a file may hold the `[redis]` section that queues need.
+    fn may_hold_redis(&self) -> bool {
+        self.unknown || self.redis
     }
 }
 
@@ -965,6 +1031,16 @@ fn type_takes(expected: &str) -> Cow<'static, str> {
 
 /// Compiles parsed files into a policy, or returns every error found.
 pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy, Diagnostics> {
+    compile_read(files, &[], previous)
+}
+
+/// [`compile`], with the files of the directory that could not be read: their errors are
+/// reported with the others', and what they may define is not called undefined.
+fn compile_read(
+    files: &[SourceFile],
+    unreadable: &[Unreadable],
+    previous: Option<&Policy>,
+) -> Result<Policy, Diagnostics> {
     let mut compiler = Compiler {
         files,
         errors: Vec::new(),
@@ -973,6 +1049,13 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         errors_beyond: 0,
         spare: Diagnostic::whole(std::path::Path::new(""), ""),
     };
+    for file in unreadable {
+        compiler.errors.push(file.error.clone());
+        match &file.text {
+            Some(text) => compiler.unread.note(text),
+            None => compiler.unread.unknown = true,
+        }
+    }
 
     // Parse every file; a file that does not parse still lets the others be checked.
     let mut specs: Vec<(usize, FileSpec)> = Vec::new();
@@ -1265,7 +1348,11 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         }
     }
 
-    let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_store.is_some());
+    // `[redis]` may be in a file that did not read (already reported): queues are not also
+    // refused for want of it.
+    let redis_given =
+        redis_store.is_some() || (redis.is_none() && compiler.unread.may_hold_redis());
+    let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_given);
     // Every module a route names (`module`, `hide`), declared or not: a name a letter from
     // another is most often a typo, whichever of the two is declared.
     let mut named_modules: BTreeSet<String> = BTreeSet::new();
@@ -4916,6 +5003,50 @@ mod tests {
         assert_eq!(
             errors(&[("a.toml", "[server\nx = \"\n[[route]]\ntier = \"3\"\n")]).len(),
             1
+        );
+    }
+
+    #[test]
+    fn what_a_file_that_did_not_read_may_hold_is_not_called_missing() {
+        // Its `[redis]` (the file has a typo): the queue route is not also refused.
+        let refused = errors(&[
+            (
+                "10-redis.toml",
+                "[redis]\nurl = \"redis://127.0.0.1:6379\"\ntimout = \"1s\"\n",
+            ),
+            (
+                "20-app.toml",
+                &format!("{APP}[[route]]\nname = \"jobs\"\nmatch = {{ path = \"/jobs\" }}\nalways_queue = true\n"),
+            ),
+        ]);
+        assert_eq!(refused.len(), 1, "{refused:#?}");
+        assert!(refused[0].starts_with("10-redis.toml:3:1: error: unknown field `timout`"));
+        // A file not read at all may define anything; one read in part (not UTF-8) what it
+        // shows.
+        let unreadable = |text: Option<&str>| Unreadable {
+            error: Diagnostic::whole(Path::new("30-more.toml"), "cannot read: Permission denied"),
+            text: text.map(str::to_string),
+        };
+        let routes = format!("{APP}[[route]]\nname = \"home\"\nmatch = {{ path = \"/\" }}\nupstream = \"php\"\nlimits = [\"per_ip\"]\n");
+        let refused = |text: Option<&str>| -> Vec<String> {
+            match compile_read(
+                &files(&[("20-app.toml", &routes)]),
+                &[unreadable(text)],
+                None,
+            ) {
+                Ok(_) => panic!("an unreadable file is an error"),
+                Err(errors) => errors.0.iter().map(ToString::to_string).collect(),
+            }
+        };
+        assert_eq!(
+            refused(None),
+            ["30-more.toml: error: cannot read: Permission denied"]
+        );
+        let partly = refused(Some("[upstream.php]\nurl = \"http://127.0.0.1:9\"\n"));
+        assert_eq!(partly.len(), 2, "{partly:#?}");
+        assert!(
+            partly[0].starts_with("20-app.toml:7:11: error: limit `per_ip` is not defined"),
+            "{partly:#?}"
         );
     }
 
