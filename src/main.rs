@@ -356,8 +356,11 @@ fn refusal_text(text: &str) -> String {
     );
     for error in errors {
         let field = |name: &str| error[name].as_str().unwrap_or_default().to_string();
+        // A file not read is a warning beside the errors it explains; a levee from before
+        // `severity` was sent listed errors only.
+        let severity = error["severity"].as_str().unwrap_or("error");
         out.push_str(&format!(
-            "{}: error: {}\n",
+            "{}: {severity}: {}\n",
             field("location"),
             field("message")
         ));

@@ -338,6 +338,39 @@ async fn a_refused_reload_prints_its_errors_as_check_does() {
         "{err}"
     );
     assert!(err.contains("\n  hint: "), "{err}");
+
+    // `levee status` shows the refusal as `levee check` prints it: hints, and a file not read
+    // as the warning it is.
+    let dir = levee.policy_file().parent().expect("dir").to_path_buf();
+    std::fs::write(dir.join("limits.TOML"), "").expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .arg("check")
+        .arg(&dir)
+        .output()
+        .expect("run levee check");
+    let checked = String::from_utf8_lossy(&output.stderr).into_owned();
+    let (ok, _, err) = tokio::task::spawn_blocking(move || levee_cli(&["reload"], admin, None))
+        .await
+        .expect("cli");
+    assert!(!ok);
+    assert!(
+        err.contains(": warning: `limits.TOML` is not read"),
+        "{err}"
+    );
+    let (ok, out, err) = tokio::task::spawn_blocking(move || levee_cli(&["status"], admin, None))
+        .await
+        .expect("cli");
+    assert!(ok, "{err}");
+    let as_checked: String = checked
+        .lines()
+        .filter(|line| !line.starts_with("levee: policy in"))
+        .map(|line| format!("           {line}\n"))
+        .collect();
+    assert!(
+        out.contains(&format!("LAST RELOAD REFUSED (1 error(s)):\n{as_checked}")),
+        "{out}\nnot as check prints:\n{checked}"
+    );
+    assert!(out.contains("\n             hint: "), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -181,6 +181,8 @@ async function waitMatch(page, testid, source) {
   await page.getByTestId('reload').click();
   await waitMatch(page, 'message', '^policy reload refused: \\S*levee\\.toml:\\d+:\\d+: ');
   await waitMatch(page, 'reload-errors', 'nowhere');
+  // Each as `levee check` prints it: its severity, and its hint under it.
+  await waitMatch(page, 'reload-errors', '\\(1 error;[^]*levee\\.toml:\\d+:\\d+: error: upstream `nowhere` is not defined\\s+hint: defined upstreams');
   fs.writeFileSync(policyFile, policy);
   await page.getByTestId('reload').click();
   await waitMatch(page, 'message', '^policy reload: generation');

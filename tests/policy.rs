@@ -153,6 +153,78 @@ fn a_file_that_is_not_utf8_is_reported_where_it_stops_being_utf8() {
     assert!(stderr.contains("iconv"), "{stderr}");
 }
 
+/// A file that cannot be read does not stop the check of the others: every error of the
+/// directory is reported in one run, the unreadable files named at their paths.
+#[test]
+fn files_that_cannot_be_read_are_named_and_the_others_still_checked() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let write =
+        |name: &str, text: &[u8]| std::fs::write(dir.path().join(name), text).expect("write");
+    write(
+        "10-app.toml",
+        b"[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n",
+    );
+    // Its limit is defined in a file saved in Latin-1, its upstream perhaps in the file a
+    // link no longer reaches: neither is called undefined.
+    write(
+        "20-routes.toml",
+        b"[[route]]\nname = \"home\"\nmatch = { path = \"/\" }\nlimits = [\"per_ip\"]\nupstream = \"php\"\ntier = 7\n",
+    );
+    write(
+        "30-limits.toml",
+        b"[limit.per_ip]\nkey = \"ip\"\nrate = \"10/s\"\nbody_html = \"caf\xe9\"\n",
+    );
+    std::os::unix::fs::symlink(
+        "/nonexistent/levee/php.toml",
+        dir.path().join("40-php.toml"),
+    )
+    .expect("link");
+    std::fs::create_dir(dir.path().join("50-conf.toml")).expect("mkdir");
+    // Unreadable by its mode, unless the test runs as root (who reads it anyway).
+    write(
+        "60-secret.toml",
+        b"[admin]\ntokens = { ops = \"0123456789abcdef0\" }\n",
+    );
+    let secret = dir.path().join("60-secret.toml");
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o000))
+        .expect("chmod");
+    let unreadable_by_mode = std::fs::read(&secret).is_err();
+
+    let (ok, stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "{stdout}{stderr}");
+    let file = |name: &str| dir.path().join(name).display().to_string();
+    let mut expected = vec![
+        format!("{}:4:17: error: byte 0xE9 is not UTF-8", file("30-limits.toml")),
+        format!(
+            "{}: error: cannot read: this is a symlink to /nonexistent/levee/php.toml, which does not exist",
+            file("40-php.toml")
+        ),
+        format!(
+            "{}: error: cannot read: this is a directory, and levee reads only the *.toml files directly in the policy directory",
+            file("50-conf.toml")
+        ),
+        // The readable files are checked too.
+        format!("{}:6:8: error: tier 7 does not exist", file("20-routes.toml")),
+    ];
+    if unreadable_by_mode {
+        expected.push(format!(
+            "{}: error: cannot read: Permission denied",
+            file("60-secret.toml")
+        ));
+    }
+    for expected in &expected {
+        assert!(
+            stderr.contains(expected.as_str()),
+            "missing `{expected}` in:\n{stderr}"
+        );
+    }
+    assert!(!stderr.contains("is not defined"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("has {} error(s)", expected.len())),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn check_reports_every_error_with_file_line_col_and_fails() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -200,6 +272,56 @@ fn check_reports_every_error_with_file_line_col_and_fails() {
         stderr.contains("20-extra.toml:8:24: error: invalid path_regex"),
         "{stderr}"
     );
+}
+
+#[test]
+fn an_upstream_written_without_its_name_is_told_to_take_one_at_its_header() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("10-app.toml"),
+        "# the PHP app\n[upstream]\nurl = \"http://127.0.0.1:8081\"\nmax_inflight = 20\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.path().join("20-routes.toml"),
+        "[[route]]\nname = \"home\"\nupstream = \"php\"\nmatch = { path = \"/\" }\n",
+    )
+    .expect("write");
+    let (ok, _stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "check must fail");
+    let expected = format!(
+        "{}:2:1: error: `[upstream]` needs a name: write `[upstream.NAME]` (e.g. `[upstream.php]`)\n  hint: ",
+        dir.path().join("10-app.toml").display()
+    );
+    assert!(stderr.starts_with(&expected), "{stderr}");
+    // Said once, at the header: not once per key under it, nor the route's `php` undefined.
+    assert!(stderr.contains("has 1 error(s)"), "{stderr}");
+    assert!(!stderr.contains("is a table"), "{stderr}");
+}
+
+#[test]
+fn a_route_an_earlier_one_holds_whole_is_a_warning_at_both_places() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("10-shop.toml"),
+        "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n\n[[route]]\nname = \"shop\"\nmatch = { path_prefix = \"/shop\" }\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.path().join("20-cart.toml"),
+        "[[route]]\nname = \"cart\"\nmatch = { method = \"POST\", path = \"/shop/cart\" }\n",
+    )
+    .expect("write");
+    let (ok, stdout, stderr) = levee_check(dir.path());
+    // It loads: the policy does what it says, only not what was most likely meant.
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("is valid with 1 warning(s)"), "{stdout}");
+    let expected = format!(
+        "{}:2:8: warning: route `cart` is never reached: route `shop` before it ({}:5:8) matches every request it matches\n  hint: ",
+        dir.path().join("20-cart.toml").display(),
+        dir.path().join("10-shop.toml").display()
+    );
+    assert!(stderr.starts_with(&expected), "{stderr}");
 }
 
 #[test]

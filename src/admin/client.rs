@@ -284,18 +284,31 @@ pub fn summarize(status: &serde_json::Value) -> String {
         policy["dir"].as_str().unwrap_or("?")
     );
     if let Some(error) = policy["last_reload_error"].as_object() {
+        let items = error["errors"].as_array().map_or(&[][..], Vec::as_slice);
+        // As `levee check` prints them: each with its severity (a file not read is a warning
+        // beside the errors it explains) and its hint on the line under it. A levee from
+        // before `severity` was sent listed errors only.
+        let severity =
+            |item: &serde_json::Value| item["severity"].as_str().unwrap_or("error").to_string();
         let _ = writeln!(
             out,
             "         LAST RELOAD REFUSED ({} error(s)):",
-            error["errors"].as_array().map_or(0, Vec::len)
+            items
+                .iter()
+                .filter(|item| severity(item) == "error")
+                .count()
         );
-        for item in error["errors"].as_array().into_iter().flatten() {
+        for item in items {
             let _ = writeln!(
                 out,
-                "           {}: {}",
+                "           {}: {}: {}",
                 json_location(item),
+                severity(item),
                 item["message"].as_str().unwrap_or("")
             );
+            if let Some(hint) = item["hint"].as_str() {
+                let _ = writeln!(out, "             hint: {hint}");
+            }
         }
     }
     for warning in policy["warnings"].as_array().into_iter().flatten() {
@@ -677,14 +690,52 @@ mod tests {
         });
         let text = summarize(&status);
         assert!(
-            text.contains("           policies: no *.toml policy files in this directory\n"),
+            text.contains("           policies: error: no *.toml policy files in this directory\n"),
             "{text}"
         );
         assert!(
-            text.contains("           policies/a.toml:3:7: unknown field `x`\n"),
+            text.contains("           policies/a.toml:3:7: error: unknown field `x`\n"),
             "{text}"
         );
         assert!(!text.contains(":0:0"), "{text}");
+    }
+
+    #[test]
+    fn a_refused_reload_is_shown_with_its_hints_as_check_prints_them() {
+        // `/status` as the admin listener makes it, from the store's record of the failure.
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::write(
+            dir.path().join("levee.toml"),
+            "[upstream.app]\nurl = \"http://127.0.0.1:9\"\nretries = 3\n",
+        )
+        .expect("write");
+        std::fs::write(dir.path().join("limits.TOML"), "").expect("write");
+        let diagnostics = match crate::config::load_dir(dir.path(), None) {
+            Ok(_) => panic!("an unknown key is refused"),
+            Err(diagnostics) => diagnostics,
+        };
+        let failure = crate::config::store::ReloadFailure {
+            at_unix: 0,
+            trigger: crate::config::ReloadTrigger::Watch,
+            errors: diagnostics.0.clone(),
+        };
+        let status = serde_json::json!({"policy": {"last_reload_error": failure}});
+        let text = summarize(&status);
+        // Each line of `levee check`'s, in the same order, under the summary's indent.
+        let indented: String = diagnostics
+            .to_string()
+            .lines()
+            .map(|line| format!("           {line}\n"))
+            .collect();
+        assert!(
+            text.contains(&format!("LAST RELOAD REFUSED (1 error(s)):\n{indented}")),
+            "{text}\nnot as check prints:\n{diagnostics}"
+        );
+        assert!(text.contains("\n             hint: "), "{text}");
+        assert!(
+            text.contains(": warning: `limits.TOML` is not read"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -180,7 +180,7 @@ async fn answer(
                     "ok": false,
                     "active_generation": shared.store.load().generation,
                     "errors": diagnostics.0.iter().map(|d| json!({
-                        "location": d.location(), "message": d.message, "hint": d.hint,
+                        "location": d.location(), "severity": d.severity, "message": d.message, "hint": d.hint,
                     })).collect::<Vec<_>>(),
                 }),
             ),

@@ -65,8 +65,31 @@ pub fn policy_file_paths(dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>>
     Ok(paths)
 }
 
-/// Reads every `*.toml` file of `dir`, in file-name order.
-pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
+/// The policy files of a directory as read.
+#[derive(Debug, Default)]
+pub struct ReadFiles {
+    /// Those that could be read, in file-name order.
+    pub files: Vec<SourceFile>,
+    /// Those that could not (permissions, not UTF-8, a directory named `*.toml`), each with
+    /// its error: the others are still checked, and every error reported together.
+    pub unreadable: Vec<Unreadable>,
+}
+
+/// A policy file that could not be read.
+#[derive(Debug, Clone)]
+pub struct Unreadable {
+    pub error: Diagnostic,
+    /// What it holds, as far as it is known: the text of a file that is not UTF-8 (its other
+    /// bytes replaced), so that what it defines is not called undefined elsewhere; nothing
+    /// for a directory, which levee never reads. `None` for a file that could not be read at
+    /// all (its permissions): it may define anything.
+    pub text: Option<String>,
+}
+
+/// Reads every `*.toml` file of `dir`, in file-name order. An error here is about the
+/// directory as a whole (it does not exist, holds no policy file); a file that cannot be read
+/// is among [`ReadFiles::unreadable`].
+pub fn read_dir(dir: &Path) -> Result<ReadFiles, Diagnostics> {
     let paths = policy_file_paths(dir).map_err(|error| {
         let message = match error.kind() {
             std::io::ErrorKind::NotFound => "the policy directory does not exist".to_string(),
@@ -77,36 +100,59 @@ pub fn read_dir(dir: &Path) -> Result<Vec<SourceFile>, Diagnostics> {
             "pass the directory that holds the *.toml policy files with --policies DIR",
         )])
     })?;
-    let mut files = Vec::with_capacity(paths.len());
-    let mut errors = Vec::new();
+    let mut read = ReadFiles::default();
     for path in paths {
         match std::fs::read(&path).map(String::from_utf8) {
-            Ok(Ok(text)) => files.push(SourceFile { path, text }),
-            Ok(Err(not_utf8)) => errors.push(not_utf8_at(path, &not_utf8)),
-            Err(error) => {
-                // A link left pointing at nothing (the file it named moved): said so, with
-                // where it points, rather than "no such file" for a file one can see.
-                let message = match std::fs::read_link(&path) {
-                    Ok(target) if error.kind() == std::io::ErrorKind::NotFound => format!(
-                        "cannot read: this is a symlink to {}, which does not exist",
-                        target.display()
-                    ),
-                    _ => format!("cannot read: {error}"),
-                };
-                errors.push(Diagnostic::whole(&path, message));
-            }
+            Ok(Ok(text)) => read.files.push(SourceFile { path, text }),
+            Ok(Err(not_utf8)) => read.unreadable.push(Unreadable {
+                text: Some(String::from_utf8_lossy(not_utf8.as_bytes()).into_owned()),
+                error: not_utf8_at(path, &not_utf8),
+            }),
+            Err(error) => read.unreadable.push(Unreadable {
+                error: cannot_read(&path, &error),
+                text: path.is_dir().then(String::new),
+            }),
         }
     }
-    if files.is_empty() && errors.is_empty() {
-        errors.push(
-            Diagnostic::whole(dir, "no *.toml policy files in this directory")
-                .hint("levee needs at least one policy file; see docs/policy.md"),
-        );
+    if read.files.is_empty() && read.unreadable.is_empty() {
+        return Err(Diagnostics(vec![Diagnostic::whole(
+            dir,
+            "no *.toml policy files in this directory",
+        )
+        .hint("levee needs at least one policy file; see docs/policy.md")]));
     }
-    if errors.is_empty() {
-        Ok(files)
+    Ok(read)
+}
+
+/// Why a policy file could not be read, said as what to do about it.
+fn cannot_read(path: &Path, error: &std::io::Error) -> Diagnostic {
+    // A link left pointing at nothing (the file it named moved): said so, with where it
+    // points, rather than "no such file" for a file one can see.
+    match std::fs::read_link(path) {
+        Ok(target) if error.kind() == std::io::ErrorKind::NotFound => {
+            return Diagnostic::whole(
+                path,
+                format!(
+                    "cannot read: this is a symlink to {}, which does not exist",
+                    target.display()
+                ),
+            )
+            .hint("point the link at the file where it is now, or remove the link");
+        }
+        _ => {}
+    }
+    if path.is_dir() {
+        return Diagnostic::whole(
+            path,
+            "cannot read: this is a directory, and levee reads only the *.toml files directly in the policy directory",
+        )
+        .hint("rename the directory so its name does not end in .toml, or move its files up into the policy directory");
+    }
+    let diagnostic = Diagnostic::whole(path, format!("cannot read: {error}"));
+    if error.kind() == std::io::ErrorKind::PermissionDenied {
+        diagnostic.hint("make the file readable by the user levee runs as (and by whoever runs levee check), e.g. chmod 644")
     } else {
-        Err(Diagnostics(errors))
+        diagnostic
     }
 }
 
@@ -133,7 +179,7 @@ fn not_utf8_at(path: std::path::PathBuf, error: &std::string::FromUtf8Error) -> 
 /// Reads and compiles a policy directory. `previous` lets unchanged upstreams keep their
 /// connection pools across a reload.
 pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnostics> {
-    let files = read_dir(dir)?;
+    let ReadFiles { files, unreadable } = read_dir(dir)?;
     // A file that held settings and is empty now was most often caught between a save's
     // truncation and its write: read as a policy that sets nothing, it would drop every
     // route and limit it held. (An empty placeholder, as an empty ConfigMap key makes, is a
@@ -155,10 +201,19 @@ pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnos
             })
             .collect();
         if !emptied.is_empty() {
-            return Err(Diagnostics(emptied));
+            let mut errors = emptied;
+            errors.extend(unreadable.into_iter().map(|file| file.error));
+            errors.sort_by(|a, b| a.file.cmp(&b.file));
+            return Err(Diagnostics(errors));
         }
     }
-    match compile(&files, previous) {
+    if files.is_empty() {
+        // Nothing else to check: every file is among those that could not be read.
+        return Err(Diagnostics(
+            unreadable.into_iter().map(|file| file.error).collect(),
+        ));
+    }
+    match compile_read(&files, &unreadable, previous) {
         Ok(mut policy) => {
             policy.warnings.extend(files_not_read(dir));
             Ok(policy)
@@ -323,6 +378,13 @@ struct UnreadNames {
     upstreams: std::collections::BTreeSet<String>,
     limits: std::collections::BTreeSet<String>,
     modules: std::collections::BTreeSet<String>,
+    /// Kinds written there without their name (`[upstream]` with `url` under it, already
+    /// reported): whichever name a route gives may be the one meant.
+    nameless: std::collections::BTreeSet<&'static str>,
+    /// Such a file has a `[redis]` section.
+    redis: bool,
+    /// A file could not be read at all (its permissions, a directory): it may define anything.
+    unknown: bool,
 }
 
 impl UnreadNames {
@@ -332,16 +394,40 @@ impl UnreadNames {
         let Ok(table) = text.parse::<toml::Table>() else {
             return;
         };
-        let names = |section: &str| -> Vec<String> {
-            table
-                .get(section)
-                .and_then(toml::Value::as_table)
-                .map(|entries| entries.keys().cloned().collect())
-                .unwrap_or_default()
-        };
-        self.upstreams.extend(names("upstream"));
-        self.limits.extend(names("limit"));
-        self.modules.extend(names("module"));
+        self.redis |= table.contains_key("redis");
+        for kind in ["upstream", "limit", "module"] {
+            let Some(entries) = table.get(kind).and_then(toml::Value::as_table) else {
+                continue;
+            };
+            if entries.values().any(|entry| !entry.is_table()) {
+                self.nameless.insert(kind);
+            }
+            let names = entries
+                .iter()
+                .filter(|(_, entry)| entry.is_table())
+                .map(|(name, _)| name.clone());
+            match kind {
+                "upstream" => self.upstreams.extend(names),
+                "limit" => self.limits.extend(names),
+                _ => self.modules.extend(names),
+            }
+        }
+    }
+
+    /// Whether such a file may define `name` of `kind` (`upstream`, `limit`, `module`).
+    fn may_define(&self, kind: &str, name: &str) -> bool {
+        self.unknown
+            || self.nameless.contains(kind)
+            || match kind {
+                "upstream" => self.upstreams.contains(name),
+                "limit" => self.limits.contains(name),
+                _ => self.modules.contains(name),
+            }
+    }
+
+    /// Whether such a file may hold the `[redis]` section that queues need.
+    fn may_hold_redis(&self) -> bool {
+        self.unknown || self.redis
     }
 }
 
@@ -945,6 +1031,16 @@ fn type_takes(expected: &str) -> Cow<'static, str> {
 
 /// Compiles parsed files into a policy, or returns every error found.
 pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy, Diagnostics> {
+    compile_read(files, &[], previous)
+}
+
+/// [`compile`], with the files of the directory that could not be read: their errors are
+/// reported with the others', and what they may define is not called undefined.
+fn compile_read(
+    files: &[SourceFile],
+    unreadable: &[Unreadable],
+    previous: Option<&Policy>,
+) -> Result<Policy, Diagnostics> {
     let mut compiler = Compiler {
         files,
         errors: Vec::new(),
@@ -953,6 +1049,13 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         errors_beyond: 0,
         spare: Diagnostic::whole(std::path::Path::new(""), ""),
     };
+    for file in unreadable {
+        compiler.errors.push(file.error.clone());
+        match &file.text {
+            Some(text) => compiler.unread.note(text),
+            None => compiler.unread.unknown = true,
+        }
+    }
 
     // Parse every file; a file that does not parse still lets the others be checked.
     let mut specs: Vec<(usize, FileSpec)> = Vec::new();
@@ -963,22 +1066,38 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
                 compiler.unread.note(&file.text);
                 let mut errors = FileSpec::shape_errors(&file.text);
                 // A syntax error, or one shape_errors would not see: serde's own is kept.
-                if !errors.iter().any(|error| error.span == first.span()) {
+                // One inside what a shape error stands for says the same less plainly.
+                let covered = errors.iter().any(|error| {
+                    error.span == first.span()
+                        || first.span().is_some_and(|span| {
+                            error
+                                .covers
+                                .iter()
+                                .any(|covers| covers.start <= span.start && span.end <= covers.end)
+                        })
+                });
+                if !covered {
                     errors.push(ShapeError {
                         span: first.span(),
                         message: first.message().to_string(),
                         key: None,
+                        hint: None,
+                        covers: Vec::new(),
                     });
                 }
                 errors.sort_by_key(|error| error.span.as_ref().map_or(0, |span| span.start));
                 for error in errors {
                     let span = error.span.unwrap_or(0..0);
-                    let (span, message, hint) = explain_parse_error(
-                        &file.text,
-                        &span,
-                        &error.message,
-                        error.key.as_deref(),
-                    );
+                    let (span, message, hint) = match error.hint {
+                        // Said in levee's words already.
+                        Some(hint) => (span, error.message, hint),
+                        None => explain_parse_error(
+                            &file.text,
+                            &span,
+                            &error.message,
+                            error.key.as_deref(),
+                        ),
+                    };
                     compiler.error_hint(index, span, message, hint);
                 }
             }
@@ -1189,7 +1308,7 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
     }) {
         Some((file, name)) => {
             if !upstream_specs.contains_key(name.get_ref())
-                && !compiler.unread.upstreams.contains(name.get_ref())
+                && !compiler.unread.may_define("upstream", name.get_ref())
             {
                 let known = known_names("upstream", &upstream_specs);
                 compiler.error_hint(
@@ -1229,7 +1348,11 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
         }
     }
 
-    let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_store.is_some());
+    // `[redis]` may be in a file that did not read (already reported): queues are not also
+    // refused for want of it.
+    let redis_given =
+        redis_store.is_some() || (redis.is_none() && compiler.unread.may_hold_redis());
+    let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_given);
     // Every module a route names (`module`, `hide`), declared or not: a name a letter from
     // another is most often a typo, whichever of the two is declared.
     let mut named_modules: BTreeSet<String> = BTreeSet::new();
@@ -1291,6 +1414,12 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
             }
         }
     }
+    // Before a catch-all (after one, every route is refused above).
+    let tried = match catch_all_at.flatten() {
+        Some(first) => &routes[..=first],
+        None => &routes[..],
+    };
+    warn_of_shadowed_routes(&mut compiler, tried, &route_names);
     // A request no route matches goes to the default upstream; without one it gets a 404,
     // which for a site is every page nobody thought to route: an empty or truncated file, or
     // a second upstream added (with one, it is the default by itself).
@@ -1436,6 +1565,70 @@ pub fn compile(files: &[SourceFile], previous: Option<&Policy>) -> Result<Policy
 }
 
 type NamedSpecs<'a, T> = &'a BTreeMap<String, (usize, Spanned<T>)>;
+
+/// Routes that never apply because a route before them matches every request they match
+/// (`[[route]] path_prefix = "/shop"` before `path = "/shop/cart"` with no narrower
+/// condition): a warning, at both places. The policy works as written, but an operator who
+/// wrote the later route meant its limits and switches to hold. Only certain cases are said
+/// (see [`Route::matches_every_request_of`]); `names` places each route's `name`.
+fn warn_of_shadowed_routes(
+    compiler: &mut Compiler<'_>,
+    routes: &[Arc<Route>],
+    names: &BTreeMap<String, (usize, Range<usize>)>,
+) {
+    // Earlier routes by the literal their paths begin with (an exact path, a prefix); those
+    // with none (any path, a regex) in a list. A route is held only by earlier ones whose
+    // literal begins its own, so each is compared with few, not with every route before it
+    // (a policy of many thousand routes would take seconds to check).
+    let mut by_literal: std::collections::HashMap<&str, Vec<usize>> =
+        std::collections::HashMap::new();
+    let mut without_literal: Vec<usize> = Vec::new();
+    for (at, later) in routes.iter().enumerate() {
+        let start = later.path.literal_start();
+        let holds = |earlier: &usize| routes[*earlier].matches_every_request_of(later);
+        let mut first = without_literal.iter().copied().find(holds);
+        // Every start of the later route's literal (or `/`, which begins every path).
+        let literal = start.as_deref().unwrap_or("/");
+        let ends = literal
+            .char_indices()
+            .map(|(end, _)| end)
+            .skip(1)
+            .chain(std::iter::once(literal.len()));
+        for end in ends {
+            let Some(earlier) = literal.get(..end).and_then(|start| by_literal.get(start)) else {
+                continue;
+            };
+            if let Some(found) = earlier.iter().copied().find(holds) {
+                first = Some(first.map_or(found, |first| first.min(found)));
+            }
+        }
+        if let Some(earlier) = first {
+            let earlier = &routes[earlier];
+            let placed = (names.get(&*later.name.0), names.get(&*earlier.name.0));
+            if let (Some((file, span)), Some((earlier_file, earlier_span))) = placed {
+                let earlier_at = compiler.location(*earlier_file, earlier_span);
+                compiler.warning_hint(
+                    *file,
+                    span.clone(),
+                    format!(
+                        "route `{}` is never reached: route `{}` before it ({earlier_at}) matches every request it matches",
+                        later.name, earlier.name
+                    ),
+                    format!(
+                        "routes are tried in order (files by name, then as written) and the first that matches wins; move `{}` before `{}`, or remove it",
+                        later.name, earlier.name
+                    ),
+                );
+            }
+        }
+        match &later.path {
+            PathMatch::Exact(literal) | PathMatch::Prefix(literal) => {
+                by_literal.entry(literal.as_str()).or_default().push(at);
+            }
+            PathMatch::Any | PathMatch::Regex(_) => without_literal.push(at),
+        }
+    }
+}
 
 /// Sections that load but do nothing, most often an edit left half done: a limit no route
 /// lists limits nobody, a module no route belongs to and no page hides is switched off to no
@@ -1782,7 +1975,7 @@ fn compile_degrade(
         for name in list.get_ref() {
             if modules.contains_key(name) {
                 modules_off.insert(name.clone());
-            } else if !compiler.unread.modules.contains(name) {
+            } else if !compiler.unread.may_define("module", name) {
                 let known: Vec<&str> = modules.keys().map(String::as_str).collect();
                 compiler.error_hint(file, list.span(), format!("module `{name}` is not defined"), format!("modules: {}; declare one with [module.NAME] or name it in a route's module or hide", known.join(", ")));
             }
@@ -1861,7 +2054,7 @@ fn compile_trigger(
         return None;
     };
     if !upstreams.contains(upstream.get_ref()) {
-        if !compiler.unread.upstreams.contains(upstream.get_ref()) {
+        if !compiler.unread.may_define("upstream", upstream.get_ref()) {
             compiler.error_hint(
                 file,
                 upstream.span(),
@@ -3845,7 +4038,7 @@ fn compile_route(
     let upstream_name = match &inner.upstream {
         Some(upstream) => {
             if !context.upstream_specs.contains_key(upstream.get_ref()) {
-                if !compiler.unread.upstreams.contains(upstream.get_ref()) {
+                if !compiler.unread.may_define("upstream", upstream.get_ref()) {
                     let known = known_names("upstream", context.upstream_specs);
                     compiler.error_hint(
                         file,
@@ -3887,7 +4080,7 @@ fn compile_route(
             // Defined but broken: already reported where it is defined (also in a file
             // that did not read whole).
             None if context.limit_specs.contains_key(name.get_ref())
-                || compiler.unread.limits.contains(name.get_ref()) => {}
+                || compiler.unread.may_define("limit", name.get_ref()) => {}
             None => compiler.error_hint(
                 file,
                 name.span(),
@@ -4571,6 +4764,172 @@ mod tests {
     }
 
     #[test]
+    fn a_route_an_earlier_one_holds_whole_is_warned_of_at_both_places() {
+        let shadowed = |routes: &str| -> Vec<String> {
+            let policy = compile(
+                &files(&[
+                    ("05-routes.toml", routes),
+                    (
+                        "10-app.toml",
+                        &format!("{APP}[[route]]\nname = \"fallback\"\n"),
+                    ),
+                ]),
+                None,
+            )
+            .unwrap_or_else(|errors| panic!("{routes}\n{errors}"));
+            policy
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .filter(|warning| warning.contains("is never reached"))
+                .collect()
+        };
+        let route = |name: &str, matcher: &str| {
+            format!("[[route]]\nname = \"{name}\"\nmatch = {{ {matcher} }}\n")
+        };
+        // A prefix before an exact path under it: the warning is at the later route's name
+        // and names the earlier one's place.
+        let warned = shadowed(&format!(
+            "{}{}",
+            route("shop", "path_prefix = \"/shop\""),
+            route("cart", "path = \"/shop/cart\", method = \"POST\"")
+        ));
+        assert_eq!(
+            warned,
+            ["05-routes.toml:5:8: warning: route `cart` is never reached: route `shop` before it (05-routes.toml:2:8) matches every request it matches\n  hint: routes are tried in order (files by name, then as written) and the first that matches wins; move `cart` before `shop`, or remove it"]
+        );
+        // Certainly held: the same or fewer methods (GET holds HEAD), a host or a client
+        // range inside the earlier one's, a longer prefix, a regex under the prefix, the
+        // same regex, PATH_INFO of an exact script.
+        for (earlier, later) in [
+            ("path_prefix = \"/api\"", "path_prefix = \"/api/v2\""),
+            (
+                "method = [\"GET\", \"POST\"], path_prefix = \"/api\"",
+                "method = \"head\", path = \"/api/x\"",
+            ),
+            (
+                "host = \"*.example.com\", path_prefix = \"/\"",
+                "host = [\"shop.example.com\", \"*.eu.example.com\"], path = \"/cart\"",
+            ),
+            (
+                "client = \"10.0.0.0/8\", path_prefix = \"/admin\"",
+                "client = [\"10.1.0.0/16\", \"10.2.3.4\"], path = \"/admin/users\"",
+            ),
+            ("path_prefix = \"/user\"", "path_regex = \"^/user/[0-9]+$\""),
+            (
+                "path_regex = \"^/u/[0-9]+$\"",
+                "path_regex = \"^/u/[0-9]+$\"",
+            ),
+            ("path = \"/wp-login.php\"", "path = \"/wp-login.php/x\""),
+            (
+                "method = \"POST\"",
+                "method = \"POST\", path = \"/post.php\"",
+            ),
+        ] {
+            let routes = format!("{}{}", route("a", earlier), route("b", later));
+            let warned = shadowed(&routes);
+            assert_eq!(warned.len(), 1, "{earlier} | {later}: {warned:?}");
+            assert!(warned[0].contains("route `b` is never reached: route `a` before it"));
+            // And so it is: no request that `b` matches finds it.
+            let policy =
+                compile(&files(&[("a.toml", &format!("{APP}{routes}"))]), None).expect("compiles");
+            let later_matches = |host, method: &Method, path: &str, client| {
+                policy
+                    .routes
+                    .find_from(host, method, path, client)
+                    .map(|found| found.map(|route| route.name.to_string()))
+            };
+            for host in [
+                None,
+                Some("shop.example.com"),
+                Some("x.eu.example.com"),
+                Some("example.com"),
+            ] {
+                for method in [Method::GET, Method::HEAD, Method::POST, Method::PUT] {
+                    for path in [
+                        "/",
+                        "/api/v2/x",
+                        "/api/x",
+                        "/cart",
+                        "/admin/users",
+                        "/user/12",
+                        "/u/3",
+                        "/wp-login.php/x",
+                        "/wp-login.php/x/y",
+                        "/post.php",
+                    ] {
+                        for client in [
+                            None,
+                            Some([10, 1, 2, 3].into()),
+                            Some([10, 2, 3, 4].into()),
+                            Some([192, 0, 2, 1].into()),
+                        ] {
+                            let found = later_matches(host, &method, path, client);
+                            assert!(
+                                !matches!(&found, Ok(Some(name)) if name == "b"),
+                                "{earlier} | {later}: {host:?} {method} {path} {client:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Not certain, or not so: nothing said.
+        for (earlier, later) in [
+            // The later route is first.
+            ("path = \"/shop/cart\"", "path_prefix = \"/shop\""),
+            (
+                "method = \"POST\", path_prefix = \"/api\"",
+                "path = \"/api/x\"",
+            ),
+            (
+                "method = \"GET\", path_prefix = \"/api\"",
+                "method = [\"GET\", \"PUT\"], path = \"/api/x\"",
+            ),
+            // HEAD does not hold GET.
+            (
+                "method = \"HEAD\", path_prefix = \"/api\"",
+                "method = \"GET\", path = \"/api/x\"",
+            ),
+            (
+                "host = \"shop.example.com\", path_prefix = \"/\"",
+                "path = \"/cart\"",
+            ),
+            (
+                "host = \"shop.example.com\", path_prefix = \"/\"",
+                "host = \"*.example.com\", path = \"/cart\"",
+            ),
+            (
+                "client = \"10.0.0.0/8\", path_prefix = \"/admin\"",
+                "path = \"/admin/users\"",
+            ),
+            ("path_prefix = \"/shop/\"", "path = \"/shop\""),
+            ("path = \"/shop\"", "path = \"/shop/cart\""),
+            ("path = \"/index.php\"", "path_prefix = \"/index.php/\""),
+            // A regex is not read for what else it matches.
+            ("path_regex = \"^/user\"", "path = \"/user/1\""),
+            ("path_prefix = \"/user\"", "path_regex = \"/user/[0-9]+\""),
+            (
+                "path_prefix = \"/user\"",
+                "path_regex = \"(?i)^/user/[0-9]+\"",
+            ),
+        ] {
+            let warned = shadowed(&format!("{}{}", route("a", earlier), route("b", later)));
+            assert!(warned.is_empty(), "{earlier} | {later}: {warned:?}");
+        }
+        // A route held by a catch-all is refused, once, not also warned of.
+        let refused = errors(&[(
+            "a.toml",
+            &format!(
+                "{APP}{}{}",
+                route("all", "path_prefix = \"/\""),
+                route("b", "path = \"/x\"")
+            ),
+        )]);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+    }
+
+    #[test]
     fn routes_after_one_that_matches_everything_are_refused() {
         let refused = errors(&[
             (
@@ -4647,6 +5006,116 @@ mod tests {
             errors(&[("a.toml", "[server\nx = \"\n[[route]]\ntier = \"3\"\n")]).len(),
             1
         );
+    }
+
+    #[test]
+    fn what_a_file_that_did_not_read_may_hold_is_not_called_missing() {
+        // Its `[redis]` (the file has a typo): the queue route is not also refused.
+        let refused = errors(&[
+            (
+                "10-redis.toml",
+                "[redis]\nurl = \"redis://127.0.0.1:6379\"\ntimout = \"1s\"\n",
+            ),
+            (
+                "20-app.toml",
+                &format!("{APP}[[route]]\nname = \"jobs\"\nmatch = {{ path = \"/jobs\" }}\nalways_queue = true\n"),
+            ),
+        ]);
+        assert_eq!(refused.len(), 1, "{refused:#?}");
+        assert!(refused[0].starts_with("10-redis.toml:3:1: error: unknown field `timout`"));
+        // A file not read at all may define anything; one read in part (not UTF-8) what it
+        // shows.
+        let unreadable = |text: Option<&str>| Unreadable {
+            error: Diagnostic::whole(Path::new("30-more.toml"), "cannot read: Permission denied"),
+            text: text.map(str::to_string),
+        };
+        let routes = format!("{APP}[[route]]\nname = \"home\"\nmatch = {{ path = \"/\" }}\nupstream = \"php\"\nlimits = [\"per_ip\"]\n");
+        let refused = |text: Option<&str>| -> Vec<String> {
+            match compile_read(
+                &files(&[("20-app.toml", &routes)]),
+                &[unreadable(text)],
+                None,
+            ) {
+                Ok(_) => panic!("an unreadable file is an error"),
+                Err(errors) => errors.0.iter().map(ToString::to_string).collect(),
+            }
+        };
+        assert_eq!(
+            refused(None),
+            ["30-more.toml: error: cannot read: Permission denied"]
+        );
+        let partly = refused(Some("[upstream.php]\nurl = \"http://127.0.0.1:9\"\n"));
+        assert_eq!(partly.len(), 2, "{partly:#?}");
+        assert!(
+            partly[0].starts_with("20-app.toml:7:11: error: limit `per_ip` is not defined"),
+            "{partly:#?}"
+        );
+    }
+
+    #[test]
+    fn a_named_table_written_without_its_name_is_told_to_take_one() {
+        let app = "[upstream.app]\nurl = \"http://127.0.0.1:9\"\n";
+        let route = "[[route]]\nname = \"home\"\nupstream = \"app\"\n";
+        for (text, expected) in [
+            (
+                "[upstream]\nurl = \"http://127.0.0.1:8081\"\nmax_inflight = 20\n".to_string(),
+                "a.toml:1:1: error: `[upstream]` needs a name: write `[upstream.NAME]` (e.g. `[upstream.php]`)\n  hint: the keys under it belong to one upstream, whose name goes in the header: `[upstream.php]` on a line of its own, its keys under it; a route names it with upstream = \"php\"",
+            ),
+            // Only tables under it, which the parser took for upstreams named `fastcgi`.
+            (
+                "[upstream]\nfastcgi = { root = \"/var/www\" }\n".to_string(),
+                "a.toml:1:1: error: `[upstream]` needs a name: write `[upstream.NAME]`",
+            ),
+            (
+                "upstream.url = \"http://127.0.0.1:8081\"\n".to_string(),
+                "a.toml:1:1: error: `[upstream]` needs a name",
+            ),
+            (
+                format!("{app}{route}\n[limit]\nkey = \"ip\"\nrate = \"10/s\"\n"),
+                "a.toml:7:1: error: `[limit]` needs a name: write `[limit.NAME]` (e.g. `[limit.login_per_ip]`)\n  hint: the keys under it belong to one limit, whose name goes in the header: `[limit.login_per_ip]` on a line of its own, its keys under it; a route lists it with limits = [\"login_per_ip\"]",
+            ),
+            (
+                format!("{app}{route}[module]\ntier = 3\n"),
+                "a.toml:6:1: error: `[module]` needs a name: write `[module.NAME]` (e.g. `[module.ranking]`)",
+            ),
+            (
+                "[[upstream]]\nname = \"php\"\nurl = \"http://127.0.0.1:8081\"\n".to_string(),
+                "a.toml:1:1: error: `[[upstream]]` is not a list: each upstream is a table with its name in its header, `[upstream.NAME]` (e.g. `[upstream.php]`)\n  hint: write `[upstream.php]` where `[[upstream]]` is, and remove its `name = \"php\"` line",
+            ),
+            (
+                "[[upstream.php]]\nurl = \"http://127.0.0.1:8081\"\n".to_string(),
+                "a.toml:1:1: error: `[[upstream.php]]` is written with single brackets: `[upstream.php]`",
+            ),
+            (
+                format!("{app}[route.home]\nmatch = {{ path = \"/\" }}\n"),
+                "a.toml:3:1: error: `[route.home]`: routes are a list, each entry written `[[route]]` with its name under it\n  hint: write `[[route]]` and, on the line under it, name = \"home\"",
+            ),
+        ] {
+            let refused = errors(&[("a.toml", &text)]);
+            // One error, in levee's words: not one per key (`url` is a table), nor the
+            // parser's own beside it.
+            assert_eq!(refused.len(), 1, "{text}\n{refused:#?}");
+            assert!(refused[0].starts_with(expected), "{text}\n{refused:#?}");
+        }
+        // A named upstream beside the nameless one is still checked, and a route naming the
+        // upstream the operator meant is not told it is undefined.
+        let refused = errors(&[
+            (
+                "10-app.toml",
+                "[upstream]\nurl = \"http://127.0.0.1:8081\"\n[upstream.api]\nurl = \"http://127.0.0.1:9\"\nretries = 1\n",
+            ),
+            ("20-routes.toml", "[[route]]\nname = \"home\"\nupstream = \"php\"\n"),
+        ]);
+        assert_eq!(refused.len(), 2, "{refused:#?}");
+        assert!(refused[0].starts_with("10-app.toml:1:1: error: `[upstream]` needs a name"));
+        assert!(refused[1].starts_with("10-app.toml:5:1: error: unknown field `retries`"));
+        // Upstreams written inline under `[upstream]`, and one named like a key, are fine.
+        for text in [
+            "[upstream]\nphp = { url = \"http://127.0.0.1:8081\" }\n",
+            "[upstream.fastcgi]\nurl = \"http://127.0.0.1:8081\"\n",
+        ] {
+            assert!(errors(&[("a.toml", text)]).is_empty(), "{text}");
+        }
     }
 
     #[test]

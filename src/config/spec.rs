@@ -39,7 +39,8 @@ impl FileSpec {
             return Vec::new();
         };
         let mut errors = Vec::new();
-        let mut unknown = Vec::new();
+        // Errors said in levee's own words, with their hint.
+        let mut told = Vec::new();
         for (key, value) in root.get_ref() {
             match key.get_ref().as_ref() {
                 "server" => try_shape::<ServerSpec>(value, &mut errors),
@@ -48,21 +49,38 @@ impl FileSpec {
                 "identity" => try_shape::<IdentitySpec>(value, &mut errors),
                 "degrade" => try_shape::<DegradeSpec>(value, &mut errors),
                 "queue" => try_shape::<QueueSpec>(value, &mut errors),
-                "upstream" => try_each_entry::<UpstreamSpec>(value, &mut errors),
-                "limit" => try_each_entry::<LimitSpec>(value, &mut errors),
-                "module" => try_each_entry::<ModuleSpec>(value, &mut errors),
+                "upstream" => {
+                    try_named::<UpstreamSpec>(&UPSTREAM, text, key, value, &mut errors, &mut told)
+                }
+                "limit" => try_named::<LimitSpec>(&LIMIT, text, key, value, &mut errors, &mut told),
+                "module" => {
+                    try_named::<ModuleSpec>(&MODULE, text, key, value, &mut errors, &mut told)
+                }
                 "route" => match value.get_ref() {
                     toml::de::DeValue::Array(routes) => {
                         for route in routes.iter() {
                             try_shape::<RouteSpec>(route, &mut errors);
                         }
                     }
+                    // `[route.home]`: each entry a table under a header of its own (a
+                    // `[route]` with `match = { … }` under it is a route without `[[ ]]`).
+                    toml::de::DeValue::Table(entries)
+                        if !entries.is_empty()
+                            && entries.values().all(|entry| {
+                                matches!(entry.get_ref(), toml::de::DeValue::Table(_))
+                                    && text.get(entry.span()).is_some_and(|at| at.starts_with('['))
+                            }) =>
+                    {
+                        told.extend(routes_named_in_their_header(text, entries));
+                    }
                     _ => try_shape::<Vec<RouteSpec>>(value, &mut errors),
                 },
-                other => unknown.push(ShapeError {
+                other => told.push(ShapeError {
                     span: Some(key.span()),
                     message: format!("unknown field `{other}`, expected one of {TOP_LEVEL_KEYS}"),
                     key: None,
+                    hint: None,
+                    covers: Vec::new(),
                 }),
             }
         }
@@ -72,8 +90,10 @@ impl FileSpec {
                 span: error.span(),
                 message: error.message().to_string(),
                 key: key_of(&error),
+                hint: None,
+                covers: Vec::new(),
             })
-            .chain(unknown)
+            .chain(told)
             .collect()
     }
 }
@@ -87,6 +107,11 @@ pub struct ShapeError {
     /// The key whose value is wrong (`failure_ratio`), when the parser knows it: a value
     /// inside a list (`failure_statuses = ["5xx"]`) cannot be read back from its line.
     pub key: Option<String>,
+    /// What to write instead, when the message is levee's own (not the parser's to explain).
+    pub hint: Option<String>,
+    /// Byte ranges this error stands for: a parser's error inside them says the same thing
+    /// less plainly (`url` under a nameless `[upstream]` is no upstream), and is not reported.
+    pub covers: Vec<std::ops::Range<usize>>,
 }
 
 /// The last key of the path the parser tracked to an error. The toml crate offers it only in
@@ -114,19 +139,236 @@ fn try_shape<'de, T: Deserialize<'de>>(
     }
 }
 
-/// Each `[section.NAME]` on its own, so that one bad upstream does not hide the next.
-fn try_each_entry<'de, T: Deserialize<'de>>(
+/// A kind of table written with its name in its header: `[upstream.NAME]`.
+struct NamedKind {
+    kind: &'static str,
+    /// A name to show in examples.
+    example: &'static str,
+    /// How a route refers to one, with the example name.
+    referred: &'static str,
+}
+
+const UPSTREAM: NamedKind = NamedKind {
+    kind: "upstream",
+    example: "php",
+    referred: "a route names it with upstream = \"php\"",
+};
+const LIMIT: NamedKind = NamedKind {
+    kind: "limit",
+    example: "login_per_ip",
+    referred: "a route lists it with limits = [\"login_per_ip\"]",
+};
+const MODULE: NamedKind = NamedKind {
+    kind: "module",
+    example: "ranking",
+    referred: "a route belongs to it with module = \"ranking\"",
+};
+
+/// Every `[KIND.NAME]` on its own, so that one bad upstream does not hide the next; and the
+/// kind written without its name, said as that: `[upstream]` with one upstream's keys under
+/// it (the parser takes `url` for the name of an upstream and says "`url` is a table"),
+/// `upstream.url = …`, `[[upstream]]` entries.
+fn try_named<'de, T: Deserialize<'de>>(
+    named: &NamedKind,
+    text: &str,
+    key: &Spanned<std::borrow::Cow<'de, str>>,
     value: &Spanned<toml::de::DeValue<'de>>,
     errors: &mut Vec<toml::de::Error>,
+    told: &mut Vec<ShapeError>,
 ) {
-    match value.get_ref() {
-        toml::de::DeValue::Table(entries) => {
-            for entry in entries.values() {
-                try_shape::<T>(entry, errors);
+    use toml::de::DeValue;
+    let NamedKind {
+        kind,
+        example,
+        referred,
+    } = named;
+    let entries = match value.get_ref() {
+        DeValue::Table(entries) => entries,
+        DeValue::Array(items)
+            if items
+                .iter()
+                .all(|item| matches!(item.get_ref(), DeValue::Table(_))) =>
+        {
+            for item in items.iter() {
+                let name = match item.get_ref() {
+                    DeValue::Table(keys) => keys
+                        .iter()
+                        .find(|(key, _)| key.get_ref() == "name")
+                        .and_then(|(_, name)| match name.get_ref() {
+                            DeValue::String(name) => Some(name.to_string()),
+                            _ => None,
+                        }),
+                    _ => None,
+                };
+                let hint = match name.filter(|name| is_bare_key(name)) {
+                    Some(name) => format!(
+                        "write `[{kind}.{name}]` where `[[{kind}]]` is, and remove its `name = \"{name}\"` line"
+                    ),
+                    None => format!(
+                        "write `[{kind}.NAME]` on a line of its own with its keys under it; {referred}"
+                    ),
+                };
+                told.push(ShapeError {
+                    span: Some(item.span()),
+                    message: format!(
+                        "`[[{kind}]]` is not a list: each {kind} is a table with its name in its header, `[{kind}.NAME]` (e.g. `[{kind}.{example}]`)"
+                    ),
+                    key: None,
+                    hint: Some(hint),
+                    covers: vec![whole(item)],
+                });
             }
+            return;
         }
-        _ => try_shape::<BTreeMap<String, T>>(value, errors),
+        _ => {
+            try_shape::<BTreeMap<String, T>>(value, errors);
+            return;
+        }
+    };
+    let is_table = |entry: &Spanned<DeValue<'de>>| matches!(entry.get_ref(), DeValue::Table(_));
+    // `[[upstream.php]]`: an entry that is a list of tables.
+    let list_of_tables = |entry: &Spanned<DeValue<'de>>| match entry.get_ref() {
+        DeValue::Array(items) => !items.is_empty() && items.iter().all(is_table),
+        _ => false,
+    };
+    let keys_of_one = entries
+        .values()
+        .any(|entry| !is_table(entry) && !list_of_tables(entry));
+    // A table that reads as one of its kind and not as named ones (`[upstream]` with only
+    // `fastcgi = { … }` under it): its keys are the nameless one's too.
+    let reads_as_one = !entries.is_empty()
+        && !keys_of_one
+        && !entries.values().any(list_of_tables)
+        && T::deserialize(toml::de::ValueDeserializer::from(value.clone())).is_ok()
+        && BTreeMap::<String, T>::deserialize(toml::de::ValueDeserializer::from(value.clone()))
+            .is_err();
+    if keys_of_one || reads_as_one {
+        told.push(ShapeError {
+            // At its header when it has one (`[upstream]`), else at the key (`upstream.url`).
+            span: Some(header_or(text, value, key)),
+            message: format!(
+                "`[{kind}]` needs a name: write `[{kind}.NAME]` (e.g. `[{kind}.{example}]`)"
+            ),
+            key: None,
+            hint: Some(format!(
+                "the keys under it belong to one {kind}, whose name goes in the header: `[{kind}.{example}]` on a line of its own, its keys under it; {referred}"
+            )),
+            covers: entries
+                .iter()
+                .filter(|(_, entry)| reads_as_one || !is_table(entry))
+                .map(|(key, entry)| extent(key, entry))
+                .collect(),
+        });
+        if reads_as_one {
+            return;
+        }
     }
+    for (name, entry) in entries {
+        if is_table(entry) {
+            try_shape::<T>(entry, errors);
+            continue;
+        }
+        let DeValue::Array(items) = entry.get_ref() else {
+            continue;
+        };
+        if !list_of_tables(entry) {
+            continue;
+        }
+        let name = name.get_ref();
+        let header = if is_bare_key(name) {
+            format!("[{kind}.{name}]")
+        } else {
+            format!("[{kind}.{name:?}]")
+        };
+        for item in items.iter() {
+            told.push(ShapeError {
+                span: Some(item.span()),
+                message: format!("`[{header}]` is written with single brackets: `{header}`"),
+                key: None,
+                hint: Some(format!(
+                    "double brackets make a list of tables; each {kind} is one table, named in its header"
+                )),
+                covers: vec![whole(item)],
+            });
+        }
+    }
+}
+
+/// Where a table is written: its `[header]` when it has one, else its key (a dotted key,
+/// `upstream.url = …`, or an inline table).
+fn header_or<'de>(
+    text: &str,
+    value: &Spanned<toml::de::DeValue<'de>>,
+    key: &Spanned<std::borrow::Cow<'de, str>>,
+) -> std::ops::Range<usize> {
+    let written = value.span();
+    if text
+        .get(written.clone())
+        .is_some_and(|at| at.starts_with('['))
+    {
+        written
+    } else {
+        key.span()
+    }
+}
+
+/// From a key to the end of what its value holds, nested tables' keys and values included.
+fn extent<'de>(
+    key: &Spanned<std::borrow::Cow<'de, str>>,
+    value: &Spanned<toml::de::DeValue<'de>>,
+) -> std::ops::Range<usize> {
+    key.span().start.min(value.span().start)..end_of(value).max(key.span().end)
+}
+
+/// A value and all it holds (a `[[upstream]]` entry and its keys).
+fn whole(value: &Spanned<toml::de::DeValue<'_>>) -> std::ops::Range<usize> {
+    value.span().start..end_of(value)
+}
+
+fn end_of(value: &Spanned<toml::de::DeValue<'_>>) -> usize {
+    match value.get_ref() {
+        toml::de::DeValue::Table(entries) => entries
+            .iter()
+            .map(|(key, entry)| key.span().end.max(end_of(entry)))
+            .fold(value.span().end, usize::max),
+        toml::de::DeValue::Array(items) => {
+            items.iter().map(end_of).fold(value.span().end, usize::max)
+        }
+        _ => value.span().end,
+    }
+}
+
+/// A name that TOML takes unquoted in a header (`[upstream.php]`).
+fn is_bare_key(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// `[route.home]`: a route written as a named table, where routes are a list whose entries
+/// carry their name.
+fn routes_named_in_their_header<'de>(
+    text: &str,
+    entries: &toml::de::DeTable<'de>,
+) -> Vec<ShapeError> {
+    entries
+        .iter()
+        .map(|(key, entry)| {
+            let name = key.get_ref();
+            ShapeError {
+                span: Some(header_or(text, entry, key)),
+                message: format!(
+                    "`[route.{name}]`: routes are a list, each entry written `[[route]]` with its name under it"
+                ),
+                key: None,
+                hint: Some(format!(
+                    "write `[[route]]` and, on the line under it, name = {name:?}; routes are tried in the order written"
+                )),
+                covers: vec![extent(key, entry)],
+            }
+        })
+        .collect()
 }
 
 /// `[redis]`: shared state. Without it levee runs on its embedded default.

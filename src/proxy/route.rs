@@ -208,6 +208,88 @@ impl Route {
         }
         self.path.matches(path)
     }
+
+    /// Whether this route matches every request `later` matches, so that `later`, tried after
+    /// it, never applies (`levee check` warns of it). Only what is certain from the matches as
+    /// written: a set of methods, hosts or clients that holds the other's, and a path that
+    /// holds the other's (see [`PathMatch::covers`]). Two regexes are compared as written, a
+    /// host pattern by its text: a route this says nothing about may still never apply.
+    pub fn matches_every_request_of(&self, later: &Route) -> bool {
+        // Each list empty means any; a later route's empty list is more than any list holds.
+        let clients = self.clients.is_empty()
+            || (!later.clients.is_empty()
+                && later
+                    .clients
+                    .iter()
+                    .all(|net| self.clients.iter().any(|ours| ours.contains(net))));
+        // HEAD is held by GET, as `matches` has it.
+        let methods = self.methods.is_empty()
+            || (!later.methods.is_empty()
+                && later.methods.iter().all(|method| {
+                    self.methods.contains(method)
+                        || (*method == Method::HEAD && self.methods.contains(&Method::GET))
+                }));
+        let hosts = self.hosts.is_empty()
+            || (!later.hosts.is_empty()
+                && later
+                    .hosts
+                    .iter()
+                    .all(|host| self.hosts.iter().any(|ours| ours.covers(host))));
+        clients && methods && hosts && self.path.covers(&later.path)
+    }
+}
+
+impl HostMatch {
+    /// Whether every host `other` matches, this matches too.
+    fn covers(&self, other: &HostMatch) -> bool {
+        match (self, other) {
+            (HostMatch::Exact(ours), HostMatch::Exact(theirs)) => ours == theirs,
+            (HostMatch::Suffix(_), HostMatch::Exact(theirs)) => self.matches(theirs),
+            // `*.example.com` holds `*.shop.example.com`.
+            (HostMatch::Suffix(ours), HostMatch::Suffix(theirs)) => theirs.ends_with(ours.as_str()),
+            (HostMatch::Exact(_), HostMatch::Suffix(_)) => false,
+        }
+    }
+}
+
+impl PathMatch {
+    /// Whether every (normalised) path `other` matches, this matches too: any path, or the
+    /// prefix `/`, holds every path; a prefix holds an exact path, a prefix, or an anchored
+    /// regex's literal start that begins with it; an exact path holds itself, and a script's
+    /// its PATH_INFO spellings (`/a.php` holds the exact `/a.php/b`); a regex holds only the
+    /// same regex.
+    fn covers(&self, other: &PathMatch) -> bool {
+        match (self, other) {
+            (PathMatch::Any, _) => true,
+            (PathMatch::Prefix(prefix), _) if prefix == "/" => true,
+            (PathMatch::Prefix(prefix), PathMatch::Exact(path) | PathMatch::Prefix(path)) => {
+                path.starts_with(prefix.as_str())
+            }
+            (PathMatch::Prefix(prefix), PathMatch::Regex(regex)) => {
+                anchored_literal_start(regex.as_str())
+                    .is_some_and(|start| start.starts_with(prefix.as_str()))
+            }
+            // Every path the later exact path matches begins with it (and with a `/` after
+            // it when it is more), which is how this one matches it too.
+            (PathMatch::Exact(_), PathMatch::Exact(path)) => self.matches(path),
+            (PathMatch::Regex(ours), PathMatch::Regex(theirs)) => ours.as_str() == theirs.as_str(),
+            _ => false,
+        }
+    }
+
+    /// The text every path this matches begins with, when the match says: an exact path or
+    /// prefix as written, an anchored regex's literal start.
+    pub fn literal_start(&self) -> Option<std::borrow::Cow<'_, str>> {
+        match self {
+            PathMatch::Any => None,
+            PathMatch::Exact(text) | PathMatch::Prefix(text) => {
+                Some(std::borrow::Cow::Borrowed(text.as_str()))
+            }
+            PathMatch::Regex(regex) => {
+                anchored_literal_start(regex.as_str()).map(std::borrow::Cow::Owned)
+            }
+        }
+    }
 }
 
 /// Routes in policy order, plus the route for requests that match none of them.
