@@ -1714,6 +1714,7 @@ mod tests {
             metrics: Arc::new(Metrics::new()),
             settings: Arc::new(small_settings()),
             guard: Some(guard),
+            keep: true,
         };
         let capture = Capture::new(
             Trickle(body),
