@@ -801,6 +801,7 @@ async fn forward(
                         latency: upstream.latency.clone(),
                         metrics: shared.metrics.clone(),
                         until_head,
+                        answered_at,
                     });
                     false
                 }

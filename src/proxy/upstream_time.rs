@@ -33,6 +33,9 @@ pub struct CallEnd {
     pub metrics: Arc<Metrics>,
     /// From the request sent whole to the answer's head.
     pub until_head: Duration,
+    /// When the head came: the end of a body that never made levee wait came with it, and
+    /// the clock is not read again (every small answer).
+    pub answered_at: Instant,
 }
 
 impl CallEnd {
@@ -190,13 +193,20 @@ where
         let cut = matches!(frame, Some(Err(_)));
         // hyper stops asking once the body says it has ended after a frame.
         let ended = cut || frame.is_none() || this.inner.is_end_stream();
-        if this.waiting_since.is_some() || ended {
-            let now = Instant::now();
-            *this.took += waited(this.waiting_since.take(), this.clock.as_ref(), now);
-            if ended {
-                if let Some(end) = this.end.take() {
-                    end.record(*this.took, now, cut, false);
-                }
+        let mut now = None;
+        if this.waiting_since.is_some() {
+            let at = Instant::now();
+            *this.took += waited(this.waiting_since.take(), this.clock.as_ref(), at);
+            now = Some(at);
+        }
+        if ended {
+            if let Some(end) = this.end.take() {
+                let at = match (now, &this.clock) {
+                    (Some(at), _) => at,
+                    (None, Some(_)) => Instant::now(),
+                    (None, None) => end.answered_at,
+                };
+                end.record(*this.took, at, cut, false);
             }
         }
         Poll::Ready(frame)
