@@ -397,6 +397,17 @@ pub struct SpellingsDisagree {
     pub why: &'static str,
 }
 
+impl SpellingsDisagree {
+    /// What the client is told: about its path alone, without the routes' names (the log has
+    /// them, from `Display`).
+    pub fn reason(&self) -> String {
+        format!(
+            "a front controller reads this path as {}, which is another part of the site: ask for that path itself",
+            self.reading
+        )
+    }
+}
+
 impl fmt::Display for SpellingsDisagree {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
