@@ -86,6 +86,14 @@ impl HostMatch {
         }
     }
 
+    /// The pattern as a policy writes it (`*.example.com`), for `/status`.
+    pub fn pattern(&self) -> String {
+        match self {
+            HostMatch::Exact(exact) => exact.clone(),
+            HostMatch::Suffix(suffix) => format!("*{suffix}"),
+        }
+    }
+
     fn matches(&self, host: &str) -> bool {
         match self {
             HostMatch::Exact(exact) => host.eq_ignore_ascii_case(exact),
