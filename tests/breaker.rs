@@ -201,6 +201,25 @@ async fn hanging_or_refusing_dependencies_open_it_and_the_default_fallback_is_50
         .and_then(|v| v.parse().ok())
         .expect("Retry-After");
     assert!((28..=30).contains(&retry_after), "{retry_after}");
+    // The visitor reads when to come back, as Retry-After says it: not the upstream, nor
+    // the wait as Rust prints it (it read "upstream `app` is cut off by its open breaker;
+    // retry after 29.99…s").
+    assert_eq!(
+        answer.text(),
+        visitor_page(
+            "Service unavailable",
+            &format!(
+                "The site is having trouble right now. Please try again in {retry_after} seconds."
+            )
+        )
+    );
+    let json = get_with(&levee.url("/"), &[("accept", "application/json")]).await;
+    assert_eq!(json.status, 503);
+    let retry_after = json.header("retry-after").expect("Retry-After");
+    assert_eq!(
+        json.text(),
+        format!("{{\"error\":\"unavailable\",\"retry_after\":{retry_after}}}\n")
+    );
 
     let dead = free_port();
     let refusing = Levee::start(&format!(

@@ -43,10 +43,16 @@ match = { path_prefix = "/constructor" }
 tier = 3
 module = "valueOf"
 limits = ["toString"]
+
+# A route for one host and one network, whatever the path: no catch-all.
+[[route]]
+name = "back_office"
+match = { host = "office.example", client = "10.0.0.0/8", method = ["GET", "POST"] }
 "#;
 
 /// Opens the dashboard, checks the numbers show (also of a route and a rule named like Object's
-/// members), that a rebuilt row keeps the keyboard's focus, is refused without the token (and
+/// members) and every route shows all it matches on (one for a host and a network only was
+/// shown as "any"), that a rebuilt row keeps the keyboard's focus, is refused without the token (and
 /// says so), that a dismissed confirmation sends nothing, then turns the ranking module off with
 /// the token and waits until the page shows it off; pins the breaker (who and when shown) and
 /// hands it back; shows a refused reload's errors. No errors in the page throughout.
@@ -129,6 +135,11 @@ async function waitMatch(page, testid, source) {
   // A route named "constructor" and a rule named "toString" are shown like any other.
   await waitMatch(page, 'route-constructor-requests', '200: [1-9]');
   await waitMatch(page, 'stat-limited-sub', 'toString [1-9]');
+  // Each route shows every condition it matches on; "any" is the catch-all alone.
+  await waitText(page, 'route-home-match', '= /');
+  await waitText(page, 'route-ranking-match', '/ranking*');
+  await waitText(page, 'route-back_office-match', 'GET,POST host office.example client 10.0.0.0/8');
+  await waitText(page, 'route-default-match', 'any');
   if (await pollErrorShown()) throw new Error('poll error shown: ' + await page.getByTestId('poll-error').textContent());
 
   // A row rebuilt by a poll (its counters move with the traffic) keeps the keyboard's focus.

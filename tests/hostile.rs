@@ -793,13 +793,22 @@ async fn spellings_a_front_controller_reads_as_another_upstreams_route_are_refus
         let levee = &levee;
         async move { exchange(levee, raw.as_bytes()).await }
     };
+    let log = levee_log();
     for target in ["/index.php/admin/users", "/index.php/admin/"] {
         let answer = get(target).await;
         assert_eq!(status_of(&answer), Some(400), "{target}: {answer}");
+        let reading = target.trim_start_matches("/index.php");
+        // The client reads what its path means; the routes' names are the log's.
         assert!(
-            answer.contains("as a front controller reads it (/admin/")
-                && answer.contains("route `admin` of another upstream"),
+            answer.contains(&format!("a front controller reads this path as {reading}"))
+                && !answer.contains("route `"),
             "{answer}"
+        );
+        assert!(
+            log.lines_with(&format!("path={target}"))
+                .iter()
+                .any(|line| line.contains("route `admin` of another upstream")),
+            "the log names the routes"
         );
     }
     for target in ["/admin/users", "/admin/index.php"] {
@@ -836,21 +845,34 @@ async fn a_method_override_that_changes_the_route_is_refused() {
         let levee = &levee;
         async move { exchange(levee, raw.as_bytes()).await }
     };
-    for (target, extra, reason) in [
+    let log = levee_log();
+    for (target, extra, named_by) in [
         (
             "/api/items/7",
             "X-HTTP-Method-Override: delete\r\n",
-            "X-HTTP-Method-Override (DELETE) changes which route applies",
+            "X-HTTP-Method-Override (DELETE)",
         ),
         (
             "/api/items/7?_method=DELETE",
             "",
-            "the _method parameter (DELETE) changes which route applies",
+            "the _method parameter (DELETE)",
         ),
     ] {
         let answer = send("POST", target, extra).await;
         assert_eq!(status_of(&answer), Some(400), "{target}: {answer}");
-        assert!(answer.contains(reason), "{answer}");
+        assert!(
+            answer.contains(&format!("{named_by} changes which part of the site this POST is for: send the request as DELETE itself")),
+            "{answer}"
+        );
+        assert!(!answer.contains("deletes"), "no route is named: {answer}");
+        assert!(
+            log.lines_with(&format!("path={target}"))
+                .iter()
+                .any(|line| line.contains(&format!(
+                    "{named_by} changes which route applies to this POST: "
+                )) && line.contains("`deletes` as DELETE")),
+            "the log names the routes"
+        );
     }
     assert_eq!((deletes.hits(), app.hits()), (0, 0));
     // The same route either way, or no override: forwarded as it came.

@@ -1024,3 +1024,89 @@ async fn a_policy_symlink_switched_to_another_directory_is_followed() {
     )
     .await;
 }
+
+/// `/status` shows every condition a route matches on, keyed as `match` writes them: a route
+/// for one host or for the machine's own clients showed `"match": null`, which the dashboard
+/// read as "any", a catch-all. Only a route that takes every request shows `{}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_every_condition_a_route_matches_on() {
+    // Every key of a route's `match` table: one added there must be shown, and listed here.
+    let levee::config::spec::MatchSpec {
+        host: _,
+        client: _,
+        method: _,
+        path: _,
+        path_prefix: _,
+        path_regex: _,
+    } = levee::config::spec::MatchSpec::default();
+    let backend = echo_backend().await;
+    let routes = r#"
+[[route]]
+name = "admin_site"
+match = { host = ["Admin.Example", "*.admin.example."] }
+[[route]]
+name = "local"
+match = { client = ["127.0.0.1/32", "::1"] }
+[[route]]
+name = "api_writes"
+match = { method = ["POST", "put"], path_prefix = "/api/", host = "api.example" }
+[[route]]
+name = "login"
+match = { path = "/wp-login.php", client = "10.0.0.0/8", method = "POST" }
+[[route]]
+name = "feeds"
+match = { path_regex = "^/feed/[0-9]+$" }
+[[route]]
+name = "everything"
+"#;
+    let levee = Levee::start(&policy_for(backend.addr, "", routes)).await;
+    let status = get(&levee.admin_url("/status")).await.json();
+    let shown: Vec<_> = status["routes"]
+        .as_array()
+        .expect("routes")
+        .iter()
+        .map(|route| {
+            (
+                route["name"].as_str().unwrap_or("?"),
+                route["match"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        vec![
+            (
+                "admin_site",
+                serde_json::json!({ "host": ["admin.example", "*.admin.example"] })
+            ),
+            (
+                "local",
+                serde_json::json!({ "client": ["127.0.0.1/32", "::1/128"] })
+            ),
+            (
+                "api_writes",
+                serde_json::json!({
+                    "host": ["api.example"],
+                    "method": ["POST", "PUT"],
+                    "path_prefix": "/api/"
+                })
+            ),
+            (
+                "login",
+                serde_json::json!({
+                    "client": ["10.0.0.0/8"],
+                    "method": ["POST"],
+                    "path": "/wp-login.php"
+                })
+            ),
+            (
+                "feeds",
+                serde_json::json!({ "path_regex": "^/feed/[0-9]+$" })
+            ),
+            ("everything", serde_json::json!({})),
+            // The default upstream's route, for requests no route takes.
+            ("default", serde_json::json!({})),
+        ],
+        "{status}"
+    );
+}

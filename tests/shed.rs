@@ -78,6 +78,24 @@ async fn a_full_pool_sheds_tier_3_first_and_keeps_tier_1_going() {
         started.elapsed() < Duration::from_millis(500),
         "tier 3 is shed without waiting"
     );
+    // The visitor reads that the site is busy and when to come back; not the upstream, its
+    // bound or the tier (it read "upstream `app` is at max_inflight; tier 3 is shed").
+    assert_eq!(
+        shed.text(),
+        visitor_page(
+            "Busy",
+            "The site is busy right now. Please try again in 1 second."
+        )
+    );
+    let shed = get_with(
+        &levee.url("/stats"),
+        &[("accept", "text/html;q=0.5, application/json")],
+    )
+    .await;
+    assert_eq!(
+        (shed.status, shed.text().as_str()),
+        (503, "{\"error\":\"busy\",\"retry_after\":1}\n")
+    );
 
     // Tier 1 still gets through on its reserve, even with a slow one of its own in flight.
     let slow_view = tokio::spawn(get_owned(levee.url("/slow/view")));
@@ -114,8 +132,8 @@ async fn a_full_pool_sheds_tier_3_first_and_keeps_tier_1_going() {
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(
         metric_value(&metrics, "levee_shed_total{upstream=\"app\",tier=\"3\"}"),
-        1.0,
-        "{metrics}"
+        2.0,
+        "the page and the JSON refusal: {metrics}"
     );
 }
 

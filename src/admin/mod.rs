@@ -18,7 +18,7 @@ use crate::config::ReloadTrigger;
 use crate::degrade::switches::{self, Change};
 use crate::error::{full_body, text_response};
 use crate::proxy::body::ResponseBody;
-use crate::proxy::route::PathMatch;
+use crate::proxy::route::{HostMatch, PathMatch, Route};
 use crate::proxy::Shared;
 use crate::queue::{worker, QueueKeys};
 use crate::redis_store::RedisFailure;
@@ -934,6 +934,39 @@ fn breaker_pin(shared: &Shared, name: &str) -> serde_json::Value {
     }
 }
 
+/// Every condition a route matches on, keyed as the policy's `match` table writes them
+/// (`host`, `client`, `method`, and one of `path`, `path_prefix`, `path_regex`): `{}` only for
+/// a route that takes every request. (It showed the path alone, and `null` for a route that
+/// matched on its host or its clients only: read as a catch-all.)
+fn route_match(route: &Route) -> serde_json::Value {
+    let mut conditions = serde_json::Map::new();
+    if !route.hosts.is_empty() {
+        let hosts: Vec<_> = route.hosts.iter().map(HostMatch::pattern).collect();
+        conditions.insert("host".into(), json!(hosts));
+    }
+    if !route.clients.is_empty() {
+        let clients: Vec<_> = route.clients.iter().map(ToString::to_string).collect();
+        conditions.insert("client".into(), json!(clients));
+    }
+    if !route.methods.is_empty() {
+        let methods: Vec<_> = route.methods.iter().map(Method::as_str).collect();
+        conditions.insert("method".into(), json!(methods));
+    }
+    match &route.path {
+        PathMatch::Any => {}
+        PathMatch::Exact(path) => {
+            conditions.insert("path".into(), json!(path));
+        }
+        PathMatch::Prefix(prefix) => {
+            conditions.insert("path_prefix".into(), json!(prefix));
+        }
+        PathMatch::Regex(regex) => {
+            conditions.insert("path_regex".into(), json!(regex.as_str()));
+        }
+    }
+    serde_json::Value::Object(conditions)
+}
+
 fn status(shared: &Shared) -> serde_json::Value {
     let policy = shared.store.load();
     let routes: Vec<_> = policy
@@ -942,17 +975,11 @@ fn status(shared: &Shared) -> serde_json::Value {
         .iter()
         .chain(policy.routes.fallback.iter())
         .map(|route| {
-            let path = match &route.path {
-                PathMatch::Any => json!(null),
-                PathMatch::Exact(path) => json!({ "path": path }),
-                PathMatch::Prefix(prefix) => json!({ "path_prefix": prefix }),
-                PathMatch::Regex(regex) => json!({ "path_regex": regex.as_str() }),
-            };
             json!({
                 "name": route.name.to_string(),
                 "upstream": route.upstream.name,
                 "methods": route.methods.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
-                "match": path,
+                "match": route_match(route),
                 "max_body": route.max_body,
                 "limits": route.limits.iter().map(|rule| rule.name.to_string()).collect::<Vec<_>>(),
                 "tier": route.tier,

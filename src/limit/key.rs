@@ -559,6 +559,8 @@ pub(crate) fn query_name(raw: &str) -> String {
 ///   another than the first, which levee keys by. (Not so for `user`, whose sources are
 ///   listed by trust: a header the front sets after login, else the session cookie; both
 ///   are present, and differ, on every logged-in request.)
+///
+/// The reason is the client's to read: about its request alone, naming no rule.
 pub fn unreadable_part(parts: &[KeyPart], facts: &RequestFacts<'_>) -> Option<String> {
     parts.iter().find_map(|part| {
         let sources: &[Source] = match part {
@@ -578,7 +580,7 @@ pub fn unreadable_part(parts: &[KeyPart], facts: &RequestFacts<'_>) -> Option<St
             .filter_map(|source| source.read_bytes(facts.headers, facts.query));
         let first = present.next()?;
         present.any(|other| other != first).then(|| {
-            "the request carries two different API keys in the places [identity] api_key names, and a rate limit is keyed by it: which one the app reads, levee cannot know".to_string()
+            "the request carries two different API keys: which one the app reads cannot be known".to_string()
         })
     })
 }
@@ -599,7 +601,7 @@ impl Source {
     pub(crate) fn unreadable(&self, headers: &HeaderMap, query: Option<&str>) -> Option<String> {
         let repeated = |name: &HeaderName| {
             (headers.get_all(name).iter().nth(1).is_some()).then(|| {
-                format!("the request has two `{name}` fields, and a rate limit is keyed by it: which one the app reads depends on its server")
+                format!("the request has two `{name}` fields: which one the app reads depends on its server")
             })
         };
         match self {
@@ -631,7 +633,7 @@ impl Source {
 }
 
 fn past_input_vars(kind: &str, name: &str) -> String {
-    format!("the {kind} `{name}`, which a rate limit is keyed by, comes after the first {PHP_MAX_INPUT_VARS} variables: whether the app reads it depends on its max_input_vars")
+    format!("the {kind} `{name}` comes after the first {PHP_MAX_INPUT_VARS} variables: whether the app reads it depends on its max_input_vars")
 }
 
 /// Decodes `%XX` and `+` the way PHP fills `$_GET`, so `?key=a%62c` and `?key=abc` are one key.

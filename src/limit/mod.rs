@@ -220,12 +220,17 @@ impl Limiter {
         read_at: Instant,
     ) -> Result<Option<RateLimitHeaders>, ProxyError> {
         // A key the app may read otherwise than levee would be a fresh bucket per decoy.
-        if let Some(reason) = rules
+        // The client is told what is ambiguous in its request; only the log names the rule.
+        if let Some((rule, reason)) = rules
             .iter()
             .filter(|rule| !rule.dry_run)
-            .find_map(|rule| key::unreadable_part(&rule.parts, facts))
+            .find_map(|rule| key::unreadable_part(&rule.parts, facts).map(|reason| (rule, reason)))
         {
-            return Err(ProxyError::BadRequest(reason));
+            let detail = format!("{reason} (rate limit `{}` is keyed by it)", rule.name);
+            return Err(ProxyError::BadRequest {
+                reason,
+                detail: Some(detail),
+            });
         }
         debug_assert!(fixed_keys.is_empty() || fixed_keys.len() == rules.len());
         let planned: SmallVec<[Planned<'_>; 2]> = rules

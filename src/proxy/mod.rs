@@ -129,6 +129,12 @@ pub async fn handle(
         method: request.method().clone(),
         uri: request.uri().clone(),
         client_ip: peer.ip(),
+        accept: request
+            .headers()
+            .get_all(h::ACCEPT)
+            .iter()
+            .cloned()
+            .collect(),
         route: None,
         status: StatusCode::OK,
         error: None,
@@ -338,8 +344,8 @@ async fn forward(
     if request.headers().contains_key(h::TRANSFER_ENCODING)
         && request.headers().contains_key(h::CONTENT_LENGTH)
     {
-        return Err(ProxyError::BadRequest(
-            "both Content-Length and Transfer-Encoding".into(),
+        return Err(ProxyError::bad_request(
+            "both Content-Length and Transfer-Encoding",
         ));
     }
 
@@ -355,27 +361,38 @@ async fn forward(
 
     // Route on the normalised path; the upstream still gets the original target.
     let normal_path = path::normalise(request.uri().path())
-        .map_err(|error| ProxyError::BadRequest(error.to_string()))?;
+        .map_err(|error| ProxyError::bad_request(error.to_string()))?;
     let host = policy.routes.host_of(request.uri(), request.headers());
     let route = policy
         .routes
         .find_from(host, request.method(), &normal_path, Some(client_ip))
-        .map_err(|disagree| ProxyError::BadRequest(disagree.to_string()))?
+        .map_err(|disagree| ProxyError::BadRequest {
+            reason: disagree.reason(),
+            detail: Some(disagree.to_string()),
+        })?
         .ok_or(ProxyError::NoRoute)?
         .clone();
     // `/%2Fpost.php` is `/post.php` to nginx but not to an app that keeps `%2F` in a segment:
     // when the two readings fall on different routes, either could escape a route's policy.
     if let Some(decoded) = path::with_encoded_slashes_decoded(request.uri().path())
-        .map_err(|error| ProxyError::BadRequest(error.to_string()))?
+        .map_err(|error| ProxyError::bad_request(error.to_string()))?
     {
         let decoded_route =
             policy
                 .routes
                 .find_from(host, request.method(), &decoded, Some(client_ip));
-        if !decoded_route.is_ok_and(|other| other.is_some_and(|other| Arc::ptr_eq(other, &route))) {
-            return Err(ProxyError::BadRequest(
-                "an encoded slash (%2F) in the path changes which route applies".into(),
-            ));
+        if !decoded_route
+            .as_ref()
+            .is_ok_and(|other| other.is_some_and(|other| Arc::ptr_eq(other, &route)))
+        {
+            return Err(ProxyError::BadRequest {
+                reason: "an encoded slash (%2F) in the path changes which part of the site it is for: send the path with plain slashes".into(),
+                detail: Some(format!(
+                    "an encoded slash (%2F) in the path changes which route applies: `{}` as sent, {} with it decoded",
+                    route.name,
+                    route_named(&decoded_route)
+                )),
+            });
         }
     }
     // Frameworks run a POST as the method its override names (Symfony, Laravel, CakePHP,
@@ -388,10 +405,20 @@ async fn forward(
             let other = policy
                 .routes
                 .find_from(host, &overridden, &normal_path, Some(client_ip));
-            if !other.is_ok_and(|other| other.is_some_and(|other| Arc::ptr_eq(other, &route))) {
-                return Err(ProxyError::BadRequest(format!(
-                    "{named_by} ({overridden}) changes which route applies to this POST"
-                )));
+            if !other
+                .as_ref()
+                .is_ok_and(|other| other.is_some_and(|other| Arc::ptr_eq(other, &route)))
+            {
+                return Err(ProxyError::BadRequest {
+                    reason: format!(
+                        "{named_by} ({overridden}) changes which part of the site this POST is for: send the request as {overridden} itself"
+                    ),
+                    detail: Some(format!(
+                        "{named_by} ({overridden}) changes which route applies to this POST: `{}` as a POST, {} as {overridden}",
+                        route.name,
+                        route_named(&other)
+                    )),
+                });
             }
         }
     }
@@ -617,11 +644,7 @@ async fn forward(
             Err(error) => {
                 return Err(
                     classify_body_error(&route, server.client_body_timeout, &*error)
-                        .unwrap_or_else(|| {
-                            ProxyError::BadRequest(format!(
-                                "request body could not be read: {error}"
-                            ))
-                        }),
+                        .unwrap_or_else(|| unreadable_body(&*error)),
                 )
             }
         }
@@ -1408,6 +1431,27 @@ fn upstream_permit(shared: &Shared, route: &Route, now: Instant) -> Result<Permi
         })
 }
 
+/// The route a reading of the request falls on, named for the log.
+fn route_named<E: std::fmt::Display>(found: &Result<Option<&Arc<Route>>, E>) -> String {
+    match found {
+        Ok(Some(route)) => format!("`{}`", route.name),
+        Ok(None) => "no route".to_string(),
+        Err(disagree) => format!("none that is sure ({disagree})"),
+    }
+}
+
+/// The answer to a request whose body failed otherwise than [`classify_body_error`] knows:
+/// the client is told only that it could not be read, the log what failed.
+pub(crate) fn unreadable_body(error: &(dyn std::error::Error + 'static)) -> ProxyError {
+    ProxyError::BadRequest {
+        reason: "the request body could not be read".to_string(),
+        detail: Some(format!(
+            "request body could not be read: {}",
+            error_chain(error)
+        )),
+    }
+}
+
 /// Sorts a failed upstream call into the client's fault or the upstream's.
 /// The answer to a request whose own body failed: too large, broken by the client, or
 /// stalled. `None` when the failure is not the client's body.
@@ -1424,7 +1468,15 @@ fn classify_body_error(
     // The client's own body broke (it went away, or sent broken chunked framing): not
     // the upstream's failure.
     if let Some(broken) = find_cause::<RequestBodyError>(error) {
-        return Some(ProxyError::BadRequest(broken.to_string()));
+        let reason = match broken {
+            // The connection's own failure (a reset) says nothing the client needs.
+            RequestBodyError::Io(_) => "the request body could not be read".to_string(),
+            other => other.to_string(),
+        };
+        return Some(ProxyError::BadRequest {
+            reason,
+            detail: Some(broken.to_string()),
+        });
     }
     // levee lost the body it kept for php-fpm: its own failure, not the upstream's.
     if let Some(lost) = find_cause::<spool::SpoolError>(error) {
@@ -1476,7 +1528,7 @@ fn classify_client_error(
 /// The answer to a request a FastCGI upstream cannot be given (see `client::Unsendable`).
 fn unsendable(refusal: &client::Unsendable) -> ProxyError {
     match refusal {
-        client::Unsendable::NulInPath => ProxyError::BadRequest(refusal.to_string()),
+        client::Unsendable::NulInPath => ProxyError::bad_request(refusal.to_string()),
         client::Unsendable::NoScript(path) => ProxyError::NoScript(path.clone()),
         client::Unsendable::Directory(location) => ProxyError::Directory(location.clone()),
         client::Unsendable::TooLong {
@@ -1537,12 +1589,16 @@ fn expects_continue(headers: &http::HeaderMap) -> bool {
 /// weights (`text/html;q=0.1, application/json` is an API client's), the first named
 /// winning a tie; a client that names neither gets HTML.
 pub(crate) fn wants_json(headers: &http::HeaderMap) -> bool {
+    prefers_json(headers.get_all(h::ACCEPT))
+}
+
+/// [`wants_json`] of the `Accept` fields themselves.
+fn prefers_json<'a>(accept: impl IntoIterator<Item = &'a http::HeaderValue>) -> bool {
     // (weight, place) of the best media range naming each.
     type Best = Option<(u16, usize)>;
     let (mut json, mut html): (Best, Best) = (None, None);
-    let ranges = headers
-        .get_all(h::ACCEPT)
-        .iter()
+    let ranges = accept
+        .into_iter()
         .filter_map(|value| value.to_str().ok())
         .flat_map(|value| value.split(','));
     for (place, range) in ranges.enumerate() {
@@ -1626,7 +1682,8 @@ fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Respon
             tracing::error!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");
         }
     }
-    error.to_response()
+    // The log line above has what levee met; the client gets the visitor's words.
+    error.to_response(prefers_json(&exchange.accept))
 }
 
 /// What the access log and metrics need to know about one request; reported when the
@@ -1637,6 +1694,10 @@ struct Exchange {
     method: Method,
     uri: Uri,
     client_ip: IpAddr,
+    /// The request's `Accept` fields (shared with the request's head, not copied): an error
+    /// met after the request went upstream is still answered in the language the client
+    /// reads (see [`rescue`]).
+    accept: smallvec::SmallVec<[http::HeaderValue; 1]>,
     route: Option<Arc<Route>>,
     status: StatusCode,
     error: Option<&'static str>,

@@ -13,7 +13,7 @@ pub enum PathError {
     BadPercentEncoding,
     /// `OPTIONS *` (about the server as a whole) and `CONNECT host:port` (a tunnel): a front
     /// nginx refuses both with 400 too, and levee has no path to route them by.
-    #[error("the request target names no path (as `*` and `host:port` do); levee routes requests by path and opens no tunnels")]
+    #[error("the request target names no path (as `*` and `host:port` do): requests are served by path, and no tunnels are opened")]
     NotAbsolute,
 }
 

@@ -86,6 +86,14 @@ impl HostMatch {
         }
     }
 
+    /// The pattern as a policy writes it (`*.example.com`), for `/status`.
+    pub fn pattern(&self) -> String {
+        match self {
+            HostMatch::Exact(exact) => exact.clone(),
+            HostMatch::Suffix(suffix) => format!("*{suffix}"),
+        }
+    }
+
     fn matches(&self, host: &str) -> bool {
         match self {
             HostMatch::Exact(exact) => host.eq_ignore_ascii_case(exact),
@@ -477,6 +485,17 @@ pub struct SpellingsDisagree {
     pub reading: String,
     /// Why the reading's route cannot simply apply.
     pub why: &'static str,
+}
+
+impl SpellingsDisagree {
+    /// What the client is told: about its path alone, without the routes' names (the log has
+    /// them, from `Display`).
+    pub fn reason(&self) -> String {
+        format!(
+            "a front controller reads this path as {}, which is another part of the site: ask for that path itself",
+            self.reading
+        )
+    }
 }
 
 impl fmt::Display for SpellingsDisagree {

@@ -522,9 +522,7 @@ pub async fn enqueue(
                     after: client_body_timeout,
                 });
             }
-            return Err(ProxyError::BadRequest(format!(
-                "request body could not be read: {error}"
-            )));
+            return Err(crate::proxy::unreadable_body(&*error));
         }
     };
     let job = Job::from_request(&route.name.0, &parts, &received_head, body, client_ip);

@@ -66,6 +66,62 @@ where
     }
 }
 
+/// The page levee answers a browser with when it refuses or fails a request itself (an API
+/// client gets `{"error":…}`): `title` as its heading, `words` as its one paragraph.
+pub fn visitor_page(title: &str, words: &str) -> String {
+    format!("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title></head>\n<body><h1>{title}</h1><p>{words}</p></body></html>\n")
+}
+
+/// levee's log as an operator reads it: the lines of `levee::proxy` at `info` and above (a
+/// failed upstream call's warning, a refused request's reason; not the access log), and any
+/// warning. One capture per test binary, shared by its tests, from the first call on: look
+/// for what only your test's requests can write (its upstream's address, its path).
+pub fn levee_log() -> &'static LogCapture {
+    static CAPTURE: std::sync::OnceLock<LogCapture> = std::sync::OnceLock::new();
+    CAPTURE.get_or_init(|| {
+        let capture = LogCapture::default();
+        let written = capture.written.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("warn,levee::proxy=info"))
+            .with_ansi(false)
+            .with_writer(move || LogWriter(written.clone()))
+            .finish();
+        tracing::subscriber::set_global_default(subscriber)
+            .expect("no other test of this binary sets a log subscriber");
+        capture
+    })
+}
+
+#[derive(Default)]
+pub struct LogCapture {
+    written: Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl LogCapture {
+    /// The lines written so far that contain `needle`.
+    pub fn lines_with(&self, needle: &str) -> Vec<String> {
+        let written = self.written.lock().expect("log buffer");
+        String::from_utf8_lossy(&written)
+            .lines()
+            .filter(|line| line.contains(needle))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+struct LogWriter(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log buffer").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Waits until something accepts TCP connections on `addr`.
 pub async fn wait_for_port(addr: SocketAddr, what: &str) {
     eventually(Duration::from_secs(10), what, || async move {

@@ -311,9 +311,11 @@ async fn refuse(stream: &mut TcpStream, error: HeadError, method: &Method, send_
         HeadError::TooLarge { size, limit } => ProxyError::HeadersTooLarge { size, limit },
         HeadError::TooManyHeaders { limit } => ProxyError::TooManyHeaders { limit },
         HeadError::TargetTooLong { limit } => ProxyError::TargetTooLong { limit },
-        HeadError::Malformed(reason) => ProxyError::BadRequest(reason.to_string()),
+        HeadError::Malformed(reason) => ProxyError::bad_request(reason),
     };
-    let (mut parts, body) = error.to_response().into_parts();
+    // A head that could not be read says nothing reliable of what the client reads: the
+    // answer is the page browsers get.
+    let (mut parts, body) = error.to_response(false).into_parts();
     let mut keep_alive = false;
     let framing = encode::frame_response(
         method,
