@@ -1394,8 +1394,10 @@ async fn a_queued_request_carries_the_forwarded_proto_levee_believes_not_the_cli
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string)
         };
-        // An untrusted client's `Forwarded` is gone too.
-        let proto = claims("x-forwarded-proto").filter(|_| claims("forwarded").is_none());
+        // An untrusted client's `Forwarded` is gone too, and anyone's
+        // `X-Levee-Modules-Off` (levee's word alone, also in a replay).
+        let proto = claims("x-forwarded-proto")
+            .filter(|_| claims("forwarded").is_none() && claims("x-levee-modules-off").is_none());
         record.lock().expect("lock").push(proto);
         async move { Response::new(full("applied")) }
     })
@@ -1409,6 +1411,7 @@ async fn a_queued_request_carries_the_forwarded_proto_levee_believes_not_the_cli
     let request = Request::post(levee.url("/notify.php"))
         .header("x-forwarded-proto", "https")
         .header("forwarded", "proto=https")
+        .header("x-levee-modules-off", "ranking")
         .body(full("like=1"))
         .expect("request");
     assert_eq!(send(request).await.status, 202);

@@ -313,18 +313,17 @@ pub enum Waited {
     /// holds the body back (see [`MAX_READER_HOLD`]): go upstream.
     GoUpstream,
     /// The waiter has waited as long as it would have for an answer of its own (its response
-    /// timeout) without a copy: no head came, or the body, still coming from the upstream,
-    /// did not end; or the fetch's upstream timed out.
+    /// timeout) and no head came, or the fetch's upstream timed out.
     TimedOut,
 }
 
-/// Waits for the copy the fetch `receiver` follows will store: for at most `for_answer` in
-/// all (the wait the request would have for an answer of its own: the upstream's response
-/// timeout), and, once the answer's head is in, only while the fetch's client has held its
-/// body back for less than `reader_may_hold` in all (see [`BodyPace`]; [`MAX_READER_HOLD`]).
-/// A request that joins a fetch whose client has held it back that long already goes
-/// upstream at once. A fetch that timed out, or no copy by `for_answer`, ends the wait with
-/// [`Waited::TimedOut`].
+/// Waits for the copy the fetch `receiver` follows will store: for its answer's head at most
+/// `for_answer` (the wait the request would have for an answer of its own: the upstream's
+/// response timeout), and, once the head is in, for as long as the upstream writes the body,
+/// but only while the fetch's client has held the body back for less than `reader_may_hold`
+/// in all (see [`BodyPace`]; [`MAX_READER_HOLD`]). A request that joins a fetch whose client
+/// has held it back that long already goes upstream at once. A fetch that timed out, or no
+/// head by `for_answer`, ends the wait with [`Waited::TimedOut`].
 pub async fn wait_for_copy(
     mut receiver: watch::Receiver<FetchState>,
     for_answer: Duration,
@@ -336,17 +335,20 @@ pub async fn wait_for_copy(
     let recheck = reader_may_hold / 10;
     loop {
         let now = Instant::now();
-        let until = match &*receiver.borrow_and_update() {
+        let (until, answered) = match &*receiver.borrow_and_update() {
             FetchState::Done(copy) => return Waited::Copy(copy.clone()),
             FetchState::TimedOut => return Waited::TimedOut,
-            FetchState::Fetching => deadline,
+            FetchState::Fetching => (deadline, false),
             FetchState::Answered(pace) => {
                 let held = pace.held(now);
                 if held >= reader_may_hold {
                     return Waited::GoUpstream;
                 }
                 // The hold grows no faster than time passes: it cannot reach the bound sooner.
-                deadline.min(now + (reader_may_hold - held).max(recheck))
+                // `for_answer` bounds the wait for the head, which came: a request of its own
+                // would be reading the same slow body now (the fetch fails, and the waiters
+                // with it, when the upstream goes silent for its `idle_body_timeout`).
+                (now + (reader_may_hold - held).max(recheck), true)
             }
         };
         match tokio::time::timeout_at(until, receiver.changed()).await {
@@ -359,7 +361,7 @@ pub async fn wait_for_copy(
                     _ => Waited::GoUpstream,
                 }
             }
-            Err(_elapsed) if Instant::now() >= deadline => return Waited::TimedOut,
+            Err(_elapsed) if !answered && Instant::now() >= deadline => return Waited::TimedOut,
             Err(_elapsed) => {}
         }
     }
@@ -1761,19 +1763,36 @@ mod tests {
         let read = reader.await.expect("reader").expect("body");
         assert_eq!(read.to_bytes(), "<head></html>");
 
-        // A page still being written when a waiter's own response timeout runs out: it has
-        // waited as long as for an answer of its own (the caller serves the route's copy, or
-        // a 504), and does not go upstream to wait as long again.
+        // A page still being written when a waiter's own response timeout runs out: the
+        // timeout bounds the wait for an answer's head, which came; a request of its own
+        // would now be reading the same slow body, so the waiter goes on waiting for the
+        // page (it got a 504 while the leader got the page).
         let (guard, receiver) = lead_and_wait(&store);
         let (capture, upstream) = captured(guard, &store);
         let reader = tokio::spawn(capture.collect());
         upstream.send(Bytes::from_static(b"<head>")).expect("send");
         let started = Instant::now();
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, MAX_READER_HOLD));
+        tokio::time::sleep(HEAD + Duration::from_secs(2)).await;
+        assert!(!waiter.is_finished(), "the page is still being written");
+        upstream.send(Bytes::from_static(b"</html>")).expect("send");
+        drop(upstream);
+        let waited = waiter.await.expect("waiter");
+        assert!(
+            matches!(waited, Waited::Copy(ref copy) if copy.body == "<head></html>"),
+            "{waited:?}"
+        );
+        assert_eq!(started.elapsed(), HEAD + Duration::from_secs(2));
+        reader.await.expect("reader").expect("body");
+
+        // No head by then: the waiter has waited as long as for an answer of its own (the
+        // caller serves the route's copy, or a 504), and does not go upstream to wait as long
+        // again.
+        let (_guard, receiver) = lead_and_wait(&store);
+        let started = Instant::now();
         let waited = wait_for_copy(receiver, HEAD, MAX_READER_HOLD).await;
         assert!(matches!(waited, Waited::TimedOut), "{waited:?}");
         assert_eq!(started.elapsed(), HEAD);
-        drop(upstream);
-        reader.await.expect("reader").expect("body");
     }
 
     /// The response writer asks for the body, finds nothing yet and flushes what it has to

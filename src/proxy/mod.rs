@@ -1315,27 +1315,37 @@ impl Stale {
         )
         .await;
         match waited {
-            Waited::Copy(copy) => Joined::Served(
-                without_switched_off_fragments(
-                    copy.to_response(false),
-                    hidden_fragments(shared, policy, route),
+            Waited::Copy(copy) => {
+                // A sample of the upstream's latency as this visitor met it: the requests a
+                // slow page's one fetch answers are most of its requests, and counted as one
+                // call, a page served to a crowd in 1.5 s each never reached a `latency_p95`
+                // trigger's `min_calls`.
+                let now = Instant::now();
+                route
+                    .upstream
+                    .latency
+                    .record(now, now.saturating_duration_since(started));
+                Joined::Served(
+                    without_switched_off_fragments(
+                        copy.to_response(false),
+                        hidden_fragments(shared, policy, route),
+                    )
+                    .await,
                 )
-                .await,
-            ),
+            }
             // The fetch failed, gave nothing to keep, or its client holds the body back: go
             // upstream ourselves.
             Waited::GoUpstream => Joined::Lead {
                 guard: None,
                 waited: started.elapsed(),
             },
-            // No copy within this request's response timeout: no head came, the fetch timed
-            // out, or the app was still writing the page. Either way a fetch of its own would
-            // be no quicker: it is answered below as a timeout is, with the route's copy
-            // (within `max_age`, marked stale) or a 504. A waiter is not served that older copy
-            // sooner, while the page is still coming: the route is healthy, and the page being
-            // fetched is the current one (a slow page's waiters get it as soon as it is in,
-            // which is sooner than a fetch of their own would bring it). A site that wants its
-            // copies served while the app is too busy says so with a trigger (`inflight`).
+            // No head within this request's response timeout, or the fetch timed out: a fetch
+            // of its own would be no quicker. It is answered below as a timeout is, with the
+            // route's copy (within `max_age`, marked stale) or a 504. (A page whose head came
+            // is waited for while the app writes it: see `wait_for_copy`. A waiter is not
+            // served an older copy while the page is coming: the route is healthy, and the
+            // page being fetched is the current one. A site that wants its copies served while
+            // the app is too busy says so with a trigger.)
             Waited::TimedOut => Joined::Lead {
                 guard: None,
                 waited: route.upstream.settings.response_timeout,

@@ -82,6 +82,9 @@ impl Job {
             headers: parts
                 .headers
                 .iter()
+                // levee's word alone (see `header::ForwardedWriter`): a client's would reach
+                // the app with the replay.
+                .filter(|(name, _)| **name != crate::proxy::header::X_LEVEE_MODULES_OFF)
                 .map(|(name, value)| {
                     let value = value.as_bytes();
                     let spelled = upstream_spelling(received_head, name, value);

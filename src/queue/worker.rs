@@ -1553,6 +1553,9 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     let (fields, spelled) = job.replayed_fields();
     *request.headers_mut() = fields;
     let headers = request.headers_mut();
+    // levee's word alone, as on a forwarded request (see `header::ForwardedWriter`): jobs
+    // stored before it was dropped at the door may hold a client's.
+    headers.remove(&crate::proxy::header::X_LEVEE_MODULES_OFF);
     if let Some(host) = &upstream.settings.host {
         headers.insert(http::header::HOST, host.clone());
     }
