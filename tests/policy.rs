@@ -275,6 +275,67 @@ fn check_reports_every_error_with_file_line_col_and_fails() {
 }
 
 #[test]
+fn check_reports_the_errors_of_every_table_when_some_do_not_read() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // A typo in one limit, a value of the wrong type in one upstream and in one trigger:
+    // the value errors of the other tables, in this file and the next, are reported with
+    // them, and what the broken tables define is not called undefined.
+    std::fs::write(
+        dir.path().join("10-app.toml"),
+        "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nresponse_timeout = \"10x\"\n\n\
+         [upstream.search]\nurl = \"http://127.0.0.1:9200\"\nmax_inflight = \"20\"\n\n\
+         [limit.post_per_user]\nkey = \"ip\"\nrate = \"5/min\"\nburts = 5\n\n\
+         [degrade]\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"latency_p95\"\nabove = 1.5\n\n\
+         [[degrade.trigger]]\nupstream = \"search\"\nwhen = \"inflight\"\nabove = 0.9\n\n\
+         [[degrade.trigger]]\nupstream = \"app\"\nwhen = \"error_ratio\"\nabove = 0.5\nfor = 30\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.path().join("20-routes.toml"),
+        "[[route]]\nname = \"post\"\nmatch = { path_prefix = \"/post\" }\nlimits = [\"post_per_user\"]\ntier = 4\n\n\
+         [[route]]\nname = \"search\"\nupstream = \"search\"\nmatch = { path = \"/search\" }\nfallback = { status = 99 }\n",
+    )
+    .expect("write");
+    let (ok, _stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "check must fail");
+    let file = |name: &str| dir.path().join(name).display().to_string();
+    let expected = [
+        format!("{}:3:20: error: unknown duration unit `x`", file("10-app.toml")),
+        format!(
+            "{}:7:16: error: `max_inflight` is a whole number\n  hint: write it without quotes: max_inflight = 20",
+            file("10-app.toml")
+        ),
+        format!(
+            "{}:12:1: error: unknown field `burts`, expected one of `key`, `rate`, `burst`",
+            file("10-app.toml")
+        ),
+        format!(
+            "{}:15:1: error: latency_p95 needs `above` as a duration",
+            file("10-app.toml")
+        ),
+        format!("{}:29:7: error: `for` is a string in quotes", file("10-app.toml")),
+        format!("{}:5:8: error: tier 4 does not exist", file("20-routes.toml")),
+        format!("{}:11:23: error: 99 is not a status levee can answer with", file("20-routes.toml")),
+    ];
+    let mut at = 0;
+    for expected in &expected {
+        // In file order, each once.
+        let found = stderr[at..].find(expected.as_str());
+        assert!(
+            found.is_some(),
+            "missing `{expected}` after byte {at} of:\n{stderr}"
+        );
+        at += found.unwrap_or_default() + expected.len();
+    }
+    assert!(
+        stderr.contains(&format!("has {} error(s)", expected.len())),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("not defined"), "{stderr}");
+    assert!(stderr.contains("hint: did you mean `burst`?"), "{stderr}");
+}
+
+#[test]
 fn an_upstream_written_without_its_name_is_told_to_take_one_at_its_header() {
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::write(

@@ -22,7 +22,7 @@ use super::policy::{AdminSettings, ListenWrittenAt, Policy, ServerSettings};
 use super::spec::{
     AboveSpec, BreakerSpec, DegradeSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, ModuleSpec,
     OneOrMany, QueueSpec, RedisSpec, RouteDegradeSpec, RouteSpec, SentinelSpec, ServerSpec,
-    ShapeError, SizeSpec, StaticResponseSpec, TriggerSpec, UpstreamSpec, SIZE_TAKES,
+    ShapeError, SizeSpec, StaticResponseSpec, TriggerSpec, UnreadTables, UpstreamSpec, SIZE_TAKES,
 };
 use super::units::{parse_duration, parse_size};
 use crate::breaker::{Breaker, BreakerSettings, Force};
@@ -370,10 +370,11 @@ struct Compiler<'a> {
 /// The most errors a policy check reports one by one.
 const MAX_ERRORS: usize = 1000;
 
-/// Names defined in files whose policy could not be read whole (see `Compiler::unread`).
+/// Names defined in files or tables that could not be read (see `Compiler::unread`).
 #[derive(Default)]
 struct UnreadNames {
-    /// Some file did not read whole: a missing `default_upstream` may be in it.
+    /// A file, a `[server]` or an upstream did not read: a missing `default_upstream`, or the
+    /// one upstream that would be the default, may be in it.
     any: bool,
     upstreams: std::collections::BTreeSet<String>,
     limits: std::collections::BTreeSet<String>,
@@ -381,11 +382,14 @@ struct UnreadNames {
     /// Kinds written there without their name (`[upstream]` with `url` under it, already
     /// reported): whichever name a route gives may be the one meant.
     nameless: std::collections::BTreeSet<&'static str>,
-    /// Such a file has a `[redis]` section.
-    redis: bool,
+    /// Sections written once (`redis`, `identity`, `server`, `admin`) that did not read.
+    sections: std::collections::BTreeSet<&'static str>,
     /// A file could not be read at all (its permissions, a directory): it may define anything.
     unknown: bool,
 }
+
+/// The sections a file may hold once, as [`UnreadNames::sections`] names them.
+const SECTIONS: [&str; 6] = ["server", "admin", "redis", "identity", "degrade", "queue"];
 
 impl UnreadNames {
     /// Reads the names a file defines from its TOML alone (it may not read as a policy).
@@ -394,7 +398,11 @@ impl UnreadNames {
         let Ok(table) = text.parse::<toml::Table>() else {
             return;
         };
-        self.redis |= table.contains_key("redis");
+        self.sections.extend(
+            SECTIONS
+                .into_iter()
+                .filter(|section| table.contains_key(*section)),
+        );
         for kind in ["upstream", "limit", "module"] {
             let Some(entries) = table.get(kind).and_then(toml::Value::as_table) else {
                 continue;
@@ -425,9 +433,22 @@ impl UnreadNames {
             }
     }
 
-    /// Whether such a file may hold the `[redis]` section that queues need.
-    fn may_hold_redis(&self) -> bool {
-        self.unknown || self.redis
+    /// The tables of a file read table by table that did not read.
+    fn note_tables(&mut self, tables: UnreadTables) {
+        self.any |= tables.sections.contains("server")
+            || !tables.upstreams.is_empty()
+            || tables.nameless.contains("upstream");
+        self.upstreams.extend(tables.upstreams);
+        self.limits.extend(tables.limits);
+        self.modules.extend(tables.modules);
+        self.nameless.extend(tables.nameless);
+        self.sections.extend(tables.sections);
+    }
+
+    /// Whether such a file may hold a section (`[redis]`, which queues need; `[identity]`,
+    /// which a limit keyed by user needs).
+    fn may_hold(&self, section: &str) -> bool {
+        self.unknown || self.sections.contains(section)
     }
 }
 
@@ -1057,14 +1078,26 @@ fn compile_read(
         }
     }
 
-    // Parse every file; a file that does not parse still lets the others be checked.
+    // Parse every file; a file that does not parse still lets the others be checked, and
+    // one that parses as TOML but not whole as a policy is read table by table: its tables
+    // that read are compiled with the rest, so a bad key in one hides no error in another.
     let mut specs: Vec<(usize, FileSpec)> = Vec::new();
     for (index, file) in files.iter().enumerate() {
         match toml::from_str::<FileSpec>(&file.text) {
             Ok(spec) => specs.push((index, spec)),
             Err(first) => {
-                compiler.unread.note(&file.text);
-                let mut errors = FileSpec::shape_errors(&file.text);
+                let mut errors = match FileSpec::read_by_table(&file.text) {
+                    Some(read) => {
+                        compiler.unread.note_tables(read.unread);
+                        specs.push((index, read.spec));
+                        read.errors
+                    }
+                    // Broken TOML: its first syntax error is the one to fix.
+                    None => {
+                        compiler.unread.note(&file.text);
+                        Vec::new()
+                    }
+                };
                 // A syntax error, or one shape_errors would not see: serde's own is kept.
                 // One inside what a shape error stands for says the same less plainly.
                 let covered = errors.iter().any(|error| {
@@ -1200,7 +1233,10 @@ fn compile_read(
         .into_iter()
         .flatten()
         .find(|address| !address.ip().to_canonical().is_loopback());
-    if let (Some(address), true) = (exposed, admin_settings.tokens.is_empty()) {
+    // An `[admin]` that did not read (already reported) may have the tokens.
+    let tokens_unread = admin.is_none() && compiler.unread.may_hold("admin");
+    if let (Some(address), true, false) = (exposed, admin_settings.tokens.is_empty(), tokens_unread)
+    {
         let message = if address == admin_settings.listen {
             format!(
                 "the admin listener on {address} is reachable beyond this machine but has no token"
@@ -1222,7 +1258,10 @@ fn compile_read(
             None => compiler.error_hint_in_dir(message, hint),
         }
     }
-    if listeners_overlap(admin_settings.listen, server_settings.listen) {
+    // A `listen` in a `[server]` or `[admin]` that did not read is not known.
+    let listens_unread = (server.is_none() && compiler.unread.may_hold("server"))
+        || (admin.is_none() && compiler.unread.may_hold("admin"));
+    if listeners_overlap(admin_settings.listen, server_settings.listen) && !listens_unread {
         // Point at whichever `listen` was written (the other is its default).
         let (file, span) = match (&admin, &server) {
             (Some((file, spec)), _) => (
@@ -1351,7 +1390,7 @@ fn compile_read(
     // `[redis]` may be in a file that did not read (already reported): queues are not also
     // refused for want of it.
     let redis_given =
-        redis_store.is_some() || (redis.is_none() && compiler.unread.may_hold_redis());
+        redis_store.is_some() || (redis.is_none() && compiler.unread.may_hold("redis"));
     let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_given);
     // Every module a route names (`module`, `hide`), declared or not: a name a letter from
     // another is most often a typo, whichever of the two is declared.
@@ -3096,6 +3135,8 @@ fn compile_limit(
         Some(key) => {
             for text in key.get_ref().clone().into_vec() {
                 match KeyPart::parse(&text) {
+                    // An `[identity]` that did not read (already reported) may have it.
+                    Ok(KeyPart::User | KeyPart::ApiKey) if compiler.unread.may_hold("identity") => {}
                     Ok(KeyPart::User) if identity.user.is_empty() => compiler.error_hint(file, key.span(), "key part `user` needs [identity] user", "add [identity] user = [\"header:X-User-Id\"] (a header your front nginx or app sets), or a cookie"),
                     Ok(KeyPart::ApiKey) if identity.api_key.is_empty() => compiler.error_hint(file, key.span(), "key part `api_key` needs [identity] api_key", "add [identity] api_key = [\"header:X-Api-Key\", \"query:api_key\"]"),
                     Ok(part) => parts.push(part),
@@ -3283,7 +3324,7 @@ fn check_module_name(
 
 /// Levenshtein distance in characters: the fewest insertions, deletions and substitutions
 /// that turn one name into the other.
-fn edit_distance(a: &str, b: &str) -> usize {
+pub(super) fn edit_distance(a: &str, b: &str) -> usize {
     let b: Vec<char> = b.chars().collect();
     let mut previous: Vec<usize> = (0..=b.len()).collect();
     for (i, a_char) in a.chars().enumerate() {
@@ -5050,6 +5091,134 @@ mod tests {
             partly[0].starts_with("20-app.toml:7:11: error: limit `per_ip` is not defined"),
             "{partly:#?}"
         );
+    }
+
+    /// Each error's `file:line:col`, in the order reported.
+    fn places(refused: &[String]) -> Vec<&str> {
+        refused
+            .iter()
+            .map(|error| error.split(": error").next().unwrap_or_default())
+            .collect()
+    }
+
+    #[test]
+    fn a_table_that_does_not_read_hides_no_value_error_of_the_others() {
+        // The review's case: a typo in one limit, a trigger's wrong threshold elsewhere.
+        let text = format!(
+            "{APP}\
+             [limit.post_per_user]\nkey = \"ip\"\nrate = \"5/min\"\nburts = 5\n\
+             [limit.login]\nkey = \"ip\"\nrate = \"5/fortnight\"\n\
+             [[route]]\nname = \"post\"\nmatch = {{ path_prefix = \"/post\" }}\nlimits = [\"post_per_user\", \"login\"]\ntier = 9\n\
+             [degrade]\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"latency_p95\"\nabove = 1.5\n"
+        );
+        let refused = errors(&[("a.toml", &text)]);
+        assert_eq!(
+            places(&refused),
+            ["a.toml:6:1", "a.toml:9:8", "a.toml:14:8", "a.toml:16:1"],
+            "{refused:#?}"
+        );
+        assert!(
+            refused[0].starts_with("a.toml:6:1: error: unknown field `burts`")
+                && refused[0].contains("hint: did you mean `burst`?"),
+            "{refused:#?}"
+        );
+        assert!(refused[1].contains("unknown rate unit `fortnight`"));
+        assert!(refused[2].contains("tier 9 does not exist"));
+        assert!(refused[3].contains("latency_p95 needs `above` as a duration"));
+
+        // Type errors in several tables of one file and value errors in the others, in two
+        // files: each table's first shape error and every value error, nothing said twice.
+        let refused = errors(&[
+            (
+                "10-a.toml",
+                "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nresponse_timeout = 30\n\
+                 [upstream.api]\nurl = \"http://127.0.0.1:8082\"\nconnect_timeout = \"3 fortnights\"\n\
+                 [degrade]\nlevel = 7\n\
+                 [[degrade.trigger]]\nupstream = \"api\"\nwhen = \"error_ratio\"\nabove = \"half\"\nlevle = 2\n\
+                 [[degrade.trigger]]\nupstream = \"api\"\nwhen = \"error_ratio\"\nabove = 1.5\n\
+                 [[degrade.trigger]]\nupstream = \"api\"\nwhen = \"breaker_open\"\nlevel = \"2\"\n",
+            ),
+            (
+                "20-b.toml",
+                "[[route]]\nname = \"home\"\nupstream = \"app\"\nmatch = { path = \"/\" }\n\
+                 [[route]]\nname = \"api\"\nupstream = \"api\"\nmatch = { path_prefix = \"api\" }\n\
+                 [[route]]\nname = \"shop\"\nupstream = \"app\"\nmatch = { path_prefx = \"/shop\" }\n",
+            ),
+        ]);
+        assert_eq!(
+            places(&refused),
+            [
+                "10-a.toml:3:20",
+                "10-a.toml:6:19",
+                "10-a.toml:8:9",
+                "10-a.toml:13:1",
+                "10-a.toml:17:9",
+                "10-a.toml:21:9",
+                "20-b.toml:8:25",
+                "20-b.toml:12:11",
+            ],
+            "{refused:#?}"
+        );
+        assert!(refused[3].contains("unknown field `levle`"), "{refused:#?}");
+        assert!(
+            refused[4].contains("`above` must be a share"),
+            "{refused:#?}"
+        );
+        // Not `upstream `app` is not defined` for the routes that name the upstream whose
+        // table had the type error.
+        assert!(
+            !refused.iter().any(|error| error.contains("not defined")),
+            "{refused:#?}"
+        );
+    }
+
+    #[test]
+    fn what_a_table_that_did_not_read_defines_is_not_called_missing() {
+        // Read with the table that did not: its value error is reported too.
+        let spare = "[limit.spare]\nkey = \"ip\"\nrate = \"1/fortnight\"\n";
+        let route = |extra: &str| {
+            format!("[[route]]\nname = \"home\"\nmatch = {{ path = \"/\" }}\n{extra}")
+        };
+        for (text, expected) in [
+            // Its `[identity]`: a limit keyed by user is not told to add one.
+            (
+                format!("{APP}[identity]\nusr = \"header:X-User\"\n[limit.per_user]\nkey = \"user\"\nrate = \"1/s\"\n{}", route("limits = [\"per_user\"]\n")),
+                "a.toml:4:1: error: unknown field `usr`",
+            ),
+            // Its `[server]`: a route without upstream may have had its default there.
+            (
+                format!("{APP}[upstream.api]\nurl = \"http://127.0.0.1:9\"\n[server]\ndefault_upstream = \"app\"\nlisten = 8080\n{}", route("")),
+                "a.toml:7:10: error: `listen` is a string in quotes",
+            ),
+            // The only upstream, which would have been the default.
+            (
+                format!("[upstream.app]\nurl = \"http://127.0.0.1:9\"\nmax_inflight = \"20\"\n{}", route("")),
+                "a.toml:3:16: error: `max_inflight` is a whole number",
+            ),
+            // A section spelt a letter off: what it defines is named as if spelt right.
+            (
+                format!("[upstreams.app]\nurl = \"http://127.0.0.1:9\"\n{}", route("upstream = \"app\"\n")),
+                "a.toml:1:2: error: unknown field `upstreams`",
+            ),
+            // A route that did not read: the module it belongs to exists.
+            (
+                format!("{APP}[degrade]\nmodules_off = [\"ranking\"]\n{}", route("tier = 3\nmodule = \"ranking\"\nlimit = [\"x\"]\n")),
+                "a.toml:10:1: error: unknown field `limit`",
+            ),
+            // Its `[admin]`: its listen, not the default one, is the one to compare.
+            (
+                format!("{APP}[server]\nlisten = \"127.0.0.1:9901\"\n[admin]\nlisten = \"127.0.0.1:9902\"\ntokens = \"0123456789abcdef0\"\n{}", route("")),
+                "a.toml:7:10: error: `tokens` is a table",
+            ),
+        ] {
+            let refused = errors(&[("a.toml", &format!("{text}{spare}"))]);
+            assert_eq!(refused.len(), 2, "{text}\n{refused:#?}");
+            assert!(refused[0].starts_with(expected), "{text}\n{refused:#?}");
+            assert!(
+                refused[1].contains("unknown rate unit `fortnight`"),
+                "{text}\n{refused:#?}"
+            );
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! Unknown keys are errors (`deny_unknown_fields`), so a typo never silently does nothing.
 //! Scalars are wrapped in [`Spanned`] so that compile errors can point at `file:line:col`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Deserialize;
 use toml::Spanned;
@@ -31,35 +31,45 @@ pub struct FileSpec {
 }
 
 impl FileSpec {
-    /// Every shape error of a file that parses as TOML but not as a policy: one per section,
-    /// table entry or `[[route]]`, not only the first, so an operator fixes a file in one go.
-    /// Empty when the file's TOML is broken: its first syntax error is the one to fix.
-    pub fn shape_errors(text: &str) -> Vec<ShapeError> {
-        let Ok(root) = toml::de::DeTable::parse(text) else {
-            return Vec::new();
-        };
+    /// A file that parses as TOML but not whole as a policy, read table by table: each
+    /// section, `[KIND.NAME]`, `[[route]]` and `[[degrade.trigger]]` on its own, so that one
+    /// that does not fit hides neither the errors of the others (one per table, not only the
+    /// first) nor their values, which are compiled and checked as usual.
+    /// `None` when the file's TOML is broken: its first syntax error is the one to fix.
+    pub fn read_by_table(text: &str) -> Option<PartialFile> {
+        let root = toml::de::DeTable::parse(text).ok()?;
+        let mut read = PartialFile::default();
         let mut errors = Vec::new();
         // Errors said in levee's own words, with their hint.
         let mut told = Vec::new();
+        let (spec, unread) = (&mut read.spec, &mut read.unread);
         for (key, value) in root.get_ref() {
             match key.get_ref().as_ref() {
-                "server" => try_shape::<ServerSpec>(value, &mut errors),
-                "admin" => try_shape::<AdminSpec>(value, &mut errors),
-                "redis" => try_shape::<RedisSpec>(value, &mut errors),
-                "identity" => try_shape::<IdentitySpec>(value, &mut errors),
-                "degrade" => try_shape::<DegradeSpec>(value, &mut errors),
-                "queue" => try_shape::<QueueSpec>(value, &mut errors),
+                "server" => spec.server = read_section(value, "server", &mut errors, unread),
+                "admin" => spec.admin = read_section(value, "admin", &mut errors, unread),
+                "redis" => spec.redis = read_section(value, "redis", &mut errors, unread),
+                "identity" => spec.identity = read_section(value, "identity", &mut errors, unread),
+                "degrade" => spec.degrade = read_degrade(value, &mut errors, unread),
+                "queue" => spec.queue = read_section(value, "queue", &mut errors, unread),
                 "upstream" => {
-                    try_named::<UpstreamSpec>(&UPSTREAM, text, key, value, &mut errors, &mut told)
+                    spec.upstream =
+                        read_named(&UPSTREAM, text, key, value, &mut errors, &mut told, unread)
                 }
-                "limit" => try_named::<LimitSpec>(&LIMIT, text, key, value, &mut errors, &mut told),
+                "limit" => {
+                    spec.limit =
+                        read_named(&LIMIT, text, key, value, &mut errors, &mut told, unread)
+                }
                 "module" => {
-                    try_named::<ModuleSpec>(&MODULE, text, key, value, &mut errors, &mut told)
+                    spec.module =
+                        read_named(&MODULE, text, key, value, &mut errors, &mut told, unread)
                 }
                 "route" => match value.get_ref() {
                     toml::de::DeValue::Array(routes) => {
                         for route in routes.iter() {
-                            try_shape::<RouteSpec>(route, &mut errors);
+                            match read_one::<RouteSpec>(route, &mut errors) {
+                                Some(route) => spec.route.push(route),
+                                None => unread.note_route(route),
+                            }
                         }
                     }
                     // `[route.home]`: each entry a table under a header of its own (a
@@ -72,19 +82,28 @@ impl FileSpec {
                             }) =>
                     {
                         told.extend(routes_named_in_their_header(text, entries));
+                        entries.values().for_each(|route| unread.note_route(route));
                     }
-                    _ => try_shape::<Vec<RouteSpec>>(value, &mut errors),
+                    _ => {
+                        try_shape::<Vec<RouteSpec>>(value, &mut errors);
+                        unread.note_route(value);
+                    }
                 },
-                other => told.push(ShapeError {
-                    span: Some(key.span()),
-                    message: format!("unknown field `{other}`, expected one of {TOP_LEVEL_KEYS}"),
-                    key: None,
-                    hint: None,
-                    covers: Vec::new(),
-                }),
+                other => {
+                    told.push(ShapeError {
+                        span: Some(key.span()),
+                        message: format!(
+                            "unknown field `{other}`, expected one of {TOP_LEVEL_KEYS}"
+                        ),
+                        key: None,
+                        hint: None,
+                        covers: Vec::new(),
+                    });
+                    unread.note_misspelt(other, value);
+                }
             }
         }
-        errors
+        read.errors = errors
             .into_iter()
             .map(|error| ShapeError {
                 span: error.span(),
@@ -94,7 +113,98 @@ impl FileSpec {
                 covers: Vec::new(),
             })
             .chain(told)
-            .collect()
+            .collect();
+        Some(read)
+    }
+}
+
+/// What [`FileSpec::read_by_table`] makes of a file that does not read whole as a policy.
+#[derive(Debug, Default)]
+pub struct PartialFile {
+    /// The tables that read on their own.
+    pub spec: FileSpec,
+    /// Where the others do not fit a policy's shape: one error per table.
+    pub errors: Vec<ShapeError>,
+    /// What those others define, as far as their TOML shows.
+    pub unread: UnreadTables,
+}
+
+/// Tables of a file that are written but did not read (their errors are reported): what
+/// they define exists, so a reference to it is not also called undefined.
+#[derive(Debug, Default)]
+pub struct UnreadTables {
+    /// Sections written once (`server`, `admin`, `redis`, `identity`, `degrade`, `queue`).
+    pub sections: BTreeSet<&'static str>,
+    pub upstreams: BTreeSet<String>,
+    pub limits: BTreeSet<String>,
+    /// Declared with `[module.NAME]`, or named by a route that did not read.
+    pub modules: BTreeSet<String>,
+    /// Kinds written without their name (`[upstream]` with `url` under it): whichever name a
+    /// route gives may be the one meant.
+    pub nameless: BTreeSet<&'static str>,
+}
+
+impl UnreadTables {
+    /// A section whose name is a letter or two from a known one (`[upstreams.app]`, already
+    /// reported): what it would define, spelt right.
+    fn note_misspelt(&mut self, written: &str, value: &Spanned<toml::de::DeValue<'_>>) {
+        use toml::de::DeValue;
+        let meant = TOP_LEVEL
+            .into_iter()
+            .map(|known| (super::compile::edit_distance(written, known), known))
+            .filter(|(distance, _)| *distance <= 2)
+            .min_by_key(|(distance, _)| *distance)
+            .map(|(_, known)| known);
+        match (meant, value.get_ref()) {
+            (None, _) => {}
+            (Some(kind @ ("upstream" | "limit" | "module")), DeValue::Table(entries)) => {
+                for (name, entry) in entries {
+                    if matches!(entry.get_ref(), DeValue::Table(_)) {
+                        self.names(kind).insert(name.get_ref().to_string());
+                    } else {
+                        self.nameless.insert(kind);
+                    }
+                }
+            }
+            (Some(kind @ ("upstream" | "limit" | "module")), _) => {
+                self.nameless.insert(kind);
+            }
+            (Some("route"), DeValue::Array(routes)) => {
+                routes.iter().for_each(|route| self.note_route(route));
+            }
+            (Some("route"), _) => self.note_route(value),
+            (Some(section), _) => {
+                self.sections.insert(section);
+            }
+        }
+    }
+
+    /// The names of a kind written `[KIND.NAME]`.
+    fn names(&mut self, kind: &str) -> &mut BTreeSet<String> {
+        match kind {
+            "upstream" => &mut self.upstreams,
+            "limit" => &mut self.limits,
+            _ => &mut self.modules,
+        }
+    }
+
+    /// The modules a route that did not read belongs to or hides, as its TOML names them.
+    fn note_route(&mut self, route: &Spanned<toml::de::DeValue<'_>>) {
+        use toml::de::DeValue;
+        let DeValue::Table(keys) = route.get_ref() else {
+            return;
+        };
+        for (key, value) in keys {
+            match (key.get_ref().as_ref(), value.get_ref()) {
+                ("module", DeValue::String(module)) => {
+                    self.modules.insert(module.to_string());
+                }
+                ("hide", DeValue::Table(hidden)) => self
+                    .modules
+                    .extend(hidden.keys().map(|module| module.get_ref().to_string())),
+                _ => {}
+            }
+        }
     }
 }
 
@@ -126,6 +236,12 @@ fn key_of(error: &toml::de::Error) -> Option<String> {
     path.rsplit('.').next().map(str::to_string)
 }
 
+/// The sections a policy file may have.
+const TOP_LEVEL: [&str; 10] = [
+    "server", "admin", "redis", "identity", "upstream", "limit", "degrade", "module", "queue",
+    "route",
+];
+
 /// The sections a policy file may have, as serde names them in its own message.
 const TOP_LEVEL_KEYS: &str = "`server`, `admin`, `redis`, `identity`, `upstream`, `limit`, `degrade`, `module`, `queue`, `route`";
 
@@ -137,6 +253,74 @@ fn try_shape<'de, T: Deserialize<'de>>(
     if let Err(error) = T::deserialize(deserializer) {
         errors.push(error);
     }
+}
+
+/// One table (or value) as `T`, its error kept.
+fn read_one<'de, T: Deserialize<'de>>(
+    value: &Spanned<toml::de::DeValue<'de>>,
+    errors: &mut Vec<toml::de::Error>,
+) -> Option<Spanned<T>> {
+    let deserializer = toml::de::ValueDeserializer::from(value.clone());
+    Spanned::<T>::deserialize(deserializer)
+        .map_err(|error| errors.push(error))
+        .ok()
+}
+
+/// A section written once (`[server]`), noted as unread when it does not fit.
+fn read_section<'de, T: Deserialize<'de>>(
+    value: &Spanned<toml::de::DeValue<'de>>,
+    section: &'static str,
+    errors: &mut Vec<toml::de::Error>,
+    unread: &mut UnreadTables,
+) -> Option<Spanned<T>> {
+    let read = read_one::<T>(value, errors);
+    if read.is_none() {
+        unread.sections.insert(section);
+    }
+    read
+}
+
+/// `[degrade]` and each of its `[[degrade.trigger]]` entries on their own: a bad trigger hides
+/// neither the section's keys nor the other triggers. A trigger key that is no list of tables
+/// is read with the section, whose error says what it should be.
+fn read_degrade<'de>(
+    value: &Spanned<toml::de::DeValue<'de>>,
+    errors: &mut Vec<toml::de::Error>,
+    unread: &mut UnreadTables,
+) -> Option<Spanned<DegradeSpec>> {
+    use toml::de::DeValue;
+    let DeValue::Table(keys) = value.get_ref() else {
+        return read_section(value, "degrade", errors, unread);
+    };
+    let trigger = keys
+        .iter()
+        .find(|(key, _)| key.get_ref() == "trigger")
+        .map(|(_, trigger)| trigger.get_ref());
+    let triggers = match trigger {
+        Some(DeValue::Array(items))
+            if items
+                .iter()
+                .all(|item| matches!(item.get_ref(), DeValue::Table(_))) =>
+        {
+            items
+        }
+        _ => return read_section(value, "degrade", errors, unread),
+    };
+    let own: toml::de::DeTable<'de> = keys
+        .iter()
+        .filter(|(key, _)| key.get_ref() != "trigger")
+        .map(|(key, value)| (key.clone(), value.clone()))
+        .collect();
+    let own = Spanned::new(value.span(), DeValue::Table(own));
+    // The section's span either way: a trigger that reads is compiled under it.
+    let mut degrade = read_section::<DegradeSpec>(&own, "degrade", errors, unread)
+        .unwrap_or_else(|| Spanned::new(value.span(), DegradeSpec::default()));
+    for item in triggers.iter() {
+        if let Some(trigger) = read_one::<TriggerSpec>(item, errors) {
+            degrade.get_mut().trigger.push(trigger);
+        }
+    }
+    Some(degrade)
 }
 
 /// A kind of table written with its name in its header: `[upstream.NAME]`.
@@ -167,15 +351,17 @@ const MODULE: NamedKind = NamedKind {
 /// Every `[KIND.NAME]` on its own, so that one bad upstream does not hide the next; and the
 /// kind written without its name, said as that: `[upstream]` with one upstream's keys under
 /// it (the parser takes `url` for the name of an upstream and says "`url` is a table"),
-/// `upstream.url = …`, `[[upstream]]` entries.
-fn try_named<'de, T: Deserialize<'de>>(
+/// `upstream.url = …`, `[[upstream]]` entries. Returns those that read; the others are noted
+/// in `unread` by name (or, written without one, by kind).
+fn read_named<'de, T: Deserialize<'de>>(
     named: &NamedKind,
     text: &str,
     key: &Spanned<std::borrow::Cow<'de, str>>,
     value: &Spanned<toml::de::DeValue<'de>>,
     errors: &mut Vec<toml::de::Error>,
     told: &mut Vec<ShapeError>,
-) {
+    unread: &mut UnreadTables,
+) -> BTreeMap<String, Spanned<T>> {
     use toml::de::DeValue;
     let NamedKind {
         kind,
@@ -218,11 +404,13 @@ fn try_named<'de, T: Deserialize<'de>>(
                     covers: vec![whole(item)],
                 });
             }
-            return;
+            unread.nameless.insert(kind);
+            return BTreeMap::new();
         }
         _ => {
             try_shape::<BTreeMap<String, T>>(value, errors);
-            return;
+            unread.nameless.insert(kind);
+            return BTreeMap::new();
         }
     };
     let is_table = |entry: &Spanned<DeValue<'de>>| matches!(entry.get_ref(), DeValue::Table(_));
@@ -243,6 +431,7 @@ fn try_named<'de, T: Deserialize<'de>>(
         && BTreeMap::<String, T>::deserialize(toml::de::ValueDeserializer::from(value.clone()))
             .is_err();
     if keys_of_one || reads_as_one {
+        unread.nameless.insert(kind);
         told.push(ShapeError {
             // At its header when it has one (`[upstream]`), else at the key (`upstream.url`).
             span: Some(header_or(text, value, key)),
@@ -260,12 +449,25 @@ fn try_named<'de, T: Deserialize<'de>>(
                 .collect(),
         });
         if reads_as_one {
-            return;
+            return BTreeMap::new();
         }
     }
+    let mut read_alone = BTreeMap::new();
     for (name, entry) in entries {
         if is_table(entry) {
-            try_shape::<T>(entry, errors);
+            match read_one::<T>(entry, errors) {
+                // Beside the keys of a nameless one, an inline table (`breaker = { … }`) is
+                // most likely its own, not a named one: only a `[KIND.NAME]` header is read.
+                Some(_)
+                    if keys_of_one
+                        && !text.get(entry.span()).is_some_and(|at| at.starts_with('[')) => {}
+                Some(read) => {
+                    read_alone.insert(name.get_ref().to_string(), read);
+                }
+                None => {
+                    unread.names(kind).insert(name.get_ref().to_string());
+                }
+            }
             continue;
         }
         let DeValue::Array(items) = entry.get_ref() else {
@@ -275,6 +477,7 @@ fn try_named<'de, T: Deserialize<'de>>(
             continue;
         }
         let name = name.get_ref();
+        unread.names(kind).insert(name.to_string());
         let header = if is_bare_key(name) {
             format!("[{kind}.{name}]")
         } else {
@@ -292,6 +495,7 @@ fn try_named<'de, T: Deserialize<'de>>(
             });
         }
     }
+    read_alone
 }
 
 /// Where a table is written: its `[header]` when it has one, else its key (a dotted key,
