@@ -445,7 +445,13 @@ impl Served {
         self.groups_made.remove(stream);
         let before = self.counted.remove(stream);
         let lost = lost_jobs(before.as_ref(), now, Instant::now());
-        tracing::error!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): {lost}; jobs stored since are replayed once the group is made again ({error})");
+        // An error only when jobs are known lost: after a Redis restart every queue route finds
+        // its group gone, and an alert on errors fired for routes that had nothing queued.
+        if before.as_ref().is_some_and(|count| count.stream == 0) {
+            tracing::warn!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): {lost}; jobs stored since are replayed once the group is made again ({error})");
+        } else {
+            tracing::error!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): {lost}; jobs stored since are replayed once the group is made again ({error})");
+        }
     }
 }
 
@@ -1200,10 +1206,11 @@ impl Pass<'_> {
                 })
                 .inc_by(abandoned);
             let from = holders_text(&taken.abandoned, self.consumer);
+            let jobs = if abandoned == 1 { "job" } else { "jobs" };
             tracing::warn!(
                 route = %route,
                 jobs = abandoned,
-                "took over {abandoned} queued jobs from {from}: the hold on them had not been \
+                "took over {abandoned} queued {jobs} from {from}: the hold on them had not been \
                  renewed for claim_after ({:?}), as when an instance dies, hangs or loses Redis \
                  in the middle of a batch. They are replayed here; one their worker had already \
                  sent to the app (as a rule at most one per worker: the job it was replaying \
