@@ -1530,6 +1530,118 @@ async fn readers_of_a_page_the_app_is_still_writing_wait_for_its_one_fetch() {
     assert_eq!(backend.hits(), 2, "the readers waited for the one fetch");
 }
 
+/// A visitor gives up on a slow page midway and reloads (common in a surge): the fetch its
+/// request led goes on without it, and the requests waiting for it get the page when the app
+/// is done with it. They all went to the app at once when the visitor left, each taking a
+/// php-fpm worker, exactly when the app was slow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_of_a_page_still_get_its_one_fetch_when_the_fetching_client_leaves_midway() {
+    use futures_util::StreamExt;
+    use http_body_util::{BodyExt, StreamBody};
+    use hyper::body::Frame;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // The page's head comes at once, its next part at stage 1 and the rest at stage 2, as the
+    // test says.
+    let (stage, stages) = tokio::sync::watch::channel(0u8);
+    let renders = Arc::new(AtomicUsize::new(0));
+    let r = renders.clone();
+    let backend = Backend::start(move |_request: Request<Incoming>| {
+        let render = r.fetch_add(1, Ordering::SeqCst) + 1;
+        let (mut first, mut second) = (stages.clone(), stages.clone());
+        async move {
+            let head = Bytes::from(format!("<html><head>{}</head>", " ".repeat(5000)));
+            let body = async move {
+                let _ = first.wait_for(|stage| *stage >= 1).await;
+                Bytes::from_static(b"<body>")
+            };
+            let end = async move {
+                let _ = second.wait_for(|stage| *stage >= 2).await;
+                Bytes::from(format!("render {render}</body></html>"))
+            };
+            let pieces = futures_util::stream::once(async move { head })
+                .chain(futures_util::stream::once(body))
+                .chain(futures_util::stream::once(end))
+                .map(|bytes| Ok::<_, BoxError>(Frame::data(bytes)));
+            Response::builder()
+                .header("content-type", "text/html")
+                .body(StreamBody::new(pieces).boxed_unsync())
+                .expect("response")
+        }
+    })
+    .await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("response_timeout = \"20s\"\n{ROUTES}"),
+    );
+    let levee = Levee::start(&policy).await;
+    let inflight = || async {
+        metric_value(
+            &get(&levee.admin_url("/metrics")).await.text(),
+            "levee_inflight_requests",
+        )
+    };
+
+    // The leader gets the head and the first bytes of the page.
+    let mut leader = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    // With the `Host` the readers send: the same copy.
+    let request = format!("GET /ranking HTTP/1.1\r\nHost: {}\r\n\r\n", levee.public);
+    leader.write_all(request.as_bytes()).await.expect("write");
+    let mut read = Vec::new();
+    while !read.windows(12).any(|window| window == b"<html><head>") {
+        let mut chunk = [0u8; 4096];
+        let got = leader.read(&mut chunk).await.expect("read");
+        assert!(got > 0, "levee closed the connection");
+        read.extend_from_slice(&chunk[..got]);
+    }
+    assert_eq!(status_of(&String::from_utf8_lossy(&read)), Some(200));
+    let url = levee.url("/ranking");
+    let readers: Vec<_> = (0..4)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { get(&url).await })
+        })
+        .collect();
+    eventually(Duration::from_secs(5), "the readers in levee", || async {
+        inflight().await == 5.0
+    })
+    .await;
+
+    // The leader's visitor leaves (a reset, as a browser that moved on); levee finds out when
+    // it passes on the next part of the page.
+    leader.set_zero_linger().expect("linger");
+    drop(leader);
+    stage.send_replace(1);
+    eventually(
+        Duration::from_secs(5),
+        "the leader's request gone from levee",
+        || async { inflight().await == 4.0 },
+    )
+    .await;
+    stage.send_replace(2);
+    for reader in readers {
+        let reader = tokio::time::timeout(Duration::from_secs(10), reader)
+            .await
+            .expect("the reader is answered once the page is in")
+            .expect("reader");
+        let text = reader.text();
+        assert_eq!((reader.status, reader.header("x-levee-stale")), (200, None));
+        assert!(
+            text.ends_with("<body>render 1</body></html>"),
+            "{}",
+            text.get(text.len().saturating_sub(40)..)
+                .unwrap_or_default()
+        );
+    }
+    assert_eq!(
+        (renders.load(Ordering::SeqCst), backend.hits()),
+        (1, 1),
+        "one render for the leader and its readers"
+    );
+}
+
 /// With a route at `max_copies = 2`, three pages fetched one after the other leave the two
 /// newest copies and an index of two in Redis: the store script runs where `redis` points.
 async fn keeps_the_newest_copies_in(redis: &str, cli: impl Fn(&str, &[&str]) -> String) {

@@ -22,7 +22,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
-use pin_project_lite::pin_project;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -227,6 +226,9 @@ struct PaceState {
     reader_since: Option<Instant>,
     /// The task reading the body, woken when the upstream has more.
     reader: Option<Waker>,
+    /// The reader went away and the capture reads the rest itself, taking each frame as it
+    /// comes (see `Capture`'s `Drop`): from then on only the upstream is waited for.
+    read_on: bool,
 }
 
 impl BodyPace {
@@ -237,6 +239,7 @@ impl BodyPace {
                 held: Duration::ZERO,
                 reader_since: Some(now),
                 reader: None,
+                read_on: false,
             }),
         }
     }
@@ -270,7 +273,21 @@ impl BodyPace {
     /// A frame was handed to the reader at `now`: its turn again.
     fn handed(&self, now: Instant) {
         if let Ok(mut state) = self.state.lock() {
-            state.reader_since = Some(now);
+            if !state.read_on {
+                state.reader_since = Some(now);
+            }
+        }
+    }
+
+    /// The reader went away at `now` and the capture reads the rest of the body itself: what
+    /// the reader held back so far stays counted, and nothing more is (no client holds bytes
+    /// any more; the body waits only for the upstream).
+    fn read_on(&self, now: Instant) {
+        if let Ok(mut state) = self.state.lock() {
+            if let Some(since) = state.reader_since.take() {
+                state.held += now.saturating_duration_since(since);
+            }
+            state.read_on = true;
         }
     }
 }
@@ -283,7 +300,9 @@ impl std::task::Wake for BodyPace {
     /// The upstream has more (or its body's timer ran out): the reader's turn, until it asks.
     fn wake_by_ref(self: &Arc<Self>) {
         let reader = self.state.lock().ok().and_then(|mut state| {
-            state.reader_since.get_or_insert_with(Instant::now);
+            if !state.read_on {
+                state.reader_since.get_or_insert_with(Instant::now);
+            }
             state.reader.clone()
         });
         if let Some(reader) = reader {
@@ -860,27 +879,38 @@ fn kept_headers(headers: &HeaderMap, received: Option<&ReceivedHead>) -> Vec<(St
         .collect()
 }
 
-pin_project! {
-    /// Passes a response body through unchanged while keeping a copy (up to `max_body`);
-    /// when the body ends complete, the copy is stored and waiting requests get it.
-    pub struct Capture<B> {
-        #[pin]
-        inner: B,
-        // The body's frames as they passed (shared with the response, small ones copied
-        // together: see `BodyPieces`), put together once, in a buffer of the body's exact
-        // size, when the body is complete: a buffer grown frame by frame doubles its room,
-        // and a frame kept as it is may be a slice of a larger read buffer; either way a copy
-        // would hold up to twice its size in memory, beyond what the store's budget counts.
-        buffer: Option<BodyPieces>,
-        head: Option<StoredHead>,
-        // The age the answer already had (its `Age`: a cache between levee and the app
-        // kept it that long), counted into the copy's.
-        arrived_aged_ms: u64,
-        finish: Option<CaptureTarget>,
-        // Of the fetch this capture leads while its waiters wait for the copy: who the body
-        // waits for (see `BodyPace`).
-        pace: Option<Arc<BodyPace>>,
-    }
+/// Passes a response body through unchanged while keeping a copy (up to `max_body`);
+/// when the body ends complete, the copy is stored and waiting requests get it.
+///
+/// Dropped before the copy is complete (the leading request's client went away mid-page: a
+/// visitor who gives up on a slow page and reloads), it reads the rest of the body on a task
+/// of its own and stores the copy as at a normal end. Letting go of the fetch there would
+/// release every request waiting for it at once, each to fetch the page from the app itself:
+/// a stampede on php-fpm exactly when it is slow, for a page it is still making anyway. The
+/// rest is read until the body ends, fails (a body stalled past `idle_body_timeout` fails
+/// inside it), grows past `max_body` (nothing more would be kept), or for at most the bound
+/// given to `new` in all; short of its end, the waiters go upstream as before. Each waiter's
+/// own bounds still hold (see [`wait_for_copy`]). A bulkhead slot inside the body
+/// (`SlotHeld`) stays taken until the body is read: the script is still running.
+pub struct Capture {
+    inner: Option<ResponseBody>,
+    // The body's frames as they passed (shared with the response, small ones copied
+    // together: see `BodyPieces`), put together once, in a buffer of the body's exact
+    // size, when the body is complete: a buffer grown frame by frame doubles its room,
+    // and a frame kept as it is may be a slice of a larger read buffer; either way a copy
+    // would hold up to twice its size in memory, beyond what the store's budget counts.
+    buffer: Option<BodyPieces>,
+    head: Option<StoredHead>,
+    // The age the answer already had (its `Age`: a cache between levee and the app
+    // kept it that long), counted into the copy's.
+    arrived_aged_ms: u64,
+    finish: Option<CaptureTarget>,
+    // Of the fetch this capture leads while its waiters wait for the copy: who the body
+    // waits for (see `BodyPace`).
+    pace: Option<Arc<BodyPace>>,
+    // How long the rest of the body may take once its reader is gone; `None` in the task
+    // that reads it (it is not read on again when that ends).
+    read_on_within: Option<Duration>,
 }
 
 /// Where a finished capture goes.
@@ -897,13 +927,17 @@ pub struct CaptureTarget {
     pub keep: bool,
 }
 
-impl<B> Capture<B> {
+impl Capture {
+    /// Keeps the copy of the answer whose head is `status` and `headers` as `inner` passes.
+    /// Dropped before the copy is complete, it reads the rest for at most `read_on_within`
+    /// (the upstream's `response_timeout`).
     pub fn new(
-        inner: B,
+        inner: ResponseBody,
         status: StatusCode,
         (headers, received): (&HeaderMap, Option<&ReceivedHead>),
         target: CaptureTarget,
-    ) -> Capture<B> {
+        read_on_within: Duration,
+    ) -> Capture {
         let arrived_aged_ms = headers
             .get(header::AGE)
             .and_then(|value| value.to_str().ok())
@@ -911,14 +945,67 @@ impl<B> Capture<B> {
             .map_or(0, |seconds| seconds.saturating_mul(1000));
         let pace = target.guard.as_ref().and_then(FetchGuard::pace);
         Capture {
-            inner,
+            inner: Some(inner),
             buffer: Some(BodyPieces::default()),
             head: Some((status.as_u16(), kept_headers(headers, received))),
             arrived_aged_ms,
             finish: Some(target),
             pace,
+            read_on_within: Some(read_on_within),
         }
     }
+}
+
+impl Drop for Capture {
+    /// The copy is still wanted (kept as the route's, or awaited by the fetch's waiters) and
+    /// the body has not ended: its reader went away. The rest is read on a task of its own
+    /// (see [`Capture`]). The task holds only the body and what
+    /// the copy goes to, none of the request's other parts (its exchange, its client's
+    /// connection). Outside a runtime (levee is stopping) the copy is dropped here.
+    fn drop(&mut self) {
+        let Some(within) = self.read_on_within.take() else {
+            return;
+        };
+        let wanted = self
+            .finish
+            .as_ref()
+            .is_some_and(|target| target.keep || target.guard.is_some());
+        if !wanted || self.inner.is_none() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if let Some(pace) = &self.pace {
+            pace.read_on(Instant::now());
+        }
+        let rest = Capture {
+            inner: self.inner.take(),
+            buffer: self.buffer.take(),
+            head: self.head.take(),
+            arrived_aged_ms: self.arrived_aged_ms,
+            finish: self.finish.take(),
+            pace: self.pace.take(),
+            read_on_within: None,
+        };
+        runtime.spawn(read_rest(rest, within));
+    }
+}
+
+/// Reads the rest of a body whose reader went away, for its copy (see [`Capture`]): until the
+/// copy is stored, or abandoned (the body failed or grew too big to keep), or `within` has
+/// passed. Dropping the capture then lets the waiters go, and the upstream's body with it (a
+/// bulkhead slot inside reads on by itself).
+async fn read_rest(mut capture: Capture, within: Duration) {
+    use http_body_util::BodyExt;
+    let reading = async {
+        while capture.finish.is_some() {
+            if !matches!(capture.frame().await, Some(Ok(_))) {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(within, reading).await;
 }
 
 fn complete(
@@ -952,10 +1039,7 @@ fn complete(
     }
 }
 
-impl<B> Body for Capture<B>
-where
-    B: Body<Data = Bytes, Error = BoxError>,
-{
+impl Body for Capture {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -963,19 +1047,19 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let mut this = self.project();
+        let this = self.get_mut();
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
         let polled = match this.pace.as_ref() {
-            None => this.inner.as_mut().poll_frame(cx),
+            None => Pin::new(inner).poll_frame(cx),
             // The upstream's body is polled with the pace as its waker: when it has more, the
             // pace hears of it before the reader's task is woken (see `BodyPace`).
             Some(pace) => {
                 let now = Instant::now();
                 pace.asked(now, cx.waker());
                 let waker = Waker::from(pace.clone());
-                let polled = this
-                    .inner
-                    .as_mut()
-                    .poll_frame(&mut Context::from_waker(&waker));
+                let polled = Pin::new(inner).poll_frame(&mut Context::from_waker(&waker));
                 if matches!(polled, Poll::Ready(Some(Ok(_)))) {
                     pace.handed(now);
                 }
@@ -991,38 +1075,48 @@ where
                         .map_or(0, |target| target.settings.max_body);
                     if buffer.bytes_kept() + data.len() > limit {
                         // Too big to keep: pass it on, store nothing.
-                        *this.buffer = None;
-                        *this.finish = None;
+                        this.buffer = None;
+                        this.finish = None;
                     } else {
                         buffer.push(data.clone());
                     }
                 }
-                if this.inner.is_end_stream() {
-                    complete(this.buffer, this.head, *this.arrived_aged_ms, this.finish);
+                if this.inner.as_ref().is_some_and(Body::is_end_stream) {
+                    complete(
+                        &mut this.buffer,
+                        &mut this.head,
+                        this.arrived_aged_ms,
+                        &mut this.finish,
+                    );
                 }
             }
-            Poll::Ready(None) => {
-                complete(this.buffer, this.head, *this.arrived_aged_ms, this.finish)
-            }
+            Poll::Ready(None) => complete(
+                &mut this.buffer,
+                &mut this.head,
+                this.arrived_aged_ms,
+                &mut this.finish,
+            ),
             Poll::Ready(Some(Err(_))) => {
-                *this.buffer = None;
-                *this.finish = None;
+                this.buffer = None;
+                this.finish = None;
             }
             Poll::Pending => {}
         }
         if this.finish.is_none() {
             // Stored, or not to be: the waiters no longer look at the pace.
-            *this.pace = None;
+            this.pace = None;
         }
         polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.as_ref().is_none_or(Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        self.inner
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
     }
 }
 
@@ -1701,12 +1795,15 @@ mod tests {
         }
     }
 
+    /// How long a captured page whose reader left is read on (the upstream's response timeout).
+    const READ_ON: Duration = Duration::from_secs(20);
+
     /// The answer whose head `guard`'s fetch just got, kept as its copy: its body as the
     /// leading request's client reads it, and the upstream's end of that body.
     fn captured(
         guard: FetchGuard,
         store: &Arc<StaleStore>,
-    ) -> (Capture<Trickle>, tokio::sync::mpsc::UnboundedSender<Bytes>) {
+    ) -> (Capture, tokio::sync::mpsc::UnboundedSender<Bytes>) {
         guard.answered();
         let (upstream, body) = tokio::sync::mpsc::unbounded_channel();
         let target = CaptureTarget {
@@ -1719,10 +1816,11 @@ mod tests {
             keep: true,
         };
         let capture = Capture::new(
-            Trickle(body),
+            http_body_util::BodyExt::boxed_unsync(Trickle(body)),
             StatusCode::OK,
             (&HeaderMap::new(), None),
             target,
+            READ_ON,
         );
         (capture, upstream)
     }
@@ -1817,5 +1915,87 @@ mod tests {
         assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
         assert_eq!(sent.elapsed(), MAX_READER_HOLD);
         drop(capture);
+    }
+
+    /// A visitor gives up on a slow page midway and reloads: its request's body, the capture
+    /// with it, is dropped. The page is read on for the copy, and the waiters get it when the
+    /// upstream finishes, rather than all going to the slow app at once; nobody holds the
+    /// bytes back any more, so the reader's bound does not send them either.
+    #[tokio::test(start_paused = true)]
+    async fn waiters_get_the_copy_of_a_page_whose_leaders_client_left_midway() {
+        use futures_util::FutureExt;
+        use http_body_util::BodyExt;
+        let store = Arc::new(StaleStore::new(L1_MAX_BYTES));
+        let (guard, receiver) = lead_and_wait(&store);
+        let (mut capture, upstream) = captured(guard, &store);
+        let started = Instant::now();
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, MAX_READER_HOLD));
+        upstream.send(Bytes::from_static(b"<head>")).expect("send");
+        let first = capture.frame().await.expect("a frame").expect("data");
+        assert_eq!(first.into_data().expect("data"), "<head>");
+        // Its client asks for more (and waits for the app) for a while, then leaves.
+        assert!(capture.frame().now_or_never().is_none(), "no more yet");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        drop(capture);
+        // The app goes on writing the page, slowly: far longer than a client may hold it.
+        tokio::time::sleep(3 * MAX_READER_HOLD).await;
+        assert!(
+            !waiter.is_finished(),
+            "the fetch goes on without its client"
+        );
+        upstream.send(Bytes::from_static(b"<body>")).expect("send");
+        tokio::time::sleep(3 * MAX_READER_HOLD).await;
+        assert!(!waiter.is_finished(), "the page is still being written");
+        // A request that comes now waits for the same fetch.
+        let Fetch::Wait(late) = store.fetch("k") else {
+            panic!("the fetch is still out after its client left");
+        };
+        let late = tokio::spawn(wait_for_copy(late, HEAD, MAX_READER_HOLD));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        upstream.send(Bytes::from_static(b"</html>")).expect("send");
+        drop(upstream);
+        for waiter in [waiter, late] {
+            let waited = waiter.await.expect("waiter");
+            assert!(
+                matches!(waited, Waited::Copy(ref copy) if copy.body == "<head><body></html>"),
+                "{waited:?}"
+            );
+        }
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(3) + 6 * MAX_READER_HOLD
+        );
+        // Kept as the route's copy too.
+        let stored = store
+            .get(&key_of("r", 0), &small_settings(), None, &Metrics::new())
+            .await
+            .expect("the copy is stored");
+        assert_eq!(stored.body, "<head><body></html>");
+
+        // A page that grows past `max_body` once its client left: nothing more would be
+        // kept, so the rest is not read, and the waiters go upstream at once.
+        let (guard, receiver) = lead_and_wait(&store);
+        let (capture, upstream) = captured(guard, &store);
+        let waiter = tokio::spawn(wait_for_copy(receiver, HEAD, MAX_READER_HOLD));
+        drop(capture);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(!waiter.is_finished());
+        let sent = Instant::now();
+        upstream.send(Bytes::from(vec![b'x'; 101])).expect("send");
+        let waited = waiter.await.expect("waiter");
+        assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
+        assert_eq!(sent.elapsed(), Duration::ZERO);
+        assert!(upstream.is_closed(), "the upstream's body is let go");
+
+        // A page whose rest never comes is read on for READ_ON at most (shorter than the
+        // waiter's own bound here): then the waiter goes upstream.
+        let (guard, receiver) = lead_and_wait(&store);
+        let (capture, upstream) = captured(guard, &store);
+        let dropped = Instant::now();
+        drop(capture);
+        let waited = wait_for_copy(receiver, 2 * READ_ON, MAX_READER_HOLD).await;
+        assert!(matches!(waited, Waited::GoUpstream), "{waited:?}");
+        assert_eq!(dropped.elapsed(), READ_ON);
+        assert!(upstream.is_closed());
     }
 }

@@ -927,7 +927,8 @@ async fn forward(
         Some(slot) => run_on::SlotHeld::new(body, slot, upstream).boxed_unsync(),
         None => body,
     };
-    // A good answer of a stale route refreshes its copy as it streams past.
+    // A good answer of a stale route refreshes its copy as it streams past (and is read on
+    // to its end for the copy when this client leaves midway: see `Capture`).
     // A body that ends with the connection may be cut short, and would be kept as whole: not
     // kept (its readers waiting on this fetch go upstream themselves).
     let target = if parts.extensions.get::<client::CloseDelimited>().is_some() {
@@ -949,6 +950,9 @@ async fn forward(
                 parts.extensions.get::<header::ReceivedHead>(),
             ),
             target,
+            // A page whose client went away is read on for its copy no longer than the
+            // upstream is given for an answer.
+            upstream.settings.response_timeout,
         )
         .boxed_unsync(),
         None => body,
