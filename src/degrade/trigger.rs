@@ -18,12 +18,25 @@ use crate::metrics::Metrics;
 pub enum Condition {
     /// The upstream's breaker is open or half-open.
     BreakerOpen,
-    /// p95 response-head latency over the last `LATENCY_WINDOW` above this.
+    /// p95 latency (to the end of the answer's body) over the last `LATENCY_WINDOW` above
+    /// this.
     LatencyP95(Duration),
     /// In-flight requests above this share of `max_inflight`.
     Inflight(f64),
     /// Failure share of the breaker's window above this.
     ErrorRatio(f64),
+}
+
+/// As the policy writes it (`latency_p95 above 600ms`), for the log.
+impl std::fmt::Display for Condition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Condition::BreakerOpen => f.write_str("breaker_open"),
+            Condition::LatencyP95(above) => write!(f, "latency_p95 above {above:?}"),
+            Condition::Inflight(above) => write!(f, "inflight above {above}"),
+            Condition::ErrorRatio(above) => write!(f, "error_ratio above {above}"),
+        }
+    }
 }
 
 /// A compiled `[[degrade.trigger]]`.
@@ -233,7 +246,7 @@ pub fn spawn_triggers(
                         .iter()
                         .zip(&holding)
                         .filter(|(_, holds)| **holds)
-                        .map(|(trigger, _)| format!("{} {:?}", trigger.upstream, trigger.condition))
+                        .map(|(trigger, _)| format!("{} {}", trigger.upstream, trigger.condition))
                         .collect();
                     tracing::warn!(from = current, to = next, reasons = %reasons.join(", "), "degrade level raised automatically");
                 } else {
@@ -258,6 +271,29 @@ pub fn spawn_triggers(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_condition_is_logged_as_the_policy_writes_it() {
+        use super::Condition;
+        let said: Vec<String> = [
+            Condition::BreakerOpen,
+            Condition::LatencyP95(std::time::Duration::from_millis(600)),
+            Condition::Inflight(0.8),
+            Condition::ErrorRatio(0.5),
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        assert_eq!(
+            said,
+            [
+                "breaker_open",
+                "latency_p95 above 600ms",
+                "inflight above 0.8",
+                "error_ratio above 0.5"
+            ]
+        );
+    }
+
     use super::*;
 
     fn trigger(hold: u64, level: u8) -> Trigger {
