@@ -604,6 +604,8 @@ fn levee_response_spelling(name: &HeaderName) -> Option<&'static str> {
         "Vary"
     } else if name.as_str() == "x-levee-stale" {
         "X-Levee-Stale"
+    } else if name.as_str() == "x-levee-job" {
+        "X-Levee-Job"
     } else {
         return None;
     };
@@ -901,6 +903,7 @@ mod tests {
             (RATELIMIT.clone(), "RateLimit"),
             (RATELIMIT_POLICY.clone(), "RateLimit-Policy"),
             (HeaderName::from_static("x-levee-stale"), "X-Levee-Stale"),
+            (HeaderName::from_static("x-levee-job"), "X-Levee-Job"),
             (HeaderName::from_static("x-other"), "x-other"),
         ] {
             assert_eq!(response_spelling(None, &name, b"1"), usual.as_bytes());
