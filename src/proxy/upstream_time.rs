@@ -21,6 +21,7 @@ use tokio::time::Instant;
 use crate::breaker::Permit;
 use crate::degrade::trigger::LatencyWindow;
 use crate::metrics::Metrics;
+use crate::redis_batch::lock;
 
 use crate::error::BoxError;
 
@@ -110,12 +111,6 @@ impl Wake for WakeClock {
             waker.wake();
         }
     }
-}
-
-fn lock(state: &Mutex<WakeState>) -> std::sync::MutexGuard<'_, WakeState> {
-    state
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// How long the wait that began `since` (if one did) has lasted at `now`: until the wake.
