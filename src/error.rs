@@ -7,6 +7,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 
+use crate::config::units::Shown;
 use crate::limit::{policy_field, state_field, Denial};
 use crate::proxy::body::ResponseBody;
 use crate::proxy::header::{RATELIMIT, RATELIMIT_POLICY};
@@ -58,7 +59,7 @@ pub enum ProxyError {
     TargetTooLong { limit: usize },
     #[error("request body is over the limit of {limit} bytes")]
     BodyTooLarge { limit: u64 },
-    #[error("client sent the request body too slowly (no data for {after:?})")]
+    #[error("client sent the request body too slowly (no data for {})", Shown(*.after))]
     ClientBodyTimeout { after: Duration },
     #[error("no route matches this request and no default upstream is set")]
     NoRoute,
@@ -74,7 +75,7 @@ pub enum ProxyError {
     UpstreamConnect { upstream: String, reason: String },
     /// `waiting_for`: what did not come in time, as words ("answer", "connection", "TLS
     /// handshake").
-    #[error("upstream `{upstream}`: no {waiting_for} within {after:?}")]
+    #[error("upstream `{upstream}`: no {waiting_for} within {}", Shown(*.after))]
     UpstreamTimeout {
         upstream: String,
         after: Duration,
@@ -82,7 +83,7 @@ pub enum ProxyError {
     },
     #[error("upstream `{upstream}` failed: {reason}")]
     UpstreamFailed { upstream: String, reason: String },
-    #[error("upstream `{upstream}` is cut off by its open breaker; retry after {retry_after:?}")]
+    #[error("upstream `{upstream}` is cut off by its open breaker; retry after {}", Shown(*.retry_after))]
     BreakerOpen {
         upstream: String,
         retry_after: Duration,
@@ -106,7 +107,7 @@ pub enum ProxyError {
         route: String,
         fallback: Option<Arc<StaticResponse>>,
     },
-    #[error("rate limited by rule `{}`; retry after {:?}", .0.rule.name, .0.retry_after)]
+    #[error("rate limited by rule `{}`; retry after {}", .0.rule.name, Shown(.0.retry_after))]
     RateLimited(Box<Denial>),
     #[error("internal error: {0}")]
     Internal(String),

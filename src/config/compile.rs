@@ -2558,11 +2558,7 @@ fn compile_breaker(
 
 /// A duration as the policy would write it (`"30s"`, `"250ms"`), for messages.
 fn humantime(duration: Duration) -> String {
-    if duration.subsec_millis() == 0 {
-        format!("{}s", duration.as_secs())
-    } else {
-        format!("{}ms", duration.as_millis())
-    }
+    super::units::Shown(duration).to_string()
 }
 
 /// A response written in the policy; `what` names the key in errors.

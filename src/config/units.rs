@@ -40,6 +40,46 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_micros((seconds * 1e6).round() as u64))
 }
 
+/// A duration for people to read, in the policy's own units: `30s`, `250ms`, `1.5s`, `1.1ms`,
+/// `800µs`. Log lines and messages use it where Rust's `Debug` would print `1.097686ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shown(pub Duration);
+
+impl std::fmt::Display for Shown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let duration = self.0;
+        let micros = duration.as_micros();
+        // From 999.95ms on, the millisecond branch would round to `1000ms`.
+        if micros >= 999_950 {
+            // Whole seconds stay whole; otherwise to the millisecond, trailing zeros dropped.
+            let millis = (micros + 500) / 1000;
+            let (seconds, fraction) = (millis / 1000, millis % 1000);
+            if fraction == 0 {
+                write!(f, "{seconds}s")
+            } else {
+                let digits = format!("{fraction:03}");
+                write!(f, "{seconds}.{}s", digits.trim_end_matches('0'))
+            }
+        } else if micros >= 1000 {
+            // A tenth of a millisecond is as fine as anyone reads a wait.
+            let tenths = (micros + 50) / 100;
+            let (millis, tenth) = (tenths / 10, tenths % 10);
+            if tenth == 0 {
+                write!(f, "{millis}ms")
+            } else {
+                write!(f, "{millis}.{tenth}ms")
+            }
+        } else if duration.is_zero() {
+            f.write_str("0s")
+        } else if micros > 0 {
+            write!(f, "{micros}µs")
+        } else {
+            // Under a microsecond but not zero: say so rather than `0µs`.
+            f.write_str("under 1µs")
+        }
+    }
+}
+
 /// Parses a byte size. `KB`/`MB`/`GB` are decimal, `KiB`/`MiB`/`GiB` binary, `B` or no unit bytes.
 pub fn parse_size(spec: &SizeSpec) -> Result<u64, String> {
     let text = match spec {
@@ -119,6 +159,21 @@ fn whole_size(bytes: f64) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_read_as_people_write_them() {
+        let shown = |micros: u64| Shown(Duration::from_micros(micros)).to_string();
+        assert_eq!(shown(30_000_000), "30s");
+        assert_eq!(shown(1_500_000), "1.5s");
+        assert_eq!(shown(1_097_686), "1.098s");
+        assert_eq!(shown(250_000), "250ms");
+        assert_eq!(shown(1_097), "1.1ms");
+        assert_eq!(shown(999_960), "1s");
+        assert_eq!(shown(800), "800µs");
+        assert_eq!(shown(0), "0s");
+        assert_eq!(Shown(Duration::from_nanos(10)).to_string(), "under 1µs");
+        assert_eq!(Shown(Duration::from_nanos(1_097_686)).to_string(), "1.1ms");
+    }
 
     #[test]
     fn durations() {

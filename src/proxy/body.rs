@@ -20,7 +20,7 @@ pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
 
 /// A body stalled for longer than its idle timeout.
 #[derive(Debug, thiserror::Error)]
-#[error("{side} body idle for more than {after:?}")]
+#[error("{side} body idle for more than {}", crate::config::units::Shown(*.after))]
 pub struct BodyIdleTimeout {
     pub side: &'static str,
     pub after: Duration,

@@ -1376,7 +1376,7 @@ impl Pass<'_> {
                         let wait =
                             backoff(settings, job.attempts).max(asked.min(settings.backoff_max));
                         if self.delay(&id, &job, wait).await? {
-                            tracing::info!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, retry_in = ?wait, "replay failed, to be tried again: {error}");
+                            tracing::info!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, retry_in = %crate::config::units::Shown(wait), "replay failed, to be tried again: {error}");
                             self.count(&shared.metrics.queue_retries);
                         }
                     }
