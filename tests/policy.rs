@@ -336,6 +336,34 @@ fn check_reports_the_errors_of_every_table_when_some_do_not_read() {
 }
 
 #[test]
+fn check_reports_every_key_that_does_not_fit_in_one_table() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // The parser stops at a table's first error: an inline table's bad value hid the typo
+    // under it, and a route's unknown match key hid its quoted tier.
+    std::fs::write(
+        dir.path().join("10-app.toml"),
+        "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nbreaker = { failure_ratio = \"50%\", window = \"10s\" }\nmax_inflite = 10\n\n\
+         [[route]]\nname = \"home\"\nupstream = \"app\"\nmatch = { pth = \"/\" }\ntier = \"1\"\n\n\
+         [upstream.search]\nhost = 5\n",
+    )
+    .expect("write");
+    let (ok, _stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "check must fail");
+    let file = dir.path().join("10-app.toml").display().to_string();
+    for expected in [
+        format!("{file}:3:29: error: `failure_ratio` is a share"),
+        format!("{file}:4:1: error: unknown field `max_inflite`"),
+        format!("{file}:9:11: error: unknown field `pth`"),
+        format!("{file}:10:8: error: `tier` is a tier"),
+        format!("{file}:13:8: error: "),
+    ] {
+        assert!(stderr.contains(&expected), "{expected} in {stderr}");
+    }
+    // Each once: the keys taken out to read the rest are not reported again.
+    assert!(stderr.contains("has 5 error(s)"), "{stderr}");
+}
+
+#[test]
 fn an_upstream_written_without_its_name_is_told_to_take_one_at_its_header() {
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::write(

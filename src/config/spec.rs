@@ -262,8 +262,63 @@ fn read_one<'de, T: Deserialize<'de>>(
 ) -> Option<Spanned<T>> {
     let deserializer = toml::de::ValueDeserializer::from(value.clone());
     Spanned::<T>::deserialize(deserializer)
-        .map_err(|error| errors.push(error))
+        .map_err(|error| {
+            let first_at = error.span();
+            errors.push(error);
+            more_errors_of::<T>(value, first_at, errors);
+        })
         .ok()
+}
+
+/// The parser stops at a table's first error, so `breaker = { failure_ratio = "50%" }` hid a
+/// misspelt `max_inflite` two lines down until it was fixed. The table is read again without
+/// the key each error is in, to find the errors after it; the table stays unread either way
+/// (what it would compile to without those keys is not what the operator wrote).
+fn more_errors_of<'de, T: Deserialize<'de>>(
+    value: &Spanned<toml::de::DeValue<'de>>,
+    first_at: Option<std::ops::Range<usize>>,
+    errors: &mut Vec<toml::de::Error>,
+) {
+    use toml::de::DeValue;
+    let DeValue::Table(keys) = value.get_ref() else {
+        return;
+    };
+    let mut keys = keys.clone();
+    let mut removed: Vec<String> = Vec::new();
+    let mut error_at = first_at;
+    // A table has a few dozen keys at most; each round removes one.
+    for _ in 0..64 {
+        let Some(at) = error_at else {
+            return;
+        };
+        let holding = keys
+            .iter()
+            .find(|(key, value)| {
+                [key.span(), value.span()]
+                    .iter()
+                    .any(|span| span.start <= at.start && at.end <= span.end)
+            })
+            .map(|(key, _)| key.clone());
+        let Some(holding) = holding else {
+            return;
+        };
+        keys.remove(&holding);
+        removed.push(holding.get_ref().to_string());
+        let rest = Spanned::new(value.span(), DeValue::Table(keys.clone()));
+        let Err(error) = T::deserialize(toml::de::ValueDeserializer::from(rest)) else {
+            return;
+        };
+        // Missing because it was taken out: not the operator's error.
+        let message = error.message();
+        if removed
+            .iter()
+            .any(|key| message.starts_with(&format!("missing field `{key}`")))
+        {
+            return;
+        }
+        error_at = error.span();
+        errors.push(error);
+    }
 }
 
 /// A section written once (`[server]`), noted as unread when it does not fit.
