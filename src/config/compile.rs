@@ -925,7 +925,17 @@ fn explain_parse_error(
     } else if quoted && expected == "a boolean" {
         "write true or false without quotes".to_string()
     } else if found.starts_with("integer") && expected == "a string" {
-        "durations, sizes and rates are written in quotes with a unit, like \"30s\", \"1MiB\" or \"10/s\"".to_string()
+        match (key, written) {
+            // `listen = 8080`: an address with its port.
+            (Some("listen"), Some(port)) => {
+                format!("write the address and port in quotes: listen = \"127.0.0.1:{port}\"")
+            }
+            // `host = 5`: a name or a path, whatever it was meant to be, is text.
+            (Some(key), Some(written)) if !takes_a_unit(key) => {
+                format!("write it in quotes: {key} = \"{written}\"")
+            }
+            _ => "durations, sizes and rates are written in quotes with a unit, like \"30s\", \"1MiB\" or \"10/s\"".to_string(),
+        }
     } else {
         match written {
             Some(written) => {
@@ -1008,6 +1018,30 @@ fn is_share(key: &str) -> bool {
 }
 
 /// What a key takes where its type alone would say too little (`u16` for a status).
+/// Whether a key's text is a duration or a rate, which a bare number cannot be (`timeout = 5`).
+fn takes_a_unit(key: &str) -> bool {
+    key.ends_with("timeout")
+        || key.ends_with("_interval")
+        || matches!(
+            key,
+            "above"
+                | "backoff_base"
+                | "backoff_max"
+                | "claim_after"
+                | "cool_down"
+                | "cooldown"
+                | "drain"
+                | "for"
+                | "max_age"
+                | "max_open_for"
+                | "open_for"
+                | "queue_wait"
+                | "rate"
+                | "slow_call"
+                | "window"
+        )
+}
+
 fn key_takes(key: &str, expected: &str) -> Option<&'static str> {
     Some(match (key, expected) {
         ("failure_ratio" | "slow_ratio", "f64") => {
@@ -5330,6 +5364,14 @@ mod tests {
             (
                 format!("{app}response_timeout = 30\n"),
                 "hint: durations, sizes and rates are written in quotes with a unit",
+            ),
+            (
+                format!("{app}host = 5\n"),
+                "hint: write it in quotes: host = \"5\"",
+            ),
+            (
+                "[server]\nlisten = 8080\n".to_string(),
+                "hint: write the address and port in quotes: listen = \"127.0.0.1:8080\"",
             ),
             (
                 format!("{app}url = \"http://127.0.0.1:10\"\n"),
