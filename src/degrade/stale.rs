@@ -1178,28 +1178,42 @@ pub fn copy_key(
     key.push_str("}:");
     let index = format!("{key}index");
     // After the tag, a copy key goes on with a digit and the index with `index`.
-    push_part(&mut key, host);
-    push_part(&mut key, path);
+    push_text_part(&mut key, host);
+    push_text_part(&mut key, path);
     match query {
         Some(query) => {
             key.push('?');
-            push_part(&mut key, query);
+            push_text_part(&mut key, query);
         }
         None => key.push('-'),
     }
     for value in vary {
         match std::str::from_utf8(value) {
-            Ok(text) => push_part(&mut key, text),
+            Ok(text) => push_text_part(&mut key, text),
             // A legacy site's Latin-1 or GBK cookie, byte for byte (not read as text, where
-            // every such value would be U+FFFD, one copy for all of them): `~` and hex, which
-            // no text part can be, as each begins with its length.
-            Err(_) => {
-                key.push('~');
-                push_part(&mut key, &hex(value));
-            }
+            // every such value would be U+FFFD, one copy for all of them).
+            Err(_) => push_hex_part(&mut key, value),
         }
     }
     CopyKey { key, index }
+}
+
+/// A part that is text, as it is unless it holds control characters: a path's `%0A` is a
+/// newline once decoded, which would break the key across lines wherever an operator lists
+/// keys (`redis-cli --scan`) or a log line shows one.
+fn push_text_part(key: &mut String, part: &str) {
+    if part.bytes().any(|byte| byte < 0x20 || byte == 0x7f) {
+        push_hex_part(key, part.as_bytes());
+    } else {
+        push_part(key, part);
+    }
+}
+
+/// `~` and the bytes in hex, which no text part can be taken for, as each begins with its
+/// length or, when hashed, with `#`.
+fn push_hex_part(key: &mut String, part: &[u8]) {
+    key.push('~');
+    push_part(key, &hex(part));
 }
 
 /// A route name as a hash tag: as it is, unless a brace would end the tag early (or make it
@@ -1326,6 +1340,13 @@ mod tests {
         assert_ne!(long_key, key("/r", Some(&format!("{long}x")), &[]));
         let hash = crate::limit::key::hashed(long.as_bytes());
         assert_ne!(long_key, key("/r", Some(&hash), &[]));
+        // A control character (a path's decoded `%0A`) never goes into a key as it is, and
+        // its hex stands for no text part.
+        let newline = key("/a\nb", None, &[]);
+        assert!(!newline.contains('\n'), "{newline:?}");
+        assert_ne!(newline, key("/a%0Ab", None, &[]));
+        assert_ne!(newline, key("/r", None, &["2f610a62"]));
+        assert_ne!(key("/r", Some("x=\t"), &[]), key("/r", Some("x= "), &[]));
         // Routes and hosts do not run into each other either.
         assert_ne!(
             copy_key("levee:", "a", "b.example", "/", None, &[]),
