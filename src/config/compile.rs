@@ -5157,7 +5157,7 @@ mod tests {
         assert!(refused[3].contains("latency_p95 needs `above` as a duration"));
 
         // Type errors in several tables of one file and value errors in the others, in two
-        // files: each table's first shape error and every value error, nothing said twice.
+        // files: every shape error and every value error, nothing said twice.
         let refused = errors(&[
             (
                 "10-a.toml",

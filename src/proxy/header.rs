@@ -91,8 +91,19 @@ pub(crate) fn keys_copies(name: &str) -> bool {
 /// and the [`FORWARDED_CLAIMS`], `Forwarded` by its `host` and `proto` only, as its `for`
 /// names each visitor): the app's page may differ by it, so a stale copy is keyed by it.
 /// `None` when the request has none of them.
+///
+/// Each claim is written with its length in front (`24:x-forwarded-proto=https`), so that no
+/// value can pass for two claims, and the key stays one printable line.
 pub(crate) fn forwarded_description(headers: &HeaderMap) -> Option<Vec<u8>> {
     let mut described = Vec::new();
+    let mut claim = |parts: &[&[u8]]| {
+        let length: usize = parts.iter().map(|part| part.len()).sum();
+        described.extend_from_slice(length.to_string().as_bytes());
+        described.push(b':');
+        parts
+            .iter()
+            .for_each(|part| described.extend_from_slice(part));
+    };
     for name in std::iter::once(&X_FORWARDED_PROTO).chain(&FORWARDED_CLAIMS) {
         for value in headers.get_all(name) {
             if *name == FORWARDED {
@@ -103,15 +114,11 @@ pub(crate) fn forwarded_description(headers: &HeaderMap) -> Option<Vec<u8>> {
                             && pair[..wanted.len()].eq_ignore_ascii_case(wanted)
                     };
                     if is_named(b"host=") || is_named(b"proto=") {
-                        described.extend_from_slice(pair);
-                        described.push(b'\n');
+                        claim(&[pair]);
                     }
                 }
             } else {
-                described.extend_from_slice(name.as_str().as_bytes());
-                described.push(b'=');
-                described.extend_from_slice(value.as_bytes());
-                described.push(b'\n');
+                claim(&[name.as_str().as_bytes(), b"=", value.as_bytes()]);
             }
         }
     }
@@ -1151,7 +1158,7 @@ mod tests {
         // A stale copy is keyed by what they say, `Forwarded` by its host and scheme alone.
         assert_eq!(
             forwarded_description(&headers(&claims[..2])).as_deref(),
-            Some(&b"host=evil.example\nproto=https\nx-forwarded-host=evil.example\n"[..])
+            Some(&b"17:host=evil.example11:proto=https29:x-forwarded-host=evil.example"[..])
         );
         assert_eq!(
             forwarded_description(&headers(&[("forwarded", "for=6.6.6.6")])),
