@@ -234,6 +234,37 @@ async fn a_state_file_levee_cannot_write_is_warned_of_at_start() {
     assert_eq!(set(&levee, "/level", "1").await.status, 503);
 }
 
+/// Started while Redis is down and before any switch was ever saved here, levee says it has
+/// no copy of the fleet's switches; it named the state file as "the last known copy" though
+/// no such file existed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_without_redis_and_without_a_saved_copy_says_so() {
+    let log = levee_log();
+    let backend = echo_backend().await;
+    let policy = policy_for(backend.addr, "access_log = false", ROUTES).replacen(
+        "[[route]]",
+        &format!(
+            "[redis]\nurl = \"redis://127.0.0.1:{}\"\n[[route]]",
+            free_port()
+        ),
+        1,
+    );
+    let levee = Levee::start(&policy).await;
+    let state_file = levee.dir.path().join(".levee-state.json");
+    assert!(!state_file.exists());
+    let said = log.lines_with(&state_file.display().to_string());
+    assert!(
+        said.iter()
+            .any(|line| line.contains("no local copy has been written yet")),
+        "{said:?}"
+    );
+    assert!(
+        !said.iter().any(|line| line.contains("last known copy")),
+        "{said:?}"
+    );
+    assert_eq!(get(&levee.url("/")).await.status, 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn switch_changes_made_at_once_are_all_kept_in_effect_and_in_the_state_file() {
     const MODULES: usize = 32;

@@ -442,6 +442,12 @@ pub async fn spawn_sync(
         }
         Err(error) if policy.redis.is_some() => {
             match load_file(&policy.degrade.state_file) {
+                // No copy was ever written here (a first start, or one that never reached
+                // Redis): nothing to apply, and no file to name as if it held something.
+                Ok(_) if !policy.degrade.state_file.exists() => tracing::warn!(
+                    "cannot read the fleet's switches from redis ({error}), and no local copy has been written yet ({}); starting from the policy",
+                    policy.degrade.state_file.display()
+                ),
                 Ok(copy) => {
                     tracing::warn!(
                         "cannot read the fleet's switches from redis ({error}); applying the last known copy from {} until redis answers",
