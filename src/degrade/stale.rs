@@ -508,13 +508,14 @@ impl StaleStore {
         metrics: &Metrics,
     ) -> Option<Arc<StaleCopy>> {
         let (key, max_age) = (copy_key.key.as_str(), settings.max_age);
+        let local = copy_key.in_memory();
         let (in_memory, asked_at) = match self.l1.lock() {
             Ok(l1) => {
-                let copy = l1.copies.get(key).map(|entry| entry.copy.clone());
+                let copy = l1.copies.get(local).map(|entry| entry.copy.clone());
                 let asked = if copy.is_some() {
-                    l1.asked_redis.get(key).copied()
+                    l1.asked_redis.get(local).copied()
                 } else {
-                    let hashed = l1.miss_seed.hash_one(key);
+                    let hashed = l1.miss_seed.hash_one(local);
                     l1.missed_redis.get(&hashed).copied()
                 };
                 (copy, asked)
@@ -557,13 +558,13 @@ impl StaleStore {
             Some(shared) => Some(self.remember_if_newer(copy_key, shared, settings.max_copies)),
             None => {
                 if let Ok(mut l1) = self.l1.lock() {
-                    if l1.copies.contains_key(key) {
-                        l1.asked_redis.insert(key.to_string(), now_ms());
+                    if l1.copies.contains_key(local) {
+                        l1.asked_redis.insert(local.to_string(), now_ms());
                     } else if in_memory.is_none() && answered {
                         if l1.missed_redis.len() >= MAX_MISSES {
                             l1.missed_redis.clear();
                         }
-                        let hashed = l1.miss_seed.hash_one(key);
+                        let hashed = l1.miss_seed.hash_one(local);
                         l1.missed_redis.insert(hashed, now_ms());
                     }
                 }
@@ -582,10 +583,10 @@ impl StaleStore {
         let Ok(mut l1) = self.l1.lock() else {
             return copy;
         };
-        if let Some(current) = l1.copies.get(&key.key) {
+        if let Some(current) = l1.copies.get(key.in_memory()) {
             if current.copy.stored_at_ms >= copy.stored_at_ms {
                 let current = current.copy.clone();
-                l1.asked_redis.insert(key.key.clone(), now_ms());
+                l1.asked_redis.insert(key.in_memory().to_string(), now_ms());
                 return current;
             }
         }
@@ -608,7 +609,7 @@ impl StaleStore {
         let now = now_ms();
         let last = l1
             .copies
-            .get(&key.key)
+            .get(key.in_memory())
             .map_or(0, |entry| entry.in_redis_at_ms);
         let send = to_redis && now.saturating_sub(last) >= REDIS_REFRESH_MS;
         self.insert(
@@ -637,8 +638,9 @@ impl StaleStore {
         if weight > self.max_bytes {
             return;
         }
-        l1.asked_redis.remove(&key.key);
-        let hashed = l1.miss_seed.hash_one(&key.key);
+        let (local, route_key) = (key.in_memory(), key.route_in_memory());
+        l1.asked_redis.remove(local);
+        let hashed = l1.miss_seed.hash_one(local);
         l1.missed_redis.remove(&hashed);
         l1.stores += 1;
         let stored = l1.stores;
@@ -646,24 +648,24 @@ impl StaleStore {
             copy,
             weight,
             stored,
-            route: key.index.clone(),
+            route: route_key.to_string(),
             in_redis_at_ms,
         };
-        let replaced = l1.copies.insert(key.key.clone(), entry);
-        let route = l1.routes.entry(key.index.clone()).or_default();
+        let replaced = l1.copies.insert(local.to_string(), entry);
+        let route = l1.routes.entry(route_key.to_string()).or_default();
         match &replaced {
             Some(old) => route.bytes -= old.weight,
             None => route.live += 1,
         }
         route.bytes += weight;
-        route.order.push_back((key.key.clone(), stored));
+        route.order.push_back((local.to_string(), stored));
         l1.bytes += weight;
         if let Some(old) = replaced {
             l1.bytes -= old.weight;
         }
 
         loop {
-            let oldest = match l1.routes.get_mut(&key.index) {
+            let oldest = match l1.routes.get_mut(route_key) {
                 Some(route) if route.live > max_copies => route.order.pop_front(),
                 _ => None,
             };
@@ -695,12 +697,12 @@ impl StaleStore {
         // outnumber the route's copies, so its queue stays within twice the copies kept.
         let overgrown = l1
             .routes
-            .get(&key.index)
+            .get(route_key)
             .is_some_and(|route| route.order.len() > 2 * route.live + 16);
         if overgrown {
-            if let Some(mut route) = l1.routes.remove(&key.index) {
+            if let Some(mut route) = l1.routes.remove(route_key) {
                 route.order.retain(|entry| l1.current(entry));
-                l1.routes.insert(key.index.clone(), route);
+                l1.routes.insert(route_key.to_string(), route);
             }
         }
     }
@@ -1152,6 +1154,22 @@ return over
 pub struct CopyKey {
     pub key: String,
     pub index: String,
+    /// Where `[redis] key_prefix` ends in both: memory keeps copies by the rest, so that a
+    /// reload that adds `[redis]` or changes its prefix does not lose the copies at hand
+    /// (the next outage of the app would find none).
+    local: usize,
+}
+
+impl CopyKey {
+    /// The key of the copy in memory.
+    fn in_memory(&self) -> &str {
+        self.key.get(self.local..).unwrap_or(&self.key)
+    }
+
+    /// The key of the route's copies in memory.
+    fn route_in_memory(&self) -> &str {
+        self.index.get(self.local..).unwrap_or(&self.index)
+    }
 }
 
 /// The key of a route's copy: route, the `Host` the app is sent, normalised path, the query
@@ -1195,7 +1213,11 @@ pub fn copy_key(
             Err(_) => push_hex_part(&mut key, value),
         }
     }
-    CopyKey { key, index }
+    CopyKey {
+        key,
+        index,
+        local: prefix.len(),
+    }
 }
 
 /// A part that is text, as it is unless it holds control characters: a path's `%0A` is a
@@ -1450,13 +1472,13 @@ mod tests {
         let of = |route: &str| {
             l1.copies
                 .values()
-                .filter(|entry| entry.route == key_of(route, 0).index)
+                .filter(|entry| entry.route == key_of(route, 0).route_in_memory())
                 .count()
         };
         assert_eq!((of("good"), of("busted")), (5, 100));
-        assert!(l1.copies.contains_key(&key_of("busted", 9_999).key));
-        assert!(!l1.copies.contains_key(&key_of("busted", 9_899).key));
-        assert_eq!(l1.routes[&key_of("busted", 0).index].live, 100);
+        assert!(l1.copies.contains_key(key_of("busted", 9_999).in_memory()));
+        assert!(!l1.copies.contains_key(key_of("busted", 9_899).in_memory()));
+        assert_eq!(l1.routes[key_of("busted", 0).route_in_memory()].live, 100);
     }
 
     #[test]
@@ -1484,11 +1506,11 @@ mod tests {
         }
         let l1 = store.l1.lock().expect("lock");
         assert!(l1.bytes <= 50 * weight, "{}", l1.bytes);
-        let good = l1.routes[&key_of("gentle", 0).index].live;
-        let busted = &l1.routes[&key_of("busted", 0).index];
+        let good = l1.routes[key_of("gentle", 0).route_in_memory()].live;
+        let busted = &l1.routes[key_of("busted", 0).route_in_memory()];
         assert_eq!((good, busted.live), (5, 45));
         assert_eq!(busted.bytes, 45 * weight);
-        assert!(l1.copies.contains_key(&key_of("busted", 9_999).key));
+        assert!(l1.copies.contains_key(key_of("busted", 9_999).in_memory()));
         assert!(busted.order.len() <= 2 * busted.live + 16);
     }
 
@@ -1506,16 +1528,33 @@ mod tests {
         store.remember(&key_of("r", 3), small_copy(), 3, false);
         let l1 = store.l1.lock().expect("lock");
         let kept: Vec<bool> = (0..4)
-            .map(|n| l1.copies.contains_key(&key_of("r", n).key))
+            .map(|n| l1.copies.contains_key(key_of("r", n).in_memory()))
             .collect();
         assert_eq!(kept, [true, false, true, true]);
-        let route = &l1.routes[&key_of("r", 0).index];
+        let route = &l1.routes[key_of("r", 0).route_in_memory()];
         assert_eq!(route.live, 3);
         assert!(route.order.len() <= 2 * 3 + 16, "{}", route.order.len());
         assert_eq!(
             (route.bytes, l1.bytes),
             (3 * small_weight("r"), route.bytes)
         );
+    }
+
+    /// A reload that adds `[redis]` with a `key_prefix` of its own (or changes it) keeps the
+    /// copies at hand: they answer the next outage, Redis down or not. The copy was missing
+    /// when the app went down after such a reload.
+    #[tokio::test]
+    async fn copies_in_memory_outlive_a_new_key_prefix() {
+        let store = StaleStore::new(L1_MAX_BYTES);
+        let key = |prefix: &str| copy_key(prefix, "home", "example.com", "/", None, &[]);
+        store.remember(&key("levee:"), small_copy(), 3, false);
+        let found = store
+            .get(&key("shop:"), &small_settings(), None, &Metrics::new())
+            .await;
+        assert!(found.is_some(), "the copy stored before the reload");
+        // Redis keeps its prefix.
+        assert!(key("shop:").key.starts_with("shop:stale:{home}:"));
+        assert!(key("shop:").index.starts_with("shop:stale:{home}:"));
     }
 
     #[test]
@@ -1533,8 +1572,8 @@ mod tests {
         let l1 = store.l1.lock().expect("lock");
         assert!(l1.bytes <= 1000, "{}", l1.bytes);
         assert!(
-            l1.copies.contains_key(&key_of("r", 19).key)
-                && !l1.copies.contains_key(&key_of("r", 0).key)
+            l1.copies.contains_key(key_of("r", 19).in_memory())
+                && !l1.copies.contains_key(key_of("r", 0).in_memory())
         );
     }
 
