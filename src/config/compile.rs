@@ -934,6 +934,13 @@ fn explain_parse_error(
             (Some(key), Some(written)) if !takes_a_unit(key) => {
                 format!("write it in quotes: {key} = \"{written}\"")
             }
+            // `response_timeout = 5`: seconds, most likely; the unit is always written.
+            (Some("rate"), Some(written)) => {
+                format!("a rate is written in quotes with its period: rate = \"{written}/s\" (or \"/min\", \"/h\")")
+            }
+            (Some(key), Some(written)) if key != "above" => format!(
+                "a duration is written in quotes with its unit: {key} = \"{written}s\" (or \"ms\", \"m\", \"h\")"
+            ),
             _ => "durations, sizes and rates are written in quotes with a unit, like \"30s\", \"1MiB\" or \"10/s\"".to_string(),
         }
     } else {
@@ -1425,6 +1432,19 @@ fn compile_read(
     // refused for want of it.
     let redis_given =
         redis_store.is_some() || (redis.is_none() && compiler.unread.may_hold("redis"));
+    // Without Redis no call fails: an `on_redis_error` set is one that never acts.
+    if !redis_given && redis.is_none() {
+        for (name, (file, spec)) in &limit_specs {
+            if let Some(set) = &spec.get_ref().on_redis_error {
+                compiler.warning_hint(
+                    *file,
+                    set.span(),
+                    format!("on_redis_error of limit `{name}` does nothing without [redis]: the rule is decided in-process, where no call to Redis can fail"),
+                    "remove it, or add [redis] to share the limit between instances",
+                );
+            }
+        }
+    }
     let queue_settings = compile_queue(&mut compiler, queue.as_ref(), redis_given);
     // Every module a route names (`module`, `hide`), declared or not: a name a letter from
     // another is most often a typo, whichever of the two is declared.
@@ -4178,7 +4198,9 @@ fn compile_route(
                 format!("tier {} does not exist", tier.get_ref()),
                 "1 = never degraded, 2 = may be delayed, 3 = may be switched off",
             );
-            1
+            // Checked on as the tier that allows the most, so that a tier-1 rule (no module,
+            // no `reject`) does not add an error the route does not have.
+            3
         }
     };
     if let Some(module) = &inner.module {
@@ -4498,6 +4520,20 @@ fn compile_literal_path(
         );
         return None;
     }
+    if !value.get_ref().starts_with('/') {
+        // What a request's path would be told (it names no path) says nothing to an
+        // operator who left out the slash.
+        compiler.error_hint(
+            file,
+            value.span(),
+            format!("`{}` does not start with `/`", value.get_ref()),
+            format!(
+                "a route's path is written as the request's path is, from its first slash: \"/{}\"",
+                value.get_ref().trim_start_matches(['.', '*'])
+            ),
+        );
+        return None;
+    }
     let encoded = encode_for_request_path(value.get_ref());
     match path::normalise(&encoded) {
         Ok(normal) => Some(normal.into_owned()),
@@ -4552,6 +4588,41 @@ mod tests {
                 "{expected}\n{errors:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_mistake_is_said_once_and_as_itself() {
+        // An unknown tier is not also a tier-1 route with a module.
+        let refused = errors(&[(
+            "a.toml",
+            &format!("{APP}[[route]]\nname = \"x\"\ntier = 4\nmodule = \"ranking\"\n"),
+        )]);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(refused[0].contains("tier 4 does not exist"), "{refused:?}");
+        // A path without its slash is said to lack it (not that it "names no path").
+        let refused = errors(&[(
+            "a.toml",
+            &format!("{APP}[[route]]\nname = \"api\"\nmatch = {{ path_prefix = \"api/\" }}\n"),
+        )]);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(
+            refused[0].contains("`api/` does not start with `/`")
+                && refused[0].contains("\"/api/\""),
+            "{refused:?}"
+        );
+        // An on_redis_error without [redis] loads, with a warning that it never acts.
+        let limit = "[limit.x]\nkey = \"ip\"\nrate = \"1/s\"\non_redis_error = \"deny\"\n\
+                     [[route]]\nname = \"home\"\nlimits = [\"x\"]\n";
+        let policy =
+            compile(&files(&[("a.toml", &format!("{APP}{limit}"))]), None).expect("compiles");
+        let warnings: Vec<String> = policy.warnings.iter().map(ToString::to_string).collect();
+        assert!(
+            warnings.len() == 1 && warnings[0].contains("does nothing without [redis]"),
+            "{warnings:?}"
+        );
+        let with_redis = format!("{APP}[redis]\nurl = \"redis://127.0.0.1:1\"\n{limit}");
+        let policy = compile(&files(&[("a.toml", &with_redis)]), None).expect("compiles");
+        assert!(policy.warnings.is_empty(), "{:?}", policy.warnings);
     }
 
     fn errors(sources: &[(&str, &str)]) -> Vec<String> {
@@ -5363,7 +5434,7 @@ mod tests {
             ),
             (
                 format!("{app}response_timeout = 30\n"),
-                "hint: durations, sizes and rates are written in quotes with a unit",
+                "hint: a duration is written in quotes with its unit: response_timeout = \"30s\"",
             ),
             (
                 format!("{app}host = 5\n"),
