@@ -848,11 +848,14 @@ fn explain_parse_error(
     .then(|| message.rsplit_once(", expected "))
     .flatten();
     let Some((invalid, expected)) = expected else {
-        return (
-            span.clone(),
-            message.to_string(),
-            "this is not valid TOML for a levee policy; see docs/policy.md".to_string(),
-        );
+        // `path_regex = "^/item/(\d+)$"`: in a TOML string in double quotes a backslash
+        // begins an escape, and `\d` is none.
+        let hint = if message.contains("escape") {
+            "a backslash in a \"…\" string begins an escape such as \\n; write a regular expression in single quotes, where a backslash stays itself: path_regex = '^/item/(\\d+)$'"
+        } else {
+            "this is not valid TOML for a levee policy; see docs/policy.md"
+        };
+        return (span.clone(), message.to_string(), hint.to_string());
     };
     // What serde found, as it names it: `string "50%"`, `integer `-1``, `map`.
     let found = invalid
@@ -5435,6 +5438,10 @@ mod tests {
             (
                 format!("{app}response_timeout = 30\n"),
                 "hint: a duration is written in quotes with its unit: response_timeout = \"30s\"",
+            ),
+            (
+                format!("{app}[[route]]\nname = \"s\"\nmatch = {{ path_regex = \"^/s/(\\d+)\" }}\n"),
+                "write a regular expression in single quotes",
             ),
             (
                 format!("{app}host = 5\n"),
