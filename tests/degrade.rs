@@ -391,8 +391,9 @@ async fn the_ranking_serves_its_last_good_copy_with_a_growing_age_until_max_age(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_breaker_serves_the_copy_too() {
+    let log = levee_log();
     let (backend, _, failing) = versioned().await;
-    let policy = policy_for(backend.addr, "access_log = false", ROUTES).replace(
+    let policy = policy_for(backend.addr, "access_log = true", ROUTES).replace(
         "[[route]]\nname = \"home\"",
         "breaker = { consecutive_failures = 2, open_for = \"60s\" }\n[[route]]\nname = \"home\"",
     );
@@ -412,6 +413,14 @@ async fn an_open_breaker_serves_the_copy_too() {
         backend.hits(),
         hits,
         "breaker open: the backend is not called"
+    );
+    // The access log says the copy answered, as it says `shed` or `breaker_open`.
+    let served = log.lines_with("path=/ranking route=ranking");
+    assert!(
+        served
+            .iter()
+            .any(|line| line.contains("status=200") && line.contains("error=\"stale\"")),
+        "{served:?}"
     );
     assert_eq!(
         get(&levee.url("/")).await.status,

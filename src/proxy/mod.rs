@@ -444,7 +444,7 @@ async fn forward(
             fallback,
         };
         return stale
-            .serve_or(shared, policy, &route, refusal)
+            .serve_or(shared, policy, &route, refusal, &mut exchange.error)
             .await
             .map(Answer::from);
     }
@@ -555,7 +555,7 @@ async fn forward(
             waiting_for: "answer",
         };
         return stale
-            .serve_or(shared, policy, &route, timeout)
+            .serve_or(shared, policy, &route, timeout, &mut exchange.error)
             .await
             .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
     }
@@ -666,7 +666,7 @@ async fn forward(
                 }
             }
             return stale
-                .serve_or(shared, policy, &route, refusal)
+                .serve_or(shared, policy, &route, refusal, &mut exchange.error)
                 .await
                 .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
         }
@@ -719,7 +719,7 @@ async fn forward(
                     fallback,
                 };
                 return stale
-                    .serve_or(shared, policy, &route, refusal)
+                    .serve_or(shared, policy, &route, refusal, &mut exchange.error)
                     .await
                     .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
             }
@@ -880,7 +880,7 @@ async fn forward(
                 }
                 None => {
                     return stale
-                        .serve_or(shared, policy, &route, error)
+                        .serve_or(shared, policy, &route, error, &mut exchange.error)
                         .await
                         .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
                 }
@@ -889,14 +889,17 @@ async fn forward(
         // stale-if-error: the last good copy beats an error page.
         Err(error) if error.side() == ErrorSide::Upstream => {
             return stale
-                .serve_or(shared, policy, &route, error)
+                .serve_or(shared, policy, &route, error, &mut exchange.error)
                 .await
                 .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
         }
         Err(error) => return Err(error),
     };
     if failure_status {
-        if let Some(copy) = stale.counted_copy(shared, policy, &route).await {
+        if let Some(copy) = stale
+            .counted_copy(shared, policy, &route, &mut exchange.error)
+            .await
+        {
             return Ok(with_rate_limit_fields(copy, allowed_headers).into());
         }
     }
@@ -1242,16 +1245,18 @@ impl Stale {
     }
 
     /// Serves the last good copy, or answers with `refusal` when there is none. (The caller
-    /// counts nothing: this does, in `levee_degraded_responses_total`.)
+    /// counts nothing: this does, in `levee_degraded_responses_total`.) `logged`: the access
+    /// log's `error`, which says `stale` for a copy served.
     async fn serve_or(
         &self,
         shared: &Shared,
         policy: &Policy,
         route: &Route,
         refusal: ProxyError,
+        logged: &mut Option<&'static str>,
     ) -> Result<Response<ResponseBody>, ProxyError> {
         if self.settings.is_some() {
-            if let Some(response) = self.counted_copy(shared, policy, route).await {
+            if let Some(response) = self.counted_copy(shared, policy, route, logged).await {
                 return Ok(response);
             }
         } else if matches!(refusal, ProxyError::Degraded { .. }) {
@@ -1267,10 +1272,15 @@ impl Stale {
         shared: &Shared,
         policy: &Policy,
         route: &Route,
+        logged: &mut Option<&'static str>,
     ) -> Option<Response<ResponseBody>> {
         self.settings.as_ref()?;
         let served = self.copy(shared, policy, route).await;
         let action = if served.is_some() {
+            // In the access log as the answer levee gave in the app's stead, as `shed` is;
+            // why the app was not asked is in the log line of that event (breaker opened,
+            // level raised, the upstream's failure).
+            *logged = Some("stale");
             "stale"
         } else {
             "stale_missing"

@@ -73,8 +73,8 @@ pub fn visitor_page(title: &str, words: &str) -> String {
 }
 
 /// levee's log as an operator reads it: the lines of `levee::proxy` at `info` and above (a
-/// failed upstream call's warning, a refused request's reason; not the access log), and any
-/// warning. One capture per test binary, shared by its tests, from the first call on: look
+/// failed upstream call's warning, a refused request's reason), the access log of a levee
+/// whose policy keeps it on, and any warning. One capture per test binary, shared by its tests, from the first call on: look
 /// for what only your test's requests can write (its upstream's address, its path).
 pub fn levee_log() -> &'static LogCapture {
     static CAPTURE: std::sync::OnceLock<LogCapture> = std::sync::OnceLock::new();
@@ -82,7 +82,9 @@ pub fn levee_log() -> &'static LogCapture {
         let capture = LogCapture::default();
         let written = capture.written.clone();
         let subscriber = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new("warn,levee::proxy=info"))
+            .with_env_filter(tracing_subscriber::EnvFilter::new(
+                "warn,levee::proxy=info,levee::access=info",
+            ))
             .with_ansi(false)
             .with_writer(move || LogWriter(written.clone()))
             .finish();
