@@ -117,6 +117,12 @@ async fn a_full_pool_sheds_tier_3_first_and_keeps_tier_1_going() {
         (&serde_json::json!(4), &serde_json::json!(5)),
         "{status}"
     );
+    // And the two tier-3 requests shed above.
+    assert_eq!(
+        status["upstreams"][0]["shed"],
+        serde_json::json!({"1": 0, "2": 0, "3": 2}),
+        "{status}"
+    );
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(
         metric_value(&metrics, "levee_upstream_inflight{upstream=\"app\"}"),

@@ -432,9 +432,36 @@ pub fn summarize(status: &serde_json::Value) -> String {
             Some(socket) => format!("{url} via unix:{socket}"),
             None => url.to_string(),
         };
+        // Slots taken of `max_inflight`, and requests shed there since the start.
+        let slots = match (
+            upstream["inflight"].as_u64(),
+            upstream["max_inflight"].as_u64(),
+        ) {
+            (Some(taken), Some(max)) => {
+                let shed: Vec<String> = upstream["shed"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|(tier, count)| {
+                        let count = count.as_u64().filter(|count| *count > 0)?;
+                        Some(format!("{count} of tier {tier}"))
+                    })
+                    .collect();
+                format!(
+                    " · inflight {taken}/{max}{}{}",
+                    if taken >= max { " FULL" } else { "" },
+                    if shed.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" · shed {}", shed.join(", "))
+                    }
+                )
+            }
+            _ => String::new(),
+        };
         let _ = writeln!(
             out,
-            "upstream {:<16} {:<32} breaker {}{}",
+            "upstream {:<16} {:<32} breaker {}{}{slots}",
             upstream["name"].as_str().unwrap_or("?"),
             address,
             breaker["state"].as_str().unwrap_or("?"),
@@ -448,11 +475,41 @@ pub fn summarize(status: &serde_json::Value) -> String {
             }
         );
     }
+    describe_routes_off(&mut out, status);
     let routes = status["routes"].as_array().map_or(0, Vec::len);
     let limits = status["limits"].as_array().map_or(0, Vec::len);
     let _ = writeln!(out, "routes   {routes} · limit rules {limits}");
     describe_fleet(&mut out, &status["fleet"]);
     out
+}
+
+/// The routes switched off now, by the level (their tier) or their module: what visitors of
+/// those pages get instead is the route's `degrade` answer.
+fn describe_routes_off(out: &mut String, status: &serde_json::Value) {
+    use std::fmt::Write as _;
+    let degrade = &status["degrade"];
+    let level = degrade["level"].as_u64().unwrap_or(0);
+    let off: Vec<String> = status["routes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|route| {
+            let name = route["name"].as_str()?;
+            let tier = route["tier"].as_u64().unwrap_or(1);
+            // Level 1 switches tier 3 off, level 2 tiers 2 and 3; tier 1 never.
+            let by_level = tier > 1 && tier + level > 3;
+            let module = route["module"].as_str();
+            let by_module = module.is_some_and(|module| degrade["modules"][module]["off"] == true);
+            match (by_level, module) {
+                (true, _) => Some(format!("{name} (tier {tier})")),
+                (false, Some(module)) if by_module => Some(format!("{name} (module {module})")),
+                _ => None,
+            }
+        })
+        .collect();
+    if !off.is_empty() {
+        let _ = writeln!(out, "routes   OFF: {}", off.join(", "));
+    }
 }
 
 /// The fleet view's lines: every instance's level, and its breakers that are not closed. Not
@@ -560,6 +617,34 @@ mod tests {
             "{text:?}"
         );
         assert!(text.contains("by \\u{1b}[2J"), "{text}");
+    }
+
+    #[test]
+    fn routes_switched_off_and_slots_shed_are_shown() {
+        let status = printable(&serde_json::json!({
+            "degrade": {"level": 1, "level_origin": "runtime", "modules": {
+                "ranking": {"off": true, "tier": 3, "origin": "level"},
+                "comments": {"off": true, "tier": 2, "origin": "runtime"},
+            }},
+            "routes": [
+                {"name": "home", "tier": 1, "module": null},
+                {"name": "notify", "tier": 2, "module": null},
+                {"name": "comment", "tier": 2, "module": "comments"},
+                {"name": "ranking", "tier": 3, "module": "ranking"},
+            ],
+            "upstreams": [{"name": "app", "url": "http://127.0.0.1:8081",
+                "breaker": {"state": "closed"}, "inflight": 20, "max_inflight": 20,
+                "shed": {"1": 0, "2": 12, "3": 1099}}],
+        }));
+        let text = summarize(&status);
+        assert!(
+            text.contains("routes   OFF: comment (module comments), ranking (tier 3)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("· inflight 20/20 FULL · shed 12 of tier 2, 1099 of tier 3\n"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -1007,6 +1007,19 @@ fn status(shared: &Shared) -> serde_json::Value {
                 // the ones no request count shows).
                 "inflight": upstream.bulkhead.as_ref().map(|bulkhead| bulkhead.inflight()),
                 "max_inflight": upstream.bulkhead.as_ref().map(|bulkhead| bulkhead.settings.max_inflight),
+                // Requests refused at `max_inflight` since levee started, by tier (as
+                // `levee_shed_total`): what an operator asks first when pages fail under load.
+                "shed": upstream.bulkhead.as_ref().map(|_| {
+                    (1..=3u8)
+                        .map(|tier| {
+                            let labels = crate::metrics::ShedLabels {
+                                upstream: upstream.name.clone().into(),
+                                tier,
+                            };
+                            (tier.to_string(), json!(shared.metrics.shed.get(&labels).map_or(0, |count| count.get())))
+                        })
+                        .collect::<serde_json::Map<_, _>>()
+                }),
             })
         })
         .collect();
