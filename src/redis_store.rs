@@ -518,6 +518,19 @@ impl RedisStore {
         lock(&self.reach).failure.clone()
     }
 
+    /// A call's failure as the operator should read it: a timeout that follows a refusal
+    /// (the connection retries a refused connect until the caller gives up) names the
+    /// refusal too, as `last_error` does.
+    pub fn explain(&self, failure: &RedisFailure) -> String {
+        let reach = lock(&self.reach);
+        match (failure, &reach.failure) {
+            (RedisFailure::Timeout(_), Some(refusal)) if !reach.failure_timed_out => {
+                format!("{failure} (last error: {refusal})")
+            }
+            _ => failure.to_string(),
+        }
+    }
+
     /// True while rate-limit decisions go to Redis: its health breaker is closed.
     pub fn decides_rate_limits(&self) -> bool {
         lock(&self.health).is_closed()

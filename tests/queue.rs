@@ -987,6 +987,12 @@ async fn without_redis_the_queue_and_its_figures_answer_503_and_big_bodies_413()
         "{}",
         figures.text()
     );
+    // Why: Redis refuses connections (a timeout alone read as a Redis too slow to answer).
+    assert!(
+        figures.text().contains("Connection refused"),
+        "{}",
+        figures.text()
+    );
 }
 
 /// A write to a queue route meets its upstream's open breaker while the route is on: it is

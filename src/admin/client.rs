@@ -398,7 +398,13 @@ pub fn summarize(status: &serde_json::Value) -> String {
             let _ = writeln!(out, "         last call: {error}");
         }
         // An older levee sends no `rate_limits`: its `up` said the same.
-        if redis["rate_limits"] == "fallback" {
+        if redis["rate_limits"] == "fallback" && redis["up"] == true {
+            // A background call found Redis back; the breaker closes on the next decision.
+            let _ = writeln!(
+                out,
+                "         rate limits still on their on_redis_error fallbacks: the next rate-limited request goes back to Redis"
+            );
+        } else if redis["rate_limits"] == "fallback" {
             let _ = writeln!(
                 out,
                 "         rate limits on their on_redis_error fallbacks (the health breaker is open)"

@@ -281,7 +281,7 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
             stats
         }
         Err(failure) => {
-            let shown = json!({ "error": failure.to_string() });
+            let shown = json!({ "error": redis.explain(&failure) });
             failed = Some(failure);
             shown
         }
@@ -326,7 +326,7 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
         out.entry(route).or_insert(stats);
     }
     match failed {
-        Some(failure) if !answered => queues_unreadable(&failure),
+        Some(failure) if !answered => queues_unreadable(&redis.explain(&failure)),
         Some(failure) => {
             tracing::warn!(%failure, "GET /queues: Redis did not give some queues' figures");
             json_response(StatusCode::OK, &serde_json::Value::Object(out))
@@ -388,7 +388,7 @@ impl DeadLetterPage {
 
 /// The queues' figures live in Redis alone: without it there are none to show, and 200 with
 /// made-up counts would tell a monitor the queues are fine.
-fn queues_unreadable(failure: &RedisFailure) -> Response<ResponseBody> {
+fn queues_unreadable(failure: &str) -> Response<ResponseBody> {
     tracing::warn!(%failure, "GET /queues: Redis did not give the queues' figures");
     text_response(
         StatusCode::SERVICE_UNAVAILABLE,
