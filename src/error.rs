@@ -490,7 +490,7 @@ pub fn full_body(body: impl Into<Bytes>) -> ResponseBody {
         .boxed_unsync()
 }
 
-const DEFAULT_LIMIT_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Too many requests</title></head>\n<body><h1>Too many requests</h1><p>Please try again in {retry_after} s.</p></body></html>\n";
+const DEFAULT_LIMIT_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Too many requests</title></head>\n<body><h1>Too many requests</h1><p>{come_back}</p></body></html>\n";
 const DEFAULT_LIMIT_JSON: &str =
     "{\"error\":\"rate_limited\",\"rule\":\"{rule}\",\"retry_after\":{retry_after}}\n";
 
@@ -541,9 +541,14 @@ fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
     } else {
         html_text(&rule.name)
     };
-    let body = template
-        .replace("{retry_after}", &retry_after.to_string())
-        .replace("{rule}", &name);
+    let body = if !denial.wants_json && rule.body_html.is_none() {
+        // levee's own page words the wait as its other pages do ("in 1 second").
+        DEFAULT_LIMIT_HTML.replace("{come_back}", &come_back(Some(retry_after)))
+    } else {
+        template
+            .replace("{retry_after}", &retry_after.to_string())
+            .replace("{rule}", &name)
+    };
     let mut response = Response::new(full_body(body));
     *response.status_mut() = rule.status;
     let headers = response.headers_mut();

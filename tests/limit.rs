@@ -1013,6 +1013,22 @@ async fn refusals_carry_retry_after_and_ietf_ratelimit_fields() {
     assert_eq!(backend.hits(), 2);
 }
 
+/// levee's own 429 page says the wait as its other pages do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_429_page_says_when_to_come_back_in_words() {
+    let backend = echo_backend().await;
+    let rules = "[limit.login]\nkey = [\"ip\"]\nrate = \"0.2/s\"\nburst = 1\n";
+    let levee = Levee::start(&limited_policy(&backend, "", "", rules, "\"login\"")).await;
+    assert_eq!(send_as(&levee, None, None).await.status, 200);
+    let refused = send_as(&levee, None, None).await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("retry-after"), Some("5"));
+    assert_eq!(
+        refused.text(),
+        visitor_page("Too many requests", "Please try again in 5 seconds.")
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dry_run_rules_never_block_but_are_counted() {
     let backend = echo_backend().await;
