@@ -482,9 +482,23 @@ pub fn summarize(status: &serde_json::Value) -> String {
         );
     }
     describe_routes_off(&mut out, status);
-    let routes = status["routes"].as_array().map_or(0, Vec::len);
+    // Counted as the start's log line and `levee check` count them: the policy's own routes,
+    // and the default route (of requests none matches) apart.
+    let listed = status["routes"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let routes = listed
+        .iter()
+        .filter(|route| route["name"] != "default")
+        .count();
+    let default = if routes < listed.len() {
+        " (and the default route)"
+    } else {
+        ""
+    };
     let limits = status["limits"].as_array().map_or(0, Vec::len);
-    let _ = writeln!(out, "routes   {routes} · limit rules {limits}");
+    let _ = writeln!(out, "routes   {routes}{default} · limit rules {limits}");
     describe_fleet(&mut out, &status["fleet"]);
     out
 }
@@ -637,6 +651,7 @@ mod tests {
                 {"name": "notify", "tier": 2, "module": null},
                 {"name": "comment", "tier": 2, "module": "comments"},
                 {"name": "ranking", "tier": 3, "module": "ranking"},
+                {"name": "default", "tier": 1, "module": null},
             ],
             "upstreams": [{"name": "app", "url": "http://127.0.0.1:8081",
                 "breaker": {"state": "closed"}, "inflight": 20, "max_inflight": 20,
@@ -645,6 +660,10 @@ mod tests {
         let text = summarize(&status);
         assert!(
             text.contains("routes   OFF: comment (module comments), ranking (tier 3)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("routes   4 (and the default route) · limit rules 0\n"),
             "{text}"
         );
         assert!(
