@@ -757,6 +757,32 @@ async fn a_policy_directory_replaced_whole_is_watched_again_and_loaded() {
     let _ = std::fs::remove_dir_all(&old);
 }
 
+/// A file saved beside the policy with a name levee does not read (`limits.TOML`) is said at
+/// once, where the operator looks; it was said only by the next reload of a real change, and
+/// its rules were missing without a word until then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_saved_under_a_name_levee_does_not_read_is_said_at_once() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let levee = Levee::start(&two_upstream_policy(&a, &b, "a")).await;
+    std::fs::write(
+        levee.dir.path().join("limits.TOML"),
+        "[limit.login]\nkey = \"ip\"\nrate = \"5/min\"\n",
+    )
+    .expect("write");
+    eventually(
+        Duration::from_secs(10),
+        "the warning in /status",
+        || async {
+            get(&levee.admin_url("/status")).await.json()["policy"]["warnings"]
+                .to_string()
+                .contains("`limits.TOML` is not read")
+        },
+    )
+    .await;
+    assert_eq!(get(&levee.url("/page")).await.text(), "a");
+}
+
 /// A directory swapped in while a file in it is still being written (a copy under way) is read
 /// once its writer is done, never half: the half may compile, without the routes written after
 /// it.

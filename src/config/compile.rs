@@ -215,7 +215,19 @@ pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnos
     }
     match compile_read(&files, &unreadable, previous) {
         Ok(mut policy) => {
-            policy.warnings.extend(files_not_read(dir));
+            let not_read = files_not_read(dir);
+            if !not_read.is_empty() {
+                // Part of what the directory holds: a `limits.TOML` saved beside the policy
+                // changes the hash, so the reload it sets off is one, and says it is not read.
+                let mut hasher = Sha256::new();
+                hasher.update(policy.hash.as_bytes());
+                for warning in &not_read {
+                    hasher.update(warning.file.as_os_str().as_encoded_bytes());
+                    hasher.update([0]);
+                }
+                policy.hash = crate::limit::key::hex(&hasher.finalize()[..8]);
+            }
+            policy.warnings.extend(not_read);
             Ok(policy)
         }
         // Said with the errors too: `limits.TOML` not read is what explains "limit `login`
@@ -246,9 +258,7 @@ fn files_not_read(dir: &Path) -> Vec<Diagnostic> {
             let looks_like_policy = if path.is_dir() {
                 policy_file_paths(&path).is_ok_and(|inside| !inside.is_empty())
             } else {
-                lower.ends_with(".toml")
-                    || lower.ends_with(".tml")
-                    || lower.contains(".toml.") && !lower.ends_with('~') && !is_backup(&lower)
+                named_like_a_policy(&lower)
             };
             looks_like_policy.then_some((path, name))
         })
@@ -266,6 +276,14 @@ fn files_not_read(dir: &Path) -> Vec<Diagnostic> {
             warning
         })
         .collect()
+}
+
+/// A file name (in lower case) that looks meant as a policy file though it is not read:
+/// `limits.TOML`, `x.tml`, `x.toml.txt`; not an editor's or a package's copy.
+pub(crate) fn named_like_a_policy(lower: &str) -> bool {
+    lower.ends_with(".toml")
+        || lower.ends_with(".tml")
+        || lower.contains(".toml.") && !lower.ends_with('~') && !is_backup(lower)
 }
 
 /// Names editors and tools give copies they keep (`levee.toml.bak`, `.orig`, `.dpkg-old`):

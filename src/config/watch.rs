@@ -316,11 +316,23 @@ fn signal_of(event: notify::Result<notify::Event>, watched_dir: &Path) -> Option
             WatchSignal::Changed
         });
     }
+    // `limits.TOML` saved: not read, which the reload's warning says (else not a word until
+    // the next reload, and its rules silently missing).
     event
         .paths
         .iter()
-        .any(|path| is_swapped_link(path))
+        .any(|path| is_swapped_link(path) || is_named_like_a_policy(path))
         .then_some(WatchSignal::Changed)
+}
+
+/// A file of the directory that is no policy file but looks meant as one.
+fn is_named_like_a_policy(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|name| name.to_str())
+        .is_some_and(|name| {
+            !name.starts_with('.')
+                && super::compile::named_like_a_policy(&name.to_ascii_lowercase())
+        })
 }
 
 /// Kubernetes mounts a ConfigMap as files linked through `..data`, which it swaps whole: the
