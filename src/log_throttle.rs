@@ -5,6 +5,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+#[derive(Debug)]
 pub struct LogThrottle {
     every: Duration,
     /// When a line was last let through, and how many were held back since.

@@ -429,6 +429,47 @@ async fn an_open_breaker_serves_the_copy_too() {
     );
 }
 
+/// An app that stops taking connections behind a stale route is still seen: each failure is
+/// counted as any upstream error, and logged (at most once per ten seconds) though the copy
+/// answers. It was seen only in `levee_degraded_responses_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_down_app_behind_a_stale_route_is_logged_and_counted() {
+    let log = levee_log();
+    let (backend, _, _) = versioned().await;
+    let policy = policy_for(backend.addr, "access_log = false", ROUTES);
+    let levee = Levee::start(&policy).await;
+    assert_eq!(get(&levee.url("/ranking")).await.text(), "/ranking v1");
+    // The app goes away: its port refuses connections.
+    let gone = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    std::fs::write(
+        levee.policy_file(),
+        policy.replace(&backend.addr.to_string(), &gone.to_string()),
+    )
+    .expect("rewrite the policy");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    for _ in 0..2 {
+        let answer = get(&levee.url("/ranking")).await;
+        assert_eq!(
+            (answer.status, answer.header("x-levee-stale")),
+            (200, Some("1"))
+        );
+    }
+    let said = log.lines_with(&format!("connect to {gone}"));
+    assert!(
+        said.len() == 1 && said[0].contains("the last good copy answered instead"),
+        "{said:?}"
+    );
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_upstream_errors_total{upstream=\"app\",kind=\"connect\"}"
+        ),
+        2.0,
+        "{metrics}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readers_of_a_copy_do_not_wait_on_a_half_open_breakers_probe() {
     let (backend, _, failing) = versioned().await;

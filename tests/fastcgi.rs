@@ -480,11 +480,15 @@ async fn path_info_directory_indexes_and_traversal_stay_under_the_root() {
     assert_eq!(answer.status, 404, "{}", answer.text());
     assert!(!answer.text().contains("forged"), "{}", answer.text());
     assert_eq!(answer.header("x-content-type-options"), Some("nosniff"));
+    let forged = log.lines_with("forged");
     assert!(
-        log.lines_with("forged")
-            .iter()
-            .all(|line| line.contains("names no PHP script")),
-        "a line was forged in the log"
+        !forged.is_empty()
+            && forged.iter().all(|line| {
+                !line.starts_with("2026-12-06T09:00:00")
+                    && (line.contains("names no PHP script")
+                        || line.contains("levee::access: client="))
+            }),
+        "a line was forged in the log: {forged:?}"
     );
 
     // A NUL would cut SCRIPT_FILENAME short (`echo.php%00.txt` running echo.php): refused.

@@ -879,8 +879,7 @@ async fn forward(
                     return answer;
                 }
                 None => {
-                    return stale
-                        .serve_or(shared, policy, &route, error, &mut exchange.error)
+                    return stale_if_error(shared, policy, &route, &stale, error, exchange)
                         .await
                         .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
                 }
@@ -888,8 +887,7 @@ async fn forward(
         }
         // stale-if-error: the last good copy beats an error page.
         Err(error) if error.side() == ErrorSide::Upstream => {
-            return stale
-                .serve_or(shared, policy, &route, error, &mut exchange.error)
+            return stale_if_error(shared, policy, &route, &stale, error, exchange)
                 .await
                 .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
         }
@@ -1683,6 +1681,32 @@ fn count_upstream_error(metrics: &Metrics, route: &Route, kind: &'static str) {
             kind,
         })
         .inc();
+}
+
+/// The last good copy in place of an upstream's failure, or the failure (to `rescue`) when
+/// there is none. The failure is the app's all the same: counted, and logged as `rescue`
+/// would (at most once per ten seconds, as a down app's stale route may answer thousands a
+/// second), so a down app behind stale routes is not seen only in the degrade counters.
+async fn stale_if_error(
+    shared: &Shared,
+    policy: &Policy,
+    route: &Route,
+    stale: &Stale,
+    error: ProxyError,
+    exchange: &mut Exchange,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let Some(copy) = stale
+        .counted_copy(shared, policy, route, &mut exchange.error)
+        .await
+    else {
+        return Err(error);
+    };
+    count_upstream_error(&shared.metrics, route, error.kind());
+    let throttle = &route.upstream.covered_failures;
+    if let Some(held_back) = throttle.allow(std::time::Instant::now()) {
+        tracing::warn!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, held_back, "{error}; the last good copy answered instead");
+    }
+    Ok(copy)
 }
 
 /// The one place a request-path error is logged, counted and turned into a response.

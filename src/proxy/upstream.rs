@@ -62,6 +62,10 @@ pub struct Upstream {
     /// a reload when both reach the same address: a `latency_p95` trigger keeps its history
     /// across a settings change.
     pub latency: Arc<LatencyWindow>,
+    /// Its failures that a stale copy answered for, said in the log at most once per ten
+    /// seconds (the copy may answer thousands a second while the app is down); one per
+    /// upstream, so one app down does not hold back another's line.
+    pub(crate) covered_failures: crate::log_throttle::LogThrottle,
 }
 
 /// The system's trusted roots, read once.
@@ -212,6 +216,7 @@ impl Upstream {
             breaker,
             bulkhead,
             latency,
+            covered_failures: crate::log_throttle::LogThrottle::new(Duration::from_secs(10)),
         }
     }
 
