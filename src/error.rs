@@ -555,6 +555,11 @@ fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
+    // As levee's other pages: a rule's own body is never sniffed as anything else.
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
     if rule.headers {
         if let Some(Ok(value)) = policy_field(rule).map(|field| HeaderValue::from_str(&field)) {
             headers.insert(RATELIMIT_POLICY.clone(), value);

@@ -1023,6 +1023,7 @@ async fn the_default_429_page_says_when_to_come_back_in_words() {
     let refused = send_as(&levee, None, None).await;
     assert_eq!(refused.status, 429);
     assert_eq!(refused.header("retry-after"), Some("5"));
+    assert_eq!(refused.header("x-content-type-options"), Some("nosniff"));
     assert_eq!(
         refused.text(),
         visitor_page("Too many requests", "Please try again in 5 seconds.")

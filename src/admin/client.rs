@@ -345,9 +345,12 @@ pub fn summarize(status: &serde_json::Value) -> String {
     if let Some(modules) = degrade["modules"].as_object() {
         for (name, module) in modules {
             let state = if module["off"] == true { "OFF" } else { "on" };
-            // The origin is the on/off state's, not the tier's: said so, with who switched it.
+            // The origin is the on/off state's, not the tier's: said so, with who switched it
+            // (only when a runtime switch is what holds: off by the level, the last operator
+            // switched it on, and is not who turned it off).
             let by = module["changed_by"]
                 .as_str()
+                .filter(|_| module["origin"] == "runtime")
                 .map(|by| format!(", by {by}"))
                 .unwrap_or_default();
             let _ = writeln!(

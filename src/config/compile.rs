@@ -846,12 +846,36 @@ fn explain_parse_error(
         // when one is close (a typo), said first.
         let named: Vec<&str> = message.split('`').skip(1).step_by(2).collect();
         let closest = named.split_first().and_then(|(written, known)| {
-            known
+            let near = known
                 .iter()
                 .map(|candidate| (edit_distance(written, candidate), *candidate))
                 .filter(|(distance, _)| *distance <= 2)
                 .min_by_key(|(distance, _)| *distance)
-                .map(|(_, candidate)| candidate)
+                .map(|(_, candidate)| candidate);
+            // `max_inflite`: three edits from `max_inflight`, but its first nine letters are
+            // that key's and no other's.
+            near.or_else(|| {
+                let shared = |candidate: &str| {
+                    written
+                        .bytes()
+                        .zip(candidate.bytes())
+                        .take_while(|(a, b)| a == b)
+                        .count()
+                };
+                let mut by_prefix: Vec<(usize, &str)> = known
+                    .iter()
+                    .map(|candidate| (shared(candidate), *candidate))
+                    .filter(|(prefix, candidate)| {
+                        *prefix >= 6 && edit_distance(written, candidate) <= 4
+                    })
+                    .collect();
+                by_prefix.sort_by(|a, b| b.0.cmp(&a.0));
+                match by_prefix.as_slice() {
+                    [(_, candidate)] => Some(*candidate),
+                    [(best, candidate), (next, _), ..] if best > next => Some(*candidate),
+                    _ => None,
+                }
+            })
         });
         let hint = match closest {
             Some(key) => format!("did you mean `{key}`? Unknown keys are refused so a typo never silently does nothing"),
@@ -5460,6 +5484,10 @@ mod tests {
             (
                 format!("{app}[[route]]\nname = \"s\"\nmatch = {{ path_regex = \"^/s/(\\d+)\" }}\n"),
                 "write a regular expression in single quotes",
+            ),
+            (
+                format!("{app}max_inflite = 10\n"),
+                "hint: did you mean `max_inflight`?",
             ),
             (
                 format!("{app}host = 5\n"),
