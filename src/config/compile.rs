@@ -869,7 +869,7 @@ fn explain_parse_error(
                         *prefix >= 6 && edit_distance(written, candidate) <= 4
                     })
                     .collect();
-                by_prefix.sort_by(|a, b| b.0.cmp(&a.0));
+                by_prefix.sort_by_key(|(prefix, _)| std::cmp::Reverse(*prefix));
                 match by_prefix.as_slice() {
                     [(_, candidate)] => Some(*candidate),
                     [(best, candidate), (next, _), ..] if best > next => Some(*candidate),
