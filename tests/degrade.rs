@@ -2356,6 +2356,35 @@ async fn a_level_redis_holds_that_does_not_exist_is_not_followed() {
 /// The automatic level and the breakers are each instance's own: `/status` on any instance
 /// shows every instance's line (with Redis), so one that sheds while the others do not is
 /// seen from anywhere; one that stops cleanly leaves the view.
+/// The instance answering shows itself in the fleet view as it is now: right after a level
+/// was switched through it, its own line read the level of its last sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_answering_instance_shows_its_level_of_now_in_the_fleet_view() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    // Synced once at the start, then not for an hour.
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"1h\"\n{ROUTES}",
+            redis.url()
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    eventually(Duration::from_secs(5), "its line in the view", || async {
+        get(&levee.admin_url("/status")).await.json()["fleet"]["instances"]
+            .as_array()
+            .is_some_and(|instances| !instances.is_empty())
+    })
+    .await;
+    assert_eq!(set(&levee, "/level", "1").await.status, 200);
+    let fleet = get(&levee.admin_url("/status")).await.json()["fleet"].clone();
+    assert_eq!(fleet["highest_level"], 1, "{fleet}");
+    assert_eq!(fleet["instances"][0]["level"], 1, "{fleet}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_instance_s_level_and_breakers_show_in_the_fleet_view() {
     let dir = tempfile::tempdir().expect("dir");

@@ -131,7 +131,12 @@ pub async fn status(shared: &Shared, policy: &Policy) -> serde_json::Value {
         return serde_json::Value::Null;
     };
     match read(redis, &shared.instance, policy.degrade.sync_interval).await {
-        Ok(members) => {
+        Ok(mut members) => {
+            // The answering instance as it is now, not as it wrote itself at its last sync:
+            // right after `levee level 1` its own line read level 0 for up to a sync.
+            for member in members.iter_mut().filter(|member| member.this) {
+                member.report = report_of(shared, policy);
+            }
             let highest = members
                 .iter()
                 .filter(|member| !member.silent)
