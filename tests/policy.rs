@@ -361,6 +361,26 @@ fn check_reports_every_key_that_does_not_fit_in_one_table() {
     }
     // Each once: the keys taken out to read the rest are not reported again.
     assert!(stderr.contains("has 5 error(s)"), "{stderr}");
+
+    // Without its breaker or its fallback (keys whose absence changes nothing else), the rest
+    // of the table is compiled too: its values' errors are said with the breaker's.
+    std::fs::write(
+        dir.path().join("10-app.toml"),
+        "[upstream.app]\nurl = \"http://127.0.0.1:8081\"\nbreaker = { failure_ratio = \"50%\" }\nresponse_timeout = \"10x\"\n\n\
+         [[route]]\nname = \"home\"\nfallback = { status = \"503\" }\ntier = 9\n",
+    )
+    .expect("write");
+    let (ok, _stdout, stderr) = levee_check(dir.path());
+    assert!(!ok, "check must fail");
+    for expected in [
+        format!("{file}:3:29: error: `failure_ratio` is a share"),
+        format!("{file}:4:20: error: unknown duration unit `x`"),
+        format!("{file}:8:23: error: "),
+        format!("{file}:9:8: error: tier 9 does not exist"),
+    ] {
+        assert!(stderr.contains(&expected), "{expected} in {stderr}");
+    }
+    assert!(stderr.contains("has 4 error(s)"), "{stderr}");
 }
 
 #[test]

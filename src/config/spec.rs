@@ -66,10 +66,14 @@ impl FileSpec {
                 "route" => match value.get_ref() {
                     toml::de::DeValue::Array(routes) => {
                         for route in routes.iter() {
-                            match read_one::<RouteSpec>(route, &mut errors) {
-                                Some(route) => spec.route.push(route),
-                                None => unread.note_route(route),
+                            let before = errors.len();
+                            let read = read_one::<RouteSpec>(route, &mut errors);
+                            // Read without a key that did not (its `hide`), or not at all: the
+                            // modules its TOML names are not called undefined elsewhere.
+                            if errors.len() > before {
+                                unread.note_route(route);
                             }
+                            spec.route.extend(read);
                         }
                     }
                     // `[route.home]`: each entry a table under a header of its own (a
@@ -261,36 +265,44 @@ fn read_one<'de, T: Deserialize<'de>>(
     errors: &mut Vec<toml::de::Error>,
 ) -> Option<Spanned<T>> {
     let deserializer = toml::de::ValueDeserializer::from(value.clone());
-    Spanned::<T>::deserialize(deserializer)
-        .map_err(|error| {
+    match Spanned::<T>::deserialize(deserializer) {
+        Ok(read) => Some(read),
+        Err(error) => {
             let first_at = error.span();
             errors.push(error);
-            more_errors_of::<T>(value, first_at, errors);
-        })
-        .ok()
+            read_without_errors::<T>(value, first_at, errors)
+        }
+    }
 }
+
+/// Keys whose absence a table always reads and compiles as it would with them, written or
+/// not: an upstream's own `breaker`, a route's `hide` and `fallback`. (A `match` or a `tier`
+/// taken out would change what the table means, and so what else is reported of it.)
+const LEFT_OUT_SAFELY: [&str; 3] = ["breaker", "hide", "fallback"];
 
 /// The parser stops at a table's first error, so `breaker = { failure_ratio = "50%" }` hid a
 /// misspelt `max_inflite` two lines down until it was fixed. The table is read again without
-/// the key each error is in, to find the errors after it; the table stays unread either way
-/// (what it would compile to without those keys is not what the operator wrote).
-fn more_errors_of<'de, T: Deserialize<'de>>(
+/// the key each error is in, to find the errors after it. When the keys taken out are only
+/// those of [`LEFT_OUT_SAFELY`], the rest is returned, to be compiled and checked too (its
+/// `response_timeout = "10x"` is reported with the breaker's error); otherwise the table stays
+/// unread: a misspelt key was meant as one, whose absence would be reported as an error of
+/// its own (`urll` as "upstream has no url"). Either way its errors refuse the policy.
+fn read_without_errors<'de, T: Deserialize<'de>>(
     value: &Spanned<toml::de::DeValue<'de>>,
     first_at: Option<std::ops::Range<usize>>,
     errors: &mut Vec<toml::de::Error>,
-) {
+) -> Option<Spanned<T>> {
     use toml::de::DeValue;
     let DeValue::Table(keys) = value.get_ref() else {
-        return;
+        return None;
     };
     let mut keys = keys.clone();
     let mut removed: Vec<String> = Vec::new();
     let mut error_at = first_at;
+    let mut safely = true;
     // A table has a few dozen keys at most; each round removes one.
     for _ in 0..64 {
-        let Some(at) = error_at else {
-            return;
-        };
+        let at = error_at?;
         let holding = keys
             .iter()
             .find(|(key, value)| {
@@ -298,15 +310,15 @@ fn more_errors_of<'de, T: Deserialize<'de>>(
                     .iter()
                     .any(|span| span.start <= at.start && at.end <= span.end)
             })
-            .map(|(key, _)| key.clone());
-        let Some(holding) = holding else {
-            return;
-        };
+            .map(|(key, _)| key.clone())?;
         keys.remove(&holding);
-        removed.push(holding.get_ref().to_string());
+        let name = holding.get_ref().to_string();
+        safely &= LEFT_OUT_SAFELY.contains(&name.as_str());
+        removed.push(name);
         let rest = Spanned::new(value.span(), DeValue::Table(keys.clone()));
-        let Err(error) = T::deserialize(toml::de::ValueDeserializer::from(rest)) else {
-            return;
+        let error = match Spanned::<T>::deserialize(toml::de::ValueDeserializer::from(rest)) {
+            Ok(read) => return safely.then_some(read),
+            Err(error) => error,
         };
         // Missing because it was taken out: not the operator's error.
         let message = error.message();
@@ -314,11 +326,12 @@ fn more_errors_of<'de, T: Deserialize<'de>>(
             .iter()
             .any(|key| message.starts_with(&format!("missing field `{key}`")))
         {
-            return;
+            return None;
         }
         error_at = error.span();
         errors.push(error);
     }
+    None
 }
 
 /// A section written once (`[server]`), noted as unread when it does not fit.
