@@ -2310,19 +2310,28 @@ async fn a_switch_left_for_a_module_the_policy_dropped_can_be_handed_back() {
     assert_eq!(get(&levee.url("/visitors")).await.status, 200);
 }
 
+/// The test routes with switches kept in `redis`, synced every `sync_interval`.
+fn synced_policy(
+    backend: std::net::SocketAddr,
+    redis: &RedisServer,
+    sync_interval: &str,
+) -> String {
+    policy_for(
+        backend,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"{sync_interval}\"\n{ROUTES}",
+            redis.url()
+        ),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_level_redis_holds_that_does_not_exist_is_not_followed() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
     let backend = echo_backend().await;
-    let policy = policy_for(
-        backend.addr,
-        "access_log = false",
-        &format!(
-            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n{ROUTES}",
-            redis.url()
-        ),
-    );
+    let policy = synced_policy(backend.addr, &redis, "100ms");
     let levee = Levee::start(&policy).await;
     // Written by hand (or another program): a level that does not exist, next to a module
     // switch that does, which shows when the sync has read them.
@@ -2353,9 +2362,6 @@ async fn a_level_redis_holds_that_does_not_exist_is_not_followed() {
     );
 }
 
-/// The automatic level and the breakers are each instance's own: `/status` on any instance
-/// shows every instance's line (with Redis), so one that sheds while the others do not is
-/// seen from anywhere; one that stops cleanly leaves the view.
 /// The instance answering shows itself in the fleet view as it is now: right after a level
 /// was switched through it, its own line read the level of its last sync.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2364,14 +2370,7 @@ async fn the_answering_instance_shows_its_level_of_now_in_the_fleet_view() {
     let redis = RedisServer::start(dir.path()).await;
     let backend = echo_backend().await;
     // Synced once at the start, then not for an hour.
-    let policy = policy_for(
-        backend.addr,
-        "access_log = false",
-        &format!(
-            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"1h\"\n{ROUTES}",
-            redis.url()
-        ),
-    );
+    let policy = synced_policy(backend.addr, &redis, "1h");
     let levee = Levee::start(&policy).await;
     eventually(Duration::from_secs(5), "its line in the view", || async {
         get(&levee.admin_url("/status")).await.json()["fleet"]["instances"]
@@ -2385,6 +2384,9 @@ async fn the_answering_instance_shows_its_level_of_now_in_the_fleet_view() {
     assert_eq!(fleet["instances"][0]["level"], 1, "{fleet}");
 }
 
+/// The automatic level and the breakers are each instance's own: `/status` on any instance
+/// shows every instance's line (with Redis), so one that sheds while the others do not is
+/// seen from anywhere; one that stops cleanly leaves the view.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_instance_s_level_and_breakers_show_in_the_fleet_view() {
     let dir = tempfile::tempdir().expect("dir");
