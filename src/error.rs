@@ -440,11 +440,7 @@ impl PublicAnswer {
             (body, "application/json; charset=utf-8")
         } else {
             (
-                format!(
-                    "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title></head>\n<body><h1>{title}</h1><p>{words}</p></body></html>\n",
-                    title = self.title,
-                    words = html_text(&self.words),
-                ),
+                visitor_page(self.title, &self.words),
                 "text/html; charset=utf-8",
             )
         };
@@ -490,7 +486,14 @@ pub fn full_body(body: impl Into<Bytes>) -> ResponseBody {
         .boxed_unsync()
 }
 
-const DEFAULT_LIMIT_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Too many requests</title></head>\n<body><h1>Too many requests</h1><p>{come_back}</p></body></html>\n";
+/// levee's own short HTML page: `title` as its heading, `words` (escaped) as its paragraph.
+fn visitor_page(title: &str, words: &str) -> String {
+    format!(
+        "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title></head>\n<body><h1>{title}</h1><p>{}</p></body></html>\n",
+        html_text(words),
+    )
+}
+
 const DEFAULT_LIMIT_JSON: &str =
     "{\"error\":\"rate_limited\",\"rule\":\"{rule}\",\"retry_after\":{retry_after}}\n";
 
@@ -517,19 +520,17 @@ fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
     let retry_after = denial.retry_after.as_secs_f64().ceil().max(1.0) as u64;
     let (template, content_type) = if denial.wants_json {
         (
-            rule.body_json.as_deref().unwrap_or(DEFAULT_LIMIT_JSON),
+            Some(rule.body_json.as_deref().unwrap_or(DEFAULT_LIMIT_JSON)),
             "application/json; charset=utf-8",
         )
     } else {
-        (
-            rule.body_html.as_deref().unwrap_or(DEFAULT_LIMIT_HTML),
-            "text/html; charset=utf-8",
-        )
+        // Without a page of the rule's own: levee's, as its other refusals read.
+        (rule.body_html.as_deref(), "text/html; charset=utf-8")
     };
     // Placeholders are filled with numbers and the rule's own name only: nothing the
     // client sent reaches the body. The name is written as the body's language writes text,
     // so a rule named `say "hi"` or `a<b` leaves a JSON body parseable and an HTML page whole.
-    let name = if !template.contains("{rule}") {
+    let name = if !template.is_some_and(|template| template.contains("{rule}")) {
         String::new()
     } else if denial.wants_json {
         let quoted = serde_json::to_string(&*rule.name).unwrap_or_default();
@@ -541,13 +542,11 @@ fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
     } else {
         html_text(&rule.name)
     };
-    let body = if !denial.wants_json && rule.body_html.is_none() {
-        // levee's own page words the wait as its other pages do ("in 1 second").
-        DEFAULT_LIMIT_HTML.replace("{come_back}", &come_back(Some(retry_after)))
-    } else {
-        template
+    let body = match template {
+        Some(template) => template
             .replace("{retry_after}", &retry_after.to_string())
-            .replace("{rule}", &name)
+            .replace("{rule}", &name),
+        None => visitor_page("Too many requests", &come_back(Some(retry_after))),
     };
     let mut response = Response::new(full_body(body));
     *response.status_mut() = rule.status;

@@ -161,6 +161,27 @@ async fn levels_and_module_switches_turn_routes_off_by_tier() {
     let status = get(&levee.admin_url("/status")).await.json();
     assert_eq!(status["degrade"]["level"], 2);
     assert_eq!(status["degrade"]["level_origin"], "runtime");
+    // Each route says whether it is off now, and by what.
+    let off = |status: &serde_json::Value| -> Vec<(String, serde_json::Value)> {
+        status["routes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|route| {
+                let name = route["name"].as_str().unwrap_or_default().to_string();
+                (name, route["off"].clone())
+            })
+            .collect()
+    };
+    assert_eq!(
+        off(&status)[..4],
+        [
+            ("home".to_string(), serde_json::Value::Null),
+            ("notifications".to_string(), "tier".into()),
+            ("ranking".to_string(), "tier".into()),
+            ("visitors".to_string(), "tier".into()),
+        ]
+    );
     assert!(
         status["degrade"]["level_changed_by"]
             .as_str()
@@ -181,6 +202,15 @@ async fn levels_and_module_switches_turn_routes_off_by_tier() {
         "runtime"
     );
     assert_eq!(status["degrade"]["modules"]["ranking"]["off"], false);
+    assert_eq!(
+        off(&status)[..4],
+        [
+            ("home".to_string(), serde_json::Value::Null),
+            ("notifications".to_string(), serde_json::Value::Null),
+            ("ranking".to_string(), serde_json::Value::Null),
+            ("visitors".to_string(), "module".into()),
+        ]
+    );
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(
         metric_value(&metrics, "levee_module_off{module=\"visitors\"}"),

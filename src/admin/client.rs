@@ -506,28 +506,23 @@ pub fn summarize(status: &serde_json::Value) -> String {
     out
 }
 
-/// The routes switched off now, by the level (their tier) or their module: what visitors of
-/// those pages get instead is the route's `degrade` answer.
+/// The routes switched off now, by the level (their tier) or their module (`/status`
+/// `routes[].off`): what visitors of those pages get instead is the route's `degrade` answer.
 fn describe_routes_off(out: &mut String, status: &serde_json::Value) {
     use std::fmt::Write as _;
-    let degrade = &status["degrade"];
-    let level = degrade["level"].as_u64().unwrap_or(0);
     let off: Vec<String> = status["routes"]
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(|route| {
             let name = route["name"].as_str()?;
-            let tier = route["tier"].as_u64().unwrap_or(1);
-            // Level 1 switches tier 3 off, level 2 tiers 2 and 3; tier 1 never.
-            let by_level = tier > 1 && tier + level > 3;
-            let module = route["module"].as_str();
-            let by_module = module.is_some_and(|module| degrade["modules"][module]["off"] == true);
-            match (by_level, module) {
-                (true, _) => Some(format!("{name} (tier {tier})")),
-                (false, Some(module)) if by_module => Some(format!("{name} (module {module})")),
-                _ => None,
-            }
+            Some(match route["off"].as_str()? {
+                "tier" => format!("{name} (tier {})", route["tier"]),
+                _ => format!(
+                    "{name} (module {})",
+                    route["module"].as_str().unwrap_or("?")
+                ),
+            })
         })
         .collect();
     if !off.is_empty() {
@@ -650,11 +645,11 @@ mod tests {
                 "comments": {"off": true, "tier": 2, "origin": "runtime"},
             }},
             "routes": [
-                {"name": "home", "tier": 1, "module": null},
-                {"name": "notify", "tier": 2, "module": null},
-                {"name": "comment", "tier": 2, "module": "comments"},
-                {"name": "ranking", "tier": 3, "module": "ranking"},
-                {"name": "default", "tier": 1, "module": null},
+                {"name": "home", "tier": 1, "module": null, "off": null},
+                {"name": "notify", "tier": 2, "module": null, "off": null},
+                {"name": "comment", "tier": 2, "module": "comments", "off": "module"},
+                {"name": "ranking", "tier": 3, "module": "ranking", "off": "tier"},
+                {"name": "default", "tier": 1, "module": null, "off": null},
             ],
             "upstreams": [{"name": "app", "url": "http://127.0.0.1:8081",
                 "breaker": {"state": "closed"}, "inflight": 20, "max_inflight": 20,

@@ -969,6 +969,7 @@ fn route_match(route: &Route) -> serde_json::Value {
 
 fn status(shared: &Shared) -> serde_json::Value {
     let policy = shared.store.load();
+    let view = shared.degrade.view(&policy);
     let routes: Vec<_> = policy
         .routes
         .routes
@@ -986,6 +987,10 @@ fn status(shared: &Shared) -> serde_json::Value {
                 "queue": route.queue.is_some(),
                 "always_queue": route.always_queue,
                 "module": route.module.as_deref(),
+                // Off now, and by what: its tier (the level) or its module.
+                "off": view.route_off(route).then(|| {
+                    if crate::degrade::tier_off(route.tier, view.level) { "tier" } else { "module" }
+                }),
             })
         })
         .collect();

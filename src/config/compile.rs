@@ -845,38 +845,9 @@ fn explain_parse_error(
         // `unknown field `max_inflght`, expected one of `url`, …`: the key it is closest to,
         // when one is close (a typo), said first.
         let named: Vec<&str> = message.split('`').skip(1).step_by(2).collect();
-        let closest = named.split_first().and_then(|(written, known)| {
-            let near = known
-                .iter()
-                .map(|candidate| (edit_distance(written, candidate), *candidate))
-                .filter(|(distance, _)| *distance <= 2)
-                .min_by_key(|(distance, _)| *distance)
-                .map(|(_, candidate)| candidate);
-            // `max_inflite`: three edits from `max_inflight`, but its first nine letters are
-            // that key's and no other's.
-            near.or_else(|| {
-                let shared = |candidate: &str| {
-                    written
-                        .bytes()
-                        .zip(candidate.bytes())
-                        .take_while(|(a, b)| a == b)
-                        .count()
-                };
-                let mut by_prefix: Vec<(usize, &str)> = known
-                    .iter()
-                    .map(|candidate| (shared(candidate), *candidate))
-                    .filter(|(prefix, candidate)| {
-                        *prefix >= 6 && edit_distance(written, candidate) <= 4
-                    })
-                    .collect();
-                by_prefix.sort_by_key(|(prefix, _)| std::cmp::Reverse(*prefix));
-                match by_prefix.as_slice() {
-                    [(_, candidate)] => Some(*candidate),
-                    [(best, candidate), (next, _), ..] if best > next => Some(*candidate),
-                    _ => None,
-                }
-            })
-        });
+        let closest = named
+            .split_first()
+            .and_then(|(written, known)| closest_key(written, known));
         let hint = match closest {
             Some(key) => format!("did you mean `{key}`? Unknown keys are refused so a typo never silently does nothing"),
             None => "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing".to_string(),
@@ -2625,7 +2596,7 @@ fn compile_breaker(
             compiler.error_hint(
                 file,
                 value.span(),
-                format!("max_open_for ({}) is shorter than open_for ({})", value.get_ref(), humantime(open_for)),
+                format!("max_open_for ({}) is shorter than open_for ({})", value.get_ref(), super::units::Shown(open_for)),
                 "max_open_for bounds open_for as it doubles on each re-open; make it at least open_for",
             );
         }
@@ -2653,11 +2624,6 @@ fn compile_breaker(
         failure_statuses,
         force,
     }
-}
-
-/// A duration as the policy would write it (`"30s"`, `"250ms"`), for messages.
-fn humantime(duration: Duration) -> String {
-    super::units::Shown(duration).to_string()
 }
 
 /// A response written in the policy; `what` names the key in errors.
@@ -3414,6 +3380,38 @@ fn check_module_name(
             format!("module `{name}` is a letter or two from module `{other}`, named by another route: a typo makes a module of its own, which switching `{other}` off does not touch"),
             "write the same name in both places; declare each with [module.NAME] if both are meant",
         );
+    }
+}
+
+/// The known key a misspelt one most likely means: one within two edits, else the one that
+/// alone shares its first six letters or more (`max_inflite` is three edits from
+/// `max_inflight`, whose first nine letters it has, and no other key's).
+fn closest_key<'a>(written: &str, known: &[&'a str]) -> Option<&'a str> {
+    let near = known
+        .iter()
+        .map(|candidate| (edit_distance(written, candidate), *candidate))
+        .filter(|(distance, _)| *distance <= 2)
+        .min_by_key(|(distance, _)| *distance);
+    if let Some((_, candidate)) = near {
+        return Some(candidate);
+    }
+    let shared = |candidate: &str| {
+        written
+            .bytes()
+            .zip(candidate.bytes())
+            .take_while(|(a, b)| a == b)
+            .count()
+    };
+    let mut by_prefix: Vec<(usize, &str)> = known
+        .iter()
+        .map(|candidate| (shared(candidate), *candidate))
+        .filter(|(prefix, candidate)| *prefix >= 6 && edit_distance(written, candidate) <= 4)
+        .collect();
+    by_prefix.sort_by_key(|(prefix, _)| std::cmp::Reverse(*prefix));
+    match by_prefix.as_slice() {
+        [(_, candidate)] => Some(candidate),
+        [(best, candidate), (next, _), ..] if best > next => Some(candidate),
+        _ => None,
     }
 }
 
