@@ -32,7 +32,13 @@ impl std::fmt::Display for Condition {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Condition::BreakerOpen => f.write_str("breaker_open"),
-            Condition::LatencyP95(above) => write!(f, "latency_p95 above {above:?}"),
+            Condition::LatencyP95(above) => {
+                write!(
+                    f,
+                    "latency_p95 above {}",
+                    crate::config::units::Shown(*above)
+                )
+            }
             Condition::Inflight(above) => write!(f, "inflight above {above}"),
             Condition::ErrorRatio(above) => write!(f, "error_ratio above {above}"),
         }

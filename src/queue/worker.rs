@@ -447,10 +447,11 @@ impl Served {
         let lost = lost_jobs(before.as_ref(), now, Instant::now());
         // An error only when jobs are known lost: after a Redis restart every queue route finds
         // its group gone, and an alert on errors fired for routes that had nothing queued.
+        let said = format!("the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): {lost}; jobs stored since are replayed once the group is made again ({error})");
         if before.as_ref().is_some_and(|count| count.stream == 0) {
-            tracing::warn!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): {lost}; jobs stored since are replayed once the group is made again ({error})");
+            tracing::warn!(%stream, "{said}");
         } else {
-            tracing::error!(%stream, "the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): {lost}; jobs stored since are replayed once the group is made again ({error})");
+            tracing::error!(%stream, "{said}");
         }
     }
 }
