@@ -2697,7 +2697,10 @@ async fn in_a_cluster_a_job_waits_for_the_replica_of_the_node_holding_its_stream
         backend.addr,
         "access_log = false",
         &format!(
-            "[redis]\ncluster = [{}]\ntimeout = \"200ms\"\n[queue]\npoll_interval = \"50ms\"\nwait_replicas = 1\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
+            // A replica's acknowledgement is given a second: the default 100 ms was seen
+            // running out under the whole test suite's load on 2 cores (a 503 for a job the
+            // replica was about to hold).
+            "[redis]\ncluster = [{}]\ntimeout = \"200ms\"\n[queue]\npoll_interval = \"50ms\"\nwait_replicas = 1\nwait_timeout = \"1s\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/notify\" }}\nalways_queue = true\n",
             cluster.toml_list()
         ),
     ))
