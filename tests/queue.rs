@@ -389,6 +389,69 @@ async fn jobs_stored_before_a_reload_that_stops_the_route_queueing_are_still_app
     assert!(!page.contains("levee_queue_backlog{"), "{page}");
 }
 
+/// A reload that takes `[redis]` out leaves stored jobs in Redis, unreplayed: the operator is
+/// warned with how many there were, and not at all when the queue was empty (the warning
+/// sent operators looking for jobs that did not exist).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn taking_redis_out_warns_of_the_jobs_left_there_only_when_there_are_some() {
+    let log = levee_log();
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    for (prefix, stored) in [("empty-queue:", 0), ("two-jobs:", 2)] {
+        let policy = queue_policy(backend.addr, &redis.url(), "").replace(
+            "timeout = \"200ms\"\n",
+            &format!("timeout = \"200ms\"\nkey_prefix = \"{prefix}\"\n"),
+        );
+        let levee = Levee::start(&policy).await;
+        store_jobs(&levee, stored, 0).await;
+        let counted = format!("levee_queue_backlog{{route=\"notify\"}} {stored}");
+        eventually(
+            Duration::from_secs(5),
+            "the backlog to be counted",
+            || async {
+                get(&levee.admin_url("/metrics"))
+                    .await
+                    .text()
+                    .contains(&counted)
+            },
+        )
+        .await;
+
+        let without_redis = policy_for(
+            backend.addr,
+            "access_log = false",
+            "[[route]]\nname = \"notify\"\nmatch = { method = [\"POST\"], path_prefix = \"/notify\" }\ntier = 2\nmodule = \"notifications\"\ndegrade = { action = \"reject\" }\n",
+        );
+        std::fs::write(levee.policy_file(), without_redis).expect("rewrite the policy");
+        let reloaded = post(&levee.admin_url("/reload"), "").await;
+        assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+        // The pass that saw the route stop queueing takes the gauges out after its word.
+        eventually(
+            Duration::from_secs(5),
+            "the gauges to be taken out",
+            || async {
+                !get(&levee.admin_url("/metrics"))
+                    .await
+                    .text()
+                    .contains("levee_queue_backlog{")
+            },
+        )
+        .await;
+        let warned = log.lines_with(&format!("stream={prefix}queue:"));
+        if stored == 0 {
+            assert!(warned.is_empty(), "{warned:?}");
+        } else {
+            assert_eq!(warned.len(), 1, "{warned:?}");
+            assert!(
+                warned[0].contains("WARN")
+                    && warned[0].contains("the policy no longer has [redis]: the 2 jobs stored in this route's queue when levee last counted"),
+                "{warned:?}"
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backlog_gauges_are_taken_out_while_redis_cannot_be_read() {
     // Left at their last figures, they said "2 jobs, fresh" for as long as Redis was down.

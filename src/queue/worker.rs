@@ -574,7 +574,11 @@ pub fn spawn_workers(
                     if policy.redis.is_some() {
                         tracing::warn!(route = %route.name, stream = %keys.stream, "this route no longer queues under these keys (its action changed, or it was renamed or removed, or key_prefix changed); the jobs stored in its queue are still replayed until it is empty");
                     } else {
-                        tracing::warn!(route = %route.name, stream = %keys.stream, "the policy no longer has [redis]: the jobs stored in this route's queue wait in redis, not replayed, until a policy with [redis] is loaded again");
+                        no_redis_for_stored_jobs(
+                            &route.name.0,
+                            &keys.stream,
+                            served.counted.get(&keys.stream),
+                        );
                     }
                 }
             }
@@ -907,6 +911,28 @@ else
 end
 return {redis.call('XLEN', KEYS[1]), redis.call('ZCARD', KEYS[2]), pending}
 "#;
+
+/// Says what becomes of a queue's jobs when a reload takes `[redis]` out: they wait there,
+/// unreplayed, until `[redis]` is back. A warning only when jobs were there at the last count
+/// (or it is not known): an empty queue was warned of as one holding jobs, which sent
+/// operators looking for work that was not lost.
+fn no_redis_for_stored_jobs(route: &str, stream: &str, last_count: Option<&JobCount>) {
+    match last_count {
+        Some(count) if count.stream + count.delayed == 0 => {
+            tracing::info!(route = %route, stream = %stream, "the policy no longer has [redis]; this route's queue held no job when levee last counted, {} before (jobs other instances store there wait in redis until a policy with [redis] is loaded again)", crate::config::units::Shown(count.at.elapsed()));
+        }
+        Some(count) => {
+            let jobs = match count.stream + count.delayed {
+                1 => "1 job".to_string(),
+                many => format!("{many} jobs"),
+            };
+            tracing::warn!(route = %route, stream = %stream, "the policy no longer has [redis]: the {jobs} stored in this route's queue when levee last counted, {} before, wait in redis, not replayed, until a policy with [redis] is loaded again", crate::config::units::Shown(count.at.elapsed()));
+        }
+        None => {
+            tracing::warn!(route = %route, stream = %stream, "the policy no longer has [redis]: the jobs stored in this route's queue (not counted since levee started) wait in redis, not replayed, until a policy with [redis] is loaded again");
+        }
+    }
+}
 
 /// Counts a queue's jobs and sets its gauges from the count; a figure Redis did not give is
 /// taken out of the metrics rather than left at its last value (a backlog frozen while Redis
