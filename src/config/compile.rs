@@ -1616,16 +1616,32 @@ fn compile_read(
     if !compiler.errors.is_empty() {
         let beyond = compiler.errors_beyond;
         let mut errors = in_file_order(compiler.errors);
+        let dir = files
+            .first()
+            .and_then(|file| file.path.parent())
+            .unwrap_or(std::path::Path::new("."));
         if beyond > 0 {
-            let dir = files
-                .first()
-                .and_then(|file| file.path.parent())
-                .unwrap_or(std::path::Path::new("."));
             errors.push(
                 Diagnostic::whole(dir, format!("and {beyond} more errors, not listed")).hint(
                     format!("the first {MAX_ERRORS} are above; fix those and check again"),
                 ),
             );
+        }
+        // Not listed: a compile with errors leaves parts out, so some would be false ("limit
+        // `login` is used by no route" of a route that did not compile). Counted, so fixing
+        // the errors does not end in a surprise.
+        if !compiler.warnings.is_empty() {
+            let count = match compiler.warnings.len() {
+                1 => "1 warning".to_string(),
+                many => format!("{many} warnings"),
+            };
+            let mut held_back = Diagnostic::whole(
+                dir,
+                format!("and {count}, listed once the errors are fixed"),
+            )
+            .hint("some may come from the errors themselves: a part that did not compile is missing from the checks of the rest");
+            held_back.severity = super::diag::Severity::Warning;
+            errors.push(held_back);
         }
         return Err(Diagnostics(errors));
     }
@@ -4671,7 +4687,12 @@ mod tests {
     fn errors(sources: &[(&str, &str)]) -> Vec<String> {
         match compile(&files(sources), None) {
             Ok(_) => Vec::new(),
-            Err(diagnostics) => diagnostics.0.iter().map(|d| d.to_string()).collect(),
+            Err(diagnostics) => diagnostics
+                .0
+                .iter()
+                .filter(|d| d.severity == super::super::diag::Severity::Error)
+                .map(|d| d.to_string())
+                .collect(),
         }
     }
 
@@ -6361,6 +6382,37 @@ mod tests {
                 "a.toml:8:9: error: a trigger cannot raise to level 7",
             ],
         );
+    }
+
+    #[test]
+    fn warnings_of_a_policy_with_errors_are_counted_not_listed() {
+        // A typo in the upstream, a limit no route uses and an `on_redis_error` without
+        // [redis]: the warnings were dropped without a word, to surprise once the typo was
+        // fixed. They are counted (not listed: some come from the errors).
+        let text = format!("{APP}max_inflite = 5\n[limit.login]\nkey = \"ip\"\nrate = \"5/s\"\non_redis_error = \"deny\"\n[limit.unused]\nkey = \"ip\"\nrate = \"5/s\"\n[[route]]\nname = \"login\"\nmatch = {{ path_prefix = \"/login\" }}\nlimits = [\"login\"]\n");
+        let Err(diagnostics) = compile(&files(&[("a.toml", &text)]), None) else {
+            panic!("the typo is an error");
+        };
+        let said: Vec<String> = diagnostics.0.iter().map(ToString::to_string).collect();
+        assert_eq!(said.len(), 2, "{said:?}");
+        assert!(
+            said[0].contains("error: unknown field `max_inflite`"),
+            "{said:?}"
+        );
+        assert!(
+            said[1].contains("warning: and ")
+                && said[1].contains(" warnings, listed once the errors are fixed"),
+            "{said:?}"
+        );
+        let fixed = text.replace("max_inflite", "max_inflight");
+        let policy = compile(&files(&[("a.toml", &fixed)]), None).expect("compiles");
+        assert_eq!(policy.warnings.len(), 2, "{:?}", policy.warnings);
+        // None said of a policy whose only faults are errors.
+        let errors_only = format!("{APP}max_inflite = 5\n");
+        let Err(diagnostics) = compile(&files(&[("a.toml", &errors_only)]), None) else {
+            panic!("the typo is an error");
+        };
+        assert_eq!(diagnostics.0.len(), 1, "{:?}", diagnostics.0);
     }
 
     #[test]
