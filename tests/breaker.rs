@@ -268,6 +268,62 @@ async fn half_open_lets_exactly_the_probes_through_under_100_concurrent_requests
     );
 }
 
+/// Visitors reload a slow page while the app recovers: the probe's client leaves, and its
+/// slot stayed free for the next request to probe, a script on the app per reload (the
+/// breaker means `half_open_probes` at a time), with the round never decided. The probe
+/// runs on to its answer instead, which decides the round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_whose_client_leaves_runs_on_and_its_answer_decides() {
+    let (backend, mode) = switchable().await;
+    let policy = breaker_policy(
+        &backend,
+        "consecutive_failures = 1, open_for = \"300ms\", half_open_probes = 1",
+        FRIENDLY,
+    )
+    .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
+    let levee = Levee::start(&policy).await;
+    mode.store(FAIL_502, Ordering::SeqCst);
+    assert_eq!(get(&levee.url("/")).await.status, 502);
+    assert_eq!(breaker_state(&levee, "app").await, "open");
+    mode.store(SLOWER, Ordering::SeqCst);
+    eventually(Duration::from_secs(5), "open_for to pass", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["upstreams"][0]["breaker"]["open_for_remaining_ms"].as_u64() == Some(0)
+    })
+    .await;
+    let before = backend.hits();
+    give_up_after(
+        &levee,
+        "GET / HTTP/1.1\r\nHost: site\r\n\r\n",
+        Duration::from_millis(100),
+    )
+    .await;
+    // levee sees the close a moment later: give it the time to drop the request.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..5 {
+        let answer = get(&levee.url("/")).await;
+        assert_eq!(answer.status, 503, "the fallback while the probe runs on");
+    }
+    assert_eq!(backend.hits() - before, 1, "one probe reached the app");
+    // Its answer, 2 s after it was sent, closes the breaker without another request.
+    eventually(
+        Duration::from_secs(5),
+        "the probe's answer to close it",
+        || async { breaker_state(&levee, "app").await == "closed" },
+    )
+    .await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_breaker_probes_total{upstream=\"app\",result=\"success\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(get(&levee.url("/")).await.text(), "slow ok");
+}
+
 async fn get_owned(url: String) -> Answer {
     get(&url).await
 }

@@ -293,6 +293,11 @@ pub struct Permit {
 }
 
 impl Permit {
+    /// One of a half-open breaker's probes: its answer decides whether the breaker closes.
+    pub fn is_probe(&self) -> bool {
+        self.admission == Admission::Probe
+    }
+
     /// Times the call from `at` rather than from admission: the request's upload is the
     /// client's time, and a slow client does not make a slow call.
     pub fn measure_from(&mut self, at: Instant) {

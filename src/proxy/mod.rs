@@ -751,33 +751,34 @@ async fn forward(
     // The response timeout runs from when the request is sent whole: an upload as slow as
     // the client's idle timer allows is not the upstream's failure.
     let request = Request::from_parts(parts, body);
-    let sent = match slot {
-        None => {
-            run_on::send(
-                upstream,
-                request,
-                fields,
-                from_client,
-                sent_at,
-                response_timeout,
-                None,
-            )
-            .await
-        }
-        Some(slot) => {
-            let mut held = run_on::call_holding(
-                upstream.clone(),
-                request,
-                fields,
-                from_client,
-                sent_at,
-                response_timeout,
-                slot,
-            );
-            let sent = (&mut held).await;
-            exchange.slot = held.take_slot();
-            sent
-        }
+    // A call holding a bulkhead slot, or a half-open breaker's probe, runs on to its answer
+    // when its client leaves (see `run_on`).
+    let (sent, mut permit) = if slot.is_none() && !permit.is_probe() {
+        let sent = run_on::send(
+            upstream,
+            request,
+            fields,
+            from_client,
+            sent_at,
+            response_timeout,
+            None,
+        )
+        .await;
+        (sent, permit)
+    } else {
+        let mut held = run_on::call_holding(
+            upstream.clone(),
+            request,
+            fields,
+            from_client,
+            sent_at,
+            response_timeout,
+            slot,
+            (permit, shared.metrics.clone()),
+        );
+        let (sent, permit) = (&mut held).await;
+        exchange.slot = held.take_slot();
+        (sent, permit)
     };
     // The upstream's own header lines, when they are relayed as received (`fields`).
     let mut relayed = None;

@@ -11,6 +11,13 @@
 //! a request the client did not finish, nor one nobody waits for any more. The breaker is
 //! told nothing more: the client's going is judged where it happens (see `Permit`), and a
 //! call nobody waits for is no second verdict.
+//!
+//! But for a half-open breaker's probe, which is the breaker's question to the app rather
+//! than the client's: sent whole, it runs on to its answer (bulkhead or not), keeping its
+//! probe slot, and that answer is the probe's verdict. Freed when its client left, the slot
+//! let the next request probe at once, so visitors reloading a slow page during a recovery
+//! put a script on the app per reload where the breaker means to allow `half_open_probes`,
+//! and the round never ended while they kept leaving before `response_timeout`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -29,8 +36,10 @@ use super::body::IdleTimeout;
 use super::client::{Answered, ClientError, ResponseFields};
 use super::header::FromClient;
 use super::upstream::{Upstream, UpstreamBody};
+use crate::breaker::{Outcome, Permit};
 use crate::degrade::bulkhead::Slot;
 use crate::error::BoxError;
+use crate::metrics::Metrics;
 
 type Call = Pin<Box<dyn Future<Output = Result<Answered, ClientError>> + Send>>;
 
@@ -56,9 +65,11 @@ pub(super) fn send<'a>(
     )
 }
 
-/// Sends `request` to `upstream` as [`send`] does, holding `slot` until the answer's head is
-/// in; dropped before that, once the request was sent whole, it leaves the call running on a
-/// task of its own with the slot (see the module's text).
+/// Sends `request` to `upstream` as [`send`] does, holding `slot` (if any) and `permit` until
+/// the answer's head is in, when the permit comes back with the answer; dropped before that,
+/// once the request was sent whole, it leaves the call running on a task of its own with the
+/// slot, and with the permit of a probe, which records the answer (see the module's text).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn call_holding(
     upstream: Arc<Upstream>,
     request: Request<UpstreamBody>,
@@ -66,7 +77,8 @@ pub(super) fn call_holding(
     from_client: FromClient,
     sent_at: Instant,
     response_timeout: Duration,
-    slot: Slot,
+    slot: Option<Slot>,
+    (permit, metrics): (Permit, Arc<Metrics>),
 ) -> HeldCall {
     let sent_whole = Arc::new(AtomicBool::new(false));
     let flag = sent_whole.clone();
@@ -84,7 +96,9 @@ pub(super) fn call_holding(
             )
             .await
         })),
-        slot: Some(slot),
+        slot,
+        permit: Some(permit),
+        metrics,
         sent_whole,
         bounds,
     }
@@ -111,6 +125,10 @@ impl RunOnBounds {
 pub(super) struct HeldCall {
     call: Option<Call>,
     slot: Option<Slot>,
+    /// Comes back with the answer (`None` only once it has).
+    permit: Option<Permit>,
+    /// Where a probe running on counts its verdict.
+    metrics: Arc<Metrics>,
     sent_whole: Arc<AtomicBool>,
     bounds: RunOnBounds,
 }
@@ -128,7 +146,7 @@ impl HeldCall {
 }
 
 impl Future for HeldCall {
-    type Output = Result<Answered, ClientError>;
+    type Output = (Result<Answered, ClientError>, Permit);
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
@@ -138,29 +156,56 @@ impl Future for HeldCall {
         };
         let answered = ready!(call.as_mut().poll(cx));
         this.call = None;
-        Poll::Ready(answered)
+        match this.permit.take() {
+            Some(permit) => Poll::Ready((answered, permit)),
+            None => Poll::Pending,
+        }
     }
 }
 
 impl Drop for HeldCall {
     fn drop(&mut self) {
-        let (Some(call), Some(slot)) = (self.call.take(), self.slot.take()) else {
+        let Some(call) = self.call.take() else {
             return;
         };
         // Not sent whole: cut off here, as the client was (its body, if any, ends in an error
-        // and the upstream sees a request that never completed).
+        // and the upstream sees a request that never completed); the permit, dropped with it,
+        // frees its probe slot without a verdict.
         if !self.sent_whole.load(Ordering::Acquire) {
             return;
         }
-        let bounds = self.bounds;
+        // Any other call's permit is judged here, as the client's going (see `Permit`).
+        let probe = self.permit.take().filter(Permit::is_probe);
+        let slot = self.slot.take();
+        if probe.is_none() && slot.is_none() {
+            return;
+        }
+        let (bounds, metrics) = (self.bounds, self.metrics.clone());
         spawn_or_drop(async move {
-            if let Ok(answered) = call.await {
-                let body = IdleTimeout::new(
-                    answered.response.into_body(),
-                    bounds.idle_body_timeout,
-                    "upstream",
-                );
-                read_rest(body, slot, bounds.response_timeout).await;
+            match call.await {
+                Ok(answered) => {
+                    if let Some(mut probe) = probe {
+                        probe.measure_from(answered.request_sent_at);
+                        let status = answered.response.status().as_u16();
+                        probe.record_status(status, Instant::now(), &metrics);
+                    }
+                    let body = IdleTimeout::new(
+                        answered.response.into_body(),
+                        bounds.idle_body_timeout,
+                        "upstream",
+                    );
+                    read_rest(body, slot, bounds.response_timeout).await;
+                }
+                Err(error) => {
+                    if let Some(probe) = probe {
+                        let outcome = if error.is_upstream_failure() {
+                            Outcome::Failure
+                        } else {
+                            Outcome::Abandoned
+                        };
+                        probe.record(outcome, Instant::now(), &metrics);
+                    }
+                }
             }
         });
     }
@@ -176,8 +221,8 @@ fn spawn_or_drop(task: impl Future<Output = ()> + Send + 'static) {
 
 /// Reads the rest of an answer nobody waits for (to its end, its first error, or for at most
 /// `within`), keeping nothing: the body ends and its connection is reused. Then the slot it
-/// held is freed.
-async fn read_rest<B: Body + Unpin>(mut body: B, slot: Slot, within: Duration) {
+/// held (if any) is freed.
+async fn read_rest<B: Body + Unpin>(mut body: B, slot: Option<Slot>, within: Duration) {
     let reading = async { while let Some(Ok(_)) = body.frame().await {} };
     let _ = tokio::time::timeout(within, reading).await;
     drop(slot);
@@ -215,7 +260,7 @@ pin_project_lite::pin_project! {
             if inner.is_end_stream() {
                 return;
             }
-            spawn_or_drop(read_rest(inner, slot, *this.within));
+            spawn_or_drop(read_rest(inner, Some(slot), *this.within));
         }
     }
 }
