@@ -568,6 +568,14 @@ impl RecordReader {
 /// Logs what a script wrote to `STDERR` (throttled; see [`STDERR_LOG`]), on one line: PHP's
 /// messages carry visitors' input, whose line breaks must not forge log lines.
 fn log_stderr(from: &Script, text: &[u8]) {
+    // php-fpm's own word for a script that does not exist, with its 404: a scanner asking
+    // for `/wp-login.php` wrote a warning a second, and used up the second's line that a
+    // real PHP warning needed. The access log has each 404.
+    if text.trim_ascii() == b"Primary script unknown" {
+        let (address, script) = (&from.address, &from.name);
+        tracing::debug!(%address, %script, "php-fpm found no such script (404)");
+        return;
+    }
     let Some(held_back) = STDERR_LOG.allow(std::time::Instant::now()) else {
         return;
     };
