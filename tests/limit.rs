@@ -1606,3 +1606,34 @@ async fn a_fixed_url_answering_readonly_opens_the_health_breaker() {
     assert_eq!(status["redis"]["up"], false, "{status}");
     assert_eq!(status["redis"]["rate_limits"], "fallback", "{status}");
 }
+
+/// docs/from-nginx.md translates nginx's `burst=N nodelay` into `burst = N + 1`: measured
+/// here against nginx's own `limit_req`, the same requests at once through each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn burst_n_plus_one_admits_what_nginx_burst_n_nodelay_admits() {
+    let dir = tempfile::tempdir().expect("dir");
+    let www = dir.path().join("www");
+    std::fs::create_dir(&www).expect("www");
+    std::fs::write(www.join("index.html"), "ok").expect("page");
+    open_up(&www);
+    // One request a second: the 15 below come well within one interval.
+    let nginx = Nginx::start(
+        dir.path(),
+        &format!(
+            "limit_req_zone $binary_remote_addr zone=pages:1m rate=1r/s;\n  server {{ listen 127.0.0.1:{{port}}; location / {{ limit_req zone=pages burst=10 nodelay; root {}; }} }}",
+            www.display()
+        ),
+    )
+    .await;
+    let backend = Backend::start(|_request| async { http::Response::new(full("ok")) }).await;
+    let rules = "[limit.pages]\nkey = \"ip\"\nrate = \"1/s\"\nburst = 11\n";
+    let levee = Levee::start(&limited_policy(&backend, "", "", rules, "\"pages\"")).await;
+
+    let admitted = |urls: Vec<String>| async move {
+        let answers = futures_util::future::join_all(urls.iter().map(|url| get(url))).await;
+        answers.iter().filter(|answer| answer.status == 200).count()
+    };
+    let through_nginx = admitted(vec![format!("http://127.0.0.1:{}/", nginx.port); 15]).await;
+    let through_levee = admitted(vec![levee.url("/limited"); 15]).await;
+    assert_eq!((through_nginx, through_levee), (11, 11));
+}

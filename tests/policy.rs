@@ -746,6 +746,26 @@ fn every_toml_example_in_the_policy_reference_uses_real_keys() {
     assert!(blocks >= 10, "found only {blocks} examples");
 }
 
+/// The guide for operators coming from nginx shows whole policies: each must pass as written.
+#[test]
+fn every_policy_in_the_nginx_guide_is_valid() {
+    let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/from-nginx.md"))
+        .expect("docs/from-nginx.md");
+    let mut blocks = 0;
+    for (index, block) in guide.split("```toml\n").skip(1).enumerate() {
+        let text = block.split("```").next().unwrap_or_default();
+        let file = levee::config::SourceFile {
+            path: format!("docs/from-nginx.md block {index}").into(),
+            text: text.to_string(),
+        };
+        if let Err(diagnostics) = levee::config::compile(&[file], None) {
+            panic!("docs/from-nginx.md example {index} is refused:\n{diagnostics}\n{text}");
+        }
+        blocks += 1;
+    }
+    assert!(blocks >= 3, "found only {blocks} examples");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_directory_replaced_whole_is_watched_again_and_loaded() {
     let a = named_backend("a").await;
