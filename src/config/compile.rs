@@ -1630,17 +1630,19 @@ fn compile_read(
         // Not listed: a compile with errors leaves parts out, so some would be false ("limit
         // `login` is used by no route" of a route that did not compile). Counted, so fixing
         // the errors does not end in a surprise.
-        if !compiler.warnings.is_empty() {
+        // Said at the first one's place (a real place, as every diagnostic names).
+        if let Some(first) = compiler.warnings.first() {
             let count = match compiler.warnings.len() {
                 1 => "1 warning".to_string(),
                 many => format!("{many} warnings"),
             };
             let mut held_back = Diagnostic::whole(
-                dir,
+                &first.file,
                 format!("and {count}, listed once the errors are fixed"),
             )
             .hint("some may come from the errors themselves: a part that did not compile is missing from the checks of the rest");
             held_back.severity = super::diag::Severity::Warning;
+            (held_back.line, held_back.col) = (first.line, first.col);
             errors.push(held_back);
         }
         return Err(Diagnostics(errors));
