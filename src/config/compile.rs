@@ -1638,7 +1638,7 @@ fn compile_read(
             };
             let mut held_back = Diagnostic::whole(
                 &first.file,
-                format!("and {count}, listed once the errors are fixed"),
+                format!("{count} held back (the first is here), listed once the errors are fixed"),
             )
             .hint("some may come from the errors themselves: a part that did not compile is missing from the checks of the rest");
             held_back.severity = super::diag::Severity::Warning;
@@ -6402,8 +6402,10 @@ mod tests {
             "{said:?}"
         );
         assert!(
-            said[1].contains("warning: and ")
-                && said[1].contains(" warnings, listed once the errors are fixed"),
+            said[1].contains("warning: ")
+                && said[1].contains(
+                    " warnings held back (the first is here), listed once the errors are fixed"
+                ),
             "{said:?}"
         );
         let fixed = text.replace("max_inflite", "max_inflight");
