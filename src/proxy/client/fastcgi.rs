@@ -289,10 +289,12 @@ fn is_file_under(root: &str, script: &[u8]) -> bool {
 /// `head` (as `encode_request_head` wrote it), and the end of the parameters; with the end of
 /// `STDIN` too when the request has no body. `version`: the client's, which the head (always
 /// written as HTTP/1.1) does not keep; a script answering `$_SERVER['SERVER_PROTOCOL'] . " 404"`
-/// or serving HTTP/1.0 clients otherwise reads it, as it did behind nginx.
+/// or serving HTTP/1.0 clients otherwise reads it, as it did behind nginx. `client_named_host`:
+/// whether the head's `Host` is the request's own (or the upstream's `host`), not the
+/// upstream's address written for a client that named none.
 fn encode_begin(
     head: &[u8],
-    version: http::Version,
+    (version, client_named_host): (http::Version, bool),
     settings: &FastCgiSettings,
     (script, info): (&[u8], &[u8]),
     has_body: bool,
@@ -316,8 +318,14 @@ fn encode_begin(
     let mut params = Params::default();
     // Fields first, joined by name (PHP keeps only the last of two equal parameters).
     let mut http_fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(parsed.headers.len());
-    let (mut host, mut real_ip, mut https) = (None, None, false);
+    let (mut host, mut https) = (None, false);
     let (mut length, mut content_type) = (None, None);
+    // The client's address as levee resolved it (a replayed job carries the one it had).
+    let real_ip = parsed
+        .headers
+        .iter()
+        .find(|field| field.name.eq_ignore_ascii_case("x-real-ip"))
+        .map(|field| field.value);
     for field in parsed.headers.iter() {
         let name = field.name.as_bytes();
         let value = field.value;
@@ -332,10 +340,20 @@ fn encode_begin(
         }
         if name.eq_ignore_ascii_case(b"host") {
             host = Some(value);
-        } else if name.eq_ignore_ascii_case(b"x-real-ip") {
-            real_ip = Some(value);
+            // Written by levee for the upstream (its address): the client named none, and
+            // PHP is told none, as behind nginx; links built from it would name php-fpm.
+            if !client_named_host {
+                continue;
+            }
         } else if name.eq_ignore_ascii_case(b"x-forwarded-proto") {
             https = value.trim_ascii().eq_ignore_ascii_case(b"https");
+        } else if real_ip.is_some() && name.eq_ignore_ascii_case(b"x-forwarded-for") {
+            // REMOTE_ADDR is the client already: given the chain too, an app that trusts
+            // whoever REMOTE_ADDR is as its proxy (Laravel's and Symfony's `'*'`, common
+            // behind a front nginx) strips the client from the chain's end and takes the
+            // entry before it, which the client wrote. The client alone instead: the app
+            // finds the same address whatever it trusts.
+            continue;
         }
         let Some(cgi) = cgi_name(name) else {
             continue;
@@ -355,6 +373,9 @@ fn encode_begin(
     }
     for (name, value) in &http_fields {
         params.add(name, value);
+    }
+    if let Some(address) = real_ip {
+        params.add(b"HTTP_X_FORWARDED_FOR", address);
     }
     // Always set, empty when the request has none, as nginx's fastcgi_params do: a script
     // that reads $_SERVER['CONTENT_TYPE'] unguarded gets no warning.
@@ -388,9 +409,9 @@ fn encode_begin(
     filename.extend_from_slice(settings.root.as_bytes());
     filename.extend_from_slice(script);
     params.add(b"SCRIPT_FILENAME", &filename);
-    let mut document_uri = script.to_vec();
-    document_uri.extend_from_slice(info);
-    params.add(b"DOCUMENT_URI", &document_uri);
+    // The script, as nginx's `try_files $fastcgi_script_name` (Debian's fastcgi-php.conf)
+    // leaves `$document_uri`.
+    params.add(b"DOCUMENT_URI", script);
     if !info.is_empty() {
         params.add(b"PATH_INFO", info);
     }
@@ -408,7 +429,6 @@ fn encode_begin(
     } else {
         params.add(b"REQUEST_SCHEME", b"http");
     }
-    // The client's address as levee resolved it (a replayed job carries the one it had).
     if let Some(address) = real_ip {
         params.add(b"REMOTE_ADDR", address);
     }
@@ -1036,9 +1056,11 @@ impl Client {
         drop(from_client);
         // Without room in the pool, php-fpm closes the connection itself after the answer.
         let keep_connection = self.pool.max_idle > 0;
+        // (The upstream's `host`, when set, is in the request's fields by now.)
+        let client_named_host = parts.headers.contains_key(http::header::HOST);
         let begin = encode_begin(
             &head.bytes,
-            parts.version,
+            (parts.version, client_named_host),
             settings,
             (&script, &info),
             has_body,
@@ -1697,22 +1719,13 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn fields_become_cgi_parameters_and_spoofable_names_are_dropped() {
-        let head = b"POST /shop/cart.php/add?id=3 HTTP/1.1\r\nHost: shop.example:8443\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Type: text/plain\r\nContent-Length: 4\r\nCookie: a=1\r\nCookie: b=2\r\nX_Real_IP: 6.6.6.6\r\nX.Real.IP: 6.6.6.6\r\nProxy: http://evil\r\nX-Real-IP: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n";
-        let begin = encode_begin(
-            head,
-            http::Version::HTTP_10,
-            &settings(None),
-            (b"/shop/cart.php", b"/add"),
-            true,
-            true,
-        )
-        .expect("encodes");
-        // BEGIN_REQUEST (8 + 8), then the parameters' records.
+    /// The parameters `begin` (from `encode_begin`) gives PHP, by name.
+    fn cgi_params(begin: &[u8]) -> std::collections::HashMap<String, String> {
+        // BEGIN_REQUEST (8 + 8), then the parameters' records (and an empty STDIN when the
+        // request has no body).
         let mut params = BytesMut::new();
         let mut at = 16;
-        while at + 8 <= begin.len() {
+        while at + 8 <= begin.len() && begin[at + 1] != STDIN {
             let length = usize::from(u16::from_be_bytes([begin[at + 4], begin[at + 5]]));
             assert_eq!(begin[at + 1], PARAMS);
             params.extend_from_slice(&begin[at + 8..at + 8 + length]);
@@ -1740,6 +1753,22 @@ mod tests {
             rest = &rest[name_length + value_length..];
             pairs.insert(name, value);
         }
+        pairs
+    }
+
+    #[test]
+    fn fields_become_cgi_parameters_and_spoofable_names_are_dropped() {
+        let head = b"POST /shop/cart.php/add?id=3 HTTP/1.1\r\nHost: shop.example:8443\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Type: text/plain\r\nContent-Length: 4\r\nCookie: a=1\r\nCookie: b=2\r\nX_Real_IP: 6.6.6.6\r\nX.Real.IP: 6.6.6.6\r\nProxy: http://evil\r\nX-Forwarded-For: 6.6.6.6, 203.0.113.7\r\nX-Real-IP: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n";
+        let begin = encode_begin(
+            head,
+            (http::Version::HTTP_10, true),
+            &settings(None),
+            (b"/shop/cart.php", b"/add"),
+            true,
+            true,
+        )
+        .expect("encodes");
+        let pairs = cgi_params(&begin);
         let get = |name: &str| pairs.get(name).map(String::as_str);
         assert_eq!(get("SCRIPT_FILENAME"), Some("/srv/www/shop/cart.php"));
         assert_eq!(get("PATH_INFO"), Some("/add"));
@@ -1770,5 +1799,32 @@ mod tests {
             "a dotted name reads as an underscored one in PHP: {pairs:?}"
         );
         assert_eq!(get("HTTPS"), Some("on"));
+        // The client alone, as REMOTE_ADDR: an app trusting whoever REMOTE_ADDR is as its
+        // proxy would otherwise take the `6.6.6.6` the client wrote.
+        assert_eq!(get("HTTP_X_FORWARDED_FOR"), Some("203.0.113.7"));
+        assert_eq!(get("DOCUMENT_URI"), Some("/shop/cart.php"));
+        assert_eq!(get("HTTP_HOST"), Some("shop.example:8443"));
+    }
+
+    #[test]
+    fn a_request_without_host_gives_php_none() {
+        // An HTTP/1.0 client that named no host: the head levee wrote has the upstream's.
+        let head =
+            b"GET /index.php HTTP/1.1\r\nHost: 127.0.0.1:9000\r\nX-Real-IP: 192.0.2.1\r\n\r\n";
+        let begin = encode_begin(
+            head,
+            (http::Version::HTTP_10, false),
+            &settings(None),
+            (b"/index.php", b""),
+            false,
+            false,
+        )
+        .expect("encodes");
+        let pairs = cgi_params(&begin);
+        assert_eq!(pairs.get("HTTP_HOST"), None, "{pairs:?}");
+        assert_eq!(
+            pairs.get("HTTP_X_FORWARDED_FOR").map(String::as_str),
+            Some("192.0.2.1")
+        );
     }
 }
