@@ -1535,6 +1535,55 @@ async fn a_clients_own_idempotency_key_reaches_the_app_with_its_job() {
     assert_eq!(keys, expected);
 }
 
+/// A replay that got no answer may have been applied, and its retry may apply it twice: a
+/// warning, naming the key the app saw (the client's own here), not only the job's id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_no_answer_is_warned_of_with_the_key_the_app_saw() {
+    let log = levee_log();
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let calls = Arc::new(AtomicU32::new(0));
+    let counted = calls.clone();
+    let backend = Backend::start(move |_request: Request<Incoming>| {
+        let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            if first {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            Response::new(full("applied"))
+        }
+    })
+    .await;
+    let policy = queue_policy(backend.addr, &redis.url(), "backoff_base = \"50ms\"")
+        .replace("[redis]", "response_timeout = \"300ms\"\n[redis]");
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let request = Request::post(levee.url("/notify.php"))
+        .header("idempotency-key", "order-unanswered-9")
+        .body(full("pay=1"))
+        .expect("request");
+    let stored = send(request).await;
+    assert_eq!(stored.status, 202);
+    let job = stored.header("x-levee-job").expect("job id").to_string();
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the retry to be applied",
+        || async { calls.load(Ordering::SeqCst) >= 2 },
+    )
+    .await;
+    let warned = log.lines_with("key=order-unanswered-9");
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(
+        warned[0].contains("WARN")
+            && warned[0].contains(
+                "replay failed, to be tried again: no answer within 300ms (the app may have run it"
+            )
+            && warned[0].contains(&format!("job={job}")),
+        "{warned:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_applied_while_redis_restarts_is_finished_once_redis_is_back_not_applied_again() {
     // The app applied the job, and Redis went away before the worker could mark it done. It

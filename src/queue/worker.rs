@@ -1385,17 +1385,18 @@ impl Pass<'_> {
                 Replay::Retry(_, Some(asked)) => *asked,
                 _ => Duration::ZERO,
             };
+            let unanswered = matches!(result, Replay::Unanswered(_));
             match result {
                 Replay::Done => {
                     self.finish(&id).await?;
                 }
-                Replay::Retry(error, _) | Replay::Permanent(error) => {
+                Replay::Retry(error, _) | Replay::Unanswered(error) | Replay::Permanent(error) => {
                     job.attempts += 1;
                     job.last_error = Some(error.clone());
                     let permanent = matches!(labels.result, "permanent");
                     if permanent || job.attempts >= settings.max_attempts {
                         if self.dead_letter(&id, &job).await? {
-                            tracing::warn!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
+                            tracing::warn!(route = %route.name, key = %job.key_the_app_sees(), job = %job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
                             self.count(&shared.metrics.queue_dead_lettered);
                             self.keep_dead_letters_within_bound(shared).await;
                         }
@@ -1403,7 +1404,14 @@ impl Pass<'_> {
                         let wait =
                             backoff(settings, job.attempts).max(asked.min(settings.backoff_max));
                         if self.delay(&id, &job, wait).await? {
-                            tracing::info!(route = %route.name, key = job.idempotency_key(), attempts = job.attempts, retry_in = %crate::config::units::Shown(wait), "replay failed, to be tried again: {error}");
+                            // `key`: the Idempotency-Key the app saw, to look for in its log.
+                            let (key, job_id) = (job.key_the_app_sees(), job.idempotency_key());
+                            let retry_in = crate::config::units::Shown(wait);
+                            if unanswered {
+                                tracing::warn!(route = %route.name, %key, job = %job_id, attempts = job.attempts, %retry_in, "replay failed, to be tried again: {error}");
+                            } else {
+                                tracing::info!(route = %route.name, %key, job = %job_id, attempts = job.attempts, %retry_in, "replay failed, to be tried again: {error}");
+                            }
                             self.count(&shared.metrics.queue_retries);
                         }
                     }
@@ -1519,6 +1527,9 @@ enum Replay {
     Done,
     /// Tried and failed, to be tried again: not before the app's `Retry-After`, if it gave one.
     Retry(String, Option<Duration>),
+    /// Sent whole, and no answer came (a timeout, a connection lost): the app may have run
+    /// it, and the retry may run it twice. Tried again as a `Retry`, and said as a warning.
+    Unanswered(String),
     Permanent(String),
     Held,
 }
@@ -1527,7 +1538,7 @@ impl Replay {
     fn label(&self) -> &'static str {
         match self {
             Replay::Done => "done",
-            Replay::Retry(..) => "retry",
+            Replay::Retry(..) | Replay::Unanswered(_) => "retry",
             Replay::Permanent(_) => "permanent",
             Replay::Held => "held",
         }
@@ -1646,13 +1657,10 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
         Err(_) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
             // Said in the letter too: the app may have run it, and a retry runs it again.
-            Replay::Retry(
-                format!(
-                    "no answer within {:?} (the app may have run it: a retry runs it again)",
-                    upstream.settings.response_timeout
-                ),
-                None,
-            )
+            Replay::Unanswered(format!(
+                "no answer within {} (the app may have run it: a retry runs it again)",
+                crate::config::units::Shown(upstream.settings.response_timeout)
+            ))
         }
         // Not the upstream's failure, and no use trying again: a job a FastCGI upstream
         // cannot run (its path names no script), or an answer whose head levee cannot read
@@ -1683,10 +1691,7 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
         }
         Ok(Err(error)) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
-            Replay::Retry(
-                format!("upstream error after the job was sent: {error} (the app may have run it: a retry runs it again)"),
-                None,
-            )
+            Replay::Unanswered(format!("upstream error after the job was sent: {error} (the app may have run it: a retry runs it again)"))
         }
         Ok(Ok(answered)) => {
             let response = answered.response;
