@@ -2397,6 +2397,55 @@ async fn a_level_redis_holds_that_does_not_exist_is_not_followed() {
     );
 }
 
+/// An operator hands the last switch back through one instance: the others follow with an
+/// info line naming who did it, not the warning kept for a Redis that lost its data (which
+/// leaves no word of who handed anything back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_back_elsewhere_in_the_fleet_is_no_warning() {
+    let log = levee_log();
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let policy = synced_policy(backend.addr, &redis, "100ms")
+        .replace("[redis]\n", "[redis]\nkey_prefix = \"handback:\"\n");
+    let through = Levee::start(&policy).await;
+    let other = Levee::start(&policy).await;
+    let level_of = |levee: &Levee| {
+        let url = levee.admin_url("/status");
+        async move { get(&url).await.json()["degrade"]["level"].clone() }
+    };
+    assert_eq!(set(&through, "/level", "1").await.status, 200);
+    eventually(Duration::from_secs(5), "the other to follow", || async {
+        level_of(&other).await == 1
+    })
+    .await;
+    assert_eq!(set(&through, "/level", "policy").await.status, 200);
+    eventually(
+        Duration::from_secs(5),
+        "the other to follow back",
+        || async { level_of(&other).await == 0 },
+    )
+    .await;
+    let stored = redis.cli(&["HGETALL", "handback:switches"]);
+    assert!(stored.starts_with("handed_back_by\nalice ("), "{stored}");
+    let warned = log.lines_with("key=handback:switches");
+    assert!(warned.is_empty(), "{warned:?}");
+
+    // The same Redis losing its data while a switch is in effect is warned of.
+    assert_eq!(set(&through, "/level", "1").await.status, 200);
+    eventually(Duration::from_secs(5), "the other to follow", || async {
+        level_of(&other).await == 1
+    })
+    .await;
+    redis.cli(&["DEL", "handback:switches"]);
+    eventually(Duration::from_secs(5), "the warning", || async {
+        log.lines_with("key=handback:switches")
+            .iter()
+            .any(|line| line.contains("WARN") && line.contains("redis restarted without its data"))
+    })
+    .await;
+}
+
 /// The instance answering shows itself in the fleet view as it is now: right after a level
 /// was switched through it, its own line read the level of its last sync.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -139,7 +139,7 @@ pub async fn apply(
     }
     match &policy.redis {
         Some(redis) => {
-            save_to_redis(redis, &change, &switches).await?;
+            save_to_redis(redis, &change, &switches, by).await?;
             keep_local_copy(policy, &switches).await;
         }
         None => save_to_file(&policy.degrade.state_file, &switches).await?,
@@ -154,6 +154,7 @@ async fn save_to_redis(
     redis: &RedisStore,
     change: &Change,
     switches: &RuntimeSwitches,
+    by: &str,
 ) -> Result<(), String> {
     let key = hash_key(redis);
     let (field, value) = match change {
@@ -189,7 +190,8 @@ async fn save_to_redis(
         .arg(&key)
         .arg(deadline_us)
         .arg(&field)
-        .arg(value.as_deref().unwrap_or(""));
+        .arg(value.as_deref().unwrap_or(""))
+        .arg(by);
     let written = redis.command::<i64>(&command, remaining, None).await;
     let error = match written {
         Ok(SAVED) => return Ok(()),
@@ -221,14 +223,20 @@ const SAVED: i64 = 1;
 
 /// Saves a switch only if Redis runs the write by the deadline (µs, Redis's clock): a write
 /// levee gave up on must not land later, for the whole fleet, after the operator was told it
-/// was not saved. KEYS: the switches hash. ARGV: deadline, field, value (empty: clear it).
+/// was not saved. KEYS: the switches hash. ARGV: deadline, field, value (empty: clear it), who.
+/// Clearing the last switch leaves [`HANDED_BACK`] (who) in the hash: the other instances
+/// then tell an operator's hand-back from a Redis that lost its data, where the hash is gone.
 const SAVE_SWITCH_BEFORE: &str = r#"
 local now = redis.call('TIME')
 if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
   return 0
 end
+redis.call('HDEL', KEYS[1], 'handed_back_by')
 if ARGV[3] == '' then
   redis.call('HDEL', KEYS[1], ARGV[2])
+  if redis.call('HLEN', KEYS[1]) == 0 then
+    redis.call('HSET', KEYS[1], 'handed_back_by', ARGV[4])
+  end
 else
   redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 end
@@ -304,8 +312,16 @@ async fn keep_local_copy(policy: &Policy, switches: &RuntimeSwitches) {
     }
 }
 
+/// The field Redis's switches hash keeps once its last switch was handed back: who did it.
+const HANDED_BACK: &str = "handed_back_by";
+
 /// Reads the saved switches (at start, and on every sync).
 pub async fn load(policy: &Policy) -> Result<RuntimeSwitches, String> {
+    load_with_word(policy).await.map(|(switches, _)| switches)
+}
+
+/// [`load`], with who handed the last switch back when Redis says so (see [`HANDED_BACK`]).
+async fn load_with_word(policy: &Policy) -> Result<(RuntimeSwitches, Option<String>), String> {
     match &policy.redis {
         Some(redis) => {
             let mut command = redis::cmd("HGETALL");
@@ -315,8 +331,11 @@ pub async fn load(policy: &Policy) -> Result<RuntimeSwitches, String> {
                 .await
                 .map_err(|error| error.to_string())?;
             let mut switches = RuntimeSwitches::default();
+            let mut handed_back_by = None;
             for (field, value) in fields {
-                if field == "level" {
+                if field == HANDED_BACK {
+                    handed_back_by = Some(value);
+                } else if field == "level" {
                     switches.level = match serde_json::from_str(&value) {
                         Ok(level) => Some(level),
                         Err(error) => {
@@ -342,9 +361,9 @@ pub async fn load(policy: &Policy) -> Result<RuntimeSwitches, String> {
                     }
                 }
             }
-            Ok(within_levels(switches, "redis"))
+            Ok((within_levels(switches, "redis"), handed_back_by))
         }
-        None => load_file(&policy.degrade.state_file),
+        None => load_file(&policy.degrade.state_file).map(|switches| (switches, None)),
     }
 }
 
@@ -506,9 +525,10 @@ pub async fn spawn_sync(
                 continue;
             }
             let seen = degrade.runtime();
-            match load(&policy).await {
-                Ok(switches) if switches != *seen => {
-                    log_fleet_change(&seen, &switches);
+            match load_with_word(&policy).await {
+                Ok((switches, handed_back_by)) if switches != *seen => {
+                    let key = policy.redis.as_deref().map(hash_key).unwrap_or_default();
+                    log_fleet_change(&seen, &switches, handed_back_by.as_deref(), &key);
                     // Not in the middle of an operator's change here, whose state file write
                     // this one's would race.
                     let _changing = degrade.lock_changes().await;
@@ -533,14 +553,30 @@ pub async fn spawn_sync(
 
 /// Says what another instance (or an operator through it) changed. Redis holding no
 /// switches at all where there were some is told apart: a Redis restarted without its data
-/// looks exactly like that, and the operator should know their switches are gone.
-fn log_fleet_change(seen: &RuntimeSwitches, now: &RuntimeSwitches) {
+/// looks exactly like that, and the operator should know their switches are gone; unless
+/// Redis says who handed the last one back (`handed_back_by`), a routine hand-back.
+fn log_fleet_change(
+    seen: &RuntimeSwitches,
+    now: &RuntimeSwitches,
+    handed_back_by: Option<&str>,
+    key: &str,
+) {
     let changes = describe_changes(seen, now);
     if *now == RuntimeSwitches::default() {
-        tracing::warn!(
-            changes = ?changes,
-            "redis now holds no degrade switches: every runtime switch is back to the policy (handed back by an operator, or redis restarted without its data); following"
-        );
+        match handed_back_by {
+            // Debug-quoted, as below: the text comes from Redis.
+            Some(by) => tracing::info!(
+                changes = ?changes,
+                by = ?by,
+                key = %key,
+                "every runtime switch was handed back to the policy elsewhere in the fleet; following"
+            ),
+            None => tracing::warn!(
+                changes = ?changes,
+                key = %key,
+                "redis now holds no degrade switches, not even who handed the last one back: redis restarted without its data (or a levee older than this one handed them back); every runtime switch is back to the policy; following"
+            ),
+        }
     } else {
         // Debug-quoted: the names and `by` texts come from Redis, where a newline or an
         // escape sequence would forge a log line or act on a terminal showing the log.
