@@ -2466,6 +2466,13 @@ async fn the_answering_instance_shows_its_level_of_now_in_the_fleet_view() {
     let fleet = get(&levee.admin_url("/status")).await.json()["fleet"].clone();
     assert_eq!(fleet["highest_level"], 1, "{fleet}");
     assert_eq!(fleet["instances"][0]["level"], 1, "{fleet}");
+    // When it wrote its line, as for every other instance (it read 0).
+    assert!(
+        fleet["instances"][0]["at_unix_ms"]
+            .as_u64()
+            .is_some_and(|at| at > 1_700_000_000_000),
+        "{fleet}"
+    );
 }
 
 /// The automatic level and the breakers are each instance's own: `/status` on any instance

@@ -134,8 +134,11 @@ pub async fn status(shared: &Shared, policy: &Policy) -> serde_json::Value {
         Ok(mut members) => {
             // The answering instance as it is now, not as it wrote itself at its last sync:
             // right after `levee level 1` its own line read level 0 for up to a sync.
+            // (When it last wrote its line stays, as `seen_ms_ago` says.)
             for member in members.iter_mut().filter(|member| member.this) {
+                let written_at = member.report.at_unix_ms;
                 member.report = report_of(shared, policy);
+                member.report.at_unix_ms = written_at;
             }
             let highest = members
                 .iter()
