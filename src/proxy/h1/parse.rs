@@ -245,6 +245,13 @@ pub fn parse_head(
 
     let uri = match Uri::from_maybe_shared(head.slice(target_range.clone())) {
         Ok(uri) => uri,
+        // A URI holds at most 65,534 bytes: a longer target is too long, not malformed
+        // (the operator's `max_header_bytes` is the limit the client is told).
+        Err(_) if target_range.len() >= usize::from(u16::MAX) => {
+            return Err(HeadError::TargetTooLong {
+                limit: max_head_bytes,
+            })
+        }
         Err(_) => lenient_target(&head[target_range])
             .ok_or(HeadError::Malformed("invalid request target"))?,
     };
@@ -789,6 +796,14 @@ mod tests {
             parse_head(&mut buffer, 32),
             Err(HeadError::TooLarge { limit: 32, .. })
         ));
+        // A target over the 65,534 bytes a URI holds, within the head's bound: too long too
+        // (it was a 400 "invalid request target").
+        let huge = format!("GET /{} HTTP/1.1\r\nHost: a\r\n\r\n", "a".repeat(66_000));
+        let mut buffer = BytesMut::from(huge.as_bytes());
+        assert_eq!(
+            parse_head(&mut buffer, 1 << 20).map(|_| ()),
+            Err(HeadError::TargetTooLong { limit: 1 << 20 }),
+        );
         // A request line over the limit is the target's fault, whole or still arriving.
         let long_line = format!("GET /{} HTTP/1.1\r\nHost: a\r\n\r\n", "a".repeat(40));
         for end in [long_line.len(), 36] {
