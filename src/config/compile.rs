@@ -3865,6 +3865,16 @@ fn compile_fastcgi(
             }
         }
     }
+    // nginx gave PHP its `server_name` here; levee has none of its own but the upstream's
+    // `host`, so without it or a parameter the name is whatever `Host` each client sends.
+    if inner.host.is_none() && !params.iter().any(|(param, _)| param == "SERVER_NAME") {
+        compiler.warning_hint(
+            file,
+            table.span(),
+            format!("upstream `{name}` gives PHP the Host each client sends as SERVER_NAME (nginx gave it its server_name)"),
+            "an app that builds links from SERVER_NAME (a password-reset mail) would write a visitor's host into them: add params = { SERVER_NAME = \"www.example.com\" }, or ignore this if the app never reads it",
+        );
+    }
     // Levee's own machine, unlike root: request bodies over 1 MiB wait there while they are
     // read whole before php-fpm is asked.
     let temp_dir = match &settings.temp_dir {
@@ -6337,6 +6347,30 @@ mod tests {
             [("APP_ENV".to_string(), "prod".to_string())]
         );
         assert_eq!(fastcgi.temp_dir, std::env::temp_dir());
+        // Without a SERVER_NAME of its own, PHP is given each client's Host: said.
+        let warned: Vec<String> = policy.warnings.iter().map(ToString::to_string).collect();
+        assert!(
+            warned.iter().any(|warning| warning
+                .contains("upstream `app` gives PHP the Host each client sends as SERVER_NAME")),
+            "{warned:?}"
+        );
+        for named in [
+            "params = { SERVER_NAME = \"www.example.com\" }",
+            "host = \"www.example.com\"",
+        ] {
+            let source = format!("[upstream.app]\nurl = \"fastcgi://127.0.0.1\"\n{}fastcgi = {{ root = \"/srv/www/\", front_controller = \"index.php\"{} }}\n",
+                if named.starts_with("host") { format!("{named}\n") } else { String::new() },
+                if named.starts_with("params") { format!(", {named}") } else { String::new() });
+            let policy = compile(&files(&[("a.toml", &source)]), None).expect("compiles");
+            assert!(
+                !policy
+                    .warnings
+                    .iter()
+                    .any(|warning| warning.message.contains("SERVER_NAME")),
+                "{named}: {:?}",
+                policy.warnings
+            );
+        }
         // php-fpm's own failures are failed calls: a 502 or 504 in its answer is a script's
         // choice, not counted unless the policy says so.
         assert!(app.breaker.settings().failure_statuses.is_empty());
