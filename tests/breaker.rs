@@ -231,26 +231,35 @@ async fn hanging_or_refusing_dependencies_open_it_and_the_default_fallback_is_50
     assert_eq!(get(&refusing.url("/")).await.status, 503);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn half_open_lets_exactly_the_probes_through_under_100_concurrent_requests() {
+/// A breaker opened by a 502, with `half_open_probes` and `route_extra` on its route, whose
+/// `open_for` has passed: the next request probes its backend, which now answers after 2 s.
+async fn ready_to_probe(half_open_probes: u32, route_extra: &str) -> (Backend, Levee) {
     let (backend, mode) = switchable().await;
     let policy = breaker_policy(
         &backend,
-        "consecutive_failures = 1, open_for = \"300ms\", half_open_probes = 3",
-        "",
+        &format!(
+            "consecutive_failures = 1, open_for = \"300ms\", half_open_probes = {half_open_probes}"
+        ),
+        route_extra,
     )
     .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
     let levee = Levee::start(&policy).await;
     mode.store(FAIL_502, Ordering::SeqCst);
     assert_eq!(get(&levee.url("/")).await.status, 502);
     assert_eq!(breaker_state(&levee, "app").await, "open");
-    // Slow answers keep the probes in flight while the other 97 requests arrive.
     mode.store(SLOWER, Ordering::SeqCst);
     eventually(Duration::from_secs(5), "open_for to pass", || async {
         let status = get(&levee.admin_url("/status")).await.json();
         status["upstreams"][0]["breaker"]["open_for_remaining_ms"].as_u64() == Some(0)
     })
     .await;
+    (backend, levee)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_open_lets_exactly_the_probes_through_under_100_concurrent_requests() {
+    // Slow answers keep the probes in flight while the other 97 requests arrive.
+    let (backend, levee) = ready_to_probe(3, "").await;
     let before = backend.hits();
     let answers = futures_util::future::join_all((0..100).map(|_| get_owned(levee.url("/")))).await;
     let passed = answers.iter().filter(|a| a.status == 200).count();
@@ -274,23 +283,7 @@ async fn half_open_lets_exactly_the_probes_through_under_100_concurrent_requests
 /// runs on to its answer instead, which decides the round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_whose_client_leaves_runs_on_and_its_answer_decides() {
-    let (backend, mode) = switchable().await;
-    let policy = breaker_policy(
-        &backend,
-        "consecutive_failures = 1, open_for = \"300ms\", half_open_probes = 1",
-        FRIENDLY,
-    )
-    .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
-    let levee = Levee::start(&policy).await;
-    mode.store(FAIL_502, Ordering::SeqCst);
-    assert_eq!(get(&levee.url("/")).await.status, 502);
-    assert_eq!(breaker_state(&levee, "app").await, "open");
-    mode.store(SLOWER, Ordering::SeqCst);
-    eventually(Duration::from_secs(5), "open_for to pass", || async {
-        let status = get(&levee.admin_url("/status")).await.json();
-        status["upstreams"][0]["breaker"]["open_for_remaining_ms"].as_u64() == Some(0)
-    })
-    .await;
+    let (backend, levee) = ready_to_probe(1, FRIENDLY).await;
     let before = backend.hits();
     give_up_after(
         &levee,

@@ -718,17 +718,26 @@ async fn admin_reload_answers_with_the_errors_or_the_new_generation() {
     assert_eq!(get(&format!("{public}/")).await.text(), "b");
 }
 
+/// The ```toml blocks of the document at `path` (from the repository's root), each as a
+/// policy file named by its place.
+fn toml_blocks(path: &str) -> Vec<levee::config::SourceFile> {
+    let text = std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR")))
+        .unwrap_or_else(|error| panic!("{path}: {error}"));
+    text.split("```toml\n")
+        .skip(1)
+        .enumerate()
+        .map(|(index, block)| levee::config::SourceFile {
+            path: format!("{path} block {index}").into(),
+            text: block.split("```").next().unwrap_or_default().to_string(),
+        })
+        .collect()
+}
+
 #[test]
 fn every_toml_example_in_the_policy_reference_uses_real_keys() {
-    let reference = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/policy.md"))
-        .expect("docs/policy.md");
     let mut blocks = 0;
-    for (index, block) in reference.split("```toml\n").skip(1).enumerate() {
-        let text = block.split("```").next().unwrap_or_default();
-        let file = levee::config::SourceFile {
-            path: format!("docs/policy.md block {index}").into(),
-            text: text.to_string(),
-        };
+    for (index, file) in toml_blocks("docs/policy.md").into_iter().enumerate() {
+        let text = file.text.clone();
         // Examples are fragments (a route may name an upstream shown elsewhere), so only
         // syntax and key names are checked here, not cross-references.
         if let Err(diagnostics) = levee::config::compile(&[file], None) {
@@ -749,15 +758,9 @@ fn every_toml_example_in_the_policy_reference_uses_real_keys() {
 /// The guide for operators coming from nginx shows whole policies: each must pass as written.
 #[test]
 fn every_policy_in_the_nginx_guide_is_valid() {
-    let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/from-nginx.md"))
-        .expect("docs/from-nginx.md");
     let mut blocks = 0;
-    for (index, block) in guide.split("```toml\n").skip(1).enumerate() {
-        let text = block.split("```").next().unwrap_or_default();
-        let file = levee::config::SourceFile {
-            path: format!("docs/from-nginx.md block {index}").into(),
-            text: text.to_string(),
-        };
+    for (index, file) in toml_blocks("docs/from-nginx.md").into_iter().enumerate() {
+        let text = file.text.clone();
         if let Err(diagnostics) = levee::config::compile(&[file], None) {
             panic!("docs/from-nginx.md example {index} is refused:\n{diagnostics}\n{text}");
         }

@@ -916,6 +916,8 @@ async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
     let dead = get(&levee.admin_url("/queues/notify/dead")).await.json();
     assert_eq!(dead[0]["idempotency_key"], doomed.as_str());
     assert_eq!(dead[0]["attempts"], 3);
+    // The version its replay keeps (the test client's).
+    assert_eq!(dead[0]["version"], "HTTP/1.1", "{dead}");
     assert!(
         dead[0]["error"].as_str().unwrap_or("").contains("500"),
         "{dead}"

@@ -286,20 +286,22 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
             shown
         }
     };
-    for route in policy
+    // Every queue asked at once: one after the other, a Redis that does not answer cost each
+    // its own timeout, and `levee status` in an incident waited for all of them.
+    let queueing: Vec<(String, QueueKeys)> = policy
         .routes
         .routes
         .iter()
         .filter(|route| route.queue.is_some())
-    {
-        let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
-        let stats = figures(worker::stats(redis, &keys, settings).await);
-        out.insert(route.name.to_string(), stats);
-    }
+        .map(|route| {
+            let keys = QueueKeys::new(policy.key_prefix(), &route.name.0);
+            (route.name.to_string(), keys)
+        })
+        .collect();
     // Queues of routes that stopped queueing, still replayed until empty, and queues found in
     // Redis for routes the policy does not have (kept, not replayed).
     let former = shared.former_queues.list().into_iter();
-    let kept = former
+    let kept: Vec<(String, QueueKeys, bool)> = former
         .map(|former| {
             let shown = crate::queue::shown_name(&policy, &former.keys, &former.route.name.0);
             (shown, former.keys, false)
@@ -310,9 +312,25 @@ async fn queues(shared: &Shared) -> Response<ResponseBody> {
                 .unrouted()
                 .into_iter()
                 .map(|(route, keys)| (route, keys, true)),
-        );
-    for (route, keys, route_missing) in kept {
-        let mut stats = figures(worker::stats(redis, &keys, settings).await);
+        )
+        .collect();
+    let (current_stats, kept_stats) = futures_util::future::join(
+        futures_util::future::join_all(
+            queueing
+                .iter()
+                .map(|(_, keys)| worker::stats(redis, keys, settings)),
+        ),
+        futures_util::future::join_all(
+            kept.iter()
+                .map(|(_, keys, _)| worker::stats(redis, keys, settings)),
+        ),
+    )
+    .await;
+    for ((route, _), stats) in queueing.into_iter().zip(current_stats) {
+        out.insert(route, figures(stats));
+    }
+    for ((route, keys, route_missing), stats) in kept.into_iter().zip(kept_stats) {
+        let mut stats = figures(stats);
         if let Some(fields) = stats.as_object_mut() {
             fields.insert("stopped_queueing".into(), json!(true));
             // Listed under its stream key when its route queues under other keys now.
@@ -459,6 +477,7 @@ async fn dead_letter_request(
                         "accepted_at_unix_ms": job.enqueued_at_ms,
                         "method": job.method,
                         "target": job.target,
+                        "version": crate::queue::job::version_name(job.version),
                         "client_ip": job.client_ip,
                         "attempts": job.attempts,
                         "error": job.last_error,

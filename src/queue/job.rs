@@ -288,7 +288,7 @@ impl UnreadableJob {
 }
 
 /// How a job's `version` field spells `version`: as the request line does.
-fn version_name(version: http::Version) -> &'static str {
+pub(crate) fn version_name(version: http::Version) -> &'static str {
     if version == http::Version::HTTP_10 {
         "HTTP/1.0"
     } else {
