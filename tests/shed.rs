@@ -586,3 +586,50 @@ async fn an_error_ratio_trigger_waits_for_min_calls() {
     )
     .await;
 }
+
+/// An `inflight` trigger raises the level while the pool is full, judged on a second of
+/// readings: the level comes down again only after `cool_down` once the calls have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pool_raises_the_level_by_its_inflight_trigger() {
+    let (release, gate) = tokio::sync::watch::channel(false);
+    let backend = Backend::start(move |_request: Request<Incoming>| {
+        let mut gate = gate.clone();
+        async move {
+            let _ = gate.wait_for(|open| *open).await;
+            Response::new(full("done"))
+        }
+    })
+    .await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "max_inflight = 2\n[degrade]\ncool_down = \"1s\"\n[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"inflight\"\nabove = 0.9\nfor = \"200ms\"\nlevel = 1\n{ROUTES}"
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    let level =
+        || async { get(&levee.admin_url("/status")).await.json()["degrade"]["level"].clone() };
+    let calls: Vec<_> = (0..2)
+        .map(|_| {
+            let url = levee.url("/");
+            tokio::spawn(async move { get(&url).await.status })
+        })
+        .collect();
+    eventually(
+        Duration::from_secs(5),
+        "the full pool to raise the level",
+        || async { level().await == 1 },
+    )
+    .await;
+    release.send_replace(true);
+    for call in calls {
+        assert_eq!(call.await.expect("call"), 200);
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the level to come down",
+        || async { level().await == 0 },
+    )
+    .await;
+}

@@ -178,7 +178,62 @@ impl Hysteresis {
     }
 }
 
-fn holds(policy: &Policy, trigger: &Trigger, now: Instant) -> bool {
+/// How many of the last readings of an upstream's in-flight share an `inflight` trigger
+/// averages: a second's worth at the 200 ms the triggers are read. One reading alone let any
+/// dip between bursts (a pool busy on average, idle for an instant) start `for` again.
+pub const INFLIGHT_READINGS: usize = 5;
+
+/// The last [`INFLIGHT_READINGS`] readings of each watched upstream's in-flight share of
+/// `max_inflight`.
+#[derive(Debug, Default)]
+pub struct InflightReadings {
+    by_upstream: std::collections::HashMap<String, VecDeque<f64>>,
+}
+
+impl InflightReadings {
+    /// Reads the in-flight share of every upstream an `inflight` trigger watches (once each,
+    /// however many triggers watch it), and forgets the others.
+    fn read(&mut self, policy: &Policy) {
+        let watched: std::collections::BTreeSet<&str> = policy
+            .degrade
+            .triggers
+            .iter()
+            .filter(|trigger| matches!(trigger.condition, Condition::Inflight(_)))
+            .map(|trigger| trigger.upstream.as_str())
+            .collect();
+        self.by_upstream
+            .retain(|name, _| watched.contains(name.as_str()));
+        for name in watched {
+            let share = policy
+                .upstreams
+                .get(name)
+                .and_then(|upstream| upstream.bulkhead.as_ref())
+                .map(|bulkhead| {
+                    f64::from(bulkhead.inflight())
+                        / f64::from(bulkhead.settings.max_inflight.max(1))
+                });
+            if let Some(share) = share {
+                self.push(name, share);
+            }
+        }
+    }
+
+    fn push(&mut self, upstream: &str, share: f64) {
+        let readings = self.by_upstream.entry(upstream.to_string()).or_default();
+        if readings.len() == INFLIGHT_READINGS {
+            readings.pop_front();
+        }
+        readings.push_back(share);
+    }
+
+    /// The mean of `upstream`'s last readings, if it has any.
+    fn mean(&self, upstream: &str) -> Option<f64> {
+        let readings = self.by_upstream.get(upstream).filter(|r| !r.is_empty())?;
+        Some(readings.iter().sum::<f64>() / readings.len() as f64)
+    }
+}
+
+fn holds(policy: &Policy, trigger: &Trigger, now: Instant, inflight: &InflightReadings) -> bool {
     let Some(upstream) = policy.upstreams.get(&trigger.upstream) else {
         return false;
     };
@@ -200,9 +255,9 @@ fn holds(policy: &Policy, trigger: &Trigger, now: Instant) -> bool {
             .latency
             .p95(now, trigger.min_calls)
             .is_some_and(|p95| p95 > *limit),
-        Condition::Inflight(share) => upstream.bulkhead.as_ref().is_some_and(|bulkhead| {
-            f64::from(bulkhead.inflight()) > share * f64::from(bulkhead.settings.max_inflight)
-        }),
+        Condition::Inflight(share) => inflight
+            .mean(&trigger.upstream)
+            .is_some_and(|mean| mean > *share),
         Condition::ErrorRatio(ratio) => {
             let status = upstream.breaker.status();
             // (`min_calls` is at least 1: no division by 0.)
@@ -222,6 +277,7 @@ pub fn spawn_triggers(
 ) {
     tokio::spawn(async move {
         let mut hysteresis = Hysteresis::default();
+        let mut inflight = InflightReadings::default();
         let mut ticks = tokio::time::interval(every);
         loop {
             tokio::select! {
@@ -230,11 +286,12 @@ pub fn spawn_triggers(
             }
             let policy = store.load();
             let now = Instant::now();
+            inflight.read(&policy);
             let holding: Vec<bool> = policy
                 .degrade
                 .triggers
                 .iter()
-                .map(|trigger| holds(&policy, trigger, now))
+                .map(|trigger| holds(&policy, trigger, now, &inflight))
                 .collect();
             let current = degrade.auto_level();
             let next = hysteresis.step(
@@ -277,6 +334,23 @@ pub fn spawn_triggers(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_inflight_trigger_judges_the_mean_of_a_second_of_readings() {
+        let mut readings = super::InflightReadings::default();
+        assert_eq!(readings.mean("app"), None);
+        // A busy pool with one idle instant: the mean stays above 0.8.
+        for share in [1.0, 1.0, 0.25, 1.0, 1.0] {
+            readings.push("app", share);
+        }
+        assert!(readings.mean("app").is_some_and(|mean| mean > 0.8));
+        // Only the last five count: a second of idle readings brings it down.
+        for _ in 0..super::INFLIGHT_READINGS {
+            readings.push("app", 0.0);
+        }
+        assert_eq!(readings.mean("app"), Some(0.0));
+        assert_eq!(readings.mean("other"), None);
+    }
+
     #[test]
     fn a_condition_is_logged_as_the_policy_writes_it() {
         use super::Condition;
