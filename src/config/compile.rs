@@ -1632,10 +1632,7 @@ fn compile_read(
         // the errors does not end in a surprise.
         // Said at the first one's place (a real place, as every diagnostic names).
         if let Some(first) = compiler.warnings.first() {
-            let count = match compiler.warnings.len() {
-                1 => "1 warning".to_string(),
-                many => format!("{many} warnings"),
-            };
+            let count = super::units::counted(compiler.warnings.len() as u64, "warning");
             let mut held_back = Diagnostic::whole(
                 &first.file,
                 format!("{count} held back (the first is here), listed once the errors are fixed"),

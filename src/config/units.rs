@@ -40,6 +40,15 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_micros((seconds * 1e6).round() as u64))
 }
 
+/// `count` of `noun` for people to read: `1 job`, `3 jobs`.
+pub fn counted(count: u64, noun: &str) -> String {
+    if count == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{count} {noun}s")
+    }
+}
+
 /// A duration for people to read, in the policy's own units: `30s`, `250ms`, `1.5s`, `1.1ms`,
 /// `800µs`. Log lines and messages use it where Rust's `Debug` would print `1.097686ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -922,10 +922,7 @@ fn no_redis_for_stored_jobs(route: &str, stream: &str, last_count: Option<&JobCo
             tracing::info!(route = %route, stream = %stream, "the policy no longer has [redis]; this route's queue held no job when levee last counted, {} before (jobs other instances store there wait in redis until a policy with [redis] is loaded again)", crate::config::units::Shown(count.at.elapsed()));
         }
         Some(count) => {
-            let jobs = match count.stream + count.delayed {
-                1 => "1 job".to_string(),
-                many => format!("{many} jobs"),
-            };
+            let jobs = crate::config::units::counted(count.stream + count.delayed, "job");
             tracing::warn!(route = %route, stream = %stream, "the policy no longer has [redis]: the {jobs} stored in this route's queue when levee last counted, {} before, wait in redis, not replayed, until a policy with [redis] is loaded again", crate::config::units::Shown(count.at.elapsed()));
         }
         None => {
@@ -1494,11 +1491,7 @@ fn holders_text(holders: &[(String, u64)], own: &str) -> String {
     holders
         .iter()
         .map(|(holder, jobs)| {
-            let jobs = if *jobs == 1 {
-                "1 job".to_string()
-            } else {
-                format!("{jobs} jobs")
-            };
+            let jobs = crate::config::units::counted(*jobs, "job");
             if holder.is_empty() {
                 format!("a worker the pending list did not name ({jobs})")
             } else if holder == own {
