@@ -450,7 +450,7 @@ impl Metrics {
             Family::<BreakerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         registry.register(
             "upstream_latency_p95_seconds",
-            "95th percentile of the upstream's response-head latency over the last 10 s (the latency_p95 trigger's input); absent while it has no samples",
+            "95th percentile of the upstream's latency over the last 10 s, from the request sent whole to the end of the answer's body, counting only the wait for the upstream's bytes (the latency_p95 trigger's input); absent while it has no samples",
             upstream_latency_p95.clone(),
         );
         let upstream_inflight = Family::<BreakerLabels, Gauge>::default();

@@ -962,6 +962,53 @@ async fn an_apps_own_503s_do_not_open_the_breaker_by_default() {
     assert_eq!(get(&levee.url("/forum.php")).await.status, 200);
 }
 
+/// A visitor who finds a page that fails (a redirect whose `Location` carries a long query
+/// string past the app's nginx's `fastcgi_buffer_size`: 502 in 2 ms) cannot open the breaker
+/// for every page by asking for it again and again; failures from three clients do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_visitor_whose_page_fails_cannot_open_the_breaker_for_everyone() {
+    let backend = Backend::start(|request: Request<Incoming>| async move {
+        if request.uri().path() == "/redirect.php" {
+            Response::builder()
+                .status(502)
+                .body(full("upstream sent too big header"))
+                .expect("response")
+        } else {
+            Response::new(full("ok"))
+        }
+    })
+    .await;
+    let log = levee_log();
+    let levee = Levee::start(&breaker_policy(&backend, "consecutive_failures = 3", "")).await;
+    let from = |ip: &'static str| [("X-Real-IP", ip)];
+    for visitor in ["203.0.113.1", "203.0.113.2", "203.0.113.3"] {
+        assert_eq!(get_with(&levee.url("/"), &from(visitor)).await.status, 200);
+    }
+    for _ in 0..12 {
+        let answer = get_with(&levee.url("/redirect.php"), &from("198.51.100.9")).await;
+        assert_eq!(answer.status, 502);
+    }
+    assert_eq!(breaker_state(&levee, "app").await, "closed");
+    let said = log.lines_with("breaker kept closed");
+    assert!(
+        said.iter()
+            .any(|line| line
+                .contains("its failures came from 1 client, and failing_clients asks for 3")),
+        "{said:?}"
+    );
+    assert_eq!(
+        get_with(&levee.url("/forum.php"), &from("203.0.113.1"))
+            .await
+            .status,
+        200
+    );
+    // The app failing for three visitors is the app failing.
+    for visitor in ["203.0.113.1", "203.0.113.2", "203.0.113.3"] {
+        get_with(&levee.url("/redirect.php"), &from(visitor)).await;
+    }
+    assert_eq!(breaker_state(&levee, "app").await, "open");
+}
+
 /// A page that reflects a visitor's input into a header (a NUL byte in `Location`) gets a
 /// 502, as levee cannot pass the field on; but the app did answer, so it is not a failure of
 /// the upstream, and asking for it again and again leaves every other page served.

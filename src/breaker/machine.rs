@@ -15,6 +15,11 @@
 //! the share of its probes that failed reaches `failure_ratio`, as a window's would (at 0.5
 //! with 3 probes: after a success, one failure does not reopen it, and a second success
 //! closes it).
+//!
+//! Each trip also needs failures (or slow calls) from `failing_clients` distinct clients, or
+//! from every client the dependency has had when it has had fewer: one visitor who finds a page
+//! that fails (a header too large for the app's nginx, a search that times out) cannot open it
+//! for everyone, while an egress route, whose only client is the app, trips on the app's calls.
 
 use std::time::Duration;
 
@@ -48,9 +53,21 @@ pub struct BreakerSettings {
     /// (maintenance mode, a blocked visitor, "try later"), and one visitor could open the
     /// breaker for every page by asking for such a page five times.
     pub failure_statuses: Vec<u16>,
+    /// Distinct clients whose calls must have failed (or been slow) for a trip; fewer when
+    /// the dependency has had fewer clients. 1 to [`MOST_FAILING_CLIENTS`]; 1 turns it off.
+    /// Default 3.
+    pub failing_clients: u32,
     /// Pinned state from the policy. Default: automatic.
     pub force: Option<Force>,
 }
+
+/// The most `failing_clients` may be: the machine keeps that many clients in a small array,
+/// read on every failure.
+pub const MOST_FAILING_CLIENTS: u32 = 8;
+
+/// A client as the breaker tells clients apart: an IPv4 address, or an IPv6 /64 network,
+/// as rate limits key them (see `limit::client_id`).
+pub type ClientId = u64;
 
 impl Default for BreakerSettings {
     fn default() -> Self {
@@ -65,6 +82,7 @@ impl Default for BreakerSettings {
             max_open_for: Duration::from_secs(120),
             half_open_probes: 3,
             failure_statuses: vec![502, 504],
+            failing_clients: 3,
             force: None,
         }
     }
@@ -144,9 +162,123 @@ pub enum Transition {
     },
     HalfOpened,
     Closed,
+    /// Not a change: a trip whose failures came from fewer distinct clients than
+    /// `failing_clients` (`clients` of `needed`) left it closed.
+    HeldClosed {
+        reason: &'static str,
+        clients: u32,
+        needed: u32,
+    },
+}
+
+/// What the calls counted so far say about a closed breaker.
+enum Trip {
+    Open(&'static str),
+    /// Enough failures for `reason`, from too few clients.
+    Held {
+        reason: &'static str,
+        clients: u32,
+        needed: u32,
+    },
+}
+
+impl Trip {
+    /// A trip for `reason`, whose failures came from `clients` distinct clients of `needed`.
+    fn judged(reason: &'static str, clients: u32, needed: u32) -> Trip {
+        if clients >= needed {
+            Trip::Open(reason)
+        } else {
+            Trip::Held {
+                reason,
+                clients,
+                needed,
+            }
+        }
+    }
 }
 
 const BUCKETS: u32 = 10;
+
+/// The clients behind a dependency's failures, for `failing_clients`.
+#[derive(Debug, Clone, Default)]
+struct FailingClients {
+    /// Distinct clients the dependency has had, up to `failing_clients`. Never forgotten: all
+    /// it says is whether the dependency has more clients than one visitor could be.
+    callers: [ClientId; MOST_FAILING_CLIENTS as usize],
+    callers_seen: u32,
+    /// Clients whose calls failed or were slow lately, up to `failing_clients` of them.
+    failed: [FailedClient; MOST_FAILING_CLIENTS as usize],
+    failed_len: u32,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct FailedClient {
+    client: ClientId,
+    /// The slice of its latest failure or slow call.
+    slice: u64,
+    /// The run of failures in a row its latest failure was part of (`Machine::run`).
+    run: Option<u32>,
+}
+
+impl FailingClients {
+    /// Counts a client asking for a call; once `wanted` distinct ones were seen, a compare.
+    fn note_caller(&mut self, client: ClientId, wanted: u32) {
+        if self.callers_seen >= wanted {
+            return;
+        }
+        let seen = &self.callers[..self.callers_seen as usize];
+        if !seen.contains(&client) {
+            self.callers[self.callers_seen as usize] = client;
+            self.callers_seen += 1;
+        }
+    }
+
+    /// Notes a failure (`run` is its run of failures in a row) or a slow call (`None`).
+    fn note_bad(&mut self, client: ClientId, slice: u64, run: Option<u32>, wanted: u32) {
+        let len = self.failed_len as usize;
+        let index = match self.failed[..len].iter().position(|f| f.client == client) {
+            Some(index) => index,
+            None if len < wanted as usize => {
+                self.failed_len += 1;
+                len
+            }
+            // Full: the client whose latest failure is oldest makes room.
+            None => self.failed[..len]
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, failed)| failed.slice)
+                .map_or(0, |(index, _)| index),
+        };
+        let entry = &mut self.failed[index];
+        let run = run.or(if entry.client == client {
+            entry.run
+        } else {
+            None
+        });
+        *entry = FailedClient { client, slice, run };
+    }
+
+    /// Distinct clients needed: `wanted`, or every caller when there were fewer.
+    fn needed(&self, wanted: u32) -> u32 {
+        wanted.min(self.callers_seen).max(1)
+    }
+
+    /// Distinct clients that failed in the run of failures in a row under way.
+    fn in_run(&self, run: u32) -> u32 {
+        self.failed[..self.failed_len as usize]
+            .iter()
+            .filter(|failed| failed.run == Some(run))
+            .count() as u32
+    }
+
+    /// Distinct clients that failed or were slow in the window (slices from `first` on).
+    fn since(&self, first: u64) -> u32 {
+        self.failed[..self.failed_len as usize]
+            .iter()
+            .filter(|failed| failed.slice >= first)
+            .count() as u32
+    }
+}
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Bucket {
@@ -170,6 +302,9 @@ pub struct Machine {
     /// buckets (what a healthy upstream's every call does).
     last_bad_slice: Option<u64>,
     consecutive_failures: u32,
+    /// Counts runs of failures in a row: a success ends one.
+    run: u32,
+    failing_clients: FailingClients,
     /// Re-opens since the breaker last closed; each doubles `open_for`.
     reopens: u32,
     probes_in_flight: u32,
@@ -192,6 +327,8 @@ impl Machine {
             buckets: [Bucket::default(); BUCKETS as usize],
             last_bad_slice: None,
             consecutive_failures: 0,
+            run: 0,
+            failing_clients: FailingClients::default(),
             reopens: 0,
             probes_in_flight: 0,
             probe_successes: 0,
@@ -225,8 +362,10 @@ impl Machine {
         }
     }
 
-    /// Decides whether a request may go through. May move Open → HalfOpen.
-    pub fn admit(&mut self, now: Instant) -> (Admission, Option<Transition>) {
+    /// Decides whether a request of `client` may go through. May move Open → HalfOpen.
+    pub fn admit(&mut self, now: Instant, client: ClientId) -> (Admission, Option<Transition>) {
+        self.failing_clients
+            .note_caller(client, self.settings.failing_clients);
         match self.force() {
             Some(Force::Open) => {
                 // Pinned: it opens again only when an operator says so, not after open_for.
@@ -275,13 +414,15 @@ impl Machine {
     }
 
     /// Records how an admitted call ended (a probe of the current half-open round).
-    pub fn record(
+    #[cfg(test)]
+    fn record(
         &mut self,
         now: Instant,
         admission: Admission,
         outcome: Outcome,
+        client: ClientId,
     ) -> Option<Transition> {
-        self.record_in_round(now, admission, self.probe_round, outcome)
+        self.record_in_round(now, admission, self.probe_round, outcome, client)
     }
 
     /// Records how an admitted call ended; `round` is what `probe_round` said when it was
@@ -294,6 +435,7 @@ impl Machine {
         admission: Admission,
         round: u32,
         outcome: Outcome,
+        client: ClientId,
     ) -> Option<Transition> {
         let admission = match admission {
             Admission::Probe if round != self.probe_round => Admission::Allowed,
@@ -308,13 +450,29 @@ impl Machine {
         if outcome == Outcome::Abandoned {
             return None;
         }
-        self.count(now, outcome);
+        let slice = self.count(now, outcome);
         let failed = outcome == Outcome::Failure;
         self.consecutive_failures = match outcome {
             Outcome::Failure => self.consecutive_failures + 1,
-            Outcome::Success { .. } => 0,
+            Outcome::Success { .. } => {
+                if self.consecutive_failures > 0 {
+                    self.run = self.run.wrapping_add(1);
+                }
+                0
+            }
             Outcome::Abandoned | Outcome::AbandonedSlow => self.consecutive_failures,
         };
+        let wanted = self.settings.failing_clients;
+        match outcome {
+            Outcome::Failure => {
+                self.failing_clients
+                    .note_bad(client, slice, Some(self.run), wanted)
+            }
+            Outcome::Success { slow: true } | Outcome::AbandonedSlow => {
+                self.failing_clients.note_bad(client, slice, None, wanted)
+            }
+            _ => {}
+        }
 
         if self.force().is_some() {
             return None;
@@ -349,7 +507,18 @@ impl Machine {
                 }
                 None
             }
-            (State::Closed, _) => self.trip_reason(now).map(|reason| self.open(now, reason)),
+            (State::Closed, _) => match self.trip(now)? {
+                Trip::Open(reason) => Some(self.open(now, reason)),
+                Trip::Held {
+                    reason,
+                    clients,
+                    needed,
+                } => Some(Transition::HeldClosed {
+                    reason,
+                    clients,
+                    needed,
+                }),
+            },
             // Late answers to calls admitted before the breaker opened do not move it.
             _ => None,
         }
@@ -377,6 +546,8 @@ impl Machine {
         self.idle_since = None;
         self.reopens = 0;
         self.consecutive_failures = 0;
+        self.run = self.run.wrapping_add(1);
+        self.failing_clients.failed_len = 0;
         self.buckets = [Bucket::default(); BUCKETS as usize];
         self.last_bad_slice = None;
         self.epoch = now;
@@ -392,7 +563,8 @@ impl Machine {
         (now.saturating_duration_since(self.epoch).as_nanos() / width.as_nanos()) as u64
     }
 
-    fn count(&mut self, now: Instant, outcome: Outcome) {
+    /// Counts a call in its slice's bucket, and says which slice that is.
+    fn count(&mut self, now: Instant, outcome: Outcome) -> u64 {
         let slice = self.slice_of(now);
         let bucket = &mut self.buckets[(slice % u64::from(BUCKETS)) as usize];
         if bucket.slice != slice {
@@ -405,10 +577,11 @@ impl Machine {
         match outcome {
             Outcome::Failure => bucket.failures += 1,
             Outcome::Success { slow: true } | Outcome::AbandonedSlow => bucket.slow += 1,
-            _ => return,
+            _ => return slice,
         }
         // (Calls finish out of order across threads: the latest slice stays.)
         self.last_bad_slice = Some(self.last_bad_slice.map_or(slice, |bad| bad.max(slice)));
+        slice
     }
 
     /// Calls, failures and slow calls inside the window ending at `now`.
@@ -445,8 +618,9 @@ impl Machine {
         reaching.saturating_sub(1).min(probes.saturating_sub(1))
     }
 
-    fn trip_reason(&self, now: Instant) -> Option<&'static str> {
+    fn trip(&self, now: Instant) -> Option<Trip> {
         let settings = &self.settings;
+        let needed = self.failing_clients.needed(settings.failing_clients);
         // Twice the run in a row is no chance any more (at 30% failures, ten in a row come
         // once in some 170,000 calls): a dependency gone under load trips at once, not after
         // its failures have outweighed the last slices' successes.
@@ -455,8 +629,20 @@ impl Machine {
             && (self.consecutive_failures >= settings.consecutive_failures.saturating_mul(2)
                 || !self.recently_mostly_fine(now))
         {
-            return Some("consecutive failures");
+            let clients = self.failing_clients.in_run(self.run);
+            let trip = Trip::judged("consecutive failures", clients, needed);
+            // Held by its clients, it may still be tripped by a ratio.
+            if matches!(trip, Trip::Held { .. }) {
+                return self.ratio_trip(now, needed).or(Some(trip));
+            }
+            return Some(trip);
         }
+        self.ratio_trip(now, needed)
+    }
+
+    /// A trip by the failure or slow-call ratio over the window.
+    fn ratio_trip(&self, now: Instant, needed: u32) -> Option<Trip> {
+        let settings = &self.settings;
         // No failure and no slow call left in the window: both ratios are 0, below any
         // threshold (the policy only accepts thresholds above 0).
         let current = self.slice_of(now);
@@ -472,14 +658,19 @@ impl Machine {
         if calls == 0 || calls < settings.min_requests {
             return None;
         }
-        if f64::from(failures) / f64::from(calls) >= settings.failure_ratio {
-            return Some("failure ratio");
-        }
-        if settings.slow_call.is_some() && f64::from(slow) / f64::from(calls) >= settings.slow_ratio
+        let reason = if f64::from(failures) / f64::from(calls) >= settings.failure_ratio {
+            "failure ratio"
+        } else if settings.slow_call.is_some()
+            && f64::from(slow) / f64::from(calls) >= settings.slow_ratio
         {
-            return Some("slow-call ratio");
-        }
-        None
+            "slow-call ratio"
+        } else {
+            return None;
+        };
+        let clients = self
+            .failing_clients
+            .since(current.saturating_sub(u64::from(BUCKETS) - 1));
+        Some(Trip::judged(reason, clients, needed))
     }
 
     /// Whether the slice under way and the two before it hold `min_requests` calls, under
@@ -520,14 +711,14 @@ mod tests {
     }
 
     fn call(machine: &mut Machine, now: Instant, outcome: Outcome) -> Option<Transition> {
-        let (admission, _) = machine.admit(now);
+        let (admission, _) = machine.admit(now, 0);
         assert_ne!(
             admission,
             Admission::Rejected {
                 retry_after: Duration::ZERO
             }
         );
-        machine.record(now, admission, outcome)
+        machine.record(now, admission, outcome, 0)
     }
 
     #[test]
@@ -592,7 +783,7 @@ mod tests {
             })
         );
         assert_eq!(
-            machine.admit(t0 + 4 * Duration::from_secs(1)).0,
+            machine.admit(t0 + 4 * Duration::from_secs(1), 0).0,
             Admission::Rejected {
                 retry_after: Duration::from_secs(6)
             }
@@ -682,9 +873,9 @@ mod tests {
             Outcome::Failure,
             Outcome::Success { slow: false },
         ] {
-            let (admission, _) = machine.admit(t1);
+            let (admission, _) = machine.admit(t1, 0);
             assert_eq!(admission, Admission::Probe);
-            machine.record(t1, admission, outcome);
+            machine.record(t1, admission, outcome, 0);
         }
         assert_eq!(machine.state, State::Closed);
         // Reopened; two slow answers of three reach the ratio: the round fails, and the
@@ -699,8 +890,8 @@ mod tests {
             Outcome::Success { slow: true },
             Outcome::Success { slow: true },
         ] {
-            let (admission, _) = machine.admit(t1);
-            last = machine.record(t1, admission, outcome);
+            let (admission, _) = machine.admit(t1, 0);
+            last = machine.record(t1, admission, outcome, 0);
         }
         assert_eq!(
             last,
@@ -754,27 +945,30 @@ mod tests {
         let mut machine = open_machine(t0);
         let t1 = t0 + Duration::from_secs(10);
         assert_eq!(
-            machine.admit(t1),
+            machine.admit(t1, 0),
             (Admission::Probe, Some(Transition::HalfOpened))
         );
-        assert_eq!(machine.admit(t1).0, Admission::Probe);
+        assert_eq!(machine.admit(t1, 0).0, Admission::Probe);
         assert!(
-            matches!(machine.admit(t1).0, Admission::Rejected { .. }),
+            matches!(machine.admit(t1, 0).0, Admission::Rejected { .. }),
             "a third request waits"
         );
         assert_eq!(
-            machine.record(t1, Admission::Probe, Outcome::Success { slow: false }),
+            machine.record(t1, Admission::Probe, Outcome::Success { slow: false }, 0),
             None
         );
         // One slot freed: one more probe may go.
-        assert_eq!(machine.admit(t1).0, Admission::Probe);
+        assert_eq!(machine.admit(t1, 0).0, Admission::Probe);
         assert_eq!(
-            machine.record(t1, Admission::Probe, Outcome::Success { slow: false }),
+            machine.record(t1, Admission::Probe, Outcome::Success { slow: false }, 0),
             Some(Transition::Closed)
         );
         assert_eq!(machine.state, State::Closed);
         // The late third probe does not reopen anything.
-        assert_eq!(machine.record(t1, Admission::Probe, Outcome::Failure), None);
+        assert_eq!(
+            machine.record(t1, Admission::Probe, Outcome::Failure, 0),
+            None
+        );
         assert_eq!(machine.state, State::Closed);
     }
 
@@ -787,34 +981,37 @@ mod tests {
         };
         // Round 1: probes A and B; A fails while B is still out, and the breaker reopens.
         let round_1 = |machine: &mut Machine| {
-            let (admission, _) = machine.admit(until);
+            let (admission, _) = machine.admit(until, 0);
             assert_eq!(admission, Admission::Probe);
             (admission, machine.probe_round())
         };
         let (a, a_round) = round_1(&mut machine);
         let (b, b_round) = round_1(&mut machine);
         assert!(machine
-            .record_in_round(until, a, a_round, Outcome::Failure)
+            .record_in_round(until, a, a_round, Outcome::Failure, 0)
             .is_some());
         let State::Open { until } = machine.state else {
             panic!("not open")
         };
         // Round 2: probes C and D fill it.
-        assert_eq!(machine.admit(until).0, Admission::Probe);
-        assert_eq!(machine.admit(until).0, Admission::Probe);
+        assert_eq!(machine.admit(until, 0).0, Admission::Probe);
+        assert_eq!(machine.admit(until, 0).0, Admission::Probe);
         // B's late success frees no slot of round 2 and does not count towards closing it.
         assert_eq!(
-            machine.record_in_round(until, b, b_round, Outcome::Success { slow: false }),
+            machine.record_in_round(until, b, b_round, Outcome::Success { slow: false }, 0),
             None
         );
-        assert!(matches!(machine.admit(until).0, Admission::Rejected { .. }));
+        assert!(matches!(
+            machine.admit(until, 0).0,
+            Admission::Rejected { .. }
+        ));
         assert_eq!(
-            machine.record(until, Admission::Probe, Outcome::Success { slow: false }),
+            machine.record(until, Admission::Probe, Outcome::Success { slow: false }, 0),
             None,
             "one success of round 2 is not enough"
         );
         assert_eq!(
-            machine.record(until, Admission::Probe, Outcome::Success { slow: false }),
+            machine.record(until, Admission::Probe, Outcome::Success { slow: false }, 0),
             Some(Transition::Closed)
         );
     }
@@ -828,10 +1025,10 @@ mod tests {
                 panic!("not open")
             };
             let now = until;
-            let (admission, _) = machine.admit(now);
+            let (admission, _) = machine.admit(now, 0);
             assert_eq!(admission, Admission::Probe);
             assert_eq!(
-                machine.record(now, admission, Outcome::Failure),
+                machine.record(now, admission, Outcome::Failure, 0),
                 Some(Transition::Opened {
                     reason: "probe failed",
                     open_for: Duration::from_secs(expected)
@@ -843,8 +1040,8 @@ mod tests {
             panic!("not open")
         };
         for _ in 0..2 {
-            let (admission, _) = machine.admit(until);
-            machine.record(until + MS, admission, Outcome::Success { slow: false });
+            let (admission, _) = machine.admit(until, 0);
+            machine.record(until + MS, admission, Outcome::Success { slow: false }, 0);
         }
         assert_eq!(machine.state, State::Closed);
         for _ in 0..3 {
@@ -863,11 +1060,11 @@ mod tests {
         let t0 = Instant::now();
         let mut machine = open_machine(t0);
         let t1 = t0 + Duration::from_secs(10);
-        machine.admit(t1);
-        machine.admit(t1);
-        machine.record(t1, Admission::Probe, Outcome::Abandoned);
+        machine.admit(t1, 0);
+        machine.admit(t1, 0);
+        machine.record(t1, Admission::Probe, Outcome::Abandoned, 0);
         assert_eq!(machine.state, State::HalfOpen);
-        assert_eq!(machine.admit(t1).0, Admission::Probe);
+        assert_eq!(machine.admit(t1, 0).0, Admission::Probe);
     }
 
     #[test]
@@ -875,9 +1072,9 @@ mod tests {
         let t0 = Instant::now();
         let mut machine = open_machine(t0);
         let t1 = t0 + Duration::from_secs(10);
-        assert_eq!(machine.admit(t1).0, Admission::Probe);
+        assert_eq!(machine.admit(t1, 0).0, Admission::Probe);
         assert!(matches!(
-            machine.record(t1, Admission::Probe, Outcome::AbandonedSlow),
+            machine.record(t1, Admission::Probe, Outcome::AbandonedSlow, 0),
             Some(Transition::Opened {
                 reason: "probe failed",
                 ..
@@ -917,7 +1114,7 @@ mod tests {
         );
         // A pin has no end that open_for would tell: clients are asked back as for a switch.
         assert_eq!(
-            machine.admit(t0).0,
+            machine.admit(t0, 0).0,
             Admission::Rejected {
                 retry_after: crate::error::OPERATORS_CALL
             }
@@ -926,11 +1123,124 @@ mod tests {
         for _ in 0..10 {
             assert_eq!(call(&mut machine, t0, Outcome::Failure), None);
         }
-        assert_eq!(machine.admit(t0).0, Admission::Allowed);
+        assert_eq!(machine.admit(t0, 0).0, Admission::Allowed);
         machine.runtime_force = None;
         assert!(
-            matches!(machine.admit(t0).0, Admission::Rejected { .. }),
+            matches!(machine.admit(t0, 0).0, Admission::Rejected { .. }),
             "back to the policy's force"
         );
+    }
+
+    fn call_from(
+        machine: &mut Machine,
+        now: Instant,
+        client: ClientId,
+        outcome: Outcome,
+    ) -> Option<Transition> {
+        let (admission, _) = machine.admit(now, client);
+        assert_eq!(admission, Admission::Allowed);
+        machine.record(now, admission, outcome, client)
+    }
+
+    fn opened(transition: Option<Transition>) -> bool {
+        matches!(transition, Some(Transition::Opened { .. }))
+    }
+
+    #[test]
+    fn one_client_of_many_cannot_open_it_however_often_its_calls_fail() {
+        const OK: Outcome = Outcome::Success { slow: false };
+        let t0 = Instant::now();
+        let mut machine = Machine::new(BreakerSettings::default(), t0);
+        for visitor in [1, 2, 3] {
+            assert_eq!(call_from(&mut machine, t0, visitor, OK), None);
+        }
+        // Visitor 9 finds a page that fails: twenty failures in a row, a ratio of 20/23.
+        for _ in 0..20 {
+            assert!(!opened(call_from(&mut machine, t0, 9, Outcome::Failure)));
+        }
+        assert_eq!(machine.state, State::Closed);
+        assert!(matches!(
+            call_from(&mut machine, t0, 9, Outcome::Failure),
+            Some(Transition::HeldClosed {
+                reason: "failure ratio",
+                clients: 1,
+                needed: 3
+            })
+        ));
+        // A second client failing is not enough; a third is.
+        assert!(!opened(call_from(&mut machine, t0, 2, Outcome::Failure)));
+        assert!(matches!(
+            call_from(&mut machine, t0, 3, Outcome::Failure),
+            Some(Transition::Opened { .. })
+        ));
+    }
+
+    #[test]
+    fn a_dependency_with_one_client_opens_on_its_failures() {
+        // An egress route: the app is the only client.
+        let t0 = Instant::now();
+        let mut machine = Machine::new(BreakerSettings::default(), t0);
+        for call in 1..=5 {
+            let transition = call_from(&mut machine, t0, 7, Outcome::Failure);
+            assert_eq!(opened(transition), call == 5, "call {call}");
+        }
+        // Two clients: both must have failed.
+        let mut machine = Machine::new(BreakerSettings::default(), t0);
+        assert_eq!(
+            call_from(&mut machine, t0, 1, Outcome::Success { slow: false }),
+            None
+        );
+        for _ in 0..10 {
+            assert!(!opened(call_from(&mut machine, t0, 2, Outcome::Failure)));
+        }
+        assert!(opened(call_from(&mut machine, t0, 1, Outcome::Failure)));
+    }
+
+    #[test]
+    fn the_clients_must_fail_in_the_same_run_or_window() {
+        const OK: Outcome = Outcome::Success { slow: false };
+        let settings = BreakerSettings {
+            failure_ratio: 0.9,
+            ..BreakerSettings::default()
+        };
+        let t0 = Instant::now();
+        let mut machine = Machine::new(settings.clone(), t0);
+        // Clients 1 and 2 failed in a run a success ended, more than a window ago.
+        call_from(&mut machine, t0, 1, Outcome::Failure);
+        call_from(&mut machine, t0, 2, Outcome::Failure);
+        call_from(&mut machine, t0, 4, OK);
+        let later = t0 + settings.window + MS;
+        for _ in 0..20 {
+            assert!(!opened(call_from(&mut machine, later, 3, Outcome::Failure)));
+        }
+        assert_eq!(machine.state, State::Closed);
+        // In the window, by ratio, clients 1 and 2 failing again (not in a row with 3's
+        // failures: a success came between) open it.
+        call_from(&mut machine, later, 4, OK);
+        assert!(!opened(call_from(&mut machine, later, 1, Outcome::Failure)));
+        assert!(matches!(
+            call_from(&mut machine, later, 2, Outcome::Failure),
+            Some(Transition::Opened {
+                reason: "failure ratio",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn failing_clients_1_lets_any_client_open_it() {
+        let settings = BreakerSettings {
+            failing_clients: 1,
+            ..BreakerSettings::default()
+        };
+        let t0 = Instant::now();
+        let mut machine = Machine::new(settings, t0);
+        for visitor in [1, 2, 3] {
+            call_from(&mut machine, t0, visitor, Outcome::Success { slow: false });
+        }
+        for call in 1..=5 {
+            let transition = call_from(&mut machine, t0, 9, Outcome::Failure);
+            assert_eq!(opened(transition), call == 5, "call {call}");
+        }
     }
 }

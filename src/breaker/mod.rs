@@ -8,13 +8,19 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::log_throttle::LogThrottle;
 use crate::metrics::{BreakerLabels, BreakerProbeLabels, BreakerTransitionLabels, Metrics};
 use machine::Machine;
-pub use machine::{Admission, BreakerSettings, Force, Outcome, State, Transition};
+pub use machine::{
+    Admission, BreakerSettings, ClientId, Force, Outcome, State, Transition, MOST_FAILING_CLIENTS,
+};
 
 pub struct Breaker {
     pub upstream: String,
     machine: Mutex<Machine>,
+    /// The warning that failures from too few clients left the breaker closed: once every
+    /// 10 s, as a visitor repeating a failing page would write it on each request.
+    held_closed_log: LogThrottle,
 }
 
 impl std::fmt::Debug for Breaker {
@@ -46,6 +52,7 @@ impl Breaker {
         Breaker {
             upstream: upstream.to_string(),
             machine: Mutex::new(Machine::new(settings, Instant::now())),
+            held_closed_log: LogThrottle::new(Duration::from_secs(10)),
         }
     }
 
@@ -74,13 +81,18 @@ impl Breaker {
         self.lock().would_admit(now)
     }
 
-    /// Asks to send one request at `now` (the caller's reading of the clock: a request reads
-    /// it once for the breaker, the upstream pool and its response timer). `Err(retry_after)`
-    /// while open (or half-open and full).
-    pub fn admit(self: &Arc<Self>, now: Instant, metrics: &Metrics) -> Result<Permit, Duration> {
+    /// Asks to send one request of `client` at `now` (the caller's reading of the clock: a
+    /// request reads it once for the breaker, the upstream pool and its response timer).
+    /// `Err(retry_after)` while open (or half-open and full).
+    pub fn admit(
+        self: &Arc<Self>,
+        now: Instant,
+        client: ClientId,
+        metrics: &Metrics,
+    ) -> Result<Permit, Duration> {
         let (admission, transition, round, slow_call) = {
             let mut machine = self.lock();
-            let (admission, transition) = machine.admit(now);
+            let (admission, transition) = machine.admit(now, client);
             (
                 admission,
                 transition,
@@ -100,6 +112,7 @@ impl Breaker {
                 breaker: self.clone(),
                 admission,
                 round,
+                client,
                 started: now,
                 recorded: false,
                 slow_call,
@@ -234,8 +247,26 @@ impl Breaker {
 
     fn report(&self, transition: Transition, metrics: &Metrics) {
         let (to, state) = match transition {
+            Transition::HeldClosed {
+                reason,
+                clients,
+                needed,
+            } => {
+                if let Some(held_back) = self.held_closed_log.allow(std::time::Instant::now()) {
+                    tracing::warn!(
+                        upstream = %self.upstream,
+                        reason,
+                        failing_clients = clients,
+                        needed,
+                        held_back,
+                        "breaker kept closed: its failures came from {}, and failing_clients asks for {needed} (a page that fails for one visitor is not the dependency down; the access log names the client)",
+                        crate::config::units::counted(u64::from(clients), "client"),
+                    );
+                }
+                return;
+            }
             Transition::Opened { reason, open_for } => {
-                tracing::warn!(upstream = %self.upstream, reason, ?open_for, "breaker opened: the dependency gets no traffic, routes get their fallback");
+                tracing::warn!(upstream = %self.upstream, reason, ?open_for, "breaker opened: the dependency gets no traffic; its routes answer with their stale copy, a queued write or their fallback");
                 ("open", 1)
             }
             Transition::HalfOpened => {
@@ -284,6 +315,8 @@ pub struct Permit {
     admission: Admission,
     /// The half-open round a probe belongs to.
     round: u32,
+    /// Whose call it is: a trip needs failures from `failing_clients` of them.
+    client: ClientId,
     started: Instant,
     recorded: bool,
     /// The breaker's `slow_call` when the call was admitted.
@@ -333,7 +366,8 @@ impl Permit {
                 .is_some_and(|limit| at.saturating_duration_since(self.started) > limit);
             Outcome::Success { slow }
         };
-        let transition = machine.record_in_round(at, self.admission, self.round, outcome);
+        let transition =
+            machine.record_in_round(at, self.admission, self.round, outcome, self.client);
         drop(machine);
         self.report(outcome, transition, Some(metrics));
         failed
@@ -393,10 +427,13 @@ impl Permit {
     }
 
     fn finish(&self, outcome: Outcome, at: Instant, metrics: Option<&Metrics>) {
-        let transition =
-            self.breaker
-                .lock()
-                .record_in_round(at, self.admission, self.round, outcome);
+        let transition = self.breaker.lock().record_in_round(
+            at,
+            self.admission,
+            self.round,
+            outcome,
+            self.client,
+        );
         self.report(outcome, transition, metrics);
     }
 
@@ -455,7 +492,7 @@ mod tests {
                 ..BreakerSettings::default()
             },
         ));
-        let permit = breaker.admit(Instant::now(), &metrics).expect("closed");
+        let permit = breaker.admit(Instant::now(), 0, &metrics).expect("closed");
         permit.record(Outcome::Failure, Instant::now(), &metrics);
         breaker.set_runtime_force(None, &metrics);
         assert_eq!(
@@ -472,7 +509,7 @@ mod tests {
             "closed",
             "unpinned, it starts afresh"
         );
-        assert!(breaker.admit(Instant::now(), &metrics).is_ok());
+        assert!(breaker.admit(Instant::now(), 0, &metrics).is_ok());
     }
 
     #[tokio::test(start_paused = true)]
@@ -486,7 +523,7 @@ mod tests {
                 ..BreakerSettings::default()
             },
         ));
-        let permit = breaker.admit(Instant::now(), &metrics).expect("closed");
+        let permit = breaker.admit(Instant::now(), 0, &metrics).expect("closed");
         permit.record(Outcome::Failure, Instant::now(), &metrics);
         assert_eq!(breaker.status().state, "open");
         tokio::time::advance(Duration::from_secs(6)).await;
@@ -502,7 +539,7 @@ mod tests {
             "the metric says what /status says"
         );
         let probe = breaker
-            .admit(Instant::now(), &metrics)
+            .admit(Instant::now(), 0, &metrics)
             .expect("the next request probes");
         assert_eq!(breaker.status().ready_to_probe_ms, None, "probing now");
         // The probe succeeds, but one is not enough to close (3 by default): half-open and

@@ -25,7 +25,7 @@ use super::spec::{
     ShapeError, SizeSpec, StaticResponseSpec, TriggerSpec, UnreadTables, UpstreamSpec, SIZE_TAKES,
 };
 use super::units::{parse_duration, parse_size};
-use crate::breaker::{Breaker, BreakerSettings, Force};
+use crate::breaker::{Breaker, BreakerSettings, Force, MOST_FAILING_CLIENTS};
 use crate::degrade::bulkhead::BulkheadSettings;
 use crate::degrade::trigger::{Condition, Trigger};
 use crate::degrade::{
@@ -1810,7 +1810,52 @@ fn warn_of_what_does_nothing(
                 format!("upstream `{name}` gets no request: no route names it and it is not the default_upstream"),
                 format!("name it in a route's upstream = \"{name}\", or remove it"),
             );
+            continue;
         }
+        warn_of_slots_no_route_may_take(compiler, routes, default_upstream, name, (*file, spec));
+    }
+}
+
+/// An upstream whose routes are all of tier 2 or 3 can never fill the slots `shed_reserve`
+/// keeps for better tiers: with `max_inflight = 2` near a small pool's `pm.max_children`,
+/// tier 3 may take one slot, and half the pool idles while requests are refused.
+fn warn_of_slots_no_route_may_take(
+    compiler: &mut Compiler<'_>,
+    routes: &[Arc<Route>],
+    default_upstream: Option<&str>,
+    name: &str,
+    (file, spec): (usize, &Spanned<UpstreamSpec>),
+) {
+    let Some(max) = &spec.get_ref().max_inflight else {
+        return;
+    };
+    let best_tier = routes
+        .iter()
+        .filter(|route| route.upstream.name == name)
+        .map(|route| route.tier)
+        .chain((default_upstream == Some(name)).then_some(1))
+        .min();
+    let (Some(tier), Some(bulkhead)) = (
+        best_tier,
+        routes
+            .iter()
+            .find(|route| route.upstream.name == name)
+            .and_then(|route| route.upstream.bulkhead.as_ref()),
+    ) else {
+        return;
+    };
+    let usable = bulkhead.limit_for(tier);
+    let (span, max) = (max.span(), *max.get_ref());
+    if usable < max {
+        compiler.warning_hint(
+            file,
+            span,
+            format!(
+                "upstream `{name}` has only routes of tier {tier} and worse, which may take {usable} of its max_inflight = {max} slots: shed_reserve keeps the other {} for better tiers, which no route of it has, so they are never used and requests are refused with slots free",
+                max - usable
+            ),
+            "set shed_reserve = 0 on it, or raise max_inflight to what the pool behind it takes",
+        );
     }
 }
 
@@ -2545,6 +2590,22 @@ fn compile_breaker(
         Some(value) => *value.get_ref(),
         None => defaults.half_open_probes,
     };
+    let failing_clients = match &inner.failing_clients {
+        Some(value) if !(1..=MOST_FAILING_CLIENTS).contains(value.get_ref()) => {
+            compiler.error_hint(
+                file,
+                value.span(),
+                format!(
+                    "failing_clients must be from 1 to {MOST_FAILING_CLIENTS}, not {}",
+                    value.get_ref()
+                ),
+                "the distinct clients whose calls must fail before the breaker opens; 1 lets any one client open it",
+            );
+            defaults.failing_clients
+        }
+        Some(value) => *value.get_ref(),
+        None => defaults.failing_clients,
+    };
     let failure_statuses = match &inner.failure_statuses {
         Some(list) => {
             if list
@@ -2637,6 +2698,7 @@ fn compile_breaker(
         max_open_for: max_open_for.max(open_for),
         half_open_probes,
         failure_statuses,
+        failing_clients,
         force,
     }
 }
@@ -4693,6 +4755,31 @@ mod tests {
         assert!(policy.warnings.is_empty(), "{:?}", policy.warnings);
     }
 
+    #[test]
+    fn slots_kept_for_tiers_an_upstream_has_no_route_of_are_warned_of() {
+        let warnings = |tier: u8, extra: &str| -> Vec<String> {
+            let text = format!(
+                "[server]\ndefault_upstream = \"app\"\n{APP}[upstream.search]\nurl = \"http://127.0.0.1:8083\"\nmax_inflight = 2\n{extra}\n\
+                 [[route]]\nname = \"search\"\nmatch = {{ path_prefix = \"/search\" }}\nupstream = \"search\"\ntier = {tier}\n"
+            );
+            let policy = compile(&files(&[("a.toml", &text)]), None).expect("compiles");
+            policy.warnings.iter().map(ToString::to_string).collect()
+        };
+        let said = warnings(3, "");
+        assert!(
+            said.len() == 1
+                && said[0].starts_with("a.toml:7:16: warning: upstream `search` has only routes of tier 3 and worse, which may take 1 of its max_inflight = 2 slots"),
+            "{said:?}"
+        );
+        let said = warnings(2, "");
+        assert!(
+            said.len() == 1 && said[0].contains("routes of tier 2 and worse, which may take 1 of"),
+            "{said:?}"
+        );
+        assert!(warnings(3, "shed_reserve = 0.0").is_empty());
+        assert!(warnings(1, "").is_empty());
+    }
+
     fn errors(sources: &[(&str, &str)]) -> Vec<String> {
         match compile(&files(sources), None) {
             Ok(_) => Vec::new(),
@@ -6091,6 +6178,14 @@ mod tests {
                 "slow_ratio = 0.5",
                 "slow_ratio has no effect without slow_call",
             ),
+            (
+                "failing_clients = 0",
+                "failing_clients must be from 1 to 8, not 0",
+            ),
+            (
+                "failing_clients = 9",
+                "failing_clients must be from 1 to 8, not 9",
+            ),
         ] {
             let refused = breaker(settings);
             assert!(
@@ -6099,6 +6194,7 @@ mod tests {
             );
         }
         assert!(breaker("slow_call = \"2s\", slow_ratio = 0.5, open_for = \"5m\"").is_empty());
+        assert!(breaker("failing_clients = 1").is_empty());
     }
 
     #[test]

@@ -799,6 +799,7 @@ pub struct BreakerSpec {
     pub max_open_for: Option<Spanned<String>>,
     pub half_open_probes: Option<Spanned<u32>>,
     pub failure_statuses: Option<Spanned<Vec<u16>>>,
+    pub failing_clients: Option<Spanned<u32>>,
     pub force: Option<Spanned<String>>,
 }
 

@@ -168,8 +168,11 @@ impl RequestFacts<'_> {
             KeyPart::Ip => None,
             KeyPart::Route => Some(Cow::Borrowed(self.route.as_bytes())),
             KeyPart::Method => Some(Cow::Borrowed(self.method.as_str().as_bytes())),
-            KeyPart::User => first_present(&self.identity.user, self.headers, self.query),
-            KeyPart::ApiKey => first_present(&self.identity.api_key, self.headers, self.query),
+            KeyPart::User => {
+                first_present(&self.identity.user, self.headers, self.query).and_then(one_spelling)
+            }
+            KeyPart::ApiKey => first_present(&self.identity.api_key, self.headers, self.query)
+                .and_then(one_spelling),
             KeyPart::Field(source) => source.read_bytes(self.headers, self.query),
         }
     }
@@ -186,6 +189,16 @@ fn ip_key(ip: IpAddr) -> String {
             format!("{a:x}:{b:x}:{c:x}:{d:x}::/64")
         }
         (None, ip) => ip_string(ip),
+    }
+}
+
+/// The client as a number, told apart as [`ip_key`] tells them: an IPv4 client (below
+/// 2^32), or the /64 network of an IPv6 one. The breakers count distinct clients with it.
+pub fn client_id(ip: IpAddr) -> u64 {
+    match (ipv4_client(ip), ip) {
+        (Some(v4), _) => u64::from(u32::from(v4)),
+        (None, IpAddr::V6(v6)) => (u128::from(v6) >> 64) as u64,
+        (None, IpAddr::V4(v4)) => u64::from(u32::from(v4)),
     }
 }
 
@@ -245,6 +258,21 @@ fn nat64_client(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
         let [h1, h2] = h.to_be_bytes();
         std::net::Ipv4Addr::new(g1, g2, h1, h2)
     })
+}
+
+/// A user id or an API key as one bucket holds all its spellings: without the spaces around
+/// it, and in lower case. An app that looks keys up in MySQL with a `_ci` collation (trailing
+/// spaces and case ignored) accepts `K1`, `k1 ` and `k1` as one key; keyed as sent, each
+/// would get a bucket of its own. `None` when nothing is left (keyed as missing).
+fn one_spelling(value: Cow<'_, [u8]>) -> Option<Cow<'_, [u8]>> {
+    let trimmed = value.trim_ascii();
+    if trimmed.is_empty() {
+        return None;
+    }
+    if trimmed.len() == value.len() && !value.iter().any(u8::is_ascii_uppercase) {
+        return Some(value);
+    }
+    Some(Cow::Owned(trimmed.to_ascii_lowercase()))
 }
 
 fn first_present<'a>(
@@ -983,6 +1011,34 @@ mod tests {
         ] {
             assert!(fixed_bucket_key("levee:", "r", &parts, "post").is_none());
         }
+    }
+
+    #[test]
+    fn an_api_key_or_user_spelt_otherwise_is_the_same_bucket() {
+        let identity = Identity {
+            user: vec![Source::parse("header:X-User").expect("source")],
+            api_key: vec![Source::parse("query:api_key").expect("source")],
+        };
+        let key = |query: &str, user: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert("x-user", HeaderValue::from_str(user).expect("value"));
+            let facts = facts(&headers, Some(query), &identity);
+            let parts = [KeyPart::ApiKey, KeyPart::User];
+            bucket_key("", "api", &parts, &facts, false).map(|key| key.key)
+        };
+        let plain = key("api_key=k1", "alice");
+        assert!(plain.is_some());
+        for (query, user) in [
+            ("api_key=K1", "Alice"),
+            ("api_key=k1%20", "ALICE"),
+            ("api_key=%20%20k1%09", "alice"),
+            ("api_key=k1+", "alice"),
+        ] {
+            assert_eq!(key(query, user), plain, "{query} {user}");
+        }
+        assert_ne!(key("api_key=k2", "alice"), plain);
+        // Spaces alone are no key: keyed as missing.
+        assert_eq!(key("api_key=%20", "alice"), None);
     }
 
     #[test]

@@ -129,6 +129,13 @@ static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection"
 /// outgoing proxy ("httpoxy"): the app's own nginx, with Debian's `fastcgi_params`, passes it
 /// on (PHP ignores it since 7.0.9; other software behind levee may not).
 static PROXY: HeaderName = HeaderName::from_static("proxy");
+/// Fields that say which URL the visitor asked for, written by IIS's URL Rewrite module. Zend
+/// Framework 1, Symfony before 2.7.49 / 3.4.14 (CVE-2018-14773) and some CMSs route by them
+/// rather than by the request line, so a visitor sending one would reach a page under another
+/// path than the one levee routed, limited and keyed its copy by. No front in levee's place
+/// sets them: like `Proxy`, they are dropped from every request to an upstream.
+static X_ORIGINAL_URL: HeaderName = HeaderName::from_static("x-original-url");
+static X_REWRITE_URL: HeaderName = HeaderName::from_static("x-rewrite-url");
 
 /// The hop-by-hop fields (RFC 9110 7.6.1) besides `Connection` and the fields it names:
 /// never passed on (the upstream client's response heads use the list too).
@@ -256,8 +263,9 @@ fn is_end_to_end(name: &HeaderName) -> bool {
         || *name == X_FORWARDED_PROTO
 }
 
-/// [`strip_hop_by_hop`] for a request on its way to an upstream, which loses `Proxy` too (see
-/// [`PROXY`]). (A response's `Proxy` field means nothing and passes, as on every path.)
+/// [`strip_hop_by_hop`] for a request on its way to an upstream, which loses `Proxy`,
+/// `X-Original-URL` and `X-Rewrite-URL` too (see [`PROXY`], [`X_ORIGINAL_URL`]). (In a
+/// response they mean nothing and pass, as on every path.)
 pub fn strip_request_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     strip(headers, keep_upgrade, true);
 }
@@ -318,7 +326,9 @@ fn strip(headers: &mut HeaderMap, keep_upgrade: bool, request: bool) {
         }
     }
     if request && present & hop_by_hop_bit(&PROXY) != 0 {
-        headers.remove(&PROXY);
+        for name in [&PROXY, &X_ORIGINAL_URL, &X_REWRITE_URL] {
+            headers.remove(name);
+        }
     }
     if let Some(upgrade) = upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
@@ -342,7 +352,8 @@ fn hop_by_hop_bit(name: &HeaderName) -> u8 {
         32
     } else if *name == PROXY_CONNECTION {
         64
-    } else if *name == PROXY {
+    } else if *name == PROXY || *name == X_ORIGINAL_URL || *name == X_REWRITE_URL {
+        // Fields dropped from requests only (a response's pass).
         128
     } else {
         0
@@ -1028,15 +1039,17 @@ mod tests {
             ("transfer-encoding", "chunked"),
             ("upgrade", "websocket"),
             ("proxy", "http://evil.example:3128"),
+            ("x-original-url", "/admin/"),
+            ("x-rewrite-url", "/admin/"),
             ("cookie", "a=1"),
         ]);
         let mut response = map.clone();
         strip_request_hop_by_hop(&mut map, false);
         assert_eq!(map.len(), 1, "{map:?}");
-        // A response keeps it: the two ways a response head is read agree (a fuzz target
+        // A response keeps them: the two ways a response head is read agree (a fuzz target
         // checks they do).
         strip_hop_by_hop(&mut response, false);
-        assert_eq!(response.len(), 2, "{response:?}");
+        assert_eq!(response.len(), 4, "{response:?}");
         assert_eq!(map["cookie"], "a=1");
 
         // A byte that is not ASCII elsewhere in the value does not hide the names it lists.

@@ -652,7 +652,7 @@ async fn forward(
 
     // Breaker: an open dependency is not called at all; the last good copy or the route's
     // fallback answers.
-    let mut permit = match upstream_permit(shared, &route, clock.now()) {
+    let mut permit = match upstream_permit(shared, &route, clock.now(), client_ip) {
         Ok(permit) => permit,
         Err(refusal) => {
             if let Some(instead) = queue_when_refused {
@@ -1442,11 +1442,17 @@ fn hidden_fragments(shared: &Shared, policy: &Policy, route: &Route) -> Option<A
 }
 
 /// Asks the route's upstream breaker for permission to call it.
-fn upstream_permit(shared: &Shared, route: &Route, now: Instant) -> Result<Permit, ProxyError> {
+fn upstream_permit(
+    shared: &Shared,
+    route: &Route,
+    now: Instant,
+    client_ip: std::net::IpAddr,
+) -> Result<Permit, ProxyError> {
+    let client = crate::limit::client_id(client_ip);
     route
         .upstream
         .breaker
-        .admit(now, &shared.metrics)
+        .admit(now, client, &shared.metrics)
         .map_err(|retry_after| ProxyError::BreakerOpen {
             upstream: route.upstream.name.clone(),
             retry_after,

@@ -83,8 +83,12 @@ impl Job {
                 .headers
                 .iter()
                 // levee's word alone (see `header::ForwardedWriter`): a client's would reach
-                // the app with the replay.
-                .filter(|(name, _)| **name != crate::proxy::header::X_LEVEE_MODULES_OFF)
+                // the app with the replay. `Expect: 100-continue` was the client's question to
+                // levee, answered when the body was read: the replay sends its body whole.
+                .filter(|(name, _)| {
+                    **name != crate::proxy::header::X_LEVEE_MODULES_OFF
+                        && **name != http::header::EXPECT
+                })
                 .map(|(name, value)| {
                     let value = value.as_bytes();
                     let spelled = upstream_spelling(received_head, name, value);
@@ -512,6 +516,26 @@ mod tests {
                 Ok(read)
             );
         }
+    }
+
+    #[test]
+    fn a_clients_expect_is_not_replayed() {
+        let (parts, ()) = http::Request::post("/notify.php")
+            .header("expect", "100-continue")
+            .header("x-levee-modules-off", "ranking")
+            .header("cookie", "a=1")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let job = Job::from_request(
+            "notify",
+            &parts,
+            b"",
+            Bytes::from_static(b"like=1"),
+            IpAddr::from([192, 0, 2, 1]),
+        );
+        let names: Vec<&str> = job.headers.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["cookie"]);
     }
 
     /// An entry that is not a whole job keeps what could be read, says what could not, and

@@ -1543,6 +1543,9 @@ impl Replay {
 /// full; this covers a slot taken between that look and the replay).
 const REPLAY_SLOT_STEP: Duration = Duration::from_millis(10);
 const REPLAY_SLOT_WAIT: Duration = Duration::from_millis(200);
+/// Who replays are to the breaker's `failing_clients`: one client, the queue. No visitor has
+/// this id (an IPv4 client's is below 2^32, and `ffff:ffff:ffff:ffff::/64` is no network's).
+const REPLAY_CLIENT: crate::breaker::ClientId = u64::MAX;
 
 /// Sends one job to the route's upstream, as the original client, with its idempotency key.
 async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receiver<bool>) -> Replay {
@@ -1568,7 +1571,10 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     if *stop.borrow() {
         return Replay::Held;
     }
-    let Ok(permit) = upstream.breaker.admit(Instant::now(), &shared.metrics) else {
+    let Ok(permit) = upstream
+        .breaker
+        .admit(Instant::now(), REPLAY_CLIENT, &shared.metrics)
+    else {
         return Replay::Held;
     };
     let Ok(uri) = upstream.uri_for(&job.target) else {
