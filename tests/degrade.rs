@@ -267,6 +267,30 @@ async fn a_state_file_levee_cannot_write_is_warned_of_at_start() {
 /// Started while Redis is down and before any switch was ever saved here, levee says it has
 /// no copy of the fleet's switches; it named the state file as "the last known copy" though
 /// no such file existed.
+/// A deploy that deletes the state file (`rsync --delete` into the policy directory, its
+/// default home) while a level is switched on: levee writes it again from the switches in
+/// effect, and says so, so a restart still comes up at that level.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_file_a_deploy_deleted_is_written_again() {
+    let log = levee_log();
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", ROUTES)).await;
+    assert_eq!(set(&levee, "/level", "1").await.status, 200);
+    let state_file = levee.dir.path().join(".levee-state.json");
+    assert!(state_file.exists());
+    std::fs::remove_file(&state_file).expect("deleted");
+    eventually(Duration::from_secs(10), "written again", || async {
+        std::fs::read_to_string(&state_file).is_ok_and(|saved| saved.contains("\"value\": 1"))
+    })
+    .await;
+    let said = log.lines_with(&state_file.display().to_string());
+    assert!(
+        said.iter()
+            .any(|line| line.contains("the state file was gone")),
+        "{said:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_without_redis_and_without_a_saved_copy_says_so() {
     let log = levee_log();

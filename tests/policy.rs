@@ -1146,6 +1146,128 @@ async fn a_policy_file_written_in_place_is_read_once_it_is_closed() {
     assert_eq!(get(&levee.url("/page")).await.text(), "b");
 }
 
+/// A reload asked for while a policy file is being written in place (a `kill -HUP` racing an
+/// editor's save or a slow `scp`) waits for the writer to close it, as the watcher does: read
+/// at once, what was left of the file compiled (a route cut before its `match` took every
+/// request after it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_asked_for_while_a_file_is_written_waits_for_it() {
+    use std::io::Write as _;
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let levee = Levee::start(&two_upstream_policy(&a, &b, "b")).await;
+    let generation = levee.generation();
+    let next = two_upstream_policy(&a, &b, "b").replace("\"switching\"", "\"switched\"");
+    let (head, rest) = next.split_at(next.find("match =").expect("match"));
+    let mut file = std::fs::File::create(levee.policy_file()).expect("open");
+    file.write_all(head.as_bytes()).expect("write");
+    file.flush().expect("flush");
+    eventually(Duration::from_secs(10), "the write seen", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["policy"]["being_written"]
+            .as_array()
+            .is_some_and(|files| files.len() == 1)
+    })
+    .await;
+    let mut reload = tokio::spawn(post_owned(levee.admin_url("/reload")));
+    // Still waiting half a second on (the writer pauses, as a slow link does): nothing read.
+    let waited = tokio::time::timeout(Duration::from_millis(500), &mut reload).await;
+    if let Ok(answered) = waited {
+        let text = answered.map(|answer| answer.text()).unwrap_or_default();
+        panic!("the reload did not wait for the writer: {text}");
+    }
+    assert_eq!(levee.generation(), generation);
+    file.write_all(rest.as_bytes()).expect("write");
+    drop(file);
+    let answer = reload.await.expect("reload");
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["routes"][0]["name"], "switched", "{status}");
+    assert_eq!(status["routes"][0]["match"]["path_prefix"], "/", "{status}");
+    assert_eq!(get(&levee.url("/page")).await.text(), "b");
+}
+
+/// A policy directory that goes away (moved, deleted by a deploy) is said once and shown in
+/// `/status` and `levee status` while it lasts; when it is back, it is watched and read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_directory_gone_is_shown_until_it_is_back() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let levee = Levee::start(&two_upstream_policy(&a, &b, "a")).await;
+    let dir = levee.dir.path().to_path_buf();
+    let away = dir.with_extension("away");
+    std::fs::rename(&dir, &away).expect("move away");
+    eventually(Duration::from_secs(10), "the watch error shown", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["policy"]["watch_error"]
+            .as_str()
+            .is_some_and(|error| error.starts_with("cannot watch the policy directory"))
+    })
+    .await;
+    let summary = levee::admin::client::summarize(&get(&levee.admin_url("/status")).await.json());
+    assert!(
+        summary.contains("NOT WATCHED: cannot watch the policy directory ("),
+        "{summary}"
+    );
+    std::fs::write(away.join("levee.toml"), two_upstream_policy(&a, &b, "b")).expect("edit");
+    std::fs::rename(&away, &dir).expect("move back");
+    eventually(
+        Duration::from_secs(10),
+        "watched and read again",
+        || async {
+            get(&levee.admin_url("/status")).await.json()["policy"]["watch_error"].is_null()
+                && get(&levee.url("/page")).await.text() == "b"
+        },
+    )
+    .await;
+}
+
+async fn post_owned(url: String) -> Answer {
+    post(&url, "").await
+}
+
+/// A policy file emptied and left so is meant to be empty once it has been for longer than a
+/// writer may pause: refused at first (caught between a save's truncation and its write?),
+/// loaded then, as `levee check` loads it; it no longer holds every later edit back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_left_empty_is_loaded_once_it_has_been_for_a_while() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let levee = Levee::start(&two_upstream_policy(&a, &b, "a")).await;
+    let extra = levee.dir.path().join("extra.toml");
+    let route = "[[route]]\nname = \"extra\"\nmatch = { path = \"/extra\" }\nupstream = \"b\"\n";
+    std::fs::write(&extra, route).expect("extra");
+    eventually(Duration::from_secs(10), "the extra route", || async {
+        get(&levee.url("/extra")).await.text() == "b"
+    })
+    .await;
+    std::fs::write(&extra, "").expect("empty");
+    eventually(
+        Duration::from_secs(10),
+        "the emptied file refused",
+        || async {
+            get(&levee.admin_url("/status")).await.json()["policy"]["last_reload_error"]["errors"]
+                [0]["message"]
+                .as_str()
+                .is_some_and(|error| error.contains("the file is empty now"))
+        },
+    )
+    .await;
+    assert_eq!(get(&levee.url("/extra")).await.text(), "b");
+    // A minute later (its time set back rather than waited for).
+    let emptied = std::fs::File::options()
+        .write(true)
+        .open(&extra)
+        .expect("open");
+    emptied
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(60))
+        .expect("time");
+    drop(emptied);
+    let answer = post(&levee.admin_url("/reload"), "").await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(get(&levee.url("/extra")).await.text(), "a");
+}
+
 /// A policy directory reached through a symlink that a deploy switches to another target: the
 /// new target is loaded, and edits in it are seen from then on (not the old target's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -283,6 +283,25 @@ pub fn summarize(status: &serde_json::Value) -> String {
         policy["hash"].as_str().unwrap_or("?"),
         policy["dir"].as_str().unwrap_or("?")
     );
+    if let Some(problem) = policy["watch_error"].as_str() {
+        let _ = writeln!(
+            out,
+            "         NOT WATCHED: {problem}: edits are not read until it is back"
+        );
+    }
+    let written: Vec<&str> = policy["being_written"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .collect();
+    if !written.is_empty() {
+        let _ = writeln!(
+            out,
+            "         being written: {} (a reload waits until it is closed)",
+            written.join(", ")
+        );
+    }
     if let Some(error) = policy["last_reload_error"].as_object() {
         let items = error["errors"].as_array().map_or(&[][..], Vec::as_slice);
         // As `levee check` prints them: each with its severity (a file not read is a warning

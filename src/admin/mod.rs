@@ -1093,6 +1093,9 @@ fn status(shared: &Shared) -> serde_json::Value {
             "files": policy.files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
             "last_reload_ok_unix": shared.store.last_success_unix(),
             "last_reload_error": shared.store.last_failure(),
+            // A reload asked for now waits for these to be closed.
+            "watch_error": shared.store.watch_problem(),
+            "being_written": shared.store.being_written().iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
             "warnings": policy.warnings.iter().map(ToString::to_string).collect::<Vec<_>>(),
         },
         "routes": routes,

@@ -176,6 +176,22 @@ fn not_utf8_at(path: std::path::PathBuf, error: &std::string::FromUtf8Error) -> 
     .hint("policy files are read as UTF-8: save the file in UTF-8 (from GBK or Latin-1, e.g. with iconv)")
 }
 
+/// How long a policy file found empty is taken for one caught while it is written: as long
+/// as the watcher waits for a writer to close a file (`watch::CLOSE_WAIT`).
+pub(super) const EMPTIED_LATELY: std::time::Duration = super::watch::CLOSE_WAIT;
+/// What a reload refused for such a file says (the watcher reads the directory again once
+/// [`EMPTIED_LATELY`] has passed).
+pub(super) const EMPTIED_MESSAGE: &str = "the file is empty now (caught while it is written?)";
+
+/// Whether `path` was modified less than `within` ago (or its time cannot be read).
+fn modified_within(path: &Path, within: std::time::Duration) -> bool {
+    std::fs::metadata(path)
+        .and_then(|meta| meta.modified())
+        .map_or(true, |modified| {
+            modified.elapsed().map_or(true, |elapsed| elapsed < within)
+        })
+}
+
 /// Reads and compiles a policy directory. `previous` lets unchanged upstreams keep their
 /// connection pools across a reload.
 pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnostics> {
@@ -183,7 +199,9 @@ pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnos
     // A file that held settings and is empty now was most often caught between a save's
     // truncation and its write: read as a policy that sets nothing, it would drop every
     // route and limit it held. (An empty placeholder, as an empty ConfigMap key makes, is a
-    // file like any other.)
+    // file like any other.) Only while it was emptied lately: one left empty longer than a
+    // writer may pause is meant so, and `levee check`, which passes it, is not contradicted
+    // for good (every later edit of any file was refused for it).
     if let Some(previous) = previous {
         let emptied: Vec<Diagnostic> = files
             .iter()
@@ -191,13 +209,11 @@ pub fn load_dir(dir: &Path, previous: Option<&Policy>) -> Result<Policy, Diagnos
                 file.text.trim().is_empty()
                     && previous.files.contains(&file.path)
                     && !previous.empty_files.contains(&file.path)
+                    && modified_within(&file.path, EMPTIED_LATELY)
             })
             .map(|file| {
-                Diagnostic::whole(
-                    &file.path,
-                    "the file is empty now (caught while it is written?)",
-                )
-                .hint("delete the file to drop its settings, or leave a comment in it")
+                Diagnostic::whole(&file.path, EMPTIED_MESSAGE)
+                    .hint("delete the file to drop its settings, or leave a comment in it")
             })
             .collect();
         if !emptied.is_empty() {

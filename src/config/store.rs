@@ -68,6 +68,12 @@ pub struct PolicyStore {
     reloading: tokio::sync::Mutex<()>,
     record: Mutex<ReloadRecord>,
     metrics: Arc<Metrics>,
+    /// Policy files the directory's watcher saw opened for writing and not closed yet: a
+    /// reload asked for by someone waits for them, as the watcher's own does.
+    being_written: tokio::sync::watch::Sender<Vec<PathBuf>>,
+    /// Why the directory cannot be watched now (it is gone, or not readable): edits are not
+    /// read until it can be again.
+    watch_problem: Mutex<Option<String>>,
 }
 
 fn now_unix() -> u64 {
@@ -173,6 +179,8 @@ impl PolicyStore {
                 last_success_unix: Some(now_unix()),
             }),
             metrics,
+            being_written: tokio::sync::watch::Sender::new(Vec::new()),
+            watch_problem: Mutex::new(None),
         })
     }
 
@@ -199,8 +207,66 @@ impl PolicyStore {
             .and_then(|record| record.last_success_unix)
     }
 
+    /// The watcher's word on why it cannot watch the directory (`None`: it watches it). Says
+    /// whether the problem is new.
+    pub fn note_watch_problem(&self, problem: Option<String>) -> bool {
+        let mut noted = self
+            .watch_problem
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let new = *noted != problem;
+        *noted = problem;
+        new
+    }
+
+    pub fn watch_problem(&self) -> Option<String> {
+        self.watch_problem
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// The watcher's word on which policy files are open for writing now.
+    pub fn note_being_written(&self, files: Vec<PathBuf>) {
+        self.being_written.send_if_modified(|open| {
+            let changed = *open != files;
+            *open = files;
+            changed
+        });
+    }
+
+    /// Policy files open for writing, as far as the watcher knows (none without it).
+    pub fn being_written(&self) -> Vec<PathBuf> {
+        self.being_written.borrow().clone()
+    }
+
+    /// Waits until no policy file is open for writing, for at most `CLOSE_WAIT`: a `kill -HUP`
+    /// sent while an editor's save or a slow `scp` is writing a file in place read it half
+    /// written, and what was left of it could compile (a route without its `match` took every
+    /// request after it). The watcher reloads again when the file is closed, but with
+    /// `--no-watch` nothing would.
+    async fn wait_for_writers(&self, trigger: ReloadTrigger) {
+        let mut open = self.being_written.subscribe();
+        let files = open.borrow_and_update().clone();
+        if files.is_empty() {
+            return;
+        }
+        tracing::info!(%trigger, ?files, "a policy file is being written: the reload waits until it is closed");
+        let closed = tokio::time::timeout(
+            super::watch::CLOSE_WAIT,
+            open.wait_for(|files| files.is_empty()),
+        )
+        .await;
+        if closed.is_err() {
+            tracing::warn!(%trigger, ?files, "a policy file written in place was left open for {:?}; reading it as it is", super::watch::CLOSE_WAIT);
+        }
+    }
+
     /// Re-reads the directory and swaps in the new policy if it compiles.
     pub async fn reload(&self, trigger: ReloadTrigger) -> Result<ReloadOutcome, Diagnostics> {
+        if matches!(trigger, ReloadTrigger::Sighup | ReloadTrigger::Admin) {
+            self.wait_for_writers(trigger).await;
+        }
         let _serialised = self.reloading.lock().await;
         let previous = self.load();
         let dir = self.dir.clone();

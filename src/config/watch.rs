@@ -19,6 +19,7 @@ use notify::{EventKind, RecursiveMode, Watcher};
 use std::os::unix::fs::MetadataExt;
 use tokio::sync::{mpsc, watch};
 
+use super::compile::{EMPTIED_LATELY, EMPTIED_MESSAGE};
 use super::store::{PolicyStore, ReloadTrigger};
 
 /// How long the directory must be quiet before a reload. Default 200ms.
@@ -27,7 +28,7 @@ pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(200);
 /// How long a file written in place may stay open, quiet, before it is read as it is: a
 /// writer that holds it open without writing (or a truncation by path, which no close
 /// follows) must not hold its reload back for ever.
-const CLOSE_WAIT: Duration = Duration::from_secs(10);
+pub(super) const CLOSE_WAIT: Duration = Duration::from_secs(10);
 
 /// How often the watcher checks that the path still names the directory it watches. A
 /// directory moved or swapped into place, or a symlink switched, gives the old watch no event
@@ -123,9 +124,21 @@ pub fn spawn_watcher(
                 None => (identity_of(store.dir()), watch_dir(&store)),
             };
             let (watcher, mut events) = match attempt {
-                Ok(watching) => watching,
+                Ok(watching) => {
+                    if store.note_watch_problem(None) {
+                        tracing::info!(dir = %store.dir().display(), "policy directory watched again");
+                    }
+                    watching
+                }
                 Err(error) => {
-                    tracing::warn!(dir = %store.dir().display(), "cannot watch the policy directory ({error}); retrying");
+                    // Said once, and shown in `/status` while it lasts: every 2 s, the line
+                    // buried the log of the incident that took the directory away.
+                    let problem = format!("cannot watch the policy directory ({error})");
+                    if store.note_watch_problem(Some(problem.clone())) {
+                        tracing::warn!(dir = %store.dir().display(), "{problem}; edits are not read until it can be, tried every 2 s");
+                    } else {
+                        tracing::debug!(dir = %store.dir().display(), "{problem}; retrying");
+                    }
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_secs(2)) => continue,
                         _ = stop.wait_for(|stopped| *stopped) => return,
@@ -147,6 +160,10 @@ pub fn spawn_watcher(
             let mut linked_seen = linked_read.clone();
             // Policy files opened for writing and not closed yet.
             let mut writing = HashSet::new();
+            store.note_being_written(Vec::new());
+            // A reload refused for a file found emptied is tried again once the file has
+            // stayed empty long enough to be meant so (no event may come to say it).
+            let mut look_again_at: Option<tokio::time::Instant> = None;
             loop {
                 // `None`: the time to check the directory's identity.
                 let woke = match look_now.take() {
@@ -154,6 +171,10 @@ pub fn spawn_watcher(
                     None => tokio::select! {
                         signal = events.recv() => Some(signal),
                         _ = identity_check.tick() => None,
+                        _ = sleep_until_some(look_again_at) => {
+                            look_again_at = None;
+                            Some(Some(WatchSignal::Changed))
+                        }
                         _ = stop.wait_for(|stopped| *stopped) => return,
                     },
                 };
@@ -175,6 +196,7 @@ pub fn spawn_watcher(
                     Some(WatchSignal::Broken) | None => break,
                     Some(signal) => {
                         note(&mut writing, signal);
+                        publish(&store, &writing);
                         // Debounce: wait until no event has come for `debounce`, and no file
                         // is left open for writing (for up to CLOSE_WAIT of quiet).
                         let mut broken = false;
@@ -189,11 +211,15 @@ pub fn spawn_watcher(
                                     broken = true;
                                     break;
                                 }
-                                Ok(Some(signal)) => note(&mut writing, signal),
+                                Ok(Some(signal)) => {
+                                    note(&mut writing, signal);
+                                    publish(&store, &writing);
+                                }
                                 Err(_quiet) => {
                                     if !writing.is_empty() {
                                         tracing::warn!(files = ?writing, "a policy file written in place was left open, unchanged, for {CLOSE_WAIT:?}; reading it as it is");
                                         writing.clear();
+                                        publish(&store, &writing);
                                     }
                                     break;
                                 }
@@ -203,7 +229,19 @@ pub fn spawn_watcher(
                             break;
                         }
                         // Errors are logged, counted and kept by the store.
-                        let _ = store.reload(ReloadTrigger::Watch).await;
+                        let refused = store.reload(ReloadTrigger::Watch).await.err();
+                        look_again_at = refused
+                            .filter(|errors| {
+                                errors
+                                    .0
+                                    .iter()
+                                    .any(|error| error.message == EMPTIED_MESSAGE)
+                            })
+                            .map(|_| {
+                                tokio::time::Instant::now()
+                                    + EMPTIED_LATELY
+                                    + Duration::from_secs(1)
+                            });
                     }
                 }
             }
@@ -211,6 +249,22 @@ pub fn spawn_watcher(
             tracing::warn!(dir = %store.dir().display(), "policy directory watch was lost, or the path names another directory now; setting it up again");
         }
     })
+}
+
+/// Sleeps until `at`, or for ever when there is none.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Tells the store which policy files are open for writing (see
+/// `PolicyStore::note_being_written`), in order.
+fn publish(store: &PolicyStore, writing: &HashSet<PathBuf>) {
+    let mut files: Vec<PathBuf> = writing.iter().cloned().collect();
+    files.sort();
+    store.note_being_written(files);
 }
 
 /// Keeps `writing` (the files open for writing) up to date with a signal.
@@ -295,8 +349,13 @@ fn signal_of(event: notify::Result<notify::Event>, watched_dir: &Path) -> Option
     }
     // Anything that happens to the directory itself (removed, or moved away as in
     // `mv policies policies.old; mv policies.new policies`) leaves the watch on the old one:
-    // set it up again on the path.
+    // set it up again on the path. Not a change of its times or mode (`touch`, `chmod`, and
+    // every `rsync -a` into it), which leaves the watch as it was: taken as lost, it was set
+    // up again with a warning that alerting on warnings pages someone for.
     if event.paths.iter().any(|path| path == watched_dir) {
+        if matches!(event.kind, EventKind::Modify(ModifyKind::Metadata(_))) {
+            return None;
+        }
         return Some(WatchSignal::Broken);
     }
     // Written in place, or made (and so open for writing) — a symlink made is none of these.
@@ -414,6 +473,16 @@ mod tests {
         );
         assert_eq!(
             signal_of(Ok(notify::Event::new(created).add_path(dir.into())), dir),
+            Some(WatchSignal::Broken)
+        );
+        let touched = EventKind::Modify(ModifyKind::Metadata(notify::event::MetadataKind::Any));
+        assert_eq!(
+            signal_of(Ok(notify::Event::new(touched).add_path(dir.into())), dir),
+            None
+        );
+        let moved_away = EventKind::Modify(ModifyKind::Name(RenameMode::Any));
+        assert_eq!(
+            signal_of(Ok(notify::Event::new(moved_away).add_path(dir.into())), dir),
             Some(WatchSignal::Broken)
         );
     }

@@ -13,6 +13,7 @@ use super::fleet::report_of;
 use super::{Degrade, RuntimeSwitches, Switch, MAX_LEVEL};
 use crate::breaker::Force;
 use crate::config::Policy;
+use crate::log_throttle::LogThrottle;
 use crate::metrics::{Metrics, ModuleLabels};
 use crate::proxy::Shared;
 use crate::redis_store::RedisStore;
@@ -312,6 +313,41 @@ async fn keep_local_copy(policy: &Policy, switches: &RuntimeSwitches) {
     }
 }
 
+/// Without Redis, a state file gone while runtime switches are on (a deploy's `rsync
+/// --delete` or `git clean` in the policy directory, its default home; a directory replaced
+/// by a release's) is written again from the switches levee applies: else they would be lost
+/// at the next restart without a word.
+async fn write_again_if_gone(degrade: &super::Degrade, policy: &Policy) {
+    let path = &policy.degrade.state_file;
+    let gone = || async { matches!(tokio::fs::try_exists(path).await, Ok(false)) };
+    if *degrade.runtime() == RuntimeSwitches::default() || !gone().await {
+        return;
+    }
+    // Not beside an operator's change, whose own write would race this one.
+    let _changing = degrade.lock_changes().await;
+    let switches = degrade.runtime();
+    if *switches == RuntimeSwitches::default() || !gone().await {
+        return;
+    }
+    match save_to_file(path, &switches).await {
+        Ok(()) => tracing::warn!(
+            state_file = %path.display(),
+            "the state file was gone (deleted by a deploy?) while runtime switches are on; written again from the switches in effect"
+        ),
+        Err(error) => {
+            // Tried at every sync: said once a minute.
+            static UNWRITABLE: LogThrottle = LogThrottle::new(Duration::from_secs(60));
+            if let Some(held_back) = UNWRITABLE.allow(std::time::Instant::now()) {
+                tracing::warn!(
+                    state_file = %path.display(),
+                    held_back,
+                    "the state file is gone and cannot be written again ({error}): the runtime switches in effect are lost at the next restart"
+                );
+            }
+        }
+    }
+}
+
 /// The field Redis's switches hash keeps once its last switch was handed back: who did it.
 const HANDED_BACK: &str = "handed_back_by";
 
@@ -521,6 +557,7 @@ pub async fn spawn_sync(
                 return;
             }
             if policy.redis.is_none() {
+                write_again_if_gone(&degrade, &policy).await;
                 publish(&degrade, &policy, &metrics);
                 continue;
             }
