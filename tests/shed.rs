@@ -622,14 +622,43 @@ async fn a_full_pool_raises_the_level_by_its_inflight_trigger() {
         || async { level().await == 1 },
     )
     .await;
+    // Why, in `/status` and `levee status`: the trigger that raised it, holding still.
+    let status = get(&levee.admin_url("/status")).await.json();
+    let automatic = &status["degrade"]["automatic"];
+    assert_eq!(
+        automatic["raised_by"][0], "app inflight above 0.9",
+        "{automatic}"
+    );
+    assert_eq!(
+        automatic["holding"][0]["trigger"], "app inflight above 0.9",
+        "{automatic}"
+    );
+    assert!(automatic["changed_at_unix"].is_u64(), "{automatic}");
+    let summary = levee::admin::client::summarize(&status);
+    assert!(
+        summary.contains("automatic level 1, changed ")
+            && summary.contains("raised by app inflight above 0.9\n")
+            && summary.contains("triggers holding: app inflight above 0.9 (level 1, "),
+        "{summary}"
+    );
     release.send_replace(true);
     for call in calls {
         assert_eq!(call.await.expect("call"), 200);
     }
+    // No trigger holds: the cool-down is counting down.
+    eventually(Duration::from_secs(5), "the cool-down shown", || async {
+        let status = get(&levee.admin_url("/status")).await.json();
+        status["degrade"]["automatic"]["lowers_in_ms"].is_u64()
+            && levee::admin::client::summarize(&status).contains("triggers holding: none\n")
+    })
+    .await;
     eventually(
         Duration::from_secs(10),
         "the level to come down",
         || async { level().await == 0 },
     )
     .await;
+    let automatic = get(&levee.admin_url("/status")).await.json()["degrade"]["automatic"].clone();
+    assert!(automatic["lowers_in_ms"].is_null(), "{automatic}");
+    assert_eq!(automatic["raised_by"], serde_json::json!([]), "{automatic}");
 }

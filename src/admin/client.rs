@@ -8,6 +8,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
 
+use crate::config::units::Shown;
 use crate::proxy::client::{Client, ClientSettings};
 
 /// Where the admin listener is: `--admin`, else the policy directory's `[admin] listen`, else
@@ -260,6 +261,78 @@ pub fn printable(value: &serde_json::Value) -> serde_json::Value {
     }
 }
 
+/// What the triggers say of the automatic level, under the `degrade` line: why it is up,
+/// what holds now, and when it comes down. Nothing while it is 0 and no trigger holds.
+fn automatic_level_lines(out: &mut String, degrade: &serde_json::Value) {
+    use std::fmt::Write as _;
+    let report = &degrade["automatic"];
+    let level = degrade["automatic_level"].as_u64().unwrap_or(0);
+    let holding: Vec<String> = report["holding"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|held| {
+            let millis = |key: &str| Duration::from_millis(held[key].as_u64().unwrap_or(0));
+            format!(
+                "{} (level {}, {} of its {})",
+                held["trigger"].as_str().unwrap_or("?"),
+                held["level"],
+                Shown(millis("for_ms")),
+                Shown(millis("needs_ms"))
+            )
+        })
+        .collect();
+    if level == 0 && holding.is_empty() {
+        return;
+    }
+    if level > 0 {
+        let since = report["changed_at_unix"]
+            .as_u64()
+            .and_then(|at| {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .ok()?
+                    .as_secs();
+                Some(format!(
+                    " {} ago",
+                    Shown(Duration::from_secs(now.saturating_sub(at)))
+                ))
+            })
+            .unwrap_or_default();
+        let raised_by: Vec<&str> = report["raised_by"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(serde_json::Value::as_str)
+            .collect();
+        let _ = writeln!(
+            out,
+            "         automatic level {level}, changed{since}, raised by {}",
+            if raised_by.is_empty() {
+                "?".to_string()
+            } else {
+                raised_by.join(", ")
+            }
+        );
+    }
+    let _ = writeln!(
+        out,
+        "         triggers holding: {}",
+        if holding.is_empty() {
+            "none".to_string()
+        } else {
+            holding.join("; ")
+        }
+    );
+    if let Some(left) = report["lowers_in_ms"].as_u64() {
+        let _ = writeln!(
+            out,
+            "         comes down in {} (cool_down) unless a trigger holds again",
+            Shown(Duration::from_millis(left))
+        );
+    }
+}
+
 /// A readable summary of `GET /status`.
 pub fn summarize(status: &serde_json::Value) -> String {
     use std::fmt::Write as _;
@@ -361,6 +434,7 @@ pub fn summarize(status: &serde_json::Value) -> String {
         degrade["level"],
         degrade["level_origin"].as_str().unwrap_or("?")
     );
+    automatic_level_lines(&mut out, degrade);
     if let Some(modules) = degrade["modules"].as_object() {
         for (name, module) in modules {
             let state = if module["off"] == true { "OFF" } else { "on" };

@@ -879,6 +879,8 @@ fn degrade_status(shared: &Shared, policy: &crate::config::Policy) -> serde_json
         "level_origin": level_origin,
         "policy_level": policy.degrade.level,
         "automatic_level": shared.degrade.auto_level(),
+        // Which triggers raised it, which hold now, when it comes down.
+        "automatic": shared.degrade.auto_report(),
         "level_changed_by": runtime.level.as_ref().map(|s| s.by.clone()),
         // The level set at runtime, in effect or not (an automatic level may be above it).
         "runtime_level": runtime.level.as_ref().map(|s| s.value),

@@ -128,6 +128,34 @@ pub struct Degrade {
     changes: tokio::sync::Mutex<()>,
     /// Raised by triggers; 0 when healthy.
     auto_level: AtomicU8,
+    /// Why the automatic level is what it is, for `/status` (see [`AutoLevelReport`]).
+    auto_report: std::sync::Mutex<AutoLevelReport>,
+}
+
+/// What the triggers say of the automatic level: the operator of a degraded site reads here
+/// which trigger raised it, since when, what holds now, and when it comes down.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct AutoLevelReport {
+    /// When the automatic level last changed (unix seconds); `None` before it ever did.
+    pub changed_at_unix: Option<u64>,
+    /// The triggers that held when it was last raised, as the log names them
+    /// (`app inflight above 0.8`).
+    pub raised_by: Vec<String>,
+    /// The triggers that hold now, each with how long it has.
+    pub holding: Vec<HoldingTrigger>,
+    /// While the level is up and no trigger wants it any more: how long until the cool-down
+    /// ends and it comes down, unless a trigger holds again (ms).
+    pub lowers_in_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HoldingTrigger {
+    pub trigger: String,
+    pub level: u8,
+    /// How long it has held.
+    pub for_ms: u64,
+    /// How long it must hold to raise the level (its `for`).
+    pub needs_ms: u64,
 }
 
 impl Default for Degrade {
@@ -142,6 +170,7 @@ impl Degrade {
             runtime: ArcSwap::from_pointee(RuntimeSwitches::default()),
             changes: tokio::sync::Mutex::new(()),
             auto_level: AtomicU8::new(0),
+            auto_report: std::sync::Mutex::new(AutoLevelReport::default()),
         }
     }
 
@@ -176,6 +205,24 @@ impl Degrade {
 
     pub fn auto_level(&self) -> u8 {
         self.auto_level.load(Ordering::Relaxed)
+    }
+
+    pub fn auto_report(&self) -> AutoLevelReport {
+        self.auto_report
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// The triggers' latest word (see [`AutoLevelReport`]); `changed`: the level changed with
+    /// it, `raised_by` kept from the last raise otherwise.
+    pub fn note_auto_report(&self, report: impl FnOnce(&mut AutoLevelReport)) {
+        report(
+            &mut self
+                .auto_report
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
     }
 
     pub fn set_auto_level(&self, level: u8) {

@@ -117,6 +117,39 @@ pub struct Hysteresis {
 }
 
 impl Hysteresis {
+    /// How long each trigger has held at `now` (`None`: it does not hold), in the order of
+    /// the triggers last stepped with.
+    pub fn held_for(&self, now: Instant) -> impl Iterator<Item = (&Trigger, Option<Duration>)> {
+        self.held_since.iter().map(move |(trigger, since)| {
+            (
+                trigger,
+                since.map(|since| now.saturating_duration_since(since)),
+            )
+        })
+    }
+
+    /// While the level `current` is up and no trigger wants it: how long until `cool_down`
+    /// lets it down.
+    pub fn lowers_in(&self, now: Instant, current: u8, cool_down: Duration) -> Option<Duration> {
+        if current == 0 {
+            return None;
+        }
+        let wanted = self
+            .held_since
+            .iter()
+            .filter(|(trigger, since)| {
+                since.is_some_and(|since| now.saturating_duration_since(since) >= trigger.hold)
+            })
+            .map(|(trigger, _)| trigger.level)
+            .max()
+            .unwrap_or(0);
+        if wanted >= current {
+            return None;
+        }
+        let last = self.last_wanted?;
+        Some(cool_down.saturating_sub(now.saturating_duration_since(last)))
+    }
+
     pub fn step(
         &mut self,
         now: Instant,
@@ -301,22 +334,48 @@ pub fn spawn_triggers(
                 current,
                 policy.degrade.cool_down,
             );
+            let named = |trigger: &Trigger| format!("{} {}", trigger.upstream, trigger.condition);
+            let reasons: Vec<String> = policy
+                .degrade
+                .triggers
+                .iter()
+                .zip(&holding)
+                .filter(|(_, holds)| **holds)
+                .map(|(trigger, _)| named(trigger))
+                .collect();
+            degrade.note_auto_report(|report| {
+                report.holding = hysteresis
+                    .held_for(now)
+                    .filter_map(|(trigger, held)| {
+                        held.map(|held| super::HoldingTrigger {
+                            trigger: named(trigger),
+                            level: trigger.level,
+                            for_ms: held.as_millis() as u64,
+                            needs_ms: trigger.hold.as_millis() as u64,
+                        })
+                    })
+                    .collect();
+                report.lowers_in_ms = hysteresis
+                    .lowers_in(now, next, policy.degrade.cool_down)
+                    .map(|left| left.as_millis() as u64);
+                if next != current {
+                    report.changed_at_unix = Some(crate::degrade::switches::now_unix());
+                    if next > current {
+                        report.raised_by = reasons.clone();
+                    } else if next == 0 {
+                        report.raised_by.clear();
+                    }
+                }
+            });
             if next != current {
                 if next > current {
-                    let reasons: Vec<String> = policy
-                        .degrade
-                        .triggers
-                        .iter()
-                        .zip(&holding)
-                        .filter(|(_, holds)| **holds)
-                        .map(|(trigger, _)| format!("{} {}", trigger.upstream, trigger.condition))
-                        .collect();
                     tracing::warn!(from = current, to = next, reasons = %reasons.join(", "), "degrade level raised automatically");
                 } else {
                     tracing::info!(
                         from = current,
                         to = next,
-                        "upstreams healthy for the cool-down: degrade level lowered"
+                        cool_down = ?policy.degrade.cool_down,
+                        "no trigger held for the cool-down: degrade level lowered"
                     );
                 }
                 degrade.set_auto_level(next);
@@ -406,6 +465,27 @@ mod tests {
             "the breaker trigger kept its time; the new one has held 1 s of its 5"
         );
         assert_eq!(h.step(t0 + s(9), &reloaded, &[true, true], 1, cool), 2);
+    }
+
+    #[test]
+    fn the_cool_down_left_is_told_only_while_no_trigger_wants_the_level() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let cool = s(30);
+        let triggers = [trigger(5, 1)];
+        let mut h = Hysteresis::default();
+        assert_eq!(h.step(t0 + s(5), &triggers, &[true], 0, cool), 0);
+        assert_eq!(h.step(t0 + s(10), &triggers, &[true], 0, cool), 1);
+        assert_eq!(h.lowers_in(t0 + s(10), 1, cool), None, "wanted still");
+        let held: Vec<_> = h.held_for(t0 + s(10)).map(|(_, held)| held).collect();
+        assert_eq!(held, [Some(s(5))]);
+        assert_eq!(h.step(t0 + s(12), &triggers, &[false], 1, cool), 1);
+        assert_eq!(h.lowers_in(t0 + s(12), 1, cool), Some(s(28)));
+        assert_eq!(
+            h.held_for(t0 + s(12)).next().map(|(_, held)| held),
+            Some(None)
+        );
+        assert_eq!(h.lowers_in(t0 + s(12), 0, cool), None, "nothing to lower");
     }
 
     #[test]
