@@ -167,6 +167,13 @@ pub struct ModuleLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NotKeptLabels {
+    pub route: RouteName,
+    /// private, credentials, set_cookie, vary, content_coded, too_large
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DegradedLabels {
     pub route: RouteName,
     /// stale, stale_missing, reject
@@ -227,6 +234,7 @@ pub struct Metrics {
     pub degrade_level: Gauge,
     pub module_off: Family<ModuleLabels, Gauge>,
     pub degraded_responses: Family<DegradedLabels, Counter>,
+    pub stale_not_kept: Family<NotKeptLabels, Counter>,
     pub shed: Family<ShedLabels, Counter>,
     pub degrade_level_changes: Family<LevelChangeLabels, Counter>,
     pub queue_enqueued: Family<QueueLabels, Counter>,
@@ -262,6 +270,26 @@ pub struct RouteSeries {
     duration: OnceLock<Histogram>,
     /// `levee_requests_total` with status 200, by far the most common.
     ok: OnceLock<Counter>,
+    /// When the route last said in the log why an answer was not kept as its stale copy.
+    stale_not_kept_said: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl RouteSeries {
+    /// Whether the route may say again why an answer was not kept (once a minute, each route
+    /// for itself: one route's logged-in pages must not hide another's cookie on every view).
+    pub fn stale_not_kept_due(&self, now: std::time::Instant) -> bool {
+        let mut said = self
+            .stale_not_kept_said
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let due = said.is_none_or(|last| {
+            now.saturating_duration_since(last) >= std::time::Duration::from_secs(60)
+        });
+        if due {
+            *said = Some(now);
+        }
+        due
+    }
 }
 
 /// One rate-limit rule's most common decision series (admitted, by the three usual sources),
@@ -495,6 +523,12 @@ impl Metrics {
             "Responses given by a degrade action instead of the upstream",
             degraded_responses.clone(),
         );
+        let stale_not_kept = Family::<NotKeptLabels, Counter>::default();
+        registry.register(
+            "stale_not_kept",
+            "Answers of 200 on a stale route not kept as its copy, by why (private, credentials, set_cookie, vary, content_coded, too_large): a route whose every answer is refused has no copy to serve when the app fails",
+            stale_not_kept.clone(),
+        );
         let shed = Family::<ShedLabels, Counter>::default();
         registry.register(
             "shed",
@@ -578,6 +612,7 @@ impl Metrics {
             degrade_level,
             module_off,
             degraded_responses,
+            stale_not_kept,
             breaker_state,
             upstream_latency_p95,
             upstream_inflight,

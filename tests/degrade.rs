@@ -267,6 +267,40 @@ async fn a_state_file_levee_cannot_write_is_warned_of_at_start() {
 /// Started while Redis is down and before any switch was ever saved here, levee says it has
 /// no copy of the fleet's switches; it named the state file as "the last known copy" though
 /// no such file existed.
+/// A stale route whose page sets a cookie on every view (`session_start()`) never keeps a
+/// copy, and has none to serve when the app fails: counted by why, and said in the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_a_stale_route_cannot_keep_are_counted_and_said() {
+    let log = levee_log();
+    let backend = Backend::start(|_request: Request<Incoming>| async {
+        Response::builder()
+            .header("set-cookie", "PHPSESSID=abc; path=/")
+            .body(full("ranking"))
+            .expect("response")
+    })
+    .await;
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", ROUTES)).await;
+    for _ in 0..3 {
+        assert_eq!(get(&levee.url("/ranking")).await.status, 200);
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "levee_stale_not_kept_total{route=\"ranking\",reason=\"set_cookie\"}"
+        ),
+        3.0,
+        "{metrics}"
+    );
+    let said = log.lines_with("was not kept as the route's stale copy");
+    assert!(
+        said.iter().any(
+            |line| line.contains("route=ranking") && line.contains("allow_set_cookie is false")
+        ),
+        "{said:?}"
+    );
+}
+
 /// A deploy that deletes the state file (`rsync --delete` into the policy directory, its
 /// default home) while a level is switched on: levee writes it again from the switches in
 /// effect, and says so, so a restart still comes up at that level.

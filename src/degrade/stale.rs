@@ -798,8 +798,20 @@ pub fn storable(
     settings: &StaleSettings,
     credentials: bool,
 ) -> bool {
+    why_not_storable(status, headers, settings, credentials).is_none()
+}
+
+/// Why a response cannot be kept as the route's last good copy (`None`: it can), as the
+/// `reason` of `levee_stale_not_kept_total` names it.
+pub fn why_not_storable(
+    status: StatusCode,
+    headers: &HeaderMap,
+    settings: &StaleSettings,
+    credentials: bool,
+) -> Option<&'static str> {
+    let not = Some;
     if status != StatusCode::OK {
-        return false;
+        return not("status");
     }
     let cache_control = headers
         .get_all(header::CACHE_CONTROL)
@@ -809,7 +821,7 @@ pub fn storable(
         .join(",")
         .to_ascii_lowercase();
     if cache_control.contains("private") || cache_control.contains("no-store") {
-        return false;
+        return not("private");
     }
     // The answer to a request with credentials is that user's page, unless the app says it
     // may be shared (RFC 9111 3.5).
@@ -817,24 +829,40 @@ pub fn storable(
         .iter()
         .any(|directive| cache_control.contains(directive));
     if credentials && !shared_anyway {
-        return false;
+        return not("credentials");
     }
     if !settings.allow_set_cookie && headers.contains_key(header::SET_COOKIE) {
-        return false;
+        return not("set_cookie");
     }
     if !vary_is_keyed(headers, settings) {
-        return false;
+        return not("vary");
     }
     // A copy answers any client, including one that cannot decode gzip: levee asks for an
     // uncompressed page, and an upstream that compresses anyway is not kept.
     if crate::proxy::header::is_content_coded(headers) {
-        return false;
+        return not("content_coded");
     }
     let length = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
-    length.is_none_or(|length| length <= settings.max_body)
+    if length.is_some_and(|length| length > settings.max_body) {
+        return not("too_large");
+    }
+    None
+}
+
+/// What a `reason` of [`why_not_storable`] means, for the log.
+pub fn not_kept_because(reason: &str) -> &'static str {
+    match reason {
+        "private" => "the app marked it Cache-Control: private or no-store",
+        "credentials" => "the request carried Authorization and the app did not mark the answer public",
+        "set_cookie" => "it sets a cookie (Set-Cookie) and allow_set_cookie is false: a page that starts a session on every view is never kept",
+        "vary" => "its Vary names a field the copy is not keyed by (list it in vary)",
+        "content_coded" => "the app compressed it, though levee asked for it uncompressed",
+        "too_large" => "it is larger than max_body",
+        _ => "its status is not 200",
+    }
 }
 
 /// Whether every field the answer's `Vary` names also selects its copy (RFC 9111 4.1): the

@@ -937,7 +937,13 @@ async fn forward(
         None
     } else {
         stale
-            .capture_target(shared, policy, parts.status, &parts.headers, fetch)
+            .capture_target(
+                shared,
+                policy,
+                &route,
+                (parts.status, &parts.headers),
+                fetch,
+            )
             .map(|target| CaptureTarget {
                 keep: !told_modules_off,
                 ..target
@@ -1370,14 +1376,17 @@ impl Stale {
         &self,
         shared: &Shared,
         policy: &Policy,
-        status: StatusCode,
-        headers: &http::HeaderMap,
+        route: &Route,
+        (status, headers): (StatusCode, &http::HeaderMap),
         guard: Option<FetchGuard>,
     ) -> Option<CaptureTarget> {
         let (Some(key), Some(settings), true) = (&self.key, &self.settings, self.keeps) else {
             return None;
         };
-        if !stale::storable(status, headers, settings, self.credentials) {
+        if let Some(reason) = stale::why_not_storable(status, headers, settings, self.credentials) {
+            if status == StatusCode::OK {
+                not_kept(shared, route, reason);
+            }
             return None;
         }
         if let Some(guard) = &guard {
@@ -1392,6 +1401,23 @@ impl Stale {
             guard,
             keep: true,
         })
+    }
+}
+
+/// Counts a 200 of a stale route that is not kept as its copy, and says why at most once a
+/// minute: a page that starts a session on every view (`Set-Cookie`) is never kept, and the
+/// route has no copy to serve when the app fails, which no one learned before the outage.
+fn not_kept(shared: &Shared, route: &Route, reason: &'static str) {
+    shared
+        .metrics
+        .stale_not_kept
+        .get_or_create(&crate::metrics::NotKeptLabels {
+            route: route.name.clone(),
+            reason,
+        })
+        .inc();
+    if route.series.stale_not_kept_due(std::time::Instant::now()) {
+        tracing::info!(route = %route.name, reason, "an answer of 200 was not kept as the route's stale copy: {}", stale::not_kept_because(reason));
     }
 }
 
