@@ -656,7 +656,46 @@ impl RedisStore {
             );
         }
         *lock(&self.eviction_policy) = Some(policy);
+        self.warn_if_nothing_is_kept_on_disk().await;
         true
+    }
+
+    /// Warns when Redis keeps nothing on disk (no append-only file, no `save` points): a
+    /// restart of it loses every queued job levee answered 202 for, and the switches. Asked
+    /// once, with the eviction policy; a Redis that refuses `CONFIG` (a managed one) is left
+    /// unsaid, as is a cluster (its nodes may differ).
+    async fn warn_if_nothing_is_kept_on_disk(&self) {
+        if self.is_cluster() {
+            return;
+        }
+        let timeout = self.settings.timeout.max(Duration::from_millis(500));
+        let mut info = redis::cmd("INFO");
+        info.arg("persistence");
+        let Ok(answer) = self.command::<redis::Value>(&info, timeout, None).await else {
+            return;
+        };
+        if info_field(&answer, "aof_enabled")
+            .first()
+            .map(String::as_str)
+            != Some("0")
+        {
+            return;
+        }
+        let mut config = redis::cmd("CONFIG");
+        config.arg("GET").arg("save");
+        let Ok(save) = self.command::<Vec<String>>(&config, timeout, None).await else {
+            return;
+        };
+        if save.get(1).is_some_and(|points| points.trim().is_empty()) {
+            let redis = match &self.settings.target {
+                RedisTarget::Single(url) => redact_url(url),
+                other => format!("{other:?}"),
+            };
+            tracing::warn!(
+                %redis,
+                "redis keeps nothing on disk (appendonly no, no save points): if it restarts, every queued job (already answered 202) and every switch is lost; set appendonly yes (appendfsync everysec)"
+            );
+        }
     }
 
     /// Redis's `maxmemory-policy`, when read (see [`Self::read_eviction_policy`]).
@@ -1626,34 +1665,38 @@ pub type SharedRedis = Arc<RedisStore>;
 /// map of node to text, where a node that evicts any key speaks for all (its queue streams
 /// are as much at risk); "unknown" when no node says.
 fn eviction_policy_of(answer: &redis::Value) -> String {
-    fn of_text(text: &[u8]) -> Option<String> {
-        String::from_utf8_lossy(text)
-            .lines()
-            .find_map(|line| line.trim().strip_prefix("maxmemory_policy:"))
-            .map(str::to_string)
-    }
-    fn policy_of(value: &redis::Value) -> Option<String> {
-        match value {
-            redis::Value::BulkString(text) => of_text(text),
-            redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => {
-                of_text(text.as_bytes())
-            }
-            _ => None,
-        }
-    }
-    let policies: Vec<String> = match answer {
-        redis::Value::Map(nodes) => nodes
-            .iter()
-            .filter_map(|(_, text)| policy_of(text))
-            .collect(),
-        one => policy_of(one).into_iter().collect(),
-    };
+    let policies = info_field(answer, "maxmemory_policy");
     policies
         .iter()
         .find(|policy| policy.starts_with("allkeys-"))
         .or_else(|| policies.first())
         .cloned()
         .unwrap_or_else(|| "unknown".to_string())
+}
+
+/// The values of `field` in an `INFO` answer: one server's text, or a cluster's map of node
+/// to text (one value per node that has it).
+fn info_field(answer: &redis::Value, field: &str) -> Vec<String> {
+    let of_text = |text: &[u8]| {
+        String::from_utf8_lossy(text)
+            .lines()
+            .find_map(|line| line.trim().strip_prefix(field)?.strip_prefix(':'))
+            .map(str::to_string)
+    };
+    let value_of = |value: &redis::Value| match value {
+        redis::Value::BulkString(text) => of_text(text),
+        redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => {
+            of_text(text.as_bytes())
+        }
+        _ => None,
+    };
+    match answer {
+        redis::Value::Map(nodes) => nodes
+            .iter()
+            .filter_map(|(_, text)| value_of(text))
+            .collect(),
+        one => value_of(one).into_iter().collect(),
+    }
 }
 
 /// A Redis URL fit to show (in `/status`, in `levee check` errors): the credentials of

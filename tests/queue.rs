@@ -1841,6 +1841,39 @@ async fn a_job_waiting_for_its_retry_keeps_its_age() {
     );
 }
 
+/// A Redis that keeps nothing on disk loses every queued job when it restarts: said once
+/// with the eviction policy; one with an append-only file is not named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_keeps_nothing_on_disk_is_warned_of() {
+    let log = levee_log();
+    let dir = tempfile::tempdir().expect("dir");
+    for name in ["bare", "kept"] {
+        std::fs::create_dir(dir.path().join(name)).expect("dir");
+    }
+    let bare = RedisServer::start(&dir.path().join("bare")).await;
+    let kept = RedisServer::start_persistent(&dir.path().join("kept"), free_port()).await;
+    let (backend, _) = recording_always_ok().await;
+    let mut running = Vec::new();
+    for redis in [&bare, &kept] {
+        let levee = Levee::start(&queue_policy(backend.addr, &redis.url(), "")).await;
+        eventually(Duration::from_secs(5), "the settings read", || async {
+            get(&levee.admin_url("/status")).await.json()["redis"]["maxmemory_policy"].is_string()
+        })
+        .await;
+        running.push(levee);
+    }
+    let warned_of = |redis: &RedisServer| {
+        log.lines_with("redis keeps nothing on disk")
+            .iter()
+            .any(|line| line.contains(&redis.url()))
+    };
+    eventually(Duration::from_secs(5), "the warning", || async {
+        warned_of(&bare)
+    })
+    .await;
+    assert!(!warned_of(&kept));
+}
+
 /// A Redis that evicts any key when full may drop jobs already answered 202: levee reads the
 /// policy once, warns, and shows it in `/status`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
