@@ -1832,6 +1832,51 @@ fn warn_of_what_does_nothing(
     }
 }
 
+/// A slow-call ratio judged on more calls than fit in the window while they are slow never
+/// trips while the dependency is slow: with 1 slot, `slow_call = "1s"` and a 10 s window, 10
+/// slow calls at most, under `min_requests = 20`. It tripped once the dependency was fast
+/// again, when quick calls filled the window, and cut a healthy service off.
+fn warn_of_slow_calls_that_cannot_trip(
+    compiler: &mut Compiler<'_>,
+    routes: &[Arc<Route>],
+    name: &str,
+    (file, spec): (usize, &Spanned<UpstreamSpec>),
+    usable: u32,
+) {
+    let Some(upstream) = routes
+        .iter()
+        .find(|route| route.upstream.name == name)
+        .map(|route| &route.upstream)
+    else {
+        return;
+    };
+    let settings = upstream.breaker.settings();
+    let Some(slow_call) = settings.slow_call else {
+        return;
+    };
+    let per_slot = (settings.window.as_secs_f64() / slow_call.as_secs_f64()).floor();
+    let fit = (f64::from(usable) * per_slot) as u64;
+    if fit >= u64::from(settings.min_requests) {
+        return;
+    }
+    let span = spec
+        .get_ref()
+        .breaker
+        .as_ref()
+        .map_or_else(|| spec.span(), |breaker| breaker.span());
+    compiler.warning_hint(
+        file,
+        span,
+        format!(
+            "upstream `{name}`: while its calls are slow, at most {fit} of them fit in the breaker's window ({usable} slot(s) of max_inflight × {} / slow_call {}), fewer than min_requests = {}: the slow-call ratio cannot open the breaker while the dependency is slow, and may open it once it is fast again",
+            super::units::Shown(settings.window),
+            super::units::Shown(slow_call),
+            settings.min_requests
+        ),
+        format!("set min_requests = {} or less in its breaker, or a longer window", fit.max(1)),
+    );
+}
+
 /// An upstream whose routes are all of tier 2 or 3 can never fill the slots `shed_reserve`
 /// keeps for better tiers: with `max_inflight = 2` near a small pool's `pm.max_children`,
 /// tier 3 may take one slot, and half the pool idles while requests are refused.
@@ -1862,6 +1907,7 @@ fn warn_of_slots_no_route_may_take(
     };
     let usable = bulkhead.limit_for(tier);
     let (span, max) = (max.span(), *max.get_ref());
+    warn_of_slow_calls_that_cannot_trip(compiler, routes, name, (file, spec), usable);
     if usable < max {
         compiler.warning_hint(
             file,
@@ -4772,7 +4818,7 @@ mod tests {
     }
 
     #[test]
-    fn slots_kept_for_tiers_an_upstream_has_no_route_of_are_warned_of() {
+    fn slots_no_route_may_take_and_slow_calls_that_cannot_trip_are_warned_of() {
         let warnings = |tier: u8, extra: &str| -> Vec<String> {
             let text = format!(
                 "[server]\ndefault_upstream = \"app\"\n{APP}[upstream.search]\nurl = \"http://127.0.0.1:8083\"\nmax_inflight = 2\n{extra}\n\
@@ -4794,6 +4840,15 @@ mod tests {
         );
         assert!(warnings(3, "shed_reserve = 0.0").is_empty());
         assert!(warnings(1, "").is_empty());
+
+        // A slow-call ratio that cannot reach min_requests while the calls are slow.
+        let said = warnings(1, "breaker = { slow_call = \"1s\", min_requests = 30 }");
+        assert!(
+            said.len() == 1
+                && said[0].starts_with("a.toml:8:11: warning: upstream `search`: while its calls are slow, at most 20 of them fit in the breaker's window (2 slot(s) of max_inflight × 10s / slow_call 1s), fewer than min_requests = 30"),
+            "{said:?}"
+        );
+        assert!(warnings(1, "breaker = { slow_call = \"1s\", min_requests = 20 }").is_empty());
     }
 
     fn errors(sources: &[(&str, &str)]) -> Vec<String> {
