@@ -54,6 +54,8 @@ async fn status_level_module_breaker_and_reload_from_the_command_line() {
     let (ok, out, err) = run(&["status"], None).await.expect("cli");
     assert!(ok, "{err}");
     assert!(out.contains("policy   generation 1"), "{out}");
+    // When the running generation was loaded: a reload that changed nothing does not move it.
+    assert!(out.contains("s ago\n"), "{out}");
     assert!(
         out.contains("module ranking") && out.contains("on"),
         "{out}"

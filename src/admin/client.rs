@@ -261,6 +261,20 @@ pub fn printable(value: &serde_json::Value) -> serde_json::Value {
     }
 }
 
+/// `12s ago` for a unix time in `/status`, by this machine's clock (the CLI runs beside the
+/// levee it asks); `None` when there is none.
+fn ago(unix: &serde_json::Value) -> Option<String> {
+    let at = unix.as_u64().filter(|at| *at > 0)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_secs();
+    Some(format!(
+        "{} ago",
+        Shown(Duration::from_secs(now.saturating_sub(at)))
+    ))
+}
+
 /// What the triggers say of the automatic level, under the `degrade` line: why it is up,
 /// what holds now, and when it comes down. Nothing while it is 0 and no trigger holds.
 fn automatic_level_lines(out: &mut String, degrade: &serde_json::Value) {
@@ -286,18 +300,8 @@ fn automatic_level_lines(out: &mut String, degrade: &serde_json::Value) {
         return;
     }
     if level > 0 {
-        let since = report["changed_at_unix"]
-            .as_u64()
-            .and_then(|at| {
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .ok()?
-                    .as_secs();
-                Some(format!(
-                    " {} ago",
-                    Shown(Duration::from_secs(now.saturating_sub(at)))
-                ))
-            })
+        let since = ago(&report["changed_at_unix"])
+            .map(|ago| format!(" {ago}"))
             .unwrap_or_default();
         let raised_by: Vec<&str> = report["raised_by"]
             .as_array()
@@ -351,10 +355,13 @@ pub fn summarize(status: &serde_json::Value) -> String {
     );
     let _ = writeln!(
         out,
-        "policy   generation {} · hash {} · {}",
+        "policy   generation {} · hash {} · {}{}",
         policy["generation"],
         policy["hash"].as_str().unwrap_or("?"),
-        policy["dir"].as_str().unwrap_or("?")
+        policy["dir"].as_str().unwrap_or("?"),
+        ago(&policy["loaded_at_unix"])
+            .map(|ago| format!(" · loaded {ago}"))
+            .unwrap_or_default()
     );
     if let Some(problem) = policy["watch_error"].as_str() {
         let _ = writeln!(

@@ -1094,6 +1094,9 @@ fn status(shared: &Shared) -> serde_json::Value {
             "hash": policy.hash,
             "files": policy.files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
             "last_reload_ok_unix": shared.store.last_success_unix(),
+            // When the running generation was put in effect (a reload that found nothing
+            // changed moves `last_reload_ok_unix` only).
+            "loaded_at_unix": policy.loaded_at_unix,
             "last_reload_error": shared.store.last_failure(),
             // A reload asked for now waits for these to be closed.
             "watch_error": shared.store.watch_problem(),

@@ -1689,6 +1689,11 @@ fn compile_read(
             .filter(|file| file.text.trim().is_empty())
             .map(|file| file.path.clone())
             .collect(),
+        file_hashes: files
+            .iter()
+            .map(|file| (file.path.clone(), policy_hash(std::slice::from_ref(file))))
+            .collect(),
+        loaded_at_unix: 0,
         server: server_settings,
         admin: admin_settings,
         upstreams,

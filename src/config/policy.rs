@@ -23,6 +23,10 @@ pub struct Policy {
     pub files: Vec<PathBuf>,
     /// Those of `files` that were empty (a placeholder): emptied later, they lose nothing.
     pub empty_files: Vec<PathBuf>,
+    /// Each of `files` with a short hash of its contents: a reload names the files it changed.
+    pub file_hashes: Vec<(PathBuf, String)>,
+    /// When this generation was put in effect (unix seconds); set by the store.
+    pub loaded_at_unix: u64,
     pub server: ServerSettings,
     pub admin: AdminSettings,
     pub upstreams: BTreeMap<String, Arc<Upstream>>,

@@ -82,6 +82,36 @@ fn now_unix() -> u64 {
         .map_or(0, |elapsed| elapsed.as_secs())
 }
 
+/// Which policy files a reload changed, added (`+`) or removed (`-`), by name, for its log
+/// line: "policy reloaded" alone did not say which of a directory's files an edit or a
+/// deploy had touched. Other things that change the hash (a CA file rotated) name none.
+fn changed_files(before: &[(PathBuf, String)], after: &[(PathBuf, String)]) -> String {
+    let name = |path: &Path| {
+        path.file_name().map_or_else(
+            || path.display().to_string(),
+            |name| name.to_string_lossy().into_owned(),
+        )
+    };
+    let mut said = Vec::new();
+    for (path, hash) in after {
+        match before.iter().find(|(known, _)| known == path) {
+            Some((_, before)) if before == hash => {}
+            Some(_) => said.push(name(path)),
+            None => said.push(format!("+{}", name(path))),
+        }
+    }
+    for (path, _) in before {
+        if !after.iter().any(|(known, _)| known == path) {
+            said.push(format!("-{}", name(path)));
+        }
+    }
+    if said.is_empty() {
+        "none (files the policy names changed)".to_string()
+    } else {
+        said.join(" ")
+    }
+}
+
 /// Each warning once per load that brings it: a policy that loads is still worth a look when
 /// part of it does nothing.
 fn log_warnings(policy: &Policy) {
@@ -166,6 +196,7 @@ impl PolicyStore {
     pub fn open(dir: &Path, metrics: Arc<Metrics>) -> Result<PolicyStore, Diagnostics> {
         let mut policy = load_dir(dir, None)?;
         policy.generation = 1;
+        policy.loaded_at_unix = now_unix();
         fit_connections_to_open_files(dir, &mut policy, None);
         check_state_file_writable(&mut policy);
         log_warnings(&policy);
@@ -344,6 +375,8 @@ impl PolicyStore {
                     policy.admin.listen = previous.admin.listen;
                 }
                 policy.generation = previous.generation + 1;
+                policy.loaded_at_unix = now_unix();
+                let changed = changed_files(&previous.file_hashes, &policy.file_hashes);
                 fit_connections_to_open_files(
                     &self.dir,
                     &mut policy,
@@ -362,7 +395,7 @@ impl PolicyStore {
                 self.metrics
                     .policy_generation
                     .set(outcome.generation as i64);
-                tracing::info!(%trigger, generation = outcome.generation, hash = %outcome.hash, "policy reloaded");
+                tracing::info!(%trigger, generation = outcome.generation, hash = %outcome.hash, changed = %changed, "policy reloaded");
                 Ok(outcome)
             }
             Err(diagnostics) => {
@@ -391,5 +424,37 @@ impl PolicyStore {
                 Err(diagnostics)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reload_names_the_files_it_changed_added_and_removed() {
+        let files = |list: &[(&str, &str)]| -> Vec<(PathBuf, String)> {
+            list.iter()
+                .map(|(name, hash)| (Path::new("/etc/levee").join(name), hash.to_string()))
+                .collect()
+        };
+        let before = files(&[
+            ("10-routes.toml", "a1"),
+            ("20-limits.toml", "b1"),
+            ("old.toml", "c1"),
+        ]);
+        let after = files(&[
+            ("10-routes.toml", "a2"),
+            ("20-limits.toml", "b1"),
+            ("new.toml", "d1"),
+        ]);
+        assert_eq!(
+            changed_files(&before, &after),
+            "10-routes.toml +new.toml -old.toml"
+        );
+        assert_eq!(
+            changed_files(&before, &before),
+            "none (files the policy names changed)"
+        );
     }
 }
