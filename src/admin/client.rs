@@ -261,6 +261,18 @@ pub fn printable(value: &serde_json::Value) -> serde_json::Value {
     }
 }
 
+/// `items` joined by `separator`, or `none` when there are none.
+fn listed<T: AsRef<str>>(items: &[T], separator: &str, none: &str) -> String {
+    if items.is_empty() {
+        return none.to_string();
+    }
+    items
+        .iter()
+        .map(AsRef::as_ref)
+        .collect::<Vec<&str>>()
+        .join(separator)
+}
+
 /// `12s ago` for a unix time in `/status`, by this machine's clock (the CLI runs beside the
 /// levee it asks); `None` when there is none.
 fn ago(unix: &serde_json::Value) -> Option<String> {
@@ -312,21 +324,13 @@ fn automatic_level_lines(out: &mut String, degrade: &serde_json::Value) {
         let _ = writeln!(
             out,
             "         automatic level {level}, changed{since}, raised by {}",
-            if raised_by.is_empty() {
-                "?".to_string()
-            } else {
-                raised_by.join(", ")
-            }
+            listed(&raised_by, ", ", "?")
         );
     }
     let _ = writeln!(
         out,
         "         triggers holding: {}",
-        if holding.is_empty() {
-            "none".to_string()
-        } else {
-            holding.join("; ")
-        }
+        listed(&holding, "; ", "none")
     );
     if let Some(left) = report["lowers_in_ms"].as_u64() {
         let _ = writeln!(

@@ -481,6 +481,11 @@ mod tests {
 
     /// The client's version is stored as the request line spells it, and only HTTP/1.0 is
     /// read back as anything but HTTP/1.1.
+    /// A job of the `notify` route from `parts`, as a client at 192.0.2.1 sent it.
+    fn notify_job(parts: &http::request::Parts, body: Bytes) -> Job {
+        Job::from_request("notify", parts, b"", body, IpAddr::from([192, 0, 2, 1]))
+    }
+
     #[test]
     fn the_clients_version_is_stored_and_read_back() {
         let (parts, ()) = http::Request::post("/notify.php")
@@ -488,13 +493,7 @@ mod tests {
             .body(())
             .expect("request")
             .into_parts();
-        let job = Job::from_request(
-            "notify",
-            &parts,
-            b"",
-            Bytes::new(),
-            IpAddr::from([192, 0, 2, 1]),
-        );
+        let job = notify_job(&parts, Bytes::new());
         let fields = stored_fields(&job);
         assert_eq!(
             fields.get("version").map(Vec::as_slice),
@@ -527,13 +526,7 @@ mod tests {
             .body(())
             .expect("request")
             .into_parts();
-        let job = Job::from_request(
-            "notify",
-            &parts,
-            b"",
-            Bytes::from_static(b"like=1"),
-            IpAddr::from([192, 0, 2, 1]),
-        );
+        let job = notify_job(&parts, Bytes::from_static(b"like=1"));
         let names: Vec<&str> = job.headers.iter().map(|(name, _)| name.as_str()).collect();
         assert_eq!(names, ["cookie"]);
     }
