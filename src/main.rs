@@ -330,7 +330,7 @@ fn reload_text(text: &str) -> String {
         )
     } else {
         format!(
-            "levee: policy unchanged: generation {} keeps running\n",
+            "levee: policy unchanged: the files are those of generation {}, which keeps running\n",
             answer["generation"]
         )
     };

@@ -235,6 +235,7 @@ pub struct Metrics {
     pub module_off: Family<ModuleLabels, Gauge>,
     pub degraded_responses: Family<DegradedLabels, Counter>,
     pub stale_not_kept: Family<NotKeptLabels, Counter>,
+    pub breaker_held_closed: Family<BreakerLabels, Counter>,
     pub shed: Family<ShedLabels, Counter>,
     pub degrade_level_changes: Family<LevelChangeLabels, Counter>,
     pub queue_enqueued: Family<QueueLabels, Counter>,
@@ -270,25 +271,34 @@ pub struct RouteSeries {
     duration: OnceLock<Histogram>,
     /// `levee_requests_total` with status 200, by far the most common.
     ok: OnceLock<Counter>,
-    /// When the route last said in the log why an answer was not kept as its stale copy.
-    stale_not_kept_said: std::sync::Mutex<Option<std::time::Instant>>,
+    /// When the route last said in the log why an answer was not kept as its stale copy, by
+    /// reason.
+    stale_not_kept_said: std::sync::Mutex<Vec<(&'static str, std::time::Instant)>>,
 }
 
 impl RouteSeries {
-    /// Whether the route may say again why an answer was not kept (once a minute, each route
-    /// for itself: one route's logged-in pages must not hide another's cookie on every view).
-    pub fn stale_not_kept_due(&self, now: std::time::Instant) -> bool {
+    /// Whether the route may say again that an answer was not kept for `reason` (once a
+    /// minute, each route and reason for itself: a visitor's logged-in page, `credentials`,
+    /// must not take the line that says every view sets a cookie).
+    pub fn stale_not_kept_due(&self, reason: &'static str, now: std::time::Instant) -> bool {
         let mut said = self
             .stale_not_kept_said
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let due = said.is_none_or(|last| {
-            now.saturating_duration_since(last) >= std::time::Duration::from_secs(60)
-        });
-        if due {
-            *said = Some(now);
+        match said.iter_mut().find(|(known, _)| *known == reason) {
+            Some((_, last)) => {
+                let due =
+                    now.saturating_duration_since(*last) >= std::time::Duration::from_secs(60);
+                if due {
+                    *last = now;
+                }
+                due
+            }
+            None => {
+                said.push((reason, now));
+                true
+            }
         }
-        due
     }
 }
 
@@ -529,6 +539,12 @@ impl Metrics {
             "Answers of 200 on a stale route not kept as its copy, by why (private, credentials, set_cookie, vary, content_coded, too_large): a route whose every answer is refused has no copy to serve when the app fails",
             stale_not_kept.clone(),
         );
+        let breaker_held_closed = Family::<BreakerLabels, Counter>::default();
+        registry.register(
+            "breaker_held_closed",
+            "Failures that would have opened the upstream's breaker but came from fewer distinct clients than failing_clients: a page failing for a few visitors, or an outage on a site with fewer visitors than that",
+            breaker_held_closed.clone(),
+        );
         let shed = Family::<ShedLabels, Counter>::default();
         registry.register(
             "shed",
@@ -613,6 +629,7 @@ impl Metrics {
             module_off,
             degraded_responses,
             stale_not_kept,
+            breaker_held_closed,
             breaker_state,
             upstream_latency_p95,
             upstream_inflight,

@@ -981,12 +981,16 @@ async fn one_visitor_whose_page_fails_cannot_open_the_breaker_for_everyone() {
     let log = levee_log();
     let levee = Levee::start(&breaker_policy(&backend, "consecutive_failures = 3", "")).await;
     let from = |ip: &'static str| [("X-Real-IP", ip)];
-    for visitor in ["203.0.113.1", "203.0.113.2", "203.0.113.3"] {
+    const VISITORS: [&str; 3] = ["203.0.113.1", "198.51.100.2", "192.0.2.3"];
+    for visitor in VISITORS {
         assert_eq!(get_with(&levee.url("/"), &from(visitor)).await.status, 200);
     }
-    for _ in 0..12 {
-        let answer = get_with(&levee.url("/redirect.php"), &from("198.51.100.9")).await;
-        assert_eq!(answer.status, 502);
+    // Other addresses of one network (a server's /24) are one client.
+    for _ in 0..6 {
+        for address in ["100.64.0.9", "100.64.0.10"] {
+            let answer = get_with(&levee.url("/redirect.php"), &from(address)).await;
+            assert_eq!(answer.status, 502);
+        }
     }
     assert_eq!(breaker_state(&levee, "app").await, "closed");
     let said = log.lines_with("breaker kept closed");
@@ -996,14 +1000,32 @@ async fn one_visitor_whose_page_fails_cannot_open_the_breaker_for_everyone() {
                 .contains("its failures came from 1 client, and failing_clients asks for 3")),
         "{said:?}"
     );
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        metric_value(
+            &metrics,
+            "levee_breaker_held_closed_total{upstream=\"app\"}"
+        ) >= 1.0,
+        "{metrics}"
+    );
     assert_eq!(
         get_with(&levee.url("/forum.php"), &from("203.0.113.1"))
             .await
             .status,
         200
     );
+    // Nor do the /64s of one IPv6 home's /48 make it three.
+    for address in ["2001:db8:1:1::1", "2001:db8:1:2::1", "2001:db8:1:3::1"] {
+        assert_eq!(
+            get_with(&levee.url("/redirect.php"), &from(address))
+                .await
+                .status,
+            502
+        );
+    }
+    assert_eq!(breaker_state(&levee, "app").await, "closed");
     // The app failing for three visitors is the app failing.
-    for visitor in ["203.0.113.1", "203.0.113.2", "203.0.113.3"] {
+    for visitor in VISITORS {
         get_with(&levee.url("/redirect.php"), &from(visitor)).await;
     }
     assert_eq!(breaker_state(&levee, "app").await, "open");

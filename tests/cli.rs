@@ -108,7 +108,10 @@ async fn status_level_module_breaker_and_reload_from_the_command_line() {
     );
     let (ok, out, err) = run(&["reload"], Some(TOKEN)).await.expect("cli");
     assert!(ok, "{err}");
-    assert_eq!(out, "levee: policy unchanged: generation 1 keeps running\n");
+    assert_eq!(
+        out,
+        "levee: policy unchanged: the files are those of generation 1, which keeps running\n"
+    );
 
     // A wrong token is refused like none, and told apart from none.
     let (ok, _, err) = run(&["breaker", "app", "auto"], Some("wrong-token-wrong-token"))
@@ -425,7 +428,7 @@ async fn what_a_policy_defines_and_nothing_uses_is_a_warning_in_check_reload_and
     assert!(ok, "{err}");
     assert!(
         out.starts_with("levee: policy reloaded: generation 2")
-            || out.starts_with("levee: policy unchanged: generation 2"),
+            || out.starts_with("levee: policy unchanged: the files are those of generation 2"),
         "{out}"
     );
     assert!(out.contains(expected), "{out}");

@@ -1206,7 +1206,7 @@ async fn a_policy_directory_gone_is_shown_until_it_is_back() {
     .await;
     let summary = levee::admin::client::summarize(&get(&levee.admin_url("/status")).await.json());
     assert!(
-        summary.contains("NOT WATCHED: cannot watch the policy directory ("),
+        summary.contains("NOT WATCHED: cannot watch the policy directory (it does not exist now): edits are not read"),
         "{summary}"
     );
     std::fs::write(away.join("levee.toml"), two_upstream_policy(&a, &b, "b")).expect("edit");
@@ -1231,6 +1231,7 @@ async fn post_owned(url: String) -> Answer {
 /// loaded then, as `levee check` loads it; it no longer holds every later edit back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_left_empty_is_loaded_once_it_has_been_for_a_while() {
+    let log = levee_log();
     let a = named_backend("a").await;
     let b = named_backend("b").await;
     let levee = Levee::start(&two_upstream_policy(&a, &b, "a")).await;
@@ -1266,6 +1267,13 @@ async fn a_file_left_empty_is_loaded_once_it_has_been_for_a_while() {
     let answer = post(&levee.admin_url("/reload"), "").await;
     assert_eq!(answer.status, 200, "{}", answer.text());
     assert_eq!(get(&levee.url("/extra")).await.text(), "a");
+    // Said above info: a truncation by a full disk looks the same.
+    let said = log.lines_with("a policy file that held settings is empty now");
+    assert!(
+        said.iter()
+            .any(|line| line.contains(&extra.display().to_string())),
+        "{said:?}"
+    );
 }
 
 /// A policy directory reached through a symlink that a deploy switches to another target: the

@@ -153,9 +153,22 @@ pub async fn call(
                 .boxed_unsync(),
         )
         .map_err(|error| error.to_string())?;
-    let response = tokio::time::timeout(Duration::from_secs(10), client.send(request))
+    // A reload waits for a policy file being written to be closed (for as long as it is
+    // written, at most `RELOAD_WAITS_FOR_WRITERS`): given up on first, the CLI said the
+    // listener did not answer while the reload went on.
+    let patience = if path == "/reload" {
+        crate::config::store::RELOAD_WAITS_FOR_WRITERS + Duration::from_secs(10)
+    } else {
+        Duration::from_secs(10)
+    };
+    let response = tokio::time::timeout(patience, client.send(request))
         .await
-        .map_err(|_| format!("the admin listener at {admin} did not answer within 10s"))?
+        .map_err(|_| {
+            format!(
+                "the admin listener at {admin} did not answer within {}",
+                Shown(patience)
+            )
+        })?
         .map_err(|error| format!("cannot reach the admin listener at {admin}: {error} (is levee running? is --admin right? A changed [admin] listen takes effect only when levee restarts: until then pass --admin with the address it started with)"))?;
     let status = response.status().as_u16();
     let from_levee = response.headers().contains_key(&crate::admin::ADMIN_MARK);
@@ -261,6 +274,11 @@ pub fn printable(value: &serde_json::Value) -> serde_json::Value {
     }
 }
 
+/// `millis` as a duration to the second, rounded up (0 stays 0; under a second reads `1s`).
+fn whole_seconds(millis: u64) -> Duration {
+    Duration::from_secs(millis.div_ceil(1000))
+}
+
 /// `items` joined by `separator`, or `none` when there are none.
 fn listed<T: AsRef<str>>(items: &[T], separator: &str, none: &str) -> String {
     if items.is_empty() {
@@ -298,7 +316,8 @@ fn automatic_level_lines(out: &mut String, degrade: &serde_json::Value) {
         .into_iter()
         .flatten()
         .map(|held| {
-            let millis = |key: &str| Duration::from_millis(held[key].as_u64().unwrap_or(0));
+            // To the second: `5.599s of its 2s` read as noise.
+            let millis = |key: &str| whole_seconds(held[key].as_u64().unwrap_or(0));
             format!(
                 "{} (level {}, {} of its {})",
                 held["trigger"].as_str().unwrap_or("?"),
@@ -336,7 +355,7 @@ fn automatic_level_lines(out: &mut String, degrade: &serde_json::Value) {
         let _ = writeln!(
             out,
             "         comes down in {} (cool_down) unless a trigger holds again",
-            Shown(Duration::from_millis(left))
+            Shown(whole_seconds(left))
         );
     }
 }

@@ -65,8 +65,8 @@ pub struct BreakerSettings {
 /// read on every failure.
 pub const MOST_FAILING_CLIENTS: u32 = 8;
 
-/// A client as the breaker tells clients apart: an IPv4 address, or an IPv6 /64 network,
-/// as rate limits key them (see `limit::client_id`).
+/// A client as the breaker tells clients apart: the IPv4 /24 or IPv6 /48 it is in (see
+/// `limit::client_network`).
 pub type ClientId = u64;
 
 impl Default for BreakerSettings {
@@ -313,6 +313,11 @@ pub struct Machine {
     probe_failures: u32,
     /// Counts half-open rounds: a probe's answer counts only in the round that admitted it.
     probe_round: u32,
+    /// Distinct clients whose probes failed (or were slow) in this round, up to
+    /// `failing_clients`: a probe's failure is a verdict only once that many failed (or as
+    /// many as the dependency has clients), so one client whose page fails cannot hold the
+    /// breaker open round after round.
+    round_failed: Vec<ClientId>,
     /// Half-open with no probe out since this instant: it waits for a request to probe.
     pub idle_since: Option<Instant>,
 }
@@ -334,6 +339,7 @@ impl Machine {
             probe_successes: 0,
             probe_failures: 0,
             probe_round: 0,
+            round_failed: Vec::new(),
             idle_since: None,
         }
     }
@@ -360,6 +366,17 @@ impl Machine {
                 State::HalfOpen => self.probes_in_flight < self.settings.half_open_probes,
             },
         }
+    }
+
+    /// The distinct clients it has had (up to `failing_clients` of them).
+    pub fn callers(&self) -> Vec<ClientId> {
+        self.failing_clients.callers[..self.failing_clients.callers_seen as usize].to_vec()
+    }
+
+    /// Counts `client` among the clients it has had.
+    pub fn note_caller(&mut self, client: ClientId) {
+        self.failing_clients
+            .note_caller(client, self.settings.failing_clients);
     }
 
     /// Decides whether a request of `client` may go through. May move Open → HalfOpen.
@@ -394,6 +411,7 @@ impl Machine {
             self.probe_successes = 0;
             self.probe_failures = 0;
             self.probe_round = self.probe_round.wrapping_add(1);
+            self.round_failed.clear();
             transition = Some(Transition::HalfOpened);
         }
         match self.state {
@@ -489,6 +507,16 @@ impl Machine {
                     );
                 let allowed = self.probe_failures_allowed();
                 if bad {
+                    if !self.round_failed.contains(&client)
+                        && self.round_failed.len() < MOST_FAILING_CLIENTS as usize
+                    {
+                        self.round_failed.push(client);
+                    }
+                    let needed = self.failing_clients.needed(self.settings.failing_clients);
+                    if (self.round_failed.len() as u32) < needed {
+                        // No verdict yet: its slot is free for the next request to probe.
+                        return None;
+                    }
                     self.probe_failures += 1;
                     // Before any probe passed, a failure is taken as the dependency still
                     // down (reopened at once, as a dead one needs); after one passed, only
@@ -1222,6 +1250,57 @@ mod tests {
             call_from(&mut machine, later, 2, Outcome::Failure),
             Some(Transition::Opened {
                 reason: "failure ratio",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn one_client_cannot_hold_it_open_through_its_probes() {
+        const OK: Outcome = Outcome::Success { slow: false };
+        let t0 = Instant::now();
+        let settings = BreakerSettings::default();
+        let mut machine = Machine::new(settings.clone(), t0);
+        for visitor in [1, 2, 3] {
+            call_from(&mut machine, t0, visitor, OK);
+        }
+        for visitor in [1, 2, 3, 1, 2] {
+            call_from(&mut machine, t0, visitor, Outcome::Failure);
+        }
+        assert!(matches!(machine.state, State::Open { .. }));
+        let probe = |machine: &mut Machine, at, client, outcome| {
+            let (admission, _) = machine.admit(at, client);
+            assert_eq!(admission, Admission::Probe);
+            machine.record(at, admission, outcome, client)
+        };
+        // Client 9's page fails: no verdict, round after round it does not reopen it.
+        let half_open = t0 + settings.open_for;
+        for _ in 0..5 {
+            assert_eq!(probe(&mut machine, half_open, 9, Outcome::Failure), None);
+        }
+        assert_eq!(machine.state, State::HalfOpen);
+        // The others' probes pass: closed.
+        assert_eq!(probe(&mut machine, half_open, 1, OK), None);
+        assert_eq!(
+            probe(&mut machine, half_open, 2, OK),
+            Some(Transition::Closed)
+        );
+
+        // Down for everyone: three clients' probes fail, and the third reopens it.
+        let mut machine = Machine::new(settings.clone(), t0);
+        for visitor in [1, 2, 3] {
+            call_from(&mut machine, t0, visitor, Outcome::Failure);
+        }
+        for _ in 0..2 {
+            call_from(&mut machine, t0, 1, Outcome::Failure);
+        }
+        assert!(matches!(machine.state, State::Open { .. }));
+        assert_eq!(probe(&mut machine, half_open, 1, Outcome::Failure), None);
+        assert_eq!(probe(&mut machine, half_open, 2, Outcome::Failure), None);
+        assert!(matches!(
+            probe(&mut machine, half_open, 3, Outcome::Failure),
+            Some(Transition::Opened {
+                reason: "probe failed",
                 ..
             })
         ));

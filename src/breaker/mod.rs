@@ -157,6 +157,16 @@ impl Breaker {
         self.lock().runtime_force
     }
 
+    /// A breaker a reload starts afresh knows the clients the one it replaces had: else, for
+    /// a while after any such reload, one visitor was all its clients and could open it.
+    pub fn keep_callers_of(&self, replaced: &Breaker) {
+        let known = replaced.lock().callers();
+        let mut machine = self.lock();
+        for client in known {
+            machine.note_caller(client);
+        }
+    }
+
     /// A breaker a reload starts afresh keeps the runtime pin of the one it replaces: the
     /// operator's "cut it off" outlives an edit of the breaker's settings.
     pub fn keep_pin_of(&self, replaced: &Breaker) {
@@ -252,6 +262,10 @@ impl Breaker {
                 clients,
                 needed,
             } => {
+                metrics
+                    .breaker_held_closed
+                    .get_or_create(&self.labels())
+                    .inc();
                 if let Some(held_back) = self.held_closed_log.allow(std::time::Instant::now()) {
                     tracing::warn!(
                         upstream = %self.upstream,
@@ -259,7 +273,7 @@ impl Breaker {
                         failing_clients = clients,
                         needed,
                         held_back,
-                        "breaker kept closed: its failures came from {}, and failing_clients asks for {needed} (a page that fails for one visitor is not the dependency down; the access log names the client)",
+                        "breaker kept closed: its failures came from {}, and failing_clients asks for {needed} (pages that fail for a few visitors are not taken for the dependency down; the access log names them)",
                         crate::config::units::counted(u64::from(clients), "client"),
                     );
                 }

@@ -1393,6 +1393,7 @@ fn compile_read(
                     let fresh = Arc::new(Breaker::new(name, breaker_settings));
                     if let Some(old) = old {
                         fresh.keep_pin_of(&old.breaker);
+                        fresh.keep_callers_of(&old.breaker);
                     }
                     fresh
                 });
@@ -1859,7 +1860,9 @@ fn warn_of_slow_calls_that_cannot_trip(
     let Some(slow_call) = settings.slow_call else {
         return;
     };
-    let per_slot = (settings.window.as_secs_f64() / slow_call.as_secs_f64()).floor();
+    // Calls each at least `slow_call` long, one after the other in a slot, that end within
+    // one window: one more than fit in it whole (one ends as the window opens).
+    let per_slot = (settings.window.as_secs_f64() / slow_call.as_secs_f64()).floor() + 1.0;
     let fit = (f64::from(usable) * per_slot) as u64;
     if fit >= u64::from(settings.min_requests) {
         return;
@@ -1873,9 +1876,9 @@ fn warn_of_slow_calls_that_cannot_trip(
         file,
         span,
         format!(
-            "upstream `{name}`: while its calls are slow, at most {fit} of them fit in the breaker's window ({usable} slot(s) of max_inflight × {} / slow_call {}), fewer than min_requests = {}: the slow-call ratio cannot open the breaker while the dependency is slow, and may open it once it is fast again",
-            super::units::Shown(settings.window),
+            "upstream `{name}`: while its calls are slow, at most {fit} of them end in the breaker's window ({usable} slot(s) of max_inflight, each ending one call per slow_call {} in a window of {}), fewer than min_requests = {}: the slow-call ratio cannot open the breaker while the dependency is slow, and may open it once it is fast again",
             super::units::Shown(slow_call),
+            super::units::Shown(settings.window),
             settings.min_requests
         ),
         format!("set min_requests = {} or less in its breaker, or a longer window", fit.max(1)),
@@ -4850,10 +4853,17 @@ mod tests {
         let said = warnings(1, "breaker = { slow_call = \"1s\", min_requests = 30 }");
         assert!(
             said.len() == 1
-                && said[0].starts_with("a.toml:8:11: warning: upstream `search`: while its calls are slow, at most 20 of them fit in the breaker's window (2 slot(s) of max_inflight × 10s / slow_call 1s), fewer than min_requests = 30"),
+                && said[0].starts_with("a.toml:8:11: warning: upstream `search`: while its calls are slow, at most 22 of them end in the breaker's window (2 slot(s) of max_inflight, each ending one call per slow_call 1s in a window of 10s), fewer than min_requests = 30"),
             "{said:?}"
         );
-        assert!(warnings(1, "breaker = { slow_call = \"1s\", min_requests = 20 }").is_empty());
+        assert!(warnings(1, "breaker = { slow_call = \"1s\", min_requests = 22 }").is_empty());
+        // Slower than the window: one call a slot still ends in it.
+        assert!(warnings(1, "breaker = { slow_call = \"30s\", min_requests = 2 }").is_empty());
+        let said = warnings(1, "breaker = { slow_call = \"30s\", min_requests = 3 }");
+        assert!(
+            said.len() == 1 && said[0].contains("at most 2 of them"),
+            "{said:?}"
+        );
     }
 
     fn errors(sources: &[(&str, &str)]) -> Vec<String> {

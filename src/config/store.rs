@@ -14,6 +14,10 @@ use super::diag::{Diagnostic, Diagnostics};
 use super::policy::Policy;
 use crate::metrics::Metrics;
 
+/// The longest a reload asked for waits for a policy file being written (see
+/// `PolicyStore::wait_for_writers`).
+pub const RELOAD_WAITS_FOR_WRITERS: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// What asked for a reload; shown in logs and `/status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -271,11 +275,12 @@ impl PolicyStore {
         self.being_written.borrow().clone()
     }
 
-    /// Waits until no policy file is open for writing, for at most `CLOSE_WAIT`: a `kill -HUP`
-    /// sent while an editor's save or a slow `scp` is writing a file in place read it half
-    /// written, and what was left of it could compile (a route without its `match` took every
-    /// request after it). The watcher reloads again when the file is closed, but with
-    /// `--no-watch` nothing would.
+    /// Waits until no policy file is open for writing: a `kill -HUP` sent while an editor's
+    /// save or a slow `scp` is writing a file in place read it half written, and what was left
+    /// of it could compile (a route without its `match` took every request after it). As long
+    /// as the watcher holds the file for written (until it is closed, or has been left quiet
+    /// for `CLOSE_WAIT`), at most [`RELOAD_WAITS_FOR_WRITERS`]: a writer still writing after
+    /// 10 s was read half written by a fixed 10 s wait.
     async fn wait_for_writers(&self, trigger: ReloadTrigger) {
         let mut open = self.being_written.subscribe();
         let files = open.borrow_and_update().clone();
@@ -284,12 +289,12 @@ impl PolicyStore {
         }
         tracing::info!(%trigger, ?files, "a policy file is being written: the reload waits until it is closed");
         let closed = tokio::time::timeout(
-            super::watch::CLOSE_WAIT,
+            RELOAD_WAITS_FOR_WRITERS,
             open.wait_for(|files| files.is_empty()),
         )
         .await;
         if closed.is_err() {
-            tracing::warn!(%trigger, ?files, "a policy file written in place was left open for {:?}; reading it as it is", super::watch::CLOSE_WAIT);
+            tracing::warn!(%trigger, ?files, "a policy file has been written in place for {:?}; reading it as it is", RELOAD_WAITS_FOR_WRITERS);
         }
     }
 
@@ -377,6 +382,13 @@ impl PolicyStore {
                 policy.generation = previous.generation + 1;
                 policy.loaded_at_unix = now_unix();
                 let changed = changed_files(&previous.file_hashes, &policy.file_hashes);
+                // Loaded once it stayed empty (see `load_dir`); what it held is gone, which a
+                // truncation by a full disk looks like too: said above info.
+                for emptied in policy.empty_files.iter().filter(|file| {
+                    previous.files.contains(file) && !previous.empty_files.contains(file)
+                }) {
+                    tracing::warn!(file = %emptied.display(), "a policy file that held settings is empty now, and has been for over 10s: the routes, limits and other settings it held are dropped");
+                }
                 fit_connections_to_open_files(
                     &self.dir,
                     &mut policy,

@@ -133,7 +133,13 @@ pub fn spawn_watcher(
                 Err(error) => {
                     // Said once, and shown in `/status` while it lasts: every 2 s, the line
                     // buried the log of the incident that took the directory away.
-                    let problem = format!("cannot watch the policy directory ({error})");
+                    // The watch library's words for a missing path ("No path was found.
+                    // about [...]") are not an operator's.
+                    let problem = if std::fs::metadata(store.dir()).is_err() {
+                        "cannot watch the policy directory (it does not exist now)".to_string()
+                    } else {
+                        format!("cannot watch the policy directory ({error})")
+                    };
                     if store.note_watch_problem(Some(problem.clone())) {
                         tracing::warn!(dir = %store.dir().display(), "{problem}; edits are not read until it can be, tried every 2 s");
                     } else {

@@ -335,12 +335,11 @@ pub fn spawn_triggers(
                 policy.degrade.cool_down,
             );
             let named = |trigger: &Trigger| format!("{} {}", trigger.upstream, trigger.condition);
-            let reasons: Vec<String> = policy
-                .degrade
-                .triggers
-                .iter()
-                .zip(&holding)
-                .filter(|(_, holds)| **holds)
+            // The triggers that want a level: held for their `for` (one holding for less is
+            // listed under `holding`, not as a reason).
+            let reasons: Vec<String> = hysteresis
+                .held_for(now)
+                .filter(|(trigger, held)| held.is_some_and(|held| held >= trigger.hold))
                 .map(|(trigger, _)| named(trigger))
                 .collect();
             degrade.note_auto_report(|report| {

@@ -192,13 +192,15 @@ fn ip_key(ip: IpAddr) -> String {
     }
 }
 
-/// The client as a number, told apart as [`ip_key`] tells them: an IPv4 client (below
-/// 2^32), or the /64 network of an IPv6 one. The breakers count distinct clients with it.
-pub fn client_id(ip: IpAddr) -> u64 {
+/// The network a client is in, as a number, for the breakers' count of distinct failing
+/// clients: an IPv4 /24 (below 2^24), or an IPv6 /48. Wider than a limit's key: one home's
+/// IPv6 line holds a /56 or a /48, 256 and more /64s, and one server often several addresses
+/// of a /24; counted by address, one visitor was three.
+pub fn client_network(ip: IpAddr) -> u64 {
     match (ipv4_client(ip), ip) {
-        (Some(v4), _) => u64::from(u32::from(v4)),
-        (None, IpAddr::V6(v6)) => (u128::from(v6) >> 64) as u64,
-        (None, IpAddr::V4(v4)) => u64::from(u32::from(v4)),
+        (Some(v4), _) => u64::from(u32::from(v4) >> 8),
+        (None, IpAddr::V6(v6)) => (u128::from(v6) >> 80) as u64 | 1 << 63,
+        (None, IpAddr::V4(v4)) => u64::from(u32::from(v4) >> 8),
     }
 }
 
@@ -603,9 +605,11 @@ pub fn unreadable_part(parts: &[KeyPart], facts: &RequestFacts<'_>) -> Option<St
         if repeated.is_some() || !matches!(part, KeyPart::ApiKey) || sources.len() < 2 {
             return repeated;
         }
+        // Compared as they are keyed: `Q4` beside `q4` is one key, and spaces alone none.
         let mut present = sources
             .iter()
-            .filter_map(|source| source.read_bytes(facts.headers, facts.query));
+            .filter_map(|source| source.read_bytes(facts.headers, facts.query))
+            .filter_map(one_spelling);
         let first = present.next()?;
         present.any(|other| other != first).then(|| {
             "the request carries two different API keys: which one the app reads cannot be known".to_string()
@@ -781,6 +785,11 @@ mod tests {
         // The same key in both places, or one of them: read as ever.
         let same = facts(&headers, Some("api_key=decoy-1"), &identity);
         assert_eq!(unreadable_part(&[KeyPart::ApiKey], &same), None);
+        // Spelt otherwise, or spaces alone beside it: one key, as keyed.
+        for query in ["api_key=DECOY-1%20", "api_key=%20"] {
+            let spelt = facts(&headers, Some(query), &identity);
+            assert_eq!(unreadable_part(&[KeyPart::ApiKey], &spelt), None, "{query}");
+        }
         let one = facts(&headers, None, &identity);
         assert_eq!(unreadable_part(&[KeyPart::ApiKey], &one), None);
         // The front's user header and the session cookie differ on every logged-in request.

@@ -32,7 +32,7 @@ use crate::metrics::{DecisionResult, DecisionSeries, DecisionSource, Metrics};
 use crate::redis_batch::RedisRule;
 use crate::redis_store::{RedisAsk, RedisStore, RemoteVerdict};
 use gcra::{Rate, Verdict};
-pub use key::client_id;
+pub use key::client_network;
 use key::{bucket_key, BucketKey, KeyPart, RequestFacts};
 use local::{Ask, DenyCache, LocalStore, Refused};
 

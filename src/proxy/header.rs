@@ -326,7 +326,12 @@ fn strip(headers: &mut HeaderMap, keep_upgrade: bool, request: bool) {
         }
     }
     if request && present & hop_by_hop_bit(&PROXY) != 0 {
-        for name in [&PROXY, &X_ORIGINAL_URL, &X_REWRITE_URL] {
+        let dropped: Vec<HeaderName> = headers
+            .keys()
+            .filter(|name| is_dropped_from_requests(name))
+            .cloned()
+            .collect();
+        for name in dropped {
             headers.remove(name);
         }
     }
@@ -334,6 +339,25 @@ fn strip(headers: &mut HeaderMap, keep_upgrade: bool, request: bool) {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         headers.insert(header::UPGRADE, upgrade);
     }
+}
+
+/// `Proxy`, `X-Original-URL` and `X-Rewrite-URL`, the last two also spelt with `_` for a `-`
+/// (`X_Original_URL`): a server that reads `_` as `-` (PHP's CGI names, nginx with
+/// `underscores_in_headers on`) would take them for the field itself.
+fn is_dropped_from_requests(name: &HeaderName) -> bool {
+    if *name == PROXY || *name == X_ORIGINAL_URL || *name == X_REWRITE_URL {
+        return true;
+    }
+    let spelt = name.as_str().as_bytes();
+    let read_as = |field: &HeaderName| {
+        let field = field.as_str().as_bytes();
+        field.len() == spelt.len()
+            && field
+                .iter()
+                .zip(spelt)
+                .all(|(want, got)| want == got || (*want == b'-' && *got == b'_'))
+    };
+    matches!(spelt.len(), 13 | 14) && (read_as(&X_ORIGINAL_URL) || read_as(&X_REWRITE_URL))
 }
 
 /// One bit per hop-by-hop field name; 0 for any other name.
@@ -352,7 +376,7 @@ fn hop_by_hop_bit(name: &HeaderName) -> u8 {
         32
     } else if *name == PROXY_CONNECTION {
         64
-    } else if *name == PROXY || *name == X_ORIGINAL_URL || *name == X_REWRITE_URL {
+    } else if is_dropped_from_requests(name) {
         // Fields dropped from requests only (a response's pass).
         128
     } else {
@@ -1041,6 +1065,8 @@ mod tests {
             ("proxy", "http://evil.example:3128"),
             ("x-original-url", "/admin/"),
             ("x-rewrite-url", "/admin/"),
+            ("x_original_url", "/admin/"),
+            ("x-rewrite_url", "/admin/"),
             ("cookie", "a=1"),
         ]);
         let mut response = map.clone();
@@ -1049,7 +1075,7 @@ mod tests {
         // A response keeps them: the two ways a response head is read agree (a fuzz target
         // checks they do).
         strip_hop_by_hop(&mut response, false);
-        assert_eq!(response.len(), 4, "{response:?}");
+        assert_eq!(response.len(), 6, "{response:?}");
         assert_eq!(map["cookie"], "a=1");
 
         // A byte that is not ASCII elsewhere in the value does not hide the names it lists.

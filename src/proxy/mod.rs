@@ -1416,7 +1416,10 @@ fn not_kept(shared: &Shared, route: &Route, reason: &'static str) {
             reason,
         })
         .inc();
-    if route.series.stale_not_kept_due(std::time::Instant::now()) {
+    if route
+        .series
+        .stale_not_kept_due(reason, std::time::Instant::now())
+    {
         tracing::info!(route = %route.name, reason, "an answer of 200 was not kept as the route's stale copy: {}", stale::not_kept_because(reason));
     }
 }
@@ -1474,7 +1477,7 @@ fn upstream_permit(
     now: Instant,
     client_ip: std::net::IpAddr,
 ) -> Result<Permit, ProxyError> {
-    let client = crate::limit::client_id(client_ip);
+    let client = crate::limit::client_network(client_ip);
     route
         .upstream
         .breaker

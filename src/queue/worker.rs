@@ -1544,7 +1544,8 @@ impl Replay {
 const REPLAY_SLOT_STEP: Duration = Duration::from_millis(10);
 const REPLAY_SLOT_WAIT: Duration = Duration::from_millis(200);
 /// Who replays are to the breaker's `failing_clients`: one client, the queue. No visitor has
-/// this id (an IPv4 client's is below 2^32, and `ffff:ffff:ffff:ffff::/64` is no network's).
+/// this id (an IPv4 network's is below 2^24, an IPv6 one's has only its top bit set beside
+/// its 48 bits).
 const REPLAY_CLIENT: crate::breaker::ClientId = u64::MAX;
 
 /// Sends one job to the route's upstream, as the original client, with its idempotency key.
