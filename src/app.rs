@@ -149,6 +149,10 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         cutting_off: AtomicBool::new(false),
         former_queues: Default::default(),
         instance: crate::queue::worker::consumer_name(),
+        refusals_said: crate::log_throttle::LogBudget::new(
+            crate::proxy::REFUSALS_SAID_PER_SECOND,
+            std::time::Duration::from_secs(1),
+        ),
     });
     let (stop_accepting, stop) = watch::channel(false);
     let (alive, mut all_closed) = mpsc::channel::<()>(1);

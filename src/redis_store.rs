@@ -245,6 +245,15 @@ impl RedisFailure {
         matches!(self, RedisFailure::Redis(error) if matches!(error.code(), Some("BUSYGROUP" | "NOGROUP")))
     }
 
+    /// Redis answered, and refused the command for want of memory (`OOM` under `noeviction`):
+    /// it is up, and answers at once. Taken for a Redis down, it opened the health breaker, and
+    /// every answered read of the queue's worker let the next call probe at once: the breaker
+    /// flapped, and logged both ways, hundreds of times a second (a review measured 1,100
+    /// lines/s). Each call so refused fails on its own (a queue write is a 503).
+    fn is_answer_of_a_full_redis(&self) -> bool {
+        matches!(self, RedisFailure::Redis(error) if error.code() == Some("OOM"))
+    }
+
     /// Whether the call went out at all: not when the health breaker held it back or too
     /// many decisions were waiting already.
     fn was_sent(&self) -> bool {
@@ -857,7 +866,8 @@ impl RedisStore {
         if failure.is_some() && moved_since {
             return;
         }
-        let change = lock(&self.health).record(failure.is_none(), &self.settings);
+        let answered = failure.is_none_or(RedisFailure::is_answer_of_a_full_redis);
+        let change = lock(&self.health).record(answered, &self.settings);
         let to = match change {
             None => return,
             Some(Change::Up) => {

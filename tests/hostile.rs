@@ -117,6 +117,54 @@ async fn malformed_requests_get_400_and_levee_keeps_serving() {
     assert_eq!(get(&levee.url("/ok")).await.status, 200);
 }
 
+/// A client sending nothing but bad requests cannot make the log as large as its requests:
+/// the reasons are said for the first few each second, then counted into the next line, and a
+/// long target is cut in the line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_bad_requests_is_said_a_few_times_a_second_with_short_targets() {
+    let log = levee_log();
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "", "")).await;
+    let flood = format!("/flood-{}", free_port());
+    for _ in 0..100 {
+        let raw = format!(
+            "POST {flood} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nZZ\r\n"
+        );
+        let answer = exchange(&levee, raw.as_bytes()).await;
+        assert_eq!(status_of(&answer), Some(400), "{answer}");
+    }
+    let said: Vec<String> = log
+        .lines_with(&format!("path={flood}"))
+        .into_iter()
+        .filter(|line| line.contains("refused: "))
+        .collect();
+    assert!(
+        !said.is_empty() && said.len() <= 2 * levee::proxy::REFUSALS_SAID_PER_SECOND as usize,
+        "{} lines for 100 refusals",
+        said.len()
+    );
+    let long = format!("{flood}/{}", "x".repeat(30_000));
+    let raw = format!(
+        "POST {long} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nZZ\r\n"
+    );
+    exchange(&levee, raw.as_bytes()).await;
+    eventually(
+        Duration::from_secs(3),
+        "the long target said, cut",
+        || async {
+            // A second later a line is due again.
+            let raw = raw.clone();
+            exchange(&levee, raw.as_bytes()).await;
+            log.lines_with(&format!("path={flood}/xxx"))
+                .iter()
+                .any(|line| {
+                    line.contains("refused: ") && line.len() < 2_000 && line.contains("… (")
+                })
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_host_is_refused_with_400() {
     let backend = echo_backend().await;

@@ -1654,6 +1654,18 @@ async fn a_full_redis_refuses_new_jobs_with_503() {
     redis.cli(&["CONFIG", "SET", "maxmemory", "1mb"]);
     let refused = post_as(&levee, "n=2", "198.51.100.7").await;
     assert_eq!(refused.status, 503, "{}", refused.text());
+    // A full Redis answers: it is not taken for down (its health breaker flapped, and logged
+    // both ways, on every refused write while the worker's reads were answered).
+    let writes = (0..40).map(|_| post_as(&levee, "n=2", "198.51.100.7"));
+    for refused in futures_util::future::join_all(writes).await {
+        assert_eq!(refused.status, 503, "{}", refused.text());
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_redis_transitions_total{to=\"down\"}"),
+        0.0,
+        "{metrics}"
+    );
     // Redis's refusal is an answer: the client is told nothing was stored, not that it may be.
     assert!(
         refused.text().contains("nothing was stored"),

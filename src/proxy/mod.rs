@@ -93,7 +93,14 @@ pub struct Shared {
     /// This instance's name in the fleet (host, process id, start time): its queue consumer
     /// and its line of the fleet view.
     pub instance: String,
+    /// The log lines of refused requests (see [`rescue`]).
+    pub refusals_said: crate::log_throttle::LogBudget,
 }
+
+/// Refused requests said in the log per second, the rest counted into the next line: a client
+/// sending nothing but bad requests wrote one line per request (11,000 a second in a review),
+/// with the access log off too. The access log has them all.
+pub const REFUSALS_SAID_PER_SECOND: u32 = 20;
 
 /// Handles one request from accept to response head. Never fails: errors become responses.
 pub async fn handle(
@@ -1748,26 +1755,52 @@ async fn stale_if_error(
 /// The one place a request-path error is logged, counted and turned into a response.
 fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Response<ResponseBody> {
     exchange.error = Some(error.kind());
+    let path = LoggedTarget(&exchange.uri);
     match error.side() {
         ErrorSide::Upstream => {
             if let Some(route) = &exchange.route {
                 count_upstream_error(&shared.metrics, route, error.kind());
             }
-            tracing::warn!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");
+            tracing::warn!(client = %exchange.client_ip, method = %exchange.method, %path, "{error}");
         }
-        ErrorSide::Client => {
-            tracing::info!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "refused: {error}");
-        }
+        ErrorSide::Client => match shared.refusals_said.allow(std::time::Instant::now()) {
+            Some(held_back) => {
+                tracing::info!(client = %exchange.client_ip, method = %exchange.method, %path, held_back, "refused: {error}")
+            }
+            None => {
+                tracing::debug!(client = %exchange.client_ip, method = %exchange.method, %path, "refused: {error}")
+            }
+        },
         ErrorSide::Defence => {
             // Counted in metrics and the access log; one line each would flood the log.
-            tracing::debug!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");
+            tracing::debug!(client = %exchange.client_ip, method = %exchange.method, %path, "{error}");
         }
         ErrorSide::Internal => {
-            tracing::error!(client = %exchange.client_ip, method = %exchange.method, path = %exchange.uri, "{error}");
+            tracing::error!(client = %exchange.client_ip, method = %exchange.method, %path, "{error}");
         }
     }
     // The log line above has what levee met; the client gets the visitor's words.
     error.to_response(prefers_json(&exchange.accept))
+}
+
+/// A request target as log lines show it: its first [`LOGGED_TARGET`] bytes, then how long
+/// it was. A line echoed a 30 KB target whole, and a client could make levee's log as large
+/// as its requests.
+struct LoggedTarget<'a>(&'a Uri);
+
+/// The most of a target a log line shows.
+const LOGGED_TARGET: usize = 512;
+
+impl std::fmt::Display for LoggedTarget<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let whole = self.0.to_string();
+        match whole.get(..LOGGED_TARGET) {
+            Some(shown) if whole.len() > LOGGED_TARGET => {
+                write!(f, "{shown}… ({} bytes)", whole.len())
+            }
+            _ => f.write_str(&whole),
+        }
+    }
 }
 
 /// What the access log and metrics need to know about one request; reported when the
