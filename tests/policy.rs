@@ -28,6 +28,7 @@ fn check_accepts_the_example_policies() {
     )));
     assert!(ok, "{stderr}");
     assert!(stdout.contains("11 route(s)"), "{stdout}");
+    assert!(!stdout.contains("warning"), "{stdout}");
 }
 
 #[test]

@@ -4504,6 +4504,17 @@ fn compile_route(
             "if it is an egress route for the PHP app, add client = [\"127.0.0.1/32\", \"::1/128\"] to its match",
         );
     }
+    // What a queue route takes is stored in Redis until the app has it: without a limit one
+    // client can fill Redis (a review queued 1.3 GB in five seconds), and a full Redis takes
+    // no more jobs from anyone.
+    if queue.is_some() && limits.is_empty() {
+        compiler.warning_hint(
+            file,
+            name.span(),
+            format!("route `{}` queues writes in Redis with no limit: one client can fill Redis with jobs, and a full Redis refuses everyone's", name.get_ref()),
+            "give it a limit per client, like limits = [\"per_ip\"] with [limit.per_ip] key = \"ip\" rate = \"10/m\"",
+        );
+    }
     Some(Route {
         name: RouteName(Arc::from(name.get_ref().as_str())),
         hosts,
