@@ -924,3 +924,30 @@ async fn a_body_sent_a_byte_per_chunk_arrives_whole() {
         );
     }
 }
+
+/// The query parameters the policy reads API keys and users from are credentials: log lines
+/// show their values as `***` (Redis keys hash them; the log had them in clear).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_in_the_query_are_hidden_in_log_lines() {
+    let log = levee_log();
+    let backend = echo_backend().await;
+    let secret = format!("S3CRET{}", free_port());
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = true",
+        "[identity]\napi_key = \"query:api_key\"\n",
+    ))
+    .await;
+    let answer = get(&levee.url(&format!("/api/items?page=2&api_key={secret}"))).await;
+    assert_eq!(answer.status, 200);
+    eventually(Duration::from_secs(5), "the access log line", || async {
+        !log.lines_with("path=/api/items?page=2&api_key=***")
+            .is_empty()
+    })
+    .await;
+    assert!(
+        log.lines_with(&secret).is_empty(),
+        "{:?}",
+        log.lines_with(&secret)
+    );
+}

@@ -570,6 +570,43 @@ fn query_param<'a>(query: &'a str, name: &str) -> Option<Cow<'a, [u8]>> {
         .map(|(_, value)| decode_percent_bytes(value.as_bytes(), true))
 }
 
+impl Identity {
+    /// The query parameters it reads a user or an API key from (as PHP names them): their
+    /// values are credentials, shown as `***` in log lines.
+    pub fn secret_query_names(&self) -> impl Iterator<Item = &str> + Clone {
+        self.user
+            .iter()
+            .chain(&self.api_key)
+            .filter_map(|source| match source {
+                Source::Query(name) => Some(name.as_str()),
+                _ => None,
+            })
+    }
+}
+
+/// `query` with the values of the parameters `secret` names (as PHP names them) written as
+/// `***`; `None` when it holds none of them.
+pub fn redacted_query<'a>(
+    query: &str,
+    secret: impl Iterator<Item = &'a str> + Clone,
+) -> Option<String> {
+    let is_secret = |key: &str| {
+        let name = query_name(key);
+        secret.clone().any(|wanted| wanted == name)
+    };
+    if !query_pairs(query).any(|(key, _)| is_secret(key)) {
+        return None;
+    }
+    let pieces: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((key, _)) if is_secret(key) => format!("{key}=***"),
+            _ => pair.to_string(),
+        })
+        .collect();
+    Some(pieces.join("&"))
+}
+
 /// A query parameter's name as PHP reads it (`tag[]=a` and `tag[]=b` are both `tag`): what
 /// names a parameter in `degrade.query` of a `stale` route.
 pub(crate) fn query_name(raw: &str) -> String {
@@ -1048,6 +1085,28 @@ mod tests {
         assert_ne!(key("api_key=k2", "alice"), plain);
         // Spaces alone are no key: keyed as missing.
         assert_eq!(key("api_key=%20", "alice"), None);
+    }
+
+    #[test]
+    fn the_identitys_query_values_are_hidden_in_log_lines() {
+        let identity = Identity {
+            user: vec![Source::parse("query:uid").expect("source")],
+            api_key: vec![
+                Source::parse("header:X-Api-Key").expect("source"),
+                Source::parse("query:api_key").expect("source"),
+            ],
+        };
+        let hidden = |query: &str| redacted_query(query, identity.secret_query_names());
+        assert_eq!(
+            hidden("q=php&api_key=SECRET&uid=42"),
+            Some("q=php&api_key=***&uid=***".to_string())
+        );
+        // As PHP names them: `api.key` and `api%5Fkey` are `api_key` to the app.
+        assert_eq!(
+            hidden("api.key=S1&api%5Fkey=S2&x"),
+            Some("api.key=***&api%5Fkey=***&x".to_string())
+        );
+        assert_eq!(hidden("q=php&page=2"), None);
     }
 
     #[test]

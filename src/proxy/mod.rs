@@ -1755,7 +1755,7 @@ async fn stale_if_error(
 /// The one place a request-path error is logged, counted and turned into a response.
 fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Response<ResponseBody> {
     exchange.error = Some(error.kind());
-    let path = LoggedTarget(&exchange.uri);
+    let path = LoggedTarget::of(shared, &exchange.uri, true);
     match error.side() {
         ErrorSide::Upstream => {
             if let Some(route) = &exchange.route {
@@ -1783,19 +1783,45 @@ fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Respon
     error.to_response(prefers_json(&exchange.accept))
 }
 
-/// A request target as log lines show it: its first [`LOGGED_TARGET`] bytes, then how long
-/// it was. A line echoed a 30 KB target whole, and a client could make levee's log as large
-/// as its requests.
-struct LoggedTarget<'a>(&'a Uri);
+/// A request target as log lines show it: printable, with the values of the query
+/// parameters the policy reads users and API keys from as `***` (`?api_key=SECRET` was in
+/// clear in every line, where Redis keys hash them), and, in the lines of refusals (`cut`),
+/// its first [`LOGGED_TARGET`] bytes and its length: a line echoed a 30 KB target whole, and
+/// a client could make levee's log as large as its requests.
+struct LoggedTarget<'a> {
+    uri: &'a Uri,
+    /// The target with its credentials hidden, when its query holds any.
+    redacted: Option<String>,
+    cut: bool,
+}
 
-/// The most of a target a log line shows.
+/// The most of a target a refusal's log line shows.
 const LOGGED_TARGET: usize = 512;
+
+impl<'a> LoggedTarget<'a> {
+    fn of(shared: &Shared, uri: &'a Uri, cut: bool) -> LoggedTarget<'a> {
+        let redacted = uri.query().and_then(|query| {
+            let policy = shared.store.load();
+            let hidden =
+                crate::limit::key::redacted_query(query, policy.identity.secret_query_names())?;
+            Some(format!("{}?{hidden}", uri.path()))
+        });
+        LoggedTarget { uri, redacted, cut }
+    }
+}
 
 impl std::fmt::Display for LoggedTarget<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let whole = self.0.to_string();
+        if !self.cut && self.redacted.is_none() {
+            return crate::printable::PrintableUri(self.uri).fmt(f);
+        }
+        let whole = match &self.redacted {
+            Some(redacted) => redacted.clone(),
+            None => self.uri.to_string(),
+        };
+        let whole = crate::printable::printable(&whole);
         match whole.get(..LOGGED_TARGET) {
-            Some(shown) if whole.len() > LOGGED_TARGET => {
+            Some(shown) if self.cut && whole.len() > LOGGED_TARGET => {
                 write!(f, "{shown}… ({} bytes)", whole.len())
             }
             _ => f.write_str(&whole),
@@ -1842,7 +1868,7 @@ impl OnBodyEnd for Exchange {
             tracing::warn!(
                 client = %self.client_ip,
                 method = %self.method,
-                path = %crate::printable::PrintableUri(&self.uri),
+                path = %LoggedTarget::of(&self.shared, &self.uri, false),
                 "upstream `{upstream}`'s answer was cut off after {bytes} bytes of its body: {failure}"
             );
         }
@@ -1898,7 +1924,7 @@ impl Exchange {
                 target: "levee::access",
                 client = %self.client_ip,
                 method = %self.method,
-                path = %crate::printable::PrintableUri(&self.uri),
+                path = %LoggedTarget::of(&self.shared, &self.uri, false),
                 route = %route_name,
                 upstream,
                 status = self.status.as_u16(),
