@@ -279,6 +279,15 @@ fn whole_seconds(millis: u64) -> Duration {
     Duration::from_secs(millis.div_ceil(1000))
 }
 
+/// The strings of a JSON list (none when it is not one).
+fn texts(list: &serde_json::Value) -> Vec<&str> {
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .collect()
+}
+
 /// `items` joined by `separator`, or `none` when there are none.
 fn listed<T: AsRef<str>>(items: &[T], separator: &str, none: &str) -> String {
     if items.is_empty() {
@@ -334,12 +343,7 @@ fn automatic_level_lines(out: &mut String, degrade: &serde_json::Value) {
         let since = ago(&report["changed_at_unix"])
             .map(|ago| format!(" {ago}"))
             .unwrap_or_default();
-        let raised_by: Vec<&str> = report["raised_by"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(serde_json::Value::as_str)
-            .collect();
+        let raised_by = texts(&report["raised_by"]);
         let _ = writeln!(
             out,
             "         automatic level {level}, changed{since}, raised by {}",
@@ -392,12 +396,7 @@ pub fn summarize(status: &serde_json::Value) -> String {
             "         NOT WATCHED: {problem}: edits are not read until it is back"
         );
     }
-    let written: Vec<&str> = policy["being_written"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(serde_json::Value::as_str)
-        .collect();
+    let written = texts(&policy["being_written"]);
     if !written.is_empty() {
         let _ = writeln!(
             out,

@@ -1834,21 +1834,22 @@ fn warn_of_what_does_nothing(
             );
             continue;
         }
-        warn_of_slots_no_route_may_take(compiler, routes, default_upstream, name, (*file, spec));
+        warn_of_bulkhead_limits(compiler, routes, default_upstream, name, (*file, spec));
     }
 }
 
-/// A slow-call ratio judged on more calls than fit in the window while they are slow never
-/// trips while the dependency is slow: with 1 slot, `slow_call = "1s"` and a 10 s window, 10
-/// slow calls at most, under `min_requests = 20`. It tripped once the dependency was fast
-/// again, when quick calls filled the window, and cut a healthy service off.
-fn warn_of_slow_calls_that_cannot_trip(
+/// The warnings about how an upstream's routes can use its `max_inflight` (see
+/// [`warn_of_slots_no_route_may_take`], [`warn_of_slow_calls_that_cannot_trip`]).
+fn warn_of_bulkhead_limits(
     compiler: &mut Compiler<'_>,
     routes: &[Arc<Route>],
+    default_upstream: Option<&str>,
     name: &str,
     (file, spec): (usize, &Spanned<UpstreamSpec>),
-    usable: u32,
 ) {
+    let Some(max) = &spec.get_ref().max_inflight else {
+        return;
+    };
     let Some(upstream) = routes
         .iter()
         .find(|route| route.upstream.name == name)
@@ -1856,6 +1857,33 @@ fn warn_of_slow_calls_that_cannot_trip(
     else {
         return;
     };
+    let Some(bulkhead) = &upstream.bulkhead else {
+        return;
+    };
+    // The best tier that calls it: its routes', and the default route's (tier 1).
+    let tier = routes
+        .iter()
+        .filter(|route| route.upstream.name == name)
+        .map(|route| route.tier)
+        .chain((default_upstream == Some(name)).then_some(1))
+        .min()
+        .unwrap_or(1);
+    let usable = bulkhead.limit_for(tier);
+    warn_of_slots_no_route_may_take(compiler, name, (file, max), tier, usable);
+    warn_of_slow_calls_that_cannot_trip(compiler, upstream, (file, spec), usable);
+}
+
+/// A slow-call ratio judged on more calls than fit in the window while they are slow never
+/// trips while the dependency is slow: with 1 slot, `slow_call = "1s"` and a 10 s window, 11
+/// slow calls at most, under `min_requests = 20`. It tripped once the dependency was fast
+/// again, when quick calls filled the window, and cut a healthy service off.
+fn warn_of_slow_calls_that_cannot_trip(
+    compiler: &mut Compiler<'_>,
+    upstream: &Upstream,
+    (file, spec): (usize, &Spanned<UpstreamSpec>),
+    usable: u32,
+) {
+    let name = &upstream.name;
     let settings = upstream.breaker.settings();
     let Some(slow_call) = settings.slow_call else {
         return;
@@ -1890,32 +1918,12 @@ fn warn_of_slow_calls_that_cannot_trip(
 /// tier 3 may take one slot, and half the pool idles while requests are refused.
 fn warn_of_slots_no_route_may_take(
     compiler: &mut Compiler<'_>,
-    routes: &[Arc<Route>],
-    default_upstream: Option<&str>,
     name: &str,
-    (file, spec): (usize, &Spanned<UpstreamSpec>),
+    (file, max): (usize, &Spanned<u32>),
+    tier: u8,
+    usable: u32,
 ) {
-    let Some(max) = &spec.get_ref().max_inflight else {
-        return;
-    };
-    let best_tier = routes
-        .iter()
-        .filter(|route| route.upstream.name == name)
-        .map(|route| route.tier)
-        .chain((default_upstream == Some(name)).then_some(1))
-        .min();
-    let (Some(tier), Some(bulkhead)) = (
-        best_tier,
-        routes
-            .iter()
-            .find(|route| route.upstream.name == name)
-            .and_then(|route| route.upstream.bulkhead.as_ref()),
-    ) else {
-        return;
-    };
-    let usable = bulkhead.limit_for(tier);
     let (span, max) = (max.span(), *max.get_ref());
-    warn_of_slow_calls_that_cannot_trip(compiler, routes, name, (file, spec), usable);
     if usable < max {
         compiler.warning_hint(
             file,

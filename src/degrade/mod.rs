@@ -214,8 +214,7 @@ impl Degrade {
             .clone()
     }
 
-    /// The triggers' latest word (see [`AutoLevelReport`]); `changed`: the level changed with
-    /// it, `raised_by` kept from the last raise otherwise.
+    /// Updates the triggers' word (see [`AutoLevelReport`]) in place.
     pub fn note_auto_report(&self, report: impl FnOnce(&mut AutoLevelReport)) {
         report(
             &mut self

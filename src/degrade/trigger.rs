@@ -114,6 +114,8 @@ pub struct Hysteresis {
     held_since: Vec<(Trigger, Option<Instant>)>,
     /// Last time the current automatic level was still wanted.
     last_wanted: Option<Instant>,
+    /// The level the triggers wanted at the last step (held for their `for`).
+    wanted: u8,
 }
 
 impl Hysteresis {
@@ -128,22 +130,10 @@ impl Hysteresis {
         })
     }
 
-    /// While the level `current` is up and no trigger wants it: how long until `cool_down`
-    /// lets it down.
+    /// While the level `current` is up and the triggers did not want it at the last step:
+    /// how long until `cool_down` lets it down.
     pub fn lowers_in(&self, now: Instant, current: u8, cool_down: Duration) -> Option<Duration> {
-        if current == 0 {
-            return None;
-        }
-        let wanted = self
-            .held_since
-            .iter()
-            .filter(|(trigger, since)| {
-                since.is_some_and(|since| now.saturating_duration_since(since) >= trigger.hold)
-            })
-            .map(|(trigger, _)| trigger.level)
-            .max()
-            .unwrap_or(0);
-        if wanted >= current {
+        if current == 0 || self.wanted >= current {
             return None;
         }
         let last = self.last_wanted?;
@@ -194,6 +184,7 @@ impl Hysteresis {
                 *since = None;
             }
         }
+        self.wanted = wanted;
         if wanted >= current {
             if wanted > 0 {
                 self.last_wanted = Some(now);
@@ -335,13 +326,17 @@ pub fn spawn_triggers(
                 policy.degrade.cool_down,
             );
             let named = |trigger: &Trigger| format!("{} {}", trigger.upstream, trigger.condition);
-            // The triggers that want a level: held for their `for` (one holding for less is
-            // listed under `holding`, not as a reason).
-            let reasons: Vec<String> = hysteresis
-                .held_for(now)
-                .filter(|(trigger, held)| held.is_some_and(|held| held >= trigger.hold))
-                .map(|(trigger, _)| named(trigger))
-                .collect();
+            // When it rises, the triggers that raised it: those held for their `for` (one
+            // holding for less is listed under `holding`, not as a reason).
+            let reasons: Vec<String> = if next > current {
+                hysteresis
+                    .held_for(now)
+                    .filter(|(trigger, held)| held.is_some_and(|held| held >= trigger.hold))
+                    .map(|(trigger, _)| named(trigger))
+                    .collect()
+            } else {
+                Vec::new()
+            };
             degrade.note_auto_report(|report| {
                 report.holding = hysteresis
                     .held_for(now)

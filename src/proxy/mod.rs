@@ -1789,9 +1789,8 @@ fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Respon
 /// its first [`LOGGED_TARGET`] bytes and its length: a line echoed a 30 KB target whole, and
 /// a client could make levee's log as large as its requests.
 struct LoggedTarget<'a> {
+    shared: &'a Shared,
     uri: &'a Uri,
-    /// The target with its credentials hidden, when its query holds any.
-    redacted: Option<String>,
     cut: bool,
 }
 
@@ -1799,26 +1798,25 @@ struct LoggedTarget<'a> {
 const LOGGED_TARGET: usize = 512;
 
 impl<'a> LoggedTarget<'a> {
-    fn of(shared: &Shared, uri: &'a Uri, cut: bool) -> LoggedTarget<'a> {
-        let redacted = uri.query().and_then(|query| {
-            let policy = shared.store.load();
-            let hidden =
-                crate::limit::key::redacted_query(query, policy.identity.secret_query_names())?;
-            Some(format!("{}?{hidden}", uri.path()))
-        });
-        LoggedTarget { uri, redacted, cut }
+    fn of(shared: &'a Shared, uri: &'a Uri, cut: bool) -> LoggedTarget<'a> {
+        LoggedTarget { shared, uri, cut }
     }
 }
 
+/// Made when the line is written, not for every refusal whose line a level leaves out (a
+/// flood of 429s at debug).
 impl std::fmt::Display for LoggedTarget<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if !self.cut && self.redacted.is_none() {
+        let redacted = self.uri.query().and_then(|query| {
+            let policy = self.shared.store.load();
+            let hidden =
+                crate::limit::key::redacted_query(query, policy.identity.secret_query_names())?;
+            Some(format!("{}?{hidden}", self.uri.path()))
+        });
+        if !self.cut && redacted.is_none() {
             return crate::printable::PrintableUri(self.uri).fmt(f);
         }
-        let whole = match &self.redacted {
-            Some(redacted) => redacted.clone(),
-            None => self.uri.to_string(),
-        };
+        let whole = redacted.unwrap_or_else(|| self.uri.to_string());
         let whole = crate::printable::printable(&whole);
         match whole.get(..LOGGED_TARGET) {
             Some(shown) if self.cut && whole.len() > LOGGED_TARGET => {
