@@ -168,6 +168,22 @@ pub enum RedisTarget {
     Sentinel(SentinelTarget),
 }
 
+impl RedisTarget {
+    /// Whether `other` names the same servers and database: credentials aside, so that a
+    /// password rotated by a reload is not taken for a move to other servers.
+    pub fn same_servers(&self, other: &RedisTarget) -> bool {
+        let shown = |urls: &[String]| urls.iter().map(|url| redact_url(url)).collect::<Vec<_>>();
+        match (self, other) {
+            (RedisTarget::Single(a), RedisTarget::Single(b)) => redact_url(a) == redact_url(b),
+            (RedisTarget::Cluster(a), RedisTarget::Cluster(b)) => shown(a) == shown(b),
+            (RedisTarget::Sentinel(a), RedisTarget::Sentinel(b)) => {
+                a.master == b.master && a.db == b.db && shown(&a.nodes) == shown(&b.nodes)
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Shown with the passwords in URLs hidden, should the settings ever be logged.
 impl std::fmt::Debug for RedisTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -1902,5 +1918,19 @@ mod redact_tests {
             let shown = redact_url(typed);
             assert_eq!(shown, "redis://***@127.0.0.1:6379/0", "{typed}");
         }
+    }
+
+    #[test]
+    fn a_rotated_password_names_the_same_servers_another_host_or_db_does_not() {
+        let single = |url: &str| RedisTarget::Single(url.into());
+        let at = single("redis://:old@10.0.0.1:6379/0");
+        assert!(at.same_servers(&single("redis://:new@10.0.0.1:6379/0")));
+        assert!(!at.same_servers(&single("redis://:old@10.0.0.2:6379/0")));
+        assert!(!at.same_servers(&single("redis://:old@10.0.0.1:6379/1")));
+        let cluster =
+            |urls: &[&str]| RedisTarget::Cluster(urls.iter().map(|url| url.to_string()).collect());
+        assert!(cluster(&["redis://:a@10.0.0.1:7000"])
+            .same_servers(&cluster(&["redis://:b@10.0.0.1:7000"])));
+        assert!(!cluster(&["redis://10.0.0.1:7000"]).same_servers(&at));
     }
 }

@@ -453,6 +453,72 @@ async fn taking_redis_out_warns_of_the_jobs_left_there_only_when_there_are_some(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pointing_redis_elsewhere_says_the_jobs_stay_behind_and_queues_on_the_new_one() {
+    let log = levee_log();
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::create_dir_all(dir.path().join("former")).expect("dir");
+    std::fs::create_dir_all(dir.path().join("next")).expect("dir");
+    let former = RedisServer::start(&dir.path().join("former")).await;
+    let next = RedisServer::start(&dir.path().join("next")).await;
+    let (backend, seen) = recording_always_ok().await;
+    let prefix = "moving-redis:";
+    let policy = |redis: &str| {
+        queue_policy(backend.addr, redis, "").replace(
+            "timeout = \"200ms\"\n",
+            &format!("timeout = \"200ms\"\nkey_prefix = \"{prefix}\"\n"),
+        )
+    };
+    let levee = Levee::start(&policy(&former.url())).await;
+    store_jobs(&levee, 2, 0).await;
+    eventually(
+        Duration::from_secs(5),
+        "the backlog to be counted",
+        || async {
+            get(&levee.admin_url("/metrics"))
+                .await
+                .text()
+                .contains("levee_queue_backlog{route=\"notify\"} 2")
+        },
+    )
+    .await;
+
+    std::fs::write(levee.policy_file(), policy(&next.url())).expect("rewrite the policy");
+    let reloaded = post(&levee.admin_url("/reload"), "").await;
+    assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+    let stream = format!("stream={prefix}queue:");
+    eventually(
+        Duration::from_secs(5),
+        "the jobs left behind to be said",
+        || async { !log.lines_with("[redis] now names other servers").is_empty() },
+    )
+    .await;
+    let warned = log.lines_with("[redis] now names other servers");
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(
+        warned[0].contains("WARN")
+            && warned[0].contains(&stream)
+            && warned[0].contains("the 2 jobs stored in this queue at the former ones"),
+        "{warned:?}"
+    );
+
+    // The new servers' queue works: a job stored there is applied, the former two are not.
+    let jobs = store_jobs(&levee, 1, 2).await;
+    switch(&levee, "on").await;
+    applied_in_order(&seen, &jobs).await;
+    let gone: Vec<String> = log
+        .lines_with("consumer group is gone")
+        .into_iter()
+        .filter(|line| line.contains(&stream))
+        .collect();
+    assert!(
+        gone.is_empty(),
+        "the former servers' group is not the new ones' loss: {gone:?}"
+    );
+    let left = former.cli(&["XLEN", &format!("{prefix}queue:{{notify}}:jobs")]);
+    assert_eq!(left.trim(), "2", "the jobs stay where they were stored");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backlog_gauges_are_taken_out_while_redis_cannot_be_read() {
     // Left at their last figures, they said "2 jobs, fresh" for as long as Redis was down.
     let dir = tempfile::tempdir().expect("dir");

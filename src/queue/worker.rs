@@ -22,7 +22,7 @@ use crate::metrics::{QueueLabels, QueueResultLabels};
 use crate::printable::printable;
 use crate::proxy::route::Route;
 use crate::proxy::Shared;
-use crate::redis_store::{RedisFailure, RedisStore};
+use crate::redis_store::{RedisFailure, RedisStore, RedisTarget};
 
 /// Moves due delayed jobs back into the stream. KEYS: delayed zset, stream. ARGV: now ms, max.
 const MOVE_DUE: &str = r#"
@@ -405,9 +405,37 @@ struct Served {
     /// A route replayed a whole batch: a backlog is draining, and the next pass follows at
     /// once rather than after `poll_interval`.
     backlog: bool,
+    /// The Redis servers the groups made and jobs counted above are on: a reload that points
+    /// `[redis]` elsewhere leaves them behind.
+    on: Option<RedisTarget>,
 }
 
 impl Served {
+    /// Takes note of the Redis servers this pass reads queues from. When a reload pointed
+    /// `[redis]` at other servers, what was known of the former ones is dropped (their groups
+    /// would be taken for gone, and said lost), and the jobs counted there are said to stay
+    /// there: this instance no longer replays them. Returns whether the servers changed.
+    fn read_from(&mut self, target: &RedisTarget) -> bool {
+        let before = self.on.replace(target.clone());
+        if before
+            .as_ref()
+            .is_none_or(|before| before.same_servers(target))
+        {
+            return false;
+        }
+        self.groups_made.clear();
+        for (stream, count) in self.counted.drain() {
+            let jobs = count.stream + count.delayed;
+            if jobs == 0 {
+                continue;
+            }
+            let jobs = crate::config::units::counted(jobs, "job");
+            tracing::warn!(%stream, "[redis] now names other servers: the {jobs} stored in this queue at the former ones when levee last counted, {} before, stay there and are not replayed by this instance (keep an instance with the former [redis] running until its queues are empty, or move the keys)", crate::config::units::Shown(count.at.elapsed()));
+        }
+        tracing::info!("queues are now read from the redis that [redis] names since the reload");
+        true
+    }
+
     fn settle(
         &mut self,
         replays: &mut Replays,
@@ -528,6 +556,7 @@ pub fn spawn_workers(
             counted: HashMap::new(),
             next_starts: HashMap::new(),
             backlog: false,
+            on: None,
         };
         // Per queue: its batch being replayed; the queue is left alone by the passes until
         // it ends.
@@ -593,6 +622,10 @@ pub fn spawn_workers(
             // that read the registry, when Redis answered that read: rare work, and none while
             // Redis is down.
             let mut look_for_consumers_left = false;
+            if served.read_from(&redis.settings.target) {
+                // The registry of queues to take on is the new servers' own.
+                registry_in = 0;
+            }
             registry_in = match registry_in.checked_sub(1) {
                 Some(left) => left,
                 None => {
