@@ -1222,6 +1222,102 @@ async fn a_page_fetched_with_credentials_is_not_kept_for_everyone() {
     );
 }
 
+/// The pages WordPress makes for a logged-in user (marked `no-cache, must-revalidate,
+/// max-age=0`, no more) and for a commenter (its `comment_author_*` cookies fill in the form,
+/// with no `Cache-Control` at all), and a custom app's member page marked `no-cache`.
+async fn personal_pages() -> Backend {
+    Backend::start(|request: Request<Incoming>| {
+        let cookies = request
+            .headers()
+            .get("cookie")
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        async move {
+            let (page, cache_control) = if cookies.contains("wordpress_logged_in_") {
+                ("Howdy, admin", Some("no-cache, must-revalidate, max-age=0"))
+            } else if cookies.contains("comment_author_") {
+                ("Eve's comment is awaiting moderation", None)
+            } else if cookies.contains("member=") {
+                ("member page", Some("no-cache"))
+            } else {
+                ("public ranking", None)
+            };
+            // Slow enough for another request to come while it is made.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut response = html(page);
+            if let Some(value) = cache_control {
+                response
+                    .headers_mut()
+                    .insert("cache-control", http::HeaderValue::from_static(value));
+            }
+            response
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_logged_in_or_commenters_page_is_never_anyone_elses_copy_nor_shared_fetch() {
+    let backend = personal_pages().await;
+    let levee = levee_resting(&backend).await;
+    // An anonymous visitor (with an analytics cookie, as nearly all have) asks for the page
+    // while a commenter's is being made: it gets its own, not the commenter's.
+    for private in [
+        "comment_author_1e20ea=Eve; _ga=1",
+        "wordpress_logged_in_1e20ea=admin%7C123",
+    ] {
+        let path = format!("/ranking/{}", &private[..8]);
+        let url = levee.url(&path);
+        let first = tokio::spawn(async move { get_with(&url, &[("cookie", private)]).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let anonymous = get_with(&levee.url(&path), &[("cookie", "_ga=2")]).await;
+        assert_eq!(anonymous.text(), "public ranking", "{private}");
+        assert_ne!(first.await.expect("task").text(), "public ranking");
+    }
+    // None of these pages is kept: with the route off, an anonymous visitor gets the
+    // fallback, not another's page.
+    for (cookie, page) in [
+        ("wordpress_logged_in_1e20ea=admin%7C123", "Howdy, admin"),
+        (
+            "comment_author_email_1e20ea=eve%40example.com",
+            "Eve's comment is awaiting moderation",
+        ),
+        ("member=42; _ga=1", "member page"),
+    ] {
+        assert_eq!(
+            get_with(&levee.url("/ranking/kept"), &[("cookie", cookie)])
+                .await
+                .text(),
+            page
+        );
+    }
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let anonymous = get(&levee.url("/ranking/kept")).await;
+    assert_eq!(
+        (anonymous.status, anonymous.text().as_str()),
+        (503, "ranking is resting")
+    );
+    // A logged-in user is not given an anonymous copy either.
+    assert_eq!(set(&levee, "/modules/ranking", "on").await.status, 200);
+    assert_eq!(
+        get(&levee.url("/ranking/public")).await.text(),
+        "public ranking"
+    );
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let stored = get(&levee.url("/ranking/public")).await;
+    assert_eq!(stored.header("x-levee-stale"), Some("1"));
+    let logged_in = get_with(
+        &levee.url("/ranking/public"),
+        &[("cookie", "wordpress_logged_in_1e20ea=admin%7C123")],
+    )
+    .await;
+    assert_eq!(
+        (logged_in.status, logged_in.text().as_str()),
+        (503, "ranking is resting")
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_browser_revalidating_its_cached_page_gets_the_page_as_the_switches_have_it_now() {
     // A browser that cached the page while a module was on asks again with its validator; the

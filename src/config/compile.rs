@@ -1947,8 +1947,9 @@ fn refuse_keys_that_do_not_apply(
 ) {
     let inner = spec.get_ref();
     let action = degrade_action(inner, always_queue);
-    let given: [(&str, bool); 11] = [
+    let given: [(&str, bool); 12] = [
         ("max_age", inner.max_age.is_some()),
+        ("private_cookies", inner.private_cookies.is_some()),
         ("vary", inner.vary.is_some()),
         ("allow_set_cookie", inner.allow_set_cookie.is_some()),
         ("max_body", inner.max_body.is_some()),
@@ -1961,9 +1962,8 @@ fn refuse_keys_that_do_not_apply(
         ("body_json", inner.body_json.is_some()),
     ];
     let applies = |key: &str| match key {
-        "max_age" | "vary" | "allow_set_cookie" | "max_body" | "query" | "max_copies" => {
-            action == "stale"
-        }
+        "max_age" | "vary" | "allow_set_cookie" | "max_body" | "query" | "max_copies"
+        | "private_cookies" => action == "stale",
         "status" | "content_type" | "body" => action == "reject",
         // The 202 answer of a queued request: the queue action, or a route that always queues.
         _ => action == "queue" || always_queue,
@@ -1973,9 +1973,8 @@ fn refuse_keys_that_do_not_apply(
     }
     for (key, _) in given.iter().filter(|(key, given)| *given && !applies(key)) {
         let hint = match *key {
-            "max_age" | "vary" | "allow_set_cookie" | "max_body" | "query" | "max_copies" => {
-                "it belongs to action = \"stale\""
-            }
+            "max_age" | "vary" | "allow_set_cookie" | "max_body" | "query" | "max_copies"
+            | "private_cookies" => "it belongs to action = \"stale\"",
             "status" | "content_type" | "body" => "it belongs to action = \"reject\"",
             _ => "it is the 202 answer of action = \"queue\" (or always_queue)",
         };
@@ -2045,11 +2044,12 @@ fn compile_route_degrade(
             let max_body = compiler.size(file, &inner.max_body, 1 << 20);
             Some(DegradeAction::Stale(Arc::new(StaleSettings {
                 max_age: compiler.duration(file, &inner.max_age, Duration::from_secs(600)),
-                vary: compile_sources(compiler, file, &inner.vary),
+                vary: compile_copy_vary(compiler, file, &inner.vary),
                 allow_set_cookie: inner.allow_set_cookie.unwrap_or(false),
                 max_body: usize::try_from(max_body).unwrap_or(usize::MAX),
                 query: compile_copy_query(compiler, file, &inner.query),
                 max_copies: compile_max_copies(compiler, file, &inner.max_copies),
+                private_cookies: compile_private_cookies(compiler, file, &inner.private_cookies),
             })))
         }
         "queue" => {
@@ -3328,6 +3328,58 @@ fn compile_sources(
         }
     }
     sources
+}
+
+/// A `stale` route's `vary`. A cookie named with a `*` is read by that very name, which no
+/// application gives a cookie: an operator who writes `cookie:wordpress_logged_in_*` means
+/// every such cookie, and without a word would keep a logged-in page for everyone.
+fn compile_copy_vary(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    value: &Option<Spanned<OneOrMany>>,
+) -> Vec<Source> {
+    let sources = compile_sources(compiler, file, value);
+    for source in &sources {
+        if let (Source::Cookie(name), Some(value)) = (source, value) {
+            if name.contains('*') {
+                compiler.warning_hint(
+                    file,
+                    value.span(),
+                    format!("vary reads the cookie named `{name}` exactly, `*` included"),
+                    "to keep requests with any cookie of a prefix out of copies, list it in private_cookies (`private_cookies = [\"wordpress_logged_in_*\"]`)",
+                );
+            }
+        }
+    }
+    sources
+}
+
+/// A `stale` route's `private_cookies`: names, or prefixes ending in `*`; the default list
+/// when not given.
+fn compile_private_cookies(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    value: &Option<Spanned<OneOrMany>>,
+) -> Vec<crate::limit::key::CookieName> {
+    let Some(value) = value else {
+        return crate::degrade::DEFAULT_PRIVATE_COOKIES
+            .iter()
+            .filter_map(|name| crate::limit::key::CookieName::parse(name).ok())
+            .collect();
+    };
+    let mut names = Vec::new();
+    for text in value.get_ref().clone().into_vec() {
+        match crate::limit::key::CookieName::parse(&text) {
+            Ok(name) => names.push(name),
+            Err(message) => compiler.error_hint(
+                file,
+                value.span(),
+                message,
+                "write a cookie's name (\"PHPSESSID\") or a prefix ending in * (\"wordpress_logged_in_*\"); [] for none",
+            ),
+        }
+    }
+    names
 }
 
 fn compile_identity(compiler: &mut Compiler<'_>, file: usize, spec: &IdentitySpec) -> Identity {
@@ -4881,6 +4933,56 @@ mod tests {
         let said = warnings(1, "breaker = { slow_call = \"30s\", min_requests = 3 }");
         assert!(
             said.len() == 1 && said[0].contains("at most 2 of them"),
+            "{said:?}"
+        );
+    }
+
+    #[test]
+    fn private_cookies_take_names_and_prefixes_and_a_starred_vary_cookie_is_warned_of() {
+        let with = |degrade: &str| {
+            format!("{APP}[[route]]\nname = \"n\"\nmatch = {{ path_prefix = \"/n\" }}\ntier = 3\n{degrade}\n")
+        };
+        assert_reported(
+            &errors(&[(
+                "a.toml",
+                &with("degrade = { action = \"stale\", private_cookies = [\"a*b\", \"\"] }"),
+            )]),
+            &[
+                "a.toml:7:49: error: `a*b`: `*` may only end a cookie name",
+                "a.toml:7:49: error: an empty cookie name",
+            ],
+        );
+        let private_of = |degrade: &str| {
+            let policy = compile(&files(&[("a.toml", &with(degrade))]), None).expect("compiles");
+            let warnings: Vec<String> = policy.warnings.iter().map(ToString::to_string).collect();
+            let route = policy
+                .routes
+                .find(None, &http::Method::GET, "/n")
+                .expect("route");
+            match &route.degrade {
+                Some(DegradeAction::Stale(settings)) => (
+                    settings
+                        .private_cookies
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>(),
+                    warnings,
+                ),
+                other => panic!("a stale route: {other:?}"),
+            }
+        };
+        let (defaults, _) = private_of("degrade = { action = \"stale\" }");
+        assert_eq!(defaults, crate::degrade::DEFAULT_PRIVATE_COOKIES);
+        let (none, _) = private_of("degrade = { action = \"stale\", private_cookies = [] }");
+        assert!(none.is_empty());
+        let (given, said) = private_of(
+            "degrade = { action = \"stale\", private_cookies = [\"sid\", \"auth_*\"], vary = [\"cookie:wordpress_logged_in_*\"] }",
+        );
+        assert_eq!(given, ["sid", "auth_*"]);
+        assert!(
+            said.iter().any(|warning| warning.contains(
+                "vary reads the cookie named `wordpress_logged_in_*` exactly, `*` included"
+            )),
             "{said:?}"
         );
     }

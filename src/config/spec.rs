@@ -947,6 +947,7 @@ pub struct RouteDegradeSpec {
     pub max_body: Option<Spanned<SizeSpec>>,
     pub query: Option<Spanned<OneOrMany>>,
     pub max_copies: Option<Spanned<u32>>,
+    pub private_cookies: Option<Spanned<OneOrMany>>,
     pub status: Option<Spanned<u16>>,
     pub content_type: Option<Spanned<String>>,
     pub body: Option<String>,

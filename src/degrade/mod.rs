@@ -83,7 +83,25 @@ pub struct StaleSettings {
     /// Most copies the route keeps, in memory and in Redis each; the oldest stored goes first.
     /// Default 1000.
     pub max_copies: usize,
+    /// A request carrying one of these cookies is one visitor's own: never answered from a
+    /// copy, never kept as one, never sharing another's fetch. Default
+    /// [`DEFAULT_PRIVATE_COOKIES`].
+    pub private_cookies: Vec<crate::limit::key::CookieName>,
 }
+
+/// `private_cookies` of a `stale` route when the policy does not set it: the cookies of a
+/// logged-in user, a commenter or a cart in the PHP applications most often run behind
+/// levee (WordPress and WooCommerce, Drupal), whose pages for them carry no
+/// `Cache-Control: private`.
+pub const DEFAULT_PRIVATE_COOKIES: [&str; 7] = [
+    "wordpress_logged_in_*",
+    "wp-postpass_*",
+    "comment_author_*",
+    "wp_woocommerce_session_*",
+    "woocommerce_items_in_cart",
+    "SESS*",
+    "SSESS*",
+];
 
 /// Default `max_copies` of a `stale` route.
 pub const DEFAULT_MAX_COPIES: usize = 1000;

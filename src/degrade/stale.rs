@@ -798,7 +798,7 @@ pub fn storable(
     settings: &StaleSettings,
     credentials: bool,
 ) -> bool {
-    why_not_storable(status, headers, settings, credentials).is_none()
+    why_not_storable(status, headers, settings, credentials, false).is_none()
 }
 
 /// Why a response cannot be kept as the route's last good copy (`None`: it can), as the
@@ -808,6 +808,7 @@ pub fn why_not_storable(
     headers: &HeaderMap,
     settings: &StaleSettings,
     credentials: bool,
+    cookies: bool,
 ) -> Option<&'static str> {
     let not = Some;
     if status != StatusCode::OK {
@@ -830,6 +831,21 @@ pub fn why_not_storable(
         .any(|directive| cache_control.contains(directive));
     if credentials && !shared_anyway {
         return not("credentials");
+    }
+    // An answer the app says must not be used again without asking it (`no-cache`,
+    // `max-age=0`), made for a request that carried cookies, is taken for that visitor's
+    // page: WordPress marks a logged-in user's pages so, and no more, and a copy of one
+    // showed the admin bar to every visitor. Pages for requests without cookies are kept,
+    // and `public` or `s-maxage` says the app means them for everyone.
+    let must_ask_again = cache_control.contains("no-cache")
+        || cache_control
+            .split(',')
+            .any(|directive| directive.trim() == "max-age=0");
+    let shared = ["public", "s-maxage"]
+        .iter()
+        .any(|directive| cache_control.contains(directive));
+    if cookies && must_ask_again && !shared {
+        return not("cookie_no_cache");
     }
     if !settings.allow_set_cookie && headers.contains_key(header::SET_COOKIE) {
         return not("set_cookie");
@@ -857,6 +873,7 @@ pub fn not_kept_because(reason: &str) -> &'static str {
     match reason {
         "private" => "the app marked it Cache-Control: private or no-store",
         "credentials" => "the request carried Authorization and the app did not mark the answer public",
+        "cookie_no_cache" => "the request carried cookies and the app marked the answer no-cache or max-age=0 (a logged-in user's page, as WordPress marks them), not public",
         "set_cookie" => "it sets a cookie (Set-Cookie) and allow_set_cookie is false: a page that starts a session on every view is never kept",
         "vary" => "its Vary names a field the copy is not keyed by (list it in vary)",
         "content_coded" => "the app compressed it, though levee asked for it uncompressed",
@@ -1614,7 +1631,29 @@ mod tests {
             max_body: 100,
             query: CopyQuery::All,
             max_copies: 10,
+            private_cookies: vec![],
         }
+    }
+
+    #[test]
+    fn a_page_marked_no_cache_for_a_request_with_cookies_is_not_kept() {
+        let settings = small_settings();
+        let marked = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static(value));
+            headers
+        };
+        let reason = |headers: &HeaderMap, cookies: bool| {
+            why_not_storable(StatusCode::OK, headers, &settings, false, cookies)
+        };
+        // WordPress's logged-in pages.
+        let wordpress = marked("no-cache, must-revalidate, max-age=0");
+        assert_eq!(reason(&wordpress, true), Some("cookie_no_cache"));
+        assert_eq!(reason(&wordpress, false), None);
+        assert_eq!(reason(&marked("max-age=0"), true), Some("cookie_no_cache"));
+        assert_eq!(reason(&marked("max-age=60"), true), None);
+        assert_eq!(reason(&marked("public, no-cache"), true), None);
+        assert_eq!(reason(&HeaderMap::new(), true), None);
     }
 
     #[test]

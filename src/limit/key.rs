@@ -551,6 +551,67 @@ fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<Cow<'a, [u8]>> {
         .map(|(_, value)| decode_percent_bytes(value, true))
 }
 
+/// A cookie name, or a name prefix (written with a trailing `*`), as PHP names cookies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CookieName {
+    pub name: String,
+    pub prefix: bool,
+}
+
+impl CookieName {
+    /// Parses `NAME` or `PREFIX*` (`*` alone: any cookie).
+    pub fn parse(text: &str) -> Result<CookieName, String> {
+        let (name, prefix) = match text.strip_suffix('*') {
+            Some(name) => (name, true),
+            None => (text, false),
+        };
+        if name.contains('*') {
+            return Err(format!("`{text}`: `*` may only end a cookie name"));
+        }
+        if !prefix && name.is_empty() {
+            return Err("an empty cookie name".into());
+        }
+        let name = if name.is_empty() {
+            String::new()
+        } else {
+            php_field_name(text, "cookie", name, &[';', '='])?
+        };
+        Ok(CookieName { name, prefix })
+    }
+
+    fn matches(&self, name: &str) -> bool {
+        if self.prefix {
+            name.starts_with(&self.name)
+        } else {
+            name == self.name
+        }
+    }
+}
+
+impl std::fmt::Display for CookieName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.name, if self.prefix { "*" } else { "" })
+    }
+}
+
+/// Whether the request carries a cookie (with a value: PHP registers `name=` too) that one of
+/// `names` names, by the name PHP gives it.
+pub fn has_cookie(headers: &HeaderMap, names: &[CookieName]) -> bool {
+    if names.is_empty() {
+        return false;
+    }
+    headers
+        .get_all(http::header::COOKIE)
+        .iter()
+        .flat_map(|value| cookie_pairs(value.as_bytes()))
+        .take(PHP_MAX_INPUT_VARS)
+        .filter_map(cookie_name_value)
+        .any(|(key, _)| {
+            let name = php_name(&percent_decode(&lossy(key))).into_owned();
+            names.iter().any(|pattern| pattern.matches(&name))
+        })
+}
+
 /// The pairs of a query string as PHP counts them (empty pieces between `&`s are none).
 fn query_pairs(query: &str) -> impl Iterator<Item = (&str, &str)> {
     query
@@ -831,6 +892,25 @@ mod tests {
         assert_eq!(unreadable_part(&[KeyPart::ApiKey], &one), None);
         // The front's user header and the session cookie differ on every logged-in request.
         assert_eq!(unreadable_part(&[KeyPart::User], &decoy), None);
+    }
+
+    #[test]
+    fn private_cookies_match_by_the_name_php_gives_or_its_prefix() {
+        let names: Vec<CookieName> = ["wordpress_logged_in_*", "sid"]
+            .iter()
+            .map(|name| CookieName::parse(name).expect("name"))
+            .collect();
+        let carries = |cookie: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(http::header::COOKIE, cookie.parse().expect("value"));
+            has_cookie(&headers, &names)
+        };
+        assert!(carries("_ga=1; wordpress_logged_in_1e20ea=admin%7C1"));
+        assert!(carries("wordpress.logged.in_x=1"), "PHP reads `.` as `_`");
+        assert!(carries("sid=abc"));
+        assert!(!carries("sidx=abc; wordpress_logged_out=1; _ga=1"));
+        assert!(!has_cookie(&HeaderMap::new(), &names));
+        assert!(CookieName::parse("*").expect("any").matches("anything"));
     }
 
     #[test]

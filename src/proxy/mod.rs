@@ -1081,6 +1081,9 @@ struct Stale {
     settings: Option<Arc<StaleSettings>>,
     /// The request carried `Authorization`: its answer is kept only if the app allows it.
     credentials: bool,
+    /// The request carried cookies: its answer is not kept when the app says every use of it
+    /// must ask the app again (see `why_not_storable`).
+    cookies: bool,
     /// What the answer to this request may do for the copy: a GET fetches it and keeps what
     /// comes back; a HEAD is answered from it but its answer (no body) is no copy; a GET
     /// whose client said `Cache-Control: no-store` (RFC 9111 5.2.1.5), or that has a body,
@@ -1115,15 +1118,23 @@ impl Stale {
         normal_path: &str,
         peer_trusted: bool,
     ) -> Stale {
-        let Some(DegradeAction::Stale(settings)) = &route.degrade else {
-            return Stale {
-                key: None,
-                settings: None,
-                credentials: false,
-                keeps: false,
-                partial: false,
-            };
+        let none = Stale {
+            key: None,
+            settings: None,
+            credentials: false,
+            cookies: false,
+            keeps: false,
+            partial: false,
         };
+        let Some(DegradeAction::Stale(settings)) = &route.degrade else {
+            return none;
+        };
+        // A logged-in user's, a commenter's or a cart's page, which such apps send without
+        // `Cache-Control: private`: this visitor gets neither a copy nor another's fetch, and
+        // others never get this visitor's page.
+        if crate::limit::key::has_cookie(request.headers(), &settings.private_cookies) {
+            return none;
+        }
         let method = request.method();
         let key = (method == Method::GET || method == Method::HEAD).then(|| {
             // Byte for byte, as rate-limit keys read them: two Latin-1 cookies are two pages.
@@ -1206,6 +1217,7 @@ impl Stale {
             key,
             settings: Some(settings.clone()),
             credentials: request.headers().contains_key(h::AUTHORIZATION),
+            cookies: request.headers().contains_key(h::COOKIE),
             // A WebSocket's upgrade request is no page view: it is answered by its own 101.
             keeps: method == Method::GET
                 && spelled_as_keyed
@@ -1390,7 +1402,9 @@ impl Stale {
         let (Some(key), Some(settings), true) = (&self.key, &self.settings, self.keeps) else {
             return None;
         };
-        if let Some(reason) = stale::why_not_storable(status, headers, settings, self.credentials) {
+        if let Some(reason) =
+            stale::why_not_storable(status, headers, settings, self.credentials, self.cookies)
+        {
             if status == StatusCode::OK {
                 not_kept(shared, route, reason);
             }
