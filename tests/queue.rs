@@ -1129,6 +1129,66 @@ async fn without_redis_the_queue_and_its_figures_answer_503_and_big_bodies_413()
 /// A write to a queue route meets its upstream's open breaker while the route is on: it is
 /// queued (202), not refused, and applied once the breaker lets requests through again. With
 /// Redis down too, nothing can be stored: 503, and nothing reaches the app.
+/// Jobs replayed as a half-open breaker's probes while the app still fails (its database is
+/// down: PHP answers 500) spend no attempt: they wait for the app, and none reaches the dead
+/// letters however long the outage, where they all did within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_replayed_as_probes_of_a_failing_app_spend_no_attempt() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let failing = Arc::new(AtomicBool::new(true));
+    let (backend, seen) = recording(0, failing.clone(), Duration::ZERO).await;
+    let upstream = format!("url = \"http://{}\"\n", backend.addr);
+    let policy = queue_policy(
+        backend.addr,
+        &redis.url(),
+        "max_attempts = 2\nbackoff_base = \"20ms\"\nbackoff_max = \"50ms\"\n",
+    )
+    .replace(
+        &upstream,
+        &format!("{upstream}breaker = {{ consecutive_failures = 3, failure_statuses = [500], open_for = \"100ms\", max_open_for = \"100ms\" }}\n"),
+    );
+    let levee = Levee::start(&policy).await;
+    // Three visitors' writes fail: the breaker opens.
+    for client in ["10.1.0.1", "10.2.0.1", "10.3.0.1"] {
+        assert_eq!(post_as(&levee, "like=0", client).await.status, 500);
+    }
+    let mut jobs = Vec::new();
+    for i in 1..=2 {
+        let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
+        assert_eq!(answer.status, 202, "{}", answer.text());
+        jobs.push(answer.header("x-levee-job").expect("job").to_string());
+    }
+    // Far more tries than the jobs' attempts (2 each) allow.
+    eventually(
+        Duration::from_secs(10),
+        "the jobs to be tried again and again",
+        || async { seen.lock().expect("lock").len() >= 3 + 12 },
+    )
+    .await;
+    let queues = get(&levee.admin_url("/queues")).await.json();
+    assert_eq!(queues["notify"]["dead_letters"], 0, "{queues}");
+
+    failing.store(false, Ordering::SeqCst);
+    eventually(
+        Duration::from_secs(10),
+        "the jobs to be applied once the app is back",
+        || async { get(&levee.admin_url("/queues")).await.json()["notify"]["backlog"] == 0 },
+    )
+    .await;
+    let queues = get(&levee.admin_url("/queues")).await.json();
+    assert_eq!(queues["notify"]["dead_letters"], 0, "{queues}");
+    let tried: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(key, ..)| key.clone())
+        .collect();
+    for job in &jobs {
+        assert!(tried.contains(job), "{job} reached the app: {tried:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_that_meets_an_open_breaker_is_queued_and_applied_later() {
     let dir = tempfile::tempdir().expect("dir");

@@ -1412,7 +1412,7 @@ impl Pass<'_> {
             // mode) is heeded up to backoff_max: retried sooner, the job would spend its
             // attempts on the answer it had already.
             let asked = match &result {
-                Replay::Retry(_, Some(asked)) => *asked,
+                Replay::Retry(_, Some(asked)) | Replay::ProbeFailed(_, Some(asked)) => *asked,
                 _ => Duration::ZERO,
             };
             let unanswered = matches!(result, Replay::Unanswered(_));
@@ -1445,6 +1445,26 @@ impl Pass<'_> {
                             self.count(&shared.metrics.queue_retries);
                         }
                     }
+                }
+                Replay::ProbeFailed(error, _) => {
+                    // While the breaker is half-open only probes go, and a failed one is no
+                    // verdict when all its failures are the queue's (one client to
+                    // `failing_clients`): the breaker stayed half-open, and each job spent its
+                    // attempts on the outage, the backlog reaching the dead letters within
+                    // seconds of a database going down.
+                    job.last_error = Some(error.clone());
+                    let wait =
+                        backoff(settings, job.attempts.max(1)).max(asked.min(settings.backoff_max));
+                    if self.delay(&id, &job, wait).await? {
+                        static STILL_FAILING: LogThrottle =
+                            LogThrottle::new(Duration::from_secs(60));
+                        if let Some(held_back) = STILL_FAILING.allow(std::time::Instant::now()) {
+                            let retry_in = crate::config::units::Shown(wait);
+                            tracing::warn!(route = %route.name, upstream = %route.upstream.name, held_back, %retry_in, "queued jobs wait: a replay sent as the half-open breaker's probe failed ({error}); no attempt is spent, and the queue tries one job a pass until the app answers");
+                        }
+                        self.count(&shared.metrics.queue_retries);
+                    }
+                    return Ok((false, jobs.map(|(id, _)| id).collect()));
                 }
                 Replay::Held => {
                     // The breaker refused the call, no connection to the app could be made, or
@@ -1558,13 +1578,18 @@ enum Replay {
     Unanswered(String),
     Permanent(String),
     Held,
+    /// Sent as one of a half-open breaker's probes, and the app still failed it (a failure
+    /// status, or no answer): the app's outage, not the job's fault. Tried again after a
+    /// back-off (not before the app's `Retry-After`), no attempt spent, and the rest of the
+    /// batch waits for a later pass: the queue feels for the app's return one job at a time.
+    ProbeFailed(String, Option<Duration>),
 }
 
 impl Replay {
     fn label(&self) -> &'static str {
         match self {
             Replay::Done => "done",
-            Replay::Retry(..) | Replay::Unanswered(_) => "retry",
+            Replay::Retry(..) | Replay::Unanswered(_) | Replay::ProbeFailed(..) => "retry",
             Replay::Permanent(_) => "permanent",
             Replay::Held => "held",
         }
@@ -1611,6 +1636,7 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
     else {
         return Replay::Held;
     };
+    let probe = permit.is_probe();
     let Ok(uri) = upstream.uri_for(&job.target) else {
         return Replay::Permanent(format!("bad target {}", job.target));
     };
@@ -1690,10 +1716,15 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
         Err(_) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
             // Said in the letter too: the app may have run it, and a retry runs it again.
-            Replay::Unanswered(format!(
+            let error = format!(
                 "no answer within {} (the app may have run it: a retry runs it again)",
                 crate::config::units::Shown(upstream.settings.response_timeout)
-            ))
+            );
+            if probe {
+                Replay::ProbeFailed(error, None)
+            } else {
+                Replay::Unanswered(error)
+            }
         }
         // Not the upstream's failure, and no use trying again: a job a FastCGI upstream
         // cannot run (its path names no script), or an answer whose head levee cannot read
@@ -1724,7 +1755,12 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
         }
         Ok(Err(error)) => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
-            Replay::Unanswered(format!("upstream error after the job was sent: {error} (the app may have run it: a retry runs it again)"))
+            let error = format!("upstream error after the job was sent: {error} (the app may have run it: a retry runs it again)");
+            if probe {
+                Replay::ProbeFailed(error, None)
+            } else {
+                Replay::Unanswered(error)
+            }
         }
         Ok(Ok(answered)) => {
             let response = answered.response;
@@ -1732,7 +1768,7 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
             let asked_to_wait = matches!(status.as_u16(), 429 | 503)
                 .then(|| retry_after(response.headers()))
                 .flatten();
-            permit.record_status(status.as_u16(), Instant::now(), &shared.metrics);
+            let failed = permit.record_status(status.as_u16(), Instant::now(), &shared.metrics);
             // Drain the body so the connection can be reused, but not for longer than the
             // upstream's idle_body_timeout: the outcome is known, and the worker keeps its
             // hold on the batch while it waits here.
@@ -1742,6 +1778,8 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
                 Replay::Done
             } else if status.is_client_error() && !matches!(status.as_u16(), 408 | 425 | 429) {
                 Replay::Permanent(format!("the app refused the job with {status}"))
+            } else if probe && failed {
+                Replay::ProbeFailed(format!("the app answered {status}"), asked_to_wait)
             } else {
                 Replay::Retry(format!("the app answered {status}"), asked_to_wait)
             }
