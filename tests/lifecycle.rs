@@ -75,6 +75,75 @@ async fn drain_answers_readyz_503_while_traffic_still_flows_then_stops() {
     );
 }
 
+/// The drain's end takes no request a front has written: a connection the kernel accepted
+/// that levee had not taken yet (here held in the backlog by `max_connections`), and one
+/// opened just before whose request comes a moment after, are both answered (with
+/// `Connection: close`), where they were reset or closed and a front's POST failed with 502
+/// (nginx does not send a POST again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drains_end_answers_requests_written_on_connections_it_had_not_served() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend =
+        Backend::start(|_request: Request<Incoming>| async move { Response::new(full("applied")) })
+            .await;
+    let mut levee = Levee::start(&policy_for(
+        backend.addr,
+        "drain = \"100ms\"\nmax_connections = 1",
+        "",
+    ))
+    .await;
+    let request = b"POST /comment HTTP/1.1\r\nHost: site\r\nContent-Length: 2\r\n\r\nhi";
+    // Takes the one connection levee holds, and sends nothing yet.
+    let mut opened = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    // Accepted by the kernel, left in the backlog by levee, its request written.
+    let mut waiting = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    waiting.write_all(request).await.expect("write");
+    eventually(
+        Duration::from_secs(5),
+        "levee to wait at its connection cap",
+        || async {
+            metric_value(
+                &get(&levee.admin_url("/metrics")).await.text(),
+                "levee_connection_cap_waits_total",
+            ) >= 1.0
+        },
+    )
+    .await;
+
+    let running = levee.running.take().expect("running");
+    running.shutdown();
+    let read_answer = |mut stream: tokio::net::TcpStream| async move {
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer));
+        match read.await {
+            Ok(Ok(_)) => String::from_utf8_lossy(&answer).to_lowercase(),
+            other => format!("no answer: {other:?}"),
+        }
+    };
+    let answer = read_answer(waiting).await;
+    assert!(
+        answer.starts_with("http/1.1 200")
+            && answer.contains("connection: close")
+            && answer.ends_with("applied"),
+        "{answer}"
+    );
+    // levee has stopped accepting by now; the connection opened before gets its request in.
+    opened.write_all(request).await.expect("write");
+    let answer = read_answer(opened).await;
+    assert!(
+        answer.starts_with("http/1.1 200") && answer.contains("connection: close"),
+        "{answer}"
+    );
+    tokio::time::timeout(Duration::from_secs(10), running.wait())
+        .await
+        .expect("levee stops");
+    assert_eq!(backend.hits(), 2);
+}
+
 async fn get_owned(url: String) -> Answer {
     get(&url).await
 }

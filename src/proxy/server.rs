@@ -275,6 +275,9 @@ impl ConnectionLimits {
 /// Every connection task holds a clone of `alive`; the caller learns that all connections
 /// have finished when the receiving side sees the channel close. With `count`, connections
 /// are counted and held to `max_connections`.
+/// Most connections taken from the listen backlog when levee stops accepting.
+const STOP_SWEEP_MAX: usize = 1024;
+
 pub(crate) async fn accept_loop<C, Fut>(
     listener: TcpListener,
     store: Arc<PolicyStore>,
@@ -286,6 +289,19 @@ pub(crate) async fn accept_loop<C, Fut>(
     C: Fn(TcpStream, SocketAddr, ConnectionLimits, ConnectionSlot, watch::Receiver<bool>) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
+    let start = |stream: TcpStream, peer: SocketAddr, stop: &watch::Receiver<bool>| {
+        let _ = stream.set_nodelay(true);
+        let limits = ConnectionLimits::from_store(&store);
+        let slot = count
+            .as_ref()
+            .map_or_else(ConnectionSlot::uncounted, |count| count.admit());
+        let connection = serve_connection(stream, peer, limits, slot, stop.clone());
+        let alive = alive.clone();
+        tokio::spawn(async move {
+            let _alive = alive;
+            connection.await;
+        });
+    };
     loop {
         if let Some(count) = &count {
             if !count.room(&store, &mut stop).await {
@@ -305,17 +321,27 @@ pub(crate) async fn accept_loop<C, Fut>(
                 continue;
             }
         };
-        let _ = stream.set_nodelay(true);
-        let limits = ConnectionLimits::from_store(&store);
-        let slot = count
-            .as_ref()
-            .map_or_else(ConnectionSlot::uncounted, |count| count.admit());
-        let connection = serve_connection(stream, peer, limits, slot, stop.clone());
-        let alive = alive.clone();
-        tokio::spawn(async move {
-            let _alive = alive;
-            connection.await;
-        });
+        start(stream, peer, &stop);
+    }
+    // Stopped. The connections the kernel completed that levee has not taken yet: closing the
+    // listener would reset them, and a front does not send again a POST it has written
+    // (nginx's `proxy_next_upstream` leaves non-idempotent requests alone). Taken now,
+    // straight from the socket (the reactor may not have seen the last ones arrive), each is
+    // given its first request's answer, with `Connection: close`.
+    let Ok(listener) = listener.into_std() else {
+        return;
+    };
+    // Bounded: a flood held in the backlog at the connection cap is not all taken.
+    for _ in 0..STOP_SWEEP_MAX {
+        let Ok((stream, peer)) = listener.accept() else {
+            break;
+        };
+        let stream = stream
+            .set_nonblocking(true)
+            .and_then(|()| TcpStream::from_std(stream));
+        if let Ok(stream) = stream {
+            start(stream, peer, &stop);
+        }
     }
 }
 

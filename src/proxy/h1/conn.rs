@@ -119,6 +119,8 @@ pub(super) async fn serve_connection<H, F>(
     // One timer for every head the connection reads: see `deadline::within`.
     let head_timer = tokio::time::sleep(limits.header_read_timeout);
     tokio::pin!(head_timer);
+    // No request has been read on this connection yet.
+    let mut fresh = true;
     loop {
         // The timeout also runs while a keep-alive connection waits for its next request,
         // so idle connections are closed after it, as with hyper before.
@@ -127,7 +129,13 @@ pub(super) async fn serve_connection<H, F>(
         crate::cpu_quota::settle(now.into_std());
         let deadline = now + limits.header_read_timeout;
         let read = {
-            let reading = read_head(&mut stream, &mut read_buffer, max_head_bytes, &mut stop);
+            let reading = read_head(
+                &mut stream,
+                &mut read_buffer,
+                max_head_bytes,
+                &mut stop,
+                fresh,
+            );
             deadline::within(deadline, head_timer.as_mut(), std::pin::pin!(reading)).await
         };
         let head = match read {
@@ -145,6 +153,7 @@ pub(super) async fn serve_connection<H, F>(
             }
             Some(HeadRead::Head(head)) => head,
         };
+        fresh = false;
         let exchange = crate::proxy::boxed_in_place(|| {
             serve_request(
                 &mut stream,
@@ -209,10 +218,14 @@ async fn read_head(
     buffer: &mut BytesMut,
     max_head_bytes: usize,
     stop: &mut Stop,
+    fresh: bool,
 ) -> HeadRead {
     // Where the bytes not yet seen by the parser begin; `None`: parse what is there now
     // (a pipelined head, or a first read, whose garbage is refused at once).
     let mut unparsed_from: Option<usize> = None;
+    // Once levee stops: how long a connection opened just before may take to send its
+    // first request.
+    let mut grace: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     loop {
         let worth_parsing = match unparsed_from {
             None => true,
@@ -254,12 +267,42 @@ async fn read_head(
             },
             () = stopped(&mut stop.switch), if !stop.stopping => {
                 stop.stopping = true;
-                // Idle: close now. A head already on its way is still answered.
+                // A head already on its way is still answered (`Connection: close`).
                 if buffer.is_empty() {
-                    return HeadRead::Closed;
+                    // A front opens a connection to send a request on it at once, and one
+                    // not answered is not sent again if it was a POST: a connection opened
+                    // just before the stop gets a moment for its first request. An idle
+                    // keep-alive connection is closed now, unless its next request is
+                    // already in the socket.
+                    if fresh {
+                        grace = Some(Box::pin(tokio::time::sleep(FIRST_REQUEST_GRACE)));
+                    } else if !read_waiting(stream, buffer) {
+                        return HeadRead::Closed;
+                    }
                 }
             }
+            () = async { if let Some(grace) = grace.as_mut() { grace.await } }, if grace.is_some() && buffer.is_empty() => {
+                return HeadRead::Closed;
+            }
         }
+    }
+}
+
+/// How long a connection accepted just before levee stopped may take to send its first
+/// request, which is then answered (with `Connection: close`).
+const FIRST_REQUEST_GRACE: Duration = Duration::from_secs(1);
+
+/// Reads into `buffer` what the socket holds now, without waiting; whether anything came.
+/// Asked of the socket itself: the runtime's note of its readiness may not yet know of bytes
+/// that have just arrived.
+fn read_waiting(stream: &TcpStream, buffer: &mut BytesMut) -> bool {
+    let mut waiting = [0u8; HEAD_READ_SIZE];
+    match rustix::net::recv(stream, &mut waiting[..], rustix::net::RecvFlags::DONTWAIT) {
+        Ok((read, _)) if read > 0 => {
+            buffer.extend_from_slice(&waiting[..read]);
+            true
+        }
+        _ => false,
     }
 }
 
