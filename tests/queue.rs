@@ -1189,6 +1189,53 @@ async fn jobs_replayed_as_probes_of_a_failing_app_spend_no_attempt() {
     }
 }
 
+/// A visitor's write that would be a half-open breaker's probe is queued instead: sent to an
+/// app still down, it got the app's error page and was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_is_queued_rather_than_spent_as_a_half_open_breakers_probe() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let failing = Arc::new(AtomicBool::new(true));
+    let (backend, seen) = recording(0, failing.clone(), Duration::ZERO).await;
+    let upstream = format!("url = \"http://{}\"\n", backend.addr);
+    let policy = queue_policy(backend.addr, &redis.url(), "")
+    .replace(
+        &upstream,
+        &format!("{upstream}breaker = {{ consecutive_failures = 3, failure_statuses = [500], open_for = \"100ms\" }}\n"),
+    );
+    let levee = Levee::start(&policy).await;
+    for client in ["10.1.0.1", "10.2.0.1", "10.3.0.1"] {
+        assert_eq!(post_as(&levee, "like=0", client).await.status, 500);
+    }
+    eventually(
+        Duration::from_secs(5),
+        "the breaker to be ready to probe",
+        || async {
+            get(&levee.admin_url("/status")).await.json()["upstreams"][0]["breaker"]
+                ["open_for_remaining_ms"]
+                .as_u64()
+                == Some(0)
+        },
+    )
+    .await;
+    let answer = post_as(&levee, "like=1", "10.4.0.1").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    let job = answer.header("x-levee-job").expect("job").to_string();
+
+    failing.store(false, Ordering::SeqCst);
+    eventually(
+        Duration::from_secs(10),
+        "the write to be applied once the app is back",
+        || async {
+            seen.lock()
+                .expect("lock")
+                .iter()
+                .any(|(key, body, ..)| *key == job && body == "like=1")
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_that_meets_an_open_breaker_is_queued_and_applied_later() {
     let dir = tempfile::tempdir().expect("dir");

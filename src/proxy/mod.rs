@@ -660,6 +660,44 @@ async fn forward(
     // Breaker: an open dependency is not called at all; the last good copy or the route's
     // fallback answers.
     let mut permit = match upstream_permit(shared, &route, clock.now(), client_ip) {
+        Ok(permit) if permit.is_probe() && queue_when_refused.is_some() => {
+            // A visitor's write is not spent on learning whether the app is back (a comment
+            // sent as the probe of a dead app got its 502, and was lost): a write the queue
+            // can take is queued, and its replay, or a read, probes instead.
+            let copy = match parts.extensions.get::<body::ResendableBody>() {
+                Some(copy) => Some(copy.clone()),
+                None if http_body::Body::is_end_stream(&body) => {
+                    Some(body::ResendableBody::empty())
+                }
+                None => None,
+            };
+            match (copy, queue_when_refused.take()) {
+                (Some(copy), Some(instead)) => {
+                    drop(permit);
+                    let copy = copy.body().map_err(body::ReadBodyError).boxed_unsync();
+                    let headers = allowed_headers.clone();
+                    if let Some(answer) =
+                        queue_instead(shared, policy, &route, instead, copy, headers).await
+                    {
+                        return answer;
+                    }
+                    // The queue cannot store it either: sent as a probe after all.
+                    match upstream_permit(shared, &route, clock.now(), client_ip) {
+                        Ok(permit) => permit,
+                        Err(refusal) => {
+                            return stale
+                                .serve_or(shared, policy, &route, refusal, &mut exchange.error)
+                                .await
+                                .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
+                        }
+                    }
+                }
+                (_, instead) => {
+                    queue_when_refused = instead;
+                    permit
+                }
+            }
+        }
         Ok(permit) => permit,
         Err(refusal) => {
             if let Some(instead) = queue_when_refused {
