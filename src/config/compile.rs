@@ -430,6 +430,10 @@ impl UnreadNames {
     fn note(&mut self, text: &str) {
         self.any = true;
         let Ok(table) = text.parse::<toml::Table>() else {
+            // Not even TOML: what it defines cannot be told, and a name another file uses
+            // is not called undefined for it (the shop's typo listed first an error in the
+            // file that names the shop's upstream).
+            self.unknown = true;
             return;
         };
         self.sections.extend(
@@ -2306,7 +2310,18 @@ fn compile_trigger(
                 file,
                 upstream.span(),
                 format!("upstream `{}` is not defined", upstream.get_ref()),
-                format!("upstreams: {}", upstreams.join(", ")),
+                if upstreams.is_empty() {
+                    "defined upstreams: none (add a [upstream.NAME] section)".to_string()
+                } else {
+                    format!(
+                        "defined upstreams: {}",
+                        upstreams
+                            .iter()
+                            .map(|name| format!("`{name}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                },
             );
         }
         return None;
@@ -6235,6 +6250,22 @@ mod tests {
                 .any(|error| error.starts_with("b.toml:4:12: error: upstream `api` is not defined")),
             "{refused:#?}"
         );
+        // A file that is not even TOML (a quote left open) may define anything: the file
+        // that names its upstream is not blamed too.
+        let refused = errors(&[
+            (
+                "00-global.toml",
+                "[[degrade.trigger]]\nupstream = \"shop\"\nwhen = \"breaker_open\"\nlevel = 1\n",
+            ),
+            (
+                "10-shop.toml",
+                "[upstream.shop]\nurl = \"http://127.0.0.1:8081\nmax_inflight = 4\n[[route]]\nname = \"shop\"\nupstream = \"shop\"\n",
+            ),
+        ]);
+        assert!(
+            refused.len() == 1 && refused[0].starts_with("10-shop.toml:2:"),
+            "only the broken file's error: {refused:#?}"
+        );
     }
 
     #[test]
@@ -6799,7 +6830,7 @@ mod tests {
                 "[[route]]\nname = \"x\"\nupstream = \"nope\"\nlimits = [\"nope\"]\ntier = 7\n",
             ),
             ("b.toml", "[server]\nheader_read_timeout = \"10 parsecs\"\n"),
-            ("c.toml", "this is not toml"),
+            ("c.toml", "[queue]\npoll_interval = 5\n"),
         ]);
         // A route with an undefined upstream still has its other keys checked.
         assert_eq!(errors.len(), 5, "{errors:?}");
@@ -6823,9 +6854,24 @@ mod tests {
             "{errors:?}"
         );
         assert!(
-            errors.iter().any(|e| e.starts_with("c.toml:1:")),
+            errors.iter().any(|e| e.starts_with("c.toml:2:")),
             "{errors:?}"
         );
+        // A file that is not TOML at all may define anything: its own error alone is told,
+        // and names that it might define are not called undefined elsewhere.
+        let errors = super::tests::errors(&[
+            (
+                "a.toml",
+                "[[route]]\nname = \"x\"\nupstream = \"nope\"\ntier = 7\n",
+            ),
+            ("c.toml", "this is not toml"),
+        ]);
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(
+            errors[0].starts_with("a.toml:4:8: error: tier 7"),
+            "{errors:?}"
+        );
+        assert!(errors[1].starts_with("c.toml:1:"), "{errors:?}");
     }
 
     #[test]
