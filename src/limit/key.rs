@@ -173,9 +173,35 @@ impl RequestFacts<'_> {
             }
             KeyPart::ApiKey => first_present(&self.identity.api_key, self.headers, self.query)
                 .and_then(one_spelling),
+            // The site as routes match it: `SHOP.example:80` and `shop.example.` are
+            // `shop.example`, or each spelling would be a bucket of its own.
+            KeyPart::Field(source @ Source::Header(name)) if name == http::header::HOST => source
+                .read_bytes(self.headers, self.query)
+                .map(|host| Cow::Owned(host_as_routed(&host))),
             KeyPart::Field(source) => source.read_bytes(self.headers, self.query),
         }
     }
+}
+
+/// A `Host` value as a site's name: lower-cased, without its port and trailing dots.
+fn host_as_routed(host: &[u8]) -> Vec<u8> {
+    let host = host.trim_ascii();
+    let name = if host.starts_with(b"[") {
+        // An IPv6 address: its port follows the bracket.
+        host.iter()
+            .position(|byte| *byte == b']')
+            .map_or(host, |end| &host[..=end])
+    } else {
+        match host.iter().rposition(|byte| *byte == b':') {
+            Some(colon) if host[colon + 1..].iter().all(u8::is_ascii_digit) => &host[..colon],
+            _ => host,
+        }
+    };
+    let mut name = name.to_ascii_lowercase();
+    while name.len() > 1 && name.last() == Some(&b'.') {
+        name.pop();
+    }
+    name
 }
 
 /// The client as a limit key: an IPv4 address, or the /64 network of an IPv6 one. One IPv6
@@ -892,6 +918,23 @@ mod tests {
         assert_eq!(unreadable_part(&[KeyPart::ApiKey], &one), None);
         // The front's user header and the session cookie differ on every logged-in request.
         assert_eq!(unreadable_part(&[KeyPart::User], &decoy), None);
+    }
+
+    #[test]
+    fn a_host_key_part_is_the_site_whatever_its_spelling() {
+        for spelling in [
+            "shop.example",
+            "SHOP.example",
+            "shop.example.",
+            "shop.example:80",
+            "shop.example:0080",
+            "shop.example:",
+            " Shop.Example.:443 ",
+        ] {
+            assert_eq!(host_as_routed(spelling.as_bytes()), b"shop.example", "{spelling}");
+        }
+        assert_eq!(host_as_routed(b"[::1]:8080"), b"[::1]");
+        assert_eq!(host_as_routed(b"[::1]"), b"[::1]");
     }
 
     #[test]
