@@ -563,11 +563,18 @@ impl<'a> Compiler<'a> {
         let Some(section) = section else { return };
         if let Some((first, first_spec)) = slot {
             let other = self.location(*first, &first_spec.span());
+            // `[[degrade.trigger]]` opens `[degrade]` too: an operator who wrote one beside a
+            // site's routes wrote no second `[degrade]` that they know of.
+            let hint = if what == "[degrade]" {
+                format!("the first one is at {other}; keep one: [degrade] and its [[degrade.trigger]] entries live in one file")
+            } else {
+                format!("the first one is at {other}; keep one")
+            };
             self.error_hint(
                 file,
                 section.span(),
                 format!("{what} is defined twice"),
-                format!("the first one is at {other}; keep one"),
+                hint,
             );
         } else {
             *slot = Some((file, section));
@@ -1530,14 +1537,19 @@ fn compile_read(
         .is_empty()
         .then(|| routes.iter().position(|route| matches_every_request(route)));
     if let Some(first) = catch_all_at.flatten() {
+        let catch_all_at = route_names
+            .get(&*routes[first].name.0)
+            .map_or_else(String::new, |(file, span)| compiler.location(*file, span));
         for later in &routes[first + 1..] {
             if let Some((file, span)) = route_names.get(&*later.name.0) {
                 compiler.error_hint(
                     *file,
                     span.clone(),
                     format!(
-                        "route `{}` is never reached: route `{}` before it matches every request",
-                        later.name, routes[first].name
+                        "route `{}` is never reached: route `{}` before it ({}) matches every request",
+                        later.name,
+                        routes[first].name,
+                        catch_all_at
                     ),
                     "routes are tried in order (files by name, then as written); move the catch-all last",
                 );
@@ -1550,6 +1562,7 @@ fn compile_read(
         None => &routes[..],
     };
     warn_of_shadowed_routes(&mut compiler, tried, &route_names);
+    warn_of_routes_for_every_site(&mut compiler, tried, &route_names);
     // A request no route matches goes to the default upstream; without one it gets a 404,
     // which for a site is every page nobody thought to route: an empty or truncated file, or
     // a second upstream added (with one, it is the default by itself).
@@ -3665,6 +3678,64 @@ fn known_names<T>(what: &str, map: &BTreeMap<String, T>) -> String {
     }
 }
 
+/// A route without `host` whose upstream's other routes all name hosts belongs, as a rule,
+/// to that one site, and was written without its `host` by mistake: with one file per site,
+/// `path_prefix = "/feed"` in the blog's file took `/feed` on every site (and past their
+/// limits) before their own routes. Warned of when a route of another site comes after it.
+fn warn_of_routes_for_every_site(
+    compiler: &mut Compiler<'_>,
+    routes: &[Arc<Route>],
+    route_names: &BTreeMap<String, (usize, Range<usize>)>,
+) {
+    for (at, route) in routes.iter().enumerate() {
+        if !route.hosts.is_empty() || matches_every_request(route) {
+            continue;
+        }
+        let upstream = &route.upstream.name;
+        let others: Vec<&Arc<Route>> = routes
+            .iter()
+            .filter(|other| other.upstream.name == *upstream && other.name != route.name)
+            .collect();
+        if others.is_empty() || others.iter().any(|other| other.hosts.is_empty()) {
+            continue;
+        }
+        let sites: std::collections::BTreeSet<String> = others
+            .iter()
+            .flat_map(|other| other.hosts.iter().map(HostMatch::pattern))
+            .collect();
+        let taken_from: std::collections::BTreeSet<String> = routes[at + 1..]
+            .iter()
+            .filter(|later| later.upstream.name != *upstream)
+            .flat_map(|later| later.hosts.iter().map(HostMatch::pattern))
+            .filter(|host| !sites.contains(host))
+            .collect();
+        if taken_from.is_empty() {
+            continue;
+        }
+        let Some((file, span)) = route_names.get(&*route.name.0) else {
+            continue;
+        };
+        let list = |names: &std::collections::BTreeSet<String>| {
+            names
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        compiler.warning_hint(
+            *file,
+            span.clone(),
+            format!(
+                "route `{}` has no host, while every other route to upstream `{upstream}` names one ({}): it takes its paths on every site, {} included",
+                route.name,
+                list(&sites),
+                list(&taken_from)
+            ),
+            format!("give it the host of its site: host = [\"{}\"]", sites.iter().next().map_or("", String::as_str)),
+        );
+    }
+}
+
 /// An IP address or a CIDR range, as `trusted_proxies` and a route's `client` take them.
 fn parse_network(text: &str) -> Option<IpNet> {
     text.parse::<IpNet>()
@@ -5002,6 +5073,39 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_route_without_host_among_one_sites_routes_is_warned_of() {
+        let sites = "[server]\ndefault_upstream = \"shop\"\n[upstream.shop]\nurl = \"http://127.0.0.1:8081\"\n[upstream.blog]\nurl = \"http://127.0.0.1:8082\"\n";
+        let shop = "[[route]]\nname = \"shop\"\nmatch = { host = \"shop.example\" }\nupstream = \"shop\"\n";
+        let blog = |feed: &str| {
+            format!("[[route]]\nname = \"blog\"\nmatch = {{ host = [\"blog.example\", \"www.blog.example\"], path_prefix = \"/\" }}\nupstream = \"blog\"\n[[route]]\nname = \"blog_feed\"\nmatch = {{ {feed}path_prefix = \"/feed\" }}\nupstream = \"blog\"\n")
+        };
+        let warned = |blog: &str| {
+            let policy = compile(
+                &files(&[
+                    ("00-sites.toml", sites),
+                    ("10-blog.toml", blog),
+                    ("20-shop.toml", shop),
+                ]),
+                None,
+            )
+            .expect("compiles");
+            policy
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .filter(|warning| warning.contains("has no host"))
+                .collect::<Vec<_>>()
+        };
+        let said = warned(&blog(""));
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert!(
+            said[0].starts_with("10-blog.toml:6:8: warning: route `blog_feed` has no host, while every other route to upstream `blog` names one (blog.example, www.blog.example): it takes its paths on every site, shop.example included"),
+            "{said:?}"
+        );
+        assert!(warned(&blog("host = \"blog.example\", ")).is_empty());
+    }
+
     fn errors(sources: &[(&str, &str)]) -> Vec<String> {
         match compile(&files(sources), None) {
             Ok(_) => Vec::new(),
@@ -5467,7 +5571,7 @@ mod tests {
         ]);
         assert_eq!(
             refused,
-            ["20-ranking.toml:2:8: error: route `ranking` is never reached: route `all` before it matches every request\n  hint: routes are tried in order (files by name, then as written); move the catch-all last"]
+            ["20-ranking.toml:2:8: error: route `ranking` is never reached: route `all` before it (10-all.toml:4:8) matches every request\n  hint: routes are tried in order (files by name, then as written); move the catch-all last"]
         );
         // Last, it is the site's fallback.
         assert!(errors(&[(

@@ -931,7 +931,11 @@ mod tests {
             "shop.example:",
             " Shop.Example.:443 ",
         ] {
-            assert_eq!(host_as_routed(spelling.as_bytes()), b"shop.example", "{spelling}");
+            assert_eq!(
+                host_as_routed(spelling.as_bytes()),
+                b"shop.example",
+                "{spelling}"
+            );
         }
         assert_eq!(host_as_routed(b"[::1]:8080"), b"[::1]");
         assert_eq!(host_as_routed(b"[::1]"), b"[::1]");
