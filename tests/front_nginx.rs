@@ -328,7 +328,7 @@ async fn a_head_too_long_for_the_front_does_not_send_the_site_around_levee() {
     // connection took meanwhile (free_port gives it back to the system) is tried again with
     // a stack of its own.
     let mut tries = 0;
-    let (_dir, _php, _nginx, front, _backend, _policy_dir, running) = loop {
+    let (_dir, _php, _nginx, front, backend, _policy_dir, running) = loop {
         tries += 1;
         let levee_port = free_port();
         let (dir, php, nginx, front, backend) = front_stack(levee_port).await;
@@ -379,5 +379,10 @@ async fn a_head_too_long_for_the_front_does_not_send_the_site_around_levee() {
     ))
     .await;
     assert_eq!(answer.status, 301, "{}", answer.text());
+    // The vhost's own redirect of a directory (WordPress's `/wp-admin`) names no port of
+    // its own, which visitors of the front cannot reach (`absolute_redirect off`).
+    let answer = get(&format!("http://127.0.0.1:{backend}/forum")).await;
+    assert_eq!(answer.status, 301, "{}", answer.text());
+    assert_eq!(answer.header("location"), Some("/forum/"));
     running.shutdown();
 }
