@@ -271,21 +271,22 @@ pub struct RouteSeries {
     duration: OnceLock<Histogram>,
     /// `levee_requests_total` with status 200, by far the most common.
     ok: OnceLock<Counter>,
-    /// When the route last said in the log why an answer was not kept as its stale copy, by
-    /// reason.
-    stale_not_kept_said: std::sync::Mutex<Vec<(&'static str, std::time::Instant)>>,
+    /// When the route last said in the log a thing said once a minute: why an answer was not
+    /// kept as its stale copy (by reason), that its queue took up jobs another instance
+    /// handed back.
+    said: std::sync::Mutex<Vec<(&'static str, std::time::Instant)>>,
 }
 
 impl RouteSeries {
-    /// Whether the route may say again that an answer was not kept for `reason` (once a
-    /// minute, each route and reason for itself: a visitor's logged-in page, `credentials`,
-    /// must not take the line that says every view sets a cookie).
-    pub fn stale_not_kept_due(&self, reason: &'static str, now: std::time::Instant) -> bool {
+    /// Whether the route may say `what` again (once a minute, each route and thing for
+    /// itself: a visitor's logged-in page, `credentials`, must not take the line that says
+    /// every view sets a cookie).
+    pub fn said_due(&self, what: &'static str, now: std::time::Instant) -> bool {
         let mut said = self
-            .stale_not_kept_said
+            .said
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        match said.iter_mut().find(|(known, _)| *known == reason) {
+        match said.iter_mut().find(|(known, _)| *known == what) {
             Some((_, last)) => {
                 let due =
                     now.saturating_duration_since(*last) >= std::time::Duration::from_secs(60);
@@ -295,7 +296,7 @@ impl RouteSeries {
                 due
             }
             None => {
-                said.push((reason, now));
+                said.push((what, now));
                 true
             }
         }
@@ -679,6 +680,17 @@ impl Metrics {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn a_route_says_each_thing_once_a_minute_apart_from_the_others() {
+        let series = RouteSeries::default();
+        let start = std::time::Instant::now();
+        let later = |seconds| start + std::time::Duration::from_secs(seconds);
+        assert!(series.said_due("handed_back", start));
+        assert!(!series.said_due("handed_back", later(59)));
+        assert!(series.said_due("private", later(59)), "another thing is said apart");
+        assert!(series.said_due("handed_back", later(60)));
+    }
 
     #[test]
     fn names_with_quotes_and_backslashes_are_escaped_in_label_values() {

@@ -1475,10 +1475,7 @@ fn not_kept(shared: &Shared, route: &Route, reason: &'static str) {
             reason,
         })
         .inc();
-    if route
-        .series
-        .stale_not_kept_due(reason, std::time::Instant::now())
-    {
+    if route.series.said_due(reason, std::time::Instant::now()) {
         tracing::info!(route = %route.name, reason, "an answer of 200 was not kept as the route's stale copy: {}", stale::not_kept_because(reason));
     }
 }

@@ -1284,12 +1284,23 @@ impl Pass<'_> {
         if !handed_back.is_empty() {
             let jobs: u64 = handed_back.iter().map(|(_, jobs)| jobs).sum();
             let from = holders_text(&handed_back, self.consumer);
-            tracing::info!(
-                route = %route,
-                jobs,
-                "took up {jobs} queued jobs handed back by {from}, which had not sent them to \
-                 the app (it stopped, or its replays were held back)"
-            );
+            // While the app is down every instance hands the batch back on each pass (its
+            // replays are held): said once a minute per route, not thousands of times.
+            if self
+                .route
+                .series
+                .said_due("handed_back", std::time::Instant::now())
+            {
+                tracing::info!(
+                    route = %route,
+                    jobs,
+                    "took up {jobs} queued jobs handed back by {from}, which had not sent them to \
+                     the app (its replays were held back: the breaker, a full upstream, an app \
+                     that cannot be reached; or it stopped); said once a minute"
+                );
+            } else {
+                tracing::debug!(route = %route, jobs, "took up {jobs} queued jobs handed back by {from}");
+            }
         }
     }
 
