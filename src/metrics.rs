@@ -688,7 +688,10 @@ mod tests {
         let later = |seconds| start + std::time::Duration::from_secs(seconds);
         assert!(series.said_due("handed_back", start));
         assert!(!series.said_due("handed_back", later(59)));
-        assert!(series.said_due("private", later(59)), "another thing is said apart");
+        assert!(
+            series.said_due("private", later(59)),
+            "another thing is said apart"
+        );
         assert!(series.said_due("handed_back", later(60)));
     }
 

@@ -951,3 +951,24 @@ async fn api_keys_in_the_query_are_hidden_in_log_lines() {
         log.lines_with(&secret)
     );
 }
+
+/// A request head levee refuses before any route (a Host with `@`, HTTP/1.1 without Host) is
+/// said in the log as other refusals are: a site whose visitors report 400s found no trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_head_refused_before_routing_is_said_in_the_log() {
+    let log = levee_log();
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", "")).await;
+    let answer = raw_exchange(
+        levee.public,
+        b"GET /refused-head HTTP/1.1\r\nHost: a@b.example\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    eventually(Duration::from_secs(5), "the refusal's line", || async {
+        !log.lines_with("request head refused: invalid Host field")
+            .is_empty()
+    })
+    .await;
+}

@@ -146,7 +146,16 @@ pub(super) async fn serve_connection<H, F>(
             Some(HeadRead::Closed) => return,
             Some(HeadRead::Refused { error, method }) => {
                 let error = error.naming_limit(limits.max_header_bytes);
-                tracing::debug!(%peer, "request head refused: {error}");
+                // Said as the handler's refusals are (its budget is per listener here, as no
+                // request reached the handler): a site whose visitors report 400s finds them.
+                static HEADS_REFUSED: crate::log_throttle::LogBudget =
+                    crate::log_throttle::LogBudget::new(20, Duration::from_secs(1));
+                match HEADS_REFUSED.allow(std::time::Instant::now()) {
+                    Some(held_back) => {
+                        tracing::info!(client = %peer.ip(), held_back, "refused: request head refused: {error}");
+                    }
+                    None => tracing::debug!(%peer, "request head refused: {error}"),
+                }
                 Box::pin(refuse(&mut stream, error, &method, limits.send_timeout)).await;
                 Box::pin(linger_close(stream)).await;
                 return;
