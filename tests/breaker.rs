@@ -1008,6 +1008,20 @@ async fn one_visitor_whose_page_fails_cannot_open_the_breaker_for_everyone() {
         ) >= 1.0,
         "{metrics}"
     );
+    // `/status` says it too, and `levee status` shows it under the upstream.
+    let status = get(&levee.admin_url("/status")).await.json();
+    let held = &status["upstreams"][0]["breaker"]["held_closed"];
+    assert_eq!(
+        (held["failing_clients"].as_u64(), held["needed"].as_u64()),
+        (Some(1), Some(3)),
+        "{status}"
+    );
+    assert!(held["ago_ms"].as_u64().is_some(), "{status}");
+    let summary = levee::admin::client::summarize(&status);
+    assert!(
+        summary.contains("kept closed 0s ago: its failures came from 1 client network(s), and failing_clients asks for 3"),
+        "{summary}"
+    );
     assert_eq!(
         get_with(&levee.url("/forum.php"), &from("203.0.113.1"))
             .await

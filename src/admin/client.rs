@@ -605,6 +605,21 @@ pub fn summarize(status: &serde_json::Value) -> String {
                 String::new()
             }
         );
+        // Failures that did not open it, for want of failing clients: said, or a breaker
+        // tried from one office looks as if it did not work.
+        let held = &breaker["held_closed"];
+        if let (Some(ago_ms), Some(clients), Some(needed)) = (
+            held["ago_ms"].as_u64(),
+            held["failing_clients"].as_u64(),
+            held["needed"].as_u64(),
+        ) {
+            let _ = writeln!(
+                out,
+                "         kept closed {}s ago: its failures came from {} client network(s), and failing_clients asks for {needed}",
+                ago_ms / 1000,
+                clients
+            );
+        }
     }
     describe_routes_off(&mut out, status);
     // Counted as the start's log line and `levee check` count them: the policy's own routes,

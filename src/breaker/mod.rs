@@ -21,6 +21,10 @@ pub struct Breaker {
     /// The warning that failures from too few clients left the breaker closed: once every
     /// 10 s, as a visitor repeating a failing page would write it on each request.
     held_closed_log: LogThrottle,
+    /// The last trip that failures from too few clients held back: when, and from how many
+    /// clients of how many needed, for `/status` (an operator testing from one office saw
+    /// the breaker stay closed and nothing say why).
+    last_held: Mutex<Option<(Instant, u32, u32)>>,
 }
 
 impl std::fmt::Debug for Breaker {
@@ -45,6 +49,18 @@ pub struct BreakerStatus {
     pub window_calls: u32,
     pub window_failures: u32,
     pub window_slow: u32,
+    /// The last trip held back by `failing_clients`, if any since the start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held_closed: Option<HeldClosed>,
+}
+
+/// A trip `failing_clients` held back: how long ago, and the clients whose calls failed
+/// against those it asks for.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct HeldClosed {
+    pub ago_ms: u64,
+    pub failing_clients: u32,
+    pub needed: u32,
 }
 
 impl Breaker {
@@ -53,7 +69,20 @@ impl Breaker {
             upstream: upstream.to_string(),
             machine: Mutex::new(Machine::new(settings, Instant::now())),
             held_closed_log: LogThrottle::new(Duration::from_secs(10)),
+            last_held: Mutex::new(None),
         }
+    }
+
+    fn held_closed(&self, now: Instant) -> Option<HeldClosed> {
+        let held = *self
+            .last_held
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        held.map(|(at, failing_clients, needed)| HeldClosed {
+            ago_ms: now.saturating_duration_since(at).as_millis() as u64,
+            failing_clients,
+            needed,
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Machine> {
@@ -225,6 +254,7 @@ impl Breaker {
                     window_calls: calls,
                     window_failures: failures,
                     window_slow: slow,
+                    held_closed: self.held_closed(now),
                 };
             }
         };
@@ -246,6 +276,7 @@ impl Breaker {
             window_calls: calls,
             window_failures: failures,
             window_slow: slow,
+            held_closed: None,
         }
     }
 
@@ -266,6 +297,11 @@ impl Breaker {
                     .breaker_held_closed
                     .get_or_create(&self.labels())
                     .inc();
+                *self
+                    .last_held
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner()) =
+                    Some((Instant::now(), clients, needed));
                 if let Some(held_back) = self.held_closed_log.allow(std::time::Instant::now()) {
                     tracing::warn!(
                         upstream = %self.upstream,
