@@ -246,6 +246,129 @@ fn members_of(
     (members, forgotten)
 }
 
+/// How often the fleet's size is compared with `[redis] instances`.
+const SIZE_CHECK_EVERY: Duration = Duration::from_secs(60);
+/// How long the fleet must differ from `instances` before it is said: a rolling deploy
+/// adds or takes one out for a while.
+const SIZE_DIFFERS_FOR: Duration = Duration::from_secs(120);
+/// How often a fleet that still differs is said again.
+const SIZE_SAID_EVERY: Duration = Duration::from_secs(600);
+
+/// Compares the instances the fleet view shows alive with `[redis] instances`. One instance
+/// with another `key_prefix` or database sees a fleet of one, and shares no limit, switch or
+/// queue with the others: with `instances = 3` and nothing said, limits admitted three times
+/// their rate across the fleet. (And the local fallback admits `rate / instances` on each
+/// instance: a fleet larger than `instances` admits more than `rate` while Redis is down.)
+#[derive(Debug, Default)]
+pub struct FleetSize {
+    next_check: Option<std::time::Instant>,
+    /// Since when the fleet has differed from `instances`, and by what it was.
+    differs_since: Option<(std::time::Instant, usize)>,
+    said_at: Option<std::time::Instant>,
+}
+
+impl FleetSize {
+    /// Whether a look at the fleet is due at `now`.
+    pub fn due(&mut self, now: std::time::Instant) -> bool {
+        if self.next_check.is_some_and(|next| now < next) {
+            return false;
+        }
+        self.next_check = Some(now + SIZE_CHECK_EVERY);
+        true
+    }
+
+    /// Takes note of `alive` instances against `expected`; what to say, when it is time.
+    pub fn observe(
+        &mut self,
+        alive: usize,
+        expected: u32,
+        now: std::time::Instant,
+    ) -> Option<String> {
+        let expected = usize::try_from(expected).unwrap_or(usize::MAX);
+        if alive == expected || alive == 0 {
+            self.differs_since = None;
+            self.said_at = None;
+            return None;
+        }
+        let since = match self.differs_since {
+            Some((since, before)) if before == alive => since,
+            _ => {
+                self.differs_since = Some((now, alive));
+                now
+            }
+        };
+        if now.saturating_duration_since(since) < SIZE_DIFFERS_FOR
+            || self
+                .said_at
+                .is_some_and(|said| now.saturating_duration_since(said) < SIZE_SAID_EVERY)
+        {
+            return None;
+        }
+        self.said_at = Some(now);
+        let minutes = now.saturating_duration_since(since).as_secs() / 60;
+        Some(if alive < expected {
+            format!(
+                "[redis] instances = {expected}, but the fleet view has shown {alive} instance(s) alive for {minutes} minutes: the others are down, or use another key_prefix or redis database, and then share no limit, switch or queue with this one (each admits a limit's whole rate); set instances to the fleet's size"
+            )
+        } else {
+            format!(
+                "[redis] instances = {expected}, but the fleet view has shown {alive} instances alive for {minutes} minutes: while redis is down each admits rate / {expected}, together more than a limit's rate; set instances to the fleet's size"
+            )
+        })
+    }
+}
+
+/// Looks at the fleet's size when due (see [`FleetSize`]), and says what differs.
+pub async fn check_size(redis: &RedisStore, instance: &str, policy: &Policy, size: &mut FleetSize) {
+    let now = std::time::Instant::now();
+    if !size.due(now) {
+        return;
+    }
+    let Ok(members) = read(redis, instance, policy.degrade.sync_interval).await else {
+        return;
+    };
+    let alive = members.iter().filter(|member| !member.silent).count();
+    if let Some(said) = size.observe(alive, redis.settings.instances, now) {
+        tracing::warn!(key = %key(redis), "{said}");
+    }
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::*;
+
+    #[test]
+    fn a_fleet_that_differs_from_instances_is_said_after_two_minutes_then_every_ten() {
+        let mut size = FleetSize::default();
+        let start = std::time::Instant::now();
+        let at = |seconds| start + Duration::from_secs(seconds);
+        assert_eq!(size.observe(1, 3, at(0)), None);
+        assert_eq!(size.observe(1, 3, at(60)), None);
+        let said = size.observe(1, 3, at(120)).expect("said");
+        assert!(
+            said.contains(
+                "instances = 3, but the fleet view has shown 1 instance(s) alive for 2 minutes"
+            ),
+            "{said}"
+        );
+        assert_eq!(size.observe(1, 3, at(180)), None, "not again at once");
+        assert!(
+            size.observe(1, 3, at(720)).is_some(),
+            "again ten minutes later"
+        );
+        // The right size ends it; a rolling deploy's extra instance for a minute is not said.
+        assert_eq!(size.observe(3, 3, at(780)), None);
+        assert_eq!(size.observe(4, 3, at(840)), None);
+        assert_eq!(size.observe(3, 3, at(900)), None);
+        assert_eq!(size.observe(4, 3, at(960)), None);
+        assert!(size
+            .observe(4, 3, at(1080))
+            .expect("said")
+            .contains("together more than a limit's rate"));
+        assert_eq!(FleetSize::default().observe(1, 1, at(0)), None);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

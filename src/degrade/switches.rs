@@ -535,6 +535,7 @@ pub async fn spawn_sync(
         // the next only: the old Redis connection closes soon after a reload.)
         let mut written_to = first.redis.clone();
         drop(first);
+        let mut fleet_size = super::fleet::FleetSize::default();
         loop {
             let interval = store.load().degrade.sync_interval;
             // (The current view's line is removed when levee has stopped: see `app`; a line
@@ -582,6 +583,7 @@ pub async fn spawn_sync(
             if let Some(redis) = &policy.redis {
                 redis.follow_cluster(&metrics);
                 super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
+                super::fleet::check_size(redis, &shared.instance, &policy, &mut fleet_size).await;
             }
             written_to = policy.redis.clone();
         }
