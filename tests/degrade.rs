@@ -1410,6 +1410,34 @@ async fn a_browser_revalidating_its_cached_page_gets_the_page_as_the_switches_ha
     );
 }
 
+/// A redirect on a route that hides modules keeps the app's fields: WordPress's canonical
+/// 301 (text/html, an empty body) came back marked `no-cache` while a module was off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirect_on_a_route_that_hides_modules_is_passed_as_the_app_sent_it() {
+    let backend = Backend::start(|_request: Request<Incoming>| async move {
+        Response::builder()
+            .status(301)
+            .header("content-type", "text/html; charset=UTF-8")
+            .header("location", "/2026/12/hello-world/")
+            .header("cache-control", "max-age=3600")
+            .header("content-length", "0")
+            .body(full(""))
+            .expect("response")
+    })
+    .await;
+    let levee = levee_with_routes(
+        &backend,
+        "match = { path = \"/\" }",
+        "match = { path = \"/\" }\nhide = { visitors = \"#visitors\" }",
+    )
+    .await;
+    assert_eq!(set(&levee, "/modules/visitors", "off").await.status, 200);
+    let answer = get(&levee.url("/")).await;
+    assert_eq!(answer.status, 301);
+    assert_eq!(answer.header("cache-control"), Some("max-age=3600"));
+    assert_eq!(answer.header("location"), Some("/2026/12/hello-world/"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_range_of_a_page_with_modules_hidden_is_never_a_cut_up_piece_of_the_apps_page() {
     // Bytes 11 to 30 of the app's page are not bytes 11 to 30 of the page levee sends once a

@@ -1079,6 +1079,11 @@ async fn without_switched_off_fragments(
     if response.status() == http::StatusCode::PARTIAL_CONTENT {
         return response;
     }
+    // A redirect (or a 304, or a 204) shows no page: its fields stay the app's (a
+    // canonical 301 came back marked no-cache, which the app had not said).
+    if response.status().is_redirection() || response.status() == http::StatusCode::NO_CONTENT {
+        return response;
+    }
     let Some(encoding) =
         hide::page_encoding(response.headers()).filter(|_| hide::rewritable(response.headers()))
     else {
