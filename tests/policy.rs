@@ -1399,3 +1399,32 @@ name = "everything"
         "{status}"
     );
 }
+
+/// A site's file moved away (`.disabled`) takes its routes with it, and its hosts then reach
+/// the catch-all: the reload says which hosts no route names any more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_leaves_hosts_without_a_route_says_which() {
+    let log = levee_log();
+    let backend =
+        Backend::start(|_request: Request<Incoming>| async move { Response::new(full("ok")) })
+            .await;
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", "")).await;
+    let site = levee.policy_file().with_file_name("20-gone-blog.toml");
+    std::fs::write(
+        &site,
+        "[[route]]\nname = \"gone_blog\"\nmatch = { host = [\"gone-blog.example\", \"www.gone-blog.example\"] }\n",
+    )
+    .expect("site file");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    std::fs::rename(&site, site.with_extension("toml.disabled")).expect("disable");
+    let reloaded = post(&levee.admin_url("/reload"), "").await;
+    assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+    let said = log.lines_with("no route names these hosts any more");
+    assert!(
+        said.iter().any(
+            |line| line.contains("gone-blog.example, www.gone-blog.example")
+                && line.contains("-20-gone-blog.toml")
+        ),
+        "{said:?}"
+    );
+}

@@ -86,6 +86,23 @@ fn now_unix() -> u64 {
         .map_or(0, |elapsed| elapsed.as_secs())
 }
 
+/// The host patterns `previous`'s routes named that none of `policy`'s do.
+fn hosts_no_longer_routed(previous: &Policy, policy: &Policy) -> Vec<String> {
+    let named = |policy: &Policy| {
+        policy
+            .routes
+            .routes
+            .iter()
+            .flat_map(|route| route.hosts.iter().map(|host| host.pattern()))
+            .collect::<std::collections::BTreeSet<String>>()
+    };
+    let now = named(policy);
+    named(previous)
+        .into_iter()
+        .filter(|host| !now.contains(host))
+        .collect()
+}
+
 /// Which policy files a reload changed, added (`+`) or removed (`-`), by name, for its log
 /// line: "policy reloaded" alone did not say which of a directory's files an edit or a
 /// deploy had touched. Other things that change the hash (a CA file rotated) name none.
@@ -388,6 +405,13 @@ impl PolicyStore {
                     previous.files.contains(file) && !previous.empty_files.contains(file)
                 }) {
                     tracing::warn!(file = %emptied.display(), "a policy file that held settings is empty now, and has been for over 10s: the routes, limits and other settings it held are dropped");
+                }
+                // A site whose file was moved away (`.disabled`, deleted) took its routes with
+                // it: its visitors now reach whatever route is left for them (the default
+                // site's PHP), which nothing said.
+                let gone = hosts_no_longer_routed(&previous, &policy);
+                if !gone.is_empty() {
+                    tracing::warn!(hosts = %gone.join(", "), changed = %changed, "no route names these hosts any more: their requests now go to the routes without a host (the catch-all, or default_upstream)");
                 }
                 fit_connections_to_open_files(
                     &self.dir,
