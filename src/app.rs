@@ -126,9 +126,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
             source,
         }
     };
-    let public = TcpListener::bind(server_listen.1)
-        .await
-        .map_err(failed(server_listen))?;
+    let public = bind_public(server_listen.1).map_err(failed(server_listen))?;
     let admin = TcpListener::bind(admin_listen.1)
         .await
         .map_err(failed(admin_listen))?;
@@ -251,6 +249,25 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         shutdown,
         done,
     })
+}
+
+/// The public listener's backlog: connections the kernel completes before levee takes them
+/// (a burst, the connection cap reached; the kernel holds it to `net.core.somaxconn`). The
+/// standard library's 128 overflowed under a front's burst of new connections (each answer of
+/// a drain says `Connection: close`), and an overflowing backlog drops connections.
+const PUBLIC_BACKLOG: u32 = 1024;
+
+fn bind_public(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As the standard library's bind: a restart finds its port while old connections linger
+    // in TIME-WAIT.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(PUBLIC_BACKLOG)
 }
 
 /// Runs until SIGTERM or SIGINT, reloading on SIGHUP. A second SIGTERM or SIGINT while
