@@ -1964,9 +1964,13 @@ fn refuse_keys_that_do_not_apply(
 ) {
     let inner = spec.get_ref();
     let action = degrade_action(inner, always_queue);
-    let given: [(&str, bool); 12] = [
+    let given: [(&str, bool); 13] = [
         ("max_age", inner.max_age.is_some()),
         ("private_cookies", inner.private_cookies.is_some()),
+        (
+            "private_cookies_builtin",
+            inner.private_cookies_builtin.is_some(),
+        ),
         ("vary", inner.vary.is_some()),
         ("allow_set_cookie", inner.allow_set_cookie.is_some()),
         ("max_body", inner.max_body.is_some()),
@@ -1979,8 +1983,14 @@ fn refuse_keys_that_do_not_apply(
         ("body_json", inner.body_json.is_some()),
     ];
     let applies = |key: &str| match key {
-        "max_age" | "vary" | "allow_set_cookie" | "max_body" | "query" | "max_copies"
-        | "private_cookies" => action == "stale",
+        "max_age"
+        | "vary"
+        | "allow_set_cookie"
+        | "max_body"
+        | "query"
+        | "max_copies"
+        | "private_cookies"
+        | "private_cookies_builtin" => action == "stale",
         "status" | "content_type" | "body" => action == "reject",
         // The 202 answer of a queued request: the queue action, or a route that always queues.
         _ => action == "queue" || always_queue,
@@ -1990,8 +2000,14 @@ fn refuse_keys_that_do_not_apply(
     }
     for (key, _) in given.iter().filter(|(key, given)| *given && !applies(key)) {
         let hint = match *key {
-            "max_age" | "vary" | "allow_set_cookie" | "max_body" | "query" | "max_copies"
-            | "private_cookies" => "it belongs to action = \"stale\"",
+            "max_age"
+            | "vary"
+            | "allow_set_cookie"
+            | "max_body"
+            | "query"
+            | "max_copies"
+            | "private_cookies"
+            | "private_cookies_builtin" => "it belongs to action = \"stale\"",
             "status" | "content_type" | "body" => "it belongs to action = \"reject\"",
             _ => "it is the 202 answer of action = \"queue\" (or always_queue)",
         };
@@ -2066,7 +2082,12 @@ fn compile_route_degrade(
                 max_body: usize::try_from(max_body).unwrap_or(usize::MAX),
                 query: compile_copy_query(compiler, file, &inner.query),
                 max_copies: compile_max_copies(compiler, file, &inner.max_copies),
-                private_cookies: compile_private_cookies(compiler, file, &inner.private_cookies),
+                private_cookies: compile_private_cookies(
+                    compiler,
+                    file,
+                    &inner.private_cookies,
+                    inner.private_cookies_builtin.unwrap_or(true),
+                ),
             })))
         }
         "queue" => {
@@ -3374,7 +3395,7 @@ fn compile_copy_vary(
                     file,
                     value.span(),
                     format!("vary reads the cookie named `{name}` exactly, `*` included"),
-                    "to keep requests with any cookie of a prefix out of copies, list it in private_cookies (`private_cookies = [\"wordpress_logged_in_*\"]`)",
+                    format!("to keep requests with any cookie of that prefix out of copies, list it in private_cookies (added to the built-in names): private_cookies = [\"{name}\"]"),
                 );
             }
         }
@@ -3382,21 +3403,36 @@ fn compile_copy_vary(
     sources
 }
 
-/// A `stale` route's `private_cookies`: names, or prefixes ending in `*`; the default list
-/// when not given.
+/// A `stale` route's `private_cookies`: names, or prefixes ending in `*`, added to the
+/// built-in ones unless `builtin` is false. Added, not in their place: a list that named one
+/// login cookie dropped WordPress's commenter cookies, and a commenter's email was every
+/// visitor's page again.
 fn compile_private_cookies(
     compiler: &mut Compiler<'_>,
     file: usize,
     value: &Option<Spanned<OneOrMany>>,
+    builtin: bool,
 ) -> Vec<crate::limit::key::CookieName> {
-    let Some(value) = value else {
-        return crate::degrade::DEFAULT_PRIVATE_COOKIES
+    let mut names: Vec<crate::limit::key::CookieName> = if builtin {
+        crate::degrade::DEFAULT_PRIVATE_COOKIES
             .iter()
             .filter_map(|name| crate::limit::key::CookieName::parse(name).ok())
-            .collect();
+            .collect()
+    } else {
+        Vec::new()
     };
-    let mut names = Vec::new();
+    let Some(value) = value else {
+        return names;
+    };
     for text in value.get_ref().clone().into_vec() {
+        if !text.ends_with('*') && (text.ends_with('_') || text.ends_with('-')) {
+            compiler.warning_hint(
+                file,
+                value.span(),
+                format!("private_cookies names the cookie `{text}` exactly, which looks like the start of a name"),
+                format!("for every cookie whose name starts so, end it with *: \"{text}*\""),
+            );
+        }
         match crate::limit::key::CookieName::parse(&text) {
             Ok(name) => names.push(name),
             Err(message) => compiler.error_hint(
@@ -5059,16 +5095,34 @@ mod tests {
         };
         let (defaults, _) = private_of("degrade = { action = \"stale\" }");
         assert_eq!(defaults, crate::degrade::DEFAULT_PRIVATE_COOKIES);
-        let (none, _) = private_of("degrade = { action = \"stale\", private_cookies = [] }");
+        let (same, _) = private_of("degrade = { action = \"stale\", private_cookies = [] }");
+        assert_eq!(same, crate::degrade::DEFAULT_PRIVATE_COOKIES);
+        let (none, _) =
+            private_of("degrade = { action = \"stale\", private_cookies_builtin = false }");
         assert!(none.is_empty());
+        // Added to the built-in names, not in their place.
         let (given, said) = private_of(
-            "degrade = { action = \"stale\", private_cookies = [\"sid\", \"auth_*\"], vary = [\"cookie:wordpress_logged_in_*\"] }",
+            "degrade = { action = \"stale\", private_cookies = [\"sid\", \"auth_*\"], vary = [\"cookie:comment_author_email_*\"] }",
         );
-        assert_eq!(given, ["sid", "auth_*"]);
+        assert_eq!(
+            given.len(),
+            crate::degrade::DEFAULT_PRIVATE_COOKIES.len() + 2
+        );
+        assert!(given.ends_with(&["sid".to_string(), "auth_*".to_string()]));
         assert!(
             said.iter().any(|warning| warning.contains(
-                "vary reads the cookie named `wordpress_logged_in_*` exactly, `*` included"
-            )),
+                "vary reads the cookie named `comment_author_email_*` exactly, `*` included"
+            ) && warning
+                .contains("private_cookies = [\"comment_author_email_*\"]")),
+            "{said:?}"
+        );
+        let (only, said) = private_of(
+            "degrade = { action = \"stale\", private_cookies = [\"remember_\"], private_cookies_builtin = false }",
+        );
+        assert_eq!(only, ["remember_"]);
+        assert!(
+            said.iter()
+                .any(|warning| warning.contains("looks like the start of a name")),
             "{said:?}"
         );
     }
