@@ -1221,16 +1221,23 @@ async fn a_write_is_queued_rather_than_spent_as_a_half_open_breakers_probe() {
     let answer = post_as(&levee, "like=1", "10.4.0.1").await;
     assert_eq!(answer.status, 202, "{}", answer.text());
     let job = answer.header("x-levee-job").expect("job").to_string();
+    // A body longer than the 64 KiB read ahead (a long comment) is queued too.
+    let long = format!("comment={}", "x".repeat(70 * 1024));
+    let answer = post_as(&levee, &long, "10.5.0.1").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    let long_job = answer.header("x-levee-job").expect("job").to_string();
 
     failing.store(false, Ordering::SeqCst);
     eventually(
         Duration::from_secs(10),
-        "the write to be applied once the app is back",
+        "the writes to be applied once the app is back",
         || async {
-            seen.lock()
-                .expect("lock")
-                .iter()
+            let seen = seen.lock().expect("lock");
+            seen.iter()
                 .any(|(key, body, ..)| *key == job && body == "like=1")
+                && seen
+                    .iter()
+                    .any(|(key, body, ..)| *key == long_job && *body == long)
         },
     )
     .await;

@@ -698,6 +698,28 @@ async fn forward(
                         }
                     }
                 }
+                // A body longer than the read-ahead (a long comment) streams into the queue as
+                // it would past an open breaker; stored or not, it cannot be sent after that,
+                // and a queue that cannot take it leaves the breaker's answer.
+                (None, Some(instead)) if !expects_continue(&parts.headers) => {
+                    drop(permit);
+                    let refusal = ProxyError::BreakerOpen {
+                        upstream: route.upstream.name.clone(),
+                        retry_after: route.upstream.breaker.settings().open_for,
+                        fallback: route.fallback.clone(),
+                    };
+                    let body = body.map_err(body::ReadBodyError).boxed_unsync();
+                    let headers = allowed_headers.clone();
+                    if let Some(answer) =
+                        queue_instead(shared, policy, &route, instead, body, headers).await
+                    {
+                        return answer;
+                    }
+                    return stale
+                        .serve_or(shared, policy, &route, refusal, &mut exchange.error)
+                        .await
+                        .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
+                }
                 (_, instead) => {
                     queue_when_refused = instead;
                     permit

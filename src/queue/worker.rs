@@ -1466,14 +1466,16 @@ impl Pass<'_> {
                     job.last_error = Some(error.clone());
                     let wait =
                         backoff(settings, job.attempts.max(1)).max(asked.min(settings.backoff_max));
+                    // The queue's next job starts no sooner either: a dead app is felt for
+                    // at the back-off's pace, not on every pass (five a second).
+                    *next_start = Instant::now() + wait;
                     if self.delay(&id, &job, wait).await? {
                         static STILL_FAILING: LogThrottle =
                             LogThrottle::new(Duration::from_secs(60));
                         if let Some(held_back) = STILL_FAILING.allow(std::time::Instant::now()) {
                             let retry_in = crate::config::units::Shown(wait);
-                            tracing::warn!(route = %route.name, upstream = %route.upstream.name, held_back, %retry_in, "queued jobs wait: a replay sent as the half-open breaker's probe failed ({error}); no attempt is spent, and the queue tries one job a pass until the app answers");
+                            tracing::warn!(route = %route.name, upstream = %route.upstream.name, held_back, %retry_in, "queued jobs wait: a replay sent as the half-open breaker's probe failed ({error}); no attempt is spent, and the queue tries one job each back-off until the app answers");
                         }
-                        self.count(&shared.metrics.queue_retries);
                     }
                     return Ok((false, jobs.map(|(id, _)| id).collect()));
                 }
@@ -1600,7 +1602,9 @@ impl Replay {
     fn label(&self) -> &'static str {
         match self {
             Replay::Done => "done",
-            Replay::Retry(..) | Replay::Unanswered(_) | Replay::ProbeFailed(..) => "retry",
+            Replay::Retry(..) | Replay::Unanswered(_) => "retry",
+            // No attempt spent: the app's outage, not the job's failure.
+            Replay::ProbeFailed(..) => "probe_failed",
             Replay::Permanent(_) => "permanent",
             Replay::Held => "held",
         }
