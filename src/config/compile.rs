@@ -1964,8 +1964,9 @@ fn refuse_keys_that_do_not_apply(
 ) {
     let inner = spec.get_ref();
     let action = degrade_action(inner, always_queue);
-    let given: [(&str, bool); 13] = [
+    let given: [(&str, bool); 14] = [
         ("max_age", inner.max_age.is_some()),
+        ("keep_no_cache", inner.keep_no_cache.is_some()),
         ("private_cookies", inner.private_cookies.is_some()),
         (
             "private_cookies_builtin",
@@ -1990,7 +1991,8 @@ fn refuse_keys_that_do_not_apply(
         | "query"
         | "max_copies"
         | "private_cookies"
-        | "private_cookies_builtin" => action == "stale",
+        | "private_cookies_builtin"
+        | "keep_no_cache" => action == "stale",
         "status" | "content_type" | "body" => action == "reject",
         // The 202 answer of a queued request: the queue action, or a route that always queues.
         _ => action == "queue" || always_queue,
@@ -2007,7 +2009,8 @@ fn refuse_keys_that_do_not_apply(
             | "query"
             | "max_copies"
             | "private_cookies"
-            | "private_cookies_builtin" => "it belongs to action = \"stale\"",
+            | "private_cookies_builtin"
+            | "keep_no_cache" => "it belongs to action = \"stale\"",
             "status" | "content_type" | "body" => "it belongs to action = \"reject\"",
             _ => "it is the 202 answer of action = \"queue\" (or always_queue)",
         };
@@ -2088,6 +2091,7 @@ fn compile_route_degrade(
                     &inner.private_cookies,
                     inner.private_cookies_builtin.unwrap_or(true),
                 ),
+                keep_no_cache: inner.keep_no_cache.unwrap_or(false),
             })))
         }
         "queue" => {

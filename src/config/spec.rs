@@ -949,6 +949,7 @@ pub struct RouteDegradeSpec {
     pub max_copies: Option<Spanned<u32>>,
     pub private_cookies: Option<Spanned<OneOrMany>>,
     pub private_cookies_builtin: Option<bool>,
+    pub keep_no_cache: Option<bool>,
     pub status: Option<Spanned<u16>>,
     pub content_type: Option<Spanned<String>>,
     pub body: Option<String>,

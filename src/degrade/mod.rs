@@ -87,6 +87,9 @@ pub struct StaleSettings {
     /// copy, never kept as one, never sharing another's fetch. Default
     /// [`DEFAULT_PRIVATE_COOKIES`].
     pub private_cookies: Vec<crate::limit::key::CookieName>,
+    /// Keep (and share) a page the app marks `no-cache` or `max-age=0` also when its request
+    /// carried cookies: for an app that marks every page so. Default false.
+    pub keep_no_cache: bool,
 }
 
 /// `private_cookies` of a `stale` route when the policy does not set it: the cookies of a

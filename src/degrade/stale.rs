@@ -844,7 +844,7 @@ pub fn why_not_storable(
     let shared = ["public", "s-maxage"]
         .iter()
         .any(|directive| cache_control.contains(directive));
-    if cookies && must_ask_again && !shared {
+    if cookies && must_ask_again && !shared && !settings.keep_no_cache {
         return not("cookie_no_cache");
     }
     if !settings.allow_set_cookie && headers.contains_key(header::SET_COOKIE) {
@@ -873,7 +873,7 @@ pub fn not_kept_because(reason: &str) -> &'static str {
     match reason {
         "private" => "the app marked it Cache-Control: private or no-store",
         "credentials" => "the request carried Authorization and the app did not mark the answer public",
-        "cookie_no_cache" => "the request carried cookies and the app marked the answer no-cache or max-age=0 (a logged-in user's page, as WordPress marks them), not public",
+        "cookie_no_cache" => "the request carried cookies and the app marked the answer no-cache or max-age=0 (a logged-in user's page, as WordPress marks them), not public (keep_no_cache = true keeps them, for an app that marks every page so)",
         "set_cookie" => "it sets a cookie (Set-Cookie) and allow_set_cookie is false: a page that starts a session on every view is never kept",
         "vary" => "its Vary names a field the copy is not keyed by (list it in vary)",
         "content_coded" => "the app compressed it, though levee asked for it uncompressed",
@@ -1632,6 +1632,7 @@ mod tests {
             query: CopyQuery::All,
             max_copies: 10,
             private_cookies: vec![],
+            keep_no_cache: false,
         }
     }
 
@@ -1654,6 +1655,15 @@ mod tests {
         assert_eq!(reason(&marked("max-age=60"), true), None);
         assert_eq!(reason(&marked("public, no-cache"), true), None);
         assert_eq!(reason(&HeaderMap::new(), true), None);
+        // An app that marks every page so, and says so in the policy.
+        let settings = StaleSettings {
+            keep_no_cache: true,
+            ..small_settings()
+        };
+        assert_eq!(
+            why_not_storable(StatusCode::OK, &wordpress, &settings, false, true),
+            None
+        );
     }
 
     #[test]
