@@ -567,14 +567,19 @@ fn cookie_name_value(pair: &[u8]) -> Option<(&[u8], &[u8])> {
 /// `php_name` makes them, the first of several with one name wins, and only the first
 /// `PHP_MAX_INPUT_VARS` count.
 fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<Cow<'a, [u8]>> {
+    php_cookies(headers)
+        .find(|(key, _)| php_name(&percent_decode(&lossy(key))) == name)
+        .map(|(_, value)| decode_percent_bytes(value, true))
+}
+
+/// The cookies' raw names and values, as many as PHP registers.
+fn php_cookies(headers: &HeaderMap) -> impl Iterator<Item = (&[u8], &[u8])> {
     headers
         .get_all(http::header::COOKIE)
         .iter()
         .flat_map(|value| cookie_pairs(value.as_bytes()))
         .take(PHP_MAX_INPUT_VARS)
         .filter_map(cookie_name_value)
-        .find(|(key, _)| php_name(&percent_decode(&lossy(key))) == name)
-        .map(|(_, value)| decode_percent_bytes(value, true))
 }
 
 /// A cookie name, or a name prefix (written with a trailing `*`), as PHP names cookies.
@@ -626,16 +631,10 @@ pub fn has_cookie(headers: &HeaderMap, names: &[CookieName]) -> bool {
     if names.is_empty() {
         return false;
     }
-    headers
-        .get_all(http::header::COOKIE)
-        .iter()
-        .flat_map(|value| cookie_pairs(value.as_bytes()))
-        .take(PHP_MAX_INPUT_VARS)
-        .filter_map(cookie_name_value)
-        .any(|(key, _)| {
-            let name = php_name(&percent_decode(&lossy(key))).into_owned();
-            names.iter().any(|pattern| pattern.matches(&name))
-        })
+    php_cookies(headers).any(|(key, _)| {
+        let name = php_name(&percent_decode(&lossy(key))).into_owned();
+        names.iter().any(|pattern| pattern.matches(&name))
+    })
 }
 
 /// The pairs of a query string as PHP counts them (empty pieces between `&`s are none).

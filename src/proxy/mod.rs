@@ -665,7 +665,7 @@ async fn forward(
 
     // Breaker: an open dependency is not called at all; the last good copy or the route's
     // fallback answers.
-    let mut permit = match upstream_permit(shared, &route, clock.now(), client_ip) {
+    let permit = match upstream_permit(shared, &route, clock.now(), client_ip) {
         Ok(permit) if permit.is_probe() && queue_when_refused.is_some() => {
             // A visitor's write is not spent on learning whether the app is back (a comment
             // sent as the probe of a dead app got its 502, and was lost): a write the queue
@@ -688,15 +688,7 @@ async fn forward(
                         return answer;
                     }
                     // The queue cannot store it either: sent as a probe after all.
-                    match upstream_permit(shared, &route, clock.now(), client_ip) {
-                        Ok(permit) => permit,
-                        Err(refusal) => {
-                            return stale
-                                .serve_or(shared, policy, &route, refusal, &mut exchange.error)
-                                .await
-                                .map(|copy| with_rate_limit_fields(copy, allowed_headers).into())
-                        }
-                    }
+                    upstream_permit(shared, &route, clock.now(), client_ip)
                 }
                 // A body longer than the read-ahead (a long comment) streams into the queue as
                 // it would past an open breaker; stored or not, it cannot be sent after that,
@@ -708,24 +700,18 @@ async fn forward(
                         retry_after: route.upstream.breaker.settings().open_for,
                         fallback: route.fallback.clone(),
                     };
-                    let body = body.map_err(body::ReadBodyError).boxed_unsync();
-                    let headers = allowed_headers.clone();
-                    if let Some(answer) =
-                        queue_instead(shared, policy, &route, instead, body, headers).await
-                    {
-                        return answer;
-                    }
-                    return stale
-                        .serve_or(shared, policy, &route, refusal, &mut exchange.error)
-                        .await
-                        .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
+                    queue_when_refused = Some(instead);
+                    Err(refusal)
                 }
                 (_, instead) => {
                     queue_when_refused = instead;
-                    permit
+                    Ok(permit)
                 }
             }
         }
+        other => other,
+    };
+    let mut permit = match permit {
         Ok(permit) => permit,
         Err(refusal) => {
             if let Some(instead) = queue_when_refused {
