@@ -1983,16 +1983,20 @@ fn refuse_keys_that_do_not_apply(
         ("body_html", inner.body_html.is_some()),
         ("body_json", inner.body_json.is_some()),
     ];
+    // The keys only a `stale` action reads.
+    const STALE_KEYS: [&str; 9] = [
+        "max_age",
+        "vary",
+        "allow_set_cookie",
+        "max_body",
+        "query",
+        "max_copies",
+        "private_cookies",
+        "private_cookies_builtin",
+        "keep_no_cache",
+    ];
     let applies = |key: &str| match key {
-        "max_age"
-        | "vary"
-        | "allow_set_cookie"
-        | "max_body"
-        | "query"
-        | "max_copies"
-        | "private_cookies"
-        | "private_cookies_builtin"
-        | "keep_no_cache" => action == "stale",
+        key if STALE_KEYS.contains(&key) => action == "stale",
         "status" | "content_type" | "body" => action == "reject",
         // The 202 answer of a queued request: the queue action, or a route that always queues.
         _ => action == "queue" || always_queue,
@@ -2002,15 +2006,7 @@ fn refuse_keys_that_do_not_apply(
     }
     for (key, _) in given.iter().filter(|(key, given)| *given && !applies(key)) {
         let hint = match *key {
-            "max_age"
-            | "vary"
-            | "allow_set_cookie"
-            | "max_body"
-            | "query"
-            | "max_copies"
-            | "private_cookies"
-            | "private_cookies_builtin"
-            | "keep_no_cache" => "it belongs to action = \"stale\"",
+            key if STALE_KEYS.contains(&key) => "it belongs to action = \"stale\"",
             "status" | "content_type" | "body" => "it belongs to action = \"reject\"",
             _ => "it is the 202 answer of action = \"queue\" (or always_queue)",
         };
