@@ -148,7 +148,7 @@ pub async fn handle(
         access_log: policy.server.access_log,
         // For the access log only (one levee before several sites: whose 429 was that?).
         host: if policy.server.access_log {
-            request.headers().get(h::HOST).cloned()
+            request.headers().get(h::HOST).cloned().map(Box::new)
         } else {
             None
         },
@@ -664,70 +664,78 @@ async fn forward(
     };
 
     // Breaker: an open dependency is not called at all; the last good copy or the route's
-    // fallback answers.
-    let permit = match upstream_permit(shared, &route, clock.now(), client_ip) {
-        Ok(permit) if permit.is_probe() && queue_when_refused.is_some() => {
-            // A visitor's write is not spent on learning whether the app is back (a comment
-            // sent as the probe of a dead app got its 502, and was lost): a write the queue
-            // can take is queued, and its replay, or a read, probes instead.
-            let copy = match parts.extensions.get::<body::ResendableBody>() {
-                Some(copy) => Some(copy.clone()),
-                None if http_body::Body::is_end_stream(&body) => {
-                    Some(body::ResendableBody::empty())
-                }
-                None => None,
-            };
-            match (copy, queue_when_refused.take()) {
-                (Some(copy), Some(instead)) => {
-                    drop(permit);
-                    let copy = copy.body().map_err(body::ReadBodyError).boxed_unsync();
-                    let headers = allowed_headers.clone();
-                    if let Some(answer) =
-                        queue_instead(shared, policy, &route, instead, copy, headers).await
-                    {
-                        return answer;
-                    }
-                    // The queue cannot store it either: sent as a probe after all.
-                    upstream_permit(shared, &route, clock.now(), client_ip)
-                }
-                // A body longer than the read-ahead (a long comment) streams into the queue as
-                // it would past an open breaker; stored or not, it cannot be sent after that,
-                // and a queue that cannot take it leaves the breaker's answer.
-                (None, Some(instead)) if !expects_continue(&parts.headers) => {
-                    drop(permit);
-                    let refusal = ProxyError::BreakerOpen {
-                        upstream: route.upstream.name.clone(),
-                        retry_after: route.upstream.breaker.settings().open_for,
-                        fallback: route.fallback.clone(),
+    // fallback answers. (The common case, a permit for a request sent as it is, is taken
+    // first and moved once: every request passes here.)
+    let mut permit = match upstream_permit(shared, &route, clock.now(), client_ip) {
+        Ok(permit) if !permit.is_probe() || queue_when_refused.is_none() => permit,
+        first => {
+            let first = match first {
+                Ok(permit) => {
+                    // A visitor's write is not spent on learning whether the app is back (a
+                    // comment sent as the probe of a dead app got its 502, and was lost): a
+                    // write the queue can take is queued, and its replay, or a read, probes
+                    // instead.
+                    let copy = match parts.extensions.get::<body::ResendableBody>() {
+                        Some(copy) => Some(copy.clone()),
+                        None if http_body::Body::is_end_stream(&body) => {
+                            Some(body::ResendableBody::empty())
+                        }
+                        None => None,
                     };
-                    queue_when_refused = Some(instead);
-                    Err(refusal)
+                    match (copy, queue_when_refused.take()) {
+                        (Some(copy), Some(instead)) => {
+                            drop(permit);
+                            let copy = copy.body().map_err(body::ReadBodyError).boxed_unsync();
+                            let headers = allowed_headers.clone();
+                            if let Some(answer) =
+                                queue_instead(shared, policy, &route, instead, copy, headers).await
+                            {
+                                return answer;
+                            }
+                            // The queue cannot store it either: sent as a probe after all.
+                            upstream_permit(shared, &route, clock.now(), client_ip)
+                        }
+                        // A body longer than the read-ahead (a long comment) streams into the
+                        // queue as it would past an open breaker; stored or not, it cannot be
+                        // sent after that, and a queue that cannot take it leaves the
+                        // breaker's answer.
+                        (None, Some(instead)) if !expects_continue(&parts.headers) => {
+                            drop(permit);
+                            let refusal = ProxyError::BreakerOpen {
+                                upstream: route.upstream.name.clone(),
+                                retry_after: route.upstream.breaker.settings().open_for,
+                                fallback: route.fallback.clone(),
+                            };
+                            queue_when_refused = Some(instead);
+                            Err(refusal)
+                        }
+                        (_, instead) => {
+                            queue_when_refused = instead;
+                            Ok(permit)
+                        }
+                    }
                 }
-                (_, instead) => {
-                    queue_when_refused = instead;
-                    Ok(permit)
+                Err(refusal) => Err(refusal),
+            };
+            match first {
+                Ok(permit) => permit,
+                Err(refusal) => {
+                    if let Some(instead) = queue_when_refused {
+                        tracing::debug!(route = %route.name, "{refusal}: the write is queued instead");
+                        let body = body.map_err(body::ReadBodyError).boxed_unsync();
+                        let headers = allowed_headers.clone();
+                        if let Some(answer) =
+                            queue_instead(shared, policy, &route, instead, body, headers).await
+                        {
+                            return answer;
+                        }
+                    }
+                    return stale
+                        .serve_or(shared, policy, &route, refusal, &mut exchange.error)
+                        .await
+                        .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
                 }
             }
-        }
-        other => other,
-    };
-    let mut permit = match permit {
-        Ok(permit) => permit,
-        Err(refusal) => {
-            if let Some(instead) = queue_when_refused {
-                tracing::debug!(route = %route.name, "{refusal}: the write is queued instead");
-                let body = body.map_err(body::ReadBodyError).boxed_unsync();
-                let headers = allowed_headers.clone();
-                if let Some(answer) =
-                    queue_instead(shared, policy, &route, instead, body, headers).await
-                {
-                    return answer;
-                }
-            }
-            return stale
-                .serve_or(shared, policy, &route, refusal, &mut exchange.error)
-                .await
-                .map(|copy| with_rate_limit_fields(copy, allowed_headers).into());
         }
     };
 
@@ -1911,8 +1919,9 @@ struct Exchange {
     status: StatusCode,
     error: Option<&'static str>,
     access_log: bool,
-    /// The request's `Host`, kept when the access log is on.
-    host: Option<http::HeaderValue>,
+    /// The request's `Host`, kept when the access log is on (boxed: every request moves
+    /// the exchange, and most run without the access log).
+    host: Option<Box<http::HeaderValue>>,
     /// The upstream's bulkhead slot, freed when the response body is done.
     slot: Option<crate::degrade::bulkhead::Slot>,
     /// Set once the exchange is in the log and the metrics.
