@@ -1416,13 +1416,33 @@ async fn a_reload_that_leaves_hosts_without_a_route_says_which() {
     )
     .expect("site file");
     assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    // Hosts a wildcard route still matches are not gone.
+    std::fs::write(
+        &site,
+        "[[route]]\nname = \"gone_blog\"\nmatch = { host = [\"*.gone-blog.example\", \"gone-blog.example\"] }\n",
+    )
+    .expect("site file");
+    let reloaded = post(&levee.admin_url("/reload"), "").await;
+    assert!(
+        !reloaded.text().contains("no route names"),
+        "{}",
+        reloaded.text()
+    );
     std::fs::rename(&site, site.with_extension("toml.disabled")).expect("disable");
     let reloaded = post(&levee.admin_url("/reload"), "").await;
     assert_eq!(reloaded.status, 200, "{}", reloaded.text());
+    // Said where `levee reload` and `/status` show warnings, and in the log.
+    assert!(
+        reloaded.text().contains(
+            "no route names these hosts any more: *.gone-blog.example, gone-blog.example"
+        ),
+        "{}",
+        reloaded.text()
+    );
     let said = log.lines_with("no route names these hosts any more");
     assert!(
         said.iter().any(
-            |line| line.contains("gone-blog.example, www.gone-blog.example")
+            |line| line.contains("*.gone-blog.example, gone-blog.example")
                 && line.contains("-20-gone-blog.toml")
         ),
         "{said:?}"

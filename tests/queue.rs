@@ -1226,6 +1226,15 @@ async fn a_write_is_queued_rather_than_spent_as_a_half_open_breakers_probe() {
     let answer = post_as(&levee, &long, "10.5.0.1").await;
     assert_eq!(answer.status, 202, "{}", answer.text());
     let long_job = answer.header("x-levee-job").expect("job").to_string();
+    // So is one that asked `Expect: 100-continue` (not read ahead).
+    let request = Request::post(levee.url("/notify.php?kind=like"))
+        .header("x-forwarded-for", "10.6.0.1")
+        .header("expect", "100-continue")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(full("like=2".to_string()))
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
 
     failing.store(false, Ordering::SeqCst);
     eventually(
@@ -3382,13 +3391,17 @@ async fn jobs_wait_out_an_app_that_cannot_be_reached_and_heed_its_retry_after() 
         .expect("job")
         .to_string();
     switch(&levee, "on").await;
-    // Refused pass after pass, and through breaker probes: the job stays, with no attempt.
+    // Refused pass after pass, and through breaker probes (each waiting its back-off): the
+    // job stays, with no attempt.
     eventually(Duration::from_secs(10), "refused replays", || async {
         let metrics = get(&levee.admin_url("/metrics")).await.text();
-        metric_value(
-            &metrics,
-            "levee_queue_replayed_total{route=\"notify\",result=\"held\"}",
-        ) >= 4.0
+        let counted = |result: &str| {
+            metric_value(
+                &metrics,
+                &format!("levee_queue_replayed_total{{route=\"notify\",result=\"{result}\"}}"),
+            )
+        };
+        counted("held") + counted("probe_failed") >= 4.0 && counted("probe_failed") >= 1.0
     })
     .await;
     let queues = get(&levee.admin_url("/queues")).await.json();

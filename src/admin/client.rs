@@ -608,7 +608,8 @@ pub fn summarize(status: &serde_json::Value) -> String {
         // Failures that did not open it, for want of failing clients: said, or a breaker
         // tried from one office looks as if it did not work.
         let held = &breaker["held_closed"];
-        if let (Some(ago_ms), Some(clients), Some(needed)) = (
+        if let (true, Some(ago_ms), Some(clients), Some(needed)) = (
+            breaker["state"] == "closed",
             held["ago_ms"].as_u64(),
             held["failing_clients"].as_u64(),
             held["needed"].as_u64(),

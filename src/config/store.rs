@@ -97,9 +97,17 @@ fn hosts_no_longer_routed(previous: &Policy, policy: &Policy) -> Vec<String> {
             .collect::<std::collections::BTreeSet<String>>()
     };
     let now = named(policy);
+    let still_matched = |host: &str| {
+        policy
+            .routes
+            .routes
+            .iter()
+            .any(|route| route.hosts.iter().any(|pattern| pattern.matches(host)))
+    };
     named(previous)
         .into_iter()
-        .filter(|host| !now.contains(host))
+        // `blog.example` moved under a new `*.example` route still has one.
+        .filter(|host| !now.contains(host) && !still_matched(host))
         .collect()
 }
 
@@ -411,7 +419,18 @@ impl PolicyStore {
                 // site's PHP), which nothing said.
                 let gone = hosts_no_longer_routed(&previous, &policy);
                 if !gone.is_empty() {
-                    tracing::warn!(hosts = %gone.join(", "), changed = %changed, "no route names these hosts any more: their requests now go to the routes without a host (the catch-all, or default_upstream)");
+                    // Among the policy's warnings: logged below, and shown by `levee reload`
+                    // and `/status`.
+                    let mut warning = super::diag::Diagnostic::whole(
+                        &self.dir,
+                        format!(
+                            "no route names these hosts any more: {} (their requests now go to the routes without a host: the catch-all, or default_upstream; files changed: {changed})",
+                            gone.join(", ")
+                        ),
+                    )
+                    .hint("a site's file renamed or removed takes its routes with it; to let a site bypass levee, change the front, not levee's files");
+                    warning.severity = super::diag::Severity::Warning;
+                    policy.warnings.push(warning);
                 }
                 fit_connections_to_open_files(
                     &self.dir,

@@ -682,6 +682,8 @@ async fn forward(
                         }
                         None => None,
                     };
+                    // (A write that asked `Expect: 100-continue` is among them: it is told to
+                    // send its body to the queue.)
                     match (copy, queue_when_refused.take()) {
                         (Some(copy), Some(instead)) => {
                             drop(permit);
@@ -699,7 +701,7 @@ async fn forward(
                         // queue as it would past an open breaker; stored or not, it cannot be
                         // sent after that, and a queue that cannot take it leaves the
                         // breaker's answer.
-                        (None, Some(instead)) if !expects_continue(&parts.headers) => {
+                        (None, Some(instead)) => {
                             drop(permit);
                             let refusal = ProxyError::BreakerOpen {
                                 upstream: route.upstream.name.clone(),

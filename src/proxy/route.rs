@@ -94,7 +94,7 @@ impl HostMatch {
         }
     }
 
-    fn matches(&self, host: &str) -> bool {
+    pub fn matches(&self, host: &str) -> bool {
         match self {
             HostMatch::Exact(exact) => host.eq_ignore_ascii_case(exact),
             HostMatch::Suffix(suffix) => {

@@ -1760,6 +1760,12 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
         // they do while the breaker is open, and are replayed once the app takes requests
         // again: an outage of php-fpm no longer used up every job's attempts in seconds and
         // left work a client was told was accepted in the dead letters.
+        // As a half-open breaker's probe, it waits its back-off like a failed one: held, it
+        // was tried again on every pass (a connect five times a second to a dead php-fpm).
+        Ok(Err(error)) if error.never_sent() && probe => {
+            permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
+            Replay::ProbeFailed(format!("the upstream cannot be reached ({error})"), None)
+        }
         Ok(Err(error)) if error.never_sent() => {
             permit.record(Outcome::Failure, Instant::now(), &shared.metrics);
             static UNREACHABLE: LogThrottle = LogThrottle::new(Duration::from_secs(60));
