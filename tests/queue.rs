@@ -405,18 +405,7 @@ async fn taking_redis_out_warns_of_the_jobs_left_there_only_when_there_are_some(
         );
         let levee = Levee::start(&policy).await;
         store_jobs(&levee, stored, 0).await;
-        let counted = format!("levee_queue_backlog{{route=\"notify\"}} {stored}");
-        eventually(
-            Duration::from_secs(5),
-            "the backlog to be counted",
-            || async {
-                get(&levee.admin_url("/metrics"))
-                    .await
-                    .text()
-                    .contains(&counted)
-            },
-        )
-        .await;
+        backlog_counted(&levee, stored).await;
 
         let without_redis = policy_for(
             backend.addr,
@@ -470,17 +459,7 @@ async fn pointing_redis_elsewhere_says_the_jobs_stay_behind_and_queues_on_the_ne
     };
     let levee = Levee::start(&policy(&former.url())).await;
     store_jobs(&levee, 2, 0).await;
-    eventually(
-        Duration::from_secs(5),
-        "the backlog to be counted",
-        || async {
-            get(&levee.admin_url("/metrics"))
-                .await
-                .text()
-                .contains("levee_queue_backlog{route=\"notify\"} 2")
-        },
-    )
-    .await;
+    backlog_counted(&levee, 2).await;
 
     std::fs::write(levee.policy_file(), policy(&next.url())).expect("rewrite the policy");
     let reloaded = post(&levee.admin_url("/reload"), "").await;
@@ -568,17 +547,7 @@ async fn the_old_queue_of_a_route_whose_key_prefix_changed_stays_in_reach() {
     let levee = Levee::start(&policy).await;
     store_jobs(&levee, 2, 0).await;
     // A replay pass has seen the route queue under the first keys.
-    eventually(
-        Duration::from_secs(5),
-        "the backlog to be counted",
-        || async {
-            get(&levee.admin_url("/metrics"))
-                .await
-                .text()
-                .contains("levee_queue_backlog{route=\"notify\"} 2")
-        },
-    )
-    .await;
+    backlog_counted(&levee, 2).await;
     let moved = policy.replace("[redis]\n", "[redis]\nkey_prefix = \"site2:\"\n");
     assert_ne!(moved, policy);
     std::fs::write(levee.policy_file(), &moved).expect("rewrite the policy");
@@ -674,6 +643,22 @@ async fn a_replayed_job_keeps_the_content_length_its_request_had() {
             ("POST".to_string(), Some("6".to_string())),
         ]
     );
+}
+
+/// Waits until a replay pass has counted `jobs` in the notify route's queue.
+async fn backlog_counted(levee: &Levee, jobs: usize) {
+    let counted = format!("levee_queue_backlog{{route=\"notify\"}} {jobs}");
+    eventually(
+        Duration::from_secs(5),
+        "the backlog to be counted",
+        || async {
+            get(&levee.admin_url("/metrics"))
+                .await
+                .text()
+                .contains(&counted)
+        },
+    )
+    .await;
 }
 
 /// Stores `count` jobs through `levee` (its route switched off) and stops it.

@@ -3390,6 +3390,14 @@ fn compile_copy_vary(
     let sources = compile_sources(compiler, file, value);
     for source in &sources {
         if let (Source::Cookie(name), Some(value)) = (source, value) {
+            if !name.contains('*') && (name.ends_with('_') || name.ends_with('-')) {
+                compiler.warning_hint(
+                    file,
+                    value.span(),
+                    format!("vary reads the cookie named `{name}` exactly, which looks like the start of a name"),
+                    format!("to keep requests with any cookie whose name starts so out of copies, list it in private_cookies: private_cookies = [\"{name}*\"]"),
+                );
+            }
             if name.contains('*') {
                 compiler.warning_hint(
                     file,
@@ -5114,6 +5122,15 @@ mod tests {
                 "vary reads the cookie named `comment_author_email_*` exactly, `*` included"
             ) && warning
                 .contains("private_cookies = [\"comment_author_email_*\"]")),
+            "{said:?}"
+        );
+        let (_, said) = private_of(
+            "degrade = { action = \"stale\", vary = [\"cookie:wordpress_logged_in_\"] }",
+        );
+        assert!(
+            said.iter().any(|warning| warning.contains(
+                "vary reads the cookie named `wordpress_logged_in_` exactly, which looks like the start of a name"
+            ) && warning.contains("private_cookies = [\"wordpress_logged_in_*\"]")),
             "{said:?}"
         );
         let (only, said) = private_of(
