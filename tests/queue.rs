@@ -1114,6 +1114,26 @@ async fn without_redis_the_queue_and_its_figures_answer_503_and_big_bodies_413()
 /// A write to a queue route meets its upstream's open breaker while the route is on: it is
 /// queued (202), not refused, and applied once the breaker lets requests through again. With
 /// Redis down too, nothing can be stored: 503, and nothing reaches the app.
+/// levee before an app that answers 500 (in `failure_statuses`) while `failing` holds, its
+/// breaker opened by three visitors' failed writes (open 100 ms), with `queue` in `[queue]`.
+async fn failing_app_behind_an_open_breaker(
+    redis: &RedisServer,
+    queue: &str,
+) -> (Levee, Backend, Seen, Arc<AtomicBool>) {
+    let failing = Arc::new(AtomicBool::new(true));
+    let (backend, seen) = recording(0, failing.clone(), Duration::ZERO).await;
+    let upstream = format!("url = \"http://{}\"\n", backend.addr);
+    let policy = queue_policy(backend.addr, &redis.url(), queue).replace(
+        &upstream,
+        &format!("{upstream}breaker = {{ consecutive_failures = 3, failure_statuses = [500], open_for = \"100ms\", max_open_for = \"100ms\" }}\n"),
+    );
+    let levee = Levee::start(&policy).await;
+    for client in ["10.1.0.1", "10.2.0.1", "10.3.0.1"] {
+        assert_eq!(post_as(&levee, "like=0", client).await.status, 500);
+    }
+    (levee, backend, seen, failing)
+}
+
 /// Jobs replayed as a half-open breaker's probes while the app still fails (its database is
 /// down: PHP answers 500) spend no attempt: they wait for the app, and none reaches the dead
 /// letters however long the outage, where they all did within seconds.
@@ -1121,23 +1141,11 @@ async fn without_redis_the_queue_and_its_figures_answer_503_and_big_bodies_413()
 async fn jobs_replayed_as_probes_of_a_failing_app_spend_no_attempt() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
-    let failing = Arc::new(AtomicBool::new(true));
-    let (backend, seen) = recording(0, failing.clone(), Duration::ZERO).await;
-    let upstream = format!("url = \"http://{}\"\n", backend.addr);
-    let policy = queue_policy(
-        backend.addr,
-        &redis.url(),
+    let (levee, _backend, seen, failing) = failing_app_behind_an_open_breaker(
+        &redis,
         "max_attempts = 2\nbackoff_base = \"20ms\"\nbackoff_max = \"50ms\"\n",
     )
-    .replace(
-        &upstream,
-        &format!("{upstream}breaker = {{ consecutive_failures = 3, failure_statuses = [500], open_for = \"100ms\", max_open_for = \"100ms\" }}\n"),
-    );
-    let levee = Levee::start(&policy).await;
-    // Three visitors' writes fail: the breaker opens.
-    for client in ["10.1.0.1", "10.2.0.1", "10.3.0.1"] {
-        assert_eq!(post_as(&levee, "like=0", client).await.status, 500);
-    }
+    .await;
     let mut jobs = Vec::new();
     for i in 1..=2 {
         let answer = post_as(&levee, &format!("like={i}"), "192.0.2.7").await;
@@ -1180,18 +1188,7 @@ async fn jobs_replayed_as_probes_of_a_failing_app_spend_no_attempt() {
 async fn a_write_is_queued_rather_than_spent_as_a_half_open_breakers_probe() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
-    let failing = Arc::new(AtomicBool::new(true));
-    let (backend, seen) = recording(0, failing.clone(), Duration::ZERO).await;
-    let upstream = format!("url = \"http://{}\"\n", backend.addr);
-    let policy = queue_policy(backend.addr, &redis.url(), "")
-    .replace(
-        &upstream,
-        &format!("{upstream}breaker = {{ consecutive_failures = 3, failure_statuses = [500], open_for = \"100ms\" }}\n"),
-    );
-    let levee = Levee::start(&policy).await;
-    for client in ["10.1.0.1", "10.2.0.1", "10.3.0.1"] {
-        assert_eq!(post_as(&levee, "like=0", client).await.status, 500);
-    }
+    let (levee, _backend, seen, failing) = failing_app_behind_an_open_breaker(&redis, "").await;
     eventually(
         Duration::from_secs(5),
         "the breaker to be ready to probe",

@@ -632,7 +632,9 @@ pub fn has_cookie(headers: &HeaderMap, names: &[CookieName]) -> bool {
         return false;
     }
     php_cookies(headers).any(|(key, _)| {
-        let name = php_name(&percent_decode(&lossy(key))).into_owned();
+        let raw = lossy(key);
+        let decoded = percent_decode(&raw);
+        let name = php_name(&decoded);
         names.iter().any(|pattern| pattern.matches(&name))
     })
 }

@@ -703,13 +703,11 @@ async fn forward(
                         // breaker's answer.
                         (None, Some(instead)) => {
                             drop(permit);
-                            let refusal = ProxyError::BreakerOpen {
-                                upstream: route.upstream.name.clone(),
-                                retry_after: route.upstream.breaker.settings().open_for,
-                                fallback: route.fallback.clone(),
-                            };
                             queue_when_refused = Some(instead);
-                            Err(refusal)
+                            Err(breaker_refusal(
+                                &route,
+                                route.upstream.breaker.settings().open_for,
+                            ))
                         }
                         (_, instead) => {
                             queue_when_refused = instead;
@@ -1567,11 +1565,16 @@ fn upstream_permit(
         .upstream
         .breaker
         .admit(now, client, &shared.metrics)
-        .map_err(|retry_after| ProxyError::BreakerOpen {
-            upstream: route.upstream.name.clone(),
-            retry_after,
-            fallback: route.fallback.clone(),
-        })
+        .map_err(|retry_after| breaker_refusal(route, retry_after))
+}
+
+/// The answer of the route's breaker that lets no call through.
+fn breaker_refusal(route: &Route, retry_after: Duration) -> ProxyError {
+    ProxyError::BreakerOpen {
+        upstream: route.upstream.name.clone(),
+        retry_after,
+        fallback: route.fallback.clone(),
+    }
 }
 
 /// The route a reading of the request falls on, named for the log.

@@ -269,15 +269,15 @@ impl ConnectionLimits {
     }
 }
 
+/// Most connections taken from the listen backlog when levee stops accepting.
+const STOP_SWEEP_MAX: usize = 1024;
+
 /// Accepts connections until `stop` turns true and spawns `serve_connection` for each, with
 /// the limits of the policy active at accept time. Shared by both listeners.
 ///
 /// Every connection task holds a clone of `alive`; the caller learns that all connections
 /// have finished when the receiving side sees the channel close. With `count`, connections
 /// are counted and held to `max_connections`.
-/// Most connections taken from the listen backlog when levee stops accepting.
-const STOP_SWEEP_MAX: usize = 1024;
-
 pub(crate) async fn accept_loop<C, Fut>(
     listener: TcpListener,
     store: Arc<PolicyStore>,

@@ -416,6 +416,10 @@ impl Served {
     /// would be taken for gone, and said lost), and the jobs counted there are said to stay
     /// there: this instance no longer replays them. Returns whether the servers changed.
     fn read_from(&mut self, target: &RedisTarget) -> bool {
+        // Every pass asks: the same target as a rule, told at once.
+        if self.on.as_ref() == Some(target) {
+            return false;
+        }
         let before = self.on.replace(target.clone());
         if before
             .as_ref()
