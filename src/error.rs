@@ -560,7 +560,9 @@ fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
         HeaderValue::from_static("nosniff"),
     );
     if rule.headers {
-        if let Some(Ok(value)) = policy_field(rule).map(|field| HeaderValue::from_str(&field)) {
+        if let Some(Ok(value)) =
+            policy_field(rule, denial.quota).map(|field| HeaderValue::from_str(&field))
+        {
             headers.insert(RATELIMIT_POLICY.clone(), value);
         }
         let reset = denial.reset.max(denial.retry_after);

@@ -1114,12 +1114,15 @@ async fn redis_paused_then_back_local_fallback_never_waits_past_the_timeout() {
     redis.pause(true);
     let mut admitted = 0;
     let mut slow = Vec::new();
+    let mut refused_quota = None;
     for i in 0..20 {
         let started = Instant::now();
         let answer = send_as(&levee, None, None).await;
         let took = started.elapsed();
         if answer.status == 200 {
             admitted += 1;
+        } else {
+            refused_quota = answer.header("ratelimit-policy").map(str::to_string);
         }
         // The first two calls pay the timeout and open the health breaker; none after that
         // (the cool-down outlasts the loop, so no probe meets the frozen Redis either).
@@ -1135,6 +1138,8 @@ async fn redis_paused_then_back_local_fallback_never_waits_past_the_timeout() {
         "requests waited on a known-down Redis: {slow:?}"
     );
     assert_eq!(admitted, 5, "the local share is rate / instances");
+    // The refusal tells the quota this instance applied, not the shared one (10 a 10 min).
+    assert_eq!(refused_quota.as_deref(), Some("\"shared\";q=5;w=600"));
     assert_eq!(metric_value(&metrics, "levee_redis_up"), 0.0, "{metrics}");
     assert_eq!(
         metric_value(&metrics, "levee_redis_transitions_total{to=\"down\"}"),

@@ -77,6 +77,10 @@ pub struct LimitRule {
 #[derive(Debug)]
 pub struct Denial {
     pub rule: Arc<LimitRule>,
+    /// The rate the refusing bucket applied: the rule's own, or this instance's share of
+    /// it while Redis is out (`rate / instances`), so `RateLimit-Policy` says the quota
+    /// the client actually met.
+    pub quota: Rate,
     pub retry_after: Duration,
     pub reset: Duration,
     pub wants_json: bool,
@@ -89,18 +93,19 @@ pub struct RateLimitHeaders {
     pub state: HeaderValue,
 }
 
-/// `"name";q=BURST;w=SECONDS` — the quota of the IETF `RateLimit-Policy` field. `None` for a
+/// `"name";q=BURST;w=SECONDS` — the quota of the IETF `RateLimit-Policy` field for `rule`
+/// applied at `rate` (its own, or an instance's share while Redis is out). `None` for a
 /// rule whose name a structured field cannot carry (see [`quoted_name`]).
-pub fn policy_field(rule: &LimitRule) -> Option<String> {
-    let capacity = Duration::from_micros(rule.rate.capacity_us()).as_secs_f64();
+pub fn policy_field(rule: &LimitRule, rate: Rate) -> Option<String> {
+    let capacity = Duration::from_micros(rate.capacity_us()).as_secs_f64();
     let window = capacity.ceil().max(1.0);
     // The draft's window is whole seconds. A bucket that fills in under one (`10/s` with
     // `burst = 5`) has its steady rate said as the quota of one second: said as `burst`
     // per second, it read as half the rate it is.
     let quota = if capacity < 1.0 {
-        u64::from(rule.rate.burst).max(rule.rate.per_second().floor() as u64)
+        u64::from(rate.burst).max(rate.per_second().floor() as u64)
     } else {
-        u64::from(rule.rate.burst)
+        u64::from(rate.burst)
     };
     let mut field = quoted_name(&rule.name)?;
     let _ = write!(field, ";q={quota};w={}", window as u64);
@@ -275,7 +280,7 @@ impl Limiter {
                 let wait = Duration::from_micros(refused.until.saturating_sub(now));
                 let reset = Duration::from_micros(refused.full_at.saturating_sub(now)).max(wait);
                 self.count(plan.rule, DecisionResult::Limited, DecisionSource::Cache);
-                return Err(deny(plan.rule, wait, reset, facts));
+                return Err(deny(plan.rule, plan.rule.rate, wait, reset, facts));
             }
         }
 
@@ -340,11 +345,25 @@ impl Limiter {
                 tracing::warn!(rule = %plan.rule.name, held_back, "requests refused because redis cannot be used and the rule's on_redis_error is \"deny\"");
             }
         }
+        // The quota a fallback bucket applied is this instance's share of the rule's.
+        let quota = |plan: &Planned<'_>, decision: &Decided| match (decision.source, redis) {
+            (DecisionSource::Fallback, Some(redis)) => {
+                plan.rule.rate.share(redis.settings.instances)
+            }
+            _ => plan.rule.rate,
+        };
         if let Some((plan, decision)) = refusal {
-            return Err(deny(plan.rule, decision.retry_after, decision.reset, facts));
+            return Err(deny(
+                plan.rule,
+                quota(plan, decision),
+                decision.retry_after,
+                decision.reset,
+                facts,
+            ));
         }
         Ok(tightest.and_then(|(plan, decision)| {
-            let policy = HeaderValue::from_str(&policy_field(plan.rule)?).ok()?;
+            let policy =
+                HeaderValue::from_str(&policy_field(plan.rule, quota(plan, decision))?).ok()?;
             let state =
                 HeaderValue::from_str(&state_field(plan.rule, decision.remaining, decision.reset)?)
                     .ok()?;
@@ -509,12 +528,14 @@ static REDIS_DENIALS: crate::log_throttle::LogThrottle =
 /// The 429 (or the rule's status) for `facts`' request; JSON when its `Accept` prefers it.
 fn deny(
     rule: &Arc<LimitRule>,
+    quota: Rate,
     retry_after: Duration,
     reset: Duration,
     facts: &RequestFacts<'_>,
 ) -> ProxyError {
     ProxyError::RateLimited(Box::new(Denial {
         rule: rule.clone(),
+        quota,
         retry_after,
         reset,
         wants_json: crate::proxy::wants_json(facts.headers),
@@ -650,7 +671,7 @@ mod tests {
         };
         let rule = named("post_per_user");
         assert_eq!(
-            policy_field(&rule).as_deref(),
+            policy_field(&rule, rule.rate).as_deref(),
             Some("\"post_per_user\";q=3;w=60")
         );
         assert_eq!(
@@ -660,10 +681,10 @@ mod tests {
         // A name is a structured-field string: quotes and backslashes escaped; a name that
         // cannot be one gives no field instead of a broken one.
         assert_eq!(
-            policy_field(&named("say \"hi\" \\o/")).as_deref(),
+            policy_field(&named("say \"hi\" \\o/"), named("x").rate).as_deref(),
             Some("\"say \\\"hi\\\" \\\\o/\";q=3;w=60")
         );
-        assert_eq!(policy_field(&named("发帖")), None);
+        assert_eq!(policy_field(&named("发帖"), named("x").rate), None);
         assert_eq!(state_field(&named("a\tb"), 0, Duration::ZERO), None);
         // A bucket that fills in under a second says its rate per second (`10/s`, `burst =
         // 5` read as 5 per second).
@@ -672,8 +693,14 @@ mod tests {
             interval_us: 100_000,
             burst: 5,
         };
-        assert_eq!(policy_field(&fast).as_deref(), Some("\"api\";q=10;w=1"));
+        assert_eq!(
+            policy_field(&fast, fast.rate).as_deref(),
+            Some("\"api\";q=10;w=1")
+        );
         fast.rate.burst = 30;
-        assert_eq!(policy_field(&fast).as_deref(), Some("\"api\";q=30;w=3"));
+        assert_eq!(
+            policy_field(&fast, fast.rate).as_deref(),
+            Some("\"api\";q=30;w=3")
+        );
     }
 }
