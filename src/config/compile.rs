@@ -1562,7 +1562,12 @@ fn compile_read(
         None => &routes[..],
     };
     warn_of_shadowed_routes(&mut compiler, tried, &route_names);
-    warn_of_routes_for_every_site(&mut compiler, tried, &route_names);
+    warn_of_routes_for_every_site(
+        &mut compiler,
+        tried,
+        &route_names,
+        default_upstream.as_deref(),
+    );
     // A request no route matches goes to the default upstream; without one it gets a 404,
     // which for a site is every page nobody thought to route: an empty or truncated file, or
     // a second upstream added (with one, it is the default by itself).
@@ -3403,7 +3408,7 @@ fn compile_copy_vary(
                     file,
                     value.span(),
                     format!("vary reads the cookie named `{name}` exactly, `*` included"),
-                    format!("to keep requests with any cookie of that prefix out of copies, list it in private_cookies (added to the built-in names): private_cookies = [\"{name}\"]"),
+                    format!("to keep requests with any cookie of that prefix out of copies, list it in private_cookies: private_cookies = [\"{name}\"]"),
                 );
             }
         }
@@ -3725,12 +3730,18 @@ fn known_names<T>(what: &str, map: &BTreeMap<String, T>) -> String {
 /// A route without `host` whose upstream's other routes all name hosts belongs, as a rule,
 /// to that one site, and was written without its `host` by mistake: with one file per site,
 /// `path_prefix = "/feed"` in the blog's file took `/feed` on every site (and past their
-/// limits) before their own routes. Warned of when a route of another site comes after it.
+/// limits) before their own routes. Warned of when a route of another site comes after it,
+/// or another upstream takes the hosts no route names (a host-less route after it, or the
+/// default upstream): the site that catches every other host loses those paths too.
 fn warn_of_routes_for_every_site(
     compiler: &mut Compiler<'_>,
     routes: &[Arc<Route>],
     route_names: &BTreeMap<String, (usize, Range<usize>)>,
+    default_upstream: Option<&str>,
 ) {
+    let ends_in_catch_all = routes
+        .last()
+        .is_some_and(|last| matches_every_request(last));
     for (at, route) in routes.iter().enumerate() {
         if !route.hosts.is_empty() || matches_every_request(route) {
             continue;
@@ -3753,31 +3764,43 @@ fn warn_of_routes_for_every_site(
             .flat_map(|later| later.hosts.iter().map(HostMatch::pattern))
             .filter(|host| !sites.contains(host))
             .collect();
-        if taken_from.is_empty() {
-            continue;
-        }
+        let catch_all = routes[at + 1..]
+            .iter()
+            .find(|later| later.upstream.name != *upstream && later.hosts.is_empty())
+            .map(|later| format!("those route `{}` serves", later.name))
+            .or_else(|| {
+                default_upstream
+                    .filter(|default| !ends_in_catch_all && *default != &**upstream)
+                    .map(|default| format!("those default upstream `{default}` serves"))
+            });
+        let included = match (taken_from.is_empty(), catch_all) {
+            (false, _) => list_of(&taken_from),
+            (true, Some(catch_all)) => catch_all,
+            (true, None) => continue,
+        };
         let Some((file, span)) = route_names.get(&*route.name.0) else {
             continue;
-        };
-        let list = |names: &std::collections::BTreeSet<String>| {
-            names
-                .iter()
-                .map(String::as_str)
-                .collect::<Vec<_>>()
-                .join(", ")
         };
         compiler.warning_hint(
             *file,
             span.clone(),
             format!(
-                "route `{}` has no host, while every other route to upstream `{upstream}` names one ({}): it takes its paths on every site, {} included",
+                "route `{}` has no host, while every other route to upstream `{upstream}` names one ({}): it takes its paths on every site, {included} included",
                 route.name,
-                list(&sites),
-                list(&taken_from)
+                list_of(&sites),
             ),
             format!("give it the host of its site: host = [\"{}\"]", sites.iter().next().map_or("", String::as_str)),
         );
     }
+}
+
+/// Names joined by commas, in order.
+fn list_of(names: &std::collections::BTreeSet<String>) -> String {
+    names
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// An IP address or a CIDR range, as `trusted_proxies` and a route's `client` take them.
@@ -5151,7 +5174,7 @@ mod tests {
         let blog = |feed: &str| {
             format!("[[route]]\nname = \"blog\"\nmatch = {{ host = [\"blog.example\", \"www.blog.example\"], path_prefix = \"/\" }}\nupstream = \"blog\"\n[[route]]\nname = \"blog_feed\"\nmatch = {{ {feed}path_prefix = \"/feed\" }}\nupstream = \"blog\"\n")
         };
-        let warned = |blog: &str| {
+        let warned_with = |blog: &str, shop: &str| {
             let policy = compile(
                 &files(&[
                     ("00-sites.toml", sites),
@@ -5168,6 +5191,7 @@ mod tests {
                 .filter(|warning| warning.contains("has no host"))
                 .collect::<Vec<_>>()
         };
+        let warned = |blog: &str| warned_with(blog, shop);
         let said = warned(&blog(""));
         assert_eq!(said.len(), 1, "{said:?}");
         assert!(
@@ -5175,6 +5199,27 @@ mod tests {
             "{said:?}"
         );
         assert!(warned(&blog("host = \"blog.example\", ")).is_empty());
+
+        // The default site catches every host no route names: a route after the blog's
+        // without host, or the default upstream itself.
+        let catch_all =
+            "[[route]]\nname = \"shop\"\nmatch = { path_prefix = \"/\" }\nupstream = \"shop\"\n";
+        let said = warned_with(&blog(""), catch_all);
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert!(
+            said[0]
+                .contains("it takes its paths on every site, those route `shop` serves included"),
+            "{said:?}"
+        );
+        let said = warned_with(&blog(""), "");
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert!(
+            said[0].contains(
+                "it takes its paths on every site, those default upstream `shop` serves included"
+            ),
+            "{said:?}"
+        );
+        assert!(warned_with(&blog("host = \"blog.example\", "), "").is_empty());
     }
 
     fn errors(sources: &[(&str, &str)]) -> Vec<String> {
