@@ -653,6 +653,14 @@ async fn admin_reload_answers_with_the_errors_or_the_new_generation() {
     assert_eq!(status["policy"]["generation"], 2);
     assert!(status["policy"]["last_reload_error"].is_null(), "{status}");
     assert_eq!(status["policy"]["hash"].as_str().map(str::len), Some(16));
+    // Each file's own hash, by name: what instances with a file of their own still share.
+    assert_eq!(
+        status["policy"]["file_hashes"]["levee.toml"]
+            .as_str()
+            .map(str::len),
+        Some(16),
+        "{status}"
+    );
     assert_eq!(status["routes"][0]["name"], "switching");
     assert_eq!(status["routes"][0]["upstream"], "b");
     let wrong_method = get(&format!("{admin}/reload")).await;

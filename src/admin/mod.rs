@@ -1093,6 +1093,13 @@ fn status(shared: &Shared) -> serde_json::Value {
             "generation": policy.generation,
             "hash": policy.hash,
             "files": policy.files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
+            // By file name: instances whose directories differ in a file of their own (a
+            // per-instance `[redis]` file) have different `hash`es, and these tell which of
+            // the shared files they agree on mid-deploy.
+            "file_hashes": policy.file_hashes.iter().map(|(path, hash)| {
+                let name = path.file_name().map_or_else(|| path.display().to_string(), |name| name.to_string_lossy().into_owned());
+                (name, json!(hash))
+            }).collect::<serde_json::Map<_, _>>(),
             "last_reload_ok_unix": shared.store.last_success_unix(),
             // When the running generation was put in effect (a reload that found nothing
             // changed moves `last_reload_ok_unix` only).
