@@ -3794,6 +3794,20 @@ fn warn_of_routes_for_every_site(
     }
 }
 
+/// The `xn--` form of a host written with international characters (`*.` kept), as clients
+/// send it; `None` for a host that is ASCII already or is no valid name.
+fn international_host(host: &str) -> Option<String> {
+    if host.is_ascii() {
+        return None;
+    }
+    let (wildcard, name) = match host.strip_prefix("*.") {
+        Some(name) => ("*.", name),
+        None => ("", host),
+    };
+    let ascii = idna::domain_to_ascii(name).ok()?;
+    (!ascii.is_empty()).then(|| format!("{wildcard}{ascii}"))
+}
+
 /// Names joined by commas, in order.
 fn list_of(names: &std::collections::BTreeSet<String>) -> String {
     names
@@ -4819,7 +4833,11 @@ fn compile_match(
                     file,
                     list.span(),
                     format!("host `{host}` {problem}"),
-                    "write \"example.com\", or \"*.example.com\" for its subdomains",
+                    match international_host(&host) {
+                        Some(ascii) => format!("write \"{ascii}\""),
+                        None => "write \"example.com\", or \"*.example.com\" for its subdomains"
+                            .to_string(),
+                    },
                 ),
                 None => hosts.push(HostMatch::parse(&host)),
             }
@@ -7418,6 +7436,22 @@ mod tests {
                 errors
                     .iter()
                     .any(|e| e.starts_with("a.toml:5:") && e.contains(&format!("host `{host}`"))),
+                "{host}: {errors:?}"
+            );
+        }
+        // An international name's hint is its `xn--` form, as clients send it.
+        for (host, ascii) in [
+            ("論壇.example", "xn--ypsv87i.example"),
+            ("*.論壇.example", "*.xn--ypsv87i.example"),
+        ] {
+            let errors = errors(&[(
+                "a.toml",
+                &format!("{APP}[[route]]\nname = \"h\"\nmatch = {{ host = \"{host}\" }}\n"),
+            )]);
+            assert!(
+                errors
+                    .iter()
+                    .any(|e| e.contains(&format!("write \"{ascii}\""))),
                 "{host}: {errors:?}"
             );
         }
