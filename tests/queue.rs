@@ -4022,3 +4022,104 @@ async fn a_queued_http_1_0_request_reaches_an_http_upstream_as_a_forwarded_one_d
     let versions = versions.lock().expect("lock").clone();
     assert_eq!(versions, [http::Version::HTTP_11, http::Version::HTTP_11]);
 }
+
+/// A relay to Redis that, once `armed`, cuts the connection in place of relaying a reply
+/// that holds `marker` to a read of the queue (`XREADGROUP`): Redis has given the job to
+/// levee's worker, which never hears of it, as when the answer is lost in a stall.
+async fn reply_cutter(redis_port: u16, marker: &'static [u8], armed: Arc<AtomicBool>) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", redis_port)).await else {
+                continue;
+            };
+            let armed = armed.clone();
+            let (mut from_client, mut to_client) = client.into_split();
+            let (mut from_server, mut to_server) = server.into_split();
+            let reading = Arc::new(AtomicBool::new(false));
+            let cut = Arc::new(AtomicBool::new(false));
+            let (reading_up, cut_up) = (reading.clone(), cut.clone());
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 64 * 1024];
+                while let Ok(read) = from_client.read(&mut buffer).await {
+                    if read == 0 || cut_up.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let chunk = &buffer[..read];
+                    reading_up.store(
+                        chunk.windows(10).any(|w| w == b"XREADGROUP"),
+                        Ordering::SeqCst,
+                    );
+                    if to_server.write_all(chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 64 * 1024];
+                while let Ok(read) = from_server.read(&mut buffer).await {
+                    if read == 0 {
+                        return;
+                    }
+                    let chunk = &buffer[..read];
+                    if armed.load(Ordering::SeqCst)
+                        && reading.load(Ordering::SeqCst)
+                        && chunk.windows(marker.len()).any(|w| w == marker)
+                    {
+                        armed.store(false, Ordering::SeqCst);
+                        cut.store(true, Ordering::SeqCst);
+                        // Dropped halves close the client's connection.
+                        return;
+                    }
+                    if to_client.write_all(chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// A job Redis gave the worker in a read whose answer was lost (a stall, a cut connection)
+/// is handed back on the next pass and applied at once: it waited out `claim_after` in the
+/// worker's own pending list, then was said perhaps sent twice when it never was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_read_got_no_answer_is_applied_at_once_not_after_claim_after() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let armed = Arc::new(AtomicBool::new(false));
+    let port = reply_cutter(redis.port, b"lost-answer-7", armed.clone()).await;
+    let policy = queue_policy(
+        backend.addr,
+        &format!("redis://127.0.0.1:{port}"),
+        "claim_after = \"30s\"",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    assert_eq!(
+        post_as(&levee, "lost-answer-7", "192.0.2.7").await.status,
+        202
+    );
+    armed.store(true, Ordering::SeqCst);
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the job whose read was cut to be applied, well within claim_after",
+        || async { !seen.lock().expect("lock").is_empty() },
+    )
+    .await;
+    assert!(!armed.load(Ordering::SeqCst), "the read was never cut");
+    assert_eq!(seen.lock().expect("lock").len(), 1);
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_queue_taken_over_total{route=\"notify\"}"),
+        0.0,
+        "{metrics}"
+    );
+}

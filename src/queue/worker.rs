@@ -74,6 +74,24 @@ end
 return handed
 "#;
 
+/// Milliseconds by which Redis's idle time of an entry may exceed levee's own measure.
+const IDLE_CLOCK_SLACK_MS: u64 = 25;
+
+/// Hands back, as [`HAND_BACK`] does, the entries this worker was given no longer than
+/// ARGV[4] ms ago: those of a pass whose answer it never got.
+/// KEYS: stream. ARGV: group, consumer, claim_after (ms), within (ms), count. Returns how
+/// many.
+const HAND_BACK_UNANSWERED: &str = r#"
+local handed = 0
+for _, pending in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', ARGV[5], ARGV[2])) do
+  if pending[3] <= tonumber(ARGV[4]) then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, pending[1], 'IDLE', ARGV[3], 'RETRYCOUNT', 0, 'JUSTID')
+    handed = handed + 1
+  end
+end
+return handed
+"#;
+
 /// Takes over up to ARGV[4] jobs whose hold was not renewed for `claim_after` (`XAUTOCLAIM`,
 /// from the start of the pending list), and says whose they were: the holders are read
 /// (`XPENDING … IDLE`, the same filter in the same order, so it lists every job the claim
@@ -371,8 +389,29 @@ async fn remove_consumers_left_behind(
 const BATCH: usize = 20;
 
 /// What came of one queue's batch, replayed in a task of its own: its stream, the outcome
-/// (`Ok(true)`: a whole batch, more may wait), and when its next job may start.
-type Replayed = (String, Result<bool, RedisFailure>, Instant);
+/// (`Ok(true)`: a whole batch, more may wait), and what the next pass carries on with.
+type Replayed = (String, Result<bool, RedisFailure>, Carried);
+
+/// What a queue's passes carry from one to the next.
+#[derive(Debug, Clone, Copy)]
+struct Carried {
+    /// When its next job may start, so that `replay_rate` holds across batches and passes.
+    next_start: Instant,
+    /// A pass that began then took or read jobs and got no answer from Redis: Redis may
+    /// have given them to this worker all the same (its answer lost in a stall). The next
+    /// pass hands back what this worker was given since then, which it never sent; held,
+    /// such a job waited out `claim_after` and was then said perhaps sent twice.
+    unanswered_since: Option<Instant>,
+}
+
+impl Carried {
+    fn new() -> Carried {
+        Carried {
+            next_start: Instant::now(),
+            unanswered_since: None,
+        }
+    }
+}
 
 /// The batches being replayed, and the stream of each task.
 #[derive(Default)]
@@ -399,9 +438,8 @@ struct Served {
     /// Per queue (stream key): its jobs as the last pass counted them while its group was
     /// there, for telling how many went with a group that disappeared.
     counted: HashMap<String, JobCount>,
-    /// Per queue (stream key): when its next job may start, so that `replay_rate` holds
-    /// across batches and passes too.
-    next_starts: HashMap<String, Instant>,
+    /// Per queue (stream key): what its next pass carries on with (see [`Carried`]).
+    carried: HashMap<String, Carried>,
     /// A route replayed a whole batch: a backlog is draining, and the next pass follows at
     /// once rather than after `poll_interval`.
     backlog: bool,
@@ -445,7 +483,7 @@ impl Served {
         replays: &mut Replays,
         ended: Result<(tokio::task::Id, Replayed), tokio::task::JoinError>,
     ) {
-        let (stream, result, next_start) = match ended {
+        let (stream, result, carried) = match ended {
             Ok((id, replayed)) => {
                 replays.streams.remove(&id);
                 replayed
@@ -456,7 +494,7 @@ impl Served {
                 return;
             }
         };
-        self.next_starts.insert(stream.clone(), next_start);
+        self.carried.insert(stream.clone(), carried);
         match result {
             Ok(more) => self.backlog |= more,
             // The group went away between the pass's count and the batch's calls.
@@ -558,7 +596,7 @@ pub fn spawn_workers(
         let mut served = Served {
             groups_made: HashSet::new(),
             counted: HashMap::new(),
-            next_starts: HashMap::new(),
+            carried: HashMap::new(),
             backlog: false,
             on: None,
         };
@@ -724,10 +762,10 @@ pub fn spawn_workers(
                 {
                     continue;
                 }
-                let mut next_start = served
-                    .next_starts
+                let mut carried = served
+                    .carried
                     .remove(&keys.stream)
-                    .unwrap_or_else(Instant::now);
+                    .unwrap_or_else(Carried::new);
                 let (shared, redis, settings) = (shared.clone(), redis.clone(), settings.clone());
                 let (route, consumer) = (route.clone(), consumer.clone());
                 let (stream, keys, mut stop) = (keys.stream.clone(), keys, stop.clone());
@@ -740,8 +778,8 @@ pub fn spawn_workers(
                         route: &route,
                         consumer: &consumer,
                     };
-                    let result = pass.replay_route(&mut stop, &mut next_start).await;
-                    (keys.stream.clone(), result, next_start)
+                    let result = pass.replay_route(&mut stop, &mut carried).await;
+                    (keys.stream.clone(), result, carried)
                 });
                 replays.streams.insert(replaying.id(), stream);
             }
@@ -1098,14 +1136,13 @@ impl Pass<'_> {
     async fn replay_route(
         &self,
         stop: &mut watch::Receiver<bool>,
-        next_start: &mut Instant,
+        carried: &mut Carried,
     ) -> Result<bool, RedisFailure> {
         let Pass {
             redis,
             settings,
             keys,
             route,
-            consumer,
             ..
         } = *self;
         let mut move_due = redis::cmd("EVAL");
@@ -1119,8 +1156,59 @@ impl Pass<'_> {
         let _: i64 = redis
             .command(&move_due, redis.background_bound(), None)
             .await?;
+        if let Some(since) = carried.unanswered_since {
+            self.hand_back_unanswered(since).await?;
+            carried.unanswered_since = None;
+        }
 
-        // Jobs of workers that went silent first, then new ones.
+        let batch = self.take_batch(&mut carried.unanswered_since).await?;
+        if batch.is_empty() {
+            return Ok(false);
+        }
+        let full = batch.len() >= BATCH;
+        let next_start = &mut carried.next_start;
+        // The batch is replayed one job after another, each for up to the upstream's
+        // response_timeout: the jobs still waiting, and the one being replayed, would sit idle
+        // longer than claim_after, and another instance would take them over and replay them a
+        // second time. So the hold on all of them is renewed every third of claim_after until
+        // the batch is done; only a worker that died, stopped or lost Redis for claim_after
+        // loses its jobs.
+        let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+        let renew_every = (settings.claim_after / 3).max(Duration::from_millis(10));
+        let keep_hold = async {
+            loop {
+                tokio::time::sleep(renew_every).await;
+                if let Err(error) = self.renew_hold(&ids).await {
+                    tracing::debug!(route = %route.name, "cannot renew the hold on queued jobs: {error}");
+                }
+            }
+        };
+        tokio::select! {
+            result = self.replay_batch(stop, batch, next_start) => {
+                // Handed back once the hold is no longer renewed: a renewal in flight would
+                // set their idle time back to nothing.
+                let (all_done, left) = result?;
+                self.hand_back(left).await;
+                Ok(all_done && full)
+            }
+            _ = keep_hold => Ok(false),
+        }
+    }
+
+    /// Takes a batch: jobs of workers that went silent first (their hold not renewed for
+    /// `claim_after`, or handed back), then new ones. Should the read of new ones get no
+    /// answer, `unanswered_since` says since when (see [`Carried::unanswered_since`]).
+    async fn take_batch(
+        &self,
+        unanswered_since: &mut Option<Instant>,
+    ) -> Result<Vec<(String, HashMap<String, Vec<u8>>)>, RedisFailure> {
+        let Pass {
+            redis,
+            settings,
+            keys,
+            consumer,
+            ..
+        } = *self;
         let mut claim = redis::cmd("EVAL");
         claim
             .arg(TAKE_OVER)
@@ -1155,7 +1243,11 @@ impl Pass<'_> {
             .arg("STREAMS")
             .arg(&keys.stream)
             .arg(">");
-        let fresh: redis::Value = redis.command(&read, redis.background_bound(), None).await?;
+        let reading_since = Instant::now();
+        let fresh: redis::Value = redis
+            .command(&read, redis.background_bound(), None)
+            .await
+            .inspect_err(|_| *unanswered_since = Some(reading_since))?;
         if let redis::Value::Array(streams) = &fresh {
             for stream in streams {
                 if let redis::Value::Array(pair) = stream {
@@ -1165,37 +1257,37 @@ impl Pass<'_> {
                 }
             }
         }
+        Ok(batch)
+    }
 
-        if batch.is_empty() {
-            return Ok(false);
+    /// Hands back the jobs Redis gave this worker since `since`, in a pass whose answer it
+    /// never got: they were not sent to the app (see [`Carried::unanswered_since`]).
+    async fn hand_back_unanswered(&self, since: Instant) -> Result<(), RedisFailure> {
+        // Given since then: idle no longer than that (and a few milliseconds, as Redis
+        // counts idle time by its own clock's milliseconds). Jobs of an earlier batch cut
+        // short were last renewed before, and keep waiting `claim_after` (one may have been
+        // sent).
+        let within_ms = u64::try_from(since.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(IDLE_CLOCK_SLACK_MS);
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(HAND_BACK_UNANSWERED)
+            .arg(1)
+            .arg(&self.keys.stream)
+            .arg(&self.settings.group)
+            .arg(self.consumer)
+            .arg(self.settings.claim_after.as_millis() as u64)
+            .arg(within_ms)
+            .arg(2 * BATCH);
+        let handed: i64 = self
+            .redis
+            .command(&command, self.redis.background_bound(), None)
+            .await?;
+        if handed > 0 {
+            tracing::debug!(route = %self.route.name, handed, "handed back queued jobs Redis gave this worker in a pass it got no answer for");
         }
-        let full = batch.len() >= BATCH;
-        // The batch is replayed one job after another, each for up to the upstream's
-        // response_timeout: the jobs still waiting, and the one being replayed, would sit idle
-        // longer than claim_after, and another instance would take them over and replay them a
-        // second time. So the hold on all of them is renewed every third of claim_after until
-        // the batch is done; only a worker that died, stopped or lost Redis for claim_after
-        // loses its jobs.
-        let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
-        let renew_every = (settings.claim_after / 3).max(Duration::from_millis(10));
-        let keep_hold = async {
-            loop {
-                tokio::time::sleep(renew_every).await;
-                if let Err(error) = self.renew_hold(&ids).await {
-                    tracing::debug!(route = %route.name, "cannot renew the hold on queued jobs: {error}");
-                }
-            }
-        };
-        tokio::select! {
-            result = self.replay_batch(stop, batch, next_start) => {
-                // Handed back once the hold is no longer renewed: a renewal in flight would
-                // set their idle time back to nothing.
-                let (all_done, left) = result?;
-                self.hand_back(left).await;
-                Ok(all_done && full)
-            }
-            _ = keep_hold => Ok(false),
-        }
+        Ok(())
     }
 
     /// Renews the hold on the job `id` right before its replay. A job that waits for replicas
