@@ -172,15 +172,26 @@ impl RedisTarget {
     /// Whether `other` names the same servers and database: credentials aside, so that a
     /// password rotated by a reload is not taken for a move to other servers.
     pub fn same_servers(&self, other: &RedisTarget) -> bool {
-        let shown = |urls: &[String]| urls.iter().map(|url| redact_url(url)).collect::<Vec<_>>();
+        let shown = |urls: &[String]| urls.iter().map(|url| server_of(url)).collect::<Vec<_>>();
         match (self, other) {
-            (RedisTarget::Single(a), RedisTarget::Single(b)) => redact_url(a) == redact_url(b),
+            (RedisTarget::Single(a), RedisTarget::Single(b)) => server_of(a) == server_of(b),
             (RedisTarget::Cluster(a), RedisTarget::Cluster(b)) => shown(a) == shown(b),
             (RedisTarget::Sentinel(a), RedisTarget::Sentinel(b)) => {
                 a.master == b.master && a.db == b.db && shown(&a.nodes) == shown(&b.nodes)
             }
             _ => false,
         }
+    }
+}
+
+/// The server and database a URL names, credentials aside: `redis://h:1` and
+/// `redis://:secret@h:1/0` are one (a password added by a reload is no move). A URL the
+/// client cannot read is compared as written, password hidden.
+fn server_of(url: &str) -> String {
+    use redis::IntoConnectionInfo;
+    match url.into_connection_info() {
+        Ok(info) => format!("{:?} db {}", info.addr(), info.redis_settings().db()),
+        Err(_) => redact_url(url),
     }
 }
 
@@ -1927,6 +1938,11 @@ mod redact_tests {
         assert!(at.same_servers(&single("redis://:new@10.0.0.1:6379/0")));
         assert!(!at.same_servers(&single("redis://:old@10.0.0.2:6379/0")));
         assert!(!at.same_servers(&single("redis://:old@10.0.0.1:6379/1")));
+        // A password added (or a user), the database written or left to its default of 0.
+        let bare = single("redis://10.0.0.1:6379");
+        assert!(bare.same_servers(&at));
+        assert!(bare.same_servers(&single("redis://app:secret@10.0.0.1:6379/0")));
+        assert!(!bare.same_servers(&single("rediss://10.0.0.1:6379")));
         let cluster =
             |urls: &[&str]| RedisTarget::Cluster(urls.iter().map(|url| url.to_string()).collect());
         assert!(cluster(&["redis://:a@10.0.0.1:7000"])
