@@ -975,3 +975,189 @@ async fn a_request_head_refused_before_routing_is_said_in_the_log() {
     })
     .await;
 }
+
+/// The CORS fields levee sets on its own answers, when any is there.
+fn cors_fields(answer: &Answer) -> Vec<String> {
+    answer
+        .headers
+        .keys()
+        .map(|name| name.as_str().to_string())
+        .filter(|name| name.starts_with("access-control-"))
+        .collect()
+}
+
+/// A policy whose page route is held to one request a minute per client, with `server` in
+/// `[server]`.
+fn cors_limited_policy(backend: &Backend, server: &str) -> String {
+    policy_for(
+        backend.addr,
+        &format!("access_log = false\n{server}"),
+        "[limit.page]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 1\n[[route]]\nname = \"page\"\nmatch = { path_prefix = \"/api\" }\nlimits = [\"page\"]\n",
+    )
+}
+
+#[tokio::test]
+async fn cors_a_429_can_be_read_by_a_page_of_an_allowed_origin_only() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&cors_limited_policy(
+        &backend,
+        "cors_origins = [\"https://App.example/\"]",
+    ))
+    .await;
+    let url = levee.url("/api/items");
+    let from = |origin: &'static str| {
+        let url = url.clone();
+        async move { get_with(&url, &[("origin", origin), ("accept", "application/json")]).await }
+    };
+    let admitted = from("https://app.example").await;
+    assert_eq!(admitted.status, 200);
+    assert!(
+        cors_fields(&admitted).is_empty(),
+        "the app's answer is the app's: {:?}",
+        admitted.headers
+    );
+
+    let refused = from("https://app.example").await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(
+        refused.header("access-control-allow-origin"),
+        Some("https://app.example")
+    );
+    assert_eq!(
+        refused.header("access-control-allow-credentials"),
+        Some("true")
+    );
+    assert_eq!(
+        refused.header("access-control-expose-headers"),
+        Some("Retry-After, RateLimit, RateLimit-Policy, X-Levee-Job")
+    );
+    assert!(
+        refused
+            .headers
+            .get_all("vary")
+            .iter()
+            .any(|vary| vary.as_bytes().eq_ignore_ascii_case(b"origin")),
+        "{:?}",
+        refused.headers
+    );
+    assert!(refused.header("retry-after").is_some());
+
+    let other_site = from("https://evil.example").await;
+    assert_eq!(other_site.status, 429);
+    assert!(
+        cors_fields(&other_site).is_empty(),
+        "{:?}",
+        other_site.headers
+    );
+    assert!(other_site.header("vary").is_none());
+}
+
+/// A policy whose only upstream has a breaker, with `server` in `[server]`.
+fn cors_breaker_policy(backend: &Backend, server: &str) -> String {
+    policy_for(
+        backend.addr,
+        &format!("access_log = false\n{server}"),
+        "breaker = { consecutive_failures = 5 }\n",
+    )
+}
+
+/// `OPTIONS /api/items` as a browser sends it before a `PUT` with its own fields.
+async fn preflight(levee: &Levee, origin: &str) -> Answer {
+    send(
+        Request::options(levee.url("/api/items"))
+            .header("origin", origin)
+            .header("access-control-request-method", "PUT")
+            .header(
+                "access-control-request-headers",
+                "content-type,x-csrf-token",
+            )
+            .body(full(""))
+            .expect("request"),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn cors_a_preflight_levee_would_refuse_is_answered_by_levee() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&cors_breaker_policy(
+        &backend,
+        "cors_origins = [\"https://app.example\"]",
+    ))
+    .await;
+
+    // The app answers its own preflights while it can.
+    let hits = backend.hits();
+    let by_app = preflight(&levee, "https://app.example").await;
+    assert_eq!(by_app.status, 200);
+    assert_eq!(by_app.json()["method"], "OPTIONS");
+    assert_eq!(backend.hits(), hits + 1);
+    assert!(cors_fields(&by_app).is_empty(), "{:?}", by_app.headers);
+
+    let pinned = post(&levee.admin_url("/breakers/app"), "open").await;
+    assert_eq!(pinned.status, 200, "{}", pinned.text());
+
+    let answered = preflight(&levee, "https://app.example").await;
+    assert_eq!(answered.status, 204, "{}", answered.text());
+    assert_eq!(
+        answered.header("access-control-allow-origin"),
+        Some("https://app.example")
+    );
+    assert_eq!(
+        answered.header("access-control-allow-credentials"),
+        Some("true")
+    );
+    assert_eq!(answered.header("access-control-allow-methods"), Some("PUT"));
+    assert_eq!(
+        answered.header("access-control-allow-headers"),
+        Some("content-type,x-csrf-token")
+    );
+    assert_eq!(answered.header("access-control-max-age"), Some("60"));
+    assert!(answered.body.is_empty());
+    assert_eq!(backend.hits(), hits + 1, "the app was not called");
+
+    let refused = get_with(
+        &levee.url("/api/items"),
+        &[("origin", "https://app.example")],
+    )
+    .await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(
+        refused.header("access-control-allow-origin"),
+        Some("https://app.example")
+    );
+    assert!(refused.header("retry-after").is_some());
+
+    // A page of a site not listed is refused as before.
+    let other_site = preflight(&levee, "https://evil.example").await;
+    assert_eq!(other_site.status, 503);
+    assert!(
+        cors_fields(&other_site).is_empty(),
+        "{:?}",
+        other_site.headers
+    );
+}
+
+#[tokio::test]
+async fn cors_without_cors_origins_levee_answers_carry_no_cors_field() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&cors_breaker_policy(&backend, "")).await;
+    let pinned = post(&levee.admin_url("/breakers/app"), "open").await;
+    assert_eq!(pinned.status, 200, "{}", pinned.text());
+
+    let refused = get_with(
+        &levee.url("/api/items"),
+        &[("origin", "https://app.example")],
+    )
+    .await;
+    assert_eq!(refused.status, 503);
+    assert!(cors_fields(&refused).is_empty(), "{:?}", refused.headers);
+    assert!(refused.header("vary").is_none());
+    let preflight = preflight(&levee, "https://app.example").await;
+    assert_eq!(preflight.status, 503);
+    assert!(
+        cors_fields(&preflight).is_empty(),
+        "{:?}",
+        preflight.headers
+    );
+}

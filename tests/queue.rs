@@ -4123,3 +4123,61 @@ async fn a_job_whose_read_got_no_answer_is_applied_at_once_not_after_claim_after
         "{metrics}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_a_page_of_an_allowed_origin_can_send_a_write_to_a_switched_off_route_and_read_its_202(
+) {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false\ncors_origins = [\"https://app.example\"]",
+        &format!(
+            "[redis]\nurl = \"{}\"\ntimeout = \"200ms\"\n[degrade]\nsync_interval = \"100ms\"\n[[route]]\nname = \"notify\"\nmatch = {{ method = [\"POST\", \"OPTIONS\"], path_prefix = \"/notify\" }}\ntier = 2\nmodule = \"notifications\"\ndegrade = {{ action = \"queue\" }}\n",
+            redis.url()
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+
+    let preflight = send(
+        Request::options(levee.url("/notify.php"))
+            .header("origin", "https://app.example")
+            .header("access-control-request-method", "POST")
+            .body(full(""))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(preflight.status, 204, "{}", preflight.text());
+    assert_eq!(
+        preflight.header("access-control-allow-origin"),
+        Some("https://app.example")
+    );
+    assert_eq!(
+        preflight.header("access-control-allow-methods"),
+        Some("POST")
+    );
+    assert_eq!(preflight.header("access-control-allow-headers"), None);
+
+    let queued = send(
+        Request::post(levee.url("/notify.php"))
+            .header("origin", "https://app.example")
+            .header("accept", "application/json")
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(full("like=1"))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(queued.status, 202, "{}", queued.text());
+    assert!(queued.header("x-levee-job").is_some());
+    assert_eq!(
+        queued.header("access-control-allow-origin"),
+        Some("https://app.example")
+    );
+    assert_eq!(
+        queued.header("access-control-expose-headers"),
+        Some("Retry-After, RateLimit, RateLimit-Policy, X-Levee-Job")
+    );
+    assert_eq!(backend.hits(), 0, "nothing reached the app while it is off");
+}

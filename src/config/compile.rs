@@ -3824,20 +3824,58 @@ fn parse_network(text: &str) -> Option<IpNet> {
         .ok()
 }
 
-/// `[admin] origins`: each `scheme://host[:port]` as browsers send it in `Origin` (an
-/// `http` or `https` scheme, a host, no path; one trailing `/` is forgiven), kept in lower
-/// case. Anything else could never equal a browser's `Origin`, and would leave the dashboard
-/// behind the proxy read-only with no reason given: an error.
+/// `[admin] origins`: the other sites whose pages may change state (see [`origin_list`]).
 fn admin_origins(
     compiler: &mut Compiler<'_>,
     file: usize,
     spec: Option<&Spanned<Vec<String>>>,
+) -> Vec<String> {
+    origin_list(
+        compiler,
+        file,
+        spec,
+        None,
+        "write it as the browser's address bar shows the site, scheme and host only: \"https://ops.example\" or \"http://10.0.0.5:8443\"",
+    )
+}
+
+/// `[server] cors_origins`: the sites whose pages may read levee's own answers (see
+/// [`origin_list`]), or `*` for any.
+fn cors_origins(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: Option<&Spanned<Vec<String>>>,
+) -> Vec<String> {
+    origin_list(
+        compiler,
+        file,
+        spec,
+        Some(crate::proxy::cors::ANY_ORIGIN),
+        "write it as the browser's address bar shows the site that calls the API, scheme and host only: \"https://app.example\" or \"http://10.0.0.5:8443\", or \"*\" for any site",
+    )
+}
+
+/// A list of origins, each `scheme://host[:port]` as browsers send it in `Origin` (an
+/// `http` or `https` scheme, a host, no path; one trailing `/` is forgiven), kept in lower
+/// case; `any`, when given, is taken as it is written too. Anything else could never equal a
+/// browser's `Origin`, and would leave the site it names without what it was listed for, with
+/// no reason given: an error, with `hint`.
+fn origin_list(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: Option<&Spanned<Vec<String>>>,
+    any: Option<&str>,
+    hint: &str,
 ) -> Vec<String> {
     let Some(spec) = spec else {
         return Vec::new();
     };
     let mut origins = Vec::new();
     for written in spec.get_ref() {
+        if any == Some(written.as_str()) {
+            origins.push(written.clone());
+            continue;
+        }
         let origin = written
             .strip_suffix('/')
             .unwrap_or(written)
@@ -3858,7 +3896,7 @@ fn admin_origins(
                 file,
                 spec.span(),
                 format!("{written:?} is not an origin"),
-                "write it as the browser's address bar shows the site, scheme and host only: \"https://ops.example\" or \"http://10.0.0.5:8443\"",
+                hint,
             );
         }
     }
@@ -3989,6 +4027,7 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
         livez_path,
         readyz_path,
         access_log: spec.access_log.unwrap_or(defaults.access_log),
+        cors_origins: cors_origins(compiler, file, spec.cors_origins.as_ref()),
     }
 }
 
@@ -5388,6 +5427,50 @@ mod tests {
                 errors.contains(&format!("a.toml:2:11: error: \"{bad}\" is not an origin")),
                 "{errors}"
             );
+        }
+    }
+
+    #[test]
+    fn cors_origins_are_origins_as_browsers_send_them_or_any() {
+        let with_origins = |list: &str| format!("[server]\ncors_origins = {list}\n{APP}");
+        let policy = compile(
+            &files(&[(
+                "a.toml",
+                &with_origins(r#"["https://App.Example/", "http://10.0.0.5:8443", "*"]"#),
+            )]),
+            None,
+        )
+        .expect("compiles");
+        assert_eq!(
+            policy.server.cors_origins,
+            ["https://app.example", "http://10.0.0.5:8443", "*"]
+        );
+        assert!(
+            compile(&files(&[("a.toml", APP)]), None)
+                .expect("compiles")
+                .server
+                .cors_origins
+                .is_empty(),
+            "off unless set"
+        );
+        for bad in [
+            "app.example",
+            "https://app.example/api",
+            "*.example",
+            "https://",
+        ] {
+            let errors = match compile(
+                &files(&[("a.toml", &with_origins(&format!("[\"{bad}\"]")))]),
+                None,
+            ) {
+                Ok(_) => panic!("{bad} compiled"),
+                Err(diagnostics) => diagnostics.to_string(),
+            };
+            assert!(
+                errors.contains(&format!("a.toml:2:16: error: \"{bad}\" is not an origin")),
+                "{errors}"
+            );
+            assert!(errors.contains("\"https://app.example\""), "{errors}");
         }
     }
 

@@ -103,6 +103,10 @@ pub struct ServerSettings {
     pub readyz_path: String,
     /// One log line per request. Default true.
     pub access_log: bool,
+    /// Origins (`https://app.example`, lower case, or `*` for any) whose pages may read the
+    /// answers levee writes itself: they carry CORS fields, and a preflight levee would refuse
+    /// is answered by it. Default none: levee's answers carry no CORS field.
+    pub cors_origins: Vec<String>,
 }
 
 impl Default for ServerSettings {
@@ -123,6 +127,7 @@ impl Default for ServerSettings {
             livez_path: "/livez".into(),
             readyz_path: "/readyz".into(),
             access_log: true,
+            cors_origins: Vec::new(),
         }
     }
 }

@@ -731,6 +731,7 @@ pub struct ServerSpec {
     pub livez_path: Option<Spanned<String>>,
     pub readyz_path: Option<Spanned<String>>,
     pub access_log: Option<bool>,
+    pub cors_origins: Option<Spanned<Vec<String>>>,
 }
 
 /// `[admin]`: the operator listener, never the public one.

@@ -648,6 +648,16 @@ fn levee_response_spelling(name: &HeaderName) -> Option<&'static str> {
         "X-Levee-Stale"
     } else if name.as_str() == "x-levee-job" {
         "X-Levee-Job"
+    } else if let Some(cors) = name.as_str().strip_prefix("access-control-") {
+        match cors {
+            "allow-origin" => "Access-Control-Allow-Origin",
+            "allow-credentials" => "Access-Control-Allow-Credentials",
+            "expose-headers" => "Access-Control-Expose-Headers",
+            "allow-methods" => "Access-Control-Allow-Methods",
+            "allow-headers" => "Access-Control-Allow-Headers",
+            "max-age" => "Access-Control-Max-Age",
+            _ => return None,
+        }
     } else {
         return None;
     };
@@ -946,6 +956,14 @@ mod tests {
             (RATELIMIT_POLICY.clone(), "RateLimit-Policy"),
             (HeaderName::from_static("x-levee-stale"), "X-Levee-Stale"),
             (HeaderName::from_static("x-levee-job"), "X-Levee-Job"),
+            (
+                header::ACCESS_CONTROL_ALLOW_ORIGIN,
+                "Access-Control-Allow-Origin",
+            ),
+            (
+                HeaderName::from_static("access-control-x"),
+                "access-control-x",
+            ),
             (HeaderName::from_static("x-other"), "x-other"),
         ] {
             assert_eq!(response_spelling(None, &name, b"1"), usual.as_bytes());

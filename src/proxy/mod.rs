@@ -10,6 +10,7 @@
 
 pub mod body;
 pub mod client;
+pub mod cors;
 mod deadline;
 pub mod h1;
 pub mod header;
@@ -129,6 +130,18 @@ pub async fn handle(
         return answer.into();
     }
 
+    // A page of another site that may read levee's own answers (boxed: held across the
+    // request, in every request's future). Without `cors_origins`, nothing is looked up.
+    let cors = if policy.server.cors_origins.is_empty() {
+        None
+    } else {
+        cors::CorsRequest::of(
+            &policy.server.cors_origins,
+            request.method(),
+            request.headers(),
+        )
+    };
+
     shared.metrics.inflight.inc();
     let mut exchange = Exchange {
         shared: shared.clone(),
@@ -155,13 +168,23 @@ pub async fn handle(
         slot: None,
         reported: false,
     };
-    let Answer { response, relayed } =
+    let (Answer { response, relayed }, rescued) =
         match forward(&shared, &policy, peer, request, &mut exchange).await {
-            Ok(answer) => answer,
-            Err(error) => rescue(&shared, &mut exchange, error).into(),
+            Ok(answer) => (answer, false),
+            Err(error) => (
+                rescue(&shared, &mut exchange, error, cors.as_deref()).into(),
+                true,
+            ),
         };
     exchange.status = response.status();
     let (mut parts, body) = response.into_parts();
+    // The one place levee's own answers (every error's, the 202 of a queued write) get the
+    // page's CORS fields; the app's answers keep the app's.
+    if let Some(cors) = &cors {
+        if rescued || parts.extensions.get::<cors::OwnAnswer>().is_some() {
+            cors.add_fields(&mut parts.headers);
+        }
+    }
     if parts.status != StatusCode::SWITCHING_PROTOCOLS {
         close_if_draining(&shared, &mut parts.headers);
     }
@@ -1833,8 +1856,15 @@ async fn stale_if_error(
     Ok(copy)
 }
 
-/// The one place a request-path error is logged, counted and turned into a response.
-fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Response<ResponseBody> {
+/// The one place a request-path error is logged, counted and turned into a response. A
+/// preflight from a page in `cors_origins` (`cors`) that levee refused, or could not take to
+/// the app, is answered by levee, so the page sends the request itself and can read its answer.
+fn rescue(
+    shared: &Shared,
+    exchange: &mut Exchange,
+    error: ProxyError,
+    cors: Option<&cors::CorsRequest>,
+) -> Response<ResponseBody> {
     exchange.error = Some(error.kind());
     let path = LoggedTarget::of(shared, &exchange.uri, true);
     match error.side() {
@@ -1859,6 +1889,9 @@ fn rescue(shared: &Shared, exchange: &mut Exchange, error: ProxyError) -> Respon
         ErrorSide::Internal => {
             tracing::error!(client = %exchange.client_ip, method = %exchange.method, %path, "{error}");
         }
+    }
+    if let Some(answer) = cors.and_then(|cors| cors.preflight_answer(&error)) {
+        return answer;
     }
     // The log line above has what levee met; the client gets the visitor's words.
     error.to_response(prefers_json(&exchange.accept))

@@ -743,6 +743,10 @@ pub async fn enqueue(
     if let Ok(value) = HeaderValue::from_str(job.idempotency_key()) {
         response.headers_mut().insert("x-levee-job", value);
     }
+    // levee's own answer: a page of a site in `cors_origins` may read it (see `proxy::cors`).
+    response
+        .extensions_mut()
+        .insert(crate::proxy::cors::OwnAnswer);
     Ok(response)
 }
 
