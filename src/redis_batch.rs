@@ -720,6 +720,12 @@ impl BatchFailure {
             BatchFailure::Timeout(bound) => RedisFailure::Timeout(*bound),
             BatchFailure::Io(error) => RedisFailure::Connection(error.to_string()),
             BatchFailure::Reply(text) => RedisFailure::BadReply(text.clone()),
+            // Full, it is up and answers at once: each decision falls back on its own, and
+            // the health breaker stays closed. Taken for a failure, it opened, and the queue's
+            // answered writes closed it again, every second while Redis stayed full.
+            BatchFailure::Refused(text) if text.starts_with("OOM") => {
+                RedisFailure::Full(format!("the rate-limit call was refused: {text}"))
+            }
             BatchFailure::Refused(text) => {
                 RedisFailure::BadReply(format!("redis refused the rate-limit call: {text}"))
             }

@@ -229,6 +229,10 @@ pub enum RedisFailure {
     Redis(#[from] redis::RedisError),
     #[error("redis answered something unexpected: {0}")]
     BadReply(String),
+    /// Redis answered a batched call with `OOM`: full under `noeviction`, it refuses writes.
+    /// (A command of the client's own keeps Redis's error, and its `OOM` code.)
+    #[error("redis is full and refuses writes: {0}")]
+    Full(String),
     #[error("redis is marked down; not calling it until the cool-down ends")]
     Down,
     #[error("redis connection failed: {0}")]
@@ -261,7 +265,10 @@ impl RedisFailure {
                     || error.is_connection_refusal()
                     || error.code() == Some("READONLY")
             }
-            RedisFailure::BadReply(_) | RedisFailure::Down | RedisFailure::Overloaded(_) => false,
+            RedisFailure::BadReply(_)
+            | RedisFailure::Full(_)
+            | RedisFailure::Down
+            | RedisFailure::Overloaded(_) => false,
         }
     }
 
@@ -278,7 +285,11 @@ impl RedisFailure {
     /// flapped, and logged both ways, hundreds of times a second (a review measured 1,100
     /// lines/s). Each call so refused fails on its own (a queue write is a 503).
     fn is_answer_of_a_full_redis(&self) -> bool {
-        matches!(self, RedisFailure::Redis(error) if error.code() == Some("OOM"))
+        match self {
+            RedisFailure::Redis(error) => error.code() == Some("OOM"),
+            RedisFailure::Full(_) => true,
+            _ => false,
+        }
     }
 
     /// Whether the call went out at all: not when the health breaker held it back or too
@@ -308,7 +319,16 @@ struct Reach {
     /// outage was said just before) and is said once the throttle lets it, if the calls still
     /// fail then.
     outage_unsaid: bool,
+    /// When a call last failed: an outage is said over once calls have answered for
+    /// [`ANSWERING_FOR`] since.
+    failed_at: Option<std::time::Instant>,
 }
+
+/// How long calls answer with none failing before the log says Redis answers again. A Redis
+/// that refuses writes (full, or turned replica) still answers reads: said at the first
+/// answered read, "answers again" came a few milliseconds after "calls fail", and stood as
+/// the last word while every write was refused.
+const ANSWERING_FOR: Duration = Duration::from_secs(1);
 
 /// One bucket to decide in Redis.
 pub struct RedisAsk<'a> {
@@ -628,6 +648,9 @@ impl RedisStore {
             };
             let was_failing = std::mem::replace(&mut reach.failure, said).is_some();
             let now = std::time::Instant::now();
+            if failure.is_some() {
+                reach.failed_at = Some(now);
+            }
             match failure {
                 // A new outage, or one whose line was held back and may be said now: an
                 // outage that began just after another was said is still said, once the
@@ -646,7 +669,10 @@ impl RedisStore {
                 Some(_) => {}
                 None => {
                     reach.outage_unsaid = false;
-                    if reach.outage_logged {
+                    let answering_since_long_enough = reach
+                        .failed_at
+                        .is_none_or(|at| now.saturating_duration_since(at) >= ANSWERING_FOR);
+                    if reach.outage_logged && answering_since_long_enough {
                         reach.outage_logged = false;
                         tracing::info!("redis calls answer again");
                     }
@@ -1791,6 +1817,26 @@ mod reload_tests {
             admit_ahead_above: 1.0,
             tls: None,
         }
+    }
+
+    /// A Redis that refuses writes still answers reads: an outage is said over only once
+    /// calls have answered, with none failing, for a second.
+    #[test]
+    fn an_outage_is_said_over_only_after_a_second_of_answers() {
+        let store = RedisStore::new(settings("redis://127.0.0.1:1/0", 100));
+        store.note_call(Some(&RedisFailure::Full("OOM".into())));
+        assert!(lock(&store.reach).outage_logged);
+        // A read answered at once: not yet.
+        store.note_call(None);
+        assert!(lock(&store.reach).outage_logged);
+        store.note_call(Some(&RedisFailure::Full("OOM".into())));
+        store.note_call(None);
+        assert!(lock(&store.reach).outage_logged);
+        // The last failure a second and more ago: said.
+        lock(&store.reach).failed_at =
+            std::time::Instant::now().checked_sub(ANSWERING_FOR + Duration::from_millis(1));
+        store.note_call(None);
+        assert!(!lock(&store.reach).outage_logged);
     }
 
     /// A wrong password makes the connection retry its login until a call's time is out: the

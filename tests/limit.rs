@@ -1642,3 +1642,52 @@ async fn burst_n_plus_one_admits_what_nginx_burst_n_nodelay_admits() {
     let through_levee = admitted(vec![levee.url("/limited"); 15]).await;
     assert_eq!((through_nginx, through_levee), (11, 11));
 }
+
+/// A full Redis (`OOM` under `noeviction`) answers: rate limits fall back call by call, and
+/// its health breaker stays closed. Taken for a failure, it opened, and every answered call
+/// closed it again: "redis is failing" and "redis answers again" by turns, every second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_redis_is_no_redis_down_for_rate_limits_which_fall_back_call_by_call() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let section = format!(
+        "[redis]\nurl = \"{}\"\ntimeout = \"300ms\"\nfailures_to_open = 2\ncooldown = \"5s\"\nadmit_ahead_above = 1\n",
+        redis.url()
+    );
+    let rule = "[limit.shared]\nkey = [\"route\"]\nrate = \"1/min\"\nburst = 3\n";
+    let levee = Levee::start(&limited_policy(&backend, "", &section, rule, "\"shared\"")).await;
+    assert_eq!(send_as(&levee, None, None).await.status, 200);
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    redis.cli(&[
+        "EVAL",
+        "for i = 1, 3000 do redis.call('SET', 'fill:' .. i, string.rep('x', 1000)) end",
+        "0",
+    ]);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1mb"]);
+    let mut admitted = 0;
+    for _ in 0..10 {
+        if send_as(&levee, None, None).await.status == 200 {
+            admitted += 1;
+        }
+    }
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    redis.cli(&["CONFIG", "SET", "maxmemory", "0"]);
+    assert_eq!(
+        metric_value(&metrics, "levee_redis_transitions_total{to=\"down\"}"),
+        0.0,
+        "{metrics}"
+    );
+    let fallback = metric_value(
+        &metrics,
+        "levee_ratelimit_decisions_total{rule=\"shared\",result=\"allowed\",source=\"fallback\"}",
+    ) + metric_value(
+        &metrics,
+        "levee_ratelimit_decisions_total{rule=\"shared\",result=\"limited\",source=\"fallback\"}",
+    );
+    assert!(fallback >= 10.0, "each decided in-process: {metrics}");
+    assert!(
+        admitted <= 3,
+        "the limit still holds, in-process: {admitted}"
+    );
+}
