@@ -303,7 +303,7 @@ fn check_reports_the_errors_of_every_table_when_some_do_not_read() {
     let expected = [
         format!("{}:3:20: error: unknown duration unit `x`", file("10-app.toml")),
         format!(
-            "{}:7:16: error: `max_inflight` is a whole number\n  hint: write it without quotes: max_inflight = 20",
+            "{}:7:16: error: `max_inflight` must be a whole number\n  hint: write it without quotes: max_inflight = 20",
             file("10-app.toml")
         ),
         format!(
@@ -314,7 +314,7 @@ fn check_reports_the_errors_of_every_table_when_some_do_not_read() {
             "{}:15:1: error: latency_p95 needs `above` as a duration",
             file("10-app.toml")
         ),
-        format!("{}:29:7: error: `for` is a string in quotes", file("10-app.toml")),
+        format!("{}:29:7: error: `for` must be a string in quotes", file("10-app.toml")),
         format!("{}:5:8: error: tier 4 does not exist", file("20-routes.toml")),
         format!("{}:11:23: error: 99 is not a status levee can answer with", file("20-routes.toml")),
     ];
@@ -352,10 +352,10 @@ fn check_reports_every_key_that_does_not_fit_in_one_table() {
     assert!(!ok, "check must fail");
     let file = dir.path().join("10-app.toml").display().to_string();
     for expected in [
-        format!("{file}:3:29: error: `failure_ratio` is a share"),
+        format!("{file}:3:29: error: `failure_ratio` must be a share"),
         format!("{file}:4:1: error: unknown field `max_inflite`"),
         format!("{file}:9:11: error: unknown field `pth`"),
-        format!("{file}:10:8: error: `tier` is a tier"),
+        format!("{file}:10:8: error: `tier` must be a tier"),
         format!("{file}:13:8: error: "),
     ] {
         assert!(stderr.contains(&expected), "{expected} in {stderr}");
@@ -374,7 +374,7 @@ fn check_reports_every_key_that_does_not_fit_in_one_table() {
     let (ok, _stdout, stderr) = levee_check(dir.path());
     assert!(!ok, "check must fail");
     for expected in [
-        format!("{file}:3:29: error: `failure_ratio` is a share"),
+        format!("{file}:3:29: error: `failure_ratio` must be a share"),
         format!("{file}:4:20: error: unknown duration unit `x`"),
         format!("{file}:8:23: error: "),
         format!("{file}:9:8: error: tier 9 does not exist"),

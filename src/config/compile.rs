@@ -910,8 +910,8 @@ fn explain_parse_error(
         .and_then(|key| key_takes(key, expected))
         .map_or_else(|| type_takes(expected), Cow::Borrowed);
     let message = match key {
-        Some(key) if in_list => format!("each item of `{key}` is {takes}"),
-        Some(key) => format!("`{key}` is {takes}"),
+        Some(key) if in_list => format!("each item of `{key}` must be {takes}"),
+        Some(key) => format!("`{key}` must be {takes}"),
         None => format!("this value must be {takes}"),
     };
     let written = text
@@ -5992,12 +5992,12 @@ mod tests {
             // Its `[server]`: a route without upstream may have had its default there.
             (
                 format!("{APP}[upstream.api]\nurl = \"http://127.0.0.1:9\"\n[server]\ndefault_upstream = \"app\"\nlisten = 8080\n{}", route("")),
-                "a.toml:7:10: error: `listen` is a string in quotes",
+                "a.toml:7:10: error: `listen` must be a string in quotes",
             ),
             // The only upstream, which would have been the default.
             (
                 format!("[upstream.app]\nurl = \"http://127.0.0.1:9\"\nmax_inflight = \"20\"\n{}", route("")),
-                "a.toml:3:16: error: `max_inflight` is a whole number",
+                "a.toml:3:16: error: `max_inflight` must be a whole number",
             ),
             // A section spelt a letter off: what it defines is named as if spelt right.
             (
@@ -6012,7 +6012,7 @@ mod tests {
             // Its `[admin]`: its listen, not the default one, is the one to compare.
             (
                 format!("{APP}[server]\nlisten = \"127.0.0.1:9901\"\n[admin]\nlisten = \"127.0.0.1:9902\"\ntokens = \"0123456789abcdef0\"\n{}", route("")),
-                "a.toml:7:10: error: `tokens` is a table",
+                "a.toml:7:10: error: `tokens` must be a table",
             ),
         ] {
             let refused = errors(&[("a.toml", &format!("{text}{spare}"))]);
@@ -6065,7 +6065,7 @@ mod tests {
             ),
         ] {
             let refused = errors(&[("a.toml", &text)]);
-            // One error, in levee's words: not one per key (`url` is a table), nor the
+            // One error, in levee's words: not one per key (`url` must be a table), nor the
             // parser's own beside it.
             assert_eq!(refused.len(), 1, "{text}\n{refused:#?}");
             assert!(refused[0].starts_with(expected), "{text}\n{refused:#?}");
@@ -6225,51 +6225,51 @@ mod tests {
         for (text, expected) in [
             (
                 route("max_body = -1"),
-                "a.toml:5:12: error: `max_body` is a size: a whole number of bytes or a string like \"10MiB\"\n  hint: write whole bytes (max_body = 1048576) or a whole number with a unit (max_body = \"1MiB\"; 1.5 MiB is \"1536KiB\")",
+                "a.toml:5:12: error: `max_body` must be a size: a whole number of bytes or a string like \"10MiB\"\n  hint: write whole bytes (max_body = 1048576) or a whole number with a unit (max_body = \"1MiB\"; 1.5 MiB is \"1536KiB\")",
             ),
-            (route("max_body = true"), "error: `max_body` is a size: a whole number of bytes"),
-            (route("max_body = 1.5"), "error: `max_body` is a size: a whole number of bytes"),
+            (route("max_body = true"), "error: `max_body` must be a size: a whole number of bytes"),
+            (route("max_body = 1.5"), "error: `max_body` must be a size: a whole number of bytes"),
             (
                 format!("{APP}[server]\nmax_header_bytes = [16]\n"),
-                "error: `max_header_bytes` is a size: a whole number of bytes",
+                "error: `max_header_bytes` must be a size: a whole number of bytes",
             ),
             (
                 route("match = \"/\""),
-                "error: `match` is a table, like match = { path_prefix = \"/shop\" }\n  hint: for the paths under it: match = { path_prefix = \"/\" }",
+                "error: `match` must be a table, like match = { path_prefix = \"/shop\" }\n  hint: for the paths under it: match = { path_prefix = \"/\" }",
             ),
             (
                 route("fallback = \"<p>Later</p>\""),
-                "error: `fallback` is a table, like fallback = { status = 503, body = \"<p>Back soon.</p>\" }\n  hint: put the page in `body`: fallback = { body = \"<p>Later</p>\" }",
+                "error: `fallback` must be a table, like fallback = { status = 503, body = \"<p>Back soon.</p>\" }\n  hint: put the page in `body`: fallback = { body = \"<p>Later</p>\" }",
             ),
-            (route("degrade = \"stale\""), "error: `degrade` is a table, like degrade = { action = \"stale\""),
+            (route("degrade = \"stale\""), "error: `degrade` must be a table, like degrade = { action = \"stale\""),
             (
                 route("fallback = { status = 999 }"),
                 "a.toml:5:23: error: 999 is not a status levee can answer with\n  hint: use a status from 200 to 599",
             ),
             (route("fallback = { status = 101 }"), "error: 101 is not a status levee can answer with"),
-            (route("match = { method = 5 }"), "error: `method` is a string or a list of strings"),
+            (route("match = { method = 5 }"), "error: `method` must be a string or a list of strings"),
             (
                 route("match = { method = [\"GET\", 1] }"),
-                "a.toml:5:28: error: each item of `method` is a string in quotes",
+                "a.toml:5:28: error: each item of `method` must be a string in quotes",
             ),
-            (route("limits = \"login\""), "error: `limits` is a list of limit names"),
-            (route("hide = \"#ads\""), "error: `hide` is a table"),
-            (route("tier = \"high\""), "error: `tier` is a tier: 1, 2 or 3 (a module's: 2 or 3)"),
+            (route("limits = \"login\""), "error: `limits` must be a list of limit names"),
+            (route("hide = \"#ads\""), "error: `hide` must be a table"),
+            (route("tier = \"high\""), "error: `tier` must be a tier: 1, 2 or 3 (a module's: 2 or 3)"),
             (
                 format!("{APP}breaker = 5\n"),
-                "error: `breaker` is a table, like breaker = { consecutive_failures = 5",
+                "error: `breaker` must be a table, like breaker = { consecutive_failures = 5",
             ),
-            (format!("server = 5\n{APP}"), "error: `server` is a table: [server] on a line of its own"),
-            (format!("route = 5\n{APP}"), "error: `route` is a list of tables: each route is written under its own [[route]] line"),
-            (format!("{APP}[redis]\nsentinel = 5\n"), "error: `sentinel` is a table: [redis.sentinel]"),
-            (format!("{APP}[identity]\nuser = 5\n"), "error: `user` is a string or a list of strings"),
-            (format!("{APP}[degrade]\ntrigger = 5\n"), "error: `trigger` is a list of tables: each trigger is written under its own [[degrade.trigger]] line"),
+            (format!("server = 5\n{APP}"), "error: `server` must be a table: [server] on a line of its own"),
+            (format!("route = 5\n{APP}"), "error: `route` must be a list of tables: each route is written under its own [[route]] line"),
+            (format!("{APP}[redis]\nsentinel = 5\n"), "error: `sentinel` must be a table: [redis.sentinel]"),
+            (format!("{APP}[identity]\nuser = 5\n"), "error: `user` must be a string or a list of strings"),
+            (format!("{APP}[degrade]\ntrigger = 5\n"), "error: `trigger` must be a list of tables: each trigger is written under its own [[degrade.trigger]] line"),
             (
                 format!("{APP}[[degrade.trigger]]\nupstream = \"app\"\nwhen = \"inflight\"\nabove = true\n"),
-                "error: `above` is a duration in quotes, like \"800ms\", or a share, like 0.8",
+                "error: `above` must be a duration in quotes, like \"800ms\", or a share, like 0.8",
             ),
-            (format!("{APP}[admin]\ntokens = 5\n"), "error: `tokens` is a table"),
-            (format!("{APP}[queue]\nmax_attempts = -1\n"), "error: `max_attempts` is a whole number"),
+            (format!("{APP}[admin]\ntokens = 5\n"), "error: `tokens` must be a table"),
+            (format!("{APP}[queue]\nmax_attempts = -1\n"), "error: `max_attempts` must be a whole number"),
         ] {
             let error = first_error(&text);
             assert!(error.contains(expected), "{text}\n{error}");
@@ -6356,7 +6356,7 @@ mod tests {
         for (settings, expected) in [
             (
                 "failure_ratio = \"50%\"",
-                "error: `failure_ratio` is a share of calls above 0 and at most 1, like 0.5\n  hint: a share is a fraction of 1, written without quotes: 50% is failure_ratio = 0.5",
+                "error: `failure_ratio` must be a share of calls above 0 and at most 1, like 0.5\n  hint: a share is a fraction of 1, written without quotes: 50% is failure_ratio = 0.5",
             ),
             ("slow_call = \"1s\", slow_ratio = \"80 %\"", "hint: a share is a fraction of 1, written without quotes: 80% is slow_ratio = 0.8"),
             ("failure_ratio = \"0.5\"", "hint: write it without quotes: failure_ratio = 0.5"),
@@ -6366,9 +6366,9 @@ mod tests {
             ),
             (
                 "failure_statuses = [\"5xx\"]",
-                "error: each item of `failure_statuses` is an HTTP status, like 503\n  hint: list each status as a number: failure_statuses = [500, 502, 504]",
+                "error: each item of `failure_statuses` must be an HTTP status, like 503\n  hint: list each status as a number: failure_statuses = [500, 502, 504]",
             ),
-            ("failure_statuses = 503", "error: `failure_statuses` is a list of HTTP statuses, like [502, 504]"),
+            ("failure_statuses = 503", "error: `failure_statuses` must be a list of HTTP statuses, like [502, 504]"),
         ] {
             let error = breaker(settings);
             assert!(error.contains(expected), "{settings}\n{error}");

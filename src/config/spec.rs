@@ -418,7 +418,7 @@ const MODULE: NamedKind = NamedKind {
 
 /// Every `[KIND.NAME]` on its own, so that one bad upstream does not hide the next; and the
 /// kind written without its name, said as that: `[upstream]` with one upstream's keys under
-/// it (the parser takes `url` for the name of an upstream and says "`url` is a table"),
+/// it (the parser takes `url` for the name of an upstream and says "`url` must be a table"),
 /// `upstream.url = …`, `[[upstream]]` entries. Returns those that read; the others are noted
 /// in `unread` by name (or, written without one, by kind).
 fn read_named<'de, T: Deserialize<'de>>(
