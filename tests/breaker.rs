@@ -1070,3 +1070,64 @@ async fn an_answer_with_a_field_levee_cannot_pass_on_is_not_held_against_the_ups
     assert_eq!(breaker_state(&levee, "app").await, "closed");
     assert_eq!(get(&levee.url("/forum.php")).await.status, 200);
 }
+
+/// A Redis that lost its data (restarted without persistence, flushed) holds no switches, not
+/// even who handed the last one back: the instances write theirs back rather than follow it,
+/// and an operator's pin ("keep traffic off the app while the database is repaired") holds.
+/// A hand-back afterwards is followed as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pin_outlives_a_redis_that_lost_its_data() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _mode) = switchable().await;
+    let policy = breaker_policy(&backend, "consecutive_failures = 5", "").replace(
+        "[[route]]",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"100ms\"\n[[route]]",
+            redis.url()
+        ),
+    );
+    let first = Levee::start(&policy).await;
+    let second = Levee::start(&policy).await;
+    let pinned = post(&first.admin_url("/breakers/app"), "open").await;
+    assert_eq!(pinned.status, 200, "{}", pinned.text());
+    eventually(
+        Duration::from_secs(5),
+        "the second instance to follow the pin",
+        || async { pin_of(&second).await.0 == "open" },
+    )
+    .await;
+
+    redis.cli(&["FLUSHALL"]);
+    eventually(
+        Duration::from_secs(5),
+        "the pin to be written back to redis",
+        || async {
+            redis
+                .cli(&["HEXISTS", "levee:switches", "breaker:app"])
+                .trim()
+                == "1"
+        },
+    )
+    .await;
+    // Ten syncs later, both still pinned.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(pin_of(&first).await.0, "open");
+    assert_eq!(pin_of(&second).await.0, "open");
+    assert_eq!(get(&second.url("/")).await.status, 503);
+
+    assert_eq!(
+        post(&second.admin_url("/breakers/app"), "auto")
+            .await
+            .status,
+        200
+    );
+    eventually(
+        Duration::from_secs(5),
+        "the first instance to follow the hand-back",
+        || async { pin_of(&first).await.0 == "auto" },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(pin_of(&first).await.0, "auto", "a hand-back is not undone");
+}

@@ -564,6 +564,17 @@ pub async fn spawn_sync(
             }
             let seen = degrade.runtime();
             match load_with_word(&policy).await {
+                // Redis holds no switches at all, not even who handed the last one back: it
+                // lost its data (restarted without persistence, flushed). The switches in
+                // effect here are written back rather than followed: an operator's pin
+                // ("keep traffic off the app while the database is repaired") ended by itself.
+                Ok((switches, None))
+                    if switches == RuntimeSwitches::default() && *seen != switches =>
+                {
+                    if let Some(redis) = &policy.redis {
+                        write_back_lost(redis, &seen).await;
+                    }
+                }
                 Ok((switches, handed_back_by)) if switches != *seen => {
                     let key = policy.redis.as_deref().map(hash_key).unwrap_or_default();
                     log_fleet_change(&seen, &switches, handed_back_by.as_deref(), &key);
@@ -590,10 +601,68 @@ pub async fn spawn_sync(
     })
 }
 
+/// Writes `switches` back to a Redis that holds none, not even who handed the last one back
+/// (see [`HANDED_BACK`]): it lost its data. Only while the hash is still absent: the first
+/// instance of the fleet to find it so writes it, and the others then follow it as usual.
+async fn write_back_lost(redis: &RedisStore, switches: &RuntimeSwitches) {
+    let key = hash_key(redis);
+    let mut command = redis::cmd("EVAL");
+    command.arg(WRITE_IF_ABSENT).arg(1).arg(&key);
+    for (field, value) in fields_of(switches) {
+        command.arg(field).arg(value);
+    }
+    let kept = describe_changes(&RuntimeSwitches::default(), switches);
+    match redis.command::<i64>(&command, SWITCH_TIMEOUT, None).await {
+        Ok(1) => tracing::warn!(
+            key = %key,
+            kept = ?kept,
+            "redis holds no degrade switches, not even who handed the last one back: it lost its data (restarted without persistence, or flushed); this instance wrote back the switches in effect here, and the fleet follows them (hand them back with levee level/module/breaker … auto, not by deleting the key)"
+        ),
+        Ok(_) => tracing::debug!(
+            "degrade switches written to redis meanwhile; following them at the next sync"
+        ),
+        Err(error) => {
+            tracing::debug!("cannot write the degrade switches back to redis yet: {error}")
+        }
+    }
+}
+
+/// Writes the field-value pairs in ARGV into the hash KEYS[1] only if it does not exist;
+/// 1 if written.
+const WRITE_IF_ABSENT: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+for i = 1, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+return 1
+"#;
+
+/// The hash fields `switches` is kept in, as [`load_with_word`] reads them.
+/// (A switch that cannot be encoded, which the types make impossible, is left out.)
+fn fields_of(switches: &RuntimeSwitches) -> Vec<(String, String)> {
+    let mut fields = Vec::new();
+    if let Some(Ok(level)) = switches.level.as_ref().map(serde_json::to_string) {
+        fields.push(("level".to_string(), level));
+    }
+    for (name, switch) in &switches.modules {
+        if let Ok(json) = serde_json::to_string(switch) {
+            fields.push((format!("module:{name}"), json));
+        }
+    }
+    for (name, switch) in &switches.breakers {
+        if let Ok(json) = serde_json::to_string(switch) {
+            fields.push((format!("breaker:{name}"), json));
+        }
+    }
+    fields
+}
+
 /// Says what another instance (or an operator through it) changed. Redis holding no
 /// switches at all where there were some is told apart: a Redis restarted without its data
-/// looks exactly like that, and the operator should know their switches are gone; unless
-/// Redis says who handed the last one back (`handed_back_by`), a routine hand-back.
+/// looks exactly like that (see [`write_back_lost`]); unless Redis says who handed the last
+/// one back (`handed_back_by`), a routine hand-back.
 fn log_fleet_change(
     seen: &RuntimeSwitches,
     now: &RuntimeSwitches,
@@ -602,20 +671,14 @@ fn log_fleet_change(
 ) {
     let changes = describe_changes(seen, now);
     if *now == RuntimeSwitches::default() {
-        match handed_back_by {
-            // Debug-quoted, as below: the text comes from Redis.
-            Some(by) => tracing::info!(
-                changes = ?changes,
-                by = ?by,
-                key = %key,
-                "every runtime switch was handed back to the policy elsewhere in the fleet; following"
-            ),
-            None => tracing::warn!(
-                changes = ?changes,
-                key = %key,
-                "redis now holds no degrade switches, not even who handed the last one back: redis restarted without its data (or a levee older than this one handed them back); every runtime switch is back to the policy; following"
-            ),
-        }
+        // Debug-quoted, as below: the text comes from Redis. (Redis holding nothing at all,
+        // not even who, is a loss, written back by `write_back_lost` instead.)
+        tracing::info!(
+            changes = ?changes,
+            by = ?handed_back_by.unwrap_or("?"),
+            key = %key,
+            "every runtime switch was handed back to the policy elsewhere in the fleet; following"
+        );
     } else {
         // Debug-quoted: the names and `by` texts come from Redis, where a newline or an
         // escape sequence would forge a log line or act on a terminal showing the log.
