@@ -134,6 +134,21 @@ header("Content-Disposition: attachment; filename=\"report\x01.csv\"");
 echo 'csv';
 "#;
 
+/// A DELETE (or anything else) answered with a bare 204.
+const NO_CONTENT_PHP: &str = r#"<?php
+http_response_code(204);
+"#;
+
+/// A page the client's cached copy still matches: a 304 to its `If-None-Match`.
+const ETAG_PHP: &str = r#"<?php
+header('ETag: "v1"');
+if (($_SERVER['HTTP_IF_NONE_MATCH'] ?? '') === '"v1"') {
+    http_response_code(304);
+    exit;
+}
+echo 'page';
+"#;
+
 const SLOW_PHP: &str = r#"<?php
 sleep(3);
 echo 'late';
@@ -191,6 +206,8 @@ impl Site {
             ("control.php", CONTROL_PHP.to_string()),
             ("upload.php", UPLOAD_PHP.to_string()),
             ("notify.php", NOTIFY_PHP.to_string()),
+            ("no-content.php", NO_CONTENT_PHP.to_string()),
+            ("etag.php", ETAG_PHP.to_string()),
         ];
         for (name, code) in scripts {
             std::fs::write(www.join(name), code).expect("script");
@@ -608,6 +625,63 @@ async fn php_status_headers_and_body_come_back_as_the_script_wrote_them() {
     assert!(warned.is_empty(), "{warned:?}");
 
     // The connection a HEAD or a 404 used is still good for a full answer.
+    assert_eq!(get_json(&levee, "/echo.php").await["which"], "echo");
+}
+
+/// An answer without a body (a DELETE's 204, a 304 to `If-None-Match`) goes out whole, and
+/// its access log line says `complete=true`, as over HTTP: `complete=false` is the alarm
+/// for an answer cut short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodiless_answers_are_logged_complete() {
+    let log = levee_log();
+    let site = Site::start().await;
+    let policy = site
+        .policy("", "pool_max_idle = 4")
+        .replace("[server]\n", "[server]\naccess_log = true\n");
+    let levee = Levee::start(&policy).await;
+
+    let deleted = send(
+        Request::delete(levee.url("/no-content.php"))
+            .body(empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(deleted.status, 204, "{}", deleted.text());
+    assert!(deleted.body.is_empty());
+    let cached = send(
+        Request::get(levee.url("/etag.php"))
+            .header("if-none-match", "\"v1\"")
+            .body(empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(cached.status, 304, "{}", cached.text());
+    assert_eq!(cached.header("etag"), Some("\"v1\""));
+    assert!(cached.body.is_empty());
+
+    let host = format!("host={} ", levee.public);
+    let logged = |path: &str, status: u16| {
+        log.lines_with(&host)
+            .into_iter()
+            .filter(|line| {
+                line.contains(&format!(" path={path} "))
+                    && line.contains(&format!(" status={status} "))
+            })
+            .collect::<Vec<_>>()
+    };
+    eventually(Duration::from_secs(5), "both access log lines", || async {
+        !logged("/no-content.php", 204).is_empty() && !logged("/etag.php", 304).is_empty()
+    })
+    .await;
+    for (path, status) in [("/no-content.php", 204), ("/etag.php", 304)] {
+        let lines = logged(path, status);
+        assert!(
+            lines.iter().all(|line| line.contains(" complete=true")),
+            "{lines:?}"
+        );
+    }
+
+    // Whether or not the connection was kept, the next answer is whole and its own.
     assert_eq!(get_json(&levee, "/echo.php").await["which"], "echo");
 }
 

@@ -1155,11 +1155,11 @@ impl Client {
 
     fn fastcgi_response(
         &self,
-        connection: Connection,
+        mut connection: Connection,
         head: CgiHead,
-        body: FastCgiBody,
+        mut body: FastCgiBody,
         method: &Method,
-        reusable: bool,
+        mut reusable: bool,
     ) -> Response<Incoming> {
         let mut response = Response::new(Incoming::empty());
         *response.status_mut() = head.status;
@@ -1174,9 +1174,26 @@ impl Client {
         response
             .extensions_mut()
             .insert(ReceivedHead(head.received));
+        let framing = if body.discard && body.input.is_none() {
+            // Nothing of an answer without a body (HEAD, 204, 304) reaches the client after
+            // its head, so its body is over now, as an HTTP upstream's is: the client writer
+            // drops such a body unread, which the access log took for an answer cut short
+            // (`complete=false`). php-fpm's records that came with the head are read off, no
+            // more: its END_REQUEST is most often among them (the script has ended), and the
+            // connection can be kept; when it has not come, the script still runs, and its
+            // records would answer the next request, so the connection is not kept.
+            let mut ended = false;
+            let read_off = body.decode(&mut connection.buffer, &mut ended);
+            if !(matches!(read_off, Ok(None)) && ended) {
+                reusable = false;
+            }
+            Framing::Done
+        } else {
+            Framing::FastCgi(Box::new(body))
+        };
         let mut incoming = Incoming {
             connection: Some(connection),
-            framing: Framing::FastCgi(Box::new(body)),
+            framing,
             reusable,
             pool: Some(self.pool.clone()),
             answers_head: *method == Method::HEAD,
