@@ -900,6 +900,51 @@ async fn a_body_that_stalls_on_a_queue_route_gets_408_and_nothing_is_stored() {
     assert_eq!(post_as(&levee, "like=1", "192.0.2.1").await.status, 202);
 }
 
+/// The dead letters list each job's target with the values of the query parameters
+/// `[identity]` reads API keys from as `***`, as log lines show them: the listing goes to
+/// dashboards and operators' terminals, and a client's key is a credential.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_with_query_api_keys_hidden() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = Backend::start(|_request: Request<Incoming>| async {
+        Response::builder()
+            .status(422)
+            .body(full("refused"))
+            .expect("response")
+    })
+    .await;
+    let policy = queue_policy(
+        backend.addr,
+        &redis.url(),
+        "[identity]\napi_key = \"query:api_key\"",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    let secret = "SECRETQUERYKEY";
+    let request = Request::post(levee.url(&format!("/notify.php?kind=like&api_key={secret}")))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(full("like=1"))
+        .expect("request");
+    let answer = send(request).await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    switch(&levee, "on").await;
+    eventually(Duration::from_secs(10), "a dead letter", || async {
+        get(&levee.admin_url("/queues")).await.json()["notify"]["dead_letters"] == 1
+    })
+    .await;
+
+    let dead = get(&levee.admin_url("/queues/notify/dead")).await;
+    assert_eq!(dead.status, 200, "{}", dead.text());
+    assert_eq!(
+        dead.json()[0]["target"],
+        "/notify.php?kind=like&api_key=***",
+        "{}",
+        dead.text()
+    );
+    assert!(!dead.text().contains(secret), "{}", dead.text());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_are_retried_with_back_off_then_dead_lettered_and_retryable() {
     let dir = tempfile::tempdir().expect("dir");

@@ -476,7 +476,12 @@ async fn dead_letter_request(
                         "idempotency_key": job.key_the_app_sees(),
                         "accepted_at_unix_ms": job.enqueued_at_ms,
                         "method": job.method,
-                        "target": job.target,
+                        // The client's API key in the query is a credential: hidden as
+                        // in log lines (the job itself keeps it, for its replay).
+                        "target": policy
+                            .identity
+                            .redacted_target(&job.target)
+                            .unwrap_or_else(|| job.target.clone()),
                         "version": crate::queue::job::version_name(job.version),
                         "client_ip": job.client_ip,
                         "attempts": job.attempts,

@@ -670,6 +670,15 @@ impl Identity {
                 _ => None,
             })
     }
+
+    /// A request target (path and query, as a request or a queued job has it) with the
+    /// values of [`Identity::secret_query_names`] as `***`, as everything levee shows
+    /// (log lines, the admin API) writes it; `None` when it holds none of them.
+    pub fn redacted_target(&self, target: &str) -> Option<String> {
+        let (path, query) = target.split_once('?')?;
+        let hidden = redacted_query(query, self.secret_query_names())?;
+        Some(format!("{path}?{hidden}"))
+    }
 }
 
 /// `query` with the values of the parameters `secret` names (as PHP names them) written as
@@ -1235,6 +1244,13 @@ mod tests {
             Some("api.key=***&api%5Fkey=***&x".to_string())
         );
         assert_eq!(hidden("q=php&page=2"), None);
+        // A whole target, as a queued job keeps it: the path as it was.
+        assert_eq!(
+            identity.redacted_target("/api/v1/items?api_key=SECRET&page=2"),
+            Some("/api/v1/items?api_key=***&page=2".to_string())
+        );
+        assert_eq!(identity.redacted_target("/api/v1/items?page=2"), None);
+        assert_eq!(identity.redacted_target("/api/v1/items"), None);
     }
 
     #[test]

@@ -1921,11 +1921,9 @@ impl<'a> LoggedTarget<'a> {
 /// flood of 429s at debug).
 impl std::fmt::Display for LoggedTarget<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let redacted = self.uri.query().and_then(|query| {
+        let redacted = self.uri.path_and_query().and_then(|target| {
             let policy = self.shared.store.load();
-            let hidden =
-                crate::limit::key::redacted_query(query, policy.identity.secret_query_names())?;
-            Some(format!("{}?{hidden}", self.uri.path()))
+            policy.identity.redacted_target(target.as_str())
         });
         if !self.cut && redacted.is_none() {
             return crate::printable::PrintableUri(self.uri).fmt(f);
