@@ -1921,10 +1921,15 @@ impl<'a> LoggedTarget<'a> {
 /// flood of 429s at debug).
 impl std::fmt::Display for LoggedTarget<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let redacted = self.uri.path_and_query().and_then(|target| {
-            let policy = self.shared.store.load();
-            policy.identity.redacted_target(target.as_str())
-        });
+        // A target without a query has nothing to hide: the policy is not even looked at.
+        let redacted = self
+            .uri
+            .path_and_query()
+            .filter(|_| self.uri.query().is_some())
+            .and_then(|target| {
+                let policy = self.shared.store.load();
+                policy.identity.redacted_target(target.as_str())
+            });
         if !self.cut && redacted.is_none() {
             return crate::printable::PrintableUri(self.uri).fmt(f);
         }
