@@ -147,6 +147,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         cutting_off: AtomicBool::new(false),
         former_queues: Default::default(),
         instance: crate::queue::worker::consumer_name(),
+        app_cookies: Default::default(),
         refusals_said: crate::log_throttle::LogBudget::new(
             crate::proxy::REFUSALS_SAID_PER_SECOND,
             std::time::Duration::from_secs(1),

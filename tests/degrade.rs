@@ -2613,7 +2613,8 @@ async fn a_hand_back_elsewhere_in_the_fleet_is_no_warning() {
     let warned = log.lines_with("key=handback:switches");
     assert!(warned.is_empty(), "{warned:?}");
 
-    // The same Redis losing its data while a switch is in effect is warned of.
+    // The same Redis losing its data while a switch is in effect is warned of, and the
+    // switch is written back rather than lost.
     assert_eq!(set(&through, "/level", "1").await.status, 200);
     eventually(Duration::from_secs(5), "the other to follow", || async {
         level_of(&other).await == 1
@@ -2623,9 +2624,12 @@ async fn a_hand_back_elsewhere_in_the_fleet_is_no_warning() {
     eventually(Duration::from_secs(5), "the warning", || async {
         log.lines_with("key=handback:switches")
             .iter()
-            .any(|line| line.contains("WARN") && line.contains("redis restarted without its data"))
+            .any(|line| line.contains("WARN") && line.contains("it lost its data"))
     })
     .await;
+    assert_eq!(redis.cli(&["HEXISTS", "handback:switches", "level"]).trim(), "1");
+    assert_eq!(level_of(&through).await, 1);
+    assert_eq!(level_of(&other).await, 1);
 }
 
 /// The instance answering shows itself in the fleet view as it is now: right after a level
@@ -3120,5 +3124,64 @@ async fn a_host_spelled_with_a_port_or_dot_makes_a_copy_of_its_own() {
     assert_eq!(
         (answer.status, answer.text().as_str()),
         (200, "<a href=\"http://example.com/next\">next</a>")
+    );
+}
+
+/// A shop whose session cookie has a name of its own and whose pages say nothing of caching:
+/// once the app has set the cookie, a customer carrying it gets the app's own page, never
+/// another customer's through a shared fetch, and such a page is never kept as a copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cookie_the_app_sets_without_marking_its_page_private_keeps_its_carriers_pages_their_own()
+{
+    let backend = Backend::start(|request: Request<Incoming>| {
+        let cookies = request
+            .headers()
+            .get("cookie")
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        let path = request.uri().path().to_string();
+        async move {
+            if path == "/cart.php" {
+                let mut response = html("cart");
+                response.headers_mut().insert(
+                    "set-cookie",
+                    http::HeaderValue::from_static("shopsid=new; path=/"),
+                );
+                return response;
+            }
+            let cart = cookies
+                .split(';')
+                .find_map(|pair| pair.trim().strip_prefix("shopsid="))
+                .map_or_else(|| "empty cart".to_string(), |id| format!("cart of {id}"));
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            html(format!("product page, {cart}"))
+        }
+    })
+    .await;
+    let levee = levee_resting(&backend).await;
+    assert_eq!(get(&levee.url("/cart.php")).await.text(), "cart");
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(status["learned_private_cookies"][0], "shopsid", "{status}");
+
+    let url = levee.url("/ranking/product");
+    let alice = tokio::spawn(async move { get_with(&url, &[("cookie", "shopsid=alice")]).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let bob = get_with(
+        &levee.url("/ranking/product"),
+        &[("cookie", "_ga=1; shopsid=bob")],
+    )
+    .await;
+    assert_eq!(bob.text(), "product page, cart of bob");
+    assert_eq!(
+        alice.await.expect("task").text(),
+        "product page, cart of alice"
+    );
+    // Neither was kept: with the route off, a visitor gets the fallback.
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let anonymous = get(&levee.url("/ranking/product")).await;
+    assert_eq!(
+        (anonymous.status, anonymous.text().as_str()),
+        (503, "ranking is resting")
     );
 }

@@ -1120,6 +1120,9 @@ fn status(shared: &Shared) -> serde_json::Value {
         "limits": limits,
         "redis": redis,
         "degrade": degrade_status(shared, &policy),
+        // Cookies the app sets in answers not marked private: requests carrying them get no
+        // copy on stale routes that learn them (`learn_private_cookies`).
+        "learned_private_cookies": shared.app_cookies.names(),
     })
 }
 

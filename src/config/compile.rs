@@ -1721,6 +1721,10 @@ fn compile_read(
         admin: admin_settings,
         upstreams,
         default_upstream,
+        learns_app_cookies: routes.iter().any(|route| {
+            matches!(&route.degrade, Some(DegradeAction::Stale(settings))
+                if settings.learn_private_cookies && !settings.allow_set_cookie)
+        }),
         routes: RouteTable::new(routes, fallback),
         redis: redis_store,
         identity: identity_settings,
@@ -1969,9 +1973,13 @@ fn refuse_keys_that_do_not_apply(
 ) {
     let inner = spec.get_ref();
     let action = degrade_action(inner, always_queue);
-    let given: [(&str, bool); 14] = [
+    let given: [(&str, bool); 15] = [
         ("max_age", inner.max_age.is_some()),
         ("keep_no_cache", inner.keep_no_cache.is_some()),
+        (
+            "learn_private_cookies",
+            inner.learn_private_cookies.is_some(),
+        ),
         ("private_cookies", inner.private_cookies.is_some()),
         (
             "private_cookies_builtin",
@@ -1989,7 +1997,7 @@ fn refuse_keys_that_do_not_apply(
         ("body_json", inner.body_json.is_some()),
     ];
     // The keys only a `stale` action reads.
-    const STALE_KEYS: [&str; 9] = [
+    const STALE_KEYS: [&str; 10] = [
         "max_age",
         "vary",
         "allow_set_cookie",
@@ -1999,6 +2007,7 @@ fn refuse_keys_that_do_not_apply(
         "private_cookies",
         "private_cookies_builtin",
         "keep_no_cache",
+        "learn_private_cookies",
     ];
     let applies = |key: &str| match key {
         key if STALE_KEYS.contains(&key) => action == "stale",
@@ -2093,6 +2102,7 @@ fn compile_route_degrade(
                     inner.private_cookies_builtin.unwrap_or(true),
                 ),
                 keep_no_cache: inner.keep_no_cache.unwrap_or(false),
+                learn_private_cookies: inner.learn_private_cookies.unwrap_or(true),
             })))
         }
         "queue" => {

@@ -25,6 +25,9 @@ pub struct Policy {
     pub empty_files: Vec<PathBuf>,
     /// Each of `files` with a short hash of its contents: a reload names the files it changed.
     pub file_hashes: Vec<(PathBuf, String)>,
+    /// A `stale` route takes cookies the app sets for a visitor's own
+    /// (`learn_private_cookies`): the cookies upstream answers set are noted.
+    pub learns_app_cookies: bool,
     /// When this generation was put in effect (unix seconds); set by the store.
     pub loaded_at_unix: u64,
     pub server: ServerSettings,

@@ -10,6 +10,7 @@
 //! API; stored in Redis fleet-wide, or in a local state file without Redis), and automatic
 //! triggers. Runtime beats policy; automatic can only raise the level.
 
+pub mod app_cookies;
 pub mod bulkhead;
 pub mod cut;
 pub mod fleet;
@@ -90,6 +91,10 @@ pub struct StaleSettings {
     /// Keep (and share) a page the app marks `no-cache` or `max-age=0` also when its request
     /// carried cookies: for an app that marks every page so. Default false.
     pub keep_no_cache: bool,
+    /// Take a request carrying a cookie the app sets in answers it does not mark private
+    /// for one visitor's own, as `private_cookies` (see [`app_cookies`]). Default true; not
+    /// read with `allow_set_cookie`, which says pages that set cookies are everyone's.
+    pub learn_private_cookies: bool,
 }
 
 /// `private_cookies` of a `stale` route when the policy does not set it: the cookies of a

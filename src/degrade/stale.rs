@@ -1633,6 +1633,7 @@ mod tests {
             max_copies: 10,
             private_cookies: vec![],
             keep_no_cache: false,
+            learn_private_cookies: true,
         }
     }
 
@@ -1658,6 +1659,7 @@ mod tests {
         // An app that marks every page so, and says so in the policy.
         let settings = StaleSettings {
             keep_no_cache: true,
+            learn_private_cookies: true,
             ..small_settings()
         };
         assert_eq!(

@@ -628,6 +628,15 @@ impl std::fmt::Display for CookieName {
 /// Whether the request carries a cookie (with a value: PHP registers `name=` too) that one of
 /// `names` names, by the name PHP gives it.
 pub fn has_cookie(headers: &HeaderMap, names: &[CookieName]) -> bool {
+    has_cookie_but(headers, names, |_| false)
+}
+
+/// [`has_cookie`], passing over the cookies whose PHP name `passed_over` picks out.
+pub fn has_cookie_but(
+    headers: &HeaderMap,
+    names: &[CookieName],
+    passed_over: impl Fn(&str) -> bool,
+) -> bool {
     if names.is_empty() {
         return false;
     }
@@ -635,7 +644,7 @@ pub fn has_cookie(headers: &HeaderMap, names: &[CookieName]) -> bool {
         let raw = lossy(key);
         let decoded = percent_decode(&raw);
         let name = php_name(&decoded);
-        names.iter().any(|pattern| pattern.matches(&name))
+        names.iter().any(|pattern| pattern.matches(&name)) && !passed_over(&name)
     })
 }
 

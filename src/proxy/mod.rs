@@ -96,6 +96,8 @@ pub struct Shared {
     pub instance: String,
     /// The log lines of refused requests (see [`rescue`]).
     pub refusals_said: crate::log_throttle::LogBudget,
+    /// Cookies the app sets in answers it does not mark private (`learn_private_cookies`).
+    pub app_cookies: crate::degrade::app_cookies::AppCookies,
 }
 
 /// Refused requests said in the log per second, the rest counted into the next line: a client
@@ -461,7 +463,13 @@ async fn forward(
     exchange.route = Some(route.clone());
 
     // Degrade: a route that is switched off answers with its action, without the upstream.
-    let stale = Stale::for_request(policy, &route, &request, &normal_path, peer_trusted);
+    let stale = Stale::for_request(
+        policy,
+        &route,
+        &request,
+        &normal_path,
+        (peer_trusted, &shared.app_cookies),
+    );
     let route_off = shared.degrade.view(policy).route_off(&route);
     // Queue routes accept the work now and apply it later instead (after the rate limit).
     // Only work is queued: a page view (GET, HEAD, OPTIONS) answered "accepted" and fetched
@@ -816,13 +824,16 @@ async fn forward(
         }
     }
 
-    // Nothing below reads the upstream's fields unless the page is rewritten, a copy is kept
-    // or the connection is upgraded: otherwise they go back to the client as received.
-    let fields = if hiding.is_none() && stale.key.is_none() && !upgrading {
-        ResponseFields::Relayed
-    } else {
-        ResponseFields::Parsed
-    };
+    // Nothing below reads the upstream's fields unless the page is rewritten, a copy is kept,
+    // the connection is upgraded, or the cookies the app sets are learned for the stale
+    // routes (`learn_private_cookies`, on any route: the app sets its session anywhere):
+    // otherwise they go back to the client as received.
+    let fields =
+        if hiding.is_none() && stale.key.is_none() && !upgrading && !policy.learns_app_cookies {
+            ResponseFields::Relayed
+        } else {
+            ResponseFields::Parsed
+        };
     // A write to a queue route that reaches no upstream at all (refused, unreachable: never
     // sent) is queued, when its body was read whole (or it has none): its head and that copy.
     let body_ended = http_body::Body::is_end_stream(&body);
@@ -1007,6 +1018,9 @@ async fn forward(
 
     let (mut parts, body) = response.into_parts();
     header::strip_hop_by_hop(&mut parts.headers, false);
+    if policy.learns_app_cookies {
+        shared.app_cookies.learn(&parts.headers, &route.name.0);
+    }
     let body = IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream");
     // Inside `SlotHeld`: the rest of a body it reads on after the client left still times
     // the call to its end.
@@ -1204,7 +1218,7 @@ impl Stale {
         route: &Route,
         request: &Request<RequestBody>,
         normal_path: &str,
-        peer_trusted: bool,
+        (peer_trusted, app_cookies): (bool, &crate::degrade::app_cookies::AppCookies),
     ) -> Stale {
         let none = Stale {
             key: None,
@@ -1221,6 +1235,15 @@ impl Stale {
         // `Cache-Control: private`: this visitor gets neither a copy nor another's fetch, and
         // others never get this visitor's page.
         if crate::limit::key::has_cookie(request.headers(), &settings.private_cookies) {
+            return none;
+        }
+        // Likewise one the app sets without marking its answers private (a session of its own
+        // name on pages that say nothing of caching), unless the route keeps pages that set
+        // cookies, which says they are everyone's.
+        if settings.learn_private_cookies
+            && !settings.allow_set_cookie
+            && app_cookies.carried_by(request.headers(), &settings.vary)
+        {
             return none;
         }
         let method = request.method();
