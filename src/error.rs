@@ -197,7 +197,8 @@ impl ProxyError {
 
     /// The rescue: the only place a request-path error becomes a response. The body says what
     /// happened as a visitor sees it, and when to come back, in the language the client reads
-    /// (`wants_json`: JSON for an API client, else a short HTML page, as a rate limit's 429);
+    /// (`wants_json`, as `answer_format` chooses: JSON for an API client, else a short HTML
+    /// page, a rate limit's 429 too);
     /// what levee met (the upstream, its address, the tier, the library's words) stays in the
     /// log line, which is the error's `Display`.
     pub fn to_response(&self, wants_json: bool) -> Response<ResponseBody> {
@@ -212,7 +213,7 @@ impl ProxyError {
             _ => None,
         };
         let mut response = match self {
-            ProxyError::RateLimited(denial) => return rate_limited_response(denial),
+            ProxyError::RateLimited(denial) => return rate_limited_response(denial, wants_json),
             ProxyError::BreakerOpen {
                 fallback: Some(fallback),
                 ..
@@ -513,12 +514,12 @@ fn html_text(text: &str) -> String {
     out
 }
 
-/// A refusal by a rate-limit rule: the rule's template (HTML or JSON by `Accept`),
+/// A refusal by a rate-limit rule: the rule's template (HTML, or JSON when `wants_json`),
 /// `Retry-After`, and the IETF `RateLimit-Policy` / `RateLimit` fields unless the rule hides them.
-fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
+fn rate_limited_response(denial: &Denial, wants_json: bool) -> Response<ResponseBody> {
     let rule = &denial.rule;
     let retry_after = denial.retry_after.as_secs_f64().ceil().max(1.0) as u64;
-    let (template, content_type) = if denial.wants_json {
+    let (template, content_type) = if wants_json {
         (
             Some(rule.body_json.as_deref().unwrap_or(DEFAULT_LIMIT_JSON)),
             "application/json; charset=utf-8",
@@ -532,7 +533,7 @@ fn rate_limited_response(denial: &Denial) -> Response<ResponseBody> {
     // so a rule named `say "hi"` or `a<b` leaves a JSON body parseable and an HTML page whole.
     let name = if !template.is_some_and(|template| template.contains("{rule}")) {
         String::new()
-    } else if denial.wants_json {
+    } else if wants_json {
         let quoted = serde_json::to_string(&*rule.name).unwrap_or_default();
         quoted
             .strip_prefix('"')

@@ -1161,3 +1161,136 @@ async fn cors_without_cors_origins_levee_answers_carry_no_cors_field() {
         preflight.headers
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// answer_format: the form of levee's own answers, whatever the client's `Accept`
+
+/// levee's own answer `answer` is JSON: its content type says so and its body parses.
+fn assert_json_answer(answer: &Answer, what: &str) -> serde_json::Value {
+    let content_type = answer.header("content-type").unwrap_or_default();
+    assert!(
+        content_type.starts_with("application/json"),
+        "{what}: {content_type} {}",
+        answer.text()
+    );
+    serde_json::from_slice(&answer.body)
+        .unwrap_or_else(|error| panic!("{what}: not JSON ({error}): {}", answer.text()))
+}
+
+fn assert_html_answer(answer: &Answer, what: &str) {
+    let content_type = answer.header("content-type").unwrap_or_default();
+    assert!(
+        content_type.starts_with("text/html"),
+        "{what}: {content_type} {}",
+        answer.text()
+    );
+}
+
+/// A route switched off (tier 3 at level 1) and one whose upstream's breaker the policy pins
+/// open, on `backend`; `server` and `route_extra` (for the switched-off route) added.
+fn off_and_pinned_policy(backend: &Backend, server: &str, route_extra: &str) -> String {
+    policy_for(
+        backend.addr,
+        &format!("access_log = false\ndefault_upstream = \"app\"\n{server}"),
+        &format!(
+            "[upstream.pinned]\nurl = \"http://{}\"\nbreaker = {{ force = \"open\" }}\n[degrade]\nlevel = 1\n[[route]]\nname = \"off\"\nmatch = {{ path_prefix = \"/off\" }}\nupstream = \"app\"\ntier = 3\n{route_extra}\n[[route]]\nname = \"pinned\"\nmatch = {{ path_prefix = \"/pinned\" }}\nupstream = \"pinned\"\n",
+            backend.addr
+        ),
+    )
+}
+
+/// An API client without `Accept` (OkHttp) or with `*/*` (curl) reads levee's 503s as JSON
+/// on a site whose `[server] answer_format` is "json", as its head refused as unreadable.
+#[tokio::test]
+async fn answer_format_json_gives_json_503s_to_clients_without_accept() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&off_and_pinned_policy(
+        &backend,
+        "answer_format = \"json\"",
+        "",
+    ))
+    .await;
+    for path in ["/off/items", "/pinned/items"] {
+        let bare = get(&levee.url(path)).await;
+        assert_eq!(bare.status, 503, "{path}: {}", bare.text());
+        let body = assert_json_answer(&bare, path);
+        assert_eq!(body["error"], "unavailable", "{path}: {body}");
+        assert!(bare.header("retry-after").is_some(), "{path}");
+        let any = get_with(&levee.url(path), &[("accept", "*/*")]).await;
+        assert_eq!(any.status, 503);
+        assert_json_answer(&any, path);
+    }
+    assert_eq!(backend.hits(), 0);
+
+    let unreadable = raw_exchange(
+        levee.public,
+        b"GET /off HTTP/1.1\r\nHost: a\r\nno colon here\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert_eq!(status_of(&unreadable), Some(400), "{unreadable}");
+    assert!(
+        unreadable
+            .to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{unreadable}"
+    );
+}
+
+/// An API route on a site of pages: its 429 to a client without `Accept` is JSON, while the
+/// pages' route, left at the server's default, still answers with a page.
+#[tokio::test]
+async fn a_routes_answer_format_json_gives_its_429_as_json_while_other_routes_stay_html() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        "[limit.per_route]\nkey = [\"route\"]\nrate = \"1/min\"\nburst = 1\n[[route]]\nname = \"api\"\nmatch = { path_prefix = \"/api\" }\nlimits = [\"per_route\"]\nanswer_format = \"json\"\n[[route]]\nname = \"pages\"\nmatch = { path_prefix = \"/\" }\nlimits = [\"per_route\"]\n",
+    ))
+    .await;
+    assert_eq!(get(&levee.url("/api/items")).await.status, 200);
+    let api = get(&levee.url("/api/items")).await;
+    assert_eq!(api.status, 429, "{}", api.text());
+    let body = assert_json_answer(&api, "api");
+    assert_eq!(body["rule"], "per_route", "{body}");
+
+    assert_eq!(get(&levee.url("/forum.php")).await.status, 200);
+    let page = get(&levee.url("/forum.php")).await;
+    assert_eq!(page.status, 429, "{}", page.text());
+    assert_html_answer(&page, "pages");
+    // `by_accept` is still the client's choice there.
+    let asked = get_with(&levee.url("/forum.php"), &[("accept", "application/json")]).await;
+    assert_eq!(asked.status, 429);
+    assert_json_answer(&asked, "pages asked for JSON");
+}
+
+/// "html" answers a page even to a client that asks for JSON; a route's own format wins over
+/// the server's either way.
+#[tokio::test]
+async fn answer_format_html_gives_pages_even_to_clients_asking_for_json() {
+    let backend = echo_backend().await;
+    let levee = Levee::start(&off_and_pinned_policy(
+        &backend,
+        "answer_format = \"html\"",
+        "",
+    ))
+    .await;
+    for path in ["/off/items", "/pinned/items"] {
+        let answer = get_with(&levee.url(path), &[("accept", "application/json")]).await;
+        assert_eq!(answer.status, 503, "{path}");
+        assert_html_answer(&answer, path);
+    }
+
+    let levee = Levee::start(&off_and_pinned_policy(
+        &backend,
+        "answer_format = \"json\"",
+        "answer_format = \"html\"",
+    ))
+    .await;
+    let off = get_with(&levee.url("/off/items"), &[("accept", "application/json")]).await;
+    assert_eq!(off.status, 503);
+    assert_html_answer(&off, "the route's html over the server's json");
+    let pinned = get_with(&levee.url("/pinned/items"), &[("accept", "text/html")]).await;
+    assert_eq!(pinned.status, 503);
+    assert_json_answer(&pinned, "the server's json");
+}

@@ -3621,6 +3621,47 @@ async fn an_always_queue_route_takes_its_202_bodies_without_naming_the_action() 
     assert!(!job.is_empty() && job != "{job}", "{body}");
 }
 
+/// The 202 of a queued write is in the route's `answer_format`: JSON for an app's client that
+/// sends no `Accept`, a page on a route of forms even to a client that asks for JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_writes_202_follows_the_routes_answer_format() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, _seen) = recording_always_ok().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[queue]\npoll_interval = \"1h\"\n[[route]]\nname = \"api\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/api\" }}\nalways_queue = true\nanswer_format = \"json\"\n[[route]]\nname = \"forms\"\nmatch = {{ method = [\"POST\"], path_prefix = \"/forms\" }}\nalways_queue = true\nanswer_format = \"html\"\n",
+            redis.url()
+        ),
+    ))
+    .await;
+    let api = post(&levee.url("/api/likes"), "like=1").await;
+    assert_eq!(api.status, 202, "{}", api.text());
+    let content_type = api.header("content-type").unwrap_or_default();
+    assert!(
+        content_type.starts_with("application/json"),
+        "{content_type}"
+    );
+    let body = api.json();
+    assert_eq!(body["status"], "accepted", "{body}");
+    assert_eq!(
+        body["job"].as_str(),
+        api.header("x-levee-job"),
+        "the job the header names"
+    );
+
+    let request = Request::post(levee.url("/forms/comment.php"))
+        .header("accept", "application/json")
+        .body(full("text=hi"))
+        .expect("request");
+    let form = send(request).await;
+    assert_eq!(form.status, 202, "{}", form.text());
+    let content_type = form.header("content-type").unwrap_or_default();
+    assert!(content_type.starts_with("text/html"), "{content_type}");
+}
+
 /// A cluster master dies and its replica takes its slots over while nothing asks for them:
 /// levee reads the slot map again on its own (it did only on calls to those slots), so
 /// `/status` stops naming the dead node down, and the node's outage never silenced this

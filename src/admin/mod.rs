@@ -1012,6 +1012,7 @@ fn status(shared: &Shared) -> serde_json::Value {
                 "tier": route.tier,
                 "queue": route.queue.is_some(),
                 "always_queue": route.always_queue,
+                "answer_format": route.answer_format.as_str(),
                 "module": route.module.as_deref(),
                 // Off now, and by what: its tier (the level) or its module.
                 "off": view.route_off(route).then(|| {

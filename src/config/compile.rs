@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use toml::Spanned;
 
 use super::diag::{Diagnostic, Diagnostics, SourceFile};
-use super::policy::{AdminSettings, ListenWrittenAt, Policy, ServerSettings};
+use super::policy::{AdminSettings, AnswerFormat, ListenWrittenAt, Policy, ServerSettings};
 use super::spec::{
     AboveSpec, BreakerSpec, DegradeSpec, FileSpec, IdentitySpec, LimitSpec, MatchSpec, ModuleSpec,
     OneOrMany, QueueSpec, RedisSpec, RouteDegradeSpec, RouteSpec, SentinelSpec, ServerSpec,
@@ -1637,6 +1637,7 @@ fn compile_read(
                 hide_plans: Default::default(),
                 queue: None,
                 always_queue: false,
+                answer_format: server_settings.answer_format,
                 series: Default::default(),
             })
         });
@@ -3913,6 +3914,31 @@ fn origin_list(
     origins
 }
 
+/// `answer_format` of `[server]` or of a route; `default` when it is not set (or not known,
+/// which is an error).
+fn answer_format(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    value: Option<&Spanned<String>>,
+    default: AnswerFormat,
+) -> AnswerFormat {
+    match value.map(|value| (value.get_ref().as_str(), value.span())) {
+        None => default,
+        Some(("by_accept", _)) => AnswerFormat::ByAccept,
+        Some(("json", _)) => AnswerFormat::Json,
+        Some(("html", _)) => AnswerFormat::Html,
+        Some((other, span)) => {
+            compiler.error_hint(
+                file,
+                span,
+                format!("answer_format = `{other}` is not known"),
+                "use \"by_accept\" (JSON when the client's Accept asks for it, else HTML), \"json\" or \"html\"",
+            );
+            default
+        }
+    }
+}
+
 fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -> ServerSettings {
     let defaults = ServerSettings::default();
     let trusted_proxies = match &spec.trusted_proxies {
@@ -4038,6 +4064,12 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
         readyz_path,
         access_log: spec.access_log.unwrap_or(defaults.access_log),
         cors_origins: cors_origins(compiler, file, spec.cors_origins.as_ref()),
+        answer_format: answer_format(
+            compiler,
+            file,
+            spec.answer_format.as_ref(),
+            defaults.answer_format,
+        ),
     }
 }
 
@@ -4822,6 +4854,12 @@ fn compile_route(
         hide_plans: Default::default(),
         queue,
         always_queue,
+        answer_format: answer_format(
+            compiler,
+            file,
+            inner.answer_format.as_ref(),
+            context.server.answer_format,
+        ),
         series: Default::default(),
     })
 }
@@ -5438,6 +5476,55 @@ mod tests {
                 "{errors}"
             );
         }
+    }
+
+    #[test]
+    fn answer_format_is_the_servers_unless_a_route_sets_its_own() {
+        let routes = "[[route]]\nname = \"api\"\nmatch = { path_prefix = \"/api\" }\nanswer_format = \"json\"\n[[route]]\nname = \"pages\"\nmatch = { path_prefix = \"/\" }\n";
+        let compiled = |server: &str| {
+            let policy = compile(
+                &files(&[("a.toml", &format!("[server]\n{server}\n{APP}{routes}"))]),
+                None,
+            )
+            .expect("compiles");
+            let formats: Vec<_> = policy
+                .routes
+                .routes
+                .iter()
+                .map(|route| route.answer_format)
+                .collect();
+            (policy.server.answer_format, formats)
+        };
+        assert_eq!(
+            compiled(""),
+            (
+                AnswerFormat::ByAccept,
+                vec![AnswerFormat::Json, AnswerFormat::ByAccept]
+            )
+        );
+        assert_eq!(
+            compiled("answer_format = \"html\""),
+            (
+                AnswerFormat::Html,
+                vec![AnswerFormat::Json, AnswerFormat::Html]
+            )
+        );
+    }
+
+    #[test]
+    fn an_unknown_answer_format_is_refused_with_the_values_it_takes() {
+        let hint = "  hint: use \"by_accept\" (JSON when the client's Accept asks for it, else HTML), \"json\" or \"html\"";
+        let errors = errors(&[(
+            "a.toml",
+            &format!("[server]\nanswer_format = \"xml\"\n{APP}[[route]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api\" }}\nanswer_format = \"JSON\"\n"),
+        )]);
+        assert_eq!(
+            errors,
+            [
+                format!("a.toml:2:17: error: answer_format = `xml` is not known\n{hint}"),
+                format!("a.toml:8:17: error: answer_format = `JSON` is not known\n{hint}"),
+            ]
+        );
     }
 
     #[test]

@@ -110,6 +110,45 @@ pub struct ServerSettings {
     /// answers levee writes itself: they carry CORS fields, and a preflight levee would refuse
     /// is answered by it. Default none: levee's answers carry no CORS field.
     pub cors_origins: Vec<String>,
+    /// The form of levee's own answers on requests no route with its own `answer_format`
+    /// takes. Default by `Accept`.
+    pub answer_format: AnswerFormat,
+}
+
+/// `answer_format`: the form of the answers levee writes itself (a 429, a 503, a 502/504, a
+/// 400, the 202 of a queued write). Clients of an API often send no `Accept` (OkHttp) or
+/// `*/*` (curl, URLSession), which by `Accept` read HTML pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AnswerFormat {
+    /// JSON when the client's `Accept` prefers it, else HTML (default).
+    #[default]
+    ByAccept,
+    /// Always JSON.
+    Json,
+    /// Always HTML.
+    Html,
+}
+
+impl AnswerFormat {
+    /// As the policy writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AnswerFormat::ByAccept => "by_accept",
+            AnswerFormat::Json => "json",
+            AnswerFormat::Html => "html",
+        }
+    }
+
+    /// Whether levee's own answer to a request with these `Accept` fields is JSON: the one
+    /// place the format is chosen, for errors, rate-limit refusals and queued writes alike.
+    /// `Accept` is read only when the format leaves it to the client.
+    pub fn is_json<'a>(self, accept: impl IntoIterator<Item = &'a http::HeaderValue>) -> bool {
+        match self {
+            AnswerFormat::Json => true,
+            AnswerFormat::Html => false,
+            AnswerFormat::ByAccept => crate::proxy::prefers_json(accept),
+        }
+    }
 }
 
 impl Default for ServerSettings {
@@ -131,6 +170,7 @@ impl Default for ServerSettings {
             readyz_path: "/readyz".into(),
             access_log: true,
             cors_origins: Vec::new(),
+            answer_format: AnswerFormat::ByAccept,
         }
     }
 }

@@ -732,6 +732,7 @@ pub struct ServerSpec {
     pub readyz_path: Option<Spanned<String>>,
     pub access_log: Option<bool>,
     pub cors_origins: Option<Spanned<Vec<String>>>,
+    pub answer_format: Option<Spanned<String>>,
 }
 
 /// `[admin]`: the operator listener, never the public one.
@@ -835,6 +836,7 @@ pub struct RouteSpec {
     pub degrade: Option<Spanned<RouteDegradeSpec>>,
     pub hide: Option<Spanned<BTreeMap<String, String>>>,
     pub always_queue: Option<Spanned<bool>>,
+    pub answer_format: Option<Spanned<String>>,
 }
 
 /// `[queue]`: how queued work is stored and replayed (needs `[redis]`).

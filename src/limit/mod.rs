@@ -83,7 +83,6 @@ pub struct Denial {
     pub quota: Rate,
     pub retry_after: Duration,
     pub reset: Duration,
-    pub wants_json: bool,
 }
 
 /// Header values for an admitted request whose rules ask for them.
@@ -280,7 +279,7 @@ impl Limiter {
                 let wait = Duration::from_micros(refused.until.saturating_sub(now));
                 let reset = Duration::from_micros(refused.full_at.saturating_sub(now)).max(wait);
                 self.count(plan.rule, DecisionResult::Limited, DecisionSource::Cache);
-                return Err(deny(plan.rule, plan.rule.rate, wait, reset, facts));
+                return Err(deny(plan.rule, plan.rule.rate, wait, reset));
             }
         }
 
@@ -358,7 +357,6 @@ impl Limiter {
                 quota(plan, decision),
                 decision.retry_after,
                 decision.reset,
-                facts,
             ));
         }
         Ok(tightest.and_then(|(plan, decision)| {
@@ -525,20 +523,14 @@ impl Limiter {
 static REDIS_DENIALS: crate::log_throttle::LogThrottle =
     crate::log_throttle::LogThrottle::new(Duration::from_secs(10));
 
-/// The 429 (or the rule's status) for `facts`' request; JSON when its `Accept` prefers it.
-fn deny(
-    rule: &Arc<LimitRule>,
-    quota: Rate,
-    retry_after: Duration,
-    reset: Duration,
-    facts: &RequestFacts<'_>,
-) -> ProxyError {
+/// The 429 (or the rule's status) for a request `rule` refuses, in the form the exchange
+/// chooses for all of levee's own answers (see `ProxyError::to_response`).
+fn deny(rule: &Arc<LimitRule>, quota: Rate, retry_after: Duration, reset: Duration) -> ProxyError {
     ProxyError::RateLimited(Box::new(Denial {
         rule: rule.clone(),
         quota,
         retry_after,
         reset,
-        wants_json: crate::proxy::wants_json(facts.headers),
     }))
 }
 

@@ -34,6 +34,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 
 use crate::breaker::{AtHead, Outcome, Permit};
+use crate::config::policy::AnswerFormat;
 use crate::config::{Policy, PolicyStore};
 use crate::degrade::hide::{self, HidePlan};
 use crate::degrade::stale::{
@@ -157,6 +158,8 @@ pub async fn handle(
             .iter()
             .cloned()
             .collect(),
+        // The server's until a route is found: a request no route takes is answered in it.
+        answer_format: policy.server.answer_format,
         route: None,
         status: StatusCode::OK,
         error: None,
@@ -315,7 +318,9 @@ fn queue_job<'a>(
         let refused = unsendable(&refusal);
         return Box::pin(async move { Err(refused) });
     }
-    let wants_json = wants_json(&job.parts.headers);
+    let wants_json = route
+        .answer_format
+        .is_json(job.parts.headers.get_all(h::ACCEPT));
     // The job is replayed with the headers it is stored with: the forwarded fields levee
     // believes, as a request forwarded now carries them, not what an untrusted client
     // claimed (its `X-Forwarded-Proto: https`).
@@ -461,6 +466,7 @@ async fn forward(
         }
     }
     exchange.route = Some(route.clone());
+    exchange.answer_format = route.answer_format;
 
     // Degrade: a route that is switched off answers with its action, without the upstream.
     let stale = Stale::for_request(
@@ -1777,15 +1783,11 @@ fn expects_continue(headers: &http::HeaderMap) -> bool {
         .any(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
-/// Does the client prefer JSON (an API client) over HTML (a browser)? By `Accept`'s
-/// weights (`text/html;q=0.1, application/json` is an API client's), the first named
-/// winning a tie; a client that names neither gets HTML.
-pub(crate) fn wants_json(headers: &http::HeaderMap) -> bool {
-    prefers_json(headers.get_all(h::ACCEPT))
-}
-
-/// [`wants_json`] of the `Accept` fields themselves.
-fn prefers_json<'a>(accept: impl IntoIterator<Item = &'a http::HeaderValue>) -> bool {
+/// Does the client prefer JSON (an API client) over HTML (a browser)? By the weights of its
+/// `Accept` fields (`text/html;q=0.1, application/json` is an API client's), the first named
+/// winning a tie; a client that names neither gets HTML. Asked only under
+/// `answer_format = "by_accept"` (see [`AnswerFormat::is_json`]).
+pub(crate) fn prefers_json<'a>(accept: impl IntoIterator<Item = &'a http::HeaderValue>) -> bool {
     // (weight, place) of the best media range naming each.
     type Best = Option<(u16, usize)>;
     let (mut json, mut html): (Best, Best) = (None, None);
@@ -1917,7 +1919,7 @@ fn rescue(
         return answer;
     }
     // The log line above has what levee met; the client gets the visitor's words.
-    error.to_response(prefers_json(&exchange.accept))
+    error.to_response(exchange.answer_format.is_json(&exchange.accept))
 }
 
 /// A request target as log lines show it: printable, with the values of the query
@@ -1979,6 +1981,9 @@ struct Exchange {
     /// met after the request went upstream is still answered in the language the client
     /// reads (see [`rescue`]).
     accept: smallvec::SmallVec<[http::HeaderValue; 1]>,
+    /// The form of levee's own answer: the route's `answer_format` once the request has one,
+    /// the server's before.
+    answer_format: AnswerFormat,
     route: Option<Arc<Route>>,
     status: StatusCode,
     error: Option<&'static str>,
@@ -2098,7 +2103,7 @@ mod tests {
         let wants = |accept: &str| {
             let mut headers = http::HeaderMap::new();
             headers.insert(h::ACCEPT, accept.parse().expect("value"));
-            wants_json(&headers)
+            prefers_json(headers.get_all(h::ACCEPT))
         };
         assert!(wants("application/json"));
         assert!(!wants("text/html,application/xhtml+xml,*/*;q=0.8"));

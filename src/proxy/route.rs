@@ -140,6 +140,9 @@ pub struct Route {
     pub queue: Option<Arc<crate::queue::QueueAction>>,
     /// Every request is queued, not only while the route is off.
     pub always_queue: bool,
+    /// The form of levee's own answers on this route: its own `answer_format`, else the
+    /// server's.
+    pub answer_format: crate::config::policy::AnswerFormat,
     /// Its request metrics, found once per policy.
     pub series: crate::metrics::RouteSeries,
 }

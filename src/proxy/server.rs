@@ -256,6 +256,8 @@ pub struct ConnectionLimits {
     pub header_read_timeout: Duration,
     pub max_header_bytes: usize,
     pub send_timeout: Duration,
+    /// `[server] answer_format`, for the refusal of a head levee could not read.
+    pub answer_format: crate::config::policy::AnswerFormat,
 }
 
 impl ConnectionLimits {
@@ -265,6 +267,7 @@ impl ConnectionLimits {
             header_read_timeout: policy.server.header_read_timeout,
             max_header_bytes: policy.server.max_header_bytes,
             send_timeout: policy.server.send_timeout,
+            answer_format: policy.server.answer_format,
         }
     }
 }

@@ -156,7 +156,7 @@ pub(super) async fn serve_connection<H, F>(
                     }
                     None => tracing::debug!(%peer, "request head refused: {error}"),
                 }
-                Box::pin(refuse(&mut stream, error, &method, limits.send_timeout)).await;
+                Box::pin(refuse(&mut stream, error, &method, &limits)).await;
                 Box::pin(linger_close(stream)).await;
                 return;
             }
@@ -358,16 +358,23 @@ fn answer_of<F: Future>(
 }
 
 /// Answers a head that could not be accepted, through the one place errors become responses.
-async fn refuse(stream: &mut TcpStream, error: HeadError, method: &Method, send_timeout: Duration) {
+async fn refuse(
+    stream: &mut TcpStream,
+    error: HeadError,
+    method: &Method,
+    limits: &ConnectionLimits,
+) {
     let error = match error {
         HeadError::TooLarge { size, limit } => ProxyError::HeadersTooLarge { size, limit },
         HeadError::TooManyHeaders { limit } => ProxyError::TooManyHeaders { limit },
         HeadError::TargetTooLong { limit } => ProxyError::TargetTooLong { limit },
         HeadError::Malformed(reason) => ProxyError::bad_request(reason),
     };
-    // A head that could not be read says nothing reliable of what the client reads: the
-    // answer is the page browsers get.
-    let (mut parts, body) = error.to_response(false).into_parts();
+    // A head that could not be read says nothing reliable of what the client reads: no
+    // `Accept` is taken from it, so the answer is the page browsers get unless the site's
+    // `answer_format` says JSON.
+    let wants_json = limits.answer_format.is_json(std::iter::empty());
+    let (mut parts, body) = error.to_response(wants_json).into_parts();
     let mut keep_alive = false;
     let framing = encode::frame_response(
         method,
@@ -389,7 +396,7 @@ async fn refuse(stream: &mut TcpStream, error: HeadError, method: &Method, send_
     let (mut reader, writer) = stream.split();
     let mut writer = ClientWriter {
         half: writer,
-        send_timeout,
+        send_timeout: limits.send_timeout,
     };
     let mut no_body = RequestBodyReader::finished();
     let mut no_buffer = BytesMut::new();
@@ -1119,6 +1126,7 @@ mod tests {
         header_read_timeout: Duration::from_secs(2),
         send_timeout: Duration::from_secs(5),
         max_header_bytes: 16 * 1024,
+        answer_format: crate::config::policy::AnswerFormat::ByAccept,
     };
 
     /// [`serve_connection`] with the test limits, not counted against any cap.
