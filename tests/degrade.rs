@@ -2627,7 +2627,10 @@ async fn a_hand_back_elsewhere_in_the_fleet_is_no_warning() {
             .any(|line| line.contains("WARN") && line.contains("it lost its data"))
     })
     .await;
-    assert_eq!(redis.cli(&["HEXISTS", "handback:switches", "level"]).trim(), "1");
+    assert_eq!(
+        redis.cli(&["HEXISTS", "handback:switches", "level"]).trim(),
+        "1"
+    );
     assert_eq!(level_of(&through).await, 1);
     assert_eq!(level_of(&other).await, 1);
 }

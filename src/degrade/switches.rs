@@ -534,6 +534,9 @@ pub async fn spawn_sync(
         // next sync; left there, it would be shown silent for an hour. (Held from one sync to
         // the next only: the old Redis connection closes soon after a reload.)
         let mut written_to = first.redis.clone();
+        // The Redis (and key prefix) last read holding switches: one found empty later lost
+        // them; one a reload points at anew has none to lose, and its word is followed.
+        let mut held_switches: Option<Arc<RedisStore>> = None;
         drop(first);
         let mut fleet_size = super::fleet::FleetSize::default();
         loop {
@@ -563,13 +566,28 @@ pub async fn spawn_sync(
                 continue;
             }
             let seen = degrade.runtime();
-            match load_with_word(&policy).await {
+            let loaded = load_with_word(&policy).await;
+            let held_here_before = held_switches.as_ref().is_some_and(|held| {
+                policy
+                    .redis
+                    .as_ref()
+                    .is_some_and(|now| super::fleet::same_view(held, now))
+            });
+            if let Ok((switches, _)) = &loaded {
+                held_switches = (*switches != RuntimeSwitches::default())
+                    .then(|| policy.redis.clone())
+                    .flatten()
+                    .or(held_switches.filter(|_| held_here_before));
+            }
+            match loaded {
                 // Redis holds no switches at all, not even who handed the last one back: it
                 // lost its data (restarted without persistence, flushed). The switches in
                 // effect here are written back rather than followed: an operator's pin
                 // ("keep traffic off the app while the database is repaired") ended by itself.
                 Ok((switches, None))
-                    if switches == RuntimeSwitches::default() && *seen != switches =>
+                    if switches == RuntimeSwitches::default()
+                        && *seen != switches
+                        && held_here_before =>
                 {
                     if let Some(redis) = &policy.redis {
                         write_back_lost(redis, &seen).await;
