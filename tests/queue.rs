@@ -3660,6 +3660,8 @@ async fn a_queued_writes_202_follows_the_routes_answer_format() {
     assert_eq!(form.status, 202, "{}", form.text());
     let content_type = form.header("content-type").unwrap_or_default();
     assert!(content_type.starts_with("text/html"), "{content_type}");
+    // The page leads back to the one the form was on (a commenter's post).
+    assert!(form.text().contains("history.back()"), "{}", form.text());
 }
 
 /// A cluster master dies and its replica takes its slots over while nothing asks for them:

@@ -444,7 +444,7 @@ fn count_unconfirmed(metrics: &Metrics, route: &Route, result: &'static str) {
         .inc();
 }
 
-const DEFAULT_ACCEPTED_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Accepted</title></head>\n<body><h1>Accepted</h1><p>Your request was received and takes effect shortly.</p><p>Reference: {job}</p></body></html>\n";
+const DEFAULT_ACCEPTED_HTML: &str = "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>Accepted</title></head>\n<body><h1>Accepted</h1><p>Your request was received and takes effect shortly.</p><p>Reference: {job}</p><p><a href=\"javascript:history.back()\">Back to the page</a></p></body></html>\n";
 const DEFAULT_ACCEPTED_JSON: &str = "{\"status\":\"accepted\",\"job\":\"{job}\"}\n";
 
 /// Stores the request as a job and answers 202, or fails with 503 (not stored) / 413. The
