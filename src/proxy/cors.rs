@@ -34,6 +34,13 @@ pub struct OwnAnswer;
 pub struct CorsRequest {
     /// The request's `Origin`, as sent.
     origin: HeaderValue,
+    /// The origin is listed by name: a site the operator trusts, whose pages may read
+    /// levee's answers with their cookies, and whose preflights levee answers while the app
+    /// cannot. Allowed only by `*`, its pages read levee's answers without cookies, and its
+    /// preflights are the app's to answer: approved by levee, a page of any site could send
+    /// a write with the visitor's cookies (queued, and applied later) that the app's own CORS
+    /// check would have refused.
+    listed: bool,
     /// A preflight's `Access-Control-Request-Method` and `Access-Control-Request-Headers`.
     preflight: Option<(HeaderValue, Option<HeaderValue>)>,
 }
@@ -43,10 +50,12 @@ impl CorsRequest {
     /// checks that `origins` is not empty first: a policy without CORS looks up nothing.
     pub fn of(origins: &[String], method: &Method, headers: &HeaderMap) -> Option<Box<Self>> {
         let origin = headers.get(header::ORIGIN)?;
-        if !allows(origins, origin) {
-            return None;
-        }
-        let preflight = if method == Method::OPTIONS {
+        let listed = match allows(origins, origin) {
+            Allowed::No => return None,
+            Allowed::Listed => true,
+            Allowed::Any => false,
+        };
+        let preflight = if listed && method == Method::OPTIONS {
             headers
                 .get(header::ACCESS_CONTROL_REQUEST_METHOD)
                 .map(|method| {
@@ -60,6 +69,7 @@ impl CorsRequest {
         };
         Some(Box::new(CorsRequest {
             origin: origin.clone(),
+            listed,
             preflight,
         }))
     }
@@ -67,10 +77,12 @@ impl CorsRequest {
     /// Adds the fields that let the page read an answer of levee's own.
     pub fn add_fields(&self, headers: &mut HeaderMap) {
         headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, self.origin.clone());
-        headers.insert(
-            header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
-            HeaderValue::from_static("true"),
-        );
+        if self.listed {
+            headers.insert(
+                header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
+                HeaderValue::from_static("true"),
+            );
+        }
         headers.insert(
             header::ACCESS_CONTROL_EXPOSE_HEADERS,
             HeaderValue::from_static(EXPOSED),
@@ -106,18 +118,31 @@ impl CorsRequest {
     }
 }
 
-/// Whether `origins` lists `origin`. Browsers send it in lower case, as the list is kept; any
-/// case is taken all the same. `*` allows every site, but not the `null` of a sandboxed page
-/// or a local file, which names no site.
-fn allows(origins: &[String], origin: &HeaderValue) -> bool {
+/// How `origins` allows a page's origin.
+#[derive(Debug, PartialEq, Eq)]
+enum Allowed {
+    No,
+    /// Named in the list.
+    Listed,
+    /// Only by `*`.
+    Any,
+}
+
+/// Whether `origins` lists `origin` (by name first). Browsers send it in lower case, as the
+/// list is kept; any case is taken all the same. `*` allows every site, but not the `null` of
+/// a sandboxed page or a local file, which names no site.
+fn allows(origins: &[String], origin: &HeaderValue) -> Allowed {
     let origin = origin.as_bytes();
-    origins.iter().any(|listed| {
-        if listed == ANY_ORIGIN {
-            origin != b"null"
-        } else {
-            listed.as_bytes().eq_ignore_ascii_case(origin)
-        }
-    })
+    if origins
+        .iter()
+        .any(|listed| listed.as_bytes().eq_ignore_ascii_case(origin))
+    {
+        return Allowed::Listed;
+    }
+    if origin != b"null" && origins.iter().any(|listed| listed == ANY_ORIGIN) {
+        return Allowed::Any;
+    }
+    Allowed::No
 }
 
 #[cfg(test)]
@@ -129,11 +154,35 @@ mod tests {
         let listed = ["https://app.example".to_string()];
         let any = [ANY_ORIGIN.to_string()];
         let origin = HeaderValue::from_static;
-        assert!(allows(&listed, &origin("https://app.example")));
-        assert!(allows(&listed, &origin("https://APP.example")));
-        assert!(!allows(&listed, &origin("https://app.example.evil")));
-        assert!(!allows(&listed, &origin("http://app.example")));
-        assert!(allows(&any, &origin("https://else.example")));
-        assert!(!allows(&any, &origin("null")));
+        assert_eq!(
+            allows(&listed, &origin("https://app.example")),
+            Allowed::Listed
+        );
+        assert_eq!(
+            allows(&listed, &origin("https://APP.example")),
+            Allowed::Listed
+        );
+        assert_eq!(
+            allows(&listed, &origin("https://app.example.evil")),
+            Allowed::No
+        );
+        assert_eq!(allows(&listed, &origin("http://app.example")), Allowed::No);
+        assert_eq!(allows(&any, &origin("https://else.example")), Allowed::Any);
+        assert_eq!(allows(&any, &origin("null")), Allowed::No);
+        let both = ["*".to_string(), "https://app.example".to_string()];
+        assert_eq!(
+            allows(&both, &origin("https://app.example")),
+            Allowed::Listed
+        );
+        // Allowed by `*` only: no cookies, and its preflights are the app's.
+        let mut headers = HeaderMap::new();
+        headers.insert(header::ORIGIN, origin("https://else.example"));
+        headers.insert(header::ACCESS_CONTROL_REQUEST_METHOD, origin("POST"));
+        let any_page = CorsRequest::of(&both, &Method::OPTIONS, &headers).expect("allowed");
+        assert!(any_page.preflight.is_none());
+        let mut fields = HeaderMap::new();
+        any_page.add_fields(&mut fields);
+        assert!(fields.contains_key(header::ACCESS_CONTROL_ALLOW_ORIGIN));
+        assert!(!fields.contains_key(header::ACCESS_CONTROL_ALLOW_CREDENTIALS));
     }
 }
