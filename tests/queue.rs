@@ -4111,10 +4111,19 @@ async fn a_queued_http_1_0_request_reaches_an_http_upstream_as_a_forwarded_one_d
     assert_eq!(versions, [http::Version::HTTP_11, http::Version::HTTP_11]);
 }
 
-/// A relay to Redis that, once `armed`, cuts the connection in place of relaying a reply
-/// that holds `marker` to a read of the queue (`XREADGROUP`): Redis has given the job to
-/// levee's worker, which never hears of it, as when the answer is lost in a stall.
-async fn reply_cutter(redis_port: u16, marker: &'static [u8], armed: Arc<AtomicBool>) -> u16 {
+/// Where [`reply_cutter`] cuts the connection to Redis.
+#[derive(Clone, Copy)]
+enum Cut {
+    /// In place of relaying a reply that holds this to a read of the queue (`XREADGROUP`):
+    /// Redis has given the job to levee's worker, which never hears of it, as when the answer
+    /// is lost in a stall.
+    ReadAnswerWith(&'static [u8]),
+    /// In place of relaying a command that holds this: Redis never runs it.
+    CommandWith(&'static [u8]),
+}
+
+/// A relay to Redis that, once `armed`, cuts the connection once, as `cut` says.
+async fn reply_cutter(redis_port: u16, cut_at: Cut, armed: Arc<AtomicBool>) -> u16 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -4130,7 +4139,7 @@ async fn reply_cutter(redis_port: u16, marker: &'static [u8], armed: Arc<AtomicB
             let (mut from_server, mut to_server) = server.into_split();
             let reading = Arc::new(AtomicBool::new(false));
             let cut = Arc::new(AtomicBool::new(false));
-            let (reading_up, cut_up) = (reading.clone(), cut.clone());
+            let (reading_up, cut_up, armed_up) = (reading.clone(), cut.clone(), armed.clone());
             tokio::spawn(async move {
                 let mut buffer = vec![0u8; 64 * 1024];
                 while let Ok(read) = from_client.read(&mut buffer).await {
@@ -4138,6 +4147,15 @@ async fn reply_cutter(redis_port: u16, marker: &'static [u8], armed: Arc<AtomicB
                         return;
                     }
                     let chunk = &buffer[..read];
+                    if let Cut::CommandWith(marker) = cut_at {
+                        if armed_up.load(Ordering::SeqCst)
+                            && chunk.windows(marker.len()).any(|w| w == marker)
+                        {
+                            armed_up.store(false, Ordering::SeqCst);
+                            cut_up.store(true, Ordering::SeqCst);
+                            return;
+                        }
+                    }
                     reading_up.store(
                         chunk.windows(10).any(|w| w == b"XREADGROUP"),
                         Ordering::SeqCst,
@@ -4154,6 +4172,15 @@ async fn reply_cutter(redis_port: u16, marker: &'static [u8], armed: Arc<AtomicB
                         return;
                     }
                     let chunk = &buffer[..read];
+                    if cut.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Cut::ReadAnswerWith(marker) = cut_at else {
+                        if to_client.write_all(chunk).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    };
                     if armed.load(Ordering::SeqCst)
                         && reading.load(Ordering::SeqCst)
                         && chunk.windows(marker.len()).any(|w| w == marker)
@@ -4182,7 +4209,12 @@ async fn a_job_whose_read_got_no_answer_is_applied_at_once_not_after_claim_after
     let redis = RedisServer::start(dir.path()).await;
     let (backend, seen) = recording_always_ok().await;
     let armed = Arc::new(AtomicBool::new(false));
-    let port = reply_cutter(redis.port, b"lost-answer-7", armed.clone()).await;
+    let port = reply_cutter(
+        redis.port,
+        Cut::ReadAnswerWith(b"lost-answer-7"),
+        armed.clone(),
+    )
+    .await;
     let policy = queue_policy(
         backend.addr,
         &format!("redis://127.0.0.1:{port}"),
@@ -4268,4 +4300,61 @@ async fn cors_a_page_of_an_allowed_origin_can_send_a_write_to_a_switched_off_rou
         Some("Retry-After, RateLimit, RateLimit-Policy, X-Levee-Job")
     );
     assert_eq!(backend.hits(), 0, "nothing reached the app while it is off");
+}
+
+/// Redis failing in the middle of a batch, before a job was sent (its hold could not be
+/// renewed): that job and those behind it are handed back once Redis answers, and applied
+/// at once, not after claim_after with a warning that they may reach the app twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_of_a_batch_cut_short_before_their_replay_are_applied_at_once() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let (backend, seen) = recording_always_ok().await;
+    let armed = Arc::new(AtomicBool::new(false));
+    // The hold renewed right before each replay (see `RENEW_HOLD` in the worker).
+    let port = reply_cutter(
+        redis.port,
+        Cut::CommandWith(b"held[#held + 1]"),
+        armed.clone(),
+    )
+    .await;
+    let policy = queue_policy(
+        backend.addr,
+        &format!("redis://127.0.0.1:{port}"),
+        "claim_after = \"30s\"",
+    );
+    let levee = Levee::start(&policy).await;
+    switch(&levee, "off").await;
+    for n in 0..3 {
+        assert_eq!(
+            post_as(&levee, &format!("cut-batch={n}"), "192.0.2.8")
+                .await
+                .status,
+            202
+        );
+    }
+    armed.store(true, Ordering::SeqCst);
+    switch(&levee, "on").await;
+    eventually(
+        Duration::from_secs(10),
+        "the three jobs to be applied, well within claim_after",
+        || async { seen.lock().expect("lock").len() >= 3 },
+    )
+    .await;
+    assert!(!armed.load(Ordering::SeqCst), "the batch was never cut");
+    let mut keys: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(key, ..)| key.clone())
+        .collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 3, "each once");
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric_value(&metrics, "levee_queue_taken_over_total{route=\"notify\"}"),
+        0.0,
+        "{metrics}"
+    );
 }

@@ -393,7 +393,7 @@ const BATCH: usize = 20;
 type Replayed = (String, Result<bool, RedisFailure>, Carried);
 
 /// What a queue's passes carry from one to the next.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Carried {
     /// When its next job may start, so that `replay_rate` holds across batches and passes.
     next_start: Instant,
@@ -402,6 +402,9 @@ struct Carried {
     /// pass hands back what this worker was given since then, which it never sent; held,
     /// such a job waited out `claim_after` and was then said perhaps sent twice.
     unanswered_since: Option<Instant>,
+    /// Jobs of a batch Redis failed in the middle of that were not sent to the app: handed
+    /// back by the next pass that reaches Redis.
+    unsent: Vec<String>,
 }
 
 impl Carried {
@@ -409,6 +412,7 @@ impl Carried {
         Carried {
             next_start: Instant::now(),
             unanswered_since: None,
+            unsent: Vec::new(),
         }
     }
 }
@@ -1160,6 +1164,9 @@ impl Pass<'_> {
             self.hand_back_unanswered(since).await?;
             carried.unanswered_since = None;
         }
+        if !carried.unsent.is_empty() {
+            self.hand_back(std::mem::take(&mut carried.unsent)).await;
+        }
 
         let batch = self.take_batch(&mut carried.unanswered_since).await?;
         if batch.is_empty() {
@@ -1184,7 +1191,7 @@ impl Pass<'_> {
             }
         };
         tokio::select! {
-            result = self.replay_batch(stop, batch, next_start) => {
+            result = self.replay_batch(stop, batch, next_start, &mut carried.unsent) => {
                 // Handed back once the hold is no longer renewed: a renewal in flight would
                 // set their idle time back to nothing.
                 let (all_done, left) = result?;
@@ -1447,6 +1454,7 @@ impl Pass<'_> {
         stop: &mut watch::Receiver<bool>,
         batch: Vec<(String, HashMap<String, Vec<u8>>)>,
         next_start: &mut Instant,
+        unsent: &mut Vec<String>,
     ) -> Result<(bool, Vec<String>), RedisFailure> {
         let Pass {
             shared,
@@ -1464,6 +1472,17 @@ impl Pass<'_> {
                 .chain(jobs.map(|(id, _)| id))
                 .collect::<Vec<_>>()
         };
+        // Should Redis fail in the middle of the batch, the jobs not sent to the app (in
+        // `unsent`) are handed back on the next pass that reaches Redis: held, they waited
+        // out claim_after and were then said perhaps sent twice. The job whose replay went
+        // out is not among them: its outcome could not be written.
+        let not_sent =
+            |unsent: &mut Vec<String>,
+             current: Option<&String>,
+             jobs: &std::vec::IntoIter<(String, HashMap<String, Vec<u8>>)>| {
+                unsent.extend(current.cloned());
+                unsent.extend(jobs.as_slice().iter().map(|(id, _)| id.clone()));
+            };
         while let Some((id, fields)) = jobs.next() {
             // A stop during the pause is heard at once (a low replay_rate pauses long).
             let stopping = tokio::select! {
@@ -1476,7 +1495,11 @@ impl Pass<'_> {
             *next_start = Instant::now() + pause;
             // Right before sending: a job another instance took over (this one could not renew
             // its hold in time) is that one's to replay now, not this one's too.
-            match self.hold_when_decided(stop, &id, &fields).await? {
+            let hold = self
+                .hold_when_decided(stop, &id, &fields)
+                .await
+                .inspect_err(|_| not_sent(unsent, Some(&id), &jobs))?;
+            match hold {
                 Hold::Held => {}
                 Hold::Lost => {
                     tracing::warn!(route = %route.name, %id, "job taken over by another worker before its replay here; left to that one");
@@ -1494,7 +1517,8 @@ impl Pass<'_> {
                     let reason = unreadable.reason.clone();
                     if self
                         .dead_letter(&id, &unreadable.into_dead_letter())
-                        .await?
+                        .await
+                        .inspect_err(|_| not_sent(unsent, Some(&id), &jobs))?
                     {
                         tracing::warn!(route = %route.name, %id, %reason, "unreadable job moved to dead letters");
                         self.count(&shared.metrics.queue_dead_lettered);
@@ -1525,14 +1549,20 @@ impl Pass<'_> {
             let unanswered = matches!(result, Replay::Unanswered(_));
             match result {
                 Replay::Done => {
-                    self.finish(&id).await?;
+                    self.finish(&id)
+                        .await
+                        .inspect_err(|_| not_sent(unsent, None, &jobs))?;
                 }
                 Replay::Retry(error, _) | Replay::Unanswered(error) | Replay::Permanent(error) => {
                     job.attempts += 1;
                     job.last_error = Some(error.clone());
                     let permanent = matches!(labels.result, "permanent");
                     if permanent || job.attempts >= settings.max_attempts {
-                        if self.dead_letter(&id, &job).await? {
+                        if self
+                            .dead_letter(&id, &job)
+                            .await
+                            .inspect_err(|_| not_sent(unsent, None, &jobs))?
+                        {
                             tracing::warn!(route = %route.name, key = %job.key_the_app_sees(), job = %job.idempotency_key(), attempts = job.attempts, "job moved to dead letters: {error}");
                             self.count(&shared.metrics.queue_dead_lettered);
                             self.keep_dead_letters_within_bound(shared).await;
@@ -1540,7 +1570,11 @@ impl Pass<'_> {
                     } else {
                         let wait =
                             backoff(settings, job.attempts).max(asked.min(settings.backoff_max));
-                        if self.delay(&id, &job, wait).await? {
+                        if self
+                            .delay(&id, &job, wait)
+                            .await
+                            .inspect_err(|_| not_sent(unsent, None, &jobs))?
+                        {
                             // `key`: the Idempotency-Key the app saw, to look for in its log.
                             let (key, job_id) = (job.key_the_app_sees(), job.idempotency_key());
                             let retry_in = crate::config::units::Shown(wait);
@@ -1565,7 +1599,11 @@ impl Pass<'_> {
                     // The queue's next job starts no sooner either: a dead app is felt for
                     // at the back-off's pace, not on every pass (five a second).
                     *next_start = Instant::now() + wait;
-                    if self.delay(&id, &job, wait).await? {
+                    if self
+                        .delay(&id, &job, wait)
+                        .await
+                        .inspect_err(|_| not_sent(unsent, None, &jobs))?
+                    {
                         static STILL_FAILING: LogThrottle =
                             LogThrottle::new(Duration::from_secs(60));
                         if let Some(held_back) = STILL_FAILING.allow(std::time::Instant::now()) {
