@@ -3188,3 +3188,36 @@ async fn a_cookie_the_app_sets_without_marking_its_page_private_keeps_its_carrie
         (503, "ranking is resting")
     );
 }
+
+/// The cookie names one instance learned are the fleet's, through Redis: an instance started
+/// later (or restarted) knows them before the app sets them again there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cookies_one_instance_learned_are_known_to_the_fleet() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = Backend::start(|_request: Request<Incoming>| async {
+        let mut response = html("cart");
+        response.headers_mut().insert(
+            "set-cookie",
+            http::HeaderValue::from_static("shopsid=new; path=/"),
+        );
+        response
+    })
+    .await;
+    let policy = synced_policy(backend.addr, &redis, "100ms");
+    let first = Levee::start(&policy).await;
+    assert_eq!(get(&first.url("/cart.php")).await.text(), "cart");
+    eventually(Duration::from_secs(5), "the name in redis", || async {
+        redis.cli(&["SMEMBERS", "levee:app_cookies"]).trim() == "shopsid"
+    })
+    .await;
+    let later = Levee::start(&policy).await;
+    eventually(
+        Duration::from_secs(5),
+        "the instance started later to know it",
+        || async {
+            get(&later.admin_url("/status")).await.json()["learned_private_cookies"][0] == "shopsid"
+        },
+    )
+    .await;
+}

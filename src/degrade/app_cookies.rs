@@ -1,20 +1,22 @@
-//! Cookies the app sets in answers it does not mark `private` or `no-store`: taken for one
-//! visitor's own on `stale` routes (`learn_private_cookies`), as `private_cookies` are.
+//! Cookies the app sets (`Set-Cookie`): taken for one visitor's own on `stale` routes
+//! (`learn_private_cookies`), as `private_cookies` are.
 //!
 //! A shop whose session cookie had a name of its own (`shopsid`), and whose pages said
 //! nothing of caching (`session_cache_limiter('')`), gave one customer another's cart and
 //! CSRF token through a shared fetch, with the app healthy, and kept that page as everyone's
-//! copy. levee cannot know an app's cookie names, but it sees the app set them. An answer
-//! that sets a cookie and says `private` or `no-store` (PHP's sessions by default) comes from
-//! an app that marks its visitors' pages, so its cookies are not learned: their pages say so
-//! themselves, and visitors carrying them keep getting copies.
+//! copy. levee cannot know an app's cookie names, but it sees the app set them, on whatever
+//! page (a cart marked `no-store` sets the session its unmarked product pages then read), and
+//! a cookie the page's scripts set (`_ga`) never comes in `Set-Cookie`. Names are shared by
+//! the fleet through Redis (`{key_prefix}app_cookies`), so an instance started later, or
+//! restarted, knows them before the app sets them again.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
 use http::{header, HeaderMap};
 
 use crate::limit::key::{CookieName, Source};
+use crate::redis_store::RedisStore;
 
 /// Most names learned: a bound on what an app (or anything answering in its place) can make
 /// levee hold and look through on every request of a `stale` route.
@@ -37,14 +39,11 @@ impl Default for AppCookies {
 }
 
 impl AppCookies {
-    /// Takes note of the cookies an upstream answer (`route`'s) sets, unless it is marked
-    /// `private` or `no-store`.
-    pub fn learn(&self, headers: &HeaderMap, route: &str) {
-        let mut set = headers.get_all(header::SET_COOKIE).iter().peekable();
-        if set.peek().is_none() || marked_private(headers) {
-            return;
-        }
-        for value in set {
+    /// Takes note of the cookies an upstream answer (`route`'s) sets. True when a name was
+    /// new (for the fleet to learn it too).
+    pub fn learn(&self, headers: &HeaderMap, route: &str) -> bool {
+        let mut learned = false;
+        for value in headers.get_all(header::SET_COOKIE) {
             let Some(name) = value
                 .as_bytes()
                 .split(|&byte| byte == b'=')
@@ -55,33 +54,53 @@ impl AppCookies {
             else {
                 continue;
             };
-            let Ok(name) = CookieName::parse(name) else {
-                continue;
-            };
-            if name.prefix || self.names.load().contains(&name) {
-                continue;
+            if self.add(name, Some(route)) {
+                learned = true;
             }
-            let _adding = self
-                .adding
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            let known = self.names.load();
-            if known.contains(&name) {
-                continue;
-            }
-            if known.len() >= MAX_LEARNED {
-                static FULL: crate::log_throttle::LogThrottle =
-                    crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(3600));
-                if let Some(held_back) = FULL.allow(std::time::Instant::now()) {
-                    tracing::warn!(cookie = %name, route, held_back, "the app sets more cookie names than levee learns ({MAX_LEARNED}): requests carrying this one are not taken for one visitor's own on stale routes; list it in private_cookies if its pages are that visitor's");
-                }
-                return;
-            }
-            tracing::info!(cookie = %name, route, "the app sets cookie `{name}` in an answer it does not mark private or no-store: on stale routes, requests carrying it are taken for one visitor's own from now on (no copy served, none kept, no fetch shared), as private_cookies names are; list it in private_cookies to have this from the start, or set learn_private_cookies = false on a route whose pages are the same with it");
-            let mut names = Vec::clone(&known);
-            names.push(name);
-            self.names.store(std::sync::Arc::new(names));
         }
+        learned
+    }
+
+    /// Adds the names the fleet learned (read from Redis): said once each, as learned here.
+    pub fn merge<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        for name in names {
+            self.add(name, None);
+        }
+    }
+
+    /// Adds `name` (from an answer of `route`, or from the fleet); true when it was new.
+    fn add(&self, name: &str, route: Option<&str>) -> bool {
+        let Ok(name) = CookieName::parse(name) else {
+            return false;
+        };
+        if name.prefix || self.names.load().contains(&name) {
+            return false;
+        }
+        let _adding = self
+            .adding
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let known = self.names.load();
+        if known.contains(&name) {
+            return false;
+        }
+        if known.len() >= MAX_LEARNED {
+            static FULL: crate::log_throttle::LogThrottle =
+                crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(3600));
+            if let Some(held_back) = FULL.allow(std::time::Instant::now()) {
+                tracing::warn!(cookie = %name, held_back, "the app sets more cookie names than levee learns ({MAX_LEARNED}): requests carrying this one are not taken for one visitor's own on stale routes; list it in private_cookies if its pages are that visitor's");
+            }
+            return false;
+        }
+        let from = route.map_or_else(
+            || "another instance of the fleet saw it".to_string(),
+            |route| format!("route `{route}`"),
+        );
+        tracing::info!(cookie = %name, "the app sets cookie `{name}` ({from}): on stale routes, requests carrying it are taken for one visitor's own from now on (no copy served, none kept, no fetch shared), as private_cookies names are; list it in private_cookies to have this from the start, in the route's vary if its pages differ by its value only, or set learn_private_cookies = false on a route whose pages are the same with it");
+        let mut names = Vec::clone(&known);
+        names.push(name);
+        self.names.store(Arc::new(names));
+        true
     }
 
     /// Whether the request carries a learned cookie, other than one the route's copies vary
@@ -100,15 +119,37 @@ impl AppCookies {
     }
 }
 
-/// Whether the answer says it is one visitor's (`private`) or not to be kept (`no-store`).
-fn marked_private(headers: &HeaderMap) -> bool {
-    crate::proxy::header::list_elements(headers, &header::CACHE_CONTROL).any(|directive| {
-        let name = directive
-            .split(|&byte| byte == b'=')
-            .next()
-            .unwrap_or_default();
-        name.eq_ignore_ascii_case(b"private") || name.eq_ignore_ascii_case(b"no-store")
-    })
+/// The fleet's names, in Redis: a set under the key prefix.
+fn shared_key(redis: &RedisStore) -> String {
+    format!("{}app_cookies", redis.settings.key_prefix)
+}
+
+/// Adds `names` to the fleet's (in the background: a request learned them). A Redis that
+/// does not take them now gets them with the next name learned, or from another instance.
+pub fn share(redis: Arc<RedisStore>, names: Vec<String>) {
+    tokio::spawn(async move {
+        let mut command = redis::cmd("SADD");
+        command.arg(shared_key(&redis)).arg(&names);
+        if let Err(error) = redis
+            .command::<i64>(&command, redis.background_bound(), None)
+            .await
+        {
+            tracing::debug!("cannot share the learned cookie names: {error}");
+        }
+    });
+}
+
+/// Takes on the names the fleet learned (on each switch sync, and at the start).
+pub async fn follow_fleet(redis: &RedisStore, learned: &AppCookies) {
+    let mut command = redis::cmd("SMEMBERS");
+    command.arg(shared_key(redis));
+    match redis
+        .command::<Vec<String>>(&command, redis.background_bound(), None)
+        .await
+    {
+        Ok(names) => learned.merge(names.iter().map(String::as_str)),
+        Err(error) => tracing::debug!("cannot read the fleet's learned cookie names: {error}"),
+    }
 }
 
 #[cfg(test)]
@@ -134,27 +175,30 @@ mod tests {
     }
 
     #[test]
-    fn cookies_set_in_unmarked_answers_are_learned_those_of_marked_ones_not() {
+    fn the_cookies_the_app_sets_are_learned_and_those_the_fleet_learned_added() {
         let learned = AppCookies::default();
-        learned.learn(
+        // Set on a page marked no-store (a cart) too: the unmarked pages read it after.
+        assert!(learned.learn(
             &answer(
-                &["PHPSESSID=abc; path=/; HttpOnly"],
-                Some("no-store, no-cache"),
+                &["shopsid=abc; path=/; HttpOnly"],
+                Some("no-store, no-cache")
             ),
             "cart",
-        );
-        learned.learn(&answer(&["lang=de"], Some("private, max-age=0")), "cart");
-        assert!(learned.names().is_empty());
-        learned.learn(
+        ));
+        assert!(learned.learn(
             &answer(
                 &["shopsid=abc; path=/", "shopsid=def", " theme = dark"],
-                None,
+                None
             ),
             "cart",
-        );
+        ));
+        assert!(!learned.learn(&answer(&["theme=light"], None), "cart"));
         assert_eq!(learned.names(), ["shopsid", "theme"]);
         assert!(learned.carried_by(&request("_ga=1; shopsid=xyz"), &[]));
         assert!(!learned.carried_by(&request("_ga=1; PHPSESSID=xyz"), &[]));
+        // What the fleet learned.
+        learned.merge(["PHPSESSID", "shopsid", "bad*name"]);
+        assert_eq!(learned.names(), ["shopsid", "theme", "PHPSESSID"]);
         // A route whose copies vary by it has one copy per value: not a visitor's own there.
         assert!(!learned.carried_by(&request("theme=light"), &[Source::Cookie("theme".into())]));
     }

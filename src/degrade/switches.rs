@@ -533,6 +533,10 @@ pub async fn spawn_sync(
         // Redis or key prefix, or drops `[redis]`, takes the line out of the old place at the
         // next sync; left there, it would be shown silent for an hour. (Held from one sync to
         // the next only: the old Redis connection closes soon after a reload.)
+        // The cookie names the fleet learned, before the app sets them here again.
+        if let (Some(redis), true) = (&first.redis, first.learns_app_cookies) {
+            super::app_cookies::follow_fleet(redis, &shared.app_cookies).await;
+        }
         let mut written_to = first.redis.clone();
         // The Redis (and key prefix) last read holding switches: one found empty later lost
         // them; one a reload points at anew has none to lose, and its word is followed.
@@ -610,6 +614,9 @@ pub async fn spawn_sync(
             }
             publish(&degrade, &policy, &metrics);
             if let Some(redis) = &policy.redis {
+                if policy.learns_app_cookies {
+                    super::app_cookies::follow_fleet(redis, &shared.app_cookies).await;
+                }
                 redis.follow_cluster(&metrics);
                 super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
                 super::fleet::check_size(redis, &shared.instance, &policy, &mut fleet_size).await;

@@ -1024,8 +1024,10 @@ async fn forward(
 
     let (mut parts, body) = response.into_parts();
     header::strip_hop_by_hop(&mut parts.headers, false);
-    if policy.learns_app_cookies {
-        shared.app_cookies.learn(&parts.headers, &route.name.0);
+    if policy.learns_app_cookies && shared.app_cookies.learn(&parts.headers, &route.name.0) {
+        if let Some(redis) = &policy.redis {
+            crate::degrade::app_cookies::share(redis.clone(), shared.app_cookies.names());
+        }
     }
     let body = IdleTimeout::new(body, upstream.settings.idle_body_timeout, "upstream");
     // Inside `SlotHeld`: the rest of a body it reads on after the client left still times
