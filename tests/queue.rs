@@ -3952,7 +3952,7 @@ async fn a_queue_lost_with_redis_is_logged_with_how_many_jobs_went() {
 
     redis.kill();
     let _empty = RedisServer::start_on(dir.path(), port).await;
-    let told = "about 3 jobs are lost with it: its stream held 3 (0 of them read by a worker)";
+    let told = "about 3 jobs lost with it: its stream held 3 (0 of them read by a worker)";
     eventually(
         Duration::from_secs(20),
         "the loss in the log, with its count",

@@ -697,13 +697,21 @@ fn log_fleet_change(
     let changes = describe_changes(seen, now);
     if *now == RuntimeSwitches::default() {
         // Debug-quoted, as below: the text comes from Redis. (Redis holding nothing at all,
-        // not even who, is a loss, written back by `write_back_lost` instead.)
-        tracing::info!(
-            changes = ?changes,
-            by = ?handed_back_by.unwrap_or("?"),
-            key = %key,
-            "every runtime switch was handed back to the policy elsewhere in the fleet; following"
-        );
+        // not even who, where switches were read before, is a loss, written back by
+        // `write_back_lost` instead.)
+        match handed_back_by {
+            Some(by) => tracing::info!(
+                changes = ?changes,
+                by = ?by,
+                key = %key,
+                "every runtime switch was handed back to the policy elsewhere in the fleet; following"
+            ),
+            None => tracing::info!(
+                changes = ?changes,
+                key = %key,
+                "[redis] names a place that holds no switches (a reload moved it): the policy's switches apply; following"
+            ),
+        }
     } else {
         // Debug-quoted: the names and `by` texts come from Redis, where a newline or an
         // escape sequence would forge a log line or act on a terminal showing the log.

@@ -521,7 +521,7 @@ impl Served {
         let lost = lost_jobs(before.as_ref(), now, Instant::now());
         // An error only when jobs are known lost: after a Redis restart every queue route finds
         // its group gone, and an alert on errors fired for routes that had nothing queued.
-        let said = format!("the queue's consumer group is gone from redis (restarted without persistence, flushed, or its keys evicted): {lost}; jobs stored since are replayed once the group is made again ({error})");
+        let said = format!("the queue's consumer group is gone from redis (restarted without persistence, flushed, its keys evicted, or a replica's full resync from an empty master): {lost}; jobs stored since are replayed once the group is made again ({error})");
         if before.as_ref().is_some_and(|count| count.stream == 0) {
             tracing::warn!(%stream, "{said}");
         } else {
@@ -550,10 +550,11 @@ fn lost_jobs(before: Option<&JobCount>, now: Option<&JobCount>, at: Instant) -> 
             format!(" ({read} of them read by a worker)")
         });
         format!(
-            "about {jobs} jobs are lost with it: its stream held {jobs}{read} when levee last \
-             counted, {ago:.1?} before (fewer if workers finished some since, more if some \
-             were stored since)",
-            jobs = before.stream
+            "about {jobs} lost with it: its stream held {held}{read} when levee last counted \
+             (each instance that notices says its own count: one loss), {ago:.1?} before \
+             (fewer if workers finished some since, more if some were stored since)",
+            jobs = crate::config::units::counted(before.stream, "job"),
+            held = before.stream
         )
     };
     // Retries wait in a set of their own, which a restart without persistence empties too,
@@ -2380,10 +2381,14 @@ mod tests {
         let later = at + Duration::from_millis(1500);
         assert_eq!(
             lost_jobs(Some(&count(3, 2, Some(1))), Some(&count(1, 0, None)), later),
-            "about 3 jobs are lost with it: its stream held 3 (1 of them read by a worker) \
-             when levee last counted, 1.5s before (fewer if workers finished some since, more \
-             if some were stored since), and up to 2 of the 2 jobs that waited for a retry are \
-             gone too"
+            "about 3 jobs lost with it: its stream held 3 (1 of them read by a worker) when \
+             levee last counted (each instance that notices says its own count: one loss), \
+             1.5s before (fewer if workers finished some since, more if some were stored \
+             since), and up to 2 of the 2 jobs that waited for a retry are gone too"
+        );
+        assert!(
+            lost_jobs(Some(&count(1, 0, None)), Some(&count(0, 0, None)), later)
+                .starts_with("about 1 job lost with it")
         );
         // A stream deleted alone: the retries are still there.
         assert!(
