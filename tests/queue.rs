@@ -4200,21 +4200,15 @@ async fn reply_cutter(redis_port: u16, cut_at: Cut, armed: Arc<AtomicBool>) -> u
     port
 }
 
-/// A job Redis gave the worker in a read whose answer was lost (a stall, a cut connection)
-/// is handed back on the next pass and applied at once: it waited out `claim_after` in the
-/// worker's own pending list, then was said perhaps sent twice when it never was.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_whose_read_got_no_answer_is_applied_at_once_not_after_claim_after() {
+/// A queue route whose Redis is reached through a [`reply_cutter`] armed to cut as `cut`
+/// says once `bodies` are stored (with the route off) and the route is switched on; waits
+/// until each was applied, well within `claim_after`, once, and none was said taken over.
+async fn jobs_applied_at_once_after_a_cut(cut: Cut, bodies: &[&str]) {
     let dir = tempfile::tempdir().expect("dir");
     let redis = RedisServer::start(dir.path()).await;
     let (backend, seen) = recording_always_ok().await;
     let armed = Arc::new(AtomicBool::new(false));
-    let port = reply_cutter(
-        redis.port,
-        Cut::ReadAnswerWith(b"lost-answer-7"),
-        armed.clone(),
-    )
-    .await;
+    let port = reply_cutter(redis.port, cut, armed.clone()).await;
     let policy = queue_policy(
         backend.addr,
         &format!("redis://127.0.0.1:{port}"),
@@ -4222,26 +4216,45 @@ async fn a_job_whose_read_got_no_answer_is_applied_at_once_not_after_claim_after
     );
     let levee = Levee::start(&policy).await;
     switch(&levee, "off").await;
-    assert_eq!(
-        post_as(&levee, "lost-answer-7", "192.0.2.7").await.status,
-        202
-    );
+    for body in bodies {
+        assert_eq!(post_as(&levee, body, "192.0.2.7").await.status, 202);
+    }
     armed.store(true, Ordering::SeqCst);
     switch(&levee, "on").await;
     eventually(
         Duration::from_secs(10),
-        "the job whose read was cut to be applied, well within claim_after",
-        || async { !seen.lock().expect("lock").is_empty() },
+        "the jobs to be applied, well within claim_after",
+        || async { seen.lock().expect("lock").len() >= bodies.len() },
     )
     .await;
-    assert!(!armed.load(Ordering::SeqCst), "the read was never cut");
-    assert_eq!(seen.lock().expect("lock").len(), 1);
+    assert!(
+        !armed.load(Ordering::SeqCst),
+        "the connection was never cut"
+    );
+    let mut keys: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(key, ..)| key.clone())
+        .collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), bodies.len(), "each once");
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert_eq!(
         metric_value(&metrics, "levee_queue_taken_over_total{route=\"notify\"}"),
         0.0,
         "{metrics}"
     );
+}
+
+/// A job Redis gave the worker in a read whose answer was lost (a stall, a cut connection)
+/// is handed back on the next pass and applied at once: it waited out `claim_after` in the
+/// worker's own pending list, then was said perhaps sent twice when it never was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_read_got_no_answer_is_applied_at_once_not_after_claim_after() {
+    jobs_applied_at_once_after_a_cut(Cut::ReadAnswerWith(b"lost-answer-7"), &["lost-answer-7"])
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -4307,54 +4320,10 @@ async fn cors_a_page_of_an_allowed_origin_can_send_a_write_to_a_switched_off_rou
 /// at once, not after claim_after with a warning that they may reach the app twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_of_a_batch_cut_short_before_their_replay_are_applied_at_once() {
-    let dir = tempfile::tempdir().expect("dir");
-    let redis = RedisServer::start(dir.path()).await;
-    let (backend, seen) = recording_always_ok().await;
-    let armed = Arc::new(AtomicBool::new(false));
     // The hold renewed right before each replay (see `RENEW_HOLD` in the worker).
-    let port = reply_cutter(
-        redis.port,
+    jobs_applied_at_once_after_a_cut(
         Cut::CommandWith(b"held[#held + 1]"),
-        armed.clone(),
+        &["cut-batch=0", "cut-batch=1", "cut-batch=2"],
     )
     .await;
-    let policy = queue_policy(
-        backend.addr,
-        &format!("redis://127.0.0.1:{port}"),
-        "claim_after = \"30s\"",
-    );
-    let levee = Levee::start(&policy).await;
-    switch(&levee, "off").await;
-    for n in 0..3 {
-        assert_eq!(
-            post_as(&levee, &format!("cut-batch={n}"), "192.0.2.8")
-                .await
-                .status,
-            202
-        );
-    }
-    armed.store(true, Ordering::SeqCst);
-    switch(&levee, "on").await;
-    eventually(
-        Duration::from_secs(10),
-        "the three jobs to be applied, well within claim_after",
-        || async { seen.lock().expect("lock").len() >= 3 },
-    )
-    .await;
-    assert!(!armed.load(Ordering::SeqCst), "the batch was never cut");
-    let mut keys: Vec<String> = seen
-        .lock()
-        .expect("lock")
-        .iter()
-        .map(|(key, ..)| key.clone())
-        .collect();
-    keys.sort();
-    keys.dedup();
-    assert_eq!(keys.len(), 3, "each once");
-    let metrics = get(&levee.admin_url("/metrics")).await.text();
-    assert_eq!(
-        metric_value(&metrics, "levee_queue_taken_over_total{route=\"notify\"}"),
-        0.0,
-        "{metrics}"
-    );
 }
