@@ -490,8 +490,13 @@ pub async fn spawn_sync(
     let policy = store.load();
     match load(&policy).await {
         Ok(switches) => {
-            if policy.redis.is_some() {
+            if let Some(redis) = &policy.redis {
                 keep_local_copy(&policy, &switches).await;
+                // The cookie names the fleet learned, known before the first request here
+                // (Redis answered just now; while it does not, the syncs read them later).
+                if policy.learns_app_cookies {
+                    super::app_cookies::follow_fleet(redis, &shared.app_cookies).await;
+                }
             }
             degrade.replace_runtime(switches);
         }
@@ -533,10 +538,6 @@ pub async fn spawn_sync(
         // Redis or key prefix, or drops `[redis]`, takes the line out of the old place at the
         // next sync; left there, it would be shown silent for an hour. (Held from one sync to
         // the next only: the old Redis connection closes soon after a reload.)
-        // The cookie names the fleet learned, before the app sets them here again.
-        if let (Some(redis), true) = (&first.redis, first.learns_app_cookies) {
-            super::app_cookies::follow_fleet(redis, &shared.app_cookies).await;
-        }
         let mut written_to = first.redis.clone();
         // The Redis (and key prefix) last read holding switches: one found empty later lost
         // them; one a reload points at anew has none to lose, and its word is followed.
@@ -641,7 +642,7 @@ async fn write_back_lost(redis: &RedisStore, switches: &RuntimeSwitches) {
         Ok(1) => tracing::warn!(
             key = %key,
             kept = ?kept,
-            "redis holds no degrade switches, not even who handed the last one back: it lost its data (restarted without persistence, or flushed); this instance wrote back the switches in effect here, and the fleet follows them (hand them back with levee level/module/breaker … auto, not by deleting the key)"
+            "redis holds no degrade switches, not even who handed the last one back: it lost its data (restarted without persistence, flushed, or a replica's full resync from an empty master); this instance wrote back the switches in effect here, and the fleet follows them (hand them back with levee level/module/breaker … auto, not by deleting the key)"
         ),
         Ok(_) => tracing::debug!(
             "degrade switches written to redis meanwhile; following them at the next sync"
