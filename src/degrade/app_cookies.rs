@@ -70,6 +70,16 @@ impl AppCookies {
 
     /// Adds `name` (from an answer of `route`, or from the fleet); true when it was new.
     fn add(&self, name: &str, route: Option<&str>) -> bool {
+        // A name known as written (PHP's renaming and decoding leave most names as they are),
+        // without the parse's allocation: every answer that sets a cookie comes here.
+        if self
+            .names
+            .load()
+            .iter()
+            .any(|known| !known.prefix && known.name == name)
+        {
+            return false;
+        }
         let Ok(name) = CookieName::parse(name) else {
             return false;
         };

@@ -160,15 +160,15 @@ async fn save_to_redis(
     let key = hash_key(redis);
     let (field, value) = match change {
         Change::Level(_) => (
-            "level".to_string(),
+            LEVEL_FIELD.to_string(),
             switches.level.as_ref().map(serde_json::to_string),
         ),
         Change::Module(name, _) => (
-            format!("module:{name}"),
+            format!("{MODULE_FIELD}{name}"),
             switches.modules.get(name).map(serde_json::to_string),
         ),
         Change::Breaker(name, _) => (
-            format!("breaker:{name}"),
+            format!("{BREAKER_FIELD}{name}"),
             switches.breakers.get(name).map(serde_json::to_string),
         ),
     };
@@ -348,6 +348,12 @@ async fn write_again_if_gone(degrade: &super::Degrade, policy: &Policy) {
     }
 }
 
+/// The fields of Redis's switches hash: the level, and each module's and breaker's (the
+/// prefix, then the name), as saving one switch, writing all back and reading them spell them.
+const LEVEL_FIELD: &str = "level";
+const MODULE_FIELD: &str = "module:";
+const BREAKER_FIELD: &str = "breaker:";
+
 /// The field Redis's switches hash keeps once its last switch was handed back: who did it.
 const HANDED_BACK: &str = "handed_back_by";
 
@@ -371,7 +377,7 @@ async fn load_with_word(policy: &Policy) -> Result<(RuntimeSwitches, Option<Stri
             for (field, value) in fields {
                 if field == HANDED_BACK {
                     handed_back_by = Some(value);
-                } else if field == "level" {
+                } else if field == LEVEL_FIELD {
                     switches.level = match serde_json::from_str(&value) {
                         Ok(level) => Some(level),
                         Err(error) => {
@@ -381,14 +387,14 @@ async fn load_with_word(policy: &Policy) -> Result<(RuntimeSwitches, Option<Stri
                             None
                         }
                     };
-                } else if let Some(name) = field.strip_prefix("module:") {
+                } else if let Some(name) = field.strip_prefix(MODULE_FIELD) {
                     match serde_json::from_str(&value) {
                         Ok(switch) => {
                             switches.modules.insert(name.to_string(), switch);
                         }
                         Err(error) => ignored_once(&format!("redis holds a switch of module `{name}` levee cannot read ({error}): {value:?}")),
                     }
-                } else if let Some(name) = field.strip_prefix("breaker:") {
+                } else if let Some(name) = field.strip_prefix(BREAKER_FIELD) {
                     match serde_json::from_str(&value) {
                         Ok(switch) => {
                             switches.breakers.insert(name.to_string(), switch);
@@ -670,16 +676,16 @@ return 1
 fn fields_of(switches: &RuntimeSwitches) -> Vec<(String, String)> {
     let mut fields = Vec::new();
     if let Some(Ok(level)) = switches.level.as_ref().map(serde_json::to_string) {
-        fields.push(("level".to_string(), level));
+        fields.push((LEVEL_FIELD.to_string(), level));
     }
     for (name, switch) in &switches.modules {
         if let Ok(json) = serde_json::to_string(switch) {
-            fields.push((format!("module:{name}"), json));
+            fields.push((format!("{MODULE_FIELD}{name}"), json));
         }
     }
     for (name, switch) in &switches.breakers {
         if let Ok(json) = serde_json::to_string(switch) {
-            fields.push((format!("breaker:{name}"), json));
+            fields.push((format!("{BREAKER_FIELD}{name}"), json));
         }
     }
     fields
