@@ -434,10 +434,13 @@ async fn redis_killed_and_restarted_switches_and_stale_copies_come_back() {
     // kill and serves the copy kept in Redis, without asking the backend.
     eventually(
         Duration::from_secs(10),
-        "B to follow the saved switches",
+        "B to reach Redis and follow the saved switches",
         || async {
+            // (B shows both switches off from the local copy already: what comes from Redis
+            // is known once B's own calls answer.)
             let status = get(&b.admin_url("/status")).await.json();
-            status["degrade"]["modules"]["visitors"]["off"] == true
+            status["redis"]["up"] == true
+                && status["degrade"]["modules"]["visitors"]["off"] == true
                 && status["degrade"]["modules"]["ranking"]["off"] == true
         },
     )
