@@ -9,7 +9,7 @@
 //! as it answers.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -322,7 +322,16 @@ struct Reach {
     /// When a call last failed: an outage is said over once calls have answered for
     /// [`ANSWERING_FOR`] since.
     failed_at: Option<std::time::Instant>,
+    /// `failure` is a full Redis's refusal: it answers, so it is up.
+    failure_is_full: bool,
+    /// The latest refusal of a full Redis (`OOM`), and when. Such a Redis refuses writes and
+    /// answers reads, so the latest call's outcome flipped with every call: `/status` said
+    /// up and down by turns, and "OOM" came and went from `last_error`.
+    refused_full: Option<(String, std::time::Instant)>,
 }
+
+/// How long `/status` shows a full Redis's latest refusal.
+const FULL_SHOWN_FOR: Duration = Duration::from_secs(60);
 
 /// How long calls answer with none failing before the log says Redis answers again. A Redis
 /// that refuses writes (full, or turned replica) still answers reads: said at the first
@@ -467,6 +476,9 @@ pub struct RedisStore {
     /// With Redis Sentinel, the shared connection, to whichever server the sentinels name
     /// master (instead of `connection`).
     master_link: Option<MasterLink>,
+    /// The latest rate-limit decision was refused by a full Redis (see
+    /// [`Self::rate_limit_source`]).
+    decisions_refused_full: AtomicBool,
     /// The sentinels' generation `health` last saw (see [`Self::health`]).
     health_generation: AtomicU64,
     /// Redis's `maxmemory-policy`, once read (see [`Self::read_eviction_policy`]).
@@ -513,6 +525,7 @@ impl RedisStore {
             cluster,
             master_link: sentinels.map(MasterLink::new),
             health_generation: AtomicU64::new(0),
+            decisions_refused_full: AtomicBool::new(false),
             settings,
             connection: OnceCell::new(),
             waiting_writes: WaitingWrites::default(),
@@ -532,10 +545,15 @@ impl RedisStore {
         self.cluster.is_some()
     }
 
-    /// True while Redis answers: its latest call of any kind succeeded (see [`Reach`]); in
-    /// a cluster, while no master node's health breaker is open either.
+    /// True while Redis answers: its latest call of any kind succeeded or was refused by a
+    /// full Redis (see [`Reach`]); in a cluster, while no master node's health breaker is
+    /// open either.
     pub fn is_up(&self) -> bool {
-        lock(&self.reach).failure.is_none()
+        let answers = {
+            let reach = lock(&self.reach);
+            reach.failure.is_none() || reach.failure_is_full
+        };
+        answers
             && self
                 .cluster_nodes()
                 .iter()
@@ -569,9 +587,19 @@ impl RedisStore {
         }
     }
 
-    /// Why the latest call failed, while that is so.
+    /// Why the latest call failed, while that is so; a full Redis's refusal is told by
+    /// [`Self::full_refusal`] instead.
     pub fn last_error(&self) -> Option<String> {
-        lock(&self.reach).failure.clone()
+        let reach = lock(&self.reach);
+        reach.failure.clone().filter(|_| !reach.failure_is_full)
+    }
+
+    /// The latest refusal of a full Redis, and how long ago, for a minute after it.
+    pub fn full_refusal(&self) -> Option<(String, Duration)> {
+        let reach = lock(&self.reach);
+        let (error, at) = reach.refused_full.as_ref()?;
+        let ago = at.elapsed();
+        (ago < FULL_SHOWN_FOR).then(|| (error.clone(), ago))
     }
 
     /// A call's failure as the operator should read it: a timeout that follows a refusal
@@ -592,27 +620,43 @@ impl RedisStore {
         lock(&self.health).is_closed()
     }
 
-    /// Where rate-limit decisions go, for the operator: "redis", "fallback", or, in a cluster
-    /// with some of its nodes' breakers open (or slots not mapped yet), "partly fallback".
+    /// Notes whether the latest rate-limit decision was refused by a full Redis.
+    fn note_decision<T>(&self, result: &Result<T, RedisFailure>) {
+        let refused = matches!(result, Err(failure) if failure.is_answer_of_a_full_redis());
+        // Read first: the flag is written only when it changes, not once per decision.
+        if self.decisions_refused_full.load(Ordering::Relaxed) != refused {
+            self.decisions_refused_full
+                .store(refused, Ordering::Relaxed);
+        }
+    }
+
+    /// Where rate-limit decisions go, for the operator: "redis", "fallback", in a cluster
+    /// with some of its nodes' breakers open (or slots not mapped yet) "partly fallback", or
+    /// "fallback (redis is full)" while Redis refuses them for want of memory.
     /// A cluster's decisions follow its nodes' breakers, never the single-server one, which
     /// said "redis" whatever the nodes did.
     pub fn rate_limit_source(&self) -> &'static str {
         let nodes = self.cluster_nodes();
-        if nodes.is_empty() {
-            return if self.decides_rate_limits() {
+        let up = nodes.iter().filter(|(_, up)| *up).count();
+        let source = if nodes.is_empty() {
+            if self.decides_rate_limits() {
                 "redis"
             } else {
                 "fallback"
-            };
-        }
-        let up = nodes.iter().filter(|(_, up)| *up).count();
-        if up == nodes.len() {
+            }
+        } else if up == nodes.len() {
             "redis"
         } else if up == 0 {
             "fallback"
         } else {
             "partly fallback"
+        };
+        // A full Redis answers (its breakers stay closed) and refuses each decision, which
+        // is then made in-process.
+        if source == "redis" && self.decisions_refused_full.load(Ordering::Relaxed) {
+            return "fallback (redis is full)";
         }
+        source
     }
 
     /// Notes what a call found (`failure`: `None` when it answered). A background call that
@@ -648,6 +692,10 @@ impl RedisStore {
             };
             let was_failing = std::mem::replace(&mut reach.failure, said).is_some();
             let now = std::time::Instant::now();
+            reach.failure_is_full = failure.is_some_and(RedisFailure::is_answer_of_a_full_redis);
+            if let Some(full) = failure.filter(|failure| failure.is_answer_of_a_full_redis()) {
+                reach.refused_full = Some((full.to_string(), now));
+            }
             if failure.is_some() {
                 reach.failed_at = Some(now);
             }
@@ -1229,6 +1277,7 @@ impl RedisStore {
         metrics
             .redis_latency
             .observe(started.elapsed().as_secs_f64());
+        self.note_decision(&result);
         self.record(permit, result.as_ref().err(), metrics);
         result
     }
@@ -1299,6 +1348,7 @@ impl RedisStore {
             let failure = if node_ok { None } else { result.as_ref().err() };
             self.record_node(node, permit, failure, metrics);
         }
+        self.note_decision(&result);
         self.read_slot_map_when_due(cluster, result.is_err(), metrics);
         result
     }

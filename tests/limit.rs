@@ -1672,6 +1672,33 @@ async fn a_full_redis_is_no_redis_down_for_rate_limits_which_fall_back_call_by_c
         }
     }
     let metrics = get(&levee.admin_url("/metrics")).await.text();
+    // `/status` tells a full Redis apart, whichever call came last: reads it still answers
+    // (the switch sync's) made `up` and `last_error` flip call by call.
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..5 {
+        let status = get(&levee.admin_url("/status")).await.json();
+        let redis_status = &status["redis"];
+        seen.insert((
+            redis_status["up"].clone(),
+            redis_status["last_error"].clone(),
+            redis_status["rate_limits"].clone(),
+            redis_status["full"]["error"]
+                .as_str()
+                .map(|error| error.contains("OOM")),
+        ));
+        send_as(&levee, None, None).await;
+    }
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        vec![(
+            serde_json::json!(true),
+            serde_json::Value::Null,
+            serde_json::json!("fallback (redis is full)"),
+            Some(true)
+        )]
+    );
+    let shown = levee::admin::client::summarize(&get(&levee.admin_url("/status")).await.json());
+    assert!(shown.contains("FULL: refused a write"), "{shown}");
     redis.cli(&["CONFIG", "SET", "maxmemory", "0"]);
     assert_eq!(
         metric_value(&metrics, "levee_redis_transitions_total{to=\"down\"}"),

@@ -522,6 +522,13 @@ pub fn summarize(status: &serde_json::Value) -> String {
         if let Some(error) = redis["last_error"].as_str() {
             let _ = writeln!(out, "         last call: {error}");
         }
+        if let Some(error) = redis["full"]["error"].as_str() {
+            let _ = writeln!(
+                out,
+                "         FULL: refused a write {}s ago ({error}); reads still answer",
+                redis["full"]["seconds_ago"].as_u64().unwrap_or(0)
+            );
+        }
         // An older levee sends no `rate_limits`: its `up` said the same.
         if redis["rate_limits"] == "fallback" && redis["up"] == true {
             // A background call found Redis back; the breaker closes on the next decision.
@@ -533,6 +540,11 @@ pub fn summarize(status: &serde_json::Value) -> String {
             let _ = writeln!(
                 out,
                 "         rate limits on their on_redis_error fallbacks (the health breaker is open)"
+            );
+        } else if redis["rate_limits"] == "fallback (redis is full)" {
+            let _ = writeln!(
+                out,
+                "         rate limits decided in-process, each at its on_redis_error fallback: redis refuses them for want of memory"
             );
         } else if redis["rate_limits"] == "partly fallback" {
             let _ = writeln!(

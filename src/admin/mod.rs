@@ -1082,6 +1082,7 @@ fn status(shared: &Shared) -> serde_json::Value {
             "up": redis.is_up(),
             "last_error": redis.last_error(),
             "rate_limits": redis.rate_limit_source(),
+            "full": redis.full_refusal().map(|(error, ago)| json!({"error": error, "seconds_ago": ago.as_secs()})),
             "maxmemory_policy": redis.eviction_policy(),
             "nodes": redis.cluster_nodes().into_iter().map(|(node, up)| json!({"node": node, "up": up})).collect::<Vec<_>>(),
         })
