@@ -221,6 +221,7 @@ pub struct Metrics {
     pub ratelimit_decisions: Family<DecisionLabels, Counter>,
     pub redis_latency: Histogram,
     pub redis_up: Gauge,
+    pub redis_full: Gauge,
     pub ratelimit_ahead_overruns: Counter,
     pub redis_transitions: Family<RedisStateLabels, Counter>,
     pub redis_node_up: Family<RedisNodeLabels, Gauge>,
@@ -461,6 +462,12 @@ impl Metrics {
             "1 while levee's latest call to Redis (of any kind) got an answer, 0 while it failed",
             redis_up.clone(),
         );
+        let redis_full = Gauge::default();
+        registry.register(
+            "redis_full",
+            "1 for a minute after a full Redis (OOM) refused a call: it answers reads and refuses writes (queue routes answer 503, rate limits fall back)",
+            redis_full.clone(),
+        );
         let ratelimit_ahead_overruns = Counter::default();
         registry.register(
             "ratelimit_ahead_overruns",
@@ -640,6 +647,7 @@ impl Metrics {
             ratelimit_decisions,
             redis_latency,
             redis_up,
+            redis_full,
             ratelimit_ahead_overruns,
             redis_transitions,
             connections_open,

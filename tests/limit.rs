@@ -1697,6 +1697,9 @@ async fn a_full_redis_is_no_redis_down_for_rate_limits_which_fall_back_call_by_c
             Some(true)
         )]
     );
+    let scraped = get(&levee.admin_url("/metrics")).await.text();
+    assert_eq!(metric_value(&scraped, "levee_redis_full"), 1.0, "{scraped}");
+    assert_eq!(metric_value(&scraped, "levee_redis_up"), 1.0, "{scraped}");
     let shown = levee::admin::client::summarize(&get(&levee.admin_url("/status")).await.json());
     assert!(shown.contains("FULL: refused a write"), "{shown}");
     redis.cli(&["CONFIG", "SET", "maxmemory", "0"]);

@@ -146,8 +146,11 @@ async fn answer(
                 // last rate-limit call set it.
                 // Without a `[redis]` (a reload took it out) nothing is down: an alert on 0
                 // set while it was there must clear.
-                let up = shared.store.load().redis.as_ref().is_none_or(|redis| redis.is_up());
+                let redis = shared.store.load().redis.clone();
+                let up = redis.as_ref().is_none_or(|redis| redis.is_up());
                 shared.metrics.redis_up.set(i64::from(up));
+                let full = redis.as_ref().is_some_and(|redis| redis.full_refusal().is_some());
+                shared.metrics.redis_full.set(i64::from(full));
             });
             let mut response = text_response(StatusCode::OK, page);
             // The body is OpenMetrics text (`_total` samples under a `# TYPE x counter`, and
