@@ -3221,3 +3221,75 @@ async fn the_cookies_one_instance_learned_are_known_to_the_fleet() {
     )
     .await;
 }
+
+/// Switches in effect where `[redis]` is added are carried into it, at a reload and at the
+/// first start with it (from the local copy): they were given up for a place holding none,
+/// with no more than an info line, and the state file emptied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switches_in_effect_are_carried_into_a_redis_added_later() {
+    let log = levee_log();
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    let state = dir.path().join("state.json");
+    let without_redis = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!("[degrade]\nstate_file = \"{}\"\n{ROUTES}", state.display()),
+    );
+    let with_redis = |prefix: &str| {
+        policy_for(
+            backend.addr,
+            "access_log = false",
+            &format!(
+                "[redis]\nurl = \"{}\"\nkey_prefix = \"{prefix}\"\n[degrade]\nsync_interval = \"100ms\"\nstate_file = \"{}\"\n{ROUTES}",
+                redis.url(),
+                state.display()
+            ),
+        )
+    };
+    let level_of = |levee: &Levee| {
+        let url = levee.admin_url("/status");
+        async move { get(&url).await.json()["degrade"]["level"].clone() }
+    };
+
+    // A reload adding `[redis]`.
+    let levee = Levee::start(&without_redis).await;
+    assert_eq!(set(&levee, "/level", "1").await.status, 200);
+    std::fs::write(levee.policy_file(), with_redis("reloaded:")).expect("rewrite the policy");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    eventually(Duration::from_secs(5), "the level carried", || async {
+        redis.cli(&["HEXISTS", "reloaded:switches", "level"]).trim() == "1"
+    })
+    .await;
+    assert_eq!(level_of(&levee).await, 1);
+    let carried = log.lines_with("key=reloaded:switches");
+    assert!(
+        carried
+            .iter()
+            .any(|line| line.contains("WARN")
+                && line.contains("carried the switches in effect here")),
+        "{carried:?}"
+    );
+    drop(levee);
+
+    // The first start with `[redis]`, after running without it: the local copy's switches.
+    let levee = Levee::start(&without_redis).await;
+    assert_eq!(level_of(&levee).await, 1, "kept in the state file");
+    drop(levee);
+    let levee = Levee::start(&with_redis("started:")).await;
+    assert_eq!(level_of(&levee).await, 1);
+    assert_eq!(
+        redis.cli(&["HEXISTS", "started:switches", "level"]).trim(),
+        "1"
+    );
+    let saved = std::fs::read_to_string(&state).expect("state file");
+    assert!(saved.contains("\"level\": {"), "{saved}");
+    let carried = log.lines_with("key=started:switches");
+    assert!(
+        carried
+            .iter()
+            .any(|line| line.contains("WARN") && line.contains("carried those of its local copy")),
+        "{carried:?}"
+    );
+}

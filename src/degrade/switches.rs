@@ -494,9 +494,21 @@ pub async fn spawn_sync(
         shared.metrics.clone(),
     );
     let policy = store.load();
-    match load(&policy).await {
-        Ok(switches) => {
+    match load_with_word(&policy).await {
+        Ok((mut switches, handed_back_by)) => {
             if let Some(redis) = &policy.redis {
+                // A place that holds no switches at all, not even who handed the last one
+                // back, never had the fleet's (the first start since `[redis]` was added) or
+                // lost them: the local copy's are carried into it, not overwritten by none.
+                if switches == RuntimeSwitches::default() && handed_back_by.is_none() {
+                    if let Ok(copy) = load_file(&policy.degrade.state_file) {
+                        if copy != RuntimeSwitches::default()
+                            && carry_into(redis, &copy, Carried::LocalCopy(&policy)).await
+                        {
+                            switches = copy;
+                        }
+                    }
+                }
                 keep_local_copy(&policy, &switches).await;
                 // The cookie names the fleet learned, known before the first request here
                 // (Redis answered just now; while it does not, the syncs read them later).
@@ -592,16 +604,21 @@ pub async fn spawn_sync(
             }
             match loaded {
                 // Redis holds no switches at all, not even who handed the last one back: it
-                // lost its data (restarted without persistence, flushed). The switches in
-                // effect here are written back rather than followed: an operator's pin
-                // ("keep traffic off the app while the database is repaired") ended by itself.
+                // lost its data (restarted without persistence, flushed), or a reload pointed
+                // levee at a place that never held any (`[redis]` added, another key prefix).
+                // The switches in effect here are written there rather than given up: an
+                // operator's pin ("keep traffic off the app while the database is repaired")
+                // ended by itself.
                 Ok((switches, None))
-                    if switches == RuntimeSwitches::default()
-                        && *seen != switches
-                        && held_here_before =>
+                    if switches == RuntimeSwitches::default() && *seen != switches =>
                 {
                     if let Some(redis) = &policy.redis {
-                        write_back_lost(redis, &seen).await;
+                        let why = if held_here_before {
+                            Carried::Lost
+                        } else {
+                            Carried::Moved
+                        };
+                        carry_into(redis, &seen, why).await;
                     }
                 }
                 Ok((switches, handed_back_by)) if switches != *seen => {
@@ -633,10 +650,20 @@ pub async fn spawn_sync(
     })
 }
 
-/// Writes `switches` back to a Redis that holds none, not even who handed the last one back
-/// (see [`HANDED_BACK`]): it lost its data. Only while the hash is still absent: the first
-/// instance of the fleet to find it so writes it, and the others then follow it as usual.
-async fn write_back_lost(redis: &RedisStore, switches: &RuntimeSwitches) {
+/// Why switches are carried into a Redis that holds none (see [`carry_into`]).
+enum Carried<'a> {
+    /// Where this instance read switches before: it lost its data.
+    Lost,
+    /// A place a reload pointed levee at: `[redis]` added, another key prefix or server.
+    Moved,
+    /// At the start, the local copy's (in the policy's `state_file`).
+    LocalCopy(&'a Policy),
+}
+
+/// Writes `switches` into a Redis that holds none, not even who handed the last one back
+/// (see [`HANDED_BACK`]). Only while the hash is still absent: the first instance of the
+/// fleet to find it so writes it, and the others then follow it as usual. True if written.
+async fn carry_into(redis: &RedisStore, switches: &RuntimeSwitches, why: Carried<'_>) -> bool {
     let key = hash_key(redis);
     let mut command = redis::cmd("EVAL");
     command.arg(WRITE_IF_ABSENT).arg(1).arg(&key);
@@ -645,16 +672,36 @@ async fn write_back_lost(redis: &RedisStore, switches: &RuntimeSwitches) {
     }
     let kept = describe_changes(&RuntimeSwitches::default(), switches);
     match redis.command::<i64>(&command, SWITCH_TIMEOUT, None).await {
-        Ok(1) => tracing::warn!(
-            key = %key,
-            kept = ?kept,
-            "redis holds no degrade switches, not even who handed the last one back: it lost its data (restarted without persistence, flushed, or a replica's full resync from an empty master); this instance wrote back the switches in effect here, and the fleet follows them (hand them back with levee level/module/breaker … auto, not by deleting the key)"
-        ),
-        Ok(_) => tracing::debug!(
-            "degrade switches written to redis meanwhile; following them at the next sync"
-        ),
+        Ok(1) => {
+            match why {
+                Carried::Lost => tracing::warn!(
+                    key = %key,
+                    kept = ?kept,
+                    "redis holds no degrade switches, not even who handed the last one back: it lost its data (restarted without persistence, flushed, or a replica's full resync from an empty master); this instance wrote back the switches in effect here, and the fleet follows them (hand them back with levee level/module/breaker … auto, not by deleting the key)"
+                ),
+                Carried::Moved => tracing::warn!(
+                    key = %key,
+                    kept = ?kept,
+                    "[redis] names a place that holds no degrade switches yet (a reload added [redis] or moved it): this instance carried the switches in effect here into it, and the fleet follows them (hand them back with levee level/module/breaker … auto)"
+                ),
+                Carried::LocalCopy(policy) => tracing::warn!(
+                    key = %key,
+                    kept = ?kept,
+                    state_file = %policy.degrade.state_file.display(),
+                    "redis holds no degrade switches yet (the first start with [redis], or a Redis that lost its data): this instance carried those of its local copy into it, and the fleet follows them (hand them back with levee level/module/breaker … auto)"
+                ),
+            }
+            true
+        }
+        Ok(_) => {
+            tracing::debug!(
+                "degrade switches written to redis meanwhile; following them at the next sync"
+            );
+            false
+        }
         Err(error) => {
-            tracing::debug!("cannot write the degrade switches back to redis yet: {error}")
+            tracing::debug!("cannot write the degrade switches back to redis yet: {error}");
+            false
         }
     }
 }
@@ -693,7 +740,7 @@ fn fields_of(switches: &RuntimeSwitches) -> Vec<(String, String)> {
 
 /// Says what another instance (or an operator through it) changed. Redis holding no
 /// switches at all where there were some is told apart: a Redis restarted without its data
-/// looks exactly like that (see [`write_back_lost`]); unless Redis says who handed the last
+/// looks exactly like that (see [`carry_into`]); unless Redis says who handed the last
 /// one back (`handed_back_by`), a routine hand-back.
 fn log_fleet_change(
     seen: &RuntimeSwitches,
@@ -704,8 +751,7 @@ fn log_fleet_change(
     let changes = describe_changes(seen, now);
     if *now == RuntimeSwitches::default() {
         // Debug-quoted, as below: the text comes from Redis. (Redis holding nothing at all,
-        // not even who, where switches were read before, is a loss, written back by
-        // `write_back_lost` instead.)
+        // not even who, is a loss or a new place, written to by `carry_into` instead.)
         match handed_back_by {
             Some(by) => tracing::info!(
                 changes = ?changes,
@@ -713,10 +759,11 @@ fn log_fleet_change(
                 key = %key,
                 "every runtime switch was handed back to the policy elsewhere in the fleet; following"
             ),
+            // (Redis holding nothing at all is never followed: see `carry_into`.)
             None => tracing::info!(
                 changes = ?changes,
                 key = %key,
-                "[redis] names a place that holds no switches (a reload moved it): the policy's switches apply; following"
+                "every runtime switch was handed back to the policy elsewhere in the fleet; following"
             ),
         }
     } else {
