@@ -2286,17 +2286,19 @@ fn compile_degrade(
         || dir.join(".levee-state.json"),
         |path| dir.join(path.get_ref()),
     );
-    // Found out at the first switch otherwise, in an incident, as a 503.
+    // Found out at the first switch otherwise, in an incident, as a 503. A warning, not an
+    // error: `levee check` also runs where levee does not (a deploy's checkout, CI), and
+    // systemd makes a unit's `StateDirectory` only when it starts the unit.
     if let Some(path) = &inner.state_file {
         let parent = state_file
             .parent()
             .filter(|parent| !parent.as_os_str().is_empty());
         if parent.is_some_and(|parent| !parent.is_dir()) {
-            compiler.error_hint(
+            compiler.warning_hint(
                 file,
                 path.span(),
-                format!("the directory of state_file `{}` does not exist", path.get_ref()),
-                "create it (levee writes the file, not its directory), or name a file in an existing directory levee can write",
+                format!("the directory of state_file `{}` does not exist here: until it does, runtime switches cannot be saved (without Redis, a switch is refused with 503)", path.get_ref()),
+                "create it where levee runs (levee writes the file, not its directory; a systemd unit's StateDirectory= makes /var/lib/NAME at start), or name a file in an existing directory levee can write",
             );
         }
     }
@@ -6773,14 +6775,14 @@ mod tests {
     }
 
     #[test]
-    fn a_state_file_in_a_directory_that_does_not_exist_is_refused() {
-        let refused = errors(&[(
-            "a.toml",
-            &format!("{APP}[degrade]\nstate_file = \"/nonexistent-levee-dir/state.json\"\n"),
-        )]);
+    fn a_state_file_in_a_directory_that_does_not_exist_is_warned_of() {
+        // A warning, not an error: a deploy's check runs where the directory need not exist.
+        let text = format!("{APP}[degrade]\nstate_file = \"/nonexistent-levee-dir/state.json\"\n");
+        let policy = compile(&files(&[("a.toml", &text)]), None).expect("compiles");
+        let warned: Vec<String> = policy.warnings.iter().map(ToString::to_string).collect();
         assert!(
-            refused.len() == 1 && refused[0].contains("the directory of state_file `/nonexistent-levee-dir/state.json` does not exist"),
-            "{refused:?}"
+            warned.len() == 1 && warned[0].contains("warning: the directory of state_file `/nonexistent-levee-dir/state.json` does not exist here"),
+            "{warned:?}"
         );
         let dir = tempfile::tempdir().expect("dir");
         let fine = format!(
