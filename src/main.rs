@@ -35,9 +35,17 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the proxy until SIGTERM/SIGINT (SIGHUP reloads the policy).
+    #[command(
+        after_help = "Logs go to stderr, one line per event (and per request while [server] access_log is on).\n\
+Environment:\n  \
+LEVEE_LOG  what is logged: a level (trace, debug, info, warn, error, off) and target=level\n             \
+pairs, comma-separated (default: info,redis=error; `info,levee::access=off` drops\n             \
+the access log, `warn` keeps warnings and errors). A value levee cannot read is\n             \
+warned of at start, and the default used."
+    )]
     Run {
         /// Directory of *.toml policy files.
-        #[arg(long, default_value = "policies")]
+        #[arg(long, default_value = "policies", env = "LEVEE_POLICIES")]
         policies: PathBuf,
         /// Do not reload when policy files change (SIGHUP and POST /reload still work).
         #[arg(long)]
@@ -49,13 +57,15 @@ enum Command {
         #[arg(long)]
         threads: Option<usize>,
     },
-    /// Validate a policy directory, like `nginx -t`. Exit status 1 on any error.
+    /// Validate a policy directory, like `nginx -t`. Exit status 0 when valid (warnings are
+    /// printed), 1 on any error, 2 on a wrong command line.
     Check {
         /// Directory of *.toml policy files.
-        #[arg(long, default_value = "policies")]
+        #[arg(long, default_value = "policies", env = "LEVEE_POLICIES")]
         policies: PathBuf,
-        /// The directory, given without `--policies` (`levee check /etc/levee/policies`).
-        #[arg(conflicts_with = "policies", value_name = "DIR")]
+        /// The directory, given without `--policies` (`levee check /etc/levee/policies`); it
+        /// wins over `--policies` and LEVEE_POLICIES.
+        #[arg(value_name = "DIR")]
         dir: Option<PathBuf>,
     },
     /// Show what a running levee is doing: policy generation, degrade level and modules,
@@ -128,7 +138,7 @@ struct AdminArgs {
     #[arg(long, value_parser = admin_address)]
     admin: Option<std::net::SocketAddr>,
     /// Policy directory to read the admin address from.
-    #[arg(long, default_value = "policies")]
+    #[arg(long, default_value = "policies", env = "LEVEE_POLICIES")]
     policies: PathBuf,
     /// Admin token, when the policy sets `[admin] tokens`.
     #[arg(long, env = "LEVEE_ADMIN_TOKEN", hide_env_values = true)]
@@ -141,12 +151,62 @@ enum LogFormat {
     Json,
 }
 
+/// What is logged without `LEVEE_LOG`. The Redis client's own lines are held to errors: during
+/// a Cluster node's failover it logs each reconnection attempt (about a hundred a second),
+/// where levee says once what failed and what that means (`LEVEE_LOG=info,redis=info` shows
+/// them).
+const DEFAULT_LOG: &str = "info,redis=error";
+
+/// The log filter `LEVEE_LOG` asks for, or the default with the reason it was not taken: a
+/// typo (`warnn`, read as a target to log everything of) or an empty value logged nothing at
+/// all, and one bad word in a list dropped the whole list, without a word.
+fn log_filter(asked: Option<&str>) -> (tracing_subscriber::EnvFilter, Option<String>) {
+    let default = || tracing_subscriber::EnvFilter::new(DEFAULT_LOG);
+    let Some(asked) = asked else {
+        return (default(), None);
+    };
+    let not_taken = |why: String| {
+        Some(format!(
+            "LEVEE_LOG={asked:?} {why}; logging with the default `{DEFAULT_LOG}` (LEVEE_LOG takes a level, trace, debug, info, warn, error or off, and target=level pairs, comma-separated: `warn`, `info,levee::access=off`)"
+        ))
+    };
+    if asked.trim().is_empty() {
+        return (default(), not_taken("is empty".into()));
+    }
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    const TARGETS: [&str; 8] = [
+        "levee",
+        "redis",
+        "hyper",
+        "hyper_util",
+        "tokio",
+        "rustls",
+        "h2",
+        "lol_html",
+    ];
+    let unknown = asked.split(',').map(str::trim).find(|word| {
+        !word.is_empty()
+            && !word.contains(['=', '[', ':'])
+            && !LEVELS.contains(&word.to_ascii_lowercase().as_str())
+            && !TARGETS.contains(word)
+    });
+    if let Some(word) = unknown {
+        return (
+            default(),
+            not_taken(format!(
+                "names `{word}`, which is neither a level nor a part of levee"
+            )),
+        );
+    }
+    match tracing_subscriber::EnvFilter::builder().parse(asked) {
+        Ok(filter) => (filter, None),
+        Err(error) => (default(), not_taken(format!("is not understood ({error})"))),
+    }
+}
+
 fn init_logging(format: LogFormat) {
-    // The Redis client's own lines are held to errors by default: during a Cluster node's
-    // failover it logs each reconnection attempt (about a hundred a second), where levee says
-    // once what failed and what that means (`LEVEE_LOG=info,redis=info` shows them).
-    let filter = tracing_subscriber::EnvFilter::try_from_env("LEVEE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,redis=error"));
+    let asked = std::env::var("LEVEE_LOG").ok();
+    let (filter, not_taken) = log_filter(asked.as_deref());
     // Logs go to stderr; colours only when a person is watching a terminal, never into files.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -155,6 +215,9 @@ fn init_logging(format: LogFormat) {
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+    if let Some(why) = not_taken {
+        tracing::warn!("{why}");
     }
 }
 
@@ -403,6 +466,38 @@ fn check(policies: &std::path::Path) -> ExitCode {
                 policies.display(),
             );
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_filter;
+
+    #[test]
+    fn a_log_filter_levee_cannot_read_is_said_and_the_default_used() {
+        let said = |asked: Option<&str>| log_filter(asked).1;
+        for fine in [
+            None,
+            Some("warn"),
+            Some("INFO"),
+            Some("info,levee::access=off"),
+            Some("levee=debug,redis=info"),
+            Some("levee"),
+        ] {
+            assert_eq!(said(fine), None, "{fine:?}");
+        }
+        for (asked, why) in [
+            ("warnn", "names `warnn`"),
+            ("", "is empty"),
+            ("  ", "is empty"),
+            ("levee=warn,levee::access=of", "is not understood"),
+        ] {
+            let told = said(Some(asked)).unwrap_or_default();
+            assert!(
+                told.contains(why) && told.contains("the default `info,redis=error`"),
+                "{asked:?}: {told}"
+            );
         }
     }
 }
