@@ -433,6 +433,13 @@ fn the_shipped_systemd_unit_verifies_and_outlasts_the_default_drain() {
         unit.contains("state_file = \"/var/lib/levee/state.json\""),
         "{unit}"
     );
+    // A reload through the admin listener, whose exit status says when the policy was
+    // refused (a SIGHUP's `systemctl reload` said success either way).
+    assert!(
+        unit.contains("\nExecReload=/usr/local/bin/levee reload\n")
+            && unit.contains("\nEnvironment=LEVEE_POLICIES="),
+        "{unit}"
+    );
 
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("levee.service");
