@@ -436,7 +436,10 @@ fn refusal_text(text: &str) -> String {
 
 fn check(policies: &std::path::Path) -> ExitCode {
     match levee::config::load_dir(policies, None) {
-        Ok(policy) => {
+        Ok(mut policy) => {
+            // As `run` does: run as the user levee runs as (a unit's ExecStartPre), the check
+            // says that switches could not be saved, before an incident does.
+            levee::config::store::check_state_file_writable(&mut policy);
             for warning in &policy.warnings {
                 eprintln!("{warning}");
             }

@@ -262,6 +262,12 @@ async fn a_state_file_levee_cannot_write_is_warned_of_at_start() {
         "{status}"
     );
     assert_eq!(set(&levee, "/level", "1").await.status, 503);
+    // And by `levee check`, which a unit runs as levee's user before starting it.
+    let (valid, _, warned) = levee_check(levee.dir.path());
+    assert!(
+        valid && warned.contains("switches cannot be saved: levee cannot write in /proc"),
+        "{warned}"
+    );
 }
 
 /// Started while Redis is down and before any switch was ever saved here, levee says it has

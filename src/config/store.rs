@@ -149,15 +149,12 @@ fn log_warnings(policy: &Policy) {
     }
 }
 
-/// Fits `max_connections` to the open files this process may have. The default comes down to
-/// what the limit allows (logged); a value the policy sets is kept, with a warning where the
-/// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
-/// in the compiler: `levee check` runs in a shell whose limit is not the service's.
 /// Without Redis, switches are saved to `state_file`, written whole through a temporary file
 /// beside it: a directory levee cannot write in (the policy directory, the default, often is
 /// not: a ConfigMap, a root-owned /etc) made every switch a 503 in the incident it was for.
-/// Tried here, as the service's user, and said as a warning (`levee check` runs as another).
-fn check_state_file_writable(policy: &mut Policy) {
+/// Tried by the running levee, as the service's user, and said as a warning; `levee check`
+/// tries it too, which tells as much when run as that user (a unit's `ExecStartPre`).
+pub fn check_state_file_writable(policy: &mut Policy) {
     if policy.redis.is_some() {
         return;
     }
@@ -166,6 +163,10 @@ fn check_state_file_writable(policy: &mut Policy) {
         Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
+    // A directory that does not exist is warned of by the compiler already.
+    if !dir.is_dir() {
+        return;
+    }
     let probe = dir.join(format!(".levee-write-test-{}", std::process::id()));
     match std::fs::OpenOptions::new()
         .write(true)
@@ -193,6 +194,10 @@ fn check_state_file_writable(policy: &mut Policy) {
     }
 }
 
+/// Fits `max_connections` to the open files this process may have. The default comes down to
+/// what the limit allows (logged); a value the policy sets is kept, with a warning where the
+/// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
+/// in the compiler: `levee check` runs in a shell whose limit is not the service's.
 /// `before`: the bound the policy in effect has (a reload), logged again only when it changes:
 /// not on every save of a file.
 fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option<u32>) {
