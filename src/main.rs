@@ -223,6 +223,16 @@ fn init_logging(format: LogFormat) {
 
 use levee::admin::client::{changed_text, Changed};
 
+/// Whether a failure to start, logged already, is also written in plain words: when LEVEE_LOG
+/// leaves errors out, and for a person starting levee by hand with JSON logs, which are for a
+/// collector. Not into a journal or a file: a collector expecting one JSON object per line
+/// met several lines of plain text.
+fn told_in_words_too(log_format: LogFormat) -> bool {
+    !tracing::enabled!(tracing::Level::ERROR)
+        || (matches!(log_format, LogFormat::Json)
+            && std::io::IsTerminal::is_terminal(&std::io::stderr()))
+}
+
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Check { policies, dir } => check(dir.as_deref().unwrap_or(&policies)),
@@ -307,21 +317,14 @@ fn main() -> ExitCode {
                             }
                         }
                     }
-                    if matches!(log_format, LogFormat::Json)
-                        || !tracing::enabled!(tracing::Level::ERROR)
-                    {
+                    if told_in_words_too(log_format) {
                         eprintln!("levee: the policy has errors:\n{diagnostics}");
                     }
                     ExitCode::FAILURE
                 }
                 Err(error) => {
                     tracing::error!("{error}");
-                    // A text log line is on the terminal already; a JSON one is for a
-                    // collector, so a person starting levee by hand is told in words too, as
-                    // when LEVEE_LOG leaves errors out.
-                    if matches!(log_format, LogFormat::Json)
-                        || !tracing::enabled!(tracing::Level::ERROR)
-                    {
+                    if told_in_words_too(log_format) {
                         eprintln!("levee: {error}");
                     }
                     ExitCode::FAILURE

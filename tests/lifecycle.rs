@@ -297,6 +297,26 @@ fn the_binary_refuses_to_start_on_a_broken_policy() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("levee.toml:2:10"), "{stderr}");
+
+    // With JSON logs into a collector (not a terminal), one JSON object per line, the error
+    // among them: the plain text written after them broke a line-based collector.
+    let output = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .arg("run")
+        .arg("--policies")
+        .arg(dir.path())
+        .arg("--log-format")
+        .arg("json")
+        .output()
+        .expect("run levee");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("levee.toml:2:10"), "{stderr}");
+    for line in stderr.lines() {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(line).is_ok(),
+            "not JSON: {line:?} in {stderr}"
+        );
+    }
 }
 
 /// A site whose limited routes are quiet still hears of a Redis outage: the switch sync fails

@@ -91,14 +91,18 @@ pub struct Unreadable {
 /// is among [`ReadFiles::unreadable`].
 pub fn read_dir(dir: &Path) -> Result<ReadFiles, Diagnostics> {
     let paths = policy_file_paths(dir).map_err(|error| {
-        let message = match error.kind() {
-            std::io::ErrorKind::NotFound => "the policy directory does not exist".to_string(),
-            std::io::ErrorKind::NotADirectory => "this is not a directory".to_string(),
-            _ => format!("cannot read the policy directory: {error}"),
+        let (message, hint) = match error.kind() {
+            std::io::ErrorKind::NotFound => ("the policy directory does not exist".to_string(), None),
+            std::io::ErrorKind::NotADirectory => ("this is not a directory".to_string(), None),
+            std::io::ErrorKind::PermissionDenied => (
+                format!("cannot read the policy directory: {error}"),
+                Some("make the directory readable and searchable by the user levee runs as (e.g. chmod 755, or group-readable with the levee user in the group)"),
+            ),
+            _ => (format!("cannot read the policy directory: {error}"), None),
         };
-        Diagnostics(vec![Diagnostic::whole(dir, message).hint(
+        Diagnostics(vec![Diagnostic::whole(dir, message).hint(hint.unwrap_or(
             "pass the directory that holds the *.toml policy files with --policies DIR",
-        )])
+        ))])
     })?;
     let mut read = ReadFiles::default();
     for path in paths {
