@@ -44,6 +44,13 @@ fn why_no_admin_listen(policies: &Path, diagnostics: &crate::config::Diagnostics
         [only] if only.line == 0 && only.file == policies => {
             format!("{}: {}", policies.display(), only.message)
         }
+        // A file this user may not read (tokens kept from other users): said as such, not
+        // as a policy that does not compile.
+        [first, ..] if first.line == 0 => format!(
+            "{}: {} (the admin address may be written there)",
+            first.file.display(),
+            first.message
+        ),
         _ => format!(
             "the policy in {} does not compile ({} error(s), see `levee check`) and no file of it that parses sets [admin] listen",
             policies.display(),
