@@ -1456,3 +1456,32 @@ async fn a_reload_that_leaves_hosts_without_a_route_says_which() {
         "{said:?}"
     );
 }
+
+/// A warning the policy in effect had already is not logged again at each reload (an alert on
+/// warnings fired at every deploy); one the reload brings is, though its line moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_logs_only_the_warnings_it_brings() {
+    let log = levee_log();
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let catch_all = "[[route]]\nname = \"switching\"";
+    let shadowed = "[[route]]\nname = \"wide\"\nmatch = { path_prefix = \"/warned\" }\n[[route]]\nname = \"warnedonce\"\nmatch = { path = \"/warnedonce\" }\n";
+    let policy =
+        two_upstream_policy(&a, &b, "a").replace(catch_all, &format!("{shadowed}{catch_all}"));
+    let levee = Levee::start(&policy).await;
+    let warned = || log.lines_with("route `warnedonce` is never reached").len();
+    assert_eq!(warned(), 1);
+    // An edit above it (the warning's line moves), and a second shadowed route.
+    let added = "[[route]]\nname = \"warnednew\"\nmatch = { path = \"/warnednew\" }\n";
+    let edited = policy.replace(shadowed, &format!("# edited\n{shadowed}{added}"));
+    std::fs::write(levee.policy_file(), edited).expect("rewrite");
+    let answer = post(&levee.admin_url("/reload"), "").await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    // The reload's answer (`levee reload`) still lists both.
+    assert!(answer.text().contains("warnedonce"), "{}", answer.text());
+    assert_eq!(
+        log.lines_with("route `warnednew` is never reached").len(),
+        1
+    );
+    assert_eq!(warned(), 1, "said once, at the start");
+}

@@ -141,11 +141,32 @@ fn changed_files(before: &[(PathBuf, String)], after: &[(PathBuf, String)]) -> S
     }
 }
 
-/// Each warning once per load that brings it: a policy that loads is still worth a look when
-/// part of it does nothing.
-fn log_warnings(policy: &Policy) {
+/// Each warning at the load that brings it: a policy that loads is still worth a look when
+/// part of it does nothing. Those the policy in effect had already (the same file and words,
+/// wherever the line moved) are counted in one info line instead: repeated at every reload,
+/// they made an alert on warnings fire at every deploy.
+fn log_warnings(policy: &Policy, previous: Option<&Policy>) {
+    let known = |warning: &super::diag::Diagnostic| {
+        previous.is_some_and(|previous| {
+            let words = without_positions(&warning.message);
+            previous.warnings.iter().any(|before| {
+                before.file == warning.file && without_positions(&before.message) == words
+            })
+        })
+    };
+    let mut as_before = 0;
     for warning in &policy.warnings {
-        tracing::warn!("policy: {}", warning.one_line());
+        if known(warning) {
+            as_before += 1;
+        } else {
+            tracing::warn!("policy: {}", warning.one_line());
+        }
+    }
+    if as_before > 0 {
+        tracing::info!(
+            "policy: {} as before (`levee check` and /status list them)",
+            super::units::counted(as_before, "warning")
+        );
     }
 }
 
@@ -198,6 +219,23 @@ pub fn check_state_file_writable(policy: &mut Policy) {
 /// what the limit allows (logged); a value the policy sets is kept, with a warning where the
 /// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
 /// in the compiler: `levee check` runs in a shell whose limit is not the service's.
+/// `message` without the `:line:col` of the places it names (`route `shop` before it
+/// (a.toml:5:8)`), which an edit elsewhere in the file moves.
+fn without_positions(message: &str) -> String {
+    let mut words = String::with_capacity(message.len());
+    let mut chars = message.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == ':' && chars.peek().is_some_and(char::is_ascii_digit) {
+            while chars.peek().is_some_and(char::is_ascii_digit) {
+                chars.next();
+            }
+        } else {
+            words.push(c);
+        }
+    }
+    words
+}
+
 /// `before`: the bound the policy in effect has (a reload), logged again only when it changes:
 /// not on every save of a file.
 fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option<u32>) {
@@ -233,7 +271,7 @@ impl PolicyStore {
         policy.loaded_at_unix = now_unix();
         fit_connections_to_open_files(dir, &mut policy, None);
         check_state_file_writable(&mut policy);
-        log_warnings(&policy);
+        log_warnings(&policy, None);
         metrics.policy_generation.set(1);
         Ok(PolicyStore {
             dir: dir.to_path_buf(),
@@ -449,7 +487,7 @@ impl PolicyStore {
                     changed: true,
                     warnings: policy.warnings.clone(),
                 };
-                log_warnings(&policy);
+                log_warnings(&policy, Some(&previous));
                 self.current.store(Arc::new(policy));
                 self.metrics.policy_reloads.inc();
                 self.metrics
