@@ -172,6 +172,25 @@ file_put_contents(__DIR__ . '/../applied.log', $line, FILE_APPEND | LOCK_EX);
 echo "ok";
 "#;
 
+/// An event stream for twenty seconds, a line every 200 ms; says in applied.log at which line
+/// it ended (PHP stops it at a write once its client has gone, `ignore_user_abort` being off,
+/// PHP's default).
+const EVENTS_PHP: &str = r#"<?php
+ignore_user_abort(false);
+$i = 0;
+register_shutdown_function(function () use (&$i) {
+    file_put_contents(__DIR__ . '/../applied.log', "events ended at $i\n", FILE_APPEND | LOCK_EX);
+});
+header('Content-Type: text/event-stream');
+for (; $i < 100; $i++) {
+    // (A comment line of 8 KiB with each event: PHP-FPM writes its buffer out, and so finds
+    // a closed connection, when it fills; a small flush may not.)
+    echo ': ' . str_repeat('x', 8192) . "\ndata: $i\n\n";
+    flush();
+    usleep(200000);
+}
+"#;
+
 fn echo_script(which: &str) -> String {
     ["<?php\n$which = '", which, "';\n", ECHO_BODY].concat()
 }
@@ -208,6 +227,7 @@ impl Site {
             ("notify.php", NOTIFY_PHP.to_string()),
             ("no-content.php", NO_CONTENT_PHP.to_string()),
             ("etag.php", ETAG_PHP.to_string()),
+            ("events.php", EVENTS_PHP.to_string()),
         ];
         for (name, code) in scripts {
             std::fs::write(www.join(name), code).expect("script");
@@ -1199,4 +1219,48 @@ async fn a_body_its_client_leaves_unfinished_never_runs_the_script() {
     assert_eq!(answer.status, 200, "{}", answer.text());
     assert_eq!(answer.json()["length"], 3_000_000);
     assert_eq!(answer.json()["sha256"], sha256_hex(&large));
+}
+
+/// A visitor who leaves an event stream (or an export, a progress page) stops the script at
+/// its next write, as behind nginx (`fastcgi_ignore_client_abort off`), and frees its slot:
+/// read on, it held a php-fpm worker and a `max_inflight` slot for `response_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_visitor_leaving_a_stream_stops_the_script_as_behind_nginx() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let site = Site::start().await;
+    let levee = site
+        .levee("", "max_inflight = 1\nresponse_timeout = \"60s\"")
+        .await;
+    let mut stream = tokio::net::TcpStream::connect(levee.public)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET /events.php HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .expect("ask");
+    let mut seen = Vec::new();
+    let mut buffer = vec![0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: 1\n") {
+        let read = stream.read(&mut buffer).await.expect("read");
+        assert!(read > 0, "{}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buffer[..read]);
+    }
+    drop(stream);
+    let log = std::path::Path::new(&site.docroot).join("../applied.log");
+    eventually(Duration::from_secs(10), "the script to stop", || async {
+        std::fs::read_to_string(&log).is_ok_and(|text| text.contains("events ended at "))
+    })
+    .await;
+    let ended = std::fs::read_to_string(&log).unwrap_or_default();
+    let at: u32 = ended
+        .trim()
+        .rsplit(' ')
+        .next()
+        .and_then(|at| at.parse().ok())
+        .unwrap_or(100);
+    assert!(at < 50, "stopped early, not run to its end: {ended}");
+    eventually(Duration::from_secs(10), "the slot freed", || async {
+        get(&levee.url("/echo.php")).await.status == 200
+    })
+    .await;
 }

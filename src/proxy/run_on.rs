@@ -12,6 +12,16 @@
 //! told nothing more: the client's going is judged where it happens (see `Permit`), and a
 //! call nobody waits for is no second verdict.
 //!
+//! Once the answer's head is in, though, the script writes as it runs (PHP sends the head at
+//! its first flush): an export, a progress page, an event stream. Read on, such a call held
+//! its php-fpm worker and its slot for up to `response_timeout` after its client left (20
+//! abandoned event-stream pages shed a site whose pool they filled), where nginx in front of
+//! php-fpm closes the connection and PHP stops the script at its next write
+//! (`fastcgi_ignore_client_abort off`, `ignore_user_abort` off: both defaults). So the rest of
+//! a streaming answer is read for [`RUN_ON_MID_BODY`] at most (a page already written whole
+//! ends within it, and its connection is kept), then the connection is closed and the slot
+//! freed: the app sees its client go as it did behind its own nginx.
+//!
 //! But for a half-open breaker's probe, which is the breaker's question to the app rather
 //! than the client's: sent whole, it runs on to its answer (bulkhead or not), keeping its
 //! probe slot, and that answer is the probe's verdict. Freed when its client left, the slot
@@ -42,6 +52,10 @@ use crate::error::BoxError;
 use crate::metrics::Metrics;
 
 type Call = Pin<Box<dyn Future<Output = Result<Answered, ClientError>> + Send>>;
+
+/// How long the rest of an answer whose client left mid-body is read before its connection is
+/// closed (see the module's text).
+const RUN_ON_MID_BODY: Duration = Duration::from_secs(1);
 
 /// The call itself: `request` sent to `upstream`, within `response_timeout` (the upstream's,
 /// or what a request that waited for another's fetch has left of it); `sent_whole` is set
@@ -231,8 +245,9 @@ async fn read_rest<B: Body + Unpin>(mut body: B, slot: Option<Slot>, within: Dur
 pin_project_lite::pin_project! {
     /// An upstream answer's body that holds the call's bulkhead slot until it ends: the
     /// script may still be running while its page streams (PHP sends the head at its first
-    /// flush). Dropped before its end (the client hung up), it is read on to its end by a
-    /// task of its own, which frees the slot then.
+    /// flush). Dropped before its end (the client hung up), it is read on by a task of its
+    /// own for [`RUN_ON_MID_BODY`] at most, which then closes the connection and frees the
+    /// slot.
     pub(super) struct SlotHeld<B>
     where
         B: Body,
@@ -269,12 +284,13 @@ impl<B> SlotHeld<B>
 where
     B: Body + Unpin + Send + 'static,
 {
-    /// Once nobody waits for it, the rest is read for at most `upstream`'s response timeout.
+    /// Once nobody waits for it, the rest is read for at most [`RUN_ON_MID_BODY`] (or
+    /// `upstream`'s response timeout, if shorter), then the connection closed.
     pub(super) fn new(inner: B, slot: Slot, upstream: &Upstream) -> SlotHeld<B> {
         SlotHeld {
             inner: Some(inner),
             slot: Some(slot),
-            within: upstream.settings.response_timeout,
+            within: upstream.settings.response_timeout.min(RUN_ON_MID_BODY),
         }
     }
 }
