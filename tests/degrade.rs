@@ -3299,3 +3299,71 @@ async fn switches_in_effect_are_carried_into_a_redis_added_later() {
         "{carried:?}"
     );
 }
+
+/// An event stream on a `stale` route is each client's own: never shared by a second
+/// visitor's request (who waited for the first one's whole stream and got its events in one
+/// lump) nor kept as the route's copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_stream_on_a_stale_route_is_never_shared_nor_kept() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let asked = Arc::new(AtomicUsize::new(0));
+    let backend = {
+        let asked = asked.clone();
+        Backend::start(move |_request: Request<Incoming>| {
+            let number = asked.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                // Its own events, one now and then one every 300 ms, for three seconds.
+                let events = futures_util::stream::unfold(0, move |step| async move {
+                    if step > 0 {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                    }
+                    let event = format!("data: stream {number} event {step}\n\n");
+                    let frame = hyper::body::Frame::data(bytes::Bytes::from(event));
+                    (step < 10).then_some((Ok::<_, BoxError>(frame), step + 1))
+                });
+                let mut response = Response::new(http_body_util::BodyExt::boxed_unsync(
+                    http_body_util::StreamBody::new(events),
+                ));
+                response.headers_mut().insert(
+                    "content-type",
+                    http::HeaderValue::from_static("text/event-stream"),
+                );
+                response
+            }
+        })
+        .await
+    };
+    let levee = levee_with_routes(
+        &backend,
+        "match = { path_prefix = \"/ranking\" }",
+        "match = { path_prefix = \"/ranking\" }",
+    )
+    .await;
+    let first_event = |levee_addr: std::net::SocketAddr| async move {
+        let mut stream = tokio::net::TcpStream::connect(levee_addr)
+            .await
+            .expect("connect");
+        stream
+            .write_all(b"GET /ranking/events HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("ask");
+        let mut seen = Vec::new();
+        let mut buffer = vec![0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains("event 0") {
+            let read = stream.read(&mut buffer).await.expect("read");
+            assert!(read > 0, "{}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buffer[..read]);
+        }
+        (stream, String::from_utf8_lossy(&seen).into_owned())
+    };
+    let (_first, seen) = first_event(levee.public).await;
+    assert!(seen.contains("data: stream 1 event 0"), "{seen}");
+    // While the first stream runs: the second visitor's own stream, from its first event.
+    let (_second, seen) = first_event(levee.public).await;
+    assert!(seen.contains("data: stream 2 event 0"), "{seen}");
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        metrics.contains("levee_stale_not_kept_total{route=\"ranking\",reason=\"event_stream\"}"),
+        "{metrics}"
+    );
+}

@@ -814,6 +814,12 @@ pub fn why_not_storable(
     if status != StatusCode::OK {
         return not("status");
     }
+    // An event stream never ends as a page does, and its events are each client's own: kept
+    // (or shared), a second visitor waited for the first one's whole stream and got its
+    // events in one lump, and one at a degraded level got a recording.
+    if is_event_stream(headers) {
+        return not("event_stream");
+    }
     let cache_control = headers
         .get_all(header::CACHE_CONTROL)
         .iter()
@@ -868,6 +874,20 @@ pub fn why_not_storable(
     None
 }
 
+/// Whether the answer is an event stream (`Content-Type: text/event-stream`, Server-Sent
+/// Events).
+pub fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| {
+            value
+                .split(';')
+                .next()
+                .is_some_and(|kind| kind.trim().eq_ignore_ascii_case("text/event-stream"))
+        })
+}
+
 /// What a `reason` of [`why_not_storable`] means, for the log.
 pub fn not_kept_because(reason: &str) -> &'static str {
     match reason {
@@ -878,6 +898,7 @@ pub fn not_kept_because(reason: &str) -> &'static str {
         "vary" => "its Vary names a field the copy is not keyed by (list it in vary)",
         "content_coded" => "the app compressed it, though levee asked for it uncompressed",
         "too_large" => "it is larger than max_body",
+        "event_stream" => "it is an event stream (text/event-stream), open-ended and each client's own: give it a route without stale",
         _ => "its status is not 200",
     }
 }
@@ -1651,6 +1672,12 @@ mod tests {
         // WordPress's logged-in pages.
         let wordpress = marked("no-cache, must-revalidate, max-age=0");
         assert_eq!(reason(&wordpress, true), Some("cookie_no_cache"));
+        let mut events = HeaderMap::new();
+        events.insert(
+            header::CONTENT_TYPE,
+            "Text/Event-Stream; charset=utf-8".parse().expect("value"),
+        );
+        assert_eq!(reason(&events, false), Some("event_stream"));
         assert_eq!(reason(&wordpress, false), None);
         assert_eq!(reason(&marked("max-age=0"), true), Some("cookie_no_cache"));
         assert_eq!(reason(&marked("max-age=60"), true), None);
