@@ -25,6 +25,8 @@ const SLOWER: u8 = 4;
 const SLOW_BODY: u8 = 5;
 /// 16 MiB at once: more than the sockets between levee and a client hold.
 const LARGE: u8 = 6;
+/// As SLOW_BODY, as an event stream (`text/event-stream`).
+const EVENTS: u8 = 7;
 
 /// A backend whose behaviour the test switches at will.
 async fn switchable() -> (Backend, Arc<AtomicU8>) {
@@ -50,7 +52,7 @@ async fn switchable() -> (Backend, Arc<AtomicU8>) {
                     tokio::time::sleep(Duration::from_secs(2)).await;
                     Response::new(full("slow ok"))
                 }
-                SLOW_BODY => {
+                SLOW_BODY | EVENTS => {
                     let pieces = futures_util::stream::unfold(0, |step| async move {
                         let piece = match step {
                             0 => Bytes::from(vec![b' '; 4096]),
@@ -62,7 +64,15 @@ async fn switchable() -> (Backend, Arc<AtomicU8>) {
                         };
                         Some((Ok::<_, BoxError>(hyper::body::Frame::data(piece)), step + 1))
                     });
-                    Response::new(http_body_util::StreamBody::new(pieces).boxed_unsync())
+                    let mut response =
+                        Response::new(http_body_util::StreamBody::new(pieces).boxed_unsync());
+                    if mode == EVENTS {
+                        response.headers_mut().insert(
+                            "content-type",
+                            http::HeaderValue::from_static("text/event-stream"),
+                        );
+                    }
+                    response
                 }
                 LARGE => Response::new(full(vec![b'x'; 16 << 20])),
                 _ => Response::new(full("ok")),
@@ -641,6 +651,37 @@ async fn a_page_slow_in_its_body_is_a_slow_call() {
 
     assert!(get(&levee.url("/")).await.text().ends_with("slow ok"));
     assert_eq!(breaker_state(&levee, "app").await, "open", "2 slow of 2");
+}
+
+/// An event stream is settled at its head: open-ended by design, timed to its end a healthy
+/// stream counted as a slow call (the breaker opened on an app with `slow_call`) and as
+/// latency (a `latency_p95` trigger raised the level).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_stream_is_no_slow_call() {
+    let (backend, mode) = switchable().await;
+    let policy = breaker_policy(
+        &backend,
+        "consecutive_failures = 0, slow_call = \"100ms\", slow_ratio = 0.5, min_requests = 2, open_for = \"60s\"",
+        FRIENDLY,
+    )
+    .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
+    let levee = Levee::start(&policy).await;
+    mode.store(EVENTS, Ordering::SeqCst);
+    for _ in 0..3 {
+        let answer = get(&levee.url("/")).await;
+        assert!(
+            answer.text().ends_with("slow ok"),
+            "{} {}",
+            answer.status,
+            answer.text()
+        );
+    }
+    assert_eq!(breaker_window(&levee).await, ("closed".to_string(), 3, 0));
+    let status = get(&levee.admin_url("/status")).await.json();
+    let p95 = status["upstreams"][0]["latency_p95_ms"]
+        .as_f64()
+        .expect("a number");
+    assert!(p95 < 300.0, "timed to the head: {p95} ms");
 }
 
 /// A client that reads a large page slowly (a phone on a bad line) holds levee back, not the

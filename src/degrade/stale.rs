@@ -879,13 +879,13 @@ pub fn why_not_storable(
 pub fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| {
-            value
-                .split(';')
-                .next()
-                .is_some_and(|kind| kind.trim().eq_ignore_ascii_case("text/event-stream"))
-        })
+        .is_some_and(|value| is_event_stream_type(value.as_bytes()))
+}
+
+/// Whether a `Content-Type` value names an event stream (`text/event-stream; charset=utf-8`).
+pub fn is_event_stream_type(value: &[u8]) -> bool {
+    let kind = value.split(|&byte| byte == b';').next().unwrap_or_default();
+    kind.trim_ascii().eq_ignore_ascii_case(b"text/event-stream")
 }
 
 /// What a `reason` of [`why_not_storable`] means, for the log.

@@ -200,6 +200,12 @@ impl From<ChunkedError> for ClientError {
 #[derive(Clone, Copy, Debug)]
 pub struct CloseDelimited;
 
+/// On a response that is an event stream (`Content-Type: text/event-stream`): its body is
+/// open-ended by design (see `proxy::forward`). Told whether its fields were parsed or are
+/// only relayed.
+#[derive(Clone, Copy, Debug)]
+pub struct EventStream;
+
 /// A response head and when the request had gone out whole (or the answer came before it
 /// had): the upstream's own latency counts from there.
 pub struct Answered {
@@ -729,6 +735,9 @@ impl Client {
         if matches!(framing, Framing::UntilClose) {
             response.extensions_mut().insert(CloseDelimited);
         }
+        if head.event_stream {
+            response.extensions_mut().insert(EventStream);
+        }
         let mut body = Incoming {
             connection: Some(connection),
             framing,
@@ -1063,6 +1072,8 @@ struct ResponseHead {
     received: Option<ReceivedHead>,
     framing: Framing,
     keep_alive: bool,
+    /// `Content-Type: text/event-stream`.
+    event_stream: bool,
 }
 
 /// The reason phrase the upstream wrote on its status line, when it is not the standard one:
@@ -1267,8 +1278,12 @@ fn parse_response_head(
     let mut keep_alive = version == Version::HTTP_11;
     let mut length_field: Option<u64> = None;
     let mut chunked = false;
+    let mut event_stream = false;
     for (index, field) in parsed.headers.iter().enumerate() {
         let kind = FieldKind::of(field.name.as_bytes());
+        if kind == FieldKind::ContentType {
+            event_stream = crate::degrade::stale::is_event_stream_type(field.value);
+        }
         match kind {
             FieldKind::ContentLength => {
                 let parsed = parse_content_length(field.value.trim_ascii())
@@ -1313,7 +1328,7 @@ fn parse_response_head(
             }
             FieldKind::HopByHop => {}
             FieldKind::RateLimit => lines = None,
-            FieldKind::Date | FieldKind::Other => {
+            FieldKind::Date | FieldKind::ContentType | FieldKind::Other => {
                 if let Some(kept) = &mut lines {
                     let start = offset(field.name.as_bytes());
                     let end = parsed
@@ -1355,6 +1370,7 @@ fn parse_response_head(
             received: None,
             framing,
             keep_alive,
+            event_stream,
         })));
     }
 
@@ -1399,6 +1415,7 @@ fn parse_response_head(
         received: Some(ReceivedHead(head)),
         framing,
         keep_alive,
+        event_stream,
     })))
 }
 
@@ -1420,6 +1437,7 @@ enum FieldKind {
     /// The other hop-by-hop fields (RFC 9110 7.6.1): never passed on.
     HopByHop,
     Date,
+    ContentType,
     /// `RateLimit` and `RateLimit-Policy`, which levee sets in place of the upstream's own
     /// when the route has limits: such a head is parsed, so that they are replaced.
     RateLimit,
@@ -1438,6 +1456,8 @@ impl FieldKind {
             FieldKind::Connection
         } else if is(&header::DATE) {
             FieldKind::Date
+        } else if is(&header::CONTENT_TYPE) {
+            FieldKind::ContentType
         } else if HOP_BY_HOP.iter().any(|hop| is(hop)) {
             FieldKind::HopByHop
         } else if is(&RATELIMIT) || is(&RATELIMIT_POLICY) {

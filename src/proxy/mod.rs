@@ -915,10 +915,17 @@ async fn forward(
     let answered_at = Instant::now();
     let until_head = answered_at.saturating_duration_since(waited_from);
     // An answer with a body still to come is timed, and its call recorded, when the body
-    // ends (see `upstream_time`); but for a failure status, which settles the call at once.
+    // ends (see `upstream_time`); but for a failure status, which settles the call at once,
+    // and for an event stream, settled at its head: its body is open-ended by design, and
+    // timed to its end a healthy stream of a minute counted as a slow call (opening the
+    // breaker of an app with `slow_call`) and as a minute of latency (raising the level of a
+    // `latency_p95` trigger), and its client's going or a quiet spell cut by
+    // `idle_body_timeout` as the app's failure.
     let body_to_come = matches!(&answer, Ok(response)
         if response.status() != StatusCode::SWITCHING_PROTOCOLS
-            && !http_body::Body::is_end_stream(response.body()));
+            && !http_body::Body::is_end_stream(response.body())
+            && response.extensions().get::<client::EventStream>().is_none()
+            && !crate::degrade::stale::is_event_stream(response.headers()));
     let mut call_end = None;
     // Record: only the upstream's own failures count against its breaker.
     let failure_status = match &answer {
