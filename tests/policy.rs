@@ -745,7 +745,11 @@ fn toml_blocks(path: &str) -> Vec<levee::config::SourceFile> {
 #[test]
 fn every_toml_example_in_the_policy_reference_uses_real_keys() {
     let mut blocks = 0;
-    for (index, file) in toml_blocks("docs/policy.md").into_iter().enumerate() {
+    for (index, file) in toml_blocks("docs/policy.md")
+        .into_iter()
+        .chain(toml_blocks("docs/operations.md"))
+        .enumerate()
+    {
         let text = file.text.clone();
         // Examples are fragments (a route may name an upstream shown elsewhere), so only
         // syntax and key names are checked here, not cross-references.
@@ -755,7 +759,7 @@ fn every_toml_example_in_the_policy_reference_uses_real_keys() {
                 assert!(
                     !hint.starts_with("check the spelling")
                         && !hint.starts_with("this is not valid TOML"),
-                    "docs/policy.md example {index} is wrong: {diagnostic}\n{text}"
+                    "docs example {index} is wrong: {diagnostic}\n{text}"
                 );
             }
         }
