@@ -229,7 +229,10 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
             .is_err()
         {
             lifecycle_shared.cutting_off.store(true, Ordering::Relaxed);
-            tracing::warn!(timeout = ?settings.shutdown_timeout, "in-flight requests did not finish in time; stopping anyway");
+            // How many: streams and downloads longer than drain and shutdown_timeout are
+            // always among them (each logged `error=cut_off_at_shutdown`).
+            let cut = lifecycle_shared.metrics.inflight.get();
+            tracing::warn!(timeout = ?settings.shutdown_timeout, in_flight = cut, "in-flight requests did not finish in time; stopping anyway, cutting them off (access log error=cut_off_at_shutdown)");
         }
         if tokio::time::timeout_at(deadline, queue_task).await.is_err() {
             tracing::warn!(timeout = ?settings.shutdown_timeout, "a queued job's replay did not finish in time; stopping anyway (another worker replays it after claim_after, with the same Idempotency-Key)");

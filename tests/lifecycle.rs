@@ -569,3 +569,74 @@ async fn the_binary_leaves_the_fleet_view_when_it_stops() {
     }
     assert_eq!(lines().trim(), "0", "the line outlived the process");
 }
+
+/// A stream still going when `shutdown_timeout` runs out is cut by levee's stop, and its
+/// access line says so: it read `complete=false error=-`, as a client's going does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_at_shutdown_is_logged_as_such() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start(|_request: Request<Incoming>| async {
+        let events = futures_util::stream::unfold(0u32, |step| async move {
+            if step > 0 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let frame = hyper::body::Frame::data(bytes::Bytes::from(format!("data: {step}\n\n")));
+            Some((Ok::<_, BoxError>(frame), step + 1))
+        });
+        Response::new(http_body_util::BodyExt::boxed_unsync(
+            http_body_util::StreamBody::new(events),
+        ))
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (public, admin) = (free_port(), free_port());
+    binary_policy(dir.path(), public, admin, backend.addr, "/events");
+    let policy = dir.path().join("levee.toml");
+    let text = std::fs::read_to_string(&policy).expect("read");
+    std::fs::write(
+        &policy,
+        text.replace(
+            "drain = \"200ms\"",
+            "drain = \"0s\"\nshutdown_timeout = \"300ms\"",
+        ),
+    )
+    .expect("write");
+    let log_path = dir.path().join("levee.log");
+    let log = std::fs::File::create(&log_path).expect("log");
+    let mut levee = ChildGuard::spawn(
+        "levee",
+        Command::new(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(dir.path())
+            .arg("--no-watch")
+            .env_remove("LEVEE_LOG")
+            .stderr(log),
+    );
+    let address = std::net::SocketAddr::from(([127, 0, 0, 1], public));
+    wait_for_port(address, "levee to listen").await;
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET /events HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .expect("ask");
+    let mut head = vec![0u8; 1024];
+    let read = stream.read(&mut head).await.expect("read");
+    assert!(head[..read].starts_with(b"HTTP/1.1 200"));
+    signal(levee.pid(), "TERM");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !matches!(levee.child.try_wait(), Ok(Some(_))) {
+        assert!(std::time::Instant::now() < deadline, "levee did not stop");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let logged = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        logged.lines().any(|line| line.contains("path=/events")
+            && line.contains("complete=false")
+            && line.contains("error=\"cut_off_at_shutdown\"")),
+        "{logged}"
+    );
+    assert!(logged.contains("in_flight=1"), "{logged}");
+}

@@ -2026,6 +2026,11 @@ impl OnBodyEnd for Exchange {
                 path = %LoggedTarget::of(&self.shared, &self.uri, false),
                 "upstream `{upstream}`'s answer was cut off after {bytes} bytes of its body: {failure}"
             );
+        } else if !complete && self.shared.cutting_off.load(Ordering::Relaxed) {
+            // A stream or a download still going when `shutdown_timeout` ran out: levee's
+            // stop cut it, not the client (it read `complete=false error=-`, as a client's
+            // going does).
+            self.error = Some("cut_off_at_shutdown");
         }
         self.report(bytes, complete);
     }
