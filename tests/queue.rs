@@ -553,8 +553,17 @@ async fn the_old_queue_of_a_route_whose_key_prefix_changed_stays_in_reach() {
     std::fs::write(levee.policy_file(), &moved).expect("rewrite the policy");
     let reloaded = post(&levee.admin_url("/reload"), "").await;
     assert_eq!(reloaded.status, 200, "{}", reloaded.text());
-    // The switches under the new prefix are the policy's: the module is on, the old jobs are
-    // replayed, refused (422) and dead-lettered in the old queue.
+    // The switch in effect is carried to the new prefix, which held none; handed back, the
+    // module is on, and the old jobs are replayed, refused (422) and dead-lettered in the
+    // old queue.
+    eventually(Duration::from_secs(5), "the switch carried", || async {
+        redis
+            .cli(&["HEXISTS", "site2:switches", "module:notifications"])
+            .trim()
+            == "1"
+    })
+    .await;
+    switch(&levee, "policy").await;
     let old = "levee:queue:{notify}:jobs";
     eventually(
         Duration::from_secs(10),
