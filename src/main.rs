@@ -14,12 +14,18 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-/// What `levee --version` says: a profile-guided build (bench/pgo-build.sh) says so, as its
-/// speed differs from a plain `cargo build --release`.
+/// What `levee --version` says: the version and the commit built (see build.rs); a
+/// profile-guided build (bench/pgo-build.sh) says so, as its speed differs from a plain
+/// `cargo build --release`.
 #[cfg(levee_pgo)]
-const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (profile-guided build)");
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("LEVEE_COMMIT"),
+    ", profile-guided build)"
+);
 #[cfg(not(levee_pgo))]
-const VERSION: &str = env!("CARGO_PKG_VERSION");
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("LEVEE_COMMIT"), ")");
 
 #[derive(Parser)]
 #[command(

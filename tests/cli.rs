@@ -473,3 +473,26 @@ fn a_listen_address_levee_cannot_take_is_named_with_its_file_and_line() {
         "{stderr}"
     );
 }
+
+/// `levee --version` names the commit built, so an operator upgrading a fleet tells an old
+/// binary from a new one (both said "0.1.0").
+#[test]
+fn the_version_names_the_commit_built() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_levee"))
+        .arg("--version")
+        .output()
+        .expect("run levee --version");
+    let said = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short=9", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|output| output.status.success())
+        .map(|output| String::from_utf8_lossy(&output.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown commit".into());
+    assert_eq!(
+        said,
+        format!("levee {} ({commit})", env!("CARGO_PKG_VERSION"))
+    );
+}

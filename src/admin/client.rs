@@ -379,8 +379,13 @@ pub fn summarize(status: &serde_json::Value) -> String {
     let policy = &status["policy"];
     let _ = writeln!(
         out,
-        "levee {}{}",
+        "levee {}{}{}",
         status["version"].as_str().unwrap_or("?"),
+        // An older levee sends no commit.
+        status["commit"]
+            .as_str()
+            .map(|commit| format!(" ({commit})"))
+            .unwrap_or_default(),
         if status["draining"] == true {
             "  (DRAINING)"
         } else {

@@ -1092,6 +1092,8 @@ fn status(shared: &Shared) -> serde_json::Value {
     });
     json!({
         "version": env!("CARGO_PKG_VERSION"),
+        // The commit built (see build.rs): a fleet mid-upgrade tells old binaries from new.
+        "commit": env!("LEVEE_COMMIT"),
         "instance": shared.instance,
         "draining": shared.draining.load(Ordering::Relaxed),
         "connections": {

@@ -70,7 +70,7 @@ pub fn report_of(shared: &Shared, policy: &Policy) -> Report {
         automatic_level: degrade.auto_level(),
         breakers,
         draining: shared.draining.load(Ordering::Relaxed),
-        version: env!("CARGO_PKG_VERSION").to_string(),
+        version: concat!(env!("CARGO_PKG_VERSION"), " (", env!("LEVEE_COMMIT"), ")").to_string(),
         sync_interval_ms: policy.degrade.sync_interval.as_millis() as u64,
         at_unix_ms: 0,
     }
