@@ -163,6 +163,31 @@ enum LogFormat {
 /// them).
 const DEFAULT_LOG: &str = "info,redis=error";
 
+/// What follows `levee::` in a target levee logs under: its modules (`levee::proxy::…`), and
+/// the access log's `levee::access`.
+const LEVEE_TARGETS: [&str; 20] = [
+    "access",
+    "admin",
+    "app",
+    "breaker",
+    "config",
+    "cpu_quota",
+    "degrade",
+    "error",
+    "limit",
+    "log_throttle",
+    "metrics",
+    "open_files",
+    "printable",
+    "proxy",
+    "queue",
+    "redis_batch",
+    "redis_cluster",
+    "redis_sentinel",
+    "redis_store",
+    "redis_wait",
+];
+
 /// The log filter `LEVEE_LOG` asks for, or the default with the reason it was not taken: a
 /// typo (`warnn`, read as a target to log everything of) or an empty value logged nothing at
 /// all, and one bad word in a list dropped the whole list, without a word.
@@ -201,6 +226,24 @@ fn log_filter(asked: Option<&str>) -> (tracing_subscriber::EnvFilter, Option<Str
             default(),
             not_taken(format!(
                 "names `{word}`, which is neither a level nor a part of levee"
+            )),
+        );
+    }
+    // `levee::acess=off` is read as a target nothing logs under: the access log stayed on.
+    let misspelt = asked
+        .split(',')
+        .filter_map(|directive| directive.trim().split(['=', '[']).next())
+        .find(|target| {
+            target
+                .strip_prefix("levee::")
+                .and_then(|path| path.split("::").next())
+                .is_some_and(|part| !LEVEE_TARGETS.contains(&part))
+        });
+    if let Some(target) = misspelt {
+        return (
+            default(),
+            not_taken(format!(
+                "names `{target}`, which is no part of levee (levee::access, levee::proxy, levee::breaker, levee::degrade, levee::queue, levee::redis_store, …)"
             )),
         );
     }
@@ -496,6 +539,7 @@ mod tests {
             Some("info,levee::access=off"),
             Some("levee=debug,redis=info"),
             Some("levee"),
+            Some("info,levee::proxy::upstream=debug,levee::access=off"),
         ] {
             assert_eq!(said(fine), None, "{fine:?}");
         }
@@ -504,6 +548,7 @@ mod tests {
             ("", "is empty"),
             ("  ", "is empty"),
             ("levee=warn,levee::access=of", "is not understood"),
+            ("info,levee::acess=off", "names `levee::acess`"),
         ] {
             let told = said(Some(asked)).unwrap_or_default();
             assert!(
@@ -511,5 +556,22 @@ mod tests {
                 "{asked:?}: {told}"
             );
         }
+    }
+
+    #[test]
+    fn every_module_of_levee_is_a_target_levee_log_takes() {
+        let mut modules: Vec<&str> = include_str!("lib.rs")
+            .lines()
+            .filter_map(|line| line.strip_prefix("pub mod "))
+            .map(|name| name.trim_end_matches(';'))
+            .collect();
+        let mut known: Vec<&str> = super::LEVEE_TARGETS
+            .iter()
+            .copied()
+            .filter(|target| *target != "access")
+            .collect();
+        known.sort_unstable();
+        modules.sort_unstable();
+        assert_eq!(known, modules);
     }
 }

@@ -500,14 +500,26 @@ pub async fn spawn_sync(
                 // A place that holds no switches at all, not even who handed the last one
                 // back, never had the fleet's (the first start since `[redis]` was added) or
                 // lost them: the local copy's are carried into it, not overwritten by none.
-                if switches == RuntimeSwitches::default() && handed_back_by.is_none() {
-                    if let Ok(copy) = load_file(&policy.degrade.state_file) {
-                        if copy != RuntimeSwitches::default()
-                            && carry_into(redis, &copy, Carried::LocalCopy(&policy)).await
-                        {
-                            switches = copy;
-                        }
+                let copy = load_file(&policy.degrade.state_file).ok();
+                let absent = switches == RuntimeSwitches::default() && handed_back_by.is_none();
+                match copy {
+                    Some(copy)
+                        if absent
+                            && copy != RuntimeSwitches::default()
+                            && carry_into(redis, &copy, Carried::LocalCopy(&policy)).await =>
+                    {
+                        switches = copy;
                     }
+                    // The fleet's word wins over this instance's last copy; said, as a reload
+                    // says what it follows, so a switch of its own that is dropped is seen.
+                    Some(copy) if copy != switches && policy.degrade.state_file.exists() => {
+                        tracing::info!(
+                            changes = %crate::printable::printable(&describe_changes(&copy, &switches)),
+                            state_file = %policy.degrade.state_file.display(),
+                            "started with the fleet's degrade switches from redis, not those of the local copy"
+                        );
+                    }
+                    _ => {}
                 }
                 keep_local_copy(&policy, &switches).await;
                 // The cookie names the fleet learned, known before the first request here
@@ -676,17 +688,17 @@ async fn carry_into(redis: &RedisStore, switches: &RuntimeSwitches, why: Carried
             match why {
                 Carried::Lost => tracing::warn!(
                     key = %key,
-                    kept = ?kept,
+                    kept = %crate::printable::printable(&kept),
                     "redis holds no degrade switches, not even who handed the last one back: it lost its data (restarted without persistence, flushed, or a replica's full resync from an empty master); this instance wrote back the switches in effect here, and the fleet follows them (hand them back with levee level/module/breaker … auto, not by deleting the key)"
                 ),
                 Carried::Moved => tracing::warn!(
                     key = %key,
-                    kept = ?kept,
+                    kept = %crate::printable::printable(&kept),
                     "[redis] names a place that holds no degrade switches yet (a reload added [redis] or moved it): this instance carried the switches in effect here into it, and the fleet follows them (hand them back with levee level/module/breaker … auto)"
                 ),
                 Carried::LocalCopy(policy) => tracing::warn!(
                     key = %key,
-                    kept = ?kept,
+                    kept = %crate::printable::printable(&kept),
                     state_file = %policy.degrade.state_file.display(),
                     "redis holds no degrade switches yet (the first start with [redis], or a Redis that lost its data): this instance carried those of its local copy into it, and the fleet follows them (hand them back with levee level/module/breaker … auto)"
                 ),
@@ -750,26 +762,27 @@ fn log_fleet_change(
 ) {
     let changes = describe_changes(seen, now);
     if *now == RuntimeSwitches::default() {
-        // Debug-quoted, as below: the text comes from Redis. (Redis holding nothing at all,
+        // Made printable, as below: the text comes from Redis. (Redis holding nothing at all,
         // not even who, is a loss or a new place, written to by `carry_into` instead.)
         match handed_back_by {
             Some(by) => tracing::info!(
-                changes = ?changes,
+                changes = %crate::printable::printable(&changes),
                 by = ?by,
                 key = %key,
                 "every runtime switch was handed back to the policy elsewhere in the fleet; following"
             ),
             // (Redis holding nothing at all is never followed: see `carry_into`.)
             None => tracing::info!(
-                changes = ?changes,
+                changes = %crate::printable::printable(&changes),
                 key = %key,
                 "every runtime switch was handed back to the policy elsewhere in the fleet; following"
             ),
         }
     } else {
-        // Debug-quoted: the names and `by` texts come from Redis, where a newline or an
-        // escape sequence would forge a log line or act on a terminal showing the log.
-        tracing::info!(changes = ?changes, "degrade switches changed elsewhere in the fleet; following");
+        // Made printable (not Debug-quoted, which JSON logs then quoted twice): the names and
+        // `by` texts come from Redis, where a newline or an escape sequence would forge a
+        // log line or act on a terminal showing the log.
+        tracing::info!(changes = %crate::printable::printable(&changes), "degrade switches changed elsewhere in the fleet; following");
     }
 }
 

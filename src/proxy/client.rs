@@ -1278,11 +1278,11 @@ fn parse_response_head(
     let mut keep_alive = version == Version::HTTP_11;
     let mut length_field: Option<u64> = None;
     let mut chunked = false;
-    let mut event_stream = false;
+    let mut content_type = None;
     for (index, field) in parsed.headers.iter().enumerate() {
         let kind = FieldKind::of(field.name.as_bytes());
         if kind == FieldKind::ContentType {
-            event_stream = crate::degrade::stale::is_event_stream_type(field.value);
+            content_type = Some(field.value);
         }
         match kind {
             FieldKind::ContentLength => {
@@ -1356,6 +1356,10 @@ fn parse_response_head(
         Framing::UntilClose
     };
     let length_stands = matches!(framing, Framing::Length(_));
+    // An event stream has no length (it is chunked, or ends with the connection): the type
+    // is read only then, not on every page.
+    let event_stream =
+        !length_stands && content_type.is_some_and(crate::degrade::stale::is_event_stream_type);
 
     // The blank line must be CRLF too for the lines before it to be relayed as they are.
     if let Some(kept) = lines.filter(|_| buffer[fields_end..length] == *b"\r\n") {
