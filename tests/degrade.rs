@@ -3305,7 +3305,6 @@ async fn switches_in_effect_are_carried_into_a_redis_added_later() {
 /// lump) nor kept as the route's copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_stream_on_a_stale_route_is_never_shared_nor_kept() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let asked = Arc::new(AtomicUsize::new(0));
     let backend = {
         let asked = asked.clone();
@@ -3339,27 +3338,11 @@ async fn an_event_stream_on_a_stale_route_is_never_shared_nor_kept() {
         "match = { path_prefix = \"/ranking\" }",
     )
     .await;
-    let first_event = |levee_addr: std::net::SocketAddr| async move {
-        let mut stream = tokio::net::TcpStream::connect(levee_addr)
-            .await
-            .expect("connect");
-        stream
-            .write_all(b"GET /ranking/events HTTP/1.1\r\nHost: a\r\n\r\n")
-            .await
-            .expect("ask");
-        let mut seen = Vec::new();
-        let mut buffer = vec![0u8; 4096];
-        while !String::from_utf8_lossy(&seen).contains("event 0") {
-            let read = stream.read(&mut buffer).await.expect("read");
-            assert!(read > 0, "{}", String::from_utf8_lossy(&seen));
-            seen.extend_from_slice(&buffer[..read]);
-        }
-        (stream, String::from_utf8_lossy(&seen).into_owned())
-    };
-    let (_first, seen) = first_event(levee.public).await;
+    let ask = b"GET /ranking/events HTTP/1.1\r\nHost: a\r\n\r\n";
+    let (_first, seen) = streamed_until(levee.public, ask, "event 0").await;
     assert!(seen.contains("data: stream 1 event 0"), "{seen}");
     // While the first stream runs: the second visitor's own stream, from its first event.
-    let (_second, seen) = first_event(levee.public).await;
+    let (_second, seen) = streamed_until(levee.public, ask, "event 0").await;
     assert!(seen.contains("data: stream 2 event 0"), "{seen}");
     let metrics = get(&levee.admin_url("/metrics")).await.text();
     assert!(

@@ -1226,25 +1226,16 @@ async fn a_body_its_client_leaves_unfinished_never_runs_the_script() {
 /// read on, it held a php-fpm worker and a `max_inflight` slot for `response_timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_visitor_leaving_a_stream_stops_the_script_as_behind_nginx() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let site = Site::start().await;
     let levee = site
         .levee("", "max_inflight = 1\nresponse_timeout = \"60s\"")
         .await;
-    let mut stream = tokio::net::TcpStream::connect(levee.public)
-        .await
-        .expect("connect");
-    stream
-        .write_all(b"GET /events.php HTTP/1.1\r\nHost: a\r\n\r\n")
-        .await
-        .expect("ask");
-    let mut seen = Vec::new();
-    let mut buffer = vec![0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: 1\n") {
-        let read = stream.read(&mut buffer).await.expect("read");
-        assert!(read > 0, "{}", String::from_utf8_lossy(&seen));
-        seen.extend_from_slice(&buffer[..read]);
-    }
+    let (stream, _) = streamed_until(
+        levee.public,
+        b"GET /events.php HTTP/1.1\r\nHost: a\r\n\r\n",
+        "data: 1\n",
+    )
+    .await;
     drop(stream);
     let log = std::path::Path::new(&site.docroot).join("../applied.log");
     eventually(Duration::from_secs(10), "the script to stop", || async {

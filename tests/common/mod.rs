@@ -310,6 +310,33 @@ pub async fn raw_exchange(addr: SocketAddr, request: &[u8], within: Duration) ->
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Sends `request` on a new connection to `addr` and reads until what came holds `until`
+/// (a stream's first event, say); the connection stays open for the test to drop.
+pub async fn streamed_until(
+    addr: SocketAddr,
+    request: &[u8],
+    until: &str,
+) -> (tokio::net::TcpStream, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(request).await.expect("write");
+    let mut seen = Vec::new();
+    let mut buffer = vec![0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains(until) {
+        let read = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buffer))
+            .await
+            .expect("read in time")
+            .expect("read");
+        assert!(
+            read > 0,
+            "closed before {until:?}: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buffer[..read]);
+    }
+    (stream, String::from_utf8_lossy(&seen).into_owned())
+}
+
 // ---------------------------------------------------------------------------------------
 // In-process backends
 
