@@ -3350,3 +3350,72 @@ async fn an_event_stream_on_a_stale_route_is_never_shared_nor_kept() {
         "{metrics}"
     );
 }
+
+/// A framework that sets its session cookie on every page (Laravel), on a route that keeps
+/// such pages (`allow_set_cookie`): with the app healthy, a visitor never gets another's page
+/// through a shared fetch (it got the first visitor's CSRF token and no session of its own, and
+/// a logged-in user a guest's page); the copy kept from a guest's page still answers everyone,
+/// the session's carriers too, when the app fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_that_set_a_session_cookie_are_never_shared_with_waiting_visitors() {
+    let asked = Arc::new(AtomicUsize::new(0));
+    let backend = {
+        let asked = asked.clone();
+        Backend::start(move |request: Request<Incoming>| {
+            let number = asked.fetch_add(1, Ordering::SeqCst) + 1;
+            let who = request
+                .headers()
+                .get("cookie")
+                .and_then(|value| value.to_str().ok())
+                .and_then(|cookies| {
+                    cookies
+                        .split(';')
+                        .find_map(|pair| pair.trim().strip_prefix("app_session="))
+                })
+                .map_or_else(|| "guest".to_string(), |id| format!("user {id}"));
+            async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let mut response = html(format!("page {number} for {who}, token {number}"));
+                response.headers_mut().insert(
+                    "set-cookie",
+                    http::HeaderValue::from_str(&format!("app_session=s{number}; path=/"))
+                        .expect("value"),
+                );
+                response
+            }
+        })
+        .await
+    };
+    let levee = levee_with_routes(
+        &backend,
+        "degrade = { action = \"stale\", max_age = \"10m\" }",
+        "degrade = { action = \"stale\", max_age = \"10m\", allow_set_cookie = true }\nfallback = { status = 503, body = \"ranking is resting\" }",
+    )
+    .await;
+    let url = levee.url("/ranking/product");
+    // Two guests at once: each gets a page and a session of its own.
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move { get(&url).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = get(&url).await;
+    let first = first.await.expect("task");
+    assert_ne!(first.text(), second.text());
+    assert!(second.header("set-cookie").is_some(), "its own session");
+    // A logged-in user (the app's session cookie, learned) while a guest's fetch is out.
+    let guest = tokio::spawn({
+        let url = url.clone();
+        async move { get(&url).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let user = get_with(&url, &[("cookie", "app_session=alice")]).await;
+    assert!(user.text().contains("for user alice"), "{}", user.text());
+    let _ = guest.await;
+    // The route off: the guest's page kept, without its cookie, answers the user too.
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let copy = get_with(&url, &[("cookie", "app_session=alice")]).await;
+    assert_eq!(copy.header("x-levee-stale"), Some("1"), "{}", copy.text());
+    assert!(copy.text().contains("for guest"), "{}", copy.text());
+    assert_eq!(copy.header("set-cookie"), None);
+}

@@ -1726,9 +1726,11 @@ fn compile_read(
         admin: admin_settings,
         upstreams,
         default_upstream,
+        // Routes that keep pages setting cookies learn them too: their carriers share no
+        // fetch and keep no copy (see `proxy::Stale::for_request`).
         learns_app_cookies: routes.iter().any(|route| {
             matches!(&route.degrade, Some(DegradeAction::Stale(settings))
-                if settings.learn_private_cookies && !settings.allow_set_cookie)
+                if settings.learn_private_cookies)
         }),
         routes: RouteTable::new(routes, fallback),
         redis: redis_store,

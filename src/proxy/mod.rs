@@ -1253,12 +1253,14 @@ impl Stale {
             return none;
         }
         // Likewise one the app sets without marking its answers private (a session of its own
-        // name on pages that say nothing of caching), unless the route keeps pages that set
-        // cookies, which says they are everyone's.
-        if settings.learn_private_cookies
-            && !settings.allow_set_cookie
-            && app_cookies.carried_by(request.headers(), &settings.vary)
-        {
+        // name on pages that say nothing of caching). On a route that keeps pages setting
+        // cookies (an app that starts a session on every page), such a visitor may still be
+        // answered from the copy when the app fails (a guest's page, its cookies dropped), but
+        // never shares another's fetch nor has its answer kept: a logged-in user got a guest's
+        // page (and token) with the app healthy, and a guest the user's.
+        let carries_learned = settings.learn_private_cookies
+            && app_cookies.carried_by(request.headers(), &settings.vary);
+        if carries_learned && !settings.allow_set_cookie {
             return none;
         }
         let method = request.method();
@@ -1345,7 +1347,8 @@ impl Stale {
             credentials: request.headers().contains_key(h::AUTHORIZATION),
             cookies: request.headers().contains_key(h::COOKIE),
             // A WebSocket's upgrade request is no page view: it is answered by its own 101.
-            keeps: method == Method::GET
+            keeps: !carries_learned
+                && method == Method::GET
                 && spelled_as_keyed
                 && !client_says_no_store
                 && bodiless
@@ -1536,6 +1539,11 @@ impl Stale {
             }
             return None;
         }
+        // A page that sets a cookie is its visitor's: kept (`allow_set_cookie`) without it for
+        // an outage, but not handed to the requests waiting for this fetch on a healthy site,
+        // which go upstream for their own (they got this visitor's session-bound page, CSRF
+        // token and all, and no session of their own).
+        let guard = guard.filter(|_| !headers.contains_key(http::header::SET_COOKIE));
         if let Some(guard) = &guard {
             guard.answered();
         }
