@@ -58,6 +58,12 @@ pub struct RouteStatusLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: &'static str,
+    pub commit: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabels {
     pub route: RouteName,
 }
@@ -217,6 +223,13 @@ pub struct Metrics {
     pub connection_cap_waits: Counter,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
+    /// 1 while the policy files on disk are refused (the latest reload failed), 0 once one
+    /// loads.
+    pub policy_refused: Gauge,
+    /// Set when `/metrics` is read: the process's start, memory and open files.
+    pub process_start_time: Gauge,
+    pub process_resident_memory: Gauge,
+    pub process_open_fds: Gauge,
     pub policy_generation: Gauge,
     pub ratelimit_decisions: Family<DecisionLabels, Counter>,
     pub redis_latency: Histogram,
@@ -435,6 +448,47 @@ impl Metrics {
             "policy_reload_failures",
             "Policy reloads refused because the new files had errors",
             policy_reload_failures.clone(),
+        );
+        let policy_refused = Gauge::default();
+        registry.register(
+            "policy_refused",
+            "1 while the policy files on disk are refused (the latest reload failed; the running policy stays), 0 once a reload loads them",
+            policy_refused.clone(),
+        );
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+                commit: env!("LEVEE_COMMIT"),
+            })
+            .set(1);
+        registry.register(
+            "build_info",
+            "1, labelled with levee's version and the commit it was built from",
+            build_info,
+        );
+        let process_start_time = Gauge::default();
+        process_start_time.set(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| since.as_secs() as i64),
+        );
+        registry.register(
+            "process_start_time_seconds",
+            "When levee started, in seconds since the Unix epoch: a restart moves it",
+            process_start_time.clone(),
+        );
+        let process_resident_memory = Gauge::default();
+        registry.register(
+            "process_resident_memory_bytes",
+            "levee's resident memory (read when /metrics is)",
+            process_resident_memory.clone(),
+        );
+        let process_open_fds = Gauge::default();
+        registry.register(
+            "process_open_fds",
+            "File descriptors levee has open (read when /metrics is): about two per client connection, against the open-file limit",
+            process_open_fds.clone(),
         );
         let policy_generation = Gauge::default();
         registry.register(
@@ -659,7 +713,99 @@ impl Metrics {
             inflight,
             policy_reloads,
             policy_reload_failures,
+            policy_refused,
+            process_start_time,
+            process_resident_memory,
+            process_open_fds,
             policy_generation,
+        }
+    }
+
+    /// Reads the process's memory and open files, for a scrape (Linux's /proc; left as they
+    /// were elsewhere).
+    pub fn read_process(&self) {
+        if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
+            let resident_kib = status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))
+                .and_then(|value| {
+                    value
+                        .trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<i64>()
+                        .ok()
+                });
+            if let Some(kib) = resident_kib {
+                self.process_resident_memory.set(kib.saturating_mul(1024));
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
+            // Less the descriptor this read holds open.
+            self.process_open_fds
+                .set((entries.count() as i64).saturating_sub(1));
+        }
+    }
+
+    /// Makes, at zero, the series of counters the policy's upstreams and queue routes may
+    /// count, before their first event: a series that appears at its first count has no
+    /// earlier sample, so `increase()` and `rate()` saw nothing of the first burst (the
+    /// first jobs dead-lettered after a start were never alerted on).
+    pub fn prime(&self, policy: &crate::config::Policy) {
+        for upstream in policy.upstreams.values() {
+            let name: LabelText = upstream.name.clone().into();
+            for kind in ["connect", "timeout", "failed", "body_cut"] {
+                drop(self.upstream_errors.get_or_create(&UpstreamErrorLabels {
+                    upstream: name.clone(),
+                    kind,
+                }));
+            }
+            for to in ["open", "half_open", "closed"] {
+                drop(
+                    self.breaker_transitions
+                        .get_or_create(&BreakerTransitionLabels {
+                            upstream: name.clone(),
+                            to,
+                        }),
+                );
+            }
+            drop(self.breaker_rejected.get_or_create(&BreakerLabels {
+                upstream: name.clone(),
+            }));
+            if upstream.bulkhead.is_some() {
+                for tier in 1..=3 {
+                    drop(self.shed.get_or_create(&ShedLabels {
+                        upstream: name.clone(),
+                        tier,
+                    }));
+                }
+            }
+        }
+        for route in policy
+            .routes
+            .routes
+            .iter()
+            .filter(|route| route.queue.is_some())
+        {
+            let labels = QueueLabels {
+                route: route.name.to_string().into(),
+            };
+            for family in [
+                &self.queue_enqueued,
+                &self.queue_retries,
+                &self.queue_dead_lettered,
+                &self.queue_dead_letters_dropped,
+            ] {
+                drop(family.get_or_create(&labels));
+            }
+        }
+        if policy.redis.is_some() {
+            for to in ["down", "up"] {
+                drop(
+                    self.redis_transitions
+                        .get_or_create(&RedisStateLabels { to }),
+                );
+            }
         }
     }
 

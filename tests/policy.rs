@@ -1489,3 +1489,55 @@ async fn a_reload_logs_only_the_warnings_it_brings() {
     );
     assert_eq!(warned(), 1, "said once, at the start");
 }
+
+/// An alert on a counter's increase needs a sample before the first event: the series an
+/// upstream or a queue route may count exist at zero from the start (the first jobs
+/// dead-lettered after a start were never alerted on). Files refused on disk show as a gauge
+/// until a reload loads them (a counter's increase cleared by itself while the file stayed
+/// broken), and the build and the process's start, memory and open files are there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_alerts_read_exist_at_zero_and_a_refused_policy_shows_until_fixed() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let policy = two_upstream_policy(&a, &b, "a")
+        .replace("[upstream.b]", "max_inflight = 4\n[upstream.b]")
+        .replace(
+            "[[route]]\nname = \"switching\"",
+            "[[route]]\nname = \"notify\"\nmatch = { method = \"POST\", path = \"/notify\" }\nalways_queue = true\n[[route]]\nname = \"switching\"",
+        )
+        + "[redis]\nurl = \"redis://127.0.0.1:1\"\n";
+    let levee = Levee::start(&policy).await;
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    for series in [
+        "levee_upstream_errors_total{upstream=\"a\",kind=\"connect\"} 0",
+        "levee_breaker_transitions_total{upstream=\"a\",to=\"open\"} 0",
+        "levee_breaker_rejected_total{upstream=\"b\"} 0",
+        "levee_shed_total{upstream=\"a\",tier=\"3\"} 0",
+        "levee_policy_refused 0",
+        "levee_queue_dead_lettered_total{route=\"notify\"} 0",
+        "levee_redis_transitions_total{to=\"down\"} 0",
+    ] {
+        assert!(metrics.contains(series), "{series} in {metrics}");
+    }
+    assert!(
+        metrics.contains(&format!(
+            "levee_build_info{{version=\"{}\",commit=\"",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{metrics}"
+    );
+    for gauge in [
+        "levee_process_start_time_seconds",
+        "levee_process_resident_memory_bytes",
+        "levee_process_open_fds",
+    ] {
+        assert!(metric_value(&metrics, gauge) > 0.0, "{gauge} in {metrics}");
+    }
+
+    std::fs::write(levee.policy_file(), format!("{policy}bogus = [\n")).expect("break");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 422);
+    assert_eq!(metric(&levee, "levee_policy_refused").await, 1.0);
+    std::fs::write(levee.policy_file(), &policy).expect("fix");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    assert_eq!(metric(&levee, "levee_policy_refused").await, 0.0);
+}

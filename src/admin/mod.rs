@@ -151,6 +151,7 @@ async fn answer(
                 shared.metrics.redis_up.set(i64::from(up));
                 let full = redis.as_ref().is_some_and(|redis| redis.full_refusal().is_some());
                 shared.metrics.redis_full.set(i64::from(full));
+                shared.metrics.read_process();
             });
             let mut response = text_response(StatusCode::OK, page);
             // The body is OpenMetrics text (`_total` samples under a `# TYPE x counter`, and

@@ -273,6 +273,7 @@ impl PolicyStore {
         check_state_file_writable(&mut policy);
         log_warnings(&policy, None);
         metrics.policy_generation.set(1);
+        metrics.prime(&policy);
         Ok(PolicyStore {
             dir: dir.to_path_buf(),
             current: ArcSwap::from_pointee(policy),
@@ -387,6 +388,8 @@ impl PolicyStore {
                 });
         match compiled {
             Ok(mut policy) => {
+                // The files on disk load (a change or not): nothing is refused any more.
+                self.metrics.policy_refused.set(0);
                 let failed_before = self.record.lock().ok().and_then(|mut record| {
                     record.last_success_unix = Some(now_unix());
                     record.last_failure.take()
@@ -488,6 +491,7 @@ impl PolicyStore {
                     warnings: policy.warnings.clone(),
                 };
                 log_warnings(&policy, Some(&previous));
+                self.metrics.prime(&policy);
                 self.current.store(Arc::new(policy));
                 self.metrics.policy_reloads.inc();
                 self.metrics
@@ -498,6 +502,7 @@ impl PolicyStore {
             }
             Err(diagnostics) => {
                 self.metrics.policy_reload_failures.inc();
+                self.metrics.policy_refused.set(1);
                 // One line per error, each whole (where, what, what to write): `grep ERROR`
                 // showed none of the detail of the old multi-line entry.
                 for error in &diagnostics.0 {
