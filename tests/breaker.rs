@@ -404,6 +404,7 @@ async fn admin_force_open_takes_effect_at_once_and_auto_returns_control() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_keeps_an_open_breaker_open_unless_its_settings_change() {
+    let log = levee_log();
     let (backend, mode) = switchable().await;
     let dir = tempfile::tempdir().expect("dir");
     let write = |breaker: &str, extra: &str| {
@@ -451,6 +452,12 @@ async fn reload_keeps_an_open_breaker_open_unless_its_settings_change() {
         get(&url).await.text(),
         "ok",
         "changed settings start the breaker fresh"
+    );
+    // Said: an alert on its state cleared with no line, the app perhaps still down.
+    let said = log.lines_with("breaker starts afresh, closed");
+    assert!(
+        said.iter().any(|line| line.contains("it was open")),
+        "{said:?}"
     );
     // And the metric follows: the breaker that was open is gone.
     assert_eq!(

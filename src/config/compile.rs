@@ -1409,6 +1409,15 @@ fn compile_read(
                     if let Some(old) = old {
                         fresh.keep_pin_of(&old.breaker);
                         fresh.keep_callers_of(&old.breaker);
+                        // Said: an alert on the breaker's state cleared with no transition
+                        // and no line, the app still down.
+                        if old.breaker.state_value() != 0 && fresh.state_value() == 0 {
+                            tracing::warn!(
+                                upstream = %name,
+                                "breaker starts afresh, closed, as the reload changed its settings or the upstream's address: it was {}; the next requests go to the app and open it again if it still fails",
+                                if old.breaker.state_value() == 1 { "open" } else { "half-open" }
+                            );
+                        }
                     }
                     fresh
                 });
