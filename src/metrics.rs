@@ -598,7 +598,7 @@ impl Metrics {
         let stale_not_kept = Family::<NotKeptLabels, Counter>::default();
         registry.register(
             "stale_not_kept",
-            "Answers of 200 on a stale route not kept as its copy, by why (private, credentials, cookie_no_cache, set_cookie, vary, content_coded, too_large, event_stream): a route whose every answer is refused has no copy to serve when the app fails",
+            "Answers of 200 on a stale route not kept as its copy, by why (private, credentials, cookie_no_cache, set_cookie, vary, content_coded, too_large, event_stream, own_cookie): a route whose every answer is refused has no copy to serve when the app fails",
             stale_not_kept.clone(),
         );
         let breaker_held_closed = Family::<BreakerLabels, Counter>::default();

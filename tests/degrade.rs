@@ -3419,3 +3419,50 @@ async fn pages_that_set_a_session_cookie_are_never_shared_with_waiting_visitors(
     assert!(copy.text().contains("for guest"), "{}", copy.text());
     assert_eq!(copy.header("set-cookie"), None);
 }
+
+/// Before levee has seen the app set its session cookie (a new deployment), a logged-in
+/// user's page that the app marks public, and renews the session on, is not kept: it was, and
+/// served to a stranger in the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_that_renews_the_visitors_own_cookie_is_never_kept() {
+    let backend = Backend::start(|request: Request<Incoming>| async move {
+        let user = request
+            .headers()
+            .get("cookie")
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("guest")
+            .to_string();
+        let mut response = html(format!("page for {user}"));
+        let headers = response.headers_mut();
+        headers.insert(
+            "cache-control",
+            http::HeaderValue::from_static("public, max-age=60"),
+        );
+        headers.insert(
+            "set-cookie",
+            http::HeaderValue::from_static("app_session=renewed; path=/"),
+        );
+        response
+    })
+    .await;
+    let levee = levee_with_routes(
+        &backend,
+        "degrade = { action = \"stale\", max_age = \"10m\" }",
+        "degrade = { action = \"stale\", max_age = \"10m\", allow_set_cookie = true }\nfallback = { status = 503, body = \"ranking is resting\" }",
+    )
+    .await;
+    let url = levee.url("/ranking/product");
+    let alice = get_with(&url, &[("cookie", "app_session=alice")]).await;
+    assert_eq!(alice.text(), "page for app_session=alice");
+    assert_eq!(set(&levee, "/modules/ranking", "off").await.status, 200);
+    let stranger = get(&url).await;
+    assert_eq!(
+        (stranger.status, stranger.text().as_str()),
+        (503, "ranking is resting")
+    );
+    let metrics = get(&levee.admin_url("/metrics")).await.text();
+    assert!(
+        metrics.contains("levee_stale_not_kept_total{route=\"ranking\",reason=\"own_cookie\"} 1"),
+        "{metrics}"
+    );
+}

@@ -13,7 +13,7 @@
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
-use http::{header, HeaderMap};
+use http::{header, HeaderMap, HeaderValue};
 
 use crate::limit::key::{CookieName, Source};
 use crate::redis_store::RedisStore;
@@ -127,6 +127,26 @@ impl AppCookies {
     pub fn names(&self) -> Vec<String> {
         self.names.load().iter().map(ToString::to_string).collect()
     }
+}
+
+/// Whether the answer sets a cookie the request carried: the app renewing that visitor's own
+/// (a session re-encrypted on every page), so the page is that visitor's, whatever levee has
+/// learned yet (the first answer seen to set it is one such).
+pub fn sets_a_carried_cookie(answer: &HeaderMap, carried: &HeaderValue) -> bool {
+    let carried: Vec<&[u8]> = carried
+        .as_bytes()
+        .split(|&byte| byte == b';')
+        .filter_map(|pair| pair.split(|&byte| byte == b'=').next())
+        .map(<[u8]>::trim_ascii)
+        .filter(|name| !name.is_empty())
+        .collect();
+    answer.get_all(header::SET_COOKIE).iter().any(|value| {
+        value
+            .as_bytes()
+            .split(|&byte| byte == b'=')
+            .next()
+            .is_some_and(|name| carried.contains(&name.trim_ascii()))
+    })
 }
 
 /// The fleet's names, in Redis: a set under the key prefix.

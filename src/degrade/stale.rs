@@ -899,6 +899,7 @@ pub fn not_kept_because(reason: &str) -> &'static str {
         "content_coded" => "the app compressed it, though levee asked for it uncompressed",
         "too_large" => "it is larger than max_body",
         "event_stream" => "it is an event stream (text/event-stream), open-ended and each client's own: give it a route without stale",
+        "own_cookie" => "the app set again a cookie the request carried (that visitor's session, renewed): the page is that visitor's",
         _ => "its status is not 200",
     }
 }

@@ -1201,6 +1201,9 @@ struct Stale {
     /// The request carried cookies: its answer is not kept when the app says every use of it
     /// must ask the app again (see `why_not_storable`).
     cookies: bool,
+    /// On a route that keeps pages setting cookies, the request's `Cookie` field: its answer
+    /// is not kept when the app sets one of them again (that visitor's session, renewed).
+    carried_cookies: Option<http::HeaderValue>,
     /// What the answer to this request may do for the copy: a GET fetches it and keeps what
     /// comes back; a HEAD is answered from it but its answer (no body) is no copy; a GET
     /// whose client said `Cache-Control: no-store` (RFC 9111 5.2.1.5), or that has a body,
@@ -1240,6 +1243,7 @@ impl Stale {
             settings: None,
             credentials: false,
             cookies: false,
+            carried_cookies: None,
             keeps: false,
             partial: false,
         };
@@ -1346,6 +1350,11 @@ impl Stale {
             settings: Some(settings.clone()),
             credentials: request.headers().contains_key(h::AUTHORIZATION),
             cookies: request.headers().contains_key(h::COOKIE),
+            carried_cookies: request
+                .headers()
+                .get(h::COOKIE)
+                .filter(|_| settings.allow_set_cookie)
+                .cloned(),
             // A WebSocket's upgrade request is no page view: it is answered by its own 101.
             keeps: !carries_learned
                 && method == Method::GET
@@ -1538,6 +1547,14 @@ impl Stale {
                 not_kept(shared, route, reason);
             }
             return None;
+        }
+        // Before levee has learned the app's session cookie (a new deployment), a logged-in
+        // user's page that the app marks public was kept, and served to a stranger.
+        if let Some(carried) = &self.carried_cookies {
+            if crate::degrade::app_cookies::sets_a_carried_cookie(headers, carried) {
+                not_kept(shared, route, "own_cookie");
+                return None;
+            }
         }
         // A page that sets a cookie is its visitor's: kept (`allow_set_cookie`) without it for
         // an outage, but not handed to the requests waiting for this fetch on a healthy site,
