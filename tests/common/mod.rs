@@ -1069,14 +1069,19 @@ impl RedisCluster {
             .await;
         }
         let cli = find_binary(&["redis-cli", "/usr/bin/redis-cli"]);
-        let status = Command::new(cli)
+        let created = Command::new(cli)
             .args(["--cluster", "create"])
             .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
-            .stdout(Stdio::null())
-            .status()
+            .output()
             .expect("redis-cli --cluster create");
-        assert!(status.success(), "cluster create failed");
+        // What redis-cli said, for a failure that is rare and otherwise unexplained.
+        assert!(
+            created.status.success(),
+            "cluster create failed on {ports:?}: {}{}",
+            String::from_utf8_lossy(&created.stdout),
+            String::from_utf8_lossy(&created.stderr)
+        );
         // The cluster is usable once every node reports cluster_state:ok.
         let cli = find_binary(&["redis-cli", "/usr/bin/redis-cli"]);
         for port in &ports {
