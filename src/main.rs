@@ -215,37 +215,28 @@ fn log_filter(asked: Option<&str>) -> (tracing_subscriber::EnvFilter, Option<Str
         "h2",
         "lol_html",
     ];
-    let unknown = asked.split(',').map(str::trim).find(|word| {
-        !word.is_empty()
-            && !word.contains(['=', '[', ':'])
-            && !LEVELS.contains(&word.to_ascii_lowercase().as_str())
-            && !TARGETS.contains(word)
+    // A bare word that is no level reads as a target to log everything of (`warnn`), and
+    // `levee::acess=off` as a target nothing logs under (the access log stayed on).
+    let unread = asked.split(',').map(str::trim).find_map(|directive| {
+        let target = directive.split(['=', '[']).next().unwrap_or_default();
+        let bare_unknown = !directive.is_empty()
+            && !directive.contains(['=', '[', ':'])
+            && !LEVELS.contains(&directive.to_ascii_lowercase().as_str())
+            && !TARGETS.contains(&directive);
+        let misspelt = target
+            .strip_prefix("levee::")
+            .and_then(|path| path.split("::").next())
+            .is_some_and(|part| !LEVEE_TARGETS.contains(&part));
+        if bare_unknown {
+            Some(format!("names `{directive}`, which is neither a level nor a part of levee"))
+        } else if misspelt {
+            Some(format!("names `{target}`, which is no part of levee (levee::access, levee::proxy, levee::breaker, levee::degrade, levee::queue, levee::redis_store, …)"))
+        } else {
+            None
+        }
     });
-    if let Some(word) = unknown {
-        return (
-            default(),
-            not_taken(format!(
-                "names `{word}`, which is neither a level nor a part of levee"
-            )),
-        );
-    }
-    // `levee::acess=off` is read as a target nothing logs under: the access log stayed on.
-    let misspelt = asked
-        .split(',')
-        .filter_map(|directive| directive.trim().split(['=', '[']).next())
-        .find(|target| {
-            target
-                .strip_prefix("levee::")
-                .and_then(|path| path.split("::").next())
-                .is_some_and(|part| !LEVEE_TARGETS.contains(&part))
-        });
-    if let Some(target) = misspelt {
-        return (
-            default(),
-            not_taken(format!(
-                "names `{target}`, which is no part of levee (levee::access, levee::proxy, levee::breaker, levee::degrade, levee::queue, levee::redis_store, …)"
-            )),
-        );
+    if let Some(why) = unread {
+        return (default(), not_taken(why));
     }
     match tracing_subscriber::EnvFilter::builder().parse(asked) {
         Ok(filter) => (filter, None),

@@ -633,12 +633,10 @@ async fn the_upstreams_recent_p95_latency_is_shown() {
     assert!(shown >= 100.0, "{shown}");
 }
 
-/// A page whose head and first bytes come at once and whose rest takes 300 ms (PHP's output
-/// buffer flushed before a slow query) is a slow call, and its latency is the 300 ms: timed to
-/// the head, it counted as fast, and neither `slow_call` nor `latency_p95` saw the slowness.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_page_slow_in_its_body_is_a_slow_call() {
-    let (backend, mode) = switchable().await;
+/// levee whose breaker opens on slow calls alone (over 100 ms, half of at least 2), in front
+/// of a backend answering as `mode` says (kept alive by the caller).
+async fn slow_call_levee(mode: u8) -> (Levee, Backend) {
+    let (backend, switch) = switchable().await;
     let policy = breaker_policy(
         &backend,
         "consecutive_failures = 0, slow_call = \"100ms\", slow_ratio = 0.5, min_requests = 2, open_for = \"60s\"",
@@ -646,7 +644,16 @@ async fn a_page_slow_in_its_body_is_a_slow_call() {
     )
     .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
     let levee = Levee::start(&policy).await;
-    mode.store(SLOW_BODY, Ordering::SeqCst);
+    switch.store(mode, Ordering::SeqCst);
+    (levee, backend)
+}
+
+/// A page whose head and first bytes come at once and whose rest takes 300 ms (PHP's output
+/// buffer flushed before a slow query) is a slow call, and its latency is the 300 ms: timed to
+/// the head, it counted as fast, and neither `slow_call` nor `latency_p95` saw the slowness.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_slow_in_its_body_is_a_slow_call() {
+    let (levee, _backend) = slow_call_levee(SLOW_BODY).await;
     let answer = get(&levee.url("/")).await;
     assert!(answer.text().ends_with("slow ok"));
     assert_eq!(breaker_window(&levee).await, ("closed".to_string(), 1, 1));
@@ -665,15 +672,7 @@ async fn a_page_slow_in_its_body_is_a_slow_call() {
 /// latency (a `latency_p95` trigger raised the level).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_stream_is_no_slow_call() {
-    let (backend, mode) = switchable().await;
-    let policy = breaker_policy(
-        &backend,
-        "consecutive_failures = 0, slow_call = \"100ms\", slow_ratio = 0.5, min_requests = 2, open_for = \"60s\"",
-        FRIENDLY,
-    )
-    .replace("response_timeout = \"200ms\"", "response_timeout = \"5s\"");
-    let levee = Levee::start(&policy).await;
-    mode.store(EVENTS, Ordering::SeqCst);
+    let (levee, _backend) = slow_call_levee(EVENTS).await;
     for _ in 0..3 {
         let answer = get(&levee.url("/")).await;
         assert!(

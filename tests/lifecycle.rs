@@ -176,6 +176,12 @@ async fn start_logging(
     let policy = dir.join("levee.toml");
     let text = std::fs::read_to_string(&policy).expect("read");
     std::fs::write(&policy, format!("{text}{extra}")).expect("write");
+    let (levee, log_path) = spawn_logging(dir, public).await;
+    (levee, log_path, public)
+}
+
+/// The binary on the policy in `dir`, its log to `dir/levee.log`, once it listens on `public`.
+async fn spawn_logging(dir: &std::path::Path, public: u16) -> (ChildGuard, std::path::PathBuf) {
     let log_path = dir.join("levee.log");
     let log = std::fs::File::create(&log_path).expect("log");
     let levee = ChildGuard::spawn(
@@ -193,7 +199,7 @@ async fn start_logging(
         "levee to listen",
     )
     .await;
-    (levee, log_path, public)
+    (levee, log_path)
 }
 
 /// The binary on the policy in `dir` with the open-file limit `soft:hard`, once it listens on
@@ -601,20 +607,8 @@ async fn a_stream_cut_at_shutdown_is_logged_as_such() {
         ),
     )
     .expect("write");
-    let log_path = dir.path().join("levee.log");
-    let log = std::fs::File::create(&log_path).expect("log");
-    let mut levee = ChildGuard::spawn(
-        "levee",
-        Command::new(env!("CARGO_BIN_EXE_levee"))
-            .arg("run")
-            .arg("--policies")
-            .arg(dir.path())
-            .arg("--no-watch")
-            .env_remove("LEVEE_LOG")
-            .stderr(log),
-    );
+    let (mut levee, log_path) = spawn_logging(dir.path(), public).await;
     let address = std::net::SocketAddr::from(([127, 0, 0, 1], public));
-    wait_for_port(address, "levee to listen").await;
     let mut stream = tokio::net::TcpStream::connect(address)
         .await
         .expect("connect");

@@ -215,10 +215,6 @@ pub fn check_state_file_writable(policy: &mut Policy) {
     }
 }
 
-/// Fits `max_connections` to the open files this process may have. The default comes down to
-/// what the limit allows (logged); a value the policy sets is kept, with a warning where the
-/// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
-/// in the compiler: `levee check` runs in a shell whose limit is not the service's.
 /// `message` without the `:line:col` of the places it names (`route `shop` before it
 /// (a.toml:5:8)`), which an edit elsewhere in the file moves.
 fn without_positions(message: &str) -> String {
@@ -236,6 +232,10 @@ fn without_positions(message: &str) -> String {
     words
 }
 
+/// Fits `max_connections` to the open files this process may have. The default comes down to
+/// what the limit allows (logged); a value the policy sets is kept, with a warning where the
+/// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
+/// in the compiler: `levee check` runs in a shell whose limit is not the service's.
 /// `before`: the bound the policy in effect has (a reload), logged again only when it changes:
 /// not on every save of a file.
 fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option<u32>) {

@@ -201,8 +201,8 @@ impl From<ChunkedError> for ClientError {
 pub struct CloseDelimited;
 
 /// On a response that is an event stream (`Content-Type: text/event-stream`): its body is
-/// open-ended by design (see `proxy::forward`). Told whether its fields were parsed or are
-/// only relayed.
+/// open-ended by design (see `proxy::forward`). Set by both clients, HTTP (whether its fields
+/// were parsed or are only relayed) and FastCGI.
 #[derive(Clone, Copy, Debug)]
 pub struct EventStream;
 

@@ -924,8 +924,7 @@ async fn forward(
     let body_to_come = matches!(&answer, Ok(response)
         if response.status() != StatusCode::SWITCHING_PROTOCOLS
             && !http_body::Body::is_end_stream(response.body())
-            && response.extensions().get::<client::EventStream>().is_none()
-            && !crate::degrade::stale::is_event_stream(response.headers()));
+            && response.extensions().get::<client::EventStream>().is_none());
     let mut call_end = None;
     // Record: only the upstream's own failures count against its breaker.
     let failure_status = match &answer {

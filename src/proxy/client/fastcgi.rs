@@ -1174,6 +1174,10 @@ impl Client {
         response
             .extensions_mut()
             .insert(ReceivedHead(head.received));
+        // Marked as the HTTP client marks it, for `proxy::forward`.
+        if crate::degrade::stale::is_event_stream(response.headers()) {
+            response.extensions_mut().insert(super::EventStream);
+        }
         let framing = if body.discard && body.input.is_none() {
             // Nothing of an answer without a body (HEAD, 204, 304) reaches the client after
             // its head, so its body is over now, as an HTTP upstream's is: the client writer
