@@ -239,6 +239,7 @@ pub struct Metrics {
     pub redis_transitions: Family<RedisStateLabels, Counter>,
     pub redis_node_up: Family<RedisNodeLabels, Gauge>,
     pub breaker_state: Family<BreakerLabels, Gauge>,
+    pub breaker_pinned: Family<BreakerLabels, Gauge>,
     /// Set when `/metrics` is read, from the window the `latency_p95` trigger reads.
     pub upstream_latency_p95: Family<BreakerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub upstream_inflight: Family<BreakerLabels, Gauge>,
@@ -546,6 +547,12 @@ impl Metrics {
             "Breaker state per upstream: 0 closed, 1 open, 2 half-open",
             breaker_state.clone(),
         );
+        let breaker_pinned = Family::<BreakerLabels, Gauge>::default();
+        registry.register(
+            "breaker_pinned",
+            "1 while the upstream's breaker is pinned open or closed (by the policy's force or at runtime), 0 while it counts for itself",
+            breaker_pinned.clone(),
+        );
         let upstream_latency_p95 =
             Family::<BreakerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         registry.register(
@@ -693,6 +700,7 @@ impl Metrics {
             stale_not_kept,
             breaker_held_closed,
             breaker_state,
+            breaker_pinned,
             upstream_latency_p95,
             upstream_inflight,
             breaker_transitions,

@@ -374,12 +374,21 @@ async fn admin_force_open_takes_effect_at_once_and_auto_returns_control() {
     let status = get(&levee.admin_url("/status")).await.json();
     assert_eq!(status["upstreams"][0]["breaker"]["force"], "open");
     assert_eq!(status["upstreams"][0]["breaker"]["forced_by"], "runtime");
+    // Pinned is told apart, so an alert on the state can leave out what an operator did.
+    assert_eq!(
+        breaker_pinned_metric(&levee.admin_url("/metrics")).await,
+        1.0
+    );
 
     assert_eq!(
         post(&levee.admin_url("/breakers/app"), "auto").await.status,
         200
     );
     assert_eq!(get(&levee.url("/")).await.text(), "ok");
+    assert_eq!(
+        breaker_pinned_metric(&levee.admin_url("/metrics")).await,
+        0.0
+    );
     assert_eq!(
         post(&levee.admin_url("/breakers/app"), "sideways")
             .await
@@ -398,6 +407,10 @@ async fn admin_force_open_takes_effect_at_once_and_auto_returns_control() {
     assert_eq!(get(&pinned.url("/")).await.status, 503);
     assert_eq!(
         breaker_state_metric(&pinned.admin_url("/metrics")).await,
+        1.0
+    );
+    assert_eq!(
+        breaker_pinned_metric(&pinned.admin_url("/metrics")).await,
         1.0
     );
 }
@@ -469,8 +482,17 @@ async fn reload_keeps_an_open_breaker_open_unless_its_settings_change() {
 
 /// `levee_breaker_state{upstream="app"}` as `url` (an admin `/metrics`) has it now.
 async fn breaker_state_metric(url: &str) -> f64 {
+    app_breaker_metric(url, "levee_breaker_state").await
+}
+
+/// `levee_breaker_pinned{upstream="app"}` as `url` has it now.
+async fn breaker_pinned_metric(url: &str) -> f64 {
+    app_breaker_metric(url, "levee_breaker_pinned").await
+}
+
+async fn app_breaker_metric(url: &str, family: &str) -> f64 {
     let metrics = get(url).await.text();
-    metric_value(&metrics, "levee_breaker_state{upstream=\"app\"}")
+    metric_value(&metrics, &format!("{family}{{upstream=\"app\"}}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

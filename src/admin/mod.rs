@@ -219,13 +219,16 @@ async fn answer(
 /// breaker fresh (closed) or removes its upstream, a policy `force`, an open time that ran
 /// out with no request to probe yet. Without this the gauge kept saying "open" after a
 /// reload had replaced an open breaker, and "closed" for a breaker pinned open by the policy.
-/// The same for `levee_upstream_latency_p95_seconds`, which only a reading makes.
+/// The same for `levee_upstream_latency_p95_seconds`, which only a reading makes, and for
+/// `levee_breaker_pinned`, which an alert on the state reads to leave out what an operator did.
 fn publish_upstream_states(shared: &Shared) {
     let policy = shared.store.load();
     let gauges = &shared.metrics.breaker_state;
+    let pins = &shared.metrics.breaker_pinned;
     let latencies = &shared.metrics.upstream_latency_p95;
     let slots = &shared.metrics.upstream_inflight;
     gauges.clear();
+    pins.clear();
     latencies.clear();
     slots.clear();
     let now = tokio::time::Instant::now();
@@ -236,6 +239,8 @@ fn publish_upstream_states(shared: &Shared) {
         gauges
             .get_or_create(&labels)
             .set(upstream.breaker.state_value());
+        pins.get_or_create(&labels)
+            .set(i64::from(upstream.breaker.is_pinned()));
         if let Some(p95) = upstream.latency.p95(now, 1) {
             latencies.get_or_create(&labels).set(p95.as_secs_f64());
         }

@@ -203,6 +203,11 @@ impl Breaker {
         self.lock().runtime_force = pin;
     }
 
+    /// Pinned open or closed, by the policy's `force` or at runtime.
+    pub fn is_pinned(&self) -> bool {
+        self.lock().force().is_some()
+    }
+
     /// The state as `levee_breaker_state` has it (0 closed, 1 open, 2 half-open), read as
     /// [`Self::status`] reads it: pinned by `force`, and half-open once the open time ran out.
     pub fn state_value(&self) -> i64 {
