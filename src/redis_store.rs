@@ -866,6 +866,13 @@ impl RedisStore {
             // when that was held back.
             reach.outage_logged = before.outage_logged;
             reach.outage_unsaid = before.outage_unsaid;
+        } else {
+            // Another server (or the same with another password) starts with its own health,
+            // but the log's last word on Redis was that calls fail: the new one's first
+            // answers say they answer again, or a reload that fixed a wrong password left
+            // "redis calls fail" standing as the last word.
+            let said = lock(&previous.reach).outage_logged;
+            lock(&self.reach).outage_logged = said;
         }
     }
 
@@ -1887,6 +1894,21 @@ mod reload_tests {
             std::time::Instant::now().checked_sub(ANSWERING_FOR + Duration::from_millis(1));
         store.note_call(None);
         assert!(!lock(&store.reach).outage_logged);
+    }
+
+    /// A reload that points levee at another Redis (or fixes the password) after an outage was
+    /// said says its end once the new one answers.
+    #[test]
+    fn a_reload_to_another_redis_says_the_outage_over_when_it_answers() {
+        let wrong = RedisStore::new(settings("redis://:wrong@127.0.0.1:1/0", 100));
+        wrong.note_call(Some(&RedisFailure::BadReply("WRONGPASS".into())));
+        assert!(lock(&wrong.reach).outage_logged);
+        let fixed = RedisStore::new(settings("redis://:right@127.0.0.1:1/0", 100));
+        fixed.start_from(&wrong);
+        assert!(fixed.is_up(), "its own health");
+        assert!(lock(&fixed.reach).outage_logged, "the end is still to say");
+        fixed.note_call(None);
+        assert!(!lock(&fixed.reach).outage_logged, "said");
     }
 
     /// A wrong password makes the connection retry its login until a call's time is out: the
