@@ -68,6 +68,10 @@ pub enum ProxyError {
         "`{0}` names no PHP script (levee serves no files; the upstream has no front_controller)"
     )]
     NoScript(String),
+    /// A FastCGI upstream's path that names a file under its root (see
+    /// `client::Unsendable::StaticFile`): the front nginx should have served it.
+    #[error("`{0}` is a file levee does not serve (the front nginx serves files: try_files $uri @levee)")]
+    StaticFile(String),
     /// A FastCGI upstream's directory named without its trailing slash: moved to this.
     #[error("a directory: moved to {0}")]
     Directory(String),
@@ -123,7 +127,9 @@ impl ProxyError {
             ProxyError::TargetTooLong { .. } => StatusCode::URI_TOO_LONG,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ProxyError::NoRoute | ProxyError::NoScript(_) => StatusCode::NOT_FOUND,
+            ProxyError::NoRoute | ProxyError::NoScript(_) | ProxyError::StaticFile(_) => {
+                StatusCode::NOT_FOUND
+            }
             ProxyError::Directory(_) => StatusCode::MOVED_PERMANENTLY,
             ProxyError::UpstreamConnect { .. } | ProxyError::UpstreamFailed { .. } => {
                 StatusCode::BAD_GATEWAY
@@ -151,6 +157,7 @@ impl ProxyError {
             ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
             ProxyError::NoRoute => "no_route",
             ProxyError::NoScript(_) => "no_script",
+            ProxyError::StaticFile(_) => "static_file",
             ProxyError::Directory(_) => "directory",
             ProxyError::UpstreamConnect { .. } => "connect",
             ProxyError::UpstreamTimeout { .. } => "timeout",
@@ -174,6 +181,7 @@ impl ProxyError {
             | ProxyError::ClientBodyTimeout { .. }
             | ProxyError::NoRoute
             | ProxyError::NoScript(_)
+            | ProxyError::StaticFile(_)
             | ProxyError::Directory(_) => ErrorSide::Client,
             ProxyError::UpstreamConnect { .. }
             | ProxyError::UpstreamTimeout { .. }
@@ -328,7 +336,7 @@ impl ProxyError {
                 location: None,
                 retry_after: None,
             },
-            ProxyError::NoRoute | ProxyError::NoScript(_) => PublicAnswer {
+            ProxyError::NoRoute | ProxyError::NoScript(_) | ProxyError::StaticFile(_) => PublicAnswer {
                 code: "not_found",
                 title: "Not found",
                 words: "There is no page at this address.".into(),
@@ -605,6 +613,7 @@ mod tests {
             },
             ProxyError::NoRoute,
             ProxyError::NoScript("/secret-route/x".into()),
+            ProxyError::StaticFile("/robots.txt".into()),
             ProxyError::Directory("/forum/".into()),
             ProxyError::UpstreamConnect {
                 upstream: upstream(),

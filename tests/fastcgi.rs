@@ -228,6 +228,7 @@ impl Site {
             ("no-content.php", NO_CONTENT_PHP.to_string()),
             ("etag.php", ETAG_PHP.to_string()),
             ("events.php", EVENTS_PHP.to_string()),
+            ("robots.txt", "User-agent: *\n".to_string()),
         ];
         for (name, code) in scripts {
             std::fs::write(www.join(name), code).expect("script");
@@ -557,6 +558,17 @@ async fn a_front_controller_runs_every_path_that_names_no_script() {
     let php = get_json(&levee, "/echo.php").await;
     assert_eq!(php["which"], "echo");
     assert_eq!(php["script_name"], "/echo.php");
+
+    // A file that is there is no page of the app's: nginx served it from disk, and levee,
+    // which serves no files, says so (the front controller answered its own page in its place).
+    let log = levee_log();
+    let file = get(&levee.url("/robots.txt")).await;
+    assert_eq!(file.status, 404);
+    assert!(
+        !log.lines_with("`/robots.txt` is a file levee does not serve")
+            .is_empty(),
+        "said at warn, for the operator"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

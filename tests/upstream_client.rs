@@ -821,6 +821,41 @@ async fn a_close_after_an_interim_answer_is_not_taken_for_the_pool_race() {
     stop(levee).await;
 }
 
+#[tokio::test]
+async fn a_page_that_sets_a_1xx_status_as_its_own_is_a_502_that_leaves_the_breaker_closed() {
+    // `http_response_code(103)` in PHP: the app's nginx sends the page as a 103 head followed
+    // by its body, with no final head. One page's doing: it must not cut every page off.
+    let backend = Scripted::start(|seen| match seen.path() {
+        "/own-103" => Reply::close(
+            "HTTP/1.1 103 Early Hints\r\nContent-Type: text/html\r\n\r\n<html>the page</html>"
+                .as_bytes(),
+        ),
+        _ => Reply::keep(ok("fine")),
+    })
+    .await;
+    levee_log();
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false\n",
+        "response_timeout = \"5s\"\nbreaker = { consecutive_failures = 2, failing_clients = 1 }\n",
+    ))
+    .await;
+    for _ in 0..4 {
+        let answer = call(&levee, "GET", "/own-103").await;
+        assert_eq!(answer.status, 502, "{}", answer.text());
+    }
+    logged_502(
+        "/own-103",
+        &["after an interim (1xx) answer", "sets a 1xx status"],
+    );
+    assert_eq!(
+        call(&levee, "GET", "/other").await.text(),
+        "fine",
+        "the breaker stayed closed"
+    );
+    stop(levee).await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 3. Response framings
 

@@ -109,11 +109,12 @@ pub enum ClientError {
     /// The response could not be read as HTTP/1.1.
     #[error("malformed response: {0}")]
     Protocol(String),
-    /// The app answered, with a header field levee cannot pass on (a name that is not a
-    /// token, a control byte in a value, or too many fields). A page's own doing, so not
-    /// held against the upstream's breaker.
+    /// The app answered something levee cannot pass on: a header field (a name that is not a
+    /// token, a control byte in a value, or too many fields), or a 1xx status as its final
+    /// answer (`http_response_code(103)`: an interim head, then the page's body where the
+    /// final head belongs). A page's own doing, so not held against the upstream's breaker.
     #[error("malformed response: {0}")]
-    UnpassableField(String),
+    Unpassable(String),
     /// The upstream did not answer within the response timeout after the request was sent
     /// whole, or stopped reading the request's body for that long.
     #[error("no answer within {0:?}")]
@@ -152,7 +153,7 @@ impl ClientError {
     pub fn is_upstream_failure(&self) -> bool {
         !matches!(
             self,
-            ClientError::UnpassableField(_) | ClientError::Unsendable(_)
+            ClientError::Unpassable(_) | ClientError::Unsendable(_)
         )
     }
 
@@ -1115,7 +1116,19 @@ async fn read_response_head(
 ) -> Result<Box<ResponseHead>, ClientError> {
     loop {
         if !connection.buffer.is_empty() {
-            if let Some(head) = parse_response_head(&mut connection.buffer, fields)? {
+            let parsed = parse_response_head(&mut connection.buffer, fields);
+            let parsed = match parsed {
+                // A page that set a 1xx status as its own: its web server sent that as an
+                // interim head and the page's body after it. One page's doing: counted against
+                // the breaker, it cut every page off (as for FastCGI, where it is refused too).
+                Err(ClientError::Protocol(reason)) if connection.interim_seen => {
+                    return Err(ClientError::Unpassable(format!(
+                        "{reason}, after an interim (1xx) answer: a page that sets a 1xx status as its own final one"
+                    )));
+                }
+                parsed => parsed?,
+            };
+            if let Some(head) = parsed {
                 if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS
                 {
                     connection.interim_seen = true;
@@ -1246,7 +1259,7 @@ fn parse_response_head(
             error @ (httparse::Error::HeaderName
             | httparse::Error::HeaderValue
             | httparse::Error::TooManyHeaders),
-        ) => return Err(ClientError::UnpassableField(error.to_string())),
+        ) => return Err(ClientError::Unpassable(error.to_string())),
         Err(error) => return Err(ClientError::Protocol(error.to_string())),
     };
     let status = parsed
@@ -1395,10 +1408,10 @@ fn parse_response_head(
     let mut length_kept = false;
     for span in &spans {
         let name = HeaderName::from_bytes(&head[span.name..span.name + span.name_len])
-            .map_err(|_| ClientError::UnpassableField("invalid header name".into()))?;
+            .map_err(|_| ClientError::Unpassable("invalid header name".into()))?;
         let value =
             HeaderValue::from_maybe_shared(head.slice(span.value..span.value + span.value_len))
-                .map_err(|_| ClientError::UnpassableField(format!("invalid value of {name}")))?;
+                .map_err(|_| ClientError::Unpassable(format!("invalid value of {name}")))?;
         if name == header::CONTENT_LENGTH {
             // Chunked or another coding decides the end: the length is not passed on. A
             // length repeated (the same value, checked above) is passed on once (RFC 9110
@@ -1861,7 +1874,7 @@ mod tests {
             "HTTP/1.1 200 OK\r\nX-\x01File: ab\r\n\r\n",
         ] {
             assert!(
-                matches!(head(text), Err(ClientError::UnpassableField(_))),
+                matches!(head(text), Err(ClientError::Unpassable(_))),
                 "{text:?}"
             );
         }

@@ -1761,6 +1761,7 @@ fn unsendable(refusal: &client::Unsendable) -> ProxyError {
     match refusal {
         client::Unsendable::NulInPath => ProxyError::bad_request(refusal.to_string()),
         client::Unsendable::NoScript(path) => ProxyError::NoScript(path.clone()),
+        client::Unsendable::StaticFile(path) => ProxyError::StaticFile(path.clone()),
         client::Unsendable::Directory(location) => ProxyError::Directory(location.clone()),
         client::Unsendable::TooLong {
             size,
@@ -1914,6 +1915,11 @@ async fn stale_if_error(
     Ok(copy)
 }
 
+/// Requests for a file under a FastCGI upstream's root (see [`ProxyError::StaticFile`]): one
+/// warn line a minute.
+static STATIC_FILE_SAID: crate::log_throttle::LogThrottle =
+    crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(60));
+
 /// The one place a request-path error is logged, counted and turned into a response. A
 /// preflight from a page in `cors_origins` (`cors`) that levee refused, or could not take to
 /// the app, is answered by levee, so the page sends the request itself and can read its answer.
@@ -1931,6 +1937,15 @@ fn rescue(
                 count_upstream_error(&shared.metrics, route, error.kind());
             }
             tracing::warn!(client = %exchange.client_ip, method = %exchange.method, %path, "{error}");
+        }
+        // The site's setup, not the client: said at warn (once a minute, any path), or an
+        // operator saw pages answer 404 that nginx served from disk, with nothing saying why.
+        // Not for a hidden file (`/.env`, `/.git/config`): bots probe for those all day, and
+        // no front should serve them.
+        ErrorSide::Client if matches!(&error, ProxyError::StaticFile(file) if !file.contains("/.")) => {
+            if let Some(held_back) = STATIC_FILE_SAID.allow(std::time::Instant::now()) {
+                tracing::warn!(client = %exchange.client_ip, method = %exchange.method, %path, held_back, "refused: {error}");
+            }
         }
         ErrorSide::Client => match shared.refusals_said.allow(std::time::Instant::now()) {
             Some(held_back) => {

@@ -1884,7 +1884,7 @@ async fn replay(shared: &Shared, route: &Route, job: &Job, stop: &watch::Receive
             permit.record(Outcome::Abandoned, Instant::now(), &shared.metrics);
             // The letter says which: an operator retrying one the app ran runs it twice.
             Replay::Permanent(match error {
-                crate::proxy::client::ClientError::UnpassableField(_) => format!(
+                crate::proxy::client::ClientError::Unpassable(_) => format!(
                     "the app ran the job but its answer could not be read ({error}): a retry runs it again"
                 ),
                 _ => format!("cannot be replayed: {error}"),

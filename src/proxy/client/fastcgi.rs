@@ -84,6 +84,11 @@ pub enum Unsendable {
     /// `location ~ \.php$` would not have passed it to php-fpm either.
     #[error("`{0}` names no PHP script")]
     NoScript(String),
+    /// A file that is no script, under `root` where levee can see it (`/robots.txt`, an
+    /// upload): nginx's `try_files $uri` served it from disk, and the front controller would
+    /// answer its own page in its place. levee serves no files: the front should have.
+    #[error("`{0}` is a file under the upstream's root, and levee serves no files: the front nginx serves them (try_files $uri @levee)")]
+    StaticFile(String),
     /// A directory named without its trailing slash (`/forum/admin`, whose `index.php` is
     /// there): nginx answers 301 to the path with the slash (`try_files $uri/`, or its static
     /// module), whose relative links then resolve. The path to move to, query and all.
@@ -177,6 +182,14 @@ fn script_of(
         }
     }
     match front {
+        // (Only what a front controller would answer in a file's place is looked for on disk:
+        // without one, such a path is refused anyway.)
+        Some(_) if !trailing_slash && !segments.is_empty() && is_file(&join(&segments)) => {
+            Err(Unsendable::StaticFile(
+                crate::printable::printable(&String::from_utf8_lossy(&join(&segments)))
+                    .into_owned(),
+            ))
+        }
         Some(front) => Ok((front.as_bytes().to_vec(), Vec::new())),
         // (Said in the log and the answer: a decoded `%0A` would forge a log line.)
         None => Err(Unsendable::NoScript(
@@ -891,7 +904,7 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
             error @ (httparse::Error::HeaderName
             | httparse::Error::HeaderValue
             | httparse::Error::TooManyHeaders),
-        ) => return Err(ClientError::UnpassableField(error.to_string())),
+        ) => return Err(ClientError::Unpassable(error.to_string())),
         Err(error) => return Err(ClientError::Protocol(format!("CGI head: {error}"))),
     };
     let head = stdout.split_to(length).freeze();
@@ -921,7 +934,7 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
                 .ok()
                 .filter(|code| !code.is_informational())
                 .ok_or_else(|| {
-                    ClientError::UnpassableField(format!(
+                    ClientError::Unpassable(format!(
                         "CGI Status `{}` is not a final HTTP status",
                         String::from_utf8_lossy(text)
                     ))
@@ -933,7 +946,7 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
             continue;
         }
         let name = HeaderName::from_bytes(name_bytes)
-            .map_err(|_| ClientError::UnpassableField("invalid header name".into()))?;
+            .map_err(|_| ClientError::Unpassable("invalid header name".into()))?;
         if HOP_BY_HOP.contains(&&name)
             || name == header::CONNECTION
             || name == header::TRANSFER_ENCODING
@@ -945,7 +958,7 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
             // body, which is empty or a placeholder. levee serves no files, and a front
             // nginx would act on the field in its own location space: passed on, or dropped
             // for a 200, the visitor would save an empty file with no error anywhere.
-            return Err(ClientError::UnpassableField(format!(
+            return Err(ClientError::Unpassable(format!(
                 "the app asks its web server to send a file in the answer's place ({name}), which levee does not do: serve such downloads from an nginx vhost (an http upstream) or have PHP send the file itself"
             )));
         }
@@ -955,7 +968,7 @@ fn parse_cgi_head(stdout: &mut BytesMut) -> Result<Option<CgiHead>, ClientError>
             continue;
         }
         let value = HeaderValue::from_maybe_shared(shared_slice(&head, field.value))
-            .map_err(|_| ClientError::UnpassableField(format!("invalid value of {name}")))?;
+            .map_err(|_| ClientError::Unpassable(format!("invalid value of {name}")))?;
         headers.append(name, value);
     }
     // A length the body is then held to; anything else is dropped (the answer goes chunked).
@@ -1431,9 +1444,9 @@ mod tests {
         }
     }
 
-    /// Only `/wp-admin/index.php` exists where levee can see.
+    /// Only `/wp-admin/index.php` and `/robots.txt` exist where levee can see.
     fn existing(script: &[u8]) -> bool {
-        script == b"/wp-admin/index.php"
+        script == b"/wp-admin/index.php" || script == b"/robots.txt"
     }
 
     fn script(path: &str, front: Option<&str>) -> (String, String) {
@@ -1476,6 +1489,19 @@ mod tests {
         assert_eq!(
             script("/wp-admin/", front),
             ("/wp-admin/index.php".into(), "".into())
+        );
+        // A file that is there: nginx's `try_files $uri` served it; the front controller would
+        // answer its own page in its place.
+        for spelled in ["/robots.txt", "/%72obots.txt", "/x/../robots.txt"] {
+            assert_eq!(
+                script_of(spelled, &settings(front), &existing),
+                Err(Unsendable::StaticFile("/robots.txt".into())),
+                "{spelled}"
+            );
+        }
+        assert_eq!(
+            script_of("/robots.txt", &settings(None), &existing),
+            Err(Unsendable::NoScript("/robots.txt".into()))
         );
         assert_eq!(
             script("/admin.php", Some("/index.php")),
@@ -1736,7 +1762,7 @@ mod tests {
         let mut stdout = BytesMut::from(&b"X-A: a\x00\x01\r\n\r\n"[..]);
         assert!(matches!(
             parse_cgi_head(&mut stdout),
-            Err(ClientError::UnpassableField(_))
+            Err(ClientError::Unpassable(_))
         ));
     }
 
