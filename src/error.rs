@@ -70,7 +70,7 @@ pub enum ProxyError {
     NoScript(String),
     /// A FastCGI upstream's path that names a file under its root (see
     /// `client::Unsendable::StaticFile`): the front nginx should have served it.
-    #[error("`{0}` is a file levee does not serve (the front nginx serves files: try_files $uri @levee)")]
+    #[error("`{0}` is a file, which levee does not serve")]
     StaticFile(String),
     /// A FastCGI upstream's directory named without its trailing slash: moved to this.
     #[error("a directory: moved to {0}")]

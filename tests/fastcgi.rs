@@ -565,8 +565,10 @@ async fn a_front_controller_runs_every_path_that_names_no_script() {
     let file = get(&levee.url("/robots.txt")).await;
     assert_eq!(file.status, 404);
     assert!(
-        !log.lines_with("`/robots.txt` is a file levee does not serve")
-            .is_empty(),
+        !log.lines_with(
+            "`/robots.txt` is a file, which levee does not serve; the front nginx serves"
+        )
+        .is_empty(),
         "said at warn, for the operator"
     );
 }

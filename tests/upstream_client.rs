@@ -830,6 +830,10 @@ async fn a_page_that_sets_a_1xx_status_as_its_own_is_a_502_that_leaves_the_break
             "HTTP/1.1 103 Early Hints\r\nContent-Type: text/html\r\n\r\n<html>the page</html>"
                 .as_bytes(),
         ),
+        "/own-101" => Reply::close(
+            "HTTP/1.1 101 Switching Protocols\r\nContent-Type: text/html\r\n\r\n<html>the page</html>"
+                .as_bytes(),
+        ),
         _ => Reply::keep(ok("fine")),
     })
     .await;
@@ -840,13 +844,19 @@ async fn a_page_that_sets_a_1xx_status_as_its_own_is_a_502_that_leaves_the_break
         "response_timeout = \"5s\"\nbreaker = { consecutive_failures = 2, failing_clients = 1 }\n",
     ))
     .await;
-    for _ in 0..4 {
-        let answer = call(&levee, "GET", "/own-103").await;
-        assert_eq!(answer.status, 502, "{}", answer.text());
+    for path in ["/own-103", "/own-101"] {
+        for _ in 0..4 {
+            let answer = call(&levee, "GET", path).await;
+            assert_eq!(answer.status, 502, "{path}: {}", answer.text());
+        }
     }
     logged_502(
         "/own-103",
         &["after an interim (1xx) answer", "sets a 1xx status"],
+    );
+    logged_502(
+        "/own-101",
+        &["101 Switching Protocols to a request that asked for no upgrade"],
     );
     assert_eq!(
         call(&levee, "GET", "/other").await.text(),

@@ -523,11 +523,12 @@ impl Client {
             match outcome {
                 // RFC 9110 15.2.2: a switch only to what the request's Upgrade names. Passed
                 // on, a 101 nobody asked for would reach a client that cannot take it (an
-                // HTTP/1.0 one may get no 1xx at all).
+                // HTTP/1.0 one may get no 1xx at all). A page setting its own status
+                // (`http_response_code(101)`): its doing, not held against the breaker.
                 Ok(response_head)
                     if response_head.status == StatusCode::SWITCHING_PROTOCOLS && !upgrade =>
                 {
-                    return Err(ClientError::Protocol(
+                    return Err(ClientError::Unpassable(
                         "101 Switching Protocols to a request that asked for no upgrade".into(),
                     ));
                 }
@@ -540,7 +541,7 @@ impl Client {
                     if response_head.status == StatusCode::SWITCHING_PROTOCOLS
                         && !super::header::is_upgrade(&response_head.headers) =>
                 {
-                    return Err(ClientError::Protocol(
+                    return Err(ClientError::Unpassable(
                         "101 Switching Protocols without `Connection: upgrade` and `Upgrade: websocket`"
                             .into(),
                     ));

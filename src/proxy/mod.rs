@@ -1944,7 +1944,7 @@ fn rescue(
         // no front should serve them.
         ErrorSide::Client if matches!(&error, ProxyError::StaticFile(file) if !file.contains("/.")) => {
             if let Some(held_back) = STATIC_FILE_SAID.allow(std::time::Instant::now()) {
-                tracing::warn!(client = %exchange.client_ip, method = %exchange.method, %path, held_back, "refused: {error}");
+                tracing::warn!(client = %exchange.client_ip, method = %exchange.method, %path, held_back, "refused: {error}; the front nginx serves the site's files (nginx.conf: try_files $uri @levee)");
             }
         }
         ErrorSide::Client => match shared.refusals_said.allow(std::time::Instant::now()) {

@@ -87,7 +87,7 @@ pub enum Unsendable {
     /// A file that is no script, under `root` where levee can see it (`/robots.txt`, an
     /// upload): nginx's `try_files $uri` served it from disk, and the front controller would
     /// answer its own page in its place. levee serves no files: the front should have.
-    #[error("`{0}` is a file under the upstream's root, and levee serves no files: the front nginx serves them (try_files $uri @levee)")]
+    #[error("`{0}` is a file, which levee does not serve")]
     StaticFile(String),
     /// A directory named without its trailing slash (`/forum/admin`, whose `index.php` is
     /// there): nginx answers 301 to the path with the slash (`try_files $uri/`, or its static
