@@ -3226,6 +3226,15 @@ async fn the_cookies_one_instance_learned_are_known_to_the_fleet() {
         },
     )
     .await;
+
+    // Redis loses its data (restarted without persistence, flushed): the instances write the
+    // names they know back, or one started after that would not know them until the app set
+    // them again, and would share its copies with logged-in visitors meanwhile.
+    redis.cli(&["FLUSHALL"]);
+    eventually(Duration::from_secs(5), "the name written back", || async {
+        redis.cli(&["SMEMBERS", "levee:app_cookies"]).trim() == "shopsid"
+    })
+    .await;
 }
 
 /// Switches in effect where `[redis]` is added are carried into it, at a reload and at the

@@ -169,16 +169,42 @@ pub fn share(redis: Arc<RedisStore>, names: Vec<String>) {
     });
 }
 
-/// Takes on the names the fleet learned (on each switch sync, and at the start).
+/// Takes on the names the fleet learned (on each switch sync, and at the start), and gives
+/// back those it lacks: a Redis that lost its data (restarted without persistence, flushed)
+/// had the set only until then, and an instance started after that knew none of them.
 pub async fn follow_fleet(redis: &RedisStore, learned: &AppCookies) {
     let mut command = redis::cmd("SMEMBERS");
     command.arg(shared_key(redis));
-    match redis
+    let fleet = match redis
         .command::<Vec<String>>(&command, redis.background_bound(), None)
         .await
     {
-        Ok(names) => learned.merge(names.iter().map(String::as_str)),
-        Err(error) => tracing::debug!("cannot read the fleet's learned cookie names: {error}"),
+        Ok(names) => names,
+        Err(error) => {
+            tracing::debug!("cannot read the fleet's learned cookie names: {error}");
+            return;
+        }
+    };
+    learned.merge(fleet.iter().map(String::as_str));
+    let lacking: Vec<String> = learned
+        .names()
+        .into_iter()
+        .filter(|name| !fleet.contains(name))
+        .collect();
+    if lacking.is_empty() {
+        return;
+    }
+    let mut command = redis::cmd("SADD");
+    command.arg(shared_key(redis)).arg(&lacking);
+    match redis
+        .command::<i64>(&command, redis.background_bound(), None)
+        .await
+    {
+        Ok(_) => tracing::info!(
+            names = %lacking.join(","),
+            "learned private cookie names written back to redis, which did not have them"
+        ),
+        Err(error) => tracing::debug!("cannot share the learned cookie names: {error}"),
     }
 }
 
