@@ -210,6 +210,11 @@ pub struct QueueResultLabels {
     pub result: &'static str,
 }
 
+/// The `kind`s of `levee_upstream_errors_total`.
+const UPSTREAM_ERROR_KINDS: [&str; 4] = ["connect", "timeout", "failed", "body_cut"];
+/// The `to`s of `levee_breaker_transitions_total`.
+const BREAKER_STATES: [&str; 3] = ["open", "half_open", "closed"];
+
 /// All of levee's metrics. Handles are cheap clones of shared atomics.
 pub struct Metrics {
     pub registry: Registry,
@@ -762,13 +767,13 @@ impl Metrics {
     pub fn prime(&self, policy: &crate::config::Policy) {
         for upstream in policy.upstreams.values() {
             let name: LabelText = upstream.name.clone().into();
-            for kind in ["connect", "timeout", "failed", "body_cut"] {
+            for kind in UPSTREAM_ERROR_KINDS {
                 drop(self.upstream_errors.get_or_create(&UpstreamErrorLabels {
                     upstream: name.clone(),
                     kind,
                 }));
             }
-            for to in ["open", "half_open", "closed"] {
+            for to in BREAKER_STATES {
                 drop(
                     self.breaker_transitions
                         .get_or_create(&BreakerTransitionLabels {
@@ -813,6 +818,110 @@ impl Metrics {
                     self.redis_transitions
                         .get_or_create(&RedisStateLabels { to }),
                 );
+            }
+        }
+    }
+
+    /// Drops the series of the routes, upstreams and rate-limit rules that `policy` no longer
+    /// has and `previous` had: each name ever loaded kept its ~20 lines on the page (a soak of
+    /// reloads adding and removing a route grew it without end). A queue route's stay while
+    /// its jobs may still be in Redis.
+    pub fn forget_removed(&self, previous: &crate::config::Policy, policy: &crate::config::Policy) {
+        let kept: std::collections::HashSet<&str> = policy
+            .routes
+            .routes
+            .iter()
+            .map(|route| &*route.name.0)
+            .collect();
+        for route in previous
+            .routes
+            .routes
+            .iter()
+            .filter(|route| !kept.contains(&*route.name.0))
+        {
+            let name = &route.name;
+            for status in 100..=999 {
+                self.requests.remove(&RouteStatusLabels {
+                    route: name.clone(),
+                    status,
+                });
+            }
+            self.request_duration.remove(&RouteLabels {
+                route: name.clone(),
+            });
+            for action in ["stale", "stale_missing", "reject"] {
+                self.degraded_responses.remove(&DegradedLabels {
+                    route: name.clone(),
+                    action,
+                });
+            }
+            for reason in crate::degrade::stale::NOT_KEPT_REASONS {
+                self.stale_not_kept.remove(&NotKeptLabels {
+                    route: name.clone(),
+                    reason,
+                });
+            }
+        }
+        for upstream in previous
+            .upstreams
+            .keys()
+            .filter(|name| !policy.upstreams.contains_key(*name))
+        {
+            let upstream: LabelText = upstream.clone().into();
+            for kind in UPSTREAM_ERROR_KINDS {
+                self.upstream_errors.remove(&UpstreamErrorLabels {
+                    upstream: upstream.clone(),
+                    kind,
+                });
+            }
+            for to in BREAKER_STATES {
+                self.breaker_transitions.remove(&BreakerTransitionLabels {
+                    upstream: upstream.clone(),
+                    to,
+                });
+            }
+            for result in ["success", "failure"] {
+                self.breaker_probes.remove(&BreakerProbeLabels {
+                    upstream: upstream.clone(),
+                    result,
+                });
+            }
+            let labels = BreakerLabels {
+                upstream: upstream.clone(),
+            };
+            self.breaker_rejected.remove(&labels);
+            self.breaker_held_closed.remove(&labels);
+            for tier in 1..=3 {
+                self.shed.remove(&ShedLabels {
+                    upstream: upstream.clone(),
+                    tier,
+                });
+            }
+        }
+        for rule in previous
+            .limits
+            .keys()
+            .filter(|name| !policy.limits.contains_key(*name))
+        {
+            let rule = RouteName(std::sync::Arc::from(rule.as_str()));
+            for result in [
+                DecisionResult::Allowed,
+                DecisionResult::Limited,
+                DecisionResult::DryRunLimited,
+            ] {
+                for source in [
+                    DecisionSource::Redis,
+                    DecisionSource::Ahead,
+                    DecisionSource::Local,
+                    DecisionSource::Fallback,
+                    DecisionSource::Cache,
+                ] {
+                    self.ratelimit_decisions.remove(&DecisionLabels {
+                        rule: rule.clone(),
+                        result,
+                        source,
+                    });
+                }
             }
         }
     }

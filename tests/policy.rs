@@ -1490,6 +1490,43 @@ async fn a_reload_logs_only_the_warnings_it_brings() {
     assert_eq!(warned(), 1, "said once, at the start");
 }
 
+/// The series of a route, an upstream and a limit rule a reload removed leave the page:
+/// each name ever loaded kept its lines, and a soak of reloads grew the page without end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_drops_the_series_of_what_it_removed() {
+    let a = named_backend("a").await;
+    let b = named_backend("b").await;
+    let with_extra = two_upstream_policy(&a, &b, "a").replace(
+        "[[route]]\nname = \"switching\"",
+        "[limit.per_ip]\nkey = \"ip\"\nrate = \"100/s\"\nburst = 100\n[[route]]\nname = \"extra\"\nmatch = { path_prefix = \"/extra\" }\nupstream = \"b\"\nlimits = [\"per_ip\"]\n[[route]]\nname = \"switching\"",
+    );
+    let levee = Levee::start(&with_extra).await;
+    assert_eq!(get(&levee.url("/extra/1")).await.status, 200);
+    assert_eq!(get(&levee.url("/page")).await.status, 200);
+    let before = get(&levee.admin_url("/metrics")).await.text();
+    for series in [
+        "levee_requests_total{route=\"extra\",status=\"200\"} 1",
+        "levee_request_duration_seconds_count{route=\"extra\"} 1",
+        "levee_upstream_errors_total{upstream=\"b\",kind=\"connect\"} 0",
+        "levee_ratelimit_decisions_total{rule=\"per_ip\",result=\"allowed\",source=\"local\"} 1",
+    ] {
+        assert!(before.contains(series), "{series} in {before}");
+    }
+
+    let without =
+        two_upstream_policy(&a, &b, "a").replace("[upstream.b]\nurl", "[upstream.gone]\nurl");
+    std::fs::write(levee.policy_file(), &without).expect("write");
+    assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    let after = get(&levee.admin_url("/metrics")).await.text();
+    for gone in ["route=\"extra\"", "upstream=\"b\"", "rule=\"per_ip\""] {
+        assert!(!after.contains(gone), "{gone} in {after}");
+    }
+    assert!(
+        after.contains("levee_requests_total{route=\"switching\",status=\"200\"} 1"),
+        "a route still there keeps its count: {after}"
+    );
+}
+
 /// An alert on a counter's increase needs a sample before the first event: the series an
 /// upstream or a queue route may count exist at zero from the start (the first jobs
 /// dead-lettered after a start were never alerted on). Files refused on disk show as a gauge

@@ -491,6 +491,7 @@ impl PolicyStore {
                     warnings: policy.warnings.clone(),
                 };
                 log_warnings(&policy, Some(&previous));
+                self.metrics.forget_removed(&previous, &policy);
                 self.metrics.prime(&policy);
                 self.current.store(Arc::new(policy));
                 self.metrics.policy_reloads.inc();

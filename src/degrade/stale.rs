@@ -888,6 +888,21 @@ pub fn is_event_stream_type(value: &[u8]) -> bool {
     kind.trim_ascii().eq_ignore_ascii_case(b"text/event-stream")
 }
 
+/// Every `reason` a page is not kept for (`levee_stale_not_kept_total{reason}`), each said
+/// by [`not_kept_because`]: the series of a route a reload removed are dropped by these.
+pub const NOT_KEPT_REASONS: [&str; 10] = [
+    "private",
+    "credentials",
+    "cookie_no_cache",
+    "set_cookie",
+    "vary",
+    "content_coded",
+    "too_large",
+    "event_stream",
+    "own_cookie",
+    "status",
+];
+
 /// What a `reason` of [`why_not_storable`] means, for the log.
 pub fn not_kept_because(reason: &str) -> &'static str {
     match reason {
@@ -1369,6 +1384,20 @@ const LONG_PART: usize = 64;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_reason_a_page_is_not_kept_is_said_in_words_of_its_own() {
+        for reason in NOT_KEPT_REASONS
+            .iter()
+            .filter(|reason| **reason != "status")
+        {
+            assert_ne!(
+                not_kept_because(reason),
+                not_kept_because("status"),
+                "{reason}"
+            );
+        }
+    }
 
     #[test]
     fn copies_round_trip_through_the_redis_encoding() {
