@@ -295,9 +295,17 @@ pub struct RouteSeries {
     /// kept as its stale copy (by reason), that its queue took up jobs another instance
     /// handed back.
     said: std::sync::Mutex<Vec<(&'static str, std::time::Instant)>>,
+    /// A reload removed the route and dropped its series: a request still in flight then
+    /// counts nowhere, or its end would bring them back for good.
+    retired: std::sync::atomic::AtomicBool,
 }
 
 impl RouteSeries {
+    /// Whether a reload removed the route (see [`Metrics::forget_removed`]).
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether the route may say `what` again (once a minute, each route and thing for
     /// itself: a visitor's logged-in page, `credentials`, must not take the line that says
     /// every view sets a cookie).
@@ -331,6 +339,8 @@ pub struct DecisionSeries {
     allowed_redis: OnceLock<Counter>,
     allowed_ahead: OnceLock<Counter>,
     allowed_local: OnceLock<Counter>,
+    /// As [`RouteSeries`]'s: the rule was removed by a reload.
+    retired: std::sync::atomic::AtomicBool,
 }
 
 impl Metrics {
@@ -342,6 +352,9 @@ impl Metrics {
         result: DecisionResult,
         source: DecisionSource,
     ) {
+        if series.retired.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         let lookup = || {
             self.ratelimit_decisions
                 .get_or_create(&DecisionLabels {
@@ -388,6 +401,7 @@ impl Metrics {
                 .clone()
         };
         match series {
+            Some(series) if series.is_retired() => {}
             Some(series) => {
                 if status == 200 {
                     series.ok.get_or_init(|| requests(200)).inc();
@@ -825,7 +839,8 @@ impl Metrics {
     /// Drops the series of the routes, upstreams and rate-limit rules that `policy` no longer
     /// has and `previous` had: each name ever loaded kept its ~20 lines on the page (a soak of
     /// reloads adding and removing a route grew it without end). A queue route's stay while
-    /// its jobs may still be in Redis.
+    /// its jobs may still be in Redis. Requests of a removed route (and decisions of a removed
+    /// rule) still in flight count nowhere after this: their ends brought the series back.
     pub fn forget_removed(&self, previous: &crate::config::Policy, policy: &crate::config::Policy) {
         let kept: std::collections::HashSet<&str> = policy
             .routes
@@ -839,6 +854,10 @@ impl Metrics {
             .iter()
             .filter(|route| !kept.contains(&*route.name.0))
         {
+            route
+                .series
+                .retired
+                .store(true, std::sync::atomic::Ordering::Relaxed);
             let name = &route.name;
             for status in 100..=999 {
                 self.requests.remove(&RouteStatusLabels {
@@ -898,11 +917,15 @@ impl Metrics {
                 });
             }
         }
-        for rule in previous
+        for (rule, removed) in previous
             .limits
-            .keys()
-            .filter(|name| !policy.limits.contains_key(*name))
+            .iter()
+            .filter(|(name, _)| !policy.limits.contains_key(*name))
         {
+            removed
+                .series
+                .retired
+                .store(true, std::sync::atomic::Ordering::Relaxed);
             let rule = RouteName(std::sync::Arc::from(rule.as_str()));
             for result in [
                 DecisionResult::Allowed,

@@ -1495,10 +1495,28 @@ async fn a_reload_logs_only_the_warnings_it_brings() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_drops_the_series_of_what_it_removed() {
     let a = named_backend("a").await;
-    let b = named_backend("b").await;
+    // `/held` waits for `release` once it has said it `arrived`: the first request of its
+    // route, in flight across the reload that removes the route.
+    let arrived = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let b = {
+        let (arrived, release) = (arrived.clone(), release.clone());
+        Backend::start(move |request: Request<Incoming>| {
+            let held = request.uri().path() == "/held";
+            let (arrived, release) = (arrived.clone(), release.clone());
+            async move {
+                if held {
+                    arrived.notify_one();
+                    release.notified().await;
+                }
+                Response::new(full("b"))
+            }
+        })
+        .await
+    };
     let with_extra = two_upstream_policy(&a, &b, "a").replace(
         "[[route]]\nname = \"switching\"",
-        "[limit.per_ip]\nkey = \"ip\"\nrate = \"100/s\"\nburst = 100\n[[route]]\nname = \"extra\"\nmatch = { path_prefix = \"/extra\" }\nupstream = \"b\"\nlimits = [\"per_ip\"]\n[[route]]\nname = \"switching\"",
+        "[limit.per_ip]\nkey = \"ip\"\nrate = \"100/s\"\nburst = 100\n[[route]]\nname = \"extra\"\nmatch = { path_prefix = \"/extra\" }\nupstream = \"b\"\nlimits = [\"per_ip\"]\n[[route]]\nname = \"held\"\nmatch = { path = \"/held\" }\nupstream = \"b\"\n[[route]]\nname = \"switching\"",
     );
     let levee = Levee::start(&with_extra).await;
     assert_eq!(get(&levee.url("/extra/1")).await.status, 200);
@@ -1515,10 +1533,22 @@ async fn a_reload_drops_the_series_of_what_it_removed() {
 
     let without =
         two_upstream_policy(&a, &b, "a").replace("[upstream.b]\nurl", "[upstream.gone]\nurl");
+    let url = levee.url("/held");
+    let held = tokio::spawn(async move { get(&url).await });
+    arrived.notified().await;
     std::fs::write(levee.policy_file(), &without).expect("write");
     assert_eq!(post(&levee.admin_url("/reload"), "").await.status, 200);
+    // The request in flight ends after the reload: it counts nowhere, or its series came
+    // back for good.
+    release.notify_one();
+    assert_eq!(held.await.expect("task").status, 200);
     let after = get(&levee.admin_url("/metrics")).await.text();
-    for gone in ["route=\"extra\"", "upstream=\"b\"", "rule=\"per_ip\""] {
+    for gone in [
+        "route=\"extra\"",
+        "route=\"held\"",
+        "upstream=\"b\"",
+        "rule=\"per_ip\"",
+    ] {
         assert!(!after.contains(gone), "{gone} in {after}");
     }
     assert!(

@@ -1880,6 +1880,10 @@ pub(crate) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
 
 /// `levee_upstream_errors_total` of the route's upstream, by the error's kind.
 fn count_upstream_error(metrics: &Metrics, route: &Route, kind: &'static str) {
+    // (A route a reload removed: its upstream may have gone with it, and its series too.)
+    if route.series.is_retired() {
+        return;
+    }
     metrics
         .upstream_errors
         .get_or_create(&UpstreamErrorLabels {
