@@ -257,6 +257,7 @@ done
     echo "pid $WORK/nginx.pid;"
     echo "error_log $LOGS/nginx-error.log warn;"
     sed -e "s|listen 80;|listen 127.0.0.1:$P_FRONT;|" \
+        -e "s|listen \[::\]:80;||" \
         -e "s|127\.0\.0\.1:8080\b|127.0.0.1:$P_LEVEE|g" \
         -e "s|127\.0\.0\.1:8081\b|127.0.0.1:$P_APP|g" \
         -e "s|127\.0\.0\.1:9000\b|127.0.0.1:$P_FPM|g" \
@@ -264,7 +265,7 @@ done
         -e "s|^http {|http {\n    access_log $LOGS/nginx-access.log;\n    client_body_temp_path $WORK/nginx/client_body;\n    proxy_temp_path $WORK/nginx/proxy;\n    fastcgi_temp_path $WORK/nginx/fastcgi;\n    uwsgi_temp_path $WORK/nginx/uwsgi;\n    scgi_temp_path $WORK/nginx/scgi;|" \
         "$NGINX_SRC"
 } >"$WORK/nginx.conf"
-if grep -qE 'listen 80;|127\.0\.0\.1:(8080|8081|9000)\b' "$WORK/nginx.conf"; then
+if grep -qE 'listen 80;|:80;|127\.0\.0\.1:(8080|8081|9000)\b' "$WORK/nginx.conf"; then
     die "a placeholder port was left in $WORK/nginx.conf"
 fi
 NGINX_ARGS=(-c "$WORK/nginx.conf" -p "$WORK/nginx" -e "$LOGS/nginx-error.log")

@@ -61,6 +61,8 @@ async fn front_stack(levee_port: u16) -> (tempfile::TempDir, PhpFpm, ChildGuard,
     let config = format!("pid {d}/front.pid;\nerror_log {d}/front-error.log warn;\n")
         + &shipped
             .replace("listen 80;", &format!("listen 127.0.0.1:{front};"))
+            // (Loopback IPv4 is what the tests reach; a machine may have no IPv6 at all.)
+            .replace("listen [::]:80;", "")
             .replace("127.0.0.1:8080", &format!("127.0.0.1:{levee_port}"))
             .replace("127.0.0.1:8081", &format!("127.0.0.1:{backend}"))
             .replace("127.0.0.1:9000", &format!("127.0.0.1:{}", php.port))
@@ -70,7 +72,7 @@ async fn front_stack(levee_port: u16) -> (tempfile::TempDir, PhpFpm, ChildGuard,
                 &format!("http {{\n    access_log {d}/front-access.log;\n    client_body_temp_path {d}/cb;\n    proxy_temp_path {d}/px;\n    fastcgi_temp_path {d}/fc;\n    uwsgi_temp_path {d}/uw;\n    scgi_temp_path {d}/sc;\n"),
             );
     assert!(
-        !config.contains(":8080") && !config.contains("listen 80"),
+        !config.contains(":8080") && !config.contains("listen 80") && !config.contains(":80;"),
         "every port was substituted"
     );
     std::fs::write(dir.path().join("front.conf"), config).expect("write config");

@@ -3965,6 +3965,18 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
             for entry in list {
                 let text = entry.get_ref().trim();
                 match parse_network(text) {
+                    // Every address is trusted: any visitor chooses its own, for limits,
+                    // `client` matches and the app's REMOTE_ADDR (`::/0` copied for IPv6's
+                    // "any" is an easy slip).
+                    Some(net) if net.prefix_len() == 0 => {
+                        compiler.warning_hint(
+                            file,
+                            entry.span(),
+                            format!("trusted_proxies `{text}` trusts every address: any client can set its own with X-Forwarded-For, for rate limits, routes' `client` and the app's REMOTE_ADDR"),
+                            "list the front's own addresses only: \"127.0.0.1/32\", \"::1/128\"",
+                        );
+                        nets.push(net);
+                    }
                     Some(net) => nets.push(net),
                     None => compiler.error_hint(
                         file,
@@ -6627,6 +6639,26 @@ mod tests {
             "{typo:?}"
         );
         assert!(warnings("[\"get\", \"PROPFIND\", \"PURGE\"]").is_empty());
+    }
+
+    #[test]
+    fn trusting_every_address_is_a_warning() {
+        for every in ["::/0", "0.0.0.0/0"] {
+            let policy = format!("[server]\ntrusted_proxies = [\"127.0.0.1\", \"{every}\"]\n{APP}");
+            let warnings: Vec<String> = compile(&files(&[("a.toml", &policy)]), None)
+                .expect("loads")
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            assert!(
+                warnings.len() == 1
+                    && warnings[0].starts_with(&format!(
+                        "a.toml:2:33: warning: trusted_proxies `{every}` trusts every address"
+                    )),
+                "{warnings:?}"
+            );
+        }
     }
 
     #[test]
