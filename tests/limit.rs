@@ -921,6 +921,37 @@ async fn two_instances_share_one_limit_through_redis() {
     assert_eq!(backend.hits(), 10);
 }
 
+/// An IPv6 home line holds a /56 (or a /48) of /64s and its router can send from any of
+/// them: keyed by /64, a login rule gave it 256 buckets. `ipv6_prefix = 56` holds it to one,
+/// while the default keeps each /64 its own client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_keys_ipv6_clients_by_the_network_it_names() {
+    let backend = echo_backend().await;
+    let admitted = |bits: &'static str| {
+        let backend = &backend;
+        async move {
+            let rule =
+                format!("[limit.login]\nkey = [\"ip\"]\nrate = \"1/min\"\nburst = 3\n{bits}");
+            let levee = Levee::start(&limited_policy(backend, "", "", &rule, "\"login\"")).await;
+            let mut admitted = 0;
+            // Ten /64s of one /56, one address each (through the trusted front on loopback).
+            for subnet in 0..10 {
+                let client = format!("2001:db8:1:2{subnet:02x}::{}", subnet + 1);
+                if send_as(&levee, None, Some(&client)).await.status == 200 {
+                    admitted += 1;
+                }
+            }
+            admitted
+        }
+    };
+    assert_eq!(admitted("").await, 10, "each /64 its own bucket by default");
+    assert_eq!(
+        admitted("ipv6_prefix = 56\n").await,
+        3,
+        "the /56 one bucket of 3"
+    );
+}
+
 /// Latin-1 user names, as a legacy app's header carries them (not UTF-8): two users, two
 /// buckets, through levee's own HTTP parser.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3608,6 +3608,29 @@ fn compile_limit(
             }
         },
     };
+    let ipv6_prefix = match &inner.ipv6_prefix {
+        Some(bits) if !(32..=128).contains(bits.get_ref()) => {
+            compiler.error_hint(
+                file,
+                bits.span(),
+                format!("ipv6_prefix must be from 32 to 128, not {}", bits.get_ref()),
+                "the IPv6 network one client is: 64 (a device's own), 56 or 48 (a home line's)",
+            );
+            crate::limit::key::DEFAULT_IPV6_PREFIX
+        }
+        Some(bits) => {
+            if !parts.contains(&KeyPart::Ip) && !missing_uses_ip {
+                compiler.warning_hint(
+                    file,
+                    bits.span(),
+                    format!("ipv6_prefix of limit `{name}` does nothing: its key has no `ip`, and missing is not \"ip\""),
+                    "remove it, or add \"ip\" to the key",
+                );
+            }
+            u8::try_from(*bits.get_ref()).unwrap_or(crate::limit::key::DEFAULT_IPV6_PREFIX)
+        }
+        None => crate::limit::key::DEFAULT_IPV6_PREFIX,
+    };
     rate?;
     Some(LimitRule {
         name: Arc::from(name),
@@ -3619,6 +3642,7 @@ fn compile_limit(
             .map(|r| r.get_ref().clone())
             .unwrap_or_default(),
         missing_uses_ip,
+        ipv6_prefix,
         dry_run: inner.dry_run.unwrap_or(false),
         on_redis_error,
         headers: inner.headers.unwrap_or(true),
@@ -6639,6 +6663,31 @@ mod tests {
             "{typo:?}"
         );
         assert!(warnings("[\"get\", \"PROPFIND\", \"PURGE\"]").is_empty());
+    }
+
+    #[test]
+    fn ipv6_prefix_is_checked_and_said_idle_without_an_ip_key() {
+        let limit = |key: &str, bits: u32| {
+            format!("{APP}[limit.login]\nkey = [\"{key}\"]\nrate = \"5/m\"\nipv6_prefix = {bits}\n[[route]]\nname = \"r\"\nmatch = {{ path = \"/\" }}\nlimits = [\"login\"]\n")
+        };
+        let policy = compile(&files(&[("a.toml", &limit("ip", 56))]), None).expect("loads");
+        assert_eq!(policy.limits["login"].ipv6_prefix, 56);
+        assert!(policy.warnings.is_empty(), "{:?}", policy.warnings);
+        let error = compile(&files(&[("a.toml", &limit("ip", 16))]), None)
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            error.contains("error: ipv6_prefix must be from 32 to 128, not 16"),
+            "{error}"
+        );
+        let idle = compile(&files(&[("a.toml", &limit("route", 48))]), None).expect("loads");
+        assert!(
+            idle.warnings[0]
+                .to_string()
+                .contains("warning: ipv6_prefix of limit `login` does nothing"),
+            "{:?}",
+            idle.warnings
+        );
     }
 
     #[test]

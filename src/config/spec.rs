@@ -700,6 +700,7 @@ pub struct LimitSpec {
     pub rate: Option<Spanned<String>>,
     pub burst: Option<Spanned<u32>>,
     pub missing: Option<Spanned<String>>,
+    pub ipv6_prefix: Option<Spanned<u32>>,
     pub dry_run: Option<bool>,
     pub on_redis_error: Option<Spanned<String>>,
     pub headers: Option<bool>,

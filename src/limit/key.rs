@@ -204,15 +204,28 @@ fn host_as_routed(host: &[u8]) -> Vec<u8> {
     name
 }
 
-/// The client as a limit key: an IPv4 address, or the /64 network of an IPv6 one. One IPv6
-/// subscriber gets a whole /64 and may send each request from another address of it; keyed
-/// by address, it would get a fresh bucket every time.
-fn ip_key(ip: IpAddr) -> String {
+/// The IPv6 network one client is for a rule's `ip` unless its `ipv6_prefix` says otherwise:
+/// one device's own allocation.
+pub const DEFAULT_IPV6_PREFIX: u8 = 64;
+
+/// The client as a limit key: an IPv4 address, or the network of an IPv6 one, `v6_prefix`
+/// bits wide (a rule's `ipv6_prefix`, 64 by default). One IPv6 subscriber gets a whole /64 (a
+/// home line a /56 or a /48) and may send each request from another address of it; keyed by
+/// address, it would get a fresh bucket every time.
+fn ip_key(ip: IpAddr, v6_prefix: u8) -> String {
     match (ipv4_client(ip), ip) {
         (Some(v4), _) => ip_string(IpAddr::V4(v4)),
-        (None, IpAddr::V6(v6)) => {
+        // Written as it always was for a /64: bucket keys stay those of the instances
+        // running an older levee beside this one.
+        (None, IpAddr::V6(v6)) if v6_prefix == DEFAULT_IPV6_PREFIX => {
             let [a, b, c, d, ..] = v6.segments();
             format!("{a:x}:{b:x}:{c:x}:{d:x}::/64")
+        }
+        (None, IpAddr::V6(v6)) => {
+            let bits = u32::from(v6_prefix.min(128));
+            let mask = u128::MAX.checked_shl(128 - bits).unwrap_or(0);
+            let network = std::net::Ipv6Addr::from(u128::from(v6) & mask);
+            format!("{network}/{bits}")
         }
         (None, ip) => ip_string(ip),
     }
@@ -242,10 +255,10 @@ fn ipv4_client(ip: IpAddr) -> Option<std::net::Ipv4Addr> {
 /// written straight into the key digit by digit: dotted digits are a plain value as they
 /// are, and the formatting, allocation and check of the general way cost more than the rest
 /// of the key.
-fn client_key(ip: IpAddr) -> KeyText<'static> {
+fn client_key(ip: IpAddr, v6_prefix: u8) -> KeyText<'static> {
     match ipv4_client(ip) {
         Some(v4) => KeyText::Ipv4(v4),
-        None => KeyText::Text(safe_value(Cow::Owned(ip_key(ip).into_bytes()))),
+        None => KeyText::Text(safe_value(Cow::Owned(ip_key(ip, v6_prefix).into_bytes()))),
     }
 }
 
@@ -313,14 +326,27 @@ fn first_present<'a>(
         .find_map(|source| source.read_bytes(headers, query))
 }
 
-/// Builds the bucket key of `rule` for a request: `{prefix}rl:{tag}:{rule}:{part|part…}`.
-/// Returns `None` when a part is missing; `fallback_ip` then keys by client IP instead.
+/// [`bucket_key_within`] for a rule keying IPv6 clients by their /64.
 pub fn bucket_key(
     prefix: &str,
     rule: &str,
     parts: &[KeyPart],
     facts: &RequestFacts<'_>,
     fallback_ip: bool,
+) -> Option<BucketKey> {
+    bucket_key_within(prefix, rule, parts, facts, fallback_ip, DEFAULT_IPV6_PREFIX)
+}
+
+/// Builds the bucket key of `rule` for a request: `{prefix}rl:{tag}:{rule}:{part|part…}`.
+/// Returns `None` when a part is missing; `fallback_ip` then keys by client IP instead.
+/// `v6_prefix`: the IPv6 network one client is (the rule's `ipv6_prefix`).
+pub fn bucket_key_within(
+    prefix: &str,
+    rule: &str,
+    parts: &[KeyPart],
+    facts: &RequestFacts<'_>,
+    fallback_ip: bool,
+    v6_prefix: u8,
 ) -> Option<BucketKey> {
     // Values are borrowed from the request where they can be written as they are, and kept
     // off the heap: this runs for every rule of every request. Each value says whether it is
@@ -331,7 +357,7 @@ pub fn bucket_key(
     let mut tag: Option<(u8, usize)> = None;
     for part in parts {
         let (part, value, stands_in) = if *part == KeyPart::Ip {
-            let client = client.get_or_insert_with(|| client_key(facts.client_ip));
+            let client = client.get_or_insert_with(|| client_key(facts.client_ip, v6_prefix));
             (part, client.clone(), false)
         } else {
             match facts.part(part) {
@@ -340,7 +366,8 @@ pub fn bucket_key(
                 }
                 Some(value) => (part, KeyText::Text(safe_value(value)), false),
                 None if fallback_ip => {
-                    let client = client.get_or_insert_with(|| client_key(facts.client_ip));
+                    let client =
+                        client.get_or_insert_with(|| client_key(facts.client_ip, v6_prefix));
                     (&KeyPart::Ip, client.clone(), true)
                 }
                 None => return None,
@@ -1136,8 +1163,22 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_clients_are_keyed_by_the_network_the_rule_says() {
+        let key = |ip: &str, bits| ip_key(ip.parse().expect("ip"), bits);
+        // A home line's /56: every /64 of it one client.
+        assert_eq!(key("2001:db8:1:2aa::1", 56), "2001:db8:1:200::/56");
+        assert_eq!(key("2001:db8:1:2ff:ffff::9", 56), "2001:db8:1:200::/56");
+        assert_ne!(key("2001:db8:1:300::1", 56), key("2001:db8:1:200::1", 56));
+        assert_eq!(key("2001:db8:1:2::5", 128), "2001:db8:1:2::5/128");
+        assert_eq!(key("2001:db8:ffff::1", 32), "2001:db8::/32");
+        // IPv4 clients are themselves whatever the rule says of IPv6.
+        assert_eq!(key("203.0.113.9", 48), "203.0.113.9");
+        assert_eq!(key("::ffff:203.0.113.9", 48), "203.0.113.9");
+    }
+
+    #[test]
     fn ipv6_clients_are_keyed_by_their_slash_64() {
-        let key = |ip: &str| ip_key(ip.parse().expect("ip"));
+        let key = |ip: &str| ip_key(ip.parse().expect("ip"), DEFAULT_IPV6_PREFIX);
         assert_eq!(key("2001:db8:1:2:aaaa::1"), "2001:db8:1:2::/64");
         assert_eq!(key("2001:db8:1:2:bbbb:cccc:dddd:eeee"), "2001:db8:1:2::/64");
         assert_ne!(key("2001:db8:1:3::1"), key("2001:db8:1:2::1"));
@@ -1162,12 +1203,12 @@ mod tests {
             "2001:db8:1:2::1",
         ] {
             let ip: IpAddr = ip.parse().expect("ip");
-            let client = client_key(ip);
+            let client = client_key(ip, DEFAULT_IPV6_PREFIX);
             let mut written = String::new();
             client.write_to(&mut written);
             assert_eq!(
                 written,
-                safe_value(Cow::Owned(ip_key(ip).into_bytes())),
+                safe_value(Cow::Owned(ip_key(ip, DEFAULT_IPV6_PREFIX).into_bytes())),
                 "{ip}"
             );
             assert_eq!(client.len(), written.len(), "{ip}");

@@ -33,7 +33,7 @@ use crate::redis_batch::RedisRule;
 use crate::redis_store::{RedisAsk, RedisStore, RemoteVerdict};
 use gcra::{Rate, Verdict};
 pub use key::client_network;
-use key::{bucket_key, BucketKey, KeyPart, RequestFacts};
+use key::{bucket_key_within, BucketKey, KeyPart, RequestFacts};
 use local::{Ask, DenyCache, LocalStore, Refused};
 
 /// What a rule does while Redis cannot be used.
@@ -57,6 +57,8 @@ pub struct LimitRule {
     pub rate_text: String,
     /// A request without a key part is keyed by client IP instead of skipping the rule.
     pub missing_uses_ip: bool,
+    /// The IPv6 network one client is, when keyed by `ip` (`ipv6_prefix`, 64 by default).
+    pub ipv6_prefix: u8,
     pub dry_run: bool,
     pub on_redis_error: OnRedisError,
     /// `RateLimit-Policy` / `RateLimit` on 429 answers. Default true.
@@ -244,12 +246,13 @@ impl Limiter {
             .filter_map(|(at, rule)| {
                 let key = match fixed_keys.get(at) {
                     Some(Some(fixed)) => Cow::Borrowed(fixed),
-                    _ => Cow::Owned(bucket_key(
+                    _ => Cow::Owned(bucket_key_within(
                         prefix,
                         &rule.name,
                         &rule.parts,
                         facts,
                         rule.missing_uses_ip,
+                        rule.ipv6_prefix,
                     )?),
                 };
                 Some(Planned { rule, key })
@@ -651,6 +654,7 @@ mod tests {
             },
             rate_text: "3/min".into(),
             missing_uses_ip: false,
+            ipv6_prefix: key::DEFAULT_IPV6_PREFIX,
             dry_run: false,
             on_redis_error: OnRedisError::Local,
             headers: true,
