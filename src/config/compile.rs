@@ -3321,7 +3321,7 @@ fn check_redis_url(
                     "`{}` is not a Redis URL: {error}",
                     crate::redis_store::redact_url(url)
                 ),
-                "write it as \"redis://127.0.0.1:6379/0\"",
+                address_hint(url, "redis://127.0.0.1:6379/0"),
             );
             None
         }
@@ -4146,11 +4146,16 @@ fn upstream_address(
     let uri: http::Uri = match url.get_ref().parse() {
         Ok(uri) => uri,
         Err(error) => {
+            let example = if url.get_ref().starts_with("fastcgi:") {
+                "fastcgi://127.0.0.1:9000"
+            } else {
+                "http://127.0.0.1:8081"
+            };
             compiler.error_hint(
                 file,
                 url.span(),
                 format!("`{}` is not a URL: {error}", url.get_ref()),
-                "write it as \"http://127.0.0.1:8081\"",
+                address_hint(url.get_ref(), example),
             );
             return None;
         }
@@ -4399,6 +4404,30 @@ fn compile_fastcgi(
         params,
         temp_dir,
     })))
+}
+
+/// The hint for a URL that did not parse: an IPv6 address written without its brackets
+/// (`http://::1:8081`) is said so, with the URL as it should read; else `example`.
+fn address_hint(url: &str, example: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
+    let host_and_port = rest.split(['/', '?']).next().unwrap_or_default();
+    let host_and_port = host_and_port.rsplit('@').next().unwrap_or_default();
+    if host_and_port.matches(':').count() < 2 || host_and_port.contains('[') {
+        return format!("write it as \"{example}\"");
+    }
+    // The last group is the port when what is before it is an address without it.
+    let fixed = match host_and_port.rsplit_once(':') {
+        Some((address, port))
+            if address.parse::<std::net::Ipv6Addr>().is_ok() && port.parse::<u16>().is_ok() =>
+        {
+            format!("{scheme}://[{address}]:{port}")
+        }
+        _ if host_and_port.parse::<std::net::Ipv6Addr>().is_ok() => {
+            format!("{scheme}://[{host_and_port}]")
+        }
+        _ => return format!("write it as \"{example}\""),
+    };
+    format!("an IPv6 address goes in brackets: \"{fixed}\"")
 }
 
 fn compile_upstream(
@@ -6687,6 +6716,29 @@ mod tests {
                 .contains("warning: ipv6_prefix of limit `login` does nothing"),
             "{:?}",
             idle.warnings
+        );
+    }
+
+    #[test]
+    fn an_ipv6_address_without_brackets_is_said_so() {
+        assert_eq!(
+            address_hint("http://::1:8081", "http://127.0.0.1:8081"),
+            "an IPv6 address goes in brackets: \"http://[::1]:8081\""
+        );
+        assert_eq!(
+            address_hint(
+                "redis://:secret@2001:db8::5:6379/0",
+                "redis://127.0.0.1:6379/0"
+            ),
+            "an IPv6 address goes in brackets: \"redis://[2001:db8::5]:6379\""
+        );
+        assert_eq!(
+            address_hint("http://127.0.0.1:80:81", "http://127.0.0.1:8081"),
+            "write it as \"http://127.0.0.1:8081\""
+        );
+        assert_eq!(
+            address_hint("http://exa mple:8081", "http://127.0.0.1:8081"),
+            "write it as \"http://127.0.0.1:8081\""
         );
     }
 
