@@ -8,18 +8,31 @@
 
 use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
 
-/// Open files `max_connections` needs: a client connection and one to the app each, plus
-/// Redis, the log, the policy files and the listeners.
-pub fn needed(max_connections: u32) -> u64 {
-    2 * u64::from(max_connections) + 256
+/// Open files kept for all but client connections and theirs to the app (Redis, the log, the
+/// policy files, the listeners: levee holds some 20 at rest): 256 where the limit is large, a
+/// quarter of a small one (at least 32). A fixed 256 left a limit of 256 (a hosting panel's,
+/// a small box's) one connection at a time: `/readyz` went unanswered and the load balancer
+/// took levee out.
+fn reserved(limit: u64) -> u64 {
+    (limit / 4).clamp(32, 256)
+}
+
+/// Open files `max_connections` needs under `limit`: a client connection and one to the app
+/// each, plus the reserve.
+pub fn needed(max_connections: u32, limit: u64) -> u64 {
+    2 * u64::from(max_connections) + reserved(limit)
 }
 
 /// The most connections `limit` open files hold (the inverse of [`needed`]), at least 1.
 pub fn connections_allowed(limit: u64) -> u32 {
-    u32::try_from(limit.saturating_sub(256) / 2)
+    u32::try_from(limit.saturating_sub(reserved(limit)) / 2)
         .unwrap_or(u32::MAX)
         .max(1)
 }
+
+/// Below this many connections, an open-file limit is said as a warning: a few slow clients
+/// take them all.
+pub const FEW_CONNECTIONS: u32 = 64;
 
 /// What raising the soft limit did, for the start-up log.
 #[derive(Debug, PartialEq, Eq)]
@@ -97,7 +110,7 @@ pub fn soft_limit() -> Option<u64> {
 /// A warning when `max_connections` needs more open files than the soft limit allows.
 pub fn shortfall(max_connections: u32, soft_limit: Option<u64>) -> Option<String> {
     let limit = soft_limit?;
-    let needed = needed(max_connections);
+    let needed = needed(max_connections, limit);
     (limit < needed).then(|| {
         format!(
             "[server] max_connections = {max_connections} needs about {needed} open files, but levee may open only {limit}: past that, new connections (and those to the app and Redis) fail"
@@ -119,10 +132,14 @@ mod tests {
 
     #[test]
     fn a_cap_needs_two_files_per_connection_and_some_to_spare() {
-        assert_eq!(needed(10_000), 20_256);
+        assert_eq!(needed(10_000, 65_536), 20_256);
         assert_eq!(connections_allowed(20_256), 10_000);
         assert_eq!(connections_allowed(1024), 384);
-        assert_eq!(connections_allowed(100), 1);
+        // A small limit keeps a quarter: a limit of 256 held one connection at a time.
+        assert_eq!(connections_allowed(256), 96);
+        assert_eq!(connections_allowed(100), 34);
+        assert_eq!(connections_allowed(40), 4);
+        assert_eq!(shortfall(96, Some(256)), None);
         assert_eq!(shortfall(connections_allowed(1024), Some(1024)), None);
         assert_eq!(shortfall(10_000, Some(1024)).map(|_| ()), Some(()));
         assert_eq!(shortfall(10_000, Some(20_256)), None);

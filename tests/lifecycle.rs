@@ -420,7 +420,7 @@ async fn the_default_connection_cap_fits_the_open_file_limit() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (public, admin) = (free_port(), free_port());
     binary_policy(dir.path(), public, admin, backend.addr, "/page");
-    let _levee = start_with_open_files(dir.path(), public, "1024:1024").await;
+    let levee = start_with_open_files(dir.path(), public, "1024:1024").await;
     let status = get(&format!("http://127.0.0.1:{admin}/status"))
         .await
         .json();
@@ -429,6 +429,32 @@ async fn the_default_connection_cap_fits_the_open_file_limit() {
     assert_eq!(
         status["policy"]["warnings"],
         serde_json::json!([]),
+        "{status}"
+    );
+    drop(levee);
+
+    // A small box's limit of 256 keeps a quarter for the rest: 96 connections, where a fixed
+    // reserve of 256 left one (the load balancer's /readyz waited behind a client and took
+    // levee out). Of 128: 48, too few to go unsaid.
+    let (public, admin) = (free_port(), free_port());
+    binary_policy(dir.path(), public, admin, backend.addr, "/page");
+    let small = start_with_open_files(dir.path(), public, "256:256").await;
+    let status = get(&format!("http://127.0.0.1:{admin}/status"))
+        .await
+        .json();
+    assert_eq!(status["connections"]["max"], 96, "{status}");
+    drop(small);
+    let (public, admin) = (free_port(), free_port());
+    binary_policy(dir.path(), public, admin, backend.addr, "/page");
+    let _smaller = start_with_open_files(dir.path(), public, "128:128").await;
+    let status = get(&format!("http://127.0.0.1:{admin}/status"))
+        .await
+        .json();
+    assert_eq!(status["connections"]["max"], 48, "{status}");
+    assert!(
+        status["policy"]["warnings"]
+            .to_string()
+            .contains("lets levee hold only 48 client connections"),
         "{status}"
     );
 }

@@ -246,7 +246,18 @@ fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option
     };
     if !policy.server.max_connections_given {
         let allowed = soft_limit.map_or(max_connections, crate::open_files::connections_allowed);
-        if before != Some(allowed) {
+        if allowed < crate::open_files::FEW_CONNECTIONS {
+            let mut warning = super::diag::Diagnostic::whole(
+                dir,
+                format!(
+                    "the open-file limit ({}) lets levee hold only {allowed} client connections at once: a few slow clients take them all, and the load balancer's /readyz waits behind them",
+                    soft_limit.unwrap_or_default()
+                ),
+            )
+            .hint("raise the service's open-file limit (LimitNOFILE= in its systemd unit, 4096 or more); each connection takes two");
+            warning.severity = super::diag::Severity::Warning;
+            policy.warnings.push(warning);
+        } else if before != Some(allowed) {
             tracing::info!(
                 max_connections = allowed,
                 open_file_limit = soft_limit,
