@@ -128,6 +128,16 @@ pub enum ClientError {
     Unsendable(#[from] Unsendable),
 }
 
+/// Whether `error` is this process (`EMFILE`) or the system (`ENFILE`) out of file
+/// descriptors.
+pub fn is_out_of_files(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
+            || code == rustix::io::Errno::NFILE.raw_os_error()
+    )
+}
+
 /// A handshake's failure, with what to do where rustls's words do not say it: a server
 /// certificate made with `openssl req -x509` is a CA certificate, which `ca_files` trusts as
 /// a CA and TLS then refuses as the server's own ("CaUsedAsEndEntity").
@@ -151,10 +161,14 @@ impl ClientError {
     /// answered and only its header fields could not be passed on: one page reflecting a
     /// visitor's input into a header must not cut every page off.
     pub fn is_upstream_failure(&self) -> bool {
-        !matches!(
-            self,
-            ClientError::Unpassable(_) | ClientError::Unsendable(_)
-        )
+        match self {
+            ClientError::Unpassable(_) | ClientError::Unsendable(_) => false,
+            // levee out of file descriptors (its open-file limit, or the system's): the app
+            // may be idle and well. Held against it, the breaker cut the whole site off.
+            ClientError::Connect { source, .. } => !is_out_of_files(source),
+            ClientError::Resent(first) => first.is_upstream_failure(),
+            _ => true,
+        }
     }
 
     /// Did the call fail before a connection existed?
@@ -1793,6 +1807,20 @@ mod tests {
                 "{fields:?} from {peer} (trusted: {peer_trusted})"
             );
         }
+    }
+
+    #[test]
+    fn levee_out_of_files_is_no_failure_of_the_upstream() {
+        let connect = |errno: rustix::io::Errno| ClientError::Connect {
+            target: "127.0.0.1:8081".into(),
+            source: io::Error::from_raw_os_error(errno.raw_os_error()),
+        };
+        assert!(!connect(rustix::io::Errno::MFILE).is_upstream_failure());
+        assert!(!connect(rustix::io::Errno::NFILE).is_upstream_failure());
+        assert!(
+            !ClientError::Resent(Box::new(connect(rustix::io::Errno::MFILE))).is_upstream_failure()
+        );
+        assert!(connect(rustix::io::Errno::CONNREFUSED).is_upstream_failure());
     }
 
     #[test]

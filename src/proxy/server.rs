@@ -9,6 +9,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+/// `accept` failing (out of file descriptors): one warn line every 10 s.
+static ACCEPT_FAILED_SAID: crate::log_throttle::LogThrottle =
+    crate::log_throttle::LogThrottle::new(Duration::from_secs(10));
+
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
@@ -318,8 +322,16 @@ pub(crate) async fn accept_loop<C, Fut>(
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(error) => {
-                // Usually out of file descriptors: back off instead of spinning.
-                tracing::warn!("accept failed: {error}");
+                // Usually out of file descriptors: back off instead of spinning, and say so
+                // once in a while, not twenty times a second.
+                if let Some(held_back) = ACCEPT_FAILED_SAID.allow(std::time::Instant::now()) {
+                    let hint = if crate::proxy::client::is_out_of_files(&error) {
+                        ": levee is out of open files; lower [server] max_connections or raise its open-file limit"
+                    } else {
+                        ""
+                    };
+                    tracing::warn!(held_back, "accept failed: {error}{hint}");
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
