@@ -686,7 +686,7 @@ async fn carry_into(redis: &RedisStore, switches: &RuntimeSwitches, why: Carried
     match redis.command::<i64>(&command, SWITCH_TIMEOUT, None).await {
         Ok(1) => {
             let what = match why {
-                Carried::Lost => "redis holds no degrade switches, not even who handed the last one back: it lost its data (restarted without persistence, flushed, or a replica's full resync from an empty master); this instance wrote back the switches in effect here, and the fleet follows them (hand them back with levee level/module/breaker … auto, not by deleting the key)".to_string(),
+                Carried::Lost => "redis holds no degrade switches, not even who handed the last one back: it lost its data (restarted without persistence, flushed, its keys evicted under an allkeys-* maxmemory-policy, or a replica's full resync from an empty master); this instance wrote back the switches in effect here, and the fleet follows them (hand them back with levee level/module/breaker … auto, not by deleting the key)".to_string(),
                 Carried::Moved => "[redis] names a place that holds no degrade switches yet (a reload added [redis] or moved it): this instance carried the switches in effect here into it, and the fleet follows them (hand them back with levee level/module/breaker … auto)".to_string(),
                 Carried::LocalCopy(policy) => format!(
                     "redis holds no degrade switches yet (the first start with [redis], or a Redis that lost its data): this instance carried those of its local copy ({}) into it, and the fleet follows them (hand them back with levee level/module/breaker … auto)",
