@@ -2269,6 +2269,7 @@ fn compile_degrade(
             triggers: Vec::new(),
             cool_down: Duration::from_secs(30),
             tell_app: false,
+            stale_memory: crate::degrade::stale::L1_MAX_BYTES,
         };
     };
     let file = *file;
@@ -2335,6 +2336,30 @@ fn compile_degrade(
             .collect(),
         cool_down: compiler.duration(file, &inner.cool_down, Duration::from_secs(30)),
         tell_app: inner.tell_app.as_ref().is_some_and(|tell| *tell.get_ref()),
+        stale_memory: stale_memory(compiler, file, &inner.stale_memory),
+    }
+}
+
+/// `[degrade] stale_memory`: at least 1 MiB (a page or two); no more than the machine's
+/// address space.
+fn stale_memory(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Option<Spanned<SizeSpec>>,
+) -> usize {
+    let default = crate::degrade::stale::L1_MAX_BYTES;
+    let bytes = compiler.size(file, spec, default as u64);
+    match spec {
+        Some(given) if bytes < 1 << 20 => {
+            compiler.error_hint(
+                file,
+                given.span(),
+                format!("stale_memory must be at least 1MiB, not {bytes} bytes"),
+                "the most memory levee gives its stale copies, every route's together: \"16MiB\" on a small box, 64MiB by default",
+            );
+            default
+        }
+        _ => usize::try_from(bytes).unwrap_or(usize::MAX),
     }
 }
 
@@ -6739,6 +6764,22 @@ mod tests {
         assert_eq!(
             address_hint("http://exa mple:8081", "http://127.0.0.1:8081"),
             "write it as \"http://127.0.0.1:8081\""
+        );
+    }
+
+    #[test]
+    fn stale_memory_is_a_size_of_a_mebibyte_and_more() {
+        let with = |size: &str| format!("{APP}[degrade]\nstale_memory = {size}\n");
+        let policy = compile(&files(&[("a.toml", &with("\"16MiB\""))]), None).expect("loads");
+        assert_eq!(policy.degrade.stale_memory, 16 << 20);
+        let plain = compile(&files(&[("a.toml", APP)]), None).expect("loads");
+        assert_eq!(plain.degrade.stale_memory, 64 << 20);
+        let error = compile(&files(&[("a.toml", &with("\"100KiB\""))]), None)
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            error.contains("error: stale_memory must be at least 1MiB, not 102400 bytes"),
+            "{error}"
         );
     }
 

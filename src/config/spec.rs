@@ -874,6 +874,7 @@ pub struct DegradeSpec {
     pub sync_interval: Option<Spanned<String>>,
     pub cool_down: Option<Spanned<String>>,
     pub tell_app: Option<Spanned<bool>>,
+    pub stale_memory: Option<Spanned<SizeSpec>>,
     #[serde(default)]
     pub trigger: Vec<Spanned<TriggerSpec>>,
 }

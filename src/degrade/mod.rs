@@ -56,6 +56,9 @@ pub struct DegradeSettings {
     /// `X-Levee-Modules-Off` (and their answers are not kept as the route's copy). Default
     /// false.
     pub tell_app: bool,
+    /// Most bytes of stale copies kept in levee's memory, every route's together. Default
+    /// [`stale::L1_MAX_BYTES`].
+    pub stale_memory: usize,
 }
 
 /// What an "off" route answers.
@@ -345,6 +348,7 @@ mod tests {
             triggers: Vec::new(),
             cool_down: Duration::from_secs(30),
             tell_app: false,
+            stale_memory: stale::L1_MAX_BYTES,
         };
         let switched_on = RuntimeSwitches {
             level: None,

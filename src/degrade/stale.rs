@@ -388,7 +388,8 @@ pub async fn wait_for_copy(
 
 pub struct StaleStore {
     l1: Mutex<L1>,
-    max_bytes: usize,
+    /// `[degrade] stale_memory` of the policy in force (see [`Self::set_max_bytes`]).
+    max_bytes: std::sync::atomic::AtomicUsize,
     inflight: Mutex<Inflight>,
     redis_stores: Arc<tokio::sync::Semaphore>,
 }
@@ -489,7 +490,7 @@ impl StaleStore {
     pub fn new(max_bytes: usize) -> StaleStore {
         StaleStore {
             l1: Mutex::new(L1::default()),
-            max_bytes,
+            max_bytes: std::sync::atomic::AtomicUsize::new(max_bytes),
             inflight: Mutex::new(HashMap::new()),
             redis_stores: Arc::new(tokio::sync::Semaphore::new(REDIS_STORES_IN_FLIGHT)),
         }
@@ -622,6 +623,44 @@ impl StaleStore {
         send
     }
 
+    fn max_bytes(&self) -> usize {
+        self.max_bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Bounds the copies in memory to `bytes` (the policy's `stale_memory`, applied at start
+    /// and within a `sync_interval` of a reload), dropping copies now when they are over it.
+    pub fn set_max_bytes(&self, bytes: usize) {
+        let before = self
+            .max_bytes
+            .swap(bytes, std::sync::atomic::Ordering::Relaxed);
+        if bytes < before {
+            if let Ok(mut l1) = self.l1.lock() {
+                Self::trim(&mut l1, bytes);
+            }
+        }
+    }
+
+    /// While memory is over `max_bytes`, drops the oldest copy of the route that holds the
+    /// most.
+    fn trim(l1: &mut L1, max_bytes: usize) {
+        while l1.bytes > max_bytes {
+            let largest = l1
+                .routes
+                .iter()
+                .max_by_key(|(_, route)| route.bytes)
+                .map(|(name, _)| name.clone());
+            let oldest = largest
+                .and_then(|name| l1.routes.get_mut(&name))
+                .and_then(|route| route.order.pop_front());
+            let Some(oldest) = oldest else {
+                break;
+            };
+            if l1.current(&oldest) {
+                l1.remove(&oldest.0);
+            }
+        }
+    }
+
     /// Keeps `copy` as the newest store, then drops the route's oldest copies beyond
     /// `max_copies`, and while memory is over its bound, the oldest copy of the route that
     /// holds the most: a route flooded with keys (cache-busting queries) evicts its own copies
@@ -635,7 +674,8 @@ impl StaleStore {
         in_redis_at_ms: u64,
     ) {
         let weight = entry_weight(key, &copy);
-        if weight > self.max_bytes {
+        let max_bytes = self.max_bytes();
+        if weight > max_bytes {
             return;
         }
         let (local, route_key) = (key.in_memory(), key.route_in_memory());
@@ -676,22 +716,7 @@ impl StaleStore {
                 l1.remove(&oldest.0);
             }
         }
-        while l1.bytes > self.max_bytes {
-            let largest = l1
-                .routes
-                .iter()
-                .max_by_key(|(_, route)| route.bytes)
-                .map(|(name, _)| name.clone());
-            let oldest = largest
-                .and_then(|name| l1.routes.get_mut(&name))
-                .and_then(|route| route.order.pop_front());
-            let Some(oldest) = oldest else {
-                break;
-            };
-            if l1.current(&oldest) {
-                l1.remove(&oldest.0);
-            }
-        }
+        Self::trim(l1, max_bytes);
 
         // Left-over entries (of keys stored again, or removed) are dropped once they
         // outnumber the route's copies, so its queue stays within twice the copies kept.
@@ -1608,6 +1633,25 @@ mod tests {
         assert_eq!(busted.bytes, 45 * weight);
         assert!(l1.copies.contains_key(key_of("busted", 9_999).in_memory()));
         assert!(busted.order.len() <= 2 * busted.live + 16);
+    }
+
+    #[test]
+    fn a_lower_stale_memory_drops_copies_at_once_and_bounds_later_ones() {
+        let weight = small_weight("busted");
+        let store = StaleStore::new(L1_MAX_BYTES);
+        for n in 0..100 {
+            store.remember(&key_of("busted", n), small_copy(), 1000, false);
+        }
+        store.set_max_bytes(10 * weight);
+        assert_eq!(
+            store.l1.lock().expect("lock").copies.len(),
+            10,
+            "dropped at once"
+        );
+        store.remember(&key_of("busted", 100), small_copy(), 1000, false);
+        let l1 = store.l1.lock().expect("lock");
+        assert!(l1.bytes <= 10 * weight, "{}", l1.bytes);
+        assert!(l1.copies.contains_key(key_of("busted", 100).in_memory()));
     }
 
     #[test]

@@ -494,6 +494,7 @@ pub async fn spawn_sync(
         shared.metrics.clone(),
     );
     let policy = store.load();
+    shared.stale.set_max_bytes(policy.degrade.stale_memory);
     match load_with_word(&policy).await {
         Ok((mut switches, handed_back_by)) => {
             if let Some(redis) = &policy.redis {
@@ -583,6 +584,8 @@ pub async fn spawn_sync(
                 _ = stop.wait_for(|stopped| *stopped) => true,
             };
             let policy = store.load();
+            // (A reload's `stale_memory` is put in effect here, within a sync_interval.)
+            shared.stale.set_max_bytes(policy.degrade.stale_memory);
             if let Some(old) = written_to.take() {
                 if !policy
                     .redis
