@@ -390,6 +390,21 @@ fn listeners_overlap(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
     a.port() == b.port() && a.port() != 0 && (covers(x, y) || covers(y, x))
 }
 
+/// Whether two listeners on one port are the two addresses of `localhost` (127.0.0.1, which
+/// `0.0.0.0` takes too, and ::1): a front told `localhost:P` reaches either, by turns, so
+/// visitors reached the admin listener through the public front.
+fn listeners_share_localhost(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
+    let ipv4_loopback = |ip: std::net::IpAddr| {
+        let ip = ip.to_canonical();
+        ip.is_ipv4() && (ip.is_unspecified() || ip == std::net::Ipv4Addr::LOCALHOST)
+    };
+    let ipv6_loopback = |ip: std::net::IpAddr| ip == std::net::Ipv6Addr::LOCALHOST;
+    a.port() == b.port()
+        && a.port() != 0
+        && ((ipv4_loopback(a.ip()) && ipv6_loopback(b.ip()))
+            || (ipv6_loopback(a.ip()) && ipv4_loopback(b.ip())))
+}
+
 /// Collects diagnostics while compiling.
 struct Compiler<'a> {
     files: &'a [SourceFile],
@@ -1349,7 +1364,9 @@ fn compile_read(
     // A `listen` in a `[server]` or `[admin]` that did not read is not known.
     let listens_unread = (server.is_none() && compiler.unread.may_hold("server"))
         || (admin.is_none() && compiler.unread.may_hold("admin"));
-    if listeners_overlap(admin_settings.listen, server_settings.listen) && !listens_unread {
+    let overlap = listeners_overlap(admin_settings.listen, server_settings.listen);
+    let localhost = listeners_share_localhost(admin_settings.listen, server_settings.listen);
+    if (overlap || localhost) && !listens_unread {
         // Point at whichever `listen` was written (the other is its default).
         let (file, span) = match (&admin, &server) {
             (Some((file, spec)), _) => (
@@ -1368,13 +1385,23 @@ fn compile_read(
             ),
             (None, None) => (0, 0..0),
         };
-        compiler.error_hint(
-            file,
-            span,
+        let message = if overlap {
             format!(
                 "the admin listener ({}) and the public one ({}) use the same port of the same address",
                 admin_settings.listen, server_settings.listen
-            ),
+            )
+        } else {
+            format!(
+                "the admin listener ({}) and the public one ({}) share a port on the two addresses of localhost (127.0.0.1 and ::1): a front told localhost:{} reaches either, by turns",
+                admin_settings.listen,
+                server_settings.listen,
+                server_settings.listen.port()
+            )
+        };
+        compiler.error_hint(
+            file,
+            span,
+            message,
             "give [admin] listen its own port; admin must never be on the public listener",
         );
     }
@@ -4026,6 +4053,17 @@ fn compile_server(compiler: &mut Compiler<'_>, file: usize, spec: &ServerSpec) -
                         );
                         nets.push(net);
                     }
+                    // An address copied with its interface's prefix (`ip addr` shows the
+                    // front's `2001:db8::1/64`): every host of that network passes for it.
+                    Some(net) if net.addr() != net.network() => {
+                        compiler.warning_hint(
+                            file,
+                            entry.span(),
+                            format!("trusted_proxies `{text}` trusts the whole network {}, not the one address", net.trunc()),
+                            format!("for the front alone write \"{}\"", net.addr()),
+                        );
+                        nets.push(net);
+                    }
                     Some(net) => nets.push(net),
                     None => compiler.error_hint(
                         file,
@@ -4435,24 +4473,30 @@ fn compile_fastcgi(
 /// (`http://::1:8081`) is said so, with the URL as it should read; else `example`.
 fn address_hint(url: &str, example: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
-    let host_and_port = rest.split(['/', '?']).next().unwrap_or_default();
-    let host_and_port = host_and_port.rsplit('@').next().unwrap_or_default();
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(authority_end);
+    // A password is not written back into the hint (the log keeps it): `***` in its place.
+    let (userinfo, host_and_port) = match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => (format!("{user}:***@"), host),
+            None => (format!("{userinfo}@"), host),
+        },
+        None => (String::new(), authority),
+    };
     if host_and_port.matches(':').count() < 2 || host_and_port.contains('[') {
         return format!("write it as \"{example}\"");
     }
     // The last group is the port when what is before it is an address without it.
-    let fixed = match host_and_port.rsplit_once(':') {
+    let host = match host_and_port.rsplit_once(':') {
         Some((address, port))
             if address.parse::<std::net::Ipv6Addr>().is_ok() && port.parse::<u16>().is_ok() =>
         {
-            format!("{scheme}://[{address}]:{port}")
+            format!("[{address}]:{port}")
         }
-        _ if host_and_port.parse::<std::net::Ipv6Addr>().is_ok() => {
-            format!("{scheme}://[{host_and_port}]")
-        }
+        _ if host_and_port.parse::<std::net::Ipv6Addr>().is_ok() => format!("[{host_and_port}]"),
         _ => return format!("write it as \"{example}\""),
     };
-    format!("an IPv6 address goes in brackets: \"{fixed}\"")
+    format!("an IPv6 address goes in brackets: \"{scheme}://{userinfo}{host}{path}\"")
 }
 
 fn compile_upstream(
@@ -6696,6 +6740,17 @@ mod tests {
             assert_eq!(listeners_overlap(at(a), at(b)), overlap, "{a} {b}");
             assert_eq!(listeners_overlap(at(b), at(a)), overlap, "{b} {a}");
         }
+        // Apart to the kernel, but both `localhost` to a front that names it.
+        for (a, b, shared) in [
+            ("0.0.0.0:80", "[::1]:80", true),
+            ("127.0.0.1:80", "[::1]:80", true),
+            ("127.0.0.2:80", "[::1]:80", false),
+            ("10.0.0.5:80", "[::1]:80", false),
+            ("127.0.0.1:80", "[::1]:81", false),
+        ] {
+            assert_eq!(listeners_share_localhost(at(a), at(b)), shared, "{a} {b}");
+            assert_eq!(listeners_share_localhost(at(b), at(a)), shared, "{b} {a}");
+        }
     }
 
     #[test]
@@ -6750,12 +6805,13 @@ mod tests {
             address_hint("http://::1:8081", "http://127.0.0.1:8081"),
             "an IPv6 address goes in brackets: \"http://[::1]:8081\""
         );
+        // The database kept, the password not said.
         assert_eq!(
             address_hint(
-                "redis://:secret@2001:db8::5:6379/0",
+                "redis://:secret@2001:db8::5:6379/3",
                 "redis://127.0.0.1:6379/0"
             ),
-            "an IPv6 address goes in brackets: \"redis://[2001:db8::5]:6379\""
+            "an IPv6 address goes in brackets: \"redis://:***@[2001:db8::5]:6379/3\""
         );
         assert_eq!(
             address_hint("http://127.0.0.1:80:81", "http://127.0.0.1:8081"),
@@ -6780,6 +6836,24 @@ mod tests {
         assert!(
             error.contains("error: stale_memory must be at least 1MiB, not 102400 bytes"),
             "{error}"
+        );
+    }
+
+    #[test]
+    fn a_trusted_address_with_its_network_s_prefix_is_a_warning() {
+        let policy =
+            format!("[server]\ntrusted_proxies = [\"2001:db8:1:2::1/64\", \"10.0.0.0/8\"]\n{APP}");
+        let warnings: Vec<String> = compile(&files(&[("a.toml", &policy)]), None)
+            .expect("loads")
+            .warnings
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert!(
+            warnings.len() == 1
+                && warnings[0].contains("warning: trusted_proxies `2001:db8:1:2::1/64` trusts the whole network 2001:db8:1:2::/64")
+                && warnings[0].contains("write \"2001:db8:1:2::1\""),
+            "{warnings:?}"
         );
     }
 
