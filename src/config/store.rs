@@ -179,7 +179,7 @@ pub fn check_state_file_writable(policy: &mut Policy) {
     if policy.redis.is_some() {
         return;
     }
-    let state_file = &policy.degrade.state_file;
+    let state_file = policy.degrade.state_file.clone();
     let dir = match state_file.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
         _ => std::path::PathBuf::from("."),
@@ -201,16 +201,15 @@ pub fn check_state_file_writable(policy: &mut Policy) {
         // writable all the same.
         Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(error) => {
-            let mut warning = super::diag::Diagnostic::whole(
-                state_file,
+            push_warning(
+                policy,
+                &state_file,
                 format!(
                     "switches cannot be saved: levee cannot write in {} ({error}); switching a level, module or breaker will answer 503",
                     dir.display()
                 ),
-            )
-            .hint("set [degrade] state_file to a path in a directory levee can write (e.g. /var/lib/levee/state.json), or use [redis]");
-            warning.severity = super::diag::Severity::Warning;
-            policy.warnings.push(warning);
+                "set [degrade] state_file to a path in a directory levee can write (e.g. /var/lib/levee/state.json), or use [redis]",
+            );
         }
     }
 }
@@ -238,6 +237,13 @@ fn without_positions(message: &str) -> String {
 /// in the compiler: `levee check` runs in a shell whose limit is not the service's.
 /// `before`: the bound the policy in effect has (a reload), logged again only when it changes:
 /// not on every save of a file.
+/// Adds a warning about the policy as a whole (a path, not a line of it) to `policy`.
+fn push_warning(policy: &mut Policy, at: &Path, message: String, hint: &str) {
+    let mut warning = super::diag::Diagnostic::whole(at, message).hint(hint);
+    warning.severity = super::diag::Severity::Warning;
+    policy.warnings.push(warning);
+}
+
 fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option<u32>) {
     let soft_limit = crate::open_files::soft_limit();
     let max_connections = policy.server.max_connections;
@@ -247,16 +253,15 @@ fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option
     if !policy.server.max_connections_given {
         let allowed = soft_limit.map_or(max_connections, crate::open_files::connections_allowed);
         if allowed < crate::open_files::FEW_CONNECTIONS {
-            let mut warning = super::diag::Diagnostic::whole(
+            push_warning(
+                policy,
                 dir,
                 format!(
                     "the open-file limit ({}) lets levee hold only {allowed} client connections at once: a few slow clients take them all, and the load balancer's /readyz waits behind them",
                     soft_limit.unwrap_or_default()
                 ),
-            )
-            .hint("raise the service's open-file limit (LimitNOFILE= in its systemd unit, 4096 or more); each connection takes two");
-            warning.severity = super::diag::Severity::Warning;
-            policy.warnings.push(warning);
+                "raise the service's open-file limit (LimitNOFILE= in its systemd unit, 4096 or more); each connection takes two",
+            );
         } else if before != Some(allowed) {
             tracing::info!(
                 max_connections = allowed,
@@ -267,11 +272,12 @@ fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option
         policy.server.max_connections = allowed;
         return;
     }
-    let mut warning = super::diag::Diagnostic::whole(dir, message).hint(
+    push_warning(
+        policy,
+        dir,
+        message,
         "raise the service's open-file limit (LimitNOFILE= in its systemd unit; levee raises its soft limit to the hard one itself) or lower [server] max_connections",
     );
-    warning.severity = super::diag::Severity::Warning;
-    policy.warnings.push(warning);
 }
 
 impl PolicyStore {
@@ -443,19 +449,19 @@ impl PolicyStore {
                     );
                     // Also among the policy's warnings, so `levee reload` and `/status` say so
                     // where the operator who made the change looks.
-                    let mut warning = super::diag::Diagnostic::whole(
+                    let message = format!(
+                        "the policy's listen addresses (public {}, admin {}) take effect only after a restart; levee still listens on {} and {}",
+                        policy.server.listen,
+                        policy.admin.listen,
+                        previous.server.listen,
+                        previous.admin.listen
+                    );
+                    push_warning(
+                        &mut policy,
                         &self.dir,
-                        format!(
-                            "the policy's listen addresses (public {}, admin {}) take effect only after a restart; levee still listens on {} and {}",
-                            policy.server.listen,
-                            policy.admin.listen,
-                            previous.server.listen,
-                            previous.admin.listen
-                        ),
-                    )
-                    .hint("restart levee to move its listeners; until then the levee CLI reaches the admin listener with --admin and the address it listens on");
-                    warning.severity = super::diag::Severity::Warning;
-                    policy.warnings.push(warning);
+                        message,
+                        "restart levee to move its listeners; until then the levee CLI reaches the admin listener with --admin and the address it listens on",
+                    );
                     // The listeners stay where they are bound: the policy says so, and later
                     // reloads are checked against them (see the admin token check).
                     policy.server.listen = previous.server.listen;
@@ -478,16 +484,15 @@ impl PolicyStore {
                 if !gone.is_empty() {
                     // Among the policy's warnings: logged below, and shown by `levee reload`
                     // and `/status`.
-                    let mut warning = super::diag::Diagnostic::whole(
+                    push_warning(
+                        &mut policy,
                         &self.dir,
                         format!(
                             "no route names these hosts any more: {} (their requests now go to the routes without a host: the catch-all, or default_upstream; files changed: {changed})",
                             gone.join(", ")
                         ),
-                    )
-                    .hint("a site's file renamed or removed takes its routes with it; to let a site bypass levee, change the front, not levee's files");
-                    warning.severity = super::diag::Severity::Warning;
-                    policy.warnings.push(warning);
+                        "a site's file renamed or removed takes its routes with it; to let a site bypass levee, change the front, not levee's files",
+                    );
                 }
                 fit_connections_to_open_files(
                     &self.dir,
