@@ -105,6 +105,13 @@ pub enum DecisionSource {
 }
 
 impl DecisionResult {
+    /// Every `result` label.
+    pub const ALL: [DecisionResult; 3] = [
+        DecisionResult::Allowed,
+        DecisionResult::Limited,
+        DecisionResult::DryRunLimited,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             DecisionResult::Allowed => "allowed",
@@ -115,6 +122,15 @@ impl DecisionResult {
 }
 
 impl DecisionSource {
+    /// Every `source` label.
+    pub const ALL: [DecisionSource; 5] = [
+        DecisionSource::Redis,
+        DecisionSource::Ahead,
+        DecisionSource::Local,
+        DecisionSource::Fallback,
+        DecisionSource::Cache,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             DecisionSource::Redis => "redis",
@@ -927,18 +943,8 @@ impl Metrics {
                 .retired
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             let rule = RouteName(std::sync::Arc::from(rule.as_str()));
-            for result in [
-                DecisionResult::Allowed,
-                DecisionResult::Limited,
-                DecisionResult::DryRunLimited,
-            ] {
-                for source in [
-                    DecisionSource::Redis,
-                    DecisionSource::Ahead,
-                    DecisionSource::Local,
-                    DecisionSource::Fallback,
-                    DecisionSource::Cache,
-                ] {
+            for result in DecisionResult::ALL {
+                for source in DecisionSource::ALL {
                     self.ratelimit_decisions.remove(&DecisionLabels {
                         rule: rule.clone(),
                         result,
