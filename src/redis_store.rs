@@ -481,8 +481,8 @@ pub struct RedisStore {
     decisions_refused_full: AtomicBool,
     /// The sentinels' generation `health` last saw (see [`Self::health`]).
     health_generation: AtomicU64,
-    /// Redis's `maxmemory-policy`, once read (see [`Self::read_eviction_policy`]).
-    eviction_policy: Mutex<Option<String>>,
+    /// Redis's `maxmemory-policy` as last read, and when (see [`Self::read_eviction_policy`]).
+    eviction_policy: Mutex<Option<(String, tokio::time::Instant)>>,
     reach: Mutex<Reach>,
     /// Bounds the "redis calls fail" lines of a Redis that fails and answers by turns.
     failing_log: LogThrottle,
@@ -732,12 +732,17 @@ impl RedisStore {
         }
     }
 
-    /// Reads Redis's `maxmemory-policy` once (`None` until Redis answered) and warns when it
-    /// lets Redis evict keys that have no expiry: queued jobs, which levee answered 202 for,
-    /// and the operators' switches. `true` once read.
-    pub async fn read_eviction_policy(&self) -> bool {
-        if lock(&self.eviction_policy).is_some() {
-            return true;
+    /// Reads Redis's `maxmemory-policy` (`None` until Redis answered), again once `every`
+    /// has passed (an operator's `CONFIG SET` is seen without a restart), and warns when it lets Redis
+    /// evict keys that have no expiry: queued jobs, which levee answered 202 for, and the
+    /// operators' switches. Said when first read and when it changes, not on every read.
+    pub async fn read_eviction_policy(&self, every: Duration) {
+        let previous = lock(&self.eviction_policy).clone();
+        if previous
+            .as_ref()
+            .is_some_and(|(_, read_at)| read_at.elapsed() < every)
+        {
+            return;
         }
         let mut info = redis::cmd("INFO");
         info.arg("memory");
@@ -755,19 +760,26 @@ impl RedisStore {
             Ok(answer) => answer,
             Err(error) => {
                 tracing::debug!("redis memory settings not read: {error}");
-                return false;
+                // The last policy read stays shown (and is asked again next time).
+                return;
             }
         };
         let policy = eviction_policy_of(&answer);
-        if policy.starts_with("allkeys-") {
-            tracing::warn!(
-                maxmemory_policy = %policy,
-                "redis evicts any key when it fills up: queued jobs (already answered 202) and the operators' switches may be dropped; set maxmemory-policy noeviction (or volatile-lru)"
-            );
+        let before = previous.map(|(policy, _)| policy);
+        if before.as_deref() != Some(policy.as_str()) {
+            if policy.starts_with("allkeys-") {
+                tracing::warn!(
+                    maxmemory_policy = %policy,
+                    "redis evicts any key when it fills up: queued jobs (already answered 202) and the operators' switches may be dropped; set maxmemory-policy noeviction (or volatile-lru)"
+                );
+            } else if let Some(before) = &before {
+                tracing::info!(maxmemory_policy = %policy, before = %before, "redis's maxmemory-policy changed");
+            }
         }
-        *lock(&self.eviction_policy) = Some(policy);
-        self.warn_if_nothing_is_kept_on_disk().await;
-        true
+        *lock(&self.eviction_policy) = Some((policy, tokio::time::Instant::now()));
+        if before.is_none() {
+            self.warn_if_nothing_is_kept_on_disk().await;
+        }
     }
 
     /// Warns when Redis keeps nothing on disk (no append-only file, no `save` points): a
@@ -808,9 +820,11 @@ impl RedisStore {
         }
     }
 
-    /// Redis's `maxmemory-policy`, when read (see [`Self::read_eviction_policy`]).
+    /// Redis's `maxmemory-policy` as last read (see [`Self::read_eviction_policy`]).
     pub fn eviction_policy(&self) -> Option<String> {
-        lock(&self.eviction_policy).clone()
+        lock(&self.eviction_policy)
+            .as_ref()
+            .map(|(policy, _)| policy.clone())
     }
 
     /// Whether a guarded call on `key` is worth making now, and as what (see

@@ -643,6 +643,64 @@ async fn concurrent_misses_collapse_into_one_upstream_request() {
     );
 }
 
+/// Switches and learned cookie names have no expiry, as queued jobs: Redis's eviction policy
+/// is read with any `[redis]` (it was read only with a `[queue]`), and read again, so an
+/// operator's `CONFIG SET` is seen without a restart; the warning comes when it changes to
+/// one that evicts any key, not at every read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_eviction_policy_is_read_and_followed_without_a_queue() {
+    let log = levee_log();
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    let (backend, _, _) = versioned().await;
+    // Read again every 120 syncs: 1.2 s here.
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"10ms\"\n{ROUTES}",
+            redis.url()
+        ),
+    ))
+    .await;
+    let shown = |policy: &'static str| {
+        let url = levee.admin_url("/status");
+        move || {
+            let url = url.clone();
+            async move { get(&url).await.json()["redis"]["maxmemory_policy"] == policy }
+        }
+    };
+    eventually(
+        Duration::from_secs(5),
+        "the policy read",
+        shown("noeviction"),
+    )
+    .await;
+    assert!(log.lines_with("redis evicts any key").is_empty());
+
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"]);
+    eventually(
+        Duration::from_secs(10),
+        "the change seen",
+        shown("allkeys-lru"),
+    )
+    .await;
+    eventually(Duration::from_secs(2), "the warning", || async {
+        log.lines_with("redis evicts any key").len() == 1
+    })
+    .await;
+
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "volatile-lru"]);
+    eventually(
+        Duration::from_secs(10),
+        "the next change",
+        shown("volatile-lru"),
+    )
+    .await;
+    assert_eq!(log.lines_with("redis evicts any key").len(), 1, "said once");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn switches_are_shared_through_redis_and_survive_restarts() {
     let dir = tempfile::tempdir().expect("dir");

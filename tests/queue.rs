@@ -2111,8 +2111,8 @@ async fn a_redis_that_keeps_nothing_on_disk_is_warned_of() {
     assert!(!warned_of(&kept));
 }
 
-/// A Redis that evicts any key when full may drop jobs already answered 202: levee reads the
-/// policy once, warns, and shows it in `/status`.
+/// A Redis that evicts any key when full may drop jobs already answered 202: levee reads its
+/// policy, warns, and shows it in `/status`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_may_evict_queued_jobs_is_named_in_status() {
     let dir = tempfile::tempdir().expect("dir");

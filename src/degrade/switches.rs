@@ -657,6 +657,12 @@ pub async fn spawn_sync(
                     super::app_cookies::follow_fleet(redis, &shared.app_cookies).await;
                 }
                 redis.follow_cluster(&metrics);
+                // Whatever the policy uses Redis for (queued jobs, switches and learned
+                // cookie names have no expiry): once a minute at the default sync_interval,
+                // a call every sync until it answers.
+                redis
+                    .read_eviction_policy(policy.degrade.sync_interval * 120)
+                    .await;
                 super::fleet::write(redis, &shared.instance, &report_of(&shared, &policy)).await;
                 super::fleet::check_size(redis, &shared.instance, &policy, &mut fleet_size).await;
             }

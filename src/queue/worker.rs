@@ -676,9 +676,6 @@ pub fn spawn_workers(
             registry_in = match registry_in.checked_sub(1) {
                 Some(left) => left,
                 None => {
-                    // Read once per Redis (a call only until it answers): one that evicts any
-                    // key may drop jobs answered 202.
-                    redis.read_eviction_policy().await;
                     let read = take_on_stranded_queues(
                         &shared,
                         &redis,
