@@ -173,6 +173,7 @@ pub async fn start(options: Options) -> Result<Running, StartError> {
         server::ConnectionCount::new(
             shared.metrics.connections_open.clone(),
             shared.metrics.connection_cap_waits.clone(),
+            shared.metrics.accept_failures.clone(),
         ),
     ));
     let admin_shared = shared.clone();

@@ -242,6 +242,7 @@ pub struct Metrics {
     pub inflight: Gauge,
     pub connections_open: Gauge,
     pub connection_cap_waits: Counter,
+    pub accept_failures: Counter,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
     /// 1 while the policy files on disk are refused (the latest reload failed), 0 once one
@@ -472,6 +473,12 @@ impl Metrics {
             "connection_cap_waits",
             "Times the public listener stopped accepting because max_connections were open",
             connection_cap_waits.clone(),
+        );
+        let accept_failures = Counter::default();
+        registry.register(
+            "accept_failures",
+            "Failed attempts of the public listener to take a connection from the kernel (mostly out of open files; tried again every 50 ms while it lasts)",
+            accept_failures.clone(),
         );
         let policy_reloads = Counter::default();
         registry.register(
@@ -749,6 +756,7 @@ impl Metrics {
             redis_transitions,
             connections_open,
             connection_cap_waits,
+            accept_failures,
             redis_node_up,
             requests,
             request_duration,

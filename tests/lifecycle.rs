@@ -445,6 +445,56 @@ async fn the_default_connection_cap_fits_the_open_file_limit() {
     }
 }
 
+/// Out of open files (a cap set above the limit), the public listener's failed accepts are
+/// counted in `levee_accept_failures_total`: a warn line every 10 s was all there was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_accepts_are_counted() {
+    let backend = echo_backend().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (public, admin) = (free_port(), free_port());
+    binary_policy(dir.path(), public, admin, backend.addr, "/page");
+    let policy = dir.path().join("levee.toml");
+    let text = std::fs::read_to_string(&policy).expect("read");
+    std::fs::write(
+        &policy,
+        text.replacen("[server]\n", "[server]\nmax_connections = 500\n", 1),
+    )
+    .expect("write");
+    let levee = start_with_open_files(dir.path(), public, "64:64").await;
+    let failures = || async {
+        let metrics = get(&format!("http://127.0.0.1:{admin}/metrics"))
+            .await
+            .text();
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix("levee_accept_failures_total "))
+            .and_then(|value| value.trim().parse::<u64>().ok())
+    };
+    assert_eq!(failures().await, Some(0));
+    // More idle connections than levee has files: the kernel completes them all, levee runs
+    // out while taking them.
+    let mut held = Vec::new();
+    for _ in 0..80 {
+        held.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", public))
+                .await
+                .expect("connect"),
+        );
+    }
+    let fds = format!("/proc/{}/fd", levee.pid());
+    eventually(Duration::from_secs(10), "levee out of files", || async {
+        std::fs::read_dir(&fds).map_or(0, |entries| entries.count()) >= 64
+    })
+    .await;
+    drop(held);
+    eventually(
+        Duration::from_secs(10),
+        "failed accepts counted",
+        || async { failures().await.is_some_and(|count| count > 0) },
+    )
+    .await;
+}
+
 /// The shipped systemd unit is one systemd accepts as written (pointed at this build's
 /// binary), and gives the drain time to finish before systemd kills levee.
 #[test]

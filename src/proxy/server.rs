@@ -166,16 +166,19 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for SendDeadline<S>
 pub struct ConnectionCount {
     open: Gauge,
     waits: Counter,
+    accept_failures: Counter,
     closed: Notify,
     full_log: LogThrottle,
 }
 
 impl ConnectionCount {
-    /// `open` is `levee_connections_open`, `waits` `levee_connection_cap_waits_total`.
-    pub fn new(open: Gauge, waits: Counter) -> Arc<ConnectionCount> {
+    /// `open` is `levee_connections_open`, `waits` `levee_connection_cap_waits_total`,
+    /// `accept_failures` `levee_accept_failures_total`.
+    pub fn new(open: Gauge, waits: Counter, accept_failures: Counter) -> Arc<ConnectionCount> {
         Arc::new(ConnectionCount {
             open,
             waits,
+            accept_failures,
             closed: Notify::new(),
             full_log: LogThrottle::new(Duration::from_secs(10)),
         })
@@ -322,6 +325,9 @@ pub(crate) async fn accept_loop<C, Fut>(
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(error) => {
+                if let Some(count) = &count {
+                    count.accept_failures.inc();
+                }
                 // Usually out of file descriptors: back off instead of spinning, and say so
                 // once in a while, not twenty times a second.
                 if let Some(held_back) = ACCEPT_FAILED_SAID.allow(std::time::Instant::now()) {
