@@ -1064,9 +1064,8 @@ async fn one_visitor_whose_page_fails_cannot_open_the_breaker_for_everyone() {
     assert_eq!(breaker_state(&levee, "app").await, "closed");
     let said = log.lines_with("breaker kept closed");
     assert!(
-        said.iter()
-            .any(|line| line
-                .contains("its failures came from 1 client, and failing_clients asks for 3")),
+        said.iter().any(|line| line
+            .contains("its failures came from 1 client network, and failing_clients asks for 3")),
         "{said:?}"
     );
     let metrics = get(&levee.admin_url("/metrics")).await.text();

@@ -2248,12 +2248,18 @@ async fn a_page_that_varies_by_cookie_is_never_shared() {
     );
 }
 
-/// A HEAD on a route that is off gets the copy's head, as a GET gets the copy; a GET whose
-/// client says `Cache-Control: no-store` is answered but not kept (RFC 9111 5.2.1.5).
+/// A HEAD on a route that is off gets the copy's head, as a GET gets the copy, logged as a
+/// whole answer (it read `complete=false`, as a cut one); a GET whose client says
+/// `Cache-Control: no-store` is answered but not kept (RFC 9111 5.2.1.5).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_request_gets_the_copy_and_a_no_store_request_leaves_none() {
+    let log = levee_log();
     let backend = Backend::start(|_| async { html("the ranking") }).await;
-    let levee = levee_resting(&backend).await;
+    let routes = ROUTES.replace(
+        "module = \"ranking\"",
+        "module = \"ranking\"\nfallback = { status = 503, body = \"ranking is resting\" }",
+    );
+    let levee = Levee::start(&policy_for(backend.addr, "", &routes)).await;
     let url = levee.url("/ranking");
     let private = get_with(&url, &[("cache-control", "no-store")]).await;
     assert_eq!(private.text(), "the ranking");
@@ -2276,6 +2282,15 @@ async fn a_head_request_gets_the_copy_and_a_no_store_request_leaves_none() {
     assert_eq!(
         (head.status, head.header("x-levee-stale"), head.body.len()),
         (200, Some("1"), 0)
+    );
+    eventually(Duration::from_secs(2), "the HEAD logged", || async {
+        !log.lines_with("method=HEAD").is_empty()
+    })
+    .await;
+    let logged = log.lines_with("method=HEAD");
+    assert!(
+        logged[0].contains("complete=true") && logged[0].contains("error=\"stale\""),
+        "{logged:?}"
     );
     assert_eq!(get(&url).await.text(), "the ranking");
 }

@@ -315,7 +315,7 @@ impl Breaker {
                         needed,
                         held_back,
                         "breaker kept closed: its failures came from {}, and failing_clients asks for {needed} (pages that fail for a few visitors are not taken for the dependency down; the access log names them)",
-                        crate::config::units::counted(u64::from(clients), "client"),
+                        crate::config::units::counted(u64::from(clients), "client network"),
                     );
                 }
                 return;

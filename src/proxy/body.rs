@@ -131,10 +131,13 @@ pin_project! {
 }
 
 impl<B: Body, F: OnBodyEnd> Observed<B, F> {
-    pub fn new(inner: B, on_end: F) -> Self {
+    /// `unsent`: the body goes to no client (the answer to a `HEAD`: a stale copy's or
+    /// levee's own page keeps its body for the length the head gives, and is never polled),
+    /// so the answer is whole once its head is.
+    pub fn new(inner: B, on_end: F, unsent: bool) -> Self {
         Observed {
             // A body that is empty from the start (204, 304, HEAD) is never polled.
-            complete: inner.is_end_stream(),
+            complete: unsent || inner.is_end_stream(),
             inner,
             bytes: 0,
             failure: None,

@@ -194,7 +194,10 @@ pub async fn handle(
         close_if_draining(&shared, &mut parts.headers);
     }
     Answer {
-        response: Response::from_parts(parts, Observed::new(body, exchange).boxed_unsync()),
+        response: Response::from_parts(parts, {
+            let unsent = exchange.method == Method::HEAD;
+            Observed::new(body, exchange, unsent).boxed_unsync()
+        }),
         relayed,
     }
 }
