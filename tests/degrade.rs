@@ -2248,6 +2248,61 @@ async fn a_page_that_varies_by_cookie_is_never_shared() {
     );
 }
 
+/// `on_status` answers the app's own error (a 500 it sends, which the breaker does not count)
+/// with the copy, as nginx's `proxy_cache_use_stale http_500` does, without opening the
+/// breaker for every route; a visitor with a private cookie gets the app's answer, as does
+/// the route without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_status_serves_the_copy_in_place_of_an_app_error_without_opening_the_breaker() {
+    let failing = Arc::new(AtomicU8::new(0));
+    let fails = failing.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let path = request.uri().path().to_string();
+        let fail = fails.load(Ordering::SeqCst) == 1;
+        async move {
+            if fail {
+                return Response::builder()
+                    .status(500)
+                    .body(full("database is gone"))
+                    .expect("response");
+            }
+            html(format!("{path} good"))
+        }
+    })
+    .await;
+    let routes = ROUTES.replace(
+        "degrade = { action = \"stale\", max_age = \"10m\" }",
+        "degrade = { action = \"stale\", max_age = \"10m\", on_status = [500], private_cookies = [\"sid\"] }",
+    ) + "\n[[route]]\nname = \"plain\"\nmatch = { path_prefix = \"/plain\" }\ndegrade = { action = \"stale\" }\n";
+    let levee = Levee::start(&policy_for(backend.addr, "access_log = false", &routes)).await;
+    for path in ["/ranking", "/plain"] {
+        assert_eq!(get(&levee.url(path)).await.text(), format!("{path} good"));
+    }
+    failing.store(1, Ordering::SeqCst);
+    for _ in 0..12 {
+        let answer = get(&levee.url("/ranking")).await;
+        assert_eq!(
+            (answer.status, answer.header("x-levee-stale"), answer.text()),
+            (200, Some("1"), "/ranking good".to_string())
+        );
+    }
+    let private = get_with(&levee.url("/ranking"), &[("cookie", "sid=1")]).await;
+    assert_eq!(
+        (private.status, private.text().as_str()),
+        (500, "database is gone")
+    );
+    let plain = get(&levee.url("/plain")).await;
+    assert_eq!(
+        (plain.status, plain.text().as_str()),
+        (500, "database is gone")
+    );
+    let status = get(&levee.admin_url("/status")).await.json();
+    assert_eq!(
+        status["upstreams"][0]["breaker"]["state"], "closed",
+        "{status}"
+    );
+}
+
 /// A HEAD on a route that is off gets the copy's head, as a GET gets the copy, logged as a
 /// whole answer (it read `complete=false`, as a cut one); a GET whose client says
 /// `Cache-Control: no-store` is answered but not kept (RFC 9111 5.2.1.5).

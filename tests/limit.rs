@@ -1061,6 +1061,36 @@ async fn the_default_429_page_says_when_to_come_back_in_words() {
     );
 }
 
+/// A route may list several rules: the access line of a refusal names the one that refused
+/// (it said `error="rate_limited"` alone, where nginx's log names the zone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_line_of_a_refusal_names_its_rule() {
+    let log = levee_log();
+    let backend = echo_backend().await;
+    let levee = Levee::start(&policy_for(
+        backend.addr,
+        "",
+        "[limit.pages]\nkey = \"ip\"\nrate = \"1/min\"\nburst = 5\n[limit.api]\nkey = \"ip\"\nrate = \"1/min\"\nburst = 1\n[[route]]\nname = \"limited\"\nmatch = { path_prefix = \"/limited\" }\nlimits = [\"pages\", \"api\"]\n",
+    ))
+    .await;
+    assert_eq!(send_as(&levee, None, None).await.status, 200);
+    assert_eq!(send_as(&levee, None, None).await.status, 429);
+    eventually(Duration::from_secs(2), "the refusal logged", || async {
+        !log.lines_with("status=429").is_empty()
+    })
+    .await;
+    let refused = log.lines_with("status=429");
+    assert!(
+        refused[0].contains("error=\"rate_limited\" rule=\"api\""),
+        "{refused:?}"
+    );
+    let admitted = log.lines_with("status=200");
+    assert!(
+        !admitted.is_empty() && !admitted[0].contains("rule="),
+        "{admitted:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dry_run_rules_never_block_but_are_counted() {
     let backend = echo_backend().await;

@@ -894,9 +894,18 @@ fn explain_parse_error(
         let closest = named
             .split_first()
             .and_then(|(written, known)| closest_key(written, known));
-        let hint = match closest {
-            Some(key) => format!("did you mean `{key}`? Unknown keys are refused so a typo never silently does nothing"),
-            None => "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing".to_string(),
+        // Keys of nginx's own directives, written by an operator moving them over
+        // (docs/from-nginx.md).
+        let nginx = match named.first().copied() {
+            Some("nodelay" | "delay") => Some("levee never delays a request: it is admitted at once (up to `burst`) or refused with Retry-After; nginx's `burst=N nodelay` is burst = N + 1 (docs/from-nginx.md)"),
+            Some("max_fails" | "fail_timeout") => Some("levee's breaker takes this place: breaker = { consecutive_failures = 3, open_for = \"30s\" } (docs/from-nginx.md)"),
+            Some("backup") => Some("an upstream has one address; keep a backup server in an nginx upstream that levee's url points at (docs/from-nginx.md)"),
+            _ => None,
+        };
+        let hint = match (nginx, closest) {
+            (Some(nginx), _) => nginx.to_string(),
+            (None, Some(key)) => format!("did you mean `{key}`? Unknown keys are refused so a typo never silently does nothing"),
+            (None, None) => "check the spelling against docs/policy.md; unknown keys are refused so a typo never silently does nothing".to_string(),
         };
         return (span.clone(), message.to_string(), hint);
     }
@@ -968,6 +977,9 @@ fn explain_parse_error(
         }
     } else if key == Some("failure_statuses") {
         "list each status as a number: failure_statuses = [500, 502, 504] (a range like \"5xx\" is not read)".to_string()
+    } else if key == Some("on_status") {
+        "list each status as a number: on_status = [500, 503] (a range like \"5xx\" is not read)"
+            .to_string()
     } else if key == Some("fallback") && quoted {
         format!(
             "put the page in `body`: fallback = {{ body = {} }}",
@@ -1119,8 +1131,9 @@ fn key_takes(key: &str, expected: &str) -> Option<&'static str> {
         ("shed_reserve", "f64") => "a share from 0 to below 0.5, like 0.2",
         ("admit_ahead_above", "f64") => "a share from 0 to 1, like 0.5",
         ("replay_rate", "f64") => "a number of replays per second, like 20",
-        ("failure_statuses", "u16") => "an HTTP status, like 503",
+        ("failure_statuses" | "on_status", "u16") => "an HTTP status, like 503",
         ("failure_statuses", _) => "a list of HTTP statuses, like [502, 504]",
+        ("on_status", _) => "a list of HTTP statuses, like [500]",
         ("route", "a sequence") => {
             "a list of tables: each route is written under its own [[route]] line"
         }
@@ -2016,7 +2029,7 @@ fn refuse_keys_that_do_not_apply(
 ) {
     let inner = spec.get_ref();
     let action = degrade_action(inner, always_queue);
-    let given: [(&str, bool); 15] = [
+    let given: [(&str, bool); 16] = [
         ("max_age", inner.max_age.is_some()),
         ("keep_no_cache", inner.keep_no_cache.is_some()),
         (
@@ -2030,6 +2043,7 @@ fn refuse_keys_that_do_not_apply(
         ),
         ("vary", inner.vary.is_some()),
         ("allow_set_cookie", inner.allow_set_cookie.is_some()),
+        ("on_status", inner.on_status.is_some()),
         ("max_body", inner.max_body.is_some()),
         ("query", inner.query.is_some()),
         ("max_copies", inner.max_copies.is_some()),
@@ -2040,10 +2054,11 @@ fn refuse_keys_that_do_not_apply(
         ("body_json", inner.body_json.is_some()),
     ];
     // The keys only a `stale` action reads.
-    const STALE_KEYS: [&str; 10] = [
+    const STALE_KEYS: [&str; 11] = [
         "max_age",
         "vary",
         "allow_set_cookie",
+        "on_status",
         "max_body",
         "query",
         "max_copies",
@@ -2074,6 +2089,31 @@ fn refuse_keys_that_do_not_apply(
             hint,
         );
     }
+}
+
+/// `on_status` of a `stale` action: the app's error statuses (400-599) a copy answers in
+/// place of; a copy in place of a page the app served well would hide the page.
+fn compile_stale_on_status(
+    compiler: &mut Compiler<'_>,
+    file: usize,
+    spec: &Option<Spanned<Vec<u16>>>,
+) -> Vec<u16> {
+    let Some(list) = spec else {
+        return Vec::new();
+    };
+    if list
+        .get_ref()
+        .iter()
+        .any(|status| !(400..=599).contains(status))
+    {
+        compiler.error_hint(
+            file,
+            list.span(),
+            "on_status must be error statuses (400-599)",
+            "list the app's error statuses its copy answers in place of, like on_status = [500]",
+        );
+    }
+    list.get_ref().clone()
 }
 
 /// A route's degrade action: as written, else `queue` on a route that always queues (its
@@ -2146,6 +2186,7 @@ fn compile_route_degrade(
                 ),
                 keep_no_cache: inner.keep_no_cache.unwrap_or(false),
                 learn_private_cookies: inner.learn_private_cookies.unwrap_or(true),
+                on_status: compile_stale_on_status(compiler, file, &inner.on_status),
             })))
         }
         "queue" => {
@@ -2915,6 +2956,13 @@ fn compile_breaker(
     }
 }
 
+/// Statuses nginx writes in its log for what is no answer (444: the connection closed
+/// without one; 499: the client went away), which an operator moving `limit_req_status 444`
+/// over may write: sent, a client reads an unknown 4xx with levee's page.
+const NGINX_ONLY_STATUSES: [u16; 2] = [444, 499];
+const NGINX_ONLY_STATUS_HINT: &str =
+    "levee always answers: use 429 (too many requests) or 403 (forbidden)";
+
 /// A response written in the policy; `what` names the key in errors.
 fn compile_static_response(
     compiler: &mut Compiler<'_>,
@@ -2925,6 +2973,18 @@ fn compile_static_response(
     let inner = spec.get_ref();
     let status = match &inner.status {
         None => http::StatusCode::from_u16(default_status).ok()?,
+        Some(status) if NGINX_ONLY_STATUSES.contains(status.get_ref()) => {
+            compiler.error_hint(
+                file,
+                status.span(),
+                format!(
+                    "status {} is nginx's own, not one levee answers with",
+                    status.get_ref()
+                ),
+                NGINX_ONLY_STATUS_HINT,
+            );
+            return None;
+        }
         Some(status) => match http::StatusCode::from_u16(*status.get_ref()) {
             // `http` takes 600–999 too, which no client reads as an answer.
             Ok(code) if (200..=599).contains(&code.as_u16()) => code,
@@ -3647,6 +3707,18 @@ fn compile_limit(
     };
     let status = match &inner.status {
         None => http::StatusCode::TOO_MANY_REQUESTS,
+        Some(status) if NGINX_ONLY_STATUSES.contains(status.get_ref()) => {
+            compiler.error_hint(
+                file,
+                status.span(),
+                format!(
+                    "status {} is nginx's own, not one levee answers with",
+                    status.get_ref()
+                ),
+                NGINX_ONLY_STATUS_HINT,
+            );
+            http::StatusCode::TOO_MANY_REQUESTS
+        }
         Some(status) => match http::StatusCode::from_u16(*status.get_ref()) {
             Ok(code) if code.is_client_error() || code.is_server_error() => code,
             _ => {
@@ -6624,6 +6696,44 @@ mod tests {
     }
 
     #[test]
+    fn nginx_spellings_are_told_what_levee_takes() {
+        let limit = |extra: &str| {
+            first_error(&format!("{APP}[limit.l]\nkey = \"ip\"\nrate = \"5/s\"\n{extra}\n[[route]]\nname = \"r\"\nlimits = [\"l\"]\n"))
+        };
+        for (extra, expected) in [
+            ("nodelay = true", "hint: levee never delays a request"),
+            ("delay = 3", "hint: levee never delays a request"),
+            ("status = 444", "error: status 444 is nginx's own, not one levee answers with\n  hint: levee always answers: use 429"),
+        ] {
+            let error = limit(extra);
+            assert!(error.contains(expected), "{extra}\n{error}");
+        }
+        let error = first_error(&format!("{APP}max_fails = 3\n"));
+        assert!(
+            error.contains("hint: levee's breaker takes this place"),
+            "{error}"
+        );
+        let stale = |on_status: &str| {
+            first_error(&format!("{APP}[[route]]\nname = \"r\"\ntier = 2\ndegrade = {{ action = \"stale\", on_status = {on_status} }}\n"))
+        };
+        for (on_status, expected) in [
+            ("[200]", "error: on_status must be error statuses (400-599)"),
+            (
+                "[\"5xx\"]",
+                "hint: list each status as a number: on_status = [500, 503]",
+            ),
+        ] {
+            let error = stale(on_status);
+            assert!(error.contains(expected), "{on_status}\n{error}");
+        }
+        let error = first_error(&format!("{APP}[[route]]\nname = \"r\"\ntier = 2\ndegrade = {{ action = \"reject\", on_status = [500] }}\n"));
+        assert!(
+            error.contains("`on_status` does not apply to degrade action `reject`"),
+            "{error}"
+        );
+    }
+
+    #[test]
     fn rate_and_size_errors_give_the_forms_and_range_levee_takes() {
         let limit = |rate: &str| {
             first_error(&format!("{APP}[limit.l]\nkey = [\"ip\"]\nrate = \"{rate}\"\n[[route]]\nname = \"r\"\nlimits = [\"l\"]\n"))
@@ -6631,6 +6741,8 @@ mod tests {
         for (rate, expected) in [
             ("inf/s", "error: rate `inf/s` does not start with a number"),
             ("300 per minute", "error: rate `300 per minute` is not written as N/s, N/min, N/h or N/day"),
+            ("5r/m", "error: rate `5r/m` is written as nginx writes it: levee's is \"5/min\""),
+            ("10 r/s", "error: rate `10 r/s` is written as nginx writes it: levee's is \"10/s\""),
             ("1000000000/s", "error: rate `1000000000/s` is above the fastest rate levee counts, 1000000/s"),
             ("0.001/day", "error: rate `0.001/day` is below the slowest rate levee counts, one request per 10000000 s (0.0087/day)"),
         ] {

@@ -956,6 +956,7 @@ pub struct RouteDegradeSpec {
     pub private_cookies_builtin: Option<bool>,
     pub keep_no_cache: Option<bool>,
     pub learn_private_cookies: Option<bool>,
+    pub on_status: Option<Spanned<Vec<u16>>>,
     pub status: Option<Spanned<u16>>,
     pub content_type: Option<Spanned<String>>,
     pub body: Option<String>,

@@ -98,6 +98,9 @@ pub struct StaleSettings {
     /// for one visitor's own, as `private_cookies` (see [`app_cookies`]). Default true; not
     /// read with `allow_set_cookie`, which says pages that set cookies are everyone's.
     pub learn_private_cookies: bool,
+    /// The app's own error statuses its copy answers in place of (nginx's
+    /// `proxy_cache_use_stale http_500`), without counting against the breaker. Default none.
+    pub on_status: Vec<u16>,
 }
 
 /// `private_cookies` of a `stale` route when the policy does not set it: the cookies of a

@@ -1729,6 +1729,7 @@ mod tests {
             private_cookies: vec![],
             keep_no_cache: false,
             learn_private_cookies: true,
+            on_status: Vec::new(),
         }
     }
 
@@ -1761,6 +1762,7 @@ mod tests {
         let settings = StaleSettings {
             keep_no_cache: true,
             learn_private_cookies: true,
+            on_status: Vec::new(),
             ..small_settings()
         };
         assert_eq!(

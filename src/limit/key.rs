@@ -110,6 +110,29 @@ pub enum KeyPart {
     Field(Source),
 }
 
+/// The key part an nginx variable of a `limit_req_zone` key stands for, as an operator moving
+/// a zone over may write it.
+fn nginx_variable(text: &str) -> Option<String> {
+    let name = text.strip_prefix('$')?;
+    let field = |prefix: &str| name.strip_prefix(prefix).filter(|rest| !rest.is_empty());
+    if let Some(header) = field("http_") {
+        // nginx spells a field in lower case with `_` for `-`.
+        return Some(format!("header:{}", header.replace('_', "-")));
+    }
+    if let Some(cookie) = field("cookie_") {
+        return Some(format!("cookie:{cookie}"));
+    }
+    if let Some(query) = field("arg_") {
+        return Some(format!("query:{query}"));
+    }
+    match name {
+        "binary_remote_addr" | "remote_addr" | "realip_remote_addr" => Some("ip".into()),
+        "request_method" => Some("method".into()),
+        "uri" | "request_uri" => Some("route".into()),
+        _ => None,
+    }
+}
+
 impl KeyPart {
     /// Whether the part's value may be a credential (an API key, a session cookie, whatever
     /// `[identity] user` reads, a token in a header or the query): always written hashed in
@@ -130,9 +153,14 @@ impl KeyPart {
             "route" => Ok(KeyPart::Route),
             "method" => Ok(KeyPart::Method),
             other if other.contains(':') => Source::parse(other).map(KeyPart::Field),
-            other => Err(format!(
-                "unknown key part `{other}`; use ip, user, api_key, route, method, header:NAME, cookie:NAME or query:NAME"
-            )),
+            other => Err(match nginx_variable(other) {
+                Some(ours) => format!(
+                    "unknown key part `{other}`: nginx's variable is \"{ours}\" here"
+                ),
+                None => format!(
+                    "unknown key part `{other}`; use ip, user, api_key, route, method, header:NAME, cookie:NAME or query:NAME"
+                ),
+            }),
         }
     }
 
@@ -1406,6 +1434,19 @@ mod tests {
         assert!(KeyPart::parse("usr")
             .unwrap_err()
             .contains("unknown key part"));
+        // A zone's key moved over from nginx.
+        for (nginx, ours) in [
+            ("$binary_remote_addr", "\"ip\""),
+            ("$http_x_api_key", "\"header:x-api-key\""),
+            ("$cookie_PHPSESSID", "\"cookie:PHPSESSID\""),
+            ("$arg_token", "\"query:token\""),
+        ] {
+            let error = KeyPart::parse(nginx).unwrap_err();
+            assert!(
+                error.ends_with(&format!("nginx's variable is {ours} here")),
+                "{error}"
+            );
+        }
         assert!(KeyPart::parse("cookie:").is_err());
         // Copied from a Set-Cookie: no request's Cookie field can hold that name.
         assert!(KeyPart::parse("cookie:sid; path=/")

@@ -310,7 +310,7 @@ impl Limiter {
                 static DRY_RUN: crate::log_throttle::LogThrottle =
                     crate::log_throttle::LogThrottle::new(Duration::from_secs(10));
                 if let Some(held_back) = DRY_RUN.allow(std::time::Instant::now()) {
-                    tracing::info!(rule = %plan.rule.name, held_back, "dry run: a request would have been rate limited (said at most every 10 s; levee_ratelimit_decisions_total{{result=\"dry_run_limited\"}} counts them)");
+                    tracing::info!(rule = %plan.rule.name, client = %facts.client_ip, held_back, "dry run: a request would have been rate limited (said at most every 10 s; levee_ratelimit_decisions_total{{result=\"dry_run_limited\"}} counts them)");
                 }
             }
             if !decision.allowed && !plan.rule.dry_run {
@@ -565,6 +565,21 @@ pub fn parse_rate(text: &str) -> Result<(f64, u64), String> {
     let (count, unit) = text
         .split_once('/')
         .ok_or_else(|| format!("rate `{text}` is not written as N/s, N/min, N/h or N/day"))?;
+    // nginx writes `5r/s` and `30r/m`.
+    if let Some(number) = count
+        .trim()
+        .strip_suffix('r')
+        .filter(|number| number.trim().parse::<f64>().is_ok())
+    {
+        let unit = match unit.trim() {
+            "m" => "min",
+            other => other,
+        };
+        return Err(format!(
+            "rate `{text}` is written as nginx writes it: levee's is \"{}/{unit}\"",
+            number.trim()
+        ));
+    }
     let count: f64 = count
         .trim()
         .parse()

@@ -163,6 +163,7 @@ pub async fn handle(
         route: None,
         status: StatusCode::OK,
         error: None,
+        refused_by: None,
         access_log: policy.server.access_log,
         // For the access log only (one levee before several sites: whose 429 was that?).
         host: if policy.server.access_log {
@@ -1010,7 +1011,7 @@ async fn forward(
         }
         Err(error) => return Err(error),
     };
-    if failure_status {
+    if failure_status || stale.answers_for(response.status()) {
         if let Some(copy) = stale
             .counted_copy(shared, policy, &route, &mut exchange.error)
             .await
@@ -1233,6 +1234,16 @@ enum Joined {
 }
 
 impl Stale {
+    /// Whether the route's copy answers in place of the app's own `status` (`on_status`),
+    /// one the breaker does not count: a request with a copy key only.
+    fn answers_for(&self, status: StatusCode) -> bool {
+        self.key.is_some()
+            && self
+                .settings
+                .as_ref()
+                .is_some_and(|settings| settings.on_status.contains(&status.as_u16()))
+    }
+
     fn for_request(
         policy: &Policy,
         route: &Route,
@@ -1937,6 +1948,9 @@ fn rescue(
     cors: Option<&cors::CorsRequest>,
 ) -> Response<ResponseBody> {
     exchange.error = Some(error.kind());
+    if let ProxyError::RateLimited(denial) = &error {
+        exchange.refused_by = Some(denial.rule.clone());
+    }
     let path = LoggedTarget::of(shared, &exchange.uri, true);
     match error.side() {
         ErrorSide::Upstream => {
@@ -2042,6 +2056,9 @@ struct Exchange {
     route: Option<Arc<Route>>,
     status: StatusCode,
     error: Option<&'static str>,
+    /// The limit rule that refused the request (`rule=` in the access log: a route may list
+    /// several).
+    refused_by: Option<Arc<crate::limit::LimitRule>>,
     access_log: bool,
     /// The request's `Host`, kept when the access log is on (boxed: every request moves
     /// the exchange, and most run without the access log).
@@ -2149,6 +2166,8 @@ impl Exchange {
                 bytes,
                 complete,
                 error = self.error.unwrap_or("-"),
+                // Only on a rate limit's refusal (a field left out when `None`).
+                rule = self.refused_by.as_ref().map(|rule| &*rule.name),
             );
         }
     }
