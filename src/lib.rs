@@ -13,6 +13,7 @@ pub mod config;
 pub mod cpu_quota;
 pub mod degrade;
 pub mod error;
+pub mod fleet_clock;
 pub mod limit;
 pub mod log_throttle;
 pub mod metrics;

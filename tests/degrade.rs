@@ -701,6 +701,92 @@ async fn redis_eviction_policy_is_read_and_followed_without_a_queue() {
     assert_eq!(log.lines_with("redis evicts any key").len(), 1, "said once");
 }
 
+/// libfaketime, which runs a program with its wall clock moved (Debian's `faketime`), where
+/// this system keeps it; `None` when it is not installed.
+fn libfaketime() -> Option<std::path::PathBuf> {
+    ["x86_64-linux-gnu", "aarch64-linux-gnu", ""]
+        .iter()
+        .map(|arch| {
+            std::path::Path::new("/usr/lib")
+                .join(arch)
+                .join("faketime/libfaketime.so.1")
+        })
+        .find(|path| path.exists())
+}
+
+/// A copy one instance stored is served by another whose wall clock is an hour ahead (an
+/// NTP step after a VM migration; the monotonic clock does not move): copies are aged on
+/// Redis's clock and a step-free one, not on each machine's wall clock. It refused every copy
+/// the others stored, as an hour old.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_is_aged_on_the_fleets_clock_not_a_skewed_instances() {
+    let Some(faketime) = libfaketime() else {
+        eprintln!("skipped: libfaketime is not installed (Debian package faketime; see .ci/run)");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = Backend::start(|_| async { html("the ranking") }).await;
+    let routes = ROUTES.replace(
+        "degrade = { action = \"stale\", max_age = \"10m\" }",
+        "degrade = { action = \"stale\", max_age = \"1m\" }",
+    );
+    let rest = format!(
+        "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"50ms\"\n{routes}",
+        redis.url()
+    );
+    let on_time = Levee::start(&policy_for(backend.addr, "access_log = false", &rest)).await;
+    // Stored by the instance on time, and switched off before the other starts (it comes up
+    // with the fleet's switches, and never fetches the page itself).
+    assert_eq!(
+        get_with(&on_time.url("/ranking"), FLEET).await.text(),
+        "the ranking"
+    );
+    assert_eq!(set(&on_time, "/modules/ranking", "off").await.status, 200);
+    let (public, admin) = (free_port(), free_port());
+    let ahead_dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        ahead_dir.path().join("levee.toml"),
+        policy_for(backend.addr, "access_log = false", &rest)
+            .replacen("127.0.0.1:0", &format!("127.0.0.1:{public}"), 1)
+            .replacen("127.0.0.1:0", &format!("127.0.0.1:{admin}"), 1),
+    )
+    .expect("write policy");
+    let _ahead = ChildGuard::spawn(
+        "levee an hour ahead",
+        std::process::Command::new(env!("CARGO_BIN_EXE_levee"))
+            .args(["run", "--no-watch", "--policies"])
+            .arg(ahead_dir.path())
+            .env("LD_PRELOAD", &faketime)
+            .env("FAKETIME", "+1h")
+            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+            .env("LEVEE_LOG", "warn"),
+    );
+    let ahead_url = format!("http://127.0.0.1:{public}/ranking");
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+        "the instance ahead to listen",
+    )
+    .await;
+
+    eventually(
+        Duration::from_secs(10),
+        "the copy served an hour ahead",
+        || async {
+            let answer = get_with(&ahead_url, FLEET).await;
+            answer.status == 200 && answer.header("x-levee-stale") == Some("1")
+        },
+    )
+    .await;
+    let answer = get_with(&ahead_url, FLEET).await;
+    let age: u64 = answer
+        .header("age")
+        .and_then(|age| age.parse().ok())
+        .expect("an Age");
+    assert!(age < 60, "Age: {age}");
+    assert_eq!(backend.hits(), 1, "the copy stored by the instance on time");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn switches_are_shared_through_redis_and_survive_restarts() {
     let dir = tempfile::tempdir().expect("dir");

@@ -187,12 +187,18 @@ pub(super) const EMPTIED_LATELY: std::time::Duration = super::watch::CLOSE_WAIT;
 /// [`EMPTIED_LATELY`] has passed).
 pub(super) const EMPTIED_MESSAGE: &str = "the file is empty now (caught while it is written?)";
 
-/// Whether `path` was modified less than `within` ago (or its time cannot be read).
+/// Whether `path` was modified less than `within` ago (or its time cannot be read). A time
+/// further ahead than `within` is not "just now": the clock was stepped back since the edit
+/// (or the file came with another host's time, `rsync -a`), and such a file was refused for
+/// as long as the step.
 fn modified_within(path: &Path, within: std::time::Duration) -> bool {
     std::fs::metadata(path)
         .and_then(|meta| meta.modified())
         .map_or(true, |modified| {
-            modified.elapsed().map_or(true, |elapsed| elapsed < within)
+            modified.elapsed().map_or_else(
+                |ahead| ahead.duration() < within,
+                |elapsed| elapsed < within,
+            )
         })
 }
 
@@ -6693,6 +6699,24 @@ mod tests {
             let error = breaker(settings);
             assert!(error.contains(expected), "{settings}\n{error}");
         }
+    }
+
+    #[test]
+    fn a_file_modified_in_the_clocks_future_is_not_just_written() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("levee.toml");
+        let file = std::fs::File::create(&path).expect("file");
+        let within = std::time::Duration::from_secs(10);
+        assert!(modified_within(&path, within));
+        // The clock stepped back an hour since the edit: an emptied file was refused for
+        // the hour.
+        let ahead = std::time::SystemTime::now() + std::time::Duration::from_secs(3600);
+        file.set_modified(ahead).expect("set time");
+        assert!(!modified_within(&path, within));
+        // A few seconds ahead (clocks of a network filesystem) is still just now.
+        let near = std::time::SystemTime::now() + std::time::Duration::from_secs(3);
+        file.set_modified(near).expect("set time");
+        assert!(modified_within(&path, within));
     }
 
     #[test]

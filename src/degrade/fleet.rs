@@ -108,11 +108,15 @@ pub async fn write(redis: &RedisStore, instance: &str, report: &Report) {
 
 /// Redis's clock, in ms since the epoch.
 async fn redis_now_ms(redis: &RedisStore) -> Result<u64, String> {
+    let asked = std::time::Instant::now();
     let (seconds, micros): (u64, u64) = redis
         .command(&redis::cmd("TIME"), FLEET_TIMEOUT, None)
         .await
         .map_err(|error| error.to_string())?;
-    Ok(seconds * 1000 + micros / 1000)
+    let now = seconds * 1000 + micros / 1000;
+    // Stale copies are aged on this clock too (see `fleet_clock`).
+    crate::fleet_clock::follow_redis(now, asked, std::time::Instant::now());
+    Ok(now)
 }
 
 /// Removes `instance`'s line (a clean stop: it is gone, not silent).

@@ -17,7 +17,7 @@ use std::hash::BuildHasher;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
@@ -49,10 +49,10 @@ pub struct StaleCopy {
     pub stored_at_ms: u64,
 }
 
+/// Copies are stamped and aged on the fleet's clock: step-free, and Redis's once read (see
+/// [`crate::fleet_clock`]).
 fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    crate::fleet_clock::now_ms()
 }
 
 impl StaleCopy {
