@@ -283,7 +283,18 @@ pub async fn run(options: Options) -> Result<(), StartError> {
     // must be a reload, not the default action of a signal, which is to end the process.
     let hangups = signal(SignalKind::hangup()).ok();
     let mut terminate = signal(SignalKind::terminate()).ok();
+    // nginx reopens its log files on SIGUSR1, and a logrotate script written for it sends
+    // one: its default action ended levee at once, without a drain. levee has no file to
+    // reopen (it writes to stderr): said, and nothing else.
+    let reopen_asks = signal(SignalKind::user_defined1()).ok();
     let running = start(options).await?;
+    if let Some(mut reopen_asks) = reopen_asks {
+        tokio::spawn(async move {
+            while reopen_asks.recv().await.is_some() {
+                tracing::warn!("SIGUSR1 received: levee has no log file to reopen, it writes to stderr (operations.md, \"Logs and their rotation\"); nothing done");
+            }
+        });
+    }
     let store = running.store().clone();
     tokio::spawn(async move {
         let Some(mut hangups) = hangups else {

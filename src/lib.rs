@@ -16,6 +16,7 @@ pub mod error;
 pub mod fleet_clock;
 pub mod limit;
 pub mod log_throttle;
+pub mod log_writer;
 pub mod metrics;
 pub mod open_files;
 pub mod printable;

@@ -165,7 +165,7 @@ const DEFAULT_LOG: &str = "info,redis=error";
 
 /// What follows `levee::` in a target levee logs under: its modules (`levee::proxy::…`), and
 /// the access log's `levee::access`.
-const LEVEE_TARGETS: [&str; 20] = [
+const LEVEE_TARGETS: [&str; 22] = [
     "access",
     "admin",
     "app",
@@ -174,8 +174,10 @@ const LEVEE_TARGETS: [&str; 20] = [
     "cpu_quota",
     "degrade",
     "error",
+    "fleet_clock",
     "limit",
     "log_throttle",
+    "log_writer",
     "metrics",
     "open_files",
     "printable",
@@ -187,6 +189,33 @@ const LEVEE_TARGETS: [&str; 20] = [
     "redis_store",
     "redis_wait",
 ];
+
+/// `eprintln!` and `println!` that never panic: stderr may be a full disk or a pipe whose
+/// reader left, and a panic there turned a message into exit 101 with nothing said.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+macro_rules! say_part {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stderr(), $($arg)*);
+    }};
+}
+macro_rules! say_out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+macro_rules! say_out_part {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
 
 /// The log filter `LEVEE_LOG` asks for, or the default with the reason it was not taken: a
 /// typo (`warnn`, read as a target to log everything of) or an empty value logged nothing at
@@ -244,13 +273,34 @@ fn log_filter(asked: Option<&str>) -> (tracing_subscriber::EnvFilter, Option<Str
     }
 }
 
+/// The log's writer thread, flushed before the process exits (see [`flush_logs`]).
+static LOG_WRITER: std::sync::OnceLock<levee::log_writer::LogWriter> = std::sync::OnceLock::new();
+
+/// Writes the lines logged so far before the process exits: at most 2 s, so a stderr that
+/// takes nothing cannot hold the exit up.
+fn flush_logs() {
+    if let Some(writer) = LOG_WRITER.get() {
+        writer.flush(std::time::Duration::from_secs(2));
+    }
+}
+
 fn init_logging(format: LogFormat) {
     let asked = std::env::var("LEVEE_LOG").ok();
     let (filter, not_taken) = log_filter(asked.as_deref());
-    // Logs go to stderr; colours only when a person is watching a terminal, never into files.
+    // Logs go to stderr, through a thread of their own (a full disk or a stalled pipe never
+    // holds up a request: see `log_writer`); colours only when a person is watching a
+    // terminal, never into files.
+    let writer = LOG_WRITER
+        .get_or_init(|| {
+            levee::log_writer::LogWriter::start(
+                std::io::stderr(),
+                matches!(format, LogFormat::Json),
+            )
+        })
+        .clone();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Text => builder.init(),
@@ -274,7 +324,7 @@ fn told_in_words_too(log_format: LogFormat) -> bool {
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
+    let code = match Cli::parse().command {
         Command::Check { policies, dir } => check(dir.as_deref().unwrap_or(&policies)),
         Command::Status { admin, json } => admin_command(
             admin,
@@ -334,7 +384,7 @@ fn main() -> ExitCode {
             let runtime = match runtime.build() {
                 Ok(runtime) => runtime,
                 Err(error) => {
-                    eprintln!("levee: cannot start the async runtime: {error}");
+                    say!("levee: cannot start the async runtime: {error}");
                     return ExitCode::FAILURE;
                 }
             };
@@ -358,20 +408,22 @@ fn main() -> ExitCode {
                         }
                     }
                     if told_in_words_too(log_format) {
-                        eprintln!("levee: the policy has errors:\n{diagnostics}");
+                        say!("levee: the policy has errors:\n{diagnostics}");
                     }
                     ExitCode::FAILURE
                 }
                 Err(error) => {
                     tracing::error!("{error}");
                     if told_in_words_too(log_format) {
-                        eprintln!("levee: {error}");
+                        say!("levee: {error}");
                     }
                     ExitCode::FAILURE
                 }
             }
         }
-    }
+    };
+    flush_logs();
+    code
 }
 
 /// Runs one admin request and prints `render(body)` on success, the server's reason otherwise.
@@ -388,7 +440,7 @@ fn admin_command(
     {
         Ok(runtime) => runtime,
         Err(error) => {
-            eprintln!("levee: cannot start the async runtime: {error}");
+            say!("levee: cannot start the async runtime: {error}");
             return ExitCode::FAILURE;
         }
     };
@@ -402,21 +454,21 @@ fn admin_command(
     ));
     match result {
         Ok((status, text)) if (200..300).contains(&status) => {
-            print!("{}", render(&text));
+            say_out_part!("{}", render(&text));
             ExitCode::SUCCESS
         }
         Ok((status, text)) => {
             // Admin reasons start with their status already ("404 no module named …").
             let reason = refusal_text(&text);
             if reason.starts_with(&status.to_string()) {
-                eprint!("levee: {reason}");
+                say_part!("levee: {reason}");
             } else {
-                eprint!("levee: {status}: {reason}");
+                say_part!("levee: {status}: {reason}");
             }
             ExitCode::FAILURE
         }
         Err(error) => {
-            eprintln!("levee: {error}");
+            say!("levee: {error}");
             ExitCode::FAILURE
         }
     }
@@ -484,13 +536,13 @@ fn check(policies: &std::path::Path) -> ExitCode {
             // says that switches could not be saved, before an incident does.
             levee::config::store::check_state_file_writable(&mut policy);
             for warning in &policy.warnings {
-                eprintln!("{warning}");
+                say!("{warning}");
             }
             let warnings = match policy.warnings.len() {
                 0 => String::new(),
                 count => format!(" with {count} warning(s)"),
             };
-            println!(
+            say_out!(
                 "levee: policy in {} is valid{warnings}: {} file(s), {} route(s), {} upstream(s), hash {}",
                 policies.display(),
                 policy.files.len(),
@@ -501,13 +553,13 @@ fn check(policies: &std::path::Path) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(diagnostics) => {
-            eprintln!("{diagnostics}");
+            say!("{diagnostics}");
             let errors = diagnostics
                 .0
                 .iter()
                 .filter(|diagnostic| diagnostic.severity == levee::config::diag::Severity::Error)
                 .count();
-            eprintln!(
+            say!(
                 "levee: policy in {} has {errors} error(s)",
                 policies.display(),
             );

@@ -31,6 +31,35 @@ fn levee_cli(
     )
 }
 
+/// A script guessing admin tokens wrote a warn line per guess (5 MB a second, on the disk the
+/// log is on): one line every 10 s, naming the client, with the count held back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_admin_tokens_are_logged_at_most_every_ten_seconds() {
+    let log = levee_log();
+    let backend = echo_backend().await;
+    let policy = policy_for(backend.addr, "", "").replace(
+        "[admin]\nlisten = \"127.0.0.1:0\"",
+        &format!("[admin]\nlisten = \"127.0.0.1:0\"\ntokens = {{ ops = \"{TOKEN}\" }}"),
+    );
+    let levee = Levee::start(&policy).await;
+    for _ in 0..20 {
+        let refused = send(
+            http::Request::post(levee.admin_url("/level"))
+                .header("authorization", "Bearer wrong-token-wrong-token")
+                .body(full("1"))
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(refused.status, 401);
+    }
+    let lines = log.lines_with("admin request refused");
+    assert!(lines.len() <= 1, "{lines:?}");
+    assert!(
+        lines.iter().all(|line| line.contains("client=127.0.0.1")),
+        "{lines:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_level_module_breaker_and_reload_from_the_command_line() {
     let backend = echo_backend().await;

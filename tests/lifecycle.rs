@@ -495,6 +495,60 @@ async fn failed_accepts_are_counted() {
     .await;
 }
 
+/// stderr given by a service manager may be a pipe nobody reads or a full disk: levee serves on
+/// (its log lines are dropped and counted), and stops on SIGTERM. Written in place, a pipe
+/// nobody read stopped every worker thread after ~300 requests (no answer, `/livez` silent),
+/// and a failed write panicked the task that logged (a connection dropped after its answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_or_full_stderr_never_stops_levee_serving() {
+    let backend = echo_backend().await;
+    let dev_full = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full")
+    };
+    for (case, stderr) in [
+        ("a pipe nobody reads", std::process::Stdio::piped()),
+        ("a full disk", std::process::Stdio::from(dev_full())),
+    ] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (public, admin) = (free_port(), free_port());
+        binary_policy(dir.path(), public, admin, backend.addr, "/page");
+        let mut levee = ChildGuard::spawn(
+            "levee",
+            Command::new(env!("CARGO_BIN_EXE_levee"))
+                .arg("run")
+                .arg("--policies")
+                .arg(dir.path())
+                .arg("--no-watch")
+                .env("LEVEE_LOG", "info")
+                .stderr(stderr),
+        );
+        wait_for_port(
+            std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+            "levee to listen",
+        )
+        .await;
+        // An access line each: far more than a pipe's 64 KiB.
+        for _ in 0..2000 {
+            let answer = tokio::time::timeout(
+                Duration::from_secs(5),
+                get(&format!("http://127.0.0.1:{public}/page")),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{case}: a request went unanswered"));
+            assert_eq!(answer.status, 200, "{case}");
+        }
+        signal(levee.pid(), "TERM");
+        eventually(Duration::from_secs(20), "levee to stop", || {
+            let exited = levee.child.try_wait().ok().flatten();
+            async move { exited.is_some_and(|status| status.success()) }
+        })
+        .await;
+    }
+}
+
 /// The shipped systemd unit is one systemd accepts as written (pointed at this build's
 /// binary), and gives the drain time to finish before systemd kills levee.
 #[test]

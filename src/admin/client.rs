@@ -1,5 +1,6 @@
 //! The CLI's side of the admin listener: `levee status`, `level`, `module`, `breaker`, `reload`.
 
+use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
@@ -27,7 +28,9 @@ pub fn admin_address(explicit: Option<SocketAddr>, policies: &Path) -> SocketAdd
         Err(diagnostics) => match written_admin_listen(policies) {
             Some(address) => address,
             None => {
-                eprintln!(
+                // Not `eprintln!`, which panics on a stderr that takes nothing.
+                let _ = writeln!(
+                    std::io::stderr(),
                     "warning: {}; using {default} (pass --admin ADDRESS to choose)",
                     why_no_admin_listen(policies, &diagnostics)
                 );

@@ -77,7 +77,7 @@ async fn answer(
     let token_name = if open_read {
         None
     } else {
-        match authorize(&shared, &request) {
+        match authorize(&shared, &request, peer) {
             Ok(name) => name,
             Err(response) => return *response,
         }
@@ -628,6 +628,7 @@ fn is_loopback_host(host: &str) -> bool {
 fn authorize(
     shared: &Shared,
     request: &Request<Incoming>,
+    peer: std::net::SocketAddr,
 ) -> Result<Option<String>, Box<Response<ResponseBody>>> {
     // A web page the operator happens to have open must not be able to flip switches on a
     // loopback admin listener: browsers name the page's origin on cross-site requests.
@@ -701,7 +702,13 @@ fn authorize(
             } else {
                 "401 this admin action needs a token: send Authorization: Bearer <token> (the levee CLI: --token or LEVEE_ADMIN_TOKEN)\n"
             };
-            tracing::warn!(path = %request.uri().path(), token_sent = presented.is_some(), "admin request refused: missing or wrong token");
+            // At most once per 10 s, with the count held back: a script guessing tokens wrote
+            // a line per guess (5 MB a second), filling the disk the log is on.
+            static REFUSED: crate::log_throttle::LogThrottle =
+                crate::log_throttle::LogThrottle::new(std::time::Duration::from_secs(10));
+            if let Some(held_back) = REFUSED.allow(std::time::Instant::now()) {
+                tracing::warn!(client = %peer.ip(), path = %request.uri().path(), token_sent = presented.is_some(), held_back, "admin request refused: missing or wrong token");
+            }
             let mut response = text_response(StatusCode::UNAUTHORIZED, reason);
             response
                 .headers_mut()

@@ -1,0 +1,277 @@
+//! Where log lines go: to stderr, written by a thread of their own, never by the tasks that
+//! serve requests.
+//!
+//! stderr is whatever the service manager gave levee: a file on a disk that fills up, a pipe
+//! to a logger that stalls or exits. Written in place, a pipe nobody read blocked the task
+//! that logged, then every worker thread (no request answered, `/livez` silent, SIGTERM
+//! unheeded), and a failed write panicked the task that logged (a connection dropped after
+//! its answer, a sync loop gone for good). Here a line is handed to the writer thread
+//! through a bounded queue; when the queue is full the line is dropped and counted, and the
+//! count is said once lines go through again. Losing log lines is better than losing
+//! visitors' requests.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Lines waiting for the writer at most: ~2 MB at an access line's ~250 bytes.
+const QUEUE_LINES: usize = 8192;
+
+enum Message {
+    Line(Vec<u8>),
+    /// Answered once every line before it was written (or given up on).
+    Flush(SyncSender<()>),
+}
+
+/// The lines the writer never wrote: dropped with the queue full, or refused by stderr.
+#[derive(Default)]
+struct Lost {
+    queue_full: AtomicU64,
+    write_failed: AtomicU64,
+    /// The last write error, for the line that says lines were lost.
+    last_error: Mutex<Option<String>>,
+}
+
+/// The log's writer: give it to `tracing_subscriber::fmt().with_writer(…)`.
+#[derive(Clone)]
+pub struct LogWriter {
+    sender: SyncSender<Message>,
+    lost: Arc<Lost>,
+}
+
+impl LogWriter {
+    /// Starts the writer thread, writing to `out` (stderr in levee); `json` picks the form of
+    /// the writer's own line about lost lines, to match the log's.
+    pub fn start(out: impl Write + Send + 'static, json: bool) -> LogWriter {
+        let (sender, receiver) = sync_channel(QUEUE_LINES);
+        let lost = Arc::new(Lost::default());
+        let writer_lost = lost.clone();
+        let started = std::thread::Builder::new()
+            .name("levee-log".into())
+            .spawn(move || write_lines(receiver, out, &writer_lost, json));
+        if started.is_err() {
+            // No thread: the queue fills and every line is counted as lost, which is still
+            // better than a log that blocks the request path.
+            lost.queue_full.fetch_add(1, Ordering::Relaxed);
+        }
+        LogWriter { sender, lost }
+    }
+
+    /// Waits up to `within` for the lines logged so far to be written: before the process
+    /// exits, so its last lines ("levee stopped", why it could not start) are not lost, and
+    /// never longer, so a stalled stderr cannot hold the exit up.
+    pub fn flush(&self, within: Duration) {
+        let (done, written) = sync_channel(1);
+        if self.sender.try_send(Message::Flush(done)).is_ok() {
+            let _ = written.recv_timeout(within);
+        }
+    }
+
+    /// Lines lost so far: dropped with the queue full, and refused by stderr.
+    pub fn lost(&self) -> (u64, u64) {
+        (
+            self.lost.queue_full.load(Ordering::Relaxed),
+            self.lost.write_failed.load(Ordering::Relaxed),
+        )
+    }
+}
+
+fn write_lines(receiver: Receiver<Message>, mut out: impl Write, lost: &Lost, json: bool) {
+    // What was lost and already said, so each line about it tells only what is new.
+    let (mut said_full, mut said_failed) = (0, 0);
+    for message in receiver {
+        let line = match message {
+            Message::Line(line) => line,
+            Message::Flush(done) => {
+                let _ = out.flush();
+                let _ = done.try_send(());
+                continue;
+            }
+        };
+        let full = lost.queue_full.load(Ordering::Relaxed);
+        let failed = lost.write_failed.load(Ordering::Relaxed);
+        if full > said_full || failed > said_failed {
+            let error = lost
+                .last_error
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone();
+            let notice = lost_notice(full - said_full, failed - said_failed, error, json);
+            if out.write_all(notice.as_bytes()).is_ok() {
+                (said_full, said_failed) = (full, failed);
+            }
+        }
+        if let Err(error) = out.write_all(&line) {
+            lost.write_failed.fetch_add(1, Ordering::Relaxed);
+            *lost
+                .last_error
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(error.to_string());
+        }
+    }
+}
+
+/// The writer's own line about lines it lost, in the log's form.
+fn lost_notice(queue_full: u64, write_failed: u64, error: Option<String>, json: bool) -> String {
+    let mut parts = Vec::new();
+    if queue_full > 0 {
+        parts.push(format!(
+            "{queue_full} dropped while stderr took no more (a pipe nobody read, a slow disk)"
+        ));
+    }
+    if write_failed > 0 {
+        parts.push(format!(
+            "{write_failed} refused by stderr ({})",
+            error.as_deref().unwrap_or("a write error")
+        ));
+    }
+    let message = format!(
+        "log lines lost: {}; levee served on meanwhile",
+        parts.join(", ")
+    );
+    if json {
+        let line = serde_json::json!({
+            "level": "WARN",
+            "target": "levee::log",
+            "message": message,
+            "dropped": queue_full,
+            "refused": write_failed,
+        });
+        format!("{line}\n")
+    } else {
+        format!("WARN levee::log: {message}\n")
+    }
+}
+
+/// One log line being formatted; handed to the writer thread whole when dropped.
+pub struct LineWriter {
+    line: Vec<u8>,
+    writer: LogWriter,
+}
+
+impl Write for LineWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.line.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LineWriter {
+    fn drop(&mut self) {
+        if self.line.is_empty() {
+            return;
+        }
+        let line = std::mem::take(&mut self.line);
+        match self.writer.sender.try_send(Message::Line(line)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.writer.lost.queue_full.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogWriter {
+    type Writer = LineWriter;
+
+    fn make_writer(&'a self) -> LineWriter {
+        LineWriter {
+            line: Vec::with_capacity(256),
+            writer: self.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stderr that blocks until told to go on (a pipe nobody reads), then takes lines.
+    struct Stalled {
+        go: Arc<(Mutex<bool>, std::sync::Condvar)>,
+        taken: Arc<Mutex<Vec<u8>>>,
+    }
+
+    impl Write for Stalled {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            let (lock, turn) = &*self.go;
+            let mut go = lock.lock().expect("lock");
+            while !*go {
+                go = turn.wait(go).expect("wait");
+            }
+            self.taken.lock().expect("lock").extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn log(writer: &LogWriter, line: &str) {
+        let mut made = tracing_subscriber::fmt::MakeWriter::make_writer(writer);
+        made.write_all(line.as_bytes()).expect("write");
+    }
+
+    #[test]
+    fn a_stalled_stderr_drops_lines_instead_of_blocking_and_says_so_later() {
+        let go = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let taken = Arc::new(Mutex::new(Vec::new()));
+        let writer = LogWriter::start(
+            Stalled {
+                go: go.clone(),
+                taken: taken.clone(),
+            },
+            false,
+        );
+        // Far more than the queue holds: none of these calls blocks.
+        for n in 0..QUEUE_LINES + 100 {
+            log(&writer, &format!("line {n}\n"));
+        }
+        let (dropped, refused) = writer.lost();
+        assert!(dropped >= 99, "{dropped}");
+        assert_eq!(refused, 0);
+        *go.0.lock().expect("lock") = true;
+        go.1.notify_all();
+        log(&writer, "after\n");
+        writer.flush(Duration::from_secs(10));
+        let text = String::from_utf8(taken.lock().expect("lock").clone()).expect("text");
+        assert!(text.starts_with("line 0\n"), "{}", &text[..40]);
+        assert!(
+            text.contains("WARN levee::log: log lines lost: "),
+            "no notice"
+        );
+        assert!(text.ends_with("after\n"));
+    }
+
+    #[test]
+    fn a_failing_stderr_counts_its_refusals_and_says_them_in_the_logs_form() {
+        struct Full;
+        impl Write for Full {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                Err(std::io::Error::other("No space left on device"))
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let writer = LogWriter::start(Full, true);
+        for _ in 0..3 {
+            log(&writer, "line\n");
+        }
+        writer.flush(Duration::from_secs(10));
+        assert_eq!(writer.lost(), (0, 3));
+        let notice = lost_notice(0, 3, Some("No space left on device".into()), true);
+        let parsed: serde_json::Value = serde_json::from_str(notice.trim()).expect("JSON");
+        assert_eq!(parsed["refused"], 3);
+        assert!(parsed["message"].as_str().is_some_and(
+            |message| message.contains("3 refused by stderr (No space left on device)")
+        ));
+    }
+}
