@@ -4336,3 +4336,221 @@ async fn jobs_of_a_batch_cut_short_before_their_replay_are_applied_at_once() {
     )
     .await;
 }
+
+/// The `LD_PRELOAD` the `faketime` command runs a program with (libfaketime), or `None` when
+/// faketime is not installed. levee is then started with it directly, not under the
+/// `faketime` command: that one forks and waits, and stopping it would leave levee running.
+fn faketime_preload() -> Option<String> {
+    let output = Command::new("faketime")
+        .args(["-f", "+0", "sh", "-c", "printf %s \"$LD_PRELOAD\""])
+        .output()
+        .ok()?;
+    let preload = String::from_utf8_lossy(&output.stdout).into_owned();
+    (output.status.success() && preload.contains("faketime")).then_some(preload)
+}
+
+/// Redis's clock (`TIME`), in unix ms.
+fn redis_now_ms(redis: &RedisServer) -> i64 {
+    let time = redis.cli(&["TIME"]);
+    let mut parts = time
+        .lines()
+        .map(|part| part.trim().parse::<i64>().expect("TIME"));
+    let (seconds, micros) = (parts.next().expect("seconds"), parts.next().expect("µs"));
+    seconds * 1000 + micros / 1000
+}
+
+/// An instance whose wall clock is 5 minutes ahead (as after a wrong NTP step) times the queue
+/// by Redis's clock, as the other instances do: the job it stores is stamped with Redis's time,
+/// the retry it parks for the app's `Retry-After: 60` is due a minute after Redis's now, another
+/// instance's retry due in a minute is left waiting, and the oldest job's age it reports is
+/// the job's true age. By its own clock it had parked retries 6 minutes out, moved every other
+/// instance's retries at once, and read a fresh job as 300 s old.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_clock_is_ahead_times_the_queue_by_redis() {
+    let Some(preload) = faketime_preload() else {
+        eprintln!(
+            "skipped: faketime is not installed (the Debian package faketime; .ci/run installs it)"
+        );
+        return;
+    };
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    // The app is in maintenance: every request is answered 503 with `Retry-After: 60`.
+    let seen_keys: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(Vec::new()));
+    let record = seen_keys.clone();
+    let backend = Backend::start(move |request: Request<Incoming>| {
+        let record = record.clone();
+        async move {
+            let key = request
+                .headers()
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            record.lock().expect("lock").push(key);
+            Response::builder()
+                .status(503)
+                .header("retry-after", "60")
+                .body(full("maintenance"))
+                .expect("response")
+        }
+    })
+    .await;
+    let (public, admin) = (free_port(), free_port());
+    let policy = queue_policy(backend.addr, &redis.url(), "")
+        .replacen("127.0.0.1:0", &format!("127.0.0.1:{public}"), 1)
+        .replacen("127.0.0.1:0", &format!("127.0.0.1:{admin}"), 1);
+    let policies = dir.path().join("policies");
+    std::fs::create_dir(&policies).expect("policies dir");
+    std::fs::write(policies.join("levee.toml"), policy).expect("write policy");
+    let log = std::fs::File::create(dir.path().join("levee.log")).expect("log");
+    // Only the wall clock moves, as an NTP step moves it; timers keep the monotonic clock.
+    let _levee = ChildGuard::spawn(
+        "levee with its clock 5 minutes ahead (libfaketime)",
+        Command::new(env!("CARGO_BIN_EXE_levee"))
+            .arg("run")
+            .arg("--policies")
+            .arg(&policies)
+            .arg("--no-watch")
+            .env("LD_PRELOAD", &preload)
+            .env("FAKETIME", "+5m")
+            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+            .env("LEVEE_LOG", "warn")
+            .stderr(log),
+    );
+    wait_for_port(
+        std::net::SocketAddr::from(([127, 0, 0, 1], public)),
+        "levee to listen",
+    )
+    .await;
+    let url = |path: &str| format!("http://127.0.0.1:{public}{path}");
+    let admin_url = |path: &str| format!("http://127.0.0.1:{admin}{path}");
+    let switched = post(&admin_url("/modules/notifications"), "off").await;
+    assert_eq!(switched.status, 200, "{}", switched.text());
+
+    let answer = post(&url("/notify.php"), "like=1").await;
+    assert_eq!(answer.status, 202, "{}", answer.text());
+    // The clock levee answers by is the skewed one: else this test shows nothing.
+    let date = answer.header("date").expect("a Date header");
+    let levee_clock = httpdate::parse_http_date(date).expect("an HTTP date");
+    let levee_ms = levee_clock
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64;
+    let skew_ms = levee_ms - redis_now_ms(&redis);
+    assert!(
+        (290_000..=310_000).contains(&skew_ms),
+        "levee's clock should run 5 minutes ahead of Redis's, it is {skew_ms} ms off"
+    );
+
+    // Another instance's retry (an instance on the right clock), due a minute from now.
+    let delayed = "levee:queue:{notify}:delayed";
+    let other = format!("{delayed}:other-instance-retry");
+    let stored_ms = redis_now_ms(&redis);
+    let other_due = stored_ms + 60_000;
+    redis.cli(&[
+        "HSET",
+        &other,
+        "route",
+        "notify",
+        "method",
+        "POST",
+        "target",
+        "/notify.php",
+        "header_lines",
+        "content-type: application/x-www-form-urlencoded\r\n",
+        "body",
+        "like=2",
+        "client",
+        "203.0.113.2",
+        "at",
+        &stored_ms.to_string(),
+        "attempts",
+        "1",
+        "key",
+        "other-instance-retry",
+    ]);
+    redis.cli(&["ZADD", delayed, &other_due.to_string(), &other]);
+
+    // Replayed once, answered 503, parked until Redis's now + 60 s.
+    let switched = post(&admin_url("/modules/notifications"), "on").await;
+    assert_eq!(switched.status, 200, "{}", switched.text());
+    let parked = || {
+        redis
+            .cli(&["ZRANGE", delayed, "0", "-1", "WITHSCORES"])
+            .lines()
+            .collect::<Vec<_>>()
+            .chunks(2)
+            .filter(|pair| pair.len() == 2 && pair[0] != other)
+            .map(|pair| (pair[0].to_string(), pair[1].parse::<i64>().expect("score")))
+            .next()
+    };
+    eventually(
+        Duration::from_secs(10),
+        "the job to be parked for its retry",
+        || async { parked().is_some() },
+    )
+    .await;
+    let now = redis_now_ms(&redis);
+    let (job_key, due) = parked().expect("parked");
+    assert!(
+        (now + 50_000..=now + 60_000).contains(&due),
+        "the retry asked for in 60 s is due {} ms after Redis's now",
+        due - now
+    );
+    let at: i64 = redis
+        .cli(&["HGET", &job_key, "at"])
+        .trim()
+        .parse()
+        .expect("the job's `at`");
+    assert!(
+        (now - 10_000..=now).contains(&at),
+        "the job is stamped {} ms off Redis's now",
+        at - now
+    );
+
+    // This instance has begun a pass (each moves what is due first) since the other
+    // instance's retry was parked, and left it waiting.
+    let score = redis.cli(&["ZSCORE", delayed, &other]);
+    assert_eq!(
+        score.trim(),
+        other_due.to_string(),
+        "another instance's retry is due in a minute and stays parked"
+    );
+    let keys = seen_keys.lock().expect("lock").clone();
+    assert!(
+        !keys.iter().any(|key| key == "other-instance-retry"),
+        "another instance's retry was replayed early: {keys:?}"
+    );
+
+    // The oldest job (the other instance's, stored a few seconds ago) reads its true age.
+    let queues = get(&admin_url("/queues")).await.json();
+    let age = queues["notify"]["oldest_job_age_seconds"]
+        .as_u64()
+        .expect("an age");
+    assert!(
+        age < 60,
+        "a job stored seconds ago reads {age} s old: {queues}"
+    );
+    let scraped = Mutex::new(String::new());
+    let scraped = &scraped;
+    let metrics_url = admin_url("/metrics");
+    let metrics_url = &metrics_url;
+    eventually(
+        Duration::from_secs(10),
+        "the backlog metric to count both jobs",
+        || async move {
+            let text = get(metrics_url).await.text();
+            let counted = metric_value(&text, "levee_queue_backlog{route=\"notify\"}") == 2.0;
+            *scraped.lock().expect("lock") = text;
+            counted
+        },
+    )
+    .await;
+    let metrics = scraped.lock().expect("lock").clone();
+    let age = metric_value(
+        &metrics,
+        "levee_queue_oldest_job_age_seconds{route=\"notify\"}",
+    );
+    assert!(age < 60.0, "levee_queue_oldest_job_age_seconds reads {age}");
+}

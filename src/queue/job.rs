@@ -26,6 +26,10 @@ pub struct Job {
     pub headers: Vec<(String, Vec<u8>)>,
     pub body: Bytes,
     pub client_ip: String,
+    /// When the job was first stored (unix ms, stored as the field `at`), by Redis's clock:
+    /// the script that stores it sets it (`queue::ENQUEUE_BEFORE`), so a job not stored yet
+    /// has 0. Not this instance's clock, which may be minutes off the other instances' and
+    /// Redis's; a retry keeps the time its job was first stored.
     pub enqueued_at_ms: u64,
     pub attempts: u32,
     /// The `Idempotency-Key` the app sees, kept across retries: random, given when the job
@@ -54,6 +58,7 @@ fn new_key() -> String {
     crate::limit::key::hex(&bytes)
 }
 
+/// This machine's clock, for the key fallback only: never compared with a time stored in Redis.
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -100,7 +105,7 @@ impl Job {
                 .collect(),
             body,
             client_ip: client_ip.to_string(),
-            enqueued_at_ms: now_ms(),
+            enqueued_at_ms: 0,
             attempts: 0,
             key: Some(new_key()),
             last_error: None,

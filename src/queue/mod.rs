@@ -258,7 +258,9 @@ impl QueueKeys {
 ///
 /// KEYS: stream, write record, the registry unless ARGV[3] is empty, then those records.
 /// ARGV: deadline (µs, Redis clock), record TTL (ms), the route's name ('' in a cluster), the
-/// job's fields. A write run twice (a client library that sent it again after a dropped
+/// job's fields. The job's `at` (when it was stored, ms) is set here from Redis's clock, the
+/// clock its age is read against (see `worker::OLDEST_JOB_AGE`): the writing instance's own
+/// clock may be minutes off the others'. A write run twice (a client library that sent it again after a dropped
 /// connection) finds its own record and answers the id it stored the first time, whatever
 /// the clock says by then: the job is stored once, and its writer answers 202.
 pub const ENQUEUE_BEFORE: &str = r#"
@@ -288,7 +290,20 @@ if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[1]) then
   forget_answered()
   return false
 end
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
+local fields = {unpack(ARGV, 4)}
+local at = now[1] .. string.format('%03d', math.floor(tonumber(now[2]) / 1000))
+local has_at = false
+for i = 1, #fields, 2 do
+  if fields[i] == 'at' then
+    fields[i + 1] = at
+    has_at = true
+  end
+end
+if not has_at then
+  fields[#fields + 1] = 'at'
+  fields[#fields + 1] = at
+end
+local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 redis.call('SET', KEYS[2], id, 'PX', ARGV[2])
 if lists then
   redis.call('SADD', KEYS[3], ARGV[3])

@@ -24,9 +24,14 @@ use crate::proxy::route::Route;
 use crate::proxy::Shared;
 use crate::redis_store::{RedisFailure, RedisStore, RedisTarget};
 
-/// Moves due delayed jobs back into the stream. KEYS: delayed zset, stream. ARGV: now ms, max.
+/// Moves due delayed jobs back into the stream. A job is due by Redis's clock (`TIME`), as
+/// its due time was set ([`Pass::delay`]): with each instance's own clock, one running ahead
+/// moved every instance's retries at once, and one set back held them all.
+/// KEYS: delayed zset, stream. ARGV: max.
 const MOVE_DUE: &str = r#"
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[1]))
 for _, job_key in ipairs(due) do
   local fields = redis.call('HGETALL', job_key)
   if #fields > 0 then
@@ -181,12 +186,6 @@ for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
 end
 return removed
 "#;
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
 
 /// A name for this instance in the consumer groups and the fleet view: host, process id,
 /// start time, and a count of the instances this process started (two in one process, as
@@ -1074,15 +1073,19 @@ fn forget_backlog(shared: &Shared, route: &str) {
     shared.metrics.queue_oldest_age.remove(&labels);
 }
 
-/// The time (ms) the oldest waiting job was first stored: its `at` field, which a retry keeps
-/// (a retry waits for its time in the delayed set, where the stream's first entry id never
-/// shows it, then goes back into the stream under a new entry id). Looks at the stream's
-/// first entry and the first 100 of the delayed set (which is in due order): a due retry
-/// behind newer jobs in the stream is not seen, so with one the figure is an estimate. Only
-/// the first entry: it is read whole, body included, and 100 of them were up to 100 bodies
-/// of `max_body` copied inside Redis on every pass (five a second) and every `/queues`.
-/// 0 when nothing waits. KEYS: stream, delayed zset.
-const OLDEST_STORED: &str = r#"
+/// How long ago (ms, by Redis's clock) the oldest waiting job was first stored: its `at`
+/// field, which a retry keeps (a retry waits for its time in the delayed set, where the
+/// stream's first entry id never shows it, then goes back into the stream under a new entry
+/// id). Looks at the stream's first entry and the first 100 of the delayed set (which is in
+/// due order): a due retry behind newer jobs in the stream is not seen, so with one the
+/// figure is an estimate. Only the first entry: it is read whole, body included, and 100 of
+/// them were up to 100 bodies of `max_body` copied inside Redis on every pass (five a second)
+/// and every `/queues`. The age is taken against Redis's `TIME`, the clock `at` is written
+/// from ([`super::ENQUEUE_BEFORE`]): against the asking instance's own clock, the same fresh
+/// job read 300 s old on an instance 5 minutes ahead and 0 on one behind. 0 when nothing
+/// waits, and for a job stored "later" than now (an `at` an earlier version wrote from a
+/// clock that ran ahead). KEYS: stream, delayed zset.
+const OLDEST_JOB_AGE: &str = r#"
 local oldest = 0
 local function take(at)
   at = tonumber(at)
@@ -1099,26 +1102,28 @@ end
 for _, job_key in ipairs(redis.call('ZRANGE', KEYS[2], 0, 99)) do
   take(redis.call('HGET', job_key, 'at'))
 end
-return oldest
+if oldest == 0 then
+  return 0
+end
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+return math.max(now_ms - oldest, 0)
 "#;
 
-/// Seconds since the oldest waiting job (retries included) was stored; 0 when none waits.
+/// Seconds since the oldest waiting job (retries included) was stored, by Redis's clock; 0
+/// when none waits.
 async fn oldest_job_age(redis: &RedisStore, keys: &QueueKeys) -> Option<u64> {
     let mut oldest = redis::cmd("EVAL");
     oldest
-        .arg(OLDEST_STORED)
+        .arg(OLDEST_JOB_AGE)
         .arg(2)
         .arg(&keys.stream)
         .arg(&keys.delayed);
-    let stored_ms: u64 = redis
+    let age_ms: u64 = redis
         .command(&oldest, redis.background_bound(), None)
         .await
         .ok()?;
-    Some(if stored_ms == 0 {
-        0
-    } else {
-        now_ms().saturating_sub(stored_ms) / 1000
-    })
+    Some(age_ms / 1000)
 }
 
 /// One worker's pass over one queue route: what its replays and their outcomes act on.
@@ -1153,7 +1158,6 @@ impl Pass<'_> {
             .arg(2)
             .arg(&keys.delayed)
             .arg(&keys.stream)
-            .arg(now_ms())
             .arg(100);
         let _: i64 = redis
             .command(&move_due, redis.background_bound(), None)
@@ -2101,17 +2105,22 @@ return redis.call('XDEL', KEYS[1], ARGV[2])
         .await
     }
 
-    /// Parks a job until its retry time, atomically with the ack.
+    /// Parks a job until its retry time, atomically with the ack. The retry time is `wait`
+    /// after Redis's clock (`TIME`), the clock [`MOVE_DUE`] reads: this instance's own clock
+    /// may be minutes off the others'. ARGV (after group, id, consumer): wait (ms), the job's
+    /// fields.
     async fn delay(&self, id: &str, job: &Job, wait: Duration) -> Result<bool, RedisFailure> {
         const SCRIPT: &str = r#"
+local now = redis.call('TIME')
+local due = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[4])
 redis.call('HSET', KEYS[3], unpack(ARGV, 5))
-redis.call('ZADD', KEYS[2], ARGV[4], KEYS[3])
+redis.call('ZADD', KEYS[2], due, KEYS[3])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return redis.call('XDEL', KEYS[1], ARGV[2])
 "#;
         let job_key = format!("{}:{}", self.keys.delayed, job.idempotency_key());
-        let due = now_ms() + wait.as_millis() as u64;
-        let mut args = vec![due.to_string().into_bytes()];
+        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+        let mut args = vec![wait_ms.to_string().into_bytes()];
         args.extend(job_args(job));
         self.eval_if_still_held(
             SCRIPT,
