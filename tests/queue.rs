@@ -4491,6 +4491,20 @@ async fn an_instance_whose_clock_is_ahead_times_the_queue_by_redis() {
         || async { parked().is_some() },
     )
     .await;
+    // This instance has begun a pass (each moves what is due first) since the other
+    // instance's retry was parked, and left it waiting: it is due in a minute.
+    let score = redis.cli(&["ZSCORE", delayed, &other]);
+    assert_eq!(
+        score.trim(),
+        other_due.to_string(),
+        "another instance's retry is due in a minute and stays parked"
+    );
+    let keys = seen_keys.lock().expect("lock").clone();
+    assert!(
+        !keys.iter().any(|key| key == "other-instance-retry"),
+        "another instance's retry was replayed early: {keys:?}"
+    );
+
     let now = redis_now_ms(&redis);
     let (job_key, due) = parked().expect("parked");
     assert!(
@@ -4502,25 +4516,11 @@ async fn an_instance_whose_clock_is_ahead_times_the_queue_by_redis() {
         .cli(&["HGET", &job_key, "at"])
         .trim()
         .parse()
-        .expect("the job's `at`");
+        .expect("the parked job, with its `at`, still in Redis (not moved back early)");
     assert!(
         (now - 10_000..=now).contains(&at),
         "the job is stamped {} ms off Redis's now",
         at - now
-    );
-
-    // This instance has begun a pass (each moves what is due first) since the other
-    // instance's retry was parked, and left it waiting.
-    let score = redis.cli(&["ZSCORE", delayed, &other]);
-    assert_eq!(
-        score.trim(),
-        other_due.to_string(),
-        "another instance's retry is due in a minute and stays parked"
-    );
-    let keys = seen_keys.lock().expect("lock").clone();
-    assert!(
-        !keys.iter().any(|key| key == "other-instance-retry"),
-        "another instance's retry was replayed early: {keys:?}"
     );
 
     // The oldest job (the other instance's, stored a few seconds ago) reads its true age.
