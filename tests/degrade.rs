@@ -701,27 +701,16 @@ async fn redis_eviction_policy_is_read_and_followed_without_a_queue() {
     assert_eq!(log.lines_with("redis evicts any key").len(), 1, "said once");
 }
 
-/// libfaketime, which runs a program with its wall clock moved (Debian's `faketime`), where
-/// this system keeps it; `None` when it is not installed.
-fn libfaketime() -> Option<std::path::PathBuf> {
-    ["x86_64-linux-gnu", "aarch64-linux-gnu", ""]
-        .iter()
-        .map(|arch| {
-            std::path::Path::new("/usr/lib")
-                .join(arch)
-                .join("faketime/libfaketime.so.1")
-        })
-        .find(|path| path.exists())
-}
-
 /// A copy one instance stored is served by another whose wall clock is an hour ahead (an
 /// NTP step after a VM migration; the monotonic clock does not move): copies are aged on
 /// Redis's clock and a step-free one, not on each machine's wall clock. It refused every copy
 /// the others stored, as an hour old.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_is_aged_on_the_fleets_clock_not_a_skewed_instances() {
-    let Some(faketime) = libfaketime() else {
-        eprintln!("skipped: libfaketime is not installed (Debian package faketime; see .ci/run)");
+    let Some(faketime) = faketime_preload() else {
+        eprintln!(
+            "skipped: faketime is not installed (the Debian package faketime; .ci/run installs it)"
+        );
         return;
     };
     let dir = tempfile::tempdir().expect("dir");

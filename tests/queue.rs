@@ -4337,18 +4337,6 @@ async fn jobs_of_a_batch_cut_short_before_their_replay_are_applied_at_once() {
     .await;
 }
 
-/// The `LD_PRELOAD` the `faketime` command runs a program with (libfaketime), or `None` when
-/// faketime is not installed. levee is then started with it directly, not under the
-/// `faketime` command: that one forks and waits, and stopping it would leave levee running.
-fn faketime_preload() -> Option<String> {
-    let output = Command::new("faketime")
-        .args(["-f", "+0", "sh", "-c", "printf %s \"$LD_PRELOAD\""])
-        .output()
-        .ok()?;
-    let preload = String::from_utf8_lossy(&output.stdout).into_owned();
-    (output.status.success() && preload.contains("faketime")).then_some(preload)
-}
-
 /// Redis's clock (`TIME`), in unix ms.
 fn redis_now_ms(redis: &RedisServer) -> i64 {
     let time = redis.cli(&["TIME"]);

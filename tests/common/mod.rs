@@ -1441,3 +1441,15 @@ pub fn make_certificates(dir: &Path) -> PathBuf {
     }
     dir.join("ca.pem")
 }
+
+/// The `LD_PRELOAD` the `faketime` command runs a program with (libfaketime), or `None` when
+/// faketime is not installed. levee is then started with it directly, not under the
+/// `faketime` command: that one forks and waits, and stopping it would leave levee running.
+pub fn faketime_preload() -> Option<String> {
+    let output = std::process::Command::new("faketime")
+        .args(["-f", "+0", "sh", "-c", "printf %s \"$LD_PRELOAD\""])
+        .output()
+        .ok()?;
+    let preload = String::from_utf8_lossy(&output.stdout).into_owned();
+    (output.status.success() && preload.contains("faketime")).then_some(preload)
+}
