@@ -248,6 +248,7 @@ async fn levels_and_module_switches_turn_routes_off_by_tier() {
 /// warnings, not first found out in the incident a switch is for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_file_levee_cannot_write_is_warned_of_at_start() {
+    let log = levee_log();
     let backend = echo_backend().await;
     let policy = policy_for(backend.addr, "access_log = false", ROUTES).replacen(
         "[[route]]",
@@ -262,6 +263,13 @@ async fn a_state_file_levee_cannot_write_is_warned_of_at_start() {
         "{status}"
     );
     assert_eq!(set(&levee, "/level", "1").await.status, 503);
+    // The refusal is in the log too, not only in the operator's answer.
+    eventually(Duration::from_secs(2), "the refusal logged", || async {
+        log.lines_with("degrade switch refused").iter().any(|line| {
+            line.contains("so it is not in effect: cannot write /proc/levee-state.json")
+        })
+    })
+    .await;
     // And by `levee check`, which a unit runs as levee's user before starting it.
     let (valid, _, warned) = levee_check(levee.dir.path());
     assert!(
@@ -305,6 +313,39 @@ async fn answers_a_stale_route_cannot_keep_are_counted_and_said() {
         ),
         "{said:?}"
     );
+}
+
+/// With Redis, the local copy of the switches a full disk kept from being written is written
+/// again once it can be, from the switches in effect: left behind, it held a breaker pin the
+/// fleet had handed back, which a restart while Redis was away applied (and wrote back into
+/// Redis for every instance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_copy_that_could_not_be_written_is_caught_up() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = RedisServer::start(dir.path()).await;
+    let backend = echo_backend().await;
+    // A file where the copy's directory should be: every write fails, as on a full disk.
+    let blocker = dir.path().join("state");
+    std::fs::write(&blocker, "").expect("blocker");
+    let state_file = blocker.join("levee.json");
+    let policy = policy_for(
+        backend.addr,
+        "access_log = false",
+        &format!(
+            "[redis]\nurl = \"{}\"\n[degrade]\nsync_interval = \"50ms\"\nstate_file = \"{}\"\n{ROUTES}",
+            redis.url(),
+            state_file.display()
+        ),
+    );
+    let levee = Levee::start(&policy).await;
+    assert_eq!(set(&levee, "/breakers/app", "open").await.status, 200);
+    assert_eq!(set(&levee, "/breakers/app", "auto").await.status, 200);
+    std::fs::remove_file(&blocker).expect("space again");
+    std::fs::create_dir(&blocker).expect("dir");
+    eventually(Duration::from_secs(5), "the copy written again", || async {
+        std::fs::read_to_string(&state_file).is_ok_and(|saved| !saved.contains("\"app\""))
+    })
+    .await;
 }
 
 /// A deploy that deletes the state file (`rsync --delete` into the policy directory, its

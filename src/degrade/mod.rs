@@ -158,6 +158,10 @@ pub struct Degrade {
     /// Held by a change from reading the switches until the changed ones are saved and in
     /// effect (see [`Degrade::lock_changes`]).
     changes: tokio::sync::Mutex<()>,
+    /// With Redis: the last write of the local copy of the switches (`state_file`) failed,
+    /// so the copy may be older than the switches in effect; written again at each sync
+    /// until it succeeds (see `switches::keep_local_copy`).
+    pub(crate) local_copy_behind: std::sync::atomic::AtomicBool,
     /// Raised by triggers; 0 when healthy.
     auto_level: AtomicU8,
     /// Why the automatic level is what it is, for `/status` (see [`AutoLevelReport`]).
@@ -201,6 +205,7 @@ impl Degrade {
         Degrade {
             runtime: ArcSwap::from_pointee(RuntimeSwitches::default()),
             changes: tokio::sync::Mutex::new(()),
+            local_copy_behind: std::sync::atomic::AtomicBool::new(false),
             auto_level: AtomicU8::new(0),
             auto_report: std::sync::Mutex::new(AutoLevelReport::default()),
         }

@@ -138,12 +138,20 @@ pub async fn apply(
             }
         },
     }
-    match &policy.redis {
-        Some(redis) => {
-            save_to_redis(redis, &change, &switches, by).await?;
-            keep_local_copy(policy, &switches).await;
-        }
-        None => save_to_file(&policy.degrade.state_file, &switches).await?,
+    let saved = match &policy.redis {
+        Some(redis) => save_to_redis(redis, &change, &switches, by).await,
+        None => save_to_file(&policy.degrade.state_file, &switches)
+            .await
+            .map_err(|error| format!("the switch was not saved, so it is not in effect: {error}")),
+    };
+    if let Err(error) = saved {
+        // The operator's client is told (503); the log says it too, for whoever reads it
+        // later (a switch an operator thought was set).
+        tracing::warn!(change = %change, by, "degrade switch refused: {error}");
+        return Err(error);
+    }
+    if policy.redis.is_some() {
+        keep_local_copy(degrade, policy, &switches).await;
     }
     degrade.replace_runtime(switches);
     tracing::warn!(change = %change, by, "degrade switch changed");
@@ -252,12 +260,7 @@ async fn save_to_file(path: &Path, switches: &RuntimeSwitches) -> Result<(), Str
     let written = tokio::task::spawn_blocking(move || write_state_file(&target, &json))
         .await
         .map_err(|error| format!("the state file writer failed: {error}"))?;
-    written.map_err(|error| {
-        format!(
-            "the switch was not saved to {}, so it is not in effect: {error}",
-            path.display()
-        )
-    })
+    written.map_err(|error| format!("cannot write {}: {error}", path.display()))
 }
 
 /// Tells temporary file names of one process apart.
@@ -306,11 +309,47 @@ fn write_state_file(path: &Path, json: &[u8]) -> std::io::Result<()> {
 
 /// With Redis, the state file keeps a copy of the fleet's last known switches, so a levee that
 /// (re)starts while Redis is away still applies them instead of the policy's defaults. The
-/// copy is best effort: Redis stays the record, and a failure to write it only warns.
-async fn keep_local_copy(policy: &Policy, switches: &RuntimeSwitches) {
-    if let Err(error) = save_to_file(&policy.degrade.state_file, switches).await {
-        tracing::warn!("cannot keep a local copy of the fleet's switches: {error}");
+/// copy is best effort: Redis stays the record, and a failure to write it only warns; the
+/// copy is then written again at each sync until it succeeds (a copy left behind by a full
+/// disk pinned a breaker the fleet had handed back, after a restart with Redis away, and
+/// wrote it back into Redis for every instance).
+async fn keep_local_copy(degrade: &Degrade, policy: &Policy, switches: &RuntimeSwitches) {
+    match save_to_file(&policy.degrade.state_file, switches).await {
+        Ok(()) => {
+            if degrade
+                .local_copy_behind
+                .swap(false, std::sync::atomic::Ordering::Relaxed)
+            {
+                tracing::info!(
+                    state_file = %policy.degrade.state_file.display(),
+                    "the local copy of the fleet's switches is written again"
+                );
+            }
+        }
+        Err(error) => {
+            if !degrade
+                .local_copy_behind
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
+                tracing::warn!("cannot keep a local copy of the fleet's switches (tried again at each sync; the switches in effect are the fleet's, in redis): {error}");
+            }
+        }
     }
+}
+
+/// With Redis, writes the local copy again when its last write failed (see
+/// [`keep_local_copy`]), from the switches in effect.
+async fn catch_up_local_copy(degrade: &Degrade, policy: &Policy) {
+    if !degrade
+        .local_copy_behind
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
+        return;
+    }
+    // Not beside an operator's change, whose own write would race this one.
+    let _changing = degrade.lock_changes().await;
+    let switches = degrade.runtime();
+    keep_local_copy(degrade, policy, &switches).await;
 }
 
 /// Without Redis, a state file gone while runtime switches are on (a deploy's `rsync
@@ -522,7 +561,7 @@ pub async fn spawn_sync(
                     }
                     _ => {}
                 }
-                keep_local_copy(&policy, &switches).await;
+                keep_local_copy(&degrade, &policy, &switches).await;
                 // The cookie names the fleet learned, known before the first request here
                 // (Redis answered just now; while it does not, the syncs read them later).
                 if policy.learns_app_cookies {
@@ -644,7 +683,7 @@ pub async fn spawn_sync(
                     let _changing = degrade.lock_changes().await;
                     let copy = switches.clone();
                     if degrade.replace_runtime_if(&seen, switches) {
-                        keep_local_copy(&policy, &copy).await;
+                        keep_local_copy(&degrade, &policy, &copy).await;
                     }
                 }
                 Ok(_) => {}
@@ -652,6 +691,7 @@ pub async fn spawn_sync(
                 Err(error) => tracing::debug!("cannot read degrade switches from redis: {error}"),
             }
             publish(&degrade, &policy, &metrics);
+            catch_up_local_copy(&degrade, &policy).await;
             if let Some(redis) = &policy.redis {
                 if policy.learns_app_cookies {
                     super::app_cookies::follow_fleet(redis, &shared.app_cookies).await;
