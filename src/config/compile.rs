@@ -106,12 +106,28 @@ pub fn read_dir(dir: &Path) -> Result<ReadFiles, Diagnostics> {
     })?;
     let mut read = ReadFiles::default();
     for path in paths {
-        match std::fs::read(&path).map(String::from_utf8) {
-            Ok(Ok(text)) => read.files.push(SourceFile { path, text }),
-            Ok(Err(not_utf8)) => read.unreadable.push(Unreadable {
-                text: Some(String::from_utf8_lossy(not_utf8.as_bytes()).into_owned()),
-                error: not_utf8_at(path, &not_utf8),
-            }),
+        match read_bounded(&path) {
+            Ok(None) => {
+                read.unreadable.push(Unreadable {
+                    error: Diagnostic::whole(
+                        &path,
+                        format!(
+                            "the file is over {} MiB, more than any policy needs",
+                            MAX_POLICY_FILE_BYTES >> 20
+                        ),
+                    )
+                    .hint("a policy of 500 routes is about 100 KiB: is this the file meant, or a log or dump saved with a .toml name?"),
+                    text: None,
+                });
+                continue;
+            }
+            Ok(Some(bytes)) => match String::from_utf8(bytes) {
+                Ok(text) => read.files.push(SourceFile { path, text }),
+                Err(not_utf8) => read.unreadable.push(Unreadable {
+                    text: Some(String::from_utf8_lossy(not_utf8.as_bytes()).into_owned()),
+                    error: not_utf8_at(path, &not_utf8),
+                }),
+            },
             Err(error) => read.unreadable.push(Unreadable {
                 error: cannot_read(&path, &error),
                 text: path.is_dir().then(String::new),
@@ -126,6 +142,21 @@ pub fn read_dir(dir: &Path) -> Result<ReadFiles, Diagnostics> {
         .hint("levee needs at least one policy file; see docs/policy.md")]));
     }
     Ok(read)
+}
+
+/// The largest policy file read: a 200 MB file saved by mistake with a `.toml` name took
+/// levee's memory from 28 to 417 MB, for good.
+const MAX_POLICY_FILE_BYTES: u64 = 16 << 20;
+
+/// A file's bytes, or `None` when it holds more than [`MAX_POLICY_FILE_BYTES`] (read no
+/// further than that: it may still be growing).
+fn read_bounded(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_POLICY_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    Ok((bytes.len() as u64 <= MAX_POLICY_FILE_BYTES).then_some(bytes))
 }
 
 /// Why a policy file could not be read, said as what to do about it.
@@ -6699,6 +6730,21 @@ mod tests {
             let error = breaker(settings);
             assert!(error.contains(expected), "{settings}\n{error}");
         }
+    }
+
+    #[test]
+    fn a_policy_file_too_large_for_any_policy_is_refused_unread() {
+        let dir = tempfile::tempdir().expect("dir");
+        let mut text = String::from("[upstream.app]\nurl = \"http://127.0.0.1:8081\"\n");
+        while text.len() as u64 <= MAX_POLICY_FILE_BYTES {
+            text.push_str("# a line of padding, as a log saved with a .toml name would be\n");
+        }
+        std::fs::write(dir.path().join("levee.toml"), text).expect("write");
+        let refused = load_dir(dir.path(), None).expect_err("refused").to_string();
+        assert!(
+            refused.contains("the file is over 16 MiB, more than any policy needs"),
+            "{refused}"
+        );
     }
 
     #[test]
