@@ -733,6 +733,7 @@ impl Identity {
                 Source::Query(name) => Some(name.as_str()),
                 _ => None,
             })
+            .chain(SECRET_QUERY_NAMES)
     }
 
     /// A request target (path and query, as a request or a queued job has it) with the
@@ -745,15 +746,36 @@ impl Identity {
     }
 }
 
-/// `query` with the values of the parameters `secret` names (as PHP names them) written as
-/// `***`; `None` when it holds none of them.
+/// Query parameters whose values are hidden wherever levee shows a target, whatever the
+/// policy reads: a legacy login form sent by GET put `?password=` in clear in every log
+/// line, and an app with sessions in its URLs (`session.use_trans_sid`, phpBB's `sid`) its
+/// visitors' sessions, for whoever reads the log to take over. Matched in any letter case.
+const SECRET_QUERY_NAMES: [&str; 12] = [
+    "password",
+    "passwd",
+    "pwd",
+    "pass",
+    "secret",
+    "token",
+    "access_token",
+    "refresh_token",
+    "api_key",
+    "apikey",
+    "phpsessid",
+    "sid",
+];
+
+/// `query` with the values of the parameters `secret` names (as PHP names them, in any letter
+/// case) written as `***`; `None` when it holds none of them.
 pub fn redacted_query<'a>(
     query: &str,
     secret: impl Iterator<Item = &'a str> + Clone,
 ) -> Option<String> {
     let is_secret = |key: &str| {
         let name = query_name(key);
-        secret.clone().any(|wanted| wanted == name)
+        secret
+            .clone()
+            .any(|wanted| wanted.eq_ignore_ascii_case(&name))
     };
     if !query_pairs(query).any(|(key, _)| is_secret(key)) {
         return None;
@@ -1329,6 +1351,16 @@ mod tests {
         );
         assert_eq!(identity.redacted_target("/api/v1/items?page=2"), None);
         assert_eq!(identity.redacted_target("/api/v1/items"), None);
+        // Whatever the policy reads: a login form sent by GET, a session in the URL.
+        let none = Identity::default();
+        assert_eq!(
+            none.redacted_target("/login.php?user=al&Password=hunter2&PHPSESSID=abc"),
+            Some("/login.php?user=al&Password=***&PHPSESSID=***".to_string())
+        );
+        assert_eq!(
+            none.redacted_target("/viewtopic.php?t=5&sid=0f3a"),
+            Some("/viewtopic.php?t=5&sid=***".to_string())
+        );
     }
 
     #[test]
