@@ -63,10 +63,21 @@ impl LogWriter {
     /// exits, so its last lines ("levee stopped", why it could not start) are not lost, and
     /// never longer, so a stalled stderr cannot hold the exit up.
     pub fn flush(&self, within: Duration) {
+        let deadline = std::time::Instant::now() + within;
         let (done, written) = sync_channel(1);
-        if self.sender.try_send(Message::Flush(done)).is_ok() {
-            let _ = written.recv_timeout(within);
+        let mut flush = Message::Flush(done);
+        // Queued behind the lines waiting (a full queue is tried again until the deadline).
+        loop {
+            match self.sender.try_send(flush) {
+                Ok(()) => break,
+                Err(TrySendError::Full(again)) if std::time::Instant::now() < deadline => {
+                    flush = again;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(_) => return,
+            }
         }
+        let _ = written.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()));
     }
 
     /// Lines lost so far: dropped with the queue full, and refused by stderr.
@@ -239,10 +250,12 @@ mod tests {
         assert_eq!(refused, 0);
         *go.0.lock().expect("lock") = true;
         go.1.notify_all();
+        writer.flush(Duration::from_secs(10));
         log(&writer, "after\n");
         writer.flush(Duration::from_secs(10));
         let text = String::from_utf8(taken.lock().expect("lock").clone()).expect("text");
-        assert!(text.starts_with("line 0\n"), "{}", &text[..40]);
+        let start: String = text.chars().take(40).collect();
+        assert!(text.starts_with("line 0\n"), "{start}");
         assert!(
             text.contains("WARN levee::log: log lines lost: "),
             "no notice"

@@ -737,6 +737,11 @@ impl RedisStore {
     /// evict keys that have no expiry: queued jobs, which levee answered 202 for, and the
     /// operators' switches. Said when first read and when it changes, not on every read.
     pub async fn read_eviction_policy(&self, every: Duration) {
+        // Not while Redis fails: asked every sync, its failures would only add to an
+        // outage's, and one ending after Redis answered again read as a new outage.
+        if !self.is_up() {
+            return;
+        }
         let previous = lock(&self.eviction_policy).clone();
         if previous
             .as_ref()

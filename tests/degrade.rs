@@ -276,6 +276,27 @@ async fn a_state_file_levee_cannot_write_is_warned_of_at_start() {
         valid && warned.contains("switches cannot be saved: levee cannot write in /proc"),
         "{warned}"
     );
+
+    // A directory where the file should be takes no file either (it went unsaid).
+    let dir = tempfile::tempdir().expect("dir");
+    let taken = dir.path().join("state.json");
+    std::fs::create_dir(&taken).expect("a directory");
+    std::fs::write(
+        dir.path().join("levee.toml"),
+        policy_for(backend.addr, "access_log = false", ROUTES).replacen(
+            "[[route]]",
+            &format!("[degrade]\nstate_file = \"{}\"\n[[route]]", taken.display()),
+            1,
+        ),
+    )
+    .expect("write");
+    let (valid, _, warned) = levee_check(dir.path());
+    assert!(
+        valid
+            && warned.contains("switches cannot be saved: the state file")
+            && warned.contains("is a directory"),
+        "{warned}"
+    );
 }
 
 /// Started while Redis is down and before any switch was ever saved here, levee says it has

@@ -188,6 +188,19 @@ pub fn check_state_file_writable(policy: &mut Policy) {
     if !dir.is_dir() {
         return;
     }
+    // Written whole and renamed into place: a directory there takes no file.
+    if state_file.is_dir() {
+        push_warning(
+            policy,
+            &state_file,
+            format!(
+                "switches cannot be saved: the state file {} is a directory; switching a level, module or breaker will answer 503",
+                state_file.display()
+            ),
+            "set [degrade] state_file to a file's path (e.g. /var/lib/levee/state.json), not a directory's",
+        );
+        return;
+    }
     let probe = dir.join(format!(".levee-write-test-{}", std::process::id()));
     match std::fs::OpenOptions::new()
         .write(true)
