@@ -92,6 +92,10 @@ impl LogWriter {
 fn write_lines(receiver: Receiver<Message>, mut out: impl Write, lost: &Lost, json: bool) {
     // What was lost and already said, so each line about it tells only what is new.
     let (mut said_full, mut said_failed) = (0, 0);
+    // A write that failed may have left part of its line (a disk filled midway): the next
+    // line starts on a line of its own, or it was glued to the cut one (a JSON line no
+    // collector could read, the one that says lines were lost).
+    let mut mid_line = false;
     for message in receiver {
         let line = match message {
             Message::Line(line) => line,
@@ -110,11 +114,21 @@ fn write_lines(receiver: Receiver<Message>, mut out: impl Write, lost: &Lost, js
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .clone();
             let notice = lost_notice(full - said_full, failed - said_failed, error, json);
+            let notice = if mid_line {
+                format!("\n{notice}")
+            } else {
+                notice
+            };
             if out.write_all(notice.as_bytes()).is_ok() {
                 (said_full, said_failed) = (full, failed);
+                mid_line = false;
             }
         }
+        if mid_line && out.write_all(b"\n").is_ok() {
+            mid_line = false;
+        }
         if let Err(error) = out.write_all(&line) {
+            mid_line = true;
             lost.write_failed.fetch_add(1, Ordering::Relaxed);
             *lost
                 .last_error
@@ -142,8 +156,10 @@ fn lost_notice(queue_full: u64, write_failed: u64, error: Option<String>, json: 
         "log lines lost: {}; levee served on meanwhile",
         parts.join(", ")
     );
+    let timestamp = utc_timestamp(std::time::SystemTime::now());
     if json {
         let line = serde_json::json!({
+            "timestamp": timestamp,
             "level": "WARN",
             "target": "levee::log",
             "message": message,
@@ -152,8 +168,37 @@ fn lost_notice(queue_full: u64, write_failed: u64, error: Option<String>, json: 
         });
         format!("{line}\n")
     } else {
-        format!("WARN levee::log: {message}\n")
+        format!("{timestamp}  WARN levee::log: {message}\n")
     }
+}
+
+/// `2026-12-07T19:10:46.402117Z`, as the log's own lines stamp their time.
+fn utc_timestamp(at: std::time::SystemTime) -> String {
+    let since = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let seconds = since.as_secs();
+    let (days, in_day) = (seconds / 86_400, seconds % 86_400);
+    // Days since 1970-01-01 to a civil date (the proleptic Gregorian calendar).
+    let shifted = days as i64 + 719_468;
+    let era = shifted.div_euclid(146_097);
+    let day_of_era = shifted.rem_euclid(146_097);
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_index = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_index + 2) / 5 + 1;
+    let month = if month_index < 10 {
+        month_index + 3
+    } else {
+        month_index - 9
+    };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+        in_day / 3600,
+        in_day % 3600 / 60,
+        in_day % 60,
+        since.subsec_micros()
+    )
 }
 
 /// One log line being formatted; handed to the writer thread whole when dropped.
@@ -261,6 +306,61 @@ mod tests {
             "no notice"
         );
         assert!(text.ends_with("after\n"));
+    }
+
+    #[test]
+    fn the_notice_is_stamped_as_the_logs_lines_are() {
+        let at = std::time::UNIX_EPOCH + Duration::from_micros(1_796_671_846_402_117);
+        assert_eq!(utc_timestamp(at), "2026-12-07T19:30:46.402117Z");
+        assert_eq!(
+            utc_timestamp(std::time::UNIX_EPOCH + Duration::from_secs(951_782_400)),
+            "2000-02-29T00:00:00.000000Z"
+        );
+    }
+
+    /// A disk that filled midway through a line, then took writes again.
+    #[test]
+    fn the_notice_after_a_cut_line_starts_a_line_of_its_own() {
+        struct FillsOnce {
+            taken: Arc<Mutex<Vec<u8>>>,
+            writes: usize,
+        }
+        impl Write for FillsOnce {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.writes += 1;
+                let mut taken = self.taken.lock().expect("lock");
+                if self.writes == 2 {
+                    // Half the line, then the disk is full.
+                    taken.extend_from_slice(&bytes[..bytes.len() / 2]);
+                    return Err(std::io::Error::other("No space left on device"));
+                }
+                taken.extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let taken = Arc::new(Mutex::new(Vec::new()));
+        let writer = LogWriter::start(
+            FillsOnce {
+                taken: taken.clone(),
+                writes: 0,
+            },
+            true,
+        );
+        for line in ["{\"n\":1}\n", "{\"n\":2}\n", "{\"n\":3}\n"] {
+            log(&writer, line);
+            writer.flush(Duration::from_secs(10));
+        }
+        let text = String::from_utf8(taken.lock().expect("lock").clone()).expect("text");
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert_eq!(lines[0], "{\"n\":1}");
+        assert!(lines[1].starts_with("{\"n\""), "the cut line: {text}");
+        let notice: serde_json::Value = serde_json::from_str(lines[2]).expect("a JSON line");
+        assert_eq!(notice["refused"], 1);
+        assert_eq!(lines[3], "{\"n\":3}");
     }
 
     #[test]

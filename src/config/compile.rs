@@ -152,9 +152,13 @@ const MAX_POLICY_FILE_BYTES: u64 = 16 << 20;
 /// further than that: it may still be growing).
 fn read_bounded(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
     use std::io::Read as _;
+    let file = std::fs::File::open(path)?;
+    // Told by its size when it has one: reading 16 MiB to refuse a file held that much memory.
+    if file.metadata()?.len() > MAX_POLICY_FILE_BYTES {
+        return Ok(None);
+    }
     let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(MAX_POLICY_FILE_BYTES + 1)
+    file.take(MAX_POLICY_FILE_BYTES + 1)
         .read_to_end(&mut bytes)?;
     Ok((bytes.len() as u64 <= MAX_POLICY_FILE_BYTES).then_some(bytes))
 }
@@ -935,7 +939,7 @@ fn explain_parse_error(
         // (docs/from-nginx.md).
         let nginx = match named.first().copied() {
             Some("nodelay" | "delay") => Some("levee never delays a request: it is admitted at once (up to `burst`) or refused with Retry-After; nginx's `burst=N nodelay` is burst = N + 1 (docs/from-nginx.md)"),
-            Some("max_fails" | "fail_timeout") => Some("levee's breaker takes this place: breaker = { consecutive_failures = 3, open_for = \"30s\" } (docs/from-nginx.md)"),
+            Some("max_fails" | "fail_timeout") => Some("levee's breaker takes this place: breaker = { consecutive_failures = 3, open_for = \"30s\" }; several servers, or a backup, stay in an nginx upstream that levee's url points at (docs/from-nginx.md)"),
             Some("backup") => Some("an upstream has one address; keep a backup server in an nginx upstream that levee's url points at (docs/from-nginx.md)"),
             _ => None,
         };
@@ -2998,7 +3002,7 @@ fn compile_breaker(
 /// over may write: sent, a client reads an unknown 4xx with levee's page.
 const NGINX_ONLY_STATUSES: [u16; 2] = [444, 499];
 const NGINX_ONLY_STATUS_HINT: &str =
-    "levee always answers: use 429 (too many requests) or 403 (forbidden)";
+    "levee always answers: use 429 (too many requests), 403 (forbidden) or 503 (unavailable)";
 
 /// A response written in the policy; `what` names the key in errors.
 fn compile_static_response(
