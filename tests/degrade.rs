@@ -391,6 +391,12 @@ async fn a_state_file_a_deploy_deleted_is_written_again() {
             .any(|line| line.contains("the state file was gone")),
         "{said:?}"
     );
+    // Overwritten with something else (garbage, an old copy) is lost at a restart too.
+    std::fs::write(&state_file, "garbage").expect("overwritten");
+    eventually(Duration::from_secs(10), "written again", || async {
+        std::fs::read_to_string(&state_file).is_ok_and(|saved| saved.contains("\"value\": 1"))
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

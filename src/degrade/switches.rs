@@ -358,20 +358,31 @@ async fn catch_up_local_copy(degrade: &Degrade, policy: &Policy) {
 /// at the next restart without a word.
 async fn write_again_if_gone(degrade: &super::Degrade, policy: &Policy) {
     let path = &policy.degrade.state_file;
-    let gone = || async { matches!(tokio::fs::try_exists(path).await, Ok(false)) };
-    if *degrade.runtime() == RuntimeSwitches::default() || !gone().await {
+    // Gone, or holding something else than the switches in effect (overwritten by a deploy,
+    // or with garbage): a restart would lose them either way.
+    let differs = |switches: &RuntimeSwitches| {
+        let switches = switches.clone();
+        async move {
+            match tokio::fs::read(path).await {
+                Ok(bytes) => serde_json::from_slice::<RuntimeSwitches>(&bytes)
+                    .map_or(true, |saved| saved != switches),
+                Err(error) => error.kind() == std::io::ErrorKind::NotFound,
+            }
+        }
+    };
+    if *degrade.runtime() == RuntimeSwitches::default() || !differs(&degrade.runtime()).await {
         return;
     }
     // Not beside an operator's change, whose own write would race this one.
     let _changing = degrade.lock_changes().await;
     let switches = degrade.runtime();
-    if *switches == RuntimeSwitches::default() || !gone().await {
+    if *switches == RuntimeSwitches::default() || !differs(&switches).await {
         return;
     }
     match save_to_file(path, &switches).await {
         Ok(()) => tracing::warn!(
             state_file = %path.display(),
-            "the state file was gone (deleted by a deploy?) while runtime switches are on; written again from the switches in effect"
+            "the state file was gone or overwritten (by a deploy?) while runtime switches are on; written again from the switches in effect"
         ),
         Err(error) => {
             // Tried at every sync: said once a minute.
@@ -882,6 +893,26 @@ fn describe_changes(seen: &RuntimeSwitches, now: &RuntimeSwitches) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The state file is compared with the switches in effect at each sync (see
+    /// `write_again_if_gone`): what is written must read back as equal, or it would be
+    /// written again, with a warning, every `sync_interval`.
+    #[test]
+    fn switches_read_back_from_their_file_as_written() {
+        let mut switches = RuntimeSwitches {
+            level: Some(stamp(1, "alice (127.0.0.1)")),
+            ..RuntimeSwitches::default()
+        };
+        switches
+            .modules
+            .insert("ranking".into(), stamp(true, "bob"));
+        switches
+            .breakers
+            .insert("app".into(), stamp(crate::breaker::Force::Open, "ops"));
+        let written = serde_json::to_vec_pretty(&switches).expect("json");
+        let read: RuntimeSwitches = serde_json::from_slice(&written).expect("read");
+        assert_eq!(read, switches);
+    }
 
     #[test]
     fn a_saved_level_that_does_not_exist_is_not_put_in_effect() {
