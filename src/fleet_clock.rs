@@ -1,13 +1,15 @@
-//! The wall time stale copies are stamped and aged by, in ms since the epoch.
-//!
-//! Two properties the machine's own wall clock lacks:
-//! - Steps do not move it. It runs on the monotonic clock from the wall time read at start, so
-//!   an NTP step after a VM migration (an hour back or forth) neither makes every copy look an
-//!   hour old (none served in the outage that follows) nor keeps an old one young for an hour.
-//! - Once levee has read Redis's clock (`TIME`, every `sync_interval` with the fleet view),
-//!   it is Redis's clock, so instances whose clocks disagree agree on a shared copy's age: one
-//!   five minutes ahead refused every copy the others stored, and its own copies looked fresh
-//!   to them for five minutes too long.
+//! The wall times stale copies are stamped and aged by, in ms since the epoch: two clocks the
+//! machine's own wall clock is not.
+//! - The local clock ([`local_ms`]): steps do not move it. It runs on the monotonic clock from
+//!   the wall time read at start, so an NTP step after a VM migration (an hour back or forth)
+//!   neither makes every copy in memory look an hour old (none served in the outage that
+//!   follows) nor keeps an old one young for an hour.
+//! - The fleet's clock ([`to_fleet`], [`to_local`]): Redis's, once levee has read it
+//!   (`TIME`, every `sync_interval` with the fleet view), which times written into Redis are
+//!   converted to and read back from, so instances whose clocks disagree agree on a shared
+//!   copy's age: one five minutes ahead refused every copy the others stored, and its own
+//!   copies looked fresh to them for five minutes too long. Copies in memory stay on the local
+//!   clock: one kept before Redis's clock was first read is not aged anew when it is.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::OnceLock;
@@ -38,9 +40,12 @@ struct Clock {
 }
 
 impl Clock {
-    fn now_ms(&self) -> u64 {
-        local_ms_at(Instant::now())
-            .saturating_add_signed(self.redis_offset_ms.load(Ordering::Relaxed))
+    fn to_fleet(&self, local: u64) -> u64 {
+        local.saturating_add_signed(self.redis_offset_ms.load(Ordering::Relaxed))
+    }
+
+    fn to_local(&self, fleet: u64) -> u64 {
+        fleet.saturating_add_signed(-self.redis_offset_ms.load(Ordering::Relaxed))
     }
 
     fn follow_redis(&self, redis_ms: u64, asked: Instant, answered: Instant) {
@@ -54,10 +59,19 @@ static FLEET: Clock = Clock {
     redis_offset_ms: AtomicI64::new(0),
 };
 
-/// Now, in ms since the epoch: Redis's clock once read, else the wall time at start carried
-/// on by the monotonic clock.
-pub fn now_ms() -> u64 {
-    FLEET.now_ms()
+/// Now on the local clock: the wall time at start carried on by the monotonic clock.
+pub fn local_ms() -> u64 {
+    local_ms_at(Instant::now())
+}
+
+/// A time of the local clock on the fleet's (Redis's, once read), for Redis.
+pub fn to_fleet(local: u64) -> u64 {
+    FLEET.to_fleet(local)
+}
+
+/// A time of the fleet's clock, read from Redis, on the local clock.
+pub fn to_local(fleet: u64) -> u64 {
+    FLEET.to_local(fleet)
 }
 
 /// Takes Redis's clock as the fleet's: `redis_ms` is its `TIME`, asked at `asked` and
@@ -76,15 +90,19 @@ mod tests {
         let clock = Clock {
             redis_offset_ms: AtomicI64::new(0),
         };
-        let ahead = || clock.now_ms() as i64 - local_ms_at(Instant::now()) as i64;
-        assert!(ahead().abs() <= 1);
+        let ahead = |clock: &Clock| {
+            let local = local_ms();
+            clock.to_fleet(local) as i64 - local as i64
+        };
+        assert_eq!(ahead(&clock), 0);
         let asked = Instant::now();
         let answered = asked + Duration::from_millis(10);
         // Redis's clock five minutes ahead of this process's.
         let redis = local_ms_at(asked + Duration::from_millis(5)) + 300_000;
         clock.follow_redis(redis, asked, answered);
-        assert!((ahead() - 300_000).abs() <= 1, "{}", ahead());
+        assert_eq!(ahead(&clock), 300_000);
+        assert_eq!(clock.to_local(clock.to_fleet(1_000_000)), 1_000_000);
         clock.follow_redis(redis - 600_000, asked, answered);
-        assert!((ahead() + 300_000).abs() <= 1, "{}", ahead());
+        assert_eq!(ahead(&clock), -300_000);
     }
 }

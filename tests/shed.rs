@@ -107,7 +107,14 @@ async fn a_full_pool_sheds_tier_3_first_and_keeps_tier_1_going() {
     .await;
     let view = get(&levee.url("/thread.php")).await;
     assert_eq!((view.status, view.text().as_str()), (200, "ok"));
-    // The slots taken show: four of five.
+    // The slots taken show: four of five (the answered request's slot is given back as its
+    // body ends, which may come a moment after the client read it).
+    eventually(
+        Duration::from_secs(5),
+        "the answered request's slot back",
+        || async { get(&levee.admin_url("/status")).await.json()["upstreams"][0]["inflight"] == 4 },
+    )
+    .await;
     let status = get(&levee.admin_url("/status")).await.json();
     assert_eq!(
         (

@@ -488,7 +488,7 @@ impl PolicyStore {
                 for emptied in policy.empty_files.iter().filter(|file| {
                     previous.files.contains(file) && !previous.empty_files.contains(file)
                 }) {
-                    tracing::warn!(file = %emptied.display(), "a policy file that held settings is empty now, and has been for over 10s: the routes, limits and other settings it held are dropped");
+                    tracing::warn!(file = %emptied.display(), "a policy file that held settings is empty now, and was not written in the last 10 s (by its modification time): the routes, limits and other settings it held are dropped");
                 }
                 // A site whose file was moved away (`.disabled`, deleted) took its routes with
                 // it: its visitors now reach whatever route is left for them (the default

@@ -49,10 +49,10 @@ pub struct StaleCopy {
     pub stored_at_ms: u64,
 }
 
-/// Copies are stamped and aged on the fleet's clock: step-free, and Redis's once read (see
-/// [`crate::fleet_clock`]).
+/// Copies are stamped and aged on a step-free clock, and their times written into Redis on
+/// the fleet's (see [`crate::fleet_clock`]).
 fn now_ms() -> u64 {
-    crate::fleet_clock::now_ms()
+    crate::fleet_clock::local_ms()
 }
 
 impl StaleCopy {
@@ -87,8 +87,13 @@ impl StaleCopy {
     }
 
     /// Redis value: JSON head, a newline, then the body bytes.
+    /// The copy as Redis keeps it, its time on the fleet's clock.
     fn encode(&self) -> Vec<u8> {
-        let mut out = serde_json::to_vec(self).unwrap_or_default();
+        let shared = StaleCopy {
+            stored_at_ms: crate::fleet_clock::to_fleet(self.stored_at_ms),
+            ..self.clone()
+        };
+        let mut out = serde_json::to_vec(&shared).unwrap_or_default();
         out.push(b'\n');
         out.extend_from_slice(&self.body);
         out
@@ -97,6 +102,7 @@ impl StaleCopy {
     fn decode(bytes: &[u8]) -> Option<StaleCopy> {
         let split = bytes.iter().position(|b| *b == b'\n')?;
         let mut copy: StaleCopy = serde_json::from_slice(&bytes[..split]).ok()?;
+        copy.stored_at_ms = crate::fleet_clock::to_local(copy.stored_at_ms);
         copy.body = Bytes::copy_from_slice(&bytes[split + 1..]);
         Some(copy)
     }
@@ -771,7 +777,7 @@ impl StaleStore {
                     .arg(&key.index)
                     .arg(copy.encode())
                     .arg(max_age.as_millis().max(1) as u64)
-                    .arg(copy.stored_at_ms)
+                    .arg(crate::fleet_clock::to_fleet(copy.stored_at_ms))
                     .arg(max_copies);
                 let timeout = redis.settings.timeout.max(Duration::from_millis(250));
                 let guard = probe.then_some(crate::redis_store::Guard {
