@@ -3001,8 +3001,23 @@ fn compile_breaker(
 /// without one; 499: the client went away), which an operator moving `limit_req_status 444`
 /// over may write: sent, a client reads an unknown 4xx with levee's page.
 const NGINX_ONLY_STATUSES: [u16; 2] = [444, 499];
-const NGINX_ONLY_STATUS_HINT: &str =
-    "levee always answers: use 429 (too many requests), 403 (forbidden) or 503 (unavailable)";
+
+/// Refuses a status of [`NGINX_ONLY_STATUSES`] with what to write instead; true when it is one.
+fn refused_as_nginx_only(compiler: &mut Compiler<'_>, file: usize, status: &Spanned<u16>) -> bool {
+    if !NGINX_ONLY_STATUSES.contains(status.get_ref()) {
+        return false;
+    }
+    compiler.error_hint(
+        file,
+        status.span(),
+        format!(
+            "status {} is nginx's own, not one levee answers with",
+            status.get_ref()
+        ),
+        "levee always answers: use 429 (too many requests), 403 (forbidden) or 503 (unavailable)",
+    );
+    true
+}
 
 /// A response written in the policy; `what` names the key in errors.
 fn compile_static_response(
@@ -3014,18 +3029,7 @@ fn compile_static_response(
     let inner = spec.get_ref();
     let status = match &inner.status {
         None => http::StatusCode::from_u16(default_status).ok()?,
-        Some(status) if NGINX_ONLY_STATUSES.contains(status.get_ref()) => {
-            compiler.error_hint(
-                file,
-                status.span(),
-                format!(
-                    "status {} is nginx's own, not one levee answers with",
-                    status.get_ref()
-                ),
-                NGINX_ONLY_STATUS_HINT,
-            );
-            return None;
-        }
+        Some(status) if refused_as_nginx_only(compiler, file, status) => return None,
         Some(status) => match http::StatusCode::from_u16(*status.get_ref()) {
             // `http` takes 600–999 too, which no client reads as an answer.
             Ok(code) if (200..=599).contains(&code.as_u16()) => code,
@@ -3748,16 +3752,7 @@ fn compile_limit(
     };
     let status = match &inner.status {
         None => http::StatusCode::TOO_MANY_REQUESTS,
-        Some(status) if NGINX_ONLY_STATUSES.contains(status.get_ref()) => {
-            compiler.error_hint(
-                file,
-                status.span(),
-                format!(
-                    "status {} is nginx's own, not one levee answers with",
-                    status.get_ref()
-                ),
-                NGINX_ONLY_STATUS_HINT,
-            );
+        Some(status) if refused_as_nginx_only(compiler, file, status) => {
             http::StatusCode::TOO_MANY_REQUESTS
         }
         Some(status) => match http::StatusCode::from_u16(*status.get_ref()) {
@@ -6782,6 +6777,13 @@ mod tests {
             let error = limit(extra);
             assert!(error.contains(expected), "{extra}\n{error}");
         }
+        let error = first_error(&format!(
+            "{APP}[[route]]\nname = \"r\"\nfallback = {{ status = 444 }}\n"
+        ));
+        assert!(
+            error.contains("error: status 444 is nginx's own, not one levee answers with"),
+            "{error}"
+        );
         let error = first_error(&format!("{APP}max_fails = 3\n"));
         assert!(
             error.contains("hint: levee's breaker takes this place"),
