@@ -244,12 +244,6 @@ fn without_positions(message: &str) -> String {
     words
 }
 
-/// Fits `max_connections` to the open files this process may have. The default comes down to
-/// what the limit allows (logged); a value the policy sets is kept, with a warning where the
-/// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
-/// in the compiler: `levee check` runs in a shell whose limit is not the service's.
-/// `before`: the bound the policy in effect has (a reload), logged again only when it changes:
-/// not on every save of a file.
 /// Adds a warning about the policy as a whole (a path, not a line of it) to `policy`.
 fn push_warning(policy: &mut Policy, at: &Path, message: String, hint: &str) {
     let mut warning = super::diag::Diagnostic::whole(at, message).hint(hint);
@@ -257,6 +251,12 @@ fn push_warning(policy: &mut Policy, at: &Path, message: String, hint: &str) {
     policy.warnings.push(warning);
 }
 
+/// Fits `max_connections` to the open files this process may have. The default comes down to
+/// what the limit allows (logged); a value the policy sets is kept, with a warning where the
+/// operator reads the policy's warnings (the log, `levee reload`, `/status`). Here rather than
+/// in the compiler: `levee check` runs in a shell whose limit is not the service's.
+/// `before`: the bound the policy in effect has (a reload), logged again only when it changes:
+/// not on every save of a file.
 fn fit_connections_to_open_files(dir: &Path, policy: &mut Policy, before: Option<u32>) {
     let soft_limit = crate::open_files::soft_limit();
     let max_connections = policy.server.max_connections;

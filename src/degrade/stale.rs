@@ -86,8 +86,7 @@ impl StaleCopy {
         response
     }
 
-    /// Redis value: JSON head, a newline, then the body bytes.
-    /// The copy as Redis keeps it, its time on the fleet's clock.
+    /// Redis value: JSON head (its time on the fleet's clock), a newline, then the body bytes.
     fn encode(&self) -> Vec<u8> {
         let shared = StaleCopy {
             stored_at_ms: crate::fleet_clock::to_fleet(self.stored_at_ms),
@@ -1768,7 +1767,6 @@ mod tests {
         let settings = StaleSettings {
             keep_no_cache: true,
             learn_private_cookies: true,
-            on_status: Vec::new(),
             ..small_settings()
         };
         assert_eq!(

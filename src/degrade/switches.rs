@@ -352,10 +352,10 @@ async fn catch_up_local_copy(degrade: &Degrade, policy: &Policy) {
     keep_local_copy(degrade, policy, &switches).await;
 }
 
-/// Without Redis, a state file gone while runtime switches are on (a deploy's `rsync
-/// --delete` or `git clean` in the policy directory, its default home; a directory replaced
-/// by a release's) is written again from the switches levee applies: else they would be lost
-/// at the next restart without a word.
+/// Without Redis, a state file gone or overwritten while runtime switches are on (a deploy's
+/// `rsync --delete` or `git clean` in the policy directory, its default home; a directory
+/// replaced by a release's; a file copied over it) is written again from the switches levee
+/// applies: else they would be lost at the next restart without a word.
 async fn write_again_if_gone(degrade: &super::Degrade, policy: &Policy) {
     let path = &policy.degrade.state_file;
     // Gone, or holding something else than the switches in effect (overwritten by a deploy,
@@ -710,7 +710,7 @@ pub async fn spawn_sync(
                 redis.follow_cluster(&metrics);
                 // Whatever the policy uses Redis for (queued jobs, switches and learned
                 // cookie names have no expiry): once a minute at the default sync_interval,
-                // a call every sync until it answers.
+                // and at each sync while Redis answers but the read did not.
                 redis
                     .read_eviction_policy(policy.degrade.sync_interval * 120)
                     .await;
